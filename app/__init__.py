@@ -1,0 +1,1 @@
+"""Carve desktop app and CLI. Never imports torch or triton."""

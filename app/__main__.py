@@ -1,0 +1,34 @@
+"""`carve` entry point: dispatch to one subcommand module; no arguments opens the window."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> module with `main(argv) -> int`
+SUBCOMMANDS = {
+    "plan": "app.cli_plan",
+    "chat": "app.cli_chat",
+    "tokenize": "app.cli_chat",
+    "perplexity": "app.cli_chat",
+    "demo": "app.cli_demo",
+    "bench": "app.cli_torch",
+    "gen": "app.cli_torch",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: carve [plan|chat|tokenize|perplexity|demo|bench|gen] ...  (no command: the window)")
+        return 0
+    if argv and argv[0] in SUBCOMMANDS:
+        module = importlib.import_module(SUBCOMMANDS[argv[0]])
+        return module.main(argv)
+    from app.window_main import main as gui_main
+
+    return gui_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

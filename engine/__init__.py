@@ -1,0 +1,1 @@
+"""Carve engine: reads, prices, loads and runs GGUF models. Never imports Qt."""

@@ -1,0 +1,1 @@
+"""Triton kernels, each beside a plain-torch reference twin of the same signature."""
