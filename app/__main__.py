@@ -13,7 +13,7 @@ SUBCOMMANDS = {
     "perplexity": "app.cli_chat",
     "demo": "app.cli_demo",
     "bench": "app.cli_torch",
-    "gen": "app.cli_torch",
+    "gen": "app.cli_gen",
 }
 
 
