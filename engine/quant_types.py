@@ -1,0 +1,98 @@
+"""ggml tensor types: block size and bytes per block, keyed by the type id stored in GGUF files.
+
+Our own copy of ``gguf.constants.GGML_QUANT_SIZES`` (a test holds them equal) so that the GUI can
+price a model without importing the gguf package and its numpy-heavy quant code.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from engine.errors import CarveError
+
+
+class QuantType(NamedTuple):
+    name: str
+    block_size: int  # elements per block
+    type_size: int  # bytes per block
+
+
+# ggml type id -> QuantType. Ids 4, 5 (Q4_2/Q4_3) and 31..33 (Q4_0_4_4 etc.) were removed upstream.
+QUANT: dict[int, QuantType] = {
+    0: QuantType("F32", 1, 4),
+    1: QuantType("F16", 1, 2),
+    2: QuantType("Q4_0", 32, 18),
+    3: QuantType("Q4_1", 32, 20),
+    6: QuantType("Q5_0", 32, 22),
+    7: QuantType("Q5_1", 32, 24),
+    8: QuantType("Q8_0", 32, 34),
+    9: QuantType("Q8_1", 32, 40),
+    10: QuantType("Q2_K", 256, 84),
+    11: QuantType("Q3_K", 256, 110),
+    12: QuantType("Q4_K", 256, 144),
+    13: QuantType("Q5_K", 256, 176),
+    14: QuantType("Q6_K", 256, 210),
+    15: QuantType("Q8_K", 256, 292),
+    16: QuantType("IQ2_XXS", 256, 66),
+    17: QuantType("IQ2_XS", 256, 74),
+    18: QuantType("IQ3_XXS", 256, 98),
+    19: QuantType("IQ1_S", 256, 50),
+    20: QuantType("IQ4_NL", 32, 18),
+    21: QuantType("IQ3_S", 256, 110),
+    22: QuantType("IQ2_S", 256, 82),
+    23: QuantType("IQ4_XS", 256, 136),
+    24: QuantType("I8", 1, 1),
+    25: QuantType("I16", 1, 2),
+    26: QuantType("I32", 1, 4),
+    27: QuantType("I64", 1, 8),
+    28: QuantType("F64", 1, 8),
+    29: QuantType("IQ1_M", 256, 56),
+    30: QuantType("BF16", 1, 2),
+    34: QuantType("TQ1_0", 256, 54),
+    35: QuantType("TQ2_0", 256, 66),
+    39: QuantType("MXFP4", 32, 17),
+    40: QuantType("NVFP4", 64, 36),
+    41: QuantType("Q1_0", 128, 18),
+}
+
+# name (any case) -> type id, for command lines and mixes ("q4_k", "Q6_K", "bf16")
+BY_NAME: dict[str, int] = {q.name.lower(): tid for tid, q in QUANT.items()}
+
+F32, F16, BF16 = 0, 1, 30
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = 10, 11, 12, 13, 14, 15
+
+
+def quant(ggml_type: int) -> QuantType:
+    """The QuantType of a type id; CarveError for an id this build does not know."""
+    try:
+        return QUANT[ggml_type]
+    except KeyError:
+        raise CarveError(
+            f"unknown ggml tensor type {ggml_type}: the file needs a newer Carve"
+        ) from None
+
+
+def type_name(ggml_type: int) -> str:
+    """"Q4_K" for 12; "type 99" for an unknown id (names are for display, never raise)."""
+    q = QUANT.get(ggml_type)
+    return q.name if q else f"type {ggml_type}"
+
+
+def type_id(name: str) -> int:
+    """Type id of a name such as "q4_k" or "F16"; CarveError listing the choices otherwise."""
+    try:
+        return BY_NAME[name.lower()]
+    except KeyError:
+        choices = ", ".join(sorted(BY_NAME))
+        raise CarveError(f"unknown tensor type {name!r}: choose one of {choices}") from None
+
+
+def tensor_nbytes(ggml_type: int, n_elements: int) -> int:
+    """Bytes of a tensor of ``n_elements`` values stored as ``ggml_type`` (whole blocks)."""
+    q = quant(ggml_type)
+    if n_elements % q.block_size:
+        raise CarveError(
+            f"{n_elements} elements is not a whole number of {q.name} blocks of {q.block_size}"
+        )
+    return n_elements // q.block_size * q.type_size
