@@ -196,6 +196,11 @@ class NvmlMonitor:
                 seen.setdefault(int(p.pid), ProcessUse(int(p.pid), used))
         return tuple(seen.values())
 
+    def opened(self) -> bool:
+        """NVML is up and found at least one GPU (initialises on first use)."""
+        with self._lock:
+            return self._open()
+
     def snapshot(self) -> list[DeviceSnapshot]:
         with self._lock:
             if not self._open():
@@ -256,13 +261,13 @@ def snapshot() -> list[DeviceSnapshot]:
 def no_gpu_reason() -> str:
     """Why `snapshot()` is empty ("no NVIDIA GPU found: ..."), or "" when GPUs were found."""
     mon = monitor()
-    mon.snapshot()
-    return mon.reason if not mon._handles else ""
+    return "" if mon.opened() else mon.reason
 
 
 def driver_version() -> str:
+    """The NVIDIA driver version ("580.65.06"), "" without a driver. Cheap after the first call."""
     mon = monitor()
-    mon.snapshot()
+    mon.opened()
     return mon.driver
 
 
