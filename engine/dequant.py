@@ -22,9 +22,11 @@ from engine import quant_types as qt
 from engine.errors import CarveError
 
 QK_K = 256
-# Output elements per chunk: small enough that a chunk's ~10 intermediates fit in L2,
-# large enough that torch's per-op overhead (~5 us) stays small.
-CHUNK_ELEMENTS = 1 << 16
+# Output elements per chunk: large enough that torch's per-op overhead (~5 us) stays small, small
+# enough that a chunk's intermediates stay in L2 and that every op stays under torch's parallel
+# grain size (32768): on a busy 2-core machine an OpenMP-split op waited ~6 ms at its barrier
+# (1000x slower) whenever the other core was taken.
+CHUNK_ELEMENTS = 1 << 14
 
 _U8 = torch.uint8
 _F32 = torch.float32
@@ -35,26 +37,38 @@ def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     return blocks[:, offset : offset + 2].contiguous().view(torch.float16).to(_F32)
 
 
-def _shifts(*values: int) -> torch.Tensor:
-    return torch.tensor(values, dtype=_U8)
-
-
-_NIBBLE_SHIFT = _shifts(0, 4)
-_CRUMB_SHIFT = _shifts(0, 2, 4, 6)
-_BIT_SHIFT = _shifts(*range(8))
-
-
 def _nibbles(qs: torch.Tensor, groups: int, width: int) -> torch.Tensor:
     """Low then high nibbles: qs [n, groups*width] -> uint8 [n, groups, 2, width]
     (ggml packs element j of a group in the low nibble, j + width in the high one)."""
     n = qs.shape[0]
-    return (qs.reshape(n, groups, 1, width) >> _NIBBLE_SHIFT.view(1, 1, 2, 1)) & 0x0F
+    src = qs.reshape(n, groups, width)
+    out = torch.empty(n, groups, 2, width, dtype=_U8)
+    torch.bitwise_and(src, 0x0F, out=out[:, :, 0])
+    torch.bitwise_right_shift(src, 4, out=out[:, :, 1])
+    return out
+
+
+def _fields(qs: torch.Tensor, bits: int, groups: int, width: int) -> torch.Tensor:
+    """Fields of ``bits`` bits, lowest first: qs [n, groups*width] ->
+    uint8 [n, groups, 8 // bits, width], field k of byte l at [.., k, l]."""
+    n = qs.shape[0]
+    src = qs.reshape(n, groups, width)
+    per = 8 // bits
+    out = torch.empty(n, groups, per, width, dtype=_U8)
+    mask = (1 << bits) - 1
+    for k in range(per):  # 2, 4 or 8 passes, each over the whole chunk
+        dst = out[:, :, k]
+        if k:
+            torch.bitwise_right_shift(src, k * bits, out=dst)
+            dst &= mask
+        else:
+            torch.bitwise_and(src, mask, out=dst)
+    return out
 
 
 def _bits32(qh: torch.Tensor) -> torch.Tensor:
     """qh [n, 4] little-endian uint32 -> bit j of it as uint8 [n, 32]."""
-    n = qh.shape[0]
-    return ((qh.reshape(n, 4, 1) >> _BIT_SHIFT.view(1, 1, 8)) & 1).reshape(n, 32)
+    return _fields(qh, 1, 4, 1).reshape(qh.shape[0], 32)
 
 
 # --- 32-element blocks -------------------------------------------------------------------
@@ -109,8 +123,7 @@ def _q2_k(b: torch.Tensor, out: torch.Tensor) -> None:
     dl = (d * (scales & 0x0F).to(_F32)).view(n, 16, 1)
     ml = (dmin * (scales >> 4).to(_F32)).view(n, 16, 1)
     # each of the 2 halves of qs holds 4 groups of 32 two-bit values
-    q = (b[:, 16:80].reshape(n, 2, 1, 32) >> _CRUMB_SHIFT.view(1, 1, 4, 1)) & 3
-    q = q.reshape(n, 16, 16).to(_F32)
+    q = _fields(b[:, 16:80], 2, 2, 32).reshape(n, 16, 16).to(_F32)
     torch.mul(dl, q, out=out.view(n, 16, 16)).sub_(ml)
 
 
@@ -119,12 +132,12 @@ def _q3_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
     d = _f16(b, 108)
     sc = b[:, 96:108]
-    lo = (sc[:, 0:8].reshape(n, 1, 8) >> _NIBBLE_SHIFT.view(1, 2, 1)).reshape(n, 16) & 0x0F
-    hi = (sc[:, 8:12].reshape(n, 1, 4) >> _CRUMB_SHIFT.view(1, 4, 1)).reshape(n, 16) & 0x03
+    lo = _nibbles(sc[:, 0:8], 1, 8).reshape(n, 16)
+    hi = _fields(sc[:, 8:12], 2, 1, 4).reshape(n, 16)
     scales = (lo | (hi << 4)).view(torch.int8).to(_F32).sub_(32)
     dl = (d * scales).view(n, 16, 1)
-    ql = (b[:, 32:96].reshape(n, 2, 1, 32) >> _CRUMB_SHIFT.view(1, 1, 4, 1)) & 3
-    hm = (b[:, 0:32].reshape(n, 1, 1, 32) >> _BIT_SHIFT.view(1, 1, 8, 1)) & 1
+    ql = _fields(b[:, 32:96], 2, 2, 32)
+    hm = _fields(b[:, 0:32], 1, 1, 32)
     # a clear hmask bit means "subtract 4"
     q = ql.reshape(n, 16, 16).to(_F32).sub_(((hm ^ 1) << 2).reshape(n, 16, 16).to(_F32))
     torch.mul(dl, q, out=out.view(n, 16, 16))
@@ -160,7 +173,7 @@ def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
     ml = (dmin * mn.to(_F32)).view(n, 8, 1)
     ql = _nibbles(b[:, 48:176], 4, 32).reshape(n, 8, 32)
     # sub-block i takes its 5th bit from bit i of qh[l]
-    qh = ((b[:, 16:48].reshape(n, 1, 32) >> _BIT_SHIFT.view(1, 8, 1)) & 1) << 4
+    qh = _fields(b[:, 16:48], 1, 1, 32).reshape(n, 8, 32) << 4
     q = (ql | qh).to(_F32)
     torch.mul(dl, q, out=out.view(n, 8, 32)).sub_(ml)
 
@@ -172,8 +185,8 @@ def _q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
     scales = b[:, 192:208].view(torch.int8).to(_F32)
     dl = (d * scales).view(n, 16, 1)
     ql = _nibbles(b[:, 0:128], 2, 64).reshape(n, 8, 32)
-    qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> _CRUMB_SHIFT.view(1, 1, 4, 1)) & 3
-    q = (ql | (qh.reshape(n, 8, 32) << 4)).to(_F32).sub_(32)
+    qh = _fields(b[:, 128:192], 2, 2, 32).reshape(n, 8, 32)
+    q = (ql | (qh << 4)).to(_F32).sub_(32)
     torch.mul(dl, q.view(n, 16, 16), out=out.view(n, 16, 16))
 
 
@@ -249,12 +262,13 @@ def dequantize_to(
     """
     raw = _as_bytes(raw)
     tshape = _check(raw, ggml_type, shape)
-    if out is not None:
-        if out.dtype != dtype or tuple(out.shape) != tshape or not out.is_contiguous():
-            raise ValueError(
-                f"out must be a contiguous {dtype} tensor of shape {tshape}, got "
-                f"{out.dtype} {tuple(out.shape)}"
-            )
+    if out is not None and (
+        out.dtype != dtype or tuple(out.shape) != tshape or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous {dtype} tensor of shape {tshape}, got "
+            f"{out.dtype} {tuple(out.shape)}"
+        )
     view = _FLOAT_VIEWS.get(ggml_type)
     if view is not None:
         src = raw.view(view).view(tshape)
