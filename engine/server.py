@@ -211,13 +211,7 @@ class Engine:
         from engine.chat_template import render_chat
         from engine.sampling import SamplingParams
 
-        try:
-            params = SamplingParams(**req.sampling)
-        except TypeError as err:
-            known = ", ".join(f.name for f in dataclasses.fields(SamplingParams))
-            raise CarveError(
-                f"generate: unknown sampling setting ({err}); known: {known}"
-            ) from None
+        params = SamplingParams.from_dict(req.sampling)
         if req.max_tokens is not None:
             params = dataclasses.replace(params, max_tokens=req.max_tokens)
         tok = self._tokenizer(session)

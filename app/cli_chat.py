@@ -1,0 +1,342 @@
+"""`carve chat`, `carve tokenize`, `carve perplexity`: terminal commands that run the model in
+the engine process (engine/server.py) through engine/client.py.
+
+Never imports torch: the plan is built and priced here (pure Python), the engine loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+from engine import protocol as p
+from engine.client import EngineProcess
+from engine.errors import CarveError
+
+DEFAULT_CTX = 4096
+MB = 1_000_000
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad input as a CarveError (one line, exit 2) instead of usage text."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CarveError(f"{self.prog}: {message} (see: {self.prog} --help)")
+
+
+def _common(parser: argparse.ArgumentParser, ctx_default: int | None) -> None:
+    parser.add_argument(
+        "--gpus",
+        default="auto",
+        help='"auto" (every GPU here, else the CPU), "cpu", or CUDA indices "0,1"',
+    )
+    parser.add_argument("--ctx", type=int, default=ctx_default, help="context length in tokens")
+    parser.add_argument("--kv", default="f16", choices=("f16", "q8_0"), help="KV cache type")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the engine's log")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    command, rest = argv[0], argv[1:]
+    parser = _Parser(prog=f"carve {command}")
+    if command == "chat":
+        parser.description = "Chat with a GGUF model in the terminal (no MODEL: the demo model)."
+        parser.add_argument("model", nargs="?", help="GGUF file (any shard of a split set)")
+        _common(parser, None)
+        parser.add_argument("--system", default="", help="system prompt")
+        parser.add_argument("--temp", type=float, default=0.7, help="temperature (0 = greedy)")
+        parser.add_argument("--top-k", type=int, default=40)
+        parser.add_argument("--top-p", type=float, default=0.95)
+        parser.add_argument("--min-p", type=float, default=0.05)
+        parser.add_argument("--repeat-penalty", type=float, default=1.1)
+        parser.add_argument("--seed", type=int, default=None)
+        parser.add_argument("--max-tokens", type=int, default=512, help="longest reply")
+    elif command == "tokenize":
+        parser.description = "Print the token ids of a text file as one JSON list."
+        parser.add_argument("model")
+        parser.add_argument("file", help='text file ("-" = stdin)')
+        parser.add_argument("--no-bos", action="store_true", help="never add BOS")
+        parser.add_argument(
+            "--no-parse-special", action="store_true", help="treat special-token text as plain text"
+        )
+        parser.add_argument("-v", "--verbose", action="store_true", help="show the engine's log")
+    elif command == "perplexity":
+        parser.description = "Perplexity of a text the way llama-perplexity computes it."
+        parser.add_argument("model")
+        parser.add_argument("file", help='text file ("-" = stdin)')
+        _common(parser, 512)
+    else:
+        raise CarveError(f"unknown command {command!r}: use chat, tokenize or perplexity")
+    return parser.parse_args(rest)
+
+
+# ---------------------------------------------------------------- plan
+
+
+def model_path(arg: str | None) -> Path:
+    if arg is None:
+        from engine.demo import demo_model_path
+
+        return Path(demo_model_path())
+    path = Path(arg).expanduser()
+    if not path.is_file():
+        raise CarveError(f"{arg}: no such model file; pass the path of a .gguf file")
+    return path
+
+
+def read_text(arg: str) -> str:
+    try:
+        data = sys.stdin.buffer.read() if arg == "-" else Path(arg).read_bytes()
+    except OSError as err:
+        raise CarveError(f"{arg}: cannot read it ({err.strerror or err})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CarveError(f"{arg}: not UTF-8 text (bad byte at offset {err.start})") from None
+
+
+def pick_devices(gpus: str) -> list[Any]:
+    from engine.rigs import parse_rig
+
+    text = gpus.strip().lower()
+    if text == "cpu":
+        return parse_rig("cpu")
+    live = parse_rig("auto")
+    if text in ("", "auto"):
+        return live or parse_rig("cpu")
+    try:
+        wanted = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise CarveError(
+            f'--gpus: {gpus!r} is not "auto", "cpu" or CUDA indices like "0,1"'
+        ) from None
+    by_index = {d.index: d for d in live}
+    missing = [i for i in wanted if i not in by_index]
+    if missing:
+        have = ", ".join(str(i) for i in sorted(by_index)) or "none"
+        raise CarveError(f"--gpus: no GPU {missing[0]} here (CUDA indices here: {have})")
+    return [by_index[i] for i in wanted]
+
+
+def split_layers(n_layer: int, devices: list[Any]) -> tuple[list[Any], tuple[int, ...]]:
+    """Layer boundaries in proportion to each device's free memory; a device that would get
+    no layer is left out (a Plan stage holds at least one)."""
+    weights = [max(d.free - d.reserve, 1) for d in devices]
+    total = sum(weights)
+    bounds, acc = [0], 0
+    for w in weights:
+        acc += w
+        bounds.append(round(n_layer * acc / total))
+    kept = [d for d, lo, hi in zip(devices, bounds, bounds[1:], strict=False) if hi > lo]
+    return kept, tuple(sorted(set(bounds)))
+
+
+def build_plan(path: Path, gpus: str, ctx: int | None, kv: str, logits_rows: int = 1) -> Any:
+    """A priced Plan for the devices here; CarveError naming the device when it does not fit."""
+    from engine.gguf_file import GGUFModel
+    from engine.plan import Plan
+    from engine.price import price
+
+    model = GGUFModel.open(path)
+    arch = model.metadata.get("general.architecture", "")
+    n_layer = int(model.metadata.get(f"{arch}.block_count", 0))
+    if n_layer <= 0:
+        raise CarveError(
+            f"{path}: no {arch}.block_count in its metadata; not a model Carve can run"
+        )
+    if ctx is None:
+        ctx = min(DEFAULT_CTX, int(model.metadata.get(f"{arch}.context_length", DEFAULT_CTX)))
+    devices, split = split_layers(n_layer, pick_devices(gpus))
+    on_cpu = devices[0].is_cpu
+    chunk = 512
+    plan = Plan(model=str(path), devices=tuple(devices), split=split, ctx=ctx, kv_type=kv,
+                prefill_chunk=chunk, act_dtype="f32" if on_cpu else "bf16",
+                logits_rows=min(logits_rows, chunk))  # fmt: skip
+    layout = price(plan, model)
+    for dev in layout.devices:
+        if dev.verdict == "does not fit":
+            advice = f": {dev.advice}" if dev.advice else ""
+            raise CarveError(
+                f"{path.name} does not fit on {dev.device.label} ({dev.device.name}) "
+                f"with --ctx {ctx}{advice}"
+            )
+    return plan
+
+
+# ---------------------------------------------------------------- engine I/O
+
+
+def engine_process(verbose: bool) -> EngineProcess:
+    """The engine, not yet started: `with engine_process(v) as engine` starts it and always
+    ends it, whatever happens in between."""
+    return EngineProcess(echo_stderr=verbose)
+
+
+def device_label(report: dict[str, Any]) -> str:
+    index = report.get("index", 0)
+    return "CPU" if index < 0 else f"GPU {index}"
+
+
+def load(engine: EngineProcess, plan: Any) -> None:
+    """Send the plan; show progress on a terminal; return once loaded (error event: raise)."""
+    engine.send(p.Load(plan.to_json()))
+    tty = sys.stderr.isatty()
+    start = time.monotonic()
+    while True:
+        ev = engine.wait_for(p.Progress, p.Loaded, p.Unloaded)
+        if isinstance(ev, p.Progress) and tty:
+            pct = 100 * ev.done / ev.total if ev.total else 0
+            sys.stderr.write(f"\rloading: {ev.stage} {pct:5.1f}% "
+                             f"({ev.done / MB:,.0f}/{ev.total / MB:,.0f} MB, {ev.rate / MB:,.0f} MB/s)  ")  # fmt: skip
+            sys.stderr.flush()
+        elif isinstance(ev, p.Unloaded):
+            raise CarveError("loading was cancelled")
+        elif isinstance(ev, p.Loaded):
+            where = ", ".join(f"{device_label(d)}: {d.get('allocated', 0) / MB:,.0f} MB"
+                              for d in ev.devices)  # fmt: skip
+            clear = "\r\x1b[K" if tty else ""
+            sys.stderr.write(f"{clear}loaded in {time.monotonic() - start:.1f} s ({where})\n")
+            return
+
+
+def stream_reply(engine: EngineProcess, request: p.Generate, out: Any = None) -> tuple[str, Any]:
+    """Send `request`, print tokens as they come; Ctrl-C sends stop and keeps waiting for the
+    engine's done. Returns (reply text, done event or None after an error event)."""
+    out = out or sys.stdout
+    engine.send(request)
+    parts: list[str] = []
+    stopping = False
+    while True:
+        try:
+            ev = engine.next_event(timeout=0.25)
+        except KeyboardInterrupt:
+            if not stopping:
+                engine.send(p.Stop())
+                stopping = True
+            continue
+        if ev is None:
+            continue
+        if isinstance(ev, p.Token):
+            parts.append(ev.text)
+            out.write(ev.text)
+            out.flush()
+        elif isinstance(ev, p.Note):
+            print(f"[{ev.message}]", file=sys.stderr)
+        elif isinstance(ev, p.Done):
+            return "".join(parts), ev
+        elif isinstance(ev, p.Error):
+            print(f"carve: {ev.message}", file=sys.stderr)
+            if ev.fatal:
+                raise CarveError(ev.message)
+            return "".join(parts), None
+        elif isinstance(ev, p.ProtocolError):
+            print(f"carve: engine sent a bad line: {ev.message}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- commands
+
+
+def sampling_of(args: argparse.Namespace) -> dict[str, Any]:
+    from engine.sampling import SamplingParams
+
+    settings = {"temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p,
+                "min_p": args.min_p, "repeat_penalty": args.repeat_penalty, "seed": args.seed,
+                "max_tokens": args.max_tokens}  # fmt: skip
+    SamplingParams.from_dict(settings)  # bad values stop here, naming the option
+    return settings
+
+
+def chat(args: argparse.Namespace) -> int:
+    sampling = sampling_of(args)
+    path = model_path(args.model)
+    plan = build_plan(path, args.gpus, args.ctx, args.kv)
+    with engine_process(args.verbose) as engine:
+        engine.wait_for(p.Ready, timeout=120)
+        load(engine, plan)
+        print(f"{path.name}, ctx {plan.ctx}. /reset starts over, Ctrl-C stops a reply, "
+              "Ctrl-C twice or Ctrl-D quits.", file=sys.stderr)  # fmt: skip
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        history: list[dict[str, str]] = []
+        interrupted = False
+        turn = 0
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return 0
+            except KeyboardInterrupt:
+                if interrupted:
+                    print(file=sys.stderr)
+                    return 0
+                interrupted = True
+                print("\n(Ctrl-C again or Ctrl-D to quit)", file=sys.stderr)
+                continue
+            interrupted = False
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/reset", "/clear"):
+                history.clear()
+                print("[conversation reset]", file=sys.stderr)
+                continue
+            if text in ("/exit", "/quit"):
+                return 0
+            history.append({"role": "user", "content": line})
+            turn += 1
+            request = p.Generate(system + history, f"turn{turn}", sampling)
+            reply, done = stream_reply(engine, request)
+            print()
+            if done is None:
+                history.pop()  # the engine refused this turn: keep the conversation as it was
+                continue
+            history.append({"role": "assistant", "content": reply})
+            tail = " (stopped)" if done.reason == "cancelled" else ""
+            print(f"[{done.completion_tokens} tokens{tail} · prefill {done.prefill_tps:.1f} t/s · "
+                  f"decode {done.decode_tps:.1f} t/s · ctx {done.ctx_used}/{plan.ctx}]",
+                  file=sys.stderr)  # fmt: skip
+
+
+def tokenize(args: argparse.Namespace) -> int:
+    path = model_path(args.model)
+    text = read_text(args.file)
+    with engine_process(args.verbose) as engine:
+        engine.wait_for(p.Ready, timeout=120)
+        engine.send(p.Tokenize(text, add_bos=False if args.no_bos else None,
+                               parse_special=not args.no_parse_special, model=str(path)))  # fmt: skip
+        ev = engine.wait_for(p.Tokens)
+    print(json.dumps(ev.ids))
+    return 0
+
+
+def perplexity(args: argparse.Namespace) -> int:
+    path = model_path(args.model)
+    text = read_text(args.file)
+    plan = build_plan(path, args.gpus, args.ctx, args.kv, logits_rows=args.ctx)
+    with engine_process(args.verbose) as engine:
+        engine.wait_for(p.Ready, timeout=120)
+        load(engine, plan)
+        engine.send(p.Perplexity(text, args.ctx))
+        print(f"perplexity: {path.name}, --ctx {args.ctx}", file=sys.stderr)
+        while True:
+            ev = engine.wait_for(p.PerplexityResult)
+            print(f"[{ev.chunks}]{ev.value:.4f},", end="", flush=True)
+            if ev.chunks >= ev.total:
+                break
+    print(f"\nFinal estimate: PPL = {ev.value:.4f} +/- {ev.stderr:.5f}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = parse_args(argv)
+        return {"chat": chat, "tokenize": tokenize, "perplexity": perplexity}[argv[0]](args)
+    except CarveError as err:
+        print(f"carve: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
