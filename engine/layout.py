@@ -111,3 +111,12 @@ class Layout:
         from engine.plan import Plan
 
         return cls(Plan.from_json(d["plan"]), tuple(DeviceLayout.from_json(x) for x in d["devices"]))
+
+
+def human(n: int) -> str:
+    """Bytes for people: "23.99 GiB", "612.0 MiB", "4.0 KiB" (binary units, as NVML reports)."""
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}" if unit == "GiB" else f"{sign}{n / size:.1f} {unit}"
+    return f"{sign}{n} B"
