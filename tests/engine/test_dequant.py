@@ -1,0 +1,221 @@
+"""engine.dequant against gguf.quants.dequantize (numpy, written by the gguf authors).
+
+Error bound: **bit-equal** in float32 for every type. engine.dequant does the same float32 ops in
+the same order as the reference (d*scale first, then *q, then -min), and every integer step is
+exact, so there is no rounding difference to allow for. bf16/f16 output is the float32 result
+rounded once, so it must equal the reference cast to that dtype (again exact equality).
+
+Inputs are fresh random blocks each run (the seed is in every failure message): raw random bytes
+for every block type with finite, small f16 d/dmin fields (real files never hold inf/nan scales),
+plus, for the 32-blocks, values that gguf.quants.quantize produced from random floats.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine import quant_types as qt
+from engine.dequant import SUPPORTED_TYPES, dequantize, dequantize_to
+from engine.errors import CarveError
+
+SEED = int.from_bytes(os.urandom(4), "little")
+BLOCK_TYPES = [
+    qt.Q4_0,
+    qt.Q4_1,
+    qt.Q5_0,
+    qt.Q5_1,
+    qt.Q8_0,
+    qt.Q2_K,
+    qt.Q3_K,
+    qt.Q4_K,
+    qt.Q5_K,
+    qt.Q6_K,
+]
+# byte offsets of the f16 fields in each block (ggml-common.h)
+F16_FIELDS = {
+    qt.Q4_0: (0,),
+    qt.Q4_1: (0, 2),
+    qt.Q5_0: (0,),
+    qt.Q5_1: (0, 2),
+    qt.Q8_0: (0,),
+    qt.Q2_K: (80, 82),
+    qt.Q3_K: (108,),
+    qt.Q4_K: (0, 2),
+    qt.Q5_K: (0, 2),
+    qt.Q6_K: (208,),
+}
+
+
+def _rng(salt: int) -> np.random.Generator:
+    return np.random.default_rng([SEED, salt])
+
+
+def _raw_blocks(ggml_type: int, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    q = qt.QUANT[ggml_type]
+    b = rng.integers(0, 256, size=(n_blocks, q.type_size), dtype=np.uint8)
+    for off in F16_FIELDS[ggml_type]:
+        # magnitudes from 1e-6 to 1, signs both ways: subnormal-ish to large f16 scales
+        f = rng.standard_normal(n_blocks) * 10.0 ** rng.uniform(-6, 0, n_blocks)
+        b[:, off : off + 2] = f.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+    return b
+
+
+def _reference(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
+    """gguf.quants.dequantize on the bytes laid out as gguf does: [..., ne1, row bytes]."""
+    q = qt.QUANT[ggml_type]
+    rows = raw.reshape(*shape[:0:-1], shape[0] // q.block_size * q.type_size)
+    return gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(ggml_type))
+
+
+def _shape(ggml_type: int, rng: np.random.Generator) -> tuple[int, ...]:
+    """A random GGUF shape (ne0 first) with whole blocks per row, 1 to 3 dims."""
+    bs = qt.QUANT[ggml_type].block_size
+    ne0 = bs * int(rng.integers(1, 5))
+    return (ne0, *[int(x) for x in rng.integers(1, 7, size=int(rng.integers(0, 3)))])
+
+
+@pytest.mark.parametrize("ggml_type", BLOCK_TYPES, ids=qt.type_name)
+def test_random_blocks_bit_equal_to_gguf(ggml_type: int) -> None:
+    rng = _rng(ggml_type)
+    for _ in range(4):
+        shape = _shape(ggml_type, rng)
+        n_blocks = int(np.prod(shape)) // qt.QUANT[ggml_type].block_size
+        raw = _raw_blocks(ggml_type, n_blocks, rng).reshape(-1)
+        want = _reference(raw, ggml_type, shape)
+        got = dequantize(torch.from_numpy(raw), ggml_type, shape)
+        assert got.dtype == torch.float32
+        assert tuple(got.shape) == shape[::-1] == want.shape
+        assert np.array_equal(got.numpy(), want), f"seed {SEED}, shape {shape}"
+
+
+def test_many_blocks_span_several_chunks() -> None:
+    """Long tensors go through the chunk loop (including a short last chunk)."""
+    rng = _rng(1000)
+    for ggml_type in (qt.Q5_0, qt.Q6_K):
+        shape = (qt.QUANT[ggml_type].block_size * 3, 701)
+        raw = _raw_blocks(ggml_type, 3 * 701, rng).reshape(-1)
+        got = dequantize(raw, ggml_type, shape)  # numpy input, as GGUFModel.tensor_data gives
+        assert np.array_equal(got.numpy(), _reference(raw, ggml_type, shape)), f"seed {SEED}"
+
+
+@pytest.mark.parametrize(
+    "ggml_type", [qt.Q4_0, qt.Q4_1, qt.Q5_0, qt.Q5_1, qt.Q8_0], ids=qt.type_name
+)
+def test_quantized_floats_bit_equal_to_gguf(ggml_type: int) -> None:
+    rng = _rng(2000 + ggml_type)
+    x = (rng.standard_normal((5, 96)) * rng.uniform(0.01, 3, (5, 1))).astype(np.float32)
+    raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType(ggml_type))
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type))
+    got = dequantize(torch.from_numpy(raw.reshape(-1)), ggml_type, (96, 5))
+    assert np.array_equal(got.numpy(), want), f"seed {SEED}"
+    # and it is a quantization of x, not just the same bytes read twice
+    assert np.abs(got.numpy() - x).max() < 0.2 * np.abs(x).max()
+
+
+@pytest.mark.parametrize("ggml_type", [qt.F32, qt.F16, qt.BF16], ids=qt.type_name)
+def test_float_types(ggml_type: int) -> None:
+    rng = _rng(3000 + ggml_type)
+    x = rng.standard_normal((3, 4, 10)).astype(np.float32)
+    if ggml_type == qt.F32:
+        raw, want = x.view(np.uint8), x
+    elif ggml_type == qt.F16:
+        raw = x.astype(np.float16).view(np.uint8)
+        want = gguf.quants.dequantize(raw.view(np.float16), gguf.GGMLQuantizationType.F16)
+    else:
+        raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType.BF16)
+        want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.BF16)
+    got = dequantize(torch.from_numpy(raw.reshape(-1).copy()), ggml_type, (10, 4, 3))
+    assert tuple(got.shape) == (3, 4, 10)
+    assert np.array_equal(got.numpy(), want.reshape(3, 4, 10)), f"seed {SEED}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ggml_type", [qt.Q4_K, qt.Q8_0, qt.F32], ids=qt.type_name)
+def test_half_output_is_reference_rounded_once(ggml_type: int, dtype: torch.dtype) -> None:
+    rng = _rng(4000 + ggml_type)
+    bs = qt.QUANT[ggml_type].block_size
+    shape = (bs * 2 if bs > 1 else 64, 9)
+    if ggml_type == qt.F32:
+        raw = rng.standard_normal(shape[0] * shape[1]).astype(np.float32).view(np.uint8)
+    else:
+        raw = _raw_blocks(ggml_type, shape[0] * shape[1] // bs, rng).reshape(-1)
+    want = torch.from_numpy(np.ascontiguousarray(_reference(raw, ggml_type, shape))).to(dtype)
+    got = dequantize_to(torch.from_numpy(raw), ggml_type, shape, dtype)
+    assert got.dtype == dtype and torch.equal(got, want), f"seed {SEED}"
+    out = torch.full(shape[::-1], 7.0, dtype=dtype)  # an arena span, say
+    assert dequantize_to(torch.from_numpy(raw), ggml_type, shape, dtype, out=out) is out
+    assert torch.equal(out, want)
+
+
+def test_unknown_and_unsupported_types_name_the_type() -> None:
+    with pytest.raises(CarveError, match="IQ4_NL"):
+        dequantize(torch.zeros(18, dtype=torch.uint8), 20, (32,))
+    with pytest.raises(CarveError, match="type 99"):
+        dequantize(torch.zeros(18, dtype=torch.uint8), 99, (32,))
+    assert set(BLOCK_TYPES) | {qt.F32, qt.F16, qt.BF16} == set(SUPPORTED_TYPES)
+
+
+def test_wrong_byte_count_and_partial_blocks_are_errors() -> None:
+    with pytest.raises(CarveError, match="needs 36 bytes but 35"):
+        dequantize(torch.zeros(35, dtype=torch.uint8), qt.Q4_0, (32, 2))
+    with pytest.raises(CarveError, match="whole blocks of 256"):
+        dequantize(torch.zeros(144, dtype=torch.uint8), qt.Q4_K, (128, 2))
+
+
+def test_demo_model_tensors_match_gguf_reader(demo_model_path) -> None:
+    """Real tensors of each type in the demo model, through gguf's own reader and dequantizer."""
+    reader = gguf.GGUFReader(demo_model_path)
+    seen: set[int] = set()
+    for t in reader.tensors:
+        ggml_type = int(t.tensor_type)
+        # one small tensor per type, plus the Q8_0 output matrix's first rows
+        if ggml_type in seen or t.n_elements > 5_000_000:
+            continue
+        seen.add(ggml_type)
+        shape = tuple(int(s) for s in t.shape)
+        got = dequantize(np.asarray(t.data).view(np.uint8).reshape(-1), ggml_type, shape)
+        want = gguf.quants.dequantize(t.data, t.tensor_type)
+        assert np.array_equal(got.numpy(), want.reshape(shape[::-1])), t.name
+    assert {qt.F32, qt.Q5_0, qt.Q8_0, qt.Q4_K, qt.Q6_K} <= seen
+
+
+_PEAK_SCRIPT = textwrap.dedent(
+    """
+    import resource, sys, torch
+    from engine.dequant import dequantize_to
+    rows, cols = 151936, 896  # the demo model's token_embd / output
+    raw = torch.randint(0, 256, (rows * cols // 32, 34), dtype=torch.uint8)
+    raw[:, 0:2] = torch.full((rows * cols // 32,), 0.01, dtype=torch.float16).view(-1, 1).view(torch.uint8)
+    out = torch.empty(rows, cols, dtype=torch.bfloat16).fill_(0)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, input and output touched
+    dequantize_to(raw.view(-1), 8, (cols, rows), torch.bfloat16, out=out)
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print(grew)
+    """
+)
+
+
+def test_embedding_sized_tensor_dequantizes_in_bounded_memory() -> None:
+    """A [151936, 896] Q8_0 matrix into a preallocated bf16 span: the peak grows by chunk-sized
+    scratch only, never by an output-sized float32 or int64 intermediate (~545 MB / 1 GB)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT],
+        check=False,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert res.returncode == 0, res.stderr
+    grew_kib = int(res.stdout.split()[-1])
+    assert grew_kib < 32 * 1024, f"peak RSS grew by {grew_kib / 1024:.0f} MiB"
