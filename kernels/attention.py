@@ -1,0 +1,263 @@
+"""Attention over the KV cache: split-K decode (one query token) and flash-style causal prefill.
+
+Both handle GQA (n_head = G * n_kv_heads), sliding windows (a key at position p is seen from
+query position i when i - p < window, llama.cpp's rule) and f16 or q8_0 caches. A cache of
+``cells`` cells is a ring: position p lives in cell p % cells (kernels/kv_cache.py).
+
+Decode reads the query position from a device tensor, so a CUDA graph captured once replays at
+every depth: its grid covers all cells and splits past the current length exit at once.
+Prefill takes the chunk's own keys/values from the projections (not the cache), so a ring
+smaller than the chunk never overwrites a key that a query of the chunk still needs; the caller
+stores them into the cache afterwards.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kv_cache import kv_load_ref
+
+_NEG = -1.0e30  # finite "minus infinity": masked scores use -inf, running maxima start here
+
+
+@triton.jit
+def _load_kv(c_ptr, c8_ptr, ch_ptr, cell, kvh, KVH, dd, cmask, D: tl.constexpr, Q8: tl.constexpr):
+    # [BLOCK_N, D] of one kv head at cells ``cell`` as f16
+    row = (cell.to(tl.int64) * KVH + kvh)[:, None]
+    m = cmask[:, None]
+    if Q8:
+        blk = row * (D // 32) + (dd // 32)[None, :]
+        q = tl.load(c8_ptr + blk * 34 + 2 + (dd % 32)[None, :], mask=m, other=0).to(tl.float32)
+        s = tl.load(ch_ptr + blk * 17, mask=m, other=0.0).to(tl.float32)
+        return (q * s).to(tl.float16)
+    else:
+        return tl.load(c_ptr + row * D + dd[None, :], mask=m, other=0.0).to(tl.float16)
+
+
+@triton.jit(do_not_specialize=["cells", "window"])
+def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_ptr, pml_ptr,
+                           cells, window, scale, KVH, NS, stride_qh,
+                           G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                           SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr):
+    kvh = tl.program_id(0)
+    s = tl.program_id(1)
+    pos = tl.load(pos_ptr)
+    n_pos = pos + 1
+    n_valid = tl.minimum(n_pos, cells)
+    start = s * SPLIT
+    end = tl.minimum(start + SPLIT, n_valid)
+    gi = tl.arange(0, GP)
+    gmask = gi < G
+    dd = tl.arange(0, D)
+    heads = kvh * G + gi
+    q = tl.load(q_ptr + heads[:, None] * stride_qh + dd[None, :], mask=gmask[:, None], other=0.0)
+    q = (q.to(tl.float32) * scale).to(tl.float16)
+    m_i = tl.full([GP], _NEG, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        c = n0 + tl.arange(0, BLOCK_N)
+        cm = c < end
+        k = _load_kv(c_k, c8_k, ch_k, c, kvh, KVH, dd, cm, D, Q8)
+        sc = tl.dot(q, tl.trans(k))  # [GP, BLOCK_N]
+        # position held by cell c: c itself until the ring wraps, else the newest p = c mod cells
+        p = tl.where(n_pos <= cells, c, pos - ((pos - c) % cells))
+        ok = cm & ((window <= 0) | (pos - p < window))
+        sc = tl.where(ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        v = _load_kv(c_v, c8_v, ch_v, c, kvh, KVH, dd, cm, D, Q8)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(tl.float16), v)
+        m_i = m_new
+    out = (heads.to(tl.int64) * NS + s)
+    tl.store(po_ptr + out[:, None] * D + dd[None, :], acc, mask=gmask[:, None])
+    tl.store(pml_ptr + out * 2, m_i, mask=gmask)
+    tl.store(pml_ptr + out * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(po_ptr, pml_ptr, o_ptr, NS, stride_oh, D: tl.constexpr,
+                          NSP: tl.constexpr):
+    h = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, NSP)
+    sm = s < NS
+    m = tl.load(pml_ptr + (h * NS + s) * 2, mask=sm, other=_NEG)
+    lsum = tl.load(pml_ptr + (h * NS + s) * 2 + 1, mask=sm, other=0.0)
+    w = tl.exp(m - tl.max(m, axis=0))
+    dd = tl.arange(0, D)
+    o = tl.load(po_ptr + (h * NS + s)[:, None] * D + dd[None, :], mask=sm[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+    tl.store(o_ptr + h * stride_oh + dd, out.to(o_ptr.dtype.element_ty))
+
+
+def _views(cache: torch.Tensor):
+    if cache.dtype == torch.uint8:
+        return cache, cache.view(torch.int8), cache.view(torch.float16), True
+    return cache, cache, cache, False
+
+
+def decode_split(cells: int) -> int:
+    """Cells per split-K program: enough programs to fill the GPU at depth, few at short depth."""
+    return 64 if cells <= 4096 else (128 if cells <= 16384 else 256)
+
+
+def decode_workspace(n_head: int, head_dim: int, cells: int,
+                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial outputs [n_head, n_splits, head_dim] and (max, sum) [n_head, n_splits, 2]."""
+    ns = triton.cdiv(cells, decode_split(cells))
+    return (torch.empty(n_head, ns, head_dim, dtype=torch.float32, device=device),
+            torch.empty(n_head, ns, 2, dtype=torch.float32, device=device))
+
+
+def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                positions: torch.Tensor, n_kv_heads: int, cells: int, window: int, scale: float,
+                out: torch.Tensor | None = None,
+                workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One query token q [n_head, head_dim] at position positions[0] (the key/value of that
+    position already stored) -> [n_head, head_dim]. No allocation given out and workspace."""
+    nh, d = q.shape
+    g = nh // n_kv_heads
+    if workspace is None:
+        workspace = decode_workspace(nh, d, cells, q.device)
+    po, pml = workspace
+    ns = po.shape[1]
+    split = decode_split(cells)
+    if out is None:
+        out = torch.empty_like(q)
+    ck, ck8, ckh, q8 = _views(k_cache)
+    cv, cv8, cvh, _ = _views(v_cache)
+    gp = max(16, triton.next_power_of_2(g))
+    _decode_partial_kernel[(n_kv_heads, ns)](
+        q, ck, ck8, ckh, cv, cv8, cvh, positions, po, pml, cells, window, scale, n_kv_heads, ns,
+        q.stride(0), G=g, GP=gp, D=d, SPLIT=split, BLOCK_N=min(64, split), Q8=q8, num_warps=4)
+    _decode_reduce_kernel[(nh,)](po, pml, out, ns, out.stride(0), D=d,
+                                 NSP=triton.next_power_of_2(ns), num_warps=4)
+    return out
+
+
+def _attend_ref(q, keys, vals, kpos, qpos, window, scale, g):
+    # q [T, H, D], keys/vals [N, KVH, D], kpos [N], qpos [T] -> [T, H, D] (float32)
+    k = keys.repeat_interleave(g, dim=1)
+    v = vals.repeat_interleave(g, dim=1)
+    s = torch.einsum("thd,nhd->htn", q.float() * scale, k)
+    ok = kpos[None, :] <= qpos[:, None]
+    if window > 0:
+        ok &= (qpos[:, None] - kpos[None, :]) < window
+    s = s.masked_fill(~ok[None], float("-inf"))
+    return torch.einsum("htn,nhd->thd", torch.softmax(s, dim=-1), v)
+
+
+def attn_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    positions: torch.Tensor, n_kv_heads: int, cells: int, window: int,
+                    scale: float, out: torch.Tensor | None = None,
+                    workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    nh, d = q.shape
+    pos = int(positions.reshape(-1)[0])
+    n_valid = min(pos + 1, cells)
+    c = torch.arange(n_valid, device=q.device)
+    kpos = c if pos + 1 <= cells else pos - ((pos - c) % cells)
+    k = kv_load_ref(k_cache, cells, n_kv_heads, d)[:n_valid]
+    v = kv_load_ref(v_cache, cells, n_kv_heads, d)[:n_valid]
+    qpos = torch.tensor([pos], device=q.device)
+    y = _attend_ref(q[None], k, v, kpos, qpos, window, scale, nh // n_kv_heads)[0].to(q.dtype)
+    return y if out is None else out.copy_(y)
+
+
+@triton.jit
+def _online(q, k, v, ok, m_i, l_i, acc):
+    sc = tl.dot(q, tl.trans(k))
+    sc = tl.where(ok, sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    pr = tl.exp(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(pr.to(tl.float16), v)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["T", "pos0", "cells", "window"])
+def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, o_ptr,
+                    T, pos0, cells, window, scale, KVH, stride_qt, stride_qh, stride_kt,
+                    stride_kh, stride_ot, stride_oh,
+                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, Q8: tl.constexpr):
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // G
+    i = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    im = i < T
+    qpos = pos0 + i
+    dd = tl.arange(0, D)
+    q = tl.load(q_ptr + i.to(tl.int64)[:, None] * stride_qt + h * stride_qh + dd[None, :],
+                mask=im[:, None], other=0.0)
+    q = (q.to(tl.float32) * scale).to(tl.float16)
+    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    # 1) keys of earlier chunks, from the cache (the ring holds the last `cells` positions)
+    lo = tl.maximum(pos0 - cells, 0)
+    lo = tl.where(window > 0, tl.maximum(lo, pos0 + mb * BLOCK_M - window + 1), lo)
+    for p0 in range(lo, pos0, BLOCK_N):
+        p = p0 + tl.arange(0, BLOCK_N)
+        pm = p < pos0
+        k = _load_kv(c_k, c8_k, ch_k, p % cells, kvh, KVH, dd, pm, D, Q8)
+        v = _load_kv(c_v, c8_v, ch_v, p % cells, kvh, KVH, dd, pm, D, Q8)
+        ok = pm[None, :] & ((window <= 0) | (qpos[:, None] - p[None, :] < window))
+        m_i, l_i, acc = _online(q, k, v, ok, m_i, l_i, acc)
+    # 2) keys of this chunk, causal
+    hi = tl.minimum(T, (mb + 1) * BLOCK_M)
+    jlo = tl.maximum(0, mb * BLOCK_M - window + 1)
+    jlo = tl.where(window > 0, (jlo // BLOCK_N) * BLOCK_N, 0)
+    for j0 in range(jlo, hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        jm = j < T
+        kv_off = j.to(tl.int64)[:, None] * stride_kt + kvh * stride_kh + dd[None, :]
+        k = tl.load(kn_ptr + kv_off, mask=jm[:, None], other=0.0).to(tl.float16)
+        v = tl.load(vn_ptr + kv_off, mask=jm[:, None], other=0.0).to(tl.float16)
+        ok = jm[None, :] & (j[None, :] <= i[:, None])
+        ok = ok & ((window <= 0) | (i[:, None] - j[None, :] < window))
+        m_i, l_i, acc = _online(q, k, v, ok, m_i, l_i, acc)
+    o = acc / l_i[:, None]
+    tl.store(o_ptr + i.to(tl.int64)[:, None] * stride_ot + h * stride_oh + dd[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=im[:, None])
+
+
+def attn_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, cells: int,
+                 window: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a chunk q [T, n_head, D] at positions pos0.. over the cache's
+    earlier positions plus the chunk's own k_new/v_new [T, n_kv_heads, D] -> [T, n_head, D]."""
+    t, nh, d = q.shape
+    kvh = k_new.shape[1]
+    if out is None:
+        out = torch.empty_like(q)
+    ck, ck8, ckh, q8 = _views(k_cache)
+    cv, cv8, cvh, _ = _views(v_cache)
+    bm, bn = (64, 64) if d <= 128 else (32, 32)
+    grid = (triton.cdiv(t, bm), nh)
+    _prefill_kernel[grid](q, k_new, v_new, ck, ck8, ckh, cv, cv8, cvh, out, t, pos0, cells,
+                          window, scale, kvh, q.stride(0), q.stride(1), k_new.stride(0),
+                          k_new.stride(1), out.stride(0), out.stride(1), G=nh // kvh, D=d,
+                          BLOCK_M=bm, BLOCK_N=bn, Q8=q8, num_warps=4)
+    return out
+
+
+def attn_prefill_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, cells: int,
+                     window: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    t, nh, d = q.shape
+    kvh = k_new.shape[1]
+    lo = max(0, pos0 - cells)
+    kpos_old = torch.arange(lo, pos0, device=q.device)
+    kc = kv_load_ref(k_cache, cells, kvh, d)[kpos_old % cells]
+    vc = kv_load_ref(v_cache, cells, kvh, d)[kpos_old % cells]
+    keys = torch.cat([kc, k_new.float()])
+    vals = torch.cat([vc, v_new.float()])
+    kpos = torch.cat([kpos_old, torch.arange(pos0, pos0 + t, device=q.device)])
+    qpos = torch.arange(pos0, pos0 + t, device=q.device)
+    y = _attend_ref(q, keys, vals, kpos, qpos, window, scale, nh // kvh).to(q.dtype)
+    return y if out is None else out.copy_(y)

@@ -1,0 +1,82 @@
+"""Write new keys/values into the KV cache: f16 copy or q8_0 quantization (ggml's
+``quantize_row_q8_0_ref``: d = amax/127, q = roundf(x/d)), at cell = position % cells so that a
+sliding-window layer's min(ctx, window) cells form a ring.
+
+Cache layouts (docs/INTERFACES.md): f16 ``[cells, n_kv_heads, head_dim]``; q8_0 raw blocks
+``[cells * n_kv_heads * head_dim // 32 * 34]`` uint8 in the same element order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine import dequant as _dq
+from engine import quant_types as qt
+
+
+@triton.jit
+def _kv_store_kernel(src_ptr, pos_ptr, c_ptr, c8_ptr, ch_ptr, cells, KVH, stride_t, stride_h,
+                     D: tl.constexpr, Q8: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    cell = (tl.load(pos_ptr + t) % cells).to(tl.int64)
+    src = src_ptr + t.to(tl.int64) * stride_t + h * stride_h
+    if Q8:
+        b = tl.arange(0, D // 32)
+        j = tl.arange(0, 32)
+        x = tl.load(src + b[:, None] * 32 + j[None, :]).to(tl.float32)  # [D/32, 32]
+        amax = tl.max(tl.abs(x), axis=1)
+        d = amax / 127.0
+        inv = tl.where(d > 0, 1.0 / d, 0.0)
+        y = x * inv[:, None]
+        q = tl.where(y < 0, -tl.floor(-y + 0.5), tl.floor(y + 0.5))  # roundf: half away from 0
+        blk = (cell * KVH + h) * (D // 32) + b
+        tl.store(ch_ptr + blk * 17, d.to(tl.float16))
+        tl.store(c8_ptr + blk[:, None] * 34 + 2 + j[None, :], q.to(tl.int8))
+    else:
+        d = tl.arange(0, D)
+        x = tl.load(src + d)
+        tl.store(c_ptr + (cell * KVH + h) * D + d, x.to(c_ptr.dtype.element_ty))
+
+
+def kv_store(src: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor,
+             cells: int) -> None:
+    """Store src [T, n_kv_heads, head_dim] at cells positions % cells of ``cache`` (f16
+    [cells, n_kv_heads, head_dim], or uint8 q8_0 blocks)."""
+    t, kvh, d = src.shape
+    q8 = cache.dtype == torch.uint8
+    c8 = cache.view(torch.int8) if q8 else cache
+    ch = cache.view(torch.float16) if q8 else cache
+    _kv_store_kernel[(t, kvh)](src, positions, cache, c8, ch, cells, kvh, src.stride(0),
+                               src.stride(1), D=d, Q8=q8, num_warps=1 if d <= 128 else 2)
+
+
+def kv_store_ref(src: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor,
+                 cells: int) -> None:
+    t, kvh, d = src.shape
+    cell = (positions.long() % cells)
+    if cache.dtype != torch.uint8:
+        cache.view(cells, kvh, d)[cell] = src.to(cache.dtype)
+        return
+    x = src.to(torch.float32).reshape(t, kvh * d // 32, 32)
+    amax = x.abs().amax(-1, keepdim=True)
+    dd = amax / 127.0
+    inv = torch.where(dd > 0, 1.0 / dd, torch.zeros_like(dd))
+    q = torch.round(x * inv)  # ties: torch rounds half to even, ggml away from zero
+    y = x * inv
+    q = torch.where((y - torch.trunc(y)).abs() == 0.5, torch.trunc(y) + torch.sign(y), q)
+    blocks = torch.empty(t, kvh * d // 32, 34, dtype=torch.uint8, device=cache.device)
+    blocks[..., :2] = dd.to(torch.float16).view(torch.uint8)
+    blocks[..., 2:] = q.to(torch.int8).view(torch.uint8)
+    cache.view(cells, kvh * d // 32 * 34)[cell] = blocks.view(t, -1)
+
+
+def kv_load_ref(cache: torch.Tensor, cells: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The whole cache as float32 [cells, n_kv_heads, head_dim] (reference only)."""
+    if cache.dtype != torch.uint8:
+        return cache.view(cells, n_kv_heads, head_dim).to(torch.float32)
+    n = cells * n_kv_heads * head_dim
+    return _dq.dequantize_to(cache.reshape(-1), qt.Q8_0, (n,), torch.float32).view(
+        cells, n_kv_heads, head_dim)

@@ -1,0 +1,39 @@
+"""Random, well-formed GGUF weights as torch tensors, for kernel checks and GPU benchmarks.
+
+Random bytes are valid quantized data except in the f16 scale fields (random bits there can be
+inf/NaN), so those fields get small finite values. Speed does not depend on weight values.
+Built with torch alone so that the device check needs no GGUF file and no gguf package.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine import quant_types as qt
+
+# byte offsets of the f16 scale fields inside one block
+_F16_FIELDS: dict[int, tuple[int, ...]] = {
+    qt.Q4_0: (0,), qt.Q5_0: (0,), qt.Q8_0: (0,),
+    qt.Q4_K: (0, 2), qt.Q5_K: (0, 2), qt.Q6_K: (208,),
+}
+
+
+def random_weight(ggml_type: int, rows: int, cols: int, device: torch.device | str = "cpu",
+                  generator: torch.Generator | None = None, scale: float = 0.02) -> torch.Tensor:
+    """uint8 [rows, row_bytes] holding a random ``ggml_type`` matrix of ``rows`` x ``cols``."""
+    q = qt.quant(ggml_type)
+    if cols % q.block_size:
+        raise ValueError(f"{q.name} rows need a multiple of {q.block_size} values, got {cols}")
+    nblk = cols // q.block_size
+    if ggml_type in (qt.F16, qt.BF16):
+        dt = torch.float16 if ggml_type == qt.F16 else torch.bfloat16
+        vals = torch.randn(rows, cols, generator=generator, device=device) * scale
+        return vals.to(dt).view(torch.uint8).view(rows, cols * 2)
+    raw = torch.randint(0, 256, (rows, nblk, q.type_size), dtype=torch.uint8,
+                        generator=generator, device=device)
+    for off in _F16_FIELDS[ggml_type]:
+        # K-type sub-block scales reach 63 and Q6_K's int8 scales 127: shrink d to match
+        span = {qt.Q4_K: 63.0 * 8, qt.Q5_K: 63.0 * 16, qt.Q6_K: 127.0 * 32}.get(ggml_type, 8.0)
+        d = (torch.rand(rows, nblk, generator=generator, device=device) + 0.5) * (scale / span)
+        raw[:, :, off:off + 2] = d.to(torch.float16).view(torch.uint8).view(rows, nblk, 2)
+    return raw.view(rows, nblk * q.type_size)

@@ -1,0 +1,174 @@
+"""Every Triton kernel against its plain-torch twin: fresh random inputs each run, outputs
+poisoned with NaN before the kernel runs (an unwritten element fails), normalized error bounds.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 (set before any kernel module is
+imported, see conftest.py) at tiny shapes; with one, the same tests run on it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import quant_types as qt
+from kernels import attention, glu, kv_cache, norm, quant_matmul, rope
+from kernels.random_blocks import random_weight
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TYPES = [qt.F16, qt.BF16, qt.Q4_0, qt.Q5_0, qt.Q8_0, qt.Q4_K, qt.Q5_K, qt.Q6_K]
+
+
+def _gen() -> torch.Generator:
+    g = torch.Generator(device=DEVICE)
+    g.seed()  # fresh inputs each run: the kernel must compute the function, not one sample
+    return g
+
+
+def _nerr(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(y).all(), "kernel left non-finite values (unwritten or NaN)"
+    ref = ref.double()
+    return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _poison(shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def test_kernels_are_interpreted_without_gpu():
+    # a JIT (compiled) kernel on a CPU-only machine would mean these tests ran nothing
+    if DEVICE == "cpu":
+        assert type(quant_matmul._gemv_kernel).__name__ == "InterpretedFunction"
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_matches_reference(ggml_type, m):
+    g = _gen()
+    block = 256 if ggml_type in (qt.Q4_K, qt.Q5_K, qt.Q6_K) else 32
+    rows = int(torch.randint(1, 12, (1,), generator=g, device=DEVICE))
+    cols = block * int(torch.randint(1, 4, (1,), generator=g, device=DEVICE))
+    w = random_weight(ggml_type, rows, cols, DEVICE, g)
+    x = torch.randn(m, cols, generator=g, device=DEVICE)
+    out = _poison((m, rows))
+    quant_matmul.gemv(w, ggml_type, x, out=out)
+    ref = quant_matmul.gemv_ref(w, ggml_type, x)
+    assert _nerr(out, ref) < 1e-5  # both float32 accumulations of the same products
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
+def test_dequantize_and_embed_match_reference(ggml_type):
+    g = _gen()
+    block = 256 if ggml_type in (qt.Q4_K, qt.Q5_K, qt.Q6_K) else 32
+    rows, cols = 5, block * 2
+    w = random_weight(ggml_type, rows, cols, DEVICE, g)
+    out = _poison((rows, cols), torch.float16)
+    quant_matmul.dequantize(w, ggml_type, torch.float16, out=out)
+    ref = quant_matmul.dequantize_ref(w, ggml_type, torch.float32)
+    assert _nerr(out, ref) < 1e-3  # one f16 rounding of equal float32 values
+    ids = torch.randint(0, rows, (7,), generator=g, device=DEVICE)
+    emb = _poison((7, cols))
+    quant_matmul.embed(w, ggml_type, ids, out=emb)
+    assert torch.equal(emb, quant_matmul.embed_ref(w, ggml_type, ids))
+
+
+def test_prefill_matmul_uses_dequantized_weight():
+    g = _gen()
+    w = random_weight(qt.Q4_K, 6, 256, DEVICE, g)
+    x = torch.randn(4, 256, generator=g, device=DEVICE)
+    y = quant_matmul.matmul(w, qt.Q4_K, x)
+    assert _nerr(y, quant_matmul.gemv_ref(w, qt.Q4_K, x)) < 1e-5
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_matches_reference(with_residual):
+    g = _gen()
+    x = torch.randn(3, 96, generator=g, device=DEVICE)
+    w = torch.randn(96, generator=g, device=DEVICE)
+    res = torch.randn(3, 96, generator=g, device=DEVICE) if with_residual else None
+    res_ref = res.clone() if with_residual else None
+    out = _poison((3, 96))
+    norm.rmsnorm(x, w, 1e-6, residual=res, out=out)
+    ref = norm.rmsnorm_ref(x, w, 1e-6, residual=res_ref)
+    assert _nerr(out, ref) < 1e-5
+    if with_residual:
+        assert _nerr(res, res_ref) < 1e-6
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_matches_reference(neox):
+    g = _gen()
+    x = torch.randn(3, 5, 32, generator=g, device=DEVICE)
+    pos = torch.randint(0, 4000, (3,), generator=g, device=DEVICE).to(torch.int32)
+    ref = rope.rope_ref(x.clone(), pos, 10000.0, neox)
+    out = rope.rope(x, pos, 10000.0, neox)
+    # float32 angles of positions up to 4000: the kernel's exp2/cos round at ~1e-6 relative
+    assert _nerr(out, ref) < 5e-5
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_glu_matches_reference(act):
+    g = _gen()
+    gate, up = torch.randn(2, 2, 100, generator=g, device=DEVICE).unbind(0)
+    out = _poison((2, 100))
+    glu.glu(gate, up, act, out=out)
+    assert _nerr(out, glu.glu_ref(gate, up, act)) < 1e-5
+
+
+def _cache(kv_type: str, cells: int, kvh: int, d: int) -> torch.Tensor:
+    if kv_type == "f16":
+        return _poison((cells, kvh, d), torch.float16)
+    return torch.zeros(cells * kvh * d // 32 * 34, dtype=torch.uint8, device=DEVICE)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_kv_store_matches_reference(kv_type):
+    g = _gen()
+    cells, kvh, d = 8, 2, 64
+    src = torch.randn(5, kvh, d, generator=g, device=DEVICE)
+    pos = torch.tensor([3, 4, 9, 10, 11], dtype=torch.int32, device=DEVICE)
+    a, b = _cache(kv_type, cells, kvh, d), _cache(kv_type, cells, kvh, d)
+    kv_cache.kv_store(src, a, pos, cells)
+    kv_cache.kv_store_ref(src, b, pos, cells)
+    got = kv_cache.kv_load_ref(a, cells, kvh, d)[pos.long() % cells]
+    want = kv_cache.kv_load_ref(b, cells, kvh, d)[pos.long() % cells]
+    assert torch.equal(got, want)
+
+
+def _filled_cache(kv_type, cells, kvh, d, g):
+    cache = _cache(kv_type, cells, kvh, d)
+    src = torch.randn(cells, kvh, d, generator=g, device=DEVICE)
+    kv_cache.kv_store_ref(src, cache, torch.arange(cells, device=DEVICE), cells)
+    return cache
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("pos,cells,window", [(37, 64, 0), (100, 64, 0), (90, 24, 24),
+                                              (50, 64, 20)])
+def test_attn_decode_matches_reference(kv_type, pos, cells, window):
+    g = _gen()
+    nh, kvh, d = 6, 2, 32  # GQA group of 3
+    k = _filled_cache(kv_type, cells, kvh, d, g)
+    v = _filled_cache(kv_type, cells, kvh, d, g)
+    q = torch.randn(nh, d, generator=g, device=DEVICE)
+    positions = torch.tensor([pos], dtype=torch.int32, device=DEVICE)
+    out = _poison((nh, d))
+    attention.attn_decode(q, k, v, positions, kvh, cells, window, d**-0.5, out=out)
+    ref = attention.attn_decode_ref(q, k, v, positions, kvh, cells, window, d**-0.5)
+    assert _nerr(out, ref) < 5e-3  # f16 operands of the two products
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("t,pos0,cells,window", [(70, 0, 128, 0), (20, 50, 128, 0),
+                                                 (40, 70, 48, 48), (33, 10, 64, 16)])
+def test_attn_prefill_matches_reference(kv_type, t, pos0, cells, window):
+    g = _gen()
+    nh, kvh, d = 4, 2, 32
+    k = _filled_cache(kv_type, cells, kvh, d, g)
+    v = _filled_cache(kv_type, cells, kvh, d, g)
+    q = torch.randn(t, nh, d, generator=g, device=DEVICE)
+    kn = torch.randn(t, kvh, d, generator=g, device=DEVICE)
+    vn = torch.randn(t, kvh, d, generator=g, device=DEVICE)
+    out = _poison((t, nh, d))
+    attention.attn_prefill(q, kn, vn, k, v, pos0, cells, window, d**-0.5, out=out)
+    ref = attention.attn_prefill_ref(q, kn, vn, k, v, pos0, cells, window, d**-0.5)
+    assert _nerr(out, ref) < 5e-3
