@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -121,40 +122,22 @@ def pick_devices(gpus: str) -> list[Any]:
     return [by_index[i] for i in wanted]
 
 
-def split_layers(n_layer: int, devices: list[Any]) -> tuple[list[Any], tuple[int, ...]]:
-    """Layer boundaries in proportion to each device's free memory; a device that would get
-    no layer is left out (a Plan stage holds at least one)."""
-    weights = [max(d.free - d.reserve, 1) for d in devices]
-    total = sum(weights)
-    bounds, acc = [0], 0
-    for w in weights:
-        acc += w
-        bounds.append(round(n_layer * acc / total))
-    kept = [d for d, lo, hi in zip(devices, bounds, bounds[1:], strict=False) if hi > lo]
-    return kept, tuple(sorted(set(bounds)))
-
-
 def build_plan(path: Path, gpus: str, ctx: int | None, kv: str, logits_rows: int = 1) -> Any:
-    """A priced Plan for the devices here; CarveError naming the device when it does not fit."""
+    """A priced Plan for the devices here (boundaries by engine/split.py); CarveError naming
+    the device when it does not fit."""
     from engine.gguf_file import GGUFModel
-    from engine.plan import Plan
     from engine.price import price
+    from engine.split import auto_split
 
     model = GGUFModel.open(path)
-    arch = model.metadata.get("general.architecture", "")
-    n_layer = int(model.metadata.get(f"{arch}.block_count", 0))
-    if n_layer <= 0:
-        raise CarveError(
-            f"{path}: no {arch}.block_count in its metadata; not a model Carve can run"
-        )
     if ctx is None:
+        arch = model.metadata.get("general.architecture", "")
         ctx = min(DEFAULT_CTX, int(model.metadata.get(f"{arch}.context_length", DEFAULT_CTX)))
-    devices, split = split_layers(n_layer, pick_devices(gpus))
-    on_cpu = devices[0].is_cpu
+    devices = pick_devices(gpus)
     chunk = 512
-    plan = Plan(model=str(path), devices=tuple(devices), split=split, ctx=ctx, kv_type=kv,
-                prefill_chunk=chunk, act_dtype="f32" if on_cpu else "bf16",
-                logits_rows=min(logits_rows, chunk))  # fmt: skip
+    plan = auto_split(model, devices, model_path=str(path), ctx=ctx, kv_type=kv,
+                      prefill_chunk=chunk, act_dtype="f32" if devices[0].is_cpu else "bf16",
+                      logits_rows=min(logits_rows, chunk))  # fmt: skip
     layout = price(plan, model)
     for dev in layout.devices:
         if dev.verdict == "does not fit":
@@ -239,13 +222,26 @@ def stream_reply(engine: EngineProcess, request: p.Generate, out: Any = None) ->
 # ---------------------------------------------------------------- commands
 
 
-def sampling_of(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.sampling import SamplingParams
+# option -> (SamplingParams field, test, accepted values); the engine validates again, but a
+# typo must fail before a model loads, and engine/sampling.py imports torch (app/ must not).
+_SAMPLING_CHECKS = {
+    "--temp": ("temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
+    "--top-k": ("top_k", lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+    "--top-p": ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1] (1 = off)"),
+    "--min-p": ("min_p", lambda v: 0 <= v < 1, "a number in [0, 1) (0 = off)"),
+    "--repeat-penalty": ("repeat_penalty", lambda v: v > 0, "a number > 0 (1 = off)"),
+    "--seed": ("seed", lambda v: v is None or 0 <= v < 2**64, "an integer >= 0"),
+    "--max-tokens": ("max_tokens", lambda v: v >= 1, "an integer >= 1"),
+}
 
-    settings = {"temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p,
-                "min_p": args.min_p, "repeat_penalty": args.repeat_penalty, "seed": args.seed,
-                "max_tokens": args.max_tokens}  # fmt: skip
-    SamplingParams.from_dict(settings)  # bad values stop here, naming the option
+
+def sampling_of(args: argparse.Namespace) -> dict[str, Any]:
+    settings = {}
+    for option, (name, ok, accepted) in _SAMPLING_CHECKS.items():
+        value = getattr(args, option[2:].replace("-", "_"))
+        if (isinstance(value, float) and math.isnan(value)) or not ok(value):
+            raise CarveError(f"{option}: {value} is out of range; use {accepted}")
+        settings[name] = value
     return settings
 
 

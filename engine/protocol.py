@@ -20,7 +20,8 @@ Events (from the engine)
     loaded {devices}                  per device: index, name, priced, allocated, nvml_used
     unloaded                          after unload, or a cancelled load: nothing is held
     note {message}                    something a person should know (e.g. "no chat template")
-    token {id, text}                  text is always valid UTF-8 (may be "" mid-character)
+    token {id, text}                  text is always valid UTF-8 (may be "" mid-character);
+                                      id -1: the held bytes of an unfinished character at the end
     done {reason, prompt_tokens, completion_tokens, prefill_tps, decode_tps, ctx_used, request}
                                       reason: "stop" | "length" | "cancelled"
     error {message, fatal, request}   message is one line a person can act on

@@ -240,14 +240,21 @@ class Engine:
             return not cancelled()
 
         stats = session.generate(ids, params, stop_ids, on_token)
+        tail = safe_text(decoder.flush()) if hasattr(decoder, "flush") else ""
+        if tail:  # bytes of a character the reply never finished: U+FFFD, as id -1
+            self.emit(p.Token(-1, tail))
         reason = "cancelled" if cancelled() and stats.reason != "length" else stats.reason
         self.emit(
             p.Done(
                 reason=reason,
                 prompt_tokens=stats.prompt_tokens,
                 completion_tokens=stats.completion_tokens,
-                prefill_tps=rate(stats.prompt_tokens, stats.prefill_s),
-                decode_tps=rate(stats.completion_tokens, stats.decode_s),
+                prefill_tps=getattr(
+                    stats, "prefill_tps", rate(stats.prompt_tokens, stats.prefill_s)
+                ),
+                decode_tps=getattr(
+                    stats, "decode_tps", rate(stats.completion_tokens, stats.decode_s)
+                ),
                 ctx_used=stats.prompt_tokens + stats.completion_tokens,
                 request=req.id,
             )
