@@ -1,0 +1,1 @@
+"""Qt-free models of what the window edits and shows; widgets in app/widgets mirror them."""

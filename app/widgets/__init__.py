@@ -1,0 +1,1 @@
+"""Thin Qt views over the Qt-free models in app/models."""

@@ -1,0 +1,161 @@
+"""The transcript: mirrors ``ChatHistory`` in a QTextBrowser, Markdown with code blocks.
+
+Streaming is coalesced: ``ChatHistory.events.text`` only marks the view dirty; a frame timer
+(~30 Hz) renders what arrived since. Re-rendering a whole long reply as Markdown every frame would
+cost tens of ms, so a reply is split at its last paragraph break outside a code fence: everything
+before is rendered once and kept ("settled"), only the tail after it is re-rendered per frame.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+
+from PySide6.QtCore import QTimer
+from PySide6.QtGui import QColor, QFont, QTextBlockFormat, QTextCharFormat, QTextCursor, QTextFormat
+from PySide6.QtWidgets import QTextBrowser, QWidget
+
+from app.models.chat_model import ChatHistory, Message
+from app.theme import Theme
+
+FRAME_MS = 33
+
+
+def settle_point(text: str, start: int) -> int:
+    """Index in ``text`` (>= start) up to which Markdown can be rendered for good: the last blank
+    line after ``start`` that is not inside a ``` fence; ``start`` when there is none."""
+    idx = text.rfind("\n\n", start)
+    while idx > start:
+        if text.count("```", 0, idx) % 2 == 0:
+            return idx + 2
+        idx = text.rfind("\n\n", start, idx)
+    return start
+
+
+class ChatView(QTextBrowser):
+    def __init__(self, history: ChatHistory, theme: Theme, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("chatView")
+        self.history = history
+        self.theme = theme
+        self.setOpenExternalLinks(True)
+        self.document().setDocumentMargin(14)
+        self._settled = 0  # chars of the streaming reply rendered for good
+        self._tail_pos = 0  # document position where the re-rendered tail begins
+        self._dirty = False
+        self.render_ms_max = 0.0  # slowest frame render, for the streaming-stall figure
+        self._frame = QTimer(self)
+        self._frame.setInterval(FRAME_MS)
+        self._frame.timeout.connect(self._flush)
+        history.events.reset.connect(self._rebuild)
+        history.events.added.connect(self._on_added)
+        history.events.text.connect(self._on_text)
+        history.events.finished.connect(self._on_finished)
+        self._rebuild()
+
+    def apply_theme(self, theme: Theme) -> None:
+        self.theme = theme
+        self._rebuild()
+
+    # -- mirror the history ------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        self._frame.stop()
+        self.clear()
+        if not self.history.messages:
+            self.setHtml(
+                f"<p style='color:{self.theme.muted}'>Launch a model, then type below. "
+                "Replies stream here; Markdown and code blocks are rendered.</p>")
+            self._placeholder = True
+            return
+        self._placeholder = False
+        for m in self.history.messages:
+            self._append_message(m)
+
+    def _on_added(self, message: Message) -> None:
+        if getattr(self, "_placeholder", False):
+            self.clear()
+            self._placeholder = False
+        self._append_message(message)
+
+    def _append_message(self, m: Message) -> None:
+        cursor = self._end_cursor()
+        if not self.document().isEmpty():
+            cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
+        who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(m.role, m.role)
+        colour = self.theme.terms["weights"] if m.role == "user" else self.theme.verdict["fits"]
+        cursor.insertHtml(f"<p style='margin-top:10px'><b style='color:{colour}'>{who}</b></p>")
+        cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
+        if m.role == "user":
+            cursor.insertHtml(html.escape(m.content).replace("\n", "<br>"))
+            return
+        self._tail_pos = cursor.position()
+        self._settled = 0
+        if self.history.streaming and m is self.history.messages[-1]:
+            self._frame.start()
+        self._render_tail(m.content, final=not self.history.streaming)
+
+    def _on_text(self, _text: str) -> None:
+        self._dirty = True  # rendered by the next frame, however many tokens arrive before it
+
+    def _on_finished(self, message: Message) -> None:
+        self._frame.stop()
+        self._dirty = False
+        self._render_tail(message.content, final=True)
+        reason = message.stats.get("reason")
+        if reason in ("cancelled", "length"):
+            note = "stopped" if reason == "cancelled" else "reached the token limit"
+            self._end_cursor().insertHtml(f" <i style='color:{self.theme.muted}'>({note})</i>")
+
+    def _flush(self) -> None:
+        if not self._dirty or not self.history.messages:
+            return
+        self._dirty = False
+        self._render_tail(self.history.messages[-1].content, final=False)
+
+    # -- rendering ---------------------------------------------------------------------------
+    def _render_tail(self, content: str, final: bool) -> None:
+        start = time.perf_counter()
+        bar = self.verticalScrollBar()
+        at_bottom = bar.value() >= bar.maximum() - 4
+        cursor = self._end_cursor()
+        cursor.setPosition(self._tail_pos, QTextCursor.MoveMode.KeepAnchor)
+        cursor.removeSelectedText()
+        cut = len(content) if final else settle_point(content, self._settled)
+        if cut > self._settled:
+            self._insert_markdown(content[self._settled:cut])
+            self._settled = cut
+            self._tail_pos = self._end_cursor().position()
+        if cut < len(content):
+            self._insert_markdown(content[cut:])
+        if at_bottom:
+            bar.setValue(bar.maximum())
+        self.render_ms_max = max(self.render_ms_max, (time.perf_counter() - start) * 1e3)
+
+    def _insert_markdown(self, text: str) -> None:
+        cursor = self._end_cursor()
+        begin = cursor.position()
+        cursor.insertMarkdown(text)
+        self._style_code(begin, cursor.position())
+
+    def _style_code(self, begin: int, end: int) -> None:
+        """Qt's Markdown import marks fenced code blocks but gives them no look; add one."""
+        doc = self.document()
+        block = doc.findBlock(begin)
+        fmt = QTextBlockFormat()
+        fmt.setBackground(QColor(self.theme.free))
+        fmt.setLeftMargin(8)
+        char = QTextCharFormat()
+        char.setFontFamilies(["DejaVu Sans Mono", "Menlo", "Consolas", "monospace"])
+        char.setFontStyleHint(QFont.StyleHint.Monospace)
+        while block.isValid() and block.position() <= end:
+            if block.blockFormat().hasProperty(QTextFormat.Property.BlockCodeFence):
+                c = QTextCursor(block)
+                c.mergeBlockFormat(fmt)
+                c.select(QTextCursor.SelectionType.BlockUnderCursor)
+                c.mergeCharFormat(char)
+            block = block.next()
+
+    def _end_cursor(self) -> QTextCursor:
+        cursor = QTextCursor(self.document())
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        return cursor

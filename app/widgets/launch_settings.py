@@ -1,0 +1,147 @@
+"""Launch settings: context, KV type, dequant-cache reserve, arena mode, prefill chunk.
+
+Every control writes to ``PlanModel`` at once (which re-prices); the model's ``settings`` event
+writes the values back, so presets and one-click fixes show up here too.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QSlider,
+    QSpinBox,
+    QWidget,
+)
+
+from app.models.model_summary import human_bytes
+from app.models.plan_model import KV_TYPES, MIN_CTX, PlanModel
+
+MIB = 1 << 20
+ARENAS = ("packed", "per-tensor", "chunked")
+
+
+class LaunchSettings(QWidget):
+    def __init__(self, model: PlanModel, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.model = model
+        self._syncing = False
+
+        self.ctx_slider = QSlider(Qt.Orientation.Horizontal)
+        self.ctx_slider.setSingleStep(1)
+        self.ctx_slider.setPageStep(8)
+        self.ctx_spin = QSpinBox()
+        self.ctx_spin.setSingleStep(MIN_CTX)
+        self.ctx_spin.setGroupSeparatorShown(True)
+        self.ctx_spin.setKeyboardTracking(False)
+        self.ctx_spin.setMinimumWidth(92)
+        ctx_row = QHBoxLayout()
+        ctx_row.addWidget(self.ctx_slider, 1)
+        ctx_row.addWidget(self.ctx_spin)
+
+        self.kv_combo = QComboBox()
+        self.kv_combo.addItems(KV_TYPES)
+        self.kv_combo.setToolTip("q8_0 stores the KV cache in 34 bytes per 32 values (about half of f16)")
+
+        self.reserve_spin = QSpinBox()
+        self.reserve_spin.setRange(0, 1 << 20)
+        self.reserve_spin.setSingleStep(256)
+        self.reserve_spin.setSuffix(" MiB")
+        self.reserve_spin.setGroupSeparatorShown(True)
+        self.reserve_spin.setKeyboardTracking(False)
+        self.reserve_spin.setToolTip("VRAM kept free after everything; the dequant cache gets the rest")
+
+        self.arena_combo = QComboBox()
+        self.arena_combo.addItems(ARENAS)
+        self.chunk_spin = QSpinBox()
+        self.chunk_spin.setRange(2, 1 << 16)
+        self.chunk_spin.setValue(512)
+        self.chunk_spin.setSuffix(" MiB")
+        self.chunk_spin.setKeyboardTracking(False)
+        arena_row = QHBoxLayout()
+        arena_row.addWidget(self.arena_combo, 1)
+        arena_row.addWidget(self.chunk_spin)
+        self.waste = QLabel()
+        self.waste.setObjectName("muted")
+        self.waste.setWordWrap(True)
+
+        self.prefill_spin = QSpinBox()
+        self.prefill_spin.setRange(16, 16384)
+        self.prefill_spin.setSingleStep(128)
+        self.prefill_spin.setSuffix(" tokens")
+        self.prefill_spin.setKeyboardTracking(False)
+
+        form = QFormLayout(self)
+        form.setContentsMargins(0, 0, 0, 0)
+        form.setLabelAlignment(Qt.AlignmentFlag.AlignLeft)
+        form.addRow("Context", ctx_row)
+        form.addRow("KV cache", self.kv_combo)
+        form.addRow("Cache reserve", self.reserve_spin)
+        form.addRow("Arena", arena_row)
+        form.addRow("", self.waste)
+        form.addRow("Prefill chunk", self.prefill_spin)
+
+        # Pricing the three arena modes takes three prices; do it once the user pauses.
+        self._waste_timer = QTimer(self)
+        self._waste_timer.setSingleShot(True)
+        self._waste_timer.setInterval(120)
+        self._waste_timer.timeout.connect(self._update_waste)
+
+        self.ctx_slider.valueChanged.connect(lambda v: self._write(self.model.set_ctx, v * MIN_CTX))
+        self.ctx_spin.valueChanged.connect(lambda v: self._write(self.model.set_ctx, v))
+        self.kv_combo.currentTextChanged.connect(lambda t: self._write(self.model.set_kv_type, t))
+        self.reserve_spin.valueChanged.connect(
+            lambda v: self._write(self.model.set_cache_reserve, v * MIB))
+        self.arena_combo.currentTextChanged.connect(lambda *_: self._write_arena())
+        self.chunk_spin.valueChanged.connect(lambda *_: self._write_arena())
+        self.prefill_spin.valueChanged.connect(lambda v: self._write(self.model.set_prefill_chunk, v))
+
+        model.events.settings.connect(self._on_settings)
+        model.events.model.connect(lambda *_: self._on_settings())
+        model.events.layout.connect(lambda *_: self._waste_timer.start())
+        self._on_settings()
+
+    def _write(self, setter, value) -> None:
+        if not self._syncing:
+            setter(value)
+
+    def _write_arena(self) -> None:
+        mode = self.arena_combo.currentText()
+        self.chunk_spin.setEnabled(mode == "chunked")
+        if mode == "chunked":
+            mode = f"chunked:{self.chunk_spin.value()}"
+        self._write(self.model.set_arena, mode)
+
+    def _on_settings(self) -> None:
+        m = self.model
+        self._syncing = True
+        try:
+            self.ctx_slider.setRange(1, max(1, m.max_ctx // MIN_CTX))
+            self.ctx_slider.setValue(m.ctx // MIN_CTX)
+            self.ctx_spin.setRange(MIN_CTX, m.max_ctx)
+            self.ctx_spin.setValue(m.ctx)
+            self.kv_combo.setCurrentText(m.kv_type)
+            self.reserve_spin.setValue(m.cache_reserve // MIB)
+            mode, _, size = m.arena.partition(":")
+            self.arena_combo.setCurrentText(mode)
+            if size:
+                self.chunk_spin.setValue(int(size))
+            self.chunk_spin.setEnabled(mode == "chunked")
+            self.prefill_spin.setValue(m.prefill_chunk)
+        finally:
+            self._syncing = False
+
+    def _update_waste(self) -> None:
+        chunked = f"chunked:{self.chunk_spin.value()}"
+        waste = self.model.rounding_by_arena(("packed", "per-tensor", chunked))
+        if not waste:
+            self.waste.setText("")
+            return
+        parts = []
+        for mode, nbytes in waste.items():
+            text = f"{mode} {human_bytes(nbytes)}"
+            parts.append(f"<b>{text}</b>" if mode == self.model.arena else text)
+        self.waste.setText("rounding waste: " + " · ".join(parts))

@@ -1,0 +1,199 @@
+"""The split editor: the model's layers as a strip, one coloured segment per GPU, boundaries that
+drag. Mirrors ``PlanModel``: a dragged line writes its raw position to ``set_boundary``; the model
+snaps it to a whole layer and re-prices; the view then shows the snapped value.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QKeyEvent
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.models.plan_model import PlanModel
+from app.theme import Theme, stage_color
+
+
+class SplitEditor(QWidget):
+    def __init__(self, model: PlanModel, theme: Theme, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.model = model
+        self.theme = theme
+        self.setFocusPolicy(Qt.FocusPolicy.StrongFocus)
+        self.selected = 1  # inner boundary the arrow keys move
+
+        self.auto_button = QPushButton("Auto")
+        self.auto_button.setToolTip("Split search: the boundaries with the most headroom")
+        self.auto_button.clicked.connect(self._on_auto)
+        self.even_button = QPushButton("Even")
+        self.even_button.setToolTip("The same number of layers on every GPU")
+        self.even_button.clicked.connect(self._on_even)
+        self.hint = QLabel("drag a boundary · ←/→ nudge · ↑/↓ choose boundary")
+        self.hint.setObjectName("muted")
+        self.use_row = QHBoxLayout()
+        self.use_row.setSpacing(10)
+        self._use_boxes: list[QCheckBox] = []
+
+        self.plot = pg.PlotWidget(background=None)
+        self.plot.setObjectName("splitPlot")
+        pi = self.plot.getPlotItem()
+        pi.setMenuEnabled(False)
+        pi.hideButtons()
+        pi.setMouseEnabled(False, False)
+        pi.hideAxis("left")
+        pi.getAxis("bottom").setLabel("layer")
+        self.plot.setFixedHeight(96)
+        self.stages = pg.BarGraphItem(x0=[0], width=[0], y0=[0], height=[1], brushes=["#888"])
+        pi.addItem(self.stages)
+        self.ticks = pg.PlotDataItem(connect="pairs")  # thin marks at every layer boundary
+        pi.addItem(self.ticks)
+        self._lines: list[pg.InfiniteLine] = []
+        self._labels: list[pg.TextItem] = []
+        self._syncing = False
+
+        top = QHBoxLayout()
+        top.addWidget(self.auto_button)
+        top.addWidget(self.even_button)
+        top.addSpacing(12)
+        top.addLayout(self.use_row)
+        top.addStretch(1)
+        top.addWidget(self.hint)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(4)
+        layout.addLayout(top)
+        layout.addWidget(self.plot)
+
+        model.events.split.connect(self._on_split)
+        model.events.devices.connect(self._on_devices)
+        model.events.model.connect(lambda *_: self._on_split())
+        self._on_devices()
+
+    # -- mirror the model --------------------------------------------------------------------
+    def _on_devices(self, *_: object) -> None:
+        while self.use_row.count():
+            w = self.use_row.takeAt(0).widget()
+            if w is not None:
+                w.deleteLater()
+        self._use_boxes = []
+        for pos, dev in enumerate(self.model.devices):
+            box = QCheckBox("CPU" if dev.index < 0 else f"GPU {dev.index}")
+            box.setToolTip(f"use {dev.name} in this plan")
+            box.setChecked(pos not in self.model.excluded)
+            box.toggled.connect(lambda on, p=pos: self.model.set_excluded(p, not on))
+            self.use_row.addWidget(box)
+            self._use_boxes.append(box)
+        multi = len(self.model.devices) > 1
+        for box in self._use_boxes:
+            box.setVisible(multi)
+        self._on_split()
+
+    def _on_split(self, *_: object) -> None:
+        split = self.model.split
+        n_layer = self.model.n_layer
+        pi = self.plot.getPlotItem()
+        n_stage = max(0, len(split) - 1)
+        if len(self._lines) != max(0, n_stage - 1):
+            self._rebuild_lines(n_stage)
+        if n_stage == 0:
+            self.stages.setOpts(x0=[0], width=[0], y0=[0], height=[1])
+            return
+        s = np.asarray(split, dtype=float)
+        active = self.model.active_devices()
+        positions = [self.model.devices.index(d) for d in active]
+        brushes = [stage_color(self.theme, p) for p in positions]
+        self.stages.setOpts(x0=s[:-1], width=np.diff(s), y0=np.zeros(n_stage),
+                            height=np.ones(n_stage), brushes=brushes, pens=[pg.mkPen(self.theme.panel)] * n_stage)
+        xs = np.repeat(np.arange(1, n_layer, dtype=float), 2)
+        ys = np.tile([0.0, 0.12], max(0, n_layer - 1))
+        self.ticks.setData(xs, ys, pen=pg.mkPen(self.theme.panel, width=1))
+        self._syncing = True
+        try:
+            for i, line in enumerate(self._lines, start=1):
+                line.setBounds(self.model.boundary_bounds(i))
+                if line.value() != split[i]:
+                    line.setValue(split[i])
+                line.setPen(self._line_pen(i == self.selected))
+        finally:
+            self._syncing = False
+        for k, label in enumerate(self._labels):
+            dev = active[k]
+            n = split[k + 1] - split[k]
+            name = "CPU" if dev.index < 0 else f"GPU {dev.index}"
+            label.setText(f"{name}\n{split[k]}–{split[k + 1] - 1} ({n})")
+            label.setPos((split[k] + split[k + 1]) / 2, 0.5)
+        pi.setRange(xRange=(0, max(1, n_layer)), yRange=(0, 1), padding=0.01)
+
+    def _rebuild_lines(self, n_stage: int) -> None:
+        pi = self.plot.getPlotItem()
+        for item in self._lines + self._labels:
+            pi.removeItem(item)
+        self._lines, self._labels = [], []
+        for i in range(1, n_stage):
+            line = pg.InfiniteLine(pos=0, angle=90, movable=True, pen=self._line_pen(False),
+                                   hoverPen=pg.mkPen(self.theme.text, width=5))
+            line.setZValue(10)
+            line.setCursor(Qt.CursorShape.SizeHorCursor)
+            line.sigPositionChanged.connect(lambda ln, i=i: self._on_line_moved(i, ln))
+            line.sigClicked.connect(lambda *_, i=i: self._select(i))
+            pi.addItem(line)
+            self._lines.append(line)
+        for _ in range(n_stage):
+            label = pg.TextItem(anchor=(0.5, 0.5), color="#ffffff")
+            label.setZValue(5)
+            pi.addItem(label)
+            self._labels.append(label)
+        self.selected = min(max(1, self.selected), max(1, n_stage - 1))
+
+    def _line_pen(self, selected: bool) -> pg.QtGui.QPen:
+        return pg.mkPen(self.theme.text, width=4 if selected else 3)
+
+    # -- write back --------------------------------------------------------------------------
+    def _on_line_moved(self, i: int, line: pg.InfiniteLine) -> None:
+        if self._syncing:
+            return
+        self.selected = i
+        snapped = self.model.set_boundary(i, line.value())
+        if line.value() != snapped:  # show the snapped layer, not the raw cursor position
+            self._syncing = True
+            try:
+                line.setValue(snapped)
+            finally:
+                self._syncing = False
+
+    def _select(self, i: int) -> None:
+        self.selected = i
+        self.setFocus()
+        self._on_split()
+
+    def _on_auto(self) -> None:
+        if not self.model.auto_split():
+            self.hint.setText("no split fits these GPUs; see the fit check")
+
+    def _on_even(self) -> None:
+        from app.models.plan_model import even_split
+
+        self.model.set_split(even_split(self.model.n_layer, len(self.model.active_devices())))
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        n_inner = len(self.model.split) - 2
+        if n_inner < 1:
+            return super().keyPressEvent(event)
+        step = 5 if event.modifiers() & Qt.KeyboardModifier.ShiftModifier else 1
+        key = event.key()
+        if key in (Qt.Key.Key_Left, Qt.Key.Key_Right):
+            self.model.nudge_boundary(self.selected, -step if key == Qt.Key.Key_Left else step)
+        elif key in (Qt.Key.Key_Up, Qt.Key.Key_Down):
+            d = -1 if key == Qt.Key.Key_Up else 1
+            self._select((self.selected - 1 + d) % n_inner + 1)
+        else:
+            return super().keyPressEvent(event)
+        event.accept()

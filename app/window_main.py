@@ -1,0 +1,350 @@
+"""The Carve window: plan on the left and the Plan tab, launch along the bottom, chat on its tab.
+
+``main(argv)`` is the GUI entry (``carve`` with no subcommand). ``--snapshot FILE.png`` renders
+the window offscreen to an image and exits, for docs and for checking the look headless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QCloseEvent, QDragEnterEvent, QDropEvent
+from PySide6.QtWidgets import (
+    QApplication,
+    QGroupBox,
+    QMainWindow,
+    QMessageBox,
+    QScrollArea,
+    QSplitter,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.engine_client import EngineClient
+from app.models.chat_model import ChatHistory
+from app.models.device_board import DeviceBoard
+from app.models.model_summary import summarize
+from app.models.plan_model import PlanModel
+from app.models.presets import PresetStore
+from app.theme import THEMES, Theme, style_sheet
+from engine.errors import CarveError
+
+DEFAULT_SIM_RIG = "rtx4090,rtx4090"  # planning works at once on a machine without a GPU
+START = time.perf_counter()
+
+
+def _group(title: str, *widgets: QWidget, stretch_last: bool = False) -> QGroupBox:
+    box = QGroupBox(title)
+    layout = QVBoxLayout(box)
+    layout.setContentsMargins(12, 14, 12, 12)
+    for w in widgets:
+        layout.addWidget(w)
+    if stretch_last:
+        layout.addStretch(1)
+    return box
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, theme: Theme, store: PresetStore | None = None,
+                 engine_program: list[str] | None = None, live_poll: bool = True) -> None:
+        super().__init__()
+        # Widgets import pyqtgraph; importing them here (not at module top) keeps `carve --help`
+        # and the CLIs from paying for it.
+        from app.widgets.chat_panel import ChatPanel
+        from app.widgets.fit_check import FitCheck
+        from app.widgets.launch_bar import LaunchBar
+        from app.widgets.launch_settings import LaunchSettings
+        from app.widgets.model_panel import ModelPanel
+        from app.widgets.presets_box import PresetsBox
+        from app.widgets.rig_picker import RigPicker
+        from app.widgets.split_editor import SplitEditor
+        from app.widgets.vram_bars import VramBars
+
+        self.setWindowTitle("Carve")
+        self.setAcceptDrops(True)
+        self.theme = theme
+        self.store = store or PresetStore()
+        self.plan = PlanModel()
+        self.board = DeviceBoard()
+        self.history = ChatHistory()
+        self.client = EngineClient(engine_program, parent=self)
+        self.rig = "auto"
+        self.live_poll = live_poll
+        self.launched_layout = None
+        self.poller = None
+
+        self.model_panel = ModelPanel()
+        self.presets = PresetsBox(self.store, self.plan.settings)
+        self.settings_panel = LaunchSettings(self.plan)
+        self.rig_picker = RigPicker()
+        self.vram = VramBars(self.board, theme)
+        self.split_editor = SplitEditor(self.plan, theme)
+        self.fit = FitCheck(self.plan, theme)
+        self.launch_bar = LaunchBar()
+        self.chat = ChatPanel(self.history, self.client, theme)
+
+        sidebar = QWidget()
+        sidebar.setObjectName("sidebar")
+        side = QVBoxLayout(sidebar)
+        side.setContentsMargins(10, 10, 6, 10)
+        side.setSpacing(10)
+        side.addWidget(_group("Model", self.model_panel))
+        side.addWidget(_group("Preset", self.presets))
+        side.addWidget(_group("Launch settings", self.settings_panel))
+        side.addStretch(1)
+        scroll = QScrollArea()
+        scroll.setWidget(sidebar)
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        scroll.setMinimumWidth(330)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+
+        plan_tab = QWidget()
+        plan_layout = QVBoxLayout(plan_tab)
+        plan_layout.setContentsMargins(6, 10, 10, 6)
+        plan_layout.setSpacing(10)
+        plan_layout.addWidget(_group("GPUs", self.rig_picker, self.vram), 3)
+        plan_layout.addWidget(_group("Layer split", self.split_editor))
+        plan_layout.addWidget(_group("Fit check", self.fit))
+        plan_layout.addStretch(0)
+        chat_tab = QWidget()
+        chat_layout = QVBoxLayout(chat_tab)
+        chat_layout.setContentsMargins(6, 10, 10, 6)
+        chat_layout.addWidget(self.chat)
+        self.tabs = QTabWidget()
+        self.tabs.setDocumentMode(True)
+        self.tabs.addTab(plan_tab, "Plan")
+        self.tabs.addTab(chat_tab, "Chat")
+
+        splitter = QSplitter()
+        splitter.addWidget(scroll)
+        splitter.addWidget(self.tabs)
+        splitter.setStretchFactor(1, 1)
+        splitter.setSizes([350, 930])
+        central = QWidget()
+        main = QVBoxLayout(central)
+        main.setContentsMargins(0, 0, 0, 0)
+        main.setSpacing(0)
+        main.addWidget(splitter, 1)
+        main.addWidget(self.launch_bar)
+        self.setCentralWidget(central)
+
+        self.model_panel.open_requested.connect(self.open_model)
+        self.model_panel.set_recent(self.store.recent_files())
+        self.presets.load_requested.connect(self.plan.apply_settings)
+        self.rig_picker.rig_chosen.connect(self.set_rig)
+        self.plan.events.layout.connect(self._on_layout)
+        self.launch_bar.launch_requested.connect(self.launch)
+        self.launch_bar.cancel_requested.connect(self.client.stop)
+        self.launch_bar.unload_requested.connect(self.client.unload)
+        self.client.state_changed.connect(self.launch_bar.set_engine_state)
+        self.client.progress.connect(self.launch_bar.on_progress)
+        self.client.loaded.connect(self._on_loaded)
+        self.client.unloaded.connect(self._on_unloaded)
+        self.client.error.connect(self._on_engine_error)
+        self.client.crashed.connect(self._on_crashed)
+        self.client.note.connect(self.launch_bar.show_message)
+        self.resize(1280, 800)
+
+    # -- devices -----------------------------------------------------------------------------
+    def set_rig(self, rig: str) -> None:
+        """"auto": this machine's GPUs, live; anything else: a simulated rig (engine.rigs)."""
+        from engine.devices import no_gpu_reason, snapshot
+        from engine.rigs import parse_rig
+
+        if rig == "auto":
+            snaps = snapshot()
+            if not snaps:
+                self.rig_picker.set_no_gpu(no_gpu_reason())
+                rig = DEFAULT_SIM_RIG
+            else:
+                self.rig_picker.set_no_gpu("")
+                self.rig = "auto"
+                self.rig_picker.set_current("auto")
+                self.board.set_live()
+                self.board.set_snapshots(snaps)
+                self._plan_live_devices(snaps)
+                self._start_polling()
+                return
+        try:
+            specs = parse_rig(rig)
+        except CarveError as err:
+            self.launch_bar.show_message(str(err))
+            return
+        self.rig = rig
+        self.rig_picker.set_current(rig)
+        self.board.set_simulated(rig, specs)
+        self.plan.set_devices(specs)
+
+    def _plan_live_devices(self, snaps: list) -> None:
+        own = frozenset({self.client.pid}) if self.client.pid else frozenset()
+        specs = [s.to_spec(own_pids=own) for s in sorted(snaps, key=lambda s: s.cuda_index)
+                 if s.cuda_index >= 0]
+        if self.client.state in ("loading", "loaded", "generating"):
+            return  # the plan holds the devices it was launched with; bars still refresh
+        self.plan.set_devices(specs)
+
+    def _start_polling(self) -> None:
+        if self.poller is not None or not self.live_poll:
+            return
+        from app.nvml_poller import NvmlPoller
+
+        self.poller = NvmlPoller(parent=self)
+        self.poller.snapshots.connect(self._on_snapshots)
+        self.poller.start()
+
+    def _on_snapshots(self, snaps: list) -> None:
+        if self.rig != "auto" or not snaps:
+            return
+        self.board.set_snapshots(snaps)
+        self._plan_live_devices(snaps)
+
+    # -- model -------------------------------------------------------------------------------
+    def open_model(self, path: str) -> bool:
+        try:
+            self.plan.open_model(path)
+        except (CarveError, OSError) as err:
+            self.model_panel.show_error(str(err))
+            return False
+        self.model_panel.show_summary(summarize(self.plan.gguf, self.plan.hparams))
+        self.model_panel.set_recent(self.store.add_recent(path))
+        self.presets.set_model(str(path))
+        self.chat.ctx_limit = self.plan.ctx
+        return True
+
+    def _on_layout(self, layout: object) -> None:
+        excluded = {d.index for i, d in enumerate(self.plan.devices) if i in self.plan.excluded}
+        self.board.set_plan(layout, excluded)
+        self.launch_bar.set_verdict(self.plan.verdict())
+
+    # -- launch ------------------------------------------------------------------------------
+    def launch(self) -> None:
+        plan = self.plan.plan()
+        if plan is None or not self.launch_bar.can_launch():
+            return
+        self.store.save_last_session(plan.model, self.rig, self.plan.settings())
+        self.launched_layout = self.plan.layout
+        self.chat.ctx_limit = plan.ctx
+        self.launch_bar.show_message("")
+        self.client.load(plan.to_json())
+
+    def _on_loaded(self, devices: list) -> None:
+        self.board.set_launched(self.launched_layout)
+        self.launch_bar.on_loaded(devices)
+        self.tabs.setCurrentIndex(1)
+        self.chat.input.setFocus()
+
+    def _on_unloaded(self) -> None:
+        self.board.set_launched(None)
+        self.launch_bar.clear_report()
+        self.launch_bar.show_message("Unloaded — the GPUs are free")
+
+    def _on_engine_error(self, message: str, fatal: bool) -> None:
+        if self.history.streaming:
+            return  # the chat panel shows it under the transcript
+        self.launch_bar.show_message(f"⚠ {message}")
+
+    def _on_crashed(self, text: str) -> None:
+        self.board.set_launched(None)
+        self.launch_bar.clear_report()
+        if self.history.streaming:
+            self.history.finish({"reason": "error"})
+        self.launch_bar.show_message("⚠ " + text.splitlines()[0] + " Launch again to restart it.")
+        box = QMessageBox(QMessageBox.Icon.Warning, "The engine stopped", text.splitlines()[0],
+                          QMessageBox.StandardButton.Ok, self)
+        box.setDetailedText(text)
+        box.setModal(False)
+        box.show()  # not exec(): the app keeps running and painting
+        self.crash_box = box
+
+    # -- window ------------------------------------------------------------------------------
+    def dragEnterEvent(self, event: QDragEnterEvent) -> None:
+        urls = event.mimeData().urls()
+        if urls and urls[0].toLocalFile().endswith(".gguf"):
+            event.acceptProposedAction()
+
+    def dropEvent(self, event: QDropEvent) -> None:
+        urls = event.mimeData().urls()
+        if urls:
+            self.open_model(urls[0].toLocalFile())
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        if self.plan.gguf is not None:
+            self.store.save_last_session(str(self.plan.gguf.paths[0]), self.rig,
+                                         self.plan.settings())
+        self.client.close_blocking()  # quitting ends the engine: no orphan holds VRAM
+        if self.poller is not None:
+            self.poller.stop()
+        super().closeEvent(event)
+
+    def restore(self, model: str | None, rig: str | None) -> None:
+        """Startup: the model asked for, else the last one, else the demo model if assembled;
+        the rig asked for, else the last one, else this machine (simulated if no GPU)."""
+        last = self.store.last_session()
+        self.set_rig(rig or last.get("rig") or "auto")
+        path = model or last.get("model") or _demo_model()
+        if path and self.open_model(path):
+            same = last.get("model") and Path(last["model"]).name == Path(path).name
+            if same and isinstance(last.get("settings"), dict):
+                self.plan.apply_settings(last["settings"])
+
+
+def _demo_model() -> str | None:
+    """The demo model's path if it is already assembled (never assembles at GUI start)."""
+    try:
+        from engine.demo import demo_model_path
+
+        return str(demo_model_path(assemble=False))
+    except (CarveError, ImportError, OSError):
+        return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="carve", description="Carve: plan, launch and chat with GGUF models.")
+    p.add_argument("--model", help="GGUF file to open (default: the last one, else the demo model)")
+    p.add_argument("--gpus", help='rig to plan for: "auto" (this machine), "4x24GiB", "rtx4090,a6000", "cpu"')
+    p.add_argument("--theme", choices=sorted(THEMES), default=None, help="light or dark look")
+    p.add_argument("--snapshot", metavar="FILE.png", help="render the window to an image and exit")
+    p.add_argument("--size", default="1280x800", help="window size for --snapshot (WxH)")
+    p.add_argument("--tab", choices=("plan", "chat"), default="plan", help="tab shown by --snapshot")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.snapshot and "QT_QPA_PLATFORM" not in os.environ:
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+    app.setApplicationName("Carve")
+    theme = THEMES[args.theme or os.environ.get("CARVE_THEME", "light")]
+    app.setStyle("Fusion")
+    app.setStyleSheet(style_sheet(theme))
+    window = MainWindow(theme, live_poll=not args.snapshot)
+    if args.snapshot:
+        w, _, h = args.size.partition("x")
+        window.resize(int(w), int(h))
+        window.restore(args.model, args.gpus)
+        window.tabs.setCurrentIndex(1 if args.tab == "chat" else 0)
+        window.show()
+        for _ in range(3):
+            app.processEvents()
+        QTimer.singleShot(300, app.quit)  # let debounced widgets (fixes, waste) settle
+        app.exec()
+        ok = window.grab().save(args.snapshot)
+        window.close()
+        if not ok:
+            print(f"carve: could not write {args.snapshot}; check the folder exists", file=sys.stderr)
+            return 2
+        return 0
+    window.show()
+    shown = time.perf_counter() - START
+    if os.environ.get("CARVE_STARTUP_TIMING"):
+        print(f"carve: window shown {shown:.3f} s after import", file=sys.stderr)
+    QTimer.singleShot(0, lambda: window.restore(args.model, args.gpus))
+    return app.exec()
