@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from engine.errors import CarveError
-from engine.gguf_write import GGUFSink, split_names
+from engine.gguf_write import GGUFSink, MetaItem, split_names
 from engine.quant_types import BY_NAME, F32, Q4_K, Q6_K, QUANT, quant, type_name
 from engine.synth_shapes import SHAPES, Shape, metadata, tensor_table
 
@@ -141,13 +142,17 @@ def _block_pool(ggml_type: int, kind: str, rng: np.random.Generator) -> np.ndarr
 
 
 def write_model(path: str | Path, shape: str | Shape, mix: str = "q4_k_m", split: int = 1,
-                seed: int = 0) -> list[Path]:
+                seed: int = 0, edit: Callable[[list[MetaItem]], list[MetaItem]] | None = None,
+                ) -> list[Path]:
     """Write a synthetic model (one file, or ``split`` shards named like gguf-split's) and
-    return the paths written. Tensor data streams from pools: memory stays ~100 MiB."""
+    return the paths written. Tensor data streams from pools: memory stays ~100 MiB.
+    ``edit`` may rewrite the metadata list (tests use it for odd keys and broken models)."""
     sh = SHAPES[shape] if isinstance(shape, str) else shape
     types = tensor_types(sh, mix)
     table = tensor_table(sh)
     meta = metadata(sh, mix)
+    if edit is not None:
+        meta = edit(meta)
     rng = np.random.default_rng(seed)
     pools: dict[tuple[int, str], np.ndarray] = {}
 

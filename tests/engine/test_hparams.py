@@ -1,0 +1,139 @@
+"""HParams against transformers' own GGUF config reading, and against the real models' configs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import pytest
+
+from engine.errors import CarveError
+from engine.gguf_file import GGUFModel
+from engine.gguf_write import F32, STR, U32
+from engine.hparams import HParams
+from engine.synth import SHAPES, write_model
+
+
+def _hf_config(path) -> dict:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_matches_transformers_gguf_config(synth_model, arch):
+    path = synth_model(arch)
+    hp = HParams.from_model(GGUFModel.open(path))
+    cfg = _hf_config(path)
+    assert hp.arch == arch
+    assert hp.n_layer == cfg["num_hidden_layers"]
+    assert hp.n_embd == cfg["hidden_size"]
+    assert hp.n_ff == cfg["intermediate_size"]
+    assert hp.n_head == cfg["num_attention_heads"]
+    assert hp.n_head_kv == cfg["num_key_value_heads"]
+    assert hp.n_ctx_train == cfg["max_position_embeddings"]
+    assert hp.n_vocab == cfg["vocab_size"]
+    assert hp.rope_base == cfg["rope_theta"]
+    assert hp.rms_eps == cfg["rms_norm_eps"]
+    assert hp.tied_embeddings == cfg["tie_word_embeddings"]
+    # transformers leaves head_dim out when the file does not say; then it is n_embd / n_head.
+    # Its qwen3 mapping drops attention.key_length, which llama.cpp reads (see test_styles_per_arch)
+    if arch != "qwen3":
+        assert hp.head_dim == cfg.get("head_dim", hp.n_embd // hp.n_head)
+    assert hp.sliding_window == cfg.get("sliding_window", 0)
+
+
+def test_gemma3_layers_match_transformers(synth_model):
+    from transformers import Gemma3TextConfig
+
+    path = synth_model("gemma3")
+    hp = HParams.from_model(GGUFModel.open(path))
+    cfg = _hf_config(path)
+    hf = Gemma3TextConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "rope_theta")})
+    assert hp.swa_layers == tuple(t == "sliding_attention" for t in hf.layer_types)
+    assert hp.rope_base_swa == hf.rope_parameters["sliding_attention"]["rope_theta"]
+    assert hp.sliding_window == hf.sliding_window == 64
+    assert hp.rope_style == "neox" and hp.act == "gelu" and hp.qk_norm and hp.sandwich_norm
+    assert hp.embed_scale == math.sqrt(256) and hp.attn_scale == 128**-0.5
+    assert [hp.kv_cells(i, 1000) for i in range(6)] == [64] * 5 + [1000]
+    assert hp.kv_cells(0, 10) == 10
+
+
+def test_styles_per_arch(synth_model):
+    llama = HParams.from_model(GGUFModel.open(synth_model("llama")))
+    qwen2 = HParams.from_model(GGUFModel.open(synth_model("qwen2")))
+    qwen3 = HParams.from_model(GGUFModel.open(synth_model("qwen3")))
+    assert llama.rope_style == "normal" and qwen2.rope_style == qwen3.rope_style == "neox"
+    assert not llama.qk_norm and not qwen2.qk_norm and qwen3.qk_norm
+    assert qwen3.head_dim == 128 and qwen3.attn_scale == 128**-0.5
+    assert llama.act == qwen2.act == "silu" and llama.embed_scale == 1.0
+    assert llama.swa_layers == (False,) * 4 and llama.kv_cells(3, 4096) == 4096
+    assert qwen2.tied_embeddings and not llama.tied_embeddings
+    assert not any(h.sandwich_norm for h in (llama, qwen2, qwen3))
+
+
+def test_demo_model(demo_model_path):
+    # Qwen2.5-Coder-0.5B-Instruct config.json; this file carries its own output.weight
+    hp = HParams.from_model(GGUFModel.open(demo_model_path))
+    assert (hp.arch, hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim) == \
+        ("qwen2", 24, 896, 14, 2, 64)
+    assert (hp.n_ff, hp.n_vocab, hp.n_ctx_train, hp.rope_base) == (4864, 151936, 32768, 1e6)
+    assert hp.rope_style == "neox" and hp.sliding_window == 0 and not hp.tied_embeddings
+    assert hp.rms_eps == pytest.approx(1e-6)
+
+
+def test_gemma_model(gemma_model_path):
+    # google/gemma-3-270m config.json: query_pre_attn_scalar 256, sliding_window 512,
+    # layer_types five sliding then one full, rope_local_base_freq 10000
+    hp = HParams.from_model(GGUFModel.open(gemma_model_path))
+    assert (hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_ff) == \
+        (18, 640, 4, 1, 256, 2048)
+    assert hp.n_vocab == 262144 and hp.tied_embeddings and hp.sliding_window == 512
+    assert [i for i, s in enumerate(hp.swa_layers) if not s] == [5, 11, 17]
+    assert hp.attn_scale == 256**-0.5 and hp.rope_base_swa == 10000 and hp.rope_base == 1e6
+    assert hp.embed_scale == pytest.approx(math.sqrt(640))
+
+
+def _edited(tmp_path, shape, edit):
+    return GGUFModel.open(write_model(tmp_path / "m.gguf", shape, "q8_0", edit=edit)[0])
+
+
+def _set(key, vtype, value):
+    def edit(meta):
+        return [kv for kv in meta if kv[0] != key] + [(key, vtype, value)]
+    return edit
+
+
+def test_rope_scaling_and_attention_scale(tmp_path):
+    m = _edited(tmp_path, "llama-tiny", lambda meta: _set("llama.rope.scaling.type", STR,
+                "linear")(meta) + [("llama.rope.scaling.factor", F32, 4.0)])
+    hp = HParams.from_model(m)
+    assert hp.rope_scaling == "linear" and hp.rope_scale == 4.0
+    m = _edited(tmp_path, "gemma3-tiny", _set("gemma3.attention.query_pre_attn_scalar", F32, 64.0))
+    assert HParams.from_model(m).attn_scale == 64**-0.5
+    m = _edited(tmp_path, "gemma3-tiny", _set("gemma3.attention.sliding_window_pattern", U32, 2))
+    assert HParams.from_model(m).swa_layers == (True, False) * 3
+
+
+def test_gemma3_27b_attention_scale(tmp_path):
+    # 62 layers is Gemma 3 27B, whose query_pre_attn_scalar is n_embd / n_head, not head_dim
+    shape = dataclasses.replace(SHAPES["gemma3-tiny"], n_layer=62)
+    hp = HParams.from_model(GGUFModel.open(write_model(tmp_path / "g.gguf", shape, "q8_0")[0]))
+    assert hp.attn_scale == (256 / 2) ** -0.5 and hp.swa_layers.count(False) == 10
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_set("general.architecture", STR, "mamba"), "unsupported architecture 'mamba'"),
+    (lambda meta: [kv for kv in meta if kv[0] != "llama.block_count"],
+     "llama.block_count is missing"),
+    (_set("llama.attention.head_count_kv", U32, 3), "impossible shape"),
+    (_set("llama.embedding_length", STR, "big"), "llama.embedding_length is 'big'"),
+])
+def test_bad_models(tmp_path, edit, message):
+    m = _edited(tmp_path, "llama-tiny", edit)
+    with pytest.raises(CarveError, match=message) as err:
+        HParams.from_model(m)
+    assert str(m.paths[0]) in str(err.value)
