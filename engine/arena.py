@@ -78,34 +78,54 @@ def per_tensor(purpose: str, requests: Iterable[Request]) -> list[Arena]:
     ]
 
 
-def chunked(name: str, purpose: str, requests: Iterable[Request], chunk: int) -> list[Arena]:
-    """First-fit into `chunk`-byte arenas, in request order; oversize spans get their own."""
-    chunks: list[list[Span]] = []
+def first_fit(sizes: Iterable[int], chunk: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """Place sizes first-fit into `chunk`-byte chunks: ((chunk no, offset) per size, chunk sizes).
+    A size above `chunk` gets a chunk of its own, exactly its aligned size."""
+    where: list[tuple[int, int]] = []
     used: list[int] = []
-    sizes: list[int] = []
+    sizes_out: list[int] = []
     open_: list[int] = []  # chunks that can still take the smallest span (ALIGN bytes)
-    for rname, nbytes, dtype, shape in requests:
+    for nbytes in sizes:
         size = align_up(max(nbytes, 1))
         if size > chunk:
-            chunks.append([Span(rname, purpose, 0, nbytes, dtype, shape)])
+            where.append((len(used), 0))
             used.append(size)
-            sizes.append(size)
+            sizes_out.append(size)
             continue
         for pos, k in enumerate(open_):
-            if sizes[k] - used[k] >= size:
+            if sizes_out[k] - used[k] >= size:
                 break
         else:
-            k = len(chunks)
-            chunks.append([])
+            k = len(used)
             used.append(0)
-            sizes.append(chunk)
+            sizes_out.append(chunk)
             open_.append(k)
             pos = len(open_) - 1
-        chunks[k].append(Span(rname, purpose, used[k], nbytes, dtype, shape))
+        where.append((k, used[k]))
         used[k] += size
-        if sizes[k] - used[k] < ALIGN:
+        if sizes_out[k] - used[k] < ALIGN:
             del open_[pos]
-    return [Arena(f"{name}.{k}", purpose, sizes[k], tuple(s)) for k, s in enumerate(chunks)]
+    return where, sizes_out
+
+
+def chunked(name: str, purpose: str, requests: Sequence[Request], chunk: int) -> list[Arena]:
+    """First-fit into `chunk`-byte arenas, in request order; oversize spans get their own."""
+    where, sizes = first_fit((r[1] for r in requests), chunk)
+    spans: list[list[Span]] = [[] for _ in sizes]
+    for (k, off), (rname, nbytes, dtype, shape) in zip(where, requests, strict=True):
+        spans[k].append(Span(rname, purpose, off, nbytes, dtype, shape))
+    return [Arena(f"{name}.{k}", purpose, sizes[k], tuple(s)) for k, s in enumerate(spans)]
+
+
+def allocation_sizes(mode: ArenaMode, sizes: Sequence[int]) -> list[int]:
+    """The allocations `arrange` makes for requests of these sizes (no spans built)."""
+    if not sizes:
+        return []
+    if mode.kind == "packed":
+        return [sum(-(-n // ALIGN) * ALIGN for n in sizes)]
+    if mode.kind == "per-tensor":
+        return list(sizes)
+    return first_fit(sizes, mode.chunk)[1]
 
 
 def arrange(mode: ArenaMode, name: str, purpose: str, requests: Sequence[Request]) -> list[Arena]:
@@ -149,6 +169,8 @@ class CachingAllocatorModel:
 
     def malloc(self, nbytes: int) -> int:
         """Allocate; returns the block size handed out."""
+        if nbytes == 0:  # torch hands out a null pointer for empty tensors
+            return 0
         size = round_block(nbytes)
         small = size <= SMALL_SIZE
         free = self._free[small]
@@ -168,11 +190,16 @@ class CachingAllocatorModel:
         return bsize
 
 
+def reserved_bytes(sizes: Iterable[int], on_gpu: bool) -> int:
+    """What a device gives up for allocations of these sizes, made in this order."""
+    if not on_gpu:
+        return sum(sizes)
+    model = CachingAllocatorModel()
+    for n in sizes:
+        model.malloc(n)
+    return model.reserved
+
+
 def device_bytes(arenas: Sequence[Arena], on_gpu: bool) -> int:
     """What a device gives up for these arenas, allocated in this order."""
-    if not on_gpu:
-        return sum(a.nbytes for a in arenas)
-    model = CachingAllocatorModel()
-    for a in arenas:
-        model.malloc(a.nbytes)
-    return model.reserved
+    return reserved_bytes((a.nbytes for a in arenas), on_gpu)

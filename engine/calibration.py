@@ -12,6 +12,7 @@ The CPU device has no such overhead: 0.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -33,6 +34,7 @@ def path() -> Path:
     return Path(base) / "carve" / "calibration.json"
 
 
+@functools.cache
 def torch_version() -> str:
     """The installed torch's version without importing it (the GUI never imports torch)."""
     try:

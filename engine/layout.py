@@ -6,8 +6,9 @@ allocates each device's arenas in the order listed, one allocation per Arena.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from engine.devices import DeviceSpec
 
@@ -49,13 +50,54 @@ class Arena:
         return cls(d["name"], d["purpose"], d["nbytes"], tuple(Span.from_json(s) for s in d["spans"]))
 
 
+class LazyArenas(Sequence[Arena]):
+    """A device's arenas, built on first use. Pricing a drag needs only the byte counts, which
+    come from prefix sums; the thousands of Span objects are built when something reads them
+    (the loader, --json, a test) — and then they are exactly what the counts were made of."""
+
+    __slots__ = ("_build", "_items")
+
+    def __init__(self, build: Callable[[], Sequence[Arena]]) -> None:
+        self._build: Callable[[], Sequence[Arena]] | None = build
+        self._items: tuple[Arena, ...] | None = None
+
+    def _get(self) -> tuple[Arena, ...]:
+        if self._items is None:
+            assert self._build is not None
+            self._items = tuple(self._build())
+            self._build = None
+        return self._items
+
+    @overload
+    def __getitem__(self, i: int) -> Arena: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[Arena, ...]: ...
+    def __getitem__(self, i: int | slice) -> Arena | tuple[Arena, ...]:
+        return self._get()[i]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __iter__(self) -> Iterator[Arena]:
+        return iter(self._get())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(self._get())
+
+    def __repr__(self) -> str:
+        return f"LazyArenas({len(self)} arenas)" if self._items is None else repr(self._items)
+
+
 @dataclass(frozen=True)
 class DeviceLayout:
     device: DeviceSpec
     layers: tuple[int, int]  # [lo, hi)
     first: bool
     last: bool
-    arenas: tuple[Arena, ...]
+    arenas: Sequence[Arena]  # a tuple, or LazyArenas (built on first read)
     terms: dict[str, int]  # purpose -> bytes requested, plus "overhead" and "rounding"
     allocated: int  # what the engine allocates: the arenas as the allocator rounds them
     total: int  # allocated + overhead

@@ -19,9 +19,10 @@ from engine.arena import (
     ArenaMode,
     Request,
     align_up,
+    allocation_sizes,
     arrange,
-    device_bytes,
     parse_arena,
+    reserved_bytes,
     round_block,
     segment_size,
 )
@@ -29,7 +30,7 @@ from engine.buffers import DTYPE_BYTES, activation_buffers
 from engine.calibration import overhead_for
 from engine.devices import DeviceSpec
 from engine.errors import CarveError
-from engine.layout import Arena, DeviceLayout, Layout, human
+from engine.layout import PURPOSES, Arena, DeviceLayout, Layout, LazyArenas, human
 from engine.plan import Plan
 from engine.quant_types import type_name
 
@@ -45,24 +46,38 @@ ROLE_GLOBALS_LAST = ("output_norm.weight", "output.weight")
 
 @dataclass(frozen=True, slots=True)
 class ModelIndex:
-    """What pricing needs from a model, computed once."""
+    """What pricing needs from a model, computed once: per-layer tensor lists and prefix sums,
+    so a stage's weights cost two lookups however many tensors it holds."""
 
     model: Any
     hp: Any
     n_layer: int
     layer_tensors: tuple[tuple[Any, ...], ...]  # per layer, file order
     layer_requests: tuple[tuple[Request, ...], ...]
+    layer_sizes: tuple[tuple[int, ...], ...]  # nbytes per tensor, per layer
     layer_prefix: tuple[int, ...]  # aligned weight bytes of layers [0, i)
+    layer_raw_prefix: tuple[int, ...]  # exact weight bytes of layers [0, i)
     first_globals: tuple[Any, ...]  # token_embd
     last_globals: tuple[Any, ...]  # output_norm, output (or the tied token_embd copy)
     shared: tuple[Any, ...]  # other non-layer tensors (rope_freqs...): every stage needs them
-    cacheable: tuple[tuple[int, Any], ...]  # (layer, tensor) in benefit order, best first
-    matrices: tuple[tuple[int, Any], ...]  # (layer, tensor) 2-D blk weights
+    cacheable: tuple[tuple[int, Any, int], ...]  # (layer, tensor, f16 bytes), best benefit first
+    cache_prefix: tuple[int, ...]  # f16 bytes of layers [0, i)'s cacheable matrices
+    cache_aligned_prefix: tuple[int, ...]
+    # act ggml id -> per layer: elements of the largest matrix needing a dequant for a GEMM,
+    # of all matrices ("all") and of those the dequant cache cannot hold ("uncacheable")
+    gemm_max: dict[tuple[int, str], tuple[int, ...]]
 
 
 def _request(t: Any) -> Request:
     # raw GGUF bytes; shape in GGUF order (ne0 first), dtype the GGUF type name
     return (t.name, t.nbytes, type_name(t.ggml_type), tuple(t.shape))
+
+
+def _prefix(values: list[int]) -> tuple[int, ...]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return tuple(out)
 
 
 _INDEX: OrderedDict[int, ModelIndex] = OrderedDict()
@@ -77,35 +92,45 @@ def model_index(model: Any) -> ModelIndex:
     hp = HParams.from_model(model)
     n = hp.n_layer
     per: list[list[Any]] = [[] for _ in range(n)]
-    first, last, shared = [], [], []
     by_name = {}
     for t in model.tensors:
         layer = t.layer
-        if layer is not None:
-            if not 0 <= layer < n:
-                raise CarveError(f"{model.paths[0]}: tensor {t.name} is outside the model's {n} layers")
+        if layer is None:
+            by_name[t.name] = t
+        elif 0 <= layer < n:
             per[layer].append(t)
         else:
-            by_name[t.name] = t
-    for name, t in by_name.items():
-        if name in ROLE_GLOBALS_FIRST:
-            first.append(t)
-        elif name not in ROLE_GLOBALS_LAST:
-            shared.append(t)
-    last = [by_name[n_] for n_ in ROLE_GLOBALS_LAST if n_ in by_name]
+            raise CarveError(f"{model.paths[0]}: tensor {t.name} is outside the model's {n} layers")
+    first = [t for name, t in by_name.items() if name in ROLE_GLOBALS_FIRST]
+    shared = [t for name, t in by_name.items() if name not in ROLE_GLOBALS_FIRST + ROLE_GLOBALS_LAST]
+    last = [by_name[name] for name in ROLE_GLOBALS_LAST if name in by_name]
     if "output.weight" not in by_name and "token_embd.weight" in by_name:
         last.append(by_name["token_embd.weight"])  # tied: the last stage keeps its own copy
-    prefix = [0]
-    for ts in per:
-        prefix.append(prefix[-1] + sum(align_up(t.nbytes) for t in ts))
-    matrices = [(i, t) for i, ts in enumerate(per) for t in ts if len(t.shape) >= 2]
     cacheable = sorted(
-        ((i, t) for i, t in matrices if t.ggml_type not in NOT_QUANTIZED),
+        ((i, t, t.n_elements * 2) for i, ts in enumerate(per) for t in ts
+         if len(t.shape) >= 2 and t.ggml_type not in NOT_QUANTIZED),
         key=lambda it: (-_DEQUANT_COST.get(it[1].ggml_type, 2.0), -it[1].n_elements, it[0], it[1].name),
     )
-    idx = ModelIndex(model, hp, n, tuple(tuple(ts) for ts in per),
-                     tuple(tuple(_request(t) for t in ts) for ts in per), tuple(prefix),
-                     tuple(first), tuple(last), tuple(shared), tuple(cacheable), tuple(matrices))
+    per_cache = [0] * n
+    per_cache_al = [0] * n
+    for i, _, nb in cacheable:
+        per_cache[i] += nb
+        per_cache_al[i] += align_up(nb)
+    gemm_max = {}
+    for act in (0, 1, 30):
+        mats = [[t for t in ts if len(t.shape) >= 2 and t.ggml_type != act] for ts in per]
+        gemm_max[act, "all"] = tuple(max((t.n_elements for t in m), default=0) for m in mats)
+        gemm_max[act, "uncacheable"] = tuple(
+            max((t.n_elements for t in m if t.ggml_type in NOT_QUANTIZED), default=0) for m in mats)
+    idx = ModelIndex(
+        model, hp, n, tuple(tuple(ts) for ts in per),
+        tuple(tuple(_request(t) for t in ts) for ts in per),
+        tuple(tuple(t.nbytes for t in ts) for ts in per),
+        _prefix([sum(align_up(t.nbytes) for t in ts) for ts in per]),
+        _prefix([sum(t.nbytes for t in ts) for ts in per]),
+        tuple(first), tuple(last), tuple(shared), tuple(cacheable),
+        _prefix(per_cache), _prefix(per_cache_al), gemm_max,
+    )
     _INDEX[id(model)] = idx
     while len(_INDEX) > 8:
         _INDEX.popitem(last=False)
@@ -177,35 +202,80 @@ def _stage_key(plan: Plan, i: int, **over: Any) -> StageKey:
     return StageKey(**kw)
 
 
-def _gemm_elements(idx: ModelIndex, k: StageKey, cached: set[str]) -> int:
-    """Largest matrix this stage dequantizes on the fly in prefill (-> buf.dequant)."""
-    act_type = {"f32": 0, "f16": 1, "bf16": 30}[k.act_dtype]
-    best = 0
-    for layer in range(k.lo, k.hi):
-        for t in idx.layer_tensors[layer]:
-            if len(t.shape) >= 2 and t.ggml_type != act_type and t.name not in cached:
-                best = max(best, t.n_elements)
+_ACT_TYPE = {"f32": 0, "f16": 1, "bf16": 30}
+
+
+def _scratch(idx: ModelIndex, k: StageKey, which: str = "all", skipped: int = 0) -> int:
+    """Elements of the largest matrix the stage dequantizes on the fly for a prefill GEMM
+    (-> buf.dequant): of every matrix ("all"), or of those outside the dequant cache
+    ("uncacheable" plus `skipped`, the largest cacheable one the cache left out)."""
+    act = _ACT_TYPE[k.act_dtype]
+    best = max(max(idx.gemm_max[act, which][k.lo:k.hi], default=0), skipped)
     if k.last and k.logits_rows > 1:  # logits for every row: the output matrix runs as a GEMM
         for t in idx.last_globals:
-            if len(t.shape) >= 2 and t.ggml_type != act_type:
+            if len(t.shape) >= 2 and t.ggml_type != act:
                 best = max(best, t.n_elements)
     return best
 
 
-def _fixed_arenas(idx: ModelIndex, k: StageKey, mode: ArenaMode, scratch: int,
-                  weights_spans: bool = True) -> list[Arena]:
-    """Every arena of the stage but the dequant cache, in allocation order. Without
-    `weights_spans` (packed only) the weights arena is a span-less stand-in of the right size."""
-    hp = idx.hp
-    if weights_spans:
-        out = arrange(mode, "weights", "weights", [r for L in range(k.lo, k.hi) for r in idx.layer_requests[L]])
-    else:
-        out = [Arena("weights", "weights", idx.layer_prefix[k.hi] - idx.layer_prefix[k.lo], ())]
+_MEMO: dict[tuple[Any, ...], Any] = {}
+
+
+def _memo(key: tuple[Any, ...], make: Any) -> Any:
+    v = _MEMO.get(key)
+    if v is None:
+        v = _MEMO[key] = make()
+        if len(_MEMO) > 4096:
+            _MEMO.pop(next(iter(_MEMO)))
+    return v
+
+
+def _kv_table(idx: ModelIndex, ctx: int, kv_type: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """(raw prefix, aligned prefix, per-layer span sizes) of the KV cache at this ctx."""
+    def make() -> Any:
+        sizes = [tuple(r[1] for r in kv_requests(idx.hp, i, i + 1, ctx, kv_type)) for i in range(idx.n_layer)]
+        return (_prefix([sum(s) for s in sizes]), _prefix([sum(align_up(n) for n in s) for s in sizes]),
+                tuple(sizes))
+    return _memo((id(idx), "kv", ctx, kv_type), make)
+
+
+def _buffer_specs(idx: ModelIndex, k: StageKey, scratch: int) -> list[Any]:
+    rows = k.logits_rows if k.last else 0
+    return _memo((id(idx), "buf", k.chunk, k.act_dtype, rows, scratch),
+                 lambda: activation_buffers(idx.hp, k.chunk, k.act_dtype, rows, scratch))
+
+
+def _sizes(idx: ModelIndex, k: StageKey, mode: ArenaMode, scratch: int,
+           dq: list[int] | int) -> tuple[list[int], dict[str, int]]:
+    """(allocation sizes in engine order, requested bytes per purpose) without building spans.
+    `dq`: the dequant cache's span sizes, or (packed only) their aligned total."""
+    glob = _memo((id(idx), "glob", k.first, k.last), lambda: [t.nbytes for t in _globals(idx, k.first, k.last)])
+    kv_raw, kv_al, kv_sizes = _kv_table(idx, k.ctx, k.kv_type)
+    bufs = [b.nbytes for b in _buffer_specs(idx, k, scratch)]
+    terms = {"weights": idx.layer_raw_prefix[k.hi] - idx.layer_raw_prefix[k.lo], "globals": sum(glob),
+             "kv": kv_raw[k.hi] - kv_raw[k.lo], "buffers": sum(bufs)}
+    if mode.kind == "packed":
+        dq_al = dq if isinstance(dq, int) else sum(align_up(n) for n in dq)
+        allocs = [idx.layer_prefix[k.hi] - idx.layer_prefix[k.lo], sum(align_up(n) for n in glob),
+                  kv_al[k.hi] - kv_al[k.lo], sum(align_up(n) for n in bufs), dq_al]
+        return [a for a in allocs if a], terms
+    assert isinstance(dq, list)
+    allocs = allocation_sizes(mode, [n for i in range(k.lo, k.hi) for n in idx.layer_sizes[i]])
+    allocs += allocation_sizes(mode, glob)
+    allocs += allocation_sizes(mode, [n for i in range(k.lo, k.hi) for n in kv_sizes[i]])
+    allocs += allocation_sizes(mode, bufs)
+    return allocs + allocation_sizes(mode, dq), terms
+
+
+def _arenas(idx: ModelIndex, k: StageKey, mode: ArenaMode, scratch: int, chosen: list[Any]) -> list[Arena]:
+    """The stage's arenas with every span, in allocation order (what `_sizes` counted)."""
+    dq_dtype = "bf16" if k.act_dtype == "bf16" else "f16"
+    out = arrange(mode, "weights", "weights", [r for i in range(k.lo, k.hi) for r in idx.layer_requests[i]])
     out += arrange(mode, "globals", "globals", [_request(t) for t in _globals(idx, k.first, k.last)])
-    out += arrange(mode, "kv", "kv", kv_requests(hp, k.lo, k.hi, k.ctx, k.kv_type))
-    bufs = activation_buffers(hp, k.chunk, k.act_dtype, k.logits_rows if k.last else 0, scratch)
-    out += arrange(mode, "buffers", "buffers", [(f"buf.{b.name}", b.nbytes, b.dtype, b.shape) for b in bufs])
-    return out
+    out += arrange(mode, "kv", "kv", kv_requests(idx.hp, k.lo, k.hi, k.ctx, k.kv_type))
+    out += arrange(mode, "buffers", "buffers",
+                   [(f"buf.{b.name}", b.nbytes, b.dtype, b.shape) for b in _buffer_specs(idx, k, scratch)])
+    return out + arrange(mode, "dequant_cache", "dequant_cache", [_dq_request(t, dq_dtype) for t in chosen])
 
 
 def _dq_request(t: Any, dtype: str) -> Request:
@@ -213,7 +283,12 @@ def _dq_request(t: Any, dtype: str) -> Request:
     return (f"dq.{t.name}", rows * cols * DTYPE_BYTES[dtype], dtype, (rows, cols))
 
 
+def _in_range(idx: ModelIndex, k: StageKey) -> list[tuple[int, Any, int]]:
+    return [c for c in idx.cacheable if k.lo <= c[0] < k.hi]
+
+
 def price_stage(idx: ModelIndex, k: StageKey) -> DeviceLayout:
+    """One device's share: its carve, KV, buffers, then the dequant cache from what is left."""
     cache_key = (id(idx), k)
     hit = _STAGES.get(cache_key)
     if hit is not None:
@@ -222,40 +297,49 @@ def price_stage(idx: ModelIndex, k: StageKey) -> DeviceLayout:
     dev, mode, gpu = k.device, parse_arena(k.arena), not k.device.is_cpu
     overhead, source = overhead_for(dev)
     avail = dev.free - dev.reserve
-    dq_dtype = "bf16" if k.act_dtype == "bf16" else "f16"
-    fixed = _fixed_arenas(idx, k, mode, _gemm_elements(idx, k, set()))
-    fixed_bytes = device_bytes(fixed, gpu)
-    budget = avail - overhead - fixed_bytes - k.cache_reserve
-    chosen: list[Any] = []
-    if budget > 0:
-        slack = 2 * MIB if gpu else 0  # the cache arena's own rounding to the allocator's grain
-        used = 0
-        for layer, t in idx.cacheable:
-            if k.lo <= layer < k.hi:
-                cost = align_up(t.n_elements * 2)
-                if gpu and mode.kind == "per-tensor":  # upper bound: its own segment
-                    cost = segment_size(round_block(cost))
-                if used + cost + slack <= budget:
-                    chosen.append(t)
-                    used += cost
-    while True:  # exact check of the choice; drop the smallest-benefit item if rounding overshoots
-        names = {t.name for t in chosen}
-        arenas = _fixed_arenas(idx, k, mode, _gemm_elements(idx, k, names)) if chosen else fixed
-        arenas += arrange(mode, "dequant_cache", "dequant_cache", [_dq_request(t, dq_dtype) for t in chosen])
-        allocated = device_bytes(arenas, gpu)
+    allocs, _ = _sizes(idx, k, mode, _scratch(idx, k), [] if mode.kind != "packed" else 0)
+    budget = avail - overhead - reserved_bytes(allocs, gpu) - k.cache_reserve
+    slack = 2 * MIB if gpu else 0  # the cache's own rounding to the allocator's 2 MiB grain
+    everything = idx.cache_aligned_prefix[k.hi] - idx.cache_aligned_prefix[k.lo]
+    all_in = mode.kind == "packed" and everything + slack <= budget
+    chosen: list[Any] | None = None  # None: every cacheable matrix of the stage (packed fast path)
+    skipped = 0
+    if not all_in:
+        chosen, used = [], 0
+        for _, t, nb in _in_range(idx, k) if budget > slack else ():
+            cost = align_up(nb)
+            if gpu and mode.kind == "per-tensor":  # upper bound: a segment of its own
+                cost = segment_size(round_block(cost))
+            if used + cost + slack <= budget:
+                chosen.append(t)
+                used += cost
+            else:
+                skipped = max(skipped, t.n_elements)
+        if budget <= slack:
+            skipped = -1  # nothing cached: the scratch serves every matrix
+    while True:  # exact check; drop the least-benefit matrix if the rounding overshoots
+        scratch = _scratch(idx, k) if skipped < 0 else _scratch(idx, k, "uncacheable", skipped)
+        dq = everything if chosen is None else [t.n_elements * 2 for t in chosen]
+        allocs, terms = _sizes(idx, k, mode, scratch, dq)
+        allocated = reserved_bytes(allocs, gpu)
         if not chosen or allocated + overhead + k.cache_reserve <= avail:
             break
-        chosen.pop()
-    terms = dict.fromkeys(("weights", "globals", "kv", "buffers", "dequant_cache"), 0)
-    for a in arenas:
-        terms[a.purpose] += sum(s.nbytes for s in a.spans)
+        dropped = chosen.pop()
+        skipped = max(skipped, dropped.n_elements)
+    terms["dequant_cache"] = (idx.cache_prefix[k.hi] - idx.cache_prefix[k.lo]) if chosen is None \
+        else sum(t.n_elements * 2 for t in chosen)
     terms["overhead"] = overhead
-    terms["rounding"] = allocated - sum(terms[p] for p in ("weights", "globals", "kv", "buffers", "dequant_cache"))
+    terms["rounding"] = allocated - sum(terms[p] for p in PURPOSES)
     total = allocated + overhead
     headroom = avail - total
     verdict = "does not fit" if headroom < 0 else "tight" if headroom < TIGHT else "fits"
-    out = DeviceLayout(dev, (k.lo, k.hi), k.first, k.last, tuple(arenas), terms, allocated, total,
-                       headroom, verdict, "", source)
+    final = chosen
+
+    def build() -> list[Arena]:
+        return _arenas(idx, k, mode, scratch, [c[1] for c in _in_range(idx, k)] if final is None else final)
+
+    out = DeviceLayout(dev, (k.lo, k.hi), k.first, k.last, LazyArenas(build), terms, allocated,
+                       total, headroom, verdict, "", source)
     _STAGES[cache_key] = out
     while len(_STAGES) > 512:
         _STAGES.popitem(last=False)
@@ -266,8 +350,8 @@ def stage_need(idx: ModelIndex, k: StageKey) -> int:
     """Bytes the stage needs without the elastic dequant cache: weights, globals, KV, buffers,
     rounding and overhead. The split search and the advice compare it with free - reserve."""
     mode = parse_arena(k.arena)
-    arenas = _fixed_arenas(idx, k, mode, _gemm_elements(idx, k, set()), mode.kind != "packed")
-    return device_bytes(arenas, not k.device.is_cpu) + overhead_for(k.device)[0]
+    allocs, _ = _sizes(idx, k, mode, _scratch(idx, k), [] if mode.kind != "packed" else 0)
+    return reserved_bytes(allocs, not k.device.is_cpu) + overhead_for(k.device)[0]
 
 
 def fits(idx: ModelIndex, k: StageKey) -> bool:

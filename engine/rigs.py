@@ -74,8 +74,8 @@ def _card(part: str, token: str, index: int) -> DeviceSpec:
                 f"known cards: {', '.join(card_names())}"
             )
         total = int(float(m.group(1)) * _UNITS[m.group(2)])
-        if total < 2 * DRIVER_RESERVE:
-            raise CarveError(f"--gpus: {part!r} is too small for a GPU (at least 2 GiB)")
+        if total < GIB:
+            raise CarveError(f"--gpus: {part!r} is too small for a GPU; give at least 1GiB")
         name = f"simulated {m.group(1)} {m.group(2).upper().replace('I', 'i')}"
     return DeviceSpec(index=index, name=name, total=total, free=total - DRIVER_RESERVE, simulated=True)
 

@@ -1,0 +1,131 @@
+"""How fast pricing answers while a user drags a boundary.
+
+    python -m engine.bench_price [MODEL.gguf] [--gpus RIG] [--ctx N] [--arena MODE]
+
+Without a model it builds a header-only synthetic model (engine.synth shapes, 120 layers of a
+70B-class qwen2, 1,443 tensors): pricing reads only the tensor table, so no data is written.
+Prints the time of one full price (cold: every stage built) and of a re-price after one
+boundary moves by one layer (the two stages beside it rebuilt, the rest cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.errors import CarveError
+from engine.gguf_file import TensorInfo
+from engine.synth import tensor_types
+from engine.synth_shapes import Shape, metadata, tensor_table
+
+BENCH_SHAPE = Shape("qwen2", 120, 8192, 64, 8, 29568, 152064, n_ctx=32768)
+
+
+class HeaderModel:
+    """A model's header without a file: what pricing reads (paths, metadata, tensors)."""
+
+    def __init__(self, shape: Shape, mix: str = "q4_k_m", name: str = "synthetic.gguf") -> None:
+        from engine.quant_types import tensor_nbytes
+
+        self.paths = (Path(name),)
+        self.metadata: dict[str, Any] = {
+            k: (v[1] if isinstance(v, tuple) else v) for k, _, v in metadata(shape, mix)
+        }
+        self.arch = shape.arch
+        self.alignment = 32
+        types = tensor_types(shape, mix)
+        tensors, off = [], 0
+        for tname, dims in tensor_table(shape):
+            n = 1
+            for d in dims:
+                n *= d
+            nb = tensor_nbytes(types[tname], n)
+            tensors.append(TensorInfo(tname, tuple(dims), types[tname], 0, off, nb))
+            off += -(-nb // 32) * 32
+        self.tensors = tuple(tensors)
+        self.file_size = off
+
+    def tensor(self, name: str) -> TensorInfo:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise CarveError(f"{self.paths[0]}: no tensor named {name!r}")
+
+
+def _time(fn: Any, repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.bench_price", description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", help="a GGUF file (default: a synthetic 1,443-tensor model)")
+    ap.add_argument("--gpus", default="4x80GiB")
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--arena", default="packed")
+    ap.add_argument("--repeat", type=int, default=50)
+    args = ap.parse_args(argv)
+    from engine import price as pricing
+    from engine.plan import Plan
+    from engine.rigs import parse_rig
+    from engine.split import auto_split
+
+    try:
+        t0 = time.perf_counter()
+        model = pricing.open_model(args.model) if args.model else HeaderModel(BENCH_SHAPE)
+        t_open = time.perf_counter() - t0
+        devices = parse_rig(args.gpus)
+        t0 = time.perf_counter()
+        idx = pricing.model_index(model)
+        t_index = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        base = auto_split(model, devices, ctx=args.ctx, arena=args.arena, act_dtype="bf16")
+        t_split = time.perf_counter() - t0
+    except CarveError as exc:
+        print(f"carve: {exc}", file=sys.stderr)
+        return 2
+    n_dev = len(base.devices)
+    print(f"model: {model.paths[0]} ({len(model.tensors)} tensors, {idx.n_layer} layers); "
+          f"rig {args.gpus} ({n_dev} stages), ctx {args.ctx}, arena {args.arena}")
+    print(f"open {t_open * 1e3:.1f} ms, model index (once per model) {t_index * 1e3:.1f} ms, "
+          f"--split auto {t_split * 1e3:.1f} ms -> {','.join(map(str, base.split))}")
+
+    def cold() -> None:
+        pricing._STAGES.clear()
+        pricing.price(base, model)
+
+    cold_t = _time(cold, max(3, args.repeat // 10))
+    # drag boundary 1 back and forth over fresh positions: every move misses the stage cache
+    # for the two stages beside it (the cache is cleared of them first)
+    lo, hi = base.split[0] + 1, base.split[2] - 1 if n_dev > 1 else base.split[1]
+    moves = []
+    if n_dev > 1:
+        positions = [p for p in range(lo, hi + 1) if p != base.split[1]][: args.repeat]
+        for p in positions:
+            split = list(base.split)
+            split[1] = p
+            plan = Plan(base.model, base.devices, tuple(split), base.ctx, base.kv_type,
+                        base.prefill_chunk, base.cache_reserve, base.arena, base.act_dtype)
+            pricing.price(base, model)  # everything else warm, as during a drag
+            pricing._STAGES.pop((id(idx), pricing._stage_key(plan, 0)), None)
+            pricing._STAGES.pop((id(idx), pricing._stage_key(plan, 1)), None)
+            t0 = time.perf_counter()
+            pricing.price(plan, model)
+            moves.append(time.perf_counter() - t0)
+    print(f"price, cold (all {n_dev} stages built): median {statistics.median(cold_t) * 1e3:.2f} ms")
+    if moves:
+        print(f"re-price after one boundary move (2 stages rebuilt, {len(moves)} moves): "
+              f"median {statistics.median(moves) * 1e3:.2f} ms, max {max(moves) * 1e3:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
