@@ -1,0 +1,1 @@
+"""The engine runtime: executes a priced Layout and runs generation on it."""

@@ -1,0 +1,220 @@
+"""Executes a Layout: one allocation per arena, spans as views, weights copied from the file.
+
+The loader decides nothing (DESIGN.md "The one rule"): sizes, offsets, dtypes and which
+matrices get a dequant-cache copy all come from `engine.price.price`. Every allocation goes
+through an allocator that records (device, arena, bytes), so a test can hold what was allocated
+equal to what was priced, byte for byte.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine import quant_types as qt
+from engine.dequant import dequantize_to
+from engine.errors import CarveError
+from engine.models.ops import QWeight
+
+Progress = Callable[[str, int, int, float], None]  # stage, done, total, bytes/s
+COPY_CHUNK = 16 << 20  # bytes per copy step: bounds the time between cancellation checks
+
+SPAN_DTYPES = {
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "f32": torch.float32,
+    "i64": torch.int64,
+    "i32": torch.int32,
+    "uint8": torch.uint8,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    device: str
+    arena: str
+    nbytes: int
+
+
+class RecordingAllocator:
+    """Allocates arenas as uint8 tensors and records each one; `free_all` drops them."""
+
+    def __init__(self) -> None:
+        self.records: list[Allocation] = []
+        self._live: list[torch.Tensor] = []
+
+    def alloc(self, device: torch.device, arena: str, nbytes: int) -> torch.Tensor:
+        try:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            raise CarveError(
+                f"{device}: could not allocate arena {arena} ({nbytes / 2**20:.1f} MiB): "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; lower --ctx, "
+                f"raise --cache-reserve or move layers to another device"
+            ) from None
+        self.records.append(Allocation(str(device), arena, nbytes))
+        self._live.append(buf)
+        return buf
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(b.numel() for b in self._live)
+
+    def free_all(self) -> None:
+        self._live.clear()
+
+
+def torch_device(spec: Any) -> torch.device:
+    """The torch device of a DeviceSpec (index -1 is the CPU)."""
+    return torch.device("cpu") if spec.index < 0 else torch.device("cuda", spec.index)
+
+
+@dataclass
+class LoadedStage:
+    """One device's share of the model, as views into its arenas."""
+
+    device: torch.device
+    layers: tuple[int, int]
+    first: bool
+    last: bool
+    spans: dict[str, torch.Tensor] = field(default_factory=dict)  # span name -> typed view
+    tensors: dict[str, Any] = field(default_factory=dict)  # GGUF name -> QWeight | float tensor
+
+
+def span_view(buf: torch.Tensor, span: Any) -> torch.Tensor:
+    """The span's bytes in ``buf``, typed as priced (raw GGUF weights stay uint8)."""
+    raw = buf[span.offset : span.offset + span.nbytes]
+    dt = SPAN_DTYPES.get(span.dtype)
+    if dt is None or dt == torch.uint8:
+        return raw
+    return raw.view(dt).view(tuple(span.shape))
+
+
+def load_layout(
+    layout: Any,
+    model: Any,
+    allocator: RecordingAllocator,
+    on_progress: Progress | None = None,
+    cancelled: Callable[[], bool] | None = None,
+) -> list[LoadedStage]:
+    """Allocate every arena of ``layout``, copy the weights of ``model`` into their spans and
+    fill the dequant cache. On cancellation or any error everything allocated is freed and
+    CarveError is raised."""
+    try:
+        return _load(layout, model, allocator, on_progress or _quiet, cancelled or _never)
+    except BaseException:
+        allocator.free_all()
+        raise
+
+
+def _load(layout, model, allocator, on_progress, cancelled) -> list[LoadedStage]:
+    stages: list[LoadedStage] = []
+    copies: list[tuple[LoadedStage, Any, torch.Tensor]] = []  # weight spans to fill
+    dq: list[tuple[LoadedStage, Any]] = []
+    for dl in layout.devices:
+        dev = torch_device(dl.device)
+        st = LoadedStage(dev, tuple(dl.layers), dl.first, dl.last)
+        for arena in dl.arenas:
+            buf = allocator.alloc(dev, arena.name, arena.nbytes)
+            for span in arena.spans:
+                view = span_view(buf, span)
+                st.spans[span.name] = view
+                if span.purpose in ("weights", "globals"):
+                    copies.append((st, span, view))
+                elif span.purpose == "dequant_cache":
+                    dq.append((st, span))
+        stages.append(st)
+
+    total = sum(s.nbytes for _, s, _ in copies)
+    meter = _Meter("weights", total, on_progress)
+    for st, span, view in copies:
+        info = model.tensor(span.name)
+        if info.nbytes != span.nbytes:
+            raise CarveError(
+                f"{model.paths[info.shard]}: tensor {span.name} has {info.nbytes} bytes but the "
+                f"layout priced {span.nbytes}; re-price the plan for this file"
+            )
+        src = model.tensor_data(info)
+        for a in range(0, info.nbytes, COPY_CHUNK):
+            if cancelled():
+                raise CarveError("load cancelled")
+            b = min(info.nbytes, a + COPY_CHUNK)
+            view[a:b].copy_(_from_numpy(src[a:b]))
+            meter.add(b - a)
+
+    for st in stages:
+        _bind_tensors(st, model)
+
+    meter = _Meter("dequant cache", sum(s.nbytes for _, s in dq), on_progress)
+    for st, span in dq:
+        if cancelled():
+            raise CarveError("load cancelled")
+        name = span.name.removeprefix("dq.")
+        w = st.tensors.get(name)
+        if not isinstance(w, QWeight):
+            raise CarveError(f"layout: dequant-cache span {span.name} has no matrix {name} on {st.device}")
+        out = st.spans[span.name]
+        dequantize_to(w.raw, w.ggml_type, w.gguf_shape, out.dtype, out=out)
+        w.cached = out
+        meter.add(span.nbytes)
+    return stages
+
+
+def _bind_tensors(st: LoadedStage, model: Any) -> None:
+    """GGUF name -> what the models take: QWeight for matrices, float32 views for vectors."""
+    scratch = st.spans.get("buf.dequant")
+    for name, view in st.spans.items():
+        if name.startswith(("kv.", "buf.", "dq.")):
+            continue
+        info = model.tensor(name)
+        shape = tuple(int(s) for s in info.shape)
+        dims = [s for s in shape if s != 1] or [1]
+        if len(shape) >= 2 and len(dims) >= 2:
+            if len(dims) > 2:
+                raise CarveError(f"tensor {name} has {len(dims)} dimensions; the engine runs 2-D matrices only")
+            st.tensors[name] = QWeight(name, view, info.ggml_type, shape[1], shape[0], None, scratch)
+        elif info.ggml_type == qt.F32:
+            st.tensors[name] = view.view(torch.float32)
+        else:
+            # Norm weights and biases are F32 in every converter's output; a rare F16 one costs
+            # a few KiB outside the arenas.
+            from engine.dequant import dequantize
+
+            st.tensors[name] = dequantize(view, info.ggml_type, shape).reshape(-1)
+
+
+def _from_numpy(a: np.ndarray) -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only mmap; we only read it
+        return torch.from_numpy(a)
+
+
+class _Meter:
+    def __init__(self, stage: str, total: int, on_progress: Progress) -> None:
+        self.stage, self.total, self.cb = stage, total, on_progress
+        self.done = 0
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+        on_progress(stage, 0, total, 0.0)
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if now - self.last >= 0.1 or self.done >= self.total:
+            self.last = now
+            self.cb(self.stage, self.done, self.total, self.done / max(now - self.t0, 1e-9))
+
+
+def _quiet(stage: str, done: int, total: int, rate: float) -> None:
+    pass
+
+
+def _never() -> bool:
+    return False

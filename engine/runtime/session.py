@@ -1,0 +1,198 @@
+"""A loaded model the engine process drives: load a Plan, compute logits, generate, close.
+
+Stages (one per device) run their layers in order; hidden states move device to device between
+them. All memory is the Layout's arenas (engine/runtime/loader.py); torch's own temporaries
+are the activations `engine/buffers.py` prices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from engine.errors import CarveError
+from engine.models import build_stage
+from engine.models.layers import NonFinite, Stage
+from engine.models.ops import TORCH_OPS
+from engine.runtime.generate import GenerationStats, generate
+from engine.runtime.kv_cache import KVCache
+from engine.runtime.loader import LoadedStage, Progress, RecordingAllocator, load_layout
+
+__all__ = ["GenerationStats", "Session"]
+
+
+class Session:
+    def __init__(
+        self,
+        plan: Any,
+        model: Any,
+        hp: Any,
+        layout: Any,
+        allocator: RecordingAllocator,
+        loaded: list[LoadedStage],
+        ops: SimpleNamespace = TORCH_OPS,
+    ) -> None:
+        self.plan, self.model, self.hp, self.layout = plan, model, hp, layout
+        self.allocator = allocator
+        self.loaded = loaded
+        self.stages: list[Stage] = [
+            build_stage(hp, st.tensors, st.layers, st.first, st.last, ops, st.device)
+            for st in loaded
+        ]
+        kv_spans = {k: v for st in loaded for k, v in st.spans.items() if k.startswith("kv.")}
+        self.kv = KVCache.from_spans(kv_spans, hp, range(hp.n_layer), plan.ctx)
+        self.tokens: list[int] = []  # the tokens whose keys/values are in the cache, in order
+
+    @classmethod
+    def load(
+        cls,
+        plan: Any,
+        on_progress: Progress | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Session:
+        """Price ``plan``, allocate exactly that Layout, and load the weights into it."""
+        from engine.gguf_file import GGUFModel
+        from engine.hparams import HParams
+        from engine.price import price
+
+        model = GGUFModel.open(plan.model)
+        hp = HParams.from_model(model)
+        layout = price(plan, model)
+        if not layout.fits:
+            bad = next(d for d in layout.devices if d.verdict == "does not fit")
+            raise CarveError(
+                f"{bad.device.label}: the plan does not fit ({bad.advice or 'over by ' + str(-bad.headroom) + ' bytes'})"
+            )
+        allocator = RecordingAllocator()
+        loaded = load_layout(layout, model, allocator, on_progress, cancelled)
+        return cls(plan, model, hp, layout, allocator, loaded)
+
+    # --- queries ------------------------------------------------------------------------------
+    def memory_report(self) -> list[dict]:
+        """Per device: what was priced and what this session allocated (NVML where a GPU is)."""
+        out = []
+        for dl, st in zip(self.layout.devices, self.loaded):
+            dev = str(st.device)
+            allocated = sum(a.nbytes for a in self.allocator.records if a.device == dev)
+            nvml = None
+            if st.device.type == "cuda":
+                allocated = torch.cuda.memory_reserved(st.device)
+            out.append(
+                {
+                    "index": dl.device.index,
+                    "name": dl.device.name,
+                    "priced": dl.allocated,
+                    "allocated": allocated,
+                    "nvml_used": nvml,
+                }
+            )
+        return out
+
+    # --- compute ------------------------------------------------------------------------------
+    def forward(
+        self, ids: list[int], pos0: int, rows: str = "last", check: bool = False
+    ) -> torch.Tensor | None:
+        """Run ids (one chunk) at positions pos0.. through every stage; float32 logits of
+        ``rows`` "all", the "last" row only, or "none" (a prefill chunk before the last)."""
+        first = self.stages[0]
+        x = first.embed(torch.tensor(ids, dtype=torch.long, device=first.device))
+        for st in self.stages:
+            x = st.forward(x.to(st.device), pos0, self.kv, check)
+        last = self.stages[-1]
+        if rows == "none":
+            return None
+        if rows == "last":
+            return last.head(x[-1:])
+        step = max(1, self.plan.logits_rows)
+        return torch.cat([last.head(x[r : r + step]) for r in range(0, x.shape[0], step)])
+
+    def _check_context(self, n: int) -> None:
+        if n > self.plan.ctx:
+            raise CarveError(
+                f"the prompt is {n} tokens but the context is {self.plan.ctx}; raise --ctx or "
+                f"shorten the prompt (older turns can be dropped)"
+            )
+
+    def prefill(self, ids: list[int], all_rows: bool) -> torch.Tensor:
+        """Append ``ids`` to the cache in chunks of plan.prefill_chunk; logits of every row or of
+        the last row."""
+        self._check_context(self.kv.n_past + len(ids))
+        chunk = self.plan.prefill_chunk
+        out = []
+        for c in range(0, len(ids), chunk):
+            part = ids[c : c + chunk]
+            rows = "all" if all_rows else ("last" if c + chunk >= len(ids) else "none")
+            logits = self.forward(part, self.kv.n_past, rows)
+            if logits is not None:
+                out.append(logits)
+            self.kv.n_past += len(part)
+            self.tokens.extend(part)
+        logits = torch.cat(out) if len(out) > 1 else out[0]
+        self.check_finite(logits)
+        return logits
+
+    def check_finite(self, logits: torch.Tensor) -> None:
+        """Cheap test at the end of a pass; when it fails, re-run the cached tokens with a
+        per-layer check to name where NaN/inf first appears."""
+        if bool(torch.isfinite(logits).all()):
+            return
+        tokens = list(self.tokens)
+        self.reset()
+        where = "the output head"
+        try:
+            for c in range(0, len(tokens), self.plan.prefill_chunk):
+                part = tokens[c : c + self.plan.prefill_chunk]
+                self.forward(part, c, "none", check=True)
+                self.kv.n_past += len(part)
+        except NonFinite as nf:
+            where = f"layer {nf.layer}"
+        finally:
+            self.reset()
+        raise CarveError(
+            f"{self.plan.model}: the model produced NaN/inf, first in {where} "
+            f"(activations {self.plan.act_dtype}); the file may be damaged, or try act_dtype f32"
+        )
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """[len(ids), n_vocab] float32 logits from a fresh cache."""
+        if not ids:
+            raise CarveError("logits: the token list is empty")
+        self.reset()
+        return self.prefill(list(ids), all_rows=True)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: Any,
+        stop_ids: set[int],
+        on_token: Callable[[int], bool],
+    ) -> GenerationStats:
+        """Prefill ``prompt_ids`` (reusing the cached prefix it shares with the last call), then
+        sample until a stop token, params.max_tokens, the context's end, or on_token -> False."""
+        return generate(self, list(prompt_ids), params, set(stop_ids), on_token)
+
+    def rewind(self, n: int) -> bool:
+        """Keep the first n cached tokens if the cache still holds them intact."""
+        if not self.kv.can_rewind_to(n):
+            return False
+        self.kv.n_past = n
+        del self.tokens[n:]
+        return True
+
+    def reset(self) -> None:
+        self.kv.reset()
+        self.tokens.clear()
+
+    def close(self) -> None:
+        """Free every allocation of this session."""
+        self.stages.clear()
+        for st in self.loaded:
+            st.spans.clear()
+            st.tensors.clear()
+        self.kv.layers.clear()
+        self.allocator.free_all()
