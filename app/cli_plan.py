@@ -1,0 +1,161 @@
+"""`carve plan`: price a launch per GPU and say whether it fits, before anything is allocated.
+
+    carve plan MODEL.gguf --gpus auto|RIG --ctx N --split 0,14,29,38,48|auto --prefer spread|fewest
+               --kv f16|q8_0 --cache-reserve MiB --arena packed|per-tensor|chunked:N
+               --prefill-chunk N [--reserve MiB] [--json]
+
+With --gpus auto and no NVIDIA GPU, it plans for this machine's CPU (system RAM), which is
+where the engine would run, and says so; --gpus RIG plans for GPUs you do not have.
+Exit status: 0 fits (or tight), 1 does not fit, 2 bad input. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, NoReturn
+
+from engine.errors import CarveError
+from engine.layout import Layout, human
+
+MIB = 1 << 20
+DEFAULT_CTX = 4096  # clipped to what the model was trained for
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
+        raise CarveError(f"plan: {message} (see carve plan --help)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="carve plan", description="Price a launch per GPU and say whether it fits.")
+    p.add_argument("model", help="GGUF file (any shard of a split set)")
+    p.add_argument("--gpus", default="auto", help='"auto", "cpu", "4x24GiB", "rtx4090,rtx4090,a6000"')
+    p.add_argument("--ctx", type=int, help=f"context tokens (default {DEFAULT_CTX}, at most the model's)")
+    p.add_argument("--split", default="auto", help='boundaries "0,14,29,48" or "auto"')
+    p.add_argument("--prefer", default="spread", choices=("spread", "fewest"),
+                   help="--split auto: all GPUs (most headroom) or the fewest that fit")
+    p.add_argument("--kv", default="f16", help="KV cache type: f16 or q8_0")
+    p.add_argument("--cache-reserve", type=int, default=1024, metavar="MiB",
+                   help="MiB kept free after everything; the dequant cache gets the rest (1024)")
+    p.add_argument("--reserve", type=int, default=0, metavar="MiB",
+                   help="MiB to leave untouched on every GPU (desktop, other apps)")
+    p.add_argument("--arena", default="packed", help="packed | per-tensor | chunked:N (MiB)")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N")
+    p.add_argument("--json", action="store_true", help="print the Layout as JSON")
+    return p
+
+
+def _devices(gpus: str, reserve: int) -> tuple[list[Any], str]:
+    from engine.devices import cpu_spec, no_gpu_reason
+    from engine.rigs import parse_rig
+
+    devices = parse_rig(gpus, reserve)
+    note = ""
+    if not devices and gpus.strip().lower() in ("", "auto"):
+        reason = no_gpu_reason() or "no NVIDIA GPU found"
+        devices = [cpu_spec(reserve)]
+        note = f"{reason.split(':')[0]} — planning for cpu (system RAM); --gpus RIG plans for GPUs you do not have"
+    return devices, note
+
+
+def _split(text: str) -> tuple[int, ...] | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise CarveError(f"--split: cannot read {text!r}; give boundaries like 0,14,29,48 or auto") from None
+
+
+def build_layout(args: argparse.Namespace) -> tuple[Layout, Any, str]:
+    from engine.hparams import HParams
+    from engine.plan import Plan
+    from engine.price import open_model, price
+    from engine.split import auto_split
+
+    for name, value in (("--cache-reserve", args.cache_reserve), ("--reserve", args.reserve)):
+        if value < 0:
+            raise CarveError(f"{name}: must be 0 or more MiB, got {value}")
+    devices, note = _devices(args.gpus, args.reserve * MIB)
+    model = open_model(args.model)
+    hp = HParams.from_model(model)
+    ctx = args.ctx if args.ctx is not None else min(DEFAULT_CTX, hp.n_ctx_train or DEFAULT_CTX)
+    kw = {"ctx": ctx, "kv_type": args.kv, "prefill_chunk": args.prefill_chunk,
+          "cache_reserve": args.cache_reserve * MIB, "arena": args.arena,
+          "act_dtype": "f32" if devices[0].is_cpu else "bf16"}
+    split = _split(args.split)
+    if split is None:
+        plan = auto_split(model, devices, prefer=args.prefer, model_path=args.model, **kw)
+    else:
+        plan = Plan(args.model, tuple(devices), split, **kw)
+    return price(plan, model), model, note
+
+
+ROWS = (("weights", "weights"), ("globals", "globals"), ("kv", "KV cache"), ("buffers", "buffers"),
+        ("dequant_cache", "dequant cache"), ("overhead", "overhead"), ("rounding", "rounding"))
+
+
+def render(layout: Layout, model: Any, note: str) -> str:
+    plan = layout.plan
+    hp_layers = plan.split[-1]
+    size = getattr(model, "file_size", 0)
+    lines = [(f"{plan.model}: {model.arch}, {hp_layers} layers, {human(size)}; ctx {plan.ctx}, "
+             f"KV {plan.kv_type}, arena {plan.arena}, prefill chunk {plan.prefill_chunk}, "
+             f"cache reserve {human(plan.cache_reserve)}")]
+    if note:
+        lines.append(note)
+    lines.append(f"split {','.join(map(str, plan.split))}")
+    devs = layout.devices
+    heads = [d.device.label for d in devs]
+    names = [d.device.name[:18] for d in devs]
+    table: list[tuple[str, list[str]]] = [("", heads), ("", names),
+                                          ("layers", [f"{d.layers[0]}-{d.layers[1] - 1}" for d in devs])]
+    table += [(label, [human(d.terms[key]) for d in devs]) for key, label in ROWS]
+    table += [("total", [human(d.total) for d in devs])]
+    free_label = "free now" if not any(d.device.simulated for d in devs) else "free (idle card)"
+    table += [(free_label, [human(d.device.free) for d in devs])]
+    if any(d.device.reserve for d in devs):
+        table += [("reserve", [human(d.device.reserve) for d in devs])]
+    table += [("headroom", [human(d.headroom) for d in devs]), ("verdict", [d.verdict for d in devs])]
+    width = max(12, *(len(c) for _, row in table for c in row)) + 2
+    lw = max(len(label) for label, _ in table)
+    for label, row in table:
+        lines.append(f"{label:<{lw}}" + "".join(f"{c:>{width}}" for c in row))
+    for d in devs:
+        if d.advice:
+            lines.append(f"{d.device.label}: {d.advice}")
+    src = {d.overhead_source for d in devs}
+    lines.append("overhead: " + "; ".join(sorted(src)))
+    verdict = layout.verdict
+    lines.append("fits" if verdict == "fits" else
+                 "fits, but tight (< 512 MiB headroom on a device)" if verdict == "tight" else
+                 "does not fit")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "plan":
+        argv = argv[1:]
+    try:
+        args = _parser().parse_args(argv)
+        layout, model, note = build_layout(args)
+    except CarveError as exc:
+        print(f"carve: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file we could not read, named by the OS
+        print(f"carve: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        if note:
+            print(note, file=sys.stderr)
+        print(json.dumps(layout.to_json()))
+    else:
+        print(render(layout, model, note))
+    return 0 if layout.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
