@@ -8,8 +8,10 @@ reserve, so maximising the smallest slack also spreads the cache.
 Search: binary search on the slack T; for a given T a greedy pass decides feasibility exactly
 (each device in turn takes the most layers it can hold with slack >= T, leaving one layer for
 every later device) — taking more layers early never hurts later devices, because a stage's
-need only shrinks when its range does. Ties at the best T are broken by the larger total
-dequant cache between the front-first and back-first greedy splits.
+need only shrinks when its range does. The devices that cannot go above the best T are pinned
+there and the search repeats for the rest (lexicographic max-min: every card gets as much
+headroom as the others allow). Remaining ties go to the larger total dequant cache between the
+front-first and back-first greedy splits.
 
 prefer="spread": every device (if the model has fewer layers than devices, the smallest are
 left out). prefer="fewest": the fewest devices, largest first, whose best split leaves every
@@ -55,8 +57,8 @@ class _Search:
             v = self.memo[key] = dev.free - dev.reserve - need
         return v
 
-    def greedy(self, t: int, reverse: bool = False) -> list[int] | None:
-        """Boundaries with every stage's slack >= t, or None. Front-first or back-first."""
+    def greedy(self, thr: list[int], reverse: bool = False) -> list[int] | None:
+        """Boundaries with stage d's slack >= thr[d], or None. Front-first or back-first."""
         m, n = len(self.devices), self.n
         order = range(m - 1, -1, -1) if reverse else range(m)
         cut = n if reverse else 0
@@ -66,14 +68,14 @@ class _Search:
             left = m - 1 - step  # devices still to place after this one
             if step == m - 1:  # the final device takes everything that is left
                 lo, hi = (0, cut) if reverse else (cut, n)
-                if hi <= lo or self.slack(d, lo, hi, first, last) < t:
+                if hi <= lo or self.slack(d, lo, hi, first, last) < thr[d]:
                     return None
                 bounds.append(0 if reverse else n)
                 break
 
             def ok(size: int, d: int = d, first: bool = first, last: bool = last, cut: int = cut) -> bool:
                 lo, hi = (cut - size, cut) if reverse else (cut, cut + size)
-                return self.slack(d, lo, hi, first, last) >= t
+                return self.slack(d, lo, hi, first, last) >= thr[d]
 
             most = (cut - left) if reverse else (n - left - cut)
             if most < 1 or not ok(1):
@@ -87,20 +89,59 @@ class _Search:
         return bounds[::-1] if reverse else bounds
 
     def best(self) -> tuple[int, list[int]]:
-        """(best T, boundaries)."""
+        """(the best smallest slack, boundaries). Lexicographic max-min: once the tightest
+        devices are pinned at the best T, the others are raised as far as they go together,
+        so a small card does not leave the other cards' layer counts to chance."""
+        m = len(self.devices)
         # Every stage's range is a subset of the whole model, so no slack is below the worst
-        # device's slack for holding everything: the greedy always succeeds at that T.
-        worst = min(self.slack(d, 0, self.n, True, True) for d in range(len(self.devices)))
-        lo = worst // GRAIN - 1
-        hi = max(d.free - d.reserve for d in self.devices) // GRAIN + 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.greedy(mid * GRAIN) is not None else (lo, mid - 1)
-        t = lo * GRAIN
-        candidates = [b for b in (self.greedy(t), self.greedy(t, reverse=True)) if b is not None]
-        return t, max(candidates, key=self.cache_score)
+        # device's slack for holding everything: the greedy always succeeds there.
+        floor = min(self.slack(d, 0, self.n, True, True) for d in range(m)) // GRAIN - 1
+        top = max(d.free - d.reserve for d in self.devices) // GRAIN + 1
+        pinned: list[int | None] = [None] * m
+        first_t = None
+        while any(p is None for p in pinned):
+            def thr(t: int, bump: int = -1) -> list[int]:
+                return [p if p is not None else (t + GRAIN if d == bump else t)
+                        for d, p in enumerate(pinned)]
 
-    def cache_score(self, bounds: list[int]) -> tuple[int, int, tuple[int, ...]]:
+            lo, hi = floor, top
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.greedy(thr(mid * GRAIN)) is not None else (lo, mid - 1)
+            t = lo * GRAIN
+            first_t = t if first_t is None else first_t
+            free = [d for d in range(m) if pinned[d] is None]
+            stuck = [d for d in free if self.greedy(thr(t, bump=d)) is None]
+            for d in stuck or free:  # none stuck alone: they block each other, pin them all
+                pinned[d] = t
+            floor = lo
+        final = [p if p is not None else 0 for p in pinned]
+        front, back = self.greedy(final), self.greedy(final, reverse=True)
+        assert first_t is not None and front is not None and back is not None
+        # Any split between the back-first and front-first boundaries may meet the pinned
+        # slacks; the one proportional to the devices' memory is the natural tie-breaker
+        # (where slack is flat, e.g. coarse chunks, it avoids one-layer stages).
+        candidates = [(2, self.proportional(front, back)), (1, front), (0, back)]
+        ok = [(pri, b) for pri, b in candidates if b is not None and self.meets(b, final)]
+        best = max(ok, key=lambda c: (*self.cache_score(c[1]), c[0]))
+        return first_t, best[1]
+
+    def proportional(self, front: list[int], back: list[int]) -> list[int] | None:
+        avail = [max(d.free - d.reserve, 1) for d in self.devices]
+        total, run, out = sum(avail), 0, [0]
+        for d in range(len(avail) - 1):
+            run += avail[d]
+            b = min(max(round(self.n * run / total), back[d + 1]), front[d + 1])
+            if b <= out[-1]:
+                return None
+            out.append(b)
+        return out + [self.n] if out[-1] < self.n else None
+
+    def meets(self, bounds: list[int], thr: list[int]) -> bool:
+        m = len(self.devices)
+        return all(self.slack(d, bounds[d], bounds[d + 1], d == 0, d == m - 1) >= thr[d] for d in range(m))
+
+    def cache_score(self, bounds: list[int]) -> tuple[int, int]:
         m, reserve = len(self.devices), self.s["cache_reserve"]
         cache = total = 0
         for d in range(m):
@@ -108,7 +149,7 @@ class _Search:
             slack = self.slack(d, lo, hi, d == 0, d == m - 1)
             cache += max(0, min(self.cacheable(lo, hi), slack - reserve))
             total += slack
-        return cache, total, tuple(-b for b in bounds)  # then the earlier split, deterministic
+        return cache, total
 
     def cacheable(self, lo: int, hi: int) -> int:
         return self.idx.cache_prefix[hi] - self.idx.cache_prefix[lo]
