@@ -33,7 +33,10 @@ class Shape:
 
 
 SHAPES: dict[str, Shape] = {
-    "qwen2-0.5b": Shape("qwen2", 24, 896, 14, 2, 4864, 151936, tied_embeddings=True),
+    # the demo file's shape: Qwen2.5-0.5B ties its embeddings, but the demo GGUF (and the
+    # 463 MiB llama.cpp reference run) carries its own output.weight, so this one does too
+    "qwen2-0.5b": Shape("qwen2", 24, 896, 14, 2, 4864, 151936),
+    "qwen2-0.5b-tied": Shape("qwen2", 24, 896, 14, 2, 4864, 151936, tied_embeddings=True),
     "qwen2-7b": Shape("qwen2", 28, 3584, 28, 4, 18944, 152064),
     "llama3-8b": Shape("llama", 32, 4096, 32, 8, 14336, 128256, n_ctx=8192, rope_base=5e5,
                        rms_eps=1e-5),
