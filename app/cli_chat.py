@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -126,6 +127,7 @@ def build_plan(path: Path, gpus: str, ctx: int | None, kv: str, logits_rows: int
     """A priced Plan for the devices here (boundaries by engine/split.py); CarveError naming
     the device when it does not fit."""
     from engine.gguf_file import GGUFModel
+    from engine.plan import Plan
     from engine.price import price
     from engine.split import auto_split
 
@@ -135,9 +137,17 @@ def build_plan(path: Path, gpus: str, ctx: int | None, kv: str, logits_rows: int
         ctx = min(DEFAULT_CTX, int(model.metadata.get(f"{arch}.context_length", DEFAULT_CTX)))
     devices = pick_devices(gpus)
     chunk = 512
-    plan = auto_split(model, devices, model_path=str(path), ctx=ctx, kv_type=kv,
-                      prefill_chunk=chunk, act_dtype="f32" if devices[0].is_cpu else "bf16",
-                      logits_rows=min(logits_rows, chunk))  # fmt: skip
+    settings = {"ctx": ctx, "kv_type": kv, "prefill_chunk": chunk,
+                "logits_rows": min(logits_rows, chunk),
+                "act_dtype": "f32" if devices[0].is_cpu else "bf16"}  # fmt: skip
+    if len(devices) == 1:  # nothing to search: the one device runs every layer
+        arch = model.metadata.get("general.architecture", "")
+        n_layer = int(model.metadata.get(f"{arch}.block_count", 0))
+        if n_layer <= 0:
+            raise CarveError(f"{path}: no {arch}.block_count in its metadata; not a model to run")
+        plan = Plan(str(path), tuple(devices), (0, n_layer), **settings)
+    else:
+        plan = auto_split(model, devices, model_path=str(path), **settings)
     layout = price(plan, model)
     for dev in layout.devices:
         if dev.verdict == "does not fit":
@@ -189,34 +199,36 @@ def stream_reply(engine: EngineProcess, request: p.Generate, out: Any = None) ->
     """Send `request`, print tokens as they come; Ctrl-C sends stop and keeps waiting for the
     engine's done. Returns (reply text, done event or None after an error event)."""
     out = out or sys.stdout
-    engine.send(request)
-    parts: list[str] = []
-    stopping = False
-    while True:
-        try:
-            ev = engine.next_event(timeout=0.25)
-        except KeyboardInterrupt:
-            if not stopping:
+    interrupts: list[int] = []
+    # A flag, not KeyboardInterrupt: the signal may land anywhere (mid-write), and the reply
+    # must end through the engine's done so the next turn starts from a known state.
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupts.append(1))
+    try:
+        engine.send(request)
+        parts: list[str] = []
+        stopping = False
+        while True:
+            if interrupts and not stopping:
                 engine.send(p.Stop())
                 stopping = True
-            continue
-        if ev is None:
-            continue
-        if isinstance(ev, p.Token):
-            parts.append(ev.text)
-            out.write(ev.text)
-            out.flush()
-        elif isinstance(ev, p.Note):
-            print(f"[{ev.message}]", file=sys.stderr)
-        elif isinstance(ev, p.Done):
-            return "".join(parts), ev
-        elif isinstance(ev, p.Error):
-            print(f"carve: {ev.message}", file=sys.stderr)
-            if ev.fatal:
-                raise CarveError(ev.message)
-            return "".join(parts), None
-        elif isinstance(ev, p.ProtocolError):
-            print(f"carve: engine sent a bad line: {ev.message}", file=sys.stderr)
+            ev = engine.next_event(timeout=0.1)
+            if isinstance(ev, p.Token):
+                parts.append(ev.text)
+                out.write(ev.text)
+                out.flush()
+            elif isinstance(ev, p.Note):
+                print(f"[{ev.message}]", file=sys.stderr)
+            elif isinstance(ev, p.Done):
+                return "".join(parts), ev
+            elif isinstance(ev, p.Error):
+                print(f"carve: {ev.message}", file=sys.stderr)
+                if ev.fatal:
+                    raise CarveError(ev.message)
+                return "".join(parts), None
+            elif isinstance(ev, p.ProtocolError):
+                print(f"carve: engine sent a bad line: {ev.message}", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # ---------------------------------------------------------------- commands

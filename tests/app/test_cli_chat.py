@@ -1,0 +1,214 @@
+"""`carve chat`, `carve tokenize`, `carve perplexity`: bad input is one `carve:` line and exit 2,
+app/ never imports torch, chat streams and keeps turns (against tests/fake_engine.py), Ctrl-C
+stops a reply without ending the session, and `carve tokenize` prints Tokenizer.encode's ids."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app import cli_chat
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE = f"{sys.executable} {ROOT / 'tests' / 'fake_engine.py'}"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+
+
+def _carve(*args: str, stdin: str = "", **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", *args], input=stdin, capture_output=True,
+                          text=True, cwd=ROOT, env=_env(**env), timeout=300, check=False)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_model(synth_model) -> Path:
+    return synth_model("qwen2")
+
+
+@pytest.fixture
+def text_file(tmp_path) -> Path:
+    path = tmp_path / "t.txt"
+    path.write_text("Hello world")
+    return path
+
+
+BAD = [
+    (["chat", "/nonexistent/model.gguf"], "no such model file"),
+    (["chat", "{model}", "--temp", "-1"], "--temp: -1.0 is out of range"),
+    (["chat", "{model}", "--temp", "nan"], "--temp: nan is out of range"),
+    (["chat", "{model}", "--top-p", "0"], "--top-p"),
+    (["chat", "{model}", "--max-tokens", "0"], "--max-tokens"),
+    (["chat", "{model}", "--ctx", "lots"], "invalid int value"),
+    (["chat", "{model}", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["chat", "{model}", "--gpus", "7"], "--gpus: no GPU 7 here"),
+    (["chat", "{model}", "--gpus", "fast"], "--gpus"),
+    (["chat", "{model}", "--ctx", "0"], "--ctx"),
+    (["tokenize", "{model}"], "the following arguments are required: file"),
+    (["tokenize", "{model}", "/nonexistent.txt"], "cannot read it"),
+    (["tokenize", "{model}", "{binary}"], "not UTF-8 text (bad byte at offset 2)"),
+    (["perplexity", "{model}", "{text}", "--ctx", "-5"], "--ctx"),
+]
+
+
+@pytest.mark.parametrize("argv, expected", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_and_exit_2(argv, expected, tiny_model, text_file, tmp_path, capsys):
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"ok\xff\xfe")
+    argv = [a.format(model=tiny_model, text=text_file, binary=binary) for a in argv]
+    assert cli_chat.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("carve: ") and "\n" not in err and "Traceback" not in err
+    assert expected in err
+
+
+def test_app_never_imports_torch(tiny_model, text_file):
+    # the whole CLI path in one process: parse, plan + price, spawn the (fake) engine, tokenize
+    code = (
+        "import sys\n"
+        "from app.__main__ import main\n"
+        "from app import cli_chat\n"
+        "from pathlib import Path\n"
+        f"cli_chat.build_plan(Path({str(tiny_model)!r}), 'auto', 64, 'f16')\n"
+        "cli_chat.sampling_of(cli_chat.parse_args(['chat']))\n"
+        f"rc = main(['tokenize', {str(tiny_model)!r}, {str(text_file)!r}])\n"
+        "print([m for m in ('torch', 'triton', 'PySide6') if m in sys.modules], rc)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env=_env(CARVE_ENGINE_CMD=FAKE), timeout=120, check=False)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert json.loads(lines[0]) == [1, *b"Hello world"]  # the fake engine's ids
+    assert lines[-1] == "[] 0"
+
+
+def test_chat_streams_keeps_turns_and_resets(tiny_model):
+    res = _carve("chat", str(tiny_model), "--ctx", "64", "--system", "Be brief.",
+                 stdin="hello\nagain\n/reset\nthird\n", CARVE_ENGINE_CMD=FAKE,
+                 CARVE_FAKE_TOKEN_DELAY="0")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    for said in ("hello", "again", "third"):
+        assert f"Hello from the fake engine. You said: {said}" in res.stdout
+    # the fake engine's ctx_used counts the characters of every message it was sent:
+    # turn 2 carries turn 1 and its reply; after /reset only the system prompt and "third"
+    used = [int(line.split("ctx ")[1].split("/")[0]) for line in res.stderr.splitlines()
+            if "t/s" in line]  # fmt: skip
+    reply = len("Hello from the fake engine. You said: hello ")
+    assert used[0] == len("Be brief.") + len("hello") + 8
+    assert used[1] == len("Be brief.") + len("hello") + reply + len("again") + 8
+    assert used[2] == used[0]
+    assert "[conversation reset]" in res.stderr and "loaded in" in res.stderr
+
+
+def test_chat_reports_a_load_error_and_exits_2(tiny_model):
+    res = _carve("chat", str(tiny_model), "--ctx", "64", stdin="hi\n", CARVE_ENGINE_CMD=FAKE,
+                 CARVE_FAKE_SCENARIO="load-error")  # fmt: skip
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == (
+        "carve: fake: model does not fit on GPU 0 (Fake GPU): lower the context"
+    )
+
+
+def test_chat_reports_an_engine_crash(tiny_model):
+    res = _carve("chat", str(tiny_model), "--ctx", "64", stdin="hi\n", CARVE_ENGINE_CMD=FAKE,
+                 CARVE_FAKE_SCENARIO="crash-load")  # fmt: skip
+    assert res.returncode == 2
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("carve: the engine process exited (status 3)")
+    assert "crashing mid-load" in last
+
+
+class Terminal:
+    """The master side of a pty: `expect` waits for text after what it matched last."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.buf, self.pos = fd, b"", 0
+
+    def expect(self, needle: bytes, timeout: float = 30) -> bytes:
+        deadline = time.monotonic() + timeout
+        while (at := self.buf.find(needle, self.pos)) < 0:
+            left = deadline - time.monotonic()
+            assert left > 0, f"never saw {needle!r}; got {self.buf[self.pos :][-500:]!r}"
+            if select.select([self.fd], [], [], left)[0]:
+                try:
+                    chunk = os.read(self.fd, 4096)
+                except OSError:  # EIO: the child closed the terminal
+                    chunk = b""
+                assert chunk, f"terminal closed before {needle!r}"
+                self.buf += chunk
+        seen, self.pos = self.buf[self.pos : at + len(needle)], at + len(needle)
+        return seen
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+
+def test_ctrl_c_stops_a_reply_and_twice_at_the_prompt_quits(tiny_model):
+    env = _env(CARVE_ENGINE_CMD=FAKE, CARVE_FAKE_TOKEN_DELAY="0.3")
+    pid, fd = pty.fork()
+    if pid == 0:  # child: the terminal is its controlling tty, so ^C becomes SIGINT
+        os.chdir(ROOT)
+        os.execve(sys.executable, [sys.executable, "-m", "app", "chat", str(tiny_model),
+                                   "--ctx", "64"], env)  # fmt: skip
+    term = Terminal(fd)
+    try:
+        term.expect(b"> ")
+        term.send(b"hi there\r")
+        term.expect(b"from ")  # the reply is streaming
+        term.send(b"\x03")
+        assert b"You said" not in term.expect(b"(stopped)")  # well before the reply's end
+        term.expect(b"> ")
+        term.send(b"again\r")  # the session survived
+        term.expect(b"You said: again")
+        term.expect(b"> ")
+        term.send(b"\x03")
+        term.expect(b"Ctrl-C again")
+        term.send(b"\x03")
+        deadline = time.monotonic() + 30
+        while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+            assert time.monotonic() < deadline, f"carve chat did not exit: {term.buf[-300:]!r}"
+            if select.select([fd], [], [], 0.05)[0]:
+                try:
+                    term.buf += os.read(fd, 4096)
+                except OSError:
+                    time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+        pid = 0
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ with the real engine
+
+
+@pytest.mark.demo
+@pytest.mark.parametrize("flags", [[], ["--no-bos"], ["--no-parse-special"]])
+@pytest.mark.parametrize("which", ["demo_model_path", "gemma_model_path"])
+def test_tokenize_prints_tokenizer_encode(which, flags, request, tmp_path):
+    from engine.gguf_file import GGUFModel
+    from engine.tokenizer import Tokenizer
+
+    model = Path(request.getfixturevalue(which))
+    text = "Hello  world!\n\tdef f(x):  return x**2  # 世界 🙂\n<|im_end|><end_of_turn> <bos>"
+    path = tmp_path / "in.txt"
+    path.write_text(text, encoding="utf-8")
+    res = _carve("tokenize", str(model), str(path), *flags)
+    assert res.returncode == 0, res.stderr
+    tok = Tokenizer.from_model(GGUFModel.open(model))
+    expected = tok.encode(text, add_bos=False if "--no-bos" in flags else None,
+                          parse_special="--no-parse-special" not in flags)  # fmt: skip
+    assert json.loads(res.stdout) == expected
+    assert res.stdout.count("\n") == 1
