@@ -2,11 +2,16 @@
 
 Block layouts follow ggml's `ggml-common.h` and the arithmetic follows `ggml-quants.c`
 (`dequantize_row_*`). The reference is `gguf.quants.dequantize`; every float op here is done in
-float32 in the same order as there, so results are bit-equal to it (tests/engine/test_dequant.py).
+float32 in the same order as there (d * scale first, then * q, then - min), and every integer step
+is exact, so results are bit-equal to it (tests/engine/test_dequant.py).
 
-Work is done in chunks of whole blocks: the intermediates (uint8 nibbles, float32 scales) of a
-chunk stay in cache, never exceed a few MiB, and a [151936, 896] embedding never needs an int64
-or full-size scratch copy.
+How it is fast enough in plain torch on a CPU: each block's quants are assembled as exact
+integers in uint8 scratch (shifts and masks on whole chunks, read as int8), and one mixed-dtype
+multiply `int8 * float32 scale -> out` turns them into floats; the per-block scales are computed
+once per *group* of chunks, so their many tiny ops are paid rarely.
+
+Memory: work goes in chunks of whole blocks through scratch allocated once per call; a
+[151936, 896] embedding needs no int64 or output-sized intermediate.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,193 +27,243 @@ import torch
 from engine import quant_types as qt
 from engine.errors import CarveError
 
-QK_K = 256
-# Output elements per chunk: large enough that torch's per-op overhead (~5 us) stays small, small
-# enough that a chunk's intermediates stay in L2 and that every op stays under torch's parallel
-# grain size (32768): on a busy 2-core machine an OpenMP-split op waited ~6 ms at its barrier
-# (1000x slower) whenever the other core was taken.
-CHUNK_ELEMENTS = 1 << 14
+# Output elements per chunk. Every elementwise op of a chunk stays at or under torch's parallel
+# grain size (32768), so torch runs it on the calling thread: on this busy 2-core machine an
+# op split across OpenMP threads waited ~6 ms at the barrier whenever the other core was taken
+# (1000x slower). Scratch reused across chunks also avoids a fresh 128 KiB malloc (an mmap and
+# page faults in glibc) per op.
+CHUNK_ELEMENTS = 1 << 15
+# Chunks per group that share one computation of the per-block scales.
+GROUP_CHUNKS = 8
 
 _U8 = torch.uint8
+_I8 = torch.int8
 _F32 = torch.float32
+
+
+class _Scratch:
+    """uint8 and float32 buffers of one chunk, reused for every chunk of a call."""
+
+    def __init__(self, elements: int) -> None:
+        self.q = torch.empty(elements, dtype=_U8)
+        self.t = torch.empty(elements, dtype=_U8)
+        self.f = torch.empty(elements, dtype=_F32)
+
+    def u8(self, name: str, *shape: int) -> torch.Tensor:
+        buf = getattr(self, name)
+        return buf[: math.prod(shape)].view(shape)
+
+    def f32(self, *shape: int) -> torch.Tensor:
+        return self.f[: math.prod(shape)].view(shape)
 
 
 def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     """The f16 field at byte ``offset`` of each block, as float32 [n, 1]."""
-    return blocks[:, offset : offset + 2].contiguous().view(torch.float16).to(_F32)
+    field = blocks[:, offset : offset + 2]
+    if field.storage_offset() % 2:  # bytes sliced at an odd address cannot be viewed as f16
+        field = field.contiguous()
+    # otherwise a strided dtype view (type sizes are all even), no copy of the blocks
+    return field.view(torch.float16).to(_F32)
 
 
-def _nibbles(qs: torch.Tensor, groups: int, width: int) -> torch.Tensor:
-    """Low then high nibbles: qs [n, groups*width] -> uint8 [n, groups, 2, width]
-    (ggml packs element j of a group in the low nibble, j + width in the high one)."""
-    n = qs.shape[0]
-    src = qs.reshape(n, groups, width)
-    out = torch.empty(n, groups, 2, width, dtype=_U8)
-    torch.bitwise_and(src, 0x0F, out=out[:, :, 0])
-    torch.bitwise_right_shift(src, 4, out=out[:, :, 1])
-    return out
+def _split_bits(
+    src: torch.Tensor, bits: int, dst: torch.Tensor, slot_dim: int, shift: int = 0
+) -> torch.Tensor:
+    """Write field k (``bits`` wide, lowest first) of every byte of ``src`` to
+    ``dst.select(slot_dim, k)``, shifted left by ``shift``. One shift per field, then one mask
+    (and one shift) over all of ``dst``."""
+    for k in range(8 // bits):
+        torch.bitwise_right_shift(src, k * bits, out=dst.select(slot_dim, k))
+    dst &= (1 << bits) - 1
+    if shift:
+        dst <<= shift
+    return dst
 
 
-def _fields(qs: torch.Tensor, bits: int, groups: int, width: int) -> torch.Tensor:
-    """Fields of ``bits`` bits, lowest first: qs [n, groups*width] ->
-    uint8 [n, groups, 8 // bits, width], field k of byte l at [.., k, l]."""
-    n = qs.shape[0]
-    src = qs.reshape(n, groups, width)
-    per = 8 // bits
-    out = torch.empty(n, groups, per, width, dtype=_U8)
-    mask = (1 << bits) - 1
-    for k in range(per):  # 2, 4 or 8 passes, each over the whole chunk
-        dst = out[:, :, k]
-        if k:
-            torch.bitwise_right_shift(src, k * bits, out=dst)
-            dst &= mask
-        else:
-            torch.bitwise_and(src, mask, out=dst)
-    return out
+# Bit j of a byte, shifted to bit 4, for the 5th bit of Q5_0 / Q5_1 quants: [256, 8].
+_BYTE_BITS_X16 = torch.stack([((torch.arange(256) >> j) & 1) << 4 for j in range(8)], dim=1).to(_U8)
 
 
-def _bits32(qh: torch.Tensor) -> torch.Tensor:
-    """qh [n, 4] little-endian uint32 -> bit j of it as uint8 [n, 32]."""
-    return _fields(qh, 1, 4, 1).reshape(qh.shape[0], 32)
+@dataclass(slots=True)
+class _Kind:
+    scales: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]  # blocks -> per-block floats
+    values: Callable[..., None]  # (blocks, scales, out, scratch) -> None
 
 
-# --- 32-element blocks -------------------------------------------------------------------
+# --- 32-element blocks ----------------------------------------------------------------------
 
 
-def _q4_0(b: torch.Tensor, out: torch.Tensor) -> None:
-    # block_q4_0: d f16, qs[16]
+def _nibbles32(qs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """qs [n, 16] -> q [n, 2, 16]: element j in the low nibble of qs[j], j + 16 in the high."""
+    torch.bitwise_and(qs, 0x0F, out=q[:, 0])
+    torch.bitwise_right_shift(qs, 4, out=q[:, 1])
+    return q
+
+
+def _high_bits32(qh: torch.Tensor, n: int) -> torch.Tensor:
+    """qh [n, 4] (a little-endian uint32 per block) -> (bit j) << 4 as uint8 [n, 2, 16]."""
+    idx = qh.reshape(-1).to(torch.int32)
+    return _BYTE_BITS_X16.index_select(0, idx).view(n, 2, 16)
+
+
+def _sc_d(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (_f16(b, 0).view(-1, 1, 1),)
+
+
+def _sc_dm(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return _f16(b, 0).view(-1, 1, 1), _f16(b, 2).view(-1, 1, 1)
+
+
+def _q4_0(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
+    # block_q4_0: d f16, qs[16]; x = d * (nibble - 8)
     n = b.shape[0]
-    d = _f16(b, 0)
-    q = _nibbles(b[:, 2:18], 1, 16).reshape(n, 32)
-    torch.mul(d, q.to(_F32).sub_(8), out=out)
+    q = _nibbles32(b[:, 2:18], s.u8("q", n, 2, 16))
+    q -= 8  # uint8 wraps; read as int8 it is nibble - 8
+    torch.mul(q.view(_I8), sc[0], out=out.view(n, 2, 16))
 
 
-def _q4_1(b: torch.Tensor, out: torch.Tensor) -> None:
-    # block_q4_1: d f16, m f16, qs[16]
+def _q4_1(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
+    # block_q4_1: d f16, m f16, qs[16]; x = d * nibble + m
     n = b.shape[0]
-    d, m = _f16(b, 0), _f16(b, 2)
-    q = _nibbles(b[:, 4:20], 1, 16).reshape(n, 32)
-    torch.mul(d, q.to(_F32), out=out).add_(m)
+    q = _nibbles32(b[:, 4:20], s.u8("q", n, 2, 16))
+    f = torch.mul(q, sc[0], out=s.f32(n, 2, 16))
+    torch.add(f, sc[1], out=out.view(n, 2, 16))
 
 
-def _q5_0(b: torch.Tensor, out: torch.Tensor) -> None:
-    # block_q5_0: d f16, qh[4] (bit j = 5th bit of element j), qs[16]
+def _q5_0(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
+    # block_q5_0: d f16, qh[4] (bit j = 5th bit of element j), qs[16]; x = d * (q - 16)
     n = b.shape[0]
-    d = _f16(b, 0)
-    q = _nibbles(b[:, 6:22], 1, 16).reshape(n, 32) | (_bits32(b[:, 2:6]) << 4)
-    torch.mul(d, q.to(_F32).sub_(16), out=out)
+    q = _nibbles32(b[:, 6:22], s.u8("q", n, 2, 16))
+    q |= _high_bits32(b[:, 2:6], n)
+    q -= 16
+    torch.mul(q.view(_I8), sc[0], out=out.view(n, 2, 16))
 
 
-def _q5_1(b: torch.Tensor, out: torch.Tensor) -> None:
-    # block_q5_1: d f16, m f16, qh[4], qs[16]
+def _q5_1(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
+    # block_q5_1: d f16, m f16, qh[4], qs[16]; x = d * q + m
     n = b.shape[0]
-    d, m = _f16(b, 0), _f16(b, 2)
-    q = _nibbles(b[:, 8:24], 1, 16).reshape(n, 32) | (_bits32(b[:, 4:8]) << 4)
-    torch.mul(d, q.to(_F32), out=out).add_(m)
+    q = _nibbles32(b[:, 8:24], s.u8("q", n, 2, 16))
+    q |= _high_bits32(b[:, 4:8], n)
+    f = torch.mul(q, sc[0], out=s.f32(n, 2, 16))
+    torch.add(f, sc[1], out=out.view(n, 2, 16))
 
 
-def _q8_0(b: torch.Tensor, out: torch.Tensor) -> None:
-    # block_q8_0: d f16, qs[32] int8
-    d = _f16(b, 0)
-    torch.mul(b[:, 2:34].view(torch.int8).to(_F32), d, out=out)
+def _q8_0(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
+    # block_q8_0: d f16, qs[32] int8; x = q * d
+    torch.mul(b[:, 2:34].view(_I8), sc[0].view(-1, 1), out=out)
 
 
-# --- 256-element super-blocks -------------------------------------------------------------
+# --- 256-element super-blocks ---------------------------------------------------------------
 
 
-def _q2_k(b: torch.Tensor, out: torch.Tensor) -> None:
-    # block_q2_K: scales[16] (low 4 bits scale, high 4 bits min), qs[64], d f16, dmin f16
+def _sc_q2_k(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # scales[16] at 0: low nibble scales a sub-block of 16, high nibble its min; d, dmin at 80
     n = b.shape[0]
     scales = b[:, 0:16]
-    d, dmin = _f16(b, 80), _f16(b, 82)
-    dl = (d * (scales & 0x0F).to(_F32)).view(n, 16, 1)
-    ml = (dmin * (scales >> 4).to(_F32)).view(n, 16, 1)
-    # each of the 2 halves of qs holds 4 groups of 32 two-bit values
-    q = _fields(b[:, 16:80], 2, 2, 32).reshape(n, 16, 16).to(_F32)
-    torch.mul(dl, q, out=out.view(n, 16, 16)).sub_(ml)
+    dl = _f16(b, 80) * (scales & 0x0F).to(_F32)
+    ml = _f16(b, 82) * (scales >> 4).to(_F32)
+    return dl.view(n, 16, 1), ml.view(n, 16, 1)
 
 
-def _q3_k(b: torch.Tensor, out: torch.Tensor) -> None:
-    # block_q3_K: hmask[32], qs[64], scales[12] (16 six-bit scales), d f16
+def _q2_k(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
+    # qs[64] at 16: each half of 32 bytes holds 4 groups of 32 two-bit values
     n = b.shape[0]
-    d = _f16(b, 108)
+    q = _split_bits(b[:, 16:80].view(n, 2, 32), 2, s.u8("q", n, 2, 4, 32), 2)
+    f = torch.mul(q.view(n, 16, 16), sc[0], out=s.f32(n, 16, 16))
+    torch.sub(f, sc[1], out=out.view(n, 16, 16))
+
+
+def _sc_q3_k(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # scales[12] at 96: 16 six-bit scales (low 4 bits in bytes 0-7, high 2 bits in 8-11), d at 108
+    n = b.shape[0]
     sc = b[:, 96:108]
-    lo = _nibbles(sc[:, 0:8], 1, 8).reshape(n, 16)
-    hi = _fields(sc[:, 8:12], 2, 1, 4).reshape(n, 16)
-    scales = (lo | (hi << 4)).view(torch.int8).to(_F32).sub_(32)
-    dl = (d * scales).view(n, 16, 1)
-    ql = _fields(b[:, 32:96], 2, 2, 32)
-    hm = _fields(b[:, 0:32], 1, 1, 32)
-    # a clear hmask bit means "subtract 4"
-    q = ql.reshape(n, 16, 16).to(_F32).sub_(((hm ^ 1) << 2).reshape(n, 16, 16).to(_F32))
-    torch.mul(dl, q, out=out.view(n, 16, 16))
+    lo = torch.empty(n, 2, 8, dtype=_U8)
+    torch.bitwise_and(sc[:, 0:8], 0x0F, out=lo[:, 0])
+    torch.bitwise_right_shift(sc[:, 0:8], 4, out=lo[:, 1])
+    hi = _split_bits(sc[:, 8:12], 2, torch.empty(n, 4, 4, dtype=_U8), 1, shift=4)
+    scales = (lo.view(n, 16) | hi.view(n, 16)).view(_I8).to(_F32) - 32
+    return ((_f16(b, 108) * scales).view(n, 16, 1),)
 
 
-def _scale_min_k4(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """get_scale_min_k4 of ggml-quants.c for all 8 sub-blocks: 12 bytes -> 8 scales, 8 mins."""
-    n = sc.shape[0]
-    s = sc.reshape(n, 3, 4)
+def _q3_k(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
+    # hmask[32] at 0, qs[64] at 32; q = 2 low bits + 4 * hmask bit - 4 (a clear bit subtracts 4)
+    n = b.shape[0]
+    q = _split_bits(b[:, 32:96].view(n, 2, 32), 2, s.u8("q", n, 2, 4, 32), 2)
+    # element (half g, group k, l) takes bit 4g + k of hmask[l]
+    h = _split_bits(b[:, 0:32], 1, s.u8("t", n, 8, 32), 1, shift=2)
+    q = q.view(n, 8, 32)
+    q += h
+    q -= 4
+    torch.mul(q.view(n, 16, 16).view(_I8), sc[0], out=out.view(n, 16, 16))
+
+
+def _sc_k4(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_K / Q5_K: d, dmin at 0, 2 and get_scale_min_k4 over scales[12] at 4, for all 8
+    sub-blocks: bytes 0-3 low 6 bits = scales 0-3, bytes 4-7 = mins 0-3, bytes 8-11 low/high
+    nibble = low 4 bits of scale/min 4-7, whose high 2 bits are the top bits of bytes 0-3/4-7."""
+    n = b.shape[0]
+    s = b[:, 4:16].reshape(n, 3, 4)
     d, m, md = s[:, 0], s[:, 1], s[:, 2]
     scale = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
     mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
-    return scale, mins
+    dl = _f16(b, 0) * scale.to(_F32)
+    ml = _f16(b, 2) * mins.to(_F32)
+    return dl.view(n, 8, 1), ml.view(n, 8, 1)
 
 
-def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
-    # block_q4_K: d f16, dmin f16, scales[12], qs[128]
+def _q4_k(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
+    # qs[128] at 16: 4 groups of 32 bytes; low nibbles are sub-block 2g, high ones 2g + 1
     n = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    sc, mn = _scale_min_k4(b[:, 4:16])
-    dl = (d * sc.to(_F32)).view(n, 8, 1)
-    ml = (dmin * mn.to(_F32)).view(n, 8, 1)
-    q = _nibbles(b[:, 16:144], 4, 32).reshape(n, 8, 32).to(_F32)
-    torch.mul(dl, q, out=out.view(n, 8, 32)).sub_(ml)
+    q = _split_bits(b[:, 16:144].view(n, 4, 32), 4, s.u8("q", n, 4, 2, 32), 2)
+    f = torch.mul(q.view(n, 8, 32), sc[0], out=s.f32(n, 8, 32))
+    torch.sub(f, sc[1], out=out.view(n, 8, 32))
 
 
-def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
-    # block_q5_K: d f16, dmin f16, scales[12], qh[32], qs[128]
+def _q5_k(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
+    # qh[32] at 16, qs[128] at 48; sub-block i takes its 5th bit from bit i of qh[l]
     n = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    sc, mn = _scale_min_k4(b[:, 4:16])
-    dl = (d * sc.to(_F32)).view(n, 8, 1)
-    ml = (dmin * mn.to(_F32)).view(n, 8, 1)
-    ql = _nibbles(b[:, 48:176], 4, 32).reshape(n, 8, 32)
-    # sub-block i takes its 5th bit from bit i of qh[l]
-    qh = _fields(b[:, 16:48], 1, 1, 32).reshape(n, 8, 32) << 4
-    q = (ql | qh).to(_F32)
-    torch.mul(dl, q, out=out.view(n, 8, 32)).sub_(ml)
+    q = _split_bits(b[:, 48:176].view(n, 4, 32), 4, s.u8("q", n, 4, 2, 32), 2).view(n, 8, 32)
+    q |= _split_bits(b[:, 16:48], 1, s.u8("t", n, 8, 32), 1, shift=4)
+    f = torch.mul(q, sc[0], out=s.f32(n, 8, 32))
+    torch.sub(f, sc[1], out=out.view(n, 8, 32))
 
 
-def _q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
-    # block_q6_K: ql[128], qh[64], scales[16] int8, d f16
+def _sc_q6_k(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # scales[16] int8 at 192, d at 208
     n = b.shape[0]
-    d = _f16(b, 208)
-    scales = b[:, 192:208].view(torch.int8).to(_F32)
-    dl = (d * scales).view(n, 16, 1)
-    ql = _nibbles(b[:, 0:128], 2, 64).reshape(n, 8, 32)
-    qh = _fields(b[:, 128:192], 2, 2, 32).reshape(n, 8, 32)
-    q = (ql | (qh << 4)).to(_F32).sub_(32)
-    torch.mul(dl, q.view(n, 16, 16), out=out.view(n, 16, 16))
+    return ((_f16(b, 208) * b[:, 192:208].view(_I8).to(_F32)).view(n, 16, 1),)
 
 
-_BLOCK_KERNELS: dict[int, Callable[[torch.Tensor, torch.Tensor], None]] = {
-    qt.Q4_0: _q4_0,
-    qt.Q4_1: _q4_1,
-    qt.Q5_0: _q5_0,
-    qt.Q5_1: _q5_1,
-    qt.Q8_0: _q8_0,
-    qt.Q2_K: _q2_k,
-    qt.Q3_K: _q3_k,
-    qt.Q4_K: _q4_k,
-    qt.Q5_K: _q5_k,
-    qt.Q6_K: _q6_k,
+def _q6_k(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
+    # ql[128] at 0, qh[64] at 128. Per half h of 128 values: element k*64 + l takes nibble k of
+    # ql[h, l] (l < 64) and element c*32 + l takes bits 2c..2c+1 of qh[h, l] (l < 32); q - 32.
+    n = b.shape[0]
+    q = _split_bits(b[:, 0:128].view(n, 2, 64), 4, s.u8("q", n, 2, 2, 64), 2)
+    h = _split_bits(b[:, 128:192].view(n, 2, 32), 2, s.u8("t", n, 2, 4, 32), 2, shift=4)
+    q = q.view(n, 8, 32)
+    q |= h.view(n, 8, 32)
+    q -= 32
+    torch.mul(q.view(n, 16, 16).view(_I8), sc[0], out=out.view(n, 16, 16))
+
+
+_KINDS: dict[int, _Kind] = {
+    qt.Q4_0: _Kind(_sc_d, _q4_0),
+    qt.Q4_1: _Kind(_sc_dm, _q4_1),
+    qt.Q5_0: _Kind(_sc_d, _q5_0),
+    qt.Q5_1: _Kind(_sc_dm, _q5_1),
+    qt.Q8_0: _Kind(_sc_d, _q8_0),
+    qt.Q2_K: _Kind(_sc_q2_k, _q2_k),
+    qt.Q3_K: _Kind(_sc_q3_k, _q3_k),
+    qt.Q4_K: _Kind(_sc_k4, _q4_k),
+    qt.Q5_K: _Kind(_sc_k4, _q5_k),
+    qt.Q6_K: _Kind(_sc_q6_k, _q6_k),
 }
 _FLOAT_VIEWS = {qt.F32: torch.float32, qt.F16: torch.float16, qt.BF16: torch.bfloat16}
 
-SUPPORTED_TYPES: tuple[int, ...] = (*_FLOAT_VIEWS, *_BLOCK_KERNELS)
+SUPPORTED_TYPES: tuple[int, ...] = (*_FLOAT_VIEWS, *_KINDS)
 
 
-# --- public API ---------------------------------------------------------------------------
+# --- public API -----------------------------------------------------------------------------
 
 
 def _as_bytes(raw: torch.Tensor | np.ndarray) -> torch.Tensor:
@@ -223,7 +279,7 @@ def _as_bytes(raw: torch.Tensor | np.ndarray) -> torch.Tensor:
 
 def _check(raw: torch.Tensor, ggml_type: int, shape: Sequence[int]) -> tuple[int, ...]:
     """Validate type, shape and byte count; return the torch shape (GGUF shape reversed)."""
-    if ggml_type not in _BLOCK_KERNELS and ggml_type not in _FLOAT_VIEWS:
+    if ggml_type not in _KINDS and ggml_type not in _FLOAT_VIEWS:
         supported = ", ".join(qt.type_name(t) for t in SUPPORTED_TYPES)
         raise CarveError(
             f"tensor type {qt.type_name(ggml_type)} (ggml id {ggml_type}) is not supported by "
@@ -273,26 +329,33 @@ def dequantize_to(
     if view is not None:
         src = raw.view(view).view(tshape)
         if out is None:
-            return src if src.dtype == dtype else src.to(dtype)
-        return out.copy_(src)
+            if src.dtype == dtype:
+                return src
+            out = torch.empty(tshape, dtype=dtype, device=raw.device)
+        # chunked for the same reason as the block types: one big copy_ is split across threads
+        src, dst = src.reshape(-1), out.view(-1)
+        for i in range(0, src.numel(), CHUNK_ELEMENTS):
+            dst[i : i + CHUNK_ELEMENTS].copy_(src[i : i + CHUNK_ELEMENTS])
+        return out
 
     q = qt.quant(ggml_type)
-    kernel = _BLOCK_KERNELS[ggml_type]
+    kind = _KINDS[ggml_type]
     blocks = raw.view(-1, q.type_size)  # [n_blocks, type_size]
     n_blocks = blocks.shape[0]
     if out is None:
         out = torch.empty(tshape, dtype=dtype, device=raw.device)
     flat = out.view(n_blocks, q.block_size)  # [n_blocks, block_size]
     step = max(1, CHUNK_ELEMENTS // q.block_size)
-    scratch = None if dtype == _F32 else torch.empty(step, q.block_size, dtype=_F32)
-    for i in range(0, n_blocks, step):
-        j = min(i + step, n_blocks)
-        if scratch is None:
-            kernel(blocks[i:j], flat[i:j])
-        else:
-            part = scratch[: j - i]
-            kernel(blocks[i:j], part)
-            flat[i:j].copy_(part)
+    scratch = _Scratch(step * q.block_size)
+    group = step * GROUP_CHUNKS
+    for g0 in range(0, n_blocks, group):
+        g1 = min(g0 + group, n_blocks)
+        scales = kind.scales(blocks[g0:g1])
+        for i in range(g0, g1, step):
+            j = min(i + step, g1)
+            part = tuple(s[i - g0 : j - g0] for s in scales)
+            # the last op of each kernel writes float32 results rounded once into out's dtype
+            kind.values(blocks[i:j], part, flat[i:j], scratch)
     return out
 
 
