@@ -15,6 +15,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
+import app.signal_refcount  # noqa: F401  (PySide6 6.12.0 emit refcount bug; before any emit)
 from engine import protocol
 
 STDERR_KEEP = 40  # lines of engine stderr kept for the crash message

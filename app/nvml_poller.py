@@ -7,6 +7,8 @@ import time
 
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
+import app.signal_refcount  # noqa: F401  (PySide6 6.12.0 emit refcount bug; before any emit)
+
 POLL_MS = 250
 
 

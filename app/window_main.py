@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+import app.signal_refcount  # noqa: F401  (PySide6 6.12.0 emit refcount bug; before any emit)
 from app.engine_client import EngineClient
 from app.models.chat_model import ChatHistory
 from app.models.device_board import DeviceBoard
@@ -78,6 +79,7 @@ class MainWindow(QMainWindow):
         self.live_poll = live_poll
         self.launched_layout = None
         self.poller = None
+        self.remember = live_poll  # a --snapshot run leaves the user's last session alone
 
         self.model_panel = ModelPanel()
         self.presets = PresetsBox(self.store, self.plan.settings)
@@ -158,13 +160,12 @@ class MainWindow(QMainWindow):
         from engine.devices import no_gpu_reason, snapshot
         from engine.rigs import parse_rig
 
+        snaps = snapshot()
+        self.rig_picker.set_no_gpu("" if snaps else no_gpu_reason() or "no NVIDIA GPU found")
         if rig == "auto":
-            snaps = snapshot()
             if not snaps:
-                self.rig_picker.set_no_gpu(no_gpu_reason())
                 rig = DEFAULT_SIM_RIG
             else:
-                self.rig_picker.set_no_gpu("")
                 self.rig = "auto"
                 self.rig_picker.set_current("auto")
                 self.board.set_live()
@@ -275,7 +276,7 @@ class MainWindow(QMainWindow):
             self.open_model(urls[0].toLocalFile())
 
     def closeEvent(self, event: QCloseEvent) -> None:
-        if self.plan.gguf is not None:
+        if self.plan.gguf is not None and self.remember:
             self.store.save_last_session(str(self.plan.gguf.paths[0]), self.rig,
                                          self.plan.settings())
         self.client.close_blocking()  # quitting ends the engine: no orphan holds VRAM

@@ -149,6 +149,14 @@ class DeviceBoard:
         return bool(self._launched)
 
 
+def short_gpu_name(name: str) -> str:
+    """"NVIDIA GeForce RTX 4090" -> "RTX 4090": the vendor is implied in a table of GPUs."""
+    for prefix in ("NVIDIA GeForce ", "NVIDIA ", "GeForce "):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
 def _opt_int(value: Any) -> int | None:
     try:
         return None if value is None else int(value)

@@ -75,7 +75,7 @@ def human_bytes(n: float) -> str:
         if n < 1024 or unit == "TiB":
             if unit == "B":
                 return f"{sign}{int(n)} B"
-            return f"{sign}{n:.3g} {unit}" if n >= 100 else f"{sign}{n:.2f} {unit}"
+            return f"{sign}{n:.0f} {unit}" if n >= 100 else f"{sign}{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 

@@ -156,20 +156,24 @@ class PlanModel:
         return True
 
     def searched_split(self) -> tuple[int, ...] | None:
-        n_dev = len(self.active_devices())
-        plan = self.plan(split=even_split(self.n_layer, n_dev))
-        if plan is None:
+        """``engine.split.auto_split``'s boundaries over the active devices, or None."""
+        devices = self.active_devices()
+        if self.gguf is None or not devices:
             return None
         try:
-            from engine.split import search_split
+            from engine.split import auto_split
 
-            found = search_split(plan, self.gguf)
+            found = auto_split(
+                self.gguf, devices, prefer="spread", ctx=self.ctx, kv_type=self.kv_type,
+                prefill_chunk=self.prefill_chunk, cache_reserve=self.cache_reserve,
+                arena=self.arena, act_dtype=self.act_dtype(devices),
+            )
         except (ImportError, CarveError):
             return None
-        if found is None:
-            return None
-        split = tuple(int(b) for b in getattr(found, "split", found))
-        return split if valid_split(split, self.n_layer, n_dev) else None
+        if tuple(found.devices) != devices:
+            return None  # the search left a device out (more devices than layers)
+        split = tuple(found.split)
+        return split if valid_split(split, self.n_layer, len(devices)) else None
 
     # -- settings ----------------------------------------------------------------------------
     def set_ctx(self, ctx: int) -> None:

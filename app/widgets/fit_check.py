@@ -17,21 +17,21 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.models.device_board import short_gpu_name
 from app.models.model_summary import human_bytes
 from app.models.plan_model import PlanModel
 from app.theme import Theme, stage_color
 
 COLUMNS = (
     ("Device", None),
-    ("Layers", None),
     ("Weights", "weights"),
     ("KV", "kv"),
     ("Buffers", "buffers"),
-    ("Dequant cache", "dequant_cache"),
+    ("Dequant", "dequant_cache"),
     ("Overhead", "overhead"),
     ("Rounding", "rounding"),
     ("Total", None),
-    ("Free now", None),
+    ("Free", None),
     ("Headroom", None),
     ("Verdict", None),
 )
@@ -107,16 +107,18 @@ class FitCheck(QWidget):
             dev = d.device
             pos = next((i for i, x in enumerate(m.devices) if x == dev), r)
             label = "CPU" if dev.index < 0 else f"GPU {dev.index}"
-            cells = [f"■ {label}  {dev.name}", f"{d.layers[0]}–{d.layers[1] - 1}"]
-            cells += [human_bytes(d.terms.get(key, 0)) for _, key in COLUMNS[2:8]]
+            cells = [f"■ {label}  {short_gpu_name(dev.name)}"]
+            cells += [human_bytes(d.terms.get(key, 0)) for _, key in COLUMNS[1:7]]
             cells += [human_bytes(d.total), human_bytes(dev.free), human_bytes(d.headroom), d.verdict]
             for c, text in enumerate(cells):
                 self.table.item(r, c).setText(text)
             self.table.item(r, 0).setForeground(QColor(stage_color(self.theme, pos)))
+            self.table.item(r, 0).setToolTip(dev.name)
             verdict_item = self.table.item(r, len(COLUMNS) - 1)
             verdict_item.setForeground(QColor(self.theme.verdict.get(d.verdict, self.theme.text)))
             verdict_item.setToolTip(d.advice or "")
-        self.table.setFixedHeight(self.table.horizontalHeader().height() + 26 * len(rows) + 4)
+        header_h = self.table.horizontalHeader().sizeHint().height()
+        self.table.setFixedHeight(header_h + 26 * len(rows) + 6)
 
         verdict = m.verdict()
         colour = self.theme.verdict.get(verdict, self.theme.muted)
@@ -129,7 +131,7 @@ class FitCheck(QWidget):
             self.summary.setText(
                 f"<span style='color:{colour}; font-size:15px'>●</span> "
                 f"<b>{verdict.capitalize()}</b> — tightest headroom {human_bytes(worst)}")
-        self.timing.setText(f"priced in {m.price_ms:.1f} ms" if layout is not None else "")
+        self.timing.setText(f"priced in {m.price_ms:.2f} ms" if layout is not None else "")
         notes = [f"<b>{'CPU' if d.device.index < 0 else f'GPU {d.device.index}'}:</b> {d.advice}"
                  for d in rows if d.advice and d.verdict != "fits"]
         self.advice.setText("<br>".join(notes))

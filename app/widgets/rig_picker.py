@@ -20,7 +20,7 @@ class RigPicker(QWidget):
         self.banner.hide()
         self.combo = QComboBox()
         self.combo.setEditable(True)
-        self.combo.setMinimumWidth(220)
+        self.combo.setMinimumWidth(180)
         self.combo.setToolTip('A rig to plan for: "4x24GiB", "rtx4090,rtx4090,a6000", "2xh100", "cpu"')
         self.combo.addItem(LIVE)
         self.combo.addItems(RIGS)
@@ -39,8 +39,8 @@ class RigPicker(QWidget):
 
     def set_no_gpu(self, reason: str) -> None:
         """No driver / no GPU: say so plainly; the live entry stays for when one appears."""
-        self.banner.setText(f"⚠ No GPU found — planning for a simulated rig. <span>{reason}</span>"
-                            if reason else "")
+        self.banner.setText("⚠ No GPU found — planning for a simulated rig" if reason else "")
+        self.banner.setToolTip(reason)
         self.banner.setVisible(bool(reason))
 
     def _on_edited(self) -> None:

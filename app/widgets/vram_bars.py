@@ -58,7 +58,7 @@ class VramBars(QWidget):
             axis = item.getAxis(name)
             axis.setPen(pg.mkPen(theme.grid))
             axis.setTextPen(pg.mkPen(theme.muted))
-        swatches = [("used by others", theme.others)] + [
+        swatches = [("others & driver", theme.others)] + [
             (label, theme.terms[key]) for key, label in OUR_TERMS
         ] + [("free", theme.free)]
         self.legend.setText(

@@ -1,0 +1,26 @@
+"""GUI tests run headless; every test gets its own empty config folder."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before anything imports Qt
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _config_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CARVE_CONFIG_DIR", str(tmp_path / "config"))
+    return tmp_path / "config"
+
+
+def gpu(index: int, free_mib: int, total_mib: int = 24576, name: str = "Test GPU"):
+    """A simulated device with exactly ``free_mib`` free (no reserve)."""
+    from engine.devices import DeviceSpec
+
+    return DeviceSpec(index=index, name=name, total=total_mib << 20, free=free_mib << 20,
+                      simulated=True)
+
+
+import app.signal_refcount  # noqa: F401  (PySide6 6.12.0 emit bug: before any test emits)
