@@ -142,9 +142,19 @@ class _GenerationBlock(Extension):
         return nodes.Scope(body, lineno=lineno)
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja2's sandbox answers a forbidden attribute with an undefined value that prints as
+    nothing; a template reaching for internals is hostile or broken, so refuse it outright."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+        )
+
+
 @lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = _Sandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[loopcontrols, _GenerationBlock],
