@@ -115,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             plan = Plan(base.model, base.devices, tuple(split), base.ctx, base.kv_type,
                         base.prefill_chunk, base.cache_reserve, base.arena, base.act_dtype)
             pricing.price(base, model)  # everything else warm, as during a drag
-            pricing._STAGES.pop((id(idx), pricing._stage_key(plan, 0)), None)
-            pricing._STAGES.pop((id(idx), pricing._stage_key(plan, 1)), None)
+            for i in (0, 1):  # as if never priced: a real move lands on new ranges
+                k = pricing._stage_key(plan, i)
+                pricing._STAGES.pop((idx.token, k, pricing.overhead_for(k.device)[0]), None)
             t0 = time.perf_counter()
             pricing.price(plan, model)
             moves.append(time.perf_counter() - t0)

@@ -11,6 +11,7 @@ boundary re-prices only the two stages beside it.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
@@ -49,6 +50,7 @@ class ModelIndex:
     """What pricing needs from a model, computed once: per-layer tensor lists and prefix sums,
     so a stage's weights cost two lookups however many tensors it holds."""
 
+    token: int  # unique per index, never reused (unlike id()): the key of every cache below
     model: Any
     hp: Any
     n_layer: int
@@ -81,6 +83,7 @@ def _prefix(values: list[int]) -> tuple[int, ...]:
 
 
 _INDEX: OrderedDict[int, ModelIndex] = OrderedDict()
+_TOKENS = itertools.count()
 
 
 def model_index(model: Any) -> ModelIndex:
@@ -123,7 +126,7 @@ def model_index(model: Any) -> ModelIndex:
         gemm_max[act, "uncacheable"] = tuple(
             max((t.n_elements for t in m if t.ggml_type in NOT_QUANTIZED), default=0) for m in mats)
     idx = ModelIndex(
-        model, hp, n, tuple(tuple(ts) for ts in per),
+        next(_TOKENS), model, hp, n, tuple(tuple(ts) for ts in per),
         tuple(tuple(_request(t) for t in ts) for ts in per),
         tuple(tuple(t.nbytes for t in ts) for ts in per),
         _prefix([sum(align_up(t.nbytes) for t in ts) for ts in per]),
@@ -236,12 +239,12 @@ def _kv_table(idx: ModelIndex, ctx: int, kv_type: str) -> tuple[tuple[int, ...],
         sizes = [tuple(r[1] for r in kv_requests(idx.hp, i, i + 1, ctx, kv_type)) for i in range(idx.n_layer)]
         return (_prefix([sum(s) for s in sizes]), _prefix([sum(align_up(n) for n in s) for s in sizes]),
                 tuple(sizes))
-    return _memo((id(idx), "kv", ctx, kv_type), make)
+    return _memo((idx.token, "kv", ctx, kv_type), make)
 
 
 def _buffer_specs(idx: ModelIndex, k: StageKey, scratch: int) -> list[Any]:
     rows = k.logits_rows if k.last else 0
-    return _memo((id(idx), "buf", k.chunk, k.act_dtype, rows, scratch),
+    return _memo((idx.token, "buf", k.chunk, k.act_dtype, rows, scratch),
                  lambda: activation_buffers(idx.hp, k.chunk, k.act_dtype, rows, scratch))
 
 
@@ -249,7 +252,7 @@ def _sizes(idx: ModelIndex, k: StageKey, mode: ArenaMode, scratch: int,
            dq: list[int] | int) -> tuple[list[int], dict[str, int]]:
     """(allocation sizes in engine order, requested bytes per purpose) without building spans.
     `dq`: the dequant cache's span sizes, or (packed only) their aligned total."""
-    glob = _memo((id(idx), "glob", k.first, k.last), lambda: [t.nbytes for t in _globals(idx, k.first, k.last)])
+    glob = _memo((idx.token, "glob", k.first, k.last), lambda: [t.nbytes for t in _globals(idx, k.first, k.last)])
     kv_raw, kv_al, kv_sizes = _kv_table(idx, k.ctx, k.kv_type)
     bufs = [b.nbytes for b in _buffer_specs(idx, k, scratch)]
     terms = {"weights": idx.layer_raw_prefix[k.hi] - idx.layer_raw_prefix[k.lo], "globals": sum(glob),
@@ -289,13 +292,13 @@ def _in_range(idx: ModelIndex, k: StageKey) -> list[tuple[int, Any, int]]:
 
 def price_stage(idx: ModelIndex, k: StageKey) -> DeviceLayout:
     """One device's share: its carve, KV, buffers, then the dequant cache from what is left."""
-    cache_key = (id(idx), k)
+    overhead, source = overhead_for(k.device)  # in the key: a new calibration re-prices
+    cache_key = (idx.token, k, overhead)
     hit = _STAGES.get(cache_key)
     if hit is not None:
         _STAGES.move_to_end(cache_key)
         return hit
     dev, mode, gpu = k.device, parse_arena(k.arena), not k.device.is_cpu
-    overhead, source = overhead_for(dev)
     avail = dev.free - dev.reserve
     allocs, _ = _sizes(idx, k, mode, _scratch(idx, k), [] if mode.kind != "packed" else 0)
     budget = avail - overhead - reserved_bytes(allocs, gpu) - k.cache_reserve
@@ -387,7 +390,12 @@ def price(plan: Plan, model: Any = None) -> Layout:
     return Layout(plan, tuple(stages))
 
 
-_ORDER = ("overhead", "weights", "globals", "kv", "buffers", "rounding")  # as the engine fills a device
+# The term named as overflowing is the one that crosses the free memory when terms are added in
+# this order: what the model and runtime impose first, the KV cache (sized by --ctx/--kv, the
+# knobs a user turns) last — so "KV cache does not fit" means a smaller context would help.
+_ORDER = ("overhead", "weights", "globals", "buffers", "rounding", "kv")
+_LABEL = {"overhead": "the runtime overhead", "weights": "weights", "globals": "globals",
+          "kv": "KV cache", "buffers": "activation buffers", "rounding": "arena rounding"}
 
 
 def advise(plan: Plan, idx: ModelIndex, stages: list[DeviceLayout]) -> list[DeviceLayout]:
@@ -418,7 +426,7 @@ def advise(plan: Plan, idx: ModelIndex, stages: list[DeviceLayout]) -> list[Devi
         move = _boundary_move(plan, idx, i)
         if move:
             tips.append(move)
-        what = f"{term} ({human(s.terms[term])})" if term != "overhead" else "the runtime overhead"
+        what = f"{_LABEL[term]} ({human(s.terms[term])})"
         advice = f"over by {human(-s.headroom)}: {what} does not fit in {human(avail)} free"
         advice += "; fits with " + ", or ".join(tips) if tips else \
             "; no single change fits it: add a GPU, use a smaller quant or a larger card"
