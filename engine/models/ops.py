@@ -36,6 +36,9 @@ class QWeight:
         return (self.cols, self.rows)
 
 
+FALLBACK_SCRATCH = 1 << 22  # elements
+
+
 def _dequant_rows(w: QWeight, r0: int, r1: int, out: torch.Tensor | None) -> torch.Tensor:
     row_bytes = w.raw.numel() // w.rows
     raw = w.raw[r0 * row_bytes : r1 * row_bytes]
@@ -53,7 +56,9 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
             return torch.mv(c, x[0].to(c.dtype)).to(x.dtype).unsqueeze(0)
         return F.linear(x.to(c.dtype), c).to(x.dtype)
     scratch = w.scratch
-    step = w.rows if scratch is None else max(1, min(w.rows, scratch.numel() // w.cols))
+    # Without a priced scratch (a matrix the Layout did not expect to GEMM), bound the temporary.
+    room = FALLBACK_SCRATCH if scratch is None else scratch.numel()
+    step = max(1, min(w.rows, room // w.cols))
     out = torch.empty(x.shape[0], w.rows, dtype=x.dtype, device=x.device)
     for r0 in range(0, w.rows, step):
         r1 = min(w.rows, r0 + step)

@@ -92,7 +92,7 @@ class KVCache:
             return self._read(L.k, L, 0, n, L.dk), self._read(L.v, L, 0, n, L.dv), None
         keys = self._read(L.k, L, 0, end, L.dk)
         values = self._read(L.v, L, 0, end, L.dv)
-        if t == 1:
+        if t == 1 and (not L.window or end <= L.window):
             return keys, values, None
         q_pos = torch.arange(pos0, end, device=k.device)
         k_pos = torch.arange(0, end, device=k.device)

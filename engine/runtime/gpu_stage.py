@@ -1,0 +1,196 @@
+"""A GPU stage: layers [lb, le) of a llama/qwen2-family model on one device, run with the Triton
+kernels of ``kernels/`` on the allocations of its DeviceLayout and nothing else.
+
+Every tensor the stage touches is a view into one of the Layout's arenas (weights, globals, KV,
+``buf.*`` activation buffers, ``dq.*`` dequant cache), so the memory it holds is the priced
+memory. Decode runs one token through preallocated buffers and is captured once in a CUDA graph
+that reads the token id and the position from device buffers; prefill runs in chunks of the
+priced size with the dequant cache feeding bf16 GEMMs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine import quant_types as qt
+from engine.errors import CarveError
+from kernels import attention, glu, kv_cache, norm, quant_matmul, rope
+
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+          "i64": torch.int64, "i32": torch.int32, "uint8": torch.uint8}
+ARCHS = ("llama", "qwen2")
+
+
+def allocate(dl: Any, device: torch.device | str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """One uint8 allocation per Arena of the DeviceLayout; every span becomes a view into it
+    (typed for float spans, raw bytes for GGUF-typed weights)."""
+    arenas, spans = [], {}
+    for a in dl.arenas:
+        buf = torch.empty(a.nbytes, dtype=torch.uint8, device=device)
+        arenas.append(buf)
+        for s in a.spans:
+            raw = buf[s.offset:s.offset + s.nbytes]
+            dt = DTYPES.get(s.dtype)
+            if dt is not None and s.purpose != "weights" and s.purpose != "globals":
+                raw = raw.view(dt).view(s.shape)
+            spans[s.name] = raw
+    return arenas, spans
+
+
+class GpuStage:
+    def __init__(self, hp: Any, model: Any, dl: Any, spans: dict[str, torch.Tensor],
+                 device: torch.device | str, ctx: int, chunk: int) -> None:
+        if hp.arch not in ARCHS or hp.qk_norm or hp.sandwich_norm:
+            raise CarveError(f"the GPU stage runs {', '.join(ARCHS)} models; {hp.arch} runs on "
+                             f"the CPU engine for now")
+        self.hp, self.model, self.spans = hp, model, spans
+        self.device = torch.device(device)
+        self.lb, self.le = dl.layers
+        self.first, self.last = dl.first, dl.last
+        self.ctx, self.chunk = ctx, chunk
+        self.buf = {n[4:]: t for n, t in spans.items() if n.startswith("buf.")}
+        self.act = self.buf["hidden"].dtype
+        self.q_w = hp.n_head * hp.head_dim
+        self.kv_w = hp.n_head_kv * hp.head_dim
+        self.graph: torch.cuda.CUDAGraph | None = None
+        part, lse = self.buf["attn_partial"], self.buf["attn_lse"]
+        self.attn_ws = (part, lse)
+        self.next_id = torch.zeros(1, dtype=torch.int64, device=self.device) if self.last else None
+
+    # --- tensors -------------------------------------------------------------------------
+    def mat(self, name: str) -> tuple[torch.Tensor, int]:
+        info = self.model.tensor(name)
+        raw = self.spans.get(name)
+        if raw is None:
+            raise CarveError(f"tensor {name} is not in this stage's Layout")
+        return raw.view(info.shape[1], -1), info.ggml_type
+
+    def vec(self, name: str) -> torch.Tensor | None:
+        raw = self.spans.get(name)
+        if raw is None:
+            return None
+        info = self.model.tensor(name)
+        if info.ggml_type != qt.F32:
+            raise CarveError(f"{name}: expected F32, the file has {qt.type_name(info.ggml_type)}")
+        return raw.view(torch.float32)
+
+    def fill_dequant_cache(self) -> int:
+        """Dequantize every matrix that has a ``dq.`` span into it; returns matrices cached."""
+        n = 0
+        for name, dst in self.spans.items():
+            if name.startswith("dq."):
+                w, t = self.mat(name[3:])
+                quant_matmul.dequantize(w, t, dst.dtype, out=dst.view(w.shape[0], -1))
+                n += 1
+        return n
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        k, v = self.spans[f"kv.{layer}.k"], self.spans[f"kv.{layer}.v"]
+        return k, v, self.hp.kv_cells(layer, self.ctx)
+
+    # --- one step ------------------------------------------------------------------------
+    def _linear(self, name: str, x: torch.Tensor, out: torch.Tensor, bias: str | None = None):
+        w, t = self.mat(name)
+        if x.shape[0] <= 8:
+            quant_matmul.gemv(w, t, x, out=out)
+        else:
+            cached = self.spans.get("dq." + name)
+            if cached is not None:
+                torch.matmul(x, cached.view(w.shape[0], -1).T, out=out)
+            else:
+                scratch = self.buf["dequant"][: w.shape[0] * quant_matmul.row_cols(w, t)]
+                quant_matmul.matmul(w, t, x, scratch=scratch.view(w.shape[0], -1), out=out)
+        b = self.vec(bias) if bias else None
+        if b is not None:
+            out += b
+
+    def forward(self, n: int, pos0: int | None) -> None:
+        """Run layers on buf.hidden[:n] (first stage: embeds buf.tokens[:n] first). Positions
+        are buf.positions[:n]; ``pos0`` is the host copy for prefill, None for decode (the
+        graph-captured path, which reads the position from the device)."""
+        hp, b = self.hp, self.buf
+        hidden, normed = b["hidden"][:n], b["normed"][:n]
+        qkv, attn_o, proj = b["qkv"][:n], b["attn"][:n], b["proj"][:n]
+        ffn_up, ffn_act = b["ffn_up"][:n], b["ffn_act"][:n]
+        pos = b["positions"][:n]
+        if self.first:
+            w, t = self.mat("token_embd.weight")
+            quant_matmul.embed(w, t, b["tokens"][:n], out=hidden)
+        pending = False  # proj holds a sub-layer output not yet added to hidden
+        eps = hp.rms_eps
+        d = hp.head_dim
+        for i in range(self.lb, self.le):
+            p = f"blk.{i}."
+            norm.rmsnorm(proj if pending else hidden, self.vec(p + "attn_norm.weight"), eps,
+                         residual=hidden if pending else None, out=normed)
+            q, k, v = (qkv[:, :self.q_w], qkv[:, self.q_w:self.q_w + self.kv_w],
+                       qkv[:, self.q_w + self.kv_w:self.q_w + 2 * self.kv_w])
+            self._linear(p + "attn_q.weight", normed, q, p + "attn_q.bias")
+            self._linear(p + "attn_k.weight", normed, k, p + "attn_k.bias")
+            self._linear(p + "attn_v.weight", normed, v, p + "attn_v.bias")
+            q3 = q.unflatten(1, (hp.n_head, d))
+            k3 = k.unflatten(1, (hp.n_head_kv, d))
+            v3 = v.unflatten(1, (hp.n_head_kv, d))
+            swa = bool(hp.swa_layers[i]) if hp.swa_layers else False
+            base = hp.rope_base_swa if swa else hp.rope_base
+            scale = 1.0 / hp.rope_scale if hp.rope_scaling == "linear" else 1.0
+            rope.rope(q3, pos, base, hp.rope_style == "neox", scale)
+            rope.rope(k3, pos, base, hp.rope_style == "neox", scale)
+            kc, vc, cells = self.kv(i)
+            window = hp.sliding_window if swa else 0
+            o3 = attn_o.view(n, hp.n_head, d)
+            if pos0 is None:
+                kv_cache.kv_store(k3, kc, pos, cells)
+                kv_cache.kv_store(v3, vc, pos, cells)
+                attention.attn_decode(q3[0], kc, vc, pos, hp.n_head_kv, cells, window,
+                                      hp.attn_scale, out=o3[0], workspace=self.attn_ws)
+            else:
+                attention.attn_prefill(q3, k3, v3, kc, vc, pos0, cells, window, hp.attn_scale,
+                                       out=o3)
+                kv_cache.kv_store(k3, kc, pos, cells)
+                kv_cache.kv_store(v3, vc, pos, cells)
+            self._linear(p + "attn_output.weight", attn_o, proj)
+            norm.rmsnorm(proj, self.vec(p + "ffn_norm.weight"), eps, residual=hidden, out=normed)
+            f = hp.n_ff
+            self._linear(p + "ffn_gate.weight", normed, ffn_up[:, :f])
+            self._linear(p + "ffn_up.weight", normed, ffn_up[:, f:])
+            glu.glu(ffn_up[:, :f], ffn_up[:, f:], hp.act, out=ffn_act)
+            self._linear(p + "ffn_down.weight", ffn_act, proj)
+            pending = True
+        if pending:
+            hidden += proj
+        if self.last:
+            rows = b["logits"].shape[0]
+            h = hidden[n - rows:] if n > rows else hidden
+            norm.rmsnorm(h, self.vec("output_norm.weight"), eps, out=normed[: h.shape[0]])
+            name = "output.weight" if "output.weight" in self.spans else "token_embd.weight"
+            self._linear(name, normed[: h.shape[0]], b["logits"][: h.shape[0]])
+
+    def decode_step(self) -> None:
+        """One token: buf.tokens[0] at buf.positions[0]; leaves logits (last stage) and, on the
+        last stage, the greedy next id in ``next_id``; advances the device position."""
+        self.forward(1, None)
+        if self.last:
+            torch.argmax(self.buf["logits"][0], dim=-1, keepdim=True, out=self.next_id)
+            if self.first:  # one stage: feed the token back without leaving the graph
+                self.buf["tokens"][:1].copy_(self.next_id)
+        self.buf["positions"][:1] += 1
+
+    def capture(self) -> None:
+        """Capture decode_step in a CUDA graph (after one eager warm-up that compiles kernels)."""
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            self.decode_step()
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.decode_step()
+
+    def replay(self) -> None:
+        if self.graph is None:
+            self.decode_step()
+        else:
+            self.graph.replay()
