@@ -38,6 +38,8 @@ GROUP_CHUNKS = 8
 
 _U8 = torch.uint8
 _I8 = torch.int8
+_I64 = torch.int64
+_BYTES = 0x0101010101010101  # a byte mask repeated over the 8 bytes of an int64
 _F32 = torch.float32
 
 
@@ -47,6 +49,7 @@ class _Scratch:
     def __init__(self, elements: int) -> None:
         self.q = torch.empty(elements, dtype=_U8)
         self.t = torch.empty(elements, dtype=_U8)
+        self.c = torch.empty(elements, dtype=_U8)  # 8-byte aligned copies of packed fields
         self.f = torch.empty(elements, dtype=_F32)
 
     def u8(self, name: str, *shape: int) -> torch.Tensor:
@@ -80,8 +83,33 @@ def _split_bits(
     return dst
 
 
-# Bit j of a byte, shifted to bit 4, for the 5th bit of Q5_0 / Q5_1 quants: [256, 8].
-_BYTE_BITS_X16 = torch.stack([((torch.arange(256) >> j) & 1) << 4 for j in range(8)], dim=1).to(_U8)
+def _words(b: torch.Tensor, start: int, stop: int, s: _Scratch) -> torch.Tensor:
+    """Bytes ``b[:, start:stop]`` as int64 words [n, (stop - start) / 8]: a view when rows and
+    the field are 8-byte aligned, else an aligned copy in scratch."""
+    field = b[:, start:stop]
+    if b.stride(0) % 8 or field.storage_offset() % 8:
+        field = s.u8("c", b.shape[0], stop - start).copy_(field)
+    return field.view(_I64)
+
+
+def _unpack(words: torch.Tensor, bits: int, dst: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """SWAR unpacking, 8 bytes per op: field k (``bits`` wide, lowest first) of byte l of group
+    g in ``words`` [n, G, W] (int64) goes to byte ``dst[n, g, k, l]`` (uint8 [n, G, 8 // bits,
+    8 * W]), shifted left by ``shift``. Shifted-in bits from the neighbouring byte (or the sign)
+    are masked off, and bits + shift <= 8 keeps each field inside its byte."""
+    dw = dst.view(_I64)  # [n, G, 8 // bits, W]
+    for k in range(8 // bits):
+        torch.bitwise_right_shift(words, k * bits, out=dw[:, :, k])
+    dw &= ((1 << bits) - 1) * _BYTES
+    if shift:
+        dw <<= shift
+    return dst
+
+
+# Byte j of entry x = (bit j of x) << 4: the 5th bit of 8 Q5_0 / Q5_1 quants from one qh byte.
+_BITS_TO_BYTES_X16 = torch.tensor(
+    [sum(((x >> j) & 1) << (8 * j + 4) for j in range(8)) for x in range(256)], dtype=_I64
+)
 
 
 @dataclass(slots=True)
@@ -93,17 +121,17 @@ class _Kind:
 # --- 32-element blocks ----------------------------------------------------------------------
 
 
-def _nibbles32(qs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """qs [n, 16] -> q [n, 2, 16]: element j in the low nibble of qs[j], j + 16 in the high."""
-    torch.bitwise_and(qs, 0x0F, out=q[:, 0])
-    torch.bitwise_right_shift(qs, 4, out=q[:, 1])
-    return q
+def _nibbles32(b: torch.Tensor, start: int, s: _Scratch) -> torch.Tensor:
+    """qs = b[:, start:start+16] -> uint8 [n, 2, 16]: element j is the low nibble of qs[j],
+    element j + 16 its high nibble."""
+    n = b.shape[0]
+    return _unpack(_words(b, start, start + 16, s).view(n, 1, 2), 4, s.u8("q", n, 1, 2, 16))[:, 0]
 
 
-def _high_bits32(qh: torch.Tensor, n: int) -> torch.Tensor:
+def _high_bits32(qh: torch.Tensor) -> torch.Tensor:
     """qh [n, 4] (a little-endian uint32 per block) -> (bit j) << 4 as uint8 [n, 2, 16]."""
     idx = qh.reshape(-1).to(torch.int32)
-    return _BYTE_BITS_X16.index_select(0, idx).view(n, 2, 16)
+    return _BITS_TO_BYTES_X16.index_select(0, idx).view(_U8).view(-1, 2, 16)
 
 
 def _sc_d(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -117,7 +145,7 @@ def _sc_dm(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _q4_0(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
     # block_q4_0: d f16, qs[16]; x = d * (nibble - 8)
     n = b.shape[0]
-    q = _nibbles32(b[:, 2:18], s.u8("q", n, 2, 16))
+    q = _nibbles32(b, 2, s)
     q -= 8  # uint8 wraps; read as int8 it is nibble - 8
     torch.mul(q.view(_I8), sc[0], out=out.view(n, 2, 16))
 
@@ -125,7 +153,7 @@ def _q4_0(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
 def _q4_1(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
     # block_q4_1: d f16, m f16, qs[16]; x = d * nibble + m
     n = b.shape[0]
-    q = _nibbles32(b[:, 4:20], s.u8("q", n, 2, 16))
+    q = _nibbles32(b, 4, s)
     f = torch.mul(q, sc[0], out=s.f32(n, 2, 16))
     torch.add(f, sc[1], out=out.view(n, 2, 16))
 
@@ -133,8 +161,8 @@ def _q4_1(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
 def _q5_0(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
     # block_q5_0: d f16, qh[4] (bit j = 5th bit of element j), qs[16]; x = d * (q - 16)
     n = b.shape[0]
-    q = _nibbles32(b[:, 6:22], s.u8("q", n, 2, 16))
-    q |= _high_bits32(b[:, 2:6], n)
+    q = _nibbles32(b, 6, s)
+    q |= _high_bits32(b[:, 2:6])
     q -= 16
     torch.mul(q.view(_I8), sc[0], out=out.view(n, 2, 16))
 
@@ -142,8 +170,8 @@ def _q5_0(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
 def _q5_1(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
     # block_q5_1: d f16, m f16, qh[4], qs[16]; x = d * q + m
     n = b.shape[0]
-    q = _nibbles32(b[:, 8:24], s.u8("q", n, 2, 16))
-    q |= _high_bits32(b[:, 4:8], n)
+    q = _nibbles32(b, 8, s)
+    q |= _high_bits32(b[:, 4:8])
     f = torch.mul(q, sc[0], out=s.f32(n, 2, 16))
     torch.add(f, sc[1], out=out.view(n, 2, 16))
 
@@ -168,7 +196,7 @@ def _sc_q2_k(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _q2_k(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
     # qs[64] at 16: each half of 32 bytes holds 4 groups of 32 two-bit values
     n = b.shape[0]
-    q = _split_bits(b[:, 16:80].view(n, 2, 32), 2, s.u8("q", n, 2, 4, 32), 2)
+    q = _unpack(_words(b, 16, 80, s).view(n, 2, 4), 2, s.u8("q", n, 2, 4, 32))
     f = torch.mul(q.view(n, 16, 16), sc[0], out=s.f32(n, 16, 16))
     torch.sub(f, sc[1], out=out.view(n, 16, 16))
 
@@ -188,9 +216,10 @@ def _sc_q3_k(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _q3_k(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
     # hmask[32] at 0, qs[64] at 32; q = 2 low bits + 4 * hmask bit - 4 (a clear bit subtracts 4)
     n = b.shape[0]
-    q = _split_bits(b[:, 32:96].view(n, 2, 32), 2, s.u8("q", n, 2, 4, 32), 2)
+    w = _words(b, 0, 96, s)
+    q = _unpack(w[:, 4:12].view(n, 2, 4), 2, s.u8("q", n, 2, 4, 32))
     # element (half g, group k, l) takes bit 4g + k of hmask[l]
-    h = _split_bits(b[:, 0:32], 1, s.u8("t", n, 8, 32), 1, shift=2)
+    h = _unpack(w[:, 0:4].view(n, 1, 4), 1, s.u8("t", n, 1, 8, 32), shift=2).view(n, 8, 32)
     q = q.view(n, 8, 32)
     q += h
     q -= 4
@@ -214,7 +243,7 @@ def _sc_k4(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _q4_k(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
     # qs[128] at 16: 4 groups of 32 bytes; low nibbles are sub-block 2g, high ones 2g + 1
     n = b.shape[0]
-    q = _split_bits(b[:, 16:144].view(n, 4, 32), 4, s.u8("q", n, 4, 2, 32), 2)
+    q = _unpack(_words(b, 16, 144, s).view(n, 4, 4), 4, s.u8("q", n, 4, 2, 32))
     f = torch.mul(q.view(n, 8, 32), sc[0], out=s.f32(n, 8, 32))
     torch.sub(f, sc[1], out=out.view(n, 8, 32))
 
@@ -222,8 +251,9 @@ def _q4_k(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
 def _q5_k(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
     # qh[32] at 16, qs[128] at 48; sub-block i takes its 5th bit from bit i of qh[l]
     n = b.shape[0]
-    q = _split_bits(b[:, 48:176].view(n, 4, 32), 4, s.u8("q", n, 4, 2, 32), 2).view(n, 8, 32)
-    q |= _split_bits(b[:, 16:48], 1, s.u8("t", n, 8, 32), 1, shift=4)
+    w = _words(b, 16, 176, s)
+    q = _unpack(w[:, 4:20].view(n, 4, 4), 4, s.u8("q", n, 4, 2, 32)).view(n, 8, 32)
+    q |= _unpack(w[:, 0:4].view(n, 1, 4), 1, s.u8("t", n, 1, 8, 32), shift=4).view(n, 8, 32)
     f = torch.mul(q, sc[0], out=s.f32(n, 8, 32))
     torch.sub(f, sc[1], out=out.view(n, 8, 32))
 
@@ -238,8 +268,9 @@ def _q6_k(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
     # ql[128] at 0, qh[64] at 128. Per half h of 128 values: element k*64 + l takes nibble k of
     # ql[h, l] (l < 64) and element c*32 + l takes bits 2c..2c+1 of qh[h, l] (l < 32); q - 32.
     n = b.shape[0]
-    q = _split_bits(b[:, 0:128].view(n, 2, 64), 4, s.u8("q", n, 2, 2, 64), 2)
-    h = _split_bits(b[:, 128:192].view(n, 2, 32), 2, s.u8("t", n, 2, 4, 32), 2, shift=4)
+    w = _words(b, 0, 192, s)
+    q = _unpack(w[:, 0:16].view(n, 2, 8), 4, s.u8("q", n, 2, 2, 64))
+    h = _unpack(w[:, 16:24].view(n, 2, 4), 2, s.u8("t", n, 2, 4, 32), shift=4)
     q = q.view(n, 8, 32)
     q |= h.view(n, 8, 32)
     q -= 32

@@ -219,3 +219,18 @@ def test_embedding_sized_tensor_dequantizes_in_bounded_memory() -> None:
     assert res.returncode == 0, res.stderr
     grew_kib = int(res.stdout.split()[-1])
     assert grew_kib < 32 * 1024, f"peak RSS grew by {grew_kib / 1024:.0f} MiB"
+
+
+@pytest.mark.parametrize("ggml_type", BLOCK_TYPES, ids=qt.type_name)
+def test_bytes_at_odd_and_unaligned_offsets(ggml_type: int) -> None:
+    """A loader may slice a tensor out of a larger byte buffer at any offset: fields that are
+    read as f16 or int64 words must not depend on the address."""
+    rng = _rng(5000 + ggml_type)
+    shape = (qt.QUANT[ggml_type].block_size, 3)
+    raw = _raw_blocks(ggml_type, 3, rng).reshape(-1)
+    want = _reference(raw, ggml_type, shape)
+    for offset in (1, 2, 4, 8):
+        buf = torch.zeros(raw.size + offset, dtype=torch.uint8)
+        buf[offset:] = torch.from_numpy(raw)
+        got = dequantize(buf[offset:], ggml_type, shape)
+        assert np.array_equal(got.numpy(), want), f"offset {offset}, seed {SEED}"
