@@ -91,8 +91,8 @@ class PlanModel:
             self.reprice()
             return
         self.excluded = frozenset()
-        self.events.devices.emit(devices)
         self._reset_split()
+        self.events.devices.emit(devices)
 
     def active_devices(self) -> tuple[Any, ...]:
         return tuple(d for i, d in enumerate(self.devices) if i not in self.excluded)
@@ -104,8 +104,8 @@ class PlanModel:
         if len(new) >= len(self.devices) or frozenset(new) == self.excluded:
             return  # at least one device stays in
         self.excluded = frozenset(new)
-        self.events.devices.emit(self.devices)
         self._reset_split()
+        self.events.devices.emit(self.devices)
 
     # -- split -------------------------------------------------------------------------------
     def _reset_split(self) -> None:

@@ -101,6 +101,8 @@ class SplitEditor(QWidget):
         n_layer = self.model.n_layer
         pi = self.plot.getPlotItem()
         n_stage = max(0, len(split) - 1)
+        if n_stage and n_stage != len(self.model.active_devices()):
+            return  # mid-change (devices first, split next): the split event follows
         if len(self._lines) != max(0, n_stage - 1):
             self._rebuild_lines(n_stage)
         if n_stage == 0:
