@@ -1,0 +1,117 @@
+"""--split auto against brute force on random uneven rigs, and prefer=fewest."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import price as pricing
+from engine.bench_price import HeaderModel
+from engine.devices import DeviceSpec
+from engine.errors import CarveError
+from engine.plan import Plan
+from engine.price import price
+from engine.split import GRAIN, auto_split
+from engine.synth_shapes import Shape
+
+MIB = 1 << 20
+GIB = 1 << 30
+# 10 layers whose sizes differ (q4_k_m gives some layers Q6_K tensors); SWA makes KV uneven too
+LLAMA = HeaderModel(Shape("llama", 10, 1024, 8, 2, 2816, 8000, n_ctx=8192), name="llama10.gguf")
+GEMMA = HeaderModel(Shape("gemma3", 12, 1024, 4, 1, 2048, 8000, head_dim=256, tied_embeddings=True,
+                          n_ctx=8192, sliding_window=512), name="gemma12.gguf")
+CTX = 4096
+
+
+def gpu(i: int, free_mib: int, reserve_mib: int = 0) -> DeviceSpec:
+    return DeviceSpec(i, f"card{i}", (free_mib + 600) * MIB, free_mib * MIB, simulated=True,
+                      reserve=reserve_mib * MIB)
+
+
+def slacks(model: Any, plan: Plan) -> list[int]:
+    idx = pricing.model_index(model)
+    out = []
+    for i, d in enumerate(plan.devices):
+        need = pricing.stage_need(idx, pricing._stage_key(plan, i))
+        out.append(d.free - d.reserve - need)
+    return out
+
+
+def brute_best(model: Any, devices: tuple[DeviceSpec, ...], **kw: Any) -> int:
+    n = pricing.model_index(model).n_layer
+    best = None
+    for cuts in itertools.combinations(range(1, n), len(devices) - 1):
+        plan = Plan("m", devices, (0, *cuts, n), ctx=CTX, **kw)
+        m = min(slacks(model, plan))
+        best = m if best is None else max(best, m)
+    assert best is not None
+    return best
+
+
+rig_st = st.lists(st.tuples(st.integers(760, 1400), st.sampled_from([0, 0, 8])), min_size=1, max_size=4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rig_st, st.sampled_from([LLAMA, GEMMA]), st.sampled_from(["packed", "per-tensor", "chunked:16"]))
+def test_spread_matches_brute_force_max_min(rig: list[tuple[int, int]], model: Any, arena: str) -> None:
+    devices = tuple(gpu(i, f, r) for i, (f, r) in enumerate(rig))
+    plan = auto_split(model, devices, ctx=CTX, arena=arena, act_dtype="bf16")
+    n = pricing.model_index(model).n_layer
+    assert plan.devices == devices and plan.split[0] == 0 and plan.split[-1] == n
+    got = min(slacks(model, plan))
+    best = brute_best(model, devices, arena=arena, act_dtype="bf16")
+    assert best - GRAIN < got <= best
+    layout = price(plan, model)  # and it prices: the verdict follows the slack
+    assert layout.fits == (got >= 0)
+
+
+def test_eight_uneven_cards_and_lexicographic_balance() -> None:
+    sizes = [900, 4000, 4000, 4000, 1200, 4000, 4000, 900]
+    devices = tuple(gpu(i, f) for i, f in enumerate(sizes))
+    plan = auto_split(GEMMA, devices, ctx=CTX, arena="packed")
+    assert len(plan.devices) == 8 and plan.split[-1] == 12
+    counts = [b - a for a, b in zip(plan.split, plan.split[1:], strict=False)]
+    # the 4000 MiB cards share the layers the small ones cannot take
+    big = [c for c, f in zip(counts, sizes, strict=True) if f == 4000]
+    assert max(big) - min(big) <= 2, counts
+
+
+def test_more_devices_than_layers_drops_the_smallest() -> None:
+    devices = tuple(gpu(i, 900 + 10 * i) for i in range(8))
+    model = HeaderModel(Shape("llama", 4, 1024, 8, 2, 2816, 8000, n_ctx=8192), name="l4.gguf")
+    plan = auto_split(model, devices, ctx=512)
+    assert [d.index for d in plan.devices] == [4, 5, 6, 7] and plan.split == (0, 1, 2, 3, 4)
+
+
+def test_fewest_uses_the_fewest_largest_cards_that_keep_the_reserve() -> None:
+    devices = (gpu(0, 1000), gpu(1, 3000), gpu(2, 1200), gpu(3, 3000))
+    reserve = 256 * MIB
+    plan = auto_split(LLAMA, devices, prefer="fewest", ctx=CTX, cache_reserve=reserve)
+    chosen = [d.index for d in plan.devices]
+    assert chosen == sorted(chosen) and 1 <= len(chosen) < 4
+    assert min(slacks(LLAMA, plan)) >= reserve
+    largest = sorted(devices, key=lambda d: (-d.free, d.index))
+    if len(chosen) > 1:  # one card fewer (the largest ones) cannot keep the reserve
+        fewer = tuple(sorted(largest[: len(chosen) - 1], key=lambda d: d.index))
+        assert brute_best(LLAMA, fewer, cache_reserve=reserve) < reserve
+    spread = auto_split(LLAMA, devices, prefer="spread", ctx=CTX, cache_reserve=reserve)
+    assert len(spread.devices) == 4
+
+
+def test_fewest_when_nothing_keeps_the_reserve_returns_the_best_it_found() -> None:
+    devices = (gpu(0, 760), gpu(1, 770))
+    plan = auto_split(LLAMA, devices, prefer="fewest", ctx=CTX)
+    assert not price(plan, LLAMA).fits
+
+
+def test_bad_requests() -> None:
+    with pytest.raises(CarveError, match="--prefer"):
+        auto_split(LLAMA, (gpu(0, 2000),), prefer="most", ctx=CTX)
+    with pytest.raises(CarveError, match="--split auto"):
+        auto_split(LLAMA, (), ctx=CTX)
+    with pytest.raises(CarveError, match="--gpus"):
+        auto_split(LLAMA, tuple(gpu(i, 2000) for i in range(9)), ctx=CTX)
