@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,11 +47,12 @@ _F32 = torch.float32
 class _Scratch:
     """uint8 and float32 buffers of one chunk, reused for every chunk of a call."""
 
-    def __init__(self, elements: int) -> None:
-        self.q = torch.empty(elements, dtype=_U8)
-        self.t = torch.empty(elements, dtype=_U8)
-        self.c = torch.empty(elements, dtype=_U8)  # 8-byte aligned copies of packed fields
-        self.f = torch.empty(elements, dtype=_F32)
+    def __init__(self, elements: int, device: torch.device) -> None:
+        self.q = torch.empty(elements, dtype=_U8, device=device)
+        self.t = torch.empty(elements, dtype=_U8, device=device)
+        self.c = torch.empty(elements, dtype=_U8, device=device)  # aligned copies of fields
+        self.f = torch.empty(elements, dtype=_F32, device=device)
+        self.bits_x16 = _BITS_TO_BYTES_X16.to(device)
 
     def u8(self, name: str, *shape: int) -> torch.Tensor:
         buf = getattr(self, name)
@@ -128,10 +130,10 @@ def _nibbles32(b: torch.Tensor, start: int, s: _Scratch) -> torch.Tensor:
     return _unpack(_words(b, start, start + 16, s).view(n, 1, 2), 4, s.u8("q", n, 1, 2, 16))[:, 0]
 
 
-def _high_bits32(qh: torch.Tensor) -> torch.Tensor:
+def _high_bits32(qh: torch.Tensor, s: _Scratch) -> torch.Tensor:
     """qh [n, 4] (a little-endian uint32 per block) -> (bit j) << 4 as uint8 [n, 2, 16]."""
     idx = qh.reshape(-1).to(torch.int32)
-    return _BITS_TO_BYTES_X16.index_select(0, idx).view(_U8).view(-1, 2, 16)
+    return s.bits_x16.index_select(0, idx).view(_U8).view(-1, 2, 16)
 
 
 def _sc_d(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -162,7 +164,7 @@ def _q5_0(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
     # block_q5_0: d f16, qh[4] (bit j = 5th bit of element j), qs[16]; x = d * (q - 16)
     n = b.shape[0]
     q = _nibbles32(b, 6, s)
-    q |= _high_bits32(b[:, 2:6])
+    q |= _high_bits32(b[:, 2:6], s)
     q -= 16
     torch.mul(q.view(_I8), sc[0], out=out.view(n, 2, 16))
 
@@ -171,7 +173,7 @@ def _q5_1(b: torch.Tensor, sc: tuple, out: torch.Tensor, s: _Scratch) -> None:
     # block_q5_1: d f16, m f16, qh[4], qs[16]; x = d * q + m
     n = b.shape[0]
     q = _nibbles32(b, 8, s)
-    q |= _high_bits32(b[:, 4:8])
+    q |= _high_bits32(b[:, 4:8], s)
     f = torch.mul(q, sc[0], out=s.f32(n, 2, 16))
     torch.add(f, sc[1], out=out.view(n, 2, 16))
 
@@ -205,10 +207,10 @@ def _sc_q3_k(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     # scales[12] at 96: 16 six-bit scales (low 4 bits in bytes 0-7, high 2 bits in 8-11), d at 108
     n = b.shape[0]
     sc = b[:, 96:108]
-    lo = torch.empty(n, 2, 8, dtype=_U8)
+    lo = torch.empty(n, 2, 8, dtype=_U8, device=b.device)
     torch.bitwise_and(sc[:, 0:8], 0x0F, out=lo[:, 0])
     torch.bitwise_right_shift(sc[:, 0:8], 4, out=lo[:, 1])
-    hi = _split_bits(sc[:, 8:12], 2, torch.empty(n, 4, 4, dtype=_U8), 1, shift=4)
+    hi = _split_bits(sc[:, 8:12], 2, torch.empty(n, 4, 4, dtype=_U8, device=b.device), 1, shift=4)
     scales = (lo.view(n, 16) | hi.view(n, 16)).view(_I8).to(_F32) - 32
     return ((_f16(b, 108) * scales).view(n, 16, 1),)
 
@@ -338,6 +340,7 @@ def dequantize_to(
     shape: Sequence[int],
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
+    threads: int = 1,
 ) -> torch.Tensor:
     """Dequantize ``raw`` (the tensor's bytes, uint8) of a GGUF tensor of ``shape`` (GGUF order,
     ne0 innermost) into a ``dtype`` tensor of the reversed shape ([ne1, ne0] for a matrix).
@@ -345,7 +348,8 @@ def dequantize_to(
     Values are computed in float32 exactly as ``gguf.quants.dequantize`` does, then rounded once to
     ``dtype``. With ``out`` (contiguous, ``dtype``, that shape, e.g. a span of a dequant-cache
     arena) the result is written there and nothing of output size is allocated. For F32 without
-    ``out`` the result may share memory with ``raw``.
+    ``out`` the result may share memory with ``raw``. ``threads`` > 1 splits a large tensor
+    across that many Python threads (each runs single-threaded torch ops).
     """
     raw = _as_bytes(raw)
     tshape = _check(raw, ggml_type, shape)
@@ -370,15 +374,36 @@ def dequantize_to(
         return out
 
     q = qt.quant(ggml_type)
-    kind = _KINDS[ggml_type]
     blocks = raw.view(-1, q.type_size)  # [n_blocks, type_size]
-    n_blocks = blocks.shape[0]
     if out is None:
         out = torch.empty(tshape, dtype=dtype, device=raw.device)
-    flat = out.view(n_blocks, q.block_size)  # [n_blocks, block_size]
+    flat = out.view(-1, q.block_size)  # [n_blocks, block_size]
+    n_blocks = blocks.shape[0]
     step = max(1, CHUNK_ELEMENTS // q.block_size)
-    scratch = _Scratch(step * q.block_size)
     group = step * GROUP_CHUNKS
+    n_groups = -(-n_blocks // group)
+    threads = max(1, min(threads or 1, n_groups))
+    if threads == 1:
+        _run(_KINDS[ggml_type], blocks, flat, step, group)
+        return out
+    # torch ops release the GIL: each thread takes a contiguous run of whole groups
+    per = -(-n_groups // threads) * group
+    with ThreadPoolExecutor(threads) as pool:
+        jobs = [
+            pool.submit(
+                _run, _KINDS[ggml_type], blocks[i : i + per], flat[i : i + per], step, group
+            )
+            for i in range(0, n_blocks, per)
+        ]
+        for job in jobs:
+            job.result()
+    return out
+
+
+def _run(kind: _Kind, blocks: torch.Tensor, flat: torch.Tensor, step: int, group: int) -> None:
+    """Dequantize ``blocks`` [n, type_size] into ``flat`` [n, block_size], chunk by chunk."""
+    n_blocks = blocks.shape[0]
+    scratch = _Scratch(min(step, n_blocks) * flat.shape[1], blocks.device)
     for g0 in range(0, n_blocks, group):
         g1 = min(g0 + group, n_blocks)
         scales = kind.scales(blocks[g0:g1])
@@ -387,7 +412,6 @@ def dequantize_to(
             part = tuple(s[i - g0 : j - g0] for s in scales)
             # the last op of each kernel writes float32 results rounded once into out's dtype
             kind.values(blocks[i:j], part, flat[i:j], scratch)
-    return out
 
 
 def dequantize(
