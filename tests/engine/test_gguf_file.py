@@ -64,7 +64,7 @@ def _flat(v):
     return v
 
 
-def assert_matches_reader(model: GGUFModel) -> None:
+def assert_matches_reader(model: GGUFModel, data_every: int = 1) -> None:
     for shard, path in enumerate(model.paths):
         reader = GGUFReader(path)
         fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
@@ -81,7 +81,8 @@ def assert_matches_reader(model: GGUFModel) -> None:
             assert t.nbytes == r.n_bytes, t.name
             data = model.tensor_data(t)
             assert data.dtype == np.uint8 and data.size == t.nbytes
-            assert data.tobytes() == np.asarray(r.data).view(np.uint8).tobytes(), t.name
+            if t is ours[-1] or ours.index(t) % data_every == 0:
+                assert data.tobytes() == np.asarray(r.data).view(np.uint8).tobytes(), t.name
 
 
 @pytest.fixture(scope="module")
@@ -170,11 +171,13 @@ def test_split_set_opens_from_any_shard(synth_model):
     assert m.tensor_data(last).tobytes() == GGUFReader(m.paths[2]).tensors[-1].data.tobytes()
 
 
+@pytest.mark.demo
+@pytest.mark.slow  # GGUFReader itself takes 8-20 s on a 150k-token vocabulary
 def test_demo_model_matches_reader(demo_model_path):
     m = GGUFModel.open(demo_model_path)
     assert m.arch == "qwen2" and len(m.tensors) == 291
     assert len(m.metadata["tokenizer.ggml.tokens"]) == 151936
-    assert_matches_reader(m)
+    assert_matches_reader(m, data_every=10)  # every header field; the bytes of 30 tensors
 
 
 # -- broken headers ---------------------------------------------------------------------------
