@@ -219,3 +219,27 @@ def test_tokenize_prints_tokenizer_encode(which, flags, request, tmp_path):
                           parse_special="--no-parse-special" not in flags)  # fmt: skip
     assert json.loads(res.stdout) == expected
     assert res.stdout.count("\n") == 1
+
+
+@pytest.mark.demo
+@pytest.mark.slow
+def test_perplexity_prints_progress_and_the_final_estimate(demo_model_path, tmp_path):
+    pytest.importorskip("engine.runtime.session", reason="engine/runtime/session.py not landed")
+    text = (  # public domain: the opening of "A Tale of Two Cities"
+        "It was the best of times, it was the worst of times, it was the age of wisdom, it was "
+        "the age of foolishness, it was the epoch of belief, it was the epoch of incredulity, it "
+        "was the season of Light, it was the season of Darkness, it was the spring of hope, it "
+        "was the winter of despair, we had everything before us, we had nothing before us, we "
+        "were all going direct to Heaven, we were all going direct the other way."
+    )
+    path = tmp_path / "dickens.txt"
+    path.write_text(text)
+    res = _carve("perplexity", str(demo_model_path), str(path), "--ctx", "32", "--gpus", "cpu")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert lines[0].startswith("[1]") and "[2]" in lines[0] and lines[0].endswith(",")
+    final = lines[-1]
+    assert final.startswith("Final estimate: PPL = ")
+    value, err = float(final.split()[4]), float(final.split()[6])
+    # a repetitive, famous sentence: a small model predicts its second halves well
+    assert 1.0 < value < 20.0 and 0 < err < value

@@ -391,3 +391,56 @@ def test_demo_model_load_and_stream_a_reply(demo_model_path):
         engine.send(p.Unload())
         engine.wait_for(p.Unloaded, timeout=60)
     assert engine.proc.returncode == 0
+
+
+# ------------------------------------------------------------------ perplexity arithmetic
+
+
+class LogitsSession:
+    """Deterministic pseudo-random logits per window; records what it was asked."""
+
+    def __init__(self, vocab: int = 50) -> None:
+        self.layout = types.SimpleNamespace(plan=types.SimpleNamespace(ctx=64))
+        self.vocab = vocab
+        self.windows: list[list[int]] = []
+
+    def logits(self, ids):
+        import torch
+
+        self.windows.append(list(ids))
+        g = torch.Generator().manual_seed(len(self.windows))
+        return torch.randn(len(ids), self.vocab, generator=g) * 3
+
+
+def test_perplexity_follows_llama_perplexity():
+    import numpy as np
+    import torch
+
+    tok = types.SimpleNamespace(add_bos=True, bos_id=49,
+                                encode=lambda text, parse_special: [ord(c) % 40 for c in text])  # fmt: skip
+    text = "the quick brown fox jumps over the lazy dog " * 3  # 132 tokens: 4 windows of 32
+    session = LogitsSession()
+    results = list(server.perplexity_chunks(session, tok, text, 32))
+    assert [r[2:] for r in results] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    ids = tok.encode(text, False)
+    nll = []
+    for i, window in enumerate(session.windows):
+        assert window[0] == 49 and window[1:] == ids[i * 32 + 1 : (i + 1) * 32]  # BOS first
+        g = torch.Generator().manual_seed(i + 1)
+        logits = torch.randn(32, 50, generator=g) * 3
+        target = torch.tensor(ids[i * 32 + 17 : (i + 1) * 32])  # the second half is scored
+        nll += torch.nn.functional.cross_entropy(logits[16:31], target, reduction="none").tolist()
+    nll = np.array(nll)
+    ppl = float(np.exp(nll.mean()))
+    value, err, _, _ = results[-1]
+    assert value == pytest.approx(ppl, rel=1e-5)
+    assert err == pytest.approx(ppl * np.sqrt(nll.var() / (len(nll) - 1)), rel=1e-4)
+    assert results[0][0] == pytest.approx(float(np.exp(nll[:15].mean())), rel=1e-5)
+
+
+def test_perplexity_needs_two_windows_and_a_context_that_fits():
+    tok = types.SimpleNamespace(add_bos=False, bos_id=1, encode=lambda t, parse_special: [5] * 40)
+    with pytest.raises(CarveError, match="the text is 40 tokens; --ctx 32 needs at least 64"):
+        list(server.perplexity_chunks(LogitsSession(), tok, "x", 32))
+    with pytest.raises(CarveError, match="--ctx 128 must be 16..64"):
+        list(server.perplexity_chunks(LogitsSession(), tok, "x", 128))
