@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -288,7 +287,6 @@ def test_shard_from_another_set(tmp_path, synth_model):
 
 # -- random damage: CarveError or a good open, never another exception -------------------------
 
-_SCRATCH = Path(tempfile.mkdtemp(prefix="carve-fuzz-"))
 _SMALL = build([ARCH, ("tokenizer.ggml.tokens", ARR, (STR, ["a", "bb", "ccc"] * 20)),
                 ("s.scores", ARR, (F32, [0.5] * 20)), ("s.nested", ARR, (ARR, [(U8, [1, 2])])),
                 ("s.i8", I8, -1), ("s.i16", I16, 2), ("s.u64", U64, 5), ("s.i64", I64, -5),
@@ -297,8 +295,12 @@ _SMALL = build([ARCH, ("tokenizer.ggml.tokens", ARR, (STR, ["a", "bb", "ccc"] * 
                data=b"\1" * 256)
 
 
-def _open_bytes(data: bytes) -> None:
-    p = _SCRATCH / "fuzz.gguf"
+@pytest.fixture(scope="module")
+def fuzz_path(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fuzz") / "fuzz.gguf"
+
+
+def _open_bytes(p: Path, data: bytes) -> None:
     p.write_bytes(data)
     try:
         GGUFModel.open(p)
@@ -308,14 +310,14 @@ def _open_bytes(data: bytes) -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.integers(0, len(_SMALL) - 1))
-def test_random_truncation(cut):
-    _open_bytes(_SMALL[:cut])
+def test_random_truncation(fuzz_path, cut):
+    _open_bytes(fuzz_path, _SMALL[:cut])
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.lists(st.tuples(st.integers(0, 700), st.integers(0, 255)), min_size=1, max_size=6))
-def test_random_corruption(edits):
+def test_random_corruption(fuzz_path, edits):
     data = bytearray(_SMALL)
     for pos, byte in edits:
         data[pos % len(data)] = byte
-    _open_bytes(bytes(data))
+    _open_bytes(fuzz_path, bytes(data))
