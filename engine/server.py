@@ -6,7 +6,7 @@ stop/unload/shutdown as cancelling everything received before them), the main th
 request at a time, and a watchdog ends the process when its parent dies so no orphan holds VRAM.
 
 Cancellation is by sequence number, not a flag: each request gets the number of its arrival and
-`stop` cancels every request numbered below it. So a stop sent right after a generate cancels
+`stop` (also unload, shutdown, and a new load) cancels every request numbered below it. So a stop sent right after a generate cancels
 that generate even if the worker has not started it yet, and never a later one.
 """
 
@@ -64,6 +64,7 @@ class Engine:
         self._cancel_below = 0  # requests numbered below this are cancelled
         self._exiting = threading.Event()
         self.session: Any = None
+        self._tok: tuple[Any, Any] = (None, None)  # (session, its tokenizer)
 
     # ------------------------------------------------------------ output
 
@@ -90,8 +91,8 @@ class Engine:
                     log.warning("bad request %s: %s", item.excerpt, item.message)
                     self.emit(p.Error(f"bad request: {item.message}"))
                     continue
-                if isinstance(item, (p.Stop, p.Unload, p.Shutdown)):
-                    self._cancel_below = self._seq
+                if isinstance(item, (p.Stop, p.Unload, p.Shutdown, p.Load)):
+                    self._cancel_below = self._seq  # a new load supersedes whatever runs
                 if not isinstance(item, p.Stop):
                     self._requests.put((self._seq, item))
             if not chunk:
@@ -156,6 +157,7 @@ class Engine:
     def release(self) -> None:
         """Free the loaded model, every allocation with it."""
         session, self.session = self.session, None
+        self._tok = (None, None)
         if session is not None:
             session.close()
         del session
@@ -203,7 +205,9 @@ class Engine:
     def _tokenizer(self, session: Any) -> Any:
         from engine.tokenizer import Tokenizer
 
-        return Tokenizer.from_model(session.model)
+        if self._tok[0] is not session:  # built once per loaded model, not per turn
+            self._tok = (session, Tokenizer.from_model(session.model))
+        return self._tok[1]
 
     def generate(self, req: p.Generate, cancelled: Any) -> None:
         session = self._require_session("generate")

@@ -291,6 +291,14 @@ def test_unload_during_load_cancels_and_frees(harness):
     assert not FakeSession.instances  # load raised before building a session
 
 
+def test_a_new_load_supersedes_one_in_progress(harness):
+    harness.send(p.Load(_plan_json()), p.Load(_plan_json()))
+    _, before = harness.until(p.Unloaded)  # the first one, cancelled
+    assert not any(isinstance(e, p.Loaded) for e in before)
+    harness.until(p.Loaded)
+    assert len(FakeSession.instances) == 1 and harness.engine.session is FakeSession.instances[0]
+
+
 def test_generate_streams_valid_text_then_done(harness):
     harness.engine.session = FakeSession()
     msgs = [{"role": "user", "content": "hi"}]
