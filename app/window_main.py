@@ -53,7 +53,8 @@ def _group(title: str, *widgets: QWidget, stretch_last: bool = False) -> QGroupB
 
 class MainWindow(QMainWindow):
     def __init__(self, theme: Theme, store: PresetStore | None = None,
-                 engine_program: list[str] | None = None, live_poll: bool = True) -> None:
+                 engine_program: list[str] | None = None, live_poll: bool = True,
+                 remember: bool = True) -> None:
         super().__init__()
         # Widgets import pyqtgraph; importing them here (not at module top) keeps `carve --help`
         # and the CLIs from paying for it.
@@ -79,7 +80,7 @@ class MainWindow(QMainWindow):
         self.live_poll = live_poll
         self.launched_layout = None
         self.poller = None
-        self.remember = live_poll  # a --snapshot run leaves the user's last session alone
+        self.remember = remember  # a --snapshot run leaves the user's last session alone
 
         self.model_panel = ModelPanel()
         self.presets = PresetsBox(self.store, self.plan.settings)
@@ -114,14 +115,18 @@ class MainWindow(QMainWindow):
         plan_layout.addWidget(_group("GPUs", self.rig_picker, self.vram), 3)
         plan_layout.addWidget(_group("Layer split", self.split_editor))
         plan_layout.addWidget(_group("Fit check", self.fit))
-        plan_layout.addStretch(0)
+        plan_scroll = QScrollArea()  # 8 GPUs on a small screen: scroll rather than squash
+        plan_scroll.setWidget(plan_tab)
+        plan_scroll.setWidgetResizable(True)
+        plan_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        plan_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         chat_tab = QWidget()
         chat_layout = QVBoxLayout(chat_tab)
         chat_layout.setContentsMargins(6, 10, 10, 6)
         chat_layout.addWidget(self.chat)
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
-        self.tabs.addTab(plan_tab, "Plan")
+        self.tabs.addTab(plan_scroll, "Plan")
         self.tabs.addTab(chat_tab, "Chat")
 
         splitter = QSplitter()
@@ -326,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     theme = THEMES[args.theme or os.environ.get("CARVE_THEME", "light")]
     app.setStyle("Fusion")
     app.setStyleSheet(style_sheet(theme))
-    window = MainWindow(theme, live_poll=not args.snapshot)
+    window = MainWindow(theme, live_poll=not args.snapshot, remember=not args.snapshot)
     if args.snapshot:
         w, _, h = args.size.partition("x")
         window.resize(int(w), int(h))

@@ -36,8 +36,11 @@ class SplitEditor(QWidget):
         self.even_button = QPushButton("Even")
         self.even_button.setToolTip("The same number of layers on every GPU")
         self.even_button.clicked.connect(self._on_even)
-        self.hint = QLabel("drag a boundary · ←/→ nudge · ↑/↓ choose boundary")
+        self.hint = QLabel("Drag a boundary to move layers between GPUs · ←/→ nudge the selected "
+                           "boundary (Shift: 5 layers) · ↑/↓ select another")
         self.hint.setObjectName("muted")
+        self.use_label = QLabel("Use GPU")
+        self.use_label.setObjectName("muted")
         self.use_row = QHBoxLayout()
         self.use_row.setSpacing(10)
         self._use_boxes: list[QCheckBox] = []
@@ -63,14 +66,15 @@ class SplitEditor(QWidget):
         top.addWidget(self.auto_button)
         top.addWidget(self.even_button)
         top.addSpacing(12)
+        top.addWidget(self.use_label)
         top.addLayout(self.use_row)
         top.addStretch(1)
-        top.addWidget(self.hint)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(4)
         layout.addLayout(top)
         layout.addWidget(self.plot)
+        layout.addWidget(self.hint)
 
         model.events.split.connect(self._on_split)
         model.events.devices.connect(self._on_devices)
@@ -85,8 +89,8 @@ class SplitEditor(QWidget):
                 w.deleteLater()
         self._use_boxes = []
         for pos, dev in enumerate(self.model.devices):
-            box = QCheckBox("CPU" if dev.index < 0 else f"GPU {dev.index}")
-            box.setToolTip(f"use {dev.name} in this plan")
+            box = QCheckBox("CPU" if dev.index < 0 else str(dev.index))
+            box.setToolTip(f"use GPU {dev.index} ({dev.name}) in this plan")
             box.setChecked(pos not in self.model.excluded)
             box.toggled.connect(lambda on, p=pos: self.model.set_excluded(p, not on))
             self.use_row.addWidget(box)
@@ -94,6 +98,7 @@ class SplitEditor(QWidget):
         multi = len(self.model.devices) > 1
         for box in self._use_boxes:
             box.setVisible(multi)
+        self.use_label.setVisible(multi)
         self._on_split()
 
     def _on_split(self, *_: object) -> None:
@@ -126,11 +131,14 @@ class SplitEditor(QWidget):
                 line.setPen(self._line_pen(i == self.selected))
         finally:
             self._syncing = False
+        px_per_layer = max(1.0, self.plot.width() - 20) / max(1, n_layer)
         for k, label in enumerate(self._labels):
             dev = active[k]
             n = split[k + 1] - split[k]
             name = "CPU" if dev.index < 0 else f"GPU {dev.index}"
-            label.setText(f"{name}\n{split[k]}–{split[k + 1] - 1} ({n})")
+            wide = n * px_per_layer >= 70  # room for the long label, else just the GPU number
+            label.setText(f"{name}\n{split[k]}–{split[k + 1] - 1} ({n})" if wide
+                          else str(dev.index))
             label.setPos((split[k] + split[k + 1]) / 2, 0.5)
         pi.setRange(xRange=(0, max(1, n_layer)), yRange=(0, 1), padding=0.01)
 
@@ -199,3 +207,7 @@ class SplitEditor(QWidget):
         else:
             return super().keyPressEvent(event)
         event.accept()
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._on_split()  # stage labels pick their length from the pixels each stage has

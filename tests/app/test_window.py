@@ -1,0 +1,139 @@
+"""The whole window: restore, launch against the fake engine, chat streaming, crash, snapshot,
+and the layering rule (building the window imports neither torch nor triton)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import Qt
+
+from app.models.presets import PresetStore
+from app.theme import LIGHT
+from app.window_main import MainWindow
+from tests.app.conftest import gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE = str(ROOT / "tests" / "fake_engine.py")
+
+
+@pytest.fixture
+def window(qtbot, synth_model, request):
+    scenario = getattr(request, "param", "normal")
+    w = MainWindow(LIGHT, engine_program=[sys.executable, FAKE, scenario], live_poll=False)
+    qtbot.addWidget(w)
+    w.restore(str(synth_model("qwen2")), "2x24GiB")
+    w.show()
+    yield w
+    w.close()
+
+
+def test_restore_plans_at_once(window):
+    assert window.plan.layout is not None and len(window.plan.layout.devices) == 2
+    assert window.board.simulated and len(window.board.rows) == 2
+    assert window.launch_bar.launch_button.isEnabled()
+    assert "qwen2" in window.model_panel._values["Architecture"].text()
+
+
+def test_launch_load_and_chat_streams_into_the_view(qtbot, window):
+    with qtbot.waitSignal(window.client.loaded, timeout=15_000):
+        window.launch_bar.launch_button.click()
+    assert window.tabs.currentIndex() == 1
+    assert "priced" in window.launch_bar.report.text()
+    assert window.board.launched and window.board.rows[0].ours["weights"] > 0
+    qtbot.keyClicks(window.chat.input, "carve me a plan")
+    with qtbot.waitSignal(window.client.done, timeout=15_000):
+        qtbot.keyClick(window.chat.input, Qt.Key.Key_Return)
+        assert not window.chat.send_button.isEnabled()  # one reply at a time
+    qtbot.waitUntil(lambda: "You said: carve me a plan" in window.chat.view.toPlainText(),
+                    timeout=3000)
+    assert "tokens/s" in window.chat.stats.text()
+    # regenerate replaces the reply, it does not add a second one
+    with qtbot.waitSignal(window.client.done, timeout=15_000):
+        window.chat.regen_button.click()
+    assert [m.role for m in window.history.messages] == ["user", "assistant"]
+    with qtbot.waitSignal(window.client.unloaded, timeout=5000):
+        window.launch_bar.unload_button.click()
+    assert not window.board.launched
+
+
+def test_launch_is_refused_when_it_does_not_fit_unless_overridden(qtbot, window):
+    window.plan.set_devices([gpu(0, 100)])  # 100 MiB free: not even the runtime overhead fits
+    assert window.plan.verdict() == "does not fit"
+    assert not window.launch_bar.launch_button.isEnabled()
+    window.launch_bar.override.setChecked(True)
+    assert window.launch_bar.launch_button.isEnabled()
+
+
+@pytest.mark.parametrize("window", ["crash-load"], indirect=True)
+def test_engine_crash_shows_its_stderr_and_the_app_keeps_running(qtbot, window):
+    with qtbot.waitSignal(window.client.crashed, timeout=15_000):
+        window.launch_bar.launch_button.click()
+    assert "crashing mid-load" in window.crash_box.detailedText()
+    assert window.isVisible() and window.launch_bar.launch_button.isEnabled()
+    assert "status 3" in window.launch_bar.status.text()
+
+
+def test_presets_and_last_session_survive_a_restart(qtbot, window, synth_model):
+    window.plan.set_ctx(1024)
+    window.plan.set_kv_type("q8_0")
+    window.presets.save_as("small")
+    window.close()  # saves the last session
+    again = MainWindow(LIGHT, live_poll=False)
+    qtbot.addWidget(again)
+    again.restore(None, None)
+    assert again.rig == "2x24GiB" and again.plan.ctx == 1024 and again.plan.kv_type == "q8_0"
+    assert again.presets.combo.findText("small") >= 0
+    assert PresetStore().recent_files()[0].endswith(synth_model("qwen2").name)
+
+
+def test_a_bad_file_shows_a_sentence(qtbot, window, tmp_path):
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"hello, not a gguf")
+    assert not window.open_model(str(bad))
+    assert "not-a-model.gguf" in window.model_panel.path.text()
+    assert window.plan.layout is not None  # the previous model stays planned
+
+
+def _run(code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", PYTHONPATH=str(ROOT), **(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+
+
+def test_building_the_window_imports_neither_torch_nor_triton(synth_model, tmp_path):
+    code = f"""
+import json, sys
+from PySide6.QtWidgets import QApplication
+app = QApplication([])
+from app.window_main import MainWindow
+from tests.app.conftest import gpu
+from app.theme import LIGHT
+w = MainWindow(LIGHT, live_poll=False)
+w.restore({str(synth_model("llama"))!r}, "2x24GiB")
+w.show(); app.processEvents()
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "triton"))))
+"""
+    out = _run(code, {"CARVE_CONFIG_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_snapshot_renders_the_window(synth_model, tmp_path):
+    png = tmp_path / "carve.png"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CARVE_CONFIG_DIR=str(tmp_path / "cfg"))
+    env.pop("QT_QPA_PLATFORM", None)  # --snapshot picks the offscreen platform itself
+    out = subprocess.run(
+        [sys.executable, "-m", "app", "--snapshot", str(png), "--model", str(synth_model("llama")),
+         "--gpus", "4x24GiB", "--theme", "dark"],
+        check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    from PySide6.QtGui import QImage
+
+    image = QImage(str(png))
+    assert (image.width(), image.height()) == (1280, 800)
+    assert not (tmp_path / "cfg" / "last.json").exists()  # a snapshot leaves the session alone
