@@ -1,0 +1,129 @@
+"""Logits and greedy continuations against transformers loading the same GGUF in float32.
+
+Tiny synthetic models of every architecture (fast, random weights: they prove the maths of each
+family, llama's adjacent-pair RoPE included), then the two real models (module-scoped: loading
+them in transformers takes ~30-60 s each on two cores).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from engine.devices import DeviceSpec
+from engine.gguf_file import GGUFModel
+from engine.hparams import HParams
+from engine.plan import Plan
+from engine.runtime.session import Session
+from engine.sampling import SamplingParams
+from engine.tokenizer import Tokenizer
+
+GIB = 1 << 30
+CPU = DeviceSpec(index=-1, name="cpu", total=16 * GIB, free=16 * GIB)
+
+
+def _hf(path):
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.fail("transformers needs the 'accelerate' package to load a GGUF: pip install accelerate")
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return m.eval()
+
+
+def _session(path, cached: bool, ctx: int = 512, chunk: int = 64) -> Session:
+    n = HParams.from_model(GGUFModel.open(path)).n_layer
+    # no dequant cache -> every matrix is dequantized to float32 per use: the exact path
+    plan = Plan(model=str(path), devices=(CPU,), split=(0, n), ctx=ctx, prefill_chunk=chunk,
+                cache_reserve=0 if cached else 16 * GIB, logits_rows=chunk)
+    return Session.load(plan)
+
+
+def _errors(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(max abs error, max abs error / max |ref|) over all positions."""
+    d = (ours - ref).abs().max().item()
+    return d, d / ref.abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_tiny_models_match_transformers(synth_model, arch: str) -> None:
+    path = synth_model(arch, "q4_k_m")
+    hf = _hf(path)
+    if arch == "gemma3":
+        # gemma3-tiny has head_dim 128, and a GGUF carries no query_pre_attn_scalar: llama.cpp
+        # (and we) scale by head_dim**-0.5, transformers falls back to its config default 256.
+        # Real Gemma 3 files have head_dim 256, where both agree (see the 270M test below).
+        for layer in hf.model.layers:
+            layer.self_attn.scaling = HParams.from_model(GGUFModel.open(path)).attn_scale
+    ids = torch.randint(3, 500, (90,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = hf(ids.unsqueeze(0)).logits[0]
+    # chunk 32 over 90 tokens: three chunks; gemma3-tiny's window is 64, so its sliding
+    # layers run as rings across chunk boundaries
+    sess = _session(path, cached=False, chunk=32)
+    got = sess.logits(ids.tolist())
+    _, rel = _errors(got, ref)
+    assert rel < 2e-3, f"{arch}: logits differ by {rel:.2e} of their range"  # f16 KV cache
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+    sess.close()
+    cached = _session(path, cached=True, chunk=32)
+    _, rel = _errors(cached.logits(ids.tolist()), ref)
+    assert rel < 3e-2, f"{arch} bf16 cache: logits differ by {rel:.2e} of their range"
+    cached.close()
+
+
+PROMPTS = {
+    "demo": ["def fibonacci(n):\n", "The capital of France is", "Once upon a time, there was"],
+    "gemma": ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, there was"],
+}
+
+
+def _real(model_path, key):
+    hf = _hf(model_path)
+    sess = _session(model_path, cached=False, ctx=1024, chunk=256)
+    tok = Tokenizer.from_model(sess.model)
+    yield hf, sess, [tok.encode(t) for t in PROMPTS[key]]
+    sess.close()
+
+
+@pytest.fixture(scope="module")
+def demo(demo_model_path):
+    yield from _real(demo_model_path, "demo")
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_model_path):
+    yield from _real(gemma_model_path, "gemma")
+
+
+def _check_real(hf, sess, prompts, n_ids: int, report: str) -> None:
+    ids = torch.randint(100, 20000, (n_ids,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = hf(ids.unsqueeze(0)).logits[0]
+    got = sess.logits(ids.tolist())
+    for pos in (0, 1, n_ids // 2, n_ids - 1):
+        d, rel = _errors(got[pos], ref[pos])
+        print(f"{report} position {pos}: max abs {d:.4f}, relative {rel:.2e}")
+    d, rel = _errors(got, ref)
+    print(f"{report} all {n_ids} positions: max abs {d:.4f}, relative {rel:.2e}")
+    assert rel < 2e-3
+    eos = hf.generation_config.eos_token_id
+    stop = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    for p in prompts:
+        with torch.inference_mode():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p):]
+        out: list[int] = []
+        sess.generate(p, SamplingParams(temperature=0.0, max_tokens=32), stop, out.append)
+        want = [t for t in want.tolist() if t not in stop]
+        assert out == want, f"{report}: greedy continuation of {p} differs"
+
+
+def test_demo_model_matches_transformers(demo) -> None:
+    _check_real(*demo, n_ids=48, report="qwen2.5-coder-0.5b")
+
+
+def test_gemma3_270m_matches_transformers_across_the_window(gemma) -> None:
+    # 600 tokens > the 512-token window: the sliding layers' rings wrap during prefill
+    _check_real(*gemma, n_ids=600, report="gemma-3-270m")
