@@ -218,9 +218,11 @@ BROKEN = {
     "absurd tensor count": (build(n_tensors=2**60), "claims 1152921504606846976 tensors"),
     "absurd kv count": (build(n_kv=2**62), "claims 4611686018427387904 metadata entries"),
     "absurd string length": (b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 2**50) + b"\0" * 64,
-                             "string of 1125899906842624 bytes"),
+                             "string of 1125899906842624 bytes at byte 24 is absurd"),
     "absurd array length": (build([ARCH], n_kv=2, raw_kv=_raw_kv("x", ARR, struct.pack(
         "<IQ", U32, 2**40))), "array of 1099511627776 values"),
+    "absurd length in a string array": (build([ARCH], n_kv=2, raw_kv=_raw_kv("x", ARR, struct.pack(
+        "<IQQ1sQ", STR, 2, 1, b"a", 2**40))), "string of 1099511627776 bytes at byte"),
     "unknown value type": (build([ARCH], n_kv=2, raw_kv=_raw_kv("x", 77, b"\0" * 8)),
                            "unknown value type 77"),
     "unknown array type": (build([ARCH], n_kv=2, raw_kv=_raw_kv("x", ARR, struct.pack(
