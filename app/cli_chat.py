@@ -82,7 +82,17 @@ def model_path(arg: str | None) -> Path:
     if arg is None:
         from engine.demo import demo_model_path
 
-        return Path(demo_model_path())
+        def on_progress(done: int, total: int) -> None:  # first run: ~0.5 GB assembled
+            if sys.stderr.isatty():
+                sys.stderr.write(
+                    f"\rassembling the demo model: {done / MB:,.0f}/{total / MB:,.0f} MB"
+                )
+                sys.stderr.flush()
+
+        path = Path(demo_model_path(on_progress=on_progress))
+        if sys.stderr.isatty():
+            sys.stderr.write("\r\x1b[K")
+        return path
     path = Path(arg).expanduser()
     if not path.is_file():
         raise CarveError(f"{arg}: no such model file; pass the path of a .gguf file")

@@ -133,7 +133,8 @@ class FakeEngine:
             if self.stop.is_set():
                 reason = "cancelled"
                 break
-            time.sleep(delay)
+            # a schedule, not a fixed sleep: the rate holds even when sleeps overshoot
+            time.sleep(max(0.0, start + (i + 1) * delay - time.perf_counter()))
             self.emit(p.Token(1000 + i, word))
             n += 1
         else:
