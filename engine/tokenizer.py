@@ -313,3 +313,38 @@ def _save_atomically(path: Path, pairs: np.ndarray) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m engine.tokenizer [MODEL.gguf ...]``: print first (empty cache) and second open
+    times; no argument means the demo model."""
+    import sys
+    import tempfile
+    import time
+    from unittest import mock
+
+    from engine.demo import demo_model_path
+    from engine.gguf_file import GGUFModel
+
+    paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)] or [demo_model_path()]
+    for path in paths:
+        t0 = time.perf_counter()
+        model = GGUFModel.open(path)
+        t1 = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp, mock.patch(
+            f"{__name__}.tokenizer_cache_dir", lambda: Path(tmp)
+        ):
+            tok = Tokenizer.from_model(model)
+            t2 = time.perf_counter()
+            Tokenizer.from_model(model)
+            t3 = time.perf_counter()
+        n = len(tok.encode("The quick brown fox jumps over the lazy dog. " * 200))
+        print(
+            f"{path.name}: GGUF header {t1 - t0:.3f} s, tokenizer first open {t2 - t1:.3f} s, "
+            f"second open {t3 - t2:.3f} s ({tok.vocab_type}, {tok.n_vocab} tokens; {n} ids)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
