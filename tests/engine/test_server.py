@@ -364,6 +364,49 @@ def test_max_tokens_is_clamped_to_the_context(harness):
     assert done.completion_tokens == 200 - 191 and done.ctx_used == 200
 
 
+# ------------------------------------------------------------------ the client, against tests/fake_engine.py
+
+FAKE = [sys.executable, str(ROOT / "tests" / "fake_engine.py")]
+
+
+def test_client_kills_an_engine_that_ignores_shutdown_eof_and_sigterm():
+    engine = EngineProcess([*FAKE, "hang"]).start()
+    assert isinstance(engine.next_event(30), p.Ready)
+    t = time.monotonic()
+    assert engine.close(timeout=0.5) == -9  # shutdown, EOF, SIGTERM all ignored: SIGKILL
+    assert time.monotonic() - t < 5
+    assert not engine.alive()
+
+
+def test_client_streams_a_token_flood_and_stops_it():
+    with EngineProcess([*FAKE, "flood"]) as engine:
+        engine.wait_for(p.Ready, timeout=30)
+        engine.send(p.Load({}))
+        engine.wait_for(p.Loaded, timeout=30)
+        engine.send(p.Generate([{"role": "user", "content": "go"}], "f", {}, 100_000))
+        n = 0
+        while n < 200:
+            n += isinstance(engine.next_event(10), p.Token)
+        engine.send(p.Stop())
+        t = time.monotonic()
+        done = engine.wait_for(p.Done, timeout=10)
+        assert time.monotonic() - t < 2
+        assert done.reason == "cancelled" and done.completion_tokens >= 200
+        assert done.decode_tps > 250  # scripted at 500 t/s
+    assert engine.proc.returncode == 0
+
+
+def test_client_raises_when_the_engine_dies_and_names_its_last_words():
+    with EngineProcess([*FAKE, "crash-load"]) as engine:
+        engine.send(p.Load({}))
+        with pytest.raises(CarveError, match=r"exited \(status 3\).*crashing mid-load"):
+            engine.wait_for(p.Loaded, timeout=30)
+        with pytest.raises(CarveError):  # and again: the end stays the end
+            engine.next_event(1)
+        with pytest.raises(CarveError, match="exited"):
+            engine.send(p.Stop())
+
+
 # ------------------------------------------------------------------ end to end, the demo model
 
 
