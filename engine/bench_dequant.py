@@ -52,34 +52,34 @@ def random_blocks(ggml_type: int, n_elements: int, rng: np.random.Generator) -> 
     return blocks.reshape(-1)
 
 
-def _time(fn, min_s: float = 0.5) -> float:
+def _time(fn, min_s: float = 0.5) -> tuple[float, float]:
+    """Seconds per call: (wall, CPU of this process). On a shared machine the wall figure
+    includes time spent waiting for a core; the CPU figure does not."""
     fn()  # warm
-    n, t0 = 0, time.perf_counter()
+    n, t0, c0 = 0, time.perf_counter(), time.process_time()
     while True:
         fn()
         n += 1
         dt = time.perf_counter() - t0
         if dt >= min_s:
-            return dt / n
+            return dt / n, (time.process_time() - c0) / n
 
 
 def bench_types(mb: float, dtype: torch.dtype, cols: int = 4096) -> None:
     rng = np.random.default_rng(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, output {dtype}")
-    print(f"{'type':6} {'in MB':>7} {'MB/s in':>9} {'Melem/s':>9}")
+    print(f"{'type':6} {'in MB':>7} {'MB/s in':>9} {'Melem/s':>9} {'MB/s per CPU-s':>15}")
     for t in SUPPORTED_TYPES:
         q = qt.quant(t)
         rows = max(1, int(mb * 1e6 / (cols / q.block_size * q.type_size)))
         raw = torch.from_numpy(random_blocks(t, rows * cols, rng))
         out = torch.empty(rows, cols, dtype=dtype)
         shape = (cols, rows)
-        s = _time(
+        s, cpu = _time(
             lambda raw=raw, t=t, out=out, shape=shape: dequantize_to(raw, t, shape, dtype, out)
         )
-        print(
-            f"{q.name:6} {raw.numel() / 1e6:7.1f} {raw.numel() / 1e6 / s:9.0f} "
-            f"{rows * cols / 1e6 / s:9.0f}"
-        )
+        mb = raw.numel() / 1e6
+        print(f"{q.name:6} {mb:7.1f} {mb / s:9.0f} {rows * cols / 1e6 / s:9.0f} {mb / cpu:15.0f}")
 
 
 def bench_model(path: str, dtype: torch.dtype) -> None:
@@ -87,17 +87,18 @@ def bench_model(path: str, dtype: torch.dtype) -> None:
 
     reader = gguf.GGUFReader(path)
     total_in = total_out = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for t in reader.tensors:
         shape = tuple(int(s) for s in t.shape)
         raw = np.asarray(t.data).view(np.uint8).reshape(-1)
         dequantize_to(raw, int(t.tensor_type), shape, dtype)
         total_in += raw.size
         total_out += math.prod(shape)
-    s = time.perf_counter() - t0
+    s, cpu = time.perf_counter() - t0, time.process_time() - c0
     print(
-        f"{path}: {len(reader.tensors)} tensors, {total_in / 1e6:.0f} MB in {s:.2f} s = "
-        f"{total_in / 1e6 / s:.0f} MB/s in, {total_out / 1e6 / s:.0f} Melem/s ({dtype})"
+        f"{path}: {len(reader.tensors)} tensors, {total_in / 1e6:.0f} MB in {s:.2f} s "
+        f"({cpu:.2f} CPU-s) = {total_in / 1e6 / s:.0f} MB/s in, "
+        f"{total_out / 1e6 / s:.0f} Melem/s ({dtype})"
     )
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,12 +28,9 @@ import torch
 from engine import quant_types as qt
 from engine.errors import CarveError
 
-# Output elements per chunk. Every elementwise op of a chunk stays at or under torch's parallel
-# grain size (32768), so torch runs it on the calling thread: on this busy 2-core machine an
-# op split across OpenMP threads waited ~6 ms at the barrier whenever the other core was taken
-# (1000x slower). Scratch reused across chunks also avoids a fresh 128 KiB malloc (an mmap and
-# page faults in glibc) per op.
-CHUNK_ELEMENTS = 1 << 15
+# Output elements per chunk: 128K values keep a chunk's scratch (~1 MiB) in L2 while torch's
+# per-op cost (~2-4 us of dispatch, which dominated at 32K) is paid 4x less often.
+CHUNK_ELEMENTS = 1 << 17
 # Chunks per group that share one computation of the per-block scales.
 GROUP_CHUNKS = 8
 
@@ -340,7 +337,6 @@ def dequantize_to(
     shape: Sequence[int],
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
-    threads: int = 1,
 ) -> torch.Tensor:
     """Dequantize ``raw`` (the tensor's bytes, uint8) of a GGUF tensor of ``shape`` (GGUF order,
     ne0 innermost) into a ``dtype`` tensor of the reversed shape ([ne1, ne0] for a matrix).
@@ -348,8 +344,7 @@ def dequantize_to(
     Values are computed in float32 exactly as ``gguf.quants.dequantize`` does, then rounded once to
     ``dtype``. With ``out`` (contiguous, ``dtype``, that shape, e.g. a span of a dequant-cache
     arena) the result is written there and nothing of output size is allocated. For F32 without
-    ``out`` the result may share memory with ``raw``. ``threads`` > 1 splits a large tensor
-    across that many Python threads (each runs single-threaded torch ops).
+    ``out`` the result may share memory with ``raw``.
     """
     raw = _as_bytes(raw)
     tshape = _check(raw, ggml_type, shape)
@@ -367,37 +362,36 @@ def dequantize_to(
             if src.dtype == dtype:
                 return src
             out = torch.empty(tshape, dtype=dtype, device=raw.device)
-        # chunked for the same reason as the block types: one big copy_ is split across threads
-        src, dst = src.reshape(-1), out.view(-1)
-        for i in range(0, src.numel(), CHUNK_ELEMENTS):
-            dst[i : i + CHUNK_ELEMENTS].copy_(src[i : i + CHUNK_ELEMENTS])
-        return out
+        with _serial_torch():
+            return out.copy_(src)
 
     q = qt.quant(ggml_type)
     blocks = raw.view(-1, q.type_size)  # [n_blocks, type_size]
     if out is None:
         out = torch.empty(tshape, dtype=dtype, device=raw.device)
     flat = out.view(-1, q.block_size)  # [n_blocks, block_size]
-    n_blocks = blocks.shape[0]
     step = max(1, CHUNK_ELEMENTS // q.block_size)
     group = step * GROUP_CHUNKS
-    n_groups = -(-n_blocks // group)
-    threads = max(1, min(threads or 1, n_groups))
-    if threads == 1:
+    with _serial_torch():
         _run(_KINDS[ggml_type], blocks, flat, step, group)
-        return out
-    # torch ops release the GIL: each thread takes a contiguous run of whole groups
-    per = -(-n_groups // threads) * group
-    with ThreadPoolExecutor(threads) as pool:
-        jobs = [
-            pool.submit(
-                _run, _KINDS[ggml_type], blocks[i : i + per], flat[i : i + per], step, group
-            )
-            for i in range(0, n_blocks, per)
-        ]
-        for job in jobs:
-            job.result()
     return out
+
+
+@contextmanager
+def _serial_torch() -> Iterator[None]:
+    """Run torch ops on the calling thread only. Measured on this project's busy 2-core CI
+    machine: an elementwise op split across OpenMP threads waited ~6 ms at the barrier whenever
+    another process held the other core (1000x slower than serial). The setting is process-wide:
+    a load and a generation must not run at once (the engine runs both on one worker)."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def _run(kind: _Kind, blocks: torch.Tensor, flat: torch.Tensor, step: int, group: int) -> None:

@@ -234,13 +234,3 @@ def test_bytes_at_odd_and_unaligned_offsets(ggml_type: int) -> None:
         buf[offset:] = torch.from_numpy(raw)
         got = dequantize(buf[offset:], ggml_type, shape)
         assert np.array_equal(got.numpy(), want), f"offset {offset}, seed {SEED}"
-
-
-def test_threads_split_the_work_with_the_same_result() -> None:
-    rng = _rng(6000)
-    shape = (256, 1100)  # several groups of chunks, a short last one
-    raw = torch.from_numpy(_raw_blocks(qt.Q4_K, 1100, rng).reshape(-1))
-    want = dequantize(raw, qt.Q4_K, shape)
-    for threads in (2, 3):
-        got = dequantize_to(raw, qt.Q4_K, shape, torch.float32, threads=threads)
-        assert torch.equal(got, want), f"threads {threads}, seed {SEED}"
