@@ -46,6 +46,13 @@ def one_line(err: BaseException) -> str:
     return "internal error: " + (text if len(text) <= 300 else text[:297] + "...")
 
 
+def is_fatal(err: BaseException) -> bool:
+    """A sticky CUDA fault (illegal address, launch failure) breaks every later call in this
+    process; out-of-memory does not."""
+    text = str(err)
+    return "CUDA error" in text and "out of memory" not in text
+
+
 def safe_text(text: str) -> str:
     """Always-valid UTF-8: a lone surrogate would make the client's terminal or widget choke."""
     try:
@@ -137,7 +144,10 @@ class Engine:
             except Exception as err:  # noqa: BLE001 - any failure is one error event, then serve on
                 if not isinstance(err, CarveError):
                     log.error("request %s failed:\n%s", req.TYPE, traceback.format_exc())
-                self.emit(p.Error(one_line(err), request=getattr(req, "id", "")))
+                fatal = is_fatal(err)
+                self.emit(p.Error(one_line(err), fatal=fatal, request=getattr(req, "id", "")))
+                if fatal:  # the CUDA context is poisoned: only a new process can use the GPU
+                    return 1
         self.release()
         return 0
 
@@ -365,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         code = engine.serve()
     except KeyboardInterrupt:
         code = 130
-    engine.release()
+    if code == 0:
+        engine.release()
     return code
 
 

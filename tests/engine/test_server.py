@@ -146,6 +146,9 @@ def test_one_line():
     assert server.one_line(RuntimeError("x\ny")) == "internal error: RuntimeError: x y"
     assert len(server.one_line(ValueError("z" * 5000))) < 330
     assert server.safe_text("ok \ud800 end") == "ok ? end"
+    assert server.is_fatal(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not server.is_fatal(RuntimeError("CUDA error: out of memory"))
+    assert not server.is_fatal(CarveError("GPU 0: does not fit"))
 
 
 # ------------------------------------------------------------------ the worker, with a fake session
