@@ -129,6 +129,22 @@ def test_norms_near_one_and_vocabulary(synth_model):
     assert tok.decode(ids) == text and tok.convert_ids_to_tokens(ids[:2]) == ["t", "he"]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_transformers_runs_the_synthetic_model(synth_model, arch):
+    # someone else's loader and model code: names, shapes, blocks and metadata all fit
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    path = synth_model(arch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 4]])).logits
+    assert logits.shape == (1, 4, 512) and bool(torch.isfinite(logits).all())
+    assert 0.1 < float(logits.std()) < 100
+
+
 def test_split_set_holds_the_same_bytes(synth_model):
     one = GGUFModel.open(synth_model("qwen3", "q6_k"))
     three = GGUFModel.open(synth_model("qwen3", "q6_k", split=3))
