@@ -31,16 +31,34 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="carve plan", description="Price a launch per GPU and say whether it fits.")
     p.add_argument("model", help="GGUF file (any shard of a split set)")
-    p.add_argument("--gpus", default="auto", help='"auto", "cpu", "4x24GiB", "rtx4090,rtx4090,a6000"')
-    p.add_argument("--ctx", type=int, help=f"context tokens (default {DEFAULT_CTX}, at most the model's)")
+    p.add_argument(
+        "--gpus", default="auto", help='"auto", "cpu", "4x24GiB", "rtx4090,rtx4090,a6000"'
+    )
+    p.add_argument(
+        "--ctx", type=int, help=f"context tokens (default {DEFAULT_CTX}, at most the model's)"
+    )
     p.add_argument("--split", default="auto", help='boundaries "0,14,29,48" or "auto"')
-    p.add_argument("--prefer", default="spread", choices=("spread", "fewest"),
-                   help="--split auto: all GPUs (most headroom) or the fewest that fit")
+    p.add_argument(
+        "--prefer",
+        default="spread",
+        choices=("spread", "fewest"),
+        help="--split auto: all GPUs (most headroom) or the fewest that fit",
+    )
     p.add_argument("--kv", default="f16", help="KV cache type: f16 or q8_0")
-    p.add_argument("--cache-reserve", type=int, default=1024, metavar="MiB",
-                   help="MiB kept free after everything; the dequant cache gets the rest (1024)")
-    p.add_argument("--reserve", type=int, default=0, metavar="MiB",
-                   help="MiB to leave untouched on every GPU (desktop, other apps)")
+    p.add_argument(
+        "--cache-reserve",
+        type=int,
+        default=1024,
+        metavar="MiB",
+        help="MiB kept free after everything; the dequant cache gets the rest (1024)",
+    )
+    p.add_argument(
+        "--reserve",
+        type=int,
+        default=0,
+        metavar="MiB",
+        help="MiB to leave untouched on every GPU (desktop, other apps)",
+    )
     p.add_argument("--arena", default="packed", help="packed | per-tensor | chunked:N (MiB)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N")
     p.add_argument("--json", action="store_true", help="print the Layout as JSON")
@@ -66,7 +84,9 @@ def _split(text: str) -> tuple[int, ...] | None:
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise CarveError(f"--split: cannot read {text!r}; give boundaries like 0,14,29,48 or auto") from None
+        raise CarveError(
+            f"--split: cannot read {text!r}; give boundaries like 0,14,29,48 or auto"
+        ) from None
 
 
 def build_layout(args: argparse.Namespace) -> tuple[Layout, Any, str]:
@@ -82,9 +102,14 @@ def build_layout(args: argparse.Namespace) -> tuple[Layout, Any, str]:
     model = open_model(args.model)
     hp = HParams.from_model(model)
     ctx = args.ctx if args.ctx is not None else min(DEFAULT_CTX, hp.n_ctx_train or DEFAULT_CTX)
-    kw = {"ctx": ctx, "kv_type": args.kv, "prefill_chunk": args.prefill_chunk,
-          "cache_reserve": args.cache_reserve * MIB, "arena": args.arena,
-          "act_dtype": "f32" if devices[0].is_cpu else "bf16"}
+    kw = {
+        "ctx": ctx,
+        "kv_type": args.kv,
+        "prefill_chunk": args.prefill_chunk,
+        "cache_reserve": args.cache_reserve * MIB,
+        "arena": args.arena,
+        "act_dtype": "f32" if devices[0].is_cpu else "bf16",
+    }
     split = _split(args.split)
     if split is None:
         plan = auto_split(model, devices, prefer=args.prefer, model_path=args.model, **kw)
@@ -93,32 +118,49 @@ def build_layout(args: argparse.Namespace) -> tuple[Layout, Any, str]:
     return price(plan, model), model, note
 
 
-ROWS = (("weights", "weights"), ("globals", "globals"), ("kv", "KV cache"), ("buffers", "buffers"),
-        ("dequant_cache", "dequant cache"), ("overhead", "overhead"), ("rounding", "rounding"))
+ROWS = (
+    ("weights", "weights"),
+    ("globals", "globals"),
+    ("kv", "KV cache"),
+    ("buffers", "buffers"),
+    ("dequant_cache", "dequant cache"),
+    ("overhead", "overhead"),
+    ("rounding", "rounding"),
+)
 
 
 def render(layout: Layout, model: Any, note: str) -> str:
     plan = layout.plan
     hp_layers = plan.split[-1]
     size = getattr(model, "file_size", 0)
-    lines = [(f"{plan.model}: {model.arch}, {hp_layers} layers, {human(size)}; ctx {plan.ctx}, "
-             f"KV {plan.kv_type}, arena {plan.arena}, prefill chunk {plan.prefill_chunk}, "
-             f"cache reserve {human(plan.cache_reserve)}")]
+    lines = [
+        (
+            f"{plan.model}: {model.arch}, {hp_layers} layers, {human(size)}; ctx {plan.ctx}, "
+            f"KV {plan.kv_type}, arena {plan.arena}, prefill chunk {plan.prefill_chunk}, "
+            f"cache reserve {human(plan.cache_reserve)}"
+        )
+    ]
     if note:
         lines.append(note)
     lines.append(f"split {','.join(map(str, plan.split))}")
     devs = layout.devices
     heads = [d.device.label for d in devs]
     names = [d.device.name[:18] for d in devs]
-    table: list[tuple[str, list[str]]] = [("", heads), ("", names),
-                                          ("layers", [f"{d.layers[0]}-{d.layers[1] - 1}" for d in devs])]
+    table: list[tuple[str, list[str]]] = [
+        ("", heads),
+        ("", names),
+        ("layers", [f"{d.layers[0]}-{d.layers[1] - 1}" for d in devs]),
+    ]
     table += [(label, [human(d.terms[key]) for d in devs]) for key, label in ROWS]
     table += [("total", [human(d.total) for d in devs])]
     free_label = "free now" if not any(d.device.simulated for d in devs) else "free (idle card)"
     table += [(free_label, [human(d.device.free) for d in devs])]
     if any(d.device.reserve for d in devs):
         table += [("reserve", [human(d.device.reserve) for d in devs])]
-    table += [("headroom", [human(d.headroom) for d in devs]), ("verdict", [d.verdict for d in devs])]
+    table += [
+        ("headroom", [human(d.headroom) for d in devs]),
+        ("verdict", [d.verdict for d in devs]),
+    ]
     width = max(12, *(len(c) for _, row in table for c in row)) + 2
     lw = max(len(label) for label, _ in table)
     for label, row in table:
@@ -129,9 +171,13 @@ def render(layout: Layout, model: Any, note: str) -> str:
     src = {d.overhead_source for d in devs}
     lines.append("overhead: " + "; ".join(sorted(src)))
     verdict = layout.verdict
-    lines.append("fits" if verdict == "fits" else
-                 "fits, but tight (< 512 MiB headroom on a device)" if verdict == "tight" else
-                 "does not fit")
+    lines.append(
+        "fits"
+        if verdict == "fits"
+        else "fits, but tight (< 512 MiB headroom on a device)"
+        if verdict == "tight"
+        else "does not fit"
+    )
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
-import app.signal_refcount  # noqa: F401  (PySide6 6.12.0 emit refcount bug; before any emit)
+import app.pyside_refcount  # noqa: F401  (PySide6 6.12.0 refcount bug: before any Qt call)
 from engine import protocol
 
 STDERR_KEEP = 40  # lines of engine stderr kept for the crash message

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-import app.signal_refcount  # noqa: F401  (PySide6 6.12.0 emit refcount bug; before any emit)
+import app.pyside_refcount  # noqa: F401  (PySide6 6.12.0 refcount bug: before any Qt call)
 from app.models.model_scan import common_model_dirs, scan
 
 

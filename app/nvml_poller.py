@@ -7,7 +7,7 @@ import time
 
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
-import app.signal_refcount  # noqa: F401  (PySide6 6.12.0 emit refcount bug; before any emit)
+import app.pyside_refcount  # noqa: F401  (PySide6 6.12.0 refcount bug: before any Qt call)
 
 POLL_MS = 250
 

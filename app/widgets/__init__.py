@@ -1,3 +1,3 @@
 """Thin Qt views over the Qt-free models in app/models."""
 
-import app.signal_refcount  # noqa: F401  (PySide6 6.12.0 emit refcount bug; before any emit)
+import app.pyside_refcount  # noqa: F401  (PySide6 6.12.0 refcount bug: before any Qt call)

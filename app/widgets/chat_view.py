@@ -8,11 +8,18 @@ before is rendered once and kept ("settled"), only the tail after it is re-rende
 
 from __future__ import annotations
 
-import html
 import time
 
 from PySide6.QtCore import QTimer
-from PySide6.QtGui import QColor, QFont, QTextBlockFormat, QTextCharFormat, QTextCursor, QTextFormat
+from PySide6.QtGui import (
+    QColor,
+    QFont,
+    QTextBlock,
+    QTextBlockFormat,
+    QTextCharFormat,
+    QTextCursor,
+    QTextFormat,
+)
 from PySide6.QtWidgets import QTextBrowser, QWidget
 
 from app.models.chat_model import ChatHistory, Message
@@ -79,14 +86,23 @@ class ChatView(QTextBrowser):
 
     def _append_message(self, m: Message) -> None:
         cursor = self._end_cursor()
-        if not self.document().isEmpty():
-            cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
+        head = QTextBlockFormat()
+        if self.document().isEmpty():
+            cursor.setBlockFormat(head)
+        else:
+            head.setTopMargin(16)
+            cursor.insertBlock(head, QTextCharFormat())
         who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(m.role, m.role)
-        colour = self.theme.terms["weights"] if m.role == "user" else self.theme.verdict["fits"]
-        cursor.insertHtml(f"<p style='margin-top:10px'><b style='color:{colour}'>{who}</b></p>")
-        cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
+        name = QTextCharFormat()
+        name.setFontWeight(QFont.Weight.Bold)
+        name.setForeground(QColor(self.theme.terms["weights"] if m.role == "user"
+                                  else self.theme.verdict["fits"]))
+        cursor.insertText(who, name)
+        body = QTextBlockFormat()
+        body.setTopMargin(4)
+        cursor.insertBlock(body, QTextCharFormat())
         if m.role == "user":
-            cursor.insertHtml(html.escape(m.content).replace("\n", "<br>"))
+            cursor.insertText(m.content)
             return
         self._tail_pos = cursor.position()
         self._settled = 0
@@ -124,6 +140,8 @@ class ChatView(QTextBrowser):
         if cut > self._settled:
             self._insert_markdown(content[self._settled:cut])
             self._settled = cut
+            if not final:  # what streams next starts a block of its own, in plain format
+                self._end_cursor().insertBlock(QTextBlockFormat(), QTextCharFormat())
             self._tail_pos = self._end_cursor().position()
         if cut < len(content):
             self._insert_markdown(content[cut:])
@@ -148,7 +166,7 @@ class ChatView(QTextBrowser):
         char.setFontFamilies(["DejaVu Sans Mono", "Menlo", "Consolas", "monospace"])
         char.setFontStyleHint(QFont.StyleHint.Monospace)
         while block.isValid() and block.position() <= end:
-            if block.blockFormat().hasProperty(QTextFormat.Property.BlockCodeFence):
+            if _is_code(block):
                 c = QTextCursor(block)
                 c.mergeBlockFormat(fmt)
                 c.select(QTextCursor.SelectionType.BlockUnderCursor)
@@ -159,3 +177,20 @@ class ChatView(QTextBrowser):
         cursor = QTextCursor(self.document())
         cursor.movePosition(QTextCursor.MoveOperation.End)
         return cursor
+
+
+def _is_code(block: QTextBlock) -> bool:
+    """A fenced code line. Qt marks those with BlockCodeFence, except the first line of an
+    insertMarkdown() that lands in an existing block: that one only keeps the monospace
+    character format of its text, so accept a block whose every fragment is monospace."""
+    if block.blockFormat().hasProperty(QTextFormat.Property.BlockCodeFence):
+        return True
+    it = block.begin()
+    seen = False
+    while not it.atEnd():
+        families = it.fragment().charFormat().fontFamilies() or []
+        if "monospace" not in families:
+            return False
+        seen = True
+        it += 1
+    return seen

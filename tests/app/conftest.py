@@ -23,4 +23,4 @@ def gpu(index: int, free_mib: int, total_mib: int = 24576, name: str = "Test GPU
                       simulated=True)
 
 
-import app.signal_refcount  # noqa: F401  (PySide6 6.12.0 emit bug: before any test emits)
+import app.pyside_refcount  # noqa: F401  (PySide6 6.12.0 refcount bug: before any Qt call)

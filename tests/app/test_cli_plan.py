@@ -18,11 +18,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`python -m app plan ...` in a child process, asserting torch never got imported."""
-    code = ("import sys; from app.__main__ import main; rc = main(sys.argv[1:]); "
-            "assert 'torch' not in sys.modules, 'torch imported'; "
-            "assert not any(m.startswith('PySide6') for m in sys.modules), 'Qt imported'; sys.exit(rc)")
-    return subprocess.run([sys.executable, "-c", code, "plan", *args], check=False, cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **(env or {})})
+    code = (
+        "import sys; from app.__main__ import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert not any(m.startswith('PySide6') for m in sys.modules), 'Qt imported'; sys.exit(rc)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, "plan", *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture
@@ -35,8 +44,19 @@ def test_table_for_a_simulated_rig(tiny: str) -> None:
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "split 0,2,4" in out and "layers" in out
-    for label in ("weights", "globals", "KV cache", "buffers", "dequant cache", "overhead", "rounding",
-                  "total", "free (idle card)", "headroom", "verdict"):
+    for label in (
+        "weights",
+        "globals",
+        "KV cache",
+        "buffers",
+        "dequant cache",
+        "overhead",
+        "rounding",
+        "total",
+        "free (idle card)",
+        "headroom",
+        "verdict",
+    ):
         assert f"\n{label} " in out, label
     assert out.count("GPU 0") == 1 and "GPU 1" in out and out.rstrip().endswith("fits")
     assert "torch" not in r.stderr
@@ -44,7 +64,9 @@ def test_table_for_a_simulated_rig(tiny: str) -> None:
 
 def test_no_gpu_here_plans_for_the_cpu_and_says_so(tiny: str) -> None:
     # this machine has no NVIDIA driver; hide any the test machine might have
-    r = run(tiny, "--ctx", "512", env={"LD_LIBRARY_PATH": "/nonexistent", "CUDA_VISIBLE_DEVICES": ""})
+    r = run(
+        tiny, "--ctx", "512", env={"LD_LIBRARY_PATH": "/nonexistent", "CUDA_VISIBLE_DEVICES": ""}
+    )
     if "no NVIDIA GPU found" not in r.stdout:
         pytest.skip("this machine has an NVIDIA driver")
     assert r.returncode == 0, r.stderr
@@ -55,7 +77,10 @@ def test_json_is_the_layout(tiny: str) -> None:
     r = run(tiny, "--gpus", "rtx4090,a6000", "--ctx", "512", "--json", "--arena", "per-tensor")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
-    assert [d["device"]["name"] for d in data["devices"]] == ["NVIDIA GeForce RTX 4090", "NVIDIA RTX A6000"]
+    assert [d["device"]["name"] for d in data["devices"]] == [
+        "NVIDIA GeForce RTX 4090",
+        "NVIDIA RTX A6000",
+    ]
     assert data["plan"]["split"][-1] == 4 and data["plan"]["arena"] == "per-tensor"
     spans = [s for d in data["devices"] for a in d["arenas"] for s in a["spans"]]
     assert any(s[0] == "blk.0.attn_q.weight" for s in spans)
@@ -91,8 +116,9 @@ def test_does_not_fit_exits_1_with_advice(tiny: str) -> None:
         (["--bogus"], "unrecognized"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(tiny: str, args: list[str], needle: str,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_one_line_and_exit_2(
+    tiny: str, args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc = main(["plan", tiny, *args])
     err = capsys.readouterr().err
     assert rc == 2
