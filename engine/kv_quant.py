@@ -74,6 +74,9 @@ def dequantize_q8_0(
             f"got {raw.numel()} {raw.dtype}"
         )
     b = raw.reshape(-1, BLOCK_BYTES)  # [n_blocks, 34]
-    d = b[:, :2].contiguous().view(torch.float16).to(torch.float32)
-    vals = b[:, 2:].view(torch.int8).to(torch.float32) * d
+    d = b[:, :2]
+    if d.storage_offset() % 2:  # bytes at an odd address cannot be viewed as f16
+        d = d.contiguous()
+    # one mixed-dtype op: int8 quants times float32 d, the product ggml computes
+    vals = torch.mul(b[:, 2:].view(torch.int8), d.view(torch.float16).to(torch.float32))
     return vals.view(shape).to(dtype)

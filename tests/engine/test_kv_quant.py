@@ -81,3 +81,12 @@ def test_bad_shapes() -> None:
         quantize_q8_0(torch.zeros(3, 48))
     with pytest.raises(ValueError, match="68 uint8 bytes"):
         dequantize_q8_0(torch.zeros(67, dtype=torch.uint8), (64,))
+
+
+def test_reads_cells_gathered_at_any_offset() -> None:
+    x = _values((5, 64), 13)
+    raw = quantize_q8_0(x).reshape(-1)
+    buf = torch.zeros(raw.numel() + 1, dtype=torch.uint8)
+    buf[1:] = raw  # an odd address: d cannot be viewed in place
+    want = gguf.quants.dequantize(raw.numpy(), Q8_0).reshape(5, 64)
+    assert np.array_equal(dequantize_q8_0(buf[1:], (5, 64)).numpy(), want), f"seed {SEED}"
