@@ -2,8 +2,9 @@
 
 Speed and memory do not depend on weight values, so a 7B/32B/70B-shaped file of random blocks
 is as good as a real one for GPU work, and it is written at disk speed: tensor data streams
-from a small per-type pool of random blocks whose scale fields were set to small finite f16
-values (random bytes there could be inf/NaN and poison every benchmark).
+from a small per-type pool of random blocks whose scale fields were set explicitly (random
+bytes there could be inf/NaN and poison every benchmark), sized so every type's weights have
+an RMS of about 0.02 like trained matrices.
 
     python -m engine.synth --shape qwen2-7b --mix q4_k_m -o FILE [--split N]
 """
@@ -28,9 +29,10 @@ __all__ = ["MIXES", "SHAPES", "Shape", "main", "tensor_types", "write_model"]
 MIXES = ("q4_k_m", *sorted(BY_NAME))
 
 # llama.cpp's fallback when a row length is not a multiple of 256 (llama_tensor_get_type):
-# K and IQ types that cannot tile the row are replaced by a 32-block type of similar size.
+# K, IQ and TQ types that cannot tile the row become a 32-block type of similar size.
+# (Q8_K is no storage type in llama.cpp; Q8_0 is our choice for it.)
 _FALLBACK = {10: 20, 11: 20, 12: 6, 13: 7, 14: 8, 16: 20, 17: 20, 18: 20, 19: 20,
-             21: 20, 22: 20, 23: 20, 29: 20, 34: 8, 35: 8, 15: 8}
+             21: 20, 22: 20, 23: 20, 29: 20, 34: 2, 35: 2, 15: 8}
 
 
 def _use_more_bits(i: int, n: int) -> bool:
