@@ -170,6 +170,8 @@ def test_wrong_byte_count_and_partial_blocks_are_errors() -> None:
         dequantize(torch.zeros(144, dtype=torch.uint8), qt.Q4_K, (128, 2))
 
 
+@pytest.mark.demo
+@pytest.mark.slow  # GGUFReader parses the 151,936-token vocabulary: ~9 s here
 def test_demo_model_tensors_match_gguf_reader(demo_model_path) -> None:
     """Real tensors of each type in the demo model, through gguf's own reader and dequantizer."""
     reader = gguf.GGUFReader(demo_model_path)
