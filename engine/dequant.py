@@ -343,8 +343,8 @@ def dequantize_to(
 
     Values are computed in float32 exactly as ``gguf.quants.dequantize`` does, then rounded once to
     ``dtype``. With ``out`` (contiguous, ``dtype``, that shape, e.g. a span of a dequant-cache
-    arena) the result is written there and nothing of output size is allocated. For F32 without
-    ``out`` the result may share memory with ``raw``.
+    arena) the result is written there and nothing of output size is allocated. The result
+    never shares memory with ``raw``.
     """
     raw = _as_bytes(raw)
     tshape = _check(raw, ggml_type, shape)
@@ -359,8 +359,7 @@ def dequantize_to(
     if view is not None:
         src = raw.view(view).view(tshape)
         if out is None:
-            if src.dtype == dtype:
-                return src
+            # never a view: raw is often a read-only mmap that the caller will close
             out = torch.empty(tshape, dtype=dtype, device=raw.device)
         with _serial_torch():
             return out.copy_(src)
