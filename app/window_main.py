@@ -53,7 +53,7 @@ def _group(title: str, *widgets: QWidget, stretch_last: bool = False) -> QGroupB
 class MainWindow(QMainWindow):
     def __init__(self, theme: Theme, store: PresetStore | None = None,
                  engine_program: list[str] | None = None, live_poll: bool = True,
-                 remember: bool = True) -> None:
+                 remember: bool = True, lazy_plots: bool = False) -> None:
         super().__init__()
         # Widgets import pyqtgraph; importing them here (not at module top) keeps `carve --help`
         # and the CLIs from paying for it.
@@ -64,8 +64,6 @@ class MainWindow(QMainWindow):
         from app.widgets.model_panel import ModelPanel
         from app.widgets.presets_box import PresetsBox
         from app.widgets.rig_picker import RigPicker
-        from app.widgets.split_editor import SplitEditor
-        from app.widgets.vram_bars import VramBars
 
         self.setWindowTitle("Carve")
         self.setAcceptDrops(True)
@@ -85,8 +83,7 @@ class MainWindow(QMainWindow):
         self.presets = PresetsBox(self.store, self.plan.settings)
         self.settings_panel = LaunchSettings(self.plan)
         self.rig_picker = RigPicker()
-        self.vram = VramBars(self.board, theme)
-        self.split_editor = SplitEditor(self.plan, theme)
+        self.vram = self.split_editor = None  # pyqtgraph views: see build_plots()
         self.fit = FitCheck(self.plan, theme)
         self.launch_bar = LaunchBar()
         self.chat = ChatPanel(self.history, self.client, theme)
@@ -111,8 +108,10 @@ class MainWindow(QMainWindow):
         plan_layout = QVBoxLayout(plan_tab)
         plan_layout.setContentsMargins(6, 10, 10, 6)
         plan_layout.setSpacing(10)
-        plan_layout.addWidget(_group("GPUs", self.rig_picker, self.vram), 3)
-        plan_layout.addWidget(_group("Layer split", self.split_editor))
+        self.gpu_box = _group("GPUs", self.rig_picker)
+        self.split_box = _group("Layer split")
+        plan_layout.addWidget(self.gpu_box, 3)
+        plan_layout.addWidget(self.split_box)
         plan_layout.addWidget(_group("Fit check", self.fit))
         plan_scroll = QScrollArea()  # 8 GPUs on a small screen: scroll rather than squash
         plan_scroll.setWidget(plan_tab)
@@ -157,6 +156,21 @@ class MainWindow(QMainWindow):
         self.client.crashed.connect(self._on_crashed)
         self.client.note.connect(self.launch_bar.show_message)
         self.resize(1280, 800)
+        if not lazy_plots:
+            self.build_plots()
+
+    def build_plots(self) -> None:
+        """Create the pyqtgraph views. Importing pyqtgraph takes ~0.7 s, so `carve` shows the
+        window first and calls this right after; they mirror the models, so nothing is lost."""
+        if self.vram is not None:
+            return
+        from app.widgets.split_editor import SplitEditor
+        from app.widgets.vram_bars import VramBars
+
+        self.vram = VramBars(self.board, self.theme)
+        self.split_editor = SplitEditor(self.plan, self.theme)
+        self.gpu_box.layout().addWidget(self.vram)
+        self.split_box.layout().addWidget(self.split_editor)
 
     # -- devices -----------------------------------------------------------------------------
     def set_rig(self, rig: str) -> None:
@@ -330,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     theme = THEMES[args.theme or os.environ.get("CARVE_THEME", "light")]
     app.setStyle("Fusion")
     app.setStyleSheet(style_sheet(theme))
-    window = MainWindow(theme, live_poll=not args.snapshot, remember=not args.snapshot)
+    window = MainWindow(theme, live_poll=not args.snapshot, remember=not args.snapshot,
+                        lazy_plots=not args.snapshot)
     if args.snapshot:
         w, _, h = args.size.partition("x")
         window.resize(int(w), int(h))
@@ -352,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if spawned:
         app.processEvents()
         print(f"shown {time.time() - float(spawned):.3f}", flush=True)
+    QTimer.singleShot(0, window.build_plots)
     QTimer.singleShot(0, lambda: window.restore(args.model, args.gpus))
     if spawned:
         QTimer.singleShot(0, lambda: (print(f"planned {time.time() - float(spawned):.3f}",

@@ -26,6 +26,8 @@ from app.models.chat_model import ChatHistory, Message
 from app.theme import Theme
 
 FRAME_MS = 33
+TAIL_MARKDOWN_EVERY = 6  # frames (~200 ms) between Markdown re-renders of the unsettled tail
+TAIL_MARKDOWN_MAX = 2000  # chars; a longer unsettled tail stays plain text until it settles
 
 
 def settle_point(text: str, start: int) -> int:
@@ -50,6 +52,9 @@ class ChatView(QTextBrowser):
         self._settled = 0  # chars of the streaming reply rendered for good
         self._tail_pos = 0  # document position where the re-rendered tail begins
         self._dirty = False
+        self._frames = 0
+        self._shown = 0  # chars of the streaming reply in the document
+        self._tail_styled = False
         self.render_ms_max = 0.0  # slowest frame render, for the streaming-stall figure
         self._frame = QTimer(self)
         self._frame.setInterval(FRAME_MS)
@@ -105,7 +110,8 @@ class ChatView(QTextBrowser):
             cursor.insertText(m.content)
             return
         self._tail_pos = cursor.position()
-        self._settled = 0
+        self._settled = self._shown = 0
+        self._tail_styled = False
         if self.history.streaming and m is self.history.messages[-1]:
             self._frame.start()
         self._render_tail(m.content, final=not self.history.streaming)
@@ -126,28 +132,48 @@ class ChatView(QTextBrowser):
         if not self._dirty or not self.history.messages:
             return
         self._dirty = False
+        self._frames += 1
         self._render_tail(self.history.messages[-1].content, final=False)
 
     # -- rendering ---------------------------------------------------------------------------
     def _render_tail(self, content: str, final: bool) -> None:
+        """Show ``content`` (the reply so far). Settled paragraphs are rendered as Markdown
+        once; the unsettled tail is appended as plain text each frame (cheap) and re-rendered
+        as Markdown every few frames while it is short, so one frame never costs more than a
+        short tail's parse, however long the reply grows."""
         start = time.perf_counter()
         bar = self.verticalScrollBar()
         at_bottom = bar.value() >= bar.maximum() - 4
-        cursor = self._end_cursor()
-        cursor.setPosition(self._tail_pos, QTextCursor.MoveMode.KeepAnchor)
-        cursor.removeSelectedText()
         cut = len(content) if final else settle_point(content, self._settled)
-        if cut > self._settled:
-            self._insert_markdown(content[self._settled:cut])
-            self._settled = cut
-            if not final:  # what streams next starts a block of its own, in plain format
-                self._end_cursor().insertBlock(QTextBlockFormat(), QTextCharFormat())
-            self._tail_pos = self._end_cursor().position()
-        if cut < len(content):
-            self._insert_markdown(content[cut:])
+        tail = content[cut:]
+        restyle = final or cut > self._settled or (
+            self._frames % TAIL_MARKDOWN_EVERY == 0 and len(tail) <= TAIL_MARKDOWN_MAX)
+        if restyle:
+            self._clear_tail()
+            if cut > self._settled:
+                self._insert_markdown(content[self._settled:cut])
+                self._settled = cut
+                if not final:  # what streams next starts a block of its own, in plain format
+                    self._end_cursor().insertBlock(QTextBlockFormat(), QTextCharFormat())
+                self._tail_pos = self._end_cursor().position()
+            if tail:
+                self._insert_markdown(tail)
+        else:
+            shown = self._shown - self._settled if self._shown >= self._settled else 0
+            if self._tail_styled:  # the tail is Markdown now: start it again as plain text
+                self._clear_tail()
+                shown = 0
+            self._end_cursor().insertText(tail[shown:], QTextCharFormat())
+        self._tail_styled = restyle
+        self._shown = len(content)
         if at_bottom:
             bar.setValue(bar.maximum())
         self.render_ms_max = max(self.render_ms_max, (time.perf_counter() - start) * 1e3)
+
+    def _clear_tail(self) -> None:
+        cursor = self._end_cursor()
+        cursor.setPosition(self._tail_pos, QTextCursor.MoveMode.KeepAnchor)
+        cursor.removeSelectedText()
 
     def _insert_markdown(self, text: str) -> None:
         cursor = self._end_cursor()
