@@ -26,7 +26,7 @@ MIB = 1 << 20
 DEFAULT_PARTS = {"cuda_context": 620 * MIB, "cublas_workspace": 32 * MIB, "cuda_graphs": 72 * MIB}
 DEFAULT_OVERHEAD = sum(DEFAULT_PARTS.values())
 
-_cache: dict[str, Any] = {"path": None, "mtime": None, "records": []}
+_cache: dict[str, Any] = {"path": None, "mtime": None, "records": [], "base": None, "checked": 0.0}
 
 
 def path() -> Path:
@@ -44,20 +44,33 @@ def torch_version() -> str:
 
 
 def _records() -> list[dict[str, Any]]:
+    # Pricing asks per stage, thousands of times in a split search: look at the file at most
+    # once a second (and whenever the config dir changes), not on every call.
+    base = os.environ.get("XDG_CONFIG_HOME", "")
+    now = time.monotonic()
+    if _cache["base"] == base and now - _cache["checked"] < 1.0:
+        return _cache["records"]
     p = path()
     try:
         mtime = p.stat().st_mtime_ns
     except OSError:
-        return []
-    if _cache["path"] != p or _cache["mtime"] != mtime:
+        mtime = None
+    if mtime is None:
+        recs: list[dict[str, Any]] = []
+    elif _cache["path"] == p and _cache["mtime"] == mtime:
+        recs = _cache["records"]
+    else:
         try:
             data = json.loads(p.read_text())
-            recs = [r for r in data.get("records", []) if isinstance(r, dict)
-                    and isinstance(r.get("overhead"), int) and r["overhead"] >= 0]
+            recs = [
+                r
+                for r in data.get("records", [])
+                if isinstance(r, dict) and isinstance(r.get("overhead"), int) and r["overhead"] >= 0
+            ]
         except (OSError, ValueError, AttributeError):
             recs = []  # a damaged file means "not calibrated", never a failed plan
-        _cache.update(path=p, mtime=mtime, records=recs)
-    return _cache["records"]
+    _cache.update(path=p, mtime=mtime, records=recs, base=base, checked=now)
+    return recs
 
 
 def overhead_for(device: DeviceSpec) -> tuple[int, str]:
@@ -80,13 +93,28 @@ def overhead_for(device: DeviceSpec) -> tuple[int, str]:
     return best["overhead"], f"calibrated {best.get('measured', '')} (driver {best.get('driver')})"
 
 
-def remember(gpu: str, driver: str, torch: str, overhead: int, parts: dict[str, int] | None = None) -> None:
+def remember(
+    gpu: str, driver: str, torch: str, overhead: int, parts: dict[str, int] | None = None
+) -> None:
     """Store a measured overhead; replaces the record for the same (gpu, driver, torch)."""
     p = path()
-    recs = [r for r in _records() if (r.get("gpu"), r.get("driver"), r.get("torch")) != (gpu, driver, torch)]
-    recs.append({"gpu": gpu, "driver": driver, "torch": torch, "overhead": int(overhead),
-                 "parts": parts or {}, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    recs = [
+        r
+        for r in _records()
+        if (r.get("gpu"), r.get("driver"), r.get("torch")) != (gpu, driver, torch)
+    ]
+    recs.append(
+        {
+            "gpu": gpu,
+            "driver": driver,
+            "torch": torch,
+            "overhead": int(overhead),
+            "parts": parts or {},
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    )
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".tmp")
     tmp.write_text(json.dumps({"records": recs}, indent=1))
     tmp.replace(p)  # atomic: a reader never sees half a file
+    _cache["base"] = None  # read it again on the next price

@@ -40,7 +40,18 @@ TIGHT = 512 * MIB  # headroom below this is "tight": a desktop, a second process
 # graph pool can take that much; 5 % of an 80 GB card (4 GB) would call good plans tight.
 NOT_QUANTIZED = {0: "f32", 1: "f16", 30: "bf16"}  # ggml ids whose data is already a float dtype
 # relative cost of dequantizing one element, by ggml id: what a dequant-cache byte saves
-_DEQUANT_COST = {2: 1.0, 3: 1.0, 6: 1.2, 7: 1.2, 8: 0.8, 10: 1.6, 11: 1.7, 12: 1.5, 13: 1.6, 14: 1.6}
+_DEQUANT_COST = {
+    2: 1.0,
+    3: 1.0,
+    6: 1.2,
+    7: 1.2,
+    8: 0.8,
+    10: 1.6,
+    11: 1.7,
+    12: 1.5,
+    13: 1.6,
+    14: 1.6,
+}
 ROLE_GLOBALS_FIRST = ("token_embd.weight",)
 ROLE_GLOBALS_LAST = ("output_norm.weight", "output.weight")
 
@@ -105,14 +116,25 @@ def model_index(model: Any) -> ModelIndex:
         else:
             raise CarveError(f"{model.paths[0]}: tensor {t.name} is outside the model's {n} layers")
     first = [t for name, t in by_name.items() if name in ROLE_GLOBALS_FIRST]
-    shared = [t for name, t in by_name.items() if name not in ROLE_GLOBALS_FIRST + ROLE_GLOBALS_LAST]
+    shared = [
+        t for name, t in by_name.items() if name not in ROLE_GLOBALS_FIRST + ROLE_GLOBALS_LAST
+    ]
     last = [by_name[name] for name in ROLE_GLOBALS_LAST if name in by_name]
     if "output.weight" not in by_name and "token_embd.weight" in by_name:
         last.append(by_name["token_embd.weight"])  # tied: the last stage keeps its own copy
     cacheable = sorted(
-        ((i, t, t.n_elements * 2) for i, ts in enumerate(per) for t in ts
-         if len(t.shape) >= 2 and t.ggml_type not in NOT_QUANTIZED),
-        key=lambda it: (-_DEQUANT_COST.get(it[1].ggml_type, 2.0), -it[1].n_elements, it[0], it[1].name),
+        (
+            (i, t, t.n_elements * 2)
+            for i, ts in enumerate(per)
+            for t in ts
+            if len(t.shape) >= 2 and t.ggml_type not in NOT_QUANTIZED
+        ),
+        key=lambda it: (
+            -_DEQUANT_COST.get(it[1].ggml_type, 2.0),
+            -it[1].n_elements,
+            it[0],
+            it[1].name,
+        ),
     )
     per_cache = [0] * n
     per_cache_al = [0] * n
@@ -124,15 +146,25 @@ def model_index(model: Any) -> ModelIndex:
         mats = [[t for t in ts if len(t.shape) >= 2 and t.ggml_type != act] for ts in per]
         gemm_max[act, "all"] = tuple(max((t.n_elements for t in m), default=0) for m in mats)
         gemm_max[act, "uncacheable"] = tuple(
-            max((t.n_elements for t in m if t.ggml_type in NOT_QUANTIZED), default=0) for m in mats)
+            max((t.n_elements for t in m if t.ggml_type in NOT_QUANTIZED), default=0) for m in mats
+        )
     idx = ModelIndex(
-        next(_TOKENS), model, hp, n, tuple(tuple(ts) for ts in per),
+        next(_TOKENS),
+        model,
+        hp,
+        n,
+        tuple(tuple(ts) for ts in per),
         tuple(tuple(_request(t) for t in ts) for ts in per),
         tuple(tuple(t.nbytes for t in ts) for ts in per),
         _prefix([sum(align_up(t.nbytes) for t in ts) for ts in per]),
         _prefix([sum(t.nbytes for t in ts) for ts in per]),
-        tuple(first), tuple(last), tuple(shared), tuple(cacheable),
-        _prefix(per_cache), _prefix(per_cache_al), gemm_max,
+        tuple(first),
+        tuple(last),
+        tuple(shared),
+        tuple(cacheable),
+        _prefix(per_cache),
+        _prefix(per_cache_al),
+        gemm_max,
     )
     _INDEX[id(model)] = idx
     while len(_INDEX) > 8:
@@ -169,7 +201,9 @@ def kv_requests(hp: Any, lo: int, hi: int, ctx: int, kv_type: str) -> list[Reque
         else:  # q8_0: each cell's row of n_head_kv*head_dim values in 34-byte blocks of 32
             for part, width in (("k", kvh * hd), ("v", kvh * hdv)):
                 if width % 32:
-                    raise CarveError(f"--kv q8_0: a KV row of {width} values is not a multiple of 32; use --kv f16")
+                    raise CarveError(
+                        f"--kv q8_0: a KV row of {width} values is not a multiple of 32; use --kv f16"
+                    )
                 nb = cells * width // 32 * 34
                 out.append((f"kv.{layer}.{part}", nb, "uint8", (nb,)))
     return out
@@ -196,10 +230,18 @@ _STAGES: OrderedDict[tuple[int, StageKey], DeviceLayout] = OrderedDict()
 
 def _stage_key(plan: Plan, i: int, **over: Any) -> StageKey:
     kw: dict[str, Any] = {
-        "lo": plan.split[i], "hi": plan.split[i + 1], "first": i == 0,
-        "last": i == len(plan.devices) - 1, "device": plan.devices[i], "ctx": plan.ctx,
-        "kv_type": plan.kv_type, "chunk": plan.prefill_chunk, "cache_reserve": plan.cache_reserve,
-        "arena": plan.arena, "act_dtype": plan.act_dtype, "logits_rows": plan.logits_rows,
+        "lo": plan.split[i],
+        "hi": plan.split[i + 1],
+        "first": i == 0,
+        "last": i == len(plan.devices) - 1,
+        "device": plan.devices[i],
+        "ctx": plan.ctx,
+        "kv_type": plan.kv_type,
+        "chunk": plan.prefill_chunk,
+        "cache_reserve": plan.cache_reserve,
+        "arena": plan.arena,
+        "act_dtype": plan.act_dtype,
+        "logits_rows": plan.logits_rows,
     }
     kw.update(over)
     return StageKey(**kw)
@@ -213,7 +255,7 @@ def _scratch(idx: ModelIndex, k: StageKey, which: str = "all", skipped: int = 0)
     (-> buf.dequant): of every matrix ("all"), or of those outside the dequant cache
     ("uncacheable" plus `skipped`, the largest cacheable one the cache left out)."""
     act = _ACT_TYPE[k.act_dtype]
-    best = max(max(idx.gemm_max[act, which][k.lo:k.hi], default=0), skipped)
+    best = max(max(idx.gemm_max[act, which][k.lo : k.hi], default=0), skipped)
     if k.last and k.logits_rows > 1:  # logits for every row: the output matrix runs as a GEMM
         for t in idx.last_globals:
             if len(t.shape) >= 2 and t.ggml_type != act:
@@ -233,34 +275,67 @@ def _memo(key: tuple[Any, ...], make: Any) -> Any:
     return v
 
 
-def _kv_table(idx: ModelIndex, ctx: int, kv_type: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]:
+def _kv_table(
+    idx: ModelIndex, ctx: int, kv_type: str
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]:
     """(raw prefix, aligned prefix, per-layer span sizes) of the KV cache at this ctx."""
+
     def make() -> Any:
-        sizes = [tuple(r[1] for r in kv_requests(idx.hp, i, i + 1, ctx, kv_type)) for i in range(idx.n_layer)]
-        return (_prefix([sum(s) for s in sizes]), _prefix([sum(align_up(n) for n in s) for s in sizes]),
-                tuple(sizes))
+        sizes = [
+            tuple(r[1] for r in kv_requests(idx.hp, i, i + 1, ctx, kv_type))
+            for i in range(idx.n_layer)
+        ]
+        return (
+            _prefix([sum(s) for s in sizes]),
+            _prefix([sum(align_up(n) for n in s) for s in sizes]),
+            tuple(sizes),
+        )
+
     return _memo((idx.token, "kv", ctx, kv_type), make)
 
 
 def _buffer_specs(idx: ModelIndex, k: StageKey, scratch: int) -> list[Any]:
     rows = k.logits_rows if k.last else 0
-    return _memo((idx.token, "buf", k.chunk, k.act_dtype, rows, scratch),
-                 lambda: activation_buffers(idx.hp, k.chunk, k.act_dtype, rows, scratch))
+    return _memo(
+        (idx.token, "buf", k.chunk, k.act_dtype, rows, scratch),
+        lambda: activation_buffers(idx.hp, k.chunk, k.act_dtype, rows, scratch),
+    )
 
 
-def _sizes(idx: ModelIndex, k: StageKey, mode: ArenaMode, scratch: int,
-           dq: list[int] | int) -> tuple[list[int], dict[str, int]]:
+def _buffer_sizes(idx: ModelIndex, k: StageKey, scratch: int) -> list[int]:
+    rows = k.logits_rows if k.last else 0
+    return _memo(
+        (idx.token, "bufsize", k.chunk, k.act_dtype, rows, scratch),
+        lambda: [b.nbytes for b in _buffer_specs(idx, k, scratch)],
+    )
+
+
+def _sizes(
+    idx: ModelIndex, k: StageKey, mode: ArenaMode, scratch: int, dq: list[int] | int
+) -> tuple[list[int], dict[str, int]]:
     """(allocation sizes in engine order, requested bytes per purpose) without building spans.
     `dq`: the dequant cache's span sizes, or (packed only) their aligned total."""
-    glob = _memo((idx.token, "glob", k.first, k.last), lambda: [t.nbytes for t in _globals(idx, k.first, k.last)])
+    glob = _memo(
+        (idx.token, "glob", k.first, k.last),
+        lambda: [t.nbytes for t in _globals(idx, k.first, k.last)],
+    )
     kv_raw, kv_al, kv_sizes = _kv_table(idx, k.ctx, k.kv_type)
-    bufs = [b.nbytes for b in _buffer_specs(idx, k, scratch)]
-    terms = {"weights": idx.layer_raw_prefix[k.hi] - idx.layer_raw_prefix[k.lo], "globals": sum(glob),
-             "kv": kv_raw[k.hi] - kv_raw[k.lo], "buffers": sum(bufs)}
+    bufs = _buffer_sizes(idx, k, scratch)
+    terms = {
+        "weights": idx.layer_raw_prefix[k.hi] - idx.layer_raw_prefix[k.lo],
+        "globals": sum(glob),
+        "kv": kv_raw[k.hi] - kv_raw[k.lo],
+        "buffers": sum(bufs),
+    }
     if mode.kind == "packed":
         dq_al = dq if isinstance(dq, int) else sum(align_up(n) for n in dq)
-        allocs = [idx.layer_prefix[k.hi] - idx.layer_prefix[k.lo], sum(align_up(n) for n in glob),
-                  kv_al[k.hi] - kv_al[k.lo], sum(align_up(n) for n in bufs), dq_al]
+        allocs = [
+            idx.layer_prefix[k.hi] - idx.layer_prefix[k.lo],
+            sum(align_up(n) for n in glob),
+            kv_al[k.hi] - kv_al[k.lo],
+            sum(align_up(n) for n in bufs),
+            dq_al,
+        ]
         return [a for a in allocs if a], terms
     assert isinstance(dq, list)
     allocs = allocation_sizes(mode, [n for i in range(k.lo, k.hi) for n in idx.layer_sizes[i]])
@@ -270,15 +345,27 @@ def _sizes(idx: ModelIndex, k: StageKey, mode: ArenaMode, scratch: int,
     return allocs + allocation_sizes(mode, dq), terms
 
 
-def _arenas(idx: ModelIndex, k: StageKey, mode: ArenaMode, scratch: int, chosen: list[Any]) -> list[Arena]:
+def _arenas(
+    idx: ModelIndex, k: StageKey, mode: ArenaMode, scratch: int, chosen: list[Any]
+) -> list[Arena]:
     """The stage's arenas with every span, in allocation order (what `_sizes` counted)."""
     dq_dtype = "bf16" if k.act_dtype == "bf16" else "f16"
-    out = arrange(mode, "weights", "weights", [r for i in range(k.lo, k.hi) for r in idx.layer_requests[i]])
-    out += arrange(mode, "globals", "globals", [_request(t) for t in _globals(idx, k.first, k.last)])
+    out = arrange(
+        mode, "weights", "weights", [r for i in range(k.lo, k.hi) for r in idx.layer_requests[i]]
+    )
+    out += arrange(
+        mode, "globals", "globals", [_request(t) for t in _globals(idx, k.first, k.last)]
+    )
     out += arrange(mode, "kv", "kv", kv_requests(idx.hp, k.lo, k.hi, k.ctx, k.kv_type))
-    out += arrange(mode, "buffers", "buffers",
-                   [(f"buf.{b.name}", b.nbytes, b.dtype, b.shape) for b in _buffer_specs(idx, k, scratch)])
-    return out + arrange(mode, "dequant_cache", "dequant_cache", [_dq_request(t, dq_dtype) for t in chosen])
+    out += arrange(
+        mode,
+        "buffers",
+        "buffers",
+        [(f"buf.{b.name}", b.nbytes, b.dtype, b.shape) for b in _buffer_specs(idx, k, scratch)],
+    )
+    return out + arrange(
+        mode, "dequant_cache", "dequant_cache", [_dq_request(t, dq_dtype) for t in chosen]
+    )
 
 
 def _dq_request(t: Any, dtype: str) -> Request:
@@ -329,8 +416,11 @@ def price_stage(idx: ModelIndex, k: StageKey) -> DeviceLayout:
             break
         dropped = chosen.pop()
         skipped = max(skipped, dropped.n_elements)
-    terms["dequant_cache"] = (idx.cache_prefix[k.hi] - idx.cache_prefix[k.lo]) if chosen is None \
+    terms["dequant_cache"] = (
+        (idx.cache_prefix[k.hi] - idx.cache_prefix[k.lo])
+        if chosen is None
         else sum(t.n_elements * 2 for t in chosen)
+    )
     terms["overhead"] = overhead
     terms["rounding"] = allocated - sum(terms[p] for p in PURPOSES)
     total = allocated + overhead
@@ -339,10 +429,24 @@ def price_stage(idx: ModelIndex, k: StageKey) -> DeviceLayout:
     final = chosen
 
     def build() -> list[Arena]:
-        return _arenas(idx, k, mode, scratch, [c[1] for c in _in_range(idx, k)] if final is None else final)
+        return _arenas(
+            idx, k, mode, scratch, [c[1] for c in _in_range(idx, k)] if final is None else final
+        )
 
-    out = DeviceLayout(dev, (k.lo, k.hi), k.first, k.last, LazyArenas(build), terms, allocated,
-                       total, headroom, verdict, "", source)
+    out = DeviceLayout(
+        dev,
+        (k.lo, k.hi),
+        k.first,
+        k.last,
+        LazyArenas(build),
+        terms,
+        allocated,
+        total,
+        headroom,
+        verdict,
+        "",
+        source,
+    )
     _STAGES[cache_key] = out
     while len(_STAGES) > 512:
         _STAGES.popitem(last=False)
@@ -370,7 +474,9 @@ def _check(plan: Plan, idx: ModelIndex) -> None:
         )
     limit = idx.hp.n_ctx_train
     if limit and plan.ctx > limit:
-        raise CarveError(f"--ctx: {plan.ctx} is above the {limit} tokens {name} was trained for; use --ctx {limit} or less")
+        raise CarveError(
+            f"--ctx: {plan.ctx} is above the {limit} tokens {name} was trained for; use --ctx {limit} or less"
+        )
 
 
 def open_model(path: str) -> Any:
@@ -394,8 +500,14 @@ def price(plan: Plan, model: Any = None) -> Layout:
 # this order: what the model and runtime impose first, the KV cache (sized by --ctx/--kv, the
 # knobs a user turns) last — so "KV cache does not fit" means a smaller context would help.
 _ORDER = ("overhead", "weights", "globals", "buffers", "rounding", "kv")
-_LABEL = {"overhead": "the runtime overhead", "weights": "weights", "globals": "globals",
-          "kv": "KV cache", "buffers": "activation buffers", "rounding": "arena rounding"}
+_LABEL = {
+    "overhead": "the runtime overhead",
+    "weights": "weights",
+    "globals": "globals",
+    "kv": "KV cache",
+    "buffers": "activation buffers",
+    "rounding": "arena rounding",
+}
 
 
 def advise(plan: Plan, idx: ModelIndex, stages: list[DeviceLayout]) -> list[DeviceLayout]:
@@ -419,7 +531,9 @@ def advise(plan: Plan, idx: ModelIndex, stages: list[DeviceLayout]) -> list[Devi
             lo_c, hi_c = 1, (k.ctx - 1) // 256  # in units of 256 tokens
             while lo_c < hi_c:
                 mid = (lo_c + hi_c + 1) // 2
-                lo_c, hi_c = (mid, hi_c) if fits(idx, replace(k, ctx=mid * 256)) else (lo_c, mid - 1)
+                lo_c, hi_c = (
+                    (mid, hi_c) if fits(idx, replace(k, ctx=mid * 256)) else (lo_c, mid - 1)
+                )
             tips.append(f"--ctx {lo_c * 256}")
         if k.kv_type == "f16" and fits(idx, replace(k, kv_type="q8_0")):
             tips.append("--kv q8_0")
@@ -428,8 +542,11 @@ def advise(plan: Plan, idx: ModelIndex, stages: list[DeviceLayout]) -> list[Devi
             tips.append(move)
         what = f"{_LABEL[term]} ({human(s.terms[term])})"
         advice = f"over by {human(-s.headroom)}: {what} does not fit in {human(avail)} free"
-        advice += "; fits with " + ", or ".join(tips) if tips else \
-            "; no single change fits it: add a GPU, use a smaller quant or a larger card"
+        advice += (
+            "; fits with " + ", or ".join(tips)
+            if tips
+            else "; no single change fits it: add a GPU, use a smaller quant or a larger card"
+        )
         out.append(replace(s, advice=advice))
     return out
 
@@ -443,12 +560,16 @@ def _boundary_move(plan: Plan, idx: ModelIndex, i: int) -> str:
             a = _stage_key(plan, i - 1, hi=lo + k)
             b = _stage_key(plan, i, lo=lo + k)
             if fits(idx, a) and fits(idx, b):
-                return (f"--split boundary {i} moved +{k} ({lo} -> {lo + k}: "
-                        f"{plan.devices[i - 1].label} takes {k} layer{'s' * (k > 1)})")
+                return (
+                    f"--split boundary {i} moved +{k} ({lo} -> {lo + k}: "
+                    f"{plan.devices[i - 1].label} takes {k} layer{'s' * (k > 1)})"
+                )
         if i < n - 1:  # the next device takes layers [hi - k, hi)
             a = _stage_key(plan, i, hi=hi - k)
             b = _stage_key(plan, i + 1, lo=hi - k)
             if fits(idx, a) and fits(idx, b):
-                return (f"--split boundary {i + 1} moved -{k} ({hi} -> {hi - k}: "
-                        f"{plan.devices[i + 1].label} takes {k} layer{'s' * (k > 1)})")
+                return (
+                    f"--split boundary {i + 1} moved -{k} ({hi} -> {hi - k}: "
+                    f"{plan.devices[i + 1].label} takes {k} layer{'s' * (k > 1)})"
+                )
     return ""

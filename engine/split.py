@@ -5,13 +5,19 @@ need is weights + globals + KV + buffers + overhead + arena rounding (`engine.pr
 exact for every arena mode). The dequant cache then takes what is left above the cache
 reserve, so maximising the smallest slack also spreads the cache.
 
-Search: binary search on the slack T; for a given T a greedy pass decides feasibility exactly
-(each device in turn takes the most layers it can hold with slack >= T, leaving one layer for
-every later device) — taking more layers early never hurts later devices, because a stage's
-need only shrinks when its range does. The devices that cannot go above the best T are pinned
-there and the search repeats for the rest (lexicographic max-min: every card gets as much
-headroom as the others allow). Remaining ties go to the larger total dequant cache between the
-front-first and back-first greedy splits.
+Search: binary search on the slack T. For a given T one pass over the devices decides
+feasibility exactly: the cuts each device can end at, given the cuts the previous one can end
+at; for an end, the latest reachable start is the best one, because a stage's need only
+shrinks when its range does. O(devices x layers) memoised slack lookups per T. The devices
+that cannot go above the best T are then pinned there and the search repeats for the rest
+(lexicographic max-min: every card gets as much headroom as the others allow). Remaining ties
+go to the larger total dequant cache among the front-heavy, back-heavy and memory-proportional
+splits.
+
+"A stage's need only shrinks with its range" holds whenever every arena is >= 10 MiB (real
+models). torch's allocator gives a 1-10 MiB arena a whole 20 MiB segment, so for toy-sized
+stages a smaller range can cost more; there the result can miss the best by a few segments,
+and still meets the slack it reports.
 
 prefer="spread": every device (if the model has fewer layers than devices, the smallest are
 left out). prefer="fewest": the fewest devices, largest first, whose best split leaves every
@@ -36,16 +42,28 @@ GRAIN = 1 << 20  # slack resolution of the search: 1 MiB
 
 def _settings(plan_kw: dict[str, Any]) -> dict[str, Any]:
     # defaults as in engine.plan.Plan
-    return {"ctx": plan_kw["ctx"], "kv_type": plan_kw.get("kv_type", "f16"),
-            "chunk": plan_kw.get("prefill_chunk", 512), "cache_reserve": plan_kw.get("cache_reserve", 1 << 30),
-            "arena": plan_kw.get("arena", "packed"), "act_dtype": plan_kw.get("act_dtype", "f32"),
-            "logits_rows": plan_kw.get("logits_rows", 1)}
+    return {
+        "ctx": plan_kw["ctx"],
+        "kv_type": plan_kw.get("kv_type", "f16"),
+        "chunk": plan_kw.get("prefill_chunk", 512),
+        "cache_reserve": plan_kw.get("cache_reserve", 1 << 30),
+        "arena": plan_kw.get("arena", "packed"),
+        "act_dtype": plan_kw.get("act_dtype", "f32"),
+        "logits_rows": plan_kw.get("logits_rows", 1),
+    }
 
 
 class _Search:
-    def __init__(self, idx: ModelIndex, devices: Sequence[DeviceSpec], settings: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        idx: ModelIndex,
+        devices: Sequence[DeviceSpec],
+        settings: dict[str, Any],
+        excess: Sequence[int] = (),
+    ) -> None:
         self.idx, self.devices, self.s = idx, list(devices), settings
         self.n = idx.n_layer
+        self.excess = list(excess) or [0] * len(self.devices)
         self.memo: dict[tuple[int, int, int, bool, bool], int] = {}
 
     def slack(self, d: int, lo: int, hi: int, first: bool, last: bool) -> int:
@@ -54,55 +72,77 @@ class _Search:
         if v is None:
             dev = self.devices[d]
             need = stage_need(self.idx, StageKey(lo, hi, first, last, dev, **self.s))
-            v = self.memo[key] = dev.free - dev.reserve - need
+            v = self.memo[key] = dev.free - dev.reserve - need - self.excess[d]
         return v
 
-    def greedy(self, thr: list[int], reverse: bool = False) -> list[int] | None:
-        """Boundaries with stage d's slack >= thr[d], or None. Front-first or back-first."""
+    def min_slack(self, bounds: Sequence[int]) -> int:
+        m = len(self.devices)
+        return min(self.slack(d, bounds[d], bounds[d + 1], d == 0, d == m - 1) for d in range(m))
+
+    def reach(self, thr: list[int]) -> list[list[int]] | None:
+        """Cuts reachable with stage d's slack >= thr[d]: reach[d] lists the boundaries b_d
+        (ascending) some valid choice of the first d stages can end at; None if n is not
+        reachable. For a given end `hi` the best start is the latest reachable cut below it
+        (fewer layers never cost more), so each stage costs O(n) slack lookups."""
         m, n = len(self.devices), self.n
-        order = range(m - 1, -1, -1) if reverse else range(m)
-        cut = n if reverse else 0
-        bounds = [cut]
-        for step, d in enumerate(order):
+        reach = [[0]]
+        for d in range(m):
+            prev, cur, p = reach[-1], [], 0
             first, last = d == 0, d == m - 1
-            left = m - 1 - step  # devices still to place after this one
-            if step == m - 1:  # the final device takes everything that is left
-                lo, hi = (0, cut) if reverse else (cut, n)
-                if hi <= lo or self.slack(d, lo, hi, first, last) < thr[d]:
-                    return None
-                bounds.append(0 if reverse else n)
-                break
-
-            def ok(size: int, d: int = d, first: bool = first, last: bool = last, cut: int = cut) -> bool:
-                lo, hi = (cut - size, cut) if reverse else (cut, cut + size)
-                return self.slack(d, lo, hi, first, last) >= thr[d]
-
-            most = (cut - left) if reverse else (n - left - cut)
-            if most < 1 or not ok(1):
+            for hi in [n] if last else range(1, n - (m - 1 - d) + 1):
+                while p + 1 < len(prev) and prev[p + 1] < hi:
+                    p += 1
+                if prev[p] < hi and self.slack(d, prev[p], hi, first, last) >= thr[d]:
+                    cur.append(hi)
+            if not cur:
                 return None
-            a, b = 1, most  # largest size with ok(size): need grows with the range
-            while a < b:
-                mid = (a + b + 1) // 2
-                a, b = (mid, b) if ok(mid) else (a, mid - 1)
-            cut = cut - a if reverse else cut + a
-            bounds.append(cut)
-        return bounds[::-1] if reverse else bounds
+            reach.append(cur)
+        return reach
+
+    def bounds(self, reach: list[list[int]], thr: list[int], early: bool) -> list[int]:
+        """One split through `reach`, walking back from n: `early` gives earlier stages as
+        many layers as they can take (each stage starts as late as it can), else the later
+        stages take as many as they can."""
+        m = len(self.devices)
+        out = [self.n]
+        for d in range(m - 1, -1, -1):
+            hi = out[-1]
+            starts = [
+                lo
+                for lo in reach[d]
+                if lo < hi and self.slack(d, lo, hi, d == 0, d == m - 1) >= thr[d]
+            ]
+            out.append(max(starts) if early else min(starts))  # never empty: see reach()
+        return out[::-1]
+
+    def greedy(self, thr: list[int], reverse: bool = False) -> list[int] | None:
+        """Boundaries meeting every stage's threshold, or None."""
+        reach = self.reach(thr)
+        return None if reach is None else self.bounds(reach, thr, early=not reverse)
 
     def best(self) -> tuple[int, list[int]]:
         """(the best smallest slack, boundaries). Lexicographic max-min: once the tightest
         devices are pinned at the best T, the others are raised as far as they go together,
         so a small card does not leave the other cards' layer counts to chance."""
         m = len(self.devices)
-        # Every stage's range is a subset of the whole model, so no slack is below the worst
-        # device's slack for holding everything: the greedy always succeeds there.
-        floor = min(self.slack(d, 0, self.n, True, True) for d in range(m)) // GRAIN - 1
-        top = max(d.free - d.reserve for d in self.devices) // GRAIN + 1
+        n = self.n
+        # Start between a split every T up to its own smallest slack admits (memory-
+        # proportional) and a slack no split reaches: each device's best single layer.
+        floor = self.min_slack(self.proportional([*range(m), n], [0, *range(n - m + 1, n + 1)]))
+        floor = floor // GRAIN
+        top = min(
+            max(self.slack(d, i, i + 1, d == 0, d == m - 1) for i in range(n)) for d in range(m)
+        )
+        top = max(floor, top // GRAIN + 1)
         pinned: list[int | None] = [None] * m
         first_t = None
         while any(p is None for p in pinned):
+
             def thr(t: int, bump: int = -1) -> list[int]:
-                return [p if p is not None else (t + GRAIN if d == bump else t)
-                        for d, p in enumerate(pinned)]
+                return [
+                    p if p is not None else (t + GRAIN if d == bump else t)
+                    for d, p in enumerate(pinned)
+                ]
 
             lo, hi = floor, top
             while lo < hi:
@@ -116,47 +156,57 @@ class _Search:
                 pinned[d] = t
             floor = lo
         final = [p if p is not None else 0 for p in pinned]
-        front, back = self.greedy(final), self.greedy(final, reverse=True)
-        assert first_t is not None and front is not None and back is not None
+        # `final` is the last thresholds the front-first greedy met, so it meets them again; the
+        # back-first one can miss where needs are not monotone (see the module note).
+        front = self.greedy(final)
+        back = self.greedy(final, reverse=True) or [*range(m), self.n]
+        assert first_t is not None and front is not None
         # Any split between the back-first and front-first boundaries may meet the pinned
         # slacks; the one proportional to the devices' memory is the natural tie-breaker
         # (where slack is flat, e.g. coarse chunks, it avoids one-layer stages).
-        candidates = [(2, self.proportional(front, back)), (1, front), (0, back)]
-        ok = [(pri, b) for pri, b in candidates if b is not None and self.meets(b, final)]
+        candidates = [(2, self.proportional(back, front)), (1, front), (0, back)]
+        ok = [(pri, b) for pri, b in candidates if self.meets(b, final)]
         best = max(ok, key=lambda c: (*self.cache_score(c[1]), c[0]))
         return first_t, best[1]
 
-    def proportional(self, front: list[int], back: list[int]) -> list[int] | None:
+    def proportional(self, back: list[int], front: list[int]) -> list[int]:
+        """Boundaries proportional to the devices' memory, kept within [back, front] and
+        strictly increasing (each device >= 1 layer)."""
+        m = len(self.devices)
         avail = [max(d.free - d.reserve, 1) for d in self.devices]
         total, run, out = sum(avail), 0, [0]
-        for d in range(len(avail) - 1):
+        for d in range(m - 1):
             run += avail[d]
-            b = min(max(round(self.n * run / total), back[d + 1]), front[d + 1])
-            if b <= out[-1]:
-                return None
-            out.append(b)
-        return out + [self.n] if out[-1] < self.n else None
+            b = min(max(round(self.n * run / total), back[d + 1], out[-1] + 1), front[d + 1])
+            out.append(min(b, self.n - (m - 1 - d)))
+        return [*out, self.n]
 
     def meets(self, bounds: list[int], thr: list[int]) -> bool:
         m = len(self.devices)
-        return all(self.slack(d, bounds[d], bounds[d + 1], d == 0, d == m - 1) >= thr[d] for d in range(m))
+        return all(
+            self.slack(d, bounds[d], bounds[d + 1], d == 0, d == m - 1) >= thr[d] for d in range(m)
+        )
 
-    def cache_score(self, bounds: list[int]) -> tuple[int, int]:
+    def cache_score(self, bounds: list[int]) -> tuple[int]:
         m, reserve = len(self.devices), self.s["cache_reserve"]
-        cache = total = 0
+        cache = 0
         for d in range(m):
             lo, hi = bounds[d], bounds[d + 1]
             slack = self.slack(d, lo, hi, d == 0, d == m - 1)
             cache += max(0, min(self.cacheable(lo, hi), slack - reserve))
-            total += slack
-        return cache, total
+        return (cache,)
 
     def cacheable(self, lo: int, hi: int) -> int:
         return self.idx.cache_prefix[hi] - self.idx.cache_prefix[lo]
 
 
-def auto_split(model: Any, devices: Sequence[DeviceSpec], prefer: str = "spread",
-               model_path: str | None = None, **plan_kw: Any) -> Plan:
+def auto_split(
+    model: Any,
+    devices: Sequence[DeviceSpec],
+    prefer: str = "spread",
+    model_path: str | None = None,
+    **plan_kw: Any,
+) -> Plan:
     """A Plan over `devices` with searched boundaries. plan_kw: ctx (required), kv_type,
     prefill_chunk, cache_reserve, arena, act_dtype, logits_rows (as engine.plan.Plan)."""
     if prefer not in PREFER:
@@ -173,8 +223,24 @@ def auto_split(model: Any, devices: Sequence[DeviceSpec], prefer: str = "spread"
     devices = list(devices)
 
     def plan_for(devs: list[DeviceSpec]) -> tuple[int, Plan]:
-        search = _Search(idx, devs, settings)
-        t, bounds = search.best()
+        # Search with packed costs (prefix sums: thousands of lookups are cheap); for the other
+        # modes, charge each device the rounding its stage showed in that mode and search
+        # again — twice, since the stages move.
+        packed = settings | {"arena": "packed"}
+        search = _Search(idx, devs, packed)
+        bounds = search.best()[1]
+        if settings["arena"] != "packed":
+            for _ in range(2):
+                exact = _Search(idx, devs, settings)
+                excess = [
+                    search.slack(d, bounds[d], bounds[d + 1], d == 0, d == len(devs) - 1)
+                    + search.excess[d]
+                    - exact.slack(d, bounds[d], bounds[d + 1], d == 0, d == len(devs) - 1)
+                    for d in range(len(devs))
+                ]
+                search = _Search(idx, devs, packed, excess)
+                bounds = search.best()[1]
+        t = _Search(idx, devs, settings).min_slack(bounds)  # exact, in the plan's own mode
         return t, Plan(path, tuple(devs), tuple(bounds), **plan_kw)
 
     by_size = _largest_first(devices)

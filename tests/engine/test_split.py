@@ -22,14 +22,34 @@ MIB = 1 << 20
 GIB = 1 << 30
 # 10 layers whose sizes differ (q4_k_m gives some layers Q6_K tensors); SWA makes KV uneven too
 LLAMA = HeaderModel(Shape("llama", 10, 1024, 8, 2, 2816, 8000, n_ctx=8192), name="llama10.gguf")
-GEMMA = HeaderModel(Shape("gemma3", 12, 1024, 4, 1, 2048, 8000, head_dim=256, tied_embeddings=True,
-                          n_ctx=8192, sliding_window=512), name="gemma12.gguf")
+GEMMA = HeaderModel(
+    Shape(
+        "gemma3",
+        12,
+        1024,
+        4,
+        1,
+        2048,
+        8000,
+        head_dim=256,
+        tied_embeddings=True,
+        n_ctx=8192,
+        sliding_window=512,
+    ),
+    name="gemma12.gguf",
+)
 CTX = 4096
 
 
 def gpu(i: int, free_mib: int, reserve_mib: int = 0) -> DeviceSpec:
-    return DeviceSpec(i, f"card{i}", (free_mib + 600) * MIB, free_mib * MIB, simulated=True,
-                      reserve=reserve_mib * MIB)
+    return DeviceSpec(
+        i,
+        f"card{i}",
+        (free_mib + 600) * MIB,
+        free_mib * MIB,
+        simulated=True,
+        reserve=reserve_mib * MIB,
+    )
 
 
 def slacks(model: Any, plan: Plan) -> list[int]:
@@ -43,30 +63,52 @@ def slacks(model: Any, plan: Plan) -> list[int]:
 
 def brute_best(model: Any, devices: tuple[DeviceSpec, ...], **kw: Any) -> int:
     n = pricing.model_index(model).n_layer
+    kw = {"ctx": CTX} | kw
     best = None
     for cuts in itertools.combinations(range(1, n), len(devices) - 1):
-        plan = Plan("m", devices, (0, *cuts, n), ctx=CTX, **kw)
+        plan = Plan("m", devices, (0, *cuts, n), **kw)
         m = min(slacks(model, plan))
         best = m if best is None else max(best, m)
     assert best is not None
     return best
 
 
-rig_st = st.lists(st.tuples(st.integers(760, 1400), st.sampled_from([0, 0, 8])), min_size=1, max_size=4)
+rig_st = st.lists(
+    st.tuples(st.integers(760, 1400), st.sampled_from([0, 0, 8])), min_size=1, max_size=4
+)
+# every arena of every stage >= 10 MiB at CTX_BIG: torch rounds those up to 2 MiB only, so a
+# stage's cost grows with its range and the greedy search is exact
+BIG = HeaderModel(Shape("llama", 8, 2048, 16, 4, 8192, 32000, n_ctx=16384), name="big8.gguf")
+CTX_BIG = 8192
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(800, 1800), st.sampled_from([0, 0, 64])), min_size=1, max_size=4)
+)
+def test_spread_is_the_brute_force_max_min(rig: list[tuple[int, int]]) -> None:
+    devices = tuple(gpu(i, f, r) for i, (f, r) in enumerate(rig))
+    plan = auto_split(BIG, devices, ctx=CTX_BIG, act_dtype="bf16")
+    assert plan.devices == devices and plan.split[0] == 0 and plan.split[-1] == 8
+    got = min(slacks(BIG, plan))
+    best = brute_best(BIG, devices, ctx=CTX_BIG, act_dtype="bf16")
+    assert best - GRAIN < got <= best
+    assert price(plan, BIG).fits == (got >= 0)  # and the verdict follows the slack
 
 
 @settings(max_examples=40, deadline=None)
-@given(rig_st, st.sampled_from([LLAMA, GEMMA]), st.sampled_from(["packed", "per-tensor", "chunked:16"]))
-def test_spread_matches_brute_force_max_min(rig: list[tuple[int, int]], model: Any, arena: str) -> None:
+@given(
+    rig_st, st.sampled_from([LLAMA, GEMMA]), st.sampled_from(["packed", "per-tensor", "chunked:16"])
+)
+def test_toy_stages_are_near_the_best(rig: list[tuple[int, int]], model: Any, arena: str) -> None:
+    # 1-10 MiB arenas get 20 MiB segments: cost is not monotone in the range (see engine.split)
     devices = tuple(gpu(i, f, r) for i, (f, r) in enumerate(rig))
     plan = auto_split(model, devices, ctx=CTX, arena=arena, act_dtype="bf16")
     n = pricing.model_index(model).n_layer
     assert plan.devices == devices and plan.split[0] == 0 and plan.split[-1] == n
     got = min(slacks(model, plan))
     best = brute_best(model, devices, arena=arena, act_dtype="bf16")
-    assert best - GRAIN < got <= best
-    layout = price(plan, model)  # and it prices: the verdict follows the slack
-    assert layout.fits == (got >= 0)
+    assert best - 3 * 20 * MIB - GRAIN < got <= best
 
 
 def test_eight_uneven_cards_and_lexicographic_balance() -> None:
