@@ -107,6 +107,19 @@ def _swa_layers(meta: _Meta, n_layer: int) -> tuple[bool, ...]:
     return tuple((i + 1) % pattern != 0 for i in range(n_layer))
 
 
+def _check_shapes(model: GGUFModel, expect: dict[str, tuple[int, ...]]) -> None:
+    # metadata that disagrees with the tensors would misprice every KV cache and buffer
+    by_name = {t.name: t for t in model.tensors if t.name in expect}
+    for name, shape in expect.items():
+        t = by_name.get(name)
+        if t is None:
+            raise CarveError(f"{model.paths[0]}: tensor {name} is missing; the metadata "
+                             "describes more layers or parts than the file holds")
+        if t.shape != shape:
+            raise CarveError(f"{model.paths[0]}: tensor {name} has shape {list(t.shape)} but "
+                             f"the metadata implies {list(shape)}; the file is inconsistent")
+
+
 def _read(model: GGUFModel) -> HParams:
     arch = model.arch
     if arch not in SUPPORTED:
@@ -129,6 +142,14 @@ def _read(model: GGUFModel) -> HParams:
         raise CarveError(f"{model.paths[0]}: no token_embd.weight matrix; not a complete model")
     n_vocab = embd.shape[1]
     tied = not any(t.name == "output.weight" for t in model.tensors)
+    _check_shapes(model, {
+        "token_embd.weight": (n_embd, n_vocab),
+        "blk.0.attn_q.weight": (n_embd, n_head * head_dim),
+        "blk.0.attn_k.weight": (n_embd, n_head_kv * head_dim),
+        "blk.0.attn_v.weight": (n_embd, n_head_kv * head_dim_v),
+        "blk.0.ffn_up.weight": (n_embd, n_ff),
+        f"blk.{n_layer - 1}.ffn_down.weight": (n_ff, n_embd),
+    })
 
     rope_base = m.float_("rope.freq_base", 10000.0)
     scaling = m.str_("rope.scaling.type")

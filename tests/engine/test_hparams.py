@@ -125,12 +125,24 @@ def test_gemma3_27b_attention_scale(tmp_path):
     assert hp.attn_scale == (256 / 2) ** -0.5 and hp.swa_layers.count(False) == 10
 
 
+def test_mistral_style_head_dim(tmp_path):
+    # Mistral-NeMo-like: llama arch whose head_dim is not n_embd / n_head (key_length given)
+    shape = dataclasses.replace(SHAPES["llama-tiny"], n_layer=2, head_dim=128)
+    hp = HParams.from_model(GGUFModel.open(write_model(tmp_path / "m.gguf", shape, "q8_0")[0]))
+    assert (hp.head_dim, hp.head_dim_v, hp.n_head, hp.n_embd) == (128, 128, 4, 256)
+    assert hp.attn_scale == 128**-0.5 and hp.rope_style == "normal"
+
+
 @pytest.mark.parametrize(("edit", "message"), [
     (_set("general.architecture", STR, "mamba"), "unsupported architecture 'mamba'"),
     (lambda meta: [kv for kv in meta if kv[0] != "llama.block_count"],
      "llama.block_count is missing"),
     (_set("llama.attention.head_count_kv", U32, 3), "impossible shape"),
     (_set("llama.embedding_length", STR, "big"), "llama.embedding_length is 'big'"),
+    (_set("llama.attention.head_count_kv", U32, 1),
+     r"attn_k.weight has shape \[256, 128\] but the metadata implies \[256, 64\]"),
+    (_set("llama.block_count", U32, 5), "blk.4.ffn_down.weight is missing"),
+    (_set("llama.feed_forward_length", U32, 1024), "ffn_up.weight has shape"),
 ])
 def test_bad_models(tmp_path, edit, message):
     m = _edited(tmp_path, "llama-tiny", edit)
