@@ -66,8 +66,12 @@ def _time(fn: Any, repeat: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.bench_price", description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?", help="a GGUF file (default: a synthetic 1,443-tensor model)")
+    ap = argparse.ArgumentParser(
+        prog="python -m engine.bench_price", description=__doc__.splitlines()[0]
+    )
+    ap.add_argument(
+        "model", nargs="?", help="a GGUF file (default: a synthetic 1,443-tensor model)"
+    )
     ap.add_argument("--gpus", default="4x80GiB")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--arena", default="packed")
@@ -93,10 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"carve: {exc}", file=sys.stderr)
         return 2
     n_dev = len(base.devices)
-    print(f"model: {model.paths[0]} ({len(model.tensors)} tensors, {idx.n_layer} layers); "
-          f"rig {args.gpus} ({n_dev} stages), ctx {args.ctx}, arena {args.arena}")
-    print(f"open {t_open * 1e3:.1f} ms, model index (once per model) {t_index * 1e3:.1f} ms, "
-          f"--split auto {t_split * 1e3:.1f} ms -> {','.join(map(str, base.split))}")
+    print(
+        f"model: {model.paths[0]} ({len(model.tensors)} tensors, {idx.n_layer} layers); "
+        f"rig {args.gpus} ({n_dev} stages), ctx {args.ctx}, arena {args.arena}"
+    )
+    print(
+        f"open {t_open * 1e3:.1f} ms, model index (once per model) {t_index * 1e3:.1f} ms, "
+        f"--split auto {t_split * 1e3:.1f} ms -> {','.join(map(str, base.split))}"
+    )
 
     def cold() -> None:
         pricing._STAGES.clear()
@@ -112,8 +120,17 @@ def main(argv: list[str] | None = None) -> int:
         for p in positions:
             split = list(base.split)
             split[1] = p
-            plan = Plan(base.model, base.devices, tuple(split), base.ctx, base.kv_type,
-                        base.prefill_chunk, base.cache_reserve, base.arena, base.act_dtype)
+            plan = Plan(
+                base.model,
+                base.devices,
+                tuple(split),
+                base.ctx,
+                base.kv_type,
+                base.prefill_chunk,
+                base.cache_reserve,
+                base.arena,
+                base.act_dtype,
+            )
             pricing.price(base, model)  # everything else warm, as during a drag
             for i in (0, 1):  # as if never priced: a real move lands on new ranges
                 k = pricing._stage_key(plan, i)
@@ -124,12 +141,18 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()  # what the loader / --json pay on top: every Span object
             n_spans = sum(len(a.spans) for d in layout.devices[:2] for a in d.arenas)
             spans.append(time.perf_counter() - t0)
-    print(f"price, cold (all {n_dev} stages built): median {statistics.median(cold_t) * 1e3:.2f} ms")
+    print(
+        f"price, cold (all {n_dev} stages built): median {statistics.median(cold_t) * 1e3:.2f} ms"
+    )
     if moves:
-        print(f"re-price after one boundary move (2 stages rebuilt, {len(moves)} moves): "
-              f"median {statistics.median(moves) * 1e3:.2f} ms, max {max(moves) * 1e3:.2f} ms")
-        print(f"  + building the {n_spans} spans of those two stages (loader, --json; not needed "
-              f"for the numbers): median {statistics.median(spans) * 1e3:.2f} ms")
+        print(
+            f"re-price after one boundary move (2 stages rebuilt, {len(moves)} moves): "
+            f"median {statistics.median(moves) * 1e3:.2f} ms, max {max(moves) * 1e3:.2f} ms"
+        )
+        print(
+            f"  + building the {n_spans} spans of those two stages (loader, --json; not needed "
+            f"for the numbers): median {statistics.median(spans) * 1e3:.2f} ms"
+        )
     return 0
 
 

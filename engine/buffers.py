@@ -51,14 +51,20 @@ def activation_buffers(
     out = [
         BufferSpec("tokens", (chunk,), "i64"),  # [chunk] token ids (first stage embeds them)
         BufferSpec("positions", (chunk,), "i64"),  # [chunk] absolute positions for RoPE / KV rows
-        BufferSpec("hidden", (chunk, e), a),  # [chunk, n_embd] residual stream; recv from prior stage
+        BufferSpec(
+            "hidden", (chunk, e), a
+        ),  # [chunk, n_embd] residual stream; recv from prior stage
         BufferSpec("normed", (chunk, e), a),  # [chunk, n_embd] RMSNorm output, GEMM input
         BufferSpec("qkv", (chunk, q_width + kv_width), a),  # [chunk, q | k | v] projections
         BufferSpec("attn", (chunk, hp.n_head * hp.head_dim_v), a),  # [chunk, n_head*head_dim_v]
-        BufferSpec("proj", (chunk, e), a),  # [chunk, n_embd] o-proj / ffn-down out, before residual add
+        BufferSpec(
+            "proj", (chunk, e), a
+        ),  # [chunk, n_embd] o-proj / ffn-down out, before residual add
         BufferSpec("ffn_up", (chunk, 2 * f), a),  # [chunk, gate | up]
         BufferSpec("ffn_act", (chunk, f), a),  # [chunk, n_ff] act(gate) * up
-        BufferSpec("attn_partial", (hp.n_head, ATTN_SPLITS, hp.head_dim_v), "f32"),  # split-K decode
+        BufferSpec(
+            "attn_partial", (hp.n_head, ATTN_SPLITS, hp.head_dim_v), "f32"
+        ),  # split-K decode
         BufferSpec("attn_lse", (hp.n_head, ATTN_SPLITS), "f32"),  # per split log-sum-exp
     ]
     if n_vocab_rows > 0:

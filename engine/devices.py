@@ -55,7 +55,9 @@ class DeviceSnapshot:
     """What NVML says about one GPU right now."""
 
     nvml_index: int
-    cuda_index: int  # PCI-bus order among the GPUs CUDA can see; -1 if hidden by CUDA_VISIBLE_DEVICES
+    cuda_index: (
+        int  # PCI-bus order among the GPUs CUDA can see; -1 if hidden by CUDA_VISIBLE_DEVICES
+    )
     name: str
     uuid: str
     pci_bus_id: str  # "00000000:17:00.0"
@@ -154,7 +156,9 @@ class NvmlMonitor:
             for h in handles:
                 pci = nvml.nvmlDeviceGetPciInfo(h)
                 bus = _text(getattr(pci, "busId", "") or getattr(pci, "busIdLegacy", ""))
-                static.append((_text(nvml.nvmlDeviceGetName(h)), _text(nvml.nvmlDeviceGetUUID(h)), bus))
+                static.append(
+                    (_text(nvml.nvmlDeviceGetName(h)), _text(nvml.nvmlDeviceGetUUID(h)), bus)
+                )
         # Library missing, driver missing, broken or mismatched: "no GPU" is a state the GUI
         # shows, never a crash, whatever the binding raises.
         except Exception as exc:  # noqa: BLE001
@@ -211,7 +215,9 @@ class NvmlMonitor:
                 name, uuid, bus = self._static[i]
                 try:
                     total, free, used, reserved = self._memory(h)
-                except self._errors as exc:  # GPU fell off the bus mid-session: report, keep polling others
+                except (
+                    self._errors
+                ) as exc:  # GPU fell off the bus mid-session: report, keep polling others
                     self.reason = f"GPU {i} ({name}) stopped answering NVML: {exc}"
                     continue
                 try:

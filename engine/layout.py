@@ -42,12 +42,18 @@ class Arena:
     spans: tuple[Span, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "purpose": self.purpose, "nbytes": self.nbytes,
-                "spans": [s.to_json() for s in self.spans]}
+        return {
+            "name": self.name,
+            "purpose": self.purpose,
+            "nbytes": self.nbytes,
+            "spans": [s.to_json() for s in self.spans],
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Arena:
-        return cls(d["name"], d["purpose"], d["nbytes"], tuple(Span.from_json(s) for s in d["spans"]))
+        return cls(
+            d["name"], d["purpose"], d["nbytes"], tuple(Span.from_json(s) for s in d["spans"])
+        )
 
 
 class LazyArenas(Sequence[Arena]):
@@ -115,18 +121,35 @@ class DeviceLayout:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "device": self.device.to_json(), "layers": list(self.layers), "first": self.first,
-            "last": self.last, "arenas": [a.to_json() for a in self.arenas], "terms": self.terms,
-            "allocated": self.allocated, "total": self.total, "headroom": self.headroom,
-            "verdict": self.verdict, "advice": self.advice, "overhead_source": self.overhead_source,
+            "device": self.device.to_json(),
+            "layers": list(self.layers),
+            "first": self.first,
+            "last": self.last,
+            "arenas": [a.to_json() for a in self.arenas],
+            "terms": self.terms,
+            "allocated": self.allocated,
+            "total": self.total,
+            "headroom": self.headroom,
+            "verdict": self.verdict,
+            "advice": self.advice,
+            "overhead_source": self.overhead_source,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> DeviceLayout:
         return cls(
-            DeviceSpec.from_json(d["device"]), tuple(d["layers"]), d["first"], d["last"],
-            tuple(Arena.from_json(a) for a in d["arenas"]), dict(d["terms"]), d["allocated"],
-            d["total"], d["headroom"], d["verdict"], d.get("advice", ""), d.get("overhead_source", ""),
+            DeviceSpec.from_json(d["device"]),
+            tuple(d["layers"]),
+            d["first"],
+            d["last"],
+            tuple(Arena.from_json(a) for a in d["arenas"]),
+            dict(d["terms"]),
+            d["allocated"],
+            d["total"],
+            d["headroom"],
+            d["verdict"],
+            d.get("advice", ""),
+            d.get("overhead_source", ""),
         )
 
 
@@ -145,14 +168,19 @@ class Layout:
         return VERDICTS[worst]
 
     def to_json(self) -> dict[str, Any]:
-        return {"plan": self.plan.to_json(), "devices": [d.to_json() for d in self.devices],
-                "verdict": self.verdict}
+        return {
+            "plan": self.plan.to_json(),
+            "devices": [d.to_json() for d in self.devices],
+            "verdict": self.verdict,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Layout:
         from engine.plan import Plan
 
-        return cls(Plan.from_json(d["plan"]), tuple(DeviceLayout.from_json(x) for x in d["devices"]))
+        return cls(
+            Plan.from_json(d["plan"]), tuple(DeviceLayout.from_json(x) for x in d["devices"])
+        )
 
 
 def human(n: int) -> str:
@@ -160,5 +188,7 @@ def human(n: int) -> str:
     sign, n = ("-" if n < 0 else ""), abs(n)
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
-            return f"{sign}{n / size:.2f} {unit}" if unit == "GiB" else f"{sign}{n / size:.1f} {unit}"
+            return (
+                f"{sign}{n / size:.2f} {unit}" if unit == "GiB" else f"{sign}{n / size:.1f} {unit}"
+            )
     return f"{sign}{n} B"

@@ -30,7 +30,9 @@ class Plan:
     ctx: int
     kv_type: str = "f16"
     prefill_chunk: int = 512
-    cache_reserve: int = 1 << 30  # bytes kept free after everything; the dequant cache gets the rest
+    cache_reserve: int = (
+        1 << 30
+    )  # bytes kept free after everything; the dequant cache gets the rest
     arena: str = "packed"  # "packed" | "per-tensor" | "chunked:N" (N MiB)
     act_dtype: str = "f32"  # CPU "f32"; GPU "bf16"
     # Rows of logits the last stage keeps: 1 for chat (last token only), prefill_chunk for
@@ -61,13 +63,17 @@ class Plan:
         if self.ctx <= 0:
             raise CarveError(f"--ctx: must be a positive number of tokens, got {self.ctx}")
         if self.kv_type not in KV_TYPES:
-            raise CarveError(f"--kv: unknown KV type {self.kv_type!r}; use one of {', '.join(KV_TYPES)}")
+            raise CarveError(
+                f"--kv: unknown KV type {self.kv_type!r}; use one of {', '.join(KV_TYPES)}"
+            )
         if self.prefill_chunk <= 0:
             raise CarveError(f"--prefill-chunk: must be positive, got {self.prefill_chunk}")
         if self.cache_reserve < 0:
             raise CarveError(f"--cache-reserve: must be 0 or more, got {self.cache_reserve}")
         if self.act_dtype not in ACT_DTYPES:
-            raise CarveError(f"act_dtype: unknown {self.act_dtype!r}; use one of {', '.join(ACT_DTYPES)}")
+            raise CarveError(
+                f"act_dtype: unknown {self.act_dtype!r}; use one of {', '.join(ACT_DTYPES)}"
+            )
         if not 1 <= self.logits_rows <= max(self.prefill_chunk, 1):
             raise CarveError(
                 f"logits_rows: must be 1..prefill_chunk ({self.prefill_chunk}), got {self.logits_rows}"

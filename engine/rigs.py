@@ -44,17 +44,33 @@ CARDS: dict[str, tuple[str, int]] = {
     "h200": ("NVIDIA H200", 143771),
     "b200": ("NVIDIA B200", 183359),
 }
-ALIASES = {"a100": "a100-80", "h100-80": "h100", "rtx-a6000": "a6000", "4090": "rtx4090",
-           "3090": "rtx3090", "5090": "rtx5090"}
+ALIASES = {
+    "a100": "a100-80",
+    "h100-80": "h100",
+    "rtx-a6000": "a6000",
+    "4090": "rtx4090",
+    "3090": "rtx3090",
+    "5090": "rtx5090",
+}
 
-_UNITS = {"gib": GIB, "g": GIB, "gb": 10**9, "mib": MIB, "m": MIB, "mb": 10**6,
-          "tib": 1 << 40, "tb": 10**12}
+_UNITS = {
+    "gib": GIB,
+    "g": GIB,
+    "gb": 10**9,
+    "mib": MIB,
+    "m": MIB,
+    "mb": 10**6,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([a-z]+)$")
 _COUNT = re.compile(r"^(\d+)\s*x\s*(.+)$")
 
-ACCEPTED = ('"auto" (the GPUs here), "cpu", sizes like "4x24GiB" or "2x80GB,1x24GiB" '
-            '(GiB/MiB are binary, GB/MB decimal), or card names like "rtx4090,rtx4090,a6000" / '
-            '"2xh100"')
+ACCEPTED = (
+    '"auto" (the GPUs here), "cpu", sizes like "4x24GiB" or "2x80GB,1x24GiB" '
+    '(GiB/MiB are binary, GB/MB decimal), or card names like "rtx4090,rtx4090,a6000" / '
+    '"2xh100"'
+)
 
 
 def card_names() -> list[str]:
@@ -77,11 +93,13 @@ def _card(part: str, token: str, index: int) -> DeviceSpec:
         if total < GIB:
             raise CarveError(f"--gpus: {part!r} is too small for a GPU; give at least 1GiB")
         name = f"{m.group(1)} {m.group(2).upper().replace('I', 'i')} GPU (simulated)"
-    return DeviceSpec(index=index, name=name, total=total, free=total - DRIVER_RESERVE, simulated=True)
+    return DeviceSpec(
+        index=index, name=name, total=total, free=total - DRIVER_RESERVE, simulated=True
+    )
 
 
 def parse_rig(text: str, reserve: int = 0) -> list[DeviceSpec]:
-    """"auto" | "cpu" | "4x24GiB" | "2x80GB,1x24GiB" | "rtx4090,rtx4090,a6000" -> DeviceSpecs.
+    """ "auto" | "cpu" | "4x24GiB" | "2x80GB,1x24GiB" | "rtx4090,rtx4090,a6000" -> DeviceSpecs.
 
     "auto" returns the live GPUs (possibly none: the caller says so and picks a rig).
     Simulated devices are numbered 0.. in the order written.
@@ -106,5 +124,7 @@ def parse_rig(text: str, reserve: int = 0) -> list[DeviceSpec]:
             devices.append(_card(part, token, len(devices)))
     if len(devices) > 8:
         raise CarveError(f"--gpus: {text!r} names {len(devices)} devices; Carve plans for 1 to 8")
-    return [DeviceSpec(d.index, d.name, d.total, d.free, simulated=True, reserve=reserve)
-            for d in devices]
+    return [
+        DeviceSpec(d.index, d.name, d.total, d.free, simulated=True, reserve=reserve)
+        for d in devices
+    ]

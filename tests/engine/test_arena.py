@@ -87,7 +87,9 @@ def test_arena_strings() -> None:
 
 
 requests_st = st.lists(
-    st.tuples(st.integers(1, 40 * MIB), st.sampled_from(["f16", "Q4_K", "uint8"])), min_size=0, max_size=40
+    st.tuples(st.integers(1, 40 * MIB), st.sampled_from(["f16", "Q4_K", "uint8"])),
+    min_size=0,
+    max_size=40,
 )
 modes_st = st.sampled_from(["packed", "per-tensor", "chunked:1", "chunked:4", "chunked:16"])
 
@@ -100,7 +102,9 @@ def test_arena_invariants(reqs: list[tuple[int, str]], mode_text: str) -> None:
     arenas = arrange(mode, "w", "weights", requests)
     spans = [s for a in arenas for s in a.spans]
     # every request placed exactly once, in order, unchanged
-    assert [(s.name, s.nbytes) for s in spans] == [(r[0], r[1]) for r in requests] or mode.kind == "chunked"
+    assert [(s.name, s.nbytes) for s in spans] == [
+        (r[0], r[1]) for r in requests
+    ] or mode.kind == "chunked"
     assert sorted(s.name for s in spans) == sorted(r[0] for r in requests)
     for a in arenas:
         ordered = sorted(a.spans, key=lambda s: s.offset)

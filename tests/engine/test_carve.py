@@ -24,7 +24,11 @@ CPU = DeviceSpec(-1, "cpu", 64 * GIB, 64 * GIB)
 def file_tensors(path: Path) -> dict[str, int]:
     """name -> bytes, from gguf's reader (every shard of a split set)."""
     out: dict[str, int] = {}
-    paths = sorted(path.parent.glob(path.name.replace("-00001-of-", "-*-of-"))) if "-00001-of-" in path.name else [path]
+    paths = (
+        sorted(path.parent.glob(path.name.replace("-00001-of-", "-*-of-")))
+        if "-00001-of-" in path.name
+        else [path]
+    )
     for p in paths:
         out |= {t.name: int(t.n_bytes) for t in gguf.GGUFReader(p).tensors}
     return out
@@ -38,8 +42,12 @@ def gpus(n: int) -> tuple[DeviceSpec, ...]:
     return tuple(DeviceSpec(i, "g", 80 * GIB, 80 * GIB, simulated=True) for i in range(n))
 
 
-@pytest.mark.parametrize(("arch", "split"), [("llama", 1), ("qwen2", 1), ("gemma3", 1), ("llama", 3)])
-def test_every_range_prices_exactly_the_tensors_it_keeps(synth_model: Any, arch: str, split: int) -> None:
+@pytest.mark.parametrize(
+    ("arch", "split"), [("llama", 1), ("qwen2", 1), ("gemma3", 1), ("llama", 3)]
+)
+def test_every_range_prices_exactly_the_tensors_it_keeps(
+    synth_model: Any, arch: str, split: int
+) -> None:
     path = synth_model(arch, split=split)
     ref = file_tensors(path)
     model = GGUFModel.open(path)
@@ -54,8 +62,13 @@ def test_every_range_prices_exactly_the_tensors_it_keeps(synth_model: Any, arch:
             assert {k for k in names if layer_of(k) is not None} == in_range  # kept in, dropped out
             glob = {k for k in names if layer_of(k) is None}
             expected_glob = ({"token_embd.weight"} if first else set()) | (
-                {"output_norm.weight", "output.weight" if "output.weight" in ref else "token_embd.weight"}
-                if last else set())
+                {
+                    "output_norm.weight",
+                    "output.weight" if "output.weight" in ref else "token_embd.weight",
+                }
+                if last
+                else set()
+            )
             assert glob == expected_glob
             devices = (CPU,) if first and last else gpus(1 + (not first) + (not last))
             bounds = tuple(sorted({0, lo, hi, n}))
@@ -63,7 +76,9 @@ def test_every_range_prices_exactly_the_tensors_it_keeps(synth_model: Any, arch:
             stage = next(d for d in layout.devices if d.layers == (lo, hi))
             assert stage.terms["weights"] == sum(ref[k] for k in in_range)
             assert stage.terms["globals"] == sum(ref[k] for k in glob)
-            priced = {s.name for a in stage.arenas if a.purpose in ("weights", "globals") for s in a.spans}
+            priced = {
+                s.name for a in stage.arenas if a.purpose in ("weights", "globals") for s in a.spans
+            }
             assert priced == set(names)
 
 
@@ -79,7 +94,9 @@ def test_full_range_single_device_is_the_file(synth_model: Any, arch: str) -> No
 
 @settings(max_examples=40, deadline=None)
 @given(st.data())
-def test_any_split_sums_to_the_file_plus_the_tied_copy(synth_model: Any, data: st.DataObject) -> None:
+def test_any_split_sums_to_the_file_plus_the_tied_copy(
+    synth_model: Any, data: st.DataObject
+) -> None:
     arch = data.draw(st.sampled_from(["llama", "qwen2", "gemma3"]))
     path = synth_model(arch)
     ref = file_tensors(path)

@@ -20,7 +20,9 @@ class FakeNVMLError(Exception):
     pass
 
 
-def fake_nvml(gpus: list[dict[str, Any]], v2: bool = True, fail_init: bool = False) -> types.SimpleNamespace:
+def fake_nvml(
+    gpus: list[dict[str, Any]], v2: bool = True, fail_init: bool = False
+) -> types.SimpleNamespace:
     """A stand-in for pynvml with the calls NvmlMonitor makes; counts nvmlInit."""
     calls = {"init": 0}
 
@@ -34,8 +36,12 @@ def fake_nvml(gpus: list[dict[str, Any]], v2: bool = True, fail_init: bool = Fal
         if version is not None:
             if not v2:
                 raise FakeNVMLError("Function Not Found")
-            return types.SimpleNamespace(total=g["total"], free=g["free"], used=g["used"], reserved=g["reserved"])
-        return types.SimpleNamespace(total=g["total"], free=g["free"], used=g["used"] + g["reserved"])
+            return types.SimpleNamespace(
+                total=g["total"], free=g["free"], used=g["used"], reserved=g["reserved"]
+            )
+        return types.SimpleNamespace(
+            total=g["total"], free=g["free"], used=g["used"] + g["reserved"]
+        )
 
     def procs(h: int) -> list[Any]:
         return [types.SimpleNamespace(pid=p, usedGpuMemory=u) for p, u in gpus[h].get("procs", [])]
@@ -66,15 +72,31 @@ def fake_nvml(gpus: list[dict[str, Any]], v2: bool = True, fail_init: bool = Fal
 def two_gpus() -> list[dict[str, Any]]:
     # NVML order deliberately not PCI order: CUDA (PCI_BUS_ID) index 0 is NVML's device 1
     return [
-        {"name": "NVIDIA RTX A6000", "uuid": "GPU-bbbb", "bus": "00000000:81:00.0", "total": 48 * GIB,
-         "free": 40 * GIB, "used": 8 * GIB - 500 * MIB, "reserved": 500 * MIB,
-         "procs": [(100, 6 * GIB), (200, (1 << 64) - 1)]},
-        {"name": "NVIDIA GeForce RTX 4090", "uuid": "GPU-aaaa", "bus": "00000000:17:00.0", "total": 24 * GIB,
-         "free": 23 * GIB, "used": 400 * MIB, "reserved": 624 * MIB},
+        {
+            "name": "NVIDIA RTX A6000",
+            "uuid": "GPU-bbbb",
+            "bus": "00000000:81:00.0",
+            "total": 48 * GIB,
+            "free": 40 * GIB,
+            "used": 8 * GIB - 500 * MIB,
+            "reserved": 500 * MIB,
+            "procs": [(100, 6 * GIB), (200, (1 << 64) - 1)],
+        },
+        {
+            "name": "NVIDIA GeForce RTX 4090",
+            "uuid": "GPU-aaaa",
+            "bus": "00000000:17:00.0",
+            "total": 24 * GIB,
+            "free": 23 * GIB,
+            "used": 400 * MIB,
+            "reserved": 624 * MIB,
+        },
     ]
 
 
-def test_snapshot_reads_v2_memory_processes_and_maps_cuda_order(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_snapshot_reads_v2_memory_processes_and_maps_cuda_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     nvml = fake_nvml(two_gpus())
     mon = NvmlMonitor(nvml)  # type: ignore[arg-type]
@@ -84,10 +106,18 @@ def test_snapshot_reads_v2_memory_processes_and_maps_cuda_order(monkeypatch: pyt
     a6000 = snaps[0]
     assert (a6000.total, a6000.free, a6000.reserved) == (48 * GIB, 40 * GIB, 500 * MIB)
     assert a6000.temperature == 41 and a6000.utilization == 0
-    assert [(p.pid, p.used) for p in a6000.processes] == [(100, 6 * GIB), (200, None)]  # hidden use -> None
+    assert [(p.pid, p.used) for p in a6000.processes] == [
+        (100, 6 * GIB),
+        (200, None),
+    ]  # hidden use -> None
     assert a6000.used_by_others() == 6 * GIB
     spec = a6000.to_spec(reserve=MIB, own_pids=frozenset({100}))
-    assert spec.index == 1 and spec.free == 46 * GIB and spec.used_by_others == 0 and spec.reserve == MIB
+    assert (
+        spec.index == 1
+        and spec.free == 46 * GIB
+        and spec.used_by_others == 0
+        and spec.reserve == MIB
+    )
     assert mon.driver == "580.65.06" and mon.reason == ""
 
 
@@ -129,7 +159,10 @@ def test_live_specs_in_cuda_order(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(devices, "_MONITOR", NvmlMonitor(fake_nvml(two_gpus())))  # type: ignore[arg-type]
     specs = devices.live_specs(reserve=256 * MIB)
-    assert [(s.index, s.name) for s in specs] == [(0, "NVIDIA GeForce RTX 4090"), (1, "NVIDIA RTX A6000")]
+    assert [(s.index, s.name) for s in specs] == [
+        (0, "NVIDIA GeForce RTX 4090"),
+        (1, "NVIDIA RTX A6000"),
+    ]
     assert all(s.reserve == 256 * MIB and not s.simulated for s in specs)
     assert parse_rig("auto") == specs[:0] + devices.live_specs()
 
@@ -165,8 +198,15 @@ def test_rig_sizes_and_cards() -> None:
 
 @pytest.mark.parametrize(
     ("text", "part"),
-    [("4x24GiBs", "4x24gibs"), ("rtx9999", "rtx9999"), ("2x80GB,,1x24GiB", "empty"),
-     ("0x24GiB", "0x24gib"), ("9x24GiB", "9 devices"), ("cpu,4090", "cpu"), ("512MiB", "too small")],
+    [
+        ("4x24GiBs", "4x24gibs"),
+        ("rtx9999", "rtx9999"),
+        ("2x80GB,,1x24GiB", "empty"),
+        ("0x24GiB", "0x24gib"),
+        ("9x24GiB", "9 devices"),
+        ("cpu,4090", "cpu"),
+        ("512MiB", "too small"),
+    ],
 )
 def test_bad_rigs_name_the_part_and_the_accepted_forms(text: str, part: str) -> None:
     with pytest.raises(CarveError, match="--gpus") as err:

@@ -34,7 +34,9 @@ def _no_user_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def gpu(free: int, index: int = 0, name: str = "test gpu", reserve: int = 0) -> DeviceSpec:
-    return DeviceSpec(index=index, name=name, total=free + GIB, free=free, simulated=True, reserve=reserve)
+    return DeviceSpec(
+        index=index, name=name, total=free + GIB, free=free, simulated=True, reserve=reserve
+    )
 
 
 def cpu(free: int = 64 * GIB) -> DeviceSpec:
@@ -49,20 +51,31 @@ def reader_meta(path: Path) -> dict[str, Any]:
     """Hyper-parameters read by gguf's own reader, not ours."""
     r = gguf.GGUFReader(path)
     arch = r.fields["general.architecture"].contents()
-    return {k.split(".", 1)[1]: f.contents() for k, f in r.fields.items() if k.startswith(arch + ".")}
+    return {
+        k.split(".", 1)[1]: f.contents() for k, f in r.fields.items() if k.startswith(arch + ".")
+    }
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("arena", ["packed", "per-tensor", "chunked:1"])
 @pytest.mark.parametrize("where", ["gpu", "cpu"])
-def test_terms_are_the_spans_and_allocated_is_the_allocator_replay(synth_model: Any, arch: str,
-                                                                   arena: str, where: str) -> None:
+def test_terms_are_the_spans_and_allocated_is_the_allocator_replay(
+    synth_model: Any, arch: str, arena: str, where: str
+) -> None:
     model = open_model(synth_model(arch))
     n = HParams.from_model(model).n_layer
     devs = (gpu(2 * GIB), gpu(2 * GIB, 1)) if where == "gpu" else (cpu(),)
     split = (0, n // 2, n) if where == "gpu" else (0, n)
-    plan = Plan(str(model.paths[0]), devs, split, ctx=512, arena=arena, prefill_chunk=64,
-                act_dtype="bf16" if where == "gpu" else "f32", cache_reserve=MIB)
+    plan = Plan(
+        str(model.paths[0]),
+        devs,
+        split,
+        ctx=512,
+        arena=arena,
+        prefill_chunk=64,
+        act_dtype="bf16" if where == "gpu" else "f32",
+        cache_reserve=MIB,
+    )
     layout = price(plan, model)
     for d in layout.devices:
         for p in PURPOSES:
@@ -74,20 +87,28 @@ def test_terms_are_the_spans_and_allocated_is_the_allocator_replay(synth_model: 
         names = [s.name for a in d.arenas for s in a.spans]
         assert len(names) == len(set(names))
         if where == "cpu":
-            assert d.terms["overhead"] == 0 and d.terms["rounding"] == (0 if arena != "chunked:1" else d.terms["rounding"])
+            assert d.terms["overhead"] == 0 and d.terms["rounding"] == (
+                0 if arena != "chunked:1" else d.terms["rounding"]
+            )
 
 
 @pytest.mark.parametrize("kv", ["f16", "q8_0"])
 def test_kv_bytes_per_layer(synth_model: Any, kv: str) -> None:
     path = synth_model("llama")
     meta = reader_meta(path)
-    n_kv, n_head, n_embd = meta["attention.head_count_kv"], meta["attention.head_count"], meta["embedding_length"]
+    n_kv, n_head, n_embd = (
+        meta["attention.head_count_kv"],
+        meta["attention.head_count"],
+        meta["embedding_length"],
+    )
     head_dim = n_embd // n_head
     model = open_model(path)
     ctx = 768
     layout = price(Plan(str(path), (cpu(),), (0, meta["block_count"]), ctx=ctx, kv_type=kv), model)
     d = layout.devices[0]
-    per_layer = 2 * n_kv * head_dim * ctx * 2 if kv == "f16" else 2 * (n_kv * head_dim * ctx // 32) * 34
+    per_layer = (
+        2 * n_kv * head_dim * ctx * 2 if kv == "f16" else 2 * (n_kv * head_dim * ctx // 32) * 34
+    )
     assert d.terms["kv"] == meta["block_count"] * per_layer
     _, k0 = d.span("kv.0.k")
     assert k0.shape == ((ctx, n_kv, head_dim) if kv == "f16" else (per_layer // 2,))
@@ -114,11 +135,17 @@ def test_tied_embeddings_last_stage_keeps_its_own_copy(synth_model: Any) -> None
     emb = model.tensor("token_embd.weight")
     two = price(Plan(str(path), (gpu(2 * GIB), gpu(2 * GIB, 1)), (0, 2, 4), ctx=256), model)
     first, last = two.devices
-    assert [s.name for a in first.arenas if a.purpose == "globals" for s in a.spans] == ["token_embd.weight"]
-    assert {s.name for a in last.arenas if a.purpose == "globals" for s in a.spans} == \
-        {"token_embd.weight", "output_norm.weight"}
+    assert [s.name for a in first.arenas if a.purpose == "globals" for s in a.spans] == [
+        "token_embd.weight"
+    ]
+    assert {s.name for a in last.arenas if a.purpose == "globals" for s in a.spans} == {
+        "token_embd.weight",
+        "output_norm.weight",
+    }
     one = price(Plan(str(path), (cpu(),), (0, 4), ctx=256), model).devices[0]
-    assert one.terms["globals"] == emb.nbytes + model.tensor("output_norm.weight").nbytes  # one copy
+    assert (
+        one.terms["globals"] == emb.nbytes + model.tensor("output_norm.weight").nbytes
+    )  # one copy
 
 
 def test_dequant_cache_takes_what_is_left_above_the_reserve(synth_model: Any) -> None:
@@ -133,18 +160,31 @@ def test_dequant_cache_takes_what_is_left_above_the_reserve(synth_model: Any) ->
     for s in dq:
         t = model.tensor(s.name.removeprefix("dq."))
         assert s.dtype == "bf16" and s.shape == (t.shape[1], t.shape[0]) and t.layer is not None
-    assert not any(s.name == "buf.dequant" for a in roomy.arenas for s in a.spans)  # nothing left to dequantize
+    assert not any(
+        s.name == "buf.dequant" for a in roomy.arenas for s in a.spans
+    )  # nothing left to dequantize
 
     need = stage_need(idx, pricing._stage_key(plan, 0))
     for extra in (0, 3 * MIB, 9 * MIB):
         reserve = 4 * MIB
-        tight = price(Plan(str(path), (gpu(need + reserve + extra),), (0, 4), ctx=256, act_dtype="bf16",
-                           cache_reserve=reserve), model).devices[0]
+        tight = price(
+            Plan(
+                str(path),
+                (gpu(need + reserve + extra),),
+                (0, 4),
+                ctx=256,
+                act_dtype="bf16",
+                cache_reserve=reserve,
+            ),
+            model,
+        ).devices[0]
         assert 0 <= tight.terms["dequant_cache"] <= cacheable
         assert tight.headroom >= reserve  # the cache never eats the reserve
         if tight.terms["dequant_cache"] == 0:
             _, buf = tight.span("buf.dequant")  # uncached matrices are dequantized into the scratch
-            assert buf.shape[0] == max(t.n_elements for t in model.tensors if t.layer is not None and len(t.shape) == 2)
+            assert buf.shape[0] == max(
+                t.n_elements for t in model.tensors if t.layer is not None and len(t.shape) == 2
+            )
 
 
 def test_dequant_cache_is_sized_after_kv(synth_model: Any) -> None:
@@ -167,11 +207,15 @@ def test_verdicts(synth_model: Any) -> None:
     idx = pricing.model_index(model)
     base = Plan(str(path), (gpu(GIB),), (0, 4), ctx=256, cache_reserve=0)
     need = stage_need(idx, pricing._stage_key(base, 0))
+
     # no cacheable room matters here: cache_reserve larger than the slack keeps the cache at 0
     def verdict(free: int, reserve: int = 0) -> tuple[str, int]:
-        d = price(Plan(str(path), (gpu(free, reserve=reserve),), (0, 4), ctx=256, cache_reserve=GIB),
-                  model).devices[0]
+        d = price(
+            Plan(str(path), (gpu(free, reserve=reserve),), (0, 4), ctx=256, cache_reserve=GIB),
+            model,
+        ).devices[0]
         return d.verdict, d.headroom
+
     assert verdict(need + TIGHT) == ("fits", TIGHT)
     assert verdict(need + TIGHT - 1) == ("tight", TIGHT - 1)
     assert verdict(need) == ("tight", 0)
@@ -186,8 +230,10 @@ MID = Shape("llama", 8, 2048, 16, 4, 5632, 32000, n_ctx=8192)
 def test_advice_names_the_term_and_what_fits() -> None:
     model = HeaderModel(MID)
     idx = pricing.model_index(model)
-    at = {ctx: stage_need(idx, pricing._stage_key(Plan("m", (gpu(GIB),), (0, 8), ctx=ctx), 0))
-          for ctx in (2048, 4096)}
+    at = {
+        ctx: stage_need(idx, pricing._stage_key(Plan("m", (gpu(GIB),), (0, 8), ctx=ctx), 0))
+        for ctx in (2048, 4096)
+    }
     dev = gpu((at[2048] + at[4096]) // 2)
     d = price(Plan("m", (dev,), (0, 8), ctx=4096), model).devices[0]
     assert d.verdict == "does not fit"
@@ -195,9 +241,14 @@ def test_advice_names_the_term_and_what_fits() -> None:
     ctx = int(re.search(r"--ctx (\d+)", d.advice).group(1))
     assert ctx % 256 == 0 and 2048 <= ctx < 4096
     assert price(Plan("m", (dev,), (0, 8), ctx=ctx), model).devices[0].verdict != "does not fit"
-    assert price(Plan("m", (dev,), (0, 8), ctx=ctx + 256), model).devices[0].verdict == "does not fit"
+    assert (
+        price(Plan("m", (dev,), (0, 8), ctx=ctx + 256), model).devices[0].verdict == "does not fit"
+    )
     assert "--kv q8_0" in d.advice
-    assert price(Plan("m", (dev,), (0, 8), ctx=4096, kv_type="q8_0"), model).devices[0].verdict != "does not fit"
+    assert (
+        price(Plan("m", (dev,), (0, 8), ctx=4096, kv_type="q8_0"), model).devices[0].verdict
+        != "does not fit"
+    )
 
 
 def test_advice_moves_a_boundary_to_the_neighbour_with_room() -> None:
@@ -213,7 +264,9 @@ def test_advice_moves_a_boundary_to_the_neighbour_with_room() -> None:
     k = int(m.group(1))
     assert k <= 3
     assert price(Plan("m", plan.devices, (0, 2 + k, 8), ctx=2048), model).fits
-    assert not price(Plan("m", plan.devices, (0, 1 + k, 8), ctx=2048), model).fits  # the smallest move
+    assert not price(
+        Plan("m", plan.devices, (0, 1 + k, 8), ctx=2048), model
+    ).fits  # the smallest move
 
 
 def test_nothing_helps_says_so() -> None:
@@ -234,7 +287,9 @@ def test_errors_that_need_the_model(synth_model: Any) -> None:
 
 def test_price_opens_the_model_itself_and_json_round_trips(synth_model: Any) -> None:
     path = synth_model("qwen2")
-    plan = Plan(str(path), (gpu(GIB), gpu(GIB, 1)), (0, 1, 4), ctx=256, kv_type="q8_0", arena="chunked:2")
+    plan = Plan(
+        str(path), (gpu(GIB), gpu(GIB, 1)), (0, 1, 4), ctx=256, kv_type="q8_0", arena="chunked:2"
+    )
     layout = price(plan)
     data = json.loads(json.dumps(layout.to_json()))
     back = Layout.from_json(data)
@@ -247,13 +302,17 @@ def test_overhead_comes_from_a_calibration_record(synth_model: Any) -> None:
     model = open_model(path)
     dev = gpu(2 * GIB, name="NVIDIA Test Card")
     plan = Plan(str(path), (dev,), (0, 4), ctx=256)
-    assert price(plan, model).devices[0].terms["overhead"] == calibration.DEFAULT_OVERHEAD == 724 * MIB
+    assert (
+        price(plan, model).devices[0].terms["overhead"] == calibration.DEFAULT_OVERHEAD == 724 * MIB
+    )
     calibration.remember("NVIDIA Test Card", "580.1", calibration.torch_version(), 555 * MIB)
     d = price(plan, model).devices[0]
     assert d.terms["overhead"] == 555 * MIB and d.overhead_source.startswith("calibrated")
     other = price(Plan(str(path), (gpu(2 * GIB, name="Other"),), (0, 4), ctx=256), model).devices[0]
     assert other.terms["overhead"] == 724 * MIB
-    assert price(Plan(str(path), (cpu(),), (0, 4), ctx=256), model).devices[0].terms["overhead"] == 0
+    assert (
+        price(Plan(str(path), (cpu(),), (0, 4), ctx=256), model).devices[0].terms["overhead"] == 0
+    )
 
 
 def test_moving_one_boundary_reprices_only_its_two_stages(synth_model: Any) -> None:
@@ -270,11 +329,15 @@ def test_buffers_are_the_one_list(synth_model: Any) -> None:
     path = synth_model("llama")
     model = open_model(path)
     hp = HParams.from_model(model)
-    d = price(Plan(str(path), (cpu(),), (0, 4), ctx=256, prefill_chunk=32, logits_rows=32), model).devices[0]
+    d = price(
+        Plan(str(path), (cpu(),), (0, 4), ctx=256, prefill_chunk=32, logits_rows=32), model
+    ).devices[0]
     spans = [s for a in d.arenas if a.purpose == "buffers" for s in a.spans]
     scratch = next((s.shape[0] for s in spans if s.name == "buf.dequant"), 0)
     expected = activation_buffers(hp, 32, "f32", 32, scratch)
-    assert [(s.name, s.shape, s.dtype) for s in spans] == [(f"buf.{b.name}", b.shape, b.dtype) for b in expected]
+    assert [(s.name, s.shape, s.dtype) for s in spans] == [
+        (f"buf.{b.name}", b.shape, b.dtype) for b in expected
+    ]
     sizes = {b.name: b.shape for b in expected}
     assert sizes["logits"] == (32, hp.n_vocab) and sizes["hidden"] == (32, hp.n_embd)
     assert sizes["qkv"] == (32, (hp.n_head + 2 * hp.n_head_kv) * hp.head_dim)
@@ -296,4 +359,5 @@ def test_demo_model_full_range_prices_every_tensor_byte(demo_model_path: Path) -
     assert d.terms["weights"] + d.terms["globals"] == expected
     assert len(carve(model, 0, n, True, True)) == len(model.tensors)
     assert expected == model.file_size - min(t.offset for t in model.tensors) - sum(
-        -t.nbytes % model.alignment for t in model.tensors[:-1])  # the data section, minus padding
+        -t.nbytes % model.alignment for t in model.tensors[:-1]
+    )  # the data section, minus padding

@@ -9,8 +9,10 @@ import random
 import pytest
 
 torch = pytest.importorskip("torch")
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 from engine.arena import CachingAllocatorModel
 from engine.bench_price import HeaderModel
@@ -31,8 +33,17 @@ def fresh_reserved() -> int:
 @pytest.mark.parametrize("seed", range(12))
 def test_allocator_model_equals_torch(seed: int) -> None:
     rng = random.Random(seed)
-    sizes = [rng.choice([rng.randint(1, 4096), rng.randint(1, MIB), rng.randint(MIB, 12 * MIB),
-                         rng.randint(10 * MIB, 300 * MIB)]) for _ in range(rng.randint(1, 60))]
+    sizes = [
+        rng.choice(
+            [
+                rng.randint(1, 4096),
+                rng.randint(1, MIB),
+                rng.randint(MIB, 12 * MIB),
+                rng.randint(10 * MIB, 300 * MIB),
+            ]
+        )
+        for _ in range(rng.randint(1, 60))
+    ]
     base = fresh_reserved()
     model = CachingAllocatorModel()
     held = []

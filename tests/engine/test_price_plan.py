@@ -48,8 +48,18 @@ def test_cpu_does_not_mix_with_gpus() -> None:
 
 
 def test_plan_json_round_trip_and_bad_json() -> None:
-    plan = Plan("m.gguf", devs(2), [0, 3, 8], ctx=8192, kv_type="q8_0", prefill_chunk=256,
-                cache_reserve=123, arena="chunked:512", act_dtype="bf16", logits_rows=5)
+    plan = Plan(
+        "m.gguf",
+        devs(2),
+        [0, 3, 8],
+        ctx=8192,
+        kv_type="q8_0",
+        prefill_chunk=256,
+        cache_reserve=123,
+        arena="chunked:512",
+        act_dtype="bf16",
+        logits_rows=5,
+    )
     assert plan.split == (0, 3, 8) and isinstance(plan.devices, tuple)
     assert Plan.from_json(plan.to_json()) == plan
     import json
