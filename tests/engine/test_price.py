@@ -361,3 +361,11 @@ def test_demo_model_full_range_prices_every_tensor_byte(demo_model_path: Path) -
     assert expected == model.file_size - min(t.offset for t in model.tensors) - sum(
         -t.nbytes % model.alignment for t in model.tensors[:-1]
     )  # the data section, minus padding
+
+
+def test_bench_price_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.bench_price import main
+
+    assert main(["--gpus", "2x80GiB", "--repeat", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "1443 tensors" in out and "re-price after one boundary move" in out
