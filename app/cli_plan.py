@@ -72,9 +72,12 @@ def _devices(gpus: str, reserve: int) -> tuple[list[Any], str]:
     devices = parse_rig(gpus, reserve)
     note = ""
     if not devices and gpus.strip().lower() in ("", "auto"):
-        reason = no_gpu_reason() or "no NVIDIA GPU found"
+        # GPUs NVML sees but CUDA_VISIBLE_DEVICES hides leave no reason from NVML
+        reason = no_gpu_reason().split(":")[0] or "no NVIDIA GPU visible to CUDA"
         devices = [cpu_spec(reserve)]
-        note = f"{reason.split(':')[0]} — planning for cpu (system RAM); --gpus RIG plans for GPUs you do not have"
+        note = (
+            f"{reason} — planning for cpu (system RAM); --gpus RIG plans for GPUs you do not have"
+        )
     return devices, note
 
 
@@ -155,6 +158,8 @@ def render(layout: Layout, model: Any, note: str) -> str:
     table += [("total", [human(d.total) for d in devs])]
     free_label = "free now" if not any(d.device.simulated for d in devs) else "free (idle card)"
     table += [(free_label, [human(d.device.free) for d in devs])]
+    if any(d.device.used_by_others for d in devs):
+        table += [("used by others", [human(d.device.used_by_others) for d in devs])]
     if any(d.device.reserve for d in devs):
         table += [("reserve", [human(d.device.reserve) for d in devs])]
     table += [
