@@ -236,13 +236,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.synth") ->
     ap = argparse.ArgumentParser(
         prog=prog, description="Write a synthetic GGUF of a real shape with random, "
         "well-formed quantized blocks.")
-    ap.add_argument("--shape", required=True, help="one of: " + ", ".join(SHAPES))
+    ap.add_argument("--shape", help="one of: " + ", ".join(SHAPES))
+    ap.add_argument("--list", action="store_true", help="print the shapes and their sizes")
     ap.add_argument("--mix", default="q4_k_m", help="q4_k_m or one tensor type (q8_0, f16, ...)")
-    ap.add_argument("-o", "--output", required=True, help="output .gguf path")
+    ap.add_argument("-o", "--output", help="output .gguf path")
     ap.add_argument("--split", type=int, default=1, help="write N shards (gguf-split names)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
+        if args.list:
+            _print_shapes(args.mix)
+            return 0
+        if args.shape is None or args.output is None:
+            raise CarveError("--shape and -o are needed (--list prints the shapes)")
         if args.shape not in SHAPES:
             raise CarveError(f"unknown --shape {args.shape!r}: choose one of {', '.join(SHAPES)}")
         t0 = time.perf_counter()
@@ -257,6 +263,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.synth") ->
     print(f"{args.shape} {args.mix}: {len(paths)} file(s), {_size(total)} in {dt:.1f} s "
           f"({total / max(dt, 1e-9) / 1e9:.2f} GB/s)")
     return 0
+
+
+def _print_shapes(mix: str) -> None:
+    for name, sh in SHAPES.items():
+        types = tensor_types(sh, mix)
+        total = sum(tensor_bytes(types[n], d) for n, d in tensor_table(sh))
+        print(f"{name:16} {sh.arch:7} {sh.n_layer:3} layers, hidden {sh.n_embd:5}, heads "
+              f"{sh.n_head}/{sh.n_head_kv}, FFN {sh.n_ff:5}, vocab {sh.n_vocab:6}"
+              f"{', tied' if sh.tied_embeddings else ''}: {mix} {_size(total)}")
 
 
 def _size(n: int) -> str:

@@ -177,16 +177,21 @@ def test_cli_prints_what_it_wrote(tmp_path, capsys):
     assert "qwen2-tiny q8_0: 2 file(s)" in text and " s (" in text
     assert carve_main(["gen", "--shape", "llama-tiny", "-o", str(out)]) == 0
     assert GGUFModel.open(out).arch == "llama"
+    capsys.readouterr()
+    assert carve_main(["gen", "--list"]) == 0
+    assert "qwen2-7b         qwen2    28 layers" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--shape", "qwen9"], "unknown --shape 'qwen9'"),
+    (["--list", "--mix", "q9"], "unknown --mix 'q9'"),
+    (["--mix", "q8_0"], "--shape and -o are needed"),
     (["--shape", "llama-tiny", "--mix", "q9"], "unknown --mix 'q9'"),
     (["--shape", "llama-tiny", "--split", "0"], "--split 0"),
     (["--shape", "qwen2-0.5b", "--mix", "q4_0", "-o", "/proc/no/m.gguf"], "cannot write"),
 ])
 def test_cli_bad_input(tmp_path, capsys, args, message):
-    if "-o" not in args:
+    if "-o" not in args and "--shape" in args:
         args = [*args, "-o", str(tmp_path / "x.gguf")]
     assert carve_main(["gen", *args]) == 2
     err = capsys.readouterr().err
