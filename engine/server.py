@@ -70,6 +70,7 @@ class Engine:
         self._seq = 0  # number of the last request received (reader thread only writes it)
         self._cancel_below = 0  # requests numbered below this are cancelled
         self._exiting = threading.Event()
+        self._served = threading.Event()  # serve() has returned
         self.session: Any = None
         self._tok: tuple[Any, Any] = (None, None)  # (session, its tokenizer)
 
@@ -117,7 +118,8 @@ class Engine:
         self._requests.put((sys.maxsize, p.Shutdown()))
 
         def force() -> None:
-            time.sleep(EXIT_GRACE)
+            if self._served.wait(EXIT_GRACE):
+                return  # serve() ended in time
             log.error("a request did not finish %.0f s after %s; exiting anyway", EXIT_GRACE, why)
             os._exit(1)
 
@@ -134,6 +136,12 @@ class Engine:
     # ------------------------------------------------------------ worker (main thread)
 
     def serve(self) -> int:
+        try:
+            return self._serve()
+        finally:
+            self._served.set()
+
+    def _serve(self) -> int:
         while True:
             seq, req = self._requests.get()
             if isinstance(req, p.Shutdown):
