@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, NoReturn
 
@@ -132,6 +133,11 @@ ROWS = (
 )
 
 
+def _short(name: str) -> str:
+    """ "NVIDIA GeForce RTX 4090" -> "RTX 4090": the column is narrow, the brand is given."""
+    return name.removeprefix("NVIDIA ").removeprefix("GeForce ")[:20]
+
+
 def render(layout: Layout, model: Any, note: str) -> str:
     plan = layout.plan
     hp_layers = plan.split[-1]
@@ -148,7 +154,7 @@ def render(layout: Layout, model: Any, note: str) -> str:
     lines.append(f"split {','.join(map(str, plan.split))}")
     devs = layout.devices
     heads = [d.device.label for d in devs]
-    names = [d.device.name[:18] for d in devs]
+    names = [_short(d.device.name) for d in devs]
     table: list[tuple[str, list[str]]] = [
         ("", heads),
         ("", names),
@@ -199,12 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # a file we could not read, named by the OS
         print(f"carve: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    if args.json:
-        if note:
-            print(note, file=sys.stderr)
-        print(json.dumps(layout.to_json()))
-    else:
-        print(render(layout, model, note))
+    try:
+        if args.json:
+            if note:
+                print(note, file=sys.stderr)
+            print(json.dumps(layout.to_json()))
+        else:
+            print(render(layout, model, note))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `carve plan ... | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if layout.fits else 1
 
 

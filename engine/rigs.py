@@ -92,7 +92,7 @@ def _card(part: str, token: str, index: int) -> DeviceSpec:
         total = int(float(m.group(1)) * _UNITS[m.group(2)])
         if total < GIB:
             raise CarveError(f"--gpus: {part!r} is too small for a GPU; give at least 1GiB")
-        name = f"{m.group(1)} {m.group(2).upper().replace('I', 'i')} GPU (simulated)"
+        name = f"{m.group(1)} {m.group(2).upper().replace('I', 'i')} (simulated)"
     return DeviceSpec(
         index=index, name=name, total=total, free=total - DRIVER_RESERVE, simulated=True
     )
