@@ -1,11 +1,12 @@
-"""engine/chat_template.py: the demo model's own template rendered exactly as `transformers`'
-apply_chat_template renders it (the outside reference), the ChatML fallback, and the sandbox."""
+"""engine/chat_template.py: the ChatML fallback, transformers' template dialect, the sandbox.
+
+The demo model's own template against transformers' apply_chat_template lives in
+test_tokenizer_parity.py, which loads transformers' GGUF tokenizer once for both checks."""
 
 from __future__ import annotations
 
 import datetime
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,16 +22,6 @@ CONVERSATION = [
     {"role": "user", "content": "hi"},
     {"role": "assistant", "content": "Hello! How can I help?"},
     {"role": "user", "content": "Write fib in Python.\n  Keep   the spacing."},
-]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Météo for a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
 ]
 
 
@@ -50,40 +41,6 @@ def with_template(template: str | None, **meta) -> FakeModel:
     if template is not None:
         metadata["tokenizer.chat_template"] = template
     return FakeModel(metadata)
-
-
-@pytest.fixture(scope="module")
-def demo(demo_model_path):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    transformers = pytest.importorskip("transformers")
-    ref = transformers.AutoTokenizer.from_pretrained(
-        str(demo_model_path.parent), gguf_file=demo_model_path.name
-    )
-    return GGUFModel.open(demo_model_path), ref
-
-
-@pytest.mark.demo
-@pytest.mark.parametrize(
-    ("messages", "add_generation_prompt", "tools"),
-    [
-        (CONVERSATION, True, None),
-        (CONVERSATION, False, None),
-        (CONVERSATION[1:], True, None),  # no system prompt: the template inserts its own
-        (CONVERSATION, True, TOOLS),  # tools go through tojson
-    ],
-    ids=["system+gen", "system-no-gen", "no-system", "tools"],
-)
-def test_demo_template_equals_transformers(demo, messages, add_generation_prompt, tools):
-    model, ref = demo
-    text, note = render_chat(model, messages, add_generation_prompt, tools=tools)
-    expected = ref.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
-    )
-    assert text == expected
-    assert note is None
-    assert text.count("<|im_start|>") == len(messages) + (messages[0]["role"] != "system") + (
-        1 if add_generation_prompt else 0
-    )
 
 
 @pytest.mark.demo

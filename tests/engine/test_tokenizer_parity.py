@@ -2,7 +2,8 @@
 Gemma 3 270M (SentencePiece, byte fallback, no space prefix): ids held equal to the tokenizer
 `transformers` builds from the same GGUF (an outside reference), on CPU and offline.
 
-transformers reads a GGUF tokenizer in ~10-15 s, so each reference is built once per module.
+transformers reads a GGUF tokenizer in ~10-15 s, so each reference is built once per module,
+and the demo model's chat template is checked against apply_chat_template here too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine import tokenizer as tokenizer_mod
+from engine.chat_template import render_chat
 from engine.gguf_file import GGUFModel
 from engine.tokenizer import Tokenizer
 
@@ -36,7 +38,23 @@ TEXTS = [
     "",
 ]
 
-SPLIT_EMOJI = "🦩"  # two tokens in Qwen, four byte tokens in Gemma
+SPLIT_EMOJI = "🦩"
+CONVERSATION = [
+    {"role": "system", "content": "You are terse. Ünïcode stays: 你好 😀"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "Write fib in Python.\n  Keep   the spacing."},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Météo for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]  # two tokens in Qwen, four byte tokens in Gemma
 
 
 @pytest.fixture(scope="module", params=["demo", "gemma"])
@@ -138,3 +156,28 @@ def _invalid_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return True
     return False
+
+
+@pytest.mark.demo
+@pytest.mark.parametrize(
+    ("messages", "add_generation_prompt", "tools"),
+    [
+        (CONVERSATION, True, None),
+        (CONVERSATION, False, None),
+        (CONVERSATION[1:], True, None),  # no system prompt: the template inserts its own
+        (CONVERSATION, True, TOOLS),  # tools go through tojson
+    ],
+    ids=["system+gen", "system-no-gen", "no-system", "tools"],
+)
+def test_demo_chat_template_equals_apply_chat_template(pair, messages, add_generation_prompt, tools):
+    name, _, ref, path, _ = pair
+    if name != "demo":
+        pytest.skip("Gemma 3 270M is a base model without a template (test_chat_template.py)")
+    text, note = render_chat(GGUFModel.open(path), messages, add_generation_prompt, tools=tools)
+    expected = ref.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
+    )
+    assert text == expected
+    assert note is None
+    turns = len(messages) + (messages[0]["role"] != "system") + add_generation_prompt
+    assert text.count("<|im_start|>") == turns
