@@ -412,8 +412,10 @@ def price_stage(idx: ModelIndex, k: StageKey) -> DeviceLayout:
         dq = everything if chosen is None else [t.n_elements * 2 for t in chosen]
         allocs, terms = _sizes(idx, k, mode, scratch, dq)
         allocated = reserved_bytes(allocs, gpu)
-        if not chosen or allocated + overhead + k.cache_reserve <= avail:
+        if chosen == [] or allocated + overhead + k.cache_reserve <= avail:
             break
+        if chosen is None:  # the fast path's guess overshot: fall back to the explicit list
+            chosen = [c[1] for c in _in_range(idx, k)]
         dropped = chosen.pop()
         skipped = max(skipped, dropped.n_elements)
     terms["dequant_cache"] = (

@@ -9,6 +9,8 @@ from typing import Any
 
 import gguf
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import calibration
 from engine import price as pricing
@@ -369,3 +371,33 @@ def test_bench_price_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--gpus", "2x80GiB", "--repeat", "3"]) == 0
     out = capsys.readouterr().out
     assert "1443 tensors" in out and "re-price after one boundary move" in out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(-8 * MIB, 64 * MIB),
+    st.sampled_from(["packed", "per-tensor", "chunked:4"]),
+    st.sampled_from([0, MIB, 5 * MIB]),
+)
+def test_the_cache_never_eats_the_reserve(
+    synth_model: Any, extra: int, arena: str, reserve: int
+) -> None:
+    path = synth_model("llama")
+    model = open_model(path)
+    idx = pricing.model_index(model)
+    probe = Plan(str(path), (gpu(GIB),), (0, 4), ctx=256, arena=arena, act_dtype="bf16")
+    need = stage_need(idx, pricing._stage_key(probe, 0))
+    plan = Plan(
+        str(path),
+        (gpu(need + extra),),
+        (0, 4),
+        ctx=256,
+        arena=arena,
+        act_dtype="bf16",
+        cache_reserve=reserve,
+    )
+    d = price(plan, model).devices[0]
+    assert device_bytes(d.arenas, on_gpu=True) == d.allocated
+    if d.terms["dequant_cache"] > 0:
+        assert d.headroom >= reserve
+    assert (d.verdict == "does not fit") == (extra < 0)
