@@ -110,9 +110,10 @@ class MainWindow(QMainWindow):
         plan_layout.setSpacing(10)
         self.gpu_box = _group("GPUs", self.rig_picker)
         self.split_box = _group("Layer split")
-        plan_layout.addWidget(self.gpu_box, 3)
+        plan_layout.addWidget(self.gpu_box)
         plan_layout.addWidget(self.split_box)
         plan_layout.addWidget(_group("Fit check", self.fit))
+        plan_layout.addStretch(1)
         plan_scroll = QScrollArea()  # 8 GPUs on a small screen: scroll rather than squash
         plan_scroll.setWidget(plan_tab)
         plan_scroll.setWidgetResizable(True)

@@ -56,6 +56,8 @@ class FitCheck(QWidget):
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         header.setDefaultAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         self.table.verticalHeader().setDefaultSectionSize(26)
+        self.table.horizontalHeaderItem(0).setTextAlignment(
+            Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
 
         self.summary = QLabel()
         self.summary.setObjectName("fitSummary")
@@ -107,13 +109,13 @@ class FitCheck(QWidget):
             dev = d.device
             pos = next((i for i, x in enumerate(m.devices) if x == dev), r)
             label = "CPU" if dev.index < 0 else f"GPU {dev.index}"
-            cells = [f"■ {label}  {short_gpu_name(dev.name)}"]
+            cells = [f"■ {label}"]  # the card's name is in the tooltip and on the VRAM bar
             cells += [human_bytes(d.terms.get(key, 0)) for _, key in COLUMNS[1:7]]
             cells += [human_bytes(d.total), human_bytes(dev.free), human_bytes(d.headroom), d.verdict]
             for c, text in enumerate(cells):
                 self.table.item(r, c).setText(text)
             self.table.item(r, 0).setForeground(QColor(stage_color(self.theme, pos)))
-            self.table.item(r, 0).setToolTip(dev.name)
+            self.table.item(r, 0).setToolTip(short_gpu_name(dev.name))
             verdict_item = self.table.item(r, len(COLUMNS) - 1)
             verdict_item.setForeground(QColor(self.theme.verdict.get(d.verdict, self.theme.text)))
             verdict_item.setToolTip(d.advice or "")

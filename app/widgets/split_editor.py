@@ -108,7 +108,7 @@ class SplitEditor(QWidget):
         n_stage = max(0, len(split) - 1)
         if n_stage and n_stage != len(self.model.active_devices()):
             return  # mid-change (devices first, split next): the split event follows
-        if len(self._lines) != max(0, n_stage - 1):
+        if len(self._labels) != n_stage:
             self._rebuild_lines(n_stage)
         if n_stage == 0:
             self.stages.setOpts(x0=[0], width=[0], y0=[0], height=[1])

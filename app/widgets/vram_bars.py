@@ -106,7 +106,7 @@ class VramBars(QWidget):
             cap.setPos(0, y[i] - BAR_H / 2 - 0.02)
             pi.addItem(cap)
             self._captions.append(cap)
-        self.plot.setMinimumHeight(int(48 + 44 * max(1, n)))  # 8 GPUs still fit at 1280x800
+        self.plot.setFixedHeight(int(52 + 46 * max(1, n)))  # 8 GPUs still fit at 1280x800
         self._on_values()
 
     def _on_values(self) -> None:

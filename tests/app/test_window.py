@@ -137,3 +137,28 @@ def test_snapshot_renders_the_window(synth_model, tmp_path):
     image = QImage(str(png))
     assert (image.width(), image.height()) == (1280, 800)
     assert not (tmp_path / "cfg" / "last.json").exists()  # a snapshot leaves the session alone
+
+
+def test_dropping_a_gguf_opens_it(qtbot, window, synth_model):
+    from PySide6.QtCore import QMimeData, QPointF, QUrl
+    from PySide6.QtGui import QDropEvent
+
+    path = synth_model("gemma3")
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(path))])
+    event = QDropEvent(QPointF(10, 10), Qt.DropAction.CopyAction, mime, Qt.MouseButton.NoButton,
+                       Qt.KeyboardModifier.NoModifier)
+    window.dropEvent(event)
+    assert window.plan.hparams.arch == "gemma3" and window.plan.n_layer == 6
+
+
+def test_typing_a_rig_replans_and_a_bad_one_says_why(qtbot, window):
+    combo = window.rig_picker.combo
+    combo.setEditText("3x24GiB")
+    combo.lineEdit().editingFinished.emit()
+    assert window.rig == "3x24GiB" and len(window.plan.layout.devices) == 3
+    assert window.rig_picker.banner.isVisibleTo(window)  # no GPU here: the banner says so
+    combo.setEditText("3xbanana")
+    combo.lineEdit().editingFinished.emit()
+    assert window.rig == "3x24GiB"
+    assert "banana" in window.launch_bar.status.text()
