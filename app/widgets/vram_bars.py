@@ -128,12 +128,12 @@ class VramBars(QWidget):
             x += w
         planned = np.array([0 if self.board.launched else r.planned for r in rows], float) / GIB
         brushes, pens = [], []
-        for r in rows:
+        for r, w in zip(rows, planned):
             c = pg.mkColor(self.theme.verdict.get(r.verdict, self.theme.verdict[""]))
             fill = pg.mkColor(c)
             fill.setAlpha(90)
             brushes.append(pg.mkBrush(fill))
-            pens.append(pg.mkPen(c, width=2))
+            pens.append(pg.mkPen(c, width=2) if w > 0 else pg.mkPen(None))  # no sliver at 0
         self._ghost_outline.setOpts(x0=x.copy(), width=planned, brushes=brushes, pens=pens)
         for cap, r in zip(self._captions, rows):
             cap.setText(self._caption(r), color=self.theme.muted if r.excluded else self.theme.text)
