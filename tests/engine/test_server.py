@@ -422,6 +422,13 @@ def test_demo_model_load_and_stream_a_reply(demo_model_path):
     plan = build_plan(Path(demo_model_path), "cpu", 256, "f16")
     with EngineProcess() as engine:
         engine.wait_for(p.Ready, timeout=120)
+        # unload during a load cancels it: no loaded event, and the engine serves on
+        engine.send(p.Load(plan.to_json()))
+        first = engine.wait_for(p.Progress, timeout=300)
+        assert 0 < first.total and first.done <= first.total
+        engine.send(p.Unload())
+        while not isinstance(ev := engine.wait_for(p.Progress, p.Unloaded, p.Loaded), p.Unloaded):
+            assert isinstance(ev, p.Progress), "the cancelled load finished anyway"
         engine.send(p.Load(plan.to_json()))
         loaded = engine.wait_for(p.Loaded, timeout=300)
         assert loaded.devices and loaded.devices[0]["allocated"] > 300_000_000
