@@ -34,6 +34,7 @@ from app.models.model_summary import summarize
 from app.models.plan_model import PlanModel
 from app.models.presets import PresetStore
 from app.theme import THEMES, Theme, style_sheet
+from app.window_menu import build_menu
 from engine.errors import CarveError
 
 DEFAULT_SIM_RIG = "rtx4090,rtx4090"  # planning works at once on a machine without a GPU
@@ -156,6 +157,7 @@ class MainWindow(QMainWindow):
         self.client.error.connect(self._on_engine_error)
         self.client.crashed.connect(self._on_crashed)
         self.client.note.connect(self.launch_bar.show_message)
+        build_menu(self)
         self.resize(1280, 800)
         if not lazy_plots:
             self.build_plots()
@@ -172,6 +174,16 @@ class MainWindow(QMainWindow):
         self.split_editor = SplitEditor(self.plan, self.theme)
         self.gpu_box.layout().addWidget(self.vram)
         self.split_box.layout().addWidget(self.split_editor)
+
+    def apply_theme(self, theme: Theme) -> None:
+        """Switch the look at run time: the style sheet, and the colours plots draw with."""
+        self.theme = theme
+        QApplication.instance().setStyleSheet(style_sheet(theme))
+        for view in (self.vram, self.split_editor, self.fit, self.chat.view):
+            if view is not None:
+                view.apply_theme(theme)
+        if self.remember:
+            self.store.set_ui(theme=theme.name)
 
     # -- devices -----------------------------------------------------------------------------
     def set_rig(self, rig: str) -> None:
@@ -342,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("Carve")
-    theme = THEMES[args.theme or os.environ.get("CARVE_THEME", "light")]
+    saved = PresetStore().ui().get("theme")
+    theme = THEMES[args.theme or os.environ.get("CARVE_THEME") or
+                   (saved if saved in THEMES else "light")]
     app.setStyle("Fusion")
     app.setStyleSheet(style_sheet(theme))
     window = MainWindow(theme, live_poll=not args.snapshot, remember=not args.snapshot,

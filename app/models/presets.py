@@ -90,3 +90,11 @@ class PresetStore:
 
     def save_last_session(self, model_path: str, rig: str, settings: dict[str, Any]) -> None:
         _write(self.root / "last.json", {"model": model_path, "rig": rig, "settings": settings})
+
+    def ui(self) -> dict[str, Any]:
+        """Window preferences (theme); kept apart from launch settings."""
+        data = _read(self.root / "ui.json", {})
+        return data if isinstance(data, dict) else {}
+
+    def set_ui(self, **values: Any) -> None:
+        _write(self.root / "ui.json", {**self.ui(), **values})

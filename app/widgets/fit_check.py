@@ -93,6 +93,10 @@ class FitCheck(QWidget):
         model.events.layout.connect(self._on_layout)
         self._on_layout(model.layout)
 
+    def apply_theme(self, theme: Theme) -> None:
+        self.theme = theme
+        self._on_layout(self.model.layout)
+
     def _on_layout(self, layout: object) -> None:
         m = self.model
         rows = list(layout.devices) if layout is not None else []

@@ -81,6 +81,11 @@ class SplitEditor(QWidget):
         model.events.model.connect(lambda *_: self._on_split())
         self._on_devices()
 
+    def apply_theme(self, theme: Theme) -> None:
+        self.theme = theme
+        self._rebuild_lines(len(self.model.split) - 1)
+        self._on_split()
+
     # -- mirror the model --------------------------------------------------------------------
     def _on_devices(self, *_: object) -> None:
         while self.use_row.count():

@@ -162,3 +162,19 @@ def test_typing_a_rig_replans_and_a_bad_one_says_why(qtbot, window):
     combo.lineEdit().editingFinished.emit()
     assert window.rig == "3x24GiB"
     assert "banana" in window.launch_bar.status.text()
+
+
+def test_switching_theme_at_run_time_is_remembered(qtbot, synth_model):
+    from PySide6.QtWidgets import QApplication
+
+    from app.theme import DARK
+
+    w = MainWindow(LIGHT, live_poll=False)
+    qtbot.addWidget(w)
+    w.restore(str(synth_model("llama")), "2x24GiB")
+    w.apply_theme(DARK)
+    assert w.vram.theme is DARK and w.split_editor.theme is DARK and w.fit.theme is DARK
+    assert "#1b1e24" in QApplication.instance().styleSheet()  # the dark sheet is applied
+    assert PresetStore().ui()["theme"] == "dark"
+    w.apply_theme(LIGHT)
+
