@@ -67,9 +67,9 @@ class DeviceBoard:
             return
         rows = [
             DeviceRow(
-                key=str(getattr(s, "uuid", "") or f"gpu:{s.index}"),
+                key=str(getattr(s, "uuid", "") or f"gpu:{_cuda_index(s)}"),
                 name=str(s.name),
-                index=int(s.index),
+                index=_cuda_index(s),
                 total=int(s.total),
                 used=int(getattr(s, "used", s.total - s.free)),
                 temperature=_opt_int(getattr(s, "temperature", None)),
@@ -155,6 +155,12 @@ def short_gpu_name(name: str) -> str:
         if name.startswith(prefix):
             return name[len(prefix):]
     return name
+
+
+def _cuda_index(snap: Any) -> int:
+    """engine.devices.DeviceSnapshot numbers GPUs by CUDA (PCI bus) order as ``cuda_index``;
+    the plan's DeviceSpec.index is that same number, so rows and plan devices line up."""
+    return int(getattr(snap, "cuda_index", getattr(snap, "index", -1)))
 
 
 def _opt_int(value: Any) -> int | None:

@@ -34,9 +34,13 @@ def test_chat_reply_streams_from_the_real_engine(qtbot, engine_ready, demo_model
     errors = []
     w.client.error.connect(lambda message, fatal: errors.append(message))
     w.client.crashed.connect(errors.append)
-    with qtbot.waitSignal(w.client.loaded, timeout=180_000):
+    with qtbot.waitSignal(w.client.loaded, timeout=180_000) as loaded:
         w.launch_bar.launch_button.click()
     assert errors == []
+    (device,) = loaded.args[0]
+    # the one rule: what the GUI priced before launch is what the engine allocated
+    assert device["allocated"] == device["priced"] == w.plan.layout.devices[0].allocated
+    assert "= priced" in w.launch_bar.report.text()
     tokens = []
     w.client.token.connect(lambda i, t: tokens.append(t))
     qtbot.keyClicks(w.chat.input, "What is 2+2? Answer with one number.")
