@@ -287,12 +287,16 @@ def chat(args: argparse.Namespace) -> int:
                 print(file=sys.stderr)
                 return 0
             except KeyboardInterrupt:
-                if interrupted:
-                    print(file=sys.stderr)
+                # a quick second Ctrl-C can land before input() runs again: it quits too
+                try:
+                    if interrupted:
+                        print(file=sys.stderr)
+                        return 0
+                    interrupted = True
+                    print("\n(Ctrl-C again or Ctrl-D to quit)", file=sys.stderr)
+                    continue
+                except KeyboardInterrupt:
                     return 0
-                interrupted = True
-                print("\n(Ctrl-C again or Ctrl-D to quit)", file=sys.stderr)
-                continue
             interrupted = False
             text = line.strip()
             if not text:

@@ -3,7 +3,7 @@ load progress with GB, GB/s and time left, Cancel, Unload, and the loaded report
 
 from __future__ import annotations
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QHBoxLayout,
@@ -26,6 +26,7 @@ class LaunchBar(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("launchBar")
+        self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)  # so the QSS paints it
         self.progress_model = LoadProgress()
         self.status = QLabel("")
         self.status.setObjectName("launchStatus")
