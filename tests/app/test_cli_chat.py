@@ -182,8 +182,8 @@ def test_ctrl_c_stops_a_reply_and_twice_at_the_prompt_quits(tiny_model):
                     term.buf += os.read(fd, 4096)
                 except OSError:
                     time.sleep(0.05)
+        pid = 0  # reaped
         assert os.waitstatus_to_exitcode(done[1]) == 0
-        pid = 0
     finally:
         if pid:
             os.kill(pid, signal.SIGKILL)
