@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-import engine.devices as devices
 from app.nvml_poller import NvmlPoller
 from app.theme import LIGHT
 from app.window_main import MainWindow
+from engine import devices
 from engine.devices import DeviceSnapshot, ProcessUse
 
 GIB = 1 << 30
