@@ -78,6 +78,7 @@ class MainWindow(QMainWindow):
         self.live_poll = live_poll
         self.launched_layout = None
         self.poller = None
+        self.last_error = ""
         self.remember = remember  # a --snapshot run leaves the user's last session alone
 
         self.model_panel = ModelPanel()
@@ -186,7 +187,7 @@ class MainWindow(QMainWindow):
             self.store.set_ui(theme=theme.name)
 
     # -- devices -----------------------------------------------------------------------------
-    def set_rig(self, rig: str) -> None:
+    def set_rig(self, rig: str) -> str:
         """"auto": this machine's GPUs, live; anything else: a simulated rig (engine.rigs)."""
         from engine.devices import no_gpu_reason, snapshot
         from engine.rigs import parse_rig
@@ -203,16 +204,17 @@ class MainWindow(QMainWindow):
                 self.board.set_snapshots(snaps)
                 self._plan_live_devices(snaps)
                 self._start_polling()
-                return
+                return ""
         try:
             specs = parse_rig(rig)
         except CarveError as err:
             self.launch_bar.show_message(str(err))
-            return
+            return str(err)
         self.rig = rig
         self.rig_picker.set_current(rig)
         self.board.set_simulated(rig, specs)
         self.plan.set_devices(specs)
+        return ""
 
     def _plan_live_devices(self, snaps: list) -> None:
         own = frozenset({self.client.pid}) if self.client.pid else frozenset()
@@ -243,6 +245,7 @@ class MainWindow(QMainWindow):
             self.plan.open_model(path)
         except (CarveError, OSError) as err:
             self.model_panel.show_error(str(err))
+            self.last_error = str(err)
             return False
         self.model_panel.show_summary(summarize(self.plan.gguf, self.plan.hparams))
         self.model_panel.set_recent(self.store.add_recent(path))
@@ -315,16 +318,25 @@ class MainWindow(QMainWindow):
             self.poller.stop()
         super().closeEvent(event)
 
-    def restore(self, model: str | None, rig: str | None) -> None:
+    def restore(self, model: str | None, rig: str | None) -> str:
         """Startup: the model asked for, else the last one, else the demo model if assembled;
-        the rig asked for, else the last one, else this machine (simulated if no GPU)."""
+        the rig asked for, else the last one, else this machine (simulated if no GPU).
+        Returns what went wrong with a model or rig the user named ("" if nothing)."""
         last = self.store.last_session()
-        self.set_rig(rig or last.get("rig") or "auto")
+        problem = self.set_rig(rig or last.get("rig") or "auto")
+        if problem and rig:
+            return problem
+        if problem:  # a remembered rig that no longer parses: plan for this machine
+            self.set_rig("auto")
         path = model or last.get("model") or _demo_model()
-        if path and self.open_model(path):
-            same = last.get("model") and Path(last["model"]).name == Path(path).name
-            if same and isinstance(last.get("settings"), dict):
-                self.plan.apply_settings(last["settings"])
+        if not path:
+            return ""
+        if not self.open_model(path):
+            return self.last_error if model else ""
+        same = last.get("model") and Path(last["model"]).name == Path(path).name
+        if same and isinstance(last.get("settings"), dict):
+            self.plan.apply_settings(last["settings"])
+        return ""
 
 
 def _demo_model() -> str | None:
@@ -364,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.snapshot:
         w, _, h = args.size.partition("x")
         window.resize(int(w), int(h))
-        window.restore(args.model, args.gpus)
+        problem = window.restore(args.model, args.gpus)
+        if problem:
+            print(f"carve: {problem}", file=sys.stderr)
+            return 2
         window.tabs.setCurrentIndex(1 if args.tab == "chat" else 0)
         window.show()
         for _ in range(3):

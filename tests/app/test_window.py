@@ -178,3 +178,18 @@ def test_switching_theme_at_run_time_is_remembered(qtbot, synth_model):
     assert PresetStore().ui()["theme"] == "dark"
     w.apply_theme(LIGHT)
 
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("--model", "/nonexistent/model.gguf", "model.gguf"),
+    ("--gpus", "3xbanana", "banana"),
+])
+def test_snapshot_with_a_bad_option_exits_2_with_one_line(tmp_path, option, value, words):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CARVE_CONFIG_DIR=str(tmp_path / "cfg"))
+    out = subprocess.run([sys.executable, "-m", "app", "--snapshot", str(tmp_path / "x.png"),
+                          option, value], check=False, capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 2
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("carve:")]
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in out.stderr
+    assert not (tmp_path / "x.png").exists()
