@@ -374,24 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     window = MainWindow(theme, live_poll=not args.snapshot, remember=not args.snapshot,
                         lazy_plots=not args.snapshot)
     if args.snapshot:
-        w, _, h = args.size.partition("x")
-        window.resize(int(w), int(h))
-        problem = window.restore(args.model, args.gpus)
-        if problem:
-            print(f"carve: {problem}", file=sys.stderr)
-            return 2
-        window.tabs.setCurrentIndex(1 if args.tab == "chat" else 0)
-        window.show()
-        for _ in range(3):
-            app.processEvents()
-        QTimer.singleShot(300, app.quit)  # let debounced widgets (fixes, waste) settle
-        app.exec()
-        ok = window.grab().save(args.snapshot)
-        window.close()
-        if not ok:
-            print(f"carve: could not write {args.snapshot}; check the folder exists", file=sys.stderr)
-            return 2
-        return 0
+        from app.snapshot import render
+
+        return render(window, app, args)
     window.show()
     spawned = os.environ.get("CARVE_STARTUP_TIMING")  # set by `python -m app.bench_gui`
     if spawned:
