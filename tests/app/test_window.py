@@ -193,3 +193,14 @@ def test_snapshot_with_a_bad_option_exits_2_with_one_line(tmp_path, option, valu
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("carve:")]
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in out.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_cancel_a_load_then_quit_ends_the_engine(qtbot, window):
+    with qtbot.waitSignal(window.client.unloaded, timeout=15_000):
+        window.launch_bar.launch_button.click()
+        assert window.launch_bar.cancel_button.isVisibleTo(window)
+        window.launch_bar.cancel_button.click()
+    assert not window.board.launched and window.client.state == "idle"
+    assert window.client.is_running()
+    window.close()  # quitting ends the engine: nothing is left holding VRAM
+    assert not window.client.is_running()
