@@ -17,9 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.buffers import ATTN_SPLITS
 from kernels.kv_cache import kv_load_ref
 
-_NEG = -1.0e30  # finite "minus infinity": masked scores use -inf, running maxima start here
+_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": masked scores use -inf, running maxima start here
 
 
 @triton.jit
@@ -43,7 +44,7 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
                            SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr):
     kvh = tl.program_id(0)
     s = tl.program_id(1)
-    pos = tl.load(pos_ptr)
+    pos = tl.load(pos_ptr).to(tl.int32)
     n_pos = pos + 1
     n_valid = tl.minimum(n_pos, cells)
     start = s * SPLIT
@@ -73,10 +74,12 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
         v = _load_kv(c_v, c8_v, ch_v, c, kvh, KVH, dd, cm, D, Q8)
         acc = acc * alpha[:, None] + tl.dot(pr.to(tl.float16), v)
         m_i = m_new
+    # a split past the current length stores o = 0 and lse = -1e30 (weight 0 in the reduce)
     out = (heads.to(tl.int64) * NS + s)
-    tl.store(po_ptr + out[:, None] * D + dd[None, :], acc, mask=gmask[:, None])
-    tl.store(pml_ptr + out * 2, m_i, mask=gmask)
-    tl.store(pml_ptr + out * 2 + 1, l_i, mask=gmask)
+    lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), _NEG)
+    tl.store(po_ptr + out[:, None] * D + dd[None, :], acc / tl.maximum(l_i, 1e-30)[:, None],
+             mask=gmask[:, None])
+    tl.store(pml_ptr + out, lse, mask=gmask)
 
 
 @triton.jit
@@ -85,12 +88,11 @@ def _decode_reduce_kernel(po_ptr, pml_ptr, o_ptr, NS, stride_oh, D: tl.constexpr
     h = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, NSP)
     sm = s < NS
-    m = tl.load(pml_ptr + (h * NS + s) * 2, mask=sm, other=_NEG)
-    lsum = tl.load(pml_ptr + (h * NS + s) * 2 + 1, mask=sm, other=0.0)
-    w = tl.exp(m - tl.max(m, axis=0))
+    lse = tl.load(pml_ptr + h * NS + s, mask=sm, other=_NEG)
+    w = tl.exp(lse - tl.max(lse, axis=0))
     dd = tl.arange(0, D)
     o = tl.load(po_ptr + (h * NS + s)[:, None] * D + dd[None, :], mask=sm[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(o_ptr + h * stride_oh + dd, out.to(o_ptr.dtype.element_ty))
 
 
@@ -100,17 +102,18 @@ def _views(cache: torch.Tensor):
     return cache, cache, cache, False
 
 
-def decode_split(cells: int) -> int:
-    """Cells per split-K program: enough programs to fill the GPU at depth, few at short depth."""
-    return 64 if cells <= 4096 else (128 if cells <= 16384 else 256)
+def decode_split(cells: int, n_splits: int = ATTN_SPLITS) -> int:
+    """Cells per split-K program: a multiple of 64 so that at most ``n_splits`` programs per
+    KV head cover every cell (engine/buffers.py sizes the partials for ATTN_SPLITS)."""
+    return max(64, triton.cdiv(triton.cdiv(cells, n_splits), 64) * 64)
 
 
 def decode_workspace(n_head: int, head_dim: int, cells: int,
                      device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial outputs [n_head, n_splits, head_dim] and (max, sum) [n_head, n_splits, 2]."""
-    ns = triton.cdiv(cells, decode_split(cells))
-    return (torch.empty(n_head, ns, head_dim, dtype=torch.float32, device=device),
-            torch.empty(n_head, ns, 2, dtype=torch.float32, device=device))
+    """Partial outputs [n_head, ATTN_SPLITS, head_dim] and their log-sum-exp [n_head,
+    ATTN_SPLITS]: the shapes of buf.attn_partial / buf.attn_lse."""
+    return (torch.empty(n_head, ATTN_SPLITS, head_dim, dtype=torch.float32, device=device),
+            torch.empty(n_head, ATTN_SPLITS, dtype=torch.float32, device=device))
 
 
 def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -124,8 +127,9 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if workspace is None:
         workspace = decode_workspace(nh, d, cells, q.device)
     po, pml = workspace
-    ns = po.shape[1]
-    split = decode_split(cells)
+    ns_buf = po.shape[1]
+    split = decode_split(cells, ns_buf)
+    ns = triton.cdiv(cells, split)
     if out is None:
         out = torch.empty_like(q)
     ck, ck8, ckh, q8 = _views(k_cache)
@@ -133,7 +137,7 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     gp = max(16, triton.next_power_of_2(g))
     _decode_partial_kernel[(n_kv_heads, ns)](
         q, ck, ck8, ckh, cv, cv8, cvh, positions, po, pml, cells, window, scale, n_kv_heads, ns,
-        q.stride(0), G=g, GP=gp, D=d, SPLIT=split, BLOCK_N=min(64, split), Q8=q8, num_warps=4)
+        q.stride(0), G=g, GP=gp, D=d, SPLIT=split, BLOCK_N=64, Q8=q8, num_warps=4)
     _decode_reduce_kernel[(nh,)](po, pml, out, ns, out.stride(0), D=d,
                                  NSP=triton.next_power_of_2(ns), num_warps=4)
     return out

@@ -78,5 +78,6 @@ def kv_load_ref(cache: torch.Tensor, cells: int, n_kv_heads: int, head_dim: int)
     if cache.dtype != torch.uint8:
         return cache.view(cells, n_kv_heads, head_dim).to(torch.float32)
     n = cells * n_kv_heads * head_dim
-    return _dq.dequantize_to(cache.reshape(-1), qt.Q8_0, (n,), torch.float32).view(
-        cells, n_kv_heads, head_dim)
+    # engine.dequant allocates its scratch on the CPU, so the reference runs there
+    y = _dq.dequantize_to(cache.reshape(-1).cpu(), qt.Q8_0, (n,), torch.float32)
+    return y.to(cache.device).view(cells, n_kv_heads, head_dim)

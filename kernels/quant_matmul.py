@@ -158,7 +158,9 @@ def dequantize(w: torch.Tensor, ggml_type: int, dtype: torch.dtype = torch.float
 def dequantize_ref(w: torch.Tensor, ggml_type: int, dtype: torch.dtype = torch.float16,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     n, k = w.shape[0], row_cols(w, ggml_type)
-    y = _dq.dequantize_to(w.reshape(-1), ggml_type, (k, n), torch.float32).to(dtype)
+    # engine.dequant allocates its scratch on the CPU, so the reference runs there
+    y = _dq.dequantize_to(w.reshape(-1).cpu(), ggml_type, (k, n), torch.float32)
+    y = y.to(device=w.device, dtype=dtype)
     return y if out is None else out.copy_(y)
 
 

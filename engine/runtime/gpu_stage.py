@@ -98,10 +98,13 @@ class GpuStage:
         else:
             cached = self.spans.get("dq." + name)
             if cached is not None:
-                torch.matmul(x, cached.view(w.shape[0], -1).T, out=out)
+                c = cached.view(w.shape[0], -1)
+                # prefill only (not the captured decode step): GEMM in the cache's dtype
+                out.copy_(x.to(c.dtype) @ c.T)
             else:
                 scratch = self.buf["dequant"][: w.shape[0] * quant_matmul.row_cols(w, t)]
-                quant_matmul.matmul(w, t, x, scratch=scratch.view(w.shape[0], -1), out=out)
+                out.copy_(quant_matmul.matmul(w, t, x.to(scratch.dtype),
+                                              scratch=scratch.view(w.shape[0], -1)))
         b = self.vec(bias) if bias else None
         if b is not None:
             out += b
