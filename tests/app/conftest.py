@@ -15,12 +15,16 @@ def _config_dir(tmp_path, monkeypatch):
     return tmp_path / "config"
 
 
-def gpu(index: int, free_mib: int, total_mib: int = 24576, name: str = "Test GPU"):
-    """A simulated device with exactly ``free_mib`` free (no reserve)."""
+@pytest.fixture
+def make_gpu():
+    """``make_gpu(index, free_mib)``: a simulated device with exactly that much free."""
     from engine.devices import DeviceSpec
 
-    return DeviceSpec(index=index, name=name, total=total_mib << 20, free=free_mib << 20,
-                      simulated=True)
+    def make(index: int, free_mib: int, total_mib: int = 24576, name: str = "Test GPU"):
+        return DeviceSpec(index=index, name=name, total=total_mib << 20, free=free_mib << 20,
+                          simulated=True)
+
+    return make
 
 
 import app.pyside_refcount  # noqa: F401  (PySide6 6.12.0 refcount bug: before any Qt call)

@@ -9,14 +9,13 @@ import pytest
 from app.models.plan_model import PlanModel, even_split, valid_split
 from engine.errors import CarveError
 from engine.gguf_file import GGUFModel
-from tests.app.conftest import gpu
 
 
 @pytest.fixture
-def model(synth_model):
+def model(synth_model, make_gpu):
     m = PlanModel()
     m.open_model(str(synth_model("llama")))
-    m.set_devices([gpu(0, 8000), gpu(1, 8000)])
+    m.set_devices([make_gpu(0, 8000), make_gpu(1, 8000)])
     return m
 
 
@@ -111,12 +110,12 @@ def test_context_clamped_to_training_length(model):
     assert model.ctx == model.max_ctx == 2048
 
 
-def test_verdict_and_fixes_make_it_fit(demo_model_path):
+def test_verdict_and_fixes_make_it_fit(demo_model_path, make_gpu):
     # the demo model: its KV cache at 32k context is large enough to decide the fit
     m = PlanModel()
     m.open_model(str(demo_model_path))
     m.set_cache_reserve(0)
-    m.set_devices([gpu(0, 8000)])
+    m.set_devices([make_gpu(0, 8000)])
 
     def need(ctx):  # everything but the elastic dequant cache, which takes what is left
         d = m.price_plan(m.plan(ctx=ctx)).devices[0]
@@ -124,7 +123,7 @@ def test_verdict_and_fixes_make_it_fit(demo_model_path):
 
     # free memory between the two: ctx 32768 does not fit, a smaller one does
     mid = (need(256) + need(32768)) // 2
-    m.set_devices([replace(gpu(0, 8000), free=mid)])
+    m.set_devices([replace(make_gpu(0, 8000), free=mid)])
     m.set_ctx(32768)
     assert m.verdict() == "does not fit"
     fixes = m.fixes()
@@ -157,7 +156,7 @@ def test_settings_that_no_longer_apply_are_dropped(model):
     assert len(model.split) == 3 and model.kv_type == "f16" and model.arena == "packed"
 
 
-def test_auto_split_uses_the_search(model):
-    model.set_devices([gpu(0, 3000), gpu(1, 20000)])
+def test_auto_split_uses_the_search(model, make_gpu):
+    model.set_devices([make_gpu(0, 3000), make_gpu(1, 20000)])
     assert model.auto_split()
     assert valid_split(model.split, 4, 2)

@@ -18,14 +18,13 @@ from app.widgets.fit_check import FitCheck
 from app.widgets.launch_settings import LaunchSettings
 from app.widgets.split_editor import SplitEditor
 from app.widgets.vram_bars import GIB, VramBars
-from tests.app.conftest import gpu
 
 
 @pytest.fixture
-def plan(synth_model):
+def plan(synth_model, make_gpu):
     m = PlanModel()
     m.open_model(str(synth_model("gemma3")))  # 6 layers
-    m.set_devices([gpu(0, 8000), gpu(1, 8000), gpu(2, 8000)])
+    m.set_devices([make_gpu(0, 8000), make_gpu(1, 8000), make_gpu(2, 8000)])
     m.set_split((0, 2, 4, 6))
     return m
 
@@ -112,10 +111,10 @@ def test_exclude_checkbox_and_even(qtbot, plan, editor):
     assert plan.split == (0, 2, 4, 6)
 
 
-def test_fit_check_shows_a_fix_that_applies(qtbot, demo_model_path):
+def test_fit_check_shows_a_fix_that_applies(qtbot, demo_model_path, make_gpu):
     m = PlanModel()
     m.open_model(str(demo_model_path))
-    m.set_devices([gpu(0, 1400)])  # 1.4 GiB free: the 32k-context KV cache does not fit
+    m.set_devices([make_gpu(0, 1400)])  # 1.4 GiB free: the 32k-context KV cache does not fit
     m.set_ctx(32768)
     fit = FitCheck(m, LIGHT)
     qtbot.addWidget(fit)

@@ -15,7 +15,6 @@ from PySide6.QtCore import Qt
 from app.models.presets import PresetStore
 from app.theme import LIGHT
 from app.window_main import MainWindow
-from tests.app.conftest import gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = str(ROOT / "tests" / "fake_engine.py")
@@ -61,8 +60,8 @@ def test_launch_load_and_chat_streams_into_the_view(qtbot, window):
     assert not window.board.launched
 
 
-def test_launch_is_refused_when_it_does_not_fit_unless_overridden(qtbot, window):
-    window.plan.set_devices([gpu(0, 100)])  # 100 MiB free: not even the runtime overhead fits
+def test_launch_is_refused_when_it_does_not_fit_unless_overridden(qtbot, window, make_gpu):
+    window.plan.set_devices([make_gpu(0, 100)])  # 100 MiB free: not even the runtime overhead fits
     assert window.plan.verdict() == "does not fit"
     assert not window.launch_bar.launch_button.isEnabled()
     window.launch_bar.override.setChecked(True)
@@ -111,7 +110,6 @@ import json, sys
 from PySide6.QtWidgets import QApplication
 app = QApplication([])
 from app.window_main import MainWindow
-from tests.app.conftest import gpu
 from app.theme import LIGHT
 w = MainWindow(LIGHT, live_poll=False)
 w.restore({str(synth_model("llama"))!r}, "2x24GiB")
