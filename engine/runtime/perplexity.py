@@ -77,3 +77,50 @@ def perplexity(
     var = nll2 / count - mean * mean
     err = ppl * math.sqrt(var / (count - 1)) if var > 0 and count > 1 else 0.0
     return PerplexityResult(ppl, err, n_chunk, count, tuple(running))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine.runtime.perplexity MODEL FILE --ctx N`: load MODEL for the CPU and print
+    the running and final estimate, as llama-perplexity does."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from engine.devices import cpu_spec
+    from engine.gguf_file import GGUFModel
+    from engine.hparams import HParams
+    from engine.plan import Plan
+    from engine.runtime.session import Session
+    from engine.tokenizer import Tokenizer
+
+    p = argparse.ArgumentParser(prog="python -m engine.runtime.perplexity")
+    p.add_argument("model")
+    p.add_argument("file")
+    p.add_argument("--ctx", type=int, default=512)
+    a = p.parse_args(argv)
+    try:
+        try:
+            text = Path(a.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CarveError(f"{a.file}: cannot read it as UTF-8 text ({exc})") from None
+        model = GGUFModel.open(a.model)
+        tok = Tokenizer.from_model(model)
+        tokens = tok.encode(text)
+        n = HParams.from_model(model).n_layer
+        chunk = min(a.ctx, 512)
+        plan = Plan(model=a.model, devices=(cpu_spec(),), split=(0, n), ctx=a.ctx,
+                    prefill_chunk=chunk, cache_reserve=0, logits_rows=chunk)
+        sess = Session.load(plan)
+        with torch.inference_mode():
+            r = perplexity(sess, tokens, a.ctx, tok.bos_id if tok.add_bos else None,
+                           lambda i, n, v: print(f"[{i}/{n}] {v:.4f}", flush=True))
+    except CarveError as exc:
+        print(f"perplexity: {exc}", file=sys.stderr)
+        return 2
+    print(f"Final estimate: PPL = {r.value:.4f} +/- {r.stderr:.5f} "
+          f"({len(tokens)} tokens, {r.chunks} chunks of {a.ctx}, {r.scored} scored)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
