@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import signal
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import Any, NoReturn
 from engine import protocol as p
 from engine.client import EngineProcess
 from engine.errors import CarveError
+from engine.sampling_params import SamplingParams
 
 DEFAULT_CTX = 4096
 MB = 1_000_000
@@ -244,27 +244,20 @@ def stream_reply(engine: EngineProcess, request: p.Generate, out: Any = None) ->
 # ---------------------------------------------------------------- commands
 
 
-# option -> (SamplingParams field, test, accepted values); the engine validates again, but a
-# typo must fail before a model loads, and engine/sampling.py imports torch (app/ must not).
-_SAMPLING_CHECKS = {
-    "--temp": ("temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
-    "--top-k": ("top_k", lambda v: v >= 0, "an integer >= 0 (0 = off)"),
-    "--top-p": ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1] (1 = off)"),
-    "--min-p": ("min_p", lambda v: 0 <= v < 1, "a number in [0, 1) (0 = off)"),
-    "--repeat-penalty": ("repeat_penalty", lambda v: v > 0, "a number > 0 (1 = off)"),
-    "--seed": ("seed", lambda v: v is None or 0 <= v < 2**64, "an integer >= 0"),
-    "--max-tokens": ("max_tokens", lambda v: v >= 1, "an integer >= 1"),
-}
+# option -> SamplingParams field; a typo must fail before a model loads (the engine checks again)
+_SAMPLING_OPTIONS = {
+    "--temp": "temperature", "--top-k": "top_k", "--top-p": "top_p", "--min-p": "min_p",
+    "--repeat-penalty": "repeat_penalty", "--seed": "seed", "--max-tokens": "max_tokens",
+}  # fmt: skip
 
 
 def sampling_of(args: argparse.Namespace) -> dict[str, Any]:
-    settings = {}
-    for option, (name, ok, accepted) in _SAMPLING_CHECKS.items():
-        value = getattr(args, option[2:].replace("-", "_"))
-        if (isinstance(value, float) and math.isnan(value)) or not ok(value):
-            raise CarveError(f"{option}: {value} is out of range; use {accepted}")
-        settings[name] = value
-    return settings
+    settings = {name: getattr(args, opt[2:].replace("-", "_")) for opt, name in _SAMPLING_OPTIONS.items()}
+    try:
+        return SamplingParams(**settings).to_dict()
+    except CarveError as err:
+        named = (o for o, n in _SAMPLING_OPTIONS.items() if f"setting {n}=" in str(err))
+        raise CarveError(f"{next(named, 'sampling')}: {err}") from None
 
 
 def chat(args: argparse.Namespace) -> int:

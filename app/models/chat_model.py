@@ -1,50 +1,19 @@
 """Chat history and sampling settings: Qt-free, so a test drives a conversation without a window.
 
-The view mirrors it; the engine client feeds it (``begin_reply``/``append``/``finish``). The
-sampling settings are validated here rather than by ``engine.sampling`` because that module
-imports torch, which the app never does.
+The view mirrors it; the engine client feeds it (``begin_reply``/``append``/``finish``). Sampling
+settings are ``engine.sampling_params.SamplingParams`` (pure Python), the engine's own validator.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from app.models.events import Events
 from engine.errors import CarveError
+from engine.sampling_params import SamplingParams as SamplingSettings
 
-
-@dataclass(slots=True)
-class SamplingSettings:
-    """Mirrors ``engine.sampling.SamplingParams``; ``temperature == 0`` is greedy."""
-
-    temperature: float = 0.7
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.1
-    repeat_last_n: int = 64
-    seed: int | None = None
-    max_tokens: int = 512
-
-    def __post_init__(self) -> None:
-        _check("temperature", self.temperature, 0.0, 5.0)
-        _check("top_k", self.top_k, 0, 1_000_000)
-        _check("top_p", self.top_p, 0.0, 1.0)
-        _check("min_p", self.min_p, 0.0, 1.0)
-        _check("repeat_penalty", self.repeat_penalty, 0.5, 3.0)
-        _check("repeat_last_n", self.repeat_last_n, 0, 1_000_000)
-        _check("max_tokens", self.max_tokens, 1, 1_000_000)
-        if self.seed is not None:
-            _check("seed", self.seed, 0, 2**63 - 1)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _check(name: str, value: float, lo: float, hi: float) -> None:
-    if not lo <= value <= hi:
-        raise CarveError(f"sampling setting {name}={value} is out of range; use {lo}..{hi}")
+__all__ = ["ChatHistory", "Message", "SamplingSettings"]
 
 
 @dataclass(slots=True)

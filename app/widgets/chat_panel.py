@@ -141,7 +141,7 @@ class ChatPanel(QWidget):
         messages = self.history.request_messages()
         self.history.begin_reply()
         self._gen_id = f"chat-{next(self._ids)}"
-        s = self.sampling.settings.to_json()
+        s = self.sampling.settings.to_dict()
         self.client.generate(messages, s, self._gen_id, max_tokens=s["max_tokens"])
         self._update_buttons()
 

@@ -61,7 +61,7 @@ def test_regenerate_drops_only_the_last_reply():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("temperature", -0.1), ("temperature", 9.0), ("top_p", 1.5), ("min_p", -1.0),
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", -1.0),
     ("top_k", -1), ("repeat_penalty", 0.0), ("max_tokens", 0), ("seed", -5),
 ])
 def test_sampling_values_out_of_range_name_the_setting(field, value):
@@ -70,8 +70,8 @@ def test_sampling_values_out_of_range_name_the_setting(field, value):
 
 
 def test_sampling_settings_match_the_engine_fields():
-    # the protocol sends these names to engine.sampling.SamplingParams
-    s = SamplingSettings(temperature=0.0, seed=7).to_json()
+    # the protocol sends these names to the engine, which validates them again
+    s = SamplingSettings(temperature=0.0, seed=7).to_dict()
     assert s["temperature"] == 0.0 and s["seed"] == 7
     assert set(s) == {"temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
                       "seed", "max_tokens"}

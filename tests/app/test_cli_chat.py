@@ -45,8 +45,8 @@ def text_file(tmp_path) -> Path:
 
 BAD = [
     (["chat", "/nonexistent/model.gguf"], "no such model file"),
-    (["chat", "{model}", "--temp", "-1"], "--temp: -1.0 is out of range"),
-    (["chat", "{model}", "--temp", "nan"], "--temp: nan is out of range"),
+    (["chat", "{model}", "--temp", "-1"], "--temp: sampling setting temperature=-1.0 is out of range"),
+    (["chat", "{model}", "--temp", "nan"], "--temp: sampling setting temperature=nan is out of range"),
     (["chat", "{model}", "--top-p", "0"], "--top-p"),
     (["chat", "{model}", "--max-tokens", "0"], "--max-tokens"),
     (["chat", "{model}", "--ctx", "lots"], "invalid int value"),
