@@ -3,6 +3,8 @@ in every arena mode; weights land in their spans; progress and cancellation beha
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,17 @@ from engine.runtime.session import Session
 
 GIB = 1 << 30
 CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Small shapes: OpenMP fan-out costs more than it saves, and on a busy 2-core machine a
+    # parallel region waits a whole scheduler slice (~10 ms) for its second thread (measured
+    # 25x slower generation on tiny models with 2 threads while other jobs ran).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 
 def _plan(path, **kw) -> Plan:
@@ -75,7 +88,7 @@ def test_progress_reports_bytes_and_rate(synth_model) -> None:
     want = sum(s.nbytes for a in layout.devices[0].arenas for s in a.spans
                if s.purpose in ("weights", "globals"))
     assert weights[0][1] == 0 and weights[-1][1] == weights[-1][2] == want
-    assert all(b[1] >= a[1] for a, b in zip(weights, weights[1:]))
+    assert all(b[1] >= a[1] for a, b in itertools.pairwise(weights))
     assert weights[-1][3] > 0
     assert any(e[0] == "dequant cache" for e in events)
 
