@@ -27,8 +27,8 @@ from kernels import attention, glu, kv_cache, norm, quant_matmul, rope
 from kernels.random_blocks import random_weight
 
 TYPES = [qt.Q4_K, qt.Q6_K, qt.Q5_K, qt.Q4_0, qt.Q5_0, qt.Q8_0, qt.F16, qt.BF16]
-K_CONFIGS = [(2, 1, 4), (4, 1, 4), (4, 2, 4), (8, 1, 4), (8, 2, 8), (16, 1, 8), (2, 4, 4)]
-B_CONFIGS = [(4, 8, 4), (8, 8, 4), (4, 16, 4), (8, 16, 8), (2, 16, 4), (16, 8, 8), (1, 32, 4)]
+K_CONFIGS = [(4, 16, 4), (8, 8, 4), (4, 8, 2), (8, 16, 8), (2, 16, 2)]
+B_CONFIGS = [(4, 32, 4), (8, 16, 4), (4, 16, 2), (8, 32, 8)]
 ROTATE = 4  # weight copies cycled so that timings are not L2 hits (60 MB of L2)
 
 

@@ -52,6 +52,14 @@ def _i8(ptr, off):
 
 
 @triton.jit
+def _f32(q, bias: tl.constexpr):
+    # int in [0, 2^23) -> float32 minus ``bias``, exactly: OR the bits into the mantissa of
+    # 2^23 and subtract. Integer-to-float conversion runs at 1/8 of the FMA rate on Hopper and
+    # was the GEMV's limit (kernels/NOTES.md); this is one LOP and one FADD.
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+
+
+@triton.jit
 def _scale_min_k4(w_ptr, base, J: tl.constexpr):
     # get_scale_min_k4(j, scales) of ggml-quants.c; J is known at compile time
     s = base + 4
@@ -80,24 +88,24 @@ def dequant_part(w_ptr, wh_ptr, base, lane, TYPE: tl.constexpr, P: tl.constexpr)
         e = lane + 16 * P
         d = tl.load(wh_ptr + base // 2).to(tl.float32)
         q = (_u8(w_ptr, base + 2 + lane[None, None, :]) >> (4 * P)) & 15
-        v = q.to(tl.float32) * d - 8.0 * d
+        v = _f32(q, 8.0) * d
     elif TYPE == 6:  # Q5_0: d, qh[4] (bit j: 5th bit of element j), qs[16]
         e = lane + 16 * P
         d = tl.load(wh_ptr + base // 2).to(tl.float32)
         q = (_u8(w_ptr, base + 6 + lane[None, None, :]) >> (4 * P)) & 15
         hb = (_u8(w_ptr, base + 2 + 2 * P + lane[None, None, :] // 8) >> (lane[None, None, :] % 8)) & 1
-        v = (q | (hb << 4)).to(tl.float32) * d - 16.0 * d
+        v = _f32(q | (hb << 4), 16.0) * d
     elif TYPE == 8:  # Q8_0: d, qs[32] int8
         e = lane
         d = tl.load(wh_ptr + base // 2).to(tl.float32)
-        v = _i8(w_ptr, base + 2 + lane[None, None, :]).to(tl.float32) * d
+        v = _f32(_u8(w_ptr, base + 2 + lane[None, None, :]) ^ 128, 128.0) * d
     elif TYPE == 12:  # Q4_K: d, dmin, scales[12], qs[128]; part P = sub-block P of 32
         e = lane + 32 * P
         d = tl.load(wh_ptr + base // 2).to(tl.float32)
         dmin = tl.load(wh_ptr + base // 2 + 1).to(tl.float32)
         sc, mn = _scale_min_k4(w_ptr, base, P)
         q = (_u8(w_ptr, base + 16 + 32 * (P // 2) + lane[None, None, :]) >> (4 * (P % 2))) & 15
-        v = q.to(tl.float32) * (d * sc) - dmin * mn
+        v = _f32(q, 0.0) * (d * sc) - dmin * mn
     elif TYPE == 13:  # Q5_K: d, dmin, scales[12], qh[32], qs[128]; 5th bit = bit P of qh[l]
         e = lane + 32 * P
         d = tl.load(wh_ptr + base // 2).to(tl.float32)
@@ -105,7 +113,7 @@ def dequant_part(w_ptr, wh_ptr, base, lane, TYPE: tl.constexpr, P: tl.constexpr)
         sc, mn = _scale_min_k4(w_ptr, base, P)
         q = (_u8(w_ptr, base + 48 + 32 * (P // 2) + lane[None, None, :]) >> (4 * (P % 2))) & 15
         hb = (_u8(w_ptr, base + 16 + lane[None, None, :]) >> P) & 1
-        v = (q | (hb << 4)).to(tl.float32) * (d * sc) - dmin * mn
+        v = _f32(q | (hb << 4), 0.0) * (d * sc) - dmin * mn
     else:  # Q6_K: ql[128], qh[64], scales[16] int8, d; part P = 16 elements of one scale
         # P = 8n + 2g + h: half n (128 elements), quarter g (32), half-quarter h (16)
         n = P // 8
@@ -117,7 +125,7 @@ def dequant_part(w_ptr, wh_ptr, base, lane, TYPE: tl.constexpr, P: tl.constexpr)
         ql = _u8(w_ptr, base + 64 * n + 32 * (g % 2) + 16 * h + lane[None, None, :])
         qh = _u8(w_ptr, base + 128 + 32 * n + 16 * h + lane[None, None, :])
         q = ((ql >> (4 * (g // 2))) & 15) | (((qh >> (2 * g)) & 3) << 4)
-        v = q.to(tl.float32) * (d * sc) - 32.0 * (d * sc)
+        v = _f32(q, 32.0) * (d * sc)
     return v, e
 
 

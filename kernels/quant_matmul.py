@@ -20,14 +20,16 @@ from kernels.quant_blocks import dequant_part, plan
 # (rows per program, blocks per step, warps) per type, for M<=8 decode GEMV; picked by
 # kernels/device_check.py on an H200 (see kernels/NOTES.md).
 GEMV_CONFIG: dict[int, tuple[int, int, int]] = {
-    qt.F16: (4, 8, 4),
-    qt.BF16: (4, 8, 4),
-    qt.Q4_0: (4, 8, 4),
-    qt.Q5_0: (4, 8, 4),
-    qt.Q8_0: (4, 8, 4),
-    qt.Q4_K: (4, 2, 4),
-    qt.Q5_K: (4, 2, 4),
-    qt.Q6_K: (4, 2, 4),
+    # a tile must give each thread ~16 contiguous weight bytes per part, or loads stay 2 bytes
+    # wide and the scale loads dominate; best of a sweep on an H200 (kernels/NOTES.md)
+    qt.F16: (4, 16, 4),
+    qt.BF16: (4, 16, 4),
+    qt.Q4_0: (4, 32, 4),
+    qt.Q5_0: (8, 16, 4),
+    qt.Q8_0: (8, 16, 4),
+    qt.Q4_K: (4, 16, 4),
+    qt.Q5_K: (4, 16, 4),
+    qt.Q6_K: (4, 16, 4),
 }
 
 
@@ -55,8 +57,19 @@ def _gemv_kernel(w_ptr, wh_ptr, x_ptr, y_ptr, N, K, row_bytes, stride_xm, stride
         for p in tl.static_range(NPART):
             v, e = dequant_part(w_ptr, wh_ptr, base, lane, TYPE, p)
             # blocks past the row end read x as 0 (their weight values are a clamped, finite copy)
-            xv = tl.load(xrow + blk[:, None] * BS + e[None, :], mask=bmask[:, None], other=0.0)
-            acc += v * xv.to(tl.float32)[None, :, :]
+            # x loaded as a full [R, B, L] tile (rows re-read it from L1) so that it comes in: no shared-memory layout conversion per part
+            # the weight tile's register layout: no shared-memory layout conversion per part.
+            # F16/BF16 weights are as wide as x, so there one x load per row costs more.
+            if TYPE == 1 or TYPE == 30:
+                xv = tl.load(xrow + blk[:, None] * BS + e[None, :], mask=bmask[:, None],
+                             other=0.0)
+                acc += v * xv.to(tl.float32)[None, :, :]
+            else:
+                xp = tl.broadcast_to((xrow + blk[:, None] * BS + e[None, :])[None, :, :],
+                                     (BLOCK_R, BLOCK_B, L))
+                xm = tl.broadcast_to(bmask[None, :, None], (BLOCK_R, BLOCK_B, L))
+                xv = tl.load(xp, mask=xm, other=0.0)
+                acc += v * xv.to(tl.float32)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty),
              mask=rows < N)
@@ -136,8 +149,8 @@ def gemv_ref(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor
 def _dequant_launch(w, ggml_type, ids, out, n, k):
     w, wh = _views(w, ggml_type)
     p = plan(ggml_type)
-    br = 4 if p.block == 256 else 8
-    bb = 1 if p.block == 256 else 8
+    br = 8
+    bb = 8 if p.block == 256 else 16
     grid = (triton.cdiv(n, br), triton.cdiv(k // p.block, bb))
     _dequant_kernel[grid](w, wh, ids if ids is not None else w, out, n, k, w.shape[1],
                           out.stride(0), TYPE=ggml_type, BS=p.block, TS=p.nbytes,

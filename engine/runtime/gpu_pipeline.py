@@ -33,7 +33,8 @@ class GpuPipeline:
                     t.zero_()
             stage = GpuStage(hp, model, dl, spans, dev, plan.ctx, plan.prefill_chunk)
             t0 = time.perf_counter()
-            cached = stage.fill_dequant_cache()
+            with torch.cuda.device(dev):  # Triton launches on the current device
+                cached = stage.fill_dequant_cache()
             torch.cuda.synchronize(dev)
             self.stages.append(stage)
             self.arenas.append(arenas)
@@ -61,7 +62,8 @@ class GpuPipeline:
             for i, st in enumerate(self.stages):
                 if i:
                     self._send(i, n)
-                st.forward(n, p)
+                with torch.cuda.device(st.device):
+                    st.forward(n, p)
         nxt = int(torch.argmax(last.buf["logits"][0]))
         end = pos0 + len(ids)
         for st in self.stages:
@@ -87,7 +89,8 @@ class GpuPipeline:
             if i:
                 b = st.buf["hidden"]
                 b[:1].copy_(self.stages[i - 1].buf["hidden"][:1], non_blocking=True)
-            st.replay()
+            with torch.cuda.device(st.device):
+                st.replay()
         if len(self.stages) > 1:
             self.stages[0].buf["tokens"][:1].copy_(self.stages[-1].next_id, non_blocking=True)
 

@@ -57,7 +57,8 @@ class GpuStage:
         self.graph: torch.cuda.CUDAGraph | None = None
         part, lse = self.buf["attn_partial"], self.buf["attn_lse"]
         self.attn_ws = (part, lse)
-        self.next_id = torch.zeros(1, dtype=torch.int64, device=self.device) if self.last else None
+        # the greedy id lives in the last slot of buf.tokens: nothing outside the Layout
+        self.next_id = self.buf["tokens"][-1:] if self.last else None
 
     # --- tensors -------------------------------------------------------------------------
     def mat(self, name: str) -> tuple[torch.Tensor, int]:
