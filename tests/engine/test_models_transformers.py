@@ -21,6 +21,7 @@ from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
 GIB = 1 << 30
+GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=32)  # plain argmax
 CPU = DeviceSpec(index=-1, name="cpu", total=16 * GIB, free=16 * GIB)
 
 @pytest.fixture(autouse=True, scope="module")
@@ -149,8 +150,9 @@ def _check_real(hf, exact, product, prompts, n_ids: int, name: str) -> None:
     with torch.inference_mode():
         ref = hf(ids.unsqueeze(0)).logits[0]
     assert _report(f"{name} f32", exact.logits(ids.tolist()), ref) < 1e-5
-    # the product path: bf16 dequant cache, f16 KV cache (measured: ~1e-2 of the logit range)
-    assert _report(f"{name} bf16-cache+f16-KV", product.logits(ids.tolist()), ref) < 3e-2
+    # the product path: bf16 dequant cache, f16 KV cache. Measured 0.9e-2 (qwen) and 1.6-1.9e-2
+    # (gemma: logits up to ~125, 600 positions) of the logit range; bf16 keeps 8 mantissa bits.
+    assert _report(f"{name} bf16-cache+f16-KV", product.logits(ids.tolist()), ref) < 4e-2
     eos = hf.generation_config.eos_token_id
     stop = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     for p in prompts:
@@ -158,18 +160,21 @@ def _check_real(hf, exact, product, prompts, n_ids: int, name: str) -> None:
             want = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p):]
         want = [t for t in want.tolist() if t not in stop]
         out: list[int] = []
-        exact.generate(p, SamplingParams(temperature=0.0, max_tokens=32), stop, out.append)
+        exact.generate(p, GREEDY, stop, out.append)
         assert out == want, f"{name}: greedy continuation of {p} differs"
         prod: list[int] = []
-        product.generate(p, SamplingParams(temperature=0.0, max_tokens=32), stop, prod.append)
+        product.generate(p, GREEDY, stop, prod.append)
         same = next((i for i, (a, b) in enumerate(zip(prod, want)) if a != b), len(want))
         print(f"{name} bf16-cache+f16-KV greedy: first {same} of {len(want)} tokens identical")
 
 
+@pytest.mark.slow  # ~110 s on two cores: transformers' GGUF load dominates
+@pytest.mark.demo
 def test_demo_model_matches_transformers(demo) -> None:
     _check_real(*demo, n_ids=48, name="qwen2.5-coder-0.5b")
 
 
+@pytest.mark.slow  # ~130 s on two cores
 def test_gemma3_270m_matches_transformers_across_the_window(gemma) -> None:
     # 600 tokens > the 512-token window: the sliding layers' rings wrap during prefill
     _check_real(*gemma, n_ids=600, name="gemma-3-270m")

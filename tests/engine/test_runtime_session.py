@@ -16,7 +16,7 @@ from engine.sampling import SamplingParams
 
 GIB = 1 << 30
 CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
+GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=20)
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
@@ -83,8 +83,8 @@ def test_stop_cancel_and_length(gemma) -> None:
 
 
 def test_context_end_stops_with_length(gemma) -> None:
-    s = gemma.generate(_prompt(150, 4), SamplingParams(temperature=0.0, max_tokens=100), set(),
-                       lambda t: True)
+    params = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=100)
+    s = gemma.generate(_prompt(150, 4), params, set(), lambda t: True)
     assert s.reason == "length" and s.completion_tokens == 11  # 150 + 10 fill ctx 160, +1 sampled
 
 
