@@ -50,6 +50,8 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
 
     model = GGUFModel.open(path)
     hp = HParams.from_model(model)
+    if hp.n_ctx_train and ctx > hp.n_ctx_train:
+        ctx = hp.n_ctx_train  # the deepest point of the sweep is then ctx - 64
     layout = price(_plan(path, n_gpus, hp.n_layer, ctx, kv_type, arena), model)
     t0 = time.perf_counter()
     pipe = GpuPipeline(model, hp, layout)
@@ -81,8 +83,7 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
                  "weight_gbps": weight_bytes / (t / tokens) / 1e9}
     rep["depth"] = []
     for d in depths:
-        if d + 64 > ctx:
-            continue
+        d = min(d, ctx - 64)
         pipe.set_position(d, 1)
         t = _timed(pipe.step, 32)
         rep["depth"].append({"depth": d, "tps": 32 / t})

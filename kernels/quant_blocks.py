@@ -53,10 +53,9 @@ def _i8(ptr, off):
 
 @triton.jit
 def _f32(q, bias: tl.constexpr):
-    # int in [0, 2^23) -> float32 minus ``bias``, exactly: OR the bits into the mantissa of
-    # 2^23 and subtract. Integer-to-float conversion runs at 1/8 of the FMA rate on Hopper and
-    # was the GEMV's limit (kernels/NOTES.md); this is one LOP and one FADD.
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+    # int -> float32 minus ``bias``. (Tried: OR into the mantissa of 2^23 and subtract, to skip
+    # the 1/8-rate I2F; on the H200 it made Q4_K 20% slower, kernels/NOTES.md.)
+    return q.to(tl.float32) - bias
 
 
 @triton.jit
