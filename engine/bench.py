@@ -126,20 +126,22 @@ def main(argv: list[str] | None = None) -> int:
         ctx = args.ctx or (max(depths) + 512 if depths else 4096)
         out: dict = {"model": path}
         ids1 = run(path, args.gpus, ctx, args.kv, args.arena, args.tokens, depths, args.pp, out)
+        _print(out)
         if args.compare_split and torch.cuda.device_count() >= 2:
             ids2 = run(path, 2, ctx, args.kv, args.arena, args.tokens, [], args.pp, out)
             out["split_same_ids"] = ids1 == ids2
+            out["runs"] = out["runs"][-1:]
+            _print(out)
     except CarveError as e:
         print(f"carve: {e}", file=sys.stderr)
         return 2
-    _print(out)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 
 def _print(out: dict) -> None:
-    print(f"model {out['model']}")
+    print(f"model {out['model']}", flush=True)
     for r in out["runs"]:
         print(f"-- {r['gpus']} GPU(s): load {r['load_gbps']:.1f} GB/s, "
               f"pp{r['pp']['tokens']} {r['pp']['tps']:.0f} t/s, tg{r['tg']['tokens']} "

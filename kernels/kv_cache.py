@@ -17,10 +17,23 @@ from engine import quant_types as qt
 
 
 @triton.jit
-def _kv_store_kernel(src_ptr, pos_ptr, c_ptr, c8_ptr, ch_ptr, cells, KVH, stride_t, stride_h,
+def _kv_store_kernel(src_ptr, pos_ptr, c_ptr, c8_ptr, ch_ptr, src2_ptr, c2_ptr, c82_ptr, ch2_ptr,
+                     cells, KVH, stride_t, stride_h, stride2_t, stride2_h,
                      D: tl.constexpr, Q8: tl.constexpr):
+    # program_id(2) picks the pair: 0 = keys, 1 = values (one launch stores both)
     t = tl.program_id(0)
     h = tl.program_id(1)
+    if tl.program_id(2) == 0:
+        _kv_store_one(src_ptr, pos_ptr, c_ptr, c8_ptr, ch_ptr, cells, KVH, stride_t, stride_h,
+                      t, h, D, Q8)
+    else:
+        _kv_store_one(src2_ptr, pos_ptr, c2_ptr, c82_ptr, ch2_ptr, cells, KVH, stride2_t,
+                      stride2_h, t, h, D, Q8)
+
+
+@triton.jit
+def _kv_store_one(src_ptr, pos_ptr, c_ptr, c8_ptr, ch_ptr, cells, KVH, stride_t, stride_h, t, h,
+                  D: tl.constexpr, Q8: tl.constexpr):
     cell = (tl.load(pos_ptr + t) % cells).to(tl.int64)
     src = src_ptr + t.to(tl.int64) * stride_t + h * stride_h
     if Q8:
@@ -41,20 +54,31 @@ def _kv_store_kernel(src_ptr, pos_ptr, c_ptr, c8_ptr, ch_ptr, cells, KVH, stride
         tl.store(c_ptr + (cell * KVH + h) * D + d, x.to(c_ptr.dtype.element_ty))
 
 
-def kv_store(src: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor,
-             cells: int) -> None:
+def _views(cache: torch.Tensor):
+    q8 = cache.dtype == torch.uint8
+    return (cache, cache.view(torch.int8) if q8 else cache,
+            cache.view(torch.float16) if q8 else cache)
+
+
+def kv_store(src: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, cells: int,
+             src2: torch.Tensor | None = None, cache2: torch.Tensor | None = None) -> None:
     """Store src [T, n_kv_heads, head_dim] at cells positions % cells of ``cache`` (f16
-    [cells, n_kv_heads, head_dim], or uint8 q8_0 blocks)."""
+    [cells, n_kv_heads, head_dim], or uint8 q8_0 blocks); with src2/cache2 (the values) too,
+    in the same launch."""
     t, kvh, d = src.shape
     q8 = cache.dtype == torch.uint8
-    c8 = cache.view(torch.int8) if q8 else cache
-    ch = cache.view(torch.float16) if q8 else cache
-    _kv_store_kernel[(t, kvh)](src, positions, cache, c8, ch, cells, kvh, src.stride(0),
-                               src.stride(1), D=d, Q8=q8, num_warps=1 if d <= 128 else 2)
+    pair = src2 is not None
+    s2 = src2 if pair else src
+    c2 = cache2 if pair else cache
+    _kv_store_kernel[(t, kvh, 2 if pair else 1)](
+        src, positions, *_views(cache), s2, *_views(c2), cells, kvh, src.stride(0),
+        src.stride(1), s2.stride(0), s2.stride(1), D=d, Q8=q8, num_warps=1 if d <= 128 else 2)
 
 
-def kv_store_ref(src: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor,
-                 cells: int) -> None:
+def kv_store_ref(src: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, cells: int,
+                 src2: torch.Tensor | None = None, cache2: torch.Tensor | None = None) -> None:
+    if src2 is not None:
+        kv_store_ref(src2, cache2, positions, cells)
     t, kvh, d = src.shape
     cell = (positions.long() % cells)
     if cache.dtype != torch.uint8:

@@ -34,9 +34,10 @@ GEMV_CONFIG: dict[int, tuple[int, int, int]] = {
 
 
 @triton.jit
-def _gemv_kernel(w_ptr, wh_ptr, x_ptr, y_ptr, N, K, row_bytes, stride_xm, stride_ym,
+def _gemv_kernel(w_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, N, K, row_bytes, stride_xm, stride_ym,
                  TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
-                 L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+                 L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, LANE_SUM: tl.constexpr):
     # axis 0 is the batch row so that the M programs sharing weight rows run side by side and
     # the second..M-th read of those bytes hits L2
     m = tl.program_id(0)
@@ -49,6 +50,7 @@ def _gemv_kernel(w_ptr, wh_ptr, x_ptr, y_ptr, N, K, row_bytes, stride_xm, stride
     row_base = rows_c.to(tl.int64)[:, None, None] * row_bytes
     xrow = x_ptr + m.to(tl.int64) * stride_xm
     acc = tl.zeros([BLOCK_R, BLOCK_B, L], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):
         blk = b0 + tb
         bmask = blk < nblk
@@ -69,8 +71,13 @@ def _gemv_kernel(w_ptr, wh_ptr, x_ptr, y_ptr, N, K, row_bytes, stride_xm, stride
                                      (BLOCK_R, BLOCK_B, L))
                 xm = tl.broadcast_to(bmask[None, :, None], (BLOCK_R, BLOCK_B, L))
                 xv = tl.load(xp, mask=xm, other=0.0)
-                acc += v * xv.to(tl.float32)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+                if LANE_SUM:  # variant: reduce each part over its lanes at once
+                    acc2 += tl.sum(v * xv.to(tl.float32), axis=2)
+                else:
+                    acc += v * xv.to(tl.float32)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(acc2, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty),
              mask=rows < N)
 
@@ -119,9 +126,11 @@ def row_cols(w: torch.Tensor, ggml_type: int) -> int:
 
 
 def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | None = None,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """y[M, rows] = x[M, cols] @ W^T, dequantizing W on the fly; M small (decode, M <= 8).
-    x is float32/bf16/f16; y has x's dtype unless ``out`` is given. No allocation with ``out``."""
+         config: tuple[int, int, int] | None = None, bias: torch.Tensor | None = None,
+         lane_sum: bool = False) -> torch.Tensor:
+    """y[M, rows] = x[M, cols] @ W^T (+ bias), dequantizing W on the fly; M small (decode,
+    M <= 8). x is float32/bf16/f16; y has x's dtype unless ``out`` is given. No allocation
+    with ``out``."""
     w, wh = _views(w, ggml_type)
     p = plan(ggml_type)
     n, k = w.shape[0], row_cols(w, ggml_type)
@@ -132,16 +141,21 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     br, bb, warps = config or GEMV_CONFIG[ggml_type]
     grid = (m, triton.cdiv(n, br))
-    _gemv_kernel[grid](w, wh, x2, y, n, k, w.shape[1], x2.stride(0), y.stride(0),
-                       TYPE=ggml_type, BS=p.block, TS=p.nbytes, NPART=p.parts, L=p.lanes,
-                       BLOCK_R=br, BLOCK_B=bb, num_warps=warps)
+    _gemv_kernel[grid](w, wh, x2, y, bias if bias is not None else y, n, k, w.shape[1],
+                       x2.stride(0), y.stride(0), TYPE=ggml_type, BS=p.block, TS=p.nbytes,
+                       NPART=p.parts, L=p.lanes, BLOCK_R=br, BLOCK_B=bb,
+                       HAS_BIAS=bias is not None, LANE_SUM=lane_sum, num_warps=warps)
     return y.view(*x.shape[:-1], n) if out is None else out
 
 
 def gemv_ref(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | None = None,
-             config: tuple[int, int, int] | None = None) -> torch.Tensor:
+             config: tuple[int, int, int] | None = None, bias: torch.Tensor | None = None,
+             lane_sum: bool = False) -> torch.Tensor:
     wf = dequantize_ref(w, ggml_type, torch.float32)
-    y = (x.to(torch.float32).reshape(-1, wf.shape[1]) @ wf.T).to(x.dtype)
+    y = x.to(torch.float32).reshape(-1, wf.shape[1]) @ wf.T
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    y = y.to(x.dtype)
     y = y.view(*x.shape[:-1], wf.shape[0])
     return y if out is None else out.copy_(y.view(out.shape))
 

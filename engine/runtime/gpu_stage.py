@@ -94,8 +94,10 @@ class GpuStage:
     # --- one step ------------------------------------------------------------------------
     def _linear(self, name: str, x: torch.Tensor, out: torch.Tensor, bias: str | None = None):
         w, t = self.mat(name)
+        b = self.vec(bias) if bias else None
         if x.shape[0] <= 8:
-            quant_matmul.gemv(w, t, x, out=out)
+            quant_matmul.gemv(w, t, x, out=out, bias=b)  # bias added in the same launch
+            return
         else:
             cached = self.spans.get("dq." + name)
             if cached is not None:
@@ -106,7 +108,6 @@ class GpuStage:
                 scratch = self.buf["dequant"][: w.shape[0] * quant_matmul.row_cols(w, t)]
                 out.copy_(quant_matmul.matmul(w, t, x.to(scratch.dtype),
                                               scratch=scratch.view(w.shape[0], -1)))
-        b = self.vec(bias) if bias else None
         if b is not None:
             out += b
 
@@ -140,21 +141,20 @@ class GpuStage:
             swa = bool(hp.swa_layers[i]) if hp.swa_layers else False
             base = hp.rope_base_swa if swa else hp.rope_base
             scale = 1.0 / hp.rope_scale if hp.rope_scaling == "linear" else 1.0
-            rope.rope(q3, pos, base, hp.rope_style == "neox", scale)
-            rope.rope(k3, pos, base, hp.rope_style == "neox", scale)
+            # q and k heads sit side by side in buf.qkv: one launch rotates both
+            qk3 = qkv[:, :self.q_w + self.kv_w].unflatten(1, (hp.n_head + hp.n_head_kv, d))
+            rope.rope(qk3, pos, base, hp.rope_style == "neox", scale)
             kc, vc, cells = self.kv(i)
             window = hp.sliding_window if swa else 0
             o3 = attn_o.view(n, hp.n_head, d)
             if pos0 is None:
-                kv_cache.kv_store(k3, kc, pos, cells)
-                kv_cache.kv_store(v3, vc, pos, cells)
+                kv_cache.kv_store(k3, kc, pos, cells, v3, vc)
                 attention.attn_decode(q3[0], kc, vc, pos, hp.n_head_kv, cells, window,
                                       hp.attn_scale, out=o3[0], workspace=self.attn_ws)
             else:
                 attention.attn_prefill(q3, k3, v3, kc, vc, pos0, cells, window, hp.attn_scale,
                                        out=o3)
-                kv_cache.kv_store(k3, kc, pos, cells)
-                kv_cache.kv_store(v3, vc, pos, cells)
+                kv_cache.kv_store(k3, kc, pos, cells, v3, vc)
             self._linear(p + "attn_output.weight", attn_o, proj)
             norm.rmsnorm(proj, self.vec(p + "ffn_norm.weight"), eps, residual=hidden, out=normed)
             f = hp.n_ff

@@ -55,6 +55,17 @@ def test_gemv_matches_reference(ggml_type, m):
     assert _nerr(out, ref) < 1e-5  # both float32 accumulations of the same products
 
 
+@pytest.mark.parametrize("lane_sum", [False, True])
+def test_gemv_bias_and_lane_sum_variant(lane_sum):
+    g = _gen()
+    w = random_weight(qt.Q6_K, 9, 512, DEVICE, g)
+    x = torch.randn(2, 512, generator=g, device=DEVICE)
+    bias = torch.randn(9, generator=g, device=DEVICE)
+    out = _poison((2, 9))
+    quant_matmul.gemv(w, qt.Q6_K, x, out=out, bias=bias, lane_sum=lane_sum)
+    assert _nerr(out, quant_matmul.gemv_ref(w, qt.Q6_K, x, bias=bias)) < 1e-5
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
 def test_dequantize_and_embed_match_reference(ggml_type):
     g = _gen()
@@ -126,12 +137,15 @@ def test_kv_store_matches_reference(kv_type):
     cells, kvh, d = 8, 2, 64
     src = torch.randn(5, kvh, d, generator=g, device=DEVICE)
     pos = torch.tensor([3, 4, 9, 10, 13], dtype=torch.int32, device=DEVICE)
+    src2 = torch.randn(5, kvh, d, generator=g, device=DEVICE)
     a, b = _cache(kv_type, cells, kvh, d), _cache(kv_type, cells, kvh, d)
-    kv_cache.kv_store(src, a, pos, cells)
-    kv_cache.kv_store_ref(src, b, pos, cells)
-    got = kv_cache.kv_load_ref(a, cells, kvh, d)[pos.long() % cells]
-    want = kv_cache.kv_load_ref(b, cells, kvh, d)[pos.long() % cells]
-    assert torch.equal(got, want)
+    a2, b2 = _cache(kv_type, cells, kvh, d), _cache(kv_type, cells, kvh, d)
+    kv_cache.kv_store(src, a, pos, cells, src2, a2)  # keys and values in one launch
+    kv_cache.kv_store_ref(src, b, pos, cells, src2, b2)
+    for x, y in ((a, b), (a2, b2)):
+        got = kv_cache.kv_load_ref(x, cells, kvh, d)[pos.long() % cells]
+        want = kv_cache.kv_load_ref(y, cells, kvh, d)[pos.long() % cells]
+        assert torch.equal(got, want)
 
 
 def _filled_cache(kv_type, cells, kvh, d, g):
