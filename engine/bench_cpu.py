@@ -53,6 +53,13 @@ def main(argv: list[str] | None = None) -> int:
              for s in a_.spans)
     print(f"model {a.model}\nloaded in {load_s:.1f} s; dequant cache {dq / 2**20:.0f} MiB; "
           f"{a.threads} threads")
+    from engine.models.ops import QWeight
+    from engine.quant_types import type_name
+
+    for name, w in sess.loaded[-1].tensors.items():
+        if isinstance(w, QWeight) and w.cached is None and name != "token_embd.weight":
+            print(f"not in the dequant cache (dequantized on every use): {name} "
+                  f"{type_name(w.ggml_type)} [{w.rows}x{w.cols}]")
     vocab = sess.hp.n_vocab
     prompt = torch.randint(100, min(vocab, 20000), (a.prompt,),
                            generator=torch.Generator().manual_seed(0)).tolist()
