@@ -56,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     from engine.models.ops import QWeight
     from engine.quant_types import type_name
 
-    for name, w in sess.loaded[-1].tensors.items():
-        if isinstance(w, QWeight) and w.cached is None and name != "token_embd.weight":
+    tensors = sess.loaded[-1].tensors
+    for name, w in tensors.items():
+        embedding_only = name == "token_embd.weight" and "output.weight" in tensors  # a gather
+        if isinstance(w, QWeight) and w.cached is None and not embedding_only:
             print(f"not in the dequant cache (dequantized on every use): {name} "
                   f"{type_name(w.ggml_type)} [{w.rows}x{w.cols}]")
     vocab = sess.hp.n_vocab
