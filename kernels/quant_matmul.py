@@ -19,18 +19,21 @@ from kernels.quant_blocks import dequant_part, plan
 
 # (rows per program, blocks per step, warps) per type, for M<=8 decode GEMV; picked by
 # kernels/device_check.py on an H200 (see kernels/NOTES.md).
-GEMV_CONFIG: dict[int, tuple[int, int, int]] = {
-    # a tile must give each thread ~16 contiguous weight bytes per part, or loads stay 2 bytes
-    # wide and the scale loads dominate; best of a sweep on an H200 (kernels/NOTES.md)
+GEMV_CONFIG: dict[int, tuple[int, ...]] = {
+    # (rows, blocks per step, warps[, pipeline stages]): a tile must give each thread ~16
+    # contiguous weight bytes per part, or loads stay 2 bytes wide and the scale loads
+    # dominate; best of the sweeps on an H200 (kernels/NOTES.md)
     qt.F16: (4, 16, 4),
     qt.BF16: (4, 16, 4),
     qt.Q4_0: (4, 32, 4),
-    qt.Q5_0: (8, 16, 4),
-    qt.Q8_0: (8, 16, 4),
+    qt.Q5_0: (4, 16, 4),
+    qt.Q8_0: (4, 16, 4),
     qt.Q4_K: (4, 16, 4),
     qt.Q5_K: (4, 16, 4),
-    qt.Q6_K: (4, 16, 4),
+    qt.Q6_K: (2, 16, 4),
 }
+# types whose parts are summed over their lanes at once (LANE_SUM; faster for these on the H200)
+LANE_SUM_TYPES = frozenset({qt.Q5_0, qt.Q8_0})
 
 
 @triton.jit
@@ -126,8 +129,8 @@ def row_cols(w: torch.Tensor, ggml_type: int) -> int:
 
 
 def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | None = None,
-         config: tuple[int, int, int] | None = None, bias: torch.Tensor | None = None,
-         lane_sum: bool = False) -> torch.Tensor:
+         config: tuple[int, ...] | None = None, bias: torch.Tensor | None = None,
+         lane_sum: bool | None = None) -> torch.Tensor:
     """y[M, rows] = x[M, cols] @ W^T (+ bias), dequantizing W on the fly; M small (decode,
     M <= 8). x is float32/bf16/f16; y has x's dtype unless ``out`` is given. No allocation
     with ``out``."""
@@ -139,17 +142,21 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
         raise ValueError("x rows must be contiguous")
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
-    br, bb, warps = config or GEMV_CONFIG[ggml_type]
+    br, bb, warps, *rest = config or GEMV_CONFIG[ggml_type]
+    stages = rest[0] if rest else None  # software-pipelining depth of the block loop
+    if lane_sum is None:
+        lane_sum = ggml_type in LANE_SUM_TYPES
     grid = (m, triton.cdiv(n, br))
     _gemv_kernel[grid](w, wh, x2, y, bias if bias is not None else y, n, k, w.shape[1],
                        x2.stride(0), y.stride(0), TYPE=ggml_type, BS=p.block, TS=p.nbytes,
                        NPART=p.parts, L=p.lanes, BLOCK_R=br, BLOCK_B=bb,
-                       HAS_BIAS=bias is not None, LANE_SUM=lane_sum, num_warps=warps)
+                       HAS_BIAS=bias is not None, LANE_SUM=lane_sum, num_warps=warps,
+                       **({"num_stages": stages} if stages else {}))
     return y.view(*x.shape[:-1], n) if out is None else out
 
 
 def gemv_ref(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | None = None,
-             config: tuple[int, int, int] | None = None, bias: torch.Tensor | None = None,
+             config: tuple[int, ...] | None = None, bias: torch.Tensor | None = None,
              lane_sum: bool = False) -> torch.Tensor:
     wf = dequantize_ref(w, ggml_type, torch.float32)
     y = x.to(torch.float32).reshape(-1, wf.shape[1]) @ wf.T
