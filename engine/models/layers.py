@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.errors import CarveError
+from engine.models.ops import QWeight
 
 Tensors = Mapping[str, Any]  # GGUF tensor name -> QWeight (matrices) or float32 tensor
 
@@ -78,6 +79,7 @@ class Stage:
         self.first, self.last = first, last
         self.ops = ops
         self.device = torch.device(device)
+        self._fused: dict[int, QWeight | None] = {}
         factors = tensors.get("rope_freqs.weight")
         d = hp.head_dim
         self.freqs = inv_freq(d, hp.rope_base, _linear_scale(hp), factors).to(self.device)
@@ -155,9 +157,35 @@ class Stage:
         """Gated FFN of layer i: down(act(gate x) * up x)."""
         p = f"blk.{i}."
         ops = self.ops
-        g = ops.linear(x, weight(self.t, p + "ffn_gate.weight"))
-        u = ops.linear(x, weight(self.t, p + "ffn_up.weight"))
+        gate, up = weight(self.t, p + "ffn_gate.weight"), weight(self.t, p + "ffn_up.weight")
+        fused = self._gate_up(i, gate, up)
+        if fused is not None:  # one matrix-vector product instead of two
+            g, u = ops.linear(x, fused).split(gate.rows, dim=-1)
+        else:
+            g, u = ops.linear(x, gate), ops.linear(x, up)
         return ops.linear(ops.glu(g, u, self.hp.act), weight(self.t, p + "ffn_down.weight"))
+
+    def _gate_up(self, i: int, gate: Any, up: Any) -> QWeight | None:
+        """gate and up as one [2 n_ff, n_embd] matrix when their dequant-cache copies happen to
+        lie back to back in the arena (price orders equal-sized matrices by name, so they do in
+        packed mode); a view, nothing is copied."""
+        if i in self._fused:
+            return self._fused[i]
+        f = None
+        g, u = getattr(gate, "cached", None), getattr(up, "cached", None)
+        if (
+            g is not None
+            and u is not None
+            and g.dtype == u.dtype
+            and g.shape == u.shape
+            and g.is_contiguous()
+            and u.is_contiguous()
+            and u.data_ptr() == g.data_ptr() + g.numel() * g.element_size()
+        ):
+            both = torch.as_strided(g, (2 * g.shape[0], g.shape[1]), (g.shape[1], 1))
+            f = QWeight(gate.name + "+up", gate.raw, gate.ggml_type, 2 * gate.rows, gate.cols, both)
+        self._fused[i] = f
+        return f
 
 
 class NonFinite(Exception):

@@ -113,3 +113,15 @@ def test_q8_0_kv_close_to_f16(synth_model) -> None:
     q8 = _session(path, kv_type="q8_0").logits(ids)
     rel = ((q8 - f16).abs().max() / f16.abs().max()).item()
     assert 0 < rel < 2e-2  # q8_0 keeps ~8 bits per value: close, not equal
+
+
+def test_gate_up_fused_view_equals_two_products(synth_model) -> None:
+    s = _session(synth_model("qwen2"))
+    st = s.stages[0]
+    x = torch.randn(3, s.hp.n_embd, generator=torch.Generator().manual_seed(6))
+    fused = st.ffn(1, x)
+    assert st._fused[1] is not None  # packed arena: gate and up cached back to back
+    assert st._fused[1].cached.data_ptr() == s.loaded[0].spans["dq.blk.1.ffn_gate.weight"].data_ptr()
+    st._fused[1] = None  # force the two separate products
+    torch.testing.assert_close(st.ffn(1, x), fused)
+    s.close()
