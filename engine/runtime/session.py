@@ -63,9 +63,8 @@ class Session:
         layout = price(plan, model)
         if not layout.fits:
             bad = next(d for d in layout.devices if d.verdict == "does not fit")
-            raise CarveError(
-                f"{bad.device.label}: the plan does not fit ({bad.advice or 'over by ' + str(-bad.headroom) + ' bytes'})"
-            )
+            why = bad.advice or f"{-bad.headroom / 2**20:.0f} MiB over"
+            raise CarveError(f"{bad.device.label}: the plan does not fit ({why})")
         allocator = RecordingAllocator()
         loaded = load_layout(layout, model, allocator, on_progress, cancelled)
         return cls(plan, model, hp, layout, allocator, loaded)
