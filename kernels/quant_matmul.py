@@ -41,10 +41,10 @@ def _gemv_kernel(w_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, N, K, row_bytes, stride_xm,
                  TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
                  L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
                  HAS_BIAS: tl.constexpr, LANE_SUM: tl.constexpr):
-    # axis 0 is the batch row so that the M programs sharing weight rows run side by side and
-    # the second..M-th read of those bytes hits L2
-    m = tl.program_id(0)
-    pid = tl.program_id(1)
+    # rows on axis 0: a 152064-row output matrix in 2-row programs passes the 65535 limit of
+    # grid axes 1 and 2
+    pid = tl.program_id(0)
+    m = tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rows_c = tl.minimum(rows, N - 1)  # clamp instead of masking every weight load
     nblk = K // BS
@@ -146,7 +146,7 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     stages = rest[0] if rest else None  # software-pipelining depth of the block loop
     if lane_sum is None:
         lane_sum = ggml_type in LANE_SUM_TYPES
-    grid = (m, triton.cdiv(n, br))
+    grid = (triton.cdiv(n, br), m)
     _gemv_kernel[grid](w, wh, x2, y, bias if bias is not None else y, n, k, w.shape[1],
                        x2.stride(0), y.stride(0), TYPE=ggml_type, BS=p.block, TS=p.nbytes,
                        NPART=p.parts, L=p.lanes, BLOCK_R=br, BLOCK_B=bb,

@@ -190,7 +190,9 @@ class GpuStage:
             self.decode_step()
         torch.cuda.current_stream(self.device).wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # torch.cuda.graph's default capture stream is created once, on the first device that
+        # captures; a second GPU's stage needs a stream of its own device
+        with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(self.device)):
             self.decode_step()
 
     def replay(self) -> None:
