@@ -118,3 +118,9 @@ def test_session_close_frees_and_reports(synth_model) -> None:
                     "allocated": sess.layout.devices[0].allocated, "nvml_used": None}]
     sess.close()
     assert sess.allocator.live_bytes == 0
+
+
+def test_a_plan_that_does_not_fit_allocates_nothing(synth_model) -> None:
+    small = DeviceSpec(index=-1, name="cpu", total=1 << 20, free=1 << 20)
+    with pytest.raises(CarveError, match="CPU: the plan does not fit"):
+        Session.load(_plan(synth_model("llama"), devices=(small,)))
