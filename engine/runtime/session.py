@@ -52,8 +52,10 @@ class Session:
         plan: Any,
         on_progress: Progress | None = None,
         cancelled: Callable[[], bool] | None = None,
+        ops: SimpleNamespace = TORCH_OPS,
     ) -> Session:
-        """Price ``plan``, allocate exactly that Layout, and load the weights into it."""
+        """Price ``plan``, allocate exactly that Layout, and load the weights into it. ``ops``:
+        the op table the models run on (the Triton table on a GPU)."""
         from engine.gguf_file import GGUFModel
         from engine.hparams import HParams
         from engine.price import price
@@ -67,7 +69,7 @@ class Session:
             raise CarveError(f"{bad.device.label}: the plan does not fit ({why})")
         allocator = RecordingAllocator()
         loaded = load_layout(layout, model, allocator, on_progress, cancelled)
-        return cls(plan, model, hp, layout, allocator, loaded)
+        return cls(plan, model, hp, layout, allocator, loaded, ops)
 
     # --- queries ------------------------------------------------------------------------------
     def memory_report(self) -> list[dict]:
