@@ -122,11 +122,14 @@ def model_index(model: Any) -> ModelIndex:
     last = [by_name[name] for name in ROLE_GLOBALS_LAST if name in by_name]
     if "output.weight" not in by_name and "token_embd.weight" in by_name:
         last.append(by_name["token_embd.weight"])  # tied: the last stage keeps its own copy
+    # The output head is the largest matrix of a decode step: it may take a cache copy too. It is
+    # filed under the last layer, which only the last stage (the one holding the head) runs.
+    head = by_name.get("output.weight", by_name.get("token_embd.weight"))
+    heads = [(n - 1, head)] if head is not None and n > 0 else []
     cacheable = sorted(
         (
             (i, t, t.n_elements * 2)
-            for i, ts in enumerate(per)
-            for t in ts
+            for i, t in [(i, t) for i, ts in enumerate(per) for t in ts] + heads
             if len(t.shape) >= 2 and t.ggml_type not in NOT_QUANTIZED
         ),
         key=lambda it: (
@@ -349,7 +352,8 @@ def _arenas(
     idx: ModelIndex, k: StageKey, mode: ArenaMode, scratch: int, chosen: list[Any]
 ) -> list[Arena]:
     """The stage's arenas with every span, in allocation order (what `_sizes` counted)."""
-    dq_dtype = "bf16" if k.act_dtype == "bf16" else "f16"
+    # bf16 unless activations are f16: CPU matrix-vector products run ~10x slower in f16
+    dq_dtype = "f16" if k.act_dtype == "f16" else "bf16"
     out = arrange(
         mode, "weights", "weights", [r for i in range(k.lo, k.hi) for r in idx.layer_requests[i]]
     )

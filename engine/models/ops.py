@@ -85,9 +85,7 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
 
 def embed(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
     """Rows ``ids`` [T] of an embedding matrix -> float32 [T, cols]; only those rows are
-    dequantized."""
-    if w.cached is not None:
-        return w.cached[ids].float()
+    dequantized, from the file's bytes (a cache copy of a tied head is rounded)."""
     row_bytes = w.raw.numel() // w.rows
     raw = w.raw.view(w.rows, row_bytes)[ids].reshape(-1)
     return dequantize_to(raw, w.ggml_type, (w.cols, ids.numel()), torch.float32)

@@ -87,17 +87,11 @@ class LoadedStage:
 
 
 def span_view(buf: torch.Tensor, span: Any) -> torch.Tensor:
-    """The span's bytes in ``buf``, typed as priced (raw GGUF weights stay uint8).
-
-    One substitution, same bytes: on the CPU a dequant-cache span priced f16 holds bf16,
-    because CPU GEMV in f16 runs ~10x slower than in bf16 (no native f16 kernels in oneDNN/MKL
-    for matrix-vector products), which would defeat the cache."""
+    """The span's bytes in ``buf``, typed as priced (raw GGUF weights stay uint8)."""
     raw = buf[span.offset : span.offset + span.nbytes]
     dt = SPAN_DTYPES.get(span.dtype)
     if dt is None or dt == torch.uint8:
         return raw
-    if dt == torch.float16 and span.purpose == "dequant_cache" and buf.device.type == "cpu":
-        dt = torch.bfloat16
     return raw.view(dt).view(tuple(span.shape))
 
 
