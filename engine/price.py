@@ -372,6 +372,12 @@ def _arenas(
     )
 
 
+def _gemm_elements(t: Any) -> int:
+    """Scratch elements a matrix left out of the cache needs: a layer matrix runs prefill GEMMs
+    from the scratch; the head does so only for multi-row logits, which `_scratch` prices."""
+    return t.n_elements if t.layer is not None else 0
+
+
 def _dq_request(t: Any, dtype: str) -> Request:
     rows, cols = t.n_elements // t.shape[0], t.shape[0]
     return (f"dq.{t.name}", rows * cols * DTYPE_BYTES[dtype], dtype, (rows, cols))
@@ -408,7 +414,7 @@ def price_stage(idx: ModelIndex, k: StageKey) -> DeviceLayout:
                 chosen.append(t)
                 used += cost
             else:
-                skipped = max(skipped, t.n_elements)
+                skipped = max(skipped, _gemm_elements(t))
         if budget <= slack:
             skipped = -1  # nothing cached: the scratch serves every matrix
     while True:  # exact check; drop the least-benefit matrix if the rounding overshoots
@@ -421,7 +427,7 @@ def price_stage(idx: ModelIndex, k: StageKey) -> DeviceLayout:
         if chosen is None:  # the fast path's guess overshot: fall back to the explicit list
             chosen = [c[1] for c in _in_range(idx, k)]
         dropped = chosen.pop()
-        skipped = max(skipped, dropped.n_elements)
+        skipped = max(skipped, _gemm_elements(dropped))
     terms["dequant_cache"] = (
         (idx.cache_prefix[k.hi] - idx.cache_prefix[k.lo])
         if chosen is None
