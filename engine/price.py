@@ -11,9 +11,8 @@ boundary re-prices only the two stages beside it.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from engine.arena import (
@@ -29,168 +28,20 @@ from engine.arena import (
 )
 from engine.buffers import DTYPE_BYTES, activation_buffers
 from engine.calibration import overhead_for
+from engine.carve import (  # noqa: F401  (carve, TIGHT: re-exported for the loader and the CLI)
+    MIB,
+    TIGHT,
+    ModelIndex,
+    _globals,
+    _prefix,
+    _request,
+    carve,
+    model_index,
+)
 from engine.devices import DeviceSpec
 from engine.errors import CarveError
-from engine.layout import PURPOSES, Arena, DeviceLayout, Layout, LazyArenas, human
+from engine.layout import PURPOSES, Arena, DeviceLayout, Layout, LazyArenas
 from engine.plan import Plan
-from engine.quant_types import type_name
-
-MIB = 1 << 20
-TIGHT = 512 * MIB  # headroom below this is "tight": a desktop, a second process or a CUDA
-# graph pool can take that much; 5 % of an 80 GB card (4 GB) would call good plans tight.
-NOT_QUANTIZED = {0: "f32", 1: "f16", 30: "bf16"}  # ggml ids whose data is already a float dtype
-# relative cost of dequantizing one element, by ggml id: what a dequant-cache byte saves
-_DEQUANT_COST = {
-    2: 1.0,
-    3: 1.0,
-    6: 1.2,
-    7: 1.2,
-    8: 0.8,
-    10: 1.6,
-    11: 1.7,
-    12: 1.5,
-    13: 1.6,
-    14: 1.6,
-}
-ROLE_GLOBALS_FIRST = ("token_embd.weight",)
-ROLE_GLOBALS_LAST = ("output_norm.weight", "output.weight")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelIndex:
-    """What pricing needs from a model, computed once: per-layer tensor lists and prefix sums,
-    so a stage's weights cost two lookups however many tensors it holds."""
-
-    token: int  # unique per index, never reused (unlike id()): the key of every cache below
-    model: Any
-    hp: Any
-    n_layer: int
-    layer_tensors: tuple[tuple[Any, ...], ...]  # per layer, file order
-    layer_requests: tuple[tuple[Request, ...], ...]
-    layer_sizes: tuple[tuple[int, ...], ...]  # nbytes per tensor, per layer
-    layer_prefix: tuple[int, ...]  # aligned weight bytes of layers [0, i)
-    layer_raw_prefix: tuple[int, ...]  # exact weight bytes of layers [0, i)
-    first_globals: tuple[Any, ...]  # token_embd
-    last_globals: tuple[Any, ...]  # output_norm, output (or the tied token_embd copy)
-    shared: tuple[Any, ...]  # other non-layer tensors (rope_freqs...): every stage needs them
-    cacheable: tuple[tuple[int, Any, int], ...]  # (layer, tensor, f16 bytes), best benefit first
-    cache_prefix: tuple[int, ...]  # f16 bytes of layers [0, i)'s cacheable matrices
-    cache_aligned_prefix: tuple[int, ...]
-    # act ggml id -> per layer: elements of the largest matrix needing a dequant for a GEMM,
-    # of all matrices ("all") and of those the dequant cache cannot hold ("uncacheable")
-    gemm_max: dict[tuple[int, str], tuple[int, ...]]
-
-
-def _request(t: Any) -> Request:
-    # raw GGUF bytes; shape in GGUF order (ne0 first), dtype the GGUF type name
-    return (t.name, t.nbytes, type_name(t.ggml_type), tuple(t.shape))
-
-
-def _prefix(values: list[int]) -> tuple[int, ...]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return tuple(out)
-
-
-_INDEX: OrderedDict[int, ModelIndex] = OrderedDict()
-_TOKENS = itertools.count()
-
-
-def model_index(model: Any) -> ModelIndex:
-    idx = _INDEX.get(id(model))
-    if idx is not None and idx.model is model:
-        return idx
-    from engine.hparams import HParams
-
-    hp = HParams.from_model(model)
-    n = hp.n_layer
-    per: list[list[Any]] = [[] for _ in range(n)]
-    by_name = {}
-    for t in model.tensors:
-        layer = t.layer
-        if layer is None:
-            by_name[t.name] = t
-        elif 0 <= layer < n:
-            per[layer].append(t)
-        else:
-            raise CarveError(f"{model.paths[0]}: tensor {t.name} is outside the model's {n} layers")
-    first = [t for name, t in by_name.items() if name in ROLE_GLOBALS_FIRST]
-    shared = [
-        t for name, t in by_name.items() if name not in ROLE_GLOBALS_FIRST + ROLE_GLOBALS_LAST
-    ]
-    last = [by_name[name] for name in ROLE_GLOBALS_LAST if name in by_name]
-    if "output.weight" not in by_name and "token_embd.weight" in by_name:
-        last.append(by_name["token_embd.weight"])  # tied: the last stage keeps its own copy
-    # The output head is the largest matrix of a decode step: it may take a cache copy too. It is
-    # filed under the last layer, which only the last stage (the one holding the head) runs.
-    head = by_name.get("output.weight", by_name.get("token_embd.weight"))
-    heads = [(n - 1, head)] if head is not None and n > 0 else []
-    cacheable = sorted(
-        (
-            (i, t, t.n_elements * 2)
-            for i, t in [(i, t) for i, ts in enumerate(per) for t in ts] + heads
-            if len(t.shape) >= 2 and t.ggml_type not in NOT_QUANTIZED
-        ),
-        key=lambda it: (
-            -_DEQUANT_COST.get(it[1].ggml_type, 2.0),
-            -it[1].n_elements,
-            it[0],
-            it[1].name,
-        ),
-    )
-    per_cache = [0] * n
-    per_cache_al = [0] * n
-    for i, _, nb in cacheable:
-        per_cache[i] += nb
-        per_cache_al[i] += align_up(nb)
-    gemm_max = {}
-    for act in (0, 1, 30):
-        mats = [[t for t in ts if len(t.shape) >= 2 and t.ggml_type != act] for ts in per]
-        gemm_max[act, "all"] = tuple(max((t.n_elements for t in m), default=0) for m in mats)
-        gemm_max[act, "uncacheable"] = tuple(
-            max((t.n_elements for t in m if t.ggml_type in NOT_QUANTIZED), default=0) for m in mats
-        )
-    idx = ModelIndex(
-        next(_TOKENS),
-        model,
-        hp,
-        n,
-        tuple(tuple(ts) for ts in per),
-        tuple(tuple(_request(t) for t in ts) for ts in per),
-        tuple(tuple(t.nbytes for t in ts) for ts in per),
-        _prefix([sum(align_up(t.nbytes) for t in ts) for ts in per]),
-        _prefix([sum(t.nbytes for t in ts) for ts in per]),
-        tuple(first),
-        tuple(last),
-        tuple(shared),
-        tuple(cacheable),
-        _prefix(per_cache),
-        _prefix(per_cache_al),
-        gemm_max,
-    )
-    _INDEX[id(model)] = idx
-    while len(_INDEX) > 8:
-        _INDEX.popitem(last=False)
-    return idx
-
-
-def carve(model: Any, lo: int, hi: int, first: bool, last: bool) -> list[Any]:
-    """The tensors a stage running layers [lo, hi) holds, in the order its Layout places them:
-    its layers' tensors (file order), then globals: token_embd (first stage), tensors every
-    stage needs (rope_freqs...), output_norm and output (last stage; with tied embeddings the
-    last stage holds token_embd itself, once if it is also the first stage)."""
-    idx = model_index(model)
-    out = [t for layer in range(lo, hi) for t in idx.layer_tensors[layer]]
-    return out + _globals(idx, first, last)
-
-
-def _globals(idx: ModelIndex, first: bool, last: bool) -> list[Any]:
-    out = list(idx.first_globals) if first else []
-    out += idx.shared
-    if last:
-        out += [t for t in idx.last_globals if not (first and t in idx.first_globals)]
-    return out
 
 
 def kv_requests(hp: Any, lo: int, hi: int, ctx: int, kv_type: str) -> list[Request]:
@@ -504,84 +355,7 @@ def price(plan: Plan, model: Any = None) -> Layout:
     _check(plan, idx)
     stages = [price_stage(idx, _stage_key(plan, i)) for i in range(len(plan.devices))]
     if any(s.verdict == "does not fit" for s in stages):
+        from engine.advice import advise  # advice re-prices through this module
+
         stages = advise(plan, idx, stages)
     return Layout(plan, tuple(stages))
-
-
-# The term named as overflowing is the one that crosses the free memory when terms are added in
-# this order: what the model and runtime impose first, the KV cache (sized by --ctx/--kv, the
-# knobs a user turns) last — so "KV cache does not fit" means a smaller context would help.
-_ORDER = ("overhead", "weights", "globals", "buffers", "rounding", "kv")
-_LABEL = {
-    "overhead": "the runtime overhead",
-    "weights": "weights",
-    "globals": "globals",
-    "kv": "KV cache",
-    "buffers": "activation buffers",
-    "rounding": "arena rounding",
-}
-
-
-def advise(plan: Plan, idx: ModelIndex, stages: list[DeviceLayout]) -> list[DeviceLayout]:
-    """For each stage that does not fit: the term that overflows and the changes that fit it."""
-    out = []
-    for i, s in enumerate(stages):
-        if s.verdict != "does not fit":
-            out.append(s)
-            continue
-        k = _stage_key(plan, i)
-        dev = k.device
-        avail = dev.free - dev.reserve
-        run = 0
-        term = _ORDER[-1]
-        for term in _ORDER:
-            run += s.terms[term]
-            if run > avail:
-                break
-        tips = []
-        if k.ctx > 256 and fits(idx, replace(k, ctx=256)):
-            lo_c, hi_c = 1, (k.ctx - 1) // 256  # in units of 256 tokens
-            while lo_c < hi_c:
-                mid = (lo_c + hi_c + 1) // 2
-                lo_c, hi_c = (
-                    (mid, hi_c) if fits(idx, replace(k, ctx=mid * 256)) else (lo_c, mid - 1)
-                )
-            tips.append(f"--ctx {lo_c * 256}")
-        if k.kv_type == "f16" and fits(idx, replace(k, kv_type="q8_0")):
-            tips.append("--kv q8_0")
-        move = _boundary_move(plan, idx, i)
-        if move:
-            tips.append(move)
-        what = f"{_LABEL[term]} ({human(s.terms[term])})"
-        advice = f"over by {human(-s.headroom)}: {what} does not fit in {human(avail)} free"
-        advice += (
-            "; fits with " + ", or ".join(tips)
-            if tips
-            else "; no single change fits it: add a GPU, use a smaller quant or a larger card"
-        )
-        out.append(replace(s, advice=advice))
-    return out
-
-
-def _boundary_move(plan: Plan, idx: ModelIndex, i: int) -> str:
-    """The smallest shift of one of stage i's boundaries that makes it and the neighbour fit."""
-    lo, hi = plan.split[i], plan.split[i + 1]
-    n = len(plan.devices)
-    for k in range(1, hi - lo):
-        if i > 0:  # the previous device takes layers [lo, lo + k)
-            a = _stage_key(plan, i - 1, hi=lo + k)
-            b = _stage_key(plan, i, lo=lo + k)
-            if fits(idx, a) and fits(idx, b):
-                return (
-                    f"--split boundary {i} moved +{k} ({lo} -> {lo + k}: "
-                    f"{plan.devices[i - 1].label} takes {k} layer{'s' * (k > 1)})"
-                )
-        if i < n - 1:  # the next device takes layers [hi - k, hi)
-            a = _stage_key(plan, i, hi=hi - k)
-            b = _stage_key(plan, i + 1, lo=hi - k)
-            if fits(idx, a) and fits(idx, b):
-                return (
-                    f"--split boundary {i + 1} moved -{k} ({hi} -> {hi - k}: "
-                    f"{plan.devices[i + 1].label} takes {k} layer{'s' * (k > 1)})"
-                )
-    return ""
