@@ -7,17 +7,16 @@ reserve, so maximising the smallest slack also spreads the cache.
 
 Search: binary search on the slack T. For a given T one pass over the devices decides
 feasibility exactly: the cuts each device can end at, given the cuts the previous one can end
-at; for an end, the latest reachable start is the best one, because a stage's need only
-shrinks when its range does. O(devices x layers) memoised slack lookups per T. The devices
-that cannot go above the best T are then pinned there and the search repeats for the rest
-(lexicographic max-min: every card gets as much headroom as the others allow). Remaining ties
-go to the larger total dequant cache among the front-heavy, back-heavy and memory-proportional
-splits.
-
-"A stage's need only shrinks with its range" holds whenever every arena is >= 10 MiB (real
-models). torch's allocator gives a 1-10 MiB arena a whole 20 MiB segment, so for toy-sized
-stages a smaller range can cost more; there the result can miss the best by a few segments,
-and still meets the slack it reports.
+at. For an end the latest reachable start is tried first, and where needs grow with the range
+(every arena >= 10 MiB: real models) it is the only one that can pass, so a pass costs
+O(devices x layers) memoised slack lookups. torch's allocator gives a 1-10 MiB arena a whole
+20 MiB segment, so for toy-sized stages a longer range can cost *less*; a miss therefore tries
+the earlier starts too (O(devices x layers^2) at worst). Assuming monotone needs here made the
+pass miss splits that meet T, so the search could settle on a T its own pass then failed.
+The devices that cannot go above the best T are then pinned there and the search repeats for
+the rest (lexicographic max-min: every card gets as much headroom as the others allow).
+Remaining ties go to the larger total dequant cache among the front-heavy, back-heavy and
+memory-proportional splits.
 
 prefer="spread": every device (if the model has fewer layers than devices, the smallest are
 left out). prefer="fewest": the fewest devices, largest first, whose best split leaves every
@@ -60,20 +59,23 @@ class _Search:
         devices: Sequence[DeviceSpec],
         settings: dict[str, Any],
         excess: Sequence[int] = (),
+        needs: dict[tuple[int, int, int, bool, bool], int] | None = None,
     ) -> None:
         self.idx, self.devices, self.s = idx, list(devices), settings
         self.n = idx.n_layer
         self.excess = list(excess) or [0] * len(self.devices)
-        self.memo: dict[tuple[int, int, int, bool, bool], int] = {}
+        self.avail = [dev.free - dev.reserve - e for dev, e in zip(self.devices, self.excess)]
+        # a stage's need does not depend on `excess`: searches over the same devices and
+        # settings share it (`needs`), so re-searching with new excesses prices nothing again
+        self.needs = {} if needs is None else needs
 
     def slack(self, d: int, lo: int, hi: int, first: bool, last: bool) -> int:
         key = (d, lo, hi, first, last)
-        v = self.memo.get(key)
-        if v is None:
-            dev = self.devices[d]
-            need = stage_need(self.idx, StageKey(lo, hi, first, last, dev, **self.s))
-            v = self.memo[key] = dev.free - dev.reserve - need - self.excess[d]
-        return v
+        need = self.needs.get(key)
+        if need is None:
+            k = StageKey(lo, hi, first, last, self.devices[d], **self.s)
+            need = self.needs[key] = stage_need(self.idx, k)
+        return self.avail[d] - need
 
     def min_slack(self, bounds: Sequence[int]) -> int:
         m = len(self.devices)
@@ -82,18 +84,27 @@ class _Search:
     def reach(self, thr: list[int]) -> list[list[int]] | None:
         """Cuts reachable with stage d's slack >= thr[d]: reach[d] lists the boundaries b_d
         (ascending) some valid choice of the first d stages can end at; None if n is not
-        reachable. For a given end `hi` the best start is the latest reachable cut below it
-        (fewer layers never cost more), so each stage costs O(n) slack lookups."""
-        m, n = len(self.devices), self.n
+        reachable. Exact: every reachable start is tried for each end, so a threshold some
+        split meets is always found (the binary search in best() relies on it)."""
+        m, n, needs = len(self.devices), self.n, self.needs
         reach = [[0]]
         for d in range(m):
             prev, cur, p = reach[-1], [], 0
             first, last = d == 0, d == m - 1
+            cap = self.avail[d] - thr[d]  # slack >= thr  <=>  need <= cap
             for hi in [n] if last else range(1, n - (m - 1 - d) + 1):
                 while p + 1 < len(prev) and prev[p + 1] < hi:
                     p += 1
-                if prev[p] < hi and self.slack(d, prev[p], hi, first, last) >= thr[d]:
-                    cur.append(hi)
+                # Latest start first: where needs grow with the range it is the only one that
+                # can pass, but toy arenas (module note) can make a longer range cost less,
+                # so on a miss the earlier starts are tried too. (Hot loop: needs inlined.)
+                for j in range(p, -1, -1) if prev[p] < hi else ():
+                    need = needs.get((d, prev[j], hi, first, last))
+                    if need is None:
+                        need = self.avail[d] - self.slack(d, prev[j], hi, first, last)
+                    if need <= cap:
+                        cur.append(hi)
+                        break
             if not cur:
                 return None
             reach.append(cur)
@@ -112,7 +123,7 @@ class _Search:
                 for lo in reach[d]
                 if lo < hi and self.slack(d, lo, hi, d == 0, d == m - 1) >= thr[d]
             ]
-            out.append(max(starts) if early else min(starts))  # never empty: see reach()
+            out.append(max(starts) if early else min(starts))  # never empty: reach() is exact
         return out[::-1]
 
     def greedy(self, thr: list[int], reverse: bool = False) -> list[int] | None:
@@ -126,16 +137,14 @@ class _Search:
         so a small card does not leave the other cards' layer counts to chance."""
         m = len(self.devices)
         n = self.n
-        # Start between a split every T up to its own smallest slack admits (memory-
-        # proportional) and a slack no split reaches: each device's best single layer.
-        floor = self.min_slack(self.proportional([*range(m), n], [0, *range(n - m + 1, n + 1)]))
-        floor = floor // GRAIN
-        top = min(
-            max(self.slack(d, i, i + 1, d == 0, d == m - 1) for i in range(n)) for d in range(m)
-        )
-        top = max(floor, top // GRAIN + 1)
+        # Search upward from a split every T up to its own smallest slack admits (memory-
+        # proportional). `met` is always a split meeting the current floor, so the search
+        # never ends empty-handed.
+        met = self.proportional([*range(m), n], [0, *range(n - m + 1, n + 1)])
+        floor = self.min_slack(met) // GRAIN
         pinned: list[int | None] = [None] * m
-        first_t = None
+        first_t = floor * GRAIN
+        rounds = 0
         while any(p is None for p in pinned):
 
             def thr(t: int, bump: int = -1) -> list[int]:
@@ -144,27 +153,32 @@ class _Search:
                     for d, p in enumerate(pinned)
                 ]
 
-            lo, hi = floor, top
+            free = [d for d in range(m) if pinned[d] is None]
+            # a stage needs >= 0 bytes: no split gives device d more slack than avail[d]
+            lo, hi = floor, max(floor, min(self.avail[d] for d in free) // GRAIN)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if self.greedy(thr(mid * GRAIN)) is not None else (lo, mid - 1)
+                found = self.greedy(thr(mid * GRAIN))
+                if found is None:
+                    hi = mid - 1
+                else:
+                    lo, met = mid, found
             t = lo * GRAIN
-            first_t = t if first_t is None else first_t
-            free = [d for d in range(m) if pinned[d] is None]
+            first_t = t if rounds == 0 else first_t
+            rounds += 1
             stuck = [d for d in free if self.greedy(thr(t, bump=d)) is None]
             for d in stuck or free:  # none stuck alone: they block each other, pin them all
                 pinned[d] = t
             floor = lo
         final = [p if p is not None else 0 for p in pinned]
-        # `final` is the last thresholds the front-first greedy met, so it meets them again; the
-        # back-first one can miss where needs are not monotone (see the module note).
-        front = self.greedy(final)
-        back = self.greedy(final, reverse=True) or [*range(m), self.n]
-        assert first_t is not None and front is not None
+        # `met` meets `final` (the thresholds of the last feasible T); reach() is exact, so both
+        # greedy walks meet them too, but `met` keeps the answer a valid split regardless.
+        front = self.greedy(final) or met
+        back = self.greedy(final, reverse=True) or met
         # Any split between the back-first and front-first boundaries may meet the pinned
         # slacks; the one proportional to the devices' memory is the natural tie-breaker
         # (where slack is flat, e.g. coarse chunks, it avoids one-layer stages).
-        candidates = [(2, self.proportional(back, front)), (1, front), (0, back)]
+        candidates = [(2, self.proportional(back, front)), (1, front), (0, back), (-1, met)]
         ok = [(pri, b) for pri, b in candidates if self.meets(b, final)]
         best = max(ok, key=lambda c: (*self.cache_score(c[1]), c[0]))
         return first_t, best[1]
@@ -182,8 +196,9 @@ class _Search:
         return [*out, self.n]
 
     def meets(self, bounds: list[int], thr: list[int]) -> bool:
+        """A valid split (each device >= 1 layer) whose stages all meet their thresholds."""
         m = len(self.devices)
-        return all(
+        return all(bounds[d] < bounds[d + 1] for d in range(m)) and all(
             self.slack(d, bounds[d], bounds[d + 1], d == 0, d == m - 1) >= thr[d] for d in range(m)
         )
 
@@ -219,6 +234,8 @@ def auto_split(
         raise CarveError("--split auto: needs --ctx")
     idx = model_index(model)
     path = model_path or str(model.paths[0])
+    if idx.n_layer < 1:
+        raise CarveError(f"--split auto: {path} has no layers to split; check the model file")
     settings = _settings(plan_kw)
     devices = list(devices)
 
@@ -238,7 +255,7 @@ def auto_split(
                     - exact.slack(d, bounds[d], bounds[d + 1], d == 0, d == len(devs) - 1)
                     for d in range(len(devs))
                 ]
-                search = _Search(idx, devs, packed, excess)
+                search = _Search(idx, devs, packed, excess, search.needs)
                 bounds = search.best()[1]
         t = _Search(idx, devs, settings).min_slack(bounds)  # exact, in the plan's own mode
         return t, Plan(path, tuple(devs), tuple(bounds), **plan_kw)
@@ -247,14 +264,13 @@ def auto_split(
     if prefer == "spread":
         keep = by_size(min(len(devices), idx.n_layer))
         return plan_for(keep)[1]
-    fallback = None
+    fallback = plan_for(by_size(1))
     for k in range(1, min(len(devices), idx.n_layer) + 1):
-        t, plan = plan_for(by_size(k))
+        t, plan = fallback if k == 1 else plan_for(by_size(k))
         if t >= settings["cache_reserve"]:
             return plan
-        if fallback is None or t > fallback[0]:
+        if t > fallback[0]:
             fallback = (t, plan)
-    assert fallback is not None
     return fallback[1]  # nothing leaves the reserve: the set with the most slack
 
 
