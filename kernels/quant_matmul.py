@@ -146,6 +146,7 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     stages = rest[0] if rest else None  # software-pipelining depth of the block loop
     if lane_sum is None:
         lane_sum = ggml_type in LANE_SUM_TYPES
+    bb = min(bb, triton.next_power_of_2(k // p.block))  # short rows: no all-masked blocks
     grid = (triton.cdiv(n, br), m)
     _gemv_kernel[grid](w, wh, x2, y, bias if bias is not None else y, n, k, w.shape[1],
                        x2.stride(0), y.stride(0), TYPE=ggml_type, BS=p.block, TS=p.nbytes,
@@ -171,7 +172,7 @@ def _dequant_launch(w, ggml_type, ids, out, n, k):
     w, wh = _views(w, ggml_type)
     p = plan(ggml_type)
     br = 8
-    bb = 8 if p.block == 256 else 16
+    bb = min(8 if p.block == 256 else 16, triton.next_power_of_2(k // p.block))
     grid = (triton.cdiv(n, br), triton.cdiv(k // p.block, bb))
     _dequant_kernel[grid](w, wh, ids if ids is not None else w, out, n, k, w.shape[1],
                           out.stride(0), TYPE=ggml_type, BS=p.block, TS=p.nbytes,
