@@ -1,0 +1,25 @@
+"""`carve bench` runs the engine in a child process: app never imports torch, and on a
+machine without a GPU the user gets one line and exit status 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def test_cli_torch_does_not_import_torch():
+    code = "import sys, app.cli_torch; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_bench_without_gpu_says_so_and_exits_2():
+    out = subprocess.run([sys.executable, "-m", "app", "bench", "--synth", "qwen2-tiny"],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("carve: ") and "GPU" in lines[0]
