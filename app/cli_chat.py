@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Self
 
 from engine import protocol as p
 from engine.client import EngineProcess
@@ -205,40 +207,102 @@ def load(engine: EngineProcess, plan: Any) -> None:
             return
 
 
-def stream_reply(engine: EngineProcess, request: p.Generate, out: Any = None) -> tuple[str, Any]:
+class CtrlC:
+    """Ctrl-C (SIGINT) as presses to count, never a KeyboardInterrupt, and a prompt no press misses.
+
+    input() loses a Ctrl-C that lands between writing its prompt and blocking in read(): the
+    C-level handler only sets a flag that nobody checks until read() returns, i.e. after Enter.
+    Here every SIGINT also writes a byte to a self-pipe (signal.set_wakeup_fd) and the prompt
+    waits on stdin and that pipe together, so a press at any moment, even one made before the
+    wait began, wakes it. Counting the pipe's bytes (not a Python handler's calls) keeps this
+    independent of when the interpreter gets round to running handlers. Main thread only.
+    """
+
+    def __enter__(self) -> Self:
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # the C handler must never block on it
+        self._old_wakeup = signal.set_wakeup_fd(self._wake_w)
+        self._old_handler = signal.signal(signal.SIGINT, lambda *_: None)
+        self._pending = b""  # typed-ahead bytes after the line read_line returned
+        self.presses = 0  # Ctrl-C presses that ended the last read_line
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._old_handler)
+        signal.set_wakeup_fd(self._old_wakeup)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def take(self) -> int:
+        """Ctrl-C presses since the last call (never blocks)."""
+        data = b""
+        while True:
+            try:
+                chunk = os.read(self._wake_r, 256)
+            except BlockingIOError:
+                break
+            data += chunk
+        return data.count(signal.SIGINT)
+
+    def read_line(self, prompt: str) -> str | None:
+        """The next line from stdin without its newline, or None once Ctrl-C is pressed (then
+        `presses` says how often; the line being typed is dropped, as a shell does); EOFError
+        on end of input (Ctrl-D)."""
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        fd = sys.stdin.fileno()
+        while b"\n" not in self._pending:
+            if self._wake_r in select.select([fd, self._wake_r], [], [])[0]:
+                self.presses = self.take()
+                if self.presses:
+                    self._pending = b""
+                    return None
+                continue  # another signal's byte
+            chunk = os.read(fd, 4096)
+            if not chunk:  # EOF, or Ctrl-D after some text: that text is the last line
+                if not self._pending:
+                    raise EOFError
+                self._pending += b"\n"
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return line.decode(sys.stdin.encoding or "utf-8", "replace")
+
+
+def stream_reply(
+    engine: EngineProcess, request: p.Generate, out: Any = None, ctrl_c: CtrlC | None = None
+) -> tuple[str, Any]:
     """Send `request`, print tokens as they come; Ctrl-C sends stop and keeps waiting for the
     engine's done. Returns (reply text, done event or None after an error event)."""
+    if ctrl_c is None:
+        with CtrlC() as own:
+            return stream_reply(engine, request, out, own)
     out = out or sys.stdout
-    interrupts: list[int] = []
-    # A flag, not KeyboardInterrupt: the signal may land anywhere (mid-write), and the reply
-    # must end through the engine's done so the next turn starts from a known state.
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupts.append(1))
-    try:
-        engine.send(request)
-        parts: list[str] = []
-        stopping = False
-        while True:
-            if interrupts and not stopping:
-                engine.send(p.Stop())
-                stopping = True
-            ev = engine.next_event(timeout=0.1)
-            if isinstance(ev, p.Token):
-                parts.append(ev.text)
-                out.write(ev.text)
-                out.flush()
-            elif isinstance(ev, p.Note):
-                print(f"[{ev.message}]", file=sys.stderr)
-            elif isinstance(ev, p.Done):
-                return "".join(parts), ev
-            elif isinstance(ev, p.Error):
-                print(f"carve: {ev.message}", file=sys.stderr)
-                if ev.fatal:
-                    raise CarveError(ev.message)
-                return "".join(parts), None
-            elif isinstance(ev, p.ProtocolError):
-                print(f"carve: engine sent a bad line: {ev.message}", file=sys.stderr)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    # Counted presses, not KeyboardInterrupt: the signal may land anywhere (mid-write), and the
+    # reply must end through the engine's done so the next turn starts from a known state.
+    engine.send(request)
+    parts: list[str] = []
+    stopping = False
+    while True:
+        if ctrl_c.take() and not stopping:
+            engine.send(p.Stop())
+            stopping = True
+        ev = engine.next_event(timeout=0.1)
+        if isinstance(ev, p.Token):
+            parts.append(ev.text)
+            out.write(ev.text)
+            out.flush()
+        elif isinstance(ev, p.Note):
+            print(f"[{ev.message}]", file=sys.stderr)
+        elif isinstance(ev, p.Done):
+            return "".join(parts), ev
+        elif isinstance(ev, p.Error):
+            print(f"carve: {ev.message}", file=sys.stderr)
+            if ev.fatal:
+                raise CarveError(ev.message)
+            return "".join(parts), None
+        elif isinstance(ev, p.ProtocolError):
+            print(f"carve: engine sent a bad line: {ev.message}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------- commands
@@ -270,49 +334,53 @@ def chat(args: argparse.Namespace) -> int:
         print(f"{path.name}, ctx {plan.ctx}. /reset starts over, Ctrl-C stops a reply, "
               "Ctrl-C twice or Ctrl-D quits.", file=sys.stderr)  # fmt: skip
         system = [{"role": "system", "content": args.system}] if args.system else []
-        history: list[dict[str, str]] = []
-        interrupted = False
-        turn = 0
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
+        with CtrlC() as ctrl_c:
+            return _converse(engine, plan, sampling, system, ctrl_c)
+
+
+def _converse(engine: EngineProcess, plan: Any, sampling: dict[str, Any],
+              system: list[dict[str, str]], ctrl_c: CtrlC) -> int:  # fmt: skip
+    """The prompt loop of `carve chat`; returns the exit status."""
+    history: list[dict[str, str]] = []
+    interrupted = False
+    turn = 0
+    while True:
+        try:
+            line = ctrl_c.read_line("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line is None:
+            # two presses quit, however fast the second follows (even before the next prompt)
+            if ctrl_c.presses + interrupted >= 2:
                 print(file=sys.stderr)
                 return 0
-            except KeyboardInterrupt:
-                # a quick second Ctrl-C can land before input() runs again: it quits too
-                try:
-                    if interrupted:
-                        print(file=sys.stderr)
-                        return 0
-                    interrupted = True
-                    print("\n(Ctrl-C again or Ctrl-D to quit)", file=sys.stderr)
-                    continue
-                except KeyboardInterrupt:
-                    return 0
-            interrupted = False
-            text = line.strip()
-            if not text:
-                continue
-            if text in ("/reset", "/clear"):
-                history.clear()
-                print("[conversation reset]", file=sys.stderr)
-                continue
-            if text in ("/exit", "/quit"):
-                return 0
-            history.append({"role": "user", "content": line})
-            turn += 1
-            request = p.Generate(system + history, f"turn{turn}", sampling)
-            reply, done = stream_reply(engine, request)
-            print()
-            if done is None:
-                history.pop()  # the engine refused this turn: keep the conversation as it was
-                continue
-            history.append({"role": "assistant", "content": reply})
-            tail = " (stopped)" if done.reason == "cancelled" else ""
-            print(f"[{done.completion_tokens} tokens{tail} · prefill {done.prefill_tps:.1f} t/s · "
-                  f"decode {done.decode_tps:.1f} t/s · ctx {done.ctx_used}/{plan.ctx}]",
-                  file=sys.stderr)  # fmt: skip
+            interrupted = True
+            print("\n(Ctrl-C again or Ctrl-D to quit)", file=sys.stderr)
+            continue
+        interrupted = False
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/reset", "/clear"):
+            history.clear()
+            print("[conversation reset]", file=sys.stderr)
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        history.append({"role": "user", "content": line})
+        turn += 1
+        request = p.Generate(system + history, f"turn{turn}", sampling)
+        reply, done = stream_reply(engine, request, ctrl_c=ctrl_c)
+        print()
+        if done is None:
+            history.pop()  # the engine refused this turn: keep the conversation as it was
+            continue
+        history.append({"role": "assistant", "content": reply})
+        tail = " (stopped)" if done.reason == "cancelled" else ""
+        print(f"[{done.completion_tokens} tokens{tail} · prefill {done.prefill_tps:.1f} t/s · "
+              f"decode {done.decode_tps:.1f} t/s · ctx {done.ctx_used}/{plan.ctx}]",
+              file=sys.stderr)  # fmt: skip
 
 
 def tokenize(args: argparse.Namespace) -> int:

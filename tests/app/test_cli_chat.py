@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -189,6 +190,29 @@ def test_ctrl_c_stops_a_reply_and_twice_at_the_prompt_quits(tiny_model):
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         os.close(fd)
+
+
+def test_a_ctrl_c_before_the_prompt_waits_is_not_lost(monkeypatch, capsys):
+    # the pty test's race made certain: SIGINT lands after the prompt is written but before the
+    # read blocks. input() sat in read() until Enter; the prompt must see the press at once.
+    r, w = os.pipe()
+    monkeypatch.setattr(sys, "stdin", os.fdopen(r, "r"))
+    late = threading.Timer(5, os.write, (w, b"late\n"))  # a lost press fails, never hangs
+    late.start()
+    try:
+        with cli_chat.CtrlC() as ctrl_c:
+            os.kill(os.getpid(), signal.SIGINT)  # a signal to oneself lands before kill returns
+            assert ctrl_c.read_line("> ") is None and ctrl_c.presses == 1
+            os.write(w, "next\nzwei 世界\n".encode())
+            assert [ctrl_c.read_line("> "), ctrl_c.read_line("> ")] == ["next", "zwei 世界"]
+            late.cancel()
+            os.close(w)
+            with pytest.raises(EOFError):
+                ctrl_c.read_line("> ")
+    finally:
+        late.cancel()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert capsys.readouterr().out == "> " * 4
 
 
 # ------------------------------------------------------------------ with the real engine
