@@ -20,7 +20,6 @@ os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
 import dataclasses
 import gc
 import logging
-import math
 import queue
 import sys
 import threading
@@ -296,10 +295,15 @@ class Engine:
     def perplexity(self, req: p.Perplexity, cancelled: Any) -> None:
         session = self._require_session("perplexity")
         tok = self._tokenizer(session)
-        for value, err, chunks, total in perplexity_chunks(session, tok, req.text, req.ctx):
+        from engine.runtime.perplexity import perplexity
+
+        def on_chunk(chunks: int, total: int, value: float, err: float) -> None:
             self.emit(p.PerplexityResult(value, err, chunks, total))
             if cancelled():
                 raise CarveError(f"perplexity: stopped after {chunks} of {total} chunks")
+
+        ids = tok.encode(req.text, parse_special=False)  # llama-perplexity: specials as text
+        perplexity(session, ids, req.ctx, tok.bos_id if tok.add_bos else None, on_chunk)
 
 
 def rate(count: int, seconds: float) -> float:
@@ -319,44 +323,6 @@ def check_messages(messages: list[dict]) -> list[dict]:
     if not any(m["content"].strip() for m in messages):
         raise CarveError("generate: the prompt is empty; type a message")
     return messages
-
-
-def perplexity_chunks(session: Any, tok: Any, text: str, n_ctx: int):
-    """llama-perplexity's estimate: the text (tokenized with the model's BOS rule, specials as
-    plain text) cut into non-overlapping windows of n_ctx tokens, each starting with BOS when
-    the model adds one, each scoring its second half. Yields (ppl, stderr, chunks, total) after
-    every window, like its `[1]x,[2]y,...` line; the last is the final estimate."""
-    import torch
-
-    ctx = plan_ctx(session)
-    if n_ctx < 16 or n_ctx > ctx:
-        raise CarveError(f"perplexity: --ctx {n_ctx} must be 16..{ctx} (the loaded context)")
-    ids = tok.encode(text, parse_special=False)
-    if len(ids) < 2 * n_ctx:
-        raise CarveError(
-            f"perplexity: the text is {len(ids)} tokens; --ctx {n_ctx} needs at least "
-            f"{2 * n_ctx}: use a longer text or a smaller --ctx"
-        )
-    total = len(ids) // n_ctx
-    first = n_ctx // 2
-    nll = nll2 = 0.0
-    count = 0
-    for i in range(total):
-        window = ids[i * n_ctx : (i + 1) * n_ctx]
-        if tok.add_bos:
-            window[0] = tok.bos_id
-        logits = session.logits(window)  # [n_ctx, n_vocab] float32
-        logp = torch.log_softmax(logits[first : n_ctx - 1].float(), dim=-1)
-        target = torch.tensor(window[first + 1 :], dtype=torch.long)
-        token_nll = -logp.gather(1, target[:, None])[:, 0].double()  # [n_ctx - 1 - first]
-        nll += float(token_nll.sum())
-        nll2 += float((token_nll * token_nll).sum())
-        count += len(target)
-        mean = nll / count
-        var = nll2 / count - mean * mean
-        ppl = math.exp(mean)
-        err = ppl * math.sqrt(var / (count - 1)) if var > 0 and count > 1 else 0.0
-        yield ppl, err, i + 1, total
 
 
 def take_stdout() -> IO[bytes]:

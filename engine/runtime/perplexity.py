@@ -36,11 +36,11 @@ def perplexity(
     tokens: list[int],
     n_ctx: int,
     bos_id: int | None,
-    on_chunk: Callable[[int, int, float], None] | None = None,
+    on_chunk: Callable[[int, int, float, float], None] | None = None,
 ) -> PerplexityResult:
     """Perplexity of ``tokens`` (already tokenized, with BOS if the model adds it) in windows of
     ``n_ctx``. ``bos_id``: the BOS id when the model adds BOS, else None. ``on_chunk(i, n,
-    running_ppl)`` after each window."""
+    running_ppl, running_stderr)`` after each window (it may raise to stop)."""
     if n_ctx < 4 or n_ctx % 2:
         raise CarveError(f"--ctx: perplexity needs an even context of at least 4 tokens, got {n_ctx}")
     if n_ctx > session.plan.ctx:
@@ -69,14 +69,20 @@ def perplexity(
         nll += float(v.sum())
         nll2 += float((v * v).sum())
         count += v.numel()
-        running.append(math.exp(nll / count))
+        ppl, err = _estimate(nll, nll2, count)
+        running.append(ppl)
         if on_chunk is not None:
-            on_chunk(i + 1, n_chunk, running[-1])
+            on_chunk(i + 1, n_chunk, ppl, err)
+    ppl, err = _estimate(nll, nll2, count)
+    return PerplexityResult(ppl, err, n_chunk, count, tuple(running))
+
+
+def _estimate(nll: float, nll2: float, count: int) -> tuple[float, float]:
+    """exp(mean NLL) and llama-perplexity's ± from the running sums."""
     mean = nll / count
     ppl = math.exp(mean)
     var = nll2 / count - mean * mean
-    err = ppl * math.sqrt(var / (count - 1)) if var > 0 and count > 1 else 0.0
-    return PerplexityResult(ppl, err, n_chunk, count, tuple(running))
+    return ppl, ppl * math.sqrt(var / (count - 1)) if var > 0 and count > 1 else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             raise CarveError(f"{a.file}: cannot read it as UTF-8 text ({exc})") from None
         model = GGUFModel.open(a.model)
         tok = Tokenizer.from_model(model)
-        tokens = tok.encode(text)
+        tokens = tok.encode(text, parse_special=False)  # llama-perplexity: specials as text
         n = HParams.from_model(model).n_layer
         chunk = min(a.ctx, 512)
         plan = Plan(model=a.model, devices=(cpu_spec(),), split=(0, n), ctx=a.ctx,
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         sess = Session.load(plan)
         with torch.inference_mode():
             r = perplexity(sess, tokens, a.ctx, tok.bos_id if tok.add_bos else None,
-                           lambda i, n, v: print(f"[{i}/{n}] {v:.4f}", flush=True))
+                           lambda i, n, v, _: print(f"[{i}/{n}] {v:.4f}", flush=True))
     except CarveError as exc:
         print(f"perplexity: {exc}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ model) a real load + streamed reply over the pipe."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -461,7 +462,8 @@ class LogitsSession:
     """Deterministic pseudo-random logits per window; records what it was asked."""
 
     def __init__(self, vocab: int = 50) -> None:
-        self.layout = types.SimpleNamespace(plan=types.SimpleNamespace(ctx=64))
+        self.plan = types.SimpleNamespace(ctx=64)
+        self.layout = types.SimpleNamespace(plan=self.plan)
         self.vocab = vocab
         self.windows: list[list[int]] = []
 
@@ -473,6 +475,18 @@ class LogitsSession:
         return torch.randn(len(ids), self.vocab, generator=g) * 3
 
 
+def run_perplexity(session, tok, text, n_ctx, cancelled=lambda: False):
+    """The engine's perplexity request on `session`; returns the events it emitted."""
+    out = io.BytesIO()
+    engine = server.Engine(out)
+    engine.session, engine._tok = session, (session, tok)
+    try:
+        engine.perplexity(p.Perplexity(text, n_ctx), cancelled)
+    finally:
+        events = p.LineDecoder(p.EVENTS).feed(out.getvalue())
+    return events
+
+
 def test_perplexity_follows_llama_perplexity():
     import numpy as np
     import torch
@@ -481,8 +495,8 @@ def test_perplexity_follows_llama_perplexity():
                                 encode=lambda text, parse_special: [ord(c) % 40 for c in text])  # fmt: skip
     text = "the quick brown fox jumps over the lazy dog " * 3  # 132 tokens: 4 windows of 32
     session = LogitsSession()
-    results = list(server.perplexity_chunks(session, tok, text, 32))
-    assert [r[2:] for r in results] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    results = run_perplexity(session, tok, text, 32)
+    assert [(r.chunks, r.total) for r in results] == [(1, 4), (2, 4), (3, 4), (4, 4)]
     ids = tok.encode(text, False)
     nll = []
     for i, window in enumerate(session.windows):
@@ -493,15 +507,22 @@ def test_perplexity_follows_llama_perplexity():
         nll += torch.nn.functional.cross_entropy(logits[16:31], target, reduction="none").tolist()
     nll = np.array(nll)
     ppl = float(np.exp(nll.mean()))
-    value, err, _, _ = results[-1]
-    assert value == pytest.approx(ppl, rel=1e-5)
-    assert err == pytest.approx(ppl * np.sqrt(nll.var() / (len(nll) - 1)), rel=1e-4)
-    assert results[0][0] == pytest.approx(float(np.exp(nll[:15].mean())), rel=1e-5)
+    assert results[-1].value == pytest.approx(ppl, rel=1e-5)
+    assert results[-1].stderr == pytest.approx(ppl * np.sqrt(nll.var() / (len(nll) - 1)), rel=1e-4)
+    assert results[0].value == pytest.approx(float(np.exp(nll[:15].mean())), rel=1e-5)
 
 
 def test_perplexity_needs_two_windows_and_a_context_that_fits():
     tok = types.SimpleNamespace(add_bos=False, bos_id=1, encode=lambda t, parse_special: [5] * 40)
-    with pytest.raises(CarveError, match="the text is 40 tokens; --ctx 32 needs at least 64"):
-        list(server.perplexity_chunks(LogitsSession(), tok, "x", 32))
-    with pytest.raises(CarveError, match="--ctx 128 must be 16..64"):
-        list(server.perplexity_chunks(LogitsSession(), tok, "x", 128))
+    with pytest.raises(CarveError, match="the text is 40 tokens; perplexity at --ctx 32 needs at least 64"):
+        run_perplexity(LogitsSession(), tok, "x", 32)
+    with pytest.raises(CarveError, match="--ctx: 128 is larger than the loaded context 64"):
+        run_perplexity(LogitsSession(), tok, "x", 128)
+
+
+def test_perplexity_stops_when_cancelled_after_a_chunk():
+    tok = types.SimpleNamespace(add_bos=False, bos_id=1, encode=lambda t, parse_special: [5] * 200)
+    session = LogitsSession()
+    with pytest.raises(CarveError, match="stopped after 1 of 6 chunks"):
+        run_perplexity(session, tok, "x", 32, cancelled=lambda: True)
+    assert len(session.windows) == 1
