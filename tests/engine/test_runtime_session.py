@@ -18,15 +18,7 @@ GIB = 1 << 30
 CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=20)
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small shapes: OpenMP fan-out costs more than it saves, and on a busy 2-core machine a
-    # parallel region waits a whole scheduler slice (~10 ms) for its second thread (measured
-    # 25x slower generation on tiny models with 2 threads while other jobs ran).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 
