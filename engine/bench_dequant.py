@@ -17,20 +17,6 @@ import torch
 from engine import quant_types as qt
 from engine.dequant import SUPPORTED_TYPES, dequantize_to
 
-# byte offsets of each block's f16 scale fields (d, dmin, m); random bytes there would make
-# inf/nan values, which are not what real files hold
-F16_FIELDS = {
-    qt.Q4_0: (0,),
-    qt.Q4_1: (0, 2),
-    qt.Q5_0: (0,),
-    qt.Q5_1: (0, 2),
-    qt.Q8_0: (0,),
-    qt.Q2_K: (80, 82),
-    qt.Q3_K: (108,),
-    qt.Q4_K: (0, 2),
-    qt.Q5_K: (0, 2),
-    qt.Q6_K: (208,),
-}
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -46,7 +32,7 @@ def random_blocks(ggml_type: int, n_elements: int, rng: np.random.Generator) -> 
             return (vals.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
         return vals.view(np.uint8)
     blocks = rng.integers(0, 256, size=(n_blocks, q.type_size), dtype=np.uint8)
-    for off in F16_FIELDS[ggml_type]:
+    for off in qt.f16_fields(ggml_type):
         scale = (rng.standard_normal(n_blocks) * 0.01).astype(np.float16)
         blocks[:, off : off + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
     return blocks.reshape(-1)

@@ -96,3 +96,28 @@ def tensor_nbytes(ggml_type: int, n_elements: int) -> int:
             f"{n_elements} elements is not a whole number of {q.name} blocks of {q.block_size}"
         )
     return n_elements // q.block_size * q.type_size
+
+
+# Where each block type keeps its scale fields (ggml-common.h): (byte offset, kind), f16 = a
+# half-float d/dmin. Random payloads need finite, small values there (random bits make inf/NaN).
+SCALE_FIELDS: dict[int, tuple[tuple[int, str], ...]] = {
+    2: ((0, "f16"),), 3: ((0, "f16"), (2, "f16")), 6: ((0, "f16"),), 7: ((0, "f16"), (2, "f16")),
+    8: ((0, "f16"),), 9: ((0, "f16"), (2, "f16")),
+    10: ((80, "f16"), (82, "f16")),  # Q2_K: scales[16] qs[64] d dmin
+    11: ((108, "f16"),),  # Q3_K: hmask[32] qs[64] scales[12] d
+    12: ((0, "f16"), (2, "f16")), 13: ((0, "f16"), (2, "f16")),  # Q4_K/Q5_K: d dmin ...
+    14: ((208, "f16"),),  # Q6_K: ql[128] qh[64] scales[16] d
+    15: ((0, "f32"),),  # Q8_K: float d, qs[256], bsums[16]
+    16: ((0, "f16"),), 17: ((0, "f16"),), 18: ((0, "f16"),), 19: ((0, "f16"),),
+    20: ((0, "f16"),), 21: ((0, "f16"),), 22: ((0, "f16"),), 23: ((0, "f16"),),
+    29: ((48, "iq1m"),),  # IQ1_M: the f16 d is spread over the top nibbles of scales[4] u16
+    34: ((52, "f16"),), 35: ((64, "f16"),),  # TQ1_0 / TQ2_0: d last
+    39: ((0, "e8m0"),),  # MXFP4: one shared exponent byte
+    40: ((0, "ue4m3"),),  # NVFP4: four e4m3 sub-block scales
+    41: ((0, "f16"),),
+}
+
+
+def f16_fields(ggml_type: int) -> tuple[int, ...]:
+    """Byte offsets of a block's half-float scale fields."""
+    return tuple(off for off, kind in SCALE_FIELDS.get(ggml_type, ()) if kind == "f16")

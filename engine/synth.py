@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.errors import CarveError
 from engine.gguf_write import GGUFSink, MetaItem, split_names, tensor_bytes
-from engine.quant_types import BY_NAME, F32, Q4_K, Q5_K, Q6_K, QUANT, quant, type_name
+from engine.quant_types import BY_NAME, F32, Q4_K, Q5_K, Q6_K, QUANT, SCALE_FIELDS, quant, type_name
 from engine.synth_shapes import SHAPES, Shape, metadata, tensor_table
 
 __all__ = ["MIXES", "SHAPES", "Shape", "main", "tensor_types", "write_model"]
@@ -89,25 +89,6 @@ def tensor_types(shape: Shape, mix: str, layer_order: Sequence[int] | None = Non
     return out
 
 
-# Where each block type keeps its scales, so random payloads get finite small values there:
-# (byte offset, kind). f16 = a half float d/dmin.
-_SCALES: dict[int, tuple[tuple[int, str], ...]] = {
-    2: ((0, "f16"),), 3: ((0, "f16"), (2, "f16")), 6: ((0, "f16"),), 7: ((0, "f16"), (2, "f16")),
-    8: ((0, "f16"),), 9: ((0, "f16"), (2, "f16")),
-    10: ((80, "f16"), (82, "f16")),  # Q2_K: scales[16] qs[64] d dmin
-    11: ((108, "f16"),),  # Q3_K: hmask[32] qs[64] scales[12] d
-    12: ((0, "f16"), (2, "f16")), 13: ((0, "f16"), (2, "f16")),  # Q4_K/Q5_K: d dmin ...
-    14: ((208, "f16"),),  # Q6_K: ql[128] qh[64] scales[16] d
-    15: ((0, "f32"),),  # Q8_K: float d, qs[256], bsums[16]
-    16: ((0, "f16"),), 17: ((0, "f16"),), 18: ((0, "f16"),), 19: ((0, "f16"),),
-    20: ((0, "f16"),), 21: ((0, "f16"),), 22: ((0, "f16"),), 23: ((0, "f16"),),
-    29: ((48, "iq1m"),),  # IQ1_M: the f16 d is spread over the top nibbles of scales[4] u16
-    34: ((52, "f16"),), 35: ((64, "f16"),),  # TQ1_0 / TQ2_0: d last
-    39: ((0, "e8m0"),),  # MXFP4: one shared exponent byte
-    40: ((0, "ue4m3"),),  # NVFP4: four e4m3 sub-block scales
-    41: ((0, "f16"),),
-}
-
 _POOL_BYTES = 16 << 20
 _TARGET_RMS = 0.02  # about what trained 7B-class matrices hold
 # types gguf.quants cannot dequantize: d-field value that gives about _TARGET_RMS
@@ -148,7 +129,7 @@ def _block_pool(ggml_type: int, kind: str, rng: np.random.Generator,
         return np.frombuffer(rng.bytes(n * q.type_size), dtype=np.uint8).copy()
     blocks = np.frombuffer(rng.bytes(n_blocks * q.type_size), dtype=np.uint8).copy()
     blocks = blocks.reshape(n_blocks, q.type_size)
-    fields = _SCALES.get(ggml_type, ())
+    fields = SCALE_FIELDS.get(ggml_type, ())
     linear = [(off, how) for off, how in fields if how in ("f16", "f32")]
     for off, how in linear:  # scales ~U(0.5, 1.5) first, then one factor to the target RMS
         width = 2 if how == "f16" else 4

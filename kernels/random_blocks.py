@@ -11,12 +11,6 @@ import torch
 
 from engine import quant_types as qt
 
-# byte offsets of the f16 scale fields inside one block
-_F16_FIELDS: dict[int, tuple[int, ...]] = {
-    qt.Q4_0: (0,), qt.Q5_0: (0,), qt.Q8_0: (0,),
-    qt.Q4_K: (0, 2), qt.Q5_K: (0, 2), qt.Q6_K: (208,),
-}
-
 
 def random_weight(ggml_type: int, rows: int, cols: int, device: torch.device | str = "cpu",
                   generator: torch.Generator | None = None, scale: float = 0.02) -> torch.Tensor:
@@ -31,7 +25,7 @@ def random_weight(ggml_type: int, rows: int, cols: int, device: torch.device | s
         return vals.to(dt).view(torch.uint8).view(rows, cols * 2)
     raw = torch.randint(0, 256, (rows, nblk, q.type_size), dtype=torch.uint8,
                         generator=generator, device=device)
-    for off in _F16_FIELDS[ggml_type]:
+    for off in qt.f16_fields(ggml_type):
         # K-type sub-block scales reach 63 and Q6_K's int8 scales 127: shrink d to match
         span = {qt.Q4_K: 63.0 * 8, qt.Q5_K: 63.0 * 16, qt.Q6_K: 127.0 * 32}.get(ggml_type, 8.0)
         d = (torch.rand(rows, nblk, generator=generator, device=device) + 0.5) * (scale / span)

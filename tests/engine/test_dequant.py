@@ -39,19 +39,6 @@ BLOCK_TYPES = [
     qt.Q5_K,
     qt.Q6_K,
 ]
-# byte offsets of the f16 fields in each block (ggml-common.h)
-F16_FIELDS = {
-    qt.Q4_0: (0,),
-    qt.Q4_1: (0, 2),
-    qt.Q5_0: (0,),
-    qt.Q5_1: (0, 2),
-    qt.Q8_0: (0,),
-    qt.Q2_K: (80, 82),
-    qt.Q3_K: (108,),
-    qt.Q4_K: (0, 2),
-    qt.Q5_K: (0, 2),
-    qt.Q6_K: (208,),
-}
 
 
 def _rng(salt: int) -> np.random.Generator:
@@ -61,7 +48,7 @@ def _rng(salt: int) -> np.random.Generator:
 def _raw_blocks(ggml_type: int, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
     q = qt.QUANT[ggml_type]
     b = rng.integers(0, 256, size=(n_blocks, q.type_size), dtype=np.uint8)
-    for off in F16_FIELDS[ggml_type]:
+    for off in qt.f16_fields(ggml_type):
         # magnitudes from 1e-6 to 1, signs both ways: subnormal-ish to large f16 scales
         f = rng.standard_normal(n_blocks) * 10.0 ** rng.uniform(-6, 0, n_blocks)
         b[:, off : off + 2] = f.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
