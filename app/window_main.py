@@ -360,10 +360,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def has_display() -> bool:
+    """Whether a window can open: Qt aborts the process when no platform plugin can start."""
+    if "QT_QPA_PLATFORM" in os.environ or not sys.platform.startswith("linux"):
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def plan_in_terminal(args: argparse.Namespace) -> int:
+    """No display (a server, an SSH session): plan the model in the terminal instead."""
+    from app import cli_plan
+    from engine.demo import demo_model_path
+    from engine.errors import CarveError
+
+    try:
+        model = args.model or str(demo_model_path())
+    except CarveError as err:
+        print(f"carve: no display for the window, and {err}", file=sys.stderr)
+        return 2
+    print("carve: no display (DISPLAY and WAYLAND_DISPLAY are unset): planning in the terminal; "
+          "`carve --snapshot out.png` renders the window", file=sys.stderr)  # fmt: skip
+    return cli_plan.main(["plan", model, "--gpus", args.gpus or "auto"])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.snapshot and "QT_QPA_PLATFORM" not in os.environ:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"
+    if not args.snapshot and not has_display():
+        return plan_in_terminal(args)
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("Carve")
     saved = PresetStore().ui().get("theme")
