@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
 
 from app.models.plan_model import PlanModel
 from app.theme import Theme, stage_color
+from app.widgets.static_plot import static_plot
 
 
 class SplitEditor(QWidget):
@@ -45,14 +46,8 @@ class SplitEditor(QWidget):
         self.use_row.setSpacing(10)
         self._use_boxes: list[QCheckBox] = []
 
-        self.plot = pg.PlotWidget(background=None)
-        self.plot.setObjectName("splitPlot")
+        self.plot = static_plot("splitPlot", "layer")
         pi = self.plot.getPlotItem()
-        pi.setMenuEnabled(False)
-        pi.hideButtons()
-        pi.setMouseEnabled(False, False)
-        pi.hideAxis("left")
-        pi.getAxis("bottom").setLabel("layer")
         self.plot.setFixedHeight(96)
         self.stages = pg.BarGraphItem(x0=[0], width=[0], y0=[0], height=[1], brushes=["#888"])
         pi.addItem(self.stages)

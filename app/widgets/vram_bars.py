@@ -15,6 +15,7 @@ from PySide6.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
 from app.models.device_board import OUR_TERMS, DeviceBoard
 from app.models.model_summary import human_bytes
 from app.theme import Theme
+from app.widgets.static_plot import static_plot
 
 GIB = float(1 << 30)
 BAR_H = 0.46  # of the 1.0 row pitch; the rest holds the row's caption
@@ -25,14 +26,8 @@ class VramBars(QWidget):
         super().__init__(parent)
         self.board = board
         self.theme = theme
-        self.plot = pg.PlotWidget(background=None)
-        self.plot.setObjectName("vramPlot")
+        self.plot = static_plot("vramPlot", "GiB")
         item = self.plot.getPlotItem()
-        item.setMenuEnabled(False)
-        item.hideButtons()
-        item.setMouseEnabled(False, False)
-        item.hideAxis("left")
-        item.getAxis("bottom").setLabel("GiB")
         item.getViewBox().invertY(True)
         self.plot.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
         self.legend = QLabel()
