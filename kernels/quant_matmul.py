@@ -15,74 +15,117 @@ import triton.language as tl
 
 from engine import dequant as _dq
 from engine import quant_types as qt
+from kernels.gemv_dot import row_dot
 from kernels.quant_blocks import dequant_part, plan
 
-# (rows per program, blocks per step, warps) per type, for M<=8 decode GEMV; picked by
-# kernels/device_check.py on an H200 (see kernels/NOTES.md).
+# (rows per program, blocks per step, warps[, pipeline stages]) per type, for M<=8 decode GEMV;
+# picked by sweeps on an H200 (kernels/NOTES.md). The generic walk wants tiles that give each
+# thread ~16 contiguous weight bytes per part, or loads stay 2 bytes wide and the scale loads
+# dominate.
 GEMV_CONFIG: dict[int, tuple[int, ...]] = {
-    # (rows, blocks per step, warps[, pipeline stages]): a tile must give each thread ~16
-    # contiguous weight bytes per part, or loads stay 2 bytes wide and the scale loads
-    # dominate; best of the sweeps on an H200 (kernels/NOTES.md)
     qt.F16: (4, 16, 4),
     qt.BF16: (4, 16, 4),
     qt.Q4_0: (4, 32, 4),
     qt.Q5_0: (4, 16, 4),
     qt.Q8_0: (4, 16, 4),
-    qt.Q4_K: (4, 16, 4),
+    qt.Q4_K: (4, 8, 4),
     qt.Q5_K: (4, 16, 4),
-    qt.Q6_K: (2, 16, 4),
+    qt.Q6_K: (4, 4, 4),
 }
 # types whose parts are summed over their lanes at once (LANE_SUM; faster for these on the H200)
 LANE_SUM_TYPES = frozenset({qt.Q5_0, qt.Q8_0})
+# types with a dedicated storage-order body in kernels/gemv_dot.py, and the byte alignment of
+# the weight's start that body's wide loads assume
+SPECIAL_ALIGN = {qt.Q4_K: 16, qt.Q6_K: 2}
 
 
 @triton.jit
-def _gemv_kernel(w_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, N, K, row_bytes, stride_xm, stride_ym,
-                 TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
-                 L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, LANE_SUM: tl.constexpr):
+def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, y_ptr, b_ptr, N, K, row_bytes, stride_xm,
+                 stride_ym, TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+                 NPART: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr, SPECIAL: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
     # rows on axis 0: a 152064-row output matrix in 2-row programs passes the 65535 limit of
     # grid axes 1 and 2
     pid = tl.program_id(0)
     m = tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rows_c = tl.minimum(rows, N - 1)  # clamp instead of masking every weight load
-    nblk = K // BS
-    tb = tl.arange(0, BLOCK_B)
-    lane = tl.arange(0, L)
-    row_base = rows_c.to(tl.int64)[:, None, None] * row_bytes
     xrow = x_ptr + m.to(tl.int64) * stride_xm
-    acc = tl.zeros([BLOCK_R, BLOCK_B, L], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.float32)
-    for b0 in range(0, nblk, BLOCK_B):
-        blk = b0 + tb
-        bmask = blk < nblk
-        blk_c = tl.minimum(blk, nblk - 1)
-        base = row_base + blk_c[None, :, None] * TS
-        for p in tl.static_range(NPART):
-            v, e = dequant_part(w_ptr, wh_ptr, base, lane, TYPE, p)
-            # blocks past the row end read x as 0 (their weight values are a clamped, finite copy)
-            # x loaded as a full [R, B, L] tile (rows re-read it from L1) so that it comes in: no shared-memory layout conversion per part
-            # the weight tile's register layout: no shared-memory layout conversion per part.
-            # F16/BF16 weights are as wide as x, so there one x load per row costs more.
-            if TYPE == 1 or TYPE == 30:
-                xv = tl.load(xrow + blk[:, None] * BS + e[None, :], mask=bmask[:, None],
-                             other=0.0)
-                acc += v * xv.to(tl.float32)[None, :, :]
-            else:
-                xp = tl.broadcast_to((xrow + blk[:, None] * BS + e[None, :])[None, :, :],
-                                     (BLOCK_R, BLOCK_B, L))
-                xm = tl.broadcast_to(bmask[None, :, None], (BLOCK_R, BLOCK_B, L))
-                xv = tl.load(xp, mask=xm, other=0.0)
-                if LANE_SUM:  # variant: reduce each part over its lanes at once
-                    acc2 += tl.sum(v * xv.to(tl.float32), axis=2)
-                else:
-                    acc += v * xv.to(tl.float32)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(acc2, axis=1)
+    y = row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
+                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty),
              mask=rows < N)
+
+
+@triton.jit
+def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, y_ptr, N, K, row_bytes,
+                     stride_xm, stride_ym, TYPE: tl.constexpr, BS: tl.constexpr,
+                     TS: tl.constexpr, NPART: tl.constexpr, L: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr,
+                     SPECIAL: tl.constexpr, GELU: tl.constexpr):
+    # gate and up rows of the same outputs in one program: x is read once for both, and the
+    # GLU needs no launch and no [T, 2F] buffer of its own
+    pid = tl.program_id(0)
+    m = tl.program_id(1)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows_c = tl.minimum(rows, N - 1)
+    xrow = x_ptr + m.to(tl.int64) * stride_xm
+    g = row_dot(g_ptr, gh_ptr, gi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
+                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL)
+    u = row_dot(u_ptr, uh_ptr, ui_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
+                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL)
+    if GELU:  # ggml's gelu is the tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = g * tl.sigmoid(2.0 * z)
+    else:
+        a = g * tl.sigmoid(g)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, (a * u).to(y_ptr.dtype.element_ty),
+             mask=rows < N)
+
+
+@triton.jit
+def _seg(pid, P0, w_ptr, wh_ptr, wi_ptr, b_ptr, xrow, yrow, N, K, row_bytes,
+         TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
+         L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr,
+         SPECIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    rows = (pid - P0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    y = row_dot(w_ptr, wh_ptr, wi_ptr, xrow, tl.minimum(rows, N - 1), K, row_bytes, TYPE, BS,
+                TS, NPART, L, BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(yrow + rows, y.to(yrow.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _gemv3_kernel(w1, w1h, w1i, b1, N1, rb1, w2, w2h, w2i, b2, N2, rb2, w3, w3h, w3i, b3, N3, rb3,
+                  x_ptr, y_ptr, P1, P2, K, stride_xm, stride_ym,
+                  T1: tl.constexpr, BS1: tl.constexpr, TS1: tl.constexpr, NP1: tl.constexpr,
+                  L1: tl.constexpr, R1: tl.constexpr, B1: tl.constexpr, LS1: tl.constexpr,
+                  SP1: tl.constexpr,
+                  T2: tl.constexpr, BS2: tl.constexpr, TS2: tl.constexpr, NP2: tl.constexpr,
+                  L2: tl.constexpr, R2: tl.constexpr, B2: tl.constexpr, LS2: tl.constexpr,
+                  SP2: tl.constexpr,
+                  T3: tl.constexpr, BS3: tl.constexpr, TS3: tl.constexpr, NP3: tl.constexpr,
+                  L3: tl.constexpr, R3: tl.constexpr, B3: tl.constexpr, LS3: tl.constexpr,
+                  SP3: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # q, k and v of one layer (each with its own type and tile) in one launch: the outputs sit
+    # side by side in y's row; programs [0, P1) do the first matrix, [P1, P2) the second
+    pid = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    xrow = x_ptr + m * stride_xm
+    yrow = y_ptr + m * stride_ym
+    if pid < P1:
+        _seg(pid, 0, w1, w1h, w1i, b1, xrow, yrow, N1, K, rb1, T1, BS1, TS1, NP1, L1, R1, B1,
+             LS1, SP1, HAS_BIAS)
+    elif pid < P2:
+        _seg(pid, P1, w2, w2h, w2i, b2, xrow, yrow + N1, N2, K, rb2, T2, BS2, TS2, NP2, L2, R2,
+             B2, LS2, SP2, HAS_BIAS)
+    else:
+        _seg(pid, P2, w3, w3h, w3i, b3, xrow, yrow + N1 + N2, N3, K, rb3, T3, BS3, TS3, NP3, L3,
+             R3, B3, LS3, SP3, HAS_BIAS)
 
 
 @triton.jit
@@ -128,32 +171,113 @@ def row_cols(w: torch.Tensor, ggml_type: int) -> int:
     return w.shape[1] // p.nbytes * p.block
 
 
-def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | None = None,
-         config: tuple[int, ...] | None = None, bias: torch.Tensor | None = None,
-         lane_sum: bool | None = None) -> torch.Tensor:
-    """y[M, rows] = x[M, cols] @ W^T (+ bias), dequantizing W on the fly; M small (decode,
-    M <= 8). x is float32/bf16/f16; y has x's dtype unless ``out`` is given. No allocation
-    with ``out``."""
+def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None = None,
+                 lane_sum: bool | None = None, special: bool | None = None):
+    """(pointer views (bytes, 16-bit, int32), the body's constexprs, warps, stages) of one
+    weight's GEMV."""
     w, wh = _views(w, ggml_type)
     p = plan(ggml_type)
-    n, k = w.shape[0], row_cols(w, ggml_type)
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        raise ValueError("x rows must be contiguous")
-    m = x2.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
+    k = row_cols(w, ggml_type)
+    align = SPECIAL_ALIGN.get(ggml_type)
+    if special is None:
+        special = align is not None and w.data_ptr() % align == 0 and w.shape[1] % align == 0
+    wi = w
+    if special and ggml_type == qt.Q4_K:
+        wi = w.view(torch.int32)
     br, bb, warps, *rest = config or GEMV_CONFIG[ggml_type]
-    stages = rest[0] if rest else None  # software-pipelining depth of the block loop
     if lane_sum is None:
         lane_sum = ggml_type in LANE_SUM_TYPES
     bb = min(bb, triton.next_power_of_2(k // p.block))  # short rows: no all-masked blocks
-    grid = (triton.cdiv(n, br), m)
-    _gemv_kernel[grid](w, wh, x2, y, bias if bias is not None else y, n, k, w.shape[1],
-                       x2.stride(0), y.stride(0), TYPE=ggml_type, BS=p.block, TS=p.nbytes,
-                       NPART=p.parts, L=p.lanes, BLOCK_R=br, BLOCK_B=bb,
-                       HAS_BIAS=bias is not None, LANE_SUM=lane_sum, num_warps=warps,
-                       **({"num_stages": stages} if stages else {}))
+    meta = {"TYPE": ggml_type, "BS": p.block, "TS": p.nbytes, "NPART": p.parts, "L": p.lanes,
+            "BLOCK_R": br, "BLOCK_B": bb, "LANE_SUM": bool(lane_sum), "SPECIAL": bool(special)}
+    return (w, wh, wi), meta, warps, (rest[0] if rest else None)
+
+
+def _x2(x: torch.Tensor, k: int) -> torch.Tensor:
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        raise ValueError("x rows must be contiguous")
+    return x2
+
+
+def _opts(warps: int, stages: int | None) -> dict:
+    return {"num_warps": warps, **({"num_stages": stages} if stages else {})}
+
+
+def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | None = None,
+         config: tuple[int, ...] | None = None, bias: torch.Tensor | None = None,
+         lane_sum: bool | None = None, special: bool | None = None) -> torch.Tensor:
+    """y[M, rows] = x[M, cols] @ W^T (+ bias), dequantizing W on the fly; M small (decode,
+    M <= 8). x is float32/bf16/f16; y has x's dtype unless ``out`` is given. No allocation
+    with ``out``. ``special``: force the Q4_K/Q6_K storage-order body on or off."""
+    ptrs, meta, warps, stages = _launch_args(w, ggml_type, config, lane_sum, special)
+    n, k = w.shape[0], row_cols(w, ggml_type)
+    x2 = _x2(x, k)
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
+    grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
+    _gemv_kernel[grid](*ptrs, x2, y, bias if bias is not None else y, n, k, w.shape[1],
+                       x2.stride(0), y.stride(0), HAS_BIAS=bias is not None, **meta,
+                       **_opts(warps, stages))
     return y.view(*x.shape[:-1], n) if out is None else out
+
+
+def can_pair(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: int) -> bool:
+    """Whether gemv_glu takes these two matrices (same type and shape)."""
+    return gate_type == up_type and gate.shape == up.shape
+
+
+def gemv_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, x: torch.Tensor,
+             act: str = "silu", out: torch.Tensor | None = None,
+             config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """act(x @ gate^T) * (x @ up^T) in one launch (decode FFN): [M, rows]."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    gp, meta, warps, stages = _launch_args(gate, ggml_type, config)
+    up_ptrs, meta_u, _, _ = _launch_args(up, ggml_type, config)
+    meta["SPECIAL"] = meta["SPECIAL"] and meta_u["SPECIAL"]
+    if not meta["SPECIAL"]:
+        gp, up_ptrs = (gate, gp[1], gate), (up, up_ptrs[1], up)
+    n, k = gate.shape[0], row_cols(gate, ggml_type)
+    x2 = _x2(x, k)
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
+    grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
+    _gemv_glu_kernel[grid](*gp, *up_ptrs, x2, y, n, k, gate.shape[1], x2.stride(0), y.stride(0),
+                           GELU=act == "gelu", **meta, **_opts(warps, stages))
+    return y.view(*x.shape[:-1], n) if out is None else out
+
+
+_SUFFIX = {"TYPE": "T", "BS": "BS", "TS": "TS", "NPART": "NP", "L": "L", "BLOCK_R": "R",
+           "BLOCK_B": "B", "LANE_SUM": "LS", "SPECIAL": "SP"}
+
+
+def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tensor,
+          biases: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Three GEMVs of the same x in one launch (q, k, v), outputs side by side in ``out``
+    [M, n1 + n2 + n3]; each matrix keeps its own type and tile."""
+    if len(mats) != 3:
+        raise ValueError("gemv3 takes three matrices")
+    k = row_cols(*mats[0])
+    x2 = _x2(x, k)
+    m = x2.shape[0]
+    y = out.view(m, -1)
+    if y.stride(1) != 1 or y.shape[1] != sum(w.shape[0] for w, _ in mats):
+        raise ValueError("out must hold the three outputs side by side")
+    args, consts, progs, warps = [], {}, [0], 4
+    for i, (w, t) in enumerate(mats, 1):
+        if row_cols(w, t) != k:
+            raise ValueError("gemv3's matrices must have the same number of columns")
+        ptrs, meta, wp, _ = _launch_args(w, t)
+        warps = wp if i == 1 else warps
+        b = biases[i - 1] if biases is not None else y
+        args += [*ptrs, b, w.shape[0], w.shape[1]]
+        consts.update({f"{_SUFFIX[key]}{i}": v for key, v in meta.items()})
+        progs.append(progs[-1] + triton.cdiv(w.shape[0], meta["BLOCK_R"]))
+    grid = (progs[3], m)
+    _gemv3_kernel[grid](*args, x2, y, progs[1], progs[2], k, x2.stride(0), y.stride(0),
+                        HAS_BIAS=biases is not None, **consts, num_warps=warps)
+    return out
 
 
 def gemv_ref(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | None = None,

@@ -66,6 +66,70 @@ def test_gemv_bias_and_lane_sum_variant(lane_sum):
     assert _nerr(out, quant_matmul.gemv_ref(w, qt.Q6_K, x, bias=bias)) < 1e-5
 
 
+@pytest.mark.parametrize("ggml_type", [qt.Q4_K, qt.Q6_K], ids=qt.type_name)
+@pytest.mark.parametrize("special", [True, False])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gemv_storage_order_bodies(ggml_type, special, xdtype):
+    # the Q4_K/Q6_K bodies that walk a block in storage order, and the generic walk, both
+    # against the reference; row counts that are not a multiple of the tile, partial last step
+    g = _gen()
+    rows = int(torch.randint(1, 11, (1,), generator=g, device=DEVICE))
+    cols = 256 * int(torch.randint(1, 6, (1,), generator=g, device=DEVICE))
+    w = random_weight(ggml_type, rows, cols, DEVICE, g)
+    x = torch.randn(2, cols, generator=g, device=DEVICE).to(xdtype)
+    out = _poison((2, rows))
+    quant_matmul.gemv(w, ggml_type, x, out=out, special=special)
+    assert _nerr(out, quant_matmul.gemv_ref(w, ggml_type, x.float())) < 1e-5
+
+
+def test_gemv_unaligned_weight_falls_back_to_the_generic_walk():
+    # a weight view that starts off the 16-byte boundary the Q4_K body's wide loads assume
+    g = _gen()
+    raw = random_weight(qt.Q4_K, 5, 512, DEVICE, g)
+    buf = torch.empty(raw.numel() + 2, dtype=torch.uint8, device=DEVICE)
+    w = buf[2:].view(5, -1)
+    w.copy_(raw)
+    assert not quant_matmul._launch_args(w, qt.Q4_K)[1]["SPECIAL"]
+    x = torch.randn(1, 512, generator=g, device=DEVICE)
+    out = _poison((1, 5))
+    quant_matmul.gemv(w, qt.Q4_K, x, out=out)
+    assert _nerr(out, quant_matmul.gemv_ref(raw, qt.Q4_K, x)) < 1e-5
+
+
+@pytest.mark.parametrize("ggml_type", [qt.Q4_K, qt.Q6_K, qt.Q8_0], ids=qt.type_name)
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_gemv_glu_matches_reference(ggml_type, act):
+    g = _gen()
+    rows = int(torch.randint(1, 10, (1,), generator=g, device=DEVICE))
+    cols = 512
+    gate = random_weight(ggml_type, rows, cols, DEVICE, g)
+    up = random_weight(ggml_type, rows, cols, DEVICE, g)
+    x = torch.randn(1, cols, generator=g, device=DEVICE).to(torch.bfloat16)
+    out = _poison((1, rows))
+    quant_matmul.gemv_glu(gate, up, ggml_type, x, act, out=out)
+    xf = x.float()
+    ref = glu.glu_ref(quant_matmul.gemv_ref(gate, ggml_type, xf),
+                      quant_matmul.gemv_ref(up, ggml_type, xf), act)
+    assert _nerr(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gemv3_matches_three_gemvs(with_bias):
+    # q, k, v of mixed types in one launch, outputs side by side
+    g = _gen()
+    cols = 512
+    mats = [(random_weight(t, int(torch.randint(1, 12, (1,), generator=g, device=DEVICE)),
+                           cols, DEVICE, g), t) for t in (qt.Q4_K, qt.Q6_K, qt.Q8_0)]
+    biases = [torch.randn(w.shape[0], generator=g, device=DEVICE) for w, _ in mats] \
+        if with_bias else None
+    x = torch.randn(1, cols, generator=g, device=DEVICE)
+    out = _poison((1, sum(w.shape[0] for w, _ in mats)))
+    quant_matmul.gemv3(mats, x, out, biases)
+    ref = torch.cat([quant_matmul.gemv_ref(w, t, x, bias=biases[i] if biases else None)
+                     for i, (w, t) in enumerate(mats)], dim=1)
+    assert _nerr(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
 def test_dequantize_and_embed_match_reference(ggml_type):
     g = _gen()
