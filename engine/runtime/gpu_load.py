@@ -38,6 +38,8 @@ def load_tensors(model, names: Iterable[str], spans: dict[str, torch.Tensor],
         for o in range(0, info.nbytes, PIECE):
             pieces.append((info.shard, info.offset + o, dst[o:o + PIECE]))
     total = sum(p[2].numel() for p in pieces)
+    if torch.device(device).type != "cuda":
+        return _load_direct(model, pieces, total, on_progress, cancelled)
     fds = [os.open(p, os.O_RDONLY) for p in model.paths]
     ring = [torch.empty(PIECE, dtype=torch.uint8, pin_memory=True) for _ in range(min(RING, max(1, len(pieces))))]
     events: list[torch.cuda.Event | None] = [None] * len(ring)
@@ -58,6 +60,8 @@ def load_tensors(model, names: Iterable[str], spans: dict[str, torch.Tensor],
                 except queue.Empty:
                     return
                 slot = free.get()
+                if stop.is_set():
+                    return
                 ev = events[slot]
                 if ev is not None:
                     ev.synchronize()
@@ -100,8 +104,36 @@ def load_tensors(model, names: Iterable[str], spans: dict[str, torch.Tensor],
         stream.synchronize()
     finally:
         stop.set()
+        for _ in threads:  # wake readers blocked on a free slot (the main loop stopped early)
+            free.put(0)
         for t in threads:
             t.join()
+        for fd in fds:
+            os.close(fd)
+        stream.synchronize()  # no copy may still write into arenas the caller frees next
+    return total, time.perf_counter() - t0
+
+
+def _load_direct(model, pieces, total: int, on_progress, cancelled) -> tuple[int, float]:
+    """CPU stages (the interpreter runs in CI): no pinned ring, no streams; read each piece
+    straight from the file into its span."""
+    t0 = time.perf_counter()
+    done = 0
+    fds = [os.open(p, os.O_RDONLY) for p in model.paths]
+    try:
+        for shard, off, dst in pieces:
+            if cancelled is not None and cancelled():
+                raise CarveError("load cancelled")
+            n = dst.numel()
+            got = os.preadv(fds[shard], [memoryview(dst.numpy())], off)
+            if got != n:
+                raise CarveError(f"{model.paths[shard]}: short read at byte {off}; the file "
+                                 f"is truncated")
+            done += n
+            if on_progress is not None:
+                dt = time.perf_counter() - t0
+                on_progress("weights", done, total, done / dt if dt > 0 else 0.0)
+    finally:
         for fd in fds:
             os.close(fd)
     return total, time.perf_counter() - t0

@@ -10,9 +10,11 @@ priced size with the dequant cache feeding bf16 GEMMs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import triton
 
 from engine import quant_types as qt
 from engine.errors import CarveError
@@ -23,12 +25,23 @@ DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
 ARCHS = ("llama", "qwen2")
 
 
-def allocate(dl: Any, device: torch.device | str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+def new_arena(nbytes: int, device: torch.device) -> torch.Tensor:
+    """The one place the GPU runner allocates device memory (tests wrap it to watch or fail)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def allocate(dl: Any, device: torch.device | str, arenas: list[torch.Tensor] | None = None,
+             spans: dict[str, torch.Tensor] | None = None,
+             ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """One uint8 allocation per Arena of the DeviceLayout; every span becomes a view into it
-    (typed for float spans, raw bytes for GGUF-typed weights)."""
-    arenas, spans = [], {}
+    (typed for float spans, raw bytes for GGUF-typed weights). ``arenas``/``spans``: the
+    caller's containers, filled as it goes, so a failure midway leaves the caller holding
+    (and able to drop) every arena already made."""
+    arenas = [] if arenas is None else arenas
+    spans = {} if spans is None else spans
+    device = torch.device(device)
     for a in dl.arenas:
-        buf = torch.empty(a.nbytes, dtype=torch.uint8, device=device)
+        buf = new_arena(a.nbytes, device)
         arenas.append(buf)
         for s in a.spans:
             raw = buf[s.offset:s.offset + s.nbytes]
@@ -47,6 +60,7 @@ class GpuStage:
                              f"the CPU engine for now")
         self.hp, self.model, self.spans = hp, model, spans
         self.device = torch.device(device)
+        self.on_cuda = self.device.type == "cuda"  # else the CPU under TRITON_INTERPRET=1
         self.lb, self.le = dl.layers
         self.first, self.last = dl.first, dl.last
         self.ctx, self.chunk = ctx, chunk
@@ -96,25 +110,33 @@ class GpuStage:
         w, t = self.mat(name)
         b = self.vec(bias) if bias else None
         if x.shape[0] <= 8:
-            quant_matmul.gemv(w, t, x, out=out, bias=b)  # bias added in the same launch
+            # bias added in the same launch; under the CPU interpreter one program per matrix
+            # (each program costs ~20 ms there whatever its size)
+            cfg = None if self.on_cuda else (min(512, triton.next_power_of_2(w.shape[0])), 16, 1)
+            quant_matmul.gemv(w, t, x, out=out, bias=b, config=cfg)
             return
         else:
-            cached = self.spans.get("dq." + name)
-            if cached is not None:
-                c = cached.view(w.shape[0], -1)
-                # prefill only (not the captured decode step): GEMM in the cache's dtype
-                out.copy_(x.to(c.dtype) @ c.T)
+            # prefill only (not the captured decode step): one GEMM on the dequant cache's copy,
+            # or on the matrix dequantized into buf.dequant
+            c = self.spans.get("dq." + name)
+            if c is None:
+                c = self.buf["dequant"][: w.shape[0] * quant_matmul.row_cols(w, t)]
+                quant_matmul.dequantize(w, t, c.dtype, out=c.view(w.shape[0], -1))
+            c = c.view(w.shape[0], -1)
+            if x.dtype == c.dtype == out.dtype:
+                torch.matmul(x, c.T, out=out)  # bf16 activations (GPU): no temporaries
             else:
-                scratch = self.buf["dequant"][: w.shape[0] * quant_matmul.row_cols(w, t)]
-                out.copy_(quant_matmul.matmul(w, t, x.to(scratch.dtype),
-                                              scratch=scratch.view(w.shape[0], -1)))
+                out.copy_(x.to(c.dtype) @ c.T)
         if b is not None:
             out += b
 
-    def forward(self, n: int, pos0: int | None) -> None:
+    def forward(self, n: int, pos0: int | None, head: bool = True,
+                check: Callable[[int, torch.Tensor], None] | None = None) -> None:
         """Run layers on buf.hidden[:n] (first stage: embeds buf.tokens[:n] first). Positions
         are buf.positions[:n]; ``pos0`` is the host copy for prefill, None for decode (the
-        graph-captured path, which reads the position from the device)."""
+        graph-captured path, which reads the position from the device). ``head``: the last
+        stage projects the last rows of buf.logits' height (see `head` for other rows).
+        ``check(layer, hidden)``: called after every layer (the NaN hunt; not on the hot path)."""
         hp, b = self.hp, self.buf
         hidden, normed = b["hidden"][:n], b["normed"][:n]
         qkv, attn_o, proj = b["qkv"][:n], b["attn"][:n], b["proj"][:n]
@@ -163,14 +185,23 @@ class GpuStage:
             glu.glu(ffn_up[:, :f], ffn_up[:, f:], hp.act, out=ffn_act)
             self._linear(p + "ffn_down.weight", ffn_act, proj)
             pending = True
+            if check is not None:
+                check(i, hidden + proj)  # the residual stream after layer i (allocates: fine here)
         if pending:
             hidden += proj
-        if self.last:
+        if self.last and head:
             rows = b["logits"].shape[0]
-            h = hidden[n - rows:] if n > rows else hidden
-            norm.rmsnorm(h, self.vec("output_norm.weight"), eps, out=normed[: h.shape[0]])
-            name = "output.weight" if "output.weight" in self.spans else "token_embd.weight"
-            self._linear(name, normed[: h.shape[0]], b["logits"][: h.shape[0]])
+            self.head(max(0, n - rows), min(n, rows))
+
+    def head(self, r0: int, rows: int) -> torch.Tensor:
+        """Output norm and projection of buf.hidden[r0:r0+rows] into buf.logits[:rows]
+        (rows <= the logits buffer's height); returns that logits view."""
+        b = self.buf
+        h, normed = b["hidden"][r0:r0 + rows], b["normed"][:rows]
+        norm.rmsnorm(h, self.vec("output_norm.weight"), self.hp.rms_eps, out=normed)
+        name = "output.weight" if "output.weight" in self.spans else "token_embd.weight"
+        self._linear(name, normed, b["logits"][:rows])
+        return b["logits"][:rows]
 
     def decode_step(self) -> None:
         """One token: buf.tokens[0] at buf.positions[0]; leaves logits (last stage) and, on the
@@ -183,7 +214,10 @@ class GpuStage:
         self.buf["positions"][:1] += 1
 
     def capture(self) -> None:
-        """Capture decode_step in a CUDA graph (after one eager warm-up that compiles kernels)."""
+        """Capture decode_step in a CUDA graph (after one eager warm-up that compiles kernels).
+        On the CPU (interpreter) there is no graph: replay runs decode_step eagerly."""
+        if not self.on_cuda:
+            return
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
@@ -194,6 +228,15 @@ class GpuStage:
         # captures; a second GPU's stage needs a stream of its own device
         with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(self.device)):
             self.decode_step()
+
+    def release(self) -> None:
+        """Drop every view into the arenas this stage holds (and its graph), so that freeing
+        the arenas frees the memory."""
+        self.graph = None
+        self.spans = {}
+        self.buf = {}
+        self.attn_ws = ()
+        self.next_id = None
 
     def replay(self) -> None:
         if self.graph is None:

@@ -7,6 +7,7 @@ are the activations `engine/buffers.py` prices.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -55,13 +56,21 @@ class Session:
         ops: SimpleNamespace = TORCH_OPS,
     ) -> Session:
         """Price ``plan``, allocate exactly that Layout, and load the weights into it. ``ops``:
-        the op table the models run on (the Triton table on a GPU)."""
+        the op table the models run on. A CUDA plan of an architecture the Triton runner
+        runs loads as a `GpuSession` instead (same interface); one stderr line says which."""
         from engine.gguf_file import GGUFModel
         from engine.hparams import HParams
         from engine.price import price
+        from engine.runtime.gpu_session import GpuSession, why_not
 
         model = GGUFModel.open(plan.model)
         hp = HParams.from_model(model)
+        why = why_not(plan, hp)
+        devices = ", ".join(d.label for d in plan.devices)
+        if why is None:
+            print(f"carve-engine: runner triton on {devices}", file=sys.stderr, flush=True)
+            return GpuSession.load(plan, on_progress, cancelled, model=model)  # type: ignore[return-value]
+        print(f"carve-engine: runner torch on {devices} ({why})", file=sys.stderr, flush=True)
         layout = price(plan, model)
         if not layout.fits:
             bad = next(d for d in layout.devices if d.verdict == "does not fit")

@@ -1,0 +1,359 @@
+"""The Triton GPU runner end to end (GpuSession over GpuPipeline/GpuStage): logits and greedy ids
+against the CPU engine on the same file, a split that changes nothing, every tensor a span of the
+Layout, loads that fail or are cancelled leave nothing allocated, NaN named by layer.
+
+Without a GPU the runner runs on the CPU under TRITON_INTERPRET=1 (tiny shapes: the interpreter
+costs ~20 ms per Triton program). The `gpu` tests run the same on CUDA plus priced ==
+torch.cuda.memory_reserved per arena mode; `python -m pytest -q tests/engine/test_gpu_session.py -m gpu`.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import io
+import os
+import sys
+import weakref
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before kernels/ decorates its kernels (as tests/kernels does)
+    os.environ["TRITON_INTERPRET"] = "1"
+    for _name in [n for n in sys.modules if n.startswith("kernels.")]:
+        importlib.reload(sys.modules[_name])
+
+from engine import protocol as p
+from engine import server
+from engine.devices import DeviceSpec
+from engine.errors import CarveError
+from engine.plan import Plan
+from engine.runtime import gpu_memory, gpu_stage
+from engine.runtime.gpu_session import GpuSession, why_not
+from engine.runtime.session import Session
+from engine.sampling import SamplingParams
+from engine.synth import write_model
+from engine.synth_shapes import Shape
+
+GIB = 1 << 30
+CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
+# two simulated GPUs: a split the CPU Plan does not allow; the stages then run on the CPU
+SIM = tuple(DeviceSpec(index=i, name="sim", total=8 * GIB, free=8 * GIB, simulated=True)
+            for i in range(2))
+# hidden 128, 2 layers, vocab 320: q4_k_m falls back to Q5_0 / Q8_0 on the 128-wide rows, and
+# ffn_down (256-wide rows) keeps Q4_K / Q6_K
+TINY = Shape("qwen2", 2, 128, 2, 1, 256, 320, n_ctx=512)
+NO_CACHE = 64 * GIB  # a cache reserve beyond the device: nothing cached, prefill rows in f32
+GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=4)
+ON_GPU = torch.cuda.is_available()
+# where the "interpreter" tests run their stages: the CPU in CI, the GPU where there is one
+DEV = torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(write_model(tmp_path_factory.mktemp("gpu") / "tiny.gguf", TINY, "q4_k_m")[0])
+
+
+def plan(path: str, devices=(CPU,), split=(0, 2), **kw) -> Plan:
+    base = {"ctx": 64, "prefill_chunk": 16, "cache_reserve": 0, "logits_rows": 4}
+    base.update(kw)
+    return Plan(model=path, devices=tuple(devices), split=split, **base)
+
+
+def load(pl: Plan, **kw) -> GpuSession:
+    return GpuSession.load(pl, devices=[DEV] * len(pl.devices), **kw)
+
+
+def ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.fixture
+def watched(monkeypatch):
+    """Every arena the GPU runner allocates, as weak references; fail_at=N makes the N-th fail."""
+    made: list[weakref.ref] = []
+    state = {"fail_at": 0}
+
+    def new_arena(nbytes, device):
+        if state["fail_at"] and len(made) + 1 == state["fail_at"]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        t = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        made.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(gpu_stage, "new_arena", new_arena)
+
+    def alive() -> int:
+        gc.collect()
+        return sum(r() is not None for r in made)
+
+    return made, state, alive
+
+
+# ------------------------------------------------------------------ CPU interpreter (and GPU)
+
+
+@pytest.fixture(scope="module")
+def cached(tiny):
+    """Default path: every matrix in the dequant cache (bf16 GEMMs in prefill)."""
+    pl = plan(tiny)
+    g, c = load(pl), Session.load(pl)
+    yield g, c
+    g.close()
+    c.close()
+
+
+def test_prefill_all_rows_and_decode_match_the_cpu_engine(cached) -> None:
+    g, c = cached
+    prompt = ids(20)  # two chunks of 16; the head runs in steps of the 4 logits rows
+    lg, lc = g.logits(prompt), c.logits(prompt)
+    assert lg.shape == lc.shape == (20, 320) and lg.dtype == torch.float32
+    assert rel(lg, lc) < 3e-2  # both round GEMM products to bf16 (the cache's dtype)
+    for k, tok in enumerate(ids(3, 1)):
+        dg = g.forward([tok], 20 + k, "last")
+        dc = c.forward([tok], 20 + k, "last")
+        g.kv.n_past += 1
+        c.kv.n_past += 1
+        assert rel(dg[-1], dc[-1]) < 3e-2
+    # decode agrees with prefill of the same tokens inside the runner
+    full = g.logits(prompt + ids(3, 1))
+    assert rel(dg[-1], full[-1]) < 3e-2
+
+
+def test_spans_cover_every_tensor_the_runner_touches(cached, monkeypatch) -> None:
+    g, _ = cached
+    touched: set[str] = set()
+    for name in ("mat", "vec"):
+        orig = getattr(gpu_stage.GpuStage, name)
+        monkeypatch.setattr(gpu_stage.GpuStage, name,
+                            lambda self, n, _o=orig: touched.add(n) or _o(self, n))
+    g.generate(ids(5, 2), GREEDY, set(), lambda t: True)
+    (dl,) = g.layout.devices
+    span_names = {s.name for a in dl.arenas for s in a.spans}
+    carve = {s.name for a in dl.arenas for s in a.spans if s.purpose in ("weights", "globals")}
+    assert touched == carve  # every weight the stage holds is used, and nothing else
+    (st,) = g.pipe.stages
+    (arenas,) = g.pipe.arenas
+    bounds = [(a.data_ptr(), a.data_ptr() + a.numel()) for a in arenas]
+    for name, t in st.spans.items():
+        assert name in span_names
+        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        assert any(a <= lo and hi <= b for a, b in bounds), name
+    assert {"buf." + n for n in st.buf} <= span_names
+
+
+@pytest.fixture(scope="module")
+def exact(tiny):
+    """Prefill chunks of 8 rows go through the f32 GEMV (no cache), as the CPU engine's f32
+    path does: greedy ids must agree exactly."""
+    pl = plan(tiny, prefill_chunk=8, cache_reserve=NO_CACHE, logits_rows=1)
+    g = load(pl)
+    yield g, pl
+    g.close()
+
+
+def test_greedy_ids_match_the_cpu_engine_and_a_two_stage_split(exact, tiny) -> None:
+    g, pl = exact
+    prompt = ids(12, 3)
+    one: list[int] = []
+    g.generate(prompt, GREEDY, set(), one.append)
+    c = Session.load(pl)
+    ref: list[int] = []
+    c.generate(prompt, GREEDY, set(), ref.append)
+    c.close()
+    assert one == ref and len(one) == 4
+    two = load(plan(tiny, SIM, (0, 1, 2), prefill_chunk=8, cache_reserve=NO_CACHE,
+                    logits_rows=1))
+    assert [st.le - st.lb for st in two.pipe.stages] == [1, 1]
+    split: list[int] = []
+    two.generate(prompt, GREEDY, set(), split.append)
+    assert split == one
+    assert rel(two.forward([one[-1]], 16, "last"), g.forward([one[-1]], 16, "last")) < 1e-6
+    two.close()
+
+
+def test_nan_names_the_first_bad_layer(exact) -> None:
+    g, _ = exact
+    (st,) = g.pipe.stages
+    w = st.spans["blk.1.ffn_norm.weight"].view(torch.float32)
+    keep = float(w[0])
+    w[0] = float("nan")
+    try:
+        with pytest.raises(CarveError, match="NaN/inf, first in layer 1") as e:
+            g.logits(ids(6, 4))
+        assert "\n" not in str(e.value)
+    finally:
+        w[0] = keep
+    assert torch.isfinite(g.logits(ids(6, 4))).all()
+
+
+def test_a_cancelled_load_leaves_nothing_allocated(tiny, watched) -> None:
+    made, _, alive = watched
+    seen = []
+    with pytest.raises(CarveError, match="cancelled"):
+        load(plan(tiny, SIM, (0, 1, 2), cache_reserve=NO_CACHE),
+             on_progress=lambda *a: seen.append(a), cancelled=lambda: bool(seen))
+    assert made and seen and alive() == 0
+
+
+def test_a_failed_allocation_leaves_nothing_allocated(tiny, watched) -> None:
+    made, state, alive = watched
+    pl = plan(tiny, SIM, (0, 1, 2), cache_reserve=NO_CACHE)
+    state["fail_at"] = len(plan_arenas(pl)[0]) + 1  # the second device's first arena
+    with pytest.raises(CarveError, match=r"\(GPU 1\): could not allocate arena 1 of") as e:
+        load(pl)
+    assert "\n" not in str(e.value)
+    assert len(made) == state["fail_at"] - 1 and alive() == 0
+
+
+def plan_arenas(pl: Plan) -> list[list]:
+    from engine.price import price
+
+    return [list(d.arenas) for d in price(pl).devices]
+
+
+def test_memory_taken_since_the_check_fails_before_any_allocation(tiny, watched,
+                                                                   monkeypatch) -> None:
+    made, _, _ = watched
+    pl = plan(tiny, SIM[:1], (0, 2))
+    dl = plan_arenas(pl)
+    need = sum(a.nbytes for a in dl[0])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (need // 2, 8 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i=None: 0)
+    monkeypatch.setattr(gpu_memory, "nvml_use", lambda i: (None, 700 << 20))
+    with pytest.raises(CarveError) as e:
+        GpuSession.load(pl)
+    msg = str(e.value)
+    assert msg.startswith("cuda:0 (GPU 0): another process took memory since the check")
+    assert "short" in msg and "\n" not in msg
+    assert made == []
+
+
+def test_the_runner_is_chosen_for_cuda_plans_of_llama_and_qwen2(tiny, monkeypatch) -> None:
+    from engine.gguf_file import GGUFModel
+    from engine.hparams import HParams
+
+    hp = HParams.from_model(GGUFModel.open(tiny))
+    assert why_not(plan(tiny), hp) == "the plan places layers on the CPU"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = plan(tiny, SIM[:1], (0, 2))
+    assert why_not(gpu, hp) is None
+    assert "not gemma3" in why_not(gpu, type("H", (), {"arch": "gemma3", "qk_norm": True,
+                                                       "sandwich_norm": True})())
+    monkeypatch.setenv("CARVE_RUNNER", "torch")
+    assert why_not(gpu, hp) == "CARVE_RUNNER=torch"
+
+
+def test_server_cancelled_load_emits_unloaded_and_frees(tiny, watched, monkeypatch) -> None:
+    made, _, alive = watched
+    monkeypatch.setattr(Session, "load", classmethod(
+        lambda cls, pl, on_progress=None, cancelled=None: GpuSession.load(pl, on_progress,
+                                                                          cancelled)))
+    out = io.BytesIO()
+    eng = server.Engine(out)
+    state = {"cancel": False}
+
+    def progress_then_cancel(*a):
+        state["cancel"] = True
+
+    eng.emit = lambda msg, _e=eng.emit: (progress_then_cancel() if isinstance(msg, p.Progress)
+                                         else None, _e(msg))
+    eng.load(p.Load(plan(tiny, cache_reserve=NO_CACHE).to_json()), lambda: state["cancel"])
+    events = p.LineDecoder(p.EVENTS).feed(out.getvalue())
+    assert isinstance(events[-1], p.Unloaded) and eng.session is None
+    assert made and alive() == 0
+
+
+# ------------------------------------------------------------------ on a real GPU
+
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+def cuda_plan(path: str, n: int = 1, **kw) -> Plan:
+    free, total = torch.cuda.mem_get_info(0)
+    devs = [DeviceSpec(index=i % torch.cuda.device_count(), name=torch.cuda.get_device_name(0),
+                       total=total, free=free // n) for i in range(n)]
+    split = (0, 2) if n == 1 else (0, 1, 2)
+    return plan(path, devs, split, **kw)
+
+
+@pytest.fixture
+def calibration_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("arena", ["packed", "per-tensor", "chunked:1"])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_cuda_priced_equals_reserved_and_logits_match(tiny, arena, stages,
+                                                      calibration_home) -> None:
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved(0)
+    pl = cuda_plan(tiny, stages, arena=arena)
+    g = GpuSession.load(pl)
+    for r in g.memory_report():
+        assert r["allocated"] == r["reserved"] == r["priced"], r
+        assert r["runner"] == "triton"
+        if r["nvml_used"] is not None and r["overhead_measured"] is not None:
+            assert 0 < r["overhead_measured"] < 4 * GIB
+    c = Session.load(plan(tiny, logits_rows=4, arena=arena))
+    prompt = ids(20)
+    assert rel(g.logits(prompt), c.logits(prompt)) < 3e-2
+    g.generate(prompt, GREEDY, set(), lambda t: True)
+    after_one = torch.cuda.memory_reserved(0)
+    g.generate(ids(30, 5), GREEDY, set(), lambda t: True)
+    assert torch.cuda.memory_reserved(0) == after_one  # nothing allocated per token
+    g.close()
+    c.close()
+    assert torch.cuda.memory_reserved(0) == base
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_greedy_ids_match_cpu_and_split(tiny, calibration_home) -> None:
+    kw = {"prefill_chunk": 8, "cache_reserve": NO_CACHE, "logits_rows": 1}
+    prompt = ids(12, 3)
+    runs = []
+    for pl in (cuda_plan(tiny, 1, **kw), cuda_plan(tiny, 2, **kw), plan(tiny, **kw)):
+        s = GpuSession.load(pl) if pl.devices[0].index >= 0 else Session.load(pl)
+        out: list[int] = []
+        s.generate(prompt, dataclass_replace(GREEDY, max_tokens=16), set(), out.append)
+        s.close()
+        runs.append(out)
+    assert runs[0] == runs[1] == runs[2]
+
+
+def dataclass_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_fit_check_and_cancel_leave_the_gpu_as_it_was(tiny, calibration_home) -> None:
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved(0)
+    pl = cuda_plan(tiny)
+    free, _ = torch.cuda.mem_get_info(0)
+    blocker = torch.empty(free - (64 << 20), dtype=torch.uint8, device="cuda:0")
+    with pytest.raises(CarveError, match="another process took memory since the check"):
+        GpuSession.load(pl)
+    del blocker
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved(0) == base
+    seen = []
+    with pytest.raises(CarveError, match="cancelled"):
+        GpuSession.load(pl, on_progress=lambda *a: seen.append(a), cancelled=lambda: bool(seen))
+    assert torch.cuda.memory_reserved(0) == base
