@@ -2,14 +2,15 @@
 the GGUF blocks on the fly. One ``row_dot`` serves every kernel that multiplies a quantized
 matrix by one activation row (plain GEMV, the fused gate/up + GLU, the fused q/k/v).
 
-Q4_K and Q6_K (nearly all of a Q4_K_M file's bytes) have bodies of their own that walk a block
-in its storage order: each weight byte is loaded once, as part of a wide contiguous load, and
-the per-sub-block scales multiply a sum over the sub-block rather than every element:
+Q4_K (most of a Q4_K_M file's bytes) has a body of its own that walks a block in storage
+order: each weight byte is loaded once, as part of a 16-byte load, and the per-sub-block scales
+multiply a sum over the sub-block rather than every element:
 
     sum_e x_e (d sc_s q_e - dmin mn_s) = d sc_s sum_e x_e q_e - dmin mn_s sum_e x_e
 
-so the per-element work is one mask/shift, one convert and one FMA. The other types go through
-the generic per-part walk of ``kernels.quant_blocks.dequant_part``.
+The other types go through the generic per-part walk of ``kernels.quant_blocks.dequant_part``.
+(A Q6_K body of the same kind, int32-word and prefetching Q4_K bodies were measured slower on
+the H200 and dropped: kernels/NOTES.md.)
 """
 
 from __future__ import annotations
@@ -55,13 +56,19 @@ def _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes,
         xp = xrow + (blk * 256)[:, None, None] + x_off[None, :, :]
         xl = tl.load(xp, mask=bmask[:, None, None], other=0.0).to(tl.float32)
         xh = tl.load(xp + 32, mask=bmask[:, None, None], other=0.0).to(tl.float32)
-        sl = tl.sum((qs & 15).to(tl.float32) * xl[None, :, :, :], axis=3)  # [R, B, 4]
-        sh = tl.sum((qs >> 4).to(tl.float32) * xh[None, :, :, :], axis=3)
+        # nibbles into the mantissa of 2^23 (the high one in place, as 16q): integer ops and
+        # an add at full rate instead of the low-rate I2F convert
+        ql = ((qs & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        qh = ((qs & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        sl = tl.sum(ql * xl[None, :, :, :], axis=3)  # [R, B, 4]
+        sh = tl.sum(qh * xh[None, :, :, :], axis=3) * 0.0625
         xsl = tl.sum(xl, axis=2)[None, :, :]  # [1, B, 4]
         xsh = tl.sum(xh, axis=2)[None, :, :]
-        d = tl.load(wh_ptr + base // 2).to(tl.float32)[:, :, None]
-        dmin = tl.load(wh_ptr + base // 2 + 1).to(tl.float32)[:, :, None]
         wq = base // 4
+        dd = tl.load(wi_ptr + wq)  # d and dmin, two f16 in one word
+        d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
+        dmin = ((dd >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        dmin = dmin.to(tl.float32)[:, :, None]
         w0 = tl.load(wi_ptr + wq + 1)
         w1 = tl.load(wi_ptr + wq + 2)
         w2 = tl.load(wi_ptr + wq + 3)
@@ -72,53 +79,10 @@ def _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes,
 
 
 @triton.jit
-def _q6k_dot(w_ptr, wh_ptr, xrow, rows_c, nblk, row_bytes,
-             BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
-    # block: ql[128], qh[64], scales[16] int8, d (f16). Half n (128 elements): for h in 0..1,
-    # i in 0..15, with a = ql[64n + 16h + i], b = ql[64n + 32 + 16h + i], c = qh[32n + 16h + i],
-    # quarter G (elements 128n + 32G + 16h + i, scale 8n + 2G + h) takes
-    #   G0: a & 15 | (c & 3) << 4      G1: b & 15 | (c >> 2 & 3) << 4
-    #   G2: a >> 4 | (c >> 4 & 3) << 4 G3: b >> 4 | (c >> 6 & 3) << 4, minus 32
-    tb = tl.arange(0, BLOCK_B)
-    hv = tl.arange(0, 2)
-    iv = tl.arange(0, 16)
-    hi = (hv * 16)[:, None] + iv[None, :]  # [2, 16]: 32 contiguous bytes
-    row_base = rows_c.to(tl.int64) * row_bytes
-    acc = tl.zeros([BLOCK_R, BLOCK_B, 2], dtype=tl.float32)
-    for b0 in range(0, nblk, BLOCK_B):
-        blk = b0 + tb
-        bmask = blk < nblk
-        base = row_base[:, None] + tl.minimum(blk, nblk - 1)[None, :] * 210  # [R, B]
-        base = tl.multiple_of(base, [2, 2])
-        b4 = base[:, :, None, None]
-        xb = xrow + (blk * 256)[:, None, None] + hi[None, :, :]  # [B, 2, 16]
-        m3 = bmask[:, None, None]
-        part = tl.zeros([BLOCK_R, BLOCK_B, 2], dtype=tl.float32)
-        for n in tl.static_range(2):
-            a = tl.load(w_ptr + b4 + (64 * n) + hi[None, None, :, :]).to(tl.int32)
-            b = tl.load(w_ptr + b4 + (64 * n + 32) + hi[None, None, :, :]).to(tl.int32)
-            c = tl.load(w_ptr + b4 + (128 + 32 * n) + hi[None, None, :, :]).to(tl.int32)
-            for g in tl.static_range(4):
-                if g % 2 == 0:
-                    lo = a
-                else:
-                    lo = b
-                q = ((lo >> (4 * (g // 2))) & 15) | (((c >> (2 * g)) & 3) << 4)
-                x = tl.load(xb + (128 * n + 32 * g), mask=m3, other=0.0).to(tl.float32)
-                s = tl.sum(q.to(tl.float32) * x[None, :, :, :], axis=3)  # [R, B, 2]
-                sc = tl.load(w_ptr + base[:, :, None] + (192 + 8 * n + 2 * g) + hv[None, None, :])
-                sc = sc.to(tl.int8, bitcast=True).to(tl.float32)
-                part += sc * (s - 32.0 * tl.sum(x, axis=2)[None, :, :])
-        d = tl.load(wh_ptr + base // 2 + 104).to(tl.float32)
-        acc += part * d[:, :, None]
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
-
-
-@triton.jit
 def _generic_dot(w_ptr, wh_ptr, xrow, rows_c, nblk, row_bytes,
                  TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
                  L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
-                 LANE_SUM: tl.constexpr):
+                 LANE_SUM: tl.constexpr, MAGIC: tl.constexpr):
     tb = tl.arange(0, BLOCK_B)
     lane = tl.arange(0, L)
     row_base = rows_c.to(tl.int64)[:, None, None] * row_bytes
@@ -130,7 +94,7 @@ def _generic_dot(w_ptr, wh_ptr, xrow, rows_c, nblk, row_bytes,
         blk_c = tl.minimum(blk, nblk - 1)
         base = row_base + blk_c[None, :, None] * TS
         for p in tl.static_range(NPART):
-            v, e = dequant_part(w_ptr, wh_ptr, base, lane, TYPE, p)
+            v, e = dequant_part(w_ptr, wh_ptr, base, lane, TYPE, p, MAGIC)
             # blocks past the row end read x as 0 (their weights are a clamped, finite copy).
             # x comes as a full [R, B, L] tile in the weight tile's register layout: no
             # shared-memory layout conversion per part. F16/BF16 weights are as wide as x,
@@ -155,16 +119,15 @@ def _generic_dot(w_ptr, wh_ptr, xrow, rows_c, nblk, row_bytes,
 def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
             TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
             L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
-            LANE_SUM: tl.constexpr, SPECIAL: tl.constexpr):
+            LANE_SUM: tl.constexpr, SPECIAL: tl.constexpr, MAGIC: tl.constexpr):
     """[BLOCK_R] float32 dot products of weight rows ``rows_c`` (clamped in range) with the
     activation row at ``xrow``. ``w_ptr``/``wh_ptr``/``wi_ptr``: the weight's bytes as uint8,
-    16-bit floats and int32. SPECIAL picks the Q4_K/Q6_K bodies (else the generic walk)."""
+    16-bit floats and int32. SPECIAL picks the Q4_K storage-order body, MAGIC the 2^23
+    integer-to-float of the generic walk."""
     nblk = K // BS
     if SPECIAL and TYPE == 12:
         y = _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B)
-    elif SPECIAL and TYPE == 14:
-        y = _q6k_dot(w_ptr, wh_ptr, xrow, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B)
     else:
         y = _generic_dot(w_ptr, wh_ptr, xrow, rows_c, nblk, row_bytes, TYPE, BS, TS, NPART, L,
-                         BLOCK_R, BLOCK_B, LANE_SUM)
+                         BLOCK_R, BLOCK_B, LANE_SUM, MAGIC)
     return y

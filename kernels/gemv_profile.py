@@ -1,8 +1,8 @@
-"""GEMV experiments on a GPU at the Qwen2-7B shapes: the Q4_K/Q6_K storage-order bodies over a
-sweep of tiles against the generic walk, and the fused launches (gate/up + GLU, q/k/v) against
+"""GEMV experiments on a GPU at the Qwen2-7B shapes: the Q4_K storage-order body and the
+generic walk over a sweep of tiles, and the fused launches (gate/up + GLU, q/k/v) against
 the separate ones; ``--ncu`` makes a short run for the profiler.
 
-    python -m kernels.gemv_profile [--quick] [--ncu]
+    python -m kernels.gemv_profile [--ncu]
 
 Times are replays of a CUDA graph of 8 calls with four weight copies cycled (no L2 hits);
 GB/s counts the weight bytes read.
@@ -22,12 +22,19 @@ from kernels import glu, quant_matmul
 from kernels.device_check import ROTATE, graph_time, nerr
 from kernels.random_blocks import random_weight
 
-TILES = [(r, b, w) for r in (2, 4, 8) for b in (2, 4, 8) for w in (4, 8)]
-QUICK = [(4, 8, 4), (4, 4, 4), (2, 8, 4), (8, 4, 8)]
+TILES = [(4, 8, 4), (8, 8, 4), (8, 4, 4), (4, 16, 4), (8, 16, 4), (16, 8, 4)]
+Q6_TILES = [(2, 16, 4), (4, 16, 8), (2, 16, 8), (4, 16, 4), (2, 32, 4), (4, 8, 4)]
 SHAPES = ((18944, 3584), (3584, 18944))  # ffn_up, ffn_down of Qwen2-7B
 
 
-def _sweep(g: torch.Generator, tiles) -> dict:
+def _variants(t: int) -> list[tuple[str, tuple, dict]]:
+    if t == qt.Q4_K:
+        return [("special", c, {"special": True}) for c in TILES] \
+            + [("generic", (4, 16, 4), {"special": False})]
+    return [("generic", c, {}) for c in Q6_TILES]
+
+
+def _sweep(g: torch.Generator) -> dict:
     best: dict = {}
     for t in (qt.Q4_K, qt.Q6_K):
         for s in SHAPES:
@@ -36,28 +43,23 @@ def _sweep(g: torch.Generator, tiles) -> dict:
             y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)
             ref = quant_matmul.gemv_ref(ws[0], t, x.float())
             nb = ws[0].numel()
-            old = quant_matmul.GEMV_CONFIG[t] if t != qt.Q4_K else (4, 16, 4)
-            old = old if t != qt.Q6_K else (2, 16, 4)
-            sec = graph_time(lambda i=0: quant_matmul.gemv(ws[i % ROTATE], t, x, out=y,
-                                                           config=old, special=False))
-            print(f"{qt.type_name(t)} {s} generic {old}: {sec * 1e6:.1f} us "
-                  f"{nb / sec / 1e9:.0f} GB/s", flush=True)
-            for cfg in tiles:
+            for label, cfg, kw in _variants(t):
                 try:
-                    quant_matmul.gemv(ws[0], t, x, out=y, config=cfg, special=True)
+                    quant_matmul.gemv(ws[0], t, x, out=y, config=cfg, **kw)
                     err = nerr(y.float(), ref)
                     sec = graph_time(lambda i=0, c=cfg: quant_matmul.gemv(
-                        ws[i % ROTATE], t, x, out=y, config=c, special=True))
+                        ws[i % ROTATE], t, x, out=y, config=c, **kw))
                 except Exception as exc:
-                    print(f"{qt.type_name(t)} {s} {cfg}: {type(exc).__name__}", flush=True)
+                    print(f"{qt.type_name(t)} {s} {label} {cfg}: {type(exc).__name__} {exc}"[:300],
+                          flush=True)
                     continue
-                print(f"{qt.type_name(t)} {s} special {cfg}: {sec * 1e6:.1f} us "
+                print(f"{qt.type_name(t)} {s} {label} {cfg}: {sec * 1e6:.1f} us "
                       f"{nb / sec / 1e9:.0f} GB/s err {err:.1e}", flush=True)
                 key = (t, s)
-                if key not in best or sec < best[key][1]:
-                    best[key] = (cfg, sec)
-    for (t, s), (cfg, sec) in best.items():
-        print(f"# best {qt.type_name(t)} {s}: {cfg} {sec * 1e6:.1f} us", flush=True)
+                if key not in best or sec < best[key][2]:
+                    best[key] = (label, cfg, sec)
+    for (t, s), (label, cfg, sec) in best.items():
+        print(f"# best {qt.type_name(t)} {s}: {label} {cfg} {sec * 1e6:.1f} us", flush=True)
     return best
 
 
@@ -75,11 +77,11 @@ def _fused(g: torch.Generator) -> None:
         glu.glu(both[:, :f], both[:, f:], "silu", out=act)
 
     sep = graph_time(separate)
-    ref = act.float().clone()
     fused = graph_time(lambda i=0: quant_matmul.gemv_glu(gates[i % ROTATE], ups[i % ROTATE],
                                                          qt.Q4_K, x, "silu", out=act))
-    quant_matmul.gemv_glu(gates[0], ups[0], qt.Q4_K, x, "silu", out=act)
     separate(0)
+    ref = act.float().clone()
+    quant_matmul.gemv_glu(gates[0], ups[0], qt.Q4_K, x, "silu", out=act)
     print(f"gate/up+GLU Q4_K: separate {sep * 1e6:.1f} us, fused {fused * 1e6:.1f} us "
           f"({2 * gates[0].numel() / fused / 1e9:.0f} GB/s) err {nerr(act.float(), ref):.1e}",
           flush=True)
@@ -112,7 +114,7 @@ def main() -> None:
                 quant_matmul.gemv(w, t, x, out=y)
         torch.cuda.synchronize()
         return
-    _sweep(g, QUICK if "--quick" in sys.argv else TILES)
+    _sweep(g)
     _fused(g)
 
 

@@ -52,10 +52,13 @@ def _i8(ptr, off):
 
 
 @triton.jit
-def _f32(q, bias: tl.constexpr):
-    # int -> float32 minus ``bias``. (Tried: OR into the mantissa of 2^23 and subtract, to skip
-    # the 1/8-rate I2F; on the H200 it made Q4_K 20% slower, kernels/NOTES.md.)
-    return q.to(tl.float32) - bias
+def _f32(q, bias: tl.constexpr, MAGIC: tl.constexpr = False):
+    # int (0..2^22) -> float32 minus ``bias``. MAGIC: OR q into the mantissa of 2^23 and
+    # subtract (one integer op and one add at full rate instead of the low-rate I2F convert)
+    if MAGIC:
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+    else:
+        return q.to(tl.float32) - bias
 
 
 @triton.jit
@@ -73,7 +76,8 @@ def _scale_min_k4(w_ptr, base, J: tl.constexpr):
 
 
 @triton.jit
-def dequant_part(w_ptr, wh_ptr, base, lane, TYPE: tl.constexpr, P: tl.constexpr):
+def dequant_part(w_ptr, wh_ptr, base, lane, TYPE: tl.constexpr, P: tl.constexpr,
+                 MAGIC: tl.constexpr = False):
     """Part P of the blocks at byte offsets ``base`` ([R, B, 1], even): values [R, B, L] float32
     and the element index of each lane inside the block ([L]).
 
@@ -87,24 +91,24 @@ def dequant_part(w_ptr, wh_ptr, base, lane, TYPE: tl.constexpr, P: tl.constexpr)
         e = lane + 16 * P
         d = tl.load(wh_ptr + base // 2).to(tl.float32)
         q = (_u8(w_ptr, base + 2 + lane[None, None, :]) >> (4 * P)) & 15
-        v = _f32(q, 8.0) * d
+        v = _f32(q, 8.0, MAGIC) * d
     elif TYPE == 6:  # Q5_0: d, qh[4] (bit j: 5th bit of element j), qs[16]
         e = lane + 16 * P
         d = tl.load(wh_ptr + base // 2).to(tl.float32)
         q = (_u8(w_ptr, base + 6 + lane[None, None, :]) >> (4 * P)) & 15
         hb = (_u8(w_ptr, base + 2 + 2 * P + lane[None, None, :] // 8) >> (lane[None, None, :] % 8)) & 1
-        v = _f32(q | (hb << 4), 16.0) * d
+        v = _f32(q | (hb << 4), 16.0, MAGIC) * d
     elif TYPE == 8:  # Q8_0: d, qs[32] int8
         e = lane
         d = tl.load(wh_ptr + base // 2).to(tl.float32)
-        v = _f32(_u8(w_ptr, base + 2 + lane[None, None, :]) ^ 128, 128.0) * d
+        v = _f32(_u8(w_ptr, base + 2 + lane[None, None, :]) ^ 128, 128.0, MAGIC) * d
     elif TYPE == 12:  # Q4_K: d, dmin, scales[12], qs[128]; part P = sub-block P of 32
         e = lane + 32 * P
         d = tl.load(wh_ptr + base // 2).to(tl.float32)
         dmin = tl.load(wh_ptr + base // 2 + 1).to(tl.float32)
         sc, mn = _scale_min_k4(w_ptr, base, P)
         q = (_u8(w_ptr, base + 16 + 32 * (P // 2) + lane[None, None, :]) >> (4 * (P % 2))) & 15
-        v = _f32(q, 0.0) * (d * sc) - dmin * mn
+        v = _f32(q, 0.0, MAGIC) * (d * sc) - dmin * mn
     elif TYPE == 13:  # Q5_K: d, dmin, scales[12], qh[32], qs[128]; 5th bit = bit P of qh[l]
         e = lane + 32 * P
         d = tl.load(wh_ptr + base // 2).to(tl.float32)
@@ -112,7 +116,7 @@ def dequant_part(w_ptr, wh_ptr, base, lane, TYPE: tl.constexpr, P: tl.constexpr)
         sc, mn = _scale_min_k4(w_ptr, base, P)
         q = (_u8(w_ptr, base + 48 + 32 * (P // 2) + lane[None, None, :]) >> (4 * (P % 2))) & 15
         hb = (_u8(w_ptr, base + 16 + lane[None, None, :]) >> P) & 1
-        v = _f32(q | (hb << 4), 0.0) * (d * sc) - dmin * mn
+        v = _f32(q | (hb << 4), 0.0, MAGIC) * (d * sc) - dmin * mn
     else:  # Q6_K: ql[128], qh[64], scales[16] int8, d; part P = 16 elements of one scale
         # P = 8n + 2g + h: half n (128 elements), quarter g (32), half-quarter h (16)
         n = P // 8
@@ -124,7 +128,7 @@ def dequant_part(w_ptr, wh_ptr, base, lane, TYPE: tl.constexpr, P: tl.constexpr)
         ql = _u8(w_ptr, base + 64 * n + 32 * (g % 2) + 16 * h + lane[None, None, :])
         qh = _u8(w_ptr, base + 128 + 32 * n + 16 * h + lane[None, None, :])
         q = ((ql >> (4 * (g // 2))) & 15) | (((qh >> (2 * g)) & 3) << 4)
-        v = _f32(q, 32.0) * (d * sc)
+        v = _f32(q, 32.0, MAGIC) * (d * sc)
     return v, e
 
 

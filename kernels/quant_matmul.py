@@ -28,15 +28,34 @@ GEMV_CONFIG: dict[int, tuple[int, ...]] = {
     qt.Q4_0: (4, 32, 4),
     qt.Q5_0: (4, 16, 4),
     qt.Q8_0: (4, 16, 4),
-    qt.Q4_K: (4, 8, 4),
+    qt.Q4_K: (4, 16, 4),
     qt.Q5_K: (4, 16, 4),
-    qt.Q6_K: (4, 4, 4),
+    qt.Q6_K: (2, 16, 4),
 }
+# tiles for matrices with many rows (>= WIDE_PROGRAMS programs at the default tile), where
+# fewer, fatter programs win: Qwen2-7B's ffn_up/gate and the output head
+GEMV_CONFIG_WIDE: dict[int, tuple[int, ...]] = {qt.Q4_K: (8, 8, 4)}
+# and for long rows (cols >= 4 x rows), where the grid is small and each program long
+GEMV_CONFIG_LONG: dict[int, tuple[int, ...]] = {qt.Q6_K: (4, 16, 8)}
+WIDE_PROGRAMS = 2048
 # types whose parts are summed over their lanes at once (LANE_SUM; faster for these on the H200)
 LANE_SUM_TYPES = frozenset({qt.Q5_0, qt.Q8_0})
-# types with a dedicated storage-order body in kernels/gemv_dot.py, and the byte alignment of
-# the weight's start that body's wide loads assume
-SPECIAL_ALIGN = {qt.Q4_K: 16, qt.Q6_K: 2}
+# types whose generic walk turns integers to floats through the mantissa of 2^23 (faster than
+# I2F for these on the H200; slower for Q4_K's generic walk)
+MAGIC_TYPES = frozenset({qt.Q6_K})
+# types with a storage-order body in kernels/gemv_dot.py, and the byte alignment of the
+# weight's start (and of its rows) that the body's 16-byte loads assume
+SPECIAL_ALIGN = {qt.Q4_K: 16}
+
+
+def gemv_config(ggml_type: int, rows: int, cols: int) -> tuple[int, ...]:
+    """The tile a decode GEMV of this type and shape runs with."""
+    cfg = GEMV_CONFIG[ggml_type]
+    if ggml_type in GEMV_CONFIG_WIDE and triton.cdiv(rows, cfg[0]) >= WIDE_PROGRAMS:
+        return GEMV_CONFIG_WIDE[ggml_type]
+    if ggml_type in GEMV_CONFIG_LONG and cols >= 4 * rows:
+        return GEMV_CONFIG_LONG[ggml_type]
+    return cfg
 
 
 @triton.jit
@@ -44,7 +63,7 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, y_ptr, b_ptr, N, K, row_bytes, st
                  stride_ym, TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
                  NPART: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr, SPECIAL: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
+                 MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr):
     # rows on axis 0: a 152064-row output matrix in 2-row programs passes the 65535 limit of
     # grid axes 1 and 2
     pid = tl.program_id(0)
@@ -53,7 +72,7 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, y_ptr, b_ptr, N, K, row_bytes, st
     rows_c = tl.minimum(rows, N - 1)  # clamp instead of masking every weight load
     xrow = x_ptr + m.to(tl.int64) * stride_xm
     y = row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
-                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL)
+                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty),
@@ -65,7 +84,7 @@ def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, y_ptr,
                      stride_xm, stride_ym, TYPE: tl.constexpr, BS: tl.constexpr,
                      TS: tl.constexpr, NPART: tl.constexpr, L: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr,
-                     SPECIAL: tl.constexpr, GELU: tl.constexpr):
+                     SPECIAL: tl.constexpr, MAGIC: tl.constexpr, GELU: tl.constexpr):
     # gate and up rows of the same outputs in one program: x is read once for both, and the
     # GLU needs no launch and no [T, 2F] buffer of its own
     pid = tl.program_id(0)
@@ -74,9 +93,9 @@ def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, y_ptr,
     rows_c = tl.minimum(rows, N - 1)
     xrow = x_ptr + m.to(tl.int64) * stride_xm
     g = row_dot(g_ptr, gh_ptr, gi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
-                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL)
+                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC)
     u = row_dot(u_ptr, uh_ptr, ui_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
-                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL)
+                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC)
     if GELU:  # ggml's gelu is the tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         a = g * tl.sigmoid(2.0 * z)
@@ -90,10 +109,10 @@ def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, y_ptr,
 def _seg(pid, P0, w_ptr, wh_ptr, wi_ptr, b_ptr, xrow, yrow, N, K, row_bytes,
          TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
          L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr,
-         SPECIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+         SPECIAL: tl.constexpr, MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr):
     rows = (pid - P0) * BLOCK_R + tl.arange(0, BLOCK_R)
     y = row_dot(w_ptr, wh_ptr, wi_ptr, xrow, tl.minimum(rows, N - 1), K, row_bytes, TYPE, BS,
-                TS, NPART, L, BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL)
+                TS, NPART, L, BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(yrow + rows, y.to(yrow.dtype.element_ty), mask=rows < N)
@@ -104,13 +123,13 @@ def _gemv3_kernel(w1, w1h, w1i, b1, N1, rb1, w2, w2h, w2i, b2, N2, rb2, w3, w3h,
                   x_ptr, y_ptr, P1, P2, K, stride_xm, stride_ym,
                   T1: tl.constexpr, BS1: tl.constexpr, TS1: tl.constexpr, NP1: tl.constexpr,
                   L1: tl.constexpr, R1: tl.constexpr, B1: tl.constexpr, LS1: tl.constexpr,
-                  SP1: tl.constexpr,
+                  SP1: tl.constexpr, MG1: tl.constexpr,
                   T2: tl.constexpr, BS2: tl.constexpr, TS2: tl.constexpr, NP2: tl.constexpr,
                   L2: tl.constexpr, R2: tl.constexpr, B2: tl.constexpr, LS2: tl.constexpr,
-                  SP2: tl.constexpr,
+                  SP2: tl.constexpr, MG2: tl.constexpr,
                   T3: tl.constexpr, BS3: tl.constexpr, TS3: tl.constexpr, NP3: tl.constexpr,
                   L3: tl.constexpr, R3: tl.constexpr, B3: tl.constexpr, LS3: tl.constexpr,
-                  SP3: tl.constexpr, HAS_BIAS: tl.constexpr):
+                  SP3: tl.constexpr, MG3: tl.constexpr, HAS_BIAS: tl.constexpr):
     # q, k and v of one layer (each with its own type and tile) in one launch: the outputs sit
     # side by side in y's row; programs [0, P1) do the first matrix, [P1, P2) the second
     pid = tl.program_id(0)
@@ -119,13 +138,13 @@ def _gemv3_kernel(w1, w1h, w1i, b1, N1, rb1, w2, w2h, w2i, b2, N2, rb2, w3, w3h,
     yrow = y_ptr + m * stride_ym
     if pid < P1:
         _seg(pid, 0, w1, w1h, w1i, b1, xrow, yrow, N1, K, rb1, T1, BS1, TS1, NP1, L1, R1, B1,
-             LS1, SP1, HAS_BIAS)
+             LS1, SP1, MG1, HAS_BIAS)
     elif pid < P2:
         _seg(pid, P1, w2, w2h, w2i, b2, xrow, yrow + N1, N2, K, rb2, T2, BS2, TS2, NP2, L2, R2,
-             B2, LS2, SP2, HAS_BIAS)
+             B2, LS2, SP2, MG2, HAS_BIAS)
     else:
         _seg(pid, P2, w3, w3h, w3i, b3, xrow, yrow + N1 + N2, N3, K, rb3, T3, BS3, TS3, NP3, L3,
-             R3, B3, LS3, SP3, HAS_BIAS)
+             R3, B3, LS3, SP3, MG3, HAS_BIAS)
 
 
 @triton.jit
@@ -184,12 +203,13 @@ def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None
     wi = w
     if special and ggml_type == qt.Q4_K:
         wi = w.view(torch.int32)
-    br, bb, warps, *rest = config or GEMV_CONFIG[ggml_type]
+    br, bb, warps, *rest = config or gemv_config(ggml_type, w.shape[0], k)
     if lane_sum is None:
         lane_sum = ggml_type in LANE_SUM_TYPES
     bb = min(bb, triton.next_power_of_2(k // p.block))  # short rows: no all-masked blocks
     meta = {"TYPE": ggml_type, "BS": p.block, "TS": p.nbytes, "NPART": p.parts, "L": p.lanes,
-            "BLOCK_R": br, "BLOCK_B": bb, "LANE_SUM": bool(lane_sum), "SPECIAL": bool(special)}
+            "BLOCK_R": br, "BLOCK_B": bb, "LANE_SUM": bool(lane_sum), "SPECIAL": bool(special),
+            "MAGIC": ggml_type in MAGIC_TYPES}
     return (w, wh, wi), meta, warps, (rest[0] if rest else None)
 
 
@@ -249,7 +269,7 @@ def gemv_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, x: torch.Tens
 
 
 _SUFFIX = {"TYPE": "T", "BS": "BS", "TS": "TS", "NPART": "NP", "L": "L", "BLOCK_R": "R",
-           "BLOCK_B": "B", "LANE_SUM": "LS", "SPECIAL": "SP"}
+           "BLOCK_B": "B", "LANE_SUM": "LS", "SPECIAL": "SP", "MAGIC": "MG"}
 
 
 def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tensor,

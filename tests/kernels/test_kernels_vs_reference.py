@@ -70,8 +70,9 @@ def test_gemv_bias_and_lane_sum_variant(lane_sum):
 @pytest.mark.parametrize("special", [True, False])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gemv_storage_order_bodies(ggml_type, special, xdtype):
-    # the Q4_K/Q6_K bodies that walk a block in storage order, and the generic walk, both
-    # against the reference; row counts that are not a multiple of the tile, partial last step
+    # the Q4_K body that walks a block in storage order and the generic walk (Q6_K's with the
+    # 2^23 integer-to-float) against the reference; row counts that are not a multiple of the
+    # tile, a partial last step
     g = _gen()
     rows = int(torch.randint(1, 11, (1,), generator=g, device=DEVICE))
     cols = 256 * int(torch.randint(1, 6, (1,), generator=g, device=DEVICE))
@@ -80,6 +81,22 @@ def test_gemv_storage_order_bodies(ggml_type, special, xdtype):
     out = _poison((2, rows))
     quant_matmul.gemv(w, ggml_type, x, out=out, special=special)
     assert _nerr(out, quant_matmul.gemv_ref(w, ggml_type, x.float())) < 1e-5
+
+
+@pytest.mark.parametrize("table", ["wide", "long"])
+def test_gemv_shape_tiles_match_reference(table):
+    # the tiles picked for many-row and long-row matrices, run at small shapes
+    g = _gen()
+    configs = quant_matmul.GEMV_CONFIG_WIDE if table == "wide" else quant_matmul.GEMV_CONFIG_LONG
+    for ggml_type, cfg in configs.items():
+        rows = int(torch.randint(1, 20, (1,), generator=g, device=DEVICE))
+        w = random_weight(ggml_type, rows, 768, DEVICE, g)
+        x = torch.randn(1, 768, generator=g, device=DEVICE).to(torch.bfloat16)
+        out = _poison((1, rows))
+        quant_matmul.gemv(w, ggml_type, x, out=out, config=cfg)
+        assert _nerr(out, quant_matmul.gemv_ref(w, ggml_type, x.float())) < 1e-5
+    assert quant_matmul.gemv_config(qt.Q4_K, 18944, 3584) == quant_matmul.GEMV_CONFIG_WIDE[qt.Q4_K]
+    assert quant_matmul.gemv_config(qt.Q6_K, 3584, 18944) == quant_matmul.GEMV_CONFIG_LONG[qt.Q6_K]
 
 
 def test_gemv_unaligned_weight_falls_back_to_the_generic_walk():
