@@ -126,7 +126,7 @@ def finish(report: list[dict], layout: Any, devices: list[torch.device], meter: 
 
     by_index: dict[int, list[tuple[dict, Any]]] = {}
     for r, dl, dev in zip(report, layout.devices, devices, strict=True):
-        r.update(nvml_before=None, nvml_used=None, overhead_measured=None)
+        r.update(nvml_before=None, nvml_used=None, overhead_measured=None, reserved_total=None)
         if dev.type == "cuda":
             by_index.setdefault(dev.index, []).append((r, dl))
     for index, rows in by_index.items():
@@ -135,13 +135,14 @@ def finish(report: list[dict], layout: Any, devices: list[torch.device], meter: 
         own = meter.own(index)
         arenas = sum(r["reserved"] for r, _ in rows)
         measured = None if own is None else own - arenas
+        total = torch.cuda.memory_reserved(index)  # arenas + cuBLAS workspace, after warm-up
         for r, _ in rows:
             r.update(nvml_before=meter.before.get(index), nvml_used=used,
-                     overhead_measured=measured)
+                     overhead_measured=measured, reserved_total=total)
         dl = rows[0][1]
         if measured is None or measured <= 0 or not remember or dl.device.simulated:
             continue
         calibration.remember(dl.device.name, driver_version(), calibration.torch_version(),
-                             measured, {"reserved_now": torch.cuda.memory_reserved(index) - arenas})
+                             measured, {"torch_beyond_arenas": total - arenas})
         log.info("cuda:%d runtime overhead %.0f MiB (priced %.0f MiB), remembered for pricing",
                  index, measured / MIB, dl.terms.get("overhead", 0) / MIB)

@@ -200,8 +200,15 @@ class GpuStage:
         h, normed = b["hidden"][r0:r0 + rows], b["normed"][:rows]
         norm.rmsnorm(h, self.vec("output_norm.weight"), self.hp.rms_eps, out=normed)
         name = "output.weight" if "output.weight" in self.spans else "token_embd.weight"
-        self._linear(name, normed, b["logits"][:rows])
-        return b["logits"][:rows]
+        out = b["logits"][:rows]
+        if rows > 8 and normed.dtype != out.dtype:
+            # a GEMM in bf16 would need a [rows, n_vocab] temporary outside the Layout before
+            # the f32 logits: run the fused GEMV 8 rows at a time instead
+            for s in range(0, rows, 8):
+                self._linear(name, normed[s:s + 8], out[s:s + 8])
+        else:
+            self._linear(name, normed, out)
+        return out
 
     def decode_step(self) -> None:
         """One token: buf.tokens[0] at buf.positions[0]; leaves logits (last stage) and, on the
