@@ -273,22 +273,23 @@ _SUFFIX = {"TYPE": "T", "BS": "BS", "TS": "TS", "NPART": "NP", "L": "L", "BLOCK_
 
 
 def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tensor,
-          biases: list[torch.Tensor] | None = None) -> torch.Tensor:
+          biases: list[torch.Tensor] | None = None,
+          configs: list[tuple[int, ...] | None] | None = None) -> torch.Tensor:
     """Three GEMVs of the same x in one launch (q, k, v), outputs side by side in ``out``
-    [M, n1 + n2 + n3]; each matrix keeps its own type and tile."""
+    [M, n1 + n2 + n3] (rows may be strided); each matrix keeps its own type and tile."""
     if len(mats) != 3:
         raise ValueError("gemv3 takes three matrices")
     k = row_cols(*mats[0])
     x2 = _x2(x, k)
     m = x2.shape[0]
-    y = out.view(m, -1)
-    if y.stride(1) != 1 or y.shape[1] != sum(w.shape[0] for w, _ in mats):
+    y = out if out.dim() == 2 else out.view(m, -1)
+    if y.shape != (m, sum(w.shape[0] for w, _ in mats)) or y.stride(1) != 1:
         raise ValueError("out must hold the three outputs side by side")
     args, consts, progs, warps = [], {}, [0], 4
     for i, (w, t) in enumerate(mats, 1):
         if row_cols(w, t) != k:
             raise ValueError("gemv3's matrices must have the same number of columns")
-        ptrs, meta, wp, _ = _launch_args(w, t)
+        ptrs, meta, wp, _ = _launch_args(w, t, configs[i - 1] if configs else None)
         warps = wp if i == 1 else warps
         b = biases[i - 1] if biases is not None else y
         args += [*ptrs, b, w.shape[0], w.shape[1]]

@@ -106,14 +106,43 @@ class GpuStage:
         return k, v, self.hp.kv_cells(layer, self.ctx)
 
     # --- one step ------------------------------------------------------------------------
+    def _gemv_cfg(self, w: torch.Tensor) -> tuple[int, ...] | None:
+        # the tuned tile on a GPU; under the CPU interpreter one program per matrix (each
+        # program costs ~20 ms there whatever its size)
+        return None if self.on_cuda else (min(512, triton.next_power_of_2(w.shape[0])), 16, 1)
+
+    def _qkv(self, p: str, x: torch.Tensor, qkv: torch.Tensor) -> None:
+        """q, k, v side by side in qkv; decode runs the three GEMVs (and biases) in one launch."""
+        mats = [self.mat(f"{p}attn_{s}.weight") for s in "qkv"]
+        biases = [self.vec(f"{p}attn_{s}.bias") for s in "qkv"]
+        has = [b is not None for b in biases]
+        if x.shape[0] <= 8 and (all(has) or not any(has)):
+            quant_matmul.gemv3(mats, x, qkv, biases if all(has) else None,
+                               [self._gemv_cfg(w) for w, _ in mats])
+            return
+        o = 0
+        for s, (w, _) in zip("qkv", mats):
+            self._linear(f"{p}attn_{s}.weight", x, qkv[:, o:o + w.shape[0]], f"{p}attn_{s}.bias")
+            o += w.shape[0]
+
+    def _ffn(self, p: str, x: torch.Tensor, ffn_up: torch.Tensor, ffn_act: torch.Tensor) -> None:
+        """act(gate) * up into ffn_act; decode runs both GEMVs and the GLU in one launch."""
+        (gw, gt), (uw, ut) = self.mat(p + "ffn_gate.weight"), self.mat(p + "ffn_up.weight")
+        if x.shape[0] <= 8 and quant_matmul.can_pair(gw, gt, uw, ut):
+            quant_matmul.gemv_glu(gw, uw, gt, x, self.hp.act, out=ffn_act,
+                                  config=self._gemv_cfg(gw))
+            return
+        f = self.hp.n_ff
+        self._linear(p + "ffn_gate.weight", x, ffn_up[:, :f])
+        self._linear(p + "ffn_up.weight", x, ffn_up[:, f:])
+        glu.glu(ffn_up[:, :f], ffn_up[:, f:], self.hp.act, out=ffn_act)
+
     def _linear(self, name: str, x: torch.Tensor, out: torch.Tensor, bias: str | None = None):
         w, t = self.mat(name)
         b = self.vec(bias) if bias else None
         if x.shape[0] <= 8:
-            # bias added in the same launch; under the CPU interpreter one program per matrix
-            # (each program costs ~20 ms there whatever its size)
-            cfg = None if self.on_cuda else (min(512, triton.next_power_of_2(w.shape[0])), 16, 1)
-            quant_matmul.gemv(w, t, x, out=out, bias=b, config=cfg)
+            # bias added in the same launch
+            quant_matmul.gemv(w, t, x, out=out, bias=b, config=self._gemv_cfg(w))
             return
         else:
             # prefill only (not the captured decode step): one GEMM on the dequant cache's copy,
@@ -154,9 +183,7 @@ class GpuStage:
                          residual=hidden if pending else None, out=normed)
             q, k, v = (qkv[:, :self.q_w], qkv[:, self.q_w:self.q_w + self.kv_w],
                        qkv[:, self.q_w + self.kv_w:self.q_w + 2 * self.kv_w])
-            self._linear(p + "attn_q.weight", normed, q, p + "attn_q.bias")
-            self._linear(p + "attn_k.weight", normed, k, p + "attn_k.bias")
-            self._linear(p + "attn_v.weight", normed, v, p + "attn_v.bias")
+            self._qkv(p, normed, qkv[:, :self.q_w + 2 * self.kv_w])
             q3 = q.unflatten(1, (hp.n_head, d))
             k3 = k.unflatten(1, (hp.n_head_kv, d))
             v3 = v.unflatten(1, (hp.n_head_kv, d))
@@ -179,10 +206,7 @@ class GpuStage:
                 kv_cache.kv_store(k3, kc, pos, cells, v3, vc)
             self._linear(p + "attn_output.weight", attn_o, proj)
             norm.rmsnorm(proj, self.vec(p + "ffn_norm.weight"), eps, residual=hidden, out=normed)
-            f = hp.n_ff
-            self._linear(p + "ffn_gate.weight", normed, ffn_up[:, :f])
-            self._linear(p + "ffn_up.weight", normed, ffn_up[:, f:])
-            glu.glu(ffn_up[:, :f], ffn_up[:, f:], hp.act, out=ffn_act)
+            self._ffn(p, normed, ffn_up, ffn_act)
             self._linear(p + "ffn_down.weight", ffn_act, proj)
             pending = True
             if check is not None:
