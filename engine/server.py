@@ -212,7 +212,14 @@ class Engine:
             self.emit(p.Unloaded())
             return
         self.session = session
-        self.emit(p.Loaded(list(session.memory_report())))
+        report = list(session.memory_report())
+        for d in report:
+            if d.get("overhead_measured") is not None:  # the GPU runner measured its overhead
+                log.info("GPU %s: priced %d B, reserved %d B, NVML used %s -> %s B, runtime "
+                         "overhead %d B (priced %d B)", d["index"], d["priced"], d["allocated"],
+                         d.get("nvml_before"), d.get("nvml_used"), d["overhead_measured"],
+                         d.get("overhead_priced", 0))
+        self.emit(p.Loaded(report))
 
     def _require_session(self, what: str) -> Any:
         if self.session is None:

@@ -117,7 +117,7 @@ class GpuSession:
         if not self.pipe.stages[0].on_cuda:
             self.pipe.capture()  # no graphs on the CPU: replay runs eagerly
             return
-        n = self.plan.prefill_chunk
+        n = min(self.plan.prefill_chunk, self.plan.ctx)
         self.pipe.run_chunk([0] * n, 0)
         self.pipe.capture()
         self.pipe.sync()

@@ -130,6 +130,16 @@ def test_prefill_all_rows_and_decode_match_the_cpu_engine(cached) -> None:
     assert rel(dg[-1], full[-1]) < 3e-2
 
 
+def test_perplexity_on_the_runner_matches_the_cpu_engine(cached) -> None:
+    from engine.runtime.perplexity import perplexity
+
+    g, c = cached
+    text = ids(48, 7)  # three windows of 16, one chunk each
+    pg, pc = perplexity(g, text, 16, None), perplexity(c, text, 16, None)
+    assert pg.chunks == pc.chunks == 3 and pg.scored == pc.scored
+    assert abs(pg.value / pc.value - 1) < 1e-2
+
+
 def test_spans_cover_every_tensor_the_runner_touches(cached, monkeypatch) -> None:
     g, _ = cached
     touched: set[str] = set()
