@@ -140,7 +140,8 @@ def finish(report: list[dict], layout: Any, devices: list[torch.device], meter: 
             r.update(nvml_before=meter.before.get(index), nvml_used=used,
                      overhead_measured=measured, reserved_total=total)
         dl = rows[0][1]
-        if measured is None or measured <= 0 or not remember or dl.device.simulated:
+        if (measured is None or measured <= 0 or not remember or dl.device.simulated
+                or dl.device.is_cpu):  # a CPU-priced plan run on a GPU (tests): no GPU name
             continue
         calibration.remember(dl.device.name, driver_version(), calibration.torch_version(),
                              measured, {"torch_beyond_arenas": total - arenas})
