@@ -11,6 +11,7 @@ The same code runs on the CPU under TRITON_INTERPRET=1, which is how CI tests it
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -106,7 +107,10 @@ class GpuSession:
             pipe.finish_report(remember)
             return sess
         except BaseException as exc:  # noqa: BLE001 - re-raised once the memory is freed
+            if not isinstance(exc, CarveError):
+                log.error("warm-up failed:\n%s", traceback.format_exc())
             exc.__traceback__ = None  # its frames hold views into the arenas
+            exc.__context__ = exc.__cause__ = None
             err = exc
         pipe.free()
         raise err

@@ -227,6 +227,19 @@ def test_a_failed_allocation_leaves_nothing_allocated(tiny, watched) -> None:
     assert len(made) == state["fail_at"] - 1 and alive() == 0
 
 
+def test_a_failure_after_loading_frees_everything_and_keeps_its_type(tiny, watched,
+                                                                     monkeypatch) -> None:
+    made, _, alive = watched
+
+    def boom(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(GpuSession, "_warm_up", boom)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        load(plan(tiny, cache_reserve=NO_CACHE))
+    assert made and alive() == 0
+
+
 def plan_arenas(pl: Plan) -> list[list]:
     from engine.price import price
 
