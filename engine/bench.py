@@ -45,8 +45,37 @@ def _timed(fn, n: int) -> float:
     return time.perf_counter() - t0
 
 
+def _kernel_breakdown(pipe, steps: int = 4) -> list[dict]:
+    """GPU time per kernel name in eager decode steps (torch.profiler; the graph replays the
+    same kernels), per token, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pipe.set_position(64, 1)
+    for st in pipe.stages:
+        st.graph, saved = None, st.graph  # eager: the profiler sees each kernel
+        st._saved_graph = saved
+    try:
+        pipe.step()
+        pipe.sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                pipe.step()
+            pipe.sync()
+    finally:
+        for st in pipe.stages:
+            st.graph = st._saved_graph
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0 and e.count:
+            rows.append({"name": e.key[:60], "us_per_token": us / steps,
+                         "calls_per_token": e.count / steps})
+    rows.sort(key=lambda r: -r["us_per_token"])
+    return rows[:14]
+
+
 def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
-        depths: list[int], pp: int, out: dict) -> list[int]:
+        depths: list[int], pp: int, out: dict, kernels: bool = False) -> list[int]:
     from engine.gguf_file import GGUFModel
     from engine.hparams import HParams
     from engine.price import price
@@ -91,6 +120,8 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
         pipe.set_position(d, 1)
         t = _timed(pipe.step, 32)
         rep["depth"].append({"depth": d, "tps": 32 / t})
+    if kernels:
+        rep["kernels"] = _kernel_breakdown(pipe)
     out.setdefault("runs", []).append(rep)
     pipe = None  # free this run's arenas before the next
     torch.cuda.empty_cache()
@@ -112,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--depths", default="2048,4096,8192,16384,32768")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also list GPU time per kernel in a decode step (torch.profiler)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     try:
@@ -130,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         depths = [int(x) for x in args.depths.split(",") if x]
         ctx = args.ctx or (max(depths) + 512 if depths else 4096)
         out: dict = {"model": path}
-        ids1 = run(path, args.gpus, ctx, args.kv, args.arena, args.tokens, depths, args.pp, out)
+        ids1 = run(path, args.gpus, ctx, args.kv, args.arena, args.tokens, depths, args.pp, out,
+                   args.kernels)
         _print(out)
         if args.compare_split:
             ids2 = run(path, 2, ctx, args.kv, args.arena, args.tokens, [], args.pp, out)
@@ -160,6 +194,9 @@ def _print(out: dict) -> None:
                   f"dequant cache {d['dequant_cached']} matrices in {d['dequant_s']:.2f} s")
         for d in r["depth"]:
             print(f"   depth {d['depth']:6d}: {d['tps']:.1f} t/s")
+        for k in r.get("kernels", []):
+            print(f"   kernel {k['us_per_token']:8.1f} us/token {k['calls_per_token']:5.0f} "
+                  f"calls  {k['name']}")
     if "split_same_ids" in out:
         print(f"split vs one GPU, same greedy ids: {out['split_same_ids']}")
 

@@ -2,7 +2,7 @@
 generic walk over a sweep of tiles, and the fused launches (gate/up + GLU, q/k/v) against
 the separate ones; ``--ncu`` makes a short run for the profiler.
 
-    python -m kernels.gemv_profile [--ncu]
+    python -m kernels.gemv_profile [--probes] [--ncu]
 
 Times are replays of a CUDA graph of 8 calls with four weight copies cycled (no L2 hits);
 GB/s counts the weight bytes read.
@@ -16,6 +16,8 @@ from __future__ import annotations
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from engine import quant_types as qt
 from kernels import glu, quant_matmul
@@ -61,6 +63,47 @@ def _sweep(g: torch.Generator) -> dict:
     for (t, s), (label, cfg, sec) in best.items():
         print(f"# best {qt.type_name(t)} {s}: {label} {cfg} {sec * 1e6:.1f} us", flush=True)
     return best
+
+
+@triton.jit
+def _stream_kernel(w_ptr, y_ptr, N, row_bytes, nblk, BLOCK_R: tl.constexpr,
+                   BLOCK_B: tl.constexpr):
+    # the Q4_K body's weight loads alone (same tile and addresses, bytes summed): the memory
+    # side's ceiling for this access pattern
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows_c = tl.minimum(rows, N - 1).to(tl.int64)
+    c = tl.arange(0, 4)
+    lane = tl.arange(0, 32)
+    tb = tl.arange(0, BLOCK_B)
+    q_off = (16 + c * 32)[:, None] + lane[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_B, 4, 32], dtype=tl.int32)
+    for b0 in range(0, nblk, BLOCK_B):
+        base = rows_c[:, None] * row_bytes + tl.minimum(b0 + tb, nblk - 1)[None, :] * 144
+        base = tl.multiple_of(base, [16, 16])
+        acc += tl.load(w_ptr + base[:, :, None, None] + q_off[None, None, :, :]).to(tl.int32)
+    tl.store(y_ptr + rows, tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1), mask=rows < N)
+
+
+def _probes(g: torch.Generator) -> None:
+    """Where the Q4_K GEMV's time goes: its loads alone, and x in float32 (no bf16 convert)."""
+    for s in SHAPES:
+        ws = [random_weight(qt.Q4_K, s[0], s[1], "cuda", g) for _ in range(ROTATE)]
+        nb = ws[0].numel()
+        y = torch.empty(s[0], device="cuda", dtype=torch.int32)
+        for cfg in ((8, 8, 4), (4, 16, 4), (8, 16, 4), (16, 8, 4)):
+            grid = (triton.cdiv(s[0], cfg[0]),)
+            sec = graph_time(lambda i=0, c=cfg: _stream_kernel[grid](
+                ws[i % ROTATE], y, s[0], ws[0].shape[1], s[1] // 256, BLOCK_R=c[0],
+                BLOCK_B=c[1], num_warps=c[2]))
+            print(f"probe Q4_K {s} loads only {cfg}: {sec * 1e6:.1f} us {nb / sec / 1e9:.0f} GB/s",
+                  flush=True)
+        cfg = quant_matmul.gemv_config(qt.Q4_K, *s)
+        for dt in (torch.bfloat16, torch.float32):
+            x = torch.randn(1, s[1], device="cuda", generator=g).to(dt)
+            yy = torch.empty(1, s[0], device="cuda", dtype=dt)
+            sec = graph_time(lambda i=0: quant_matmul.gemv(ws[i % ROTATE], qt.Q4_K, x, out=yy))
+            print(f"probe Q4_K {s} gemv {cfg} x {dt}: {sec * 1e6:.1f} us "
+                  f"{nb / sec / 1e9:.0f} GB/s", flush=True)
 
 
 def _fused(g: torch.Generator) -> None:
@@ -113,6 +156,9 @@ def main() -> None:
             for _ in range(2):
                 quant_matmul.gemv(w, t, x, out=y)
         torch.cuda.synchronize()
+        return
+    if "--probes" in sys.argv:
+        _probes(g)
         return
     _sweep(g)
     _fused(g)

@@ -1,4 +1,5 @@
-"""Rotary position embedding, in place: "normal" (llama: adjacent pairs) and "neox" (halves)."""
+"""Rotary position embedding, in place: "normal" (llama: adjacent pairs) and "neox" (halves);
+and, for decode, the same rotation fused with storing the new key and value into the cache."""
 
 from __future__ import annotations
 
@@ -8,12 +9,20 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_cache import _kv_store_one, _views
+
 
 @triton.jit
 def _rope_kernel(x_ptr, pos_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale,
                  D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0)
-    hb = tl.program_id(1)
+    _rope_heads(x_ptr, pos_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale,
+                tl.program_id(0), tl.program_id(1), D, HALF, NEOX, BLOCK_H)
+
+
+@triton.jit
+def _rope_heads(x_ptr, pos_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale, t, hb,
+                D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr):
+    # rotate heads [hb * BLOCK_H, ...) of token t in place; returns them (two halves, float32)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
     i = tl.arange(0, HALF)
@@ -32,8 +41,58 @@ def _rope_kernel(x_ptr, pos_ptr, stride_t, stride_h, n_heads, log2_base, freq_sc
     m = hmask[:, None]
     x1 = tl.load(row + i1[None, :], mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(row + i2[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(row + i1[None, :], (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=m)
-    tl.store(row + i2[None, :], (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=m)
+    y1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+    tl.store(row + i1[None, :], y1, mask=m)
+    tl.store(row + i2[None, :], y2, mask=m)
+    return heads, i1, i2, y1, y2
+
+
+@triton.jit
+def _q8_rows(c8_ptr, ch_ptr, blk0, y, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+             m):
+    # quantize y [BLOCK_H, HALF] (HALF a multiple of 32) as q8_0 blocks blk0[h] + 0, 1, ...
+    x = tl.reshape(y.to(tl.float32), [BLOCK_H, HALF // 32, 32])
+    amax = tl.max(tl.abs(x), axis=2)
+    d = amax / 127.0
+    inv = tl.where(d > 0, 1.0 / d, 0.0)
+    z = x * inv[:, :, None]
+    q = tl.where(z < 0, -tl.floor(-z + 0.5), tl.floor(z + 0.5))  # roundf: half away from 0
+    blk = blk0[:, None] + tl.arange(0, HALF // 32)[None, :]
+    tl.store(ch_ptr + blk * 17, d.to(tl.float16), mask=m[:, None])
+    j = tl.arange(0, 32)
+    tl.store(c8_ptr + blk[:, :, None] * 34 + 2 + j[None, None, :], q.to(tl.int8),
+             mask=m[:, None, None])
+
+
+@triton.jit
+def _rope_store_kernel(x_ptr, v_ptr, pos_ptr, kc, kc8, kch, vc, vc8, vch, cells, n_q, KVH,
+                       stride_t, stride_h, v_stride_t, v_stride_h, log2_base, freq_scale,
+                       D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
+                       BLOCK_H: tl.constexpr, Q8: tl.constexpr):
+    # programs [0, NB) rotate q and k heads (k heads also go into the cache), the rest store
+    # one value head each
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    nb = tl.cdiv(n_q + KVH, BLOCK_H)
+    if hb < nb:
+        heads, i1, i2, y1, y2 = _rope_heads(x_ptr, pos_ptr, stride_t, stride_h, n_q + KVH,
+                                            log2_base, freq_scale, t, hb, D, HALF, NEOX,
+                                            BLOCK_H)
+        kh = heads - n_q
+        km = (kh >= 0) & (heads < n_q + KVH)
+        cell = (tl.load(pos_ptr + t) % cells).to(tl.int64)
+        row = cell * KVH + tl.maximum(kh, 0)
+        if Q8:  # neox only: each half is whole 32-element blocks
+            _q8_rows(kc8, kch, row * (D // 32), y1, BLOCK_H, HALF, km)
+            _q8_rows(kc8, kch, row * (D // 32) + HALF // 32, y2, BLOCK_H, HALF, km)
+        else:
+            base = kc + row[:, None] * D
+            tl.store(base + i1[None, :], y1.to(kc.dtype.element_ty), mask=km[:, None])
+            tl.store(base + i2[None, :], y2.to(kc.dtype.element_ty), mask=km[:, None])
+    else:
+        _kv_store_one(v_ptr, pos_ptr, vc, vc8, vch, cells, KVH, v_stride_t, v_stride_h, t,
+                      hb - nb, D, Q8)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float, neox: bool,
@@ -48,6 +107,29 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float, neox: bool,
     _rope_kernel[grid](x, positions, x.stride(0), x.stride(1), nh, math.log2(base), freq_scale,
                        D=d, HALF=d // 2, NEOX=neox, BLOCK_H=bh, num_warps=4)
     return x
+
+
+def can_fuse_store(neox: bool, k_cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether rope_store handles this cache (q8_0 needs the neox halves as whole blocks)."""
+    return k_cache.dtype != torch.uint8 or (neox and head_dim % 64 == 0)
+
+
+def rope_store(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, base: float,
+               neox: bool, freq_scale: float, n_q: int, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, cells: int) -> None:
+    """Decode's rotation and cache store in one launch: qk [T, n_q + n_kv, head_dim] (q heads
+    then k heads) rotated in place, the rotated keys and v [T, n_kv, head_dim] stored at cells
+    positions % cells of the caches (as kernels.kv_cache.kv_store lays them out)."""
+    t, nh, d = qk.shape
+    kvh = nh - n_q
+    if qk.stride(2) != 1 or v.stride(2) != 1 or not can_fuse_store(neox, k_cache, d):
+        raise ValueError("rope_store needs contiguous head dims and an f16 or neox q8_0 cache")
+    bh = min(16, triton.next_power_of_2(nh))
+    grid = (t, triton.cdiv(nh, bh) + kvh)
+    _rope_store_kernel[grid](qk, v, positions, *_views(k_cache), *_views(v_cache), cells, n_q,
+                             kvh, qk.stride(0), qk.stride(1), v.stride(0), v.stride(1),
+                             math.log2(base), freq_scale, D=d, HALF=d // 2, NEOX=neox,
+                             BLOCK_H=bh, Q8=k_cache.dtype == torch.uint8, num_warps=4)
 
 
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, base: float, neox: bool,

@@ -192,12 +192,18 @@ class GpuStage:
             scale = 1.0 / hp.rope_scale if hp.rope_scaling == "linear" else 1.0
             # q and k heads sit side by side in buf.qkv: one launch rotates both
             qk3 = qkv[:, :self.q_w + self.kv_w].unflatten(1, (hp.n_head + hp.n_head_kv, d))
-            rope.rope(qk3, pos, base, hp.rope_style == "neox", scale)
+            neox = hp.rope_style == "neox"
             kc, vc, cells = self.kv(i)
             window = hp.sliding_window if swa else 0
             o3 = attn_o.view(n, hp.n_head, d)
+            if pos0 is None and rope.can_fuse_store(neox, kc, d):
+                # decode: rotation and the cache store of k and v in one launch
+                rope.rope_store(qk3, v3, pos, base, neox, scale, hp.n_head, kc, vc, cells)
+            else:
+                rope.rope(qk3, pos, base, neox, scale)
             if pos0 is None:
-                kv_cache.kv_store(k3, kc, pos, cells, v3, vc)
+                if not rope.can_fuse_store(neox, kc, d):
+                    kv_cache.kv_store(k3, kc, pos, cells, v3, vc)
                 attention.attn_decode(q3[0], kc, vc, pos, hp.n_head_kv, cells, window,
                                       hp.attn_scale, out=o3[0], workspace=self.attn_ws)
             else:

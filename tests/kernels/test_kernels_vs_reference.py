@@ -229,6 +229,27 @@ def test_kv_store_matches_reference(kv_type):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("kv_type,neox", [("f16", True), ("f16", False), ("q8_0", True)])
+def test_rope_store_matches_rope_then_kv_store(kv_type, neox):
+    # decode's fused rotation + cache store against the reference rope and kv_store
+    g = _gen()
+    cells, nq, kvh, d, t = 8, 4, 2, 64, 3
+    qk = torch.randn(t, nq + kvh, d, generator=g, device=DEVICE).to(torch.bfloat16)
+    v = torch.randn(t, kvh, d, generator=g, device=DEVICE).to(torch.bfloat16)
+    pos = torch.tensor([5, 12, 30], dtype=torch.int32, device=DEVICE)
+    ref_qk = qk.clone()
+    rope.rope_ref(ref_qk, pos, 10000.0, neox)
+    a, b = _cache(kv_type, cells, kvh, d), _cache(kv_type, cells, kvh, d)
+    a2, b2 = _cache(kv_type, cells, kvh, d), _cache(kv_type, cells, kvh, d)
+    rope.rope_store(qk, v, pos, 10000.0, neox, 1.0, nq, a, a2, cells)
+    kv_cache.kv_store_ref(qk[:, nq:], b, pos, cells, v, b2)  # keys as the kernel rotated them
+    assert _nerr(qk, ref_qk) < 1e-2  # bf16 rounding of the rotated values
+    for x, y in ((a, b), (a2, b2)):
+        got = kv_cache.kv_load_ref(x, cells, kvh, d)[pos.long() % cells]
+        want = kv_cache.kv_load_ref(y, cells, kvh, d)[pos.long() % cells]
+        assert torch.equal(got, want)
+
+
 def _filled_cache(kv_type, cells, kvh, d, g):
     cache = _cache(kv_type, cells, kvh, d)
     src = torch.randn(cells, kvh, d, generator=g, device=DEVICE)
