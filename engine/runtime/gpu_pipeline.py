@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,9 +116,12 @@ class GpuPipeline:
         self.spans.clear()
         self.arenas.clear()
         if torch.cuda.is_initialized():
-            for d in {d for d in self.devices if d.type == "cuda"}:
-                torch.cuda.synchronize(d)
-            torch.cuda.empty_cache()
+            try:
+                for d in {d for d in self.devices if d.type == "cuda"}:
+                    torch.cuda.synchronize(d)
+                torch.cuda.empty_cache()
+            except RuntimeError as exc:  # a sticky CUDA fault: the caller's error says more
+                log.error("freeing the arenas: %s", str(exc).splitlines()[0] if str(exc) else exc)
 
     def finish_report(self, remember: bool = True) -> list[dict]:
         """NVML after the load and the measured runtime overhead, per device (call it after
@@ -130,7 +134,8 @@ class GpuPipeline:
         b.buf["hidden"][:n].copy_(a.buf["hidden"][:n], non_blocking=True)
         b.buf["positions"][:n].copy_(a.buf["positions"][:n], non_blocking=True)
 
-    def run_chunk(self, ids: list[int], pos0: int, head: bool = True, check=None) -> None:
+    def run_chunk(self, ids: list[int], pos0: int, head: bool = True,
+                  check: Callable[[int, torch.Tensor], None] | None = None) -> None:
         """One prefill chunk (len(ids) <= the priced chunk) at positions pos0.. through every
         stage; the last stage heads the last rows unless ``head`` is False."""
         first = self.stages[0]
