@@ -66,6 +66,9 @@ def activation_buffers(
             "attn_partial", (hp.n_head, ATTN_SPLITS, hp.head_dim_v), "f32"
         ),  # split-K decode
         BufferSpec("attn_lse", (hp.n_head, ATTN_SPLITS), "f32"),  # per split log-sum-exp
+        # per kv head: split-K programs done, so that the last one merges (kept at zero);
+        # one 256-byte line per counter, so that the heads' atomics do not share a line
+        BufferSpec("attn_count", (hp.n_head_kv, 64), "i32"),
     ]
     if n_vocab_rows > 0:
         out.append(BufferSpec("logits", (n_vocab_rows, hp.n_vocab), "f32"))  # [rows, n_vocab]

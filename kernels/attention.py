@@ -39,9 +39,11 @@ def _load_kv(c_ptr, c8_ptr, ch_ptr, cell, kvh, KVH, dd, cmask, D: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["cells", "window"])
 def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_ptr, pml_ptr,
-                           cells, window, scale, KVH, NS, stride_qh,
+                           cnt_ptr, o_ptr, cells, window, scale, KVH, NS, stride_qh, stride_oh,
+                           CNT_STRIDE,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                           SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr):
+                           SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr,
+                           FUSED: tl.constexpr):
     kvh = tl.program_id(0)
     s = tl.program_id(1)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -80,6 +82,30 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
     tl.store(po_ptr + out[:, None] * D + dd[None, :], acc / tl.maximum(l_i, 1e-30)[:, None],
              mask=gmask[:, None])
     tl.store(pml_ptr + out, lse, mask=gmask)
+    if FUSED:
+        # the last of this kv head's NS programs to finish merges the active splits (no
+        # reduce launch): the counter's acq_rel add orders the partials before it, and the
+        # merger sets it back to 0 for the next layer
+        done = tl.atomic_add(cnt_ptr + kvh * CNT_STRIDE, 1)
+        if done == NS - 1:
+            n_act = tl.cdiv(n_valid, SPLIT)
+            row = heads.to(tl.int64) * NS
+            mx = tl.full([GP], _NEG, tl.float32)
+            for s2 in range(n_act):
+                mx = tl.maximum(mx, tl.load(pml_ptr + row + s2, mask=gmask, other=_NEG,
+                                            cache_modifier=".cg"))
+            num = tl.zeros([GP, D], tl.float32)
+            den = tl.zeros([GP], tl.float32)
+            for s2 in range(n_act):
+                w = tl.exp(tl.load(pml_ptr + row + s2, mask=gmask, other=_NEG,
+                                   cache_modifier=".cg") - mx)
+                o = tl.load(po_ptr + (row + s2)[:, None] * D + dd[None, :], mask=gmask[:, None],
+                            other=0.0, cache_modifier=".cg")
+                num += o * w[:, None]
+                den += w
+            tl.store(o_ptr + heads[:, None] * stride_oh + dd[None, :],
+                     (num / den[:, None]).to(o_ptr.dtype.element_ty), mask=gmask[:, None])
+            tl.atomic_xchg(cnt_ptr + kvh * CNT_STRIDE, 0)
 
 
 @triton.jit
@@ -119,9 +145,12 @@ def decode_workspace(n_head: int, head_dim: int, cells: int,
 def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 positions: torch.Tensor, n_kv_heads: int, cells: int, window: int, scale: float,
                 out: torch.Tensor | None = None,
-                workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                counter: torch.Tensor | None = None) -> torch.Tensor:
     """One query token q [n_head, head_dim] at position positions[0] (the key/value of that
-    position already stored) -> [n_head, head_dim]. No allocation given out and workspace."""
+    position already stored) -> [n_head, head_dim]. No allocation given out and workspace.
+    ``counter``: int32 zeros [n_kv_heads] or [n_kv_heads, k] (left zero); with it the splits
+    are merged by the last program of each kv head instead of a second launch."""
     nh, d = q.shape
     g = nh // n_kv_heads
     if workspace is None:
@@ -135,11 +164,15 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ck, ck8, ckh, q8 = _views(k_cache)
     cv, cv8, cvh, _ = _views(v_cache)
     gp = max(16, triton.next_power_of_2(g))
+    fused = counter is not None
     _decode_partial_kernel[(n_kv_heads, ns)](
-        q, ck, ck8, ckh, cv, cv8, cvh, positions, po, pml, cells, window, scale, n_kv_heads, ns,
-        q.stride(0), G=g, GP=gp, D=d, SPLIT=split, BLOCK_N=64, Q8=q8, num_warps=4)
-    _decode_reduce_kernel[(nh,)](po, pml, out, ns, out.stride(0), D=d,
-                                 NSP=triton.next_power_of_2(ns), num_warps=4)
+        q, ck, ck8, ckh, cv, cv8, cvh, positions, po, pml, counter if fused else pml, out,
+        cells, window, scale, n_kv_heads, ns, q.stride(0), out.stride(0),
+        counter.stride(0) if fused else 0, G=g, GP=gp, D=d,
+        SPLIT=split, BLOCK_N=64, Q8=q8, FUSED=fused, num_warps=4)
+    if not fused:
+        _decode_reduce_kernel[(nh,)](po, pml, out, ns, out.stride(0), D=d,
+                                     NSP=triton.next_power_of_2(ns), num_warps=4)
     return out
 
 

@@ -71,6 +71,9 @@ class GpuStage:
         self.graph: torch.cuda.CUDAGraph | None = None
         part, lse = self.buf["attn_partial"], self.buf["attn_lse"]
         self.attn_ws = (part, lse)
+        self.attn_count = self.buf.get("attn_count")
+        if self.attn_count is not None:
+            self.attn_count.zero_()  # the decode kernel leaves it at zero after each use
         # the greedy id lives in the last slot of buf.tokens: nothing outside the Layout
         self.next_id = self.buf["tokens"][-1:] if self.last else None
 
@@ -205,7 +208,8 @@ class GpuStage:
                 if not rope.can_fuse_store(neox, kc, d):
                     kv_cache.kv_store(k3, kc, pos, cells, v3, vc)
                 attention.attn_decode(q3[0], kc, vc, pos, hp.n_head_kv, cells, window,
-                                      hp.attn_scale, out=o3[0], workspace=self.attn_ws)
+                                      hp.attn_scale, out=o3[0], workspace=self.attn_ws,
+                                      counter=self.attn_count)
             else:
                 attention.attn_prefill(q3, k3, v3, kc, vc, pos0, cells, window, hp.attn_scale,
                                        out=o3)

@@ -259,8 +259,9 @@ def _filled_cache(kv_type, cells, kvh, d, g):
 
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("pos,cells,window", [(37, 64, 0), (100, 64, 0), (90, 24, 24),
-                                              (50, 64, 20)])
-def test_attn_decode_matches_reference(kv_type, pos, cells, window):
+                                              (50, 64, 20), (300, 512, 0), (700, 256, 100)])
+@pytest.mark.parametrize("fused", [False, True], ids=["reduce-launch", "last-merges"])
+def test_attn_decode_matches_reference(kv_type, pos, cells, window, fused):
     g = _gen()
     nh, kvh, d = 6, 2, 32  # GQA group of 3
     k = _filled_cache(kv_type, cells, kvh, d, g)
@@ -268,9 +269,13 @@ def test_attn_decode_matches_reference(kv_type, pos, cells, window):
     q = torch.randn(nh, d, generator=g, device=DEVICE)
     positions = torch.tensor([pos], dtype=torch.int32, device=DEVICE)
     out = _poison((nh, d))
-    attention.attn_decode(q, k, v, positions, kvh, cells, window, d**-0.5, out=out)
+    counter = torch.zeros(kvh, 64, dtype=torch.int32, device=DEVICE) if fused else None
+    attention.attn_decode(q, k, v, positions, kvh, cells, window, d**-0.5, out=out,
+                          counter=counter)
     ref = attention.attn_decode_ref(q, k, v, positions, kvh, cells, window, d**-0.5)
     assert _nerr(out, ref) < 5e-3  # f16 operands of the two products
+    if fused:  # left at zero for the next layer
+        assert not counter.any()
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
