@@ -43,7 +43,7 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
                            CNT_STRIDE,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr,
-                           FUSED: tl.constexpr):
+                           FUSED: tl.constexpr, NSP: tl.constexpr, MERGE: tl.constexpr):
     kvh = tl.program_id(0)
     s = tl.program_id(1)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -90,19 +90,24 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
         if done == NS - 1:
             n_act = tl.cdiv(n_valid, SPLIT)
             row = heads.to(tl.int64) * NS
-            mx = tl.full([GP], _NEG, tl.float32)
-            for s2 in range(n_act):
-                mx = tl.maximum(mx, tl.load(pml_ptr + row + s2, mask=gmask, other=_NEG,
-                                            cache_modifier=".cg"))
+            si = tl.arange(0, NSP)
+            lse_all = tl.load(pml_ptr + row[:, None] + si[None, :],
+                              mask=gmask[:, None] & (si < n_act)[None, :], other=_NEG,
+                              cache_modifier=".cg")
+            mx = tl.max(lse_all, axis=1)
             num = tl.zeros([GP, D], tl.float32)
             den = tl.zeros([GP], tl.float32)
-            for s2 in range(n_act):
-                w = tl.exp(tl.load(pml_ptr + row + s2, mask=gmask, other=_NEG,
-                                   cache_modifier=".cg") - mx)
-                o = tl.load(po_ptr + (row + s2)[:, None] * D + dd[None, :], mask=gmask[:, None],
-                            other=0.0, cache_modifier=".cg")
-                num += o * w[:, None]
-                den += w
+            # MERGE splits per step, their loads independent (issued together: one L2
+            # round trip per step rather than per split)
+            for s0 in range(0, n_act, MERGE):
+                for j in tl.static_range(MERGE):
+                    ok = gmask & (gi * 0 + s0 + j < n_act)
+                    w = tl.exp(tl.load(pml_ptr + row + s0 + j, mask=ok, other=_NEG,
+                                       cache_modifier=".cg") - mx)
+                    o = tl.load(po_ptr + (row + s0 + j)[:, None] * D + dd[None, :],
+                                mask=ok[:, None], other=0.0, cache_modifier=".cg")
+                    num += o * w[:, None]
+                    den += w
             tl.store(o_ptr + heads[:, None] * stride_oh + dd[None, :],
                      (num / den[:, None]).to(o_ptr.dtype.element_ty), mask=gmask[:, None])
             tl.atomic_xchg(cnt_ptr + kvh * CNT_STRIDE, 0)
@@ -169,7 +174,8 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, ck, ck8, ckh, cv, cv8, cvh, positions, po, pml, counter if fused else pml, out,
         cells, window, scale, n_kv_heads, ns, q.stride(0), out.stride(0),
         counter.stride(0) if fused else 0, G=g, GP=gp, D=d,
-        SPLIT=split, BLOCK_N=64, Q8=q8, FUSED=fused, num_warps=4)
+        SPLIT=split, BLOCK_N=64, Q8=q8, FUSED=fused, NSP=triton.next_power_of_2(ns),
+        MERGE=max(1, 8192 // (gp * d)), num_warps=4)
     if not fused:
         _decode_reduce_kernel[(nh,)](po, pml, out, ns, out.stride(0), D=d,
                                      NSP=triton.next_power_of_2(ns), num_warps=4)
