@@ -191,7 +191,8 @@ def row_cols(w: torch.Tensor, ggml_type: int) -> int:
 
 
 def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None = None,
-                 lane_sum: bool | None = None, special: bool | None = None):
+                 lane_sum: bool | None = None, special: bool | None = None,
+                 x_dtype: torch.dtype = torch.bfloat16):
     """(pointer views (bytes, 16-bit, int32), the body's constexprs, warps, stages) of one
     weight's GEMV."""
     w, wh = _views(w, ggml_type)
@@ -199,7 +200,10 @@ def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None
     k = row_cols(w, ggml_type)
     align = SPECIAL_ALIGN.get(ggml_type)
     if special is None:
-        special = align is not None and w.data_ptr() % align == 0 and w.shape[1] % align == 0
+        # the storage-order body loads x twice as wide as the generic walk per weight byte:
+        # with float32 activations the generic walk is faster (kernels/NOTES.md)
+        special = (align is not None and w.data_ptr() % align == 0 and w.shape[1] % align == 0
+                   and x_dtype != torch.float32)
     wi = w
     if special and ggml_type == qt.Q4_K:
         wi = w.view(torch.int32)
@@ -230,7 +234,7 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     """y[M, rows] = x[M, cols] @ W^T (+ bias), dequantizing W on the fly; M small (decode,
     M <= 8). x is float32/bf16/f16; y has x's dtype unless ``out`` is given. No allocation
     with ``out``. ``special``: force the Q4_K/Q6_K storage-order body on or off."""
-    ptrs, meta, warps, stages = _launch_args(w, ggml_type, config, lane_sum, special)
+    ptrs, meta, warps, stages = _launch_args(w, ggml_type, config, lane_sum, special, x.dtype)
     n, k = w.shape[0], row_cols(w, ggml_type)
     x2 = _x2(x, k)
     m = x2.shape[0]
@@ -253,8 +257,8 @@ def gemv_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, x: torch.Tens
     """act(x @ gate^T) * (x @ up^T) in one launch (decode FFN): [M, rows]."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-    gp, meta, warps, stages = _launch_args(gate, ggml_type, config)
-    up_ptrs, meta_u, _, _ = _launch_args(up, ggml_type, config)
+    gp, meta, warps, stages = _launch_args(gate, ggml_type, config, x_dtype=x.dtype)
+    up_ptrs, meta_u, _, _ = _launch_args(up, ggml_type, config, x_dtype=x.dtype)
     meta["SPECIAL"] = meta["SPECIAL"] and meta_u["SPECIAL"]
     if not meta["SPECIAL"]:
         gp, up_ptrs = (gate, gp[1], gate), (up, up_ptrs[1], up)
@@ -289,7 +293,8 @@ def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tens
     for i, (w, t) in enumerate(mats, 1):
         if row_cols(w, t) != k:
             raise ValueError("gemv3's matrices must have the same number of columns")
-        ptrs, meta, wp, _ = _launch_args(w, t, configs[i - 1] if configs else None)
+        ptrs, meta, wp, _ = _launch_args(w, t, configs[i - 1] if configs else None,
+                                         x_dtype=x.dtype)
         warps = wp if i == 1 else warps
         b = biases[i - 1] if biases is not None else y
         args += [*ptrs, b, w.shape[0], w.shape[1]]

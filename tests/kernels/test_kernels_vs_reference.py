@@ -107,6 +107,9 @@ def test_gemv_unaligned_weight_falls_back_to_the_generic_walk():
     w = buf[2:].view(5, -1)
     w.copy_(raw)
     assert not quant_matmul._launch_args(w, qt.Q4_K)[1]["SPECIAL"]
+    # aligned: the storage-order body for 16-bit activations, the generic walk for float32
+    assert quant_matmul._launch_args(raw, qt.Q4_K, x_dtype=torch.bfloat16)[1]["SPECIAL"]
+    assert not quant_matmul._launch_args(raw, qt.Q4_K, x_dtype=torch.float32)[1]["SPECIAL"]
     x = torch.randn(1, 512, generator=g, device=DEVICE)
     out = _poison((1, 5))
     quant_matmul.gemv(w, qt.Q4_K, x, out=out)
