@@ -29,10 +29,13 @@ def _load_kv(c_ptr, c8_ptr, ch_ptr, cell, kvh, KVH, dd, cmask, D: tl.constexpr, 
     row = (cell.to(tl.int64) * KVH + kvh)[:, None]
     m = cmask[:, None]
     if Q8:
-        blk = row * (D // 32) + (dd // 32)[None, :]
-        q = tl.load(c8_ptr + blk * 34 + 2 + (dd % 32)[None, :], mask=m, other=0).to(tl.float32)
+        # whole 34-byte blocks: one scale load per block, 32 contiguous quants, then [N, D]
+        blk = row * (D // 32) + tl.arange(0, D // 32)[None, :]  # [N, D/32]
+        j = tl.arange(0, 32)
+        q = tl.load(c8_ptr + blk[:, :, None] * 34 + 2 + j[None, None, :], mask=m[:, :, None],
+                    other=0).to(tl.float32)
         s = tl.load(ch_ptr + blk * 17, mask=m, other=0.0).to(tl.float32)
-        return (q * s).to(tl.float16)
+        return tl.reshape(q * s[:, :, None], [q.shape[0], D]).to(tl.float16)
     else:
         return tl.load(c_ptr + row * D + dd[None, :], mask=m, other=0.0).to(tl.float16)
 

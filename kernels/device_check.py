@@ -2,7 +2,7 @@
 variants, and print each kernel's time against its floor (bytes over the measured copy rate,
 or FLOPs over the measured bf16 matmul rate).
 
-    python -m kernels.device_check [--quick] [--json FILE]
+    python -m kernels.device_check [--quick | --attn] [--json FILE]
 
 Builds every input itself (random well-formed blocks), so it needs no model file and no gguf.
 """
@@ -68,6 +68,7 @@ def ceilings() -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one GEMV config per type")
+    ap.add_argument("--attn", action="store_true", help="the attention kernels only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dev = torch.cuda.get_device_properties(0)
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
 
     g = torch.Generator(device="cuda")
     g.manual_seed(int(time.time()))
+    if args.attn:
+        _attn_section(g, copy_bw, mm_rate, row)
+        _table(rows, best_cfg, args, copy_bw, mm_rate)
+        return 0
     # -- decode GEMV, Qwen2-7B ffn_up/gate [18944 x 3584] and ffn_down [3584 x 18944]
     for t in TYPES:
         try:
@@ -197,6 +202,10 @@ def _other_section(g, copy_bw, mm_rate, row):
         tr = graph_time(lambda i=0: rope.rope(q, pos, 1e6, True))
         row(f"rope neox T={t_}", tr, 2 * q.numel() * 4 / copy_bw, err)
 
+    _attn_section(g, copy_bw, mm_rate, row)
+
+
+def _attn_section(g, copy_bw, mm_rate, row):
     # -- attention, Qwen2-7B heads: 28 q heads, 4 kv heads, head_dim 128
     nh, kvh, d = 28, 4, 128
     for kv_type in ("f16", "q8_0"):
