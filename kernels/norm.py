@@ -47,3 +47,79 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.to(torch.float32)
     y = y.to(x.dtype)
     return y if out is None else out.copy_(y)
+
+
+@triton.jit
+def _post_rmsnorm_kernel(x_ptr, res_ptr, wp_ptr, w_ptr, y_ptr, H, eps, stride_x, stride_r,
+                         stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    mask = c < H
+    x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    wp = tl.load(wp_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    # the sub-layer output's own norm stays in float32 on its way into the residual
+    h = x / tl.sqrt(tl.sum(x * x, axis=0) / H + eps) * wp
+    h += tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(res_ptr + row * stride_r + c, h.to(res_ptr.dtype.element_ty), mask=mask)
+    inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + c, (h * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm_post(x: torch.Tensor, post_weight: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Gemma's sandwich norm and the next pre-norm in one launch: residual += rmsnorm(x) *
+    post_weight, then out = rmsnorm(residual) * weight. x, residual, out [T, H]."""
+    h = x.shape[-1]
+    x2, r, y = x.view(-1, h), residual.view(-1, h), out.view(-1, h)
+    block = triton.next_power_of_2(h)
+    _post_rmsnorm_kernel[(x2.shape[0],)](x2, r, post_weight, weight, y, h, eps, x2.stride(0),
+                                        r.stride(0), y.stride(0), BLOCK=block,
+                                        num_warps=8 if block >= 4096 else 4)
+    return out
+
+
+def rmsnorm_post_ref(x: torch.Tensor, post_weight: torch.Tensor, weight: torch.Tensor,
+                     eps: float, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    xf = x.to(torch.float32)
+    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * post_weight.float()
+    return rmsnorm_ref(h, weight, eps, residual, out)
+
+
+@triton.jit
+def _heads_kernel(x_ptr, wq_ptr, wk_ptr, n_q, n_heads, eps, stride_t, stride_h,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    m = (heads < n_heads)[:, None] & (d < D)[None, :]
+    ptr = x_ptr + t * stride_t + heads[:, None] * stride_h + d[None, :]
+    x = tl.load(ptr, mask=m, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    wq = tl.load(wq_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+    wk = tl.load(wk_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+    w = tl.where((heads < n_q)[:, None], wq, wk)
+    tl.store(ptr, (x * inv[:, None] * w).to(x_ptr.dtype.element_ty), mask=m)
+
+
+def rmsnorm_heads(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_q: int,
+                  eps: float) -> torch.Tensor:
+    """Per-head RMSNorm in place (qwen3/gemma3 q/k norm): x [T, n_heads, head_dim] with the
+    first ``n_q`` heads normed by q_weight [head_dim], the rest by k_weight; one launch."""
+    t, nh, d = x.shape
+    if x.stride(2) != 1:
+        raise ValueError("rmsnorm_heads needs the head dim contiguous")
+    bh = min(16, triton.next_power_of_2(nh))
+    _heads_kernel[(t, triton.cdiv(nh, bh))](x, q_weight, k_weight, n_q, nh, eps, x.stride(0),
+                                            x.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d),
+                                            BLOCK_H=bh, num_warps=4)
+    return x
+
+
+def rmsnorm_heads_ref(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                      n_q: int, eps: float) -> torch.Tensor:
+    xf = x.to(torch.float32)
+    w = torch.cat([q_weight.float().expand(n_q, -1),
+                   k_weight.float().expand(x.shape[1] - n_q, -1)])
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w
+    return x.copy_(y.to(x.dtype))

@@ -35,9 +35,21 @@ def why_not(plan: Any, hp: Any) -> str | None:
         return "the plan places layers on the CPU"
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
-    if hp.arch not in ARCHS or hp.qk_norm or hp.sandwich_norm:
+    if hp.arch not in ARCHS:
         return f"the Triton runner runs {'/'.join(ARCHS)} models, not {hp.arch}"
+    if hp.arch == "llama" and _has_rope_factors(plan.model):
+        return "the Triton RoPE has no per-pair frequency factors (rope_freqs.weight) yet"
     return None
+
+
+def _has_rope_factors(path: str) -> bool:
+    """Whether the file carries llama-3.1-style rope_freqs (a header read)."""
+    from engine.gguf_file import GGUFModel
+
+    try:
+        return any(t.name == "rope_freqs.weight" for t in GGUFModel.open(path).tensors)
+    except (CarveError, OSError):
+        return False  # the load names what is wrong with the file
 
 
 class LayerNotFinite(Exception):

@@ -1,5 +1,8 @@
-"""A GPU stage: layers [lb, le) of a llama/qwen2-family model on one device, run with the Triton
-kernels of ``kernels/`` on the allocations of its DeviceLayout and nothing else.
+"""A GPU stage: layers [lb, le) of a model on one device, run with the Triton kernels of
+``kernels/`` on the allocations of its DeviceLayout and nothing else. The llama family (llama,
+mistral, qwen2 with q/k/v biases, qwen3 with per-head q/k RMSNorm) and gemma3 (embeddings
+scaled by sqrt(n_embd), q/k norms, sandwich norms, GeGLU, sliding-window layers with their own
+RoPE base) follow engine/models/ step for step.
 
 Every tensor the stage touches is a view into one of the Layout's arenas (weights, globals, KV,
 ``buf.*`` activation buffers, ``dq.*`` dequant cache), so the memory it holds is the priced
@@ -18,11 +21,13 @@ import triton
 
 from engine import quant_types as qt
 from engine.errors import CarveError
+from engine.models import FAMILIES
+from engine.models.layers import _linear_scale
 from kernels import attention, glu, kv_cache, norm, quant_matmul, rope
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "i64": torch.int64, "i32": torch.int32, "uint8": torch.uint8}
-ARCHS = ("llama", "qwen2")
+ARCHS = tuple(FAMILIES)  # every family the CPU engine runs
 
 
 def new_arena(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -55,9 +60,14 @@ def allocate(dl: Any, device: torch.device | str, arenas: list[torch.Tensor] | N
 class GpuStage:
     def __init__(self, hp: Any, model: Any, dl: Any, spans: dict[str, torch.Tensor],
                  device: torch.device | str, ctx: int, chunk: int) -> None:
-        if hp.arch not in ARCHS or hp.qk_norm or hp.sandwich_norm:
+        if hp.arch not in ARCHS:
             raise CarveError(f"the GPU stage runs {', '.join(ARCHS)} models; {hp.arch} runs on "
                              f"the CPU engine for now")
+        if "rope_freqs.weight" in spans:  # gpu_session.why_not sends these to the torch engine
+            raise CarveError("rope_freqs.weight (llama-3.1 RoPE factors) is not supported by "
+                             "the Triton runner yet; run with CARVE_RUNNER=torch")
+        # linear scaling of the global layers' RoPE, or the CPU engine's error for other kinds
+        self.rope_scale = 1.0 / _linear_scale(hp)
         self.hp, self.model, self.spans = hp, model, spans
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"  # else the CPU under TRITON_INTERPRET=1
@@ -177,25 +187,36 @@ class GpuStage:
         if self.first:
             w, t = self.mat("token_embd.weight")
             quant_matmul.embed(w, t, b["tokens"][:n], out=hidden)
+            if hp.embed_scale != 1.0:
+                hidden.mul_(hp.embed_scale)  # gemma3: sqrt(n_embd)
         pending = False  # proj holds a sub-layer output not yet added to hidden
+        post = None  # gemma3: the norm proj gets before that add (sandwich norm)
         eps = hp.rms_eps
         d = hp.head_dim
+        neox = hp.rope_style == "neox"
         for i in range(self.lb, self.le):
             p = f"blk.{i}."
-            norm.rmsnorm(proj if pending else hidden, self.vec(p + "attn_norm.weight"), eps,
-                         residual=hidden if pending else None, out=normed)
+            w_norm = self.vec(p + "attn_norm.weight")
+            if pending:
+                self._add_norm(proj, post, w_norm, hidden, normed)
+            else:
+                norm.rmsnorm(hidden, w_norm, eps, out=normed)
             q, k, v = (qkv[:, :self.q_w], qkv[:, self.q_w:self.q_w + self.kv_w],
                        qkv[:, self.q_w + self.kv_w:self.q_w + 2 * self.kv_w])
             self._qkv(p, normed, qkv[:, :self.q_w + 2 * self.kv_w])
             q3 = q.unflatten(1, (hp.n_head, d))
             k3 = k.unflatten(1, (hp.n_head_kv, d))
             v3 = v.unflatten(1, (hp.n_head_kv, d))
-            swa = bool(hp.swa_layers[i]) if hp.swa_layers else False
-            base = hp.rope_base_swa if swa else hp.rope_base
-            scale = 1.0 / hp.rope_scale if hp.rope_scaling == "linear" else 1.0
-            # q and k heads sit side by side in buf.qkv: one launch rotates both
+            # q and k heads sit side by side in buf.qkv: one launch norms (qwen3, gemma3) and
+            # one rotates both
             qk3 = qkv[:, :self.q_w + self.kv_w].unflatten(1, (hp.n_head + hp.n_head_kv, d))
-            neox = hp.rope_style == "neox"
+            if hp.qk_norm:
+                norm.rmsnorm_heads(qk3, self.vec(p + "attn_q_norm.weight"),
+                                   self.vec(p + "attn_k_norm.weight"), hp.n_head, eps)
+            swa = bool(hp.swa_layers[i]) if hp.swa_layers else False
+            # sliding-window layers: their own base, never scaled (engine/models/layers.py)
+            base = hp.rope_base_swa if swa else hp.rope_base
+            scale = 1.0 if swa else self.rope_scale
             kc, vc, cells = self.kv(i)
             window = hp.sliding_window if swa else 0
             o3 = attn_o.view(n, hp.n_head, d)
@@ -213,19 +234,34 @@ class GpuStage:
             else:
                 attention.attn_prefill(q3, k3, v3, kc, vc, pos0, cells, window, hp.attn_scale,
                                        out=o3)
-                kv_cache.kv_store(k3, kc, pos, cells, v3, vc)
+                # a ring keeps only the chunk's last `cells` rows: store only those, so that no
+                # two programs write one cell
+                s0 = max(0, n - cells)
+                kv_cache.kv_store(k3[s0:], kc, pos[s0:], cells, v3[s0:], vc)
             self._linear(p + "attn_output.weight", attn_o, proj)
-            norm.rmsnorm(proj, self.vec(p + "ffn_norm.weight"), eps, residual=hidden, out=normed)
+            post = self.vec(p + "post_attention_norm.weight") if hp.sandwich_norm else None
+            self._add_norm(proj, post, self.vec(p + "ffn_norm.weight"), hidden, normed)
             self._ffn(p, normed, ffn_up, ffn_act)
             self._linear(p + "ffn_down.weight", ffn_act, proj)
+            post = self.vec(p + "post_ffw_norm.weight") if hp.sandwich_norm else None
             pending = True
-            if check is not None:
-                check(i, hidden + proj)  # the residual stream after layer i (allocates: fine here)
+            if check is not None:  # the residual stream after layer i (allocates: fine here)
+                check(i, hidden + (proj if post is None else norm.rmsnorm(proj, post, eps)))
         if pending:
+            if post is not None:
+                norm.rmsnorm(proj, post, eps, out=proj)  # in place: one row per program
             hidden += proj
         if self.last and head:
             rows = b["logits"].shape[0]
             self.head(max(0, n - rows), min(n, rows))
+
+    def _add_norm(self, x: torch.Tensor, post: torch.Tensor | None, w: torch.Tensor,
+                  hidden: torch.Tensor, out: torch.Tensor) -> None:
+        """hidden += x (gemma3: rmsnorm(x) * post first), then out = rmsnorm(hidden) * w."""
+        if post is None:
+            norm.rmsnorm(x, w, self.hp.rms_eps, residual=hidden, out=out)
+        else:
+            norm.rmsnorm_post(x, post, w, self.hp.rms_eps, residual=hidden, out=out)
 
     def head(self, r0: int, rows: int) -> torch.Tensor:
         """Output norm and projection of buf.hidden[r0:r0+rows] into buf.logits[:rows]
