@@ -94,6 +94,33 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_kernels_match_their_references(dtype) -> None:
+    """The two kernels this runner adds (kernels/norm.py), on the rows and head views the stage
+    hands them: per-head q/k norm in place on a strided slice of a wider qkv row, and the
+    sandwich norm fused with the next pre-norm."""
+    from kernels import norm
+
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, lo: float | None = None) -> torch.Tensor:
+        t = torch.randn(*shape, generator=g) if lo is None else torch.rand(*shape, generator=g) + lo
+        return t.to(DEV, dtype if lo is None else torch.float32)
+
+    qkv = rand(3, 7 * 48 + 40)  # 4 q heads and 3 k heads of 48, then v columns
+    wq, wk = rand(48, lo=0.5), rand(48, lo=0.5)
+    ref = qkv.clone()
+    norm.rmsnorm_heads(qkv[:, :7 * 48].unflatten(1, (7, 48)), wq, wk, 4, 1e-6)
+    norm.rmsnorm_heads_ref(ref[:, :7 * 48].unflatten(1, (7, 48)), wq, wk, 4, 1e-6)
+    assert rel(qkv, ref) < 1e-2 and torch.equal(qkv[:, 7 * 48:], ref[:, 7 * 48:])
+    x, res, wp, w = rand(3, 96), rand(3, 96), rand(96, lo=0.5), rand(96, lo=0.5)
+    r1, r2 = res.clone(), res.clone()
+    o1, o2 = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    norm.rmsnorm_post(x, wp, w, 1e-6, r1, o1)
+    norm.rmsnorm_post_ref(x, wp, w, 1e-6, r2, o2)
+    assert rel(r1, r2) < 1e-2 and rel(o1, o2) < 1e-2
+
+
 def test_the_file_is_what_the_test_means(model) -> None:
     hp = HParams.from_model(GGUFModel.open(model))
     assert hp.qk_norm and hp.head_dim == 64
