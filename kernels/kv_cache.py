@@ -54,6 +54,42 @@ def _kv_store_one(src_ptr, pos_ptr, c_ptr, c8_ptr, ch_ptr, cells, KVH, stride_t,
         tl.store(c_ptr + (cell * KVH + h) * D + d, x.to(c_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _q8_roundtrip_kernel(x_ptr, stride_t, stride_h, D: tl.constexpr):
+    # x[t, h, :] := its q8_0 blocks dequantized (kv_store's quantization, d through f16)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    b = tl.arange(0, D // 32)
+    j = tl.arange(0, 32)
+    p = x_ptr + t * stride_t + h * stride_h + b[:, None] * 32 + j[None, :]
+    x = tl.load(p).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    d = amax / 127.0
+    inv = tl.where(d > 0, 1.0 / d, 0.0)
+    y = x * inv[:, None]
+    q = tl.where(y < 0, -tl.floor(-y + 0.5), tl.floor(y + 0.5))
+    dh = d.to(tl.float16).to(tl.float32)
+    tl.store(p, (q * dh[:, None]).to(x_ptr.dtype.element_ty))
+
+
+def q8_roundtrip_(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] in place: the values a q8_0 cache gives back for it (a prefill
+    chunk attends its own keys as the cache holds them, like the CPU engine and llama.cpp)."""
+    t, h, d = x.shape
+    if x.stride(2) != 1 or d % 32:
+        raise ValueError("q8_roundtrip_ needs contiguous head dims of whole 32-value blocks")
+    _q8_roundtrip_kernel[(t, h)](x, x.stride(0), x.stride(1), D=d,
+                                 num_warps=1 if d <= 128 else 2)
+    return x
+
+
+def q8_roundtrip_ref(x: torch.Tensor) -> torch.Tensor:
+    t, h, d = x.shape
+    cache = torch.zeros(t * h * d // 32 * 34, dtype=torch.uint8, device=x.device)
+    kv_store_ref(x, cache, torch.arange(t, device=x.device), t)
+    return x.copy_(kv_load_ref(cache, t, h, d).to(x.dtype))
+
+
 def _views(cache: torch.Tensor):
     q8 = cache.dtype == torch.uint8
     return (cache, cache.view(torch.int8) if q8 else cache,

@@ -232,6 +232,11 @@ class GpuStage:
                                       hp.attn_scale, out=o3[0], workspace=self.attn_ws,
                                       counter=self.attn_count)
             else:
+                if kc.dtype == torch.uint8:
+                    # q8_0: the chunk attends its own keys/values as the cache gives them back
+                    # (the CPU engine and llama.cpp do); the store below re-quantizes them
+                    kv_cache.q8_roundtrip_(k3)
+                    kv_cache.q8_roundtrip_(v3)
                 attention.attn_prefill(q3, k3, v3, kc, vc, pos0, cells, window, hp.attn_scale,
                                        out=o3)
                 # a ring keeps only the chunk's last `cells` rows: store only those, so that no

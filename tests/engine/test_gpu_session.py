@@ -130,6 +130,27 @@ def test_prefill_all_rows_and_decode_match_the_cpu_engine(cached) -> None:
     assert rel(dg[-1], full[-1]) < 3e-2
 
 
+def test_q8_0_kv_prefill_and_decode_match_the_cpu_engine(tiny) -> None:
+    # f32 activations, nothing cached: the only difference left is the q8_0 cache, which a
+    # prefill chunk must see for its own keys as the cache gives them back (as the CPU engine
+    # does); 20 tokens in chunks of 8 read earlier chunks back from the cache too
+    kw = {"prefill_chunk": 8, "cache_reserve": NO_CACHE, "kv_type": "q8_0"}
+    g = load(plan(tiny, **kw))
+    c = Session.load(plan(tiny, **kw))
+    try:
+        prompt = ids(20)
+        assert rel(g.logits(prompt), c.logits(prompt)) < 2e-3
+        for k, tok in enumerate(ids(3, 1)):
+            dg = g.forward([tok], 20 + k, "last")
+            dc = c.forward([tok], 20 + k, "last")
+            g.kv.n_past += 1
+            c.kv.n_past += 1
+            assert rel(dg[-1], dc[-1]) < 2e-3
+    finally:
+        g.close()
+        c.close()
+
+
 def test_perplexity_on_the_runner_matches_the_cpu_engine(cached) -> None:
     from engine.runtime.perplexity import perplexity
 

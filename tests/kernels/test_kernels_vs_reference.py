@@ -253,6 +253,21 @@ def test_rope_store_matches_rope_then_kv_store(kv_type, neox):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_q8_roundtrip_matches_store_then_load(dtype):
+    g = _gen()
+    x = (torch.randn(5, 3, 64, generator=g, device=DEVICE) * 3).to(dtype)
+    x[1, 2] = 0.0  # an all-zero block: d = 0
+    ref = x.clone()
+    kv_cache.q8_roundtrip_(x)
+    kv_cache.q8_roundtrip_ref(ref)
+    if dtype == torch.float32:
+        assert torch.equal(x, ref)
+    else:  # the store's rounding to bf16 (the interpreter's differs by up to one unit)
+        assert torch.allclose(x.float(), ref.float(), rtol=2**-7, atol=0)
+    assert not torch.equal(x, x.float().round().to(dtype))  # it did change the values
+
+
 def _filled_cache(kv_type, cells, kvh, d, g):
     cache = _cache(kv_type, cells, kvh, d)
     src = torch.randn(cells, kvh, d, generator=g, device=DEVICE)
