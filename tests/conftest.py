@@ -6,17 +6,26 @@
         split > 1 returns the first shard of a gguf-split set.
     demo_model_path -> Path    # Qwen2.5-Coder-0.5B-Instruct Q4_K_M (skips if not installed)
     gemma_model_path -> Path   # Gemma 3 270M Q4_K_M (skips if not installed)
+
+Where there is no GPU the Triton kernels run under the interpreter: Triton decides interpreter
+vs compiler when a kernel is decorated (module import), so TRITON_INTERPRET is set here, before
+any test module imports kernels/.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 DEMO_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 DEMO_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from engine.errors import CarveError
-from engine.runtime.generate import GenerationStats, generate
+from engine.models.layers import NonFinite
+from engine.runtime.chunked import ChunkedSession
 from engine.runtime.gpu_pipeline import GpuPipeline, on, sync
 from engine.runtime.gpu_stage import ARCHS
 
@@ -52,15 +53,9 @@ def _has_rope_factors(path: str) -> bool:
         return False  # the load names what is wrong with the file
 
 
-class LayerNotFinite(Exception):
-    def __init__(self, layer: int) -> None:
-        super().__init__(layer)
-        self.layer = layer
-
-
 def _check_layer(layer: int, hidden: torch.Tensor) -> None:
     if not bool(torch.isfinite(hidden).all()):
-        raise LayerNotFinite(layer)
+        raise NonFinite(layer)
 
 
 class GpuKV:
@@ -80,7 +75,7 @@ class GpuKV:
         return n <= self.n_past and (self.ring_cells is None or self.n_past <= self.ring_cells)
 
 
-class GpuSession:
+class GpuSession(ChunkedSession):
     runner = "triton"
 
     def __init__(self, plan: Any, model: Any, hp: Any, layout: Any, pipe: GpuPipeline) -> None:
@@ -174,75 +169,6 @@ class GpuSession:
                 out[r0:r0 + k].copy_(last.head(r0, k))
         sync(last.device)
         return out
-
-    def _check_context(self, n: int) -> None:
-        if n > self.plan.ctx:
-            raise CarveError(
-                f"the prompt is {n} tokens but the context is {self.plan.ctx}; raise --ctx or "
-                f"shorten the prompt (older turns can be dropped)"
-            )
-
-    def prefill(self, ids: list[int], all_rows: bool) -> torch.Tensor:
-        """Append ``ids`` to the cache in chunks of plan.prefill_chunk; logits of every row or of
-        the last row."""
-        self._check_context(self.kv.n_past + len(ids))
-        chunk = self.plan.prefill_chunk
-        out = []
-        for c in range(0, len(ids), chunk):
-            part = ids[c:c + chunk]
-            rows = "all" if all_rows else ("last" if c + chunk >= len(ids) else "none")
-            logits = self.forward(part, self.kv.n_past, rows)
-            if logits is not None:
-                out.append(logits if all_rows else logits.clone())
-            self.kv.n_past += len(part)
-            self.tokens.extend(part)
-        logits = torch.cat(out) if len(out) > 1 else out[0]
-        self.check_finite(logits)
-        return logits
-
-    def check_finite(self, logits: torch.Tensor) -> None:
-        """Cheap test of the logits; when it fails, re-run the cached tokens eagerly with a
-        finiteness check after every layer to name where NaN/inf first appears."""
-        if bool(torch.isfinite(logits).all()):
-            return
-        tokens = list(self.tokens)
-        self.reset()
-        where = "the output head"
-        try:
-            for c in range(0, len(tokens), self.plan.prefill_chunk):
-                self.forward(tokens[c:c + self.plan.prefill_chunk], c, "none", check=True)
-        except LayerNotFinite as nf:
-            where = f"layer {nf.layer}"
-        finally:
-            self.reset()
-        raise CarveError(
-            f"{self.plan.model}: the model produced NaN/inf, first in {where} "
-            f"(activations {self.plan.act_dtype}); the file may be damaged, or try act_dtype f32"
-        )
-
-    @torch.inference_mode()
-    def logits(self, ids: list[int]) -> torch.Tensor:
-        """[len(ids), n_vocab] float32 logits from a fresh cache."""
-        if not ids:
-            raise CarveError("logits: the token list is empty")
-        self.reset()
-        return self.prefill(list(ids), all_rows=True)
-
-    @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], params: Any, stop_ids: set[int],
-                 on_token: Callable[[int], bool]) -> GenerationStats:
-        return generate(self, list(prompt_ids), params, set(stop_ids), on_token)
-
-    def rewind(self, n: int) -> bool:
-        if not self.kv.can_rewind_to(n):
-            return False
-        self.kv.n_past = n
-        del self.tokens[n:]
-        return True
-
-    def reset(self) -> None:
-        self.kv.reset()
-        self.tokens.clear()
 
     def close(self) -> None:
         """Free every allocation of this session on every device."""

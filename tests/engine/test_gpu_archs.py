@@ -11,18 +11,9 @@ there, and the `gpu` tests add the bf16 default path with CUDA graphs and the re
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available():  # before kernels/ decorates its kernels (as tests/kernels does)
-    os.environ["TRITON_INTERPRET"] = "1"
-    for _name in [n for n in sys.modules if n.startswith("kernels.")]:
-        importlib.reload(sys.modules[_name])
 
 from engine.devices import DeviceSpec
 from engine.gguf_file import GGUFModel

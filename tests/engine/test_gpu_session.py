@@ -10,19 +10,11 @@ torch.cuda.memory_reserved per arena mode; `python -m pytest -q tests/engine/tes
 from __future__ import annotations
 
 import gc
-import importlib
 import io
-import os
-import sys
 import weakref
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():  # before kernels/ decorates its kernels (as tests/kernels does)
-    os.environ["TRITON_INTERPRET"] = "1"
-    for _name in [n for n in sys.modules if n.startswith("kernels.")]:
-        importlib.reload(sys.modules[_name])
 
 from engine import protocol as p
 from engine import server
