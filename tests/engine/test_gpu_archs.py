@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gpu_compare import decode_errors, rel
 
 from engine.devices import DeviceSpec
 from engine.gguf_file import GGUFModel
@@ -78,10 +79,6 @@ def ids(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
-
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -131,12 +128,7 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
         prompt = ids(12)
         lg, lc = g.logits(prompt), c.logits(prompt)
         assert lg.shape == lc.shape == (12, 320)
-        errs = [rel(lg, lc)]
-        for k, tok in enumerate(ids(3, 1)):
-            dg, dc = g.forward([tok], 12 + k, "last"), c.forward([tok], 12 + k, "last")
-            g.kv.n_past += 1
-            c.kv.n_past += 1
-            errs.append(rel(dg[-1], dc[-1]))
+        errs = [rel(lg, lc), *decode_errors(g, c, ids(3, 1))[0]]
         print(f"{model}: rel errors prefill {errs[0]:.2e}, decode {max(errs[1:]):.2e}")
         # f32 activations, but prefill attention rounds q, k, v to f16 (as on qwen2): measured
         # <= 1e-3; a norm weight read from the wrong tensor or a RoPE scale on the wrong
@@ -186,12 +178,7 @@ def test_cuda_bf16_default_path_with_graphs(model, tmp_path, monkeypatch) -> Non
     c = Session.load(plan(model))
     try:
         prompt = ids(20)
-        errs = [rel(g.logits(prompt), c.logits(prompt))]
-        for k, tok in enumerate(ids(4, 1)):
-            dg, dc = g.forward([tok], 20 + k, "last"), c.forward([tok], 20 + k, "last")
-            g.kv.n_past += 1
-            c.kv.n_past += 1
-            errs.append(rel(dg[-1], dc[-1]))
+        errs = [rel(g.logits(prompt), c.logits(prompt)), *decode_errors(g, c, ids(4, 1))[0]]
         print(f"{model}: bf16 rel errors prefill {errs[0]:.2e}, decode {max(errs[1:]):.2e}")
         assert max(errs) < 0.15
     finally:
