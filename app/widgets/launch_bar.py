@@ -97,8 +97,13 @@ class LaunchBar(QWidget):
             same = "= priced" if priced == allocated else f"differs by {human_bytes(allocated - priced)}"
             nvml = d.get("nvml_used")
             nv = f" · NVML {human_bytes(int(nvml))}" if nvml else ""
+            over = d.get("overhead_measured")
+            if over:  # what the CUDA runtime took beyond our arenas, against what was priced
+                nv += (f" · runtime {human_bytes(int(over))} (priced "
+                       f"{human_bytes(int(d.get('overhead_priced') or 0))})")
+            runner = f" · {d['runner']} kernels" if d.get("runner") else ""
             lines.append(f"<b>{label}</b> priced {human_bytes(priced)} · allocated "
-                         f"{human_bytes(allocated)} ({same}){nv}")
+                         f"{human_bytes(allocated)} ({same}){nv}{runner}")
         self.report.setText("Loaded — " + "  |  ".join(lines))
         self.report.setVisible(bool(lines))
 

@@ -202,3 +202,17 @@ def test_cancel_a_load_then_quit_ends_the_engine(qtbot, window):
     assert window.client.is_running()
     window.close()  # quitting ends the engine: nothing is left holding VRAM
     assert not window.client.is_running()
+
+
+def test_the_load_report_shows_the_measured_runtime_overhead_and_the_runner(window):
+    # what the GPU runner's Loaded event carries beyond priced/allocated (engine/runtime)
+    gib = 1 << 30
+    window.launch_bar.on_loaded([
+        {"index": 0, "priced": 5 * gib, "allocated": 5 * gib, "nvml_used": 6 * gib,
+         "overhead_measured": 700 << 20, "overhead_priced": 724 << 20, "runner": "triton"},
+        {"index": 1, "priced": 5 * gib, "allocated": 5 * gib + (4 << 20)},
+    ])
+    text = window.launch_bar.report.text()
+    assert "GPU 0" in text and "runtime 700" in text and "priced 724" in text
+    assert "triton kernels" in text
+    assert "differs by 4" in text  # the second GPU: allocated is not the priced figure
