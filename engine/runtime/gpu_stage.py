@@ -220,13 +220,13 @@ class GpuStage:
             kc, vc, cells = self.kv(i)
             window = hp.sliding_window if swa else 0
             o3 = attn_o.view(n, hp.n_head, d)
-            if pos0 is None and rope.can_fuse_store(neox, kc, d):
-                # decode: rotation and the cache store of k and v in one launch
+            fused = pos0 is None and rope.can_fuse_store(neox, kc, d)
+            if fused:  # decode: rotation and the cache store of k and v in one launch
                 rope.rope_store(qk3, v3, pos, base, neox, scale, hp.n_head, kc, vc, cells)
             else:
                 rope.rope(qk3, pos, base, neox, scale)
             if pos0 is None:
-                if not rope.can_fuse_store(neox, kc, d):
+                if not fused:
                     kv_cache.kv_store(k3, kc, pos, cells, v3, vc)
                 attention.attn_decode(q3[0], kc, vc, pos, hp.n_head_kv, cells, window,
                                       hp.attn_scale, out=o3[0], workspace=self.attn_ws,
