@@ -88,7 +88,10 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
     if FUSED:
         # the last of this kv head's NS programs to finish merges the active splits (no
         # reduce launch): the counter's acq_rel add orders the partials before it, and the
-        # merger sets it back to 0 for the next layer
+        # merger sets it back to 0 for the next layer. The add is one thread's: the barrier
+        # puts every thread's partial stores before it (without one, the T-layout GEMV's
+        # same pattern read sums that were still arriving on the H200)
+        tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + kvh * CNT_STRIDE, 1)
         if done == NS - 1:
             n_act = tl.cdiv(n_valid, SPLIT)

@@ -1,8 +1,9 @@
 """GEMV experiments on a GPU at the Qwen2-7B shapes: the Q4_K storage-order body and the
 generic walk over a sweep of tiles, and the fused launches (gate/up + GLU, q/k/v) against
-the separate ones; ``--ncu`` makes a short run for the profiler.
+the separate ones; ``--ncu`` makes a short run for the profiler; ``--tlayout`` times the
+T-layout GEMV (kernels/gemv_t.py) against the GGUF-layout one at 7B, 32B and head shapes.
 
-    python -m kernels.gemv_profile [--probes] [--ncu]
+    python -m kernels.gemv_profile [--probes] [--ncu] [--tlayout]
 
 Times are replays of a CUDA graph of 8 calls with four weight copies cycled (no L2 hits);
 GB/s counts the weight bytes read.
@@ -146,8 +147,49 @@ def _fused(g: torch.Generator) -> None:
           f"us ({nb / one / 1e9:.0f} GB/s)", flush=True)
 
 
+# (rows per program, warps, programs aimed at, batched half-block body)
+T_CONFIGS = [(512, 4, 528, False), (512, 4, 528, True), (512, 4, 1056, True),
+             (256, 2, 1056, True), (128, 1, 1056, True), (256, 4, 1056, True)]
+
+
+def _tlayout(g: torch.Generator) -> None:
+    """The T-layout GEMV (kernels/gemv_t.py) against the GGUF-layout one, same data."""
+    from kernels import gemv_t
+
+    for s in (*SHAPES, (27648, 5120), (5120, 27648), (152064, 3584)):
+        t = qt.Q4_K
+        ws = [random_weight(t, s[0], s[1], "cuda", g) for _ in range(ROTATE)]
+        wts = [gemv_t.repack(w, t) for w in ws]
+        x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
+        y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)
+        part = torch.zeros(1, s[0], device="cuda")
+        cnt = torch.zeros(1, 4096, device="cuda", dtype=torch.int32)
+        ref = quant_matmul.gemv_ref(ws[0], t, x.float())
+        nb = ws[0].numel()
+        quant_matmul.gemv(ws[0], t, x, out=y)
+        err = nerr(y.float(), ref)
+        sec = graph_time(lambda i=0: quant_matmul.gemv(ws[i % ROTATE], t, x, out=y))
+        print(f"T {s} gguf layout {quant_matmul.gemv_config(t, *s)}: {sec * 1e6:.1f} us "
+              f"{nb / sec / 1e9:.0f} GB/s err {err:.1e}", flush=True)
+        for cfg in T_CONFIGS:
+            try:
+                gemv_t.gemv_t(wts[0], t, s[0], x, y, part, cnt, config=cfg[:3], batch=cfg[3])
+                err = nerr(y.float(), ref)
+                sec = graph_time(lambda i=0, c=cfg: gemv_t.gemv_t(
+                    wts[i % ROTATE], t, s[0], x, y, part, cnt, config=c[:3], batch=c[3]))
+                left = float(part.abs().max()) + float(cnt.abs().max())
+            except Exception as exc:
+                print(f"T {s} {cfg}: {type(exc).__name__} {exc}"[:300], flush=True)
+                continue
+            print(f"T {s} t-layout {cfg}: {sec * 1e6:.1f} us {nb / sec / 1e9:.0f} GB/s "
+                  f"err {err:.1e} left {left}", flush=True)
+
+
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(7)
+    if "--tlayout" in sys.argv:
+        _tlayout(g)
+        return
     if "--ncu" in sys.argv:
         for t in (qt.Q4_K, qt.Q6_K):
             w = random_weight(t, 3584, 18944, "cuda", g)

@@ -1,0 +1,83 @@
+"""The T-layout GEMV (kernels/gemv_t.py) against the torch reference on the GGUF bytes it was
+repacked from: fresh random shapes and inputs each run, outputs poisoned with NaN, split and
+unsplit rows, both bodies; the split's part buffer and counters must be left at zero."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import quant_types as qt
+from kernels import gemv_t, quant_matmul
+from kernels.random_blocks import random_weight
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gen() -> torch.Generator:
+    g = torch.Generator(device=DEVICE)
+    g.seed()
+    return g
+
+
+def _nerr(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(y).all(), "kernel left non-finite values (unwritten or NaN)"
+    ref = ref.double()
+    return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _rand(g, lo, hi):
+    return int(torch.randint(lo, hi, (1,), generator=g, device=DEVICE))
+
+
+def test_repack_is_a_permutation_of_the_bytes():
+    g = _gen()
+    rows, cols = _rand(g, 1, 40), 256 * _rand(g, 1, 5)
+    w = random_weight(qt.Q4_K, rows, cols, DEVICE, g)
+    t = gemv_t.repack(w, qt.Q4_K)
+    assert t.numel() == w.numel()  # same bytes: the price does not change
+    assert torch.equal(gemv_t.unpack(t, qt.Q4_K, rows), w)
+    # unit u of block b of row n sits at T[b, u, n]
+    b, n = _rand(g, 0, cols // 256), _rand(g, 0, rows)
+    words = t.view(torch.int32).view(cols // 256, 36, rows)
+    assert torch.equal(words[b, :, n], w[n, b * 144:(b + 1) * 144].view(torch.int32))
+    out = torch.empty_like(t)
+    gemv_t.repack(w, qt.Q4_K, out=out)
+    assert torch.equal(out, t)
+
+
+@pytest.mark.parametrize("batch", [True, False])
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gemv_t_matches_reference(batch, split, xdtype):
+    g = _gen()
+    m = _rand(g, 1, 3)
+    rows = _rand(g, 1, 70)
+    nb = _rand(g, 1, 4)
+    w = random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g)
+    wt = gemv_t.repack(w, qt.Q4_K)
+    x = torch.randn(m, 256 * nb, generator=g, device=DEVICE).to(xdtype)
+    bias = torch.randn(rows, generator=g, device=DEVICE) if _rand(g, 0, 2) else None
+    block_n = 32
+    tiles = -(-rows // block_n)
+    # target programs: one per row tile (no split) or enough to split every row's blocks
+    config = (block_n, 1, tiles * (nb if split else 1))
+    part = torch.zeros(m, rows, device=DEVICE)
+    counter = torch.zeros(m, tiles, dtype=torch.int32, device=DEVICE)
+    out = torch.full((m, rows), float("nan"), device=DEVICE)
+    gemv_t.gemv_t(wt, qt.Q4_K, rows, x, out, part, counter, bias=bias, config=config,
+                  batch=batch)
+    ref = quant_matmul.gemv_ref(w, qt.Q4_K, x.float(), bias=bias)
+    assert _nerr(out, ref) < 1e-5
+    assert not part.any() and not counter.any()  # left ready for the next call
+    # and the twin computes the same from the repacked bytes
+    twin = torch.empty_like(out)
+    gemv_t.gemv_t_ref(wt, qt.Q4_K, rows, x.float(), twin, part, counter, bias=bias)
+    assert _nerr(twin, ref) < 1e-6
+
+
+def test_split_count_covers_the_blocks():
+    for rows, nb, block_n, target in ((18944, 14, 256, 1056), (3584, 74, 256, 1056),
+                                      (7, 3, 32, 1), (100, 1, 32, 1000)):
+        s = gemv_t.split_for(rows, nb, block_n, target)
+        assert 1 <= s <= nb
