@@ -148,16 +148,18 @@ def _fused(g: torch.Generator) -> None:
 
 
 # (rows per program, warps, programs aimed at, batched half-block body)
-T_CONFIGS = [(512, 4, 528, False), (512, 4, 528, True), (512, 4, 1056, True),
-             (256, 2, 1056, True), (128, 1, 1056, True), (256, 4, 1056, True)]
+T_CONFIGS = [(512, 4, 1056, True), (256, 4, 1056, True), (128, 4, 1056, True),
+             (256, 4, 2112, True), (256, 2, 1056, True)]
+T_SHAPES = [(qt.Q4_K, s) for s in (*SHAPES, (27648, 5120), (5120, 27648))] \
+    + [(qt.Q6_K, s) for s in ((3584, 18944), (152064, 3584), (151936, 896), (5120, 27648),
+                              (152064, 5120))]
 
 
 def _tlayout(g: torch.Generator) -> None:
     """The T-layout GEMV (kernels/gemv_t.py) against the GGUF-layout one, same data."""
     from kernels import gemv_t
 
-    for s in (*SHAPES, (27648, 5120), (5120, 27648), (152064, 3584)):
-        t = qt.Q4_K
+    for t, s in T_SHAPES:
         ws = [random_weight(t, s[0], s[1], "cuda", g) for _ in range(ROTATE)]
         wts = [gemv_t.repack(w, t) for w in ws]
         x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
@@ -166,12 +168,15 @@ def _tlayout(g: torch.Generator) -> None:
         cnt = torch.zeros(1, 4096, device="cuda", dtype=torch.int32)
         ref = quant_matmul.gemv_ref(ws[0], t, x.float())
         nb = ws[0].numel()
+        name = f"T {qt.type_name(t)} {s}"
         quant_matmul.gemv(ws[0], t, x, out=y)
         err = nerr(y.float(), ref)
         sec = graph_time(lambda i=0: quant_matmul.gemv(ws[i % ROTATE], t, x, out=y))
-        print(f"T {s} gguf layout {quant_matmul.gemv_config(t, *s)}: {sec * 1e6:.1f} us "
+        print(f"{name} gguf layout {quant_matmul.gemv_config(t, *s)}: {sec * 1e6:.1f} us "
               f"{nb / sec / 1e9:.0f} GB/s err {err:.1e}", flush=True)
         for cfg in T_CONFIGS:
+            if t == qt.Q6_K and not cfg[3]:
+                continue
             try:
                 gemv_t.gemv_t(wts[0], t, s[0], x, y, part, cnt, config=cfg[:3], batch=cfg[3])
                 err = nerr(y.float(), ref)
@@ -179,9 +184,9 @@ def _tlayout(g: torch.Generator) -> None:
                     wts[i % ROTATE], t, s[0], x, y, part, cnt, config=c[:3], batch=c[3]))
                 left = float(part.abs().max()) + float(cnt.abs().max())
             except Exception as exc:
-                print(f"T {s} {cfg}: {type(exc).__name__} {exc}"[:300], flush=True)
+                print(f"{name} {cfg}: {type(exc).__name__} {exc}"[:300], flush=True)
                 continue
-            print(f"T {s} t-layout {cfg}: {sec * 1e6:.1f} us {nb / sec / 1e9:.0f} GB/s "
+            print(f"{name} t-layout {cfg}: {sec * 1e6:.1f} us {nb / sec / 1e9:.0f} GB/s "
                   f"err {err:.1e} left {left}", flush=True)
 
 

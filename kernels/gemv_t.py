@@ -3,11 +3,14 @@ matrix into at load time so that one GEMV thread reads 16 bytes holding the same
 neighbouring rows, and every activation value it needs is the same for the whole program.
 
 GGUF stores a matrix row by row, block by block. The T layout keeps every byte and only
-reorders them in units of U bytes (U = 4 for Q4_K, whose 144-byte block is 36 words):
+reorders them: the first W words of each block go to word planes, the rest of the block (the
+tail) to a plane after them (Q4_K: 144 bytes = 36 words, no tail; Q6_K: 210 bytes = 52 words
+and its 2-byte d):
 
-    T[b, u, n] = unit u of block b of row n      (shape [blocks per row, units per block, rows])
+    T[b, u, n] = word u of block b of row n      (word planes [blocks per row, W, rows])
+    D[b, n]    = tail of block b of row n        (then the tail plane [blocks per row, rows])
 
-so the units of one block position sit side by side for all rows. A program owns BLOCK_N rows
+so the words of one block position sit side by side for all rows. A program owns BLOCK_N rows
 (BLOCK_N / threads per thread, loaded as one vector per word) and a range of blocks; x for that
 range is loaded as scalars (the same address in every thread: one broadcast per warp, no
 layout conversion, no shuffle), and each thread keeps its rows' sums in registers to the end.
@@ -15,7 +18,7 @@ Programs that split a row's blocks add their sums into a float32 ``part`` buffer
 of a row tile to finish (an atomic counter, acq_rel) reads and zeroes it and writes y.
 
 Same results as ``quant_matmul.gemv`` on the GGUF layout (the torch twin is ``gemv_t_ref``).
-Status: Q4_K only, measured on the H200 against the GGUF-layout GEMV (kernels/NOTES.md,
+Status: Q4_K and Q6_K, measured on the H200 against the GGUF-layout GEMV (kernels/NOTES.md,
 session 3: 1.1-1.3x), not yet used by the runner, which would have to repack at load time
 and dequantize prefill weights from this layout.
 """
@@ -28,32 +31,55 @@ import triton.language as tl
 
 from engine import quant_types as qt
 
-# bytes per unit and units per block of the types with a T layout
-UNIT = {qt.Q4_K: 4}
-UNITS = {qt.Q4_K: 36}
+# words (4 bytes) per block that go to the word planes, and tail bytes per block that go to a
+# plane of their own after them (Q6_K's f16 d: its 210-byte block is 52 words and 2 bytes)
+WORDS = {qt.Q4_K: 36, qt.Q6_K: 52}
+TAIL = {qt.Q4_K: 0, qt.Q6_K: 2}
+BLOCK_BYTES = {qt.Q4_K: 144, qt.Q6_K: 210}
 
 
-def repack(w: torch.Tensor, ggml_type: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """GGUF rows ``w`` (uint8 [rows, row_bytes]) -> the T layout, as uint8 of the same size."""
-    u, upb = UNIT[ggml_type], UNITS[ggml_type]
+def _planes(t: torch.Tensor, ggml_type: int, rows: int):
+    """(word planes as bytes [nb, W, rows, 4], tail plane [nb, rows, tail] or None) of T."""
+    w, tail = WORDS[ggml_type], TAIL[ggml_type]
+    nb = t.numel() // (rows * BLOCK_BYTES[ggml_type])
+    words = t[: nb * w * rows * 4].view(nb, w, rows, 4)
+    rest = t[nb * w * rows * 4:].view(nb, rows, tail) if tail else None
+    return words, rest
+
+
+def repack(w: torch.Tensor, ggml_type: int, out: torch.Tensor | None = None,
+           rows: slice | None = None) -> torch.Tensor:
+    """GGUF rows ``w`` (uint8 [rows, row_bytes]) -> the T layout, as uint8 of the same size.
+    With ``out`` (the whole matrix's T bytes) and ``rows`` (the rows ``w`` holds), fills just
+    those rows: the loader repacks a matrix slab by slab. Byte copies only, no temporaries."""
+    bb = BLOCK_BYTES[ggml_type]
     n = w.shape[0]
-    nb = w.shape[1] // (u * upb)
-    if w.shape[1] != nb * u * upb:
+    nb = w.shape[1] // bb
+    if w.shape[1] != nb * bb:
         raise ValueError(f"{qt.type_name(ggml_type)} row of {w.shape[1]} bytes is not whole blocks")
-    dt = {4: torch.int32, 2: torch.int16}[u]
-    t = w.view(dt).view(n, nb, upb).permute(1, 2, 0)
+    wd, tail = WORDS[ggml_type], TAIL[ggml_type]
+    src = w.view(n, nb, bb)
     if out is None:
-        return t.contiguous().view(torch.uint8).view(-1)
-    out.view(dt).view(nb, upb, n).copy_(t)
+        out = torch.empty(w.numel(), dtype=torch.uint8, device=w.device)
+        rows, total = slice(0, n), n
+    else:
+        rows = rows or slice(0, n)
+        total = out.numel() // (nb * bb)
+    words, rest = _planes(out, ggml_type, total)
+    words[:, :, rows, :].copy_(src[:, :, : wd * 4].view(n, nb, wd, 4).permute(1, 2, 0, 3))
+    if tail:
+        rest[:, rows, :].copy_(src[:, :, wd * 4:].permute(1, 0, 2))
     return out
 
 
 def unpack(t: torch.Tensor, ggml_type: int, rows: int) -> torch.Tensor:
     """The T layout back to GGUF rows (uint8 [rows, row_bytes]); for checks."""
-    u, upb = UNIT[ggml_type], UNITS[ggml_type]
-    dt = {4: torch.int32, 2: torch.int16}[u]
-    v = t.view(dt).view(-1, upb, rows)
-    return v.permute(2, 0, 1).contiguous().view(torch.uint8).view(rows, -1)
+    words, rest = _planes(t, ggml_type, rows)
+    nb, wd = words.shape[0], words.shape[1]
+    parts = [words.permute(2, 0, 1, 3).reshape(rows, nb, wd * 4)]
+    if rest is not None:
+        parts.append(rest.permute(1, 0, 2))
+    return torch.cat(parts, dim=2).reshape(rows, -1).contiguous()
 
 
 @triton.jit
@@ -218,7 +244,107 @@ def _q4k_t_dot_half(wt_ptr, x_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N: tl.const
 
 
 @triton.jit
-def _gemv_t_kernel(wt_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB, BPS, stride_xm,
+def _bits(w, S: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr):
+    # ((w >> S) & MASK) << D in one shift and one AND (the AND drops any sign bits)
+    if D >= S:
+        return (w << (D - S)) & (MASK << D)
+    else:
+        return (w >> (S - D)) & (MASK << D)
+
+
+@triton.jit
+def _q6_val(lo, S: tl.constexpr, h, SH: tl.constexpr):
+    # the 6-bit value (4 low bits at bit S of lo, 2 high at bit SH of h) as 1 + q/64
+    return (_bits(lo, S, 0xF, 17) | _bits(h, SH, 3, 21) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q6_word(a, b, h, xp, s0, s1, s2, s3, x0, x1, x2, x3, XV: tl.constexpr):
+    # byte m of ql words a (l = l0 + m) and b (l + 32) and qh word h gives quarter k's value
+    # for x[32 k + l]: k = 0 a's low nibble, 1 b's low, 2 a's high, 3 b's high; qh bits 2k
+    if XV:
+        v0 = tl.load(xp.to(tl.pointer_type(tl.int64)))
+        v1 = tl.load((xp + 32).to(tl.pointer_type(tl.int64)))
+        v2 = tl.load((xp + 64).to(tl.pointer_type(tl.int64)))
+        v3 = tl.load((xp + 96).to(tl.pointer_type(tl.int64)))
+    else:
+        v0 = xp
+        v1 = xp + 32
+        v2 = xp + 64
+        v3 = xp + 96
+    for m in tl.static_range(4):
+        y0 = _x4(v0, m, XV)
+        y1 = _x4(v1, m, XV)
+        y2 = _x4(v2, m, XV)
+        y3 = _x4(v3, m, XV)
+        s0 += _q6_val(a, 8 * m, h, 8 * m) * y0
+        s1 += _q6_val(b, 8 * m, h, 8 * m + 2) * y1
+        s2 += _q6_val(a, 8 * m + 4, h, 8 * m + 4) * y2
+        s3 += _q6_val(b, 8 * m + 4, h, 8 * m + 6) * y3
+        x0 += y0
+        x1 += y1
+        x2 += y2
+        x3 += y3
+    return s0, s1, s2, s3, x0, x1, x2, x3
+
+
+@triton.jit
+def _sc8(w, BYTE: tl.constexpr):
+    # signed byte BYTE of w as float32
+    return ((w << (24 - 8 * BYTE)) >> 24).to(tl.float32)
+
+
+@triton.jit
+def _q6_group(a0, a1, a2, a3, b0, b1, b2, b3, h0, h1, h2, h3, xb, sw0, sw1, d,
+              IS: tl.constexpr, BLOCK_N: tl.constexpr, XV: tl.constexpr):
+    # 16 values of l (4 words) in each of the 4 quarters of a half block: one scale each,
+    # sc[8n + 2k + IS] (bytes 2k + IS of the half's two scale words)
+    z = tl.zeros([BLOCK_N], dtype=tl.float32)
+    s0, s1, s2, s3 = z, z, z, z
+    x0, x1, x2, x3 = 0.0, 0.0, 0.0, 0.0
+    s0, s1, s2, s3, x0, x1, x2, x3 = _q6_word(a0, b0, h0, xb, s0, s1, s2, s3, x0, x1, x2, x3, XV)
+    s0, s1, s2, s3, x0, x1, x2, x3 = _q6_word(a1, b1, h1, xb + 4, s0, s1, s2, s3, x0, x1, x2,
+                                              x3, XV)
+    s0, s1, s2, s3, x0, x1, x2, x3 = _q6_word(a2, b2, h2, xb + 8, s0, s1, s2, s3, x0, x1, x2,
+                                              x3, XV)
+    s0, s1, s2, s3, x0, x1, x2, x3 = _q6_word(a3, b3, h3, xb + 12, s0, s1, s2, s3, x0, x1, x2,
+                                              x3, XV)
+    # sum x (q - 32) = 64 sum x (1 + q/64) - 96 sum x
+    t = _sc8(sw0, IS) * (64.0 * s0 - 96.0 * x0) + _sc8(sw0, 2 + IS) * (64.0 * s1 - 96.0 * x1) \
+        + _sc8(sw1, IS) * (64.0 * s2 - 96.0 * x2) + _sc8(sw1, 2 + IS) * (64.0 * s3 - 96.0 * x3)
+    return d * t
+
+
+@triton.jit
+def _q6k_t_dot(wt_ptr, wh_ptr, x_ptr, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N: tl.constexpr,
+               XV: tl.constexpr):
+    # Q6_K: words 0-31 ql, 32-47 qh, 48-51 scales; the f16 d in a plane after all words.
+    # Half a block (128 values: 8 ql words each side, 8 qh words) per step, loads batched.
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dp = wh_ptr + NB * 104 * N + rows
+    for hb in range(2 * b_lo, 2 * b_hi):
+        b = hb // 2
+        n = hb % 2
+        base = wt_ptr + b * 52 * N + rows
+        a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(base + 16 * n * N, N, rmask)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _ld8(base + (16 * n + 8) * N, N, rmask)
+        h0, h1, h2, h3, h4, h5, h6, h7 = _ld8(base + (32 + 8 * n) * N, N, rmask)
+        sw0 = tl.load(base + (48 + 2 * n) * N, mask=rmask, other=0)
+        sw1 = tl.load(base + (49 + 2 * n) * N, mask=rmask, other=0)
+        d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
+        t = (a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ b0 ^ b1 ^ b2 ^ b3 ^ b4 ^ b5 ^ b6 ^ b7 ^ h0 ^ h1
+             ^ h2 ^ h3 ^ h4 ^ h5 ^ h6 ^ h7 ^ sw0 ^ sw1)
+        a0 = a0 + (t & (N >> 31))  # all of the step's loads issued together (see Q4_K)
+        xb = x_ptr + b * 256 + 128 * n
+        acc += _q6_group(a0, a1, a2, a3, b0, b1, b2, b3, h0, h1, h2, h3, xb, sw0, sw1, d, 0,
+                         BLOCK_N, XV)
+        acc += _q6_group(a4, a5, a6, a7, b4, b5, b6, b7, h4, h5, h6, h7, xb + 16, sw0, sw1, d,
+                         1, BLOCK_N, XV)
+    return acc
+
+
+@triton.jit
+def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB, BPS, stride_xm,
                    stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, XV: tl.constexpr,
                    HAS_BIAS: tl.constexpr, TYPE: tl.constexpr, BATCH: tl.constexpr):
     pid = tl.program_id(0)
@@ -230,7 +356,9 @@ def _gemv_t_kernel(wt_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB, BPS, s
     b_lo = ks * BPS
     b_hi = tl.minimum(b_lo + BPS, NB)
     # rows masked, not clamped: a clamp hides their contiguity and the loads go 4 bytes wide
-    if BATCH:
+    if TYPE == 14:
+        acc = _q6k_t_dot(wt_ptr, wh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV)
+    elif BATCH:
         acc = _q4k_t_dot_half(wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV)
     else:
         acc = _q4k_t_dot(wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N)
@@ -275,8 +403,7 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
     ``part``: float32 zeros [M, rows]; ``counter``: int32 zeros [M, row tiles] (both left zero).
     No allocation."""
     block_n, warps, target = config or T_CONFIG
-    nbytes = wt.numel()
-    nb = nbytes // (rows * UNIT[ggml_type] * UNITS[ggml_type])
+    nb = wt.numel() // (rows * BLOCK_BYTES[ggml_type])
     x2 = x.reshape(-1, nb * 256)
     mm = x2.shape[0]
     y = out.view(mm, rows)
@@ -287,7 +414,8 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
     if split > 1 and (part.numel() < mm * rows or counter.numel() < mm * tiles):
         raise ValueError("part/counter buffers too small for this GEMV")
     grid = (tiles, split, mm)
-    _gemv_t_kernel[grid](wt.view(torch.int32), x2, y, bias if bias is not None else y, part,
+    words = wt[: nb * WORDS[ggml_type] * rows * 4].view(torch.int32)
+    _gemv_t_kernel[grid](words, wt.view(torch.float16), x2, y, bias if bias is not None else y, part,
                          counter, rows, nb, bps, x2.stride(0), y.stride(0), BLOCK_N=block_n,
                          XV=(x2.dtype == torch.bfloat16 and x2.stride(0) % 4 == 0
                              and x2.data_ptr() % 8 == 0),

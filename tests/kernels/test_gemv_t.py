@@ -30,32 +30,49 @@ def _rand(g, lo, hi):
     return int(torch.randint(lo, hi, (1,), generator=g, device=DEVICE))
 
 
-def test_repack_is_a_permutation_of_the_bytes():
+TYPES = [qt.Q4_K, qt.Q6_K]
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
+def test_repack_is_a_permutation_of_the_bytes(ggml_type):
     g = _gen()
-    rows, cols = _rand(g, 1, 40), 256 * _rand(g, 1, 5)
-    w = random_weight(qt.Q4_K, rows, cols, DEVICE, g)
-    t = gemv_t.repack(w, qt.Q4_K)
+    rows, nb = _rand(g, 1, 40), _rand(g, 1, 5)
+    bb, wd = gemv_t.BLOCK_BYTES[ggml_type], gemv_t.WORDS[ggml_type]
+    w = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
+    t = gemv_t.repack(w, ggml_type)
     assert t.numel() == w.numel()  # same bytes: the price does not change
-    assert torch.equal(gemv_t.unpack(t, qt.Q4_K, rows), w)
-    # unit u of block b of row n sits at T[b, u, n]
-    b, n = _rand(g, 0, cols // 256), _rand(g, 0, rows)
-    words = t.view(torch.int32).view(cols // 256, 36, rows)
-    assert torch.equal(words[b, :, n], w[n, b * 144:(b + 1) * 144].view(torch.int32))
-    out = torch.empty_like(t)
-    gemv_t.repack(w, qt.Q4_K, out=out)
+    assert torch.equal(gemv_t.unpack(t, ggml_type, rows), w)
+    # word u of block b of row n sits at T[b, u, n]; the tail in its own plane after them
+    b, n = _rand(g, 0, nb), _rand(g, 0, rows)
+    words = t[: nb * wd * rows * 4].view(nb, wd, rows, 4)
+    blk = w[n, b * bb:(b + 1) * bb]
+    assert torch.equal(words[b, :, n].reshape(-1), blk[: wd * 4])
+    if gemv_t.TAIL[ggml_type]:
+        tail = t[nb * wd * rows * 4:].view(nb, rows, -1)
+        assert torch.equal(tail[b, n], blk[wd * 4:])
+    # slab by slab, as the loader fills it
+    out = torch.zeros_like(t)
+    cut = _rand(g, 0, rows + 1)
+    gemv_t.repack(w[:cut], ggml_type, out=out, rows=slice(0, cut))
+    gemv_t.repack(w[cut:], ggml_type, out=out, rows=slice(cut, rows))
     assert torch.equal(out, t)
 
 
-@pytest.mark.parametrize("batch", [True, False])
+# (type, batched half-block body): Q6_K has the batched body only
+BODIES = [(qt.Q4_K, True), (qt.Q4_K, False), (qt.Q6_K, True)]
+
+
+@pytest.mark.parametrize("ggml_type,batch", BODIES,
+                         ids=[f"{qt.type_name(t)}-{'batch' if b else 'block'}" for t, b in BODIES])
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=str)
-def test_gemv_t_matches_reference(batch, split, xdtype):
+def test_gemv_t_matches_reference(ggml_type, batch, split, xdtype):
     g = _gen()
     m = _rand(g, 1, 3)
     rows = _rand(g, 1, 70)
     nb = _rand(g, 1, 4)
-    w = random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g)
-    wt = gemv_t.repack(w, qt.Q4_K)
+    w = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
+    wt = gemv_t.repack(w, ggml_type)
     x = torch.randn(m, 256 * nb, generator=g, device=DEVICE).to(xdtype)
     bias = torch.randn(rows, generator=g, device=DEVICE) if _rand(g, 0, 2) else None
     block_n = 32
@@ -65,14 +82,14 @@ def test_gemv_t_matches_reference(batch, split, xdtype):
     part = torch.zeros(m, rows, device=DEVICE)
     counter = torch.zeros(m, tiles, dtype=torch.int32, device=DEVICE)
     out = torch.full((m, rows), float("nan"), device=DEVICE)
-    gemv_t.gemv_t(wt, qt.Q4_K, rows, x, out, part, counter, bias=bias, config=config,
+    gemv_t.gemv_t(wt, ggml_type, rows, x, out, part, counter, bias=bias, config=config,
                   batch=batch)
-    ref = quant_matmul.gemv_ref(w, qt.Q4_K, x.float(), bias=bias)
+    ref = quant_matmul.gemv_ref(w, ggml_type, x.float(), bias=bias)
     assert _nerr(out, ref) < 1e-5
     assert not part.any() and not counter.any()  # left ready for the next call
     # and the twin computes the same from the repacked bytes
     twin = torch.empty_like(out)
-    gemv_t.gemv_t_ref(wt, qt.Q4_K, rows, x.float(), twin, part, counter, bias=bias)
+    gemv_t.gemv_t_ref(wt, ggml_type, rows, x.float(), twin, part, counter, bias=bias)
     assert _nerr(twin, ref) < 1e-6
 
 
