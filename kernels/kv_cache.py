@@ -41,8 +41,10 @@ def _kv_store_one(src_ptr, pos_ptr, c_ptr, c8_ptr, ch_ptr, cells, KVH, stride_t,
         j = tl.arange(0, 32)
         x = tl.load(src + b[:, None] * 32 + j[None, :]).to(tl.float32)  # [D/32, 32]
         amax = tl.max(tl.abs(x), axis=1)
-        d = amax / 127.0
-        inv = tl.where(d > 0, 1.0 / d, 0.0)
+        # IEEE divisions as in ggml's C (Triton's ``/`` is the approximate div.full.f32 on a
+        # GPU, which moved q by one at some roundings)
+        d = tl.div_rn(amax, 127.0)
+        inv = tl.where(d > 0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
         y = x * inv[:, None]
         q = tl.where(y < 0, -tl.floor(-y + 0.5), tl.floor(y + 0.5))  # roundf: half away from 0
         blk = (cell * KVH + h) * (D // 32) + b
@@ -64,8 +66,8 @@ def _q8_roundtrip_kernel(x_ptr, stride_t, stride_h, D: tl.constexpr):
     p = x_ptr + t * stride_t + h * stride_h + b[:, None] * 32 + j[None, :]
     x = tl.load(p).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    d = amax / 127.0
-    inv = tl.where(d > 0, 1.0 / d, 0.0)
+    d = tl.div_rn(amax, 127.0)  # IEEE, as kv_store
+    inv = tl.where(d > 0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
     y = x * inv[:, None]
     q = tl.where(y < 0, -tl.floor(-y + 0.5), tl.floor(y + 0.5))
     dh = d.to(tl.float16).to(tl.float32)

@@ -54,8 +54,8 @@ def _q8_rows(c8_ptr, ch_ptr, blk0, y, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
     # quantize y [BLOCK_H, HALF] (HALF a multiple of 32) as q8_0 blocks blk0[h] + 0, 1, ...
     x = tl.reshape(y.to(tl.float32), [BLOCK_H, HALF // 32, 32])
     amax = tl.max(tl.abs(x), axis=2)
-    d = amax / 127.0
-    inv = tl.where(d > 0, 1.0 / d, 0.0)
+    d = tl.div_rn(amax, 127.0)  # IEEE divisions, as kv_cache's store (ggml's C)
+    inv = tl.where(d > 0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
     z = x * inv[:, :, None]
     q = tl.where(z < 0, -tl.floor(-z + 0.5), tl.floor(z + 0.5))  # roundf: half away from 0
     blk = blk0[:, None] + tl.arange(0, HALF // 32)[None, :]
