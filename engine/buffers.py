@@ -70,6 +70,12 @@ def activation_buffers(
         # one 256-byte line per counter, so that the heads' atomics do not share a line
         BufferSpec("attn_count", (hp.n_head_kv, 64), "i32"),
     ]
+    # T-layout decode GEMVs (kernels/gemv_t.py), up to 8 rows: the float32 sums of programs
+    # that split a row's blocks (gate | up side by side) and a counter per 128-row tile; both
+    # left zero after each use
+    t_rows = max(2 * f, e, hp.n_vocab if n_vocab_rows > 0 else 0)
+    out += [BufferSpec("t_part", (8, t_rows), "f32"),
+            BufferSpec("t_count", (8, -(-t_rows // 128)), "i32")]
     if n_vocab_rows > 0:
         out.append(BufferSpec("logits", (n_vocab_rows, hp.n_vocab), "f32"))  # [rows, n_vocab]
     if dequant_scratch > 0:

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from engine import quant_types as qt
+from kernels.glu import glu_act
 
 # words (4 bytes) per block that go to the word planes, and tail bytes per block that go to a
 # plane of their own after them (Q6_K's f16 d: its 210-byte block is 52 words and 2 bytes)
@@ -344,9 +345,64 @@ def _q6k_t_dot(wt_ptr, wh_ptr, x_ptr, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N: t
 
 
 @triton.jit
-def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB, BPS, stride_xm,
-                   stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, XV: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, TYPE: tl.constexpr, BATCH: tl.constexpr):
+def _t_body(wt_ptr, wh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N: tl.constexpr,
+            XV: tl.constexpr, TYPE: tl.constexpr, BATCH: tl.constexpr):
+    # rows masked, not clamped: a clamp hides their contiguity and the loads go 4 bytes wide
+    if TYPE == 14:
+        acc = _q6k_t_dot(wt_ptr, wh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV)
+    elif BATCH:
+        acc = _q4k_t_dot_half(wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV)
+    else:
+        acc = _q4k_t_dot(wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N)
+    return acc
+
+
+@triton.jit
+def _t_split_done(prow, acc, rows, rmask, cnt, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    # the splits of a row tile add into part; the last to arrive gets the sums back (1) and
+    # leaves part and its counter at zero for the next call; the others get 0
+    tl.atomic_add(prow + rows, acc, mask=rmask, sem="relaxed")
+    tl.debug_barrier()  # every thread's adds issued before the counter's release
+    done = tl.atomic_add(cnt, 1)
+    last = done == SPLIT - 1
+    tot = acc
+    if last:
+        zero = tl.zeros([BLOCK_N], tl.float32)
+        tot = tl.atomic_add(prow + rows, zero, mask=rmask)  # read at L2, where the adds are
+        tl.store(prow + rows, zero, mask=rmask)
+        tl.atomic_xchg(cnt, 0)
+    return last, tot
+
+
+@triton.jit
+def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB, BPS,
+                   stride_xm, stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                   XV: tl.constexpr, HAS_BIAS: tl.constexpr, TYPE: tl.constexpr,
+                   BATCH: tl.constexpr):
+    pid = tl.program_id(0)
+    ks = tl.program_id(1)
+    m = tl.program_id(2).to(tl.int64)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    b_lo = ks * BPS
+    acc = _t_body(wt_ptr, wh_ptr, x_ptr + m * stride_xm, rows, rmask, N, NB, b_lo,
+                  tl.minimum(b_lo + BPS, NB), BLOCK_N, XV, TYPE, BATCH)
+    last = True
+    if SPLIT > 1:
+        last, acc = _t_split_done(part_ptr + m * N, acc, rows, rmask,
+                                  cnt_ptr + m * tl.num_programs(0) + pid, SPLIT, BLOCK_N)
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, y_ptr, part_ptr, cnt_ptr, N, NB,
+                       BPS, stride_xm, stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                       XV: tl.constexpr, TYPE: tl.constexpr, GELU: tl.constexpr):
+    # gate and up rows of the same outputs in one program (x read once for both); with a
+    # split, part holds [M, 2, N] and the last program of a row tile applies the GLU
     pid = tl.program_id(0)
     ks = tl.program_id(1)
     m = tl.program_id(2).to(tl.int64)
@@ -355,34 +411,21 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB
     xrow = x_ptr + m * stride_xm
     b_lo = ks * BPS
     b_hi = tl.minimum(b_lo + BPS, NB)
-    # rows masked, not clamped: a clamp hides their contiguity and the loads go 4 bytes wide
-    if TYPE == 14:
-        acc = _q6k_t_dot(wt_ptr, wh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV)
-    elif BATCH:
-        acc = _q4k_t_dot_half(wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV)
-    else:
-        acc = _q4k_t_dot(wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N)
-    yrow = y_ptr + m * stride_ym
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(yrow + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
-    else:
-        # the splits of a row tile add into part; the last to arrive writes y and leaves part
-        # and its counter at zero for the next call
-        prow = part_ptr + m * N
-        tl.atomic_add(prow + rows, acc, mask=rmask, sem="relaxed")
-        cnt = cnt_ptr + m * tl.num_programs(0) + pid
-        tl.debug_barrier()  # every thread's adds issued before the counter's release
-        done = tl.atomic_add(cnt, 1)
-        if done == SPLIT - 1:
+    g = _t_body(g_ptr, gh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, True)
+    u = _t_body(u_ptr, uh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, True)
+    last = True
+    if SPLIT > 1:
+        prow = part_ptr + m * 2 * N
+        tl.atomic_add(prow + N + rows, u, mask=rmask, sem="relaxed")
+        last, g = _t_split_done(prow, g, rows, rmask, cnt_ptr + m * tl.num_programs(0) + pid,
+                                SPLIT, BLOCK_N)
+        if last:
             zero = tl.zeros([BLOCK_N], tl.float32)
-            tot = tl.atomic_add(prow + rows, zero, mask=rmask)  # read at L2, where the adds are
-            tl.store(prow + rows, zero, mask=rmask)
-            if HAS_BIAS:
-                tot += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-            tl.store(yrow + rows, tot.to(y_ptr.dtype.element_ty), mask=rmask)
-            tl.atomic_xchg(cnt, 0)
+            u = tl.atomic_add(prow + N + rows, zero, mask=rmask)
+            tl.store(prow + N + rows, zero, mask=rmask)
+    if last:
+        tl.store(y_ptr + m * stride_ym + rows, glu_act(g, u, GELU).to(y_ptr.dtype.element_ty),
+                 mask=rmask)
 
 
 # (rows per program, warps, programs aimed at) of the T-layout GEMV: the best of the H200 sweep
@@ -396,32 +439,76 @@ def split_for(n: int, nb: int, block_n: int, target: int) -> int:
     return max(1, min(nb, triton.cdiv(target, tiles)))
 
 
-def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: torch.Tensor,
-           part: torch.Tensor, counter: torch.Tensor, bias: torch.Tensor | None = None,
-           config: tuple[int, int, int] | None = None, batch: bool = True) -> torch.Tensor:
-    """y[M, rows] = x[M, cols] @ W^T for W in the T layout ``wt`` (from ``repack``).
-    ``part``: float32 zeros [M, rows]; ``counter``: int32 zeros [M, row tiles] (both left zero).
-    No allocation."""
+def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
+              config: tuple[int, int, int] | None, parts: int, part: torch.Tensor,
+              counter: torch.Tensor):
+    """(grid, word view, 16-bit view, x rows, common args, constexprs, warps) of a T GEMV."""
+    if ggml_type not in WORDS:
+        raise ValueError(f"no T layout for {qt.type_name(ggml_type)}")
     block_n, warps, target = config or T_CONFIG
     nb = wt.numel() // (rows * BLOCK_BYTES[ggml_type])
+    if wt.numel() != nb * rows * BLOCK_BYTES[ggml_type] or wt.dtype != torch.uint8:
+        raise ValueError(f"T weight of {wt.numel()} bytes is not {rows} rows of whole blocks")
     x2 = x.reshape(-1, nb * 256)
+    if x2.stride(1) != 1:
+        raise ValueError("x rows must be contiguous")
     mm = x2.shape[0]
-    y = out.view(mm, rows)
     split = split_for(rows, nb, block_n, target)
     bps = triton.cdiv(nb, split)
     split = triton.cdiv(nb, bps)
     tiles = triton.cdiv(rows, block_n)
-    if split > 1 and (part.numel() < mm * rows or counter.numel() < mm * tiles):
+    if split > 1 and (part.numel() < mm * parts * rows or counter.numel() < mm * tiles):
         raise ValueError("part/counter buffers too small for this GEMV")
-    grid = (tiles, split, mm)
     words = wt[: nb * WORDS[ggml_type] * rows * 4].view(torch.int32)
-    _gemv_t_kernel[grid](words, wt.view(torch.float16), x2, y, bias if bias is not None else y, part,
-                         counter, rows, nb, bps, x2.stride(0), y.stride(0), BLOCK_N=block_n,
-                         XV=(x2.dtype == torch.bfloat16 and x2.stride(0) % 4 == 0
-                             and x2.data_ptr() % 8 == 0),
-                         SPLIT=split, HAS_BIAS=bias is not None, TYPE=ggml_type, BATCH=bool(batch),
-                         num_warps=warps)
+    meta = {"BLOCK_N": block_n, "SPLIT": split, "TYPE": ggml_type,
+            "XV": x2.dtype == torch.bfloat16 and x2.stride(0) % 4 == 0
+            and x2.data_ptr() % 8 == 0}
+    return (tiles, split, mm), (words, wt.view(torch.float16)), x2, (nb, bps), meta, warps
+
+
+def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: torch.Tensor,
+           part: torch.Tensor, counter: torch.Tensor, bias: torch.Tensor | None = None,
+           config: tuple[int, int, int] | None = None, batch: bool = True) -> torch.Tensor:
+    """y[M, rows] = x[M, cols] @ W^T (+ bias) for W in the T layout ``wt`` (from ``repack``).
+    ``part``: float32 zeros (>= M x rows); ``counter``: int32 zeros (>= M x row tiles); both
+    are left zero. No allocation."""
+    grid, ptrs, x2, (nb, bps), meta, warps = _t_launch(wt, ggml_type, rows, x, config, 1, part,
+                                                       counter)
+    y = out.view(x2.shape[0], rows)
+    _gemv_t_kernel[grid](*ptrs, x2, y, bias if bias is not None else y, part, counter, rows, nb,
+                         bps, x2.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+                         BATCH=bool(batch), **meta, num_warps=warps)
     return out
+
+
+def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
+               x: torch.Tensor, out: torch.Tensor, part: torch.Tensor, counter: torch.Tensor,
+               act: str = "silu", config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """act(x @ gate^T) * (x @ up^T) [M, rows] for gate and up in the T layout, one launch.
+    ``part`` >= M x 2 x rows float32 zeros."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    grid, gp, x2, (nb, bps), meta, warps = _t_launch(gate, ggml_type, rows, x, config, 2, part,
+                                                     counter)
+    _, up_p, _, _, _, _ = _t_launch(up, ggml_type, rows, x, config, 2, part, counter)
+    y = out.view(x2.shape[0], rows)
+    _gemv_t_glu_kernel[grid](*gp, *up_p, x2, y, part, counter, rows, nb, bps, x2.stride(0),
+                             y.stride(0), GELU=act == "gelu", **meta, num_warps=warps)
+    return out
+
+
+def unpack_rows(t: torch.Tensor, ggml_type: int, rows: int, r0: int, r1: int,
+                out: torch.Tensor) -> torch.Tensor:
+    """Rows [r0, r1) of a T-layout matrix of ``rows`` rows back in GGUF order into ``out``
+    (uint8, >= (r1 - r0) x row_bytes); byte copies, no temporaries."""
+    words, rest = _planes(t, ggml_type, rows)
+    nb, wd = words.shape[0], words.shape[1]
+    bb = BLOCK_BYTES[ggml_type]
+    o = out[: (r1 - r0) * nb * bb].view(r1 - r0, nb, bb)
+    o[:, :, : wd * 4].view(r1 - r0, nb, wd, 4).copy_(words[:, :, r0:r1, :].permute(2, 0, 1, 3))
+    if rest is not None:
+        o[:, :, wd * 4:].copy_(rest[:, r0:r1, :].permute(1, 0, 2))
+    return o.view(r1 - r0, nb * bb)
 
 
 def gemv_t_ref(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,

@@ -8,6 +8,17 @@ import triton.language as tl
 
 
 @triton.jit
+def glu_act(g, u, GELU: tl.constexpr):
+    """act(g) * u in float32: SiLU, or GELU in ggml's tanh form (tanh(z) = 2 sigmoid(2z) - 1)."""
+    if GELU:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = g * tl.sigmoid(2.0 * z)
+    else:
+        a = g * tl.sigmoid(g)
+    return a * u
+
+
+@triton.jit
 def _glu_kernel(g_ptr, u_ptr, y_ptr, n, F, stride_g, stride_u, stride_y,
                 GELU: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -15,13 +26,8 @@ def _glu_kernel(g_ptr, u_ptr, y_ptr, n, F, stride_g, stride_u, stride_y,
     mask = c < F
     g = tl.load(g_ptr + row * stride_g + c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + c, mask=mask, other=0.0).to(tl.float32)
-    if GELU:
-        # tanh(z) = 2 sigmoid(2z) - 1; ggml's gelu is the tanh approximation
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = g * tl.sigmoid(2.0 * z)
-    else:
-        a = g * tl.sigmoid(g)
-    tl.store(y_ptr + row * stride_y + c, (a * u).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * stride_y + c, glu_act(g, u, GELU).to(y_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, act: str = "silu",

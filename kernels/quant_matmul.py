@@ -16,6 +16,7 @@ import triton.language as tl
 from engine import dequant as _dq
 from engine import quant_types as qt
 from kernels.gemv_dot import row_dot
+from kernels.glu import glu_act
 from kernels.quant_blocks import dequant_part, plan
 
 # (rows per program, blocks per step, warps[, pipeline stages]) per type, for M<=8 decode GEMV;
@@ -96,13 +97,8 @@ def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, y_ptr,
                 BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC)
     u = row_dot(u_ptr, uh_ptr, ui_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
                 BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC)
-    if GELU:  # ggml's gelu is the tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = g * tl.sigmoid(2.0 * z)
-    else:
-        a = g * tl.sigmoid(g)
-    tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, (a * u).to(y_ptr.dtype.element_ty),
-             mask=rows < N)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows,
+             glu_act(g, u, GELU).to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit

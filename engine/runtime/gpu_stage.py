@@ -23,11 +23,14 @@ from engine import quant_types as qt
 from engine.errors import CarveError
 from engine.models import FAMILIES
 from engine.models.layers import _linear_scale
-from kernels import attention, glu, kv_cache, norm, quant_matmul, rope
+from kernels import attention, glu, gemv_t, kv_cache, norm, quant_matmul, rope
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "i64": torch.int64, "i32": torch.int32, "uint8": torch.uint8}
 ARCHS = tuple(FAMILIES)  # every family the CPU engine runs
+# matrices the stage repacks into the T layout (kernels/gemv_t.py) for their decode GEMVs: the
+# big single ones and the FFN pair (q/k/v stay in GGUF order for their one fused launch)
+T_MATRICES = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_output.weight")
 
 
 def new_arena(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -86,6 +89,24 @@ class GpuStage:
             self.attn_count.zero_()  # the decode kernel leaves it at zero after each use
         # the greedy id lives in the last slot of buf.tokens: nothing outside the Layout
         self.next_id = self.buf["tokens"][-1:] if self.last else None
+        self.t_part, self.t_count = self.buf.get("t_part"), self.buf.get("t_count")
+        for t in (self.t_part, self.t_count):
+            if t is not None:
+                t.zero_()  # the T GEMVs leave them at zero after each use
+        # name -> rows of each matrix held in the T layout (set by fill_dequant_cache)
+        self.tmats: dict[str, int] = {}
+
+    def _t_eligible(self, name: str) -> bool:
+        """Repack into the T layout: a T type with a dequant-cache copy (prefill reads that,
+        never the packed bytes) that decode reads through one GEMV or the FFN pair. Off with
+        CARVE_T_LAYOUT=0 (the GGUF-order kernels)."""
+        import os
+
+        if os.environ.get("CARVE_T_LAYOUT", "1") == "0" or self.t_part is None:
+            return False
+        info = self.model.tensor(name)
+        return (info.ggml_type in gemv_t.WORDS and "dq." + name in self.spans
+                and (name == "output.weight" or name.endswith(T_MATRICES)))
 
     # --- tensors -------------------------------------------------------------------------
     def mat(self, name: str) -> tuple[torch.Tensor, int]:
@@ -105,14 +126,38 @@ class GpuStage:
         return raw.view(torch.float32)
 
     def fill_dequant_cache(self) -> int:
-        """Dequantize every matrix that has a ``dq.`` span into it; returns matrices cached."""
+        """Dequantize every matrix that has a ``dq.`` span into it, and repack the T-layout
+        matrices on the way (their GGUF bytes go through the still-empty dq span, so no
+        memory outside the Layout); returns matrices cached."""
         n = 0
         for name, dst in self.spans.items():
-            if name.startswith("dq."):
-                w, t = self.mat(name[3:])
-                quant_matmul.dequantize(w, t, dst.dtype, out=dst.view(w.shape[0], -1))
-                n += 1
+            if not name.startswith("dq."):
+                continue
+            w, t = self.mat(name[3:])
+            rows = w.shape[0]
+            if self._t_eligible(name[3:]):
+                g = dst.view(torch.uint8).reshape(-1)[: w.numel()].view(w.shape)
+                g.copy_(w)
+                gemv_t.repack(g, t, out=self.spans[name[3:]])
+                self.tmats[name[3:]] = rows
+                self._dequant_t(name[3:], t, rows, dst)
+            else:
+                quant_matmul.dequantize(w, t, dst.dtype, out=dst.view(rows, -1))
+            n += 1
         return n
+
+    def _dequant_t(self, name: str, t: int, rows: int, dst: torch.Tensor) -> None:
+        # row slabs back into GGUF order through buf.ffn_up (free at load, wider than any row
+        # of any matrix), each slab dequantized into its rows of dst
+        wt = self.spans[name]
+        scratch = self.buf["ffn_up"].view(torch.uint8).reshape(-1)
+        row_bytes = wt.numel() // rows
+        slab = max(1, scratch.numel() // row_bytes)
+        out = dst.view(rows, -1)
+        for r0 in range(0, rows, slab):
+            r1 = min(rows, r0 + slab)
+            g = gemv_t.unpack_rows(wt, t, rows, r0, r1, scratch)
+            quant_matmul.dequantize(g, t, dst.dtype, out=out[r0:r1])
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         k, v = self.spans[f"kv.{layer}.k"], self.spans[f"kv.{layer}.v"]
@@ -123,6 +168,10 @@ class GpuStage:
         # the tuned tile on a GPU; under the CPU interpreter one program per matrix (each
         # program costs ~20 ms there whatever its size)
         return None if self.on_cuda else (min(512, triton.next_power_of_2(w.shape[0])), 16, 1)
+
+    def _t_cfg(self, rows: int) -> tuple[int, int, int] | None:
+        # the tuned config on a GPU; under the interpreter one program per matrix, no split
+        return None if self.on_cuda else (min(512, triton.next_power_of_2(rows)), 1, 1)
 
     def _qkv(self, p: str, x: torch.Tensor, qkv: torch.Tensor) -> None:
         """q, k, v side by side in qkv; decode runs the three GEMVs (and biases) in one launch."""
@@ -141,7 +190,15 @@ class GpuStage:
     def _ffn(self, p: str, x: torch.Tensor, ffn_up: torch.Tensor, ffn_act: torch.Tensor) -> None:
         """act(gate) * up into ffn_act; decode runs both GEMVs and the GLU in one launch."""
         (gw, gt), (uw, ut) = self.mat(p + "ffn_gate.weight"), self.mat(p + "ffn_up.weight")
-        if x.shape[0] <= 8 and quant_matmul.can_pair(gw, gt, uw, ut):
+        gn, un = p + "ffn_gate.weight", p + "ffn_up.weight"
+        if x.shape[0] <= 8 and gn in self.tmats and un in self.tmats and gt == ut \
+                and gw.shape == uw.shape:
+            rows = self.tmats[gn]
+            gemv_t.gemv_t_glu(self.spans[gn], self.spans[un], gt, rows, x, ffn_act, self.t_part,
+                              self.t_count, self.hp.act, config=self._t_cfg(rows))
+            return
+        if x.shape[0] <= 8 and quant_matmul.can_pair(gw, gt, uw, ut) and gn not in self.tmats \
+                and un not in self.tmats:
             quant_matmul.gemv_glu(gw, uw, gt, x, self.hp.act, out=ffn_act,
                                   config=self._gemv_cfg(gw))
             return
@@ -153,6 +210,11 @@ class GpuStage:
     def _linear(self, name: str, x: torch.Tensor, out: torch.Tensor, bias: str | None = None):
         w, t = self.mat(name)
         b = self.vec(bias) if bias else None
+        if x.shape[0] <= 8 and name in self.tmats:
+            rows = self.tmats[name]
+            gemv_t.gemv_t(self.spans[name], t, rows, x, out, self.t_part, self.t_count, bias=b,
+                          config=self._t_cfg(rows))
+            return
         if x.shape[0] <= 8:
             # bias added in the same launch
             quant_matmul.gemv(w, t, x, out=out, bias=b, config=self._gemv_cfg(w))
@@ -319,6 +381,8 @@ class GpuStage:
         self.buf = {}
         self.attn_ws = ()
         self.next_id = None
+        self.t_part = self.t_count = None
+        self.tmats = {}
 
     def replay(self) -> None:
         if self.graph is None:

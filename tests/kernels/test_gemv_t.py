@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import quant_types as qt
-from kernels import gemv_t, quant_matmul
+from kernels import gemv_t, glu, quant_matmul
 from kernels.random_blocks import random_weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -98,3 +98,53 @@ def test_split_count_covers_the_blocks():
                                       (7, 3, 32, 1), (100, 1, 32, 1000)):
         s = gemv_t.split_for(rows, nb, block_n, target)
         assert 1 <= s <= nb
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+@pytest.mark.parametrize("split", [True, False])
+def test_gemv_t_glu_matches_reference(ggml_type, act, split):
+    g = _gen()
+    m, rows, nb = _rand(g, 1, 3), _rand(g, 1, 50), _rand(g, 1, 4)
+    gate = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
+    up = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
+    x = torch.randn(m, 256 * nb, generator=g, device=DEVICE).to(torch.bfloat16)
+    tiles = -(-rows // 32)
+    part = torch.zeros(m, 2, rows, device=DEVICE)
+    counter = torch.zeros(m, tiles, dtype=torch.int32, device=DEVICE)
+    out = torch.full((m, rows), float("nan"), device=DEVICE)
+    gemv_t.gemv_t_glu(gemv_t.repack(gate, ggml_type), gemv_t.repack(up, ggml_type), ggml_type,
+                      rows, x, out, part, counter, act,
+                      config=(32, 1, tiles * (nb if split else 1)))
+    ref = glu.glu_ref(quant_matmul.gemv_ref(gate, ggml_type, x.float()),
+                      quant_matmul.gemv_ref(up, ggml_type, x.float()), act)
+    assert _nerr(out, ref) < 1e-5
+    assert not part.any() and not counter.any()
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
+def test_unpack_rows_gives_the_gguf_rows_back(ggml_type):
+    g = _gen()
+    rows, nb = _rand(g, 2, 40), _rand(g, 1, 4)
+    w = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
+    t = gemv_t.repack(w, ggml_type)
+    r0 = _rand(g, 0, rows - 1)
+    r1 = _rand(g, r0 + 1, rows + 1)
+    out = torch.zeros(w.numel() + 7, dtype=torch.uint8, device=DEVICE)
+    assert torch.equal(gemv_t.unpack_rows(t, ggml_type, rows, r0, r1, out), w[r0:r1])
+
+
+def test_bad_buffers_and_types_are_refused():
+    g = _gen()
+    w = random_weight(qt.Q4_K, 64, 512, DEVICE, g)
+    t = gemv_t.repack(w, qt.Q4_K)
+    x = torch.randn(1, 512, device=DEVICE)
+    out = torch.empty(1, 64, device=DEVICE)
+    small = torch.zeros(3, device=DEVICE)
+    cnt = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="too small"):
+        gemv_t.gemv_t(t, qt.Q4_K, 64, x, out, small, cnt, config=(32, 1, 4))
+    with pytest.raises(ValueError, match="no T layout"):
+        gemv_t.gemv_t(t, qt.Q8_0, 64, x, out, small, cnt)
+    with pytest.raises(ValueError, match="whole blocks"):
+        gemv_t.gemv_t(t[:-4], qt.Q4_K, 64, x, out, small, cnt)
