@@ -3,7 +3,7 @@ generic walk over a sweep of tiles, and the fused launches (gate/up + GLU, q/k/v
 the separate ones; ``--ncu`` makes a short run for the profiler; ``--tlayout`` times the
 T-layout GEMV (kernels/gemv_t.py) against the GGUF-layout one at 7B, 32B and head shapes.
 
-    python -m kernels.gemv_profile [--probes] [--ncu] [--tlayout]
+    python -m kernels.gemv_profile [--probes] [--ncu] [--tlayout [--quick]]
 
 Times are replays of a CUDA graph of 8 calls with four weight copies cycled (no L2 hits);
 GB/s counts the weight bytes read.
@@ -150,8 +150,9 @@ def _fused(g: torch.Generator) -> None:
 # (rows per program, warps, programs aimed at, batched half-block body)
 T_CONFIGS = [(512, 4, 1056, True), (256, 4, 1056, True), (128, 4, 1056, True),
              (256, 4, 2112, True), (256, 2, 1056, True)]
-T_SHAPES = [(qt.Q4_K, s) for s in (*SHAPES, (27648, 5120), (5120, 27648))] \
-    + [(qt.Q6_K, s) for s in ((3584, 18944), (152064, 3584), (151936, 896), (5120, 27648),
+T_SHAPES = [(qt.Q4_K, s) for s in (*SHAPES, (27648, 5120), (5120, 27648), (3584, 3584),
+                                    (896, 4864), (5120, 5120))] \
+    + [(qt.Q6_K, s) for s in ((3584, 18944), (152064, 3584), (896, 4864), (5120, 27648),
                               (152064, 5120))]
 
 
@@ -174,7 +175,7 @@ def _tlayout(g: torch.Generator) -> None:
         sec = graph_time(lambda i=0: quant_matmul.gemv(ws[i % ROTATE], t, x, out=y))
         print(f"{name} gguf layout {quant_matmul.gemv_config(t, *s)}: {sec * 1e6:.1f} us "
               f"{nb / sec / 1e9:.0f} GB/s err {err:.1e}", flush=True)
-        for cfg in T_CONFIGS:
+        for cfg in ([(*gemv_t.T_CONFIG, True)] if "--quick" in sys.argv else T_CONFIGS):
             if t == qt.Q6_K and not cfg[3]:
                 continue
             try:

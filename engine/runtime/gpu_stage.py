@@ -31,6 +31,9 @@ ARCHS = tuple(FAMILIES)  # every family the CPU engine runs
 # matrices the stage repacks into the T layout (kernels/gemv_t.py) for their decode GEMVs: the
 # big single ones and the FFN pair (q/k/v stay in GGUF order for their one fused launch)
 T_MATRICES = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_output.weight")
+# on a GPU only matrices of at least this many bytes: below it the split rows' atomics cost more
+# than the layout saves (Qwen2-0.5B's 2.4 MB ffn_down decoded 5 % slower in T; kernels/NOTES.md)
+T_MIN_BYTES = 4 << 20
 
 
 def new_arena(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -98,15 +101,17 @@ class GpuStage:
 
     def _t_eligible(self, name: str) -> bool:
         """Repack into the T layout: a T type with a dequant-cache copy (prefill reads that,
-        never the packed bytes) that decode reads through one GEMV or the FFN pair. Off with
-        CARVE_T_LAYOUT=0 (the GGUF-order kernels)."""
+        never the packed bytes) that decode reads through one GEMV or the FFN pair, on a GPU
+        at least T_MIN_BYTES (under the interpreter every such matrix, so that CI runs the
+        path). Off with CARVE_T_LAYOUT=0 (the GGUF-order kernels)."""
         import os
 
         if os.environ.get("CARVE_T_LAYOUT", "1") == "0" or self.t_part is None:
             return False
         info = self.model.tensor(name)
         return (info.ggml_type in gemv_t.WORDS and "dq." + name in self.spans
-                and (name == "output.weight" or name.endswith(T_MATRICES)))
+                and (name == "output.weight" or name.endswith(T_MATRICES))
+                and (info.nbytes >= T_MIN_BYTES or not self.on_cuda))
 
     # --- tensors -------------------------------------------------------------------------
     def mat(self, name: str) -> tuple[torch.Tensor, int]:
