@@ -32,8 +32,9 @@ ARCHS = tuple(FAMILIES)  # every family the CPU engine runs
 # big single ones and the FFN pair (q/k/v stay in GGUF order for their one fused launch)
 T_MATRICES = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_output.weight")
 # on a GPU only matrices of at least this many bytes: below it the split rows' atomics cost more
-# than the layout saves (Qwen2-0.5B's 2.4 MB ffn_down decoded 5 % slower in T; kernels/NOTES.md)
-T_MIN_BYTES = 4 << 20
+# than the layout saves (H200, kernels/NOTES.md session 3: Qwen2-7B's 7.2 MB attn_output 8.4 ->
+# 9.8 us in T, 0.5B's 2.4 MB ffn_down 5.8 -> 7.8 us; 32B's 14.7 MB attn_output 18.3 -> 14.3 us)
+T_MIN_BYTES = 12 << 20
 
 
 def new_arena(nbytes: int, device: torch.device) -> torch.Tensor:
