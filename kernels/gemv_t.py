@@ -245,6 +245,34 @@ def _q4k_t_dot_half(wt_ptr, x_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N: tl.const
 
 
 @triton.jit
+def _q4k_t_dot_full(wt_ptr, x_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N: tl.constexpr,
+                    XV: tl.constexpr):
+    # a whole block (36 words per row) per step, all its loads issued together: for matrices
+    # whose split leaves each program one or two blocks, one memory round trip per block
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for b in range(b_lo, b_hi):
+        hp = wt_ptr + b * 36 * N + rows
+        h0 = tl.load(hp, mask=rmask, other=0)
+        h1 = tl.load(hp + N, mask=rmask, other=0)
+        h2 = tl.load(hp + 2 * N, mask=rmask, other=0)
+        h3 = tl.load(hp + 3 * N, mask=rmask, other=0)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(hp + 4 * N, N, rmask)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _ld8(hp + 12 * N, N, rmask)
+        f0, f1, f2, f3, f4, f5, f6, f7 = _ld8(hp + 20 * N, N, rmask)
+        g0, g1, g2, g3, g4, g5, g6, g7 = _ld8(hp + 28 * N, N, rmask)
+        t = (a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ e0 ^ e1 ^ e2 ^ e3 ^ e4 ^ e5 ^ e6 ^ e7 ^ f0 ^ f1
+             ^ f2 ^ f3 ^ f4 ^ f5 ^ f6 ^ f7 ^ g0 ^ g1 ^ g2 ^ g3 ^ g4 ^ g5 ^ g6 ^ g7 ^ h0 ^ h1 ^ h2
+             ^ h3)
+        a0 = a0 + (t & (N >> 31))  # see _q4k_t_dot_half
+        xb = x_ptr + b * 256
+        acc += _chunk(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, xb, 0, BLOCK_N, XV)
+        acc += _chunk(e0, e1, e2, e3, e4, e5, e6, e7, h0, h1, h2, h3, xb + 64, 1, BLOCK_N, XV)
+        acc += _chunk(f0, f1, f2, f3, f4, f5, f6, f7, h0, h1, h2, h3, xb + 128, 2, BLOCK_N, XV)
+        acc += _chunk(g0, g1, g2, g3, g4, g5, g6, g7, h0, h1, h2, h3, xb + 192, 3, BLOCK_N, XV)
+    return acc
+
+
+@triton.jit
 def _bits(w, S: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr):
     # ((w >> S) & MASK) << D in one shift and one AND (the AND drops any sign bits)
     if D >= S:
@@ -350,7 +378,9 @@ def _t_body(wt_ptr, wh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N: tl.co
     # rows masked, not clamped: a clamp hides their contiguity and the loads go 4 bytes wide
     if TYPE == 14:
         acc = _q6k_t_dot(wt_ptr, wh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV)
-    elif BATCH:
+    elif BATCH == 2:
+        acc = _q4k_t_dot_full(wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV)
+    elif BATCH == 1:
         acc = _q4k_t_dot_half(wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV)
     else:
         acc = _q4k_t_dot(wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N)
@@ -400,7 +430,8 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB
 @triton.jit
 def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, y_ptr, part_ptr, cnt_ptr, N, NB,
                        BPS, stride_xm, stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       XV: tl.constexpr, TYPE: tl.constexpr, GELU: tl.constexpr):
+                       XV: tl.constexpr, TYPE: tl.constexpr, BATCH: tl.constexpr,
+                       GELU: tl.constexpr):
     # gate and up rows of the same outputs in one program (x read once for both); with a
     # split, part holds [M, 2, N] and the last program of a row tile applies the GLU
     pid = tl.program_id(0)
@@ -411,8 +442,8 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, y_ptr, part_ptr, cnt
     xrow = x_ptr + m * stride_xm
     b_lo = ks * BPS
     b_hi = tl.minimum(b_lo + BPS, NB)
-    g = _t_body(g_ptr, gh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, True)
-    u = _t_body(u_ptr, uh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, True)
+    g = _t_body(g_ptr, gh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, BATCH)
+    u = _t_body(u_ptr, uh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, BATCH)
     last = True
     if SPLIT > 1:
         prow = part_ptr + m * 2 * N
@@ -431,6 +462,9 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, y_ptr, part_ptr, cnt
 # (rows per program, warps, programs aimed at) of the T-layout GEMV: the best of the H200 sweep
 # (`python -m kernels.gemv_profile --tlayout`, kernels/NOTES.md)
 T_CONFIG = (256, 4, 1056)
+# the Q4_K body: 0 a block per step as the compiler schedules it, 1 half a block with its loads
+# issued together, 2 a whole block so (Q6_K always walks half blocks)
+T_BATCH = 1
 
 
 def split_for(n: int, nb: int, block_n: int, target: int) -> int:
@@ -468,7 +502,7 @@ def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
 
 def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: torch.Tensor,
            part: torch.Tensor, counter: torch.Tensor, bias: torch.Tensor | None = None,
-           config: tuple[int, int, int] | None = None, batch: bool = True) -> torch.Tensor:
+           config: tuple[int, int, int] | None = None, batch: int | None = None) -> torch.Tensor:
     """y[M, rows] = x[M, cols] @ W^T (+ bias) for W in the T layout ``wt`` (from ``repack``).
     ``part``: float32 zeros (>= M x rows); ``counter``: int32 zeros (>= M x row tiles); both
     are left zero. No allocation."""
@@ -477,13 +511,15 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
     y = out.view(x2.shape[0], rows)
     _gemv_t_kernel[grid](*ptrs, x2, y, bias if bias is not None else y, part, counter, rows, nb,
                          bps, x2.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                         BATCH=bool(batch), **meta, num_warps=warps)
+                         BATCH=T_BATCH if batch is None else int(batch), **meta,
+                         num_warps=warps)
     return out
 
 
 def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
                x: torch.Tensor, out: torch.Tensor, part: torch.Tensor, counter: torch.Tensor,
-               act: str = "silu", config: tuple[int, int, int] | None = None) -> torch.Tensor:
+               act: str = "silu", config: tuple[int, int, int] | None = None,
+               batch: int | None = None) -> torch.Tensor:
     """act(x @ gate^T) * (x @ up^T) [M, rows] for gate and up in the T layout, one launch.
     ``part`` >= M x 2 x rows float32 zeros."""
     if gate.shape != up.shape:
@@ -493,7 +529,9 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
     _, up_p, _, _, _, _ = _t_launch(up, ggml_type, rows, x, config, 2, part, counter)
     y = out.view(x2.shape[0], rows)
     _gemv_t_glu_kernel[grid](*gp, *up_p, x2, y, part, counter, rows, nb, bps, x2.stride(0),
-                             y.stride(0), GELU=act == "gelu", **meta, num_warps=warps)
+                             y.stride(0), GELU=act == "gelu",
+                             BATCH=T_BATCH if batch is None else int(batch), **meta,
+                             num_warps=warps)
     return out
 
 
