@@ -18,9 +18,10 @@ Programs that split a row's blocks add their sums into a float32 ``part`` buffer
 of a row tile to finish (an atomic counter, acq_rel) reads and zeroes it and writes y.
 
 Same results as ``quant_matmul.gemv`` on the GGUF layout (the torch twin is ``gemv_t_ref``).
-Status: Q4_K and Q6_K, measured on the H200 against the GGUF-layout GEMV (kernels/NOTES.md,
-session 3: 1.1-1.3x), not yet used by the runner, which would have to repack at load time
-and dequantize prefill weights from this layout.
+Q4_K and Q6_K; on the H200 1.1-1.3x the GGUF-order GEMV for Q4_K matrices of 12 MB and more,
+1.5-2.4x for Q6_K, slower below ~8 MB (kernels/NOTES.md, session 3). The GPU runner repacks
+its big decode matrices at load time (engine/runtime/gpu_stage.py); prefill reads their
+dequant-cache copies, so nothing dequantizes from this layout except ``unpack_rows``.
 """
 
 from __future__ import annotations
@@ -463,7 +464,8 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, y_ptr, part_ptr, cnt
 # (`python -m kernels.gemv_profile --tlayout`, kernels/NOTES.md)
 T_CONFIG = (256, 4, 1056)
 # the Q4_K body: 0 a block per step as the compiler schedules it, 1 half a block with its loads
-# issued together, 2 a whole block so (Q6_K always walks half blocks)
+# issued together, 2 a whole block so (Q6_K always walks half blocks). 1 on the H200: 2 was
+# 4 % faster on 7B's gate/up, 1.6x slower on 32B's, and 7B decoded 275 t/s with it vs 304.
 T_BATCH = 1
 
 
