@@ -23,7 +23,7 @@ from engine import quant_types as qt
 from engine.errors import CarveError
 from engine.models import FAMILIES
 from engine.models.layers import _linear_scale
-from kernels import attention, glu, gemv_t, kv_cache, norm, quant_matmul, rope
+from kernels import attention, gemv_t, glu, kv_cache, norm, quant_matmul, rope
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "i64": torch.int64, "i32": torch.int32, "uint8": torch.uint8}
