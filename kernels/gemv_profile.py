@@ -147,9 +147,8 @@ def _fused(g: torch.Generator) -> None:
           f"us ({nb / one / 1e9:.0f} GB/s)", flush=True)
 
 
-# (rows per program, warps, programs aimed at, Q4_K body: gemv_t.T_BATCH)
-T_CONFIGS = [(512, 4, 1056, 1), (256, 4, 1056, 1), (128, 4, 1056, 1), (256, 4, 2112, 1),
-             (256, 2, 1056, 1), (256, 4, 1056, 2), (256, 4, 528, 2), (512, 4, 1056, 2)]
+# (rows per program, warps, programs aimed at)
+T_CONFIGS = [(512, 4, 1056), (256, 4, 1056), (128, 4, 1056), (256, 4, 2112), (256, 2, 1056)]
 T_SHAPES = [(qt.Q4_K, s) for s in (*SHAPES, (27648, 5120), (5120, 27648), (3584, 3584),
                                     (896, 4864), (5120, 5120))] \
     + [(qt.Q6_K, s) for s in ((3584, 18944), (152064, 3584), (896, 4864), (5120, 27648),
@@ -175,15 +174,12 @@ def _tlayout(g: torch.Generator) -> None:
         sec = graph_time(lambda i=0: quant_matmul.gemv(ws[i % ROTATE], t, x, out=y))
         print(f"{name} gguf layout {quant_matmul.gemv_config(t, *s)}: {sec * 1e6:.1f} us "
               f"{nb / sec / 1e9:.0f} GB/s err {err:.1e}", flush=True)
-        for cfg in ([(*gemv_t.T_CONFIG, gemv_t.T_BATCH)] if "--quick" in sys.argv
-                    else T_CONFIGS):
-            if t == qt.Q6_K and cfg[3] != 1:
-                continue
+        for cfg in [gemv_t.T_CONFIG] if "--quick" in sys.argv else T_CONFIGS:
             try:
-                gemv_t.gemv_t(wts[0], t, s[0], x, y, part, cnt, config=cfg[:3], batch=cfg[3])
+                gemv_t.gemv_t(wts[0], t, s[0], x, y, part, cnt, config=cfg)
                 err = nerr(y.float(), ref)
                 sec = graph_time(lambda i=0, c=cfg: gemv_t.gemv_t(
-                    wts[i % ROTATE], t, s[0], x, y, part, cnt, config=c[:3], batch=c[3]))
+                    wts[i % ROTATE], t, s[0], x, y, part, cnt, config=c))
                 left = float(part.abs().max()) + float(cnt.abs().max())
             except Exception as exc:
                 print(f"{name} {cfg}: {type(exc).__name__} {exc}"[:300], flush=True)

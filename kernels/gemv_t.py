@@ -96,55 +96,9 @@ def _nib(w, S: tl.constexpr):
 
 
 @triton.jit
-def _k4_sm(w0, w1, w2, J: tl.constexpr):
-    # get_scale_min_k4 of ggml-quants.c for sub-block J of the 12 scale bytes in words w0..w2
-    if J < 4:
-        sc = (w0 >> (8 * J)) & 63
-        mn = (w1 >> (8 * J)) & 63
-    else:
-        q4 = (w2 >> (8 * (J - 4))) & 255
-        sc = (q4 & 15) | (((w0 >> (8 * (J - 4) + 6)) & 3) << 4)
-        mn = (q4 >> 4) | (((w1 >> (8 * (J - 4) + 6)) & 3) << 4)
-    return sc.to(tl.float32), mn.to(tl.float32)
-
-
-@triton.jit
-def _q4k_t_dot(wt_ptr, x_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N: tl.constexpr):
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for b in range(b_lo, b_hi):
-        blk = wt_ptr + b * 36 * N + rows  # < 2^31 words for any real matrix
-        dd = tl.load(blk, mask=rmask, other=0)
-        w0 = tl.load(blk + N, mask=rmask, other=0)
-        w1 = tl.load(blk + 2 * N, mask=rmask, other=0)
-        w2 = tl.load(blk + 3 * N, mask=rmask, other=0)
-        d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = ((dd >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        xb = x_ptr + b * 256
-        for c in tl.static_range(4):
-            sl = tl.zeros([BLOCK_N], dtype=tl.float32)
-            sh = tl.zeros([BLOCK_N], dtype=tl.float32)
-            xsl = 0.0
-            xsh = 0.0
-            for j in tl.static_range(8):
-                w = tl.load(blk + (4 + 8 * c + j) * N, mask=rmask, other=0)
-                for m in tl.static_range(4):
-                    xl = tl.load(xb + 64 * c + 4 * j + m).to(tl.float32)
-                    xh = tl.load(xb + 64 * c + 32 + 4 * j + m).to(tl.float32)
-                    sl += _nib(w, 8 * m) * xl
-                    sh += _nib(w, 8 * m + 4) * xh
-                    xsl += xl
-                    xsh += xh
-            scl, mnl = _k4_sm(w0, w1, w2, 2 * c)
-            sch, mnh = _k4_sm(w0, w1, w2, 2 * c + 1)
-            # sum x (1 + q/16) = xs + (sum q x) / 16
-            acc += (d * 16.0) * (scl * (sl - xsl) + sch * (sh - xsh)) \
-                - dmin * (mnl * xsl + mnh * xsh)
-    return acc
-
-
-@triton.jit
-def _k4_sm_dyn(w0, w1, w2, J):
-    # _k4_sm for a sub-block J known only at run time (a scalar, 0..7)
+def _k4_sm(w0, w1, w2, J):
+    # get_scale_min_k4 of ggml-quants.c for sub-block J (a scalar, 0..7) of the 12 scale bytes
+    # in words w0..w2
     sh = (J % 4) * 8
     lo_sc = (w0 >> sh) & 63
     lo_mn = (w1 >> sh) & 63
@@ -210,8 +164,8 @@ def _chunk(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, xb, c, BLOCK_N: tl.co
     sl, sh, xsl, xsh = _word(a7, xb + 28, sl, sh, xsl, xsh, XV)
     d = (h0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = ((h0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    scl, mnl = _k4_sm_dyn(h1, h2, h3, 2 * c)
-    sch, mnh = _k4_sm_dyn(h1, h2, h3, 2 * c + 1)
+    scl, mnl = _k4_sm(h1, h2, h3, 2 * c)
+    sch, mnh = _k4_sm(h1, h2, h3, 2 * c + 1)
     return (d * 16.0) * (scl * (sl - xsl) + sch * (sh - xsh)) - dmin * (mnl * xsl + mnh * xsh)
 
 
@@ -242,34 +196,6 @@ def _q4k_t_dot_half(wt_ptr, x_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N: tl.const
         acc += _chunk(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, xb, c0, BLOCK_N, XV)
         acc += _chunk(e0, e1, e2, e3, e4, e5, e6, e7, h0, h1, h2, h3, xb + 64, c0 + 1, BLOCK_N,
                       XV)
-    return acc
-
-
-@triton.jit
-def _q4k_t_dot_full(wt_ptr, x_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N: tl.constexpr,
-                    XV: tl.constexpr):
-    # a whole block (36 words per row) per step, all its loads issued together: for matrices
-    # whose split leaves each program one or two blocks, one memory round trip per block
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for b in range(b_lo, b_hi):
-        hp = wt_ptr + b * 36 * N + rows
-        h0 = tl.load(hp, mask=rmask, other=0)
-        h1 = tl.load(hp + N, mask=rmask, other=0)
-        h2 = tl.load(hp + 2 * N, mask=rmask, other=0)
-        h3 = tl.load(hp + 3 * N, mask=rmask, other=0)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(hp + 4 * N, N, rmask)
-        e0, e1, e2, e3, e4, e5, e6, e7 = _ld8(hp + 12 * N, N, rmask)
-        f0, f1, f2, f3, f4, f5, f6, f7 = _ld8(hp + 20 * N, N, rmask)
-        g0, g1, g2, g3, g4, g5, g6, g7 = _ld8(hp + 28 * N, N, rmask)
-        t = (a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ e0 ^ e1 ^ e2 ^ e3 ^ e4 ^ e5 ^ e6 ^ e7 ^ f0 ^ f1
-             ^ f2 ^ f3 ^ f4 ^ f5 ^ f6 ^ f7 ^ g0 ^ g1 ^ g2 ^ g3 ^ g4 ^ g5 ^ g6 ^ g7 ^ h0 ^ h1 ^ h2
-             ^ h3)
-        a0 = a0 + (t & (N >> 31))  # see _q4k_t_dot_half
-        xb = x_ptr + b * 256
-        acc += _chunk(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, xb, 0, BLOCK_N, XV)
-        acc += _chunk(e0, e1, e2, e3, e4, e5, e6, e7, h0, h1, h2, h3, xb + 64, 1, BLOCK_N, XV)
-        acc += _chunk(f0, f1, f2, f3, f4, f5, f6, f7, h0, h1, h2, h3, xb + 128, 2, BLOCK_N, XV)
-        acc += _chunk(g0, g1, g2, g3, g4, g5, g6, g7, h0, h1, h2, h3, xb + 192, 3, BLOCK_N, XV)
     return acc
 
 
@@ -375,16 +301,12 @@ def _q6k_t_dot(wt_ptr, wh_ptr, x_ptr, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N: t
 
 @triton.jit
 def _t_body(wt_ptr, wh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N: tl.constexpr,
-            XV: tl.constexpr, TYPE: tl.constexpr, BATCH: tl.constexpr):
+            XV: tl.constexpr, TYPE: tl.constexpr):
     # rows masked, not clamped: a clamp hides their contiguity and the loads go 4 bytes wide
     if TYPE == 14:
         acc = _q6k_t_dot(wt_ptr, wh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV)
-    elif BATCH == 2:
-        acc = _q4k_t_dot_full(wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV)
-    elif BATCH == 1:
-        acc = _q4k_t_dot_half(wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV)
     else:
-        acc = _q4k_t_dot(wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N)
+        acc = _q4k_t_dot_half(wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV)
     return acc
 
 
@@ -408,8 +330,7 @@ def _t_split_done(prow, acc, rows, rmask, cnt, SPLIT: tl.constexpr, BLOCK_N: tl.
 @triton.jit
 def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB, BPS,
                    stride_xm, stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                   XV: tl.constexpr, HAS_BIAS: tl.constexpr, TYPE: tl.constexpr,
-                   BATCH: tl.constexpr):
+                   XV: tl.constexpr, HAS_BIAS: tl.constexpr, TYPE: tl.constexpr):
     pid = tl.program_id(0)
     ks = tl.program_id(1)
     m = tl.program_id(2).to(tl.int64)
@@ -417,7 +338,7 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB
     rmask = rows < N
     b_lo = ks * BPS
     acc = _t_body(wt_ptr, wh_ptr, x_ptr + m * stride_xm, rows, rmask, N, NB, b_lo,
-                  tl.minimum(b_lo + BPS, NB), BLOCK_N, XV, TYPE, BATCH)
+                  tl.minimum(b_lo + BPS, NB), BLOCK_N, XV, TYPE)
     last = True
     if SPLIT > 1:
         last, acc = _t_split_done(part_ptr + m * N, acc, rows, rmask,
@@ -431,8 +352,7 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB
 @triton.jit
 def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, y_ptr, part_ptr, cnt_ptr, N, NB,
                        BPS, stride_xm, stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       XV: tl.constexpr, TYPE: tl.constexpr, BATCH: tl.constexpr,
-                       GELU: tl.constexpr):
+                       XV: tl.constexpr, TYPE: tl.constexpr, GELU: tl.constexpr):
     # gate and up rows of the same outputs in one program (x read once for both); with a
     # split, part holds [M, 2, N] and the last program of a row tile applies the GLU
     pid = tl.program_id(0)
@@ -443,8 +363,8 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, y_ptr, part_ptr, cnt
     xrow = x_ptr + m * stride_xm
     b_lo = ks * BPS
     b_hi = tl.minimum(b_lo + BPS, NB)
-    g = _t_body(g_ptr, gh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, BATCH)
-    u = _t_body(u_ptr, uh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, BATCH)
+    g = _t_body(g_ptr, gh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE)
+    u = _t_body(u_ptr, uh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE)
     last = True
     if SPLIT > 1:
         prow = part_ptr + m * 2 * N
@@ -463,10 +383,6 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, y_ptr, part_ptr, cnt
 # (rows per program, warps, programs aimed at) of the T-layout GEMV: the best of the H200 sweep
 # (`python -m kernels.gemv_profile --tlayout`, kernels/NOTES.md)
 T_CONFIG = (256, 4, 1056)
-# the Q4_K body: 0 a block per step as the compiler schedules it, 1 half a block with its loads
-# issued together, 2 a whole block so (Q6_K always walks half blocks). 1 on the H200: 2 was
-# 4 % faster on 7B's gate/up, 1.6x slower on 32B's, and 7B decoded 275 t/s with it vs 304.
-T_BATCH = 1
 
 
 def split_for(n: int, nb: int, block_n: int, target: int) -> int:
@@ -504,7 +420,7 @@ def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
 
 def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: torch.Tensor,
            part: torch.Tensor, counter: torch.Tensor, bias: torch.Tensor | None = None,
-           config: tuple[int, int, int] | None = None, batch: int | None = None) -> torch.Tensor:
+           config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """y[M, rows] = x[M, cols] @ W^T (+ bias) for W in the T layout ``wt`` (from ``repack``).
     ``part``: float32 zeros (>= M x rows); ``counter``: int32 zeros (>= M x row tiles); both
     are left zero. No allocation."""
@@ -512,16 +428,14 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
                                                        counter)
     y = out.view(x2.shape[0], rows)
     _gemv_t_kernel[grid](*ptrs, x2, y, bias if bias is not None else y, part, counter, rows, nb,
-                         bps, x2.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-                         BATCH=T_BATCH if batch is None else int(batch), **meta,
+                         bps, x2.stride(0), y.stride(0), HAS_BIAS=bias is not None, **meta,
                          num_warps=warps)
     return out
 
 
 def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
                x: torch.Tensor, out: torch.Tensor, part: torch.Tensor, counter: torch.Tensor,
-               act: str = "silu", config: tuple[int, int, int] | None = None,
-               batch: int | None = None) -> torch.Tensor:
+               act: str = "silu", config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """act(x @ gate^T) * (x @ up^T) [M, rows] for gate and up in the T layout, one launch.
     ``part`` >= M x 2 x rows float32 zeros."""
     if gate.shape != up.shape:
@@ -531,9 +445,7 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
     _, up_p, _, _, _, _ = _t_launch(up, ggml_type, rows, x, config, 2, part, counter)
     y = out.view(x2.shape[0], rows)
     _gemv_t_glu_kernel[grid](*gp, *up_p, x2, y, part, counter, rows, nb, bps, x2.stride(0),
-                             y.stride(0), GELU=act == "gelu",
-                             BATCH=T_BATCH if batch is None else int(batch), **meta,
-                             num_warps=warps)
+                             y.stride(0), GELU=act == "gelu", **meta, num_warps=warps)
     return out
 
 

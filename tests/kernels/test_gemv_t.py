@@ -58,16 +58,10 @@ def test_repack_is_a_permutation_of_the_bytes(ggml_type):
     assert torch.equal(out, t)
 
 
-# (type, body): Q4_K a block per step (0), half blocks (1) or whole blocks (2) with batched
-# loads; Q6_K has the half-block body only
-BODIES = [(qt.Q4_K, 0), (qt.Q4_K, 1), (qt.Q4_K, 2), (qt.Q6_K, 1)]
-
-
-@pytest.mark.parametrize("ggml_type,batch", BODIES,
-                         ids=[f"{qt.type_name(t)}-{b}" for t, b in BODIES])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=str)
-def test_gemv_t_matches_reference(ggml_type, batch, split, xdtype):
+def test_gemv_t_matches_reference(ggml_type, split, xdtype):
     g = _gen()
     m = _rand(g, 1, 3)
     rows = _rand(g, 1, 70)
@@ -83,8 +77,7 @@ def test_gemv_t_matches_reference(ggml_type, batch, split, xdtype):
     part = torch.zeros(m, rows, device=DEVICE)
     counter = torch.zeros(m, tiles, dtype=torch.int32, device=DEVICE)
     out = torch.full((m, rows), float("nan"), device=DEVICE)
-    gemv_t.gemv_t(wt, ggml_type, rows, x, out, part, counter, bias=bias, config=config,
-                  batch=batch)
+    gemv_t.gemv_t(wt, ggml_type, rows, x, out, part, counter, bias=bias, config=config)
     ref = quant_matmul.gemv_ref(w, ggml_type, x.float(), bias=bias)
     assert _nerr(out, ref) < 1e-5
     assert not part.any() and not counter.any()  # left ready for the next call
@@ -101,11 +94,10 @@ def test_split_count_covers_the_blocks():
         assert 1 <= s <= nb
 
 
-@pytest.mark.parametrize("ggml_type,batch", BODIES[1:],
-                         ids=[f"{qt.type_name(t)}-{b}" for t, b in BODIES[1:]])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize("split", [True, False])
-def test_gemv_t_glu_matches_reference(ggml_type, batch, act, split):
+def test_gemv_t_glu_matches_reference(ggml_type, act, split):
     g = _gen()
     m, rows, nb = _rand(g, 1, 3), _rand(g, 1, 50), _rand(g, 1, 4)
     gate = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
@@ -117,7 +109,7 @@ def test_gemv_t_glu_matches_reference(ggml_type, batch, act, split):
     out = torch.full((m, rows), float("nan"), device=DEVICE)
     gemv_t.gemv_t_glu(gemv_t.repack(gate, ggml_type), gemv_t.repack(up, ggml_type), ggml_type,
                       rows, x, out, part, counter, act,
-                      config=(32, 1, tiles * (nb if split else 1)), batch=batch)
+                      config=(32, 1, tiles * (nb if split else 1)))
     ref = glu.glu_ref(quant_matmul.gemv_ref(gate, ggml_type, x.float()),
                       quant_matmul.gemv_ref(up, ggml_type, x.float()), act)
     assert _nerr(out, ref) < 1e-5
