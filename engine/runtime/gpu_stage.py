@@ -13,6 +13,7 @@ priced size with the dequant cache feeding bf16 GEMMs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -97,16 +98,14 @@ class GpuStage:
         for t in (self.t_part, self.t_count):
             if t is not None:
                 t.zero_()  # the T GEMVs leave them at zero after each use
-        # name -> rows of each matrix held in the T layout (set by fill_dequant_cache)
-        self.tmats: dict[str, int] = {}
+        # the matrices held in the T layout (set by fill_dequant_cache)
+        self.tmats: set[str] = set()
 
     def _t_eligible(self, name: str) -> bool:
         """Repack into the T layout: a T type with a dequant-cache copy (prefill reads that,
         never the packed bytes) that decode reads through one GEMV or the FFN pair, on a GPU
         at least T_MIN_BYTES (under the interpreter every such matrix, so that CI runs the
         path). Off with CARVE_T_LAYOUT=0 (the GGUF-order kernels)."""
-        import os
-
         if os.environ.get("CARVE_T_LAYOUT", "1") == "0" or self.t_part is None:
             return False
         info = self.model.tensor(name)
@@ -145,7 +144,7 @@ class GpuStage:
                 g = dst.view(torch.uint8).reshape(-1)[: w.numel()].view(w.shape)
                 g.copy_(w)
                 gemv_t.repack(g, t, out=self.spans[name[3:]])
-                self.tmats[name[3:]] = rows
+                self.tmats.add(name[3:])
                 self._dequant_t(name[3:], t, rows, dst)
             else:
                 quant_matmul.dequantize(w, t, dst.dtype, out=dst.view(rows, -1))
@@ -197,16 +196,15 @@ class GpuStage:
         """act(gate) * up into ffn_act; decode runs both GEMVs and the GLU in one launch."""
         (gw, gt), (uw, ut) = self.mat(p + "ffn_gate.weight"), self.mat(p + "ffn_up.weight")
         gn, un = p + "ffn_gate.weight", p + "ffn_up.weight"
-        if x.shape[0] <= 8 and gn in self.tmats and un in self.tmats and gt == ut \
-                and gw.shape == uw.shape:
-            rows = self.tmats[gn]
-            gemv_t.gemv_t_glu(self.spans[gn], self.spans[un], gt, rows, x, ffn_act, self.t_part,
-                              self.t_count, self.hp.act, config=self._t_cfg(rows))
-            return
-        if x.shape[0] <= 8 and quant_matmul.can_pair(gw, gt, uw, ut) and gn not in self.tmats \
-                and un not in self.tmats:
-            quant_matmul.gemv_glu(gw, uw, gt, x, self.hp.act, out=ffn_act,
-                                  config=self._gemv_cfg(gw))
+        in_t = (gn in self.tmats) + (un in self.tmats)
+        if x.shape[0] <= 8 and quant_matmul.can_pair(gw, gt, uw, ut) and in_t != 1:
+            if in_t:
+                gemv_t.gemv_t_glu(self.spans[gn], self.spans[un], gt, gw.shape[0], x, ffn_act,
+                                  self.t_part, self.t_count, self.hp.act,
+                                  config=self._t_cfg(gw.shape[0]))
+            else:
+                quant_matmul.gemv_glu(gw, uw, gt, x, self.hp.act, out=ffn_act,
+                                      config=self._gemv_cfg(gw))
             return
         f = self.hp.n_ff
         self._linear(p + "ffn_gate.weight", x, ffn_up[:, :f])
@@ -217,9 +215,8 @@ class GpuStage:
         w, t = self.mat(name)
         b = self.vec(bias) if bias else None
         if x.shape[0] <= 8 and name in self.tmats:
-            rows = self.tmats[name]
-            gemv_t.gemv_t(self.spans[name], t, rows, x, out, self.t_part, self.t_count, bias=b,
-                          config=self._t_cfg(rows))
+            gemv_t.gemv_t(self.spans[name], t, w.shape[0], x, out, self.t_part, self.t_count,
+                          bias=b, config=self._t_cfg(w.shape[0]))
             return
         if x.shape[0] <= 8:
             # bias added in the same launch
@@ -388,7 +385,7 @@ class GpuStage:
         self.attn_ws = ()
         self.next_id = None
         self.t_part = self.t_count = None
-        self.tmats = {}
+        self.tmats = set()
 
     def replay(self) -> None:
         if self.graph is None:
