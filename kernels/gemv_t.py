@@ -311,6 +311,24 @@ def _t_body(wt_ptr, wh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N: tl.co
 
 
 @triton.jit
+def _t_tile(N, NB, BPS, BLOCK_N: tl.constexpr):
+    # this program's row tile, x row (M index) and block range
+    pid = tl.program_id(0)
+    b_lo = tl.program_id(1) * BPS
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid, tl.program_id(2).to(tl.int64), rows, rows < N, b_lo, tl.minimum(b_lo + BPS, NB)
+
+
+@triton.jit
+def _t_take(p, rmask, BLOCK_N: tl.constexpr):
+    # the sums at p, read at L2 where the adds landed, and p left at zero
+    zero = tl.zeros([BLOCK_N], tl.float32)
+    tot = tl.atomic_add(p, zero, mask=rmask)
+    tl.store(p, zero, mask=rmask)
+    return tot
+
+
+@triton.jit
 def _t_split_done(prow, acc, rows, rmask, cnt, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
     # the splits of a row tile add into part; the last to arrive gets the sums back (1) and
     # leaves part and its counter at zero for the next call; the others get 0
@@ -320,9 +338,7 @@ def _t_split_done(prow, acc, rows, rmask, cnt, SPLIT: tl.constexpr, BLOCK_N: tl.
     last = done == SPLIT - 1
     tot = acc
     if last:
-        zero = tl.zeros([BLOCK_N], tl.float32)
-        tot = tl.atomic_add(prow + rows, zero, mask=rmask)  # read at L2, where the adds are
-        tl.store(prow + rows, zero, mask=rmask)
+        tot = _t_take(prow + rows, rmask, BLOCK_N)
         tl.atomic_xchg(cnt, 0)
     return last, tot
 
@@ -331,14 +347,9 @@ def _t_split_done(prow, acc, rows, rmask, cnt, SPLIT: tl.constexpr, BLOCK_N: tl.
 def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB, BPS,
                    stride_xm, stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                    XV: tl.constexpr, HAS_BIAS: tl.constexpr, TYPE: tl.constexpr):
-    pid = tl.program_id(0)
-    ks = tl.program_id(1)
-    m = tl.program_id(2).to(tl.int64)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    b_lo = ks * BPS
-    acc = _t_body(wt_ptr, wh_ptr, x_ptr + m * stride_xm, rows, rmask, N, NB, b_lo,
-                  tl.minimum(b_lo + BPS, NB), BLOCK_N, XV, TYPE)
+    pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
+    acc = _t_body(wt_ptr, wh_ptr, x_ptr + m * stride_xm, rows, rmask, N, NB, b_lo, b_hi,
+                  BLOCK_N, XV, TYPE)
     last = True
     if SPLIT > 1:
         last, acc = _t_split_done(part_ptr + m * N, acc, rows, rmask,
@@ -355,14 +366,8 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, y_ptr, part_ptr, cnt
                        XV: tl.constexpr, TYPE: tl.constexpr, GELU: tl.constexpr):
     # gate and up rows of the same outputs in one program (x read once for both); with a
     # split, part holds [M, 2, N] and the last program of a row tile applies the GLU
-    pid = tl.program_id(0)
-    ks = tl.program_id(1)
-    m = tl.program_id(2).to(tl.int64)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
+    pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
     xrow = x_ptr + m * stride_xm
-    b_lo = ks * BPS
-    b_hi = tl.minimum(b_lo + BPS, NB)
     g = _t_body(g_ptr, gh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE)
     u = _t_body(u_ptr, uh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE)
     last = True
@@ -372,9 +377,7 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, y_ptr, part_ptr, cnt
         last, g = _t_split_done(prow, g, rows, rmask, cnt_ptr + m * tl.num_programs(0) + pid,
                                 SPLIT, BLOCK_N)
         if last:
-            zero = tl.zeros([BLOCK_N], tl.float32)
-            u = tl.atomic_add(prow + N + rows, zero, mask=rmask)
-            tl.store(prow + N + rows, zero, mask=rmask)
+            u = _t_take(prow + N + rows, rmask, BLOCK_N)
     if last:
         tl.store(y_ptr + m * stride_ym + rows, glu_act(g, u, GELU).to(y_ptr.dtype.element_ty),
                  mask=rmask)
