@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from engine.buffers import ATTN_SPLITS
+from kernels import pdl
 from kernels.kv_cache import kv_load_ref
 
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": masked scores use -inf, running maxima start here
@@ -46,7 +47,9 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
                            CNT_STRIDE,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr,
-                           FUSED: tl.constexpr, NSP: tl.constexpr, MERGE: tl.constexpr):
+                           FUSED: tl.constexpr, NSP: tl.constexpr, MERGE: tl.constexpr,
+                           PDL: tl.constexpr):
+    pdl.start(PDL)
     kvh = tl.program_id(0)
     s = tl.program_id(1)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -121,7 +124,9 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
 
 @triton.jit
 def _decode_reduce_kernel(po_ptr, pml_ptr, o_ptr, NS, stride_oh, D: tl.constexpr,
-                          NSP: tl.constexpr):
+                          NSP: tl.constexpr,
+                          PDL: tl.constexpr):
+    pdl.start(PDL)
     h = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, NSP)
     sm = s < NS
@@ -181,10 +186,11 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         cells, window, scale, n_kv_heads, ns, q.stride(0), out.stride(0),
         counter.stride(0) if fused else 0, G=g, GP=gp, D=d,
         SPLIT=split, BLOCK_N=64, Q8=q8, FUSED=fused, NSP=triton.next_power_of_2(ns),
-        MERGE=max(1, 8192 // (gp * d)), num_warps=4)
+        MERGE=max(1, 8192 // (gp * d)), num_warps=4, **pdl.opts(out))
     if not fused:
         _decode_reduce_kernel[(nh,)](po, pml, out, ns, out.stride(0), D=d,
-                                     NSP=triton.next_power_of_2(ns), num_warps=4)
+                                     NSP=triton.next_power_of_2(ns), num_warps=4,
+                                     **pdl.opts(out))
     return out
 
 
@@ -233,7 +239,9 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, o_p
                     T, pos0, cells, window, scale, KVH, stride_qt, stride_qh, stride_kt,
                     stride_kh, stride_ot, stride_oh,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, Q8: tl.constexpr):
+                    BLOCK_N: tl.constexpr, Q8: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl.start(PDL)
     mb = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // G
@@ -291,7 +299,7 @@ def attn_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     _prefill_kernel[grid](q, k_new, v_new, ck, ck8, ckh, cv, cv8, cvh, out, t, pos0, cells,
                           window, scale, kvh, q.stride(0), q.stride(1), k_new.stride(0),
                           k_new.stride(1), out.stride(0), out.stride(1), G=nh // kvh, D=d,
-                          BLOCK_M=bm, BLOCK_N=bn, Q8=q8, num_warps=4)
+                          BLOCK_M=bm, BLOCK_N=bn, Q8=q8, num_warps=4, **pdl.opts(out))
     return out
 
 

@@ -148,7 +148,9 @@ def _fused(g: torch.Generator) -> None:
 
 
 # (rows per program, warps, programs aimed at)
-T_CONFIGS = [(512, 4, 1056), (256, 4, 1056), (128, 4, 1056), (256, 4, 2112), (256, 2, 1056)]
+T_CONFIGS = [(256, 4, 1056), (512, 4, 1056), (512, 8, 1056), (256, 2, 1056), (128, 2, 1056),
+             (256, 4, 528), (256, 4, 2112)]
+T_GLU_CONFIGS = [(256, 4, 2112), (128, 4, 2112), (512, 8, 2112), (256, 8, 2112)]
 T_SHAPES = [(qt.Q4_K, s) for s in (*SHAPES, (27648, 5120), (5120, 27648), (3584, 3584),
                                     (896, 4864), (5120, 5120))] \
     + [(qt.Q6_K, s) for s in ((3584, 18944), (152064, 3584), (896, 4864), (5120, 27648),
@@ -188,10 +190,35 @@ def _tlayout(g: torch.Generator) -> None:
                   f"err {err:.1e} left {left}", flush=True)
 
 
+def _tglu(g: torch.Generator) -> None:
+    """The T-layout gate/up + GLU launch at 7B and 32B shapes over T_CONFIGS."""
+    from kernels import gemv_t
+
+    for t, s in ((qt.Q4_K, (18944, 3584)), (qt.Q4_K, (27648, 5120))):
+        ws = [[gemv_t.repack(random_weight(t, s[0], s[1], "cuda", g), t) for _ in range(2)]
+              for _ in range(ROTATE)]
+        x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
+        y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)
+        part = torch.zeros(2, s[0], device="cuda")
+        cnt = torch.zeros(1, 4096, device="cuda", dtype=torch.int32)
+        nb = 2 * ws[0][0].numel()
+        for cfg, paired in [(c, p) for c in T_GLU_CONFIGS for p in (True, False)]:
+            try:
+                sec = graph_time(lambda i=0, c=cfg, p=paired: gemv_t.gemv_t_glu(
+                    *ws[i % ROTATE], t, s[0], x, y, part, cnt, config=c, paired=p))
+            except Exception as exc:
+                print(f"T glu {s} {cfg}: {type(exc).__name__} {exc}"[:300], flush=True)
+                continue
+            print(f"T glu {qt.type_name(t)} {s} {cfg} paired={paired}: {sec * 1e6:.1f} us "
+                  f"{nb / sec / 1e9:.0f} GB/s", flush=True)
+
+
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(7)
     if "--tlayout" in sys.argv:
-        _tlayout(g)
+        _tglu(g)
+        if "--glu" not in sys.argv:
+            _tlayout(g)
         return
     if "--ncu" in sys.argv:
         for t in (qt.Q4_K, qt.Q6_K):

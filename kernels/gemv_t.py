@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from engine import quant_types as qt
+from kernels import pdl
 from kernels.glu import glu_act
 
 # words (4 bytes) per block that go to the word planes, and tail bytes per block that go to a
@@ -113,16 +114,22 @@ def _k4_sm(w0, w1, w2, J):
 def _x4(xp, m: tl.constexpr, XV: tl.constexpr):
     # x[m] of the 4 values at xp; XV: they came as one 8-byte word (16-bit x)
     if XV:
-        v = ((xp >> (16 * m)) & 0xFFFF).to(tl.uint16)
-        return v.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        # a bf16 is the top half of its float32: one shift or one AND per value
+        w = (xp >> (32 * (m // 2))).to(tl.int32)
+        if m % 2 == 0:
+            w = w << 16
+        else:
+            w = w & -65536
+        return w.to(tl.float32, bitcast=True)
     else:
         return tl.load(xp + m).to(tl.float32)
 
 
 @triton.jit
-def _word(w, xp, sl, sh, xsl, xsh, XV: tl.constexpr = False):
+def _word(w, v, xp, sl, sh, ul, uh, xsl, xsh, XV: tl.constexpr, PAIR: tl.constexpr):
     # one word of 4 rows' qs: bytes m = 0..3 are l = 4j + m of the chunk; low nibble against
-    # x[l], high against x[32 + l] (xp points at x[4j] of the chunk)
+    # x[l], high against x[32 + l] (xp points at x[4j] of the chunk). PAIR: v is the same word
+    # of a second matrix (up beside gate), summed into ul/uh with the same x values
     if XV:
         xlv = tl.load(xp.to(tl.pointer_type(tl.int64)))
         xhv = tl.load((xp + 32).to(tl.pointer_type(tl.int64)))
@@ -134,9 +141,12 @@ def _word(w, xp, sl, sh, xsl, xsh, XV: tl.constexpr = False):
         xh = _x4(xhv, m, XV)
         sl += _nib(w, 8 * m) * xl
         sh += _nib(w, 8 * m + 4) * xh
+        if PAIR:
+            ul += _nib(v, 8 * m) * xl
+            uh += _nib(v, 8 * m + 4) * xh
         xsl += xl
         xsh += xh
-    return sl, sh, xsl, xsh
+    return sl, sh, ul, uh, xsl, xsh
 
 
 @triton.jit
@@ -148,20 +158,8 @@ def _ld8(qp, N, rmask):
 
 
 @triton.jit
-def _chunk(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, xb, c, BLOCK_N: tl.constexpr,
-           XV: tl.constexpr):
-    sl = tl.zeros([BLOCK_N], dtype=tl.float32)
-    sh = tl.zeros([BLOCK_N], dtype=tl.float32)
-    xsl = 0.0
-    xsh = 0.0
-    sl, sh, xsl, xsh = _word(a0, xb, sl, sh, xsl, xsh, XV)
-    sl, sh, xsl, xsh = _word(a1, xb + 4, sl, sh, xsl, xsh, XV)
-    sl, sh, xsl, xsh = _word(a2, xb + 8, sl, sh, xsl, xsh, XV)
-    sl, sh, xsl, xsh = _word(a3, xb + 12, sl, sh, xsl, xsh, XV)
-    sl, sh, xsl, xsh = _word(a4, xb + 16, sl, sh, xsl, xsh, XV)
-    sl, sh, xsl, xsh = _word(a5, xb + 20, sl, sh, xsl, xsh, XV)
-    sl, sh, xsl, xsh = _word(a6, xb + 24, sl, sh, xsl, xsh, XV)
-    sl, sh, xsl, xsh = _word(a7, xb + 28, sl, sh, xsl, xsh, XV)
+def _k4_mix(h0, h1, h2, h3, c, sl, sh, xsl, xsh):
+    # chunk c's two sub-blocks from their sums of (1 + q/16) x and of x
     d = (h0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = ((h0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     scl, mnl = _k4_sm(h1, h2, h3, 2 * c)
@@ -170,33 +168,79 @@ def _chunk(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, xb, c, BLOCK_N: tl.co
 
 
 @triton.jit
-def _q4k_t_dot_half(wt_ptr, x_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N: tl.constexpr,
-                    XV: tl.constexpr):
+def _chunk(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, h0, h1, h2, h3,
+           k0, k1, k2, k3, xb, c, BLOCK_N: tl.constexpr, XV: tl.constexpr, PAIR: tl.constexpr):
+    # chunk c (64 values) of the words a (headers h) and, PAIR, of b (headers k)
+    z = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sl, sh, ul, uh = z, z, z, z
+    xsl = 0.0
+    xsh = 0.0
+    sl, sh, ul, uh, xsl, xsh = _word(a0, b0, xb, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    sl, sh, ul, uh, xsl, xsh = _word(a1, b1, xb + 4, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    sl, sh, ul, uh, xsl, xsh = _word(a2, b2, xb + 8, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    sl, sh, ul, uh, xsl, xsh = _word(a3, b3, xb + 12, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    sl, sh, ul, uh, xsl, xsh = _word(a4, b4, xb + 16, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    sl, sh, ul, uh, xsl, xsh = _word(a5, b5, xb + 20, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    sl, sh, ul, uh, xsl, xsh = _word(a6, b6, xb + 24, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    sl, sh, ul, uh, xsl, xsh = _word(a7, b7, xb + 28, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    r = _k4_mix(h0, h1, h2, h3, c, sl, sh, xsl, xsh)
+    r2 = z
+    if PAIR:
+        r2 = _k4_mix(k0, k1, k2, k3, c, ul, uh, xsl, xsh)
+    return r, r2
+
+
+@triton.jit
+def _q4k_half_loads(wt_ptr, b, c0, rows, rmask, N):
+    # the 4 header words and the 16 qs words of half block c0 // 2 of block b
+    hp = wt_ptr + b * 36 * N + rows
+    qp = hp + (4 + c0 * 8) * N
+    h0 = tl.load(hp, mask=rmask, other=0)
+    h1 = tl.load(hp + N, mask=rmask, other=0)
+    h2 = tl.load(hp + 2 * N, mask=rmask, other=0)
+    h3 = tl.load(hp + 3 * N, mask=rmask, other=0)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(qp, N, rmask)
+    e0, e1, e2, e3, e4, e5, e6, e7 = _ld8(qp + 8 * N, N, rmask)
+    return h0, h1, h2, h3, a0, a1, a2, a3, a4, a5, a6, a7, e0, e1, e2, e3, e4, e5, e6, e7
+
+
+@triton.jit
+def _q4k_t_dot_half(wt_ptr, ut_ptr, x_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N: tl.constexpr,
+                    XV: tl.constexpr, PAIR: tl.constexpr):
     # half a block (2 chunks, 16 words per row) per step, every load of the step issued before
-    # its math: ptxas keeps loads at the top of the body they are used in
+    # its math: ptxas keeps loads at the top of the body they are used in. PAIR: the same
+    # half block of ut (up beside gate) in the same step, on the same x values
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         c0 = (hb % 2) * 2
-        hp = wt_ptr + b * 36 * N + rows
-        qp = hp + (4 + c0 * 8) * N
-        h0 = tl.load(hp, mask=rmask, other=0)
-        h1 = tl.load(hp + N, mask=rmask, other=0)
-        h2 = tl.load(hp + 2 * N, mask=rmask, other=0)
-        h3 = tl.load(hp + 3 * N, mask=rmask, other=0)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(qp, N, rmask)
-        e0, e1, e2, e3, e4, e5, e6, e7 = _ld8(qp + 8 * N, N, rmask)
+        h0, h1, h2, h3, a0, a1, a2, a3, a4, a5, a6, a7, e0, e1, e2, e3, e4, e5, e6, e7 = \
+            _q4k_half_loads(wt_ptr, b, c0, rows, rmask, N)
         # ptxas issues loads just before their use, so a warp has ~1 load in flight; a
         # dependence of the first word on all of them (through ``N >> 31``, 0 at run time)
-        # makes it issue the step's 20 loads together (SASS read for sm_90)
+        # makes it issue the step's 20 (PAIR: 40) loads together (SASS read for sm_90)
         t = (a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ e0 ^ e1 ^ e2 ^ e3 ^ e4 ^ e5 ^ e6 ^ e7 ^ h0 ^ h1
              ^ h2 ^ h3)
+        if PAIR:
+            k0, k1, k2, k3, p0, p1, p2, p3, p4, p5, p6, p7, f0, f1, f2, f3, f4, f5, f6, f7 = \
+                _q4k_half_loads(ut_ptr, b, c0, rows, rmask, N)
+            t ^= (p0 ^ p1 ^ p2 ^ p3 ^ p4 ^ p5 ^ p6 ^ p7 ^ f0 ^ f1 ^ f2 ^ f3 ^ f4 ^ f5 ^ f6 ^ f7
+                  ^ k0 ^ k1 ^ k2 ^ k3)
+        else:
+            k0, k1, k2, k3, p0, p1, p2, p3, p4, p5, p6, p7, f0, f1, f2, f3, f4, f5, f6, f7 = \
+                h0, h1, h2, h3, a0, a1, a2, a3, a4, a5, a6, a7, e0, e1, e2, e3, e4, e5, e6, e7
         a0 = a0 + (t & (N >> 31))
         xb = x_ptr + b * 256 + 64 * c0
-        acc += _chunk(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, xb, c0, BLOCK_N, XV)
-        acc += _chunk(e0, e1, e2, e3, e4, e5, e6, e7, h0, h1, h2, h3, xb + 64, c0 + 1, BLOCK_N,
-                      XV)
-    return acc
+        r, r2 = _chunk(a0, a1, a2, a3, a4, a5, a6, a7, p0, p1, p2, p3, p4, p5, p6, p7,
+                       h0, h1, h2, h3, k0, k1, k2, k3, xb, c0, BLOCK_N, XV, PAIR)
+        acc += r
+        acc2 += r2
+        r, r2 = _chunk(e0, e1, e2, e3, e4, e5, e6, e7, f0, f1, f2, f3, f4, f5, f6, f7,
+                       h0, h1, h2, h3, k0, k1, k2, k3, xb + 64, c0 + 1, BLOCK_N, XV, PAIR)
+        acc += r
+        acc2 += r2
+    return acc, acc2
 
 
 @triton.jit
@@ -306,7 +350,8 @@ def _t_body(wt_ptr, wh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N: tl.co
     if TYPE == 14:
         acc = _q6k_t_dot(wt_ptr, wh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV)
     else:
-        acc = _q4k_t_dot_half(wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV)
+        acc, _ = _q4k_t_dot_half(wt_ptr, wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV,
+                                 False)
     return acc
 
 
@@ -346,8 +391,10 @@ def _t_split_done(prow, acc, rows, rmask, cnt, SPLIT: tl.constexpr, BLOCK_N: tl.
 @triton.jit
 def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB, BPS,
                    stride_xm, stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                   XV: tl.constexpr, HAS_BIAS: tl.constexpr, TYPE: tl.constexpr):
+                   XV: tl.constexpr, HAS_BIAS: tl.constexpr, TYPE: tl.constexpr,
+                   PDL: tl.constexpr):
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
+    pdl.start(PDL)
     acc = _t_body(wt_ptr, wh_ptr, x_ptr + m * stride_xm, rows, rmask, N, NB, b_lo, b_hi,
                   BLOCK_N, XV, TYPE)
     last = True
@@ -363,13 +410,19 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB
 @triton.jit
 def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, y_ptr, part_ptr, cnt_ptr, N, NB,
                        BPS, stride_xm, stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       XV: tl.constexpr, TYPE: tl.constexpr, GELU: tl.constexpr):
+                       XV: tl.constexpr, TYPE: tl.constexpr, GELU: tl.constexpr,
+                       PAIR: tl.constexpr, PDL: tl.constexpr):
     # gate and up rows of the same outputs in one program (x read once for both); with a
     # split, part holds [M, 2, N] and the last program of a row tile applies the GLU
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
+    pdl.start(PDL)
     xrow = x_ptr + m * stride_xm
-    g = _t_body(g_ptr, gh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE)
-    u = _t_body(u_ptr, uh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE)
+    if PAIR:  # Q4_K: gate and up words in one step, each x value converted once for both
+        g, u = _q4k_t_dot_half(g_ptr, u_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV,
+                               True)
+    else:
+        g = _t_body(g_ptr, gh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE)
+        u = _t_body(u_ptr, uh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE)
     last = True
     if SPLIT > 1:
         prow = part_ptr + m * 2 * N
@@ -385,7 +438,10 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, y_ptr, part_ptr, cnt
 
 # (rows per program, warps, programs aimed at) of the T-layout GEMV: the best of the H200 sweep
 # (`python -m kernels.gemv_profile --tlayout`, kernels/NOTES.md)
-T_CONFIG = (256, 4, 1056)
+T_CONFIG = (256, 4, 2112)
+# the gate/up launch: 128 rows per program, each Q4_K step reading both matrices' words (session
+# 4 sweep: 7B 50.1 -> 47.0 us, 32B 88.6 -> 83.0 us against T_CONFIG one matrix after the other)
+T_GLU_CONFIG = (128, 4, 2112)
 
 
 def split_for(n: int, nb: int, block_n: int, target: int) -> int:
@@ -417,7 +473,7 @@ def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
     words = wt[: nb * WORDS[ggml_type] * rows * 4].view(torch.int32)
     meta = {"BLOCK_N": block_n, "SPLIT": split, "TYPE": ggml_type,
             "XV": x2.dtype == torch.bfloat16 and x2.stride(0) % 4 == 0
-            and x2.data_ptr() % 8 == 0}
+            and x2.data_ptr() % 8 == 0, **pdl.opts(wt)}
     return (tiles, split, mm), (words, wt.view(torch.float16)), x2, (nb, bps), meta, warps
 
 
@@ -438,17 +494,21 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
 
 def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
                x: torch.Tensor, out: torch.Tensor, part: torch.Tensor, counter: torch.Tensor,
-               act: str = "silu", config: tuple[int, int, int] | None = None) -> torch.Tensor:
+               act: str = "silu", config: tuple[int, int, int] | None = None,
+               paired: bool = True) -> torch.Tensor:
     """act(x @ gate^T) * (x @ up^T) [M, rows] for gate and up in the T layout, one launch.
-    ``part`` >= M x 2 x rows float32 zeros."""
+    ``part`` >= M x 2 x rows float32 zeros. Q4_K reads gate and up words in the same steps
+    (``paired=False``: one matrix after the other, for comparison)."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    config = config or T_GLU_CONFIG
     grid, gp, x2, (nb, bps), meta, warps = _t_launch(gate, ggml_type, rows, x, config, 2, part,
                                                      counter)
     _, up_p, _, _, _, _ = _t_launch(up, ggml_type, rows, x, config, 2, part, counter)
     y = out.view(x2.shape[0], rows)
     _gemv_t_glu_kernel[grid](*gp, *up_p, x2, y, part, counter, rows, nb, bps, x2.stride(0),
-                             y.stride(0), GELU=act == "gelu", **meta, num_warps=warps)
+                             y.stride(0), GELU=act == "gelu", PAIR=paired and ggml_type == qt.Q4_K,
+                             **meta, num_warps=warps)
     return out
 
 

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 @triton.jit
 def glu_act(g, u, GELU: tl.constexpr):
@@ -20,7 +22,9 @@ def glu_act(g, u, GELU: tl.constexpr):
 
 @triton.jit
 def _glu_kernel(g_ptr, u_ptr, y_ptr, n, F, stride_g, stride_u, stride_y,
-                GELU: tl.constexpr, BLOCK: tl.constexpr):
+                GELU: tl.constexpr, BLOCK: tl.constexpr,
+                PDL: tl.constexpr):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < F
@@ -40,7 +44,7 @@ def glu(gate: torch.Tensor, up: torch.Tensor, act: str = "silu",
     block = min(4096, triton.next_power_of_2(f))
     grid = (g2.shape[0], triton.cdiv(f, block))
     _glu_kernel[grid](g2, u2, y, g2.shape[0], f, g2.stride(0), u2.stride(0), y.stride(0),
-                      GELU=act == "gelu", BLOCK=block, num_warps=4)
+                      GELU=act == "gelu", BLOCK=block, num_warps=4, **pdl.opts(y))
     return y.view(gate.shape) if out is None else out
 
 

@@ -14,12 +14,15 @@ import triton.language as tl
 
 from engine import dequant as _dq
 from engine import quant_types as qt
+from kernels import pdl
 
 
 @triton.jit
 def _kv_store_kernel(src_ptr, pos_ptr, c_ptr, c8_ptr, ch_ptr, src2_ptr, c2_ptr, c82_ptr, ch2_ptr,
                      cells, KVH, stride_t, stride_h, stride2_t, stride2_h,
-                     D: tl.constexpr, Q8: tl.constexpr):
+                     D: tl.constexpr, Q8: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl.start(PDL)
     # program_id(2) picks the pair: 0 = keys, 1 = values (one launch stores both)
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -57,7 +60,9 @@ def _kv_store_one(src_ptr, pos_ptr, c_ptr, c8_ptr, ch_ptr, cells, KVH, stride_t,
 
 
 @triton.jit
-def _q8_roundtrip_kernel(x_ptr, stride_t, stride_h, D: tl.constexpr):
+def _q8_roundtrip_kernel(x_ptr, stride_t, stride_h, D: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl.start(PDL)
     # x[t, h, :] := its q8_0 blocks dequantized (kv_store's quantization, d through f16)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -81,7 +86,7 @@ def q8_roundtrip_(x: torch.Tensor) -> torch.Tensor:
     if x.stride(2) != 1 or d % 32:
         raise ValueError("q8_roundtrip_ needs contiguous head dims of whole 32-value blocks")
     _q8_roundtrip_kernel[(t, h)](x, x.stride(0), x.stride(1), D=d,
-                                 num_warps=1 if d <= 128 else 2)
+                                 num_warps=1 if d <= 128 else 2, **pdl.opts(x))
     return x
 
 
@@ -110,7 +115,8 @@ def kv_store(src: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, ce
     c2 = cache2 if pair else cache
     _kv_store_kernel[(t, kvh, 2 if pair else 1)](
         src, positions, *_views(cache), s2, *_views(c2), cells, kvh, src.stride(0),
-        src.stride(1), s2.stride(0), s2.stride(1), D=d, Q8=q8, num_warps=1 if d <= 128 else 2)
+        src.stride(1), s2.stride(0), s2.stride(1), D=d, Q8=q8, num_warps=1 if d <= 128 else 2,
+        **pdl.opts(cache))
 
 
 def kv_store_ref(src: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, cells: int,

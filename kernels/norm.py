@@ -6,10 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, H, eps, stride_x, stride_r, stride_y,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < H
@@ -33,7 +37,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block = triton.next_power_of_2(h)
     _rmsnorm_kernel[(x2.shape[0],)](x2, r, weight, y, h, eps, x2.stride(0), r.stride(0),
                                    y.stride(0), HAS_RES=residual is not None, BLOCK=block,
-                                   num_warps=8 if block >= 4096 else 4)
+                                   num_warps=8 if block >= 4096 else 4, **pdl.opts(y))
     return y.view(x.shape) if out is None else out
 
 
@@ -51,7 +55,9 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @triton.jit
 def _post_rmsnorm_kernel(x_ptr, res_ptr, wp_ptr, w_ptr, y_ptr, H, eps, stride_x, stride_r,
-                         stride_y, BLOCK: tl.constexpr):
+                         stride_y, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < H
@@ -75,7 +81,7 @@ def rmsnorm_post(x: torch.Tensor, post_weight: torch.Tensor, weight: torch.Tenso
     block = triton.next_power_of_2(h)
     _post_rmsnorm_kernel[(x2.shape[0],)](x2, r, post_weight, weight, y, h, eps, x2.stride(0),
                                         r.stride(0), y.stride(0), BLOCK=block,
-                                        num_warps=8 if block >= 4096 else 4)
+                                        num_warps=8 if block >= 4096 else 4, **pdl.opts(y))
     return out
 
 
@@ -88,7 +94,9 @@ def rmsnorm_post_ref(x: torch.Tensor, post_weight: torch.Tensor, weight: torch.T
 
 @triton.jit
 def _heads_kernel(x_ptr, wq_ptr, wk_ptr, n_q, n_heads, eps, stride_t, stride_h,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl.start(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -112,7 +120,7 @@ def rmsnorm_heads(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tenso
     bh = min(16, triton.next_power_of_2(nh))
     _heads_kernel[(t, triton.cdiv(nh, bh))](x, q_weight, k_weight, n_q, nh, eps, x.stride(0),
                                             x.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d),
-                                            BLOCK_H=bh, num_warps=4)
+                                            BLOCK_H=bh, num_warps=4, **pdl.opts(x))
     return x
 
 

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from engine import dequant as _dq
 from engine import quant_types as qt
+from kernels import pdl
 from kernels.gemv_dot import row_dot
 from kernels.glu import glu_act
 from kernels.quant_blocks import dequant_part, plan
@@ -64,7 +65,9 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, y_ptr, b_ptr, N, K, row_bytes, st
                  stride_ym, TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
                  NPART: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr, SPECIAL: tl.constexpr,
-                 MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl.start(PDL)
     # rows on axis 0: a 152064-row output matrix in 2-row programs passes the 65535 limit of
     # grid axes 1 and 2
     pid = tl.program_id(0)
@@ -85,7 +88,9 @@ def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, y_ptr,
                      stride_xm, stride_ym, TYPE: tl.constexpr, BS: tl.constexpr,
                      TS: tl.constexpr, NPART: tl.constexpr, L: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr,
-                     SPECIAL: tl.constexpr, MAGIC: tl.constexpr, GELU: tl.constexpr):
+                     SPECIAL: tl.constexpr, MAGIC: tl.constexpr, GELU: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl.start(PDL)
     # gate and up rows of the same outputs in one program: x is read once for both, and the
     # GLU needs no launch and no [T, 2F] buffer of its own
     pid = tl.program_id(0)
@@ -125,7 +130,9 @@ def _gemv3_kernel(w1, w1h, w1i, b1, N1, rb1, w2, w2h, w2i, b2, N2, rb2, w3, w3h,
                   SP2: tl.constexpr, MG2: tl.constexpr,
                   T3: tl.constexpr, BS3: tl.constexpr, TS3: tl.constexpr, NP3: tl.constexpr,
                   L3: tl.constexpr, R3: tl.constexpr, B3: tl.constexpr, LS3: tl.constexpr,
-                  SP3: tl.constexpr, MG3: tl.constexpr, HAS_BIAS: tl.constexpr):
+                  SP3: tl.constexpr, MG3: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl.start(PDL)
     # q, k and v of one layer (each with its own type and tile) in one launch: the outputs sit
     # side by side in y's row; programs [0, P1) do the first matrix, [P1, P2) the second
     pid = tl.program_id(0)
@@ -147,7 +154,9 @@ def _gemv3_kernel(w1, w1h, w1i, b1, N1, rb1, w2, w2h, w2i, b2, N2, rb2, w3, w3h,
 def _dequant_kernel(w_ptr, wh_ptr, ids_ptr, out_ptr, N, K, row_bytes, stride_om,
                     TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
                     L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
-                    GATHER: tl.constexpr):
+                    GATHER: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl.start(PDL)
     pid_r = tl.program_id(0)
     pid_b = tl.program_id(1)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -238,7 +247,7 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
     _gemv_kernel[grid](*ptrs, x2, y, bias if bias is not None else y, n, k, w.shape[1],
                        x2.stride(0), y.stride(0), HAS_BIAS=bias is not None, **meta,
-                       **_opts(warps, stages))
+                       **_opts(warps, stages), **pdl.opts(y))
     return y.view(*x.shape[:-1], n) if out is None else out
 
 
@@ -264,7 +273,8 @@ def gemv_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, x: torch.Tens
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
     _gemv_glu_kernel[grid](*gp, *up_ptrs, x2, y, n, k, gate.shape[1], x2.stride(0), y.stride(0),
-                           GELU=act == "gelu", **meta, **_opts(warps, stages))
+                           GELU=act == "gelu", **meta, **_opts(warps, stages),
+                           **pdl.opts(y))
     return y.view(*x.shape[:-1], n) if out is None else out
 
 
@@ -298,7 +308,8 @@ def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tens
         progs.append(progs[-1] + triton.cdiv(w.shape[0], meta["BLOCK_R"]))
     grid = (progs[3], m)
     _gemv3_kernel[grid](*args, x2, y, progs[1], progs[2], k, x2.stride(0), y.stride(0),
-                        HAS_BIAS=biases is not None, **consts, num_warps=warps)
+                        HAS_BIAS=biases is not None, **consts, num_warps=warps,
+                        **pdl.opts(y))
     return out
 
 
@@ -323,7 +334,7 @@ def _dequant_launch(w, ggml_type, ids, out, n, k):
     _dequant_kernel[grid](w, wh, ids if ids is not None else w, out, n, k, w.shape[1],
                           out.stride(0), TYPE=ggml_type, BS=p.block, TS=p.nbytes,
                           NPART=p.parts, L=p.lanes, BLOCK_R=br, BLOCK_B=bb,
-                          GATHER=ids is not None, num_warps=4)
+                          GATHER=ids is not None, num_warps=4, **pdl.opts(out))
     return out
 
 

@@ -9,12 +9,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.kv_cache import _kv_store_one, _views
 
 
 @triton.jit
 def _rope_kernel(x_ptr, pos_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale,
-                 D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr):
+                 D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl.start(PDL)
     _rope_heads(x_ptr, pos_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale,
                 tl.program_id(0), tl.program_id(1), D, HALF, NEOX, BLOCK_H)
 
@@ -69,7 +72,9 @@ def _q8_rows(c8_ptr, ch_ptr, blk0, y, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
 def _rope_store_kernel(x_ptr, v_ptr, pos_ptr, kc, kc8, kch, vc, vc8, vch, cells, n_q, KVH,
                        stride_t, stride_h, v_stride_t, v_stride_h, log2_base, freq_scale,
                        D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
-                       BLOCK_H: tl.constexpr, Q8: tl.constexpr):
+                       BLOCK_H: tl.constexpr, Q8: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl.start(PDL)
     # programs [0, NB) rotate q and k heads (k heads also go into the cache), the rest store
     # one value head each
     t = tl.program_id(0)
@@ -105,7 +110,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float, neox: bool,
     bh = min(16, triton.next_power_of_2(nh))
     grid = (t, triton.cdiv(nh, bh))
     _rope_kernel[grid](x, positions, x.stride(0), x.stride(1), nh, math.log2(base), freq_scale,
-                       D=d, HALF=d // 2, NEOX=neox, BLOCK_H=bh, num_warps=4)
+                       D=d, HALF=d // 2, NEOX=neox, BLOCK_H=bh, num_warps=4,
+                       **pdl.opts(x))
     return x
 
 
@@ -129,7 +135,8 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, base:
     _rope_store_kernel[grid](qk, v, positions, *_views(k_cache), *_views(v_cache), cells, n_q,
                              kvh, qk.stride(0), qk.stride(1), v.stride(0), v.stride(1),
                              math.log2(base), freq_scale, D=d, HALF=d // 2, NEOX=neox,
-                             BLOCK_H=bh, Q8=k_cache.dtype == torch.uint8, num_warps=4)
+                             BLOCK_H=bh, Q8=k_cache.dtype == torch.uint8, num_warps=4,
+                             **pdl.opts(k_cache))
 
 
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, base: float, neox: bool,

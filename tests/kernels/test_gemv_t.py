@@ -97,19 +97,23 @@ def test_split_count_covers_the_blocks():
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize("split", [True, False])
-def test_gemv_t_glu_matches_reference(ggml_type, act, split):
+@pytest.mark.parametrize("paired", [True, False])
+def test_gemv_t_glu_matches_reference(ggml_type, act, split, paired):
+    # paired: Q4_K's gate and up in the same steps (bf16 x); else one after the other (f32 x)
     g = _gen()
     m, rows, nb = _rand(g, 1, 3), _rand(g, 1, 50), _rand(g, 1, 4)
     gate = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
     up = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
-    x = torch.randn(m, 256 * nb, generator=g, device=DEVICE).to(torch.bfloat16)
+    x = torch.randn(m, 256 * nb, generator=g, device=DEVICE)
+    if paired:
+        x = x.to(torch.bfloat16)
     tiles = -(-rows // 32)
     part = torch.zeros(m, 2, rows, device=DEVICE)
     counter = torch.zeros(m, tiles, dtype=torch.int32, device=DEVICE)
     out = torch.full((m, rows), float("nan"), device=DEVICE)
     gemv_t.gemv_t_glu(gemv_t.repack(gate, ggml_type), gemv_t.repack(up, ggml_type), ggml_type,
                       rows, x, out, part, counter, act,
-                      config=(32, 1, tiles * (nb if split else 1)))
+                      config=(32, 1, tiles * (nb if split else 1)), paired=paired)
     ref = glu.glu_ref(quant_matmul.gemv_ref(gate, ggml_type, x.float()),
                       quant_matmul.gemv_ref(up, ggml_type, x.float()), act)
     assert _nerr(out, ref) < 1e-5
