@@ -76,6 +76,11 @@ def activation_buffers(
     t_rows = max(2 * f, e, hp.n_vocab if n_vocab_rows > 0 else 0)
     out += [BufferSpec("t_part", (8, t_rows), "f32"),
             BufferSpec("t_count", (8, -(-t_rows // 128)), "i32")]
+    # decode's int8 copies of the T GEMVs' inputs (kernels/q8x.py): the normed row (n_embd)
+    # and the GLU output (n_ff) side by side, each as int8 words plus a scale and a sum per 32
+    # (rounded to 1024 values: both spans whole 256-byte arena slots)
+    q8 = -(-(-(-e // 32) * 32 + -(-f // 32) * 32) // 1024) * 1024
+    out += [BufferSpec("xq", (q8 // 4,), "i32"), BufferSpec("xq_ds", (2, q8 // 32), "f32")]
     if n_vocab_rows > 0:
         out.append(BufferSpec("logits", (n_vocab_rows, hp.n_vocab), "f32"))  # [rows, n_vocab]
     if dequant_scratch > 0:

@@ -3,7 +3,7 @@ generic walk over a sweep of tiles, and the fused launches (gate/up + GLU, q/k/v
 the separate ones; ``--ncu`` makes a short run for the profiler; ``--tlayout`` times the
 T-layout GEMV (kernels/gemv_t.py) against the GGUF-layout one at 7B, 32B and head shapes.
 
-    python -m kernels.gemv_profile [--probes] [--ncu] [--tlayout [--quick]]
+    python -m kernels.gemv_profile [--probes] [--ncu] [--tlayout [--quick] [--glu]] [--q8x]
 
 Times are replays of a CUDA graph of 8 calls with four weight copies cycled (no L2 hits);
 GB/s counts the weight bytes read.
@@ -213,8 +213,44 @@ def _tglu(g: torch.Generator) -> None:
                   f"{nb / sec / 1e9:.0f} GB/s", flush=True)
 
 
+def _q8x(g: torch.Generator) -> None:
+    """The Q4_K T GEMVs on float x against the same on x's int8 copy (dp4a), same weights."""
+    from kernels import gemv_t, q8x
+
+    for s in ((18944, 3584), (3584, 18944), (27648, 5120), (5120, 27648)):
+        ws = [gemv_t.repack(random_weight(qt.Q4_K, s[0], s[1], "cuda", g), qt.Q4_K)
+              for _ in range(ROTATE)]
+        x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
+        q, d, sm = q8x.quantize_ref(x[0])
+        xq = (q.view(torch.int32), d, sm)
+        ref = quant_matmul.gemv_ref(gemv_t.unpack(ws[0], qt.Q4_K, s[0]), qt.Q4_K,
+                                    q8x.dequantize_ref(q, d)[None])
+        y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)
+        part = torch.zeros(2, s[0], device="cuda")
+        cnt = torch.zeros(4096, device="cuda", dtype=torch.int32)
+        nb = ws[0].numel()
+        base = graph_time(lambda i=0: gemv_t.gemv_t(ws[i % ROTATE], qt.Q4_K, s[0], x, y, part,
+                                                    cnt))
+        gemv_t.gemv_t(ws[0], qt.Q4_K, s[0], x, y, part, cnt, xq=xq)
+        err = nerr(y.float(), ref)
+        sec = graph_time(lambda i=0: gemv_t.gemv_t(ws[i % ROTATE], qt.Q4_K, s[0], x, y, part,
+                                                   cnt, xq=xq))
+        print(f"Q4_K {s}: float x {base * 1e6:.1f} us, int8 x {sec * 1e6:.1f} us "
+              f"({nb / sec / 1e9:.0f} GB/s, {base / sec:.2f}x) err {err:.1e}", flush=True)
+        if s[0] > s[1]:  # an up shape: the gate/up pair too
+            glu_f = graph_time(lambda i=0: gemv_t.gemv_t_glu(
+                ws[i % ROTATE], ws[(i + 1) % ROTATE], qt.Q4_K, s[0], x, y, part, cnt))
+            glu_q = graph_time(lambda i=0: gemv_t.gemv_t_glu(
+                ws[i % ROTATE], ws[(i + 1) % ROTATE], qt.Q4_K, s[0], x, y, part, cnt, xq=xq))
+            print(f"Q4_K gate/up {s}: float x {glu_f * 1e6:.1f} us, int8 x {glu_q * 1e6:.1f} "
+                  f"us ({2 * nb / glu_q / 1e9:.0f} GB/s, {glu_f / glu_q:.2f}x)", flush=True)
+
+
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(7)
+    if "--q8x" in sys.argv:
+        _q8x(g)
+        return
     if "--tlayout" in sys.argv:
         _tglu(g)
         if "--glu" not in sys.argv:

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from engine import quant_types as qt
-from kernels import pdl
+from kernels import pdl, q8x
 from kernels.glu import glu_act
 
 # words (4 bytes) per block that go to the word planes, and tail bytes per block that go to a
@@ -191,6 +191,76 @@ def _chunk(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, h0, h
 
 
 @triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    # c + the 4 bytes of a (unsigned) times those of b (signed); ASM: the GPU's instruction,
+    # else the same sum in integer ops (the interpreter runs no inline assembly)
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                         [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        for k in tl.static_range(4):
+            c += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
+        return c
+
+
+@triton.jit
+def _q8_word(w, v, xl, xh, il, ih, jl, jh, ASM: tl.constexpr, PAIR: tl.constexpr):
+    # word j of a chunk: its low nibbles are values 4j..4j+3 of the low sub-block, the high
+    # ones of the high sub-block, against the int8 x words xl, xh (broadcast to the rows)
+    il = _dp4a(w & 0x0F0F0F0F, xl, il, ASM)
+    ih = _dp4a((w >> 4) & 0x0F0F0F0F, xh, ih, ASM)
+    if PAIR:
+        jl = _dp4a(v & 0x0F0F0F0F, xl, jl, ASM)
+        jh = _dp4a((v >> 4) & 0x0F0F0F0F, xh, jh, ASM)
+    return il, ih, jl, jh
+
+
+@triton.jit
+def _k4_mix_q8(h0, h1, h2, h3, c, il, ih, dl, dh, sl, sh):
+    # chunk c's two sub-blocks from the integer dots and x's int8 scales and sums
+    d = (h0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((h0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    scl, mnl = _k4_sm(h1, h2, h3, 2 * c)
+    sch, mnh = _k4_sm(h1, h2, h3, 2 * c + 1)
+    return d * (scl * dl * il.to(tl.float32) + sch * dh * ih.to(tl.float32)) \
+        - dmin * (mnl * sl + mnh * sh)
+
+
+@triton.jit
+def _q8_chunk(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, h0, h1, h2, h3,
+              k0, k1, k2, k3, xq_ptr, xd_ptr, xs_ptr, blk, c, ASM: tl.constexpr,
+              PAIR: tl.constexpr):
+    # chunk c of block blk on int8 x (sub-blocks 2c and 2c + 1, 8 words each)
+    g = blk * 8 + 2 * c
+    xl = xq_ptr + g * 8
+    z = a0 * 0
+    il, ih, jl, jh = z, z, z, z
+    il, ih, jl, jh = _q8_word(a0, b0, tl.load(xl) + z, tl.load(xl + 8) + z, il, ih, jl, jh,
+                              ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a1, b1, tl.load(xl + 1) + z, tl.load(xl + 9) + z, il, ih, jl, jh,
+                              ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a2, b2, tl.load(xl + 2) + z, tl.load(xl + 10) + z, il, ih, jl,
+                              jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a3, b3, tl.load(xl + 3) + z, tl.load(xl + 11) + z, il, ih, jl,
+                              jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a4, b4, tl.load(xl + 4) + z, tl.load(xl + 12) + z, il, ih, jl,
+                              jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a5, b5, tl.load(xl + 5) + z, tl.load(xl + 13) + z, il, ih, jl,
+                              jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a6, b6, tl.load(xl + 6) + z, tl.load(xl + 14) + z, il, ih, jl,
+                              jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a7, b7, tl.load(xl + 7) + z, tl.load(xl + 15) + z, il, ih, jl,
+                              jh, ASM, PAIR)
+    dl, dh = tl.load(xd_ptr + g), tl.load(xd_ptr + g + 1)
+    sl, sh = tl.load(xs_ptr + g), tl.load(xs_ptr + g + 1)
+    r = _k4_mix_q8(h0, h1, h2, h3, c, il, ih, dl, dh, sl, sh)
+    r2 = r * 0.0
+    if PAIR:
+        r2 = _k4_mix_q8(k0, k1, k2, k3, c, jl, jh, dl, dh, sl, sh)
+    return r, r2
+
+
+@triton.jit
 def _q4k_half_loads(wt_ptr, b, c0, rows, rmask, N):
     # the 4 header words and the 16 qs words of half block c0 // 2 of block b
     hp = wt_ptr + b * 36 * N + rows
@@ -205,11 +275,13 @@ def _q4k_half_loads(wt_ptr, b, c0, rows, rmask, N):
 
 
 @triton.jit
-def _q4k_t_dot_half(wt_ptr, ut_ptr, x_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N: tl.constexpr,
-                    XV: tl.constexpr, PAIR: tl.constexpr):
+def _q4k_t_dot_half(wt_ptr, ut_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, b_lo, b_hi,
+                    BLOCK_N: tl.constexpr, XV: tl.constexpr, PAIR: tl.constexpr,
+                    Q8X: tl.constexpr, ASM: tl.constexpr):
     # half a block (2 chunks, 16 words per row) per step, every load of the step issued before
     # its math: ptxas keeps loads at the top of the body they are used in. PAIR: the same
-    # half block of ut (up beside gate) in the same step, on the same x values
+    # half block of ut (up beside gate) in the same step, on the same x values. Q8X: x is the
+    # int8 copy (kernels/q8x.py) and the nibbles multiply by dp4a
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -231,13 +303,23 @@ def _q4k_t_dot_half(wt_ptr, ut_ptr, x_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N: 
             k0, k1, k2, k3, p0, p1, p2, p3, p4, p5, p6, p7, f0, f1, f2, f3, f4, f5, f6, f7 = \
                 h0, h1, h2, h3, a0, a1, a2, a3, a4, a5, a6, a7, e0, e1, e2, e3, e4, e5, e6, e7
         a0 = a0 + (t & (N >> 31))
-        xb = x_ptr + b * 256 + 64 * c0
-        r, r2 = _chunk(a0, a1, a2, a3, a4, a5, a6, a7, p0, p1, p2, p3, p4, p5, p6, p7,
-                       h0, h1, h2, h3, k0, k1, k2, k3, xb, c0, BLOCK_N, XV, PAIR)
-        acc += r
-        acc2 += r2
-        r, r2 = _chunk(e0, e1, e2, e3, e4, e5, e6, e7, f0, f1, f2, f3, f4, f5, f6, f7,
-                       h0, h1, h2, h3, k0, k1, k2, k3, xb + 64, c0 + 1, BLOCK_N, XV, PAIR)
+        if Q8X:
+            r, r2 = _q8_chunk(a0, a1, a2, a3, a4, a5, a6, a7, p0, p1, p2, p3, p4, p5, p6, p7,
+                              h0, h1, h2, h3, k0, k1, k2, k3, xq_ptr, xd_ptr, xs_ptr, b, c0,
+                              ASM, PAIR)
+            acc += r
+            acc2 += r2
+            r, r2 = _q8_chunk(e0, e1, e2, e3, e4, e5, e6, e7, f0, f1, f2, f3, f4, f5, f6, f7,
+                              h0, h1, h2, h3, k0, k1, k2, k3, xq_ptr, xd_ptr, xs_ptr, b, c0 + 1,
+                              ASM, PAIR)
+        else:
+            xb = x_ptr + b * 256 + 64 * c0
+            r, r2 = _chunk(a0, a1, a2, a3, a4, a5, a6, a7, p0, p1, p2, p3, p4, p5, p6, p7,
+                           h0, h1, h2, h3, k0, k1, k2, k3, xb, c0, BLOCK_N, XV, PAIR)
+            acc += r
+            acc2 += r2
+            r, r2 = _chunk(e0, e1, e2, e3, e4, e5, e6, e7, f0, f1, f2, f3, f4, f5, f6, f7,
+                           h0, h1, h2, h3, k0, k1, k2, k3, xb + 64, c0 + 1, BLOCK_N, XV, PAIR)
         acc += r
         acc2 += r2
     return acc, acc2
@@ -344,14 +426,15 @@ def _q6k_t_dot(wt_ptr, wh_ptr, x_ptr, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N: t
 
 
 @triton.jit
-def _t_body(wt_ptr, wh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N: tl.constexpr,
-            XV: tl.constexpr, TYPE: tl.constexpr):
+def _t_body(wt_ptr, wh_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_lo, b_hi,
+            BLOCK_N: tl.constexpr, XV: tl.constexpr, TYPE: tl.constexpr, Q8X: tl.constexpr,
+            ASM: tl.constexpr):
     # rows masked, not clamped: a clamp hides their contiguity and the loads go 4 bytes wide
     if TYPE == 14:
         acc = _q6k_t_dot(wt_ptr, wh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV)
     else:
-        acc, _ = _q4k_t_dot_half(wt_ptr, wt_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV,
-                                 False)
+        acc, _ = _q4k_t_dot_half(wt_ptr, wt_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
+                                 b_lo, b_hi, BLOCK_N, XV, False, Q8X, ASM)
     return acc
 
 
@@ -389,14 +472,14 @@ def _t_split_done(prow, acc, rows, rmask, cnt, SPLIT: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
-def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB, BPS,
-                   stride_xm, stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                   XV: tl.constexpr, HAS_BIAS: tl.constexpr, TYPE: tl.constexpr,
-                   PDL: tl.constexpr):
+def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, b_ptr, part_ptr,
+                   cnt_ptr, N, NB, BPS, stride_xm, stride_ym, BLOCK_N: tl.constexpr,
+                   SPLIT: tl.constexpr, XV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   TYPE: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
     pdl.start(PDL)
-    acc = _t_body(wt_ptr, wh_ptr, x_ptr + m * stride_xm, rows, rmask, N, NB, b_lo, b_hi,
-                  BLOCK_N, XV, TYPE)
+    acc = _t_body(wt_ptr, wh_ptr, x_ptr + m * stride_xm, xq_ptr, xd_ptr, xs_ptr, rows, rmask,
+                  N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
     last = True
     if SPLIT > 1:
         last, acc = _t_split_done(part_ptr + m * N, acc, rows, rmask,
@@ -408,21 +491,26 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, y_ptr, b_ptr, part_ptr, cnt_ptr, N, NB
 
 
 @triton.jit
-def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, y_ptr, part_ptr, cnt_ptr, N, NB,
-                       BPS, stride_xm, stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr,
+                       oq_ptr, od_ptr, os_ptr, part_ptr, cnt_ptr, N, NB, BPS, stride_xm,
+                       stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        XV: tl.constexpr, TYPE: tl.constexpr, GELU: tl.constexpr,
-                       PAIR: tl.constexpr, PDL: tl.constexpr):
+                       PAIR: tl.constexpr, Q8X: tl.constexpr, QOUT: tl.constexpr,
+                       ASM: tl.constexpr, PDL: tl.constexpr):
     # gate and up rows of the same outputs in one program (x read once for both); with a
-    # split, part holds [M, 2, N] and the last program of a row tile applies the GLU
+    # split, part holds [M, 2, N] and the last program of a row tile applies the GLU.
+    # QOUT: the last program also writes the int8 copy of its y (kernels/q8x.py, M = 1)
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
     pdl.start(PDL)
     xrow = x_ptr + m * stride_xm
     if PAIR:  # Q4_K: gate and up words in one step, each x value converted once for both
-        g, u = _q4k_t_dot_half(g_ptr, u_ptr, xrow, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV,
-                               True)
+        g, u = _q4k_t_dot_half(g_ptr, u_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
+                               b_lo, b_hi, BLOCK_N, XV, True, Q8X, ASM)
     else:
-        g = _t_body(g_ptr, gh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE)
-        u = _t_body(u_ptr, uh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE)
+        g = _t_body(g_ptr, gh_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_lo,
+                    b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
+        u = _t_body(u_ptr, uh_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_lo,
+                    b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
     last = True
     if SPLIT > 1:
         prow = part_ptr + m * 2 * N
@@ -432,8 +520,10 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, y_ptr, part_ptr, cnt
         if last:
             u = _t_take(prow + N + rows, rmask, BLOCK_N)
     if last:
-        tl.store(y_ptr + m * stride_ym + rows, glu_act(g, u, GELU).to(y_ptr.dtype.element_ty),
-                 mask=rmask)
+        y = glu_act(g, u, GELU)
+        tl.store(y_ptr + m * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+        if QOUT:
+            q8x.store_q8(y, rows, rmask, oq_ptr, od_ptr, os_ptr, BLOCK_N)
 
 
 # (rows per program, warps, programs aimed at) of the T-layout GEMV: the best of the H200 sweep
@@ -477,38 +567,61 @@ def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
     return (tiles, split, mm), (words, wt.view(torch.float16)), x2, (nb, bps), meta, warps
 
 
+def _q8_in(xq, ggml_type: int, x2: torch.Tensor):
+    """(q, d, s, use): the int8 copy of x (kernels/q8x.py) where the kernel can use it (a
+    Q4_K matrix, one row of x), else x's own pointers and False."""
+    if xq is None or ggml_type != qt.Q4_K or x2.shape[0] != 1:
+        return x2, x2, x2, False
+    q, d, s = xq
+    k = x2.shape[1]
+    if q.dtype != torch.int32 or q.numel() * 4 < k or d.numel() < k // 32 \
+            or s.numel() < k // 32:
+        raise ValueError(f"int8 x buffers too small for a row of {k}")
+    return q, d, s, True
+
+
 def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: torch.Tensor,
            part: torch.Tensor, counter: torch.Tensor, bias: torch.Tensor | None = None,
-           config: tuple[int, int, int] | None = None) -> torch.Tensor:
+           config: tuple[int, int, int] | None = None, xq=None) -> torch.Tensor:
     """y[M, rows] = x[M, cols] @ W^T (+ bias) for W in the T layout ``wt`` (from ``repack``).
     ``part``: float32 zeros (>= M x rows); ``counter``: int32 zeros (>= M x row tiles); both
-    are left zero. No allocation."""
+    are left zero. No allocation. ``xq``: x's int8 copy (q, d, s of kernels/q8x.py), which a
+    Q4_K matrix multiplies by dp4a when M = 1."""
     grid, ptrs, x2, (nb, bps), meta, warps = _t_launch(wt, ggml_type, rows, x, config, 1, part,
                                                        counter)
+    q, d, s, use = _q8_in(xq, ggml_type, x2)
     y = out.view(x2.shape[0], rows)
-    _gemv_t_kernel[grid](*ptrs, x2, y, bias if bias is not None else y, part, counter, rows, nb,
-                         bps, x2.stride(0), y.stride(0), HAS_BIAS=bias is not None, **meta,
-                         num_warps=warps)
+    _gemv_t_kernel[grid](*ptrs, x2, q, d, s, y, bias if bias is not None else y, part, counter,
+                         rows, nb, bps, x2.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+                         Q8X=use, ASM=wt.is_cuda, **meta, num_warps=warps)
     return out
 
 
 def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
                x: torch.Tensor, out: torch.Tensor, part: torch.Tensor, counter: torch.Tensor,
                act: str = "silu", config: tuple[int, int, int] | None = None,
-               paired: bool = True) -> torch.Tensor:
+               paired: bool = True, xq=None, out_q=None) -> torch.Tensor:
     """act(x @ gate^T) * (x @ up^T) [M, rows] for gate and up in the T layout, one launch.
     ``part`` >= M x 2 x rows float32 zeros. Q4_K reads gate and up words in the same steps
-    (``paired=False``: one matrix after the other, for comparison)."""
+    (``paired=False``: one matrix after the other, for comparison). ``xq`` as in ``gemv_t``;
+    ``out_q``: (q, d, s) to receive the int8 copy of the output too (M = 1, rows a multiple
+    of 32), the input of the next GEMV."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     config = config or T_GLU_CONFIG
     grid, gp, x2, (nb, bps), meta, warps = _t_launch(gate, ggml_type, rows, x, config, 2, part,
                                                      counter)
     _, up_p, _, _, _, _ = _t_launch(up, ggml_type, rows, x, config, 2, part, counter)
+    q, d, s, use = _q8_in(xq, ggml_type, x2)
+    if out_q is not None and (x2.shape[0] != 1 or rows % 32 or config[0] % 32
+                              or out_q[0].numel() * 4 < rows or out_q[1].numel() < rows // 32):
+        raise ValueError(f"no int8 copy of a GLU output of {x2.shape[0]} x {rows} here")
+    oq, od, os_ = out_q if out_q is not None else (x2, x2, x2)
     y = out.view(x2.shape[0], rows)
-    _gemv_t_glu_kernel[grid](*gp, *up_p, x2, y, part, counter, rows, nb, bps, x2.stride(0),
-                             y.stride(0), GELU=act == "gelu", PAIR=paired and ggml_type == qt.Q4_K,
-                             **meta, num_warps=warps)
+    _gemv_t_glu_kernel[grid](*gp, *up_p, x2, q, d, s, y, oq, od, os_, part, counter, rows, nb,
+                             bps, x2.stride(0), y.stride(0), GELU=act == "gelu",
+                             PAIR=paired and ggml_type == qt.Q4_K, Q8X=use,
+                             QOUT=out_q is not None, ASM=gate.is_cuda, **meta, num_warps=warps)
     return out
 
 

@@ -6,13 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, q8x
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, H, eps, stride_x, stride_r, stride_y,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, stride_x,
+                    stride_r, stride_y, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                    Q8: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
@@ -23,20 +23,31 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, H, eps, stride_x, stride_r, st
         tl.store(res_ptr + row * stride_r + c, h.to(res_ptr.dtype.element_ty), mask=mask)
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
     w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + c, (h * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
+    y = h * inv * w
+    tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if Q8:  # one row: its int8 copy for the dp4a GEMVs (kernels/q8x.py)
+        q8x.store_q8(y, c, mask, q_ptr, d_ptr, s_ptr, BLOCK)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+            residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            q8=None) -> torch.Tensor:
     """y = rmsnorm(x + residual) * weight over the last dim. With ``residual`` [T, H] the sum
-    x + residual is also written back into ``residual`` (the residual stream moves on)."""
+    x + residual is also written back into ``residual`` (the residual stream moves on).
+    ``q8``: (q, d, s) buffers (kernels/q8x.py) that also get y's int8 copy (one row, H a
+    multiple of 32)."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
     y = torch.empty_like(x2) if out is None else out.view(-1, h)
     r = residual.view(-1, h) if residual is not None else x2
     block = triton.next_power_of_2(h)
-    _rmsnorm_kernel[(x2.shape[0],)](x2, r, weight, y, h, eps, x2.stride(0), r.stride(0),
-                                   y.stride(0), HAS_RES=residual is not None, BLOCK=block,
+    if q8 is not None and (x2.shape[0] != 1 or h % 32 or q8[0].numel() * 4 < h
+                           or q8[1].numel() < h // 32 or q8[2].numel() < h // 32):
+        raise ValueError(f"no int8 copy of {x2.shape[0]} rows of {h} in these buffers")
+    q, d, s = q8 if q8 is not None else (y, y, y)
+    _rmsnorm_kernel[(x2.shape[0],)](x2, r, weight, y, q, d, s, h, eps, x2.stride(0),
+                                   r.stride(0), y.stride(0), HAS_RES=residual is not None,
+                                   BLOCK=block, Q8=q8 is not None,
                                    num_warps=8 if block >= 4096 else 4, **pdl.opts(y))
     return y.view(x.shape) if out is None else out
 

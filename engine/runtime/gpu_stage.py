@@ -24,7 +24,7 @@ from engine import quant_types as qt
 from engine.errors import CarveError
 from engine.models import FAMILIES
 from engine.models.layers import _linear_scale
-from kernels import attention, gemv_t, glu, kv_cache, norm, quant_matmul, rope
+from kernels import attention, gemv_t, glu, kv_cache, norm, q8x, quant_matmul, rope
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "i64": torch.int64, "i32": torch.int32, "uint8": torch.uint8}
@@ -100,6 +100,15 @@ class GpuStage:
                 t.zero_()  # the T GEMVs leave them at zero after each use
         # the matrices held in the T layout (set by fill_dequant_cache)
         self.tmats: set[str] = set()
+        # decode's int8 copies of the FFN inputs (normed, then the GLU output) for the Q4_K T
+        # GEMVs' dp4a body: with CARVE_Q8X=1 (llama.cpp's activation rounding; not the
+        # default until measured end to end on a GPU, kernels/NOTES.md session 4)
+        self.xq = None
+        e, f = hp.n_embd, hp.n_ff
+        if (os.environ.get("CARVE_Q8X", "0") == "1" and "xq" in self.buf and not hp.sandwich_norm
+                and e % 32 == 0 and f % 32 == 0):
+            self.xq = (q8x.buffers(self.buf["xq"], self.buf["xq_ds"], e),
+                       q8x.buffers(self.buf["xq"], self.buf["xq_ds"], f, e))
 
     def _t_eligible(self, name: str) -> bool:
         """Repack into the T layout: a T type with a dequant-cache copy (prefill reads that,
@@ -192,31 +201,44 @@ class GpuStage:
             self._linear(f"{p}attn_{s}.weight", x, qkv[:, o:o + w.shape[0]], f"{p}attn_{s}.bias")
             o += w.shape[0]
 
-    def _ffn(self, p: str, x: torch.Tensor, ffn_up: torch.Tensor, ffn_act: torch.Tensor) -> None:
-        """act(gate) * up into ffn_act; decode runs both GEMVs and the GLU in one launch."""
+    def _q8(self, name: str, slot: int, n: int):
+        """The int8 copy (slot 0: normed, 1: GLU output) that decode gives matrix ``name``,
+        if it is a Q4_K T matrix and CARVE_Q8X is on; else None."""
+        if self.xq is None or n != 1 or name not in self.tmats \
+                or self.model.tensor(name).ggml_type != qt.Q4_K:
+            return None
+        return self.xq[slot]
+
+    def _ffn(self, p: str, x: torch.Tensor, ffn_up: torch.Tensor, ffn_act: torch.Tensor,
+             xq=None):
+        """act(gate) * up into ffn_act; decode runs both GEMVs and the GLU in one launch.
+        ``xq``: x's int8 copy; returns the int8 copy of ffn_act if one was written."""
         (gw, gt), (uw, ut) = self.mat(p + "ffn_gate.weight"), self.mat(p + "ffn_up.weight")
         gn, un = p + "ffn_gate.weight", p + "ffn_up.weight"
         in_t = (gn in self.tmats) + (un in self.tmats)
         if x.shape[0] <= 8 and quant_matmul.can_pair(gw, gt, uw, ut) and in_t != 1:
             if in_t:
+                oq = self._q8(p + "ffn_down.weight", 1, x.shape[0])
                 gemv_t.gemv_t_glu(self.spans[gn], self.spans[un], gt, gw.shape[0], x, ffn_act,
                                   self.t_part, self.t_count, self.hp.act,
-                                  config=self._t_cfg(gw.shape[0]))
-            else:
-                quant_matmul.gemv_glu(gw, uw, gt, x, self.hp.act, out=ffn_act,
-                                      config=self._gemv_cfg(gw))
-            return
+                                  config=self._t_cfg(gw.shape[0]), xq=xq, out_q=oq)
+                return oq
+            quant_matmul.gemv_glu(gw, uw, gt, x, self.hp.act, out=ffn_act,
+                                  config=self._gemv_cfg(gw))
+            return None
         f = self.hp.n_ff
         self._linear(p + "ffn_gate.weight", x, ffn_up[:, :f])
         self._linear(p + "ffn_up.weight", x, ffn_up[:, f:])
         glu.glu(ffn_up[:, :f], ffn_up[:, f:], self.hp.act, out=ffn_act)
+        return None
 
-    def _linear(self, name: str, x: torch.Tensor, out: torch.Tensor, bias: str | None = None):
+    def _linear(self, name: str, x: torch.Tensor, out: torch.Tensor, bias: str | None = None,
+                xq=None):
         w, t = self.mat(name)
         b = self.vec(bias) if bias else None
         if x.shape[0] <= 8 and name in self.tmats:
             gemv_t.gemv_t(self.spans[name], t, w.shape[0], x, out, self.t_part, self.t_count,
-                          bias=b, config=self._t_cfg(w.shape[0]))
+                          bias=b, config=self._t_cfg(w.shape[0]), xq=xq)
             return
         if x.shape[0] <= 8:
             # bias added in the same launch
@@ -310,9 +332,10 @@ class GpuStage:
                 kv_cache.kv_store(k3[s0:], kc, pos[s0:], cells, v3[s0:], vc)
             self._linear(p + "attn_output.weight", attn_o, proj)
             post = self.vec(p + "post_attention_norm.weight") if hp.sandwich_norm else None
-            self._add_norm(proj, post, self.vec(p + "ffn_norm.weight"), hidden, normed)
-            self._ffn(p, normed, ffn_up, ffn_act)
-            self._linear(p + "ffn_down.weight", ffn_act, proj)
+            xq = self._q8(p + "ffn_gate.weight", 0, n)
+            self._add_norm(proj, post, self.vec(p + "ffn_norm.weight"), hidden, normed, xq)
+            aq = self._ffn(p, normed, ffn_up, ffn_act, xq)
+            self._linear(p + "ffn_down.weight", ffn_act, proj, xq=aq)
             post = self.vec(p + "post_ffw_norm.weight") if hp.sandwich_norm else None
             pending = True
             if check is not None:  # the residual stream after layer i (allocates: fine here)
@@ -326,10 +349,11 @@ class GpuStage:
             self.head(max(0, n - rows), min(n, rows))
 
     def _add_norm(self, x: torch.Tensor, post: torch.Tensor | None, w: torch.Tensor,
-                  hidden: torch.Tensor, out: torch.Tensor) -> None:
-        """hidden += x (gemma3: rmsnorm(x) * post first), then out = rmsnorm(hidden) * w."""
+                  hidden: torch.Tensor, out: torch.Tensor, q8=None) -> None:
+        """hidden += x (gemma3: rmsnorm(x) * post first), then out = rmsnorm(hidden) * w
+        (and its int8 copy into ``q8``; never with post: the stage keeps it off for gemma3)."""
         if post is None:
-            norm.rmsnorm(x, w, self.hp.rms_eps, residual=hidden, out=out)
+            norm.rmsnorm(x, w, self.hp.rms_eps, residual=hidden, out=out, q8=q8)
         else:
             norm.rmsnorm_post(x, post, w, self.hp.rms_eps, residual=hidden, out=out)
 
@@ -386,6 +410,7 @@ class GpuStage:
         self.next_id = None
         self.t_part = self.t_count = None
         self.tmats = set()
+        self.xq = None
 
     def replay(self) -> None:
         if self.graph is None:

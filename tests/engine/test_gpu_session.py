@@ -28,6 +28,7 @@ from engine.runtime.session import Session
 from engine.sampling import SamplingParams
 from engine.synth import write_model
 from engine.synth_shapes import Shape
+from kernels import gemv_t
 
 GIB = 1 << 30
 CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
@@ -158,6 +159,41 @@ def test_t_layout_matrices_match_the_cpu_engine(wide, all_t) -> None:
         prompt = ids(20)
         assert rel(g.logits(prompt), c.logits(prompt)) < 3e-2
         assert max(decode_errors(g, c, ids(3, 1))[0]) < 3e-2
+    finally:
+        g.close()
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def wide_q4k(tmp_path_factory) -> str:
+    # every matrix Q4_K: ffn_down too, so decode's second int8 copy (the GLU output) is used
+    return str(write_model(tmp_path_factory.mktemp("gpu") / "wide_q4k.gguf", WIDE, "q4_k")[0])
+
+
+def test_int8_x_decode_matches_the_cpu_engine(wide_q4k, all_t, monkeypatch) -> None:
+    # CARVE_Q8X=1: the FFN's Q4_K T GEMVs multiply int8 copies of their inputs written by the
+    # norm and the GLU (dp4a on a GPU, its integer twin under the interpreter)
+    monkeypatch.setenv("CARVE_Q8X", "1")
+    used: list[tuple] = []
+    glu_, one = gemv_t.gemv_t_glu, gemv_t.gemv_t
+
+    def spy_glu(*a, **k):
+        used.append(("glu", k.get("xq") is not None, k.get("out_q") is not None))
+        return glu_(*a, **k)
+
+    def spy_one(*a, **k):
+        used.append(("one", k.get("xq") is not None))
+        return one(*a, **k)
+
+    monkeypatch.setattr(gemv_t, "gemv_t_glu", spy_glu)
+    monkeypatch.setattr(gemv_t, "gemv_t", spy_one)
+    g = load(plan(wide_q4k, act_dtype="bf16", logits_rows=12))
+    c = Session.load(plan(wide_q4k, logits_rows=12))
+    try:
+        assert g.pipe.stages[0].xq is not None
+        errs, _ = decode_errors(g, c, ids(3, 1))
+        assert max(errs) < 3e-2
+        assert ("glu", True, True) in used and ("one", True) in used
     finally:
         g.close()
         c.close()

@@ -1,0 +1,59 @@
+"""int8 copies of one activation row for the decode GEMVs that multiply with ``dp4a``
+(kernels/gemv_t.py, ``xq=``): llama.cpp quantizes x the same way (q8_1) for its decode.
+
+A row of K values (K a multiple of 32) is three arrays: ``q`` K int8 (the GEMV reads them as
+int32 words of four), ``d`` K/32 float32 scales (amax / 127, IEEE division) and ``s`` K/32
+float32 sums of the dequantized values (d times the sum of q), which the K-quants' min terms
+need. The kernels that produce an activation (RMSNorm, the GLU epilogue) write this copy beside
+their usual output, so no launch is added.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def store_q8(v, offs, mask, q_ptr, d_ptr, s_ptr, NV: tl.constexpr):
+    # v [NV] float32 values at row offsets offs (NV and offs[0] multiples of 32, every group
+    # of 32 wholly in or out of mask) -> their int8 values, scales and sums
+    g = tl.reshape(v, [NV // 32, 32])
+    amax = tl.max(tl.abs(g), axis=1)
+    d = tl.div_rn(amax, 127.0)
+    inv = tl.where(d > 0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d > 0, d, 1.0)),
+                   0.0)
+    z = g * inv[:, None]
+    q = tl.where(z < 0, -tl.floor(-z + 0.5), tl.floor(z + 0.5))  # half away from 0
+    s = tl.sum(q, axis=1) * d
+    o = tl.reshape(offs, [NV // 32, 32])
+    m = tl.reshape(mask, [NV // 32, 32])
+    tl.store(q_ptr.to(tl.pointer_type(tl.int8)) + o, q.to(tl.int8), mask=m)
+    grp = tl.min(o, axis=1) // 32
+    gm = tl.max(m.to(tl.int32), axis=1) > 0
+    tl.store(d_ptr + grp, d, mask=gm)
+    tl.store(s_ptr + grp, s, mask=gm)
+
+
+def buffers(q: torch.Tensor, ds: torch.Tensor, k: int, at: int = 0):
+    """(q as int32 words, d, s) views for a row of k values at value offset ``at`` of the
+    priced buffers ``q`` (int32 words) and ``ds`` (float32 [2, groups])."""
+    if k % 32 or at % 32:
+        raise ValueError(f"an int8 row of {k} values at {at} is not whole groups of 32")
+    return q[at // 4:(at + k) // 4], ds[0, at // 32:(at + k) // 32], ds[1, at // 32:(at + k) // 32]
+
+
+def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [K] -> (int8 [K], d [K/32], s [K/32]) as the kernels write them (reference)."""
+    v = x.to(torch.float32).reshape(-1, 32)
+    d = v.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    z = v * inv[:, None]
+    q = torch.where(z < 0, -torch.floor(-z + 0.5), torch.floor(z + 0.5))
+    return q.to(torch.int8).reshape(-1), d, q.sum(-1) * d
+
+
+def dequantize_ref(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The float32 values an int8 row stands for."""
+    return (q.view(torch.int8).to(torch.float32).reshape(-1, 32) * d[:, None]).reshape(-1)

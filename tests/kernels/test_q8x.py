@@ -1,0 +1,119 @@
+"""The int8-x decode path (kernels/q8x.py): RMSNorm and the GLU epilogue write x's int8 copy
+as the reference quantizes it, and the T-layout Q4_K GEMVs multiply it (dp4a, emulated under
+the interpreter) to the reference GEMV on the dequantized int8 x. Fresh random inputs each run,
+outputs poisoned with NaN, split buffers left at zero."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import quant_types as qt
+from kernels import gemv_t, glu, norm, q8x, quant_matmul
+from kernels.random_blocks import random_weight
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gen() -> torch.Generator:
+    g = torch.Generator(device=DEVICE)
+    g.seed()
+    return g
+
+
+def _rand(g, lo, hi):
+    return int(torch.randint(lo, hi, (1,), generator=g, device=DEVICE))
+
+
+def _nerr(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(y).all(), "kernel left non-finite values (unwritten or NaN)"
+    ref = ref.double()
+    return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _bufs(k: int):
+    """Poisoned (q words, d, s) for a row of k values."""
+    q = torch.full((k // 4,), -1, dtype=torch.int32, device=DEVICE)
+    ds = torch.full((2, k // 32), float("nan"), device=DEVICE)
+    return q, ds[0], ds[1]
+
+
+def _put(x: torch.Tensor):
+    q, d, s = q8x.quantize_ref(x)
+    return q.view(torch.int32).clone(), d, s
+
+
+def _same_q8(got, x: torch.Tensor) -> None:
+    # the kernel's copy of x as the reference quantizes it (one step of q apart at most where
+    # a value sits on a rounding edge and the GPU fused its multiply-add)
+    q, d, s = got
+    rq, rd, rs = q8x.quantize_ref(x)
+    torch.testing.assert_close(d, rd, rtol=1e-6, atol=0)
+    assert (q.view(torch.int8).int() - rq.int()).abs().max() <= 1
+    torch.testing.assert_close(s, rs, rtol=1e-4, atol=1e-4 * float(rd.max()) * 32)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_rmsnorm_writes_the_int8_copy(residual):
+    g = _gen()
+    h = 32 * _rand(g, 1, 40)
+    x = torch.randn(1, h, generator=g, device=DEVICE)
+    r = torch.randn(1, h, generator=g, device=DEVICE) if residual else None
+    w = torch.randn(h, generator=g, device=DEVICE)
+    want = norm.rmsnorm_ref(x, w, 1e-6, residual=None if r is None else r.clone())
+    out = torch.full_like(x, float("nan"))
+    bufs = _bufs(h)
+    norm.rmsnorm(x, w, 1e-6, residual=r, out=out, q8=bufs)
+    assert _nerr(out, want) < 1e-6
+    _same_q8(bufs, out[0])
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_gemv_t_on_int8_x_matches_reference(split):
+    g = _gen()
+    rows, nb = _rand(g, 1, 70), _rand(g, 1, 4)
+    w = random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g)
+    x = torch.randn(1, 256 * nb, generator=g, device=DEVICE)
+    xq = _put(x[0])
+    tiles = -(-rows // 32)
+    part = torch.zeros(rows, device=DEVICE)
+    counter = torch.zeros(tiles, dtype=torch.int32, device=DEVICE)
+    out = torch.full((1, rows), float("nan"), device=DEVICE)
+    gemv_t.gemv_t(gemv_t.repack(w, qt.Q4_K), qt.Q4_K, rows, x, out, part, counter,
+                  config=(32, 1, tiles * (nb if split else 1)), xq=xq)
+    ref = quant_matmul.gemv_ref(w, qt.Q4_K, q8x.dequantize_ref(xq[0], xq[1])[None])
+    assert _nerr(out, ref) < 1e-5
+    assert not part.any() and not counter.any()
+
+
+@pytest.mark.parametrize("paired", [True, False])
+@pytest.mark.parametrize("split", [True, False])
+def test_glu_on_int8_x_writes_the_int8_copy_of_its_output(paired, split):
+    g = _gen()
+    rows, nb = 32 * _rand(g, 1, 4), _rand(g, 1, 4)
+    gate = random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g)
+    up = random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g)
+    x = torch.randn(1, 256 * nb, generator=g, device=DEVICE)
+    xq = _put(x[0])
+    tiles = -(-rows // 32)
+    part = torch.zeros(2, rows, device=DEVICE)
+    counter = torch.zeros(tiles, dtype=torch.int32, device=DEVICE)
+    out = torch.full((1, rows), float("nan"), device=DEVICE)
+    oq = _bufs(rows)
+    gemv_t.gemv_t_glu(gemv_t.repack(gate, qt.Q4_K), gemv_t.repack(up, qt.Q4_K), qt.Q4_K, rows,
+                      x, out, part, counter, "silu", config=(32, 1, tiles * (nb if split else 1)),
+                      paired=paired, xq=xq, out_q=oq)
+    xd = q8x.dequantize_ref(xq[0], xq[1])[None]
+    ref = glu.glu_ref(quant_matmul.gemv_ref(gate, qt.Q4_K, xd),
+                      quant_matmul.gemv_ref(up, qt.Q4_K, xd), "silu")
+    assert _nerr(out, ref) < 1e-5
+    _same_q8(oq, out[0])
+    assert not part.any() and not counter.any()
+
+
+def test_int8_x_is_refused_where_it_cannot_go():
+    x = torch.randn(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="int8 copy"):
+        norm.rmsnorm(x, torch.ones(64, device=DEVICE), 1e-6, q8=_bufs(64))  # two rows
+    with pytest.raises(ValueError, match="whole groups"):
+        q8x.buffers(torch.zeros(8, dtype=torch.int32), torch.zeros(2, 4), 40)
