@@ -191,15 +191,23 @@ def _chunk(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, h0, h
 
 
 @triton.jit
-def _dp4a(a, b, c, ASM: tl.constexpr):
-    # c + the 4 bytes of a (unsigned) times those of b (signed); ASM: the GPU's instruction,
-    # else the same sum in integer ops (the interpreter runs no inline assembly)
+def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
+    # c + the 4 bytes of a (unsigned; SIGNED: signed) times those of b (signed); ASM: the
+    # GPU's instruction, else the same sum in integer ops (the interpreter runs no assembly)
     if ASM:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
-                                         [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+        if SIGNED:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                             [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                             [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
     else:
         for k in tl.static_range(4):
-            c += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
+            if SIGNED:
+                ak = (a << (24 - 8 * k)) >> 24
+            else:
+                ak = (a >> (8 * k)) & 0xFF
+            c += ak * ((b << (24 - 8 * k)) >> 24)
         return c
 
 
@@ -398,8 +406,45 @@ def _q6_group(a0, a1, a2, a3, b0, b1, b2, b3, h0, h1, h2, h3, xb, sw0, sw1, d,
 
 
 @triton.jit
-def _q6k_t_dot(wt_ptr, wh_ptr, x_ptr, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N: tl.constexpr,
-               XV: tl.constexpr):
+def _q6_s8(lo, hi):
+    # 4 six-bit values (nibbles lo, 2 high bits already at bits 4-5 of each byte in hi) as the
+    # signed bytes q - 32: flipping bit 5 gives q - 32 as a 6-bit two's complement, and its
+    # sign bit times 6 fills bits 6-7 (0x20 * 6 = 0xC0, no carry between bytes)
+    v = ((lo & 0x0F0F0F0F) | (hi & 0x30303030)) ^ 0x20202020
+    return v | ((v & 0x20202020) * 6)
+
+
+@triton.jit
+def _q6_q8_group(a0, a1, a2, a3, b0, b1, b2, b3, h0, h1, h2, h3, xw, xd, sw0, sw1, d,
+                 IS: tl.constexpr, ASM: tl.constexpr):
+    # _q6_group on int8 x: xw points at x's int8 word of quarter 0 for l = 16 IS, xd at
+    # quarter 0's scale; quarter k is 8 words / 1 scale further
+    z = a0 * 0
+    i0, i1, i2, i3 = z, z, z, z
+    for j in tl.static_range(4):
+        if j == 0:
+            a, b, h = a0, b0, h0
+        elif j == 1:
+            a, b, h = a1, b1, h1
+        elif j == 2:
+            a, b, h = a2, b2, h2
+        else:
+            a, b, h = a3, b3, h3
+        i0 = _dp4a(_q6_s8(a, h << 4), tl.load(xw + j) + z, i0, ASM, True)
+        i1 = _dp4a(_q6_s8(b, h << 2), tl.load(xw + 8 + j) + z, i1, ASM, True)
+        i2 = _dp4a(_q6_s8(a >> 4, h), tl.load(xw + 16 + j) + z, i2, ASM, True)
+        i3 = _dp4a(_q6_s8(b >> 4, h >> 2), tl.load(xw + 24 + j) + z, i3, ASM, True)
+    t = _sc8(sw0, IS) * tl.load(xd) * i0.to(tl.float32) \
+        + _sc8(sw0, 2 + IS) * tl.load(xd + 1) * i1.to(tl.float32) \
+        + _sc8(sw1, IS) * tl.load(xd + 2) * i2.to(tl.float32) \
+        + _sc8(sw1, 2 + IS) * tl.load(xd + 3) * i3.to(tl.float32)
+    return d * t
+
+
+@triton.jit
+def _q6k_t_dot(wt_ptr, wh_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
+               BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr,
+               ASM: tl.constexpr):
     # Q6_K: words 0-31 ql, 32-47 qh, 48-51 scales; the f16 d in a plane after all words.
     # Half a block (128 values: 8 ql words each side, 8 qh words) per step, loads batched.
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -417,11 +462,19 @@ def _q6k_t_dot(wt_ptr, wh_ptr, x_ptr, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N: t
         t = (a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ b0 ^ b1 ^ b2 ^ b3 ^ b4 ^ b5 ^ b6 ^ b7 ^ h0 ^ h1
              ^ h2 ^ h3 ^ h4 ^ h5 ^ h6 ^ h7 ^ sw0 ^ sw1)
         a0 = a0 + (t & (N >> 31))  # all of the step's loads issued together (see Q4_K)
-        xb = x_ptr + b * 256 + 128 * n
-        acc += _q6_group(a0, a1, a2, a3, b0, b1, b2, b3, h0, h1, h2, h3, xb, sw0, sw1, d, 0,
-                         BLOCK_N, XV)
-        acc += _q6_group(a4, a5, a6, a7, b4, b5, b6, b7, h4, h5, h6, h7, xb + 16, sw0, sw1, d,
-                         1, BLOCK_N, XV)
+        if Q8X:  # int8 x: words b * 64 + 32 n + 8 k + j, scales b * 8 + 4 n + k
+            xw = xq_ptr + b * 64 + 32 * n
+            xd = xd_ptr + b * 8 + 4 * n
+            acc += _q6_q8_group(a0, a1, a2, a3, b0, b1, b2, b3, h0, h1, h2, h3, xw, xd, sw0,
+                                sw1, d, 0, ASM)
+            acc += _q6_q8_group(a4, a5, a6, a7, b4, b5, b6, b7, h4, h5, h6, h7, xw + 4, xd, sw0,
+                                sw1, d, 1, ASM)
+        else:
+            xb = x_ptr + b * 256 + 128 * n
+            acc += _q6_group(a0, a1, a2, a3, b0, b1, b2, b3, h0, h1, h2, h3, xb, sw0, sw1, d, 0,
+                             BLOCK_N, XV)
+            acc += _q6_group(a4, a5, a6, a7, b4, b5, b6, b7, h4, h5, h6, h7, xb + 16, sw0, sw1,
+                             d, 1, BLOCK_N, XV)
     return acc
 
 
@@ -431,7 +484,8 @@ def _t_body(wt_ptr, wh_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_
             ASM: tl.constexpr):
     # rows masked, not clamped: a clamp hides their contiguity and the loads go 4 bytes wide
     if TYPE == 14:
-        acc = _q6k_t_dot(wt_ptr, wh_ptr, xrow, rows, rmask, N, NB, b_lo, b_hi, BLOCK_N, XV)
+        acc = _q6k_t_dot(wt_ptr, wh_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
+                         BLOCK_N, XV, Q8X, ASM)
     else:
         acc, _ = _q4k_t_dot_half(wt_ptr, wt_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
                                  b_lo, b_hi, BLOCK_N, XV, False, Q8X, ASM)
@@ -569,8 +623,8 @@ def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
 
 def _q8_in(xq, ggml_type: int, x2: torch.Tensor):
     """(q, d, s, use): the int8 copy of x (kernels/q8x.py) where the kernel can use it (a
-    Q4_K matrix, one row of x), else x's own pointers and False."""
-    if xq is None or ggml_type != qt.Q4_K or x2.shape[0] != 1:
+    T matrix, one row of x), else x's own pointers and False."""
+    if xq is None or ggml_type not in WORDS or x2.shape[0] != 1:
         return x2, x2, x2, False
     q, d, s = xq
     k = x2.shape[1]
@@ -585,8 +639,8 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
            config: tuple[int, int, int] | None = None, xq=None) -> torch.Tensor:
     """y[M, rows] = x[M, cols] @ W^T (+ bias) for W in the T layout ``wt`` (from ``repack``).
     ``part``: float32 zeros (>= M x rows); ``counter``: int32 zeros (>= M x row tiles); both
-    are left zero. No allocation. ``xq``: x's int8 copy (q, d, s of kernels/q8x.py), which a
-    Q4_K matrix multiplies by dp4a when M = 1."""
+    are left zero. No allocation. ``xq``: x's int8 copy (q, d, s of kernels/q8x.py), which the
+    matrix multiplies by dp4a when M = 1."""
     grid, ptrs, x2, (nb, bps), meta, warps = _t_launch(wt, ggml_type, rows, x, config, 1, part,
                                                        counter)
     q, d, s, use = _q8_in(xq, ggml_type, x2)

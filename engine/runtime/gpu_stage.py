@@ -100,8 +100,8 @@ class GpuStage:
                 t.zero_()  # the T GEMVs leave them at zero after each use
         # the matrices held in the T layout (set by fill_dequant_cache)
         self.tmats: set[str] = set()
-        # decode's int8 copies of the FFN inputs (normed, then the GLU output) for the Q4_K T
-        # GEMVs' dp4a body: with CARVE_Q8X=1 (llama.cpp's activation rounding; not the
+        # decode's int8 copies of the T GEMVs' inputs (a normed row, the GLU output) for their
+        # dp4a bodies: with CARVE_Q8X=1 (llama.cpp's activation rounding; not the
         # default until measured end to end on a GPU, kernels/NOTES.md session 4)
         self.xq = None
         e, f = hp.n_embd, hp.n_ff
@@ -202,10 +202,9 @@ class GpuStage:
             o += w.shape[0]
 
     def _q8(self, name: str, slot: int, n: int):
-        """The int8 copy (slot 0: normed, 1: GLU output) that decode gives matrix ``name``,
-        if it is a Q4_K T matrix and CARVE_Q8X is on; else None."""
-        if self.xq is None or n != 1 or name not in self.tmats \
-                or self.model.tensor(name).ggml_type != qt.Q4_K:
+        """The int8 copy (slot 0: a normed row, 1: the GLU output) that decode gives matrix
+        ``name``, if it is a T matrix and CARVE_Q8X is on; else None."""
+        if self.xq is None or n != 1 or name not in self.tmats:
             return None
         return self.xq[slot]
 
@@ -362,8 +361,9 @@ class GpuStage:
         (rows <= the logits buffer's height); returns that logits view."""
         b = self.buf
         h, normed = b["hidden"][r0:r0 + rows], b["normed"][:rows]
-        norm.rmsnorm(h, self.vec("output_norm.weight"), self.hp.rms_eps, out=normed)
         name = "output.weight" if "output.weight" in self.spans else "token_embd.weight"
+        xq = self._q8(name, 0, rows)
+        norm.rmsnorm(h, self.vec("output_norm.weight"), self.hp.rms_eps, out=normed, q8=xq)
         out = b["logits"][:rows]
         if rows > 8 and normed.dtype != out.dtype:
             # a GEMM in bf16 would need a [rows, n_vocab] temporary outside the Layout before
@@ -371,7 +371,7 @@ class GpuStage:
             for s in range(0, rows, 8):
                 self._linear(name, normed[s:s + 8], out[s:s + 8])
         else:
-            self._linear(name, normed, out)
+            self._linear(name, normed, out, xq=xq)
         return out
 
     def decode_step(self) -> None:

@@ -170,9 +170,12 @@ def wide_q4k(tmp_path_factory) -> str:
     return str(write_model(tmp_path_factory.mktemp("gpu") / "wide_q4k.gguf", WIDE, "q4_k")[0])
 
 
-def test_int8_x_decode_matches_the_cpu_engine(wide_q4k, all_t, monkeypatch) -> None:
-    # CARVE_Q8X=1: the FFN's Q4_K T GEMVs multiply int8 copies of their inputs written by the
-    # norm and the GLU (dp4a on a GPU, its integer twin under the interpreter)
+@pytest.mark.parametrize("mix", ["q4_k", "q4_k_m"])
+def test_int8_x_decode_matches_the_cpu_engine(wide, wide_q4k, all_t, monkeypatch, mix) -> None:
+    # CARVE_Q8X=1: the T GEMVs (Q4_K everywhere, or Q4_K_M's Q6_K ffn_down and head) multiply
+    # int8 copies of their inputs written by the norms and the GLU (dp4a on a GPU, its
+    # integer twin under the interpreter)
+    path = wide_q4k if mix == "q4_k" else wide
     monkeypatch.setenv("CARVE_Q8X", "1")
     used: list[tuple] = []
     glu_, one = gemv_t.gemv_t_glu, gemv_t.gemv_t
@@ -187,8 +190,8 @@ def test_int8_x_decode_matches_the_cpu_engine(wide_q4k, all_t, monkeypatch) -> N
 
     monkeypatch.setattr(gemv_t, "gemv_t_glu", spy_glu)
     monkeypatch.setattr(gemv_t, "gemv_t", spy_one)
-    g = load(plan(wide_q4k, act_dtype="bf16", logits_rows=12))
-    c = Session.load(plan(wide_q4k, logits_rows=12))
+    g = load(plan(path, act_dtype="bf16", logits_rows=12))
+    c = Session.load(plan(path, logits_rows=12))
     try:
         assert g.pipe.stages[0].xq is not None
         errs, _ = decode_errors(g, c, ids(3, 1))

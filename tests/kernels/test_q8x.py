@@ -1,5 +1,5 @@
 """The int8-x decode path (kernels/q8x.py): RMSNorm and the GLU epilogue write x's int8 copy
-as the reference quantizes it, and the T-layout Q4_K GEMVs multiply it (dp4a, emulated under
+as the reference quantizes it, and the T-layout Q4_K / Q6_K GEMVs multiply it (dp4a, emulated under
 the interpreter) to the reference GEMV on the dequantized int8 x. Fresh random inputs each run,
 outputs poisoned with NaN, split buffers left at zero."""
 
@@ -68,31 +68,36 @@ def test_rmsnorm_writes_the_int8_copy(residual):
     _same_q8(bufs, out[0])
 
 
+TYPES = [qt.Q4_K, qt.Q6_K]
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
 @pytest.mark.parametrize("split", [True, False])
-def test_gemv_t_on_int8_x_matches_reference(split):
+def test_gemv_t_on_int8_x_matches_reference(ggml_type, split):
     g = _gen()
     rows, nb = _rand(g, 1, 70), _rand(g, 1, 4)
-    w = random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g)
+    w = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
     x = torch.randn(1, 256 * nb, generator=g, device=DEVICE)
     xq = _put(x[0])
     tiles = -(-rows // 32)
     part = torch.zeros(rows, device=DEVICE)
     counter = torch.zeros(tiles, dtype=torch.int32, device=DEVICE)
     out = torch.full((1, rows), float("nan"), device=DEVICE)
-    gemv_t.gemv_t(gemv_t.repack(w, qt.Q4_K), qt.Q4_K, rows, x, out, part, counter,
+    gemv_t.gemv_t(gemv_t.repack(w, ggml_type), ggml_type, rows, x, out, part, counter,
                   config=(32, 1, tiles * (nb if split else 1)), xq=xq)
-    ref = quant_matmul.gemv_ref(w, qt.Q4_K, q8x.dequantize_ref(xq[0], xq[1])[None])
+    ref = quant_matmul.gemv_ref(w, ggml_type, q8x.dequantize_ref(xq[0], xq[1])[None])
     assert _nerr(out, ref) < 1e-5
     assert not part.any() and not counter.any()
 
 
-@pytest.mark.parametrize("paired", [True, False])
+@pytest.mark.parametrize("ggml_type,paired", [(qt.Q4_K, True), (qt.Q4_K, False),
+                                              (qt.Q6_K, False)])
 @pytest.mark.parametrize("split", [True, False])
-def test_glu_on_int8_x_writes_the_int8_copy_of_its_output(paired, split):
+def test_glu_on_int8_x_writes_the_int8_copy_of_its_output(ggml_type, paired, split):
     g = _gen()
     rows, nb = 32 * _rand(g, 1, 4), _rand(g, 1, 4)
-    gate = random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g)
-    up = random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g)
+    gate = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
+    up = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
     x = torch.randn(1, 256 * nb, generator=g, device=DEVICE)
     xq = _put(x[0])
     tiles = -(-rows // 32)
@@ -100,12 +105,13 @@ def test_glu_on_int8_x_writes_the_int8_copy_of_its_output(paired, split):
     counter = torch.zeros(tiles, dtype=torch.int32, device=DEVICE)
     out = torch.full((1, rows), float("nan"), device=DEVICE)
     oq = _bufs(rows)
-    gemv_t.gemv_t_glu(gemv_t.repack(gate, qt.Q4_K), gemv_t.repack(up, qt.Q4_K), qt.Q4_K, rows,
-                      x, out, part, counter, "silu", config=(32, 1, tiles * (nb if split else 1)),
-                      paired=paired, xq=xq, out_q=oq)
+    gemv_t.gemv_t_glu(gemv_t.repack(gate, ggml_type), gemv_t.repack(up, ggml_type), ggml_type,
+                      rows, x, out, part, counter, "silu",
+                      config=(32, 1, tiles * (nb if split else 1)), paired=paired, xq=xq,
+                      out_q=oq)
     xd = q8x.dequantize_ref(xq[0], xq[1])[None]
-    ref = glu.glu_ref(quant_matmul.gemv_ref(gate, qt.Q4_K, xd),
-                      quant_matmul.gemv_ref(up, qt.Q4_K, xd), "silu")
+    ref = glu.glu_ref(quant_matmul.gemv_ref(gate, ggml_type, xd),
+                      quant_matmul.gemv_ref(up, ggml_type, xd), "silu")
     assert _nerr(out, ref) < 1e-5
     _same_q8(oq, out[0])
     assert not part.any() and not counter.any()
