@@ -212,14 +212,18 @@ def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
 
 
 @triton.jit
-def _q8_word(w, v, xl, xh, il, ih, jl, jh, ASM: tl.constexpr, PAIR: tl.constexpr):
-    # word j of a chunk: its low nibbles are values 4j..4j+3 of the low sub-block, the high
-    # ones of the high sub-block, against the int8 x words xl, xh (broadcast to the rows)
-    il = _dp4a(w & 0x0F0F0F0F, xl, il, ASM)
-    ih = _dp4a((w >> 4) & 0x0F0F0F0F, xh, ih, ASM)
+def _q8_word(w, v, xl, J: tl.constexpr, il, ih, jl, jh, ASM: tl.constexpr, PAIR: tl.constexpr):
+    # word J of a chunk: its low nibbles are values 4J..4J+3 of the low sub-block, the high
+    # ones of the high sub-block, against x's int8 words J of both (xl: the low sub-block's
+    # 8 words, the high one's after them; broadcast to the rows)
+    z = w * 0
+    xlo = tl.load(xl + J) + z
+    xhi = tl.load(xl + 8 + J) + z
+    il = _dp4a(w & 0x0F0F0F0F, xlo, il, ASM)
+    ih = _dp4a((w >> 4) & 0x0F0F0F0F, xhi, ih, ASM)
     if PAIR:
-        jl = _dp4a(v & 0x0F0F0F0F, xl, jl, ASM)
-        jh = _dp4a((v >> 4) & 0x0F0F0F0F, xh, jh, ASM)
+        jl = _dp4a(v & 0x0F0F0F0F, xlo, jl, ASM)
+        jh = _dp4a((v >> 4) & 0x0F0F0F0F, xhi, jh, ASM)
     return il, ih, jl, jh
 
 
@@ -243,22 +247,14 @@ def _q8_chunk(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, h0
     xl = xq_ptr + g * 8
     z = a0 * 0
     il, ih, jl, jh = z, z, z, z
-    il, ih, jl, jh = _q8_word(a0, b0, tl.load(xl) + z, tl.load(xl + 8) + z, il, ih, jl, jh,
-                              ASM, PAIR)
-    il, ih, jl, jh = _q8_word(a1, b1, tl.load(xl + 1) + z, tl.load(xl + 9) + z, il, ih, jl, jh,
-                              ASM, PAIR)
-    il, ih, jl, jh = _q8_word(a2, b2, tl.load(xl + 2) + z, tl.load(xl + 10) + z, il, ih, jl,
-                              jh, ASM, PAIR)
-    il, ih, jl, jh = _q8_word(a3, b3, tl.load(xl + 3) + z, tl.load(xl + 11) + z, il, ih, jl,
-                              jh, ASM, PAIR)
-    il, ih, jl, jh = _q8_word(a4, b4, tl.load(xl + 4) + z, tl.load(xl + 12) + z, il, ih, jl,
-                              jh, ASM, PAIR)
-    il, ih, jl, jh = _q8_word(a5, b5, tl.load(xl + 5) + z, tl.load(xl + 13) + z, il, ih, jl,
-                              jh, ASM, PAIR)
-    il, ih, jl, jh = _q8_word(a6, b6, tl.load(xl + 6) + z, tl.load(xl + 14) + z, il, ih, jl,
-                              jh, ASM, PAIR)
-    il, ih, jl, jh = _q8_word(a7, b7, tl.load(xl + 7) + z, tl.load(xl + 15) + z, il, ih, jl,
-                              jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a0, b0, xl, 0, il, ih, jl, jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a1, b1, xl, 1, il, ih, jl, jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a2, b2, xl, 2, il, ih, jl, jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a3, b3, xl, 3, il, ih, jl, jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a4, b4, xl, 4, il, ih, jl, jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a5, b5, xl, 5, il, ih, jl, jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a6, b6, xl, 6, il, ih, jl, jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a7, b7, xl, 7, il, ih, jl, jh, ASM, PAIR)
     dl, dh = tl.load(xd_ptr + g), tl.load(xd_ptr + g + 1)
     sl, sh = tl.load(xs_ptr + g), tl.load(xs_ptr + g + 1)
     r = _k4_mix_q8(h0, h1, h2, h3, c, il, ih, dl, dh, sl, sh)
