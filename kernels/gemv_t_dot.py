@@ -1,0 +1,414 @@
+"""The per-block dot products of the T-layout GEMVs (kernels/gemv_t.py): for Q4_K and Q6_K,
+one step of a program's row tile against x as float (bf16 four values to an 8-byte load, or
+float32) or as its int8 copy (kernels/q8x.py) through ``dp4a``. Every step issues all of its
+weight loads before its math (see ``q4k_t_dot_half``); each thread keeps its rows' sums in
+registers. Nibbles become floats as 1 + q/16 (Q6_K: 1 + q/64) through the mantissa of 1.0.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _nib(w, S: tl.constexpr):
+    # nibble at bit S of each word as the float 1 + q/16 (q into the top of the mantissa of 1.0:
+    # one shift and one LOP3, no convert); the caller takes the 1 back out per sub-block
+    if S <= 19:
+        v = (w << (19 - S)) & 0x780000
+    else:
+        v = (w >> (S - 19)) & 0x780000
+    return (v | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _k4_sm(w0, w1, w2, J):
+    # get_scale_min_k4 of ggml-quants.c for sub-block J (a scalar, 0..7) of the 12 scale bytes
+    # in words w0..w2
+    sh = (J % 4) * 8
+    lo_sc = (w0 >> sh) & 63
+    lo_mn = (w1 >> sh) & 63
+    q4 = (w2 >> sh) & 255
+    hi_sc = (q4 & 15) | (((w0 >> (sh + 6)) & 3) << 4)
+    hi_mn = (q4 >> 4) | (((w1 >> (sh + 6)) & 3) << 4)
+    low = J < 4
+    return tl.where(low, lo_sc, hi_sc).to(tl.float32), tl.where(low, lo_mn, hi_mn).to(tl.float32)
+
+
+@triton.jit
+def _x4(xp, m: tl.constexpr, XV: tl.constexpr):
+    # x[m] of the 4 values at xp; XV: they came as one 8-byte word (16-bit x)
+    if XV:
+        # a bf16 is the top half of its float32: one shift or one AND per value
+        w = (xp >> (32 * (m // 2))).to(tl.int32)
+        if m % 2 == 0:
+            w = w << 16
+        else:
+            w = w & -65536
+        return w.to(tl.float32, bitcast=True)
+    else:
+        return tl.load(xp + m).to(tl.float32)
+
+
+@triton.jit
+def _word(w, v, xp, sl, sh, ul, uh, xsl, xsh, XV: tl.constexpr, PAIR: tl.constexpr):
+    # one word of 4 rows' qs: bytes m = 0..3 are l = 4j + m of the chunk; low nibble against
+    # x[l], high against x[32 + l] (xp points at x[4j] of the chunk). PAIR: v is the same word
+    # of a second matrix (up beside gate), summed into ul/uh with the same x values
+    if XV:
+        xlv = tl.load(xp.to(tl.pointer_type(tl.int64)))
+        xhv = tl.load((xp + 32).to(tl.pointer_type(tl.int64)))
+    else:
+        xlv = xp
+        xhv = xp + 32
+    for m in tl.static_range(4):
+        xl = _x4(xlv, m, XV)
+        xh = _x4(xhv, m, XV)
+        sl += _nib(w, 8 * m) * xl
+        sh += _nib(w, 8 * m + 4) * xh
+        if PAIR:
+            ul += _nib(v, 8 * m) * xl
+            uh += _nib(v, 8 * m + 4) * xh
+        xsl += xl
+        xsh += xh
+    return sl, sh, ul, uh, xsl, xsh
+
+
+@triton.jit
+def _ld8(qp, N, rmask):
+    return (tl.load(qp, mask=rmask, other=0), tl.load(qp + N, mask=rmask, other=0),
+            tl.load(qp + 2 * N, mask=rmask, other=0), tl.load(qp + 3 * N, mask=rmask, other=0),
+            tl.load(qp + 4 * N, mask=rmask, other=0), tl.load(qp + 5 * N, mask=rmask, other=0),
+            tl.load(qp + 6 * N, mask=rmask, other=0), tl.load(qp + 7 * N, mask=rmask, other=0))
+
+
+@triton.jit
+def _k4_mix(h0, h1, h2, h3, c, sl, sh, xsl, xsh):
+    # chunk c's two sub-blocks from their sums of (1 + q/16) x and of x
+    d = (h0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((h0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    scl, mnl = _k4_sm(h1, h2, h3, 2 * c)
+    sch, mnh = _k4_sm(h1, h2, h3, 2 * c + 1)
+    return (d * 16.0) * (scl * (sl - xsl) + sch * (sh - xsh)) - dmin * (mnl * xsl + mnh * xsh)
+
+
+@triton.jit
+def _chunk(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, h0, h1, h2, h3,
+           k0, k1, k2, k3, xb, c, BLOCK_N: tl.constexpr, XV: tl.constexpr, PAIR: tl.constexpr):
+    # chunk c (64 values) of the words a (headers h) and, PAIR, of b (headers k)
+    z = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sl, sh, ul, uh = z, z, z, z
+    xsl = 0.0
+    xsh = 0.0
+    sl, sh, ul, uh, xsl, xsh = _word(a0, b0, xb, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    sl, sh, ul, uh, xsl, xsh = _word(a1, b1, xb + 4, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    sl, sh, ul, uh, xsl, xsh = _word(a2, b2, xb + 8, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    sl, sh, ul, uh, xsl, xsh = _word(a3, b3, xb + 12, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    sl, sh, ul, uh, xsl, xsh = _word(a4, b4, xb + 16, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    sl, sh, ul, uh, xsl, xsh = _word(a5, b5, xb + 20, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    sl, sh, ul, uh, xsl, xsh = _word(a6, b6, xb + 24, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    sl, sh, ul, uh, xsl, xsh = _word(a7, b7, xb + 28, sl, sh, ul, uh, xsl, xsh, XV, PAIR)
+    r = _k4_mix(h0, h1, h2, h3, c, sl, sh, xsl, xsh)
+    r2 = z
+    if PAIR:
+        r2 = _k4_mix(k0, k1, k2, k3, c, ul, uh, xsl, xsh)
+    return r, r2
+
+
+@triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
+    # c + the 4 bytes of a (unsigned; SIGNED: signed) times those of b (signed); ASM: the
+    # GPU's instruction, else the same sum in integer ops (the interpreter runs no assembly)
+    if ASM:
+        if SIGNED:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                             [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                             [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        for k in tl.static_range(4):
+            if SIGNED:
+                ak = (a << (24 - 8 * k)) >> 24
+            else:
+                ak = (a >> (8 * k)) & 0xFF
+            c += ak * ((b << (24 - 8 * k)) >> 24)
+        return c
+
+
+@triton.jit
+def _q8_word(w, v, xl, J: tl.constexpr, il, ih, jl, jh, ASM: tl.constexpr, PAIR: tl.constexpr):
+    # word J of a chunk: its low nibbles are values 4J..4J+3 of the low sub-block, the high
+    # ones of the high sub-block, against x's int8 words J of both (xl: the low sub-block's
+    # 8 words, the high one's after them; broadcast to the rows)
+    z = w * 0
+    xlo = tl.load(xl + J) + z
+    xhi = tl.load(xl + 8 + J) + z
+    il = _dp4a(w & 0x0F0F0F0F, xlo, il, ASM)
+    ih = _dp4a((w >> 4) & 0x0F0F0F0F, xhi, ih, ASM)
+    if PAIR:
+        jl = _dp4a(v & 0x0F0F0F0F, xlo, jl, ASM)
+        jh = _dp4a((v >> 4) & 0x0F0F0F0F, xhi, jh, ASM)
+    return il, ih, jl, jh
+
+
+@triton.jit
+def _k4_mix_q8(h0, h1, h2, h3, c, il, ih, dl, dh, sl, sh):
+    # chunk c's two sub-blocks from the integer dots and x's int8 scales and sums
+    d = (h0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((h0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    scl, mnl = _k4_sm(h1, h2, h3, 2 * c)
+    sch, mnh = _k4_sm(h1, h2, h3, 2 * c + 1)
+    return d * (scl * dl * il.to(tl.float32) + sch * dh * ih.to(tl.float32)) \
+        - dmin * (mnl * sl + mnh * sh)
+
+
+@triton.jit
+def _q8_chunk(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, h0, h1, h2, h3,
+              k0, k1, k2, k3, xq_ptr, xd_ptr, xs_ptr, blk, c, ASM: tl.constexpr,
+              PAIR: tl.constexpr):
+    # chunk c of block blk on int8 x (sub-blocks 2c and 2c + 1, 8 words each)
+    g = blk * 8 + 2 * c
+    xl = xq_ptr + g * 8
+    z = a0 * 0
+    il, ih, jl, jh = z, z, z, z
+    il, ih, jl, jh = _q8_word(a0, b0, xl, 0, il, ih, jl, jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a1, b1, xl, 1, il, ih, jl, jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a2, b2, xl, 2, il, ih, jl, jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a3, b3, xl, 3, il, ih, jl, jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a4, b4, xl, 4, il, ih, jl, jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a5, b5, xl, 5, il, ih, jl, jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a6, b6, xl, 6, il, ih, jl, jh, ASM, PAIR)
+    il, ih, jl, jh = _q8_word(a7, b7, xl, 7, il, ih, jl, jh, ASM, PAIR)
+    dl, dh = tl.load(xd_ptr + g), tl.load(xd_ptr + g + 1)
+    sl, sh = tl.load(xs_ptr + g), tl.load(xs_ptr + g + 1)
+    r = _k4_mix_q8(h0, h1, h2, h3, c, il, ih, dl, dh, sl, sh)
+    r2 = r * 0.0
+    if PAIR:
+        r2 = _k4_mix_q8(k0, k1, k2, k3, c, jl, jh, dl, dh, sl, sh)
+    return r, r2
+
+
+@triton.jit
+def _q4k_half_loads(wt_ptr, b, c0, rows, rmask, N):
+    # the 4 header words and the 16 qs words of half block c0 // 2 of block b
+    hp = wt_ptr + b * 36 * N + rows
+    qp = hp + (4 + c0 * 8) * N
+    h0 = tl.load(hp, mask=rmask, other=0)
+    h1 = tl.load(hp + N, mask=rmask, other=0)
+    h2 = tl.load(hp + 2 * N, mask=rmask, other=0)
+    h3 = tl.load(hp + 3 * N, mask=rmask, other=0)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(qp, N, rmask)
+    e0, e1, e2, e3, e4, e5, e6, e7 = _ld8(qp + 8 * N, N, rmask)
+    return h0, h1, h2, h3, a0, a1, a2, a3, a4, a5, a6, a7, e0, e1, e2, e3, e4, e5, e6, e7
+
+
+@triton.jit
+def q4k_t_dot_half(wt_ptr, ut_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, b_lo, b_hi,
+                    BLOCK_N: tl.constexpr, XV: tl.constexpr, PAIR: tl.constexpr,
+                    Q8X: tl.constexpr, ASM: tl.constexpr):
+    # half a block (2 chunks, 16 words per row) per step, every load of the step issued before
+    # its math: ptxas keeps loads at the top of the body they are used in. PAIR: the same
+    # half block of ut (up beside gate) in the same step, on the same x values. Q8X: x is the
+    # int8 copy (kernels/q8x.py) and the nibbles multiply by dp4a
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for hb in range(2 * b_lo, 2 * b_hi):
+        b = hb // 2
+        c0 = (hb % 2) * 2
+        h0, h1, h2, h3, a0, a1, a2, a3, a4, a5, a6, a7, e0, e1, e2, e3, e4, e5, e6, e7 = \
+            _q4k_half_loads(wt_ptr, b, c0, rows, rmask, N)
+        # ptxas issues loads just before their use, so a warp has ~1 load in flight; a
+        # dependence of the first word on all of them (through ``N >> 31``, 0 at run time)
+        # makes it issue the step's 20 (PAIR: 40) loads together (SASS read for sm_90)
+        t = (a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ e0 ^ e1 ^ e2 ^ e3 ^ e4 ^ e5 ^ e6 ^ e7 ^ h0 ^ h1
+             ^ h2 ^ h3)
+        if PAIR:
+            k0, k1, k2, k3, p0, p1, p2, p3, p4, p5, p6, p7, f0, f1, f2, f3, f4, f5, f6, f7 = \
+                _q4k_half_loads(ut_ptr, b, c0, rows, rmask, N)
+            t ^= (p0 ^ p1 ^ p2 ^ p3 ^ p4 ^ p5 ^ p6 ^ p7 ^ f0 ^ f1 ^ f2 ^ f3 ^ f4 ^ f5 ^ f6 ^ f7
+                  ^ k0 ^ k1 ^ k2 ^ k3)
+        else:
+            k0, k1, k2, k3, p0, p1, p2, p3, p4, p5, p6, p7, f0, f1, f2, f3, f4, f5, f6, f7 = \
+                h0, h1, h2, h3, a0, a1, a2, a3, a4, a5, a6, a7, e0, e1, e2, e3, e4, e5, e6, e7
+        a0 = a0 + (t & (N >> 31))
+        if Q8X:
+            r, r2 = _q8_chunk(a0, a1, a2, a3, a4, a5, a6, a7, p0, p1, p2, p3, p4, p5, p6, p7,
+                              h0, h1, h2, h3, k0, k1, k2, k3, xq_ptr, xd_ptr, xs_ptr, b, c0,
+                              ASM, PAIR)
+            acc += r
+            acc2 += r2
+            r, r2 = _q8_chunk(e0, e1, e2, e3, e4, e5, e6, e7, f0, f1, f2, f3, f4, f5, f6, f7,
+                              h0, h1, h2, h3, k0, k1, k2, k3, xq_ptr, xd_ptr, xs_ptr, b, c0 + 1,
+                              ASM, PAIR)
+        else:
+            xb = x_ptr + b * 256 + 64 * c0
+            r, r2 = _chunk(a0, a1, a2, a3, a4, a5, a6, a7, p0, p1, p2, p3, p4, p5, p6, p7,
+                           h0, h1, h2, h3, k0, k1, k2, k3, xb, c0, BLOCK_N, XV, PAIR)
+            acc += r
+            acc2 += r2
+            r, r2 = _chunk(e0, e1, e2, e3, e4, e5, e6, e7, f0, f1, f2, f3, f4, f5, f6, f7,
+                           h0, h1, h2, h3, k0, k1, k2, k3, xb + 64, c0 + 1, BLOCK_N, XV, PAIR)
+        acc += r
+        acc2 += r2
+    return acc, acc2
+
+
+@triton.jit
+def _bits(w, S: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr):
+    # ((w >> S) & MASK) << D in one shift and one AND (the AND drops any sign bits)
+    if D >= S:
+        return (w << (D - S)) & (MASK << D)
+    else:
+        return (w >> (S - D)) & (MASK << D)
+
+
+@triton.jit
+def _q6_val(lo, S: tl.constexpr, h, SH: tl.constexpr):
+    # the 6-bit value (4 low bits at bit S of lo, 2 high at bit SH of h) as 1 + q/64
+    return (_bits(lo, S, 0xF, 17) | _bits(h, SH, 3, 21) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q6_word(a, b, h, xp, s0, s1, s2, s3, x0, x1, x2, x3, XV: tl.constexpr):
+    # byte m of ql words a (l = l0 + m) and b (l + 32) and qh word h gives quarter k's value
+    # for x[32 k + l]: k = 0 a's low nibble, 1 b's low, 2 a's high, 3 b's high; qh bits 2k
+    if XV:
+        v0 = tl.load(xp.to(tl.pointer_type(tl.int64)))
+        v1 = tl.load((xp + 32).to(tl.pointer_type(tl.int64)))
+        v2 = tl.load((xp + 64).to(tl.pointer_type(tl.int64)))
+        v3 = tl.load((xp + 96).to(tl.pointer_type(tl.int64)))
+    else:
+        v0 = xp
+        v1 = xp + 32
+        v2 = xp + 64
+        v3 = xp + 96
+    for m in tl.static_range(4):
+        y0 = _x4(v0, m, XV)
+        y1 = _x4(v1, m, XV)
+        y2 = _x4(v2, m, XV)
+        y3 = _x4(v3, m, XV)
+        s0 += _q6_val(a, 8 * m, h, 8 * m) * y0
+        s1 += _q6_val(b, 8 * m, h, 8 * m + 2) * y1
+        s2 += _q6_val(a, 8 * m + 4, h, 8 * m + 4) * y2
+        s3 += _q6_val(b, 8 * m + 4, h, 8 * m + 6) * y3
+        x0 += y0
+        x1 += y1
+        x2 += y2
+        x3 += y3
+    return s0, s1, s2, s3, x0, x1, x2, x3
+
+
+@triton.jit
+def _sc8(w, BYTE: tl.constexpr):
+    # signed byte BYTE of w as float32
+    return ((w << (24 - 8 * BYTE)) >> 24).to(tl.float32)
+
+
+@triton.jit
+def _q6_group(a0, a1, a2, a3, b0, b1, b2, b3, h0, h1, h2, h3, xb, sw0, sw1, d,
+              IS: tl.constexpr, BLOCK_N: tl.constexpr, XV: tl.constexpr):
+    # 16 values of l (4 words) in each of the 4 quarters of a half block: one scale each,
+    # sc[8n + 2k + IS] (bytes 2k + IS of the half's two scale words)
+    z = tl.zeros([BLOCK_N], dtype=tl.float32)
+    s0, s1, s2, s3 = z, z, z, z
+    x0, x1, x2, x3 = 0.0, 0.0, 0.0, 0.0
+    s0, s1, s2, s3, x0, x1, x2, x3 = _q6_word(a0, b0, h0, xb, s0, s1, s2, s3, x0, x1, x2, x3, XV)
+    s0, s1, s2, s3, x0, x1, x2, x3 = _q6_word(a1, b1, h1, xb + 4, s0, s1, s2, s3, x0, x1, x2,
+                                              x3, XV)
+    s0, s1, s2, s3, x0, x1, x2, x3 = _q6_word(a2, b2, h2, xb + 8, s0, s1, s2, s3, x0, x1, x2,
+                                              x3, XV)
+    s0, s1, s2, s3, x0, x1, x2, x3 = _q6_word(a3, b3, h3, xb + 12, s0, s1, s2, s3, x0, x1, x2,
+                                              x3, XV)
+    # sum x (q - 32) = 64 sum x (1 + q/64) - 96 sum x
+    t = _sc8(sw0, IS) * (64.0 * s0 - 96.0 * x0) + _sc8(sw0, 2 + IS) * (64.0 * s1 - 96.0 * x1) \
+        + _sc8(sw1, IS) * (64.0 * s2 - 96.0 * x2) + _sc8(sw1, 2 + IS) * (64.0 * s3 - 96.0 * x3)
+    return d * t
+
+
+@triton.jit
+def _q6_s8(lo, hi):
+    # 4 six-bit values (nibbles lo, 2 high bits already at bits 4-5 of each byte in hi) as the
+    # signed bytes q - 32: flipping bit 5 gives q - 32 as a 6-bit two's complement, and its
+    # sign bit times 6 fills bits 6-7 (0x20 * 6 = 0xC0, no carry between bytes)
+    v = ((lo & 0x0F0F0F0F) | (hi & 0x30303030)) ^ 0x20202020
+    return v | ((v & 0x20202020) * 6)
+
+
+@triton.jit
+def _q6_q8_group(a0, a1, a2, a3, b0, b1, b2, b3, h0, h1, h2, h3, xw, xd, sw0, sw1, d,
+                 IS: tl.constexpr, ASM: tl.constexpr):
+    # _q6_group on int8 x: xw points at x's int8 word of quarter 0 for l = 16 IS, xd at
+    # quarter 0's scale; quarter k is 8 words / 1 scale further
+    z = a0 * 0
+    i0, i1, i2, i3 = z, z, z, z
+    for j in tl.static_range(4):
+        if j == 0:
+            a, b, h = a0, b0, h0
+        elif j == 1:
+            a, b, h = a1, b1, h1
+        elif j == 2:
+            a, b, h = a2, b2, h2
+        else:
+            a, b, h = a3, b3, h3
+        i0 = _dp4a(_q6_s8(a, h << 4), tl.load(xw + j) + z, i0, ASM, True)
+        i1 = _dp4a(_q6_s8(b, h << 2), tl.load(xw + 8 + j) + z, i1, ASM, True)
+        i2 = _dp4a(_q6_s8(a >> 4, h), tl.load(xw + 16 + j) + z, i2, ASM, True)
+        i3 = _dp4a(_q6_s8(b >> 4, h >> 2), tl.load(xw + 24 + j) + z, i3, ASM, True)
+    t = _sc8(sw0, IS) * tl.load(xd) * i0.to(tl.float32) \
+        + _sc8(sw0, 2 + IS) * tl.load(xd + 1) * i1.to(tl.float32) \
+        + _sc8(sw1, IS) * tl.load(xd + 2) * i2.to(tl.float32) \
+        + _sc8(sw1, 2 + IS) * tl.load(xd + 3) * i3.to(tl.float32)
+    return d * t
+
+
+@triton.jit
+def _q6k_t_dot(wt_ptr, wh_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
+               BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr,
+               ASM: tl.constexpr):
+    # Q6_K: words 0-31 ql, 32-47 qh, 48-51 scales; the f16 d in a plane after all words.
+    # Half a block (128 values: 8 ql words each side, 8 qh words) per step, loads batched.
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dp = wh_ptr + NB * 104 * N + rows
+    for hb in range(2 * b_lo, 2 * b_hi):
+        b = hb // 2
+        n = hb % 2
+        base = wt_ptr + b * 52 * N + rows
+        a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(base + 16 * n * N, N, rmask)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _ld8(base + (16 * n + 8) * N, N, rmask)
+        h0, h1, h2, h3, h4, h5, h6, h7 = _ld8(base + (32 + 8 * n) * N, N, rmask)
+        sw0 = tl.load(base + (48 + 2 * n) * N, mask=rmask, other=0)
+        sw1 = tl.load(base + (49 + 2 * n) * N, mask=rmask, other=0)
+        d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
+        t = (a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ b0 ^ b1 ^ b2 ^ b3 ^ b4 ^ b5 ^ b6 ^ b7 ^ h0 ^ h1
+             ^ h2 ^ h3 ^ h4 ^ h5 ^ h6 ^ h7 ^ sw0 ^ sw1)
+        a0 = a0 + (t & (N >> 31))  # all of the step's loads issued together (see Q4_K)
+        if Q8X:  # int8 x: words b * 64 + 32 n + 8 k + j, scales b * 8 + 4 n + k
+            xw = xq_ptr + b * 64 + 32 * n
+            xd = xd_ptr + b * 8 + 4 * n
+            acc += _q6_q8_group(a0, a1, a2, a3, b0, b1, b2, b3, h0, h1, h2, h3, xw, xd, sw0,
+                                sw1, d, 0, ASM)
+            acc += _q6_q8_group(a4, a5, a6, a7, b4, b5, b6, b7, h4, h5, h6, h7, xw + 4, xd, sw0,
+                                sw1, d, 1, ASM)
+        else:
+            xb = x_ptr + b * 256 + 128 * n
+            acc += _q6_group(a0, a1, a2, a3, b0, b1, b2, b3, h0, h1, h2, h3, xb, sw0, sw1, d, 0,
+                             BLOCK_N, XV)
+            acc += _q6_group(a4, a5, a6, a7, b4, b5, b6, b7, h4, h5, h6, h7, xb + 16, sw0, sw1,
+                             d, 1, BLOCK_N, XV)
+    return acc
+
+
+@triton.jit
+def t_body(wt_ptr, wh_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_lo, b_hi,
+            BLOCK_N: tl.constexpr, XV: tl.constexpr, TYPE: tl.constexpr, Q8X: tl.constexpr,
+            ASM: tl.constexpr):
+    # rows masked, not clamped: a clamp hides their contiguity and the loads go 4 bytes wide
+    if TYPE == 14:
+        acc = _q6k_t_dot(wt_ptr, wh_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
+                         BLOCK_N, XV, Q8X, ASM)
+    else:
+        acc, _ = q4k_t_dot_half(wt_ptr, wt_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
+                                 b_lo, b_hi, BLOCK_N, XV, False, Q8X, ASM)
+    return acc
