@@ -222,12 +222,9 @@ def _q8_in(xq, ggml_type: int, x2: torch.Tensor):
     T matrix, one row of x), else x's own pointers and False."""
     if xq is None or ggml_type not in WORDS or x2.shape[0] != 1:
         return x2, x2, x2, False
-    q, d, s = xq
-    k = x2.shape[1]
-    if q.dtype != torch.int32 or q.numel() * 4 < k or d.numel() < k // 32 \
-            or s.numel() < k // 32:
-        raise ValueError(f"int8 x buffers too small for a row of {k}")
-    return q, d, s, True
+    if not q8x.fits(xq, x2.shape[1]):
+        raise ValueError(f"int8 x buffers too small for a row of {x2.shape[1]}")
+    return (*xq, True)
 
 
 def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: torch.Tensor,
@@ -264,7 +261,7 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
     _, up_p, _, _, _, _ = _t_launch(up, ggml_type, rows, x, config, 2, part, counter)
     q, d, s, use = _q8_in(xq, ggml_type, x2)
     if out_q is not None and (x2.shape[0] != 1 or rows % 32 or config[0] % 32
-                              or out_q[0].numel() * 4 < rows or out_q[1].numel() < rows // 32):
+                              or not q8x.fits(out_q, rows)):
         raise ValueError(f"no int8 copy of a GLU output of {x2.shape[0]} x {rows} here")
     oq, od, os_ = out_q if out_q is not None else (x2, x2, x2)
     y = out.view(x2.shape[0], rows)

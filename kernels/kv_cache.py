@@ -14,7 +14,7 @@ import triton.language as tl
 
 from engine import dequant as _dq
 from engine import quant_types as qt
-from kernels import pdl
+from kernels import pdl, q8x
 
 
 @triton.jit
@@ -43,13 +43,7 @@ def _kv_store_one(src_ptr, pos_ptr, c_ptr, c8_ptr, ch_ptr, cells, KVH, stride_t,
         b = tl.arange(0, D // 32)
         j = tl.arange(0, 32)
         x = tl.load(src + b[:, None] * 32 + j[None, :]).to(tl.float32)  # [D/32, 32]
-        amax = tl.max(tl.abs(x), axis=1)
-        # IEEE divisions as in ggml's C (Triton's ``/`` is the approximate div.full.f32 on a
-        # GPU, which moved q by one at some roundings)
-        d = tl.div_rn(amax, 127.0)
-        inv = tl.where(d > 0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
-        y = x * inv[:, None]
-        q = tl.where(y < 0, -tl.floor(-y + 0.5), tl.floor(y + 0.5))  # roundf: half away from 0
+        d, q = q8x.quant32(x, 1)
         blk = (cell * KVH + h) * (D // 32) + b
         tl.store(ch_ptr + blk * 17, d.to(tl.float16))
         tl.store(c8_ptr + blk[:, None] * 34 + 2 + j[None, :], q.to(tl.int8))
@@ -69,12 +63,7 @@ def _q8_roundtrip_kernel(x_ptr, stride_t, stride_h, D: tl.constexpr,
     b = tl.arange(0, D // 32)
     j = tl.arange(0, 32)
     p = x_ptr + t * stride_t + h * stride_h + b[:, None] * 32 + j[None, :]
-    x = tl.load(p).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    d = tl.div_rn(amax, 127.0)  # IEEE, as kv_store
-    inv = tl.where(d > 0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
-    y = x * inv[:, None]
-    q = tl.where(y < 0, -tl.floor(-y + 0.5), tl.floor(y + 0.5))
+    d, q = q8x.quant32(tl.load(p).to(tl.float32), 1)  # as kv_store
     dh = d.to(tl.float16).to(tl.float32)
     tl.store(p, (q * dh[:, None]).to(x_ptr.dtype.element_ty))
 

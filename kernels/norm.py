@@ -41,8 +41,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     y = torch.empty_like(x2) if out is None else out.view(-1, h)
     r = residual.view(-1, h) if residual is not None else x2
     block = triton.next_power_of_2(h)
-    if q8 is not None and (x2.shape[0] != 1 or h % 32 or q8[0].numel() * 4 < h
-                           or q8[1].numel() < h // 32 or q8[2].numel() < h // 32):
+    if q8 is not None and (x2.shape[0] != 1 or h % 32 or not q8x.fits(q8, h)):
         raise ValueError(f"no int8 copy of {x2.shape[0]} rows of {h} in these buffers")
     q, d, s = q8 if q8 is not None else (y, y, y)
     _rmsnorm_kernel[(x2.shape[0],)](x2, r, weight, y, q, d, s, h, eps, x2.stride(0),

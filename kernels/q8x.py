@@ -16,16 +16,24 @@ import triton.language as tl
 
 
 @triton.jit
-def store_q8(v, offs, mask, q_ptr, d_ptr, s_ptr, NV: tl.constexpr):
-    # v [NV] float32 values at row offsets offs (NV and offs[0] multiples of 32, every group
-    # of 32 wholly in or out of mask) -> their int8 values, scales and sums
-    g = tl.reshape(v, [NV // 32, 32])
-    amax = tl.max(tl.abs(g), axis=1)
+def quant32(x, AXIS: tl.constexpr):
+    # q8_0 of the groups of 32 along AXIS of float32 x: (d = amax / 127, q = x / d rounded half
+    # away from 0, as floats). IEEE divisions as in ggml's C: Triton's ``/`` is the approximate
+    # div.full.f32 on a GPU, which moved q by one at some roundings. The KV cache's q8_0 and
+    # the int8 x copies both quantize here.
+    amax = tl.max(tl.abs(x), axis=AXIS)
     d = tl.div_rn(amax, 127.0)
     inv = tl.where(d > 0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d > 0, d, 1.0)),
                    0.0)
-    z = g * inv[:, None]
-    q = tl.where(z < 0, -tl.floor(-z + 0.5), tl.floor(z + 0.5))  # half away from 0
+    z = x * tl.expand_dims(inv, AXIS)
+    return d, tl.where(z < 0, -tl.floor(-z + 0.5), tl.floor(z + 0.5))
+
+
+@triton.jit
+def store_q8(v, offs, mask, q_ptr, d_ptr, s_ptr, NV: tl.constexpr):
+    # v [NV] float32 values at row offsets offs (NV and offs[0] multiples of 32, every group
+    # of 32 wholly in or out of mask) -> their int8 values, scales and sums
+    d, q = quant32(tl.reshape(v, [NV // 32, 32]), 1)
     s = tl.sum(q, axis=1) * d
     o = tl.reshape(offs, [NV // 32, 32])
     m = tl.reshape(mask, [NV // 32, 32])
@@ -42,6 +50,12 @@ def buffers(q: torch.Tensor, ds: torch.Tensor, k: int, at: int = 0):
     if k % 32 or at % 32:
         raise ValueError(f"an int8 row of {k} values at {at} is not whole groups of 32")
     return q[at // 4:(at + k) // 4], ds[0, at // 32:(at + k) // 32], ds[1, at // 32:(at + k) // 32]
+
+
+def fits(bufs, k: int) -> bool:
+    """Do the (q words, d, s) buffers hold an int8 copy of a row of k values?"""
+    q, d, s = bufs
+    return q.dtype == torch.int32 and q.numel() * 4 >= k and min(d.numel(), s.numel()) >= k // 32
 
 
 def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

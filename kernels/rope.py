@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, q8x
 from kernels.kv_cache import _kv_store_one, _views
 
 
@@ -55,12 +55,7 @@ def _rope_heads(x_ptr, pos_ptr, stride_t, stride_h, n_heads, log2_base, freq_sca
 def _q8_rows(c8_ptr, ch_ptr, blk0, y, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
              m):
     # quantize y [BLOCK_H, HALF] (HALF a multiple of 32) as q8_0 blocks blk0[h] + 0, 1, ...
-    x = tl.reshape(y.to(tl.float32), [BLOCK_H, HALF // 32, 32])
-    amax = tl.max(tl.abs(x), axis=2)
-    d = tl.div_rn(amax, 127.0)  # IEEE divisions, as kv_cache's store (ggml's C)
-    inv = tl.where(d > 0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
-    z = x * inv[:, :, None]
-    q = tl.where(z < 0, -tl.floor(-z + 0.5), tl.floor(z + 0.5))  # roundf: half away from 0
+    d, q = q8x.quant32(tl.reshape(y.to(tl.float32), [BLOCK_H, HALF // 32, 32]), 2)
     blk = blk0[:, None] + tl.arange(0, HALF // 32)[None, :]
     tl.store(ch_ptr + blk * 17, d.to(tl.float16), mask=m[:, None])
     j = tl.arange(0, 32)
