@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
+from kernels import t_split
+
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "uint8": 1}
 ATTN_SPLITS = 64  # split-K decode: the KV range is cut into at most this many pieces
 
@@ -71,11 +73,19 @@ def activation_buffers(
         BufferSpec("attn_count", (hp.n_head_kv, 64), "i32"),
     ]
     # T-layout decode GEMVs (kernels/gemv_t.py), up to 8 rows: the float32 sums of programs
-    # that split a row's blocks (gate | up side by side) and a counter per 128-row tile; both
-    # left zero after each use
-    t_rows = max(2 * f, e, hp.n_vocab if n_vocab_rows > 0 else 0)
-    out += [BufferSpec("t_part", (8, t_rows), "f32"),
-            BufferSpec("t_count", (8, -(-t_rows // 128)), "i32")]
+    # that split a row's blocks, one row per split, and a counter per row tile (left zero),
+    # for the largest of the launches decode can make (kernels/t_split.py, the same rule)
+    kv_k = hp.n_head_kv * hp.head_dim
+    launches = [
+        t_split.scratch([f], e, t_split.T_GLU_CONFIG, parts=2),  # gate | up
+        t_split.scratch([e], f, t_split.T_CONFIG),  # ffn_down
+        t_split.scratch([e], hp.n_head * hp.head_dim_v, t_split.T_CONFIG),  # attn_output
+        t_split.scratch([q_width, kv_k, kv_width - kv_k], e, t_split.T_CONFIG),  # q, k, v
+    ]
+    if n_vocab_rows > 0:
+        launches.append(t_split.scratch([hp.n_vocab], e, t_split.T_CONFIG))  # the head
+    part, count = (-(-max(1, *v) // 64) * 64 for v in zip(*launches))  # whole 256-byte lines
+    out += [BufferSpec("t_part", (8, part), "f32"), BufferSpec("t_count", (8, count), "i32")]
     # decode's int8 copies of the T GEMVs' inputs (kernels/q8x.py): the normed row (n_embd)
     # and the GLU output (n_ff) side by side, each as int8 words plus a scale and a sum per 32
     # (rounded to 1024 values: both spans whole 256-byte arena slots)

@@ -1,9 +1,10 @@
 """GEMV experiments on a GPU at the Qwen2-7B shapes: the Q4_K storage-order body and the
 generic walk over a sweep of tiles, and the fused launches (gate/up + GLU, q/k/v) against
 the separate ones; ``--ncu`` makes a short run for the profiler; ``--tlayout`` times the
-T-layout GEMV (kernels/gemv_t.py) against the GGUF-layout one at 7B, 32B and head shapes.
+T-layout GEMV (kernels/gemv_t.py) against the GGUF-layout one at 7B, 32B and head shapes;
+``--q8x`` float x against int8 x; ``--qkv`` q/k/v in one launch, GGUF order against T.
 
-    python -m kernels.gemv_profile [--probes] [--ncu] [--tlayout [--quick] [--glu]] [--q8x]
+    python -m kernels.gemv_profile [--probes] [--ncu] [--tlayout [--quick] [--glu]] [--q8x] [--qkv]
 
 Times are replays of a CUDA graph of 8 calls with four weight copies cycled (no L2 hits);
 GB/s counts the weight bytes read.
@@ -25,6 +26,7 @@ from kernels import glu, quant_matmul
 from kernels.device_check import ROTATE, graph_time, nerr
 from kernels.random_blocks import random_weight
 
+PART = 4 << 20  # floats: the T GEMVs' split sums (kernels/t_split.py), any shape here
 TILES = [(4, 8, 4), (8, 8, 4), (8, 4, 4), (4, 16, 4), (8, 16, 4), (16, 8, 4)]
 Q6_TILES = [(2, 16, 4), (4, 16, 8), (2, 16, 8), (4, 16, 4), (2, 32, 4), (4, 8, 4)]
 SHAPES = ((18944, 3584), (3584, 18944))  # ffn_up, ffn_down of Qwen2-7B
@@ -166,7 +168,7 @@ def _tlayout(g: torch.Generator) -> None:
         wts = [gemv_t.repack(w, t) for w in ws]
         x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
         y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)
-        part = torch.zeros(1, s[0], device="cuda")
+        part = torch.empty(PART, device="cuda")
         cnt = torch.zeros(1, 4096, device="cuda", dtype=torch.int32)
         ref = quant_matmul.gemv_ref(ws[0], t, x.float())
         nb = ws[0].numel()
@@ -182,7 +184,7 @@ def _tlayout(g: torch.Generator) -> None:
                 err = nerr(y.float(), ref)
                 sec = graph_time(lambda i=0, c=cfg: gemv_t.gemv_t(
                     wts[i % ROTATE], t, s[0], x, y, part, cnt, config=c))
-                left = float(part.abs().max()) + float(cnt.abs().max())
+                left = float(cnt.abs().max())
             except Exception as exc:
                 print(f"{name} {cfg}: {type(exc).__name__} {exc}"[:300], flush=True)
                 continue
@@ -199,7 +201,7 @@ def _tglu(g: torch.Generator) -> None:
               for _ in range(ROTATE)]
         x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
         y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)
-        part = torch.zeros(2, s[0], device="cuda")
+        part = torch.empty(PART, device="cuda")
         cnt = torch.zeros(1, 4096, device="cuda", dtype=torch.int32)
         nb = 2 * ws[0][0].numel()
         for cfg, paired in [(c, p) for c in T_GLU_CONFIGS for p in (True, False)]:
@@ -226,7 +228,7 @@ def _q8x(g: torch.Generator) -> None:
         ref = quant_matmul.gemv_ref(gemv_t.unpack(ws[0], qt.Q4_K, s[0]), qt.Q4_K,
                                     q8x.dequantize_ref(q, d)[None])
         y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)
-        part = torch.zeros(2, s[0], device="cuda")
+        part = torch.empty(PART, device="cuda")
         cnt = torch.zeros(4096, device="cuda", dtype=torch.int32)
         nb = ws[0].numel()
         base = graph_time(lambda i=0: gemv_t.gemv_t(ws[i % ROTATE], qt.Q4_K, s[0], x, y, part,
@@ -246,10 +248,70 @@ def _q8x(g: torch.Generator) -> None:
                   f"us ({2 * nb / glu_q / 1e9:.0f} GB/s, {glu_f / glu_q:.2f}x)", flush=True)
 
 
+QKV_SHAPES = (("7B", 3584, 3584, 512), ("32B", 5120, 5120, 1024))
+QKV_CONFIGS = [(256, 4, 2112), (128, 4, 2112), (128, 4, 1056), (64, 2, 2112), (128, 8, 2112)]
+
+
+def _qkv(g: torch.Generator) -> None:
+    """q, k, v in one launch: the GGUF-order gemv3 against gemv_t3 on float x and on x's int8
+    copy (Q4_K q and k, v Q4_K or Q6_K as Q4_K_M gives it); then single small matrices,
+    GGUF order against T on int8 x (where T_MIN_BYTES sits once x is int8)."""
+    from kernels import gemv_t, q8x
+
+    for label, e, nq, nkv in QKV_SHAPES:
+        for tv in (qt.Q4_K, qt.Q6_K):
+            types, rows = (qt.Q4_K, qt.Q4_K, tv), (nq, nkv, nkv)
+            ws = [[random_weight(t, r, e, "cuda", g) for t, r in zip(types, rows)]
+                  for _ in range(ROTATE)]
+            ts = [[(gemv_t.repack(w, t), t, r) for w, t, r in zip(m, types, rows)] for m in ws]
+            nb = sum(w.numel() for w in ws[0])
+            x = torch.randn(1, e, device="cuda", generator=g).to(torch.bfloat16)
+            q, d, sm = q8x.quantize_ref(x[0])
+            xq = (q.view(torch.int32), d, sm)
+            xr = q8x.dequantize_ref(q, d)[None]
+            ref = torch.cat([quant_matmul.gemv_ref(w, t, xr) for w, t in zip(ws[0], types)], 1)
+            y = torch.empty(1, sum(rows), device="cuda", dtype=torch.bfloat16)
+            part = torch.empty(PART, device="cuda")
+            cnt = torch.zeros(4096, device="cuda", dtype=torch.int32)
+            base = graph_time(lambda i=0: quant_matmul.gemv3(
+                [(w, t) for w, t in zip(ws[i % ROTATE], types)], x, y))
+            tag = f"{label} qkv v={qt.type_name(tv)} {nb / 1e6:.1f} MB"
+            print(f"{tag}: gemv3 {base * 1e6:.1f} us ({nb / base / 1e9:.0f} GB/s)", flush=True)
+            for cfg in QKV_CONFIGS:
+                for use in (False, True):
+                    gemv_t.gemv_t3(ts[0], x, y, part, cnt, config=cfg, xq=xq if use else None)
+                    err = nerr(y.float(), ref)
+                    sec = graph_time(lambda i=0: gemv_t.gemv_t3(
+                        ts[i % ROTATE], x, y, part, cnt, config=cfg, xq=xq if use else None))
+                    print(f"  t3 {cfg} {'int8' if use else 'float'}: {sec * 1e6:.1f} us "
+                          f"({nb / sec / 1e9:.0f} GB/s, {base / sec:.2f}x) err {err:.1e}",
+                          flush=True)
+    for t, s in ((qt.Q4_K, (3584, 3584)), (qt.Q4_K, (5120, 5120)), (qt.Q4_K, (512, 3584)),
+                 (qt.Q6_K, (896, 4864)), (qt.Q4_K, (896, 4864))):
+        ws = [random_weight(t, s[0], s[1], "cuda", g) for _ in range(ROTATE)]
+        ts = [gemv_t.repack(w, t) for w in ws]
+        x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
+        q, d, sm = q8x.quantize_ref(x[0])
+        xq = (q.view(torch.int32), d, sm)
+        y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)
+        part = torch.empty(PART, device="cuda")
+        cnt = torch.zeros(4096, device="cuda", dtype=torch.int32)
+        base = graph_time(lambda i=0: quant_matmul.gemv(ws[i % ROTATE], t, x, out=y))
+        line = f"{qt.type_name(t)} {s} {ws[0].numel() / 1e6:.1f} MB: gguf {base * 1e6:.1f} us"
+        for cfg in (None, (128, 4, 2112), (64, 2, 2112)):
+            sec = graph_time(lambda i=0: gemv_t.gemv_t(ts[i % ROTATE], t, s[0], x, y, part, cnt,
+                                                       config=cfg, xq=xq))
+            line += f", T int8 {cfg or 'default'} {sec * 1e6:.1f} us"
+        print(line, flush=True)
+
+
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(7)
     if "--q8x" in sys.argv:
         _q8x(g)
+        return
+    if "--qkv" in sys.argv:
+        _qkv(g)
         return
     if "--tlayout" in sys.argv:
         _tglu(g)

@@ -14,8 +14,9 @@ so the words of one block position sit side by side for all rows. A program owns
 (BLOCK_N / threads per thread, loaded as one vector per word) and a range of blocks; x for that
 range is loaded as scalars (the same address in every thread: one broadcast per warp, no
 layout conversion, no shuffle), and each thread keeps its rows' sums in registers to the end.
-Programs that split a row's blocks add their sums into a float32 ``part`` buffer; the last one
-of a row tile to finish (an atomic counter, acq_rel) reads and zeroes it and writes y. The
+Programs that split a row's blocks store their sums in their own row of a float32 ``part``
+buffer; the last one of a row tile to finish (an atomic counter, acq_rel) adds those rows in
+split order (deterministic: kernels/t_split.py) and writes y. The
 per-step dot products are in kernels/gemv_t_dot.py: x as float, or (``xq=``) its int8 copy
 (kernels/q8x.py) through dp4a; the gate/up launch reads both matrices' Q4_K words in one step.
 
@@ -33,9 +34,10 @@ import triton
 import triton.language as tl
 
 from engine import quant_types as qt
-from kernels import pdl, q8x
+from kernels import pdl, q8x, t_split
 from kernels.gemv_t_dot import q4k_t_dot_half, t_body
 from kernels.glu import glu_act
+from kernels.t_split import T_CONFIG, T_GLU_CONFIG
 
 # words (4 bytes) per block that go to the word planes, and tail bytes per block that go to a
 # plane of their own after them (Q6_K's f16 d: its 210-byte block is 52 words and 2 bytes)
@@ -98,25 +100,27 @@ def _t_tile(N, NB, BPS, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _t_take(p, rmask, BLOCK_N: tl.constexpr):
-    # the sums at p, read at L2 where the adds landed, and p left at zero
-    zero = tl.zeros([BLOCK_N], tl.float32)
-    tot = tl.atomic_add(p, zero, mask=rmask)
-    tl.store(p, zero, mask=rmask)
+def _t_sum(p, rows, rmask, N, SPLIT: tl.constexpr):
+    # the SPLIT rows of partial sums at p ([SPLIT, N]) added in split order, each thread its
+    # own rows, read at L2 (unrolled: the loads go out together)
+    tot = tl.load(p + rows, mask=rmask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT):
+        tot += tl.load(p + s * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
     return tot
 
 
 @triton.jit
-def _t_split_done(prow, acc, rows, rmask, cnt, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
-    # the splits of a row tile add into part; the last to arrive gets the sums back (1) and
-    # leaves part and its counter at zero for the next call; the others get 0
-    tl.atomic_add(prow + rows, acc, mask=rmask, sem="relaxed")
-    tl.debug_barrier()  # every thread's adds issued before the counter's release
+def _t_split_done(prow, acc, rows, rmask, N, cnt, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    # each split of a row tile stores its sums in its own row of part [SPLIT, N]; the last to
+    # arrive gets their sum in split order back (1: the same bits whatever order the programs
+    # ran in) and leaves its counter at zero for the next call; the others get 0
+    tl.store(prow + tl.program_id(1) * N + rows, acc, mask=rmask)
+    tl.debug_barrier()  # every thread's stores issued before the counter's release
     done = tl.atomic_add(cnt, 1)
     last = done == SPLIT - 1
     tot = acc
     if last:
-        tot = _t_take(prow + rows, rmask, BLOCK_N)
+        tot = _t_sum(prow, rows, rmask, N, SPLIT)
         tl.atomic_xchg(cnt, 0)
     return last, tot
 
@@ -132,7 +136,7 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, b_ptr, 
                   N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
     last = True
     if SPLIT > 1:
-        last, acc = _t_split_done(part_ptr + m * N, acc, rows, rmask,
+        last, acc = _t_split_done(part_ptr + m * SPLIT * N, acc, rows, rmask, N,
                                   cnt_ptr + m * tl.num_programs(0) + pid, SPLIT, BLOCK_N)
     if last:
         if HAS_BIAS:
@@ -148,7 +152,7 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, xq_ptr, xd_ptr, xs_p
                        PAIR: tl.constexpr, Q8X: tl.constexpr, QOUT: tl.constexpr,
                        ASM: tl.constexpr, PDL: tl.constexpr):
     # gate and up rows of the same outputs in one program (x read once for both); with a
-    # split, part holds [M, 2, N] and the last program of a row tile applies the GLU.
+    # split, part holds [M, 2, SPLIT, N] and the last program of a row tile applies the GLU.
     # QOUT: the last program also writes the int8 copy of its y (kernels/q8x.py, M = 1)
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
     pdl.start(PDL)
@@ -163,12 +167,12 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, xq_ptr, xd_ptr, xs_p
                     b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
     last = True
     if SPLIT > 1:
-        prow = part_ptr + m * 2 * N
-        tl.atomic_add(prow + N + rows, u, mask=rmask, sem="relaxed")
-        last, g = _t_split_done(prow, g, rows, rmask, cnt_ptr + m * tl.num_programs(0) + pid,
+        prow = part_ptr + m * 2 * SPLIT * N  # [2, SPLIT, N]: gate's splits, then up's
+        tl.store(prow + (SPLIT + tl.program_id(1)) * N + rows, u, mask=rmask)
+        last, g = _t_split_done(prow, g, rows, rmask, N, cnt_ptr + m * tl.num_programs(0) + pid,
                                 SPLIT, BLOCK_N)
         if last:
-            u = _t_take(prow + N + rows, rmask, BLOCK_N)
+            u = _t_sum(prow + SPLIT * N, rows, rmask, N, SPLIT)
     if last:
         y = glu_act(g, u, GELU)
         tl.store(y_ptr + m * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
@@ -176,45 +180,95 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, xq_ptr, xd_ptr, xs_p
             q8x.store_q8(y, rows, rmask, oq_ptr, od_ptr, os_ptr, BLOCK_N)
 
 
-# (rows per program, warps, programs aimed at) of the T-layout GEMV: the best of the H200 sweep
-# (`python -m kernels.gemv_profile --tlayout`, kernels/NOTES.md)
-T_CONFIG = (256, 4, 2112)
-# the gate/up launch: 128 rows per program, each Q4_K step reading both matrices' words (session
-# 4 sweep: 7B 50.1 -> 47.0 us, 32B 88.6 -> 83.0 us against T_CONFIG one matrix after the other)
-T_GLU_CONFIG = (128, 4, 2112)
+@triton.jit
+def _gemv_t3_kernel(w1, h1, w2, h2, w3, h3, b1, b2, b3, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr,
+                    part_ptr, cnt_ptr, N1, N2, N3, NB, BPS, stride_xm, stride_ym,
+                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, XV: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+                    T3: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+    # three matrices of the same x (q, k, v) as one grid: row tiles [0, P1) are the first's,
+    # [P1, P2) the second's, the rest the third's; each keeps its own type, outputs side by side
+    pid = tl.program_id(0)
+    p1 = tl.cdiv(N1, BLOCK_N)
+    p2 = p1 + tl.cdiv(N2, BLOCK_N)
+    b_lo = tl.program_id(1) * BPS
+    b_hi = tl.minimum(b_lo + BPS, NB)
+    m = tl.program_id(2).to(tl.int64)
+    off = tl.where(pid < p1, 0, tl.where(pid < p2, N1, N1 + N2))  # its first output column
+    n = tl.where(pid < p1, N1, tl.where(pid < p2, N2, N3))
+    rows = (pid - tl.where(pid < p1, 0, tl.where(pid < p2, p1, p2))) * BLOCK_N \
+        + tl.arange(0, BLOCK_N)
+    rmask = rows < n
+    pdl.start(PDL)
+    xrow = x_ptr + m * stride_xm
+    if pid < p1:
+        acc = t_body(w1, h1, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N1, NB, b_lo, b_hi,
+                     BLOCK_N, XV, T1, Q8X, ASM)
+    elif pid < p2:
+        acc = t_body(w2, h2, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N2, NB, b_lo, b_hi,
+                     BLOCK_N, XV, T2, Q8X, ASM)
+    else:
+        acc = t_body(w3, h3, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N3, NB, b_lo, b_hi,
+                     BLOCK_N, XV, T3, Q8X, ASM)
+    last = True
+    if SPLIT > 1:
+        # each matrix's [SPLIT, n] partial sums after the ones before it
+        last, acc = _t_split_done(part_ptr + (m * (N1 + N2 + N3) + off) * SPLIT, acc, rows,
+                                  rmask, n, cnt_ptr + m * tl.num_programs(0) + pid, SPLIT,
+                                  BLOCK_N)
+    if last:
+        if HAS_BIAS:
+            if pid < p1:
+                acc += tl.load(b1 + rows, mask=rmask, other=0.0).to(tl.float32)
+            elif pid < p2:
+                acc += tl.load(b2 + rows, mask=rmask, other=0.0).to(tl.float32)
+            else:
+                acc += tl.load(b3 + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + off + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
 def split_for(n: int, nb: int, block_n: int, target: int) -> int:
     """Blocks of a row are split over this many programs so that the grid has ~target."""
-    tiles = triton.cdiv(n, block_n)
-    return max(1, min(nb, triton.cdiv(target, tiles)))
+    return t_split.split(t_split.tiles([n], block_n), nb, target)[0]
+
+
+def _t_words(wt: torch.Tensor, ggml_type: int, rows: int) -> tuple[int, tuple]:
+    """(blocks per row, (word view, 16-bit view)) of a T-layout matrix, checked."""
+    if ggml_type not in WORDS:
+        raise ValueError(f"no T layout for {qt.type_name(ggml_type)}")
+    nb = wt.numel() // (rows * BLOCK_BYTES[ggml_type])
+    if wt.numel() != nb * rows * BLOCK_BYTES[ggml_type] or wt.dtype != torch.uint8:
+        raise ValueError(f"T weight of {wt.numel()} bytes is not {rows} rows of whole blocks")
+    return nb, (wt[: nb * WORDS[ggml_type] * rows * 4].view(torch.int32), wt.view(torch.float16))
+
+
+def _t_grid(rows: list[int], nb: int, x: torch.Tensor, config: tuple[int, int, int] | None,
+            parts: int, part: torch.Tensor, counter: torch.Tensor):
+    """(grid, x rows, blocks per split, constexprs, warps) of a T launch over the row tiles
+    of ``rows`` (one matrix, or q, k, v one after the other)."""
+    block_n, warps, target = config or T_CONFIG
+    x2 = x.reshape(-1, nb * 256)
+    if x2.stride(1) != 1:
+        raise ValueError("x rows must be contiguous")
+    mm = x2.shape[0]
+    tiles = t_split.tiles(rows, block_n)
+    split, bps = t_split.split(tiles, nb, target)
+    if split > 1 and (part.numel() < mm * parts * split * sum(rows)
+                      or counter.numel() < mm * tiles):
+        raise ValueError("part/counter buffers too small for this GEMV")
+    meta = {"BLOCK_N": block_n, "SPLIT": split,
+            "XV": x2.dtype == torch.bfloat16 and x2.stride(0) % 4 == 0
+            and x2.data_ptr() % 8 == 0, **pdl.opts(x2)}
+    return (tiles, split, mm), x2, bps, meta, warps
 
 
 def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
               config: tuple[int, int, int] | None, parts: int, part: torch.Tensor,
               counter: torch.Tensor):
     """(grid, word view, 16-bit view, x rows, common args, constexprs, warps) of a T GEMV."""
-    if ggml_type not in WORDS:
-        raise ValueError(f"no T layout for {qt.type_name(ggml_type)}")
-    block_n, warps, target = config or T_CONFIG
-    nb = wt.numel() // (rows * BLOCK_BYTES[ggml_type])
-    if wt.numel() != nb * rows * BLOCK_BYTES[ggml_type] or wt.dtype != torch.uint8:
-        raise ValueError(f"T weight of {wt.numel()} bytes is not {rows} rows of whole blocks")
-    x2 = x.reshape(-1, nb * 256)
-    if x2.stride(1) != 1:
-        raise ValueError("x rows must be contiguous")
-    mm = x2.shape[0]
-    split = split_for(rows, nb, block_n, target)
-    bps = triton.cdiv(nb, split)
-    split = triton.cdiv(nb, bps)
-    tiles = triton.cdiv(rows, block_n)
-    if split > 1 and (part.numel() < mm * parts * rows or counter.numel() < mm * tiles):
-        raise ValueError("part/counter buffers too small for this GEMV")
-    words = wt[: nb * WORDS[ggml_type] * rows * 4].view(torch.int32)
-    meta = {"BLOCK_N": block_n, "SPLIT": split, "TYPE": ggml_type,
-            "XV": x2.dtype == torch.bfloat16 and x2.stride(0) % 4 == 0
-            and x2.data_ptr() % 8 == 0, **pdl.opts(wt)}
-    return (tiles, split, mm), (words, wt.view(torch.float16)), x2, (nb, bps), meta, warps
+    nb, ptrs = _t_words(wt, ggml_type, rows)
+    grid, x2, bps, meta, warps = _t_grid([rows], nb, x, config, parts, part, counter)
+    return grid, ptrs, x2, (nb, bps), {**meta, "TYPE": ggml_type}, warps
 
 
 def _q8_in(xq, ggml_type: int, x2: torch.Tensor):
@@ -231,8 +285,8 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
            part: torch.Tensor, counter: torch.Tensor, bias: torch.Tensor | None = None,
            config: tuple[int, int, int] | None = None, xq=None) -> torch.Tensor:
     """y[M, rows] = x[M, cols] @ W^T (+ bias) for W in the T layout ``wt`` (from ``repack``).
-    ``part``: float32 zeros (>= M x rows); ``counter``: int32 zeros (>= M x row tiles); both
-    are left zero. No allocation. ``xq``: x's int8 copy (q, d, s of kernels/q8x.py), which the
+    ``part``: float32 scratch (>= M x splits x rows, kernels/t_split.py ``scratch``);
+    ``counter``: int32 zeros (>= M x row tiles), left zero. No allocation. ``xq``: x's int8 copy (q, d, s of kernels/q8x.py), which the
     matrix multiplies by dp4a when M = 1."""
     grid, ptrs, x2, (nb, bps), meta, warps = _t_launch(wt, ggml_type, rows, x, config, 1, part,
                                                        counter)
@@ -249,7 +303,7 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
                act: str = "silu", config: tuple[int, int, int] | None = None,
                paired: bool = True, xq=None, out_q=None) -> torch.Tensor:
     """act(x @ gate^T) * (x @ up^T) [M, rows] for gate and up in the T layout, one launch.
-    ``part`` >= M x 2 x rows float32 zeros. Q4_K reads gate and up words in the same steps
+    ``part`` >= M x 2 x splits x rows floats. Q4_K reads gate and up words in the same steps
     (``paired=False``: one matrix after the other, for comparison). ``xq`` as in ``gemv_t``;
     ``out_q``: (q, d, s) to receive the int8 copy of the output too (M = 1, rows a multiple
     of 32), the input of the next GEMV."""
@@ -269,6 +323,33 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
                              bps, x2.stride(0), y.stride(0), GELU=act == "gelu",
                              PAIR=paired and ggml_type == qt.Q4_K, Q8X=use,
                              QOUT=out_q is not None, ASM=gate.is_cuda, **meta, num_warps=warps)
+    return out
+
+
+def gemv_t3(mats: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, out: torch.Tensor,
+            part: torch.Tensor, counter: torch.Tensor, biases: list[torch.Tensor] | None = None,
+            config: tuple[int, int, int] | None = None, xq=None) -> torch.Tensor:
+    """Three GEMVs of the same x (q, k, v) in one launch, outputs side by side in ``out``
+    [M, n1 + n2 + n3]: ``mats`` is three (T weight, type, rows), each its own type. ``part``
+    >= M x splits x (n1 + n2 + n3) floats; ``counter``, ``biases``, ``xq`` as in ``gemv_t``."""
+    if len(mats) != 3 or (biases is not None and len(biases) != 3):
+        raise ValueError("gemv_t3 takes three matrices (and three biases or none)")
+    words = [_t_words(wt, t, r) for wt, t, r in mats]
+    nb = words[0][0]
+    if any(w[0] != nb for w in words):
+        raise ValueError("gemv_t3's matrices must have the same number of columns")
+    rows = [r for _, _, r in mats]
+    grid, x2, bps, meta, warps = _t_grid(rows, nb, x, config, 1, part, counter)
+    y = out if out.dim() == 2 else out.view(x2.shape[0], -1)
+    if y.shape != (x2.shape[0], sum(rows)) or y.stride(1) != 1:
+        raise ValueError("out must hold the three outputs side by side")
+    q, d, s, use = _q8_in(xq, mats[0][1], x2)
+    use = use and all(t in WORDS for _, t, _ in mats)
+    b = biases if biases is not None else [y, y, y]
+    _gemv_t3_kernel[grid](*words[0][1], *words[1][1], *words[2][1], *b, x2, q, d, s, y, part,
+                          counter, *rows, nb, bps, x2.stride(0), y.stride(0),
+                          HAS_BIAS=biases is not None, T1=mats[0][1], T2=mats[1][1],
+                          T3=mats[2][1], Q8X=use, ASM=x2.is_cuda, **meta, num_warps=warps)
     return out
 
 

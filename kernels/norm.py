@@ -13,16 +13,17 @@ from kernels import pdl, q8x
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, stride_x,
                     stride_r, stride_y, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
                     Q8: tl.constexpr, PDL: tl.constexpr):
-    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < H
+    # the norm's weights are no kernel's output: read them while the one before finishes
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    pdl.start(PDL)
     h = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         h += tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
         tl.store(res_ptr + row * stride_r + c, h.to(res_ptr.dtype.element_ty), mask=mask)
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
-    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
     y = h * inv * w
     tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=mask)
     if Q8:  # one row: its int8 copy for the dp4a GEMVs (kernels/q8x.py)
@@ -67,18 +68,18 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def _post_rmsnorm_kernel(x_ptr, res_ptr, wp_ptr, w_ptr, y_ptr, H, eps, stride_x, stride_r,
                          stride_y, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
-    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < H
+    wp = tl.load(wp_ptr + c, mask=mask, other=0.0).to(tl.float32)  # weights: before the wait
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    pdl.start(PDL)
     x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-    wp = tl.load(wp_ptr + c, mask=mask, other=0.0).to(tl.float32)
     # the sub-layer output's own norm stays in float32 on its way into the residual
     h = x / tl.sqrt(tl.sum(x * x, axis=0) / H + eps) * wp
     h += tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
     tl.store(res_ptr + row * stride_r + c, h.to(res_ptr.dtype.element_ty), mask=mask)
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
-    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + c, (h * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 

@@ -7,7 +7,8 @@ finished and its writes are visible) and only then read what it wrote. In a CUDA
 ~230 small launches per token this hides the launch gap and the previous kernel's tail.
 
 Every kernel that takes ``PDL`` calls ``start(PDL)`` before its first read of another
-kernel's output, and writes nothing before it. Off under the interpreter, on GPUs below
+kernel's output, and writes nothing before it; what no kernel writes (a norm's weights) may be
+read before it. Off under the interpreter, on GPUs below
 sm_90, and with ``CARVE_PDL=0``.
 """
 

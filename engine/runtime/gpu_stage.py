@@ -36,6 +36,10 @@ T_MATRICES = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_outpu
 # than the layout saves (H200, kernels/NOTES.md session 3: Qwen2-7B's 7.2 MB attn_output 8.4 ->
 # 9.8 us in T, 0.5B's 2.4 MB ffn_down 5.8 -> 7.8 us; 32B's 14.7 MB attn_output 18.3 -> 14.3 us)
 T_MIN_BYTES = 12 << 20
+# q, k and v go to the T layout together (one launch, kernels/gemv_t.py gemv_t3) when all three
+# can and they hold at least this many bytes between them
+QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
+T_QKV_MIN_BYTES = 0
 
 
 def new_arena(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -95,32 +99,42 @@ class GpuStage:
         # the greedy id lives in the last slot of buf.tokens: nothing outside the Layout
         self.next_id = self.buf["tokens"][-1:] if self.last else None
         self.t_part, self.t_count = self.buf.get("t_part"), self.buf.get("t_count")
-        for t in (self.t_part, self.t_count):
-            if t is not None:
-                t.zero_()  # the T GEMVs leave them at zero after each use
+        if self.t_count is not None:
+            self.t_count.zero_()  # the T GEMVs leave their counters at zero after each use
         # the matrices held in the T layout (set by fill_dequant_cache)
         self.tmats: set[str] = set()
         # decode's int8 copies of the T GEMVs' inputs (a normed row, the GLU output) for their
-        # dp4a bodies: with CARVE_Q8X=1 (llama.cpp's activation rounding; not the
-        # default until measured end to end on a GPU, kernels/NOTES.md session 4)
+        # dp4a bodies (llama.cpp's activation rounding; Qwen2-7B tg128 324.6 -> 438.1 t/s,
+        # kernels/NOTES.md session 5); CARVE_Q8X=0 keeps the bf16 x path
         self.xq = None
         e, f = hp.n_embd, hp.n_ff
-        if (os.environ.get("CARVE_Q8X", "0") == "1" and "xq" in self.buf and not hp.sandwich_norm
+        if (os.environ.get("CARVE_Q8X", "1") != "0" and "xq" in self.buf and not hp.sandwich_norm
                 and e % 32 == 0 and f % 32 == 0):
             self.xq = (q8x.buffers(self.buf["xq"], self.buf["xq_ds"], e),
                        q8x.buffers(self.buf["xq"], self.buf["xq_ds"], f, e))
 
     def _t_eligible(self, name: str) -> bool:
         """Repack into the T layout: a T type with a dequant-cache copy (prefill reads that,
-        never the packed bytes) that decode reads through one GEMV or the FFN pair, on a GPU
-        at least T_MIN_BYTES (under the interpreter every such matrix, so that CI runs the
-        path). Off with CARVE_T_LAYOUT=0 (the GGUF-order kernels)."""
+        never the packed bytes) that decode reads through one GEMV, the FFN pair or the q/k/v
+        launch, on a GPU at least T_MIN_BYTES (q, k, v: all three or none, T_QKV_MIN_BYTES
+        together; under the interpreter every such matrix, so that CI runs the path). Off
+        with CARVE_T_LAYOUT=0 (the GGUF-order kernels)."""
         if os.environ.get("CARVE_T_LAYOUT", "1") == "0" or self.t_part is None:
             return False
+        if name.endswith(QKV):
+            p = name[: -len("attn_q.weight")]
+            group = [p + s for s in QKV]
+            if not all(self._t_able(n) for n in group):
+                return False
+            total = sum(self.model.tensor(n).nbytes for n in group)
+            return total >= T_QKV_MIN_BYTES or not self.on_cuda
         info = self.model.tensor(name)
-        return (info.ggml_type in gemv_t.WORDS and "dq." + name in self.spans
-                and (name == "output.weight" or name.endswith(T_MATRICES))
+        return (self._t_able(name) and (name == "output.weight" or name.endswith(T_MATRICES))
                 and (info.nbytes >= T_MIN_BYTES or not self.on_cuda))
+
+    def _t_able(self, name: str) -> bool:
+        # a T type with a dequant-cache copy (the part of the rule that is not size or role)
+        return "dq." + name in self.spans and self.model.tensor(name).ggml_type in gemv_t.WORDS
 
     # --- tensors -------------------------------------------------------------------------
     def mat(self, name: str) -> tuple[torch.Tensor, int]:
@@ -192,6 +206,12 @@ class GpuStage:
         mats = [self.mat(f"{p}attn_{s}.weight") for s in "qkv"]
         biases = [self.vec(f"{p}attn_{s}.bias") for s in "qkv"]
         has = [b is not None for b in biases]
+        if x.shape[0] <= 8 and (all(has) or not any(has)) and p + QKV[0] in self.tmats:
+            gemv_t.gemv_t3([(self.spans[p + n], t, w.shape[0]) for n, (w, t) in zip(QKV, mats)],
+                           x, qkv, self.t_part, self.t_count, biases if all(has) else None,
+                           config=self._t_cfg(max(w.shape[0] for w, _ in mats)),
+                           xq=self._q8(p + QKV[0], 0, x.shape[0]))
+            return
         if x.shape[0] <= 8 and (all(has) or not any(has)):
             quant_matmul.gemv3(mats, x, qkv, biases if all(has) else None,
                                [self._gemv_cfg(w) for w, _ in mats])
@@ -283,10 +303,11 @@ class GpuStage:
         for i in range(self.lb, self.le):
             p = f"blk.{i}."
             w_norm = self.vec(p + "attn_norm.weight")
+            xq = self._q8(p + QKV[0], 0, n)
             if pending:
-                self._add_norm(proj, post, w_norm, hidden, normed)
+                self._add_norm(proj, post, w_norm, hidden, normed, xq)
             else:
-                norm.rmsnorm(hidden, w_norm, eps, out=normed)
+                norm.rmsnorm(hidden, w_norm, eps, out=normed, q8=xq)
             q, k, v = (qkv[:, :self.q_w], qkv[:, self.q_w:self.q_w + self.kv_w],
                        qkv[:, self.q_w + self.kv_w:self.q_w + 2 * self.kv_w])
             self._qkv(p, normed, qkv[:, :self.q_w + 2 * self.kv_w])

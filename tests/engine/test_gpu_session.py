@@ -132,8 +132,8 @@ def test_q8_0_kv_prefill_and_decode_match_the_cpu_engine(tiny) -> None:
         c.close()
 
 
-# 256-wide rows: every matrix keeps its K type, so the FFN pair, ffn_down, attn_output and the
-# head (Q6_K) all go into the T layout
+# 256-wide rows: every matrix keeps its K type, so q/k/v, the FFN pair, ffn_down, attn_output and
+# the head (Q6_K) all go into the T layout
 WIDE = Shape("qwen2", 2, 256, 4, 2, 512, 320, n_ctx=512)
 
 
@@ -147,6 +147,7 @@ def all_t(monkeypatch) -> None:
     # on a GPU the stage keeps matrices under T_MIN_BYTES in GGUF order: none of WIDE's is
     # that big, so lift the floor to run the T kernels (the interpreter has none)
     monkeypatch.setattr(gpu_stage, "T_MIN_BYTES", 0)
+    monkeypatch.setattr(gpu_stage, "T_QKV_MIN_BYTES", 0)
 
 
 def test_t_layout_matrices_match_the_cpu_engine(wide, all_t) -> None:
@@ -154,7 +155,7 @@ def test_t_layout_matrices_match_the_cpu_engine(wide, all_t) -> None:
     c = Session.load(plan(wide, logits_rows=12))
     try:
         tm = g.pipe.stages[0].tmats
-        want = {f"blk.{i}.{m}" for i in range(2) for m in gpu_stage.T_MATRICES}
+        want = {f"blk.{i}.{m}" for i in range(2) for m in gpu_stage.T_MATRICES + gpu_stage.QKV}
         assert set(tm) == want | {"output.weight"}
         prompt = ids(20)
         assert rel(g.logits(prompt), c.logits(prompt)) < 3e-2
@@ -172,13 +173,12 @@ def wide_q4k(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("mix", ["q4_k", "q4_k_m"])
 def test_int8_x_decode_matches_the_cpu_engine(wide, wide_q4k, all_t, monkeypatch, mix) -> None:
-    # CARVE_Q8X=1: the T GEMVs (Q4_K everywhere, or Q4_K_M's Q6_K ffn_down and head) multiply
-    # int8 copies of their inputs written by the norms and the GLU (dp4a on a GPU, its
-    # integer twin under the interpreter)
+    # the default: the T GEMVs (Q4_K everywhere, or Q4_K_M's Q6_K attn_v, ffn_down and head)
+    # multiply int8 copies of their inputs written by the norms and the GLU (dp4a on a GPU,
+    # its integer twin under the interpreter)
     path = wide_q4k if mix == "q4_k" else wide
-    monkeypatch.setenv("CARVE_Q8X", "1")
     used: list[tuple] = []
-    glu_, one = gemv_t.gemv_t_glu, gemv_t.gemv_t
+    glu_, one, three = gemv_t.gemv_t_glu, gemv_t.gemv_t, gemv_t.gemv_t3
 
     def spy_glu(*a, **k):
         used.append(("glu", k.get("xq") is not None, k.get("out_q") is not None))
@@ -188,23 +188,29 @@ def test_int8_x_decode_matches_the_cpu_engine(wide, wide_q4k, all_t, monkeypatch
         used.append(("one", k.get("xq") is not None))
         return one(*a, **k)
 
+    def spy_three(*a, **k):
+        used.append(("qkv", k.get("xq") is not None))
+        return three(*a, **k)
+
     monkeypatch.setattr(gemv_t, "gemv_t_glu", spy_glu)
     monkeypatch.setattr(gemv_t, "gemv_t", spy_one)
+    monkeypatch.setattr(gemv_t, "gemv_t3", spy_three)
     g = load(plan(path, act_dtype="bf16", logits_rows=12))
     c = Session.load(plan(path, logits_rows=12))
     try:
         assert g.pipe.stages[0].xq is not None
         errs, _ = decode_errors(g, c, ids(3, 1))
         assert max(errs) < 3e-2
-        assert ("glu", True, True) in used and ("one", True) in used
+        assert ("glu", True, True) in used and ("one", True) in used and ("qkv", True) in used
     finally:
         g.close()
         c.close()
 
 
 def test_t_layout_decodes_as_the_gguf_order_kernels(wide, all_t, monkeypatch) -> None:
-    # float32 activations: the T and the GGUF-order GEMVs are float32 sums of the same exact
-    # weights, so decode through either differs by rounding only
+    # float32 activations on float x (CARVE_Q8X=0): the T and the GGUF-order GEMVs are float32
+    # sums of the same exact weights, so decode through either differs by rounding only
+    monkeypatch.setenv("CARVE_Q8X", "0")
     t = load(plan(wide, act_dtype="f32"))
     monkeypatch.setenv("CARVE_T_LAYOUT", "0")
     p = load(plan(wide, act_dtype="f32"))

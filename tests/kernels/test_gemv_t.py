@@ -1,6 +1,7 @@
 """The T-layout GEMV (kernels/gemv_t.py) against the torch reference on the GGUF bytes it was
 repacked from: fresh random shapes and inputs each run, outputs poisoned with NaN, split and
-unsplit rows, both bodies; the split's part buffer and counters must be left at zero."""
+unsplit rows, both bodies; the splits' sums buffer poisoned too (read only where written),
+counters left at zero, and split sums that repeat bit for bit."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from engine import quant_types as qt
-from kernels import gemv_t, glu, quant_matmul
+from kernels import gemv_t, glu, q8x, quant_matmul, t_split
 from kernels.random_blocks import random_weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,13 +75,13 @@ def test_gemv_t_matches_reference(ggml_type, split, xdtype):
     tiles = -(-rows // block_n)
     # target programs: one per row tile (no split) or enough to split every row's blocks
     config = (block_n, 1, tiles * (nb if split else 1))
-    part = torch.zeros(m, rows, device=DEVICE)
+    part = torch.full((m * nb * rows,), float("nan"), device=DEVICE)  # split <= nb
     counter = torch.zeros(m, tiles, dtype=torch.int32, device=DEVICE)
     out = torch.full((m, rows), float("nan"), device=DEVICE)
     gemv_t.gemv_t(wt, ggml_type, rows, x, out, part, counter, bias=bias, config=config)
     ref = quant_matmul.gemv_ref(w, ggml_type, x.float(), bias=bias)
     assert _nerr(out, ref) < 1e-5
-    assert not part.any() and not counter.any()  # left ready for the next call
+    assert not counter.any()  # left ready for the next call
     # and the twin computes the same from the repacked bytes
     twin = torch.empty_like(out)
     gemv_t.gemv_t_ref(wt, ggml_type, rows, x.float(), twin, part, counter, bias=bias)
@@ -108,7 +109,7 @@ def test_gemv_t_glu_matches_reference(ggml_type, act, split, paired):
     if paired:
         x = x.to(torch.bfloat16)
     tiles = -(-rows // 32)
-    part = torch.zeros(m, 2, rows, device=DEVICE)
+    part = torch.full((m * 2 * nb * rows,), float("nan"), device=DEVICE)
     counter = torch.zeros(m, tiles, dtype=torch.int32, device=DEVICE)
     out = torch.full((m, rows), float("nan"), device=DEVICE)
     gemv_t.gemv_t_glu(gemv_t.repack(gate, ggml_type), gemv_t.repack(up, ggml_type), ggml_type,
@@ -117,7 +118,63 @@ def test_gemv_t_glu_matches_reference(ggml_type, act, split, paired):
     ref = glu.glu_ref(quant_matmul.gemv_ref(gate, ggml_type, x.float()),
                       quant_matmul.gemv_ref(up, ggml_type, x.float()), act)
     assert _nerr(out, ref) < 1e-5
-    assert not part.any() and not counter.any()
+    assert not counter.any()
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("int8_x", [True, False])
+def test_gemv_t3_matches_three_reference_gemvs(split, int8_x):
+    # q, k, v of the same x in one launch: each its own random type and row count (so the row
+    # tiles of one matrix end mid-tile and the next starts a fresh one), outputs side by side
+    g = _gen()
+    m = 1 if int8_x else _rand(g, 1, 3)
+    nb = _rand(g, 1, 4)
+    types = [TYPES[_rand(g, 0, 2)] for _ in range(3)]
+    rows = [_rand(g, 1, 70) for _ in range(3)]
+    ws = [random_weight(t, r, 256 * nb, DEVICE, g) for t, r in zip(types, rows)]
+    x = torch.randn(m, 256 * nb, generator=g, device=DEVICE).to(torch.bfloat16)
+    biases = ([torch.randn(r, generator=g, device=DEVICE) for r in rows] if _rand(g, 0, 2)
+              else None)
+    xq, xr = None, x.float()
+    if int8_x:
+        q, d, s = q8x.quantize_ref(x[0])
+        xq, xr = (q.view(torch.int32), d, s), q8x.dequantize_ref(q, d)[None]
+    tiles = sum(-(-r // 32) for r in rows)
+    part = torch.full((m * nb * sum(rows),), float("nan"), device=DEVICE)
+    counter = torch.zeros(m, tiles, dtype=torch.int32, device=DEVICE)
+    out = torch.full((m, sum(rows)), float("nan"), device=DEVICE)
+    gemv_t.gemv_t3([(gemv_t.repack(w, t), t, r) for w, t, r in zip(ws, types, rows)], x, out,
+                   part, counter, biases, config=(32, 1, tiles * (nb if split else 1)), xq=xq)
+    ref = torch.cat([quant_matmul.gemv_ref(w, t, xr, bias=None if biases is None else b)
+                     for w, t, b in zip(ws, types, biases or [None] * 3)], dim=1)
+    o = 0
+    for r in rows:  # each matrix's own error: a small one must not hide behind a big one
+        assert _nerr(out[:, o:o + r], ref[:, o:o + r]) < 1e-5
+        o += r
+    assert not counter.any()
+
+
+def test_split_sums_repeat_bit_for_bit():
+    # the splits' sums are added in split order, not in the order the programs finish: the
+    # same input gives the same bits every call (greedy decoding repeats, split or not). On a
+    # GPU a shape with many programs in flight; under the interpreter a small one
+    g = _gen()
+    rows, nb = (4096, 14) if DEVICE == "cuda" else (96, 3)
+    w = gemv_t.repack(random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g), qt.Q4_K)
+    x = torch.randn(1, 256 * nb, generator=g, device=DEVICE).to(torch.bfloat16)
+    config = None if DEVICE == "cuda" else (32, 1, 3 * nb)
+    floats, counters = t_split.scratch([rows], 256 * nb, config or t_split.T_CONFIG)
+    assert floats and counters  # split
+    part = torch.full((floats,), float("nan"), device=DEVICE)
+    counter = torch.zeros(counters, dtype=torch.int32, device=DEVICE)
+    outs = []
+    for _ in range(5 if DEVICE == "cuda" else 2):
+        y = torch.full((1, rows), float("nan"), device=DEVICE)
+        gemv_t.gemv_t(w, qt.Q4_K, rows, x, y, part, counter, config=config)
+        outs.append(y)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert _nerr(outs[0], quant_matmul.gemv_ref(gemv_t.unpack(w, qt.Q4_K, rows), qt.Q4_K,
+                                               x.float())) < 1e-5
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
@@ -130,6 +187,39 @@ def test_unpack_rows_gives_the_gguf_rows_back(ggml_type):
     r1 = _rand(g, r0 + 1, rows + 1)
     out = torch.zeros(w.numel() + 7, dtype=torch.uint8, device=DEVICE)
     assert torch.equal(gemv_t.unpack_rows(t, ggml_type, rows, r0, r1, out), w[r0:r1])
+
+
+@pytest.mark.parametrize("shape", ["qwen2-7b", "qwen2-32b", "llama3-8b", "llama-70b",
+                                   "qwen3-tiny"])
+def test_priced_split_buffers_hold_every_decode_launch(shape):
+    # pricing sizes buf.t_part / buf.t_count by kernels/t_split.py; the launches check their
+    # buffers by the rule they follow: every T launch decode can make (8 rows, the GPU configs)
+    # fits the priced buffers, and the largest would not fit in one float less
+    from types import SimpleNamespace
+
+    from engine.buffers import activation_buffers
+    from engine.synth_shapes import SHAPES
+
+    sh = SHAPES[shape]
+    hp = SimpleNamespace(n_embd=sh.n_embd, n_ff=sh.n_ff, n_head=sh.n_head,
+                         n_head_kv=sh.n_head_kv, head_dim=sh.hd, head_dim_v=sh.hd,
+                         n_vocab=sh.n_vocab)
+    bufs = {b.name: b.shape for b in activation_buffers(hp, 16, "bf16", 1)}
+    part = torch.empty(bufs["t_part"][0] * bufs["t_part"][1])
+    counter = torch.empty(bufs["t_count"][0] * bufs["t_count"][1], dtype=torch.int32)
+    e, f, q, kv = sh.n_embd, sh.n_ff, sh.n_head * sh.hd, sh.n_head_kv * sh.hd
+    launches = [([f], e, t_split.T_GLU_CONFIG, 2), ([e], f, t_split.T_CONFIG, 1),
+                ([e], q, t_split.T_CONFIG, 1), ([q, kv, kv], e, t_split.T_CONFIG, 1),
+                ([sh.n_vocab], e, t_split.T_CONFIG, 1)]
+    need = []
+    for rows, cols, config, parts in launches:
+        x = torch.empty(8, cols, dtype=torch.bfloat16)
+        grid, *_ = gemv_t._t_grid(rows, cols // 256, x, config, parts, part, counter)
+        need.append(8 * parts * grid[1] * sum(rows) if grid[1] > 1 else 0)
+    rows, cols, config, parts = launches[max(range(len(need)), key=need.__getitem__)]
+    with pytest.raises(ValueError, match="too small"):
+        gemv_t._t_grid(rows, cols // 256, torch.empty(8, cols, dtype=torch.bfloat16), config,
+                       parts, part[: max(need) - 1], counter)
 
 
 def test_bad_buffers_and_types_are_refused():
@@ -146,3 +236,7 @@ def test_bad_buffers_and_types_are_refused():
         gemv_t.gemv_t(t, qt.Q8_0, 64, x, out, small, cnt)
     with pytest.raises(ValueError, match="whole blocks"):
         gemv_t.gemv_t(t[:-4], qt.Q4_K, 64, x, out, small, cnt)
+    t2 = gemv_t.repack(random_weight(qt.Q4_K, 64, 256, DEVICE, g), qt.Q4_K)
+    with pytest.raises(ValueError, match="same number of columns"):
+        gemv_t.gemv_t3([(t, qt.Q4_K, 64), (t2, qt.Q4_K, 64), (t, qt.Q4_K, 64)], x,
+                       torch.empty(1, 192, device=DEVICE), small, cnt)
