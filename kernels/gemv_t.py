@@ -227,11 +227,6 @@ def _gemv_t3_kernel(w1, h1, w2, h2, w3, h3, b1, b2, b3, x_ptr, xq_ptr, xd_ptr, x
         tl.store(y_ptr + m * stride_ym + off + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
-def split_for(n: int, nb: int, block_n: int, target: int) -> int:
-    """Blocks of a row are split over this many programs so that the grid has ~target."""
-    return t_split.split(t_split.tiles([n], block_n), nb, target)[0]
-
-
 def _t_words(wt: torch.Tensor, ggml_type: int, rows: int) -> tuple[int, tuple]:
     """(blocks per row, (word view, 16-bit view)) of a T-layout matrix, checked."""
     if ggml_type not in WORDS:
@@ -286,8 +281,8 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
            config: tuple[int, int, int] | None = None, xq=None) -> torch.Tensor:
     """y[M, rows] = x[M, cols] @ W^T (+ bias) for W in the T layout ``wt`` (from ``repack``).
     ``part``: float32 scratch (>= M x splits x rows, kernels/t_split.py ``scratch``);
-    ``counter``: int32 zeros (>= M x row tiles), left zero. No allocation. ``xq``: x's int8 copy (q, d, s of kernels/q8x.py), which the
-    matrix multiplies by dp4a when M = 1."""
+    ``counter``: int32 zeros (>= M x row tiles), left zero. No allocation. ``xq``: x's int8
+    copy (q, d, s of kernels/q8x.py), which the matrix multiplies by dp4a when M = 1."""
     grid, ptrs, x2, (nb, bps), meta, warps = _t_launch(wt, ggml_type, rows, x, config, 1, part,
                                                        counter)
     q, d, s, use = _q8_in(xq, ggml_type, x2)
@@ -344,7 +339,6 @@ def gemv_t3(mats: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, out: tor
     if y.shape != (x2.shape[0], sum(rows)) or y.stride(1) != 1:
         raise ValueError("out must hold the three outputs side by side")
     q, d, s, use = _q8_in(xq, mats[0][1], x2)
-    use = use and all(t in WORDS for _, t, _ in mats)
     b = biases if biases is not None else [y, y, y]
     _gemv_t3_kernel[grid](*words[0][1], *words[1][1], *words[2][1], *b, x2, q, d, s, y, part,
                           counter, *rows, nb, bps, x2.stride(0), y.stride(0),

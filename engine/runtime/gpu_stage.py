@@ -37,9 +37,9 @@ T_MATRICES = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_outpu
 # 9.8 us in T, 0.5B's 2.4 MB ffn_down 5.8 -> 7.8 us; 32B's 14.7 MB attn_output 18.3 -> 14.3 us)
 T_MIN_BYTES = 12 << 20
 # q, k and v go to the T layout together (one launch, kernels/gemv_t.py gemv_t3) when all three
-# can and they hold at least this many bytes between them
+# can, whatever their size (on int8 x the one launch beats GGUF order's gemv3 even at 7B's 9.7
+# MB: kernels/NOTES.md session 5)
 QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
-T_QKV_MIN_BYTES = 0
 
 
 def new_arena(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -115,19 +115,15 @@ class GpuStage:
 
     def _t_eligible(self, name: str) -> bool:
         """Repack into the T layout: a T type with a dequant-cache copy (prefill reads that,
-        never the packed bytes) that decode reads through one GEMV, the FFN pair or the q/k/v
-        launch, on a GPU at least T_MIN_BYTES (q, k, v: all three or none, T_QKV_MIN_BYTES
-        together; under the interpreter every such matrix, so that CI runs the path). Off
-        with CARVE_T_LAYOUT=0 (the GGUF-order kernels)."""
+        never the packed bytes) that decode reads through one GEMV or the FFN pair, on a GPU
+        at least T_MIN_BYTES (under the interpreter every such matrix, so that CI runs the
+        path); q, k and v all three or none. Off with CARVE_T_LAYOUT=0 (the GGUF-order
+        kernels)."""
         if os.environ.get("CARVE_T_LAYOUT", "1") == "0" or self.t_part is None:
             return False
         if name.endswith(QKV):
-            p = name[: -len("attn_q.weight")]
-            group = [p + s for s in QKV]
-            if not all(self._t_able(n) for n in group):
-                return False
-            total = sum(self.model.tensor(n).nbytes for n in group)
-            return total >= T_QKV_MIN_BYTES or not self.on_cuda
+            p = name.rsplit("attn_", 1)[0]
+            return all(self._t_able(p + s) for s in QKV)
         info = self.model.tensor(name)
         return (self._t_able(name) and (name == "output.weight" or name.endswith(T_MATRICES))
                 and (info.nbytes >= T_MIN_BYTES or not self.on_cuda))

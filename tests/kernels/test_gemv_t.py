@@ -91,8 +91,8 @@ def test_gemv_t_matches_reference(ggml_type, split, xdtype):
 def test_split_count_covers_the_blocks():
     for rows, nb, block_n, target in ((18944, 14, 256, 1056), (3584, 74, 256, 1056),
                                       (7, 3, 32, 1), (100, 1, 32, 1000)):
-        s = gemv_t.split_for(rows, nb, block_n, target)
-        assert 1 <= s <= nb
+        s, bps = t_split.split(t_split.tiles([rows], block_n), nb, target)
+        assert 1 <= s <= nb and (s - 1) * bps < nb <= s * bps  # every split holds a block
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
