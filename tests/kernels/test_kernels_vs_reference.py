@@ -24,10 +24,13 @@ def _gen() -> torch.Generator:
     return g
 
 
-def _nerr(y: torch.Tensor, ref: torch.Tensor) -> float:
+def _nerr(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    """||y - ref|| over ||ref|| (or over ||scale||: a sum's error is relative to the sum of its
+    terms' magnitudes, not to a result that cancelled to near zero)."""
     assert torch.isfinite(y).all(), "kernel left non-finite values (unwritten or NaN)"
     ref = ref.double()
-    return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+    den = (ref if scale is None else scale.double()).norm()
+    return float((y.double() - ref).norm() / den.clamp_min(1e-30))
 
 
 def _poison(shape, dtype=torch.float32) -> torch.Tensor:
@@ -52,7 +55,11 @@ def test_gemv_matches_reference(ggml_type, m):
     out = _poison((m, rows))
     quant_matmul.gemv(w, ggml_type, x, out=out)
     ref = quant_matmul.gemv_ref(w, ggml_type, x)
-    assert _nerr(out, ref) < 1e-5  # both float32 accumulations of the same products
+    # both float32 accumulations of the same products, in different orders: their difference is
+    # bounded by the products' magnitudes (one output of a few rows can cancel to ~1e-3 of
+    # them: the CI run of 2026-11-30 measured 1.1e-5 against the result itself)
+    mag = x.abs() @ quant_matmul.dequantize_ref(w, ggml_type, torch.float32).abs().T
+    assert _nerr(out, ref, mag) < 1e-5
 
 
 @pytest.mark.parametrize("lane_sum", [False, True])
