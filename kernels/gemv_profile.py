@@ -223,10 +223,8 @@ def _q8x(g: torch.Generator) -> None:
         ws = [gemv_t.repack(random_weight(qt.Q4_K, s[0], s[1], "cuda", g), qt.Q4_K)
               for _ in range(ROTATE)]
         x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
-        q, d, sm = q8x.quantize_ref(x[0])
-        xq = (q.view(torch.int32), d, sm)
-        ref = quant_matmul.gemv_ref(gemv_t.unpack(ws[0], qt.Q4_K, s[0]), qt.Q4_K,
-                                    q8x.dequantize_ref(q, d)[None])
+        xq, xr = q8x.copy_ref(x[0])
+        ref = quant_matmul.gemv_ref(gemv_t.unpack(ws[0], qt.Q4_K, s[0]), qt.Q4_K, xr)
         y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)
         part = torch.empty(PART, device="cuda")
         cnt = torch.zeros(4096, device="cuda", dtype=torch.int32)
@@ -266,9 +264,7 @@ def _qkv(g: torch.Generator) -> None:
             ts = [[(gemv_t.repack(w, t), t, r) for w, t, r in zip(m, types, rows)] for m in ws]
             nb = sum(w.numel() for w in ws[0])
             x = torch.randn(1, e, device="cuda", generator=g).to(torch.bfloat16)
-            q, d, sm = q8x.quantize_ref(x[0])
-            xq = (q.view(torch.int32), d, sm)
-            xr = q8x.dequantize_ref(q, d)[None]
+            xq, xr = q8x.copy_ref(x[0])
             ref = torch.cat([quant_matmul.gemv_ref(w, t, xr) for w, t in zip(ws[0], types)], 1)
             y = torch.empty(1, sum(rows), device="cuda", dtype=torch.bfloat16)
             part = torch.empty(PART, device="cuda")
@@ -291,8 +287,7 @@ def _qkv(g: torch.Generator) -> None:
         ws = [random_weight(t, s[0], s[1], "cuda", g) for _ in range(ROTATE)]
         ts = [gemv_t.repack(w, t) for w in ws]
         x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
-        q, d, sm = q8x.quantize_ref(x[0])
-        xq = (q.view(torch.int32), d, sm)
+        xq, _ = q8x.copy_ref(x[0])
         y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)
         part = torch.empty(PART, device="cuda")
         cnt = torch.zeros(4096, device="cuda", dtype=torch.int32)

@@ -71,3 +71,11 @@ def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 def dequantize_ref(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """The float32 values an int8 row stands for."""
     return (q.view(torch.int8).to(torch.float32).reshape(-1, 32) * d[:, None]).reshape(-1)
+
+
+def copy_ref(x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                                        torch.Tensor]:
+    """x [K] -> ((q as int32 words, d, s): the int8 copy as the GEMVs take it (``xq=``), and
+    the float32 row [1, K] it stands for: the input of their reference)."""
+    q, d, s = quantize_ref(x)
+    return (q.view(torch.int32), d, s), dequantize_ref(q, d)[None]

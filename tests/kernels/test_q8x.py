@@ -38,11 +38,6 @@ def _bufs(k: int):
     return q, ds[0], ds[1]
 
 
-def _put(x: torch.Tensor):
-    q, d, s = q8x.quantize_ref(x)
-    return q.view(torch.int32).clone(), d, s
-
-
 def _same_q8(got, x: torch.Tensor) -> None:
     # the kernel's copy of x as the reference quantizes it (one step of q apart at most where
     # a value sits on a rounding edge and the GPU fused its multiply-add)
@@ -78,14 +73,14 @@ def test_gemv_t_on_int8_x_matches_reference(ggml_type, split):
     rows, nb = _rand(g, 1, 70), _rand(g, 1, 4)
     w = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
     x = torch.randn(1, 256 * nb, generator=g, device=DEVICE)
-    xq = _put(x[0])
+    xq, xd = q8x.copy_ref(x[0])
     tiles = -(-rows // 32)
     part = torch.full((nb * rows,), float("nan"), device=DEVICE)
     counter = torch.zeros(tiles, dtype=torch.int32, device=DEVICE)
     out = torch.full((1, rows), float("nan"), device=DEVICE)
     gemv_t.gemv_t(gemv_t.repack(w, ggml_type), ggml_type, rows, x, out, part, counter,
                   config=(32, 1, tiles * (nb if split else 1)), xq=xq)
-    ref = quant_matmul.gemv_ref(w, ggml_type, q8x.dequantize_ref(xq[0], xq[1])[None])
+    ref = quant_matmul.gemv_ref(w, ggml_type, xd)
     assert _nerr(out, ref) < 1e-5
     assert not counter.any()
 
@@ -99,7 +94,7 @@ def test_glu_on_int8_x_writes_the_int8_copy_of_its_output(ggml_type, paired, spl
     gate = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
     up = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
     x = torch.randn(1, 256 * nb, generator=g, device=DEVICE)
-    xq = _put(x[0])
+    xq, xd = q8x.copy_ref(x[0])
     tiles = -(-rows // 32)
     part = torch.full((2 * nb * rows,), float("nan"), device=DEVICE)
     counter = torch.zeros(tiles, dtype=torch.int32, device=DEVICE)
@@ -109,7 +104,6 @@ def test_glu_on_int8_x_writes_the_int8_copy_of_its_output(ggml_type, paired, spl
                       rows, x, out, part, counter, "silu",
                       config=(32, 1, tiles * (nb if split else 1)), paired=paired, xq=xq,
                       out_q=oq)
-    xd = q8x.dequantize_ref(xq[0], xq[1])[None]
     ref = glu.glu_ref(quant_matmul.gemv_ref(gate, ggml_type, xd),
                       quant_matmul.gemv_ref(up, ggml_type, xd), "silu")
     assert _nerr(out, ref) < 1e-5
