@@ -1,5 +1,5 @@
 """`carve chat`, `carve tokenize`, `carve perplexity`: terminal commands that run the model in
-the engine process (engine/server.py) through engine/client.py.
+the engine process (engine/runtime/server.py) through engine/process/client.py.
 
 Never imports torch: the plan is built and priced here (pure Python), the engine loads it.
 """
@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn, Self
 
-from engine import protocol as p
-from engine.client import EngineProcess
-from engine.errors import CarveError
-from engine.sampling_params import SamplingParams
+from engine.process import protocol as p
+from engine.process.client import EngineProcess
+from engine.process.sampling_params import SamplingParams
+from spec.errors import CarveError
 
 DEFAULT_CTX = 4096
 MB = 1_000_000
@@ -82,7 +82,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def model_path(arg: str | None) -> Path:
     if arg is None:
-        from engine.demo import demo_model_path
+        from engine.gguf.demo import demo_model_path
 
         def on_progress(done: int, total: int) -> None:  # first run: ~0.5 GB assembled
             if sys.stderr.isatty():
@@ -113,7 +113,7 @@ def read_text(arg: str) -> str:
 
 
 def pick_devices(gpus: str) -> list[Any]:
-    from engine.rigs import parse_rig
+    from engine.hardware.rigs import parse_rig
 
     text = gpus.strip().lower()
     if text == "cpu":
@@ -136,12 +136,12 @@ def pick_devices(gpus: str) -> list[Any]:
 
 
 def build_plan(path: Path, gpus: str, ctx: int | None, kv: str, logits_rows: int = 1) -> Any:
-    """A priced Plan for the devices here (boundaries by engine/split.py); CarveError naming
+    """A priced Plan for the devices here (boundaries by engine/planning/split.py); CarveError naming
     the device when it does not fit."""
-    from engine.gguf_file import GGUFModel
-    from engine.plan import Plan
-    from engine.price import price
-    from engine.split import auto_split
+    from engine.gguf.reader import GGUFModel
+    from engine.planning.plan import Plan
+    from engine.planning.price import price
+    from engine.planning.split import auto_split
 
     model = GGUFModel.open(path)
     if ctx is None:

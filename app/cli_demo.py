@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.demo import demo_model_path, gemma_model_path
-from engine.errors import CarveError
+from engine.gguf.demo import demo_model_path, gemma_model_path
+from spec.errors import CarveError
 
 
 def main(argv: list[str]) -> int:

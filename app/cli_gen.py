@@ -5,7 +5,7 @@ The generator is pure numpy (no torch), so it runs in this process rather than a
 
 from __future__ import annotations
 
-from engine.synth import main as synth_main
+from engine.synth.gen import main as synth_main
 
 
 def main(argv: list[str]) -> int:

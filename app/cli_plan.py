@@ -17,8 +17,8 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from engine.errors import CarveError
-from engine.layout import Layout, human
+from engine.planning.layout import Layout, human
+from spec.errors import CarveError
 
 MIB = 1 << 20
 DEFAULT_CTX = 4096  # clipped to what the model was trained for
@@ -67,8 +67,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _devices(gpus: str, reserve: int) -> tuple[list[Any], str]:
-    from engine.devices import cpu_spec, no_gpu_reason
-    from engine.rigs import parse_rig
+    from engine.hardware.devices import cpu_spec, no_gpu_reason
+    from engine.hardware.rigs import parse_rig
 
     devices = parse_rig(gpus, reserve)
     note = ""
@@ -94,10 +94,10 @@ def _split(text: str) -> tuple[int, ...] | None:
 
 
 def build_layout(args: argparse.Namespace) -> tuple[Layout, Any, str]:
-    from engine.hparams import HParams
-    from engine.plan import Plan
-    from engine.price import open_model, price
-    from engine.split import auto_split
+    from engine.gguf.hparams import HParams
+    from engine.planning.plan import Plan
+    from engine.planning.price import open_model, price
+    from engine.planning.split import auto_split
 
     for name, value in (("--cache-reserve", args.cache_reserve), ("--reserve", args.reserve)):
         if value < 0:

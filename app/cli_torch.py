@@ -1,4 +1,4 @@
-"""`carve bench`: runs `python -m engine.bench` in a child process, so that app never imports
+"""`carve bench`: runs `python -m engine.runtime.bench` in a child process, so that app never imports
 torch (the GUI starts in under a second and the CLI stays light)."""
 
 from __future__ import annotations
@@ -9,4 +9,4 @@ import sys
 
 def main(argv: list[str]) -> int:
     args = list(argv[1:] if argv and argv[0] == "bench" else argv)
-    return subprocess.call([sys.executable, "-m", "engine.bench", *args])
+    return subprocess.call([sys.executable, "-m", "engine.runtime.bench", *args])

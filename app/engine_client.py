@@ -1,6 +1,6 @@
 """The one owner of the engine process (qutebrowser's ``guiprocess``/``ipc`` habit).
 
-``EngineClient`` starts ``python -m engine.server`` in a QProcess, writes requests as JSON lines
+``EngineClient`` starts ``python -m engine.runtime.server`` in a QProcess, writes requests as JSON lines
 and turns each line the engine prints into one Qt signal. A line that does not decode becomes one
 ``invalid_data`` signal, never an exception. The process dying unasked becomes ``crashed`` with
 its last stderr lines. Quitting ends it: ``shutdown`` asks, then terminates, then kills.
@@ -16,7 +16,7 @@ from typing import Any
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, QTimer, Signal
 
 import app.pyside_refcount  # noqa: F401  (PySide6 6.12.0 refcount bug: before any Qt call)
-from engine import protocol
+from engine.process import protocol
 
 STDERR_KEEP = 40  # lines of engine stderr kept for the crash message
 
@@ -40,7 +40,7 @@ class EngineClient(QObject):
 
     def __init__(self, program: list[str] | None = None, parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self.program = program or [sys.executable, "-m", "engine.server"]
+        self.program = program or [sys.executable, "-m", "engine.runtime.server"]
         self.state = "stopped"
         self.pid = 0
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_KEEP)

@@ -1,4 +1,4 @@
-"""NVML polling on its own QThread: ``engine.devices.snapshot()`` four times a second, results
+"""NVML polling on its own QThread: ``engine.hardware.devices.snapshot()`` four times a second, results
 delivered to the GUI thread by a queued signal (the GUI never waits on the driver)."""
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ class _PollWorker(QObject):
 
     @Slot()
     def poll(self) -> None:
-        from engine.devices import snapshot
+        from engine.hardware.devices import snapshot
 
         start = time.thread_time()
-        snaps = snapshot()  # [] without a driver; never raises (engine.devices contract)
+        snaps = snapshot()  # [] without a driver; never raises (engine.hardware.devices contract)
         self.busy_s += time.thread_time() - start
         self.polls += 1
         self.snapshots.emit(list(snaps))

@@ -35,7 +35,7 @@ from app.models.plan_model import PlanModel
 from app.models.presets import PresetStore
 from app.theme import THEMES, Theme, style_sheet
 from app.window_menu import build_menu
-from engine.errors import CarveError
+from spec.errors import CarveError
 
 DEFAULT_SIM_RIG = "rtx4090,rtx4090"  # planning works at once on a machine without a GPU
 
@@ -188,9 +188,9 @@ class MainWindow(QMainWindow):
 
     # -- devices -----------------------------------------------------------------------------
     def set_rig(self, rig: str) -> str:
-        """"auto": this machine's GPUs, live; anything else: a simulated rig (engine.rigs)."""
-        from engine.devices import no_gpu_reason, snapshot
-        from engine.rigs import parse_rig
+        """"auto": this machine's GPUs, live; anything else: a simulated rig (engine.hardware.rigs)."""
+        from engine.hardware.devices import no_gpu_reason, snapshot
+        from engine.hardware.rigs import parse_rig
 
         snaps = snapshot()
         self.rig_picker.set_no_gpu("" if snaps else no_gpu_reason() or "no NVIDIA GPU found")
@@ -342,7 +342,7 @@ class MainWindow(QMainWindow):
 def _demo_model() -> str | None:
     """The demo model's path if it is already assembled (never assembles at GUI start)."""
     try:
-        from engine.demo import demo_model_path
+        from engine.gguf.demo import demo_model_path
 
         return str(demo_model_path(assemble=False))
     except (CarveError, ImportError, OSError):
@@ -370,8 +370,8 @@ def has_display() -> bool:
 def plan_in_terminal(args: argparse.Namespace) -> int:
     """No display (a server, an SSH session): plan the model in the terminal instead."""
     from app import cli_plan
-    from engine.demo import demo_model_path
-    from engine.errors import CarveError
+    from engine.gguf.demo import demo_model_path
+    from spec.errors import CarveError
 
     try:
         model = args.model or str(demo_model_path())
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return render(window, app, args)
     window.show()
-    spawned = os.environ.get("CARVE_STARTUP_TIMING")  # set by `python -m app.bench_gui`
+    spawned = os.environ.get("CARVE_STARTUP_TIMING")  # set by `python -m benchmarks.bench_gui`
     if spawned:
         app.processEvents()
         print(f"shown {time.time() - float(spawned):.3f}", flush=True)

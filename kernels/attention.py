@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.buffers import ATTN_SPLITS
 from kernels import pdl
 from kernels.kv_cache import kv_load_ref
+from spec.launch import ATTN_SPLITS
 
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": masked scores use -inf, running maxima start here
 
@@ -146,7 +146,7 @@ def _views(cache: torch.Tensor):
 
 def decode_split(cells: int, n_splits: int = ATTN_SPLITS) -> int:
     """Cells per split-K program: a multiple of 64 so that at most ``n_splits`` programs per
-    KV head cover every cell (engine/buffers.py sizes the partials for ATTN_SPLITS)."""
+    KV head cover every cell (engine/planning/buffers.py sizes the partials for ATTN_SPLITS)."""
     return max(64, triton.cdiv(triton.cdiv(cells, n_splits), 64) * 64)
 
 

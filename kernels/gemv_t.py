@@ -16,14 +16,14 @@ range is loaded as scalars (the same address in every thread: one broadcast per 
 layout conversion, no shuffle), and each thread keeps its rows' sums in registers to the end.
 Programs that split a row's blocks store their sums in their own row of a float32 ``part``
 buffer; the last one of a row tile to finish (an atomic counter, acq_rel) adds those rows in
-split order (deterministic: kernels/t_split.py) and writes y. The
+split order (deterministic: spec/launch.py) and writes y. The
 per-step dot products are in kernels/gemv_t_dot.py: x as float, or (``xq=``) its int8 copy
 (kernels/q8x.py) through dp4a; the gate/up launch reads both matrices' Q4_K words in one step.
 
 Same results as ``quant_matmul.gemv`` on the GGUF layout (the torch twin is ``gemv_t_ref``).
 Q4_K and Q6_K; on the H200 1.1-1.3x the GGUF-order GEMV for Q4_K matrices of 12 MB and more,
 1.5-2.4x for Q6_K, slower below ~8 MB (kernels/NOTES.md, session 3). The GPU runner repacks
-its big decode matrices at load time (engine/runtime/gpu_stage.py); prefill reads their
+its big decode matrices at load time (engine/runtime/gpu/stage.py); prefill reads their
 dequant-cache copies, so nothing dequantizes from this layout except ``unpack_rows``.
 """
 
@@ -33,11 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import quant_types as qt
-from kernels import pdl, q8x, t_split
+from kernels import pdl, q8x
 from kernels.gemv_t_dot import q4k_t_dot_half, t_body
 from kernels.glu import glu_act
-from kernels.t_split import T_CONFIG, T_GLU_CONFIG
+from spec import launch
+from spec import quant_types as qt
+from spec.launch import T_CONFIG, T_GLU_CONFIG
 
 # words (4 bytes) per block that go to the word planes, and tail bytes per block that go to a
 # plane of their own after them (Q6_K's f16 d: its 210-byte block is 52 words and 2 bytes)
@@ -246,8 +247,8 @@ def _t_grid(rows: list[int], nb: int, x: torch.Tensor, config: tuple[int, int, i
     if x2.stride(1) != 1:
         raise ValueError("x rows must be contiguous")
     mm = x2.shape[0]
-    tiles = t_split.tiles(rows, block_n)
-    split, bps = t_split.split(tiles, nb, target)
+    tiles = launch.tiles(rows, block_n)
+    split, bps = launch.split(tiles, nb, target)
     if split > 1 and (part.numel() < mm * parts * split * sum(rows)
                       or counter.numel() < mm * tiles):
         raise ValueError("part/counter buffers too small for this GEMV")
@@ -280,7 +281,7 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
            part: torch.Tensor, counter: torch.Tensor, bias: torch.Tensor | None = None,
            config: tuple[int, int, int] | None = None, xq=None) -> torch.Tensor:
     """y[M, rows] = x[M, cols] @ W^T (+ bias) for W in the T layout ``wt`` (from ``repack``).
-    ``part``: float32 scratch (>= M x splits x rows, kernels/t_split.py ``scratch``);
+    ``part``: float32 scratch (>= M x splits x rows, spec/launch.py ``scratch``);
     ``counter``: int32 zeros (>= M x row tiles), left zero. No allocation. ``xq``: x's int8
     copy (q, d, s of kernels/q8x.py), which the matrix multiplies by dp4a when M = 1."""
     grid, ptrs, x2, (nb, bps), meta, warps = _t_launch(wt, ggml_type, rows, x, config, 1, part,

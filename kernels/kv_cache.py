@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import dequant as _dq
-from engine import quant_types as qt
+from kernels import dequant as _dq
 from kernels import pdl, q8x
+from spec import quant_types as qt
 
 
 @triton.jit
@@ -135,6 +135,6 @@ def kv_load_ref(cache: torch.Tensor, cells: int, n_kv_heads: int, head_dim: int)
     if cache.dtype != torch.uint8:
         return cache.view(cells, n_kv_heads, head_dim).to(torch.float32)
     n = cells * n_kv_heads * head_dim
-    # engine.dequant allocates its scratch on the CPU, so the reference runs there
+    # kernels.dequant allocates its scratch on the CPU, so the reference runs there
     y = _dq.dequantize_to(cache.reshape(-1).cpu(), qt.Q8_0, (n,), torch.float32)
     return y.to(cache.device).view(cells, n_kv_heads, head_dim)

@@ -7,7 +7,7 @@ block. Splitting a block into parts whose scale is a per-block scalar keeps the 
 out of the per-element work (one FMA per element for the scale, one for the product).
 
 Block layouts are ggml's ``ggml-common.h``; the arithmetic mirrors ``dequantize_row_*`` of
-``ggml-quants.c`` (the torch twin is ``engine.dequant``).
+``ggml-quants.c`` (the torch twin is ``kernels.dequant``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from engine import quant_types as qt
+from spec import quant_types as qt
 
 
 class BlockPlan(NamedTuple):
@@ -134,7 +134,7 @@ def dequant_part(w_ptr, wh_ptr, base, lane, TYPE: tl.constexpr, P: tl.constexpr,
 
 def plan(ggml_type: int) -> BlockPlan:
     """The block plan of a type the kernels run; CarveError names the type otherwise."""
-    from engine.errors import CarveError
+    from spec.errors import CarveError
 
     p = PLANS.get(ggml_type)
     if p is None:

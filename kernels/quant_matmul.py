@@ -4,7 +4,7 @@ GEMMs and the dequant cache), and embedding gather with dequantize.
 A weight is its GGUF bytes as a uint8 tensor ``[rows, row_bytes]`` (torch shape of a GGUF
 ``[ne0=cols, ne1=rows]`` matrix), so ``y = W @ x`` with ``x`` of ``cols`` values.
 Each function has a plain-torch twin ``*_ref`` of the same signature built on
-``engine.dequant`` (itself held bit-equal to ``gguf.quants.dequantize``).
+``kernels.dequant`` (itself held bit-equal to ``gguf.quants.dequantize``).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import dequant as _dq
-from engine import quant_types as qt
+from kernels import dequant as _dq
 from kernels import pdl
 from kernels.gemv_dot import row_dot
 from kernels.glu import glu_act
 from kernels.quant_blocks import dequant_part, plan
+from spec import quant_types as qt
 
 # (rows per program, blocks per step, warps[, pipeline stages]) per type, for M<=8 decode GEMV;
 # picked by sweeps on an H200 (kernels/NOTES.md). The generic walk wants tiles that give each
@@ -350,7 +350,7 @@ def dequantize(w: torch.Tensor, ggml_type: int, dtype: torch.dtype = torch.float
 def dequantize_ref(w: torch.Tensor, ggml_type: int, dtype: torch.dtype = torch.float16,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     n, k = w.shape[0], row_cols(w, ggml_type)
-    # engine.dequant allocates its scratch on the CPU, so the reference runs there
+    # kernels.dequant allocates its scratch on the CPU, so the reference runs there
     y = _dq.dequantize_to(w.reshape(-1).cpu(), ggml_type, (k, n), torch.float32)
     y = y.to(device=w.device, dtype=dtype)
     return y if out is None else out.copy_(y)

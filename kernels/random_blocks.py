@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import quant_types as qt
+from spec import quant_types as qt
 
 
 def random_weight(ggml_type: int, rows: int, cols: int, device: torch.device | str = "cpu",

@@ -1,7 +1,7 @@
 """Shared fixtures: tiny synthetic GGUFs of every supported architecture, and the real models.
 
     synth_model(arch, mix="q4_k_m", split=1) -> Path   # cached per session
-        arch: "llama" | "qwen2" | "qwen3" | "gemma3" (tiny shapes) or any engine.synth shape;
+        arch: "llama" | "qwen2" | "qwen3" | "gemma3" (tiny shapes) or any engine.synth.gen shape;
         mix: "q4_k_m" or one tensor type ("q8_0", "q6_k", "f16", ...);
         split > 1 returns the first shard of a gguf-split set.
     demo_model_path -> Path    # Qwen2.5-Coder-0.5B-Instruct Q4_K_M (skips if not installed)
@@ -43,7 +43,7 @@ def _model_cache() -> Path:
 
 @pytest.fixture(scope="session")
 def synth_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    from engine.synth import write_model
+    from engine.synth.gen import write_model
 
     root = tmp_path_factory.mktemp("synth")
     cache: dict[tuple[str, str, int], Path] = {}
@@ -90,11 +90,11 @@ def _assemble_demo(target: Path) -> Path:
 
 
 def _from_engine_demo(fn: str) -> Path | None:
-    """engine.demo's assembler when that module exists (it caches in ~/.cache/carve/models);
+    """engine.gguf.demo's assembler when that module exists (it caches in ~/.cache/carve/models);
     None sends the caller to the fallback here."""
     try:
-        demo = importlib.import_module("engine.demo")
-        from engine.errors import CarveError
+        demo = importlib.import_module("engine.gguf.demo")
+        from spec.errors import CarveError
     except ImportError:
         return None
     if not hasattr(demo, fn):

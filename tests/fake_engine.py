@@ -1,4 +1,4 @@
-"""A scripted fake `carve-engine` speaking engine/protocol.py, for client and GUI tests.
+"""A scripted fake `carve-engine` speaking engine/process/protocol.py, for client and GUI tests.
 
 No torch, no model: it starts in well under a second. Run it as a script:
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import protocol as p
+from engine.process import protocol as p
 
 SCENARIOS = ("normal", "load-error", "crash-load", "hang", "flood")
 FAKE_DEVICE = {"index": 0, "name": "Fake GPU", "priced": 104857600, "allocated": 104857600,

@@ -1,7 +1,7 @@
 """Chat history and sampling settings: Qt-free, so a test drives a conversation without a window.
 
 The view mirrors it; the engine client feeds it (``begin_reply``/``append``/``finish``). Sampling
-settings are ``engine.sampling_params.SamplingParams`` (pure Python), the engine's own validator.
+settings are ``engine.process.sampling_params.SamplingParams`` (pure Python), the engine's own validator.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.models.events import Events
-from engine.errors import CarveError
-from engine.sampling_params import SamplingParams as SamplingSettings
+from engine.process.sampling_params import SamplingParams as SamplingSettings
+from spec.errors import CarveError
 
 __all__ = ["ChatHistory", "Message", "SamplingSettings"]
 

@@ -62,7 +62,7 @@ class DeviceBoard:
 
     # -- inputs ------------------------------------------------------------------------------
     def set_snapshots(self, snaps: list[Any]) -> None:
-        """A fresh NVML view (``engine.devices.snapshot()``); keeps our-engine figures."""
+        """A fresh NVML view (``engine.hardware.devices.snapshot()``); keeps our-engine figures."""
         if self.simulated:
             return
         rows = [
@@ -158,7 +158,7 @@ def short_gpu_name(name: str) -> str:
 
 
 def _cuda_index(snap: Any) -> int:
-    """engine.devices.DeviceSnapshot numbers GPUs by CUDA (PCI bus) order as ``cuda_index``;
+    """engine.hardware.devices.DeviceSnapshot numbers GPUs by CUDA (PCI bus) order as ``cuda_index``;
     the plan's DeviceSpec.index is that same number, so rows and plan devices line up."""
     return int(getattr(snap, "cuda_index", getattr(snap, "index", -1)))
 

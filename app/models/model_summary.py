@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from engine.quant_types import type_name
+from spec.quant_types import type_name
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 Qt-free (napari's ``components/dims.py`` habit): widgets mirror it and only write back through its
 setters. Snapping a dragged boundary to a whole layer happens here, not in the view, so the view,
 the keyboard and a test all get the same answer. Every setter re-prices at once through
-``engine.price.price`` (pure arithmetic, ~ms) and emits ``events.layout``.
+``engine.planning.price.price`` (pure arithmetic, ~ms) and emits ``events.layout``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.models.events import Events
-from engine.errors import CarveError
+from spec.errors import CarveError
 
 KV_TYPES = ("f16", "q8_0")
 VERDICT_RANK = {"fits": 0, "tight": 1, "does not fit": 2}
@@ -31,7 +31,7 @@ class Fix:
 
 
 def _default_pricer(plan: Any, model: Any) -> Any:
-    from engine.price import price
+    from engine.planning.price import price
 
     return price(plan, model)
 
@@ -73,8 +73,8 @@ class PlanModel:
 
     def open_model(self, path: str) -> None:
         """Read the GGUF header (fast) and plan for it. Raises CarveError on a bad file."""
-        from engine.gguf_file import GGUFModel
-        from engine.hparams import HParams
+        from engine.gguf.hparams import HParams
+        from engine.gguf.reader import GGUFModel
 
         gguf = GGUFModel.open(path)
         self.set_model(gguf, HParams.from_model(gguf))
@@ -156,12 +156,12 @@ class PlanModel:
         return True
 
     def searched_split(self) -> tuple[int, ...] | None:
-        """``engine.split.auto_split``'s boundaries over the active devices, or None."""
+        """``engine.planning.split.auto_split``'s boundaries over the active devices, or None."""
         devices = self.active_devices()
         if self.gguf is None or not devices:
             return None
         try:
-            from engine.split import auto_split
+            from engine.planning.split import auto_split
 
             found = auto_split(
                 self.gguf, devices, prefer="spread", ctx=self.ctx, kv_type=self.kv_type,
@@ -222,7 +222,7 @@ class PlanModel:
         split = tuple(changes.pop("split", self.split))
         if self.gguf is None or not devices or len(split) != len(devices) + 1:
             return None
-        from engine.plan import Plan
+        from engine.planning.plan import Plan
 
         fields = {
             "model": str(self.gguf.paths[0]),

@@ -26,7 +26,7 @@ from app.models.chat_model import ChatHistory
 from app.theme import Theme
 from app.widgets.chat_view import ChatView
 from app.widgets.sampling_panel import SamplingPanel
-from engine.errors import CarveError
+from spec.errors import CarveError
 
 
 class _Input(QPlainTextEdit):

@@ -11,7 +11,7 @@ RIGS = ("rtx4090,rtx4090", "1x24GiB", "2x24GiB", "4x24GiB", "rtx3090,rtx3090,a60
 
 
 class RigPicker(QWidget):
-    rig_chosen = Signal(str)  # "auto" for the live GPUs, else a rig text for engine.rigs.parse_rig
+    rig_chosen = Signal(str)  # "auto" for the live GPUs, else a rig text for engine.hardware.rigs.parse_rig
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)

@@ -14,7 +14,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.models.chat_model import SamplingSettings
-from engine.errors import CarveError
+from spec.errors import CarveError
 
 
 def _dspin(lo: float, hi: float, step: float, decimals: int = 2) -> QDoubleSpinBox:

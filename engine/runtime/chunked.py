@@ -11,15 +11,15 @@ from typing import Any
 
 import torch
 
-from engine.errors import CarveError
-from engine.models.layers import NonFinite
 from engine.runtime.generate import GenerationStats, generate
+from engine.runtime.models.layers import NonFinite
+from spec.errors import CarveError
 
 
 class ChunkedSession:
     """Needs ``plan``, ``kv`` (n_past, reset, can_rewind_to), ``tokens`` and
     ``forward(ids, pos0, rows, check) -> float32 logits | None``; a checked forward raises
-    `engine.models.layers.NonFinite` at the first layer whose output is not finite."""
+    `engine.runtime.models.layers.NonFinite` at the first layer whose output is not finite."""
 
     plan: Any
     kv: Any

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import CarveError
+from spec.errors import CarveError
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ def generate(
 ) -> GenerationStats:
     """Prefill ``prompt_ids`` then sample up to params.max_tokens tokens. A stop token ends the
     reply without being passed to ``on_token``; ``on_token`` returning False cancels."""
-    from engine.sampling import Sampler
+    from engine.runtime.sampling import Sampler
 
     if not prompt_ids:
         raise CarveError("the prompt is empty; send at least one token")

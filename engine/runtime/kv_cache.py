@@ -3,7 +3,7 @@
 Every layer has `cells` rows; position p lives in cell p on a full-context layer and in cell
 p % cells on a sliding-window layer whose window is shorter than the context (a ring buffer of
 min(ctx, window) cells, as priced). Values are stored as the span's dtype (f16/bf16/f32) or as
-q8_0 blocks (34 bytes per 32 values, engine/kv_quant.py).
+q8_0 blocks (34 bytes per 32 values, engine/runtime/kv_quant.py).
 
 Attention is order-free over keys (softmax then a weighted sum), so a ring never needs to be
 unrolled in decode: after writing position p, every live cell is within the window of p.
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import CarveError
-from engine.kv_quant import dequantize_q8_0, quantize_q8_0
+from engine.runtime.kv_quant import dequantize_q8_0, quantize_q8_0
+from spec.errors import CarveError
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 

@@ -1,7 +1,7 @@
 """Executes a Layout: one allocation per arena, spans as views, weights copied from the file.
 
 The loader decides nothing (DESIGN.md "The one rule"): sizes, offsets, dtypes and which
-matrices get a dequant-cache copy all come from `engine.price.price`. Every allocation goes
+matrices get a dequant-cache copy all come from `engine.planning.price.price`. Every allocation goes
 through an allocator that records (device, arena, bytes), so a test can hold what was allocated
 equal to what was priced, byte for byte.
 """
@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine import quant_types as qt
-from engine.dequant import dequantize_to
-from engine.errors import CarveError
-from engine.models.ops import QWeight
+from engine.runtime.models.ops import QWeight
+from kernels.dequant import dequantize_to
+from spec import quant_types as qt
+from spec.errors import CarveError
 
 Progress = Callable[[str, int, int, float], None]  # stage, done, total, bytes/s
 COPY_CHUNK = 16 << 20  # bytes per copy step: bounds the time between cancellation checks
@@ -183,7 +183,7 @@ def _bind_tensors(st: LoadedStage, model: Any) -> None:
         else:
             # Norm weights and biases are F32 in every converter's output; a rare F16 one costs
             # a few KiB outside the arenas.
-            from engine.dequant import dequantize
+            from kernels.dequant import dequantize
 
             st.tensors[name] = dequantize(view, info.ggml_type, shape).reshape(-1)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import CarveError
+from spec.errors import CarveError
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     import sys
     from pathlib import Path
 
-    from engine.devices import cpu_spec
-    from engine.gguf_file import GGUFModel
-    from engine.hparams import HParams
-    from engine.plan import Plan
+    from engine.gguf.hparams import HParams
+    from engine.gguf.reader import GGUFModel
+    from engine.hardware.devices import cpu_spec
+    from engine.planning.plan import Plan
     from engine.runtime.session import Session
-    from engine.tokenizer import Tokenizer
+    from engine.text.tokenizer import Tokenizer
 
     p = argparse.ArgumentParser(prog="python -m engine.runtime.perplexity")
     p.add_argument("model")

@@ -2,7 +2,7 @@
 
 Stages (one per device) run their layers in order; hidden states move device to device between
 them. All memory is the Layout's arenas (engine/runtime/loader.py); torch's own temporaries
-are the activations `engine/buffers.py` prices.
+are the activations `engine/planning/buffers.py` prices.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from engine.errors import CarveError
-from engine.models import build_stage
-from engine.models.layers import Stage
-from engine.models.ops import TORCH_OPS
 from engine.runtime.chunked import ChunkedSession
 from engine.runtime.generate import GenerationStats
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.loader import LoadedStage, Progress, RecordingAllocator, load_layout
+from engine.runtime.models import build_stage
+from engine.runtime.models.layers import Stage
+from engine.runtime.models.ops import TORCH_OPS
+from spec.errors import CarveError
 
 __all__ = ["GenerationStats", "Session"]
 
@@ -59,10 +59,10 @@ class Session(ChunkedSession):
         """Price ``plan``, allocate exactly that Layout, and load the weights into it. ``ops``:
         the op table the models run on. A CUDA plan of an architecture the Triton runner
         runs loads as a `GpuSession` instead (same interface); one stderr line says which."""
-        from engine.gguf_file import GGUFModel
-        from engine.hparams import HParams
-        from engine.price import price
-        from engine.runtime.gpu_session import GpuSession, why_not
+        from engine.gguf.hparams import HParams
+        from engine.gguf.reader import GGUFModel
+        from engine.planning.price import price
+        from engine.runtime.gpu.session import GpuSession, why_not
 
         model = GGUFModel.open(plan.model)
         hp = HParams.from_model(model)

@@ -18,7 +18,7 @@ def _config_dir(tmp_path, monkeypatch):
 @pytest.fixture
 def make_gpu():
     """``make_gpu(index, free_mib)``: a simulated device with exactly that much free."""
-    from engine.devices import DeviceSpec
+    from engine.hardware.devices import DeviceSpec
 
     def make(index: int, free_mib: int, total_mib: int = 24576, name: str = "Test GPU"):
         return DeviceSpec(index=index, name=name, total=total_mib << 20, free=free_mib << 20,
@@ -27,4 +27,4 @@ def make_gpu():
     return make
 
 
-import app.pyside_refcount  # noqa: F401  (PySide6 6.12.0 refcount bug: before any Qt call)
+import app.pyside_refcount  # noqa: E402, F401  (PySide6 6.12.0 refcount bug: before any Qt call)

@@ -6,7 +6,7 @@ import pytest
 
 from app.models.chat_model import ChatHistory, SamplingSettings
 from app.models.load_progress import LoadProgress, format_seconds
-from engine.errors import CarveError
+from spec.errors import CarveError
 
 
 def test_a_turn_streams_into_the_history():

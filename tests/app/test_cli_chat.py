@@ -229,8 +229,8 @@ def test_a_ctrl_c_before_the_prompt_waits_is_not_lost(monkeypatch, capsys):
     ],
 )
 def test_tokenize_prints_tokenizer_encode(which, flags, request, tmp_path):
-    from engine.gguf_file import GGUFModel
-    from engine.tokenizer import Tokenizer
+    from engine.gguf.reader import GGUFModel
+    from engine.text.tokenizer import Tokenizer
 
     model = Path(request.getfixturevalue(which))
     text = "Hello  world!\n\tdef f(x):  return x**2  # 世界 🙂\n<|im_end|><end_of_turn> <bos>"

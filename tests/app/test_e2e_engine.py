@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.demo]
 
 @pytest.fixture
 def engine_ready():
-    if importlib.util.find_spec("engine.server") is None:
-        pytest.skip("engine/server.py is not there yet: no real engine to launch")
+    if importlib.util.find_spec("engine.runtime.server") is None:
+        pytest.skip("engine/runtime/server.py is not there yet: no real engine to launch")
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed: the engine process cannot run")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.engine_client import EngineClient
-from engine import protocol
+from engine.process import protocol
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fake_engine.py")
 

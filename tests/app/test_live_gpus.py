@@ -1,4 +1,4 @@
-"""Live GPUs through NVML, faked at engine.devices.snapshot: the poller's thread, the bars, the plan."""
+"""Live GPUs through NVML, faked at engine.hardware.devices.snapshot: the poller's thread, the bars, the plan."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from app.nvml_poller import NvmlPoller
 from app.theme import LIGHT
 from app.window_main import MainWindow
-from engine import devices
-from engine.devices import DeviceSnapshot, ProcessUse
+from engine.hardware import devices
+from engine.hardware.devices import DeviceSnapshot, ProcessUse
 
 GIB = 1 << 30
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from app.models.model_scan import scan
 from app.models.model_summary import human_bytes, human_count, summarize
-from engine.gguf_file import GGUFModel
-from engine.hparams import HParams
+from engine.gguf.hparams import HParams
+from engine.gguf.reader import GGUFModel
 
 
 def test_scan_lists_models_once(tmp_path):

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from app.models.plan_model import PlanModel, even_split, valid_split
-from engine.errors import CarveError
-from engine.gguf_file import GGUFModel
+from engine.gguf.reader import GGUFModel
+from spec.errors import CarveError
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.arena import (
+from engine.planning.arena import (
     ALIGN,
     CachingAllocatorModel,
     allocation_sizes,
@@ -19,7 +19,7 @@ from engine.arena import (
     reserved_bytes,
     segment_size,
 )
-from engine.errors import CarveError
+from spec.errors import CarveError
 
 MIB = 1 << 20
 

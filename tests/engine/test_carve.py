@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.devices import DeviceSpec
-from engine.gguf_file import GGUFModel
-from engine.plan import Plan
-from engine.price import carve, price
+from engine.gguf.reader import GGUFModel
+from engine.hardware.devices import DeviceSpec
+from engine.planning.plan import Plan
+from engine.planning.price import carve, price
 
 GIB = 1 << 30
 CPU = DeviceSpec(-1, "cpu", 64 * GIB, 64 * GIB)

@@ -1,4 +1,4 @@
-"""engine/chat_template.py: the ChatML fallback, transformers' template dialect, the sandbox.
+"""engine/text/chat_template.py: the ChatML fallback, transformers' template dialect, the sandbox.
 
 The demo model's own template against transformers' apply_chat_template lives in
 test_tokenizer_parity.py, which loads transformers' GGUF tokenizer once for both checks."""
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from engine.chat_template import CHATML, render_chat
-from engine.errors import CarveError
-from engine.gguf_file import GGUFModel
+from engine.gguf.reader import GGUFModel
+from engine.text.chat_template import CHATML, render_chat
+from spec.errors import CarveError
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse. Ünïcode stays: 你好 😀"},

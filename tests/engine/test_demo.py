@@ -1,4 +1,4 @@
-"""engine/demo.py and `carve demo`: chunk discovery through installed packages, atomic assembly,
+"""engine/gguf/demo.py and `carve demo`: chunk discovery through installed packages, atomic assembly,
 the verified-file marker, and the sentences a user gets when something is missing or damaged."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from app import cli_demo
-from engine import demo
-from engine.errors import CarveError
+from engine.gguf import demo
+from spec.errors import CarveError
 
 
 @pytest.fixture

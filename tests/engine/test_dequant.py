@@ -1,6 +1,6 @@
-"""engine.dequant against gguf.quants.dequantize (numpy, written by the gguf authors).
+"""kernels.dequant against gguf.quants.dequantize (numpy, written by the gguf authors).
 
-Error bound: **bit-equal** in float32 for every type. engine.dequant does the same float32 ops in
+Error bound: **bit-equal** in float32 for every type. kernels.dequant does the same float32 ops in
 the same order as the reference (d*scale first, then *q, then -min), and every integer step is
 exact, so there is no rounding difference to allow for. bf16/f16 output is the float32 result
 rounded once, so it must equal the reference cast to that dtype (again exact equality).
@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import quant_types as qt
-from engine.dequant import SUPPORTED_TYPES, dequantize, dequantize_to
-from engine.errors import CarveError
+from kernels.dequant import SUPPORTED_TYPES, dequantize, dequantize_to
+from spec import quant_types as qt
+from spec.errors import CarveError
 
 SEED = int.from_bytes(os.urandom(4), "little")
 BLOCK_TYPES = [
@@ -163,9 +163,9 @@ def test_wrong_byte_count_and_partial_blocks_are_errors() -> None:
 def test_demo_model_tensors_match_gguf(demo_model_path) -> None:
     """Real tensors of every type in the demo model, and the first rows of its two
     [151936, 896] matrices, against gguf.quants.dequantize of the same bytes. (Where the bytes
-    lie is engine.gguf_file's job, held equal to gguf.GGUFReader in its own tests; the reader
+    lie is engine.gguf.reader's job, held equal to gguf.GGUFReader in its own tests; the reader
     itself takes ~10 s to parse this vocabulary.)"""
-    from engine.gguf_file import GGUFModel
+    from engine.gguf.reader import GGUFModel
 
     with GGUFModel.open(demo_model_path) as model:
         seen: set[int] = set()
@@ -188,7 +188,7 @@ def test_demo_model_tensors_match_gguf(demo_model_path) -> None:
 _PEAK_SCRIPT = textwrap.dedent(
     """
     import resource, sys, torch
-    from engine.dequant import dequantize_to
+    from kernels.dequant import dequantize_to
     rows, cols = 151936, 896  # the demo model's token_embd / output
     raw = torch.randint(0, 256, (rows * cols // 32, 34), dtype=torch.uint8)
     raw[:, 0:2] = torch.full((rows * cols // 32,), 0.01, dtype=torch.float16).view(-1, 1).view(torch.uint8)

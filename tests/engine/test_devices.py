@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from engine import devices
-from engine.devices import NvmlMonitor, _cuda_order
-from engine.errors import CarveError
-from engine.rigs import CARDS, DRIVER_RESERVE, parse_rig
+from engine.hardware import devices
+from engine.hardware.devices import NvmlMonitor, _cuda_order
+from engine.hardware.rigs import CARDS, DRIVER_RESERVE, parse_rig
+from spec.errors import CarveError
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -11,9 +11,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.errors import CarveError
-from engine.gguf_file import GGUFModel
-from engine.gguf_write import (
+from engine.gguf.reader import GGUFModel
+from engine.gguf.writer import (
     ARR,
     BOOL,
     F32,
@@ -29,7 +28,8 @@ from engine.gguf_write import (
     U64,
     encode_kv,
 )
-from engine.quant_types import QUANT, tensor_nbytes, type_id, type_name
+from spec.errors import CarveError
+from spec.quant_types import QUANT, tensor_nbytes, type_id, type_name
 
 # -- the type table ------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """The Triton GPU runner on qwen3 (per-head q/k RMSNorm) and gemma3 (scaled embeddings, q/k
 norms, sandwich norms, GeGLU, sliding-window layers with their own RoPE base and no scaling,
-query_pre_attn_scalar) against the CPU engine (engine/models/) on the same file.
+query_pre_attn_scalar) against the CPU engine (engine/runtime/models/) on the same file.
 
-Tiny synthetic files, written by engine.synth with their norm weights replaced by random
+Tiny synthetic files, written by engine.synth.gen with their norm weights replaced by random
 values in [0.5, 1.5] (synth's are all ~1, which would hide a norm read from the wrong tensor).
 Without a GPU the runner runs on the CPU under TRITON_INTERPRET=1; on a GPU the same tests run
 there, and the `gpu` tests add the bf16 default path with CUDA graphs and the real Gemma 3 270M:
@@ -16,16 +16,16 @@ import pytest
 import torch
 from gpu_compare import decode_errors, rel
 
-from engine.devices import DeviceSpec
-from engine.gguf_file import GGUFModel
-from engine.gguf_write import F32, STR, U32
-from engine.hparams import HParams
-from engine.plan import Plan
-from engine.runtime.gpu_session import GpuSession, why_not
+from engine.gguf.hparams import HParams
+from engine.gguf.reader import GGUFModel
+from engine.gguf.writer import F32, STR, U32
+from engine.hardware.devices import DeviceSpec
+from engine.planning.plan import Plan
+from engine.runtime.gpu.session import GpuSession, why_not
+from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
-from engine.sampling import SamplingParams
-from engine.synth import write_model
-from engine.synth_shapes import Shape
+from engine.synth.gen import write_model
+from engine.synth.shapes import Shape
 
 GIB = 1 << 30
 CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)

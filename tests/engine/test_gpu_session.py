@@ -17,18 +17,19 @@ import pytest
 import torch
 from gpu_compare import decode_errors, rel
 
-from engine import protocol as p
-from engine import server
-from engine.devices import DeviceSpec
-from engine.errors import CarveError
-from engine.plan import Plan
-from engine.runtime import gpu_memory, gpu_stage
-from engine.runtime.gpu_session import GpuSession, why_not
+from engine.hardware.devices import DeviceSpec
+from engine.planning.plan import Plan
+from engine.process import protocol as p
+from engine.runtime import server
+from engine.runtime.gpu import memory as gpu_memory
+from engine.runtime.gpu import stage as gpu_stage
+from engine.runtime.gpu.session import GpuSession, why_not
+from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
-from engine.sampling import SamplingParams
-from engine.synth import write_model
-from engine.synth_shapes import Shape
+from engine.synth.gen import write_model
+from engine.synth.shapes import Shape
 from kernels import gemv_t
+from spec.errors import CarveError
 
 GIB = 1 << 30
 CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
@@ -328,7 +329,7 @@ def test_a_failure_after_loading_frees_everything_and_keeps_its_type(tiny, watch
 
 
 def plan_arenas(pl: Plan) -> list[list]:
-    from engine.price import price
+    from engine.planning.price import price
 
     return [list(d.arenas) for d in price(pl).devices]
 
@@ -351,8 +352,8 @@ def test_memory_taken_since_the_check_fails_before_any_allocation(tiny, watched,
 
 
 def test_the_runner_is_chosen_for_cuda_plans_of_supported_archs(tiny, monkeypatch) -> None:
-    from engine.gguf_file import GGUFModel
-    from engine.hparams import HParams
+    from engine.gguf.hparams import HParams
+    from engine.gguf.reader import GGUFModel
 
     hp = HParams.from_model(GGUFModel.open(tiny))
     assert why_not(plan(tiny), hp) == "the plan places layers on the CPU"
@@ -469,7 +470,7 @@ def test_cuda_priced_equals_reserved_and_logits_match(tiny, arena, stages,
     assert sum(r["reserved"] for r in rep) <= sum(r["priced"] for r in rep)
     measured = rep[0]["overhead_measured"]
     if stages == 1 and measured is not None:  # remembered: the next price uses it
-        from engine.price import price
+        from engine.planning.price import price
 
         assert price(pl).devices[0].terms["overhead"] == measured
     c = Session.load(plan(tiny, logits_rows=4, arena=arena))

@@ -8,11 +8,11 @@ import warnings
 
 import pytest
 
-from engine.errors import CarveError
-from engine.gguf_file import GGUFModel
-from engine.gguf_write import F32, STR, U32
-from engine.hparams import HParams
-from engine.synth import SHAPES, write_model
+from engine.gguf.hparams import HParams
+from engine.gguf.reader import GGUFModel
+from engine.gguf.writer import F32, STR, U32
+from engine.synth.gen import SHAPES, write_model
+from spec.errors import CarveError
 
 
 def _hf_config(path) -> dict:

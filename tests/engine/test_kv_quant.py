@@ -1,4 +1,4 @@
-"""engine.kv_quant against gguf.quants' Q8_0 (documented there as bit-exact with ggml-quants.c).
+"""engine.runtime.kv_quant against gguf.quants' Q8_0 (documented there as bit-exact with ggml-quants.c).
 
 Bound: bit-equal bytes and bit-equal floats, on fresh random data each run (seed in messages).
 """
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import quant_types as qt
-from engine.dequant import dequantize
-from engine.kv_quant import dequantize_q8_0, q8_0_nbytes, quantize_q8_0
+from engine.runtime.kv_quant import dequantize_q8_0, q8_0_nbytes, quantize_q8_0
+from kernels.dequant import dequantize
+from spec import quant_types as qt
 
 SEED = int.from_bytes(os.urandom(4), "little")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

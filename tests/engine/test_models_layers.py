@@ -1,4 +1,4 @@
-"""Each op of engine/models/ops.py against a slow, obvious float64 reference."""
+"""Each op of engine/runtime/models/ops.py against a slow, obvious float64 reference."""
 
 from __future__ import annotations
 
@@ -9,10 +9,19 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from engine import quant_types as qt
-from engine.models.layers import inv_freq, rope_angles
-from engine.models.ops import QWeight, add_rmsnorm, attention, embed, glu, linear, rmsnorm, rope
 from engine.runtime.kv_cache import _mask
+from engine.runtime.models.layers import inv_freq, rope_angles
+from engine.runtime.models.ops import (
+    QWeight,
+    add_rmsnorm,
+    attention,
+    embed,
+    glu,
+    linear,
+    rmsnorm,
+    rope,
+)
+from spec import quant_types as qt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -94,7 +103,8 @@ def _attention_ref(q, k, v, q_pos, k_pos, scale, window):
 def test_attention_gqa_causal_and_window(window: int) -> None:
     g = _rng(3)
     t, s, h, kvh, d = 4, 9, 6, 2, 8
-    q, k, v = torch.randn(t, h, d, generator=g), torch.randn(s, kvh, d, generator=g), torch.randn(s, kvh, d, generator=g)
+    q = torch.randn(t, h, d, generator=g)
+    k, v = torch.randn(s, kvh, d, generator=g), torch.randn(s, kvh, d, generator=g)
     q_pos, k_pos = torch.arange(5, 9), torch.arange(0, 9)
     got = attention(q, k, v, _mask(q_pos, k_pos, window), 0.3)
     ref = _attention_ref(q, k, v, q_pos.tolist(), k_pos.tolist(), 0.3, window)

@@ -12,13 +12,13 @@ import importlib.util
 import pytest
 import torch
 
-from engine.devices import DeviceSpec
-from engine.gguf_file import GGUFModel
-from engine.hparams import HParams
-from engine.plan import Plan
+from engine.gguf.hparams import HParams
+from engine.gguf.reader import GGUFModel
+from engine.hardware.devices import DeviceSpec
+from engine.planning.plan import Plan
+from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
-from engine.sampling import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 GIB = 1 << 30
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=32)  # plain argmax
@@ -88,9 +88,9 @@ def _exact(sess: Session) -> Session:
     """Test-only: give the session float32 copies of every matrix and a float32 KV cache, so
     what remains is the model maths itself (the product rounds the cache to bf16 and the KV to
     f16; those are measured separately below)."""
-    from engine.dequant import dequantize
-    from engine.models.ops import QWeight
     from engine.runtime.kv_cache import KVCache
+    from engine.runtime.models.ops import QWeight
+    from kernels.dequant import dequantize
 
     for st in sess.loaded:
         for w in st.tensors.values():

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.errors import CarveError
 from engine.runtime.perplexity import perplexity
+from spec.errors import CarveError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -89,8 +89,8 @@ def test_tiny_model_perplexity_matches_transformers_logits(synth_model) -> None:
     """Same windows scored from transformers' logits give the same figure."""
     from transformers import AutoModelForCausalLM
 
-    from engine.devices import DeviceSpec
-    from engine.plan import Plan
+    from engine.hardware.devices import DeviceSpec
+    from engine.planning.plan import Plan
     from engine.runtime.session import Session
 
     path = synth_model("llama", "q8_0")

@@ -12,19 +12,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import calibration
-from engine import price as pricing
-from engine.arena import device_bytes
-from engine.bench_price import HeaderModel
-from engine.buffers import activation_buffers
-from engine.devices import DeviceSpec
-from engine.errors import CarveError
-from engine.gguf_file import GGUFModel
-from engine.hparams import HParams
-from engine.layout import PURPOSES, Layout
-from engine.plan import Plan
-from engine.price import TIGHT, carve, price, stage_need
-from engine.synth_shapes import Shape
+from engine.gguf.hparams import HParams
+from engine.gguf.reader import GGUFModel
+from engine.hardware import calibration
+from engine.hardware.devices import DeviceSpec
+from engine.planning import price as pricing
+from engine.planning.arena import device_bytes
+from engine.planning.buffers import activation_buffers
+from engine.planning.layout import PURPOSES, Layout
+from engine.planning.plan import Plan
+from engine.planning.price import TIGHT, carve, price, stage_need
+from engine.synth.header import HeaderModel
+from engine.synth.shapes import Shape
+from spec.errors import CarveError
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -368,7 +368,7 @@ def test_demo_model_full_range_prices_every_tensor_byte(demo_model_path: Path) -
 
 
 def test_bench_price_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.bench_price import main
+    from benchmarks.bench_price import main
 
     assert main(["--gpus", "2x80GiB", "--repeat", "3"]) == 0
     out = capsys.readouterr().out

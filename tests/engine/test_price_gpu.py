@@ -8,18 +8,18 @@ import random
 
 import pytest
 
+from engine.hardware.devices import DeviceSpec, NvmlMonitor
+from engine.planning.arena import CachingAllocatorModel
+from engine.planning.plan import Plan
+from engine.planning.price import price
+from engine.synth.header import HeaderModel
+from engine.synth.shapes import Shape
+
 torch = pytest.importorskip("torch")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-from engine.arena import CachingAllocatorModel
-from engine.bench_price import HeaderModel
-from engine.devices import DeviceSpec, NvmlMonitor
-from engine.plan import Plan
-from engine.price import price
-from engine.synth_shapes import Shape
 
 MIB = 1 << 20
 

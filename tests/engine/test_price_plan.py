@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.devices import DeviceSpec
-from engine.errors import CarveError
-from engine.plan import Plan
+from engine.hardware.devices import DeviceSpec
+from engine.planning.plan import Plan
+from spec.errors import CarveError
 
 GIB = 1 << 30
 

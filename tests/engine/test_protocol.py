@@ -1,4 +1,4 @@
-"""engine/protocol.py: every message round-trips; bad input becomes ProtocolError items, never an
+"""engine/process/protocol.py: every message round-trips; bad input becomes ProtocolError items, never an
 exception (table of bad lines, partial lines, two messages in one write, invalid UTF-8, huge lines)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine import protocol as p
+from engine.process import protocol as p
 
 ROUND_TRIP = [
     p.Load({"model": "/m.gguf", "ctx": 4096}),
@@ -152,6 +152,6 @@ def test_finish_takes_a_last_line_without_newline():
 
 
 def test_protocol_module_imports_neither_torch_nor_qt():
-    code = "import sys, engine.protocol; print([m for m in ('torch', 'PySide6', 'numpy') if m in sys.modules])"
+    code = "import sys, engine.process.protocol; print([m for m in ('torch', 'PySide6', 'numpy') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

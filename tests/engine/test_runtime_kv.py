@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_quant import dequantize_q8_0, q8_0_nbytes, quantize_q8_0
-from engine.models.ops import attention
 from engine.runtime.kv_cache import KVCache, LayerKV, _mask
+from engine.runtime.kv_quant import dequantize_q8_0, q8_0_nbytes, quantize_q8_0
+from engine.runtime.models.ops import attention
 
 KVH, D, H = 2, 32, 4
 
@@ -67,7 +67,7 @@ def test_cache_attention_equals_full_history(kv: str, window: int, cells: int, c
 
 
 def test_context_overflow_is_a_carve_error() -> None:
-    from engine.errors import CarveError
+    from spec.errors import CarveError
 
     cache = _cache(16, 16, 0, "f16")
     k = torch.zeros(17, KVH, D)

@@ -10,13 +10,13 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from engine.devices import DeviceSpec
-from engine.errors import CarveError
-from engine.gguf_file import GGUFModel
-from engine.plan import Plan
-from engine.price import price
+from engine.gguf.reader import GGUFModel
+from engine.hardware.devices import DeviceSpec
+from engine.planning.plan import Plan
+from engine.planning.price import price
 from engine.runtime.loader import RecordingAllocator, load_layout
 from engine.runtime.session import Session
+from spec.errors import CarveError
 
 GIB = 1 << 30
 CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _plan(path, **kw) -> Plan:
     model = GGUFModel.open(path)
-    from engine.hparams import HParams
+    from engine.gguf.hparams import HParams
 
     n = HParams.from_model(model).n_layer
     base = {"model": str(path), "devices": (CPU,), "split": (0, n), "ctx": 256,

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.devices import DeviceSpec
-from engine.errors import CarveError
-from engine.gguf_file import GGUFModel
-from engine.hparams import HParams
-from engine.plan import Plan
+from engine.gguf.hparams import HParams
+from engine.gguf.reader import GGUFModel
+from engine.hardware.devices import DeviceSpec
+from engine.planning.plan import Plan
+from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
-from engine.sampling import SamplingParams
+from spec.errors import CarveError
 
 GIB = 1 << 30
 CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)

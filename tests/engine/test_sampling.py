@@ -1,4 +1,4 @@
-"""engine.sampling: llama.cpp's default chain (penalty, top-k, top-p, min-p, temperature, draw)."""
+"""engine.runtime.sampling: llama.cpp's default chain (penalty, top-k, top-p, min-p, temperature, draw)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.errors import CarveError
-from engine.sampling import Sampler, SamplingParams, apply_repeat_penalty
+from engine.runtime.sampling import Sampler, SamplingParams, apply_repeat_penalty
+from spec.errors import CarveError
 
 SEED = int.from_bytes(os.urandom(4), "little")
 # four tokens with probabilities 0.5, 0.3, 0.15, 0.05 at temperature 1

@@ -17,13 +17,13 @@ from typing import ClassVar
 
 import pytest
 
-from engine import protocol as p
-from engine import server
-from engine.client import EngineProcess
-from engine.errors import CarveError
+from engine.process import protocol as p
+from engine.process.client import EngineProcess
+from engine.runtime import server
+from spec.errors import CarveError
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE = [sys.executable, "-m", "engine.server"]
+ENGINE = [sys.executable, "-m", "engine.runtime.server"]
 
 
 def _spawn(**kw) -> subprocess.Popen:
@@ -123,7 +123,7 @@ def _alive(pid: int) -> bool:
 def test_stdout_carries_only_protocol_lines():
     code = (
         "import os, sys\n"
-        "from engine.server import take_stdout\n"
+        "from engine.runtime.server import take_stdout\n"
         "out = take_stdout()\n"
         "print('a stray print')\n"
         "os.write(1, b'a C library writing to fd 1\\n')\n"
@@ -136,7 +136,7 @@ def test_stdout_carries_only_protocol_lines():
 
 
 def test_engine_sets_pci_bus_order_before_torch():
-    code = "import engine.server, os, sys; print(os.environ['CUDA_DEVICE_ORDER'], 'torch' in sys.modules)"
+    code = "import engine.runtime.server, os, sys; print(os.environ['CUDA_DEVICE_ORDER'], 'torch' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False,
                          env={k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_ORDER"})  # fmt: skip
     assert res.stdout.split() == ["PCI_BUS_ID", "False"]
@@ -219,11 +219,11 @@ class Harness:
     """An Engine in this process, fed and read through real pipes."""
 
     def __init__(self, monkeypatch) -> None:
-        fake_template = types.ModuleType("engine.chat_template")
+        fake_template = types.ModuleType("engine.text.chat_template")
         fake_template.render_chat = lambda model, messages: (messages[-1]["content"], "no template")
         fake_runtime = types.ModuleType("engine.runtime.session")
         fake_runtime.Session = FakeSession
-        monkeypatch.setitem(sys.modules, "engine.chat_template", fake_template)
+        monkeypatch.setitem(sys.modules, "engine.text.chat_template", fake_template)
         monkeypatch.setitem(sys.modules, "engine.runtime.session", fake_runtime)
         monkeypatch.setattr(server.Engine, "_tokenizer", lambda self, s: FakeTokenizer())
         monkeypatch.setattr(server, "EXIT_GRACE", 30.0)
@@ -268,8 +268,8 @@ def harness(monkeypatch):
 
 
 def _plan_json() -> dict:
-    from engine.devices import DeviceSpec
-    from engine.plan import Plan
+    from engine.hardware.devices import DeviceSpec
+    from engine.planning.plan import Plan
 
     cpu = DeviceSpec(index=-1, name="CPU", total=1 << 34, free=1 << 33)
     return Plan(model="m.gguf", devices=(cpu,), split=(0, 2), ctx=200).to_json()

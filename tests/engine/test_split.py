@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import price as pricing
-from engine.bench_price import HeaderModel
-from engine.devices import DeviceSpec
-from engine.errors import CarveError
-from engine.plan import Plan
-from engine.price import price
-from engine.split import GRAIN, auto_split
-from engine.synth_shapes import Shape
+from engine.hardware.devices import DeviceSpec
+from engine.planning import price as pricing
+from engine.planning.plan import Plan
+from engine.planning.price import price
+from engine.planning.split import GRAIN, auto_split
+from engine.synth.header import HeaderModel
+from engine.synth.shapes import Shape
+from spec.errors import CarveError
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -101,7 +101,7 @@ def test_spread_is_the_brute_force_max_min(rig: list[tuple[int, int]]) -> None:
     rig_st, st.sampled_from([LLAMA, GEMMA]), st.sampled_from(["packed", "per-tensor", "chunked:16"])
 )
 def test_toy_stages_are_near_the_best(rig: list[tuple[int, int]], model: Any, arena: str) -> None:
-    # 1-10 MiB arenas get 20 MiB segments: cost is not monotone in the range (see engine.split)
+    # 1-10 MiB arenas get 20 MiB segments: cost is not monotone in the range (see engine.planning.split)
     devices = tuple(gpu(i, f, r) for i, (f, r) in enumerate(rig))
     plan = auto_split(model, devices, ctx=CTX, arena=arena, act_dtype="bf16")
     n = pricing.model_index(model).n_layer

@@ -13,13 +13,13 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from app.__main__ import main as carve_main
-from engine.errors import CarveError
-from engine.gguf_file import GGUFModel
-from engine.gguf_write import tensor_bytes
-from engine.hparams import HParams
-from engine.quant_types import QUANT, type_name
-from engine.synth import SHAPES, Shape, main, tensor_types, write_model
-from engine.synth_shapes import tensor_table
+from engine.gguf.hparams import HParams
+from engine.gguf.reader import GGUFModel
+from engine.gguf.writer import tensor_bytes
+from engine.synth.gen import SHAPES, Shape, main, tensor_types, write_model
+from engine.synth.shapes import tensor_table
+from spec.errors import CarveError
+from spec.quant_types import QUANT, type_name
 
 
 def _shape_of(model: GGUFModel) -> Shape:
@@ -209,6 +209,6 @@ def test_rows_no_type_can_hold():
 def test_gen_never_imports_torch(tmp_path):
     code = ("import sys; from app.cli_gen import main; "
             f"main(['gen', '--shape', 'gemma3-tiny', '-o', {str(tmp_path / 'g.gguf')!r}]); "
-            "import engine.gguf_file, engine.hparams; "
+            "import engine.gguf.reader, engine.gguf.hparams; "
             "assert 'torch' not in sys.modules and 'triton' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

@@ -1,4 +1,4 @@
-"""engine/tokenizer.py on tiny synthetic vocabularies: the rules that the real models in
+"""engine/text/tokenizer.py on tiny synthetic vocabularies: the rules that the real models in
 test_tokenizer_parity.py do not reach (space prefix, byte fallback, llama.cpp's pre-tokenizer
 table, special-token typing, cache reuse, errors)."""
 
@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine import tokenizer as tokenizer_mod
-from engine.errors import CarveError
-from engine.tokenizer import CONTROL, NORMAL, USER_DEFINED, Tokenizer
-from engine.tokenizer_bpe import PRE, _bytes_to_unicode, build_bpe
-from engine.tokenizer_spm import spm_merge_ids
+from engine.text import tokenizer as tokenizer_mod
+from engine.text.bpe import PRE, _bytes_to_unicode, build_bpe
+from engine.text.spm import spm_merge_ids
+from engine.text.tokenizer import CONTROL, NORMAL, USER_DEFINED, Tokenizer
+from spec.errors import CarveError
 
 BYTE = 6
 

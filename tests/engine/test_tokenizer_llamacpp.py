@@ -1,4 +1,4 @@
-"""engine/tokenizer.py against ids recorded from llama.cpp itself (the tokenizer these GGUF files
+"""engine/text/tokenizer.py against ids recorded from llama.cpp itself (the tokenizer these GGUF files
 are made for) on the demo model and Gemma 3 270M.
 
 Recorded with llama.cpp as vendored in llama-cpp-python 0.3.36 (ggml 0c1e570), built from source:
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import tokenizer as tokenizer_mod
-from engine.gguf_file import GGUFModel
-from engine.tokenizer import Tokenizer
+from engine.gguf.reader import GGUFModel
+from engine.text import tokenizer as tokenizer_mod
+from engine.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.demo
 

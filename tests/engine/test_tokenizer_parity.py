@@ -1,4 +1,4 @@
-"""engine/tokenizer.py on the real demo model (Qwen2.5-Coder, byte-level BPE, pre "qwen2") and on
+"""engine/text/tokenizer.py on the real demo model (Qwen2.5-Coder, byte-level BPE, pre "qwen2") and on
 Gemma 3 270M (SentencePiece, byte fallback, no space prefix): ids held equal to the tokenizer
 `transformers` builds from the same GGUF (an outside reference), on CPU and offline.
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import tokenizer as tokenizer_mod
-from engine.chat_template import render_chat
-from engine.gguf_file import GGUFModel
-from engine.tokenizer import Tokenizer
+from engine.gguf.reader import GGUFModel
+from engine.text import tokenizer as tokenizer_mod
+from engine.text.chat_template import render_chat
+from engine.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",

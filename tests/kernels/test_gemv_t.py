@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import quant_types as qt
-from kernels import gemv_t, glu, q8x, quant_matmul, t_split
+from kernels import gemv_t, glu, q8x, quant_matmul
 from kernels.random_blocks import random_weight
+from spec import launch
+from spec import quant_types as qt
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -91,7 +92,7 @@ def test_gemv_t_matches_reference(ggml_type, split, xdtype):
 def test_split_count_covers_the_blocks():
     for rows, nb, block_n, target in ((18944, 14, 256, 1056), (3584, 74, 256, 1056),
                                       (7, 3, 32, 1), (100, 1, 32, 1000)):
-        s, bps = t_split.split(t_split.tiles([rows], block_n), nb, target)
+        s, bps = launch.split(launch.tiles([rows], block_n), nb, target)
         assert 1 <= s <= nb and (s - 1) * bps < nb <= s * bps  # every split holds a block
 
 
@@ -162,7 +163,7 @@ def test_split_sums_repeat_bit_for_bit():
     w = gemv_t.repack(random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g), qt.Q4_K)
     x = torch.randn(1, 256 * nb, generator=g, device=DEVICE).to(torch.bfloat16)
     config = None if DEVICE == "cuda" else (32, 1, 3 * nb)
-    floats, counters = t_split.scratch([rows], 256 * nb, config or t_split.T_CONFIG)
+    floats, counters = launch.scratch([rows], 256 * nb, config or launch.T_CONFIG)
     assert floats and counters  # split
     part = torch.full((floats,), float("nan"), device=DEVICE)
     counter = torch.zeros(counters, dtype=torch.int32, device=DEVICE)
@@ -191,13 +192,13 @@ def test_unpack_rows_gives_the_gguf_rows_back(ggml_type):
 @pytest.mark.parametrize("shape", ["qwen2-7b", "qwen2-32b", "llama3-8b", "llama-70b",
                                    "qwen3-tiny"])
 def test_priced_split_buffers_hold_every_decode_launch(shape):
-    # pricing sizes buf.t_part / buf.t_count by kernels/t_split.py; the launches check their
+    # pricing sizes buf.t_part / buf.t_count by spec/launch.py; the launches check their
     # buffers by the rule they follow: every T launch decode can make (8 rows, the GPU configs)
     # fits the priced buffers, and the largest would not fit in one float less
     from types import SimpleNamespace
 
-    from engine.buffers import activation_buffers
-    from engine.synth_shapes import SHAPES
+    from engine.planning.buffers import activation_buffers
+    from engine.synth.shapes import SHAPES
 
     sh = SHAPES[shape]
     hp = SimpleNamespace(n_embd=sh.n_embd, n_ff=sh.n_ff, n_head=sh.n_head,
@@ -207,9 +208,9 @@ def test_priced_split_buffers_hold_every_decode_launch(shape):
     part = torch.empty(bufs["t_part"][0] * bufs["t_part"][1])
     counter = torch.empty(bufs["t_count"][0] * bufs["t_count"][1], dtype=torch.int32)
     e, f, q, kv = sh.n_embd, sh.n_ff, sh.n_head * sh.hd, sh.n_head_kv * sh.hd
-    launches = [([f], e, t_split.T_GLU_CONFIG, 2), ([e], f, t_split.T_CONFIG, 1),
-                ([e], q, t_split.T_CONFIG, 1), ([q, kv, kv], e, t_split.T_CONFIG, 1),
-                ([sh.n_vocab], e, t_split.T_CONFIG, 1)]
+    launches = [([f], e, launch.T_GLU_CONFIG, 2), ([e], f, launch.T_CONFIG, 1),
+                ([e], q, launch.T_CONFIG, 1), ([q, kv, kv], e, launch.T_CONFIG, 1),
+                ([sh.n_vocab], e, launch.T_CONFIG, 1)]
     need = []
     for rows, cols, config, parts in launches:
         x = torch.empty(8, cols, dtype=torch.bfloat16)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import quant_types as qt
 from kernels import attention, glu, kv_cache, norm, quant_matmul, rope
 from kernels.random_blocks import random_weight
+from spec import quant_types as qt
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TYPES = [qt.F16, qt.BF16, qt.Q4_0, qt.Q5_0, qt.Q8_0, qt.Q4_K, qt.Q5_K, qt.Q6_K]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import quant_types as qt
 from kernels import gemv_t, glu, norm, q8x, quant_matmul
 from kernels.random_blocks import random_weight
+from spec import quant_types as qt
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,0 +1,271 @@
+"""On a GPU: check every kernel against its torch twin at real (Qwen2-7B) shapes, time the GEMV
+variants, and print each kernel's time against its floor (bytes over the measured copy rate,
+or FLOPs over the measured bf16 matmul rate).
+
+    python -m benchmarks.device_check [--quick | --attn] [--json FILE]
+
+Builds every input itself (random well-formed blocks), so it needs no model file and no gguf.
+"""
+
+# Timed lambdas run at once inside their loop iteration (B023); a failing section is reported
+# and the run goes on, so one device call brings back everything else (BLE001).
+# ruff: noqa: B023, BLE001
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from kernels import attention, glu, kv_cache, norm, quant_matmul, rope
+from kernels.random_blocks import random_weight
+from spec import quant_types as qt
+
+TYPES = [qt.Q4_K, qt.Q6_K, qt.Q5_K, qt.Q4_0, qt.Q5_0, qt.Q8_0, qt.F16, qt.BF16]
+K_CONFIGS = [(4, 16, 4), (8, 8, 4), (4, 8, 2), (8, 16, 8), (2, 16, 2)]
+B_CONFIGS = [(4, 32, 4), (8, 16, 4), (4, 16, 2), (8, 32, 8)]
+ROTATE = 4  # weight copies cycled so that timings are not L2 hits (60 MB of L2)
+
+
+def nerr(y: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(y).all():
+        return float("nan")
+    ref = ref.double()
+    return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def graph_time(fn, calls: int = 8) -> float:
+    """Median seconds of one call, replayed from a CUDA graph of ``calls`` calls (the decode
+    step runs from a graph too, so launch gaps are not part of a kernel's time)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    ms = do_bench(g.replay, warmup=20, rep=80, return_mode="median")
+    return ms / 1e3 / calls
+
+
+def ceilings() -> tuple[float, float]:
+    n = 1 << 30  # 1 GiB each way
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=20, rep=100, return_mode="median")
+    copy_bw = 2 * n / (ms / 1e3)
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: x @ y, warmup=20, rep=100, return_mode="median")
+    mm = 2 * 8192**3 / (ms / 1e3)
+    return copy_bw, mm
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="one GEMV config per type")
+    ap.add_argument("--attn", action="store_true", help="the attention kernels only")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    dev = torch.cuda.get_device_properties(0)
+    print(f"# {dev.name} sms={dev.multi_processor_count} torch={torch.__version__} "
+          f"triton={triton.__version__}", flush=True)
+    copy_bw, mm_rate = ceilings()
+    print(f"# copy {copy_bw / 1e9:.0f} GB/s (read+write), bf16 matmul {mm_rate / 1e12:.0f} "
+          f"TFLOP/s", flush=True)
+    rows: list[dict] = []
+    best_cfg: dict[str, list] = {}
+
+    def row(name, sec, floor, err=None, note=""):
+        r = {"kernel": name, "us": sec * 1e6, "floor_us": floor * 1e6,
+             "of_floor": floor / sec if sec else 0.0, "err": err, "note": note}
+        rows.append(r)
+        e = "" if err is None else f"{err:.1e}"
+        print(f"{name:34s} {sec * 1e6:9.1f} us  floor {floor * 1e6:8.1f} us  "
+              f"{100 * floor / sec:5.1f}%  err {e:8s} {note}", flush=True)
+
+    g = torch.Generator(device="cuda")
+    g.manual_seed(int(time.time()))
+    if args.attn:
+        _attn_section(g, copy_bw, mm_rate, row)
+        _table(rows, best_cfg, args, copy_bw, mm_rate)
+        return 0
+    # -- decode GEMV, Qwen2-7B ffn_up/gate [18944 x 3584] and ffn_down [3584 x 18944]
+    for t in TYPES:
+        try:
+            _gemv_section(t, args, g, copy_bw, row, best_cfg)
+        except Exception as exc:  # report and go on: one device call must bring back the rest
+            print(f"FAIL section gemv {qt.type_name(t)}: {type(exc).__name__}: {exc}", flush=True)
+        torch.cuda.empty_cache()
+    try:
+        _other_section(g, copy_bw, mm_rate, row)
+    except Exception:
+        import traceback
+        traceback.print_exc()
+    _table(rows, best_cfg, args, copy_bw, mm_rate)
+    return 0
+
+
+def _gemv_section(t, args, g, copy_bw, row, best_cfg):
+    name = qt.type_name(t)
+    shapes = [(18944, 3584), (3584, 18944)]
+    ws = {s: [random_weight(t, s[0], s[1], "cuda", g) for _ in range(ROTATE)] for s in shapes}
+    cfgs = K_CONFIGS if quant_matmul.plan(t).block == 256 else B_CONFIGS
+    if args.quick:
+        cfgs = [quant_matmul.GEMV_CONFIG[t]]
+    # correctness at M=1 and M=4 on the real shape, default config
+    for m in (1, 4):
+        w = ws[shapes[0]][0]
+        x = torch.randn(m, shapes[0][1], device="cuda", generator=g)
+        out = torch.full((m, shapes[0][0]), float("nan"), device="cuda")
+        quant_matmul.gemv(w, t, x, out=out)
+        e = nerr(out, quant_matmul.gemv_ref(w, t, x))
+        if not e < 1e-4:
+            print(f"FAIL gemv {name} M={m} err {e}", flush=True)
+    timings = []
+    for cfg in cfgs:
+        total = 0.0
+        ok = True
+        for s in shapes:
+            x = torch.randn(1, s[1], device="cuda", generator=g)
+            y = torch.empty(1, s[0], device="cuda")
+            try:
+                total += graph_time(lambda i=0, s=s, x=x, y=y, cfg=cfg: quant_matmul.gemv(
+                    ws[s][i % ROTATE], t, x, out=y, config=cfg))
+            except Exception as exc:  # a config can exceed registers/shared memory
+                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                ok = False
+                break
+        if ok:
+            timings.append((total, cfg))
+            print(f"  {name} cfg {cfg}: {total * 1e6 / 2:.1f} us per matrix", flush=True)
+    total, cfg = min(timings)
+    best_cfg[name] = list(cfg)
+    nbytes = sum(w[0].numel() for w in ws.values())
+    w = ws[shapes[0]][0]
+    x = torch.randn(1, shapes[0][1], device="cuda", generator=g)
+    out = torch.full((1, shapes[0][0]), float("nan"), device="cuda")
+    quant_matmul.gemv(w, t, x, out=out, config=cfg)
+    err = nerr(out, quant_matmul.gemv_ref(w, t, x))
+    row(f"gemv {name} up+down M=1", total, nbytes / copy_bw, err,
+        f"cfg={cfg} {nbytes / total / 1e9:.0f} GB/s")
+    # M=4 time with the best config
+    s = shapes[0]
+    x4 = torch.randn(4, s[1], device="cuda", generator=g)
+    y4 = torch.empty(4, s[0], device="cuda")
+    t4 = graph_time(lambda i=0: quant_matmul.gemv(ws[s][i % ROTATE], t, x4, out=y4, config=cfg))
+    row(f"gemv {name} up M=4", t4, ws[s][0].numel() / copy_bw)
+    # dequantize to bf16 (prefill): read bytes + write 2 B/value
+    wq = ws[s][0]
+    dq = torch.full(s, float("nan"), device="cuda", dtype=torch.bfloat16)
+    quant_matmul.dequantize(wq, t, torch.bfloat16, out=dq)
+    err = nerr(dq, quant_matmul.dequantize_ref(wq, t, torch.float32))
+    td = graph_time(lambda i=0: quant_matmul.dequantize(ws[s][i % ROTATE], t,
+                                                       torch.bfloat16, out=dq))
+    row(f"dequant {name} -> bf16", td, (wq.numel() + dq.numel() * 2) / copy_bw, err)
+
+
+def _other_section(g, copy_bw, mm_rate, row):
+    # -- prefill GEMM on a dequantized tile: x [512, 3584] @ W^T [3584 -> 18944]
+    xb = torch.randn(512, 3584, device="cuda", dtype=torch.bfloat16, generator=g)
+    wd = torch.randn(18944, 3584, device="cuda", dtype=torch.bfloat16, generator=g)
+    tm = do_bench(lambda: xb @ wd.T, warmup=20, rep=100, return_mode="median") / 1e3
+    row("matmul bf16 512x3584x18944", tm, 2 * 512 * 3584 * 18944 / mm_rate)
+
+    # -- RMSNorm + residual, GLU, RoPE at decode (1 token) and prefill (512)
+    for t_ in (1, 512):
+        x = torch.randn(t_, 3584, device="cuda", generator=g)
+        res = torch.randn(t_, 3584, device="cuda", generator=g)
+        w = torch.randn(3584, device="cuda", generator=g)
+        y = torch.full_like(x, float("nan"))
+        r2 = res.clone()
+        norm.rmsnorm(x, w, 1e-6, residual=res, out=y)
+        err = nerr(y, norm.rmsnorm_ref(x, w, 1e-6, residual=r2))
+        tn = graph_time(lambda i=0: norm.rmsnorm(x, w, 1e-6, residual=res, out=y))
+        row(f"rmsnorm+res T={t_}", tn, 4 * x.numel() * 4 / copy_bw, err)
+        gate = torch.randn(t_, 18944, device="cuda", generator=g)
+        up = torch.randn(t_, 18944, device="cuda", generator=g)
+        yo = torch.full_like(gate, float("nan"))
+        glu.glu(gate, up, "silu", out=yo)
+        err = nerr(yo, glu.glu_ref(gate, up, "silu"))
+        tg = graph_time(lambda i=0: glu.glu(gate, up, "silu", out=yo))
+        row(f"swiglu T={t_}", tg, 3 * gate.numel() * 4 / copy_bw, err)
+        q = torch.randn(t_, 28, 128, device="cuda", generator=g)
+        pos = torch.arange(t_, device="cuda", dtype=torch.int32) + 1000
+        ref = rope.rope_ref(q.clone(), pos, 1e6, True)
+        rope.rope(q, pos, 1e6, True)
+        err = nerr(q, ref)
+        tr = graph_time(lambda i=0: rope.rope(q, pos, 1e6, True))
+        row(f"rope neox T={t_}", tr, 2 * q.numel() * 4 / copy_bw, err)
+
+    _attn_section(g, copy_bw, mm_rate, row)
+
+
+def _attn_section(g, copy_bw, mm_rate, row):
+    # -- attention, Qwen2-7B heads: 28 q heads, 4 kv heads, head_dim 128
+    nh, kvh, d = 28, 4, 128
+    for kv_type in ("f16", "q8_0"):
+        for depth in (4096, 32768):
+            cells = depth
+            src = torch.randn(cells, kvh, d, device="cuda", generator=g)
+            allpos = torch.arange(cells, device="cuda", dtype=torch.int32)
+            if kv_type == "f16":
+                kc = torch.empty(cells, kvh, d, device="cuda", dtype=torch.float16)
+            else:
+                kc = torch.empty(cells * kvh * d // 32 * 34, device="cuda", dtype=torch.uint8)
+            vc = torch.empty_like(kc)
+            kv_cache.kv_store(src, kc, allpos, cells)
+            kv_cache.kv_store(src.flip(0), vc, allpos, cells)
+            qd = torch.randn(nh, d, device="cuda", generator=g)
+            posd = torch.tensor([depth - 1], device="cuda", dtype=torch.int32)
+            ws_ = attention.decode_workspace(nh, d, cells, "cuda")
+            o = torch.full_like(qd, float("nan"))
+            attention.attn_decode(qd, kc, vc, posd, kvh, cells, 0, d**-0.5, out=o, workspace=ws_)
+            err = nerr(o, attention.attn_decode_ref(qd, kc, vc, posd, kvh, cells, 0, d**-0.5))
+            ta = graph_time(lambda i=0: attention.attn_decode(qd, kc, vc, posd, kvh, cells, 0,
+                                                             d**-0.5, out=o, workspace=ws_))
+            row(f"attn decode {kv_type} depth {depth}", ta, 2 * kc.numel() * kc.element_size()
+                / copy_bw, err)
+            if depth == 4096:
+                # prefill chunk of 512 at position 3584 over 3584 cached + 512 own keys
+                t_ = 512
+                qp = torch.randn(t_, nh, d, device="cuda", generator=g, dtype=torch.bfloat16)
+                kn = torch.randn(t_, kvh, d, device="cuda", generator=g, dtype=torch.bfloat16)
+                vn = torch.randn(t_, kvh, d, device="cuda", generator=g, dtype=torch.bfloat16)
+                op = torch.full_like(qp, float("nan"))
+                attention.attn_prefill(qp, kn, vn, kc, vc, 3584, cells, 0, d**-0.5, out=op)
+                err = nerr(op, attention.attn_prefill_ref(qp, kn, vn, kc, vc, 3584, cells, 0,
+                                                          d**-0.5))
+                tp = do_bench(lambda: attention.attn_prefill(qp, kn, vn, kc, vc, 3584, cells, 0,
+                                                             d**-0.5, out=op),
+                              warmup=20, rep=100, return_mode="median") / 1e3
+                keys = 3584 * t_ + t_ * (t_ + 1) / 2
+                row(f"attn prefill {kv_type} 512@3584", tp, 4 * keys * d * nh / mm_rate, err)
+                tp0 = do_bench(lambda: attention.attn_prefill(qp, kn, vn, kc, vc, 0, cells, 0,
+                                                              d**-0.5, out=op),
+                               warmup=20, rep=100, return_mode="median") / 1e3
+                row(f"attn prefill {kv_type} 512@0", tp0, 4 * t_ * (t_ + 1) / 2 * d * nh / mm_rate)
+            kc = vc = src = None  # free the cache before the next depth
+            torch.cuda.empty_cache()
+
+
+def _table(rows, best_cfg, args, copy_bw, mm_rate):
+    print("\n| kernel | time us | floor us | % of floor | err |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        e = "" if r["err"] is None else f"{r['err']:.1e}"
+        print(f"| {r['kernel']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
+              f"{100 * r['of_floor']:.0f} | {e} |")
+    print("best GEMV configs:", json.dumps(best_cfg))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bw": copy_bw, "mm_rate": mm_rate, "rows": rows,
+                       "best_cfg": best_cfg}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Runtime overhead per device: measured once by the engine, remembered, else a stated default.
+
+The engine measures what a device loses outside our arenas (CUDA context, cuBLAS workspace,
+CUDA graph pools, Triton modules) at start and calls `remember`; pricing reads the record for
+the same (GPU name, driver, torch version). Records live in
+`$XDG_CONFIG_HOME/carve/calibration.json` (default `~/.config/carve/`).
+
+Default without a record, from DESIGN.md "Reference figures" (H200, torch 2.11, driver 580):
+CUDA context 620 MiB + cuBLAS workspace 32 MiB + first CUDA graph capture 72 MiB = 724 MiB.
+The CPU device has no such overhead: 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from engine.hardware.devices import DeviceSpec, driver_version
+
+MIB = 1 << 20
+DEFAULT_PARTS = {"cuda_context": 620 * MIB, "cublas_workspace": 32 * MIB, "cuda_graphs": 72 * MIB}
+DEFAULT_OVERHEAD = sum(DEFAULT_PARTS.values())
+
+_cache: dict[str, Any] = {"path": None, "mtime": None, "records": [], "base": None, "checked": 0.0}
+
+
+def path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "carve" / "calibration.json"
+
+
+@functools.cache
+def torch_version() -> str:
+    """The installed torch's version without importing it (the GUI never imports torch)."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def _records() -> list[dict[str, Any]]:
+    # Pricing asks per stage, thousands of times in a split search: look at the file at most
+    # once a second (and whenever the config dir changes), not on every call.
+    base = os.environ.get("XDG_CONFIG_HOME", "")
+    now = time.monotonic()
+    if _cache["base"] == base and now - _cache["checked"] < 1.0:
+        return _cache["records"]
+    p = path()
+    try:
+        mtime = p.stat().st_mtime_ns
+    except OSError:
+        mtime = None
+    if mtime is None:
+        recs: list[dict[str, Any]] = []
+    elif _cache["path"] == p and _cache["mtime"] == mtime:
+        recs = _cache["records"]
+    else:
+        try:
+            data = json.loads(p.read_text())
+            recs = [
+                r
+                for r in data.get("records", [])
+                if isinstance(r, dict) and isinstance(r.get("overhead"), int) and r["overhead"] >= 0
+            ]
+        except (OSError, ValueError, AttributeError):
+            recs = []  # a damaged file means "not calibrated", never a failed plan
+    _cache.update(path=p, mtime=mtime, records=recs, base=base, checked=now)
+    return recs
+
+
+def overhead_for(device: DeviceSpec) -> tuple[int, str]:
+    """(bytes, source) for a device. A live GPU needs a record for its exact name, driver and
+    torch version; a simulated card takes the newest record for its name and torch version."""
+    if device.is_cpu:
+        return 0, "cpu: none"
+    tv = torch_version()
+    drv = "" if device.simulated else driver_version()
+    best = None
+    for r in _records():
+        if r.get("gpu") != device.name or r.get("torch") != tv:
+            continue
+        if not device.simulated and r.get("driver") != drv:
+            continue
+        if best is None or r.get("measured", "") >= best.get("measured", ""):
+            best = r
+    if best is None:
+        return DEFAULT_OVERHEAD, "default (724 MiB: context 620 + cuBLAS 32 + CUDA graphs 72)"
+    return best["overhead"], f"calibrated {best.get('measured', '')} (driver {best.get('driver')})"
+
+
+def remember(
+    gpu: str, driver: str, torch: str, overhead: int, parts: dict[str, int] | None = None
+) -> None:
+    """Store a measured overhead; replaces the record for the same (gpu, driver, torch)."""
+    p = path()
+    recs = [
+        r
+        for r in _records()
+        if (r.get("gpu"), r.get("driver"), r.get("torch")) != (gpu, driver, torch)
+    ]
+    recs.append(
+        {
+            "gpu": gpu,
+            "driver": driver,
+            "torch": torch,
+            "overhead": int(overhead),
+            "parts": parts or {},
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    )
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"records": recs}, indent=1))
+    tmp.replace(p)  # atomic: a reader never sees half a file
+    _cache["base"] = None  # read it again on the next price

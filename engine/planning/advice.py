@@ -1,0 +1,89 @@
+"""When a stage does not fit: the term that overflows and the single changes that fit it
+(a smaller context, q8_0 KV, moving a boundary k layers)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine.planning.carve import ModelIndex
+from engine.planning.layout import DeviceLayout, human
+from engine.planning.plan import Plan
+from engine.planning.price import _stage_key, fits
+
+# The term named as overflowing is the one that crosses the free memory when terms are added in
+# this order: what the model and runtime impose first, the KV cache (sized by --ctx/--kv, the
+# knobs a user turns) last — so "KV cache does not fit" means a smaller context would help.
+_ORDER = ("overhead", "weights", "globals", "buffers", "rounding", "kv")
+_LABEL = {
+    "overhead": "the runtime overhead",
+    "weights": "weights",
+    "globals": "globals",
+    "kv": "KV cache",
+    "buffers": "activation buffers",
+    "rounding": "arena rounding",
+}
+
+
+def advise(plan: Plan, idx: ModelIndex, stages: list[DeviceLayout]) -> list[DeviceLayout]:
+    """For each stage that does not fit: the term that overflows and the changes that fit it."""
+    out = []
+    for i, s in enumerate(stages):
+        if s.verdict != "does not fit":
+            out.append(s)
+            continue
+        k = _stage_key(plan, i)
+        dev = k.device
+        avail = dev.free - dev.reserve
+        run = 0
+        term = _ORDER[-1]
+        for term in _ORDER:
+            run += s.terms[term]
+            if run > avail:
+                break
+        tips = []
+        if k.ctx > 256 and fits(idx, replace(k, ctx=256)):
+            lo_c, hi_c = 1, (k.ctx - 1) // 256  # in units of 256 tokens
+            while lo_c < hi_c:
+                mid = (lo_c + hi_c + 1) // 2
+                lo_c, hi_c = (
+                    (mid, hi_c) if fits(idx, replace(k, ctx=mid * 256)) else (lo_c, mid - 1)
+                )
+            tips.append(f"--ctx {lo_c * 256}")
+        if k.kv_type == "f16" and fits(idx, replace(k, kv_type="q8_0")):
+            tips.append("--kv q8_0")
+        move = _boundary_move(plan, idx, i)
+        if move:
+            tips.append(move)
+        what = f"{_LABEL[term]} ({human(s.terms[term])})"
+        advice = f"over by {human(-s.headroom)}: {what} does not fit in {human(avail)} free"
+        advice += (
+            "; fits with " + ", or ".join(tips)
+            if tips
+            else "; no single change fits it: add a GPU, use a smaller quant or a larger card"
+        )
+        out.append(replace(s, advice=advice))
+    return out
+
+
+def _boundary_move(plan: Plan, idx: ModelIndex, i: int) -> str:
+    """The smallest shift of one of stage i's boundaries that makes it and the neighbour fit."""
+    lo, hi = plan.split[i], plan.split[i + 1]
+    n = len(plan.devices)
+    for k in range(1, hi - lo):
+        if i > 0:  # the previous device takes layers [lo, lo + k)
+            a = _stage_key(plan, i - 1, hi=lo + k)
+            b = _stage_key(plan, i, lo=lo + k)
+            if fits(idx, a) and fits(idx, b):
+                return (
+                    f"--split boundary {i} moved +{k} ({lo} -> {lo + k}: "
+                    f"{plan.devices[i - 1].label} takes {k} layer{'s' * (k > 1)})"
+                )
+        if i < n - 1:  # the next device takes layers [hi - k, hi)
+            a = _stage_key(plan, i, hi=hi - k)
+            b = _stage_key(plan, i + 1, lo=hi - k)
+            if fits(idx, a) and fits(idx, b):
+                return (
+                    f"--split boundary {i + 1} moved -{k} ({hi} -> {hi - k}: "
+                    f"{plan.devices[i + 1].label} takes {k} layer{'s' * (k > 1)})"
+                )
+    return ""

@@ -1,0 +1,99 @@
+"""The one list of activation buffers a stage allocates; pricing sizes it, runtimes allocate it.
+
+Sized for the prefill chunk (the widest pass); decode uses the first row of each. Buffers are
+reused across layers, so a stage holds one set whatever its layer count. Anything a runtime
+allocates on a device that is not in this list (or in the Layout) breaks "priced == loaded":
+even one tiny tensor costs a 2 MiB caching-allocator segment on a GPU.
+
+Attention is flash-style in prefill (scores live in registers/tiles, never a
+[heads, chunk, ctx] matrix) and split-K in decode (partials below).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+from spec import launch
+from spec.launch import ATTN_SPLITS
+
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "uint8": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSpec:
+    name: str  # allocated as span "buf.<name>"
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+
+def activation_buffers(
+    hp: Any,
+    chunk: int,
+    act_dtype: str,
+    n_vocab_rows: int,
+    dequant_scratch: int = 0,
+) -> list[BufferSpec]:
+    """Buffers for one stage of a model with hyper-parameters `hp` (engine.gguf.hparams.HParams).
+
+    chunk: prefill chunk (tokens per forward). n_vocab_rows: rows of logits this stage keeps
+    (0 on every stage but the last; 1 for generation; the chunk for perplexity).
+    dequant_scratch: elements of the largest matrix this stage dequantizes on the fly (not in
+    the dequant cache); 0 when every matrix is cached or nothing needs a GEMM.
+    """
+    a = act_dtype
+    e, f = hp.n_embd, hp.n_ff
+    q_width = hp.n_head * hp.head_dim
+    kv_width = hp.n_head_kv * hp.head_dim + hp.n_head_kv * hp.head_dim_v
+    out = [
+        BufferSpec("tokens", (chunk,), "i64"),  # [chunk] token ids (first stage embeds them)
+        BufferSpec("positions", (chunk,), "i64"),  # [chunk] absolute positions for RoPE / KV rows
+        BufferSpec(
+            "hidden", (chunk, e), a
+        ),  # [chunk, n_embd] residual stream; recv from prior stage
+        BufferSpec("normed", (chunk, e), a),  # [chunk, n_embd] RMSNorm output, GEMM input
+        BufferSpec("qkv", (chunk, q_width + kv_width), a),  # [chunk, q | k | v] projections
+        BufferSpec("attn", (chunk, hp.n_head * hp.head_dim_v), a),  # [chunk, n_head*head_dim_v]
+        BufferSpec(
+            "proj", (chunk, e), a
+        ),  # [chunk, n_embd] o-proj / ffn-down out, before residual add
+        BufferSpec("ffn_up", (chunk, 2 * f), a),  # [chunk, gate | up]
+        BufferSpec("ffn_act", (chunk, f), a),  # [chunk, n_ff] act(gate) * up
+        BufferSpec(
+            "attn_partial", (hp.n_head, ATTN_SPLITS, hp.head_dim_v), "f32"
+        ),  # split-K decode
+        BufferSpec("attn_lse", (hp.n_head, ATTN_SPLITS), "f32"),  # per split log-sum-exp
+        # per kv head: split-K programs done, so that the last one merges (kept at zero);
+        # one 256-byte line per counter, so that the heads' atomics do not share a line
+        BufferSpec("attn_count", (hp.n_head_kv, 64), "i32"),
+    ]
+    # T-layout decode GEMVs (kernels/gemv_t.py), up to 8 rows: the float32 sums of programs
+    # that split a row's blocks, one row per split, and a counter per row tile (left zero),
+    # for the largest of the launches decode can make (spec/launch.py, the same rule)
+    kv_k = hp.n_head_kv * hp.head_dim
+    launches = [
+        launch.scratch([f], e, launch.T_GLU_CONFIG, parts=2),  # gate | up
+        launch.scratch([e], f, launch.T_CONFIG),  # ffn_down
+        launch.scratch([e], hp.n_head * hp.head_dim_v, launch.T_CONFIG),  # attn_output
+        launch.scratch([q_width, kv_k, kv_width - kv_k], e, launch.T_CONFIG),  # q, k, v
+    ]
+    if n_vocab_rows > 0:
+        launches.append(launch.scratch([hp.n_vocab], e, launch.T_CONFIG))  # the head
+    part, count = (-(-max(1, *v) // 64) * 64 for v in zip(*launches))  # whole 256-byte lines
+    out += [BufferSpec("t_part", (8, part), "f32"), BufferSpec("t_count", (8, count), "i32")]
+    # decode's int8 copies of the T GEMVs' inputs (kernels/q8x.py): the normed row (n_embd)
+    # and the GLU output (n_ff) side by side, each as int8 words plus a scale and a sum per 32
+    # (rounded to 1024 values: both spans whole 256-byte arena slots)
+    q8 = -(-(-(-e // 32) * 32 + -(-f // 32) * 32) // 1024) * 1024
+    out += [BufferSpec("xq", (q8 // 4,), "i32"), BufferSpec("xq_ds", (2, q8 // 32), "f32")]
+    if n_vocab_rows > 0:
+        out.append(BufferSpec("logits", (n_vocab_rows, hp.n_vocab), "f32"))  # [rows, n_vocab]
+    if dequant_scratch > 0:
+        # [elements] one matrix dequantized for a prefill GEMM, reused matrix after matrix
+        out.append(BufferSpec("dequant", (dequant_scratch,), a))
+    return out

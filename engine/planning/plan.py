@@ -1,0 +1,111 @@
+"""The Plan: everything a launch is, before anything is allocated (DESIGN.md "The one rule").
+
+Checks that need no model happen here, each naming its option; checks that need the model
+(last boundary == n_layer, ctx <= n_ctx_train) happen in `engine.planning.price.price`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from engine.hardware.devices import DeviceSpec
+from engine.planning.arena import parse_arena
+from spec.errors import CarveError
+
+KV_TYPES = ("f16", "q8_0")
+ACT_DTYPES = ("f32", "bf16", "f16")
+MAX_DEVICES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    model: str  # path of the GGUF (any shard)
+    devices: tuple[DeviceSpec, ...]
+    # len(devices)+1 boundaries, split[0] = 0, split[-1] = n_layer; stage i runs
+    # [split[i], split[i+1]). Strictly increasing: a device in a plan holds >= 1 layer; a
+    # device that should hold nothing is left out of the plan (see engine/planning/split.py).
+    split: tuple[int, ...]
+    ctx: int
+    kv_type: str = "f16"
+    prefill_chunk: int = 512
+    cache_reserve: int = (
+        1 << 30
+    )  # bytes kept free after everything; the dequant cache gets the rest
+    arena: str = "packed"  # "packed" | "per-tensor" | "chunked:N" (N MiB)
+    act_dtype: str = "f32"  # CPU "f32"; GPU "bf16"
+    # Rows of logits the last stage keeps: 1 for chat (last token only), prefill_chunk for
+    # perplexity (every position). Sizes buf.logits.
+    logits_rows: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "split", tuple(int(b) for b in self.split))
+        n = len(self.devices)
+        if not 1 <= n <= MAX_DEVICES:
+            raise CarveError(f"--gpus: a plan needs 1 to {MAX_DEVICES} devices, got {n}")
+        if any(d.is_cpu for d in self.devices) and n > 1:
+            raise CarveError("--gpus: the CPU runs a model alone; do not mix 'cpu' with GPUs")
+        if len(self.split) != n + 1:
+            raise CarveError(
+                f"--split: {n} device(s) need {n + 1} boundaries (0,...,n_layer), "
+                f"got {len(self.split)}: {','.join(map(str, self.split))}"
+            )
+        if self.split[0] != 0:
+            raise CarveError(f"--split: the first boundary must be 0, got {self.split[0]}")
+        for i in range(n):
+            if self.split[i + 1] <= self.split[i]:
+                raise CarveError(
+                    f"--split: boundaries must increase ({self.split[i]} then {self.split[i + 1]} "
+                    f"leaves {self.devices[i].label} no layers); drop that device instead"
+                )
+        if self.ctx <= 0:
+            raise CarveError(f"--ctx: must be a positive number of tokens, got {self.ctx}")
+        if self.kv_type not in KV_TYPES:
+            raise CarveError(
+                f"--kv: unknown KV type {self.kv_type!r}; use one of {', '.join(KV_TYPES)}"
+            )
+        if self.prefill_chunk <= 0:
+            raise CarveError(f"--prefill-chunk: must be positive, got {self.prefill_chunk}")
+        if self.cache_reserve < 0:
+            raise CarveError(f"--cache-reserve: must be 0 or more, got {self.cache_reserve}")
+        if self.act_dtype not in ACT_DTYPES:
+            raise CarveError(
+                f"act_dtype: unknown {self.act_dtype!r}; use one of {', '.join(ACT_DTYPES)}"
+            )
+        if not 1 <= self.logits_rows <= max(self.prefill_chunk, 1):
+            raise CarveError(
+                f"logits_rows: must be 1..prefill_chunk ({self.prefill_chunk}), got {self.logits_rows}"
+            )
+        parse_arena(self.arena)  # raises CarveError naming --arena
+
+    @property
+    def n_layer(self) -> int:
+        return self.split[-1]
+
+    def stages(self) -> list[tuple[int, int]]:
+        return [(self.split[i], self.split[i + 1]) for i in range(len(self.devices))]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["devices"] = [d.to_json() for d in self.devices]
+        out["split"] = list(self.split)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | str) -> Plan:
+        if isinstance(data, str):
+            try:
+                data = json.loads(data)
+            except ValueError as exc:
+                raise CarveError(f"plan: not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise CarveError("plan: expected a JSON object")
+        try:
+            kw = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+            kw["devices"] = tuple(DeviceSpec.from_json(d) for d in data["devices"])
+            kw["split"] = tuple(data["split"])
+            return cls(**kw)
+        except (KeyError, TypeError) as exc:
+            raise CarveError(f"plan: missing or malformed field {exc}") from None

@@ -1,0 +1,191 @@
+"""A plain-Python client of the engine process, for the CLIs (the GUI has its own, on QProcess).
+
+    with EngineProcess() as engine:
+        engine.send(protocol.Load(plan.to_json()))
+        for event in engine.events():
+            ...
+
+Pure Python, no torch: `app/` imports it. The engine runs in its own session (no controlling
+terminal's process group), so a Ctrl-C in the terminal reaches only the CLI, which decides to
+send `stop`; the engine's parent watchdog still ends it if the CLI dies.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import shlex
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Self
+
+from engine.process import protocol as p
+from spec.errors import CarveError
+
+ENGINE_ENV = "CARVE_ENGINE_CMD"  # a command line replacing `python -m engine.runtime.server` (tests)
+
+
+def engine_command() -> list[str]:
+    override = os.environ.get(ENGINE_ENV, "").strip()
+    return shlex.split(override) if override else [sys.executable, "-m", "engine.runtime.server"]
+
+
+class EngineExited(CarveError):
+    """The engine process ended while a client waited for it."""
+
+
+class EngineProcess:
+    """Owns one engine process: spawns it, writes requests, reads events, ends it on exit."""
+
+    def __init__(
+        self,
+        command: Sequence[str] | None = None,
+        env: dict[str, str] | None = None,
+        echo_stderr: bool = False,
+    ) -> None:
+        self.command = list(command) if command else engine_command()
+        self._env = env
+        self._echo = echo_stderr
+        self._events: queue.Queue[p.Event | p.ProtocolError | None] = queue.Queue()
+        self._stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
+        self._write_lock = threading.Lock()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> EngineProcess:
+        env = dict(os.environ if self._env is None else self._env)
+        # `python -m engine.runtime.server` must find this checkout's package, wherever the CLI runs
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
+        try:
+            self.proc = subprocess.Popen(
+                self.command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as err:
+            raise CarveError(
+                f"cannot start the engine ({shlex.join(self.command)}): {err}"
+            ) from None
+        threading.Thread(target=self._read_stdout, daemon=True, name="engine-out").start()
+        self._stderr_thread = threading.Thread(target=self._read_stderr, daemon=True)
+        self._stderr_thread.start()
+        return self
+
+    def __enter__(self) -> Self:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, timeout: float = 5.0) -> int | None:
+        """Ask the engine to shut down, then terminate, then kill. Returns its exit status."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            try:
+                self.send(p.Shutdown())
+                proc.stdin.close()  # EOF: the engine exits even if it missed the shutdown
+            except (OSError, CarveError, ValueError):
+                pass
+            for signal_step in (None, proc.terminate, proc.kill):
+                if signal_step is not None:
+                    signal_step()
+                try:
+                    proc.wait(timeout)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            try:
+                stream.close()
+            except (OSError, ValueError):
+                pass
+        return proc.returncode
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stderr_tail(self) -> str:
+        return "\n".join(self._stderr_tail)
+
+    # ------------------------------------------------------------ I/O
+
+    def send(self, msg: p.Request) -> None:
+        if self.proc is None or self.proc.stdin is None:
+            raise CarveError("the engine is not started")
+        try:
+            with self._write_lock:
+                self.proc.stdin.write(p.encode(msg))
+                self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            raise self._exited() from None
+
+    def next_event(self, timeout: float | None = None) -> p.Event | p.ProtocolError | None:
+        """The next event, None after `timeout` seconds; EngineExited once the engine is gone
+        and every event it wrote has been read."""
+        try:
+            item = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if item is None:
+            self._events.put(None)  # stays at the end for every later caller
+            raise self._exited()
+        return item
+
+    def events(self, timeout: float | None = None) -> Iterator[p.Event | p.ProtocolError]:
+        """Events until the engine exits (EngineExited) or `timeout` seconds pass with none
+        (then the iterator ends)."""
+        while (item := self.next_event(timeout)) is not None:
+            yield item
+
+    def wait_for(self, *types: type, timeout: float | None = None) -> p.Event:
+        """Skip events until one of `types`; an `error` event raises it as a CarveError."""
+        while True:
+            item = self.next_event(timeout)
+            if item is None:
+                raise CarveError(f"the engine did not answer within {timeout:.0f} s")
+            if isinstance(item, types):
+                return item
+            if isinstance(item, p.Error):
+                raise CarveError(item.message)
+
+    def _exited(self) -> EngineExited:
+        try:
+            code = self.proc.wait(timeout=5) if self.proc else None
+        except subprocess.TimeoutExpired:
+            code = "unknown: it closed its output but still runs"
+        self._stderr_thread.join(timeout=1)  # its last words explain the exit
+        tail = self._stderr_tail[-1] if self._stderr_tail else ""
+        detail = f"; last log line: {tail}" if tail else ""
+        return EngineExited(f"the engine process exited (status {code}){detail}")
+
+    def _read_stdout(self) -> None:
+        decoder = p.LineDecoder(p.EVENTS)
+        stream = self.proc.stdout
+        while chunk := stream.read1(1 << 16):
+            for item in decoder.feed(chunk):
+                self._events.put(item)
+        for item in decoder.finish():
+            self._events.put(item)
+        self._events.put(None)
+
+    def _read_stderr(self) -> None:
+        for raw in self.proc.stderr:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self._stderr_tail.append(line)
+            if self._echo:
+                print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,205 @@
+"""`carve bench`: prefill / decode tokens per second of the GPU engine, decode at growing depth,
+load GB/s and priced vs reserved bytes per device, against ceilings measured in the same run.
+
+    python -m engine.runtime.bench MODEL | --synth SHAPE [--mix q4_k_m] [--gpus N] [--compare-split]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from spec.errors import CarveError
+
+
+def _plan(path: str, n_gpus: int, n_layer: int, ctx: int, kv_type: str, arena: str):
+    from engine.hardware.devices import DeviceSpec
+    from engine.planning.plan import Plan
+
+    devs = []
+    have = torch.cuda.device_count()
+    for i in range(n_gpus):
+        # more stages than GPUs: stages share GPUs (each priced on its share of the memory),
+        # which still checks that a split changes where bytes live, not what is computed
+        free, total = torch.cuda.mem_get_info(i % have)
+        share = -(-n_gpus // have)
+        devs.append(DeviceSpec(index=i % have, name=torch.cuda.get_device_name(i % have),
+                               total=total // share, free=free // share))
+    split = tuple(round(i * n_layer / n_gpus) for i in range(n_gpus + 1))
+    return Plan(model=path, devices=tuple(devs), split=split, ctx=ctx, kv_type=kv_type,
+                prefill_chunk=512, cache_reserve=1 << 30, arena=arena, act_dtype="bf16")
+
+
+def _timed(fn, n: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _kernel_breakdown(pipe, steps: int = 4) -> list[dict]:
+    """GPU time per kernel name in eager decode steps (torch.profiler; the graph replays the
+    same kernels), per token, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pipe.set_position(64, 1)
+    for st in pipe.stages:
+        st.graph, saved = None, st.graph  # eager: the profiler sees each kernel
+        st._saved_graph = saved
+    try:
+        pipe.step()
+        pipe.sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                pipe.step()
+            pipe.sync()
+    finally:
+        for st in pipe.stages:
+            st.graph = st._saved_graph
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0 and e.count:
+            rows.append({"name": e.key[:60], "us_per_token": us / steps,
+                         "calls_per_token": e.count / steps})
+    rows.sort(key=lambda r: -r["us_per_token"])
+    return rows[:14]
+
+
+def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
+        depths: list[int], pp: int, out: dict, kernels: bool = False) -> list[int]:
+    from engine.gguf.hparams import HParams
+    from engine.gguf.reader import GGUFModel
+    from engine.planning.price import price
+    from engine.runtime.gpu.pipeline import GpuPipeline
+
+    model = GGUFModel.open(path)
+    hp = HParams.from_model(model)
+    if hp.n_ctx_train and ctx > hp.n_ctx_train:
+        ctx = hp.n_ctx_train  # the deepest point of the sweep is then ctx - 64
+    layout = price(_plan(path, n_gpus, hp.n_layer, ctx, kv_type, arena), model)
+    t0 = time.perf_counter()
+    pipe = GpuPipeline(model, hp, layout)
+    load_s = time.perf_counter() - t0
+    rep = {"gpus": n_gpus, "devices": pipe.report, "load_wall_s": load_s}
+    nbytes = sum(r["load_bytes"] for r in pipe.report)
+    rep["load_gbps"] = nbytes / sum(r["load_s"] for r in pipe.report) / 1e9
+    pipe.capture()
+    g = torch.Generator().manual_seed(1234)
+    prompt = torch.randint(0, hp.n_vocab, (pp,), generator=g).tolist()
+    # pp: one warm-up pass, then the timed one (fresh positions 0..pp-1 each time)
+    pipe.prefill(prompt)
+    pipe.sync()
+    t = _timed(lambda: pipe.prefill(prompt), 1)
+    rep["pp"] = {"tokens": pp, "s": t, "tps": pp / t}
+    nxt = pipe.prefill(prompt[:32])
+    ids = [nxt, *pipe.greedy(63)]
+    rep["greedy64_sha256"] = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+    rep["greedy64_head"] = ids[:8]
+    finite = all(bool(torch.isfinite(st.buf["logits"]).all()) for st in pipe.stages if st.last)
+    rep["logits_finite"] = finite
+    # tg: `tokens` graph replays from position 0, no host sync in between
+    pipe.set_position(0, 1)
+    pipe.step()
+    pipe.set_position(0, 1)
+    t = _timed(pipe.step, tokens)
+    weight_bytes = sum(r["load_bytes"] for r in pipe.report)
+    rep["tg"] = {"tokens": tokens, "s": t, "tps": tokens / t,
+                 "weight_gbps": weight_bytes / (t / tokens) / 1e9}
+    rep["depth"] = []
+    for d in depths:
+        d = min(d, ctx - 64)
+        pipe.set_position(d, 1)
+        t = _timed(pipe.step, 32)
+        rep["depth"].append({"depth": d, "tps": 32 / t})
+    if kernels:
+        rep["kernels"] = _kernel_breakdown(pipe)
+    out.setdefault("runs", []).append(rep)
+    pipe = None  # free this run's arenas before the next
+    torch.cuda.empty_cache()
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="carve bench")
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("--synth", help="write and bench a synthetic model of this shape")
+    ap.add_argument("--mix", default="q4_k_m")
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--compare-split", action="store_true",
+                    help="also run split in 2 stages (2 GPUs, or 2 stages on one GPU when only "
+                         "one is present) and compare greedy ids with 1 stage")
+    ap.add_argument("--ctx", type=int, default=0, help="default: largest depth + 512")
+    ap.add_argument("--kv", default="f16", choices=["f16", "q8_0"])
+    ap.add_argument("--arena", default="packed")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--depths", default="2048,4096,8192,16384,32768")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also list GPU time per kernel in a decode step (torch.profiler)")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    try:
+        if not torch.cuda.is_available():
+            raise CarveError("carve bench needs an NVIDIA GPU with a CUDA build of torch")
+        path = args.model
+        if args.synth:
+            from engine.synth.gen import write_model
+
+            path = str(Path("/tmp") / f"carve-bench-{args.synth}-{args.mix}.gguf")
+            t0 = time.perf_counter()
+            write_model(path, args.synth, args.mix)
+            print(f"# wrote {path} in {time.perf_counter() - t0:.1f} s", flush=True)
+        if not path:
+            raise CarveError("carve bench: give a MODEL path or --synth SHAPE")
+        depths = [int(x) for x in args.depths.split(",") if x]
+        ctx = args.ctx or (max(depths) + 512 if depths else 4096)
+        out: dict = {"model": path}
+        ids1 = run(path, args.gpus, ctx, args.kv, args.arena, args.tokens, depths, args.pp, out,
+                   args.kernels)
+        _print(out)
+        if args.compare_split:
+            ids2 = run(path, 2, ctx, args.kv, args.arena, args.tokens, [], args.pp, out)
+            out["split_same_ids"] = ids1 == ids2
+            out["runs"] = out["runs"][-1:]
+            _print(out)
+    except CarveError as e:
+        print(f"carve: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def _print(out: dict) -> None:
+    print(f"model {out['model']}", flush=True)
+    for r in out["runs"]:
+        gpus = len({d["index"] for d in r["devices"]})
+        print(f"-- {r['gpus']} stage(s) on {gpus} GPU(s): load {r['load_gbps']:.1f} GB/s, "
+              f"pp{r['pp']['tokens']} {r['pp']['tps']:.0f} t/s, tg{r['tg']['tokens']} "
+              f"{r['tg']['tps']:.1f} t/s ({r['tg']['weight_gbps']:.0f} GB/s of weights), "
+              f"greedy64 {r['greedy64_sha256']} finite={r['logits_finite']}")
+        for d in r["devices"]:
+            print(f"   cuda:{d['index']} layers {d['layers']}: priced {d['priced']:,} B, "
+                  f"reserved {d['reserved']:,} B (diff {d['reserved'] - d['priced']:+,}), "
+                  f"load {d['load_bytes'] / d['load_s'] / 1e9:.1f} GB/s, "
+                  f"dequant cache {d['dequant_cached']} matrices in {d['dequant_s']:.2f} s")
+        for d in r["depth"]:
+            print(f"   depth {d['depth']:6d}: {d['tps']:.1f} t/s")
+        for k in r.get("kernels", []):
+            print(f"   kernel {k['us_per_token']:8.1f} us/token {k['calls_per_token']:5.0f} "
+                  f"calls  {k['name']}")
+    if "split_same_ids" in out:
+        print(f"split vs one GPU, same greedy ids: {out['split_same_ids']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

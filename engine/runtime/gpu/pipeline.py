@@ -1,0 +1,196 @@
+"""Stages of a Layout on their devices, run as one pipeline: the hidden state of token t moves
+from device to device; the last stage's greedy id goes back to the first.
+
+Devices are CUDA GPUs, or the CPU under TRITON_INTERPRET=1 (CI runs the whole runner there:
+no CUDA graphs, no pinned ring, no streams). Loading allocates nothing before every CUDA
+device passed the fit check, and a load that fails or is cancelled midway drops every arena it
+made on every device before it raises, so the GPUs are left as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.runtime.gpu import memory as gpu_memory
+from engine.runtime.gpu.load import load_tensors
+from engine.runtime.gpu.stage import GpuStage, allocate
+from spec.errors import CarveError
+
+log = logging.getLogger("carve.engine")
+
+
+def torch_device(spec: Any) -> torch.device:
+    return torch.device("cpu") if spec.index < 0 else torch.device("cuda", spec.index)
+
+
+def on(dev: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device; the CPU has none."""
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+class GpuPipeline:
+    def __init__(self, model: Any, hp: Any, layout: Any, on_progress=None, cancelled=None,
+                 devices: list[torch.device] | None = None) -> None:
+        self.model, self.hp, self.layout = model, hp, layout
+        self.devices = devices or [torch_device(dl.device) for dl in layout.devices]
+        self.stages: list[GpuStage] = []
+        self.arenas: list[list[torch.Tensor]] = []
+        self.spans: list[dict[str, torch.Tensor]] = []
+        self.report: list[dict] = []
+        self.meter = gpu_memory.Meter([d.index for d in self.devices if d.type == "cuda"])
+        err: BaseException | None = None
+        try:
+            gpu_memory.check_free(layout, self.devices, self.meter)
+            for dl, dev in zip(layout.devices, self.devices, strict=True):
+                self._load_stage(dl, dev, on_progress, cancelled)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the memory is gone
+            if not isinstance(exc, CarveError):
+                log.error("load failed:\n%s", traceback.format_exc())
+            # the traceback's frames hold views into the arenas: drop it with them
+            exc.__traceback__ = None
+            exc.__context__ = exc.__cause__ = None
+            err = exc
+        if err is not None:
+            self.free()
+            raise err
+
+    def _load_stage(self, dl: Any, dev: torch.device, on_progress, cancelled) -> None:
+        sync(dev)
+        before = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+        arenas: list[torch.Tensor] = []
+        spans: dict[str, torch.Tensor] = {}
+        self.arenas.append(arenas)  # owned by self before the first byte: free() finds them
+        self.spans.append(spans)
+        try:
+            allocate(dl, dev, arenas, spans)
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise CarveError(
+                f"{dev} ({dl.device.label}): could not allocate arena {len(arenas) + 1} of "
+                f"{len(dl.arenas)} ({first[:160]}); another process may have taken memory: lower "
+                f"--ctx, raise --cache-reserve or move layers to another device") from None
+        reserved = torch.cuda.memory_reserved(dev) - before if dev.type == "cuda" else sum(
+            a.numel() for a in arenas)
+        names = [s.name for a in dl.arenas for s in a.spans if s.purpose in ("weights", "globals")]
+        nbytes, sec = load_tensors(self.model, names, spans, dev, on_progress, cancelled)
+        for name, t in spans.items():
+            if name.startswith("kv."):
+                t.zero_()
+        plan = self.layout.plan
+        stage = GpuStage(self.hp, self.model, dl, spans, dev, plan.ctx, plan.prefill_chunk)
+        self.stages.append(stage)
+        t0 = time.perf_counter()
+        if cancelled is not None and cancelled():
+            raise CarveError("load cancelled")
+        with on(dev):
+            cached = stage.fill_dequant_cache()
+        sync(dev)
+        self.report.append({
+            "index": dl.device.index, "name": dl.device.name, "layers": list(dl.layers),
+            "priced": dl.allocated, "allocated": reserved, "reserved": reserved,
+            "load_bytes": nbytes, "load_s": sec, "dequant_cached": cached,
+            "dequant_s": time.perf_counter() - t0})
+
+    def free(self) -> None:
+        """Drop every arena on every device (and every view into them), then hand the cached
+        blocks back to the driver."""
+        for st in self.stages:
+            st.release()
+        self.stages.clear()
+        for spans in self.spans:
+            spans.clear()
+        for arenas in self.arenas:
+            arenas.clear()
+        self.spans.clear()
+        self.arenas.clear()
+        if torch.cuda.is_initialized():
+            try:
+                for d in {d for d in self.devices if d.type == "cuda"}:
+                    torch.cuda.synchronize(d)
+                torch.cuda.empty_cache()
+            except RuntimeError as exc:  # a sticky CUDA fault: the caller's error says more
+                log.error("freeing the arenas: %s", str(exc).splitlines()[0] if str(exc) else exc)
+
+    def finish_report(self, remember: bool = True) -> list[dict]:
+        """NVML after the load and the measured runtime overhead, per device (call it after
+        the warm-up that creates cuBLAS workspaces and CUDA graphs)."""
+        gpu_memory.finish(self.report, self.layout, self.devices, self.meter, remember)
+        return self.report
+
+    def _send(self, i: int, n: int) -> None:
+        a, b = self.stages[i - 1], self.stages[i]
+        b.buf["hidden"][:n].copy_(a.buf["hidden"][:n], non_blocking=True)
+        b.buf["positions"][:n].copy_(a.buf["positions"][:n], non_blocking=True)
+
+    def run_chunk(self, ids: list[int], pos0: int, head: bool = True,
+                  check: Callable[[int, torch.Tensor], None] | None = None) -> None:
+        """One prefill chunk (len(ids) <= the priced chunk) at positions pos0.. through every
+        stage; the last stage heads the last rows unless ``head`` is False."""
+        first = self.stages[0]
+        n = len(ids)
+        first.buf["tokens"][:n].copy_(torch.tensor(ids, dtype=torch.int64))
+        first.buf["positions"][:n].copy_(torch.arange(pos0, pos0 + n, dtype=torch.int64))
+        for i, st in enumerate(self.stages):
+            if i:
+                self._send(i, n)
+            with on(st.device):
+                st.forward(n, pos0, head=head, check=check)
+
+    def prefill(self, ids: list[int], pos0: int = 0) -> int:
+        """Run ids at positions pos0.. in chunks; returns the greedy next id."""
+        chunk = self.layout.plan.prefill_chunk
+        for c0 in range(0, len(ids), chunk):
+            self.run_chunk(ids[c0:c0 + chunk], pos0 + c0)
+        last = self.stages[-1]
+        n_last = len(ids) - (len(ids) - 1) // chunk * chunk
+        row = min(n_last, last.buf["logits"].shape[0]) - 1
+        nxt = int(torch.argmax(last.buf["logits"][row]))
+        self.set_position(pos0 + len(ids), nxt)
+        return nxt
+
+    def capture(self) -> None:
+        for st in self.stages:
+            with on(st.device):
+                st.capture()
+        # the eager warm-up advanced positions and wrote one KV row: callers prefill or
+        # set_position next
+
+    def set_position(self, pos: int, token: int = 0) -> None:
+        """The next decode step runs ``token`` at ``pos`` (device writes, no allocation)."""
+        for st in self.stages:
+            st.buf["positions"][:1].fill_(pos)
+        self.stages[0].buf["tokens"][:1].fill_(token)
+
+    def step(self) -> None:
+        """One decode token through every stage (no host sync)."""
+        for i, st in enumerate(self.stages):
+            if i:
+                b = st.buf["hidden"]
+                b[:1].copy_(self.stages[i - 1].buf["hidden"][:1], non_blocking=True)
+            with on(st.device):
+                st.replay()
+        if len(self.stages) > 1:
+            self.stages[0].buf["tokens"][:1].copy_(self.stages[-1].next_id, non_blocking=True)
+
+    def greedy(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            self.step()
+            out.append(int(self.stages[-1].next_id))
+        return out
+
+    def sync(self) -> None:
+        for st in self.stages:
+            sync(st.device)

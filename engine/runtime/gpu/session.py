@@ -1,0 +1,176 @@
+"""A loaded model on the Triton GPU runner, with the interface the engine process drives on
+`engine.runtime.session.Session` (generate, perplexity, chat): prefill in chunks of the priced
+size, decode as one CUDA-graph replay per stage with the token and position written into the
+stages' device buffers, every byte on the devices an arena of the Layout.
+
+Decode allocates nothing: the logits row the sampler reads is copied into one pinned host
+buffer made at load. Prefill returns float32 logits on the host (perplexity scores there).
+The same code runs on the CPU under TRITON_INTERPRET=1, which is how CI tests it.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.runtime.chunked import ChunkedSession
+from engine.runtime.gpu.pipeline import GpuPipeline, on, sync
+from engine.runtime.gpu.stage import ARCHS
+from engine.runtime.models.layers import NonFinite
+from spec.errors import CarveError
+
+log = logging.getLogger("carve.engine")
+
+
+def why_not(plan: Any, hp: Any) -> str | None:
+    """None when the GPU runner runs this plan, else why the torch engine does."""
+    import os
+
+    if os.environ.get("CARVE_RUNNER", "") == "torch":
+        return "CARVE_RUNNER=torch"
+    if any(d.index < 0 for d in plan.devices):
+        return "the plan places layers on the CPU"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    if hp.arch not in ARCHS:
+        return f"the Triton runner runs {'/'.join(ARCHS)} models, not {hp.arch}"
+    if hp.arch == "llama" and _has_rope_factors(plan.model):
+        return "the Triton RoPE has no per-pair frequency factors (rope_freqs.weight) yet"
+    return None
+
+
+def _has_rope_factors(path: str) -> bool:
+    """Whether the file carries llama-3.1-style rope_freqs (a header read)."""
+    from engine.gguf.reader import GGUFModel
+
+    try:
+        return any(t.name == "rope_freqs.weight" for t in GGUFModel.open(path).tensors)
+    except (CarveError, OSError):
+        return False  # the load names what is wrong with the file
+
+
+def _check_layer(layer: int, hidden: torch.Tensor) -> None:
+    if not bool(torch.isfinite(hidden).all()):
+        raise NonFinite(layer)
+
+
+class GpuKV:
+    """The part of the KV cache the session API exposes: how many positions are cached, and
+    whether an earlier prefix is still intact (sliding-window layers are rings)."""
+
+    def __init__(self, hp: Any, ctx: int) -> None:
+        self.n_past = 0
+        self.ctx = ctx
+        self.ring_cells = min((hp.kv_cells(i, ctx) for i in range(hp.n_layer)
+                               if hp.kv_cells(i, ctx) < ctx), default=None)
+
+    def reset(self) -> None:
+        self.n_past = 0
+
+    def can_rewind_to(self, n: int) -> bool:
+        return n <= self.n_past and (self.ring_cells is None or self.n_past <= self.ring_cells)
+
+
+class GpuSession(ChunkedSession):
+    runner = "triton"
+
+    def __init__(self, plan: Any, model: Any, hp: Any, layout: Any, pipe: GpuPipeline) -> None:
+        self.plan, self.model, self.hp, self.layout = plan, model, hp, layout
+        self.pipe = pipe
+        self.kv = GpuKV(hp, plan.ctx)
+        self.tokens: list[int] = []  # the tokens whose keys/values are in the cache, in order
+        last = pipe.stages[-1]
+        # the sampler's row: filled by a device-to-host copy, never reallocated
+        self._host = torch.empty((1, hp.n_vocab), dtype=torch.float32, pin_memory=last.on_cuda)
+
+    @classmethod
+    def load(cls, plan: Any, on_progress: Callable | None = None,
+             cancelled: Callable[[], bool] | None = None, remember: bool = True,
+             model: Any = None, devices: list[torch.device] | None = None) -> GpuSession:
+        """Price ``plan``, check it still fits, allocate its Layout and load the weights; then
+        warm up (cuBLAS workspace, kernels, CUDA graphs) and measure what the runtime costs
+        outside the arenas. Any failure frees everything before it raises. ``devices``: run
+        the stages there instead of on the plan's devices (tests: a GPU split on the CPU)."""
+        from engine.gguf.hparams import HParams
+        from engine.gguf.reader import GGUFModel
+        from engine.planning.price import price
+
+        model = GGUFModel.open(plan.model) if model is None else model
+        hp = HParams.from_model(model)
+        layout = price(plan, model)
+        if not layout.fits:
+            bad = next(d for d in layout.devices if d.verdict == "does not fit")
+            why = bad.advice or f"{-bad.headroom / 2**20:.0f} MiB over"
+            raise CarveError(f"{bad.device.label}: the plan does not fit ({why})")
+        pipe = GpuPipeline(model, hp, layout, on_progress, cancelled, devices)
+        err: BaseException | None = None
+        try:
+            sess = cls(plan, model, hp, layout, pipe)
+            sess._warm_up()
+            pipe.finish_report(remember)
+            return sess
+        except BaseException as exc:  # noqa: BLE001 - re-raised once the memory is freed
+            if not isinstance(exc, CarveError):
+                log.error("warm-up failed:\n%s", traceback.format_exc())
+            exc.__traceback__ = None  # its frames hold views into the arenas
+            exc.__context__ = exc.__cause__ = None
+            err = exc
+        pipe.free()
+        raise err
+
+    def _warm_up(self) -> None:
+        """On a GPU: one full prefill chunk (cuBLAS makes its workspace, prefill kernels
+        compile) and the decode graphs, so the overhead measured after it is the whole of it."""
+        if not self.pipe.stages[0].on_cuda:
+            self.pipe.capture()  # no graphs on the CPU: replay runs eagerly
+            return
+        n = min(self.plan.prefill_chunk, self.plan.ctx)
+        self.pipe.run_chunk([0] * n, 0)
+        self.pipe.capture()
+        self.pipe.sync()
+        self.reset()
+
+    # --- queries ------------------------------------------------------------------------------
+    def memory_report(self) -> list[dict]:
+        """Per device: priced, allocated (reserved by the arenas), NVML used before and after,
+        the measured runtime overhead; plus load figures."""
+        return [dict(r, runner=self.runner, overhead_priced=dl.terms.get("overhead", 0))
+                for r, dl in zip(self.pipe.report, self.layout.devices, strict=True)]
+
+    # --- compute ------------------------------------------------------------------------------
+    def forward(self, ids: list[int], pos0: int, rows: str = "last",
+                check: bool = False) -> torch.Tensor | None:
+        """ids (one chunk) at positions pos0..; float32 host logits of ``rows`` "all", the
+        "last" row, or "none". One token with rows "last" is a decode step (graph replay)."""
+        if len(ids) == 1 and rows == "last" and not check:
+            self.pipe.set_position(pos0, ids[0])
+            self.pipe.step()
+            self._host.copy_(self.pipe.stages[-1].buf["logits"][:1])
+            return self._host
+        if len(ids) > self.plan.prefill_chunk:
+            raise ValueError(f"forward takes one chunk of at most {self.plan.prefill_chunk}")
+        self.pipe.run_chunk(ids, pos0, head=False, check=_check_layer if check else None)
+        if rows == "none":
+            return None
+        last = self.pipe.stages[-1]
+        n = len(ids)
+        if rows == "last":
+            with on(last.device):
+                return last.head(n - 1, 1).to("cpu", copy=True)
+        step = last.buf["logits"].shape[0]
+        out = torch.empty((n, self.hp.n_vocab), dtype=torch.float32)
+        for r0 in range(0, n, step):
+            k = min(step, n - r0)
+            with on(last.device):
+                out[r0:r0 + k].copy_(last.head(r0, k))
+        sync(last.device)
+        return out
+
+    def close(self) -> None:
+        """Free every allocation of this session on every device."""
+        self.pipe.free()
+        self.tokens.clear()

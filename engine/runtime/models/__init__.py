@@ -1,0 +1,41 @@
+"""Model definitions: one per family, built from a dict of loaded tensors and the HParams."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from engine.runtime.models.gemma3 import Gemma3Stage
+from engine.runtime.models.layers import Stage, Tensors
+from engine.runtime.models.llama import LlamaStage
+from engine.runtime.models.ops import TORCH_OPS
+from spec.errors import CarveError
+
+FAMILIES: dict[str, type[Stage]] = {
+    "llama": LlamaStage,
+    "mistral": LlamaStage,
+    "qwen2": LlamaStage,
+    "qwen3": LlamaStage,
+    "gemma3": Gemma3Stage,
+}
+
+
+def build_stage(
+    hp: Any,
+    tensors: Tensors,
+    layers: tuple[int, int],
+    first: bool,
+    last: bool,
+    ops: SimpleNamespace = TORCH_OPS,
+    device: torch.device | str = "cpu",
+) -> Stage:
+    """The stage of ``hp.arch`` running ``layers`` = [lb, le) on ``device``."""
+    try:
+        cls = FAMILIES[hp.arch]
+    except KeyError:
+        raise CarveError(
+            f"unsupported architecture {hp.arch!r}; the engine runs {', '.join(sorted(FAMILIES))}"
+        ) from None
+    return cls(hp, tensors, layers, first, last, ops, device)

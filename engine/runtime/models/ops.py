@@ -1,0 +1,162 @@
+"""The op table every model forward goes through: plain-torch implementations.
+
+A model never calls torch for the heavy steps directly; it calls `ops.<name>` on the table it
+was built with. The GPU path swaps this table for the Triton one in `kernels/` (same names, same
+signatures), so devices and kernels change without touching a model definition.
+
+Shapes: T tokens, H query heads, K key/value heads, D head dim, S key positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dequant import dequantize_to
+
+
+@dataclass(slots=True)
+class QWeight:
+    """A matrix as the engine holds it: the GGUF bytes in a weights arena, and optionally a
+    dequantized copy in the dequant cache. ``rows``/``cols`` are torch order (out, in)."""
+
+    name: str
+    raw: torch.Tensor  # uint8 [nbytes], view into a weights/globals arena
+    ggml_type: int
+    rows: int
+    cols: int
+    cached: torch.Tensor | None = None  # [rows, cols] f16/bf16/f32, view into the dequant cache
+    scratch: torch.Tensor | None = None  # float32 workspace for uncached matrices
+
+    @property
+    def gguf_shape(self) -> tuple[int, int]:
+        return (self.cols, self.rows)
+
+
+FALLBACK_SCRATCH = 1 << 22  # elements
+
+
+def _dequant_rows(w: QWeight, r0: int, r1: int, out: torch.Tensor | None) -> torch.Tensor:
+    row_bytes = w.raw.numel() // w.rows
+    raw = w.raw[r0 * row_bytes : r1 * row_bytes]
+    dtype = torch.float32 if out is None else out.dtype
+    return dequantize_to(raw, w.ggml_type, (w.cols, r1 - r0), dtype, out=out)
+
+
+_last_cast: list = [None, None]  # (source tensor, its cast): q/k/v and gate/up share an input
+
+
+def _as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if x.dtype == dtype:
+        return x
+    src, cast = _last_cast
+    if src is x and cast.dtype == dtype:
+        return cast
+    cast = x.to(dtype)
+    _last_cast[0], _last_cast[1] = x, cast
+    return cast
+
+
+def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """x [T, cols] @ w.T -> [T, rows] in x's dtype. A cached matrix runs one GEMM in the cache's
+    dtype; an uncached one is dequantized into the scratch buffer a row block at a time."""
+    if w.cached is not None:
+        c = w.cached
+        xc = _as_dtype(x, c.dtype)
+        if x.shape[0] == 1 and c.device.type == "cpu":
+            # oneDNN's bf16 GEMM with one row is ~1.3-2x slower than the mv kernel on CPU.
+            return torch.mv(c, xc[0]).to(x.dtype).unsqueeze(0)
+        return F.linear(xc, c).to(x.dtype)
+    scratch = w.scratch
+    # Without a priced scratch (a matrix the Layout did not expect to GEMM), bound the temporary.
+    room = FALLBACK_SCRATCH if scratch is None else scratch.numel()
+    step = max(1, min(w.rows, room // w.cols))
+    out = torch.empty(x.shape[0], w.rows, dtype=x.dtype, device=x.device)
+    for r0 in range(0, w.rows, step):
+        r1 = min(w.rows, r0 + step)
+        buf = None if scratch is None else scratch[: (r1 - r0) * w.cols].view(r1 - r0, w.cols)
+        block = _dequant_rows(w, r0, r1, buf)
+        out[:, r0:r1] = F.linear(x.to(block.dtype), block)
+    return out
+
+
+def embed(ids: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """Rows ``ids`` [T] of an embedding matrix -> float32 [T, cols]; only those rows are
+    dequantized, from the file's bytes (a cache copy of a tied head is rounded)."""
+    row_bytes = w.raw.numel() // w.rows
+    raw = w.raw.view(w.rows, row_bytes)[ids].reshape(-1)
+    return dequantize_to(raw, w.ggml_type, (w.cols, ids.numel()), torch.float32)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., n] / rms(x) * weight, computed in float32."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused call, same float32 maths
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight).to(x.dtype)
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual), x + residual): the residual add fused with the next norm."""
+    s = x + residual
+    return rmsnorm(s, weight, eps), s
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """Rotate x [T, H, D] by angles whose cos/sin are [T, D/2].
+    "normal": pairs (x[2i], x[2i+1]) (llama GGUFs: the converter permuted q/k into this form);
+    "neox": pairs (x[i], x[i + D/2])."""
+    c = cos.unsqueeze(1)  # [T, 1, D/2]
+    s = sin.unsqueeze(1)
+    xf = x.float()
+    if style == "neox":
+        half = x.shape[-1] // 2
+        a, b = xf[..., :half], xf[..., half:]
+        return torch.cat((a * c - b * s, b * c + a * s), dim=-1).to(x.dtype)
+    pairs = xf.unflatten(-1, (-1, 2))  # [T, H, D/2, 2]
+    a, b = pairs[..., 0], pairs[..., 1]
+    return torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2).to(x.dtype)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Softmax(q k^T * scale + mask) v with grouped KV heads.
+    q [T, H, D], k [S, K, D], v [S, K, Dv], mask bool [T, S] (True = may attend) or None for
+    "every key" -> [T, H * Dv]."""
+    t, h, _ = q.shape
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+    kh = k.to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, K, S, D]
+    vh = v.to(q.dtype).transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=kh.shape[1] != h
+    )  # [1, H, T, Dv]
+    return o[0].transpose(0, 1).reshape(t, -1)
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up: SwiGLU for "silu", GeGLU with the tanh GELU for "gelu"."""
+    if act == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up
+
+
+TORCH_OPS = SimpleNamespace(
+    linear=linear,
+    embed=embed,
+    rmsnorm=rmsnorm,
+    add_rmsnorm=add_rmsnorm,
+    rope=rope,
+    attention=attention,
+    glu=glu,
+)

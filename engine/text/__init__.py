@@ -1,0 +1,1 @@
+"""Text (pure Python): the tokenizer with its BPE and SentencePiece halves and chat templates."""

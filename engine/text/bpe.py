@@ -1,0 +1,135 @@
+"""Byte-level BPE (GGUF ``tokenizer.ggml.model == "gpt2"``) as a ``tokenizers`` pipeline.
+
+The pre-tokenizer is chosen by ``tokenizer.ggml.pre`` exactly as llama.cpp chooses it
+(``src/llama-vocab.cpp``, ``llm_tokenizer_bpe``): a list of regexes, each splitting the pieces the
+previous one left, matched and unmatched parts both kept. ``Split(behavior="isolated")`` in
+sequence has the same semantics, then ``ByteLevel`` maps bytes to the GPT-2 alphabet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from spec.errors import CarveError
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# llama.cpp spells (?i:'s|...) out as character classes; the meaning is the same.
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3 = (
+    _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# llama.cpp's fallback for "default" (and a missing pre): four passes, oddly, but that is what
+# a "default" file gets there, so it is what it gets here.
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+
+class PreTok:
+    """What a ``tokenizer.ggml.pre`` value means: regex passes and llama.cpp's per-pre flags."""
+
+    def __init__(self, regexes: Sequence[str], ignore_merges: bool = False, add_bos: bool = False):
+        self.regexes = tuple(regexes)
+        self.ignore_merges = ignore_merges
+        self.add_bos = add_bos  # default when the file has no tokenizer.ggml.add_bos_token
+
+
+_LLAMA3_PRE = PreTok([_LLAMA3], ignore_merges=True, add_bos=True)
+PRE: dict[str, PreTok] = {
+    "default": PreTok(_DEFAULT),
+    **{name: PreTok([_GPT2]) for name in ("gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion")},
+    **{
+        name: _LLAMA3_PRE
+        for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral")
+    },
+    "dbrx": PreTok([_LLAMA3]),
+    "smaug-bpe": PreTok([_LLAMA3]),
+    **{
+        name: PreTok([_QWEN2])
+        for name in ("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan")
+    },
+    **{
+        name: PreTok([r"\p{N}", _GPT2])
+        for name in ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone")
+    },
+    "falcon": PreTok([r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]),
+    "chatglm-bpe": PreTok([_LLAMA3]),
+    "glm4": PreTok([_LLAMA3]),
+    "gpt-4o": PreTok([_GPT4O]),
+    "llama4": PreTok([_GPT4O]),
+    "tekken": PreTok([_TEKKEN], ignore_merges=True, add_bos=True),
+}
+
+
+def pre_tokenizer_for(pre: str, where: str) -> PreTok:
+    try:
+        return PRE[pre or "default"]
+    except KeyError:
+        raise CarveError(
+            f"{where}: tokenizer.ggml.pre '{pre}' is not a pre-tokenizer Carve knows "
+            f"(known: {', '.join(sorted(PRE))}); convert the model with a supported tokenizer"
+        ) from None
+
+
+def build_bpe(tokens: Sequence[str], merges: Sequence[str], pre: PreTok) -> Tokenizer:
+    """The ``tokenizers`` pipeline without added tokens (the caller adds specials)."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}  # a repeated string: the last id wins, as in llama.cpp
+    pairs = []
+    for merge in merges:
+        # llama.cpp splits at the first space after position 0: "Ġ Ġ" -> ("Ġ", "Ġ")
+        pos = merge.find(" ", 1)
+        if pos > 0:
+            pairs.append((merge[:pos], merge[pos + 1 :]))
+    model = models.BPE(vocab, pairs, ignore_merges=pre.ignore_merges)
+    tok = Tokenizer(model)
+    passes = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+    passes.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(passes)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    table = {b: chr(b) for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + n)
+            n += 1
+    return table
+
+
+UNICODE_TO_BYTE: dict[str, int] = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def piece_bytes(text: str) -> bytes:
+    """A normal BPE token's bytes. A character outside the byte alphabet (a broken vocab) is kept
+    as its own UTF-8 rather than dropped."""
+    out = bytearray()
+    for ch in text:
+        b = UNICODE_TO_BYTE.get(ch)
+        if b is None:
+            out += ch.encode("utf-8")
+        else:
+            out.append(b)
+    return bytes(out)

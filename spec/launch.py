@@ -1,0 +1,57 @@
+"""The launch shapes of the decode kernels that pricing must reserve buffers for.
+
+Split-K decode attention cuts the KV range into at most ``ATTN_SPLITS`` pieces
+(kernels/attention.py; buf.attn_partial / buf.attn_lse). A T-layout decode GEMV
+(kernels/gemv_t.py) cuts its launch into programs: row tiles, times splits of each row's blocks.
+Pricing (engine/planning/buffers.py) sizes the buffer of the splits' partial sums by the rule
+the launches follow.
+
+A split row tile writes one row of partial sums per split into ``part`` [parts, split, rows]
+and the last of its programs to finish adds them in split order: the same sums, so the same
+output bits, whatever order the programs ran in (greedy decoding repeats itself, on one GPU or
+split over several)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+ATTN_SPLITS = 64  # split-K decode attention: the KV range is cut into at most this many pieces
+
+# (rows per program, warps, programs aimed at) of the T-layout GEMV. With the split sums added
+# in order by each row tile's last program, 128 rows keep that tail short (H200 session 5, int8
+# x, tg128: 256 rows 7B 438.2 / 32B 119.9 t/s, 128 rows 448.0 / 120.6, 64 rows x 2 warps 424.0 /
+# 117.8; kernels/NOTES.md)
+T_CONFIG = (128, 4, 2112)
+# the gate/up launch: 128 rows per program, each Q4_K step reading both matrices' words (session
+# 4 sweep: 7B 50.1 -> 47.0 us, 32B 88.6 -> 83.0 us against T_CONFIG one matrix after the other)
+T_GLU_CONFIG = (128, 4, 2112)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tiles(rows: Sequence[int], block_n: int) -> int:
+    """Row tiles of a launch over matrices of ``rows`` rows (q, k, v: each starts a tile)."""
+    return sum(cdiv(r, block_n) for r in rows)
+
+
+def split(n_tiles: int, nb: int, target: int) -> tuple[int, int]:
+    """(splits, blocks per split) of rows of ``nb`` blocks so that the grid has ~target
+    programs; every split holds at least one block."""
+    s = max(1, min(nb, cdiv(target, n_tiles)))
+    bps = cdiv(nb, s)
+    return cdiv(nb, bps), bps
+
+
+def scratch(rows: Sequence[int], cols: int, config: tuple[int, int, int],
+            parts: int = 1) -> tuple[int, int]:
+    """(float32 partial sums, int32 counters) one x row of a launch needs; (0, 0) unsplit.
+    ``cols``: the matrices' columns (256 per block); ``parts``: 2 for the gate/up pair."""
+    block_n, _, target = config
+    nb = cols // 256
+    if nb < 1 or not rows:
+        return 0, 0
+    t = tiles(rows, block_n)
+    s, _ = split(t, nb, target)
+    return (parts * s * sum(rows), t) if s > 1 else (0, 0)
