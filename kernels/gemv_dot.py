@@ -9,8 +9,8 @@ multiply a sum over the sub-block rather than every element:
     sum_e x_e (d sc_s q_e - dmin mn_s) = d sc_s sum_e x_e q_e - dmin mn_s sum_e x_e
 
 The other types go through the generic per-part walk of ``kernels.quant_blocks.dequant_part``.
-(A Q6_K body of the same kind, int32-word and prefetching Q4_K bodies were measured slower on
-the H200 and dropped: kernels/NOTES.md.)
+(A Q6_K body of the same kind is slower on the H200: its 210-byte blocks allow only 2-byte
+loads. So are Q4_K bodies that load int32 words or prefetch the next step.)
 """
 
 from __future__ import annotations

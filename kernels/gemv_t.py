@@ -1,6 +1,7 @@
 """Decode GEMV over row-interleaved ("transposed") weights: the layout the runner repacks a
-matrix into at load time so that one GEMV thread reads 16 bytes holding the same word of 4
-neighbouring rows, and every activation value it needs is the same for the whole program.
+matrix into at load time so that the threads of a GEMV program read the same word of
+neighbouring rows side by side, and every activation value they need is the same for the whole
+program.
 
 GGUF stores a matrix row by row, block by block. The T layout keeps every byte and only
 reorders them: the first W words of each block go to word planes, the rest of the block (the
@@ -22,7 +23,7 @@ per-step dot products are in kernels/gemv_t_dot.py: x as float, or (``xq=``) its
 
 Same results as ``quant_matmul.gemv`` on the GGUF layout (the torch twin is ``gemv_t_ref``).
 Q4_K and Q6_K; on the H200 1.1-1.3x the GGUF-order GEMV for Q4_K matrices of 12 MB and more,
-1.5-2.4x for Q6_K, slower below ~8 MB (kernels/NOTES.md, session 3). The GPU runner repacks
+1.5-2.4x for Q6_K, slower below ~8 MB (bf16 x; kernels/NOTES.md). The GPU runner repacks
 its big decode matrices at load time (engine/runtime/gpu/stage.py); prefill reads their
 dequant-cache copies, so nothing dequantizes from this layout except ``unpack_rows``.
 """

@@ -2,8 +2,8 @@
 ``quantize_row_q8_0_ref``: d = amax/127, q = roundf(x/d)), at cell = position % cells so that a
 sliding-window layer's min(ctx, window) cells form a ring.
 
-Cache layouts (docs/INTERFACES.md): f16 ``[cells, n_kv_heads, head_dim]``; q8_0 raw blocks
-``[cells * n_kv_heads * head_dim // 32 * 34]`` uint8 in the same element order.
+Cache layouts (the priced KV spans, docs/DESIGN.md): f16 ``[cells, n_kv_heads, head_dim]``;
+q8_0 raw blocks ``[cells * n_kv_heads * head_dim // 32 * 34]`` uint8 in the same element order.
 """
 
 from __future__ import annotations

@@ -18,12 +18,12 @@ from collections.abc import Sequence
 ATTN_SPLITS = 64  # split-K decode attention: the KV range is cut into at most this many pieces
 
 # (rows per program, warps, programs aimed at) of the T-layout GEMV. With the split sums added
-# in order by each row tile's last program, 128 rows keep that tail short (H200 session 5, int8
-# x, tg128: 256 rows 7B 438.2 / 32B 119.9 t/s, 128 rows 448.0 / 120.6, 64 rows x 2 warps 424.0 /
-# 117.8; kernels/NOTES.md)
+# in order by each row tile's last program, 128 rows keep that tail short (H200, int8 x,
+# tg128: 256 rows 7B 438.2 / 32B 119.9 t/s, 128 rows 448.0 / 120.6, 64 rows x 2 warps 424.0 /
+# 117.8)
 T_CONFIG = (128, 4, 2112)
-# the gate/up launch: 128 rows per program, each Q4_K step reading both matrices' words (session
-# 4 sweep: 7B 50.1 -> 47.0 us, 32B 88.6 -> 83.0 us against T_CONFIG one matrix after the other)
+# the gate/up launch: 128 rows per program, each Q4_K step reading both matrices' words (H200:
+# 7B 50.1 -> 47.0 us, 32B 88.6 -> 83.0 us against one matrix after the other at 256 rows)
 T_GLU_CONFIG = (128, 4, 2112)
 
 

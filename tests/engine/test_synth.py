@@ -60,7 +60,7 @@ def test_q4_k_m_equals_llama_cpp_on_demo(demo_model_path):
 
 
 @pytest.mark.parametrize(("shape", "expect"), [
-    # model sizes of the llama.cpp reference runs (issue 5): tensor bytes of Q4_K_M files
+    # model sizes of the llama.cpp reference runs (docs/DESIGN.md): tensor bytes of Q4_K_M files
     ("qwen2-7b", "4.36 GiB"), ("qwen2-32b", "18.48 GiB"), ("qwen2-0.5b", "463.0 MiB"),
 ])
 def test_real_shape_sizes(shape, expect):

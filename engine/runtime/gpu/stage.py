@@ -30,15 +30,15 @@ DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "i64": torch.int64, "i32": torch.int32, "uint8": torch.uint8}
 ARCHS = tuple(FAMILIES)  # every family the CPU engine runs
 # matrices the stage repacks into the T layout (kernels/gemv_t.py) for their decode GEMVs: the
-# big single ones and the FFN pair (q/k/v stay in GGUF order for their one fused launch)
+# big single ones and the FFN pair (q, k and v follow their own rule: QKV below)
 T_MATRICES = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_output.weight")
 # on a GPU only matrices of at least this many bytes: below it the split rows' atomics cost more
-# than the layout saves (H200, kernels/NOTES.md session 3: Qwen2-7B's 7.2 MB attn_output 8.4 ->
-# 9.8 us in T, 0.5B's 2.4 MB ffn_down 5.8 -> 7.8 us; 32B's 14.7 MB attn_output 18.3 -> 14.3 us)
+# than the layout saves (H200, bf16 x: Qwen2-7B's 7.2 MB attn_output 8.4 -> 9.8 us in T,
+# 0.5B's 2.4 MB ffn_down 5.8 -> 7.8 us; 32B's 14.7 MB attn_output 18.3 -> 14.3 us)
 T_MIN_BYTES = 12 << 20
 # q, k and v go to the T layout together (one launch, kernels/gemv_t.py gemv_t3) when all three
 # can, whatever their size (on int8 x the one launch beats GGUF order's gemv3 even at 7B's 9.7
-# MB: kernels/NOTES.md session 5)
+# MB: 9.1 against ~11.6 us on an H200)
 QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
 
 
@@ -104,8 +104,8 @@ class GpuStage:
         # the matrices held in the T layout (set by fill_dequant_cache)
         self.tmats: set[str] = set()
         # decode's int8 copies of the T GEMVs' inputs (a normed row, the GLU output) for their
-        # dp4a bodies (llama.cpp's activation rounding; Qwen2-7B tg128 324.6 -> 438.1 t/s,
-        # kernels/NOTES.md session 5); CARVE_Q8X=0 keeps the bf16 x path
+        # dp4a bodies (llama.cpp's activation rounding; Qwen2-7B tg128 324.6 -> 438.1 t/s on an
+        # H200); CARVE_Q8X=0 keeps the bf16 x path
         self.xq = None
         e, f = hp.n_embd, hp.n_ff
         if (os.environ.get("CARVE_Q8X", "1") != "0" and "xq" in self.buf and not hp.sandwich_norm
