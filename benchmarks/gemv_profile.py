@@ -1,13 +1,17 @@
-"""GEMV experiments on a GPU at the Qwen2-7B shapes: the Q4_K storage-order body and the
-generic walk over a sweep of tiles, and the fused launches (gate/up + GLU, q/k/v) against
-the separate ones; ``--ncu`` makes a short run for the profiler; ``--tlayout`` times the
-T-layout GEMV (kernels/gemv_t.py) against the GGUF-layout one at 7B, 32B and head shapes;
-``--q8x`` float x against int8 x; ``--qkv`` q/k/v in one launch, GGUF order against T.
+"""GEMV experiments on a GPU at the Qwen2-7B shapes.
 
-    python -m benchmarks.gemv_profile [--probes] [--ncu] [--tlayout [--quick] [--glu]] [--q8x] [--qkv]
+    python -m benchmarks.gemv_profile [--probes | --ncu | --tlayout [--quick] [--glu] | --q8x | --qkv]
 
-Times are replays of a CUDA graph of 8 calls with four weight copies cycled (no L2 hits);
-GB/s counts the weight bytes read.
+With no option: the Q4_K storage-order body (bf16 x) over a sweep of tiles against the generic
+walk (float32 x), Q6_K over its tiles, then the fused launches (gate/up + GLU, q/k/v) against the
+separate ones. ``--probes``: where the Q4_K GEMV's time goes (its loads alone, x in float32);
+``--ncu``: a short run for the profiler; ``--tlayout``: the T-layout GEMV (kernels/gemv_t.py)
+against the GGUF-layout one at 7B, 32B and head shapes; ``--q8x``: float x against int8 x;
+``--qkv``: q/k/v in one launch, GGUF order against T.
+
+Prints one line per variant: microseconds per call, GB/s of weight bytes read and the normalized
+error against the reference. Times are replays of a CUDA graph of 8 calls with four weight copies
+cycled (no L2 hits). Needs a CUDA GPU.
 """
 
 # The timed lambda runs at once inside its loop iteration.
@@ -32,11 +36,13 @@ Q6_TILES = [(2, 16, 4), (4, 16, 8), (2, 16, 8), (4, 16, 4), (2, 32, 4), (4, 8, 4
 SHAPES = ((18944, 3584), (3584, 18944))  # ffn_up, ffn_down of Qwen2-7B
 
 
-def _variants(t: int) -> list[tuple[str, tuple, dict]]:
+def _variants(t: int) -> list[tuple[str, tuple, torch.dtype]]:
+    """(label, tile, x dtype): the GEMV picks its body from x's dtype (the Q4_K storage-order
+    body for 16-bit x, the generic walk for float32)."""
     if t == qt.Q4_K:
-        return [("special", c, {"special": True}) for c in TILES] \
-            + [("generic", (4, 16, 4), {"special": False})]
-    return [("generic", c, {}) for c in Q6_TILES]
+        return [("storage-order", c, torch.bfloat16) for c in TILES] \
+            + [("generic f32 x", (4, 16, 4), torch.float32)]
+    return [("generic", c, torch.bfloat16) for c in Q6_TILES]
 
 
 def _sweep(g: torch.Generator) -> dict:
@@ -44,16 +50,17 @@ def _sweep(g: torch.Generator) -> dict:
     for t in (qt.Q4_K, qt.Q6_K):
         for s in SHAPES:
             ws = [random_weight(t, s[0], s[1], "cuda", g) for _ in range(ROTATE)]
-            x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
-            y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)
-            ref = quant_matmul.gemv_ref(ws[0], t, x.float())
+            x32 = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16).float()
+            ref = quant_matmul.gemv_ref(ws[0], t, x32)
             nb = ws[0].numel()
-            for label, cfg, kw in _variants(t):
+            for label, cfg, dt in _variants(t):
+                x = x32.to(dt)
+                y = torch.empty(1, s[0], device="cuda", dtype=dt)
                 try:
-                    quant_matmul.gemv(ws[0], t, x, out=y, config=cfg, **kw)
+                    quant_matmul.gemv(ws[0], t, x, out=y, config=cfg)
                     err = nerr(y.float(), ref)
                     sec = graph_time(lambda i=0, c=cfg: quant_matmul.gemv(
-                        ws[i % ROTATE], t, x, out=y, config=c, **kw))
+                        ws[i % ROTATE], t, x, out=y, config=c))
                 except Exception as exc:
                     print(f"{qt.type_name(t)} {s} {label} {cfg}: {type(exc).__name__} {exc}"[:300],
                           flush=True)

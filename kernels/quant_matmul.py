@@ -196,7 +196,6 @@ def row_cols(w: torch.Tensor, ggml_type: int) -> int:
 
 
 def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None = None,
-                 lane_sum: bool | None = None, special: bool | None = None,
                  x_dtype: torch.dtype = torch.bfloat16):
     """(pointer views (bytes, 16-bit, int32), the body's constexprs, warps, stages) of one
     weight's GEMV."""
@@ -204,21 +203,16 @@ def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None
     p = plan(ggml_type)
     k = row_cols(w, ggml_type)
     align = SPECIAL_ALIGN.get(ggml_type)
-    if special is None:
-        # the storage-order body loads x twice as wide as the generic walk per weight byte:
-        # with float32 activations the generic walk is faster (kernels/NOTES.md)
-        special = (align is not None and w.data_ptr() % align == 0 and w.shape[1] % align == 0
-                   and x_dtype != torch.float32)
-    wi = w
-    if special and ggml_type == qt.Q4_K:
-        wi = w.view(torch.int32)
+    # the storage-order body loads x twice as wide as the generic walk per weight byte: with
+    # float32 activations the generic walk is faster (kernels/NOTES.md)
+    special = (align is not None and w.data_ptr() % align == 0 and w.shape[1] % align == 0
+               and x_dtype != torch.float32)
+    wi = w.view(torch.int32) if special else w  # the storage-order body's 16-byte loads
     br, bb, warps, *rest = config or gemv_config(ggml_type, w.shape[0], k)
-    if lane_sum is None:
-        lane_sum = ggml_type in LANE_SUM_TYPES
     bb = min(bb, triton.next_power_of_2(k // p.block))  # short rows: no all-masked blocks
     meta = {"TYPE": ggml_type, "BS": p.block, "TS": p.nbytes, "NPART": p.parts, "L": p.lanes,
-            "BLOCK_R": br, "BLOCK_B": bb, "LANE_SUM": bool(lane_sum), "SPECIAL": bool(special),
-            "MAGIC": ggml_type in MAGIC_TYPES}
+            "BLOCK_R": br, "BLOCK_B": bb, "LANE_SUM": ggml_type in LANE_SUM_TYPES,
+            "SPECIAL": special, "MAGIC": ggml_type in MAGIC_TYPES}
     return (w, wh, wi), meta, warps, (rest[0] if rest else None)
 
 
@@ -235,11 +229,13 @@ def _opts(warps: int, stages: int | None) -> dict:
 
 def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | None = None,
          config: tuple[int, ...] | None = None, bias: torch.Tensor | None = None,
-         lane_sum: bool | None = None, special: bool | None = None) -> torch.Tensor:
+         use_pdl: bool = True) -> torch.Tensor:
     """y[M, rows] = x[M, cols] @ W^T (+ bias), dequantizing W on the fly; M small (decode,
     M <= 8). x is float32/bf16/f16; y has x's dtype unless ``out`` is given. No allocation
-    with ``out``. ``special``: force the Q4_K/Q6_K storage-order body on or off."""
-    ptrs, meta, warps, stages = _launch_args(w, ggml_type, config, lane_sum, special, x.dtype)
+    with ``out``. ``config`` overrides the tile (rows per program, blocks per step, warps[,
+    stages]); the body and the accumulation follow from the type, the weight's alignment and
+    x's dtype. ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py)."""
+    ptrs, meta, warps, stages = _launch_args(w, ggml_type, config, x.dtype)
     n, k = w.shape[0], row_cols(w, ggml_type)
     x2 = _x2(x, k)
     m = x2.shape[0]
@@ -247,7 +243,7 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
     _gemv_kernel[grid](*ptrs, x2, y, bias if bias is not None else y, n, k, w.shape[1],
                        x2.stride(0), y.stride(0), HAS_BIAS=bias is not None, **meta,
-                       **_opts(warps, stages), **pdl.opts(y))
+                       **_opts(warps, stages), **pdl.opts(y, use_pdl))
     return y.view(*x.shape[:-1], n) if out is None else out
 
 
@@ -258,8 +254,9 @@ def can_pair(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: int)
 
 def gemv_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, x: torch.Tensor,
              act: str = "silu", out: torch.Tensor | None = None,
-             config: tuple[int, ...] | None = None) -> torch.Tensor:
-    """act(x @ gate^T) * (x @ up^T) in one launch (decode FFN): [M, rows]."""
+             config: tuple[int, ...] | None = None, use_pdl: bool = True) -> torch.Tensor:
+    """act(x @ gate^T) * (x @ up^T) in one launch (decode FFN): [M, rows]. ``use_pdl`` as in
+    ``gemv``."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     gp, meta, warps, stages = _launch_args(gate, ggml_type, config, x_dtype=x.dtype)
@@ -274,7 +271,7 @@ def gemv_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, x: torch.Tens
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
     _gemv_glu_kernel[grid](*gp, *up_ptrs, x2, y, n, k, gate.shape[1], x2.stride(0), y.stride(0),
                            GELU=act == "gelu", **meta, **_opts(warps, stages),
-                           **pdl.opts(y))
+                           **pdl.opts(y, use_pdl))
     return y.view(*x.shape[:-1], n) if out is None else out
 
 
@@ -284,9 +281,11 @@ _SUFFIX = {"TYPE": "T", "BS": "BS", "TS": "TS", "NPART": "NP", "L": "L", "BLOCK_
 
 def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tensor,
           biases: list[torch.Tensor] | None = None,
-          configs: list[tuple[int, ...] | None] | None = None) -> torch.Tensor:
+          configs: list[tuple[int, ...] | None] | None = None,
+          use_pdl: bool = True) -> torch.Tensor:
     """Three GEMVs of the same x in one launch (q, k, v), outputs side by side in ``out``
-    [M, n1 + n2 + n3] (rows may be strided); each matrix keeps its own type and tile."""
+    [M, n1 + n2 + n3] (rows may be strided); each matrix keeps its own type and tile.
+    ``use_pdl`` as in ``gemv``."""
     if len(mats) != 3:
         raise ValueError("gemv3 takes three matrices")
     k = row_cols(*mats[0])
@@ -309,13 +308,12 @@ def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tens
     grid = (progs[3], m)
     _gemv3_kernel[grid](*args, x2, y, progs[1], progs[2], k, x2.stride(0), y.stride(0),
                         HAS_BIAS=biases is not None, **consts, num_warps=warps,
-                        **pdl.opts(y))
+                        **pdl.opts(y, use_pdl))
     return out
 
 
 def gemv_ref(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | None = None,
-             config: tuple[int, ...] | None = None, bias: torch.Tensor | None = None,
-             lane_sum: bool = False) -> torch.Tensor:
+             config: tuple[int, ...] | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     wf = dequantize_ref(w, ggml_type, torch.float32)
     y = x.to(torch.float32).reshape(-1, wf.shape[1]) @ wf.T
     if bias is not None:
@@ -325,7 +323,7 @@ def gemv_ref(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor
     return y if out is None else out.copy_(y.view(out.shape))
 
 
-def _dequant_launch(w, ggml_type, ids, out, n, k):
+def _dequant_launch(w, ggml_type, ids, out, n, k, use_pdl):
     w, wh = _views(w, ggml_type)
     p = plan(ggml_type)
     br = 8
@@ -334,17 +332,18 @@ def _dequant_launch(w, ggml_type, ids, out, n, k):
     _dequant_kernel[grid](w, wh, ids if ids is not None else w, out, n, k, w.shape[1],
                           out.stride(0), TYPE=ggml_type, BS=p.block, TS=p.nbytes,
                           NPART=p.parts, L=p.lanes, BLOCK_R=br, BLOCK_B=bb,
-                          GATHER=ids is not None, num_warps=4, **pdl.opts(out))
+                          GATHER=ids is not None, num_warps=4, **pdl.opts(out, use_pdl))
     return out
 
 
 def dequantize(w: torch.Tensor, ggml_type: int, dtype: torch.dtype = torch.float16,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """W [rows, row_bytes] -> [rows, cols] in ``dtype`` (a dequant-cache span when ``out``)."""
+               out: torch.Tensor | None = None, use_pdl: bool = True) -> torch.Tensor:
+    """W [rows, row_bytes] -> [rows, cols] in ``dtype`` (a dequant-cache span when ``out``).
+    ``use_pdl`` as in ``gemv``."""
     n, k = w.shape[0], row_cols(w, ggml_type)
     if out is None:
         out = torch.empty(n, k, dtype=dtype, device=w.device)
-    return _dequant_launch(w, ggml_type, None, out, n, k)
+    return _dequant_launch(w, ggml_type, None, out, n, k, use_pdl)
 
 
 def dequantize_ref(w: torch.Tensor, ggml_type: int, dtype: torch.dtype = torch.float16,
@@ -357,13 +356,14 @@ def dequantize_ref(w: torch.Tensor, ggml_type: int, dtype: torch.dtype = torch.f
 
 
 def embed(w: torch.Tensor, ggml_type: int, ids: torch.Tensor, dtype: torch.dtype = torch.float32,
-          out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows ``ids`` [T] of the embedding W, dequantized: [T, cols]."""
+          out: torch.Tensor | None = None, use_pdl: bool = True) -> torch.Tensor:
+    """Rows ``ids`` [T] of the embedding W, dequantized: [T, cols]. ``use_pdl`` as in
+    ``gemv``."""
     k = row_cols(w, ggml_type)
     t = ids.numel()
     if out is None:
         out = torch.empty(t, k, dtype=dtype, device=w.device)
-    return _dequant_launch(w, ggml_type, ids.reshape(-1), out.view(t, k), t, k)
+    return _dequant_launch(w, ggml_type, ids.reshape(-1), out.view(t, k), t, k, use_pdl)
 
 
 def embed_ref(w: torch.Tensor, ggml_type: int, ids: torch.Tensor,

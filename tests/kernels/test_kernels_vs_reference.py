@@ -62,31 +62,34 @@ def test_gemv_matches_reference(ggml_type, m):
     assert _nerr(out, ref, mag) < 1e-5
 
 
-@pytest.mark.parametrize("lane_sum", [False, True])
-def test_gemv_bias_and_lane_sum_variant(lane_sum):
+@pytest.mark.parametrize("ggml_type", [qt.Q6_K, qt.Q8_0], ids=qt.type_name)
+def test_gemv_bias_and_both_accumulations(ggml_type):
+    # Q6_K accumulates per element, Q8_0 sums each part over its lanes at once (LANE_SUM_TYPES)
+    assert (ggml_type in quant_matmul.LANE_SUM_TYPES) == (ggml_type == qt.Q8_0)
     g = _gen()
-    w = random_weight(qt.Q6_K, 9, 512, DEVICE, g)
+    w = random_weight(ggml_type, 9, 512, DEVICE, g)
     x = torch.randn(2, 512, generator=g, device=DEVICE)
     bias = torch.randn(9, generator=g, device=DEVICE)
     out = _poison((2, 9))
-    quant_matmul.gemv(w, qt.Q6_K, x, out=out, bias=bias, lane_sum=lane_sum)
-    assert _nerr(out, quant_matmul.gemv_ref(w, qt.Q6_K, x, bias=bias)) < 1e-5
+    quant_matmul.gemv(w, ggml_type, x, out=out, bias=bias)
+    assert _nerr(out, quant_matmul.gemv_ref(w, ggml_type, x, bias=bias)) < 1e-5
 
 
 @pytest.mark.parametrize("ggml_type", [qt.Q4_K, qt.Q6_K], ids=qt.type_name)
-@pytest.mark.parametrize("special", [True, False])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gemv_storage_order_bodies(ggml_type, special, xdtype):
-    # the Q4_K body that walks a block in storage order and the generic walk (Q6_K's with the
-    # 2^23 integer-to-float) against the reference; row counts that are not a multiple of the
-    # tile, a partial last step
+def test_gemv_storage_order_bodies(ggml_type, xdtype):
+    # the Q4_K body that walks a block in storage order (16-bit x) and the generic walk
+    # (float32 x; Q6_K's with the 2^23 integer-to-float) against the reference; row counts
+    # that are not a multiple of the tile, a partial last step
     g = _gen()
     rows = int(torch.randint(1, 11, (1,), generator=g, device=DEVICE))
     cols = 256 * int(torch.randint(1, 6, (1,), generator=g, device=DEVICE))
     w = random_weight(ggml_type, rows, cols, DEVICE, g)
     x = torch.randn(2, cols, generator=g, device=DEVICE).to(xdtype)
     out = _poison((2, rows))
-    quant_matmul.gemv(w, ggml_type, x, out=out, special=special)
+    special = ggml_type == qt.Q4_K and xdtype == torch.bfloat16
+    assert quant_matmul._launch_args(w, ggml_type, x_dtype=xdtype)[1]["SPECIAL"] == special
+    quant_matmul.gemv(w, ggml_type, x, out=out)
     assert _nerr(out, quant_matmul.gemv_ref(w, ggml_type, x.float())) < 1e-5
 
 
