@@ -44,10 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arena", default="packed")
     ap.add_argument("--repeat", type=int, default=50)
     args = ap.parse_args(argv)
+    from engine.hardware.calibration import overhead_for
     from engine.hardware.rigs import parse_rig
     from engine.planning import price as pricing
+    from engine.planning.carve import model_index
     from engine.planning.plan import Plan
     from engine.planning.split import auto_split
+    from engine.planning.stage import stage_key
 
     try:
         t0 = time.perf_counter()
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         t_open = time.perf_counter() - t0
         devices = parse_rig(args.gpus)
         t0 = time.perf_counter()
-        idx = pricing.model_index(model)
+        idx = model_index(model)
         t_index = time.perf_counter() - t0
         t0 = time.perf_counter()
         base = auto_split(model, devices, ctx=args.ctx, arena=args.arena, act_dtype="bf16")
@@ -100,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             pricing.price(base, model)  # everything else warm, as during a drag
             for i in (0, 1):  # as if never priced: a real move lands on new ranges
-                k = pricing._stage_key(plan, i)
-                pricing._STAGES.pop((idx.token, k, pricing.overhead_for(k.device)[0]), None)
+                k = stage_key(plan, i)
+                pricing._STAGES.pop((idx.token, k, overhead_for(k.device)[0]), None)
             t0 = time.perf_counter()
             layout = pricing.price(plan, model)
             moves.append(time.perf_counter() - t0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -304,6 +304,3 @@ def cpu_spec(reserve: int = 0) -> DeviceSpec:
             total = avail = 0
     return DeviceSpec(index=-1, name="cpu", total=total, free=avail or total, reserve=reserve)
 
-
-def with_reserve(devices: list[DeviceSpec], reserve: int) -> list[DeviceSpec]:
-    return [replace(d, reserve=reserve) for d in devices]

@@ -8,7 +8,8 @@ from dataclasses import replace
 from engine.planning.carve import ModelIndex
 from engine.planning.layout import DeviceLayout, human
 from engine.planning.plan import Plan
-from engine.planning.price import _stage_key, fits
+from engine.planning.rules import KvType, Verdict
+from engine.planning.stage import fits, stage_key
 
 # The term named as overflowing is the one that crosses the free memory when terms are added in
 # this order: what the model and runtime impose first, the KV cache (sized by --ctx/--kv, the
@@ -28,10 +29,10 @@ def advise(plan: Plan, idx: ModelIndex, stages: list[DeviceLayout]) -> list[Devi
     """For each stage that does not fit: the term that overflows and the changes that fit it."""
     out = []
     for i, s in enumerate(stages):
-        if s.verdict != "does not fit":
+        if s.verdict != Verdict.DOES_NOT_FIT:
             out.append(s)
             continue
-        k = _stage_key(plan, i)
+        k = stage_key(plan, i)
         dev = k.device
         avail = dev.free - dev.reserve
         run = 0
@@ -49,7 +50,7 @@ def advise(plan: Plan, idx: ModelIndex, stages: list[DeviceLayout]) -> list[Devi
                     (mid, hi_c) if fits(idx, replace(k, ctx=mid * 256)) else (lo_c, mid - 1)
                 )
             tips.append(f"--ctx {lo_c * 256}")
-        if k.kv_type == "f16" and fits(idx, replace(k, kv_type="q8_0")):
+        if k.kv_type == KvType.F16 and fits(idx, replace(k, kv_type=KvType.Q8_0)):
             tips.append("--kv q8_0")
         move = _boundary_move(plan, idx, i)
         if move:
@@ -71,16 +72,16 @@ def _boundary_move(plan: Plan, idx: ModelIndex, i: int) -> str:
     n = len(plan.devices)
     for k in range(1, hi - lo):
         if i > 0:  # the previous device takes layers [lo, lo + k)
-            a = _stage_key(plan, i - 1, hi=lo + k)
-            b = _stage_key(plan, i, lo=lo + k)
+            a = stage_key(plan, i - 1, hi=lo + k)
+            b = stage_key(plan, i, lo=lo + k)
             if fits(idx, a) and fits(idx, b):
                 return (
                     f"--split boundary {i} moved +{k} ({lo} -> {lo + k}: "
                     f"{plan.devices[i - 1].label} takes {k} layer{'s' * (k > 1)})"
                 )
         if i < n - 1:  # the next device takes layers [hi - k, hi)
-            a = _stage_key(plan, i, hi=hi - k)
-            b = _stage_key(plan, i + 1, lo=hi - k)
+            a = stage_key(plan, i, hi=hi - k)
+            b = stage_key(plan, i + 1, lo=hi - k)
             if fits(idx, a) and fits(idx, b):
                 return (
                     f"--split boundary {i + 1} moved -{k} ({hi} -> {hi - k}: "

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from engine.planning.layout import Arena, Span
-from spec.errors import CarveError
+from engine.planning.rules import ArenaKind, ArenaMode
 
 ALIGN = 256
-MIB = 1 << 20
 
 # torch caching allocator constants (CUDACachingAllocator.cpp); DESIGN.md measured them on an H200.
 MIN_BLOCK = 512  # every block is a multiple of this
@@ -35,25 +33,6 @@ ROUND_LARGE = 2 << 20  # requests >= 10 MiB: segment rounded up to 2 MiB
 
 # (name, nbytes, dtype, shape): a span before it has an offset
 Request = tuple[str, int, str, tuple[int, ...]]
-
-
-@dataclass(frozen=True, slots=True)
-class ArenaMode:
-    kind: str  # "packed" | "per-tensor" | "chunked"
-    chunk: int = 0  # bytes, chunked only
-
-
-def parse_arena(text: str) -> ArenaMode:
-    t = text.strip().lower()
-    if t in ("packed", "per-tensor"):
-        return ArenaMode(t)
-    if t.startswith("chunked:"):
-        n = t.partition(":")[2]
-        if n.isdigit() and 1 <= int(n) <= 1 << 20:
-            return ArenaMode("chunked", int(n) * MIB)
-    raise CarveError(
-        f"--arena: cannot read {text!r}; use packed, per-tensor or chunked:N (N MiB, e.g. chunked:1024)"
-    )
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -121,18 +100,18 @@ def allocation_sizes(mode: ArenaMode, sizes: Sequence[int]) -> list[int]:
     """The allocations `arrange` makes for requests of these sizes (no spans built)."""
     if not sizes:
         return []
-    if mode.kind == "packed":
+    if mode.kind == ArenaKind.PACKED:
         return [sum(-(-n // ALIGN) * ALIGN for n in sizes)]
-    if mode.kind == "per-tensor":
+    if mode.kind == ArenaKind.PER_TENSOR:
         return list(sizes)
     return first_fit(sizes, mode.chunk)[1]
 
 
 def arrange(mode: ArenaMode, name: str, purpose: str, requests: Sequence[Request]) -> list[Arena]:
-    if mode.kind == "packed":
+    if mode.kind == ArenaKind.PACKED:
         a = packed(name, purpose, requests)
         return [a] if a is not None else []
-    if mode.kind == "per-tensor":
+    if mode.kind == ArenaKind.PER_TENSOR:
         return per_tensor(purpose, requests)
     return chunked(name, purpose, requests, mode.chunk)
 

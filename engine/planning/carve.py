@@ -18,9 +18,6 @@ from engine.planning.arena import Request, align_up
 from spec.errors import CarveError
 from spec.quant_types import type_name
 
-MIB = 1 << 20
-TIGHT = 512 * MIB  # headroom below this is "tight": a desktop, a second process or a CUDA
-# graph pool can take that much; 5 % of an 80 GB card (4 GB) would call good plans tight.
 NOT_QUANTIZED = {0: "f32", 1: "f16", 30: "bf16"}  # ggml ids whose data is already a float dtype
 # relative cost of dequantizing one element, by ggml id: what a dequant-cache byte saves
 _DEQUANT_COST = {

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 from engine.hardware.devices import DeviceSpec
+from engine.planning.plan import Plan
+from engine.planning.rules import Verdict, worst_verdict
 
 PURPOSES = ("weights", "globals", "kv", "buffers", "dequant_cache")  # allocated by the engine
-TERMS = PURPOSES + ("overhead", "rounding")
-VERDICTS = ("fits", "tight", "does not fit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +108,7 @@ class DeviceLayout:
     allocated: int  # what the engine allocates: the arenas as the allocator rounds them
     total: int  # allocated + overhead
     headroom: int  # free - reserve - total
-    verdict: str  # "fits" | "tight" | "does not fit"
+    verdict: Verdict
     advice: str = ""
     overhead_source: str = ""  # "default" or the calibration record it came from
 
@@ -147,7 +147,7 @@ class DeviceLayout:
             d["allocated"],
             d["total"],
             d["headroom"],
-            d["verdict"],
+            Verdict(d["verdict"]),
             d.get("advice", ""),
             d.get("overhead_source", ""),
         )
@@ -155,17 +155,18 @@ class DeviceLayout:
 
 @dataclass(frozen=True)
 class Layout:
-    plan: Any  # engine.planning.plan.Plan (not imported: plan imports arena which imports this module)
+    plan: Plan
     devices: tuple[DeviceLayout, ...]
 
     @property
     def fits(self) -> bool:
-        return all(d.verdict != "does not fit" for d in self.devices)
+        return self.verdict is not Verdict.DOES_NOT_FIT
 
     @property
-    def verdict(self) -> str:
-        worst = max(VERDICTS.index(d.verdict) for d in self.devices)
-        return VERDICTS[worst]
+    def verdict(self) -> Verdict:
+        worst = worst_verdict(d.verdict for d in self.devices)
+        assert worst is not None, "a Layout has at least one device"
+        return worst
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -176,8 +177,6 @@ class Layout:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Layout:
-        from engine.planning.plan import Plan
-
         return cls(
             Plan.from_json(d["plan"]), tuple(DeviceLayout.from_json(x) for x in d["devices"])
         )

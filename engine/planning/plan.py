@@ -11,10 +11,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.hardware.devices import DeviceSpec
-from engine.planning.arena import parse_arena
+from engine.planning.rules import CACHE_RESERVE, PREFILL_CHUNK, KvType, parse_arena
 from spec.errors import CarveError
 
-KV_TYPES = ("f16", "q8_0")
 ACT_DTYPES = ("f32", "bf16", "f16")
 MAX_DEVICES = 8
 
@@ -28,11 +27,9 @@ class Plan:
     # device that should hold nothing is left out of the plan (see engine/planning/split.py).
     split: tuple[int, ...]
     ctx: int
-    kv_type: str = "f16"
-    prefill_chunk: int = 512
-    cache_reserve: int = (
-        1 << 30
-    )  # bytes kept free after everything; the dequant cache gets the rest
+    kv_type: KvType = KvType.F16
+    prefill_chunk: int = PREFILL_CHUNK
+    cache_reserve: int = CACHE_RESERVE  # bytes kept free; the dequant cache gets the rest
     arena: str = "packed"  # "packed" | "per-tensor" | "chunked:N" (N MiB)
     act_dtype: str = "f32"  # CPU "f32"; GPU "bf16"
     # Rows of logits the last stage keeps: 1 for chat (last token only), prefill_chunk for
@@ -62,10 +59,7 @@ class Plan:
                 )
         if self.ctx <= 0:
             raise CarveError(f"--ctx: must be a positive number of tokens, got {self.ctx}")
-        if self.kv_type not in KV_TYPES:
-            raise CarveError(
-                f"--kv: unknown KV type {self.kv_type!r}; use one of {', '.join(KV_TYPES)}"
-            )
+        object.__setattr__(self, "kv_type", KvType.parse(self.kv_type))
         if self.prefill_chunk <= 0:
             raise CarveError(f"--prefill-chunk: must be positive, got {self.prefill_chunk}")
         if self.cache_reserve < 0:

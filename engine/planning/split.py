@@ -1,7 +1,7 @@
 """--split auto: the boundaries that leave the most headroom on the tightest device.
 
 "Headroom" here is the slack before the elastic dequant cache: free - reserve - need, where
-need is weights + globals + KV + buffers + overhead + arena rounding (`engine.planning.price.stage_need`,
+need is weights + globals + KV + buffers + overhead + arena rounding (`engine.planning.stage.stage_need`,
 exact for every arena mode). The dequant cache then takes what is left above the cache
 reserve, so maximising the smallest slack also spreads the cache.
 
@@ -31,8 +31,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.hardware.devices import DeviceSpec
+from engine.planning.carve import ModelIndex, model_index
 from engine.planning.plan import MAX_DEVICES, Plan
-from engine.planning.price import ModelIndex, StageKey, model_index, stage_need
+from engine.planning.stage import StageKey, stage_need
 from spec.errors import CarveError
 
 PREFER = ("spread", "fewest")

@@ -15,10 +15,10 @@ from engine.planning.arena import (
     arrange,
     device_bytes,
     first_fit,
-    parse_arena,
     reserved_bytes,
     segment_size,
 )
+from engine.planning.rules import parse_arena
 from spec.errors import CarveError
 
 MIB = 1 << 20

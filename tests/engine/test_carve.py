@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from engine.gguf.reader import GGUFModel
 from engine.hardware.devices import DeviceSpec
+from engine.planning.carve import carve
 from engine.planning.plan import Plan
-from engine.planning.price import carve, price
+from engine.planning.price import price
 
 GIB = 1 << 30
 CPU = DeviceSpec(-1, "cpu", 64 * GIB, 64 * GIB)

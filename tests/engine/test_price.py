@@ -16,12 +16,14 @@ from engine.gguf.hparams import HParams
 from engine.gguf.reader import GGUFModel
 from engine.hardware import calibration
 from engine.hardware.devices import DeviceSpec
-from engine.planning import price as pricing
 from engine.planning.arena import device_bytes
 from engine.planning.buffers import activation_buffers
+from engine.planning.carve import carve, model_index
 from engine.planning.layout import PURPOSES, Layout
 from engine.planning.plan import Plan
-from engine.planning.price import TIGHT, carve, price, stage_need
+from engine.planning.price import price
+from engine.planning.rules import TIGHT
+from engine.planning.stage import stage_key, stage_need
 from engine.synth.header import HeaderModel
 from engine.synth.shapes import Shape
 from spec.errors import CarveError
@@ -153,7 +155,7 @@ def test_tied_embeddings_last_stage_keeps_its_own_copy(synth_model: Any) -> None
 def test_dequant_cache_takes_what_is_left_above_the_reserve(synth_model: Any) -> None:
     path = synth_model("llama")
     model = open_model(path)
-    idx = pricing.model_index(model)
+    idx = model_index(model)
     cacheable = idx.cache_prefix[-1]
     plan = Plan(str(path), (gpu(4 * GIB),), (0, 4), ctx=256, act_dtype="bf16", cache_reserve=MIB)
     roomy = price(plan, model).devices[0]
@@ -168,7 +170,7 @@ def test_dequant_cache_takes_what_is_left_above_the_reserve(synth_model: Any) ->
         s.name == "buf.dequant" for a in roomy.arenas for s in a.spans
     )  # nothing left to dequantize
 
-    need = stage_need(idx, pricing._stage_key(plan, 0))
+    need = stage_need(idx, stage_key(plan, 0))
     for extra in (0, 3 * MIB, 9 * MIB):
         reserve = 4 * MIB
         tight = price(
@@ -195,8 +197,8 @@ def test_dequant_cache_is_sized_after_kv(synth_model: Any) -> None:
     path = synth_model("llama")
     model = open_model(path)
     base = Plan(str(path), (cpu(),), (0, 4), ctx=256, cache_reserve=MIB)
-    idx = pricing.model_index(model)
-    need = stage_need(idx, pricing._stage_key(base, 0))
+    idx = model_index(model)
+    need = stage_need(idx, stage_key(base, 0))
     dev = cpu(need + 4 * MIB)  # CPU: no allocator grain, so the cache shrinks byte by byte
     small = price(Plan(str(path), (dev,), (0, 4), ctx=256, cache_reserve=MIB), model).devices[0]
     big = price(Plan(str(path), (dev,), (0, 4), ctx=1024, cache_reserve=MIB), model).devices[0]
@@ -208,9 +210,9 @@ def test_dequant_cache_is_sized_after_kv(synth_model: Any) -> None:
 def test_verdicts(synth_model: Any) -> None:
     path = synth_model("llama")
     model = open_model(path)
-    idx = pricing.model_index(model)
+    idx = model_index(model)
     base = Plan(str(path), (gpu(GIB),), (0, 4), ctx=256, cache_reserve=0)
-    need = stage_need(idx, pricing._stage_key(base, 0))
+    need = stage_need(idx, stage_key(base, 0))
 
     # no cacheable room matters here: cache_reserve larger than the slack keeps the cache at 0
     def verdict(free: int, reserve: int = 0) -> tuple[str, int]:
@@ -233,9 +235,9 @@ MID = Shape("llama", 8, 2048, 16, 4, 5632, 32000, n_ctx=8192)
 
 def test_advice_names_the_term_and_what_fits() -> None:
     model = HeaderModel(MID)
-    idx = pricing.model_index(model)
+    idx = model_index(model)
     at = {
-        ctx: stage_need(idx, pricing._stage_key(Plan("m", (gpu(GIB),), (0, 8), ctx=ctx), 0))
+        ctx: stage_need(idx, stage_key(Plan("m", (gpu(GIB),), (0, 8), ctx=ctx), 0))
         for ctx in (2048, 4096)
     }
     dev = gpu((at[2048] + at[4096]) // 2)
@@ -257,9 +259,9 @@ def test_advice_names_the_term_and_what_fits() -> None:
 
 def test_advice_moves_a_boundary_to_the_neighbour_with_room() -> None:
     model = HeaderModel(MID)
-    idx = pricing.model_index(model)
+    idx = model_index(model)
     probe = Plan("m", (gpu(GIB), gpu(GIB, 1)), (0, 5, 8), ctx=2048)
-    small = stage_need(idx, pricing._stage_key(probe, 1))  # GPU 1 holding layers 5-7
+    small = stage_need(idx, stage_key(probe, 1))  # GPU 1 holding layers 5-7
     plan = Plan("m", (gpu(8 * GIB), gpu(small + MIB, 1)), (0, 2, 8), ctx=2048)
     layout = price(plan, model)
     assert layout.devices[0].verdict == "fits" and layout.devices[1].verdict == "does not fit"
@@ -386,9 +388,9 @@ def test_the_cache_never_eats_the_reserve(
 ) -> None:
     path = synth_model("llama")
     model = open_model(path)
-    idx = pricing.model_index(model)
+    idx = model_index(model)
     probe = Plan(str(path), (gpu(GIB),), (0, 4), ctx=256, arena=arena, act_dtype="bf16")
-    need = stage_need(idx, pricing._stage_key(probe, 0))
+    need = stage_need(idx, stage_key(probe, 0))
     plan = Plan(
         str(path),
         (gpu(need + extra),),

@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.hardware.devices import DeviceSpec
-from engine.planning import price as pricing
+from engine.planning.carve import model_index
 from engine.planning.plan import Plan
 from engine.planning.price import price
 from engine.planning.split import GRAIN, auto_split
+from engine.planning.stage import stage_key, stage_need
 from engine.synth.header import HeaderModel
 from engine.synth.shapes import Shape
 from spec.errors import CarveError
@@ -53,16 +54,16 @@ def gpu(i: int, free_mib: int, reserve_mib: int = 0) -> DeviceSpec:
 
 
 def slacks(model: Any, plan: Plan) -> list[int]:
-    idx = pricing.model_index(model)
+    idx = model_index(model)
     out = []
     for i, d in enumerate(plan.devices):
-        need = pricing.stage_need(idx, pricing._stage_key(plan, i))
+        need = stage_need(idx, stage_key(plan, i))
         out.append(d.free - d.reserve - need)
     return out
 
 
 def brute_best(model: Any, devices: tuple[DeviceSpec, ...], **kw: Any) -> int:
-    n = pricing.model_index(model).n_layer
+    n = model_index(model).n_layer
     kw = {"ctx": CTX} | kw
     best = None
     for cuts in itertools.combinations(range(1, n), len(devices) - 1):
@@ -104,7 +105,7 @@ def test_toy_stages_are_near_the_best(rig: list[tuple[int, int]], model: Any, ar
     # 1-10 MiB arenas get 20 MiB segments: cost is not monotone in the range (see engine.planning.split)
     devices = tuple(gpu(i, f, r) for i, (f, r) in enumerate(rig))
     plan = auto_split(model, devices, ctx=CTX, arena=arena, act_dtype="bf16")
-    n = pricing.model_index(model).n_layer
+    n = model_index(model).n_layer
     assert plan.devices == devices and plan.split[0] == 0 and plan.split[-1] == n
     got = min(slacks(model, plan))
     best = brute_best(model, devices, arena=arena, act_dtype="bf16")

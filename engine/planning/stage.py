@@ -1,0 +1,224 @@
+"""One stage of a plan: the inputs that decide its price (`StageKey`), what it needs (the
+carve's weights and globals, the KV cache, the activation buffers, the dequant cache) and how
+those needs become allocations in the plan's arena mode.
+
+Pricing (`engine.planning.price`) chooses the dequant cache and gives the verdict; the split
+search and the advice ask `stage_need` / `fits` about stages that are not in any plan yet.
+Everything that depends only on the model and a few settings is memoised, so re-pricing while a
+user drags a boundary is arithmetic on prefix sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.hardware.calibration import overhead_for
+from engine.hardware.devices import DeviceSpec
+from engine.planning.arena import (
+    Request,
+    align_up,
+    allocation_sizes,
+    arrange,
+    reserved_bytes,
+)
+from engine.planning.buffers import DTYPE_BYTES, activation_buffers
+from engine.planning.carve import ModelIndex, _globals, _prefix, _request
+from engine.planning.layout import Arena
+from engine.planning.plan import Plan
+from engine.planning.rules import ArenaKind, ArenaMode, KvType, parse_arena
+from spec.errors import CarveError
+
+
+def kv_requests(hp: Any, lo: int, hi: int, ctx: int, kv_type: KvType) -> list[Request]:
+    out: list[Request] = []
+    kvh, hd, hdv = hp.n_head_kv, hp.head_dim, hp.head_dim_v
+    for layer in range(lo, hi):
+        cells = hp.kv_cells(layer, ctx)
+        if kv_type == KvType.F16:
+            out.append((f"kv.{layer}.k", cells * kvh * hd * 2, "f16", (cells, kvh, hd)))
+            out.append((f"kv.{layer}.v", cells * kvh * hdv * 2, "f16", (cells, kvh, hdv)))
+        else:  # q8_0: each cell's row of n_head_kv*head_dim values in 34-byte blocks of 32
+            for part, width in (("k", kvh * hd), ("v", kvh * hdv)):
+                if width % 32:
+                    raise CarveError(
+                        f"--kv q8_0: a KV row of {width} values is not a multiple of 32; use --kv f16"
+                    )
+                nb = cells * width // 32 * 34
+                out.append((f"kv.{layer}.{part}", nb, "uint8", (nb,)))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class StageKey:
+    lo: int
+    hi: int
+    first: bool
+    last: bool
+    device: DeviceSpec
+    ctx: int
+    kv_type: KvType
+    chunk: int
+    cache_reserve: int
+    arena: str
+    act_dtype: str
+    logits_rows: int
+
+
+def stage_key(plan: Plan, i: int, **over: Any) -> StageKey:
+    kw: dict[str, Any] = {
+        "lo": plan.split[i],
+        "hi": plan.split[i + 1],
+        "first": i == 0,
+        "last": i == len(plan.devices) - 1,
+        "device": plan.devices[i],
+        "ctx": plan.ctx,
+        "kv_type": plan.kv_type,
+        "chunk": plan.prefill_chunk,
+        "cache_reserve": plan.cache_reserve,
+        "arena": plan.arena,
+        "act_dtype": plan.act_dtype,
+        "logits_rows": plan.logits_rows,
+    }
+    kw.update(over)
+    return StageKey(**kw)
+
+
+_ACT_TYPE = {"f32": 0, "f16": 1, "bf16": 30}
+
+
+def scratch_elements(idx: ModelIndex, k: StageKey, which: str = "all", skipped: int = 0) -> int:
+    """Elements of the largest matrix the stage dequantizes on the fly for a prefill GEMM
+    (-> buf.dequant): of every matrix ("all"), or of those outside the dequant cache
+    ("uncacheable" plus `skipped`, the largest cacheable one the cache left out)."""
+    act = _ACT_TYPE[k.act_dtype]
+    best = max(max(idx.gemm_max[act, which][k.lo : k.hi], default=0), skipped)
+    if k.last and k.logits_rows > 1:  # logits for every row: the output matrix runs as a GEMM
+        for t in idx.last_globals:
+            if len(t.shape) >= 2 and t.ggml_type != act:
+                best = max(best, t.n_elements)
+    return best
+
+
+_MEMO: dict[tuple[Any, ...], Any] = {}
+
+
+def _memo(key: tuple[Any, ...], make: Any) -> Any:
+    v = _MEMO.get(key)
+    if v is None:
+        v = _MEMO[key] = make()
+        if len(_MEMO) > 4096:
+            _MEMO.pop(next(iter(_MEMO)))
+    return v
+
+
+def _kv_table(
+    idx: ModelIndex, ctx: int, kv_type: str
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """(raw prefix, aligned prefix, per-layer span sizes) of the KV cache at this ctx."""
+
+    def make() -> Any:
+        sizes = [
+            tuple(r[1] for r in kv_requests(idx.hp, i, i + 1, ctx, kv_type))
+            for i in range(idx.n_layer)
+        ]
+        return (
+            _prefix([sum(s) for s in sizes]),
+            _prefix([sum(align_up(n) for n in s) for s in sizes]),
+            tuple(sizes),
+        )
+
+    return _memo((idx.token, "kv", ctx, kv_type), make)
+
+
+def _buffer_specs(idx: ModelIndex, k: StageKey, scratch: int) -> list[Any]:
+    rows = k.logits_rows if k.last else 0
+    return _memo(
+        (idx.token, "buf", k.chunk, k.act_dtype, rows, scratch),
+        lambda: activation_buffers(idx.hp, k.chunk, k.act_dtype, rows, scratch),
+    )
+
+
+def _buffer_sizes(idx: ModelIndex, k: StageKey, scratch: int) -> list[int]:
+    rows = k.logits_rows if k.last else 0
+    return _memo(
+        (idx.token, "bufsize", k.chunk, k.act_dtype, rows, scratch),
+        lambda: [b.nbytes for b in _buffer_specs(idx, k, scratch)],
+    )
+
+
+def allocations(
+    idx: ModelIndex, k: StageKey, mode: ArenaMode, scratch: int, dq: list[int] | int
+) -> tuple[list[int], dict[str, int]]:
+    """(allocation sizes in engine order, requested bytes per purpose) without building spans.
+    `dq`: the dequant cache's span sizes, or (packed only) their aligned total."""
+    glob = _memo(
+        (idx.token, "glob", k.first, k.last),
+        lambda: [t.nbytes for t in _globals(idx, k.first, k.last)],
+    )
+    kv_raw, kv_al, kv_sizes = _kv_table(idx, k.ctx, k.kv_type)
+    bufs = _buffer_sizes(idx, k, scratch)
+    terms = {
+        "weights": idx.layer_raw_prefix[k.hi] - idx.layer_raw_prefix[k.lo],
+        "globals": sum(glob),
+        "kv": kv_raw[k.hi] - kv_raw[k.lo],
+        "buffers": sum(bufs),
+    }
+    if mode.kind == ArenaKind.PACKED:
+        dq_al = dq if isinstance(dq, int) else sum(align_up(n) for n in dq)
+        allocs = [
+            idx.layer_prefix[k.hi] - idx.layer_prefix[k.lo],
+            sum(align_up(n) for n in glob),
+            kv_al[k.hi] - kv_al[k.lo],
+            sum(align_up(n) for n in bufs),
+            dq_al,
+        ]
+        return [a for a in allocs if a], terms
+    assert isinstance(dq, list)
+    allocs = allocation_sizes(mode, [n for i in range(k.lo, k.hi) for n in idx.layer_sizes[i]])
+    allocs += allocation_sizes(mode, glob)
+    allocs += allocation_sizes(mode, [n for i in range(k.lo, k.hi) for n in kv_sizes[i]])
+    allocs += allocation_sizes(mode, bufs)
+    return allocs + allocation_sizes(mode, dq), terms
+
+
+def arenas(
+    idx: ModelIndex, k: StageKey, mode: ArenaMode, scratch: int, chosen: list[Any]
+) -> list[Arena]:
+    """The stage's arenas with every span, in allocation order (what `allocations` counted)."""
+    # bf16 unless activations are f16: CPU matrix-vector products run ~10x slower in f16
+    dq_dtype = "f16" if k.act_dtype == "f16" else "bf16"
+    out = arrange(
+        mode, "weights", "weights", [r for i in range(k.lo, k.hi) for r in idx.layer_requests[i]]
+    )
+    out += arrange(
+        mode, "globals", "globals", [_request(t) for t in _globals(idx, k.first, k.last)]
+    )
+    out += arrange(mode, "kv", "kv", kv_requests(idx.hp, k.lo, k.hi, k.ctx, k.kv_type))
+    out += arrange(
+        mode,
+        "buffers",
+        "buffers",
+        [(f"buf.{b.name}", b.nbytes, b.dtype, b.shape) for b in _buffer_specs(idx, k, scratch)],
+    )
+    return out + arrange(
+        mode, "dequant_cache", "dequant_cache", [dq_request(t, dq_dtype) for t in chosen]
+    )
+
+
+def dq_request(t: Any, dtype: str) -> Request:
+    rows, cols = t.n_elements // t.shape[0], t.shape[0]
+    return (f"dq.{t.name}", rows * cols * DTYPE_BYTES[dtype], dtype, (rows, cols))
+
+
+def stage_need(idx: ModelIndex, k: StageKey) -> int:
+    """Bytes the stage needs without the elastic dequant cache: weights, globals, KV, buffers,
+    rounding and overhead. The split search and the advice compare it with free - reserve."""
+    mode = parse_arena(k.arena)
+    dq: list[int] | int = 0 if mode.kind == ArenaKind.PACKED else []
+    allocs, _ = allocations(idx, k, mode, scratch_elements(idx, k), dq)
+    return reserved_bytes(allocs, not k.device.is_cpu) + overhead_for(k.device)[0]
+
+
+def fits(idx: ModelIndex, k: StageKey) -> bool:
+    return stage_need(idx, k) <= k.device.free - k.device.reserve
