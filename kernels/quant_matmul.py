@@ -21,9 +21,9 @@ from kernels.quant_blocks import dequant_part, plan
 from spec import quant_types as qt
 
 # (rows per program, blocks per step, warps[, pipeline stages]) per type, for M<=8 decode GEMV;
-# picked by sweeps on an H200 (kernels/NOTES.md). The generic walk wants tiles that give each
-# thread ~16 contiguous weight bytes per part, or loads stay 2 bytes wide and the scale loads
-# dominate.
+# picked by tile sweeps on an H200 (benchmarks/gemv_profile.py). The generic walk wants tiles
+# that give each thread ~16 contiguous weight bytes per part, or loads stay 2 bytes wide and the
+# scale loads dominate.
 GEMV_CONFIG: dict[int, tuple[int, ...]] = {
     qt.F16: (4, 16, 4),
     qt.BF16: (4, 16, 4),
@@ -204,7 +204,7 @@ def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None
     k = row_cols(w, ggml_type)
     align = SPECIAL_ALIGN.get(ggml_type)
     # the storage-order body loads x twice as wide as the generic walk per weight byte: with
-    # float32 activations the generic walk is faster (kernels/NOTES.md)
+    # float32 activations the generic walk is faster (on an H200)
     special = (align is not None and w.data_ptr() % align == 0 and w.shape[1] % align == 0
                and x_dtype != torch.float32)
     wi = w.view(torch.int32) if special else w  # the storage-order body's 16-byte loads
