@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import types
 import typing
-from collections.abc import Iterable, Iterator
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar, Union
 
@@ -346,13 +345,3 @@ class LineDecoder:
         return ProtocolError(
             f"line longer than {self.max_line} bytes; dropped", _excerpt(bytes(self._buf[:80]))
         )
-
-
-def iter_decode(
-    chunks: Iterable[bytes], accept: dict[str, type]
-) -> Iterator[Message | ProtocolError]:
-    """Decode a whole stream of chunks (e.g. a pipe read in a loop)."""
-    decoder = LineDecoder(accept)
-    for chunk in chunks:
-        yield from decoder.feed(chunk)
-    yield from decoder.finish()
