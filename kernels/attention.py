@@ -162,11 +162,12 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 positions: torch.Tensor, n_kv_heads: int, cells: int, window: int, scale: float,
                 out: torch.Tensor | None = None,
                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                counter: torch.Tensor | None = None) -> torch.Tensor:
+                counter: torch.Tensor | None = None, use_pdl: bool = True) -> torch.Tensor:
     """One query token q [n_head, head_dim] at position positions[0] (the key/value of that
     position already stored) -> [n_head, head_dim]. No allocation given out and workspace.
     ``counter``: int32 zeros [n_kv_heads] or [n_kv_heads, k] (left zero); with it the splits
-    are merged by the last program of each kv head instead of a second launch."""
+    are merged by the last program of each kv head instead of a second launch. ``use_pdl``:
+    launch with PDL where the GPU has it (kernels/pdl.py)."""
     nh, d = q.shape
     g = nh // n_kv_heads
     if workspace is None:
@@ -186,11 +187,11 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         cells, window, scale, n_kv_heads, ns, q.stride(0), out.stride(0),
         counter.stride(0) if fused else 0, G=g, GP=gp, D=d,
         SPLIT=split, BLOCK_N=64, Q8=q8, FUSED=fused, NSP=triton.next_power_of_2(ns),
-        MERGE=max(1, 8192 // (gp * d)), num_warps=4, **pdl.opts(out))
+        MERGE=max(1, 8192 // (gp * d)), num_warps=4, **pdl.opts(out, use_pdl))
     if not fused:
         _decode_reduce_kernel[(nh,)](po, pml, out, ns, out.stride(0), D=d,
                                      NSP=triton.next_power_of_2(ns), num_warps=4,
-                                     **pdl.opts(out))
+                                     **pdl.opts(out, use_pdl))
     return out
 
 
@@ -285,9 +286,11 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, o_p
 
 def attn_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, cells: int,
-                 window: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                 window: int, scale: float, out: torch.Tensor | None = None,
+                 use_pdl: bool = True) -> torch.Tensor:
     """Causal attention of a chunk q [T, n_head, D] at positions pos0.. over the cache's
-    earlier positions plus the chunk's own k_new/v_new [T, n_kv_heads, D] -> [T, n_head, D]."""
+    earlier positions plus the chunk's own k_new/v_new [T, n_kv_heads, D] -> [T, n_head, D].
+    ``use_pdl`` as in ``attn_decode``."""
     t, nh, d = q.shape
     kvh = k_new.shape[1]
     if out is None:
@@ -299,7 +302,8 @@ def attn_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     _prefill_kernel[grid](q, k_new, v_new, ck, ck8, ckh, cv, cv8, cvh, out, t, pos0, cells,
                           window, scale, kvh, q.stride(0), q.stride(1), k_new.stride(0),
                           k_new.stride(1), out.stride(0), out.stride(1), G=nh // kvh, D=d,
-                          BLOCK_M=bm, BLOCK_N=bn, Q8=q8, num_warps=4, **pdl.opts(out))
+                          BLOCK_M=bm, BLOCK_N=bn, Q8=q8, num_warps=4,
+                          **pdl.opts(out, use_pdl))
     return out
 
 

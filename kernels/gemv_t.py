@@ -240,7 +240,7 @@ def _t_words(wt: torch.Tensor, ggml_type: int, rows: int) -> tuple[int, tuple]:
 
 
 def _t_grid(rows: list[int], nb: int, x: torch.Tensor, config: tuple[int, int, int] | None,
-            parts: int, part: torch.Tensor, counter: torch.Tensor):
+            parts: int, part: torch.Tensor, counter: torch.Tensor, use_pdl: bool = True):
     """(grid, x rows, blocks per split, constexprs, warps) of a T launch over the row tiles
     of ``rows`` (one matrix, or q, k, v one after the other)."""
     block_n, warps, target = config or T_CONFIG
@@ -255,16 +255,16 @@ def _t_grid(rows: list[int], nb: int, x: torch.Tensor, config: tuple[int, int, i
         raise ValueError("part/counter buffers too small for this GEMV")
     meta = {"BLOCK_N": block_n, "SPLIT": split,
             "XV": x2.dtype == torch.bfloat16 and x2.stride(0) % 4 == 0
-            and x2.data_ptr() % 8 == 0, **pdl.opts(x2)}
+            and x2.data_ptr() % 8 == 0, **pdl.opts(x2, use_pdl)}
     return (tiles, split, mm), x2, bps, meta, warps
 
 
 def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
               config: tuple[int, int, int] | None, parts: int, part: torch.Tensor,
-              counter: torch.Tensor):
+              counter: torch.Tensor, use_pdl: bool):
     """(grid, word view, 16-bit view, x rows, common args, constexprs, warps) of a T GEMV."""
     nb, ptrs = _t_words(wt, ggml_type, rows)
-    grid, x2, bps, meta, warps = _t_grid([rows], nb, x, config, parts, part, counter)
+    grid, x2, bps, meta, warps = _t_grid([rows], nb, x, config, parts, part, counter, use_pdl)
     return grid, ptrs, x2, (nb, bps), {**meta, "TYPE": ggml_type}, warps
 
 
@@ -280,13 +280,15 @@ def _q8_in(xq, ggml_type: int, x2: torch.Tensor):
 
 def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: torch.Tensor,
            part: torch.Tensor, counter: torch.Tensor, bias: torch.Tensor | None = None,
-           config: tuple[int, int, int] | None = None, xq=None) -> torch.Tensor:
+           config: tuple[int, int, int] | None = None, xq=None,
+           use_pdl: bool = True) -> torch.Tensor:
     """y[M, rows] = x[M, cols] @ W^T (+ bias) for W in the T layout ``wt`` (from ``repack``).
     ``part``: float32 scratch (>= M x splits x rows, spec/launch.py ``scratch``);
     ``counter``: int32 zeros (>= M x row tiles), left zero. No allocation. ``xq``: x's int8
-    copy (q, d, s of kernels/q8x.py), which the matrix multiplies by dp4a when M = 1."""
+    copy (q, d, s of kernels/q8x.py), which the matrix multiplies by dp4a when M = 1.
+    ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py)."""
     grid, ptrs, x2, (nb, bps), meta, warps = _t_launch(wt, ggml_type, rows, x, config, 1, part,
-                                                       counter)
+                                                       counter, use_pdl)
     q, d, s, use = _q8_in(xq, ggml_type, x2)
     y = out.view(x2.shape[0], rows)
     _gemv_t_kernel[grid](*ptrs, x2, q, d, s, y, bias if bias is not None else y, part, counter,
@@ -298,18 +300,18 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
 def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
                x: torch.Tensor, out: torch.Tensor, part: torch.Tensor, counter: torch.Tensor,
                act: str = "silu", config: tuple[int, int, int] | None = None,
-               paired: bool = True, xq=None, out_q=None) -> torch.Tensor:
+               paired: bool = True, xq=None, out_q=None, use_pdl: bool = True) -> torch.Tensor:
     """act(x @ gate^T) * (x @ up^T) [M, rows] for gate and up in the T layout, one launch.
     ``part`` >= M x 2 x splits x rows floats. Q4_K reads gate and up words in the same steps
     (``paired=False``: one matrix after the other, for comparison). ``xq`` as in ``gemv_t``;
     ``out_q``: (q, d, s) to receive the int8 copy of the output too (M = 1, rows a multiple
-    of 32), the input of the next GEMV."""
+    of 32), the input of the next GEMV. ``use_pdl`` as in ``gemv_t``."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     config = config or T_GLU_CONFIG
     grid, gp, x2, (nb, bps), meta, warps = _t_launch(gate, ggml_type, rows, x, config, 2, part,
-                                                     counter)
-    _, up_p, _, _, _, _ = _t_launch(up, ggml_type, rows, x, config, 2, part, counter)
+                                                     counter, use_pdl)
+    _, up_p, _, _, _, _ = _t_launch(up, ggml_type, rows, x, config, 2, part, counter, use_pdl)
     q, d, s, use = _q8_in(xq, ggml_type, x2)
     if out_q is not None and (x2.shape[0] != 1 or rows % 32 or config[0] % 32
                               or not q8x.fits(out_q, rows)):
@@ -325,10 +327,12 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
 
 def gemv_t3(mats: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, out: torch.Tensor,
             part: torch.Tensor, counter: torch.Tensor, biases: list[torch.Tensor] | None = None,
-            config: tuple[int, int, int] | None = None, xq=None) -> torch.Tensor:
+            config: tuple[int, int, int] | None = None, xq=None,
+            use_pdl: bool = True) -> torch.Tensor:
     """Three GEMVs of the same x (q, k, v) in one launch, outputs side by side in ``out``
     [M, n1 + n2 + n3]: ``mats`` is three (T weight, type, rows), each its own type. ``part``
-    >= M x splits x (n1 + n2 + n3) floats; ``counter``, ``biases``, ``xq`` as in ``gemv_t``."""
+    >= M x splits x (n1 + n2 + n3) floats; ``counter``, ``biases``, ``xq``, ``use_pdl`` as in
+    ``gemv_t``."""
     if len(mats) != 3 or (biases is not None and len(biases) != 3):
         raise ValueError("gemv_t3 takes three matrices (and three biases or none)")
     words = [_t_words(wt, t, r) for wt, t, r in mats]
@@ -336,7 +340,7 @@ def gemv_t3(mats: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, out: tor
     if any(w[0] != nb for w in words):
         raise ValueError("gemv_t3's matrices must have the same number of columns")
     rows = [r for _, _, r in mats]
-    grid, x2, bps, meta, warps = _t_grid(rows, nb, x, config, 1, part, counter)
+    grid, x2, bps, meta, warps = _t_grid(rows, nb, x, config, 1, part, counter, use_pdl)
     y = out if out.dim() == 2 else out.view(x2.shape[0], -1)
     if y.shape != (x2.shape[0], sum(rows)) or y.stride(1) != 1:
         raise ValueError("out must hold the three outputs side by side")

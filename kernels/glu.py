@@ -35,8 +35,9 @@ def _glu_kernel(g_ptr, u_ptr, y_ptr, n, F, stride_g, stride_u, stride_y,
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, act: str = "silu",
-        out: torch.Tensor | None = None) -> torch.Tensor:
-    """act(gate) * up for gate, up [T, F] (rows may be views of a fused [T, 2F] tensor)."""
+        out: torch.Tensor | None = None, use_pdl: bool = True) -> torch.Tensor:
+    """act(gate) * up for gate, up [T, F] (rows may be views of a fused [T, 2F] tensor).
+    ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py)."""
     f = gate.shape[-1]
     g2, u2 = gate.reshape(-1, f), up.reshape(-1, f)
     y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device) if out is None \
@@ -44,7 +45,8 @@ def glu(gate: torch.Tensor, up: torch.Tensor, act: str = "silu",
     block = min(4096, triton.next_power_of_2(f))
     grid = (g2.shape[0], triton.cdiv(f, block))
     _glu_kernel[grid](g2, u2, y, g2.shape[0], f, g2.stride(0), u2.stride(0), y.stride(0),
-                      GELU=act == "gelu", BLOCK=block, num_warps=4, **pdl.opts(y))
+                      GELU=act == "gelu", BLOCK=block, num_warps=4,
+                      **pdl.opts(y, use_pdl))
     return y.view(gate.shape) if out is None else out
 
 

@@ -68,14 +68,16 @@ def _q8_roundtrip_kernel(x_ptr, stride_t, stride_h, D: tl.constexpr,
     tl.store(p, (q * dh[:, None]).to(x_ptr.dtype.element_ty))
 
 
-def q8_roundtrip_(x: torch.Tensor) -> torch.Tensor:
+def q8_roundtrip_(x: torch.Tensor, use_pdl: bool = True) -> torch.Tensor:
     """x [T, heads, head_dim] in place: the values a q8_0 cache gives back for it (a prefill
-    chunk attends its own keys as the cache holds them, like the CPU engine and llama.cpp)."""
+    chunk attends its own keys as the cache holds them, like the CPU engine and llama.cpp).
+    ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py)."""
     t, h, d = x.shape
     if x.stride(2) != 1 or d % 32:
         raise ValueError("q8_roundtrip_ needs contiguous head dims of whole 32-value blocks")
     _q8_roundtrip_kernel[(t, h)](x, x.stride(0), x.stride(1), D=d,
-                                 num_warps=1 if d <= 128 else 2, **pdl.opts(x))
+                                 num_warps=1 if d <= 128 else 2,
+                                 **pdl.opts(x, use_pdl))
     return x
 
 
@@ -93,10 +95,11 @@ def _views(cache: torch.Tensor):
 
 
 def kv_store(src: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, cells: int,
-             src2: torch.Tensor | None = None, cache2: torch.Tensor | None = None) -> None:
+             src2: torch.Tensor | None = None, cache2: torch.Tensor | None = None,
+             use_pdl: bool = True) -> None:
     """Store src [T, n_kv_heads, head_dim] at cells positions % cells of ``cache`` (f16
     [cells, n_kv_heads, head_dim], or uint8 q8_0 blocks); with src2/cache2 (the values) too,
-    in the same launch."""
+    in the same launch. ``use_pdl`` as in ``q8_roundtrip_``."""
     t, kvh, d = src.shape
     q8 = cache.dtype == torch.uint8
     pair = src2 is not None
@@ -105,7 +108,7 @@ def kv_store(src: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, ce
     _kv_store_kernel[(t, kvh, 2 if pair else 1)](
         src, positions, *_views(cache), s2, *_views(c2), cells, kvh, src.stride(0),
         src.stride(1), s2.stride(0), s2.stride(1), D=d, Q8=q8, num_warps=1 if d <= 128 else 2,
-        **pdl.opts(cache))
+        **pdl.opts(cache, use_pdl))
 
 
 def kv_store_ref(src: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, cells: int,

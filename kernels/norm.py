@@ -32,11 +32,11 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, s
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-            q8=None) -> torch.Tensor:
+            q8=None, use_pdl: bool = True) -> torch.Tensor:
     """y = rmsnorm(x + residual) * weight over the last dim. With ``residual`` [T, H] the sum
     x + residual is also written back into ``residual`` (the residual stream moves on).
     ``q8``: (q, d, s) buffers (kernels/q8x.py) that also get y's int8 copy (one row, H a
-    multiple of 32)."""
+    multiple of 32). ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py)."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
     y = torch.empty_like(x2) if out is None else out.view(-1, h)
@@ -48,7 +48,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rmsnorm_kernel[(x2.shape[0],)](x2, r, weight, y, q, d, s, h, eps, x2.stride(0),
                                    r.stride(0), y.stride(0), HAS_RES=residual is not None,
                                    BLOCK=block, Q8=q8 is not None,
-                                   num_warps=8 if block >= 4096 else 4, **pdl.opts(y))
+                                   num_warps=8 if block >= 4096 else 4,
+                                   **pdl.opts(y, use_pdl))
     return y.view(x.shape) if out is None else out
 
 
@@ -84,15 +85,17 @@ def _post_rmsnorm_kernel(x_ptr, res_ptr, wp_ptr, w_ptr, y_ptr, H, eps, stride_x,
 
 
 def rmsnorm_post(x: torch.Tensor, post_weight: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                 residual: torch.Tensor, out: torch.Tensor, use_pdl: bool = True) -> torch.Tensor:
     """Gemma's sandwich norm and the next pre-norm in one launch: residual += rmsnorm(x) *
-    post_weight, then out = rmsnorm(residual) * weight. x, residual, out [T, H]."""
+    post_weight, then out = rmsnorm(residual) * weight. x, residual, out [T, H]. ``use_pdl``
+    as in ``rmsnorm``."""
     h = x.shape[-1]
     x2, r, y = x.view(-1, h), residual.view(-1, h), out.view(-1, h)
     block = triton.next_power_of_2(h)
     _post_rmsnorm_kernel[(x2.shape[0],)](x2, r, post_weight, weight, y, h, eps, x2.stride(0),
                                         r.stride(0), y.stride(0), BLOCK=block,
-                                        num_warps=8 if block >= 4096 else 4, **pdl.opts(y))
+                                        num_warps=8 if block >= 4096 else 4,
+                                        **pdl.opts(y, use_pdl))
     return out
 
 
@@ -122,16 +125,17 @@ def _heads_kernel(x_ptr, wq_ptr, wk_ptr, n_q, n_heads, eps, stride_t, stride_h,
 
 
 def rmsnorm_heads(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_q: int,
-                  eps: float) -> torch.Tensor:
+                  eps: float, use_pdl: bool = True) -> torch.Tensor:
     """Per-head RMSNorm in place (qwen3/gemma3 q/k norm): x [T, n_heads, head_dim] with the
-    first ``n_q`` heads normed by q_weight [head_dim], the rest by k_weight; one launch."""
+    first ``n_q`` heads normed by q_weight [head_dim], the rest by k_weight; one launch.
+    ``use_pdl`` as in ``rmsnorm``."""
     t, nh, d = x.shape
     if x.stride(2) != 1:
         raise ValueError("rmsnorm_heads needs the head dim contiguous")
     bh = min(16, triton.next_power_of_2(nh))
     _heads_kernel[(t, triton.cdiv(nh, bh))](x, q_weight, k_weight, n_q, nh, eps, x.stride(0),
                                             x.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d),
-                                            BLOCK_H=bh, num_warps=4, **pdl.opts(x))
+                                            BLOCK_H=bh, num_warps=4, **pdl.opts(x, use_pdl))
     return x
 
 

@@ -8,14 +8,13 @@ finished and its writes are visible) and only then read what it wrote. In a CUDA
 
 Every kernel that takes ``PDL`` calls ``start(PDL)`` before its first read of another
 kernel's output, and writes nothing before it; what no kernel writes (a norm's weights) may be
-read before it. Off under the interpreter, on GPUs below
-sm_90, and with ``CARVE_PDL=0``.
+read before it. Off under the interpreter, on GPUs below sm_90, and where the caller passes
+``use_pdl=False`` (every kernel wrapper takes it; the engine passes its RunnerOptions.pdl).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -27,18 +26,18 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def enabled(t: torch.Tensor) -> bool:
-    """PDL for kernels writing ``t``: a CUDA tensor on sm_90+, unless CARVE_PDL=0."""
-    if not t.is_cuda or os.environ.get("CARVE_PDL", "1") == "0":
+def enabled(t: torch.Tensor, use_pdl: bool) -> bool:
+    """PDL for kernels writing ``t``: asked for, and ``t`` a CUDA tensor on sm_90+."""
+    if not use_pdl or not t.is_cuda:
         return False
     return _capable(t.device.index if t.device.index is not None
                     else torch.cuda.current_device())
 
 
-def opts(t: torch.Tensor) -> dict:
+def opts(t: torch.Tensor, use_pdl: bool) -> dict:
     """The ``PDL`` constexpr and launch option for a kernel writing ``t`` (no launch option
     when off: the interpreter knows none)."""
-    return {"PDL": True, "launch_pdl": True} if enabled(t) else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if enabled(t, use_pdl) else {"PDL": False}
 
 
 @triton.jit

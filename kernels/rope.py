@@ -96,9 +96,10 @@ def _rope_store_kernel(x_ptr, v_ptr, pos_ptr, kc, kc8, kch, vc, vc8, vch, cells,
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float, neox: bool,
-         freq_scale: float = 1.0) -> torch.Tensor:
+         freq_scale: float = 1.0, use_pdl: bool = True) -> torch.Tensor:
     """Rotate x [T, n_heads, head_dim] in place by positions [T] (int32, on x's device, so a
-    captured decode graph reads the new position each step)."""
+    captured decode graph reads the new position each step). ``use_pdl``: launch with PDL
+    where the GPU has it (kernels/pdl.py)."""
     t, nh, d = x.shape
     if x.stride(2) != 1:
         raise ValueError("rope needs the head dim contiguous")
@@ -106,7 +107,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float, neox: bool,
     grid = (t, triton.cdiv(nh, bh))
     _rope_kernel[grid](x, positions, x.stride(0), x.stride(1), nh, math.log2(base), freq_scale,
                        D=d, HALF=d // 2, NEOX=neox, BLOCK_H=bh, num_warps=4,
-                       **pdl.opts(x))
+                       **pdl.opts(x, use_pdl))
     return x
 
 
@@ -117,10 +118,11 @@ def can_fuse_store(neox: bool, k_cache: torch.Tensor, head_dim: int) -> bool:
 
 def rope_store(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, base: float,
                neox: bool, freq_scale: float, n_q: int, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, cells: int) -> None:
+               v_cache: torch.Tensor, cells: int, use_pdl: bool = True) -> None:
     """Decode's rotation and cache store in one launch: qk [T, n_q + n_kv, head_dim] (q heads
     then k heads) rotated in place, the rotated keys and v [T, n_kv, head_dim] stored at cells
-    positions % cells of the caches (as kernels.kv_cache.kv_store lays them out)."""
+    positions % cells of the caches (as kernels.kv_cache.kv_store lays them out). ``use_pdl``
+    as in ``rope``."""
     t, nh, d = qk.shape
     kvh = nh - n_q
     if qk.stride(2) != 1 or v.stride(2) != 1 or not can_fuse_store(neox, k_cache, d):
@@ -131,7 +133,7 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, base:
                              kvh, qk.stride(0), qk.stride(1), v.stride(0), v.stride(1),
                              math.log2(base), freq_scale, D=d, HALF=d // 2, NEOX=neox,
                              BLOCK_H=bh, Q8=k_cache.dtype == torch.uint8, num_warps=4,
-                             **pdl.opts(k_cache))
+                             **pdl.opts(k_cache, use_pdl))
 
 
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, base: float, neox: bool,
