@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn, Self
 
+from engine.planning.rules import KvType, Verdict
 from engine.process import protocol as p
 from engine.process.client import EngineProcess
 from engine.process.sampling_params import SamplingParams
 from spec.errors import CarveError
 
-DEFAULT_CTX = 4096
 MB = 1_000_000
 
 
@@ -36,10 +36,12 @@ def _common(parser: argparse.ArgumentParser, ctx_default: int | None) -> None:
     parser.add_argument(
         "--gpus",
         default="auto",
-        help='"auto" (every GPU here, else the CPU), "cpu", or CUDA indices "0,1"',
+        help='"auto" (every GPU here, else the CPU) or "cpu"; the rig syntax of carve plan, '
+        'whose simulated rigs ("4x24GiB") only plan',
     )
     parser.add_argument("--ctx", type=int, default=ctx_default, help="context length in tokens")
-    parser.add_argument("--kv", default="f16", choices=("f16", "q8_0"), help="KV cache type")
+    parser.add_argument("--kv", default=str(KvType.F16), choices=[str(k) for k in KvType],
+                        help="KV cache type")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the engine's log")
 
 
@@ -113,60 +115,39 @@ def read_text(arg: str) -> str:
 
 
 def pick_devices(gpus: str) -> list[Any]:
+    """The devices a command runs on, from a --gpus rig (engine.hardware.rigs.parse_rig, the
+    syntax every command takes): "auto" is every GPU here (CUDA_VISIBLE_DEVICES picks which),
+    else the CPU; "cpu" the CPU. A rig of cards to plan for ("4x24GiB") cannot run here."""
     from engine.hardware.rigs import parse_rig
 
-    text = gpus.strip().lower()
-    if text == "cpu":
-        return parse_rig("cpu")
-    live = parse_rig("auto")
-    if text in ("", "auto"):
-        return live or parse_rig("cpu")
-    try:
-        wanted = [int(x) for x in text.split(",")]
-    except ValueError:
+    devices = parse_rig(gpus)
+    if any(d.simulated for d in devices):
         raise CarveError(
-            f'--gpus: {gpus!r} is not "auto", "cpu" or CUDA indices like "0,1"'
-        ) from None
-    by_index = {d.index: d for d in live}
-    missing = [i for i in wanted if i not in by_index]
-    if missing:
-        have = ", ".join(str(i) for i in sorted(by_index)) or "none"
-        raise CarveError(f"--gpus: no GPU {missing[0]} here (CUDA indices here: {have})")
-    return [by_index[i] for i in wanted]
+            f"--gpus: {gpus!r} is a rig to plan for, not the devices here; use auto or cpu "
+            f"(carve plan MODEL --gpus {gpus} prices that rig)"
+        )
+    return devices or parse_rig("cpu")
 
 
 def build_plan(path: Path, gpus: str, ctx: int | None, kv: str, logits_rows: int = 1) -> Any:
-    """A priced Plan for the devices here (boundaries by engine/planning/split.py); CarveError naming
-    the device when it does not fit."""
+    """A priced Plan for the devices here (engine.planning.defaults.default_plan); CarveError
+    naming the device when it does not fit."""
     from engine.gguf.reader import GGUFModel
-    from engine.planning.plan import Plan
+    from engine.planning.defaults import default_plan
     from engine.planning.price import price
-    from engine.planning.split import auto_split
 
     model = GGUFModel.open(path)
-    if ctx is None:
-        arch = model.metadata.get("general.architecture", "")
-        ctx = min(DEFAULT_CTX, int(model.metadata.get(f"{arch}.context_length", DEFAULT_CTX)))
     devices = pick_devices(gpus)
-    chunk = 512
-    settings = {"ctx": ctx, "kv_type": kv, "prefill_chunk": chunk,
-                "logits_rows": min(logits_rows, chunk),
-                "act_dtype": "f32" if devices[0].is_cpu else "bf16"}  # fmt: skip
-    if len(devices) == 1:  # nothing to search: the one device runs every layer
-        arch = model.metadata.get("general.architecture", "")
-        n_layer = int(model.metadata.get(f"{arch}.block_count", 0))
-        if n_layer <= 0:
-            raise CarveError(f"{path}: no {arch}.block_count in its metadata; not a model to run")
-        plan = Plan(str(path), tuple(devices), (0, n_layer), **settings)
-    else:
-        plan = auto_split(model, devices, model_path=str(path), **settings)
+    plan = default_plan(
+        model, devices, ctx=ctx, kv_type=kv, logits_rows=logits_rows, model_path=str(path)
+    )
     layout = price(plan, model)
     for dev in layout.devices:
-        if dev.verdict == "does not fit":
+        if dev.verdict == Verdict.DOES_NOT_FIT:
             advice = f": {dev.advice}" if dev.advice else ""
             raise CarveError(
                 f"{path.name} does not fit on {dev.device.label} ({dev.device.name}) "
-                f"with --ctx {ctx}{advice}"
+                f"with --ctx {plan.ctx}{advice}"
             )
     return plan
 

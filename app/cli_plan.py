@@ -18,10 +18,17 @@ import sys
 from typing import Any, NoReturn
 
 from engine.planning.layout import Layout, human
+from engine.planning.rules import (
+    CACHE_RESERVE,
+    DEFAULT_CTX,
+    PREFILL_CHUNK,
+    TIGHT,
+    KvType,
+    Verdict,
+)
 from spec.errors import CarveError
 
 MIB = 1 << 20
-DEFAULT_CTX = 4096  # clipped to what the model was trained for
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,13 +52,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=("spread", "fewest"),
         help="--split auto: all GPUs (most headroom) or the fewest that fit",
     )
-    p.add_argument("--kv", default="f16", help="KV cache type: f16 or q8_0")
+    p.add_argument("--kv", default=str(KvType.F16), help=f"KV cache type: {' or '.join(KvType)}")
     p.add_argument(
         "--cache-reserve",
         type=int,
-        default=1024,
+        default=CACHE_RESERVE // MIB,
         metavar="MiB",
-        help="MiB kept free after everything; the dequant cache gets the rest (1024)",
+        help=f"MiB kept free after everything; the dequant cache gets the rest ({CACHE_RESERVE // MIB})",
     )
     p.add_argument(
         "--reserve",
@@ -61,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         help="MiB to leave untouched on every GPU (desktop, other apps)",
     )
     p.add_argument("--arena", default="packed", help="packed | per-tensor | chunked:N (MiB)")
-    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N")
     p.add_argument("--json", action="store_true", help="print the Layout as JSON")
     return p
 
@@ -94,31 +101,26 @@ def _split(text: str) -> tuple[int, ...] | None:
 
 
 def build_layout(args: argparse.Namespace) -> tuple[Layout, Any, str]:
-    from engine.gguf.hparams import HParams
-    from engine.planning.plan import Plan
+    from engine.planning.defaults import default_plan
     from engine.planning.price import open_model, price
-    from engine.planning.split import auto_split
 
     for name, value in (("--cache-reserve", args.cache_reserve), ("--reserve", args.reserve)):
         if value < 0:
             raise CarveError(f"{name}: must be 0 or more MiB, got {value}")
     devices, note = _devices(args.gpus, args.reserve * MIB)
     model = open_model(args.model)
-    hp = HParams.from_model(model)
-    ctx = args.ctx if args.ctx is not None else min(DEFAULT_CTX, hp.n_ctx_train or DEFAULT_CTX)
-    kw = {
-        "ctx": ctx,
-        "kv_type": args.kv,
-        "prefill_chunk": args.prefill_chunk,
-        "cache_reserve": args.cache_reserve * MIB,
-        "arena": args.arena,
-        "act_dtype": "f32" if devices[0].is_cpu else "bf16",
-    }
-    split = _split(args.split)
-    if split is None:
-        plan = auto_split(model, devices, prefer=args.prefer, model_path=args.model, **kw)
-    else:
-        plan = Plan(args.model, tuple(devices), split, **kw)
+    plan = default_plan(
+        model,
+        devices,
+        split=_split(args.split),
+        ctx=args.ctx,
+        kv_type=args.kv,
+        prefill_chunk=args.prefill_chunk,
+        cache_reserve=args.cache_reserve * MIB,
+        arena=args.arena,
+        prefer=args.prefer,
+        model_path=args.model,
+    )
     return price(plan, model), model, note
 
 
@@ -183,11 +185,9 @@ def render(layout: Layout, model: Any, note: str) -> str:
     lines.append("overhead: " + "; ".join(sorted(src)))
     verdict = layout.verdict
     lines.append(
-        "fits"
-        if verdict == "fits"
-        else "fits, but tight (< 512 MiB headroom on a device)"
-        if verdict == "tight"
-        else "does not fit"
+        f"fits, but tight (< {TIGHT // MIB} MiB headroom on a device)"
+        if verdict == Verdict.TIGHT
+        else str(verdict)
     )
     return "\n".join(lines)
 

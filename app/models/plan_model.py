@@ -11,15 +11,23 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from app.models.events import Events
+from engine.planning.rules import (
+    CACHE_RESERVE,
+    DEFAULT_CTX,
+    MIN_CTX,
+    PREFILL_CHUNK,
+    ArenaKind,
+    KvType,
+    Verdict,
+    act_dtype_for,
+    parse_arena,
+    worst_verdict,
+)
 from spec.errors import CarveError
-
-KV_TYPES = ("f16", "q8_0")
-VERDICT_RANK = {"fits": 0, "tight": 1, "does not fit": 2}
-MIN_CTX = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +55,11 @@ class PlanModel:
         self.devices: tuple[Any, ...] = ()
         self.excluded: frozenset[int] = frozenset()
         self.split: tuple[int, ...] = ()
-        self.ctx = 4096
-        self.kv_type = "f16"
-        self.prefill_chunk = 512
-        self.cache_reserve = 1 << 30
-        self.arena = "packed"
+        self.ctx = DEFAULT_CTX
+        self.kv_type = KvType.F16
+        self.prefill_chunk = PREFILL_CHUNK
+        self.cache_reserve = CACHE_RESERVE
+        self.arena = str(ArenaKind.PACKED)
         self.layout: Any = None
         self.error = ""
         self.price_ms = 0.0
@@ -183,8 +191,7 @@ class PlanModel:
             self._settings_changed()
 
     def set_kv_type(self, kv_type: str) -> None:
-        if kv_type not in KV_TYPES:
-            raise CarveError(f"KV type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
+        kv_type = KvType.parse(kv_type)
         if kv_type != self.kv_type:
             self.kv_type = kv_type
             self._settings_changed()
@@ -202,7 +209,7 @@ class PlanModel:
             self._settings_changed()
 
     def set_arena(self, arena: str) -> None:
-        check_arena(arena)
+        arena = parse_arena(arena).text
         if arena != self.arena:
             self.arena = arena
             self._settings_changed()
@@ -213,8 +220,7 @@ class PlanModel:
 
     # -- pricing -----------------------------------------------------------------------------
     def act_dtype(self, devices: tuple[Any, ...] | None = None) -> str:
-        devices = self.active_devices() if devices is None else devices
-        return "f32" if any(d.index < 0 for d in devices) else "bf16"
+        return act_dtype_for(self.active_devices() if devices is None else devices)
 
     def plan(self, **changes: Any) -> Any:
         """The Plan as edited now (with optional field overrides), or None if nothing to plan."""
@@ -222,21 +228,18 @@ class PlanModel:
         split = tuple(changes.pop("split", self.split))
         if self.gguf is None or not devices or len(split) != len(devices) + 1:
             return None
-        from engine.planning.plan import Plan
+        from engine.planning.defaults import default_plan
 
         fields = {
-            "model": str(self.gguf.paths[0]),
-            "devices": devices,
             "split": split,
             "ctx": self.ctx,
             "kv_type": self.kv_type,
             "prefill_chunk": self.prefill_chunk,
             "cache_reserve": self.cache_reserve,
             "arena": self.arena,
-            "act_dtype": self.act_dtype(devices),
         }
         fields.update(changes)
-        return Plan(**fields)
+        return default_plan(self.gguf, devices, **fields)
 
     def price_plan(self, plan: Any) -> Any:
         return self._pricer(plan, self.gguf)
@@ -254,19 +257,19 @@ class PlanModel:
         self.events.layout.emit(self.layout)
 
     def verdict(self) -> str:
-        """The worst device verdict, "" when nothing is priced."""
+        """The plan's verdict (its worst device's), "" when nothing is priced."""
         if self.layout is None:
-            return "does not fit" if self.error else ""
-        return worst_verdict(d.verdict for d in self.layout.devices)
+            return Verdict.DOES_NOT_FIT if self.error else ""
+        return self.layout.verdict
 
     def fixes(self) -> list[Fix]:
         """One-click changes that make a plan that does not fit, fit. Tried by pricing (each
         price is ~ms), so a suggested change is one the pricing model has already checked."""
-        if self.layout is None or self.verdict() != "does not fit":
+        if self.layout is None or self.verdict() != Verdict.DOES_NOT_FIT:
             return []
         fixes: list[Fix] = []
-        if self.kv_type == "f16" and self._fits(kv_type="q8_0"):
-            fixes.append(Fix("Use q8_0 KV cache", lambda: self.set_kv_type("q8_0")))
+        if self.kv_type == KvType.F16 and self._fits(kv_type=KvType.Q8_0):
+            fixes.append(Fix("Use q8_0 KV cache", lambda: self.set_kv_type(KvType.Q8_0)))
         ctx = self._largest_fitting_ctx()
         if ctx is not None:
             fixes.append(Fix(f"Set context to {ctx:,}", lambda c=ctx: self.set_ctx(c)))
@@ -281,7 +284,7 @@ class PlanModel:
             layout = self.price_plan(plan)
         except CarveError:
             return False
-        return worst_verdict(d.verdict for d in layout.devices) != "does not fit"
+        return worst_verdict(d.verdict for d in layout.devices) != Verdict.DOES_NOT_FIT
 
     def _largest_fitting_ctx(self) -> int | None:
         if not self._fits(ctx=MIN_CTX):
@@ -325,7 +328,7 @@ class PlanModel:
         with self.events.layout.blocked():
             if "ctx" in data:
                 self.set_ctx(int(data["ctx"]))
-            if data.get("kv_type") in KV_TYPES:
+            if data.get("kv_type") in tuple(KvType):
                 self.set_kv_type(data["kv_type"])
             if "prefill_chunk" in data:
                 self.set_prefill_chunk(int(data["prefill_chunk"]))
@@ -366,26 +369,3 @@ def valid_split(split: tuple[int, ...], n_layer: int, n_dev: int) -> bool:
         and split[-1] == n_layer
         and all(a < b for a, b in itertools.pairwise(split))
     )
-
-
-def worst_verdict(verdicts: Any) -> str:
-    worst = ""
-    for v in verdicts:
-        if not worst or VERDICT_RANK.get(v, 2) > VERDICT_RANK.get(worst, 2):
-            worst = v
-    return worst
-
-
-def check_arena(arena: str) -> None:
-    if arena in ("packed", "per-tensor"):
-        return
-    if arena.startswith("chunked:"):
-        size = arena.split(":", 1)[1]
-        if size.isdigit() and int(size) > 0:
-            return
-    raise CarveError(f"arena {arena!r} is not packed, per-tensor or chunked:N (N MiB, N > 0)")
-
-
-def with_free(device: Any, free: int) -> Any:
-    """A copy of a DeviceSpec with another free figure (a simulated rig's card as if idle)."""
-    return replace(device, free=free)

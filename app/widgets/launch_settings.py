@@ -18,10 +18,8 @@ from PySide6.QtWidgets import (
 )
 
 from app.models.model_summary import human_bytes
-from app.models.plan_model import KV_TYPES, MIN_CTX, PlanModel
-
-MIB = 1 << 20
-ARENAS = ("packed", "per-tensor", "chunked")
+from app.models.plan_model import PlanModel
+from engine.planning.rules import MIB, MIN_CTX, ArenaKind, ArenaMode, KvType, parse_arena
 
 
 class LaunchSettings(QWidget):
@@ -43,7 +41,7 @@ class LaunchSettings(QWidget):
         ctx_row.addWidget(self.ctx_spin)
 
         self.kv_combo = QComboBox()
-        self.kv_combo.addItems(KV_TYPES)
+        self.kv_combo.addItems(list(KvType))
         self.kv_combo.setToolTip("q8_0 stores the KV cache in 34 bytes per 32 values (about half of f16)")
 
         self.reserve_spin = QSpinBox()
@@ -55,7 +53,7 @@ class LaunchSettings(QWidget):
         self.reserve_spin.setToolTip("VRAM kept free after everything; the dequant cache gets the rest")
 
         self.arena_combo = QComboBox()
-        self.arena_combo.addItems(ARENAS)
+        self.arena_combo.addItems(list(ArenaKind))
         self.chunk_spin = QSpinBox()
         self.chunk_spin.setRange(2, 1 << 16)
         self.chunk_spin.setValue(512)
@@ -108,12 +106,13 @@ class LaunchSettings(QWidget):
         if not self._syncing:
             setter(value)
 
+    def _chunked(self) -> str:
+        return ArenaMode(ArenaKind.CHUNKED, self.chunk_spin.value() * MIB).text
+
     def _write_arena(self) -> None:
-        mode = self.arena_combo.currentText()
-        self.chunk_spin.setEnabled(mode == "chunked")
-        if mode == "chunked":
-            mode = f"chunked:{self.chunk_spin.value()}"
-        self._write(self.model.set_arena, mode)
+        kind = ArenaKind(self.arena_combo.currentText())
+        self.chunk_spin.setEnabled(kind == ArenaKind.CHUNKED)
+        self._write(self.model.set_arena, self._chunked() if kind == ArenaKind.CHUNKED else kind)
 
     def _on_settings(self) -> None:
         m = self.model
@@ -125,18 +124,18 @@ class LaunchSettings(QWidget):
             self.ctx_spin.setValue(m.ctx)
             self.kv_combo.setCurrentText(m.kv_type)
             self.reserve_spin.setValue(m.cache_reserve // MIB)
-            mode, _, size = m.arena.partition(":")
-            self.arena_combo.setCurrentText(mode)
-            if size:
-                self.chunk_spin.setValue(int(size))
-            self.chunk_spin.setEnabled(mode == "chunked")
+            mode = parse_arena(m.arena)
+            self.arena_combo.setCurrentText(mode.kind)
+            if mode.kind == ArenaKind.CHUNKED:
+                self.chunk_spin.setValue(mode.chunk // MIB)
+            self.chunk_spin.setEnabled(mode.kind == ArenaKind.CHUNKED)
             self.prefill_spin.setValue(m.prefill_chunk)
         finally:
             self._syncing = False
 
     def _update_waste(self) -> None:
-        chunked = f"chunked:{self.chunk_spin.value()}"
-        waste = self.model.rounding_by_arena(("packed", "per-tensor", chunked))
+        modes = (ArenaKind.PACKED, ArenaKind.PER_TENSOR, self._chunked())
+        waste = self.model.rounding_by_arena(tuple(str(m) for m in modes))
         if not waste:
             self.waste.setText("")
             return
