@@ -1,7 +1,7 @@
 """`carve bench`: prefill / decode tokens per second of the GPU engine, decode at growing depth,
 load GB/s and priced vs reserved bytes per device, against ceilings measured in the same run.
 
-    python -m engine.runtime.bench MODEL | --synth SHAPE [--mix q4_k_m] [--gpus N] [--compare-split]
+    python -m engine.runtime.bench MODEL | --synth SHAPE [--mix q4_k_m] [--gpus RIG] [--compare-split]
 """
 
 from __future__ import annotations
@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model", nargs="?")
     ap.add_argument("--synth", help="write and bench a synthetic model of this shape")
     ap.add_argument("--mix", default="q4_k_m")
-    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--gpus", default="",
+                    help="a rig as carve plan takes it: one stage per device it names, run on the "
+                         'GPUs here ("auto": one per GPU here); default one stage')
     ap.add_argument("--compare-split", action="store_true",
                     help="also run split in 2 stages (2 GPUs, or 2 stages on one GPU when only "
                          "one is present) and compare greedy ids with 1 stage")
@@ -163,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         depths = [int(x) for x in args.depths.split(",") if x]
         ctx = args.ctx or (max(depths) + 512 if depths else 4096)
         out: dict = {"model": path}
-        ids1 = run(path, args.gpus, ctx, args.kv, args.arena, args.tokens, depths, args.pp, out,
+        from engine.hardware.rigs import parse_rig
+
+        n_gpus = len(parse_rig(args.gpus)) if args.gpus else 1
+        ids1 = run(path, n_gpus, ctx, args.kv, args.arena, args.tokens, depths, args.pp, out,
                    args.kernels)
         _print(out)
         if args.compare_split:
