@@ -1,13 +1,20 @@
-"""GUI responsiveness figures: ``python -m benchmarks.bench_gui`` prints them (a benchmark, not a test).
+"""GUI responsiveness figures of the window, offscreen (a benchmark, not a test).
 
-- startup: ``carve`` spawned -> window shown, and -> model planned (median of 3 runs)
+    python -m benchmarks.bench_gui [--runs N]
+
+Prints one line each:
+
+- startup: ``carve`` spawned -> window shown, and -> model planned (median of N runs, default 3)
+- idle: the longest event-loop gap with nothing happening (the machine's noise)
 - drag: the longest event-loop gap while a split boundary is dragged through the view
-- streaming: the longest event-loop gap while the fake engine streams 500 tokens/s
+- streaming, streaming Markdown: the longest event-loop gap while the fake engine streams
+  500 tokens/s of plain text, then of paragraphs and code
 - polling: CPU share of one core spent by the NVML poller (4 Hz)
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -179,11 +186,17 @@ def polling(seconds: float = 10.0) -> tuple[float, int, str]:
     return poller.cpu_fraction(seconds), len(snapshot()), no_gpu_reason()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_gui", description=__doc__.splitlines()[0]
+    )
+    ap.add_argument("--runs", type=int, default=3, help="startups timed (default 3)")
+    args = ap.parse_args(argv)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     os.environ.setdefault("CARVE_CONFIG_DIR", "/tmp/carve-bench-config")
-    shown, planned = startup()
-    print(f"startup: window shown {shown:.2f} s after spawn, model planned {planned:.2f} s (median of 3)")
+    shown, planned = startup(max(1, args.runs))
+    print(f"startup: window shown {shown:.2f} s after spawn, model planned {planned:.2f} s "
+          f"(median of {max(1, args.runs)})")
 
     from PySide6.QtWidgets import QApplication
 
@@ -213,4 +226,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

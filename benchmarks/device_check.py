@@ -1,10 +1,14 @@
-"""On a GPU: check every kernel against its torch twin at real (Qwen2-7B) shapes, time the GEMV
-variants, and print each kernel's time against its floor (bytes over the measured copy rate,
-or FLOPs over the measured bf16 matmul rate).
+"""Every kernel on a GPU against its torch twin at real (Qwen2-7B) shapes, timed against its floor.
 
     python -m benchmarks.device_check [--quick | --attn] [--json FILE]
 
-Builds every input itself (random well-formed blocks), so it needs no model file and no gguf.
+Prints the measured copy rate and bf16 matmul rate, then one line per kernel (GEMV per type and
+tile, dequantize, RMSNorm, SwiGLU, RoPE, attention decode and prefill over f16 and q8_0 KV
+caches): microseconds, its floor (bytes over the copy rate, or FLOPs over the matmul rate), the
+share of the floor reached and the normalized error against the reference; then the same as a
+Markdown table and the fastest GEMV tile per type (``--json`` writes them to FILE too). Builds
+every input itself (random well-formed blocks), so it needs no model file and no gguf. Needs a
+CUDA GPU.
 """
 
 # Timed lambdas run at once inside their loop iteration (B023); a failing section is reported
@@ -39,6 +43,15 @@ def nerr(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def require_cuda(prog: str) -> bool:
+    """Whether torch sees a CUDA GPU; when not, says so in one line on stderr."""
+    if torch.cuda.is_available():
+        return True
+    print(f"error: {prog} needs a CUDA GPU and torch {torch.__version__} sees none",
+          file=sys.stderr)
+    return False
+
+
 def graph_time(fn, calls: int = 8) -> float:
     """Median seconds of one call, replayed from a CUDA graph of ``calls`` calls (the decode
     step runs from a graph too, so launch gaps are not part of a kernel's time)."""
@@ -66,11 +79,14 @@ def ceilings() -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
+    prog = "python -m benchmarks.device_check"
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one GEMV config per type")
     ap.add_argument("--attn", action="store_true", help="the attention kernels only")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", metavar="FILE", default=None, help="also write the rows to FILE")
     args = ap.parse_args(argv)
+    if not require_cuda(prog):
+        return 2
     dev = torch.cuda.get_device_properties(0)
     print(f"# {dev.name} sms={dev.multi_processor_count} torch={torch.__version__} "
           f"triton={triton.__version__}", flush=True)

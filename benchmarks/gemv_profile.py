@@ -1,13 +1,14 @@
-"""GEMV experiments on a GPU at the Qwen2-7B shapes.
+"""GEMV experiments on a GPU at Qwen2-7B and 32B shapes: tiles, bodies, fused and T launches.
 
     python -m benchmarks.gemv_profile [--probes | --ncu | --tlayout [--quick] [--glu] | --q8x | --qkv]
 
 With no option: the Q4_K storage-order body (bf16 x) over a sweep of tiles against the generic
 walk (float32 x), Q6_K over its tiles, then the fused launches (gate/up + GLU, q/k/v) against the
 separate ones. ``--probes``: where the Q4_K GEMV's time goes (its loads alone, x in float32);
-``--ncu``: a short run for the profiler; ``--tlayout``: the T-layout GEMV (kernels/gemv_t.py)
-against the GGUF-layout one at 7B, 32B and head shapes; ``--q8x``: float x against int8 x;
-``--qkv``: q/k/v in one launch, GGUF order against T.
+``--ncu``: a short run for the profiler; ``--tlayout``: the T-layout gate/up launch over its
+tiles, then the T-layout GEMV (kernels/gemv_t.py) against the GGUF-layout one at 7B, 32B and head
+shapes (``--glu``: the gate/up launch only; ``--quick``: the default T tile only); ``--q8x``: the
+T GEMVs on float x against int8 x; ``--qkv``: q/k/v in one launch, GGUF order against T.
 
 Prints one line per variant: microseconds per call, GB/s of weight bytes read and the normalized
 error against the reference. Times are replays of a CUDA graph of 8 calls with four weight copies
@@ -19,13 +20,13 @@ cycled (no L2 hits). Needs a CUDA GPU.
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 import triton
 import triton.language as tl
 
-from benchmarks.device_check import ROTATE, graph_time, nerr
+from benchmarks.device_check import ROTATE, graph_time, nerr, require_cuda
 from kernels import glu, quant_matmul
 from kernels.random_blocks import random_weight
 from spec import quant_types as qt
@@ -166,7 +167,7 @@ T_SHAPES = [(qt.Q4_K, s) for s in (*SHAPES, (27648, 5120), (5120, 27648), (3584,
                               (152064, 5120))]
 
 
-def _tlayout(g: torch.Generator) -> None:
+def _tlayout(g: torch.Generator, quick: bool) -> None:
     """The T-layout GEMV (kernels/gemv_t.py) against the GGUF-layout one, same data."""
     from kernels import gemv_t
 
@@ -185,7 +186,7 @@ def _tlayout(g: torch.Generator) -> None:
         sec = graph_time(lambda i=0: quant_matmul.gemv(ws[i % ROTATE], t, x, out=y))
         print(f"{name} gguf layout {quant_matmul.gemv_config(t, *s)}: {sec * 1e6:.1f} us "
               f"{nb / sec / 1e9:.0f} GB/s err {err:.1e}", flush=True)
-        for cfg in [gemv_t.T_CONFIG] if "--quick" in sys.argv else T_CONFIGS:
+        for cfg in [gemv_t.T_CONFIG] if quick else T_CONFIGS:
             try:
                 gemv_t.gemv_t(wts[0], t, s[0], x, y, part, cnt, config=cfg)
                 err = nerr(y.float(), ref)
@@ -307,20 +308,30 @@ def _qkv(g: torch.Generator) -> None:
         print(line, flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    prog = "python -m benchmarks.gemv_profile"
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--probes", action="store_true", help="where the Q4_K GEMV's time goes")
+    what.add_argument("--ncu", action="store_true", help="a short run for the profiler")
+    what.add_argument("--tlayout", action="store_true", help="T-layout GEMVs against GGUF layout")
+    what.add_argument("--q8x", action="store_true", help="the T GEMVs on float x against int8 x")
+    what.add_argument("--qkv", action="store_true", help="q/k/v in one launch, GGUF order and T")
+    ap.add_argument("--quick", action="store_true", help="with --tlayout: the default T tile only")
+    ap.add_argument("--glu", action="store_true", help="with --tlayout: the gate/up launch only")
+    args = ap.parse_args(argv)
+    if not require_cuda(prog):
+        return 2
     g = torch.Generator(device="cuda").manual_seed(7)
-    if "--q8x" in sys.argv:
+    if args.q8x:
         _q8x(g)
-        return
-    if "--qkv" in sys.argv:
+    elif args.qkv:
         _qkv(g)
-        return
-    if "--tlayout" in sys.argv:
+    elif args.tlayout:
         _tglu(g)
-        if "--glu" not in sys.argv:
-            _tlayout(g)
-        return
-    if "--ncu" in sys.argv:
+        if not args.glu:
+            _tlayout(g, args.quick)
+    elif args.ncu:
         for t in (qt.Q4_K, qt.Q6_K):
             w = random_weight(t, 3584, 18944, "cuda", g)
             x = torch.randn(1, 18944, device="cuda", generator=g)
@@ -328,13 +339,13 @@ def main() -> None:
             for _ in range(2):
                 quant_matmul.gemv(w, t, x, out=y)
         torch.cuda.synchronize()
-        return
-    if "--probes" in sys.argv:
+    elif args.probes:
         _probes(g)
-        return
-    _sweep(g)
-    _fused(g)
+    else:
+        _sweep(g)
+        _fused(g)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
