@@ -21,6 +21,7 @@ from app.models.device_board import short_gpu_name
 from app.models.model_summary import human_bytes
 from app.models.plan_model import PlanModel
 from app.theme import Theme, stage_color
+from engine.planning.rules import Verdict
 
 COLUMNS = (
     ("Device", None),
@@ -139,7 +140,7 @@ class FitCheck(QWidget):
                 f"<b>{verdict.capitalize()}</b> — tightest headroom {human_bytes(worst)}")
         self.timing.setText(f"priced in {m.price_ms:.2f} ms" if layout is not None else "")
         notes = [f"<b>{'CPU' if d.device.index < 0 else f'GPU {d.device.index}'}:</b> {d.advice}"
-                 for d in rows if d.advice and d.verdict != "fits"]
+                 for d in rows if d.advice and d.verdict != Verdict.FITS]
         self.advice.setText("<br>".join(notes))
         self.advice.setVisible(bool(notes))
         self._fix_timer.start()

@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
 
 from app.models.load_progress import LoadProgress
 from app.models.model_summary import human_bytes
+from engine.planning.rules import Verdict
 
 
 class LaunchBar(QWidget):
@@ -111,7 +112,7 @@ class LaunchBar(QWidget):
         self.report.hide()
 
     def can_launch(self) -> bool:
-        return bool(self.verdict) and (self.verdict != "does not fit" or self.override.isChecked())
+        return bool(self.verdict) and (self.verdict != Verdict.DOES_NOT_FIT or self.override.isChecked())
 
     def _update(self) -> None:
         state = self.engine_state
@@ -120,7 +121,7 @@ class LaunchBar(QWidget):
         self.progress.setVisible(loading)
         self.cancel_button.setVisible(loading)
         self.unload_button.setVisible(loaded)
-        self.override.setVisible(self.verdict == "does not fit" and not loading)
+        self.override.setVisible(self.verdict == Verdict.DOES_NOT_FIT and not loading)
         self.launch_button.setEnabled(not loading and self.can_launch())
         self.launch_button.setText("Relaunch" if loaded else "Launch")
         if loading:
@@ -129,7 +130,7 @@ class LaunchBar(QWidget):
             text = "Model loaded — chat on the Chat tab"
         elif self.message:
             text = self.message
-        elif self.verdict == "does not fit":
+        elif self.verdict == Verdict.DOES_NOT_FIT:
             text = "A GPU does not fit this plan: apply a fix above, or tick “Launch anyway”."
         elif self.verdict:
             text = f"Plan {self.verdict} — ready to launch"

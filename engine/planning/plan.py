@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.hardware.devices import DeviceSpec
-from engine.planning.rules import CACHE_RESERVE, PREFILL_CHUNK, KvType, parse_arena
+from engine.planning.rules import CACHE_RESERVE, PREFILL_CHUNK, ArenaKind, KvType, parse_arena
 from spec.errors import CarveError
 
 ACT_DTYPES = ("f32", "bf16", "f16")
@@ -30,7 +30,7 @@ class Plan:
     kv_type: KvType = KvType.F16
     prefill_chunk: int = PREFILL_CHUNK
     cache_reserve: int = CACHE_RESERVE  # bytes kept free; the dequant cache gets the rest
-    arena: str = "packed"  # "packed" | "per-tensor" | "chunked:N" (N MiB)
+    arena: str = ArenaKind.PACKED.value  # "packed" | "per-tensor" | "chunked:N" (N MiB)
     act_dtype: str = "f32"  # CPU "f32"; GPU "bf16"
     # Rows of logits the last stage keeps: 1 for chat (last token only), prefill_chunk for
     # perplexity (every position). Sizes buf.logits.
