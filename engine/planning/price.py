@@ -4,6 +4,10 @@ Terms per stage, in the order the engine allocates them (DESIGN.md "The one rule
 weights of its layers (the carve) · globals · KV cache · activation buffers · dequant cache,
 plus the runtime overhead (calibration) and the allocator's rounding (arena mode).
 
+The pipeline: what each stage needs (`carve`, `buffers`, gathered per stage by `stage`) -> how
+it is arranged in memory (`arena`, `layout`) -> here, the dequant cache from what is left and
+the verdict (`rules.Verdict`) -> `advice` for a stage that does not fit. Nothing below calls up.
+
 Pricing runs while a user drags a boundary, so everything that depends only on the model is
 computed once per model (`model_index`), and stages are cached by their inputs: moving one
 boundary re-prices only the two stages beside it.
