@@ -12,7 +12,7 @@ SUBCOMMANDS = {
     "tokenize": "app.cli_chat",
     "perplexity": "app.cli_chat",
     "demo": "app.cli_demo",
-    "bench": "app.cli_torch",
+    "bench": "app.cli_bench",
     "gen": "app.cli_gen",
 }
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 
-def test_cli_torch_does_not_import_torch():
-    code = "import sys, app.cli_torch; print('torch' in sys.modules)"
+def test_cli_bench_does_not_import_torch():
+    code = "import sys, app.cli_bench; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
