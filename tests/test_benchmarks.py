@@ -1,6 +1,7 @@
 """The lab cannot rot silently: every module in benchmarks/ imports, answers
 ``python -m benchmarks.NAME --help`` with exit 0 on a machine without a GPU, documents its command
-line, and is listed in benchmarks/README.md; the GPU-only ones refuse in one line without CUDA.
+line, and is listed in benchmarks/README.md (its shell scripts too); the GPU-only ones refuse
+in one line without CUDA.
 
 One child process runs every module as ``-m`` would (``runpy``, ``__main__``), so torch and triton
 are imported once for all of them."""
@@ -79,4 +80,6 @@ def test_readme_lists_every_benchmark_and_carve_bench():
     readme = (ROOT / "benchmarks" / "README.md").read_text()
     for name in MODULES:
         assert f"python -m benchmarks.{name}" in readme, f"benchmarks/README.md lacks {name}"
+    for script in (ROOT / "benchmarks").glob("*.sh"):
+        assert f"benchmarks/{script.name}" in readme, f"benchmarks/README.md lacks {script.name}"
     assert "carve bench" in readme
