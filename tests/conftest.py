@@ -15,8 +15,9 @@ and each test gets an empty config folder (XDG_CONFIG_HOME: presets, calibration
 pricing never reads a calibration measured on this machine.
 
 Random inputs are fresh each run and replayable: the session draws one number, or takes
-``CARVE_TEST_SEED``, and each test's seed is that number mixed with the test's id. A failure
-prints ``CARVE_TEST_SEED=<n>``; running the test again with it set draws the same inputs.
+``CARVE_TEST_SEED``, and each test's seed is that number mixed with the test's id. A failed
+test that took ``seed`` prints ``CARVE_TEST_SEED=<n>``; run again with it set, it draws the same
+inputs.
 
 Where there is no GPU the Triton kernels run under the interpreter: Triton decides interpreter
 vs compiler when a kernel is decorated (module import), so TRITON_INTERPRET is set here, before

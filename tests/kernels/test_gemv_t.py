@@ -1,5 +1,6 @@
 """The T-layout GEMV (kernels/gemv_t.py) against the torch reference on the GGUF bytes it was
-repacked from: fresh random shapes and inputs each run, outputs poisoned with NaN, split and
+repacked from: fresh random shapes and inputs each run (the seed is printed on failure), errors
+against the products' magnitudes (reference_check.py), outputs poisoned with NaN, split and
 unsplit rows, both bodies; the splits' sums buffer poisoned too (read only where written),
 counters left at zero, and split sums that repeat bit for bit."""
 
@@ -7,25 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr
 
 from kernels import gemv_t, glu, q8x, quant_matmul
 from kernels.random_blocks import random_weight
 from spec import launch
 from spec import quant_types as qt
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _gen() -> torch.Generator:
-    g = torch.Generator(device=DEVICE)
-    g.seed()
-    return g
-
-
-def _nerr(y: torch.Tensor, ref: torch.Tensor) -> float:
-    assert torch.isfinite(y).all(), "kernel left non-finite values (unwritten or NaN)"
-    ref = ref.double()
-    return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _rand(g, lo, hi):
@@ -36,8 +24,8 @@ TYPES = [qt.Q4_K, qt.Q6_K]
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
-def test_repack_is_a_permutation_of_the_bytes(ggml_type):
-    g = _gen()
+def test_repack_is_a_permutation_of_the_bytes(ggml_type, seed):
+    g = generator(seed)
     rows, nb = _rand(g, 1, 40), _rand(g, 1, 5)
     bb, wd = gemv_t.BLOCK_BYTES[ggml_type], gemv_t.WORDS[ggml_type]
     w = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
@@ -63,8 +51,8 @@ def test_repack_is_a_permutation_of_the_bytes(ggml_type):
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=str)
-def test_gemv_t_matches_reference(ggml_type, split, xdtype):
-    g = _gen()
+def test_gemv_t_matches_reference(ggml_type, split, xdtype, seed):
+    g = generator(seed)
     m = _rand(g, 1, 3)
     rows = _rand(g, 1, 70)
     nb = _rand(g, 1, 4)
@@ -81,12 +69,13 @@ def test_gemv_t_matches_reference(ggml_type, split, xdtype):
     out = torch.full((m, rows), float("nan"), device=DEVICE)
     gemv_t.gemv_t(wt, ggml_type, rows, x, out, part, counter, bias=bias, config=config)
     ref = quant_matmul.gemv_ref(w, ggml_type, x.float(), bias=bias)
-    assert _nerr(out, ref) < 1e-5
+    scale = gemv_scale(w, ggml_type, x, bias)
+    assert nerr(out, ref, scale) < 1e-5
     assert not counter.any()  # left ready for the next call
     # and the twin computes the same from the repacked bytes
     twin = torch.empty_like(out)
     gemv_t.gemv_t_ref(wt, ggml_type, rows, x.float(), twin, part, counter, bias=bias)
-    assert _nerr(twin, ref) < 1e-6
+    assert nerr(twin, ref, scale) < 1e-6
 
 
 def test_split_count_covers_the_blocks():
@@ -100,9 +89,9 @@ def test_split_count_covers_the_blocks():
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("paired", [True, False])
-def test_gemv_t_glu_matches_reference(ggml_type, act, split, paired):
+def test_gemv_t_glu_matches_reference(ggml_type, act, split, paired, seed):
     # paired: Q4_K's gate and up in the same steps (bf16 x); else one after the other (f32 x)
-    g = _gen()
+    g = generator(seed)
     m, rows, nb = _rand(g, 1, 3), _rand(g, 1, 50), _rand(g, 1, 4)
     gate = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
     up = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
@@ -116,18 +105,20 @@ def test_gemv_t_glu_matches_reference(ggml_type, act, split, paired):
     gemv_t.gemv_t_glu(gemv_t.repack(gate, ggml_type), gemv_t.repack(up, ggml_type), ggml_type,
                       rows, x, out, part, counter, act,
                       config=(32, 1, tiles * (nb if split else 1)), paired=paired)
-    ref = glu.glu_ref(quant_matmul.gemv_ref(gate, ggml_type, x.float()),
-                      quant_matmul.gemv_ref(up, ggml_type, x.float()), act)
-    assert _nerr(out, ref) < 1e-5
+    g_ref = quant_matmul.gemv_ref(gate, ggml_type, x.float())
+    u_ref = quant_matmul.gemv_ref(up, ggml_type, x.float())
+    scale = glu_scale(g_ref, u_ref, act, gemv_scale(gate, ggml_type, x),
+                      gemv_scale(up, ggml_type, x))
+    assert nerr(out, glu.glu_ref(g_ref, u_ref, act), scale) < 1e-5
     assert not counter.any()
 
 
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("int8_x", [True, False])
-def test_gemv_t3_matches_three_reference_gemvs(split, int8_x):
+def test_gemv_t3_matches_three_reference_gemvs(split, int8_x, seed):
     # q, k, v of the same x in one launch: each its own random type and row count (so the row
     # tiles of one matrix end mid-tile and the next starts a fresh one), outputs side by side
-    g = _gen()
+    g = generator(seed)
     m = 1 if int8_x else _rand(g, 1, 3)
     nb = _rand(g, 1, 4)
     types = [TYPES[_rand(g, 0, 2)] for _ in range(3)]
@@ -145,20 +136,22 @@ def test_gemv_t3_matches_three_reference_gemvs(split, int8_x):
     out = torch.full((m, sum(rows)), float("nan"), device=DEVICE)
     gemv_t.gemv_t3([(gemv_t.repack(w, t), t, r) for w, t, r in zip(ws, types, rows)], x, out,
                    part, counter, biases, config=(32, 1, tiles * (nb if split else 1)), xq=xq)
-    ref = torch.cat([quant_matmul.gemv_ref(w, t, xr, bias=None if biases is None else b)
-                     for w, t, b in zip(ws, types, biases or [None] * 3)], dim=1)
+    bs = biases or [None] * 3
+    ref = torch.cat([quant_matmul.gemv_ref(w, t, xr, bias=b) for w, t, b in zip(ws, types, bs)],
+                    dim=1)
+    scale = torch.cat([gemv_scale(w, t, xr, b) for w, t, b in zip(ws, types, bs)], dim=1)
     o = 0
     for r in rows:  # each matrix's own error: a small one must not hide behind a big one
-        assert _nerr(out[:, o:o + r], ref[:, o:o + r]) < 1e-5
+        assert nerr(out[:, o:o + r], ref[:, o:o + r], scale[:, o:o + r]) < 1e-5
         o += r
     assert not counter.any()
 
 
-def test_split_sums_repeat_bit_for_bit():
+def test_split_sums_repeat_bit_for_bit(seed):
     # the splits' sums are added in split order, not in the order the programs finish: the
     # same input gives the same bits every call (greedy decoding repeats, split or not). On a
     # GPU a shape with many programs in flight; under the interpreter a small one
-    g = _gen()
+    g = generator(seed)
     rows, nb = (4096, 14) if DEVICE == "cuda" else (96, 3)
     w = gemv_t.repack(random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g), qt.Q4_K)
     x = torch.randn(1, 256 * nb, generator=g, device=DEVICE).to(torch.bfloat16)
@@ -173,13 +166,14 @@ def test_split_sums_repeat_bit_for_bit():
         gemv_t.gemv_t(w, qt.Q4_K, rows, x, y, part, counter, config=config)
         outs.append(y)
     assert all(torch.equal(o, outs[0]) for o in outs)
-    assert _nerr(outs[0], quant_matmul.gemv_ref(gemv_t.unpack(w, qt.Q4_K, rows), qt.Q4_K,
-                                               x.float())) < 1e-5
+    gguf_w = gemv_t.unpack(w, qt.Q4_K, rows)
+    ref = quant_matmul.gemv_ref(gguf_w, qt.Q4_K, x.float())
+    assert nerr(outs[0], ref, gemv_scale(gguf_w, qt.Q4_K, x)) < 1e-5
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
-def test_unpack_rows_gives_the_gguf_rows_back(ggml_type):
-    g = _gen()
+def test_unpack_rows_gives_the_gguf_rows_back(ggml_type, seed):
+    g = generator(seed)
     rows, nb = _rand(g, 2, 40), _rand(g, 1, 4)
     w = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
     t = gemv_t.repack(w, ggml_type)
@@ -222,8 +216,8 @@ def test_priced_split_buffers_hold_every_decode_launch(shape):
                        parts, part[: max(need) - 1], counter)
 
 
-def test_bad_buffers_and_types_are_refused():
-    g = _gen()
+def test_bad_buffers_and_types_are_refused(seed):
+    g = generator(seed)
     w = random_weight(qt.Q4_K, 64, 512, DEVICE, g)
     t = gemv_t.repack(w, qt.Q4_K)
     x = torch.randn(1, 512, device=DEVICE)

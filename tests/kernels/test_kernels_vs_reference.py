@@ -1,5 +1,6 @@
-"""Every Triton kernel against its plain-torch twin: fresh random inputs each run, outputs
-poisoned with NaN before the kernel runs (an unwritten element fails), normalized error bounds.
+"""Every Triton kernel against its plain-torch twin: fresh random inputs each run (the seed is
+printed on failure), outputs poisoned with NaN before the kernel runs (an unwritten element
+fails), normalized error bounds (reference_check.py: sums of products against their magnitudes).
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 (set before any kernel module is
 imported, see conftest.py) at tiny shapes; with one, the same tests run on it.
@@ -9,32 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr, poison
 
 from kernels import attention, glu, kv_cache, norm, quant_matmul, rope
 from kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TYPES = [qt.F16, qt.BF16, qt.Q4_0, qt.Q5_0, qt.Q8_0, qt.Q4_K, qt.Q5_K, qt.Q6_K]
-
-
-def _gen() -> torch.Generator:
-    g = torch.Generator(device=DEVICE)
-    g.seed()  # fresh inputs each run: the kernel must compute the function, not one sample
-    return g
-
-
-def _nerr(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> float:
-    """||y - ref|| over ||ref|| (or over ||scale||: a sum's error is relative to the sum of its
-    terms' magnitudes, not to a result that cancelled to near zero)."""
-    assert torch.isfinite(y).all(), "kernel left non-finite values (unwritten or NaN)"
-    ref = ref.double()
-    den = (ref if scale is None else scale.double()).norm()
-    return float((y.double() - ref).norm() / den.clamp_min(1e-30))
-
-
-def _poison(shape, dtype=torch.float32) -> torch.Tensor:
-    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
 
 
 def test_kernels_are_interpreted_without_gpu():
@@ -45,73 +27,72 @@ def test_kernels_are_interpreted_without_gpu():
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
 @pytest.mark.parametrize("m", [1, 3])
-def test_gemv_matches_reference(ggml_type, m):
-    g = _gen()
+def test_gemv_matches_reference(ggml_type, m, seed):
+    g = generator(seed)
     block = 256 if ggml_type in (qt.Q4_K, qt.Q5_K, qt.Q6_K) else 32
     rows = int(torch.randint(1, 12, (1,), generator=g, device=DEVICE))
     cols = block * int(torch.randint(1, 4, (1,), generator=g, device=DEVICE))
     w = random_weight(ggml_type, rows, cols, DEVICE, g)
     x = torch.randn(m, cols, generator=g, device=DEVICE)
-    out = _poison((m, rows))
+    out = poison((m, rows))
     quant_matmul.gemv(w, ggml_type, x, out=out)
     ref = quant_matmul.gemv_ref(w, ggml_type, x)
-    # both float32 accumulations of the same products, in different orders: their difference is
-    # bounded by the products' magnitudes (one output of a few rows can cancel to ~1e-3 of
-    # them: the CI run of 2026-11-30 measured 1.1e-5 against the result itself)
-    mag = x.abs() @ quant_matmul.dequantize_ref(w, ggml_type, torch.float32).abs().T
-    assert _nerr(out, ref, mag) < 1e-5
+    assert nerr(out, ref, gemv_scale(w, ggml_type, x)) < 1e-5
 
 
 @pytest.mark.parametrize("ggml_type", [qt.Q6_K, qt.Q8_0], ids=qt.type_name)
-def test_gemv_bias_and_both_accumulations(ggml_type):
+def test_gemv_bias_and_both_accumulations(ggml_type, seed):
     # Q6_K accumulates per element, Q8_0 sums each part over its lanes at once (LANE_SUM_TYPES)
     assert (ggml_type in quant_matmul.LANE_SUM_TYPES) == (ggml_type == qt.Q8_0)
-    g = _gen()
+    g = generator(seed)
     w = random_weight(ggml_type, 9, 512, DEVICE, g)
     x = torch.randn(2, 512, generator=g, device=DEVICE)
     bias = torch.randn(9, generator=g, device=DEVICE)
-    out = _poison((2, 9))
+    out = poison((2, 9))
     quant_matmul.gemv(w, ggml_type, x, out=out, bias=bias)
-    assert _nerr(out, quant_matmul.gemv_ref(w, ggml_type, x, bias=bias)) < 1e-5
+    ref = quant_matmul.gemv_ref(w, ggml_type, x, bias=bias)
+    assert nerr(out, ref, gemv_scale(w, ggml_type, x, bias)) < 1e-5
 
 
 @pytest.mark.parametrize("ggml_type", [qt.Q4_K, qt.Q6_K], ids=qt.type_name)
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gemv_storage_order_bodies(ggml_type, xdtype):
+def test_gemv_storage_order_bodies(ggml_type, xdtype, seed):
     # the Q4_K body that walks a block in storage order (16-bit x) and the generic walk
     # (float32 x; Q6_K's with the 2^23 integer-to-float) against the reference; row counts
     # that are not a multiple of the tile, a partial last step
-    g = _gen()
+    g = generator(seed)
     rows = int(torch.randint(1, 11, (1,), generator=g, device=DEVICE))
     cols = 256 * int(torch.randint(1, 6, (1,), generator=g, device=DEVICE))
     w = random_weight(ggml_type, rows, cols, DEVICE, g)
     x = torch.randn(2, cols, generator=g, device=DEVICE).to(xdtype)
-    out = _poison((2, rows))
+    out = poison((2, rows))
     special = ggml_type == qt.Q4_K and xdtype == torch.bfloat16
     assert quant_matmul._launch_args(w, ggml_type, x_dtype=xdtype)[1]["SPECIAL"] == special
     quant_matmul.gemv(w, ggml_type, x, out=out)
-    assert _nerr(out, quant_matmul.gemv_ref(w, ggml_type, x.float())) < 1e-5
+    ref = quant_matmul.gemv_ref(w, ggml_type, x.float())
+    assert nerr(out, ref, gemv_scale(w, ggml_type, x)) < 1e-5
 
 
 @pytest.mark.parametrize("table", ["wide", "long"])
-def test_gemv_shape_tiles_match_reference(table):
+def test_gemv_shape_tiles_match_reference(table, seed):
     # the tiles picked for many-row and long-row matrices, run at small shapes
-    g = _gen()
+    g = generator(seed)
     configs = quant_matmul.GEMV_CONFIG_WIDE if table == "wide" else quant_matmul.GEMV_CONFIG_LONG
     for ggml_type, cfg in configs.items():
         rows = int(torch.randint(1, 20, (1,), generator=g, device=DEVICE))
         w = random_weight(ggml_type, rows, 768, DEVICE, g)
         x = torch.randn(1, 768, generator=g, device=DEVICE).to(torch.bfloat16)
-        out = _poison((1, rows))
+        out = poison((1, rows))
         quant_matmul.gemv(w, ggml_type, x, out=out, config=cfg)
-        assert _nerr(out, quant_matmul.gemv_ref(w, ggml_type, x.float())) < 1e-5
+        ref = quant_matmul.gemv_ref(w, ggml_type, x.float())
+        assert nerr(out, ref, gemv_scale(w, ggml_type, x)) < 1e-5
     assert quant_matmul.gemv_config(qt.Q4_K, 18944, 3584) == quant_matmul.GEMV_CONFIG_WIDE[qt.Q4_K]
     assert quant_matmul.gemv_config(qt.Q6_K, 3584, 18944) == quant_matmul.GEMV_CONFIG_LONG[qt.Q6_K]
 
 
-def test_gemv_unaligned_weight_falls_back_to_the_generic_walk():
+def test_gemv_unaligned_weight_falls_back_to_the_generic_walk(seed):
     # a weight view that starts off the 16-byte boundary the Q4_K body's wide loads assume
-    g = _gen()
+    g = generator(seed)
     raw = random_weight(qt.Q4_K, 5, 512, DEVICE, g)
     buf = torch.empty(raw.numel() + 2, dtype=torch.uint8, device=DEVICE)
     w = buf[2:].view(5, -1)
@@ -121,113 +102,116 @@ def test_gemv_unaligned_weight_falls_back_to_the_generic_walk():
     assert quant_matmul._launch_args(raw, qt.Q4_K, x_dtype=torch.bfloat16)[1]["SPECIAL"]
     assert not quant_matmul._launch_args(raw, qt.Q4_K, x_dtype=torch.float32)[1]["SPECIAL"]
     x = torch.randn(1, 512, generator=g, device=DEVICE)
-    out = _poison((1, 5))
+    out = poison((1, 5))
     quant_matmul.gemv(w, qt.Q4_K, x, out=out)
-    assert _nerr(out, quant_matmul.gemv_ref(raw, qt.Q4_K, x)) < 1e-5
+    assert nerr(out, quant_matmul.gemv_ref(raw, qt.Q4_K, x), gemv_scale(raw, qt.Q4_K, x)) < 1e-5
 
 
 @pytest.mark.parametrize("ggml_type", [qt.Q4_K, qt.Q6_K, qt.Q8_0], ids=qt.type_name)
 @pytest.mark.parametrize("act", ["silu", "gelu"])
-def test_gemv_glu_matches_reference(ggml_type, act):
-    g = _gen()
+def test_gemv_glu_matches_reference(ggml_type, act, seed):
+    g = generator(seed)
     rows = int(torch.randint(1, 10, (1,), generator=g, device=DEVICE))
     cols = 512
     gate = random_weight(ggml_type, rows, cols, DEVICE, g)
     up = random_weight(ggml_type, rows, cols, DEVICE, g)
     x = torch.randn(1, cols, generator=g, device=DEVICE).to(torch.bfloat16)
-    out = _poison((1, rows))
+    out = poison((1, rows))
     quant_matmul.gemv_glu(gate, up, ggml_type, x, act, out=out)
     xf = x.float()
-    ref = glu.glu_ref(quant_matmul.gemv_ref(gate, ggml_type, xf),
-                      quant_matmul.gemv_ref(up, ggml_type, xf), act)
-    assert _nerr(out, ref) < 1e-5
+    g_ref = quant_matmul.gemv_ref(gate, ggml_type, xf)
+    u_ref = quant_matmul.gemv_ref(up, ggml_type, xf)
+    scale = glu_scale(g_ref, u_ref, act, gemv_scale(gate, ggml_type, xf),
+                      gemv_scale(up, ggml_type, xf))
+    assert nerr(out, glu.glu_ref(g_ref, u_ref, act), scale) < 1e-5
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_gemv3_matches_three_gemvs(with_bias):
+def test_gemv3_matches_three_gemvs(with_bias, seed):
     # q, k, v of mixed types in one launch, outputs side by side
-    g = _gen()
+    g = generator(seed)
     cols = 512
     mats = [(random_weight(t, int(torch.randint(1, 12, (1,), generator=g, device=DEVICE)),
                            cols, DEVICE, g), t) for t in (qt.Q4_K, qt.Q6_K, qt.Q8_0)]
     biases = [torch.randn(w.shape[0], generator=g, device=DEVICE) for w, _ in mats] \
         if with_bias else None
     x = torch.randn(1, cols, generator=g, device=DEVICE)
-    out = _poison((1, sum(w.shape[0] for w, _ in mats)))
+    out = poison((1, sum(w.shape[0] for w, _ in mats)))
     quant_matmul.gemv3(mats, x, out, biases)
-    ref = torch.cat([quant_matmul.gemv_ref(w, t, x, bias=biases[i] if biases else None)
-                     for i, (w, t) in enumerate(mats)], dim=1)
-    assert _nerr(out, ref) < 1e-5
+    bs = biases or [None] * len(mats)
+    ref = torch.cat([quant_matmul.gemv_ref(w, t, x, bias=b) for (w, t), b in zip(mats, bs)], dim=1)
+    scale = torch.cat([gemv_scale(w, t, x, b) for (w, t), b in zip(mats, bs)], dim=1)
+    assert nerr(out, ref, scale) < 1e-5
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
-def test_dequantize_and_embed_match_reference(ggml_type):
-    g = _gen()
+def test_dequantize_and_embed_match_reference(ggml_type, seed):
+    g = generator(seed)
     block = 256 if ggml_type in (qt.Q4_K, qt.Q5_K, qt.Q6_K) else 32
     rows, cols = 5, block * 2
     w = random_weight(ggml_type, rows, cols, DEVICE, g)
-    out = _poison((rows, cols), torch.float16)
+    out = poison((rows, cols), torch.float16)
     quant_matmul.dequantize(w, ggml_type, torch.float16, out=out)
     ref = quant_matmul.dequantize_ref(w, ggml_type, torch.float32)
-    assert _nerr(out, ref) < 1e-3  # one f16 rounding of equal float32 values
+    assert nerr(out, ref) < 1e-3  # one f16 rounding of equal float32 values
     ids = torch.randint(0, rows, (7,), generator=g, device=DEVICE)
-    emb = _poison((7, cols))
+    emb = poison((7, cols))
     quant_matmul.embed(w, ggml_type, ids, out=emb)
     assert torch.equal(emb, quant_matmul.embed_ref(w, ggml_type, ids))
 
 
-def test_prefill_matmul_uses_dequantized_weight():
-    g = _gen()
+def test_prefill_matmul_uses_dequantized_weight(seed):
+    g = generator(seed)
     w = random_weight(qt.Q4_K, 6, 256, DEVICE, g)
     x = torch.randn(4, 256, generator=g, device=DEVICE)
     y = quant_matmul.matmul(w, qt.Q4_K, x)
-    assert _nerr(y, quant_matmul.gemv_ref(w, qt.Q4_K, x)) < 1e-5
+    assert nerr(y, quant_matmul.gemv_ref(w, qt.Q4_K, x), gemv_scale(w, qt.Q4_K, x)) < 1e-5
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rmsnorm_matches_reference(with_residual):
-    g = _gen()
+def test_rmsnorm_matches_reference(with_residual, seed):
+    g = generator(seed)
     x = torch.randn(3, 96, generator=g, device=DEVICE)
     w = torch.randn(96, generator=g, device=DEVICE)
     res = torch.randn(3, 96, generator=g, device=DEVICE) if with_residual else None
     res_ref = res.clone() if with_residual else None
-    out = _poison((3, 96))
+    out = poison((3, 96))
     norm.rmsnorm(x, w, 1e-6, residual=res, out=out)
     ref = norm.rmsnorm_ref(x, w, 1e-6, residual=res_ref)
-    assert _nerr(out, ref) < 1e-5
+    assert nerr(out, ref) < 1e-5
     if with_residual:
-        assert _nerr(res, res_ref) < 1e-6
+        assert nerr(res, res_ref) < 1e-6
 
 
 @pytest.mark.parametrize("neox", [False, True])
-def test_rope_matches_reference(neox):
-    g = _gen()
+def test_rope_matches_reference(neox, seed):
+    g = generator(seed)
     x = torch.randn(3, 5, 32, generator=g, device=DEVICE)
     pos = torch.randint(0, 4000, (3,), generator=g, device=DEVICE).to(torch.int32)
     ref = rope.rope_ref(x.clone(), pos, 10000.0, neox)
     out = rope.rope(x, pos, 10000.0, neox)
     # float32 angles of positions up to 4000: the kernel's exp2/cos round at ~1e-6 relative
-    assert _nerr(out, ref) < 5e-5
+    assert nerr(out, ref) < 5e-5
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu"])
-def test_glu_matches_reference(act):
-    g = _gen()
+def test_glu_matches_reference(act, seed):
+    g = generator(seed)
     gate, up = torch.randn(2, 2, 100, generator=g, device=DEVICE).unbind(0)
-    out = _poison((2, 100))
+    out = poison((2, 100))
     glu.glu(gate, up, act, out=out)
-    assert _nerr(out, glu.glu_ref(gate, up, act)) < 1e-5
+    assert nerr(out, glu.glu_ref(gate, up, act)) < 1e-5
 
 
 def _cache(kv_type: str, cells: int, kvh: int, d: int) -> torch.Tensor:
     if kv_type == "f16":
-        return _poison((cells, kvh, d), torch.float16)
+        return poison((cells, kvh, d), torch.float16)
     return torch.zeros(cells * kvh * d // 32 * 34, dtype=torch.uint8, device=DEVICE)
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
-def test_kv_store_matches_reference(kv_type):
-    g = _gen()
+def test_kv_store_matches_reference(kv_type, seed):
+    g = generator(seed)
     cells, kvh, d = 8, 2, 64
     src = torch.randn(5, kvh, d, generator=g, device=DEVICE)
     pos = torch.tensor([3, 4, 9, 10, 13], dtype=torch.int32, device=DEVICE)
@@ -243,9 +227,9 @@ def test_kv_store_matches_reference(kv_type):
 
 
 @pytest.mark.parametrize("kv_type,neox", [("f16", True), ("f16", False), ("q8_0", True)])
-def test_rope_store_matches_rope_then_kv_store(kv_type, neox):
+def test_rope_store_matches_rope_then_kv_store(kv_type, neox, seed):
     # decode's fused rotation + cache store against the reference rope and kv_store
-    g = _gen()
+    g = generator(seed)
     cells, nq, kvh, d, t = 8, 4, 2, 64, 3
     qk = torch.randn(t, nq + kvh, d, generator=g, device=DEVICE).to(torch.bfloat16)
     v = torch.randn(t, kvh, d, generator=g, device=DEVICE).to(torch.bfloat16)
@@ -256,7 +240,7 @@ def test_rope_store_matches_rope_then_kv_store(kv_type, neox):
     a2, b2 = _cache(kv_type, cells, kvh, d), _cache(kv_type, cells, kvh, d)
     rope.rope_store(qk, v, pos, 10000.0, neox, 1.0, nq, a, a2, cells)
     kv_cache.kv_store_ref(qk[:, nq:], b, pos, cells, v, b2)  # keys as the kernel rotated them
-    assert _nerr(qk, ref_qk) < 1e-2  # bf16 rounding of the rotated values
+    assert nerr(qk, ref_qk) < 1e-2  # bf16 rounding of the rotated values
     for x, y in ((a, b), (a2, b2)):
         got = kv_cache.kv_load_ref(x, cells, kvh, d)[pos.long() % cells]
         want = kv_cache.kv_load_ref(y, cells, kvh, d)[pos.long() % cells]
@@ -264,8 +248,8 @@ def test_rope_store_matches_rope_then_kv_store(kv_type, neox):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_q8_roundtrip_matches_store_then_load(dtype):
-    g = _gen()
+def test_q8_roundtrip_matches_store_then_load(dtype, seed):
+    g = generator(seed)
     x = (torch.randn(5, 3, 64, generator=g, device=DEVICE) * 3).to(dtype)
     x[1, 2] = 0.0  # an all-zero block: d = 0
     ref = x.clone()
@@ -289,19 +273,19 @@ def _filled_cache(kv_type, cells, kvh, d, g):
 @pytest.mark.parametrize("pos,cells,window", [(37, 64, 0), (100, 64, 0), (90, 24, 24),
                                               (50, 64, 20), (300, 512, 0), (700, 256, 100)])
 @pytest.mark.parametrize("fused", [False, True], ids=["reduce-launch", "last-merges"])
-def test_attn_decode_matches_reference(kv_type, pos, cells, window, fused):
-    g = _gen()
+def test_attn_decode_matches_reference(kv_type, pos, cells, window, fused, seed):
+    g = generator(seed)
     nh, kvh, d = 6, 2, 32  # GQA group of 3
     k = _filled_cache(kv_type, cells, kvh, d, g)
     v = _filled_cache(kv_type, cells, kvh, d, g)
     q = torch.randn(nh, d, generator=g, device=DEVICE)
     positions = torch.tensor([pos], dtype=torch.int32, device=DEVICE)
-    out = _poison((nh, d))
+    out = poison((nh, d))
     counter = torch.zeros(kvh, 64, dtype=torch.int32, device=DEVICE) if fused else None
     attention.attn_decode(q, k, v, positions, kvh, cells, window, d**-0.5, out=out,
                           counter=counter)
     ref = attention.attn_decode_ref(q, k, v, positions, kvh, cells, window, d**-0.5)
-    assert _nerr(out, ref) < 5e-3  # f16 operands of the two products
+    assert nerr(out, ref) < 5e-3  # f16 operands of the two products
     if fused:  # left at zero for the next layer
         assert not counter.any()
 
@@ -309,15 +293,15 @@ def test_attn_decode_matches_reference(kv_type, pos, cells, window, fused):
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("t,pos0,cells,window", [(70, 0, 128, 0), (20, 50, 128, 0),
                                                  (40, 70, 48, 48), (33, 10, 64, 16)])
-def test_attn_prefill_matches_reference(kv_type, t, pos0, cells, window):
-    g = _gen()
+def test_attn_prefill_matches_reference(kv_type, t, pos0, cells, window, seed):
+    g = generator(seed)
     nh, kvh, d = 4, 2, 32
     k = _filled_cache(kv_type, cells, kvh, d, g)
     v = _filled_cache(kv_type, cells, kvh, d, g)
     q = torch.randn(t, nh, d, generator=g, device=DEVICE)
     kn = torch.randn(t, kvh, d, generator=g, device=DEVICE)
     vn = torch.randn(t, kvh, d, generator=g, device=DEVICE)
-    out = _poison((t, nh, d))
+    out = poison((t, nh, d))
     attention.attn_prefill(q, kn, vn, k, v, pos0, cells, window, d**-0.5, out=out)
     ref = attention.attn_prefill_ref(q, kn, vn, k, v, pos0, cells, window, d**-0.5)
-    assert _nerr(out, ref) < 5e-3
+    assert nerr(out, ref) < 5e-3

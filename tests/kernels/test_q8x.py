@@ -1,34 +1,22 @@
 """The int8-x decode path (kernels/q8x.py): RMSNorm and the GLU epilogue write x's int8 copy
 as the reference quantizes it, and the T-layout Q4_K / Q6_K GEMVs multiply it (dp4a, emulated under
-the interpreter) to the reference GEMV on the dequantized int8 x. Fresh random inputs each run,
+the interpreter) to the reference GEMV on the dequantized int8 x. Fresh random inputs each run
+(the seed is printed on failure), errors against the products' magnitudes (reference_check.py),
 outputs and split buffers poisoned with NaN, counters left at zero."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr
 
 from kernels import gemv_t, glu, norm, q8x, quant_matmul
 from kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _gen() -> torch.Generator:
-    g = torch.Generator(device=DEVICE)
-    g.seed()
-    return g
-
 
 def _rand(g, lo, hi):
     return int(torch.randint(lo, hi, (1,), generator=g, device=DEVICE))
-
-
-def _nerr(y: torch.Tensor, ref: torch.Tensor) -> float:
-    assert torch.isfinite(y).all(), "kernel left non-finite values (unwritten or NaN)"
-    ref = ref.double()
-    return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _bufs(k: int):
@@ -49,8 +37,8 @@ def _same_q8(got, x: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("residual", [True, False])
-def test_rmsnorm_writes_the_int8_copy(residual):
-    g = _gen()
+def test_rmsnorm_writes_the_int8_copy(residual, seed):
+    g = generator(seed)
     h = 32 * _rand(g, 1, 40)
     x = torch.randn(1, h, generator=g, device=DEVICE)
     r = torch.randn(1, h, generator=g, device=DEVICE) if residual else None
@@ -59,7 +47,7 @@ def test_rmsnorm_writes_the_int8_copy(residual):
     out = torch.full_like(x, float("nan"))
     bufs = _bufs(h)
     norm.rmsnorm(x, w, 1e-6, residual=r, out=out, q8=bufs)
-    assert _nerr(out, want) < 1e-6
+    assert nerr(out, want) < 1e-6
     _same_q8(bufs, out[0])
 
 
@@ -68,8 +56,8 @@ TYPES = [qt.Q4_K, qt.Q6_K]
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
 @pytest.mark.parametrize("split", [True, False])
-def test_gemv_t_on_int8_x_matches_reference(ggml_type, split):
-    g = _gen()
+def test_gemv_t_on_int8_x_matches_reference(ggml_type, split, seed):
+    g = generator(seed)
     rows, nb = _rand(g, 1, 70), _rand(g, 1, 4)
     w = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
     x = torch.randn(1, 256 * nb, generator=g, device=DEVICE)
@@ -81,15 +69,15 @@ def test_gemv_t_on_int8_x_matches_reference(ggml_type, split):
     gemv_t.gemv_t(gemv_t.repack(w, ggml_type), ggml_type, rows, x, out, part, counter,
                   config=(32, 1, tiles * (nb if split else 1)), xq=xq)
     ref = quant_matmul.gemv_ref(w, ggml_type, xd)
-    assert _nerr(out, ref) < 1e-5
+    assert nerr(out, ref, gemv_scale(w, ggml_type, xd)) < 1e-5
     assert not counter.any()
 
 
 @pytest.mark.parametrize("ggml_type,paired", [(qt.Q4_K, True), (qt.Q4_K, False),
                                               (qt.Q6_K, False)])
 @pytest.mark.parametrize("split", [True, False])
-def test_glu_on_int8_x_writes_the_int8_copy_of_its_output(ggml_type, paired, split):
-    g = _gen()
+def test_glu_on_int8_x_writes_the_int8_copy_of_its_output(ggml_type, paired, split, seed):
+    g = generator(seed)
     rows, nb = 32 * _rand(g, 1, 4), _rand(g, 1, 4)
     gate = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
     up = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
@@ -104,9 +92,11 @@ def test_glu_on_int8_x_writes_the_int8_copy_of_its_output(ggml_type, paired, spl
                       rows, x, out, part, counter, "silu",
                       config=(32, 1, tiles * (nb if split else 1)), paired=paired, xq=xq,
                       out_q=oq)
-    ref = glu.glu_ref(quant_matmul.gemv_ref(gate, ggml_type, xd),
-                      quant_matmul.gemv_ref(up, ggml_type, xd), "silu")
-    assert _nerr(out, ref) < 1e-5
+    g_ref = quant_matmul.gemv_ref(gate, ggml_type, xd)
+    u_ref = quant_matmul.gemv_ref(up, ggml_type, xd)
+    scale = glu_scale(g_ref, u_ref, "silu", gemv_scale(gate, ggml_type, xd),
+                      gemv_scale(up, ggml_type, xd))
+    assert nerr(out, glu.glu_ref(g_ref, u_ref, "silu"), scale) < 1e-5
     _same_q8(oq, out[0])
     assert not counter.any()
 
