@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
 
 
@@ -75,7 +77,8 @@ def _kernel_breakdown(pipe, steps: int = 4) -> list[dict]:
 
 
 def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
-        depths: list[int], pp: int, out: dict, kernels: bool = False) -> list[int]:
+        depths: list[int], pp: int, out: dict, kernels: bool = False,
+        options: RunnerOptions = RunnerOptions()) -> list[int]:
     from engine.gguf.hparams import HParams
     from engine.gguf.reader import GGUFModel
     from engine.planning.price import price
@@ -87,7 +90,7 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
         ctx = hp.n_ctx_train  # the deepest point of the sweep is then ctx - 64
     layout = price(_plan(path, n_gpus, hp.n_layer, ctx, kv_type, arena), model)
     t0 = time.perf_counter()
-    pipe = GpuPipeline(model, hp, layout)
+    pipe = GpuPipeline(model, hp, layout, options=options)
     load_s = time.perf_counter() - t0
     rep = {"gpus": n_gpus, "devices": pipe.report, "load_wall_s": load_s}
     nbytes = sum(r["load_bytes"] for r in pipe.report)
@@ -150,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     try:
+        # the kernels' switches (CARVE_Q8X, CARVE_T_LAYOUT, CARVE_PDL); bench runs Triton
+        options = RunnerOptions.from_env(os.environ)
         if not torch.cuda.is_available():
             raise CarveError("carve bench needs an NVIDIA GPU with a CUDA build of torch")
         path = args.model
@@ -169,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
 
         n_gpus = len(parse_rig(args.gpus)) if args.gpus else 1
         ids1 = run(path, n_gpus, ctx, args.kv, args.arena, args.tokens, depths, args.pp, out,
-                   args.kernels)
+                   args.kernels, options)
         _print(out)
         if args.compare_split:
-            ids2 = run(path, 2, ctx, args.kv, args.arena, args.tokens, [], args.pp, out)
+            ids2 = run(path, 2, ctx, args.kv, args.arena, args.tokens, [], args.pp, out,
+                       options=options)
             out["split_same_ids"] = ids1 == ids2
             out["runs"] = out["runs"][-1:]
             _print(out)

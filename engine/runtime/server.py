@@ -29,6 +29,7 @@ import traceback
 from typing import IO, Any
 
 from engine.process import protocol as p
+from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
 
 log = logging.getLogger("carve.engine")
@@ -63,8 +64,9 @@ def safe_text(text: str) -> str:
 
 
 class Engine:
-    def __init__(self, out: IO[bytes]) -> None:
+    def __init__(self, out: IO[bytes], options: RunnerOptions = RunnerOptions()) -> None:
         self._out = out
+        self.options = options  # how every model this process loads runs
         self._out_lock = threading.Lock()
         self._requests: queue.Queue[tuple[int, Any]] = queue.Queue()
         self._seq = 0  # number of the last request received (reader thread only writes it)
@@ -202,7 +204,8 @@ class Engine:
                 self.emit(p.Progress(stage, int(done), int(total), float(rate)))
 
         try:
-            session = Session.load(plan, on_progress=on_progress, cancelled=cancelled)
+            session = Session.load(plan, on_progress=on_progress, cancelled=cancelled,
+                                   options=self.options)
         except Exception:
             self.release()  # whatever the loader allocated before failing goes now
             if cancelled():
@@ -352,7 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("CARVE_LOG", "INFO").upper(),
         format="carve-engine %(levelname).1s %(message)s",
     )
-    engine = Engine(take_stdout())
+    try:
+        options = RunnerOptions.from_env(os.environ)
+    except CarveError as err:
+        print(f"carve-engine: {err}", file=sys.stderr, flush=True)
+        return 2
+    engine = Engine(take_stdout(), options)
     engine.emit(p.Ready(pid=os.getpid()))  # before the reader can answer a bad line
     threading.Thread(target=engine.read_requests, args=(0,), daemon=True, name="stdin").start()
     threading.Thread(target=engine.watch_parent, daemon=True, name="parent").start()

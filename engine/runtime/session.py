@@ -21,6 +21,7 @@ from engine.runtime.loader import LoadedStage, Progress, RecordingAllocator, loa
 from engine.runtime.models import build_stage
 from engine.runtime.models.layers import Stage
 from engine.runtime.models.ops import TORCH_OPS
+from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
 
 __all__ = ["GenerationStats", "Session"]
@@ -55,10 +56,12 @@ class Session(ChunkedSession):
         on_progress: Progress | None = None,
         cancelled: Callable[[], bool] | None = None,
         ops: SimpleNamespace = TORCH_OPS,
+        options: RunnerOptions = RunnerOptions(),
     ) -> Session:
         """Price ``plan``, allocate exactly that Layout, and load the weights into it. ``ops``:
         the op table the models run on. A CUDA plan of an architecture the Triton runner
-        runs loads as a `GpuSession` instead (same interface); one stderr line says which."""
+        runs loads as a `GpuSession` instead (same interface), unless ``options`` asks for the
+        torch runner; one stderr line says which."""
         from engine.gguf.hparams import HParams
         from engine.gguf.reader import GGUFModel
         from engine.planning.price import price
@@ -66,11 +69,12 @@ class Session(ChunkedSession):
 
         model = GGUFModel.open(plan.model)
         hp = HParams.from_model(model)
-        why = why_not(plan, hp)
+        why = why_not(plan, hp, options)
         devices = ", ".join(d.label for d in plan.devices)
         if why is None:
             print(f"carve-engine: runner triton on {devices}", file=sys.stderr, flush=True)
-            return GpuSession.load(plan, on_progress, cancelled, model=model)  # type: ignore[return-value]
+            return GpuSession.load(plan, on_progress, cancelled, model=model,  # type: ignore[return-value]
+                                   options=options)
         print(f"carve-engine: runner torch on {devices} ({why})", file=sys.stderr, flush=True)
         layout = price(plan, model)
         if not layout.fits:

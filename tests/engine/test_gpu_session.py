@@ -10,6 +10,7 @@ torch.cuda.memory_reserved per arena mode; `python -m pytest -q tests/engine/tes
 from __future__ import annotations
 
 import gc
+import inspect
 import io
 import weakref
 
@@ -21,14 +22,16 @@ from engine.hardware.devices import DeviceSpec
 from engine.planning.plan import Plan
 from engine.process import protocol as p
 from engine.runtime import server
+from engine.runtime.gpu import matrices
 from engine.runtime.gpu import memory as gpu_memory
 from engine.runtime.gpu import stage as gpu_stage
 from engine.runtime.gpu.session import GpuSession, why_not
+from engine.runtime.options import RunnerOptions
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
 from engine.synth.gen import write_model
 from engine.synth.shapes import Shape
-from kernels import gemv_t
+from kernels import attention, gemv_t, glu, kv_cache, norm, pdl, quant_matmul, rope
 from spec.errors import CarveError
 
 GIB = 1 << 30
@@ -147,16 +150,20 @@ def wide(tmp_path_factory) -> str:
 def all_t(monkeypatch) -> None:
     # on a GPU the stage keeps matrices under T_MIN_BYTES in GGUF order: none of WIDE's is
     # that big, so lift the floor to run the T kernels (the interpreter has none)
-    monkeypatch.setattr(gpu_stage, "T_MIN_BYTES", 0)
+    monkeypatch.setattr(matrices, "T_MIN_BYTES", 0)
 
 
 def test_t_layout_matrices_match_the_cpu_engine(wide, all_t) -> None:
     g = load(plan(wide, act_dtype="bf16", logits_rows=12))
     c = Session.load(plan(wide, logits_rows=12))
     try:
-        tm = g.pipe.stages[0].tmats
-        want = {f"blk.{i}.{m}" for i in range(2) for m in gpu_stage.T_MATRICES + gpu_stage.QKV}
-        assert set(tm) == want | {"output.weight"}
+        (st,) = g.pipe.stages
+        want = {f"blk.{i}.{m}" for i in range(2) for m in matrices.T_MATRICES + matrices.QKV}
+        assert set(st.tmats) == want | {"output.weight"}
+        # decided at load: q/k/v and the FFN pair in one T launch each, every matrix's GEMV
+        assert {(ly.attn.fused, ly.ffn.fused) for ly in st.layers} == {("t3", "t_glu")}
+        assert all(m.t_bytes is not None for ly in st.layers
+                   for m in (*ly.attn.qkv, ly.attn.output, ly.ffn.gate, ly.ffn.up, ly.ffn.down))
         prompt = ids(20)
         assert rel(g.logits(prompt), c.logits(prompt)) < 3e-2
         assert max(decode_errors(g, c, ids(3, 1))[0]) < 3e-2
@@ -200,15 +207,15 @@ def test_int8_x_decode_matches_the_cpu_engine(wide, wide_q4k, all_t, monkeypatch
         c.close()
 
 
-def test_t_layout_decodes_as_the_gguf_order_kernels(wide, all_t, monkeypatch) -> None:
-    # float32 activations on float x (CARVE_Q8X=0): the T and the GGUF-order GEMVs are float32
+def test_t_layout_decodes_as_the_gguf_order_kernels(wide, all_t) -> None:
+    # float32 activations on float x (q8x off): the T and the GGUF-order GEMVs are float32
     # sums of the same exact weights, so decode through either differs by rounding only
-    monkeypatch.setenv("CARVE_Q8X", "0")
-    t = load(plan(wide, act_dtype="f32"))
-    monkeypatch.setenv("CARVE_T_LAYOUT", "0")
-    p = load(plan(wide, act_dtype="f32"))
+    t = load(plan(wide, act_dtype="f32"), options=RunnerOptions(q8x=False))
+    p = load(plan(wide, act_dtype="f32"), options=RunnerOptions(q8x=False, t_layout=False))
     try:
-        assert t.pipe.stages[0].tmats and not p.pipe.stages[0].tmats
+        (ts,), (ps,) = t.pipe.stages, p.pipe.stages
+        assert ts.tmats and not ps.tmats and ts.xq is None and ps.xq is None
+        assert {(ly.attn.fused, ly.ffn.fused) for ly in ps.layers} == {("gemv3", "gemv_glu")}
         prompt = ids(12)
         assert rel(t.logits(prompt), p.logits(prompt)) < 1e-5  # prefill: the same dq GEMMs
         errs, _ = decode_errors(t, p, ids(4, 2))
@@ -228,20 +235,50 @@ def test_perplexity_on_the_runner_matches_the_cpu_engine(cached) -> None:
     assert abs(pg.value / pc.value - 1) < 1e-2
 
 
+KERNEL_MODULES = (attention, gemv_t, glu, kv_cache, norm, quant_matmul, rope)
+
+
+def kernel_inputs(monkeypatch) -> list[torch.Tensor]:
+    """Every tensor handed to a kernel wrapper of kernels/ from now on (lists and tuples of
+    arguments opened)."""
+    seen: list[torch.Tensor] = []
+
+    def walk(v) -> None:
+        if isinstance(v, torch.Tensor):
+            seen.append(v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    def spy(fn):
+        def call(*a, **k):
+            walk(a)
+            walk(tuple(k.values()))
+            return fn(*a, **k)
+        return call
+
+    for mod in KERNEL_MODULES:
+        for name, fn in list(vars(mod).items()):
+            if inspect.isfunction(fn) and fn.__module__ == mod.__name__ and name[0] != "_":
+                monkeypatch.setattr(mod, name, spy(fn))
+    return seen
+
+
 def test_spans_cover_every_tensor_the_runner_touches(cached, monkeypatch) -> None:
     g, _ = cached
-    touched: set[str] = set()
-    for name in ("mat", "vec"):
-        orig = getattr(gpu_stage.GpuStage, name)
-        monkeypatch.setattr(gpu_stage.GpuStage, name,
-                            lambda self, n, _o=orig: (n in self.spans and touched.add(n))
-                            or _o(self, n))
-    g.generate(ids(5, 2), GREEDY, set(), lambda t: True)
+    seen = kernel_inputs(monkeypatch)
+    g.generate(ids(5, 2), GREEDY, set(), lambda t: True)  # prefill and decode steps
     (dl,) = g.layout.devices
+    (st,) = g.pipe.stages
     span_names = {s.name for a in dl.arenas for s in a.spans}
     carve = {s.name for a in dl.arenas for s in a.spans if s.purpose in ("weights", "globals")}
-    assert touched == carve  # every weight the stage holds is used, and nothing else
-    (st,) = g.pipe.stages
+    given = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in seen]
+
+    def read(name: str) -> bool:  # some kernel got bytes of this span
+        lo, hi = st.spans[name].data_ptr(), st.spans[name].data_ptr() + st.spans[name].nbytes
+        return any(a < hi and lo < b for a, b in given)
+
+    assert {n for n in carve if read(n)} == carve  # every weight the stage holds is used
     (arenas,) = g.pipe.arenas
     bounds = [(a.data_ptr(), a.data_ptr() + a.numel()) for a in arenas]
     for name, t in st.spans.items():
@@ -249,6 +286,24 @@ def test_spans_cover_every_tensor_the_runner_touches(cached, monkeypatch) -> Non
         lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
         assert any(a <= lo and hi <= b for a, b in bounds), name
     assert {"buf." + n for n in st.buf} <= span_names
+    # and nothing else: every kernel read and wrote inside the arenas
+    assert all(any(a <= lo and hi <= b for a, b in bounds) for lo, hi in given)
+
+
+def test_runner_options_reach_every_kernel_launch(tiny, monkeypatch) -> None:
+    # RunnerOptions.pdl goes to every kernel the runner launches as a plain argument (the
+    # kernels read no environment); q8x and t_layout decide the stage's kernels at load
+    flags: list[bool] = []
+    opts = pdl.opts
+    monkeypatch.setattr(pdl, "opts", lambda t, use_pdl: flags.append(use_pdl) or opts(t, use_pdl))
+    for on in (False, True):
+        flags.clear()
+        g = load(plan(tiny), options=RunnerOptions(pdl=on))
+        try:
+            g.generate(ids(3, 4), dataclass_replace(GREEDY, max_tokens=2), set(), lambda t: True)
+        finally:
+            g.close()
+        assert flags and set(flags) == {on}
 
 
 @pytest.fixture(scope="module")
@@ -361,16 +416,16 @@ def test_the_runner_is_chosen_for_cuda_plans_of_supported_archs(tiny, monkeypatc
     gpu = plan(tiny, SIM[:1], (0, 2))
     assert why_not(gpu, hp) is None
     assert "not phi3" in why_not(gpu, type("H", (), {"arch": "phi3"})())
-    monkeypatch.setenv("CARVE_RUNNER", "torch")
-    assert why_not(gpu, hp) == "CARVE_RUNNER=torch"
+    assert why_not(gpu, hp, RunnerOptions(runner="torch")) == "CARVE_RUNNER=torch"
 
 
 @pytest.fixture
 def engine(monkeypatch):
     """A server Engine whose Session.load is the GPU runner (on DEV), writing to a buffer."""
     monkeypatch.setattr(Session, "load", classmethod(
-        lambda cls, pl, on_progress=None, cancelled=None: GpuSession.load(
-            pl, on_progress, cancelled, devices=[DEV] * len(pl.devices))))
+        lambda cls, pl, on_progress=None, cancelled=None, options=RunnerOptions():
+        GpuSession.load(pl, on_progress, cancelled, devices=[DEV] * len(pl.devices),
+                        options=options)))
     out = io.BytesIO()
     eng = server.Engine(out)
     return eng, lambda: p.LineDecoder(p.EVENTS).feed(out.getvalue())
@@ -400,7 +455,8 @@ def test_server_load_that_no_longer_fits_is_one_error_line(tiny, watched, engine
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i=None: 0)
     monkeypatch.setattr(gpu_memory, "nvml_use", lambda i: (None, None))
     monkeypatch.setattr(Session, "load", classmethod(
-        lambda cls, pl, on_progress=None, cancelled=None: GpuSession.load(pl)))
+        lambda cls, pl, on_progress=None, cancelled=None, options=RunnerOptions():
+        GpuSession.load(pl, options=options)))
     eng._requests.put((1, p.Load(plan(tiny, SIM[:1], (0, 2)).to_json())))
     eng._requests.put((2, p.Shutdown()))
     assert eng.serve() == 0

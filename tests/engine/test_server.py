@@ -185,16 +185,19 @@ class FakeSession:
         self.layout = types.SimpleNamespace(plan=types.SimpleNamespace(ctx=200))
         self.closed = False
         self.prompts: list[list[int]] = []
+        self.options = None  # the RunnerOptions the engine loaded it with
         FakeSession.instances.append(self)
 
     @classmethod
-    def load(cls, plan, on_progress=None, cancelled=None):
+    def load(cls, plan, on_progress=None, cancelled=None, options=None):
         for i in range(50):
             if cancelled():
                 raise CarveError("load cancelled")
             on_progress("weights", i + 1, 50, 1e6)
             time.sleep(0.01)
-        return cls()
+        sess = cls()
+        sess.options = options
+        return sess
 
     def memory_report(self):
         return [{"index": -1, "name": "CPU", "priced": 10, "allocated": 10, "nvml_used": 0}]
@@ -283,6 +286,7 @@ def test_load_reports_progress_then_loaded(harness):
     assert seen[-1].done == seen[-1].total == 50  # the last one always goes, however throttled
     assert len(seen) < 50  # throttled: not one event per callback
     assert harness.engine.session is FakeSession.instances[-1]
+    assert harness.engine.session.options is harness.engine.options  # read once, passed down
 
 
 def test_unload_during_load_cancels_and_frees(harness):

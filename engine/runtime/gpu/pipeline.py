@@ -21,6 +21,7 @@ import torch
 from engine.runtime.gpu import memory as gpu_memory
 from engine.runtime.gpu.load import load_tensors
 from engine.runtime.gpu.stage import GpuStage, allocate
+from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
 
 log = logging.getLogger("carve.engine")
@@ -42,8 +43,9 @@ def sync(dev: torch.device) -> None:
 
 class GpuPipeline:
     def __init__(self, model: Any, hp: Any, layout: Any, on_progress=None, cancelled=None,
-                 devices: list[torch.device] | None = None) -> None:
-        self.model, self.hp, self.layout = model, hp, layout
+                 devices: list[torch.device] | None = None,
+                 options: RunnerOptions = RunnerOptions()) -> None:
+        self.model, self.hp, self.layout, self.options = model, hp, layout, options
         self.devices = devices or [torch_device(dl.device) for dl in layout.devices]
         self.stages: list[GpuStage] = []
         self.arenas: list[list[torch.Tensor]] = []
@@ -89,7 +91,8 @@ class GpuPipeline:
             if name.startswith("kv."):
                 t.zero_()
         plan = self.layout.plan
-        stage = GpuStage(self.hp, self.model, dl, spans, dev, plan.ctx, plan.prefill_chunk)
+        stage = GpuStage(self.hp, self.model, dl, spans, dev, plan.ctx, plan.prefill_chunk,
+                         self.options)
         self.stages.append(stage)
         t0 = time.perf_counter()
         if cancelled is not None and cancelled():

@@ -21,16 +21,15 @@ from engine.runtime.chunked import ChunkedSession
 from engine.runtime.gpu.pipeline import GpuPipeline, on, sync
 from engine.runtime.gpu.stage import ARCHS
 from engine.runtime.models.layers import NonFinite
+from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
 
 log = logging.getLogger("carve.engine")
 
 
-def why_not(plan: Any, hp: Any) -> str | None:
+def why_not(plan: Any, hp: Any, options: RunnerOptions = RunnerOptions()) -> str | None:
     """None when the GPU runner runs this plan, else why the torch engine does."""
-    import os
-
-    if os.environ.get("CARVE_RUNNER", "") == "torch":
+    if options.runner == "torch":
         return "CARVE_RUNNER=torch"
     if any(d.index < 0 for d in plan.devices):
         return "the plan places layers on the CPU"
@@ -90,11 +89,13 @@ class GpuSession(ChunkedSession):
     @classmethod
     def load(cls, plan: Any, on_progress: Callable | None = None,
              cancelled: Callable[[], bool] | None = None, remember: bool = True,
-             model: Any = None, devices: list[torch.device] | None = None) -> GpuSession:
+             model: Any = None, devices: list[torch.device] | None = None,
+             options: RunnerOptions = RunnerOptions()) -> GpuSession:
         """Price ``plan``, check it still fits, allocate its Layout and load the weights; then
         warm up (cuBLAS workspace, kernels, CUDA graphs) and measure what the runtime costs
         outside the arenas. Any failure frees everything before it raises. ``devices``: run
-        the stages there instead of on the plan's devices (tests: a GPU split on the CPU)."""
+        the stages there instead of on the plan's devices (tests: a GPU split on the CPU).
+        ``options``: the kernels the stages use (int8 x, T layout, PDL)."""
         from engine.gguf.hparams import HParams
         from engine.gguf.reader import GGUFModel
         from engine.planning.price import price
@@ -106,7 +107,7 @@ class GpuSession(ChunkedSession):
             bad = next(d for d in layout.devices if d.verdict == "does not fit")
             why = bad.advice or f"{-bad.headroom / 2**20:.0f} MiB over"
             raise CarveError(f"{bad.device.label}: the plan does not fit ({why})")
-        pipe = GpuPipeline(model, hp, layout, on_progress, cancelled, devices)
+        pipe = GpuPipeline(model, hp, layout, on_progress, cancelled, devices, options)
         err: BaseException | None = None
         try:
             sess = cls(plan, model, hp, layout, pipe)

@@ -1,0 +1,236 @@
+"""What a GPU stage runs for each of its layers, decided once at load: every tensor a view into
+the Layout's spans, and for every matrix the kernels that multiply by it (the T layout's GEMV or
+GGUF order's, on int8 or float x; q/k/v and the FFN pair in one launch or not; where prefill's
+GEMM reads it). `GpuStage.forward` follows these decisions and makes none of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from engine.runtime.options import RunnerOptions
+from kernels import gemv_t, quant_matmul, rope
+from spec import quant_types as qt
+from spec.errors import CarveError
+
+# up to this many rows (decode, a short chunk) a matrix runs as a GEMV on its packed bytes;
+# more rows run one GEMM on its dequantized copy
+GEMV_ROWS = 8
+# matrices the stage repacks into the T layout (kernels/gemv_t.py) for their decode GEMVs: the
+# big single ones and the FFN pair (q, k and v follow their own rule: QKV below)
+T_MATRICES = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_output.weight")
+# on a GPU only matrices of at least this many bytes: below it the split rows' atomics cost more
+# than the layout saves (H200, bf16 x: Qwen2-7B's 7.2 MB attn_output 8.4 -> 9.8 us in T,
+# 0.5B's 2.4 MB ffn_down 5.8 -> 7.8 us; 32B's 14.7 MB attn_output 18.3 -> 14.3 us)
+T_MIN_BYTES = 12 << 20
+# q, k and v go to the T layout together (one launch, kernels/gemv_t.py gemv_t3) when all three
+# can, whatever their size (on int8 x the one launch beats GGUF order's gemv3 even at 7B's 9.7
+# MB: 9.1 against ~11.6 us on an H200)
+QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
+
+
+@dataclass(slots=True)
+class Matrix:
+    """A weight matrix and its kernels. Up to GEMV_ROWS rows of x: a GEMV on its packed bytes,
+    kernels/gemv_t.py's on ``t_bytes`` when the load repacks it into the T layout, else
+    kernels/quant_matmul.py's on ``packed``. More rows: a GEMM on ``dq``, its dequant-cache
+    copy, or (no copy) on the matrix dequantized into buf.dequant at each call."""
+
+    name: str
+    ggml_type: int
+    packed: torch.Tensor  # [rows, bytes per row] (the T layout's bytes once repacked)
+    t_bytes: torch.Tensor | None  # the same bytes, flat, where the T GEMVs read them
+    dq: torch.Tensor | None  # [rows, cols] in the activation dtype
+    bias: torch.Tensor | None  # [rows] f32
+    config: tuple[int, ...] | None  # the GEMV's tile (None: the kernel's tuned one)
+
+    @property
+    def rows(self) -> int:
+        return self.packed.shape[0]
+
+
+@dataclass(slots=True)
+class Attention:
+    """The attention half of a layer: pre-norm, q/k/v, RoPE, the KV cache, attention, output."""
+
+    norm: torch.Tensor  # attn_norm [n_embd]
+    xq: tuple | None  # decode's int8 copy of the normed row (T q/k/v on int8 x), else None
+    qkv: tuple[Matrix, Matrix, Matrix]
+    fused: str  # decode's q/k/v launch: "t3" / "gemv3" one launch (T / GGUF order), "": three
+    fused_mats: list[tuple]  # that launch's matrices
+    fused_biases: list[torch.Tensor] | None  # that launch's biases (all three or none)
+    fused_config: Any  # that launch's tile(s)
+    q_norm: torch.Tensor | None  # per-head q/k norms (qwen3, gemma3) [head_dim]
+    k_norm: torch.Tensor | None
+    k_cache: torch.Tensor  # kv.<i>.k: [cells, n_head_kv, head_dim] f16, or q8_0 bytes
+    v_cache: torch.Tensor
+    cells: int
+    kv_q8: bool  # the cache holds q8_0 blocks
+    window: int  # sliding window (gemma3's local layers), 0: attends everything cached
+    rope_base: float
+    rope_scale: float
+    rope_store: bool  # decode rotates k and stores k and v in one launch
+    output: Matrix  # attn_output
+    post_norm: torch.Tensor | None  # gemma3's sandwich norm of the output, before its add
+
+
+@dataclass(slots=True)
+class Ffn:
+    """The FFN half of a layer: pre-norm, act(gate) * up, down."""
+
+    norm: torch.Tensor  # ffn_norm [n_embd]
+    xq: tuple | None  # decode's int8 copy of the normed row (T gate/up on int8 x), else None
+    gate: Matrix
+    up: Matrix
+    down: Matrix
+    fused: str  # decode's gate, up and GLU: "t_glu" / "gemv_glu" one launch, "": three
+    fused_config: Any
+    xq_down: tuple | None  # decode's int8 copy of the GLU output (T ffn_down on int8 x)
+    post_norm: torch.Tensor | None  # gemma3's sandwich norm of the output, before its add
+
+
+@dataclass(slots=True)
+class Layer:
+    index: int
+    attn: Attention
+    ffn: Ffn
+
+
+def packed(model: Any, spans: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, int]:
+    """Matrix ``name``'s span as [rows, bytes per row], and its GGUF type."""
+    info = model.tensor(name)
+    raw = spans.get(name)
+    if raw is None:
+        raise CarveError(f"tensor {name} is not in this stage's Layout")
+    return raw.view(info.shape[1], -1), info.ggml_type
+
+
+class LayerBuilder:
+    """Resolves a stage's tensors in its spans and decides each matrix's kernels.
+    ``xq``: the stage's two int8 copies of decode's x (kernels/q8x.py: a normed row, the GLU
+    output), or None where decode stays on float x."""
+
+    def __init__(self, hp: Any, model: Any, spans: dict[str, torch.Tensor], ctx: int,
+                 on_cuda: bool, options: RunnerOptions, xq: tuple | None,
+                 rope_scale: float) -> None:
+        self.hp, self.model, self.spans, self.ctx = hp, model, spans, ctx
+        self.on_cuda, self.options, self.xq, self.rope_scale = on_cuda, options, xq, rope_scale
+        # the matrices held in the T layout
+        self.tmats = {n[3:] for n in spans if n.startswith("dq.") and self._t_eligible(n[3:])}
+
+    # --- the T layout --------------------------------------------------------------------
+    def _t_eligible(self, name: str) -> bool:
+        """Repack into the T layout: a T type with a dequant-cache copy (prefill reads that,
+        never the packed bytes) that decode reads through one GEMV or the FFN pair, on a GPU
+        at least T_MIN_BYTES (under the interpreter every such matrix, so that CI runs the
+        path); q, k and v all three or none. Never with the T layout off (RunnerOptions)."""
+        if not self.options.t_layout or "buf.t_part" not in self.spans:
+            return False
+        if name.endswith(QKV):
+            p = name.rsplit("attn_", 1)[0]
+            return all(self._t_able(p + s) for s in QKV)
+        info = self.model.tensor(name)
+        return (self._t_able(name) and (name == "output.weight" or name.endswith(T_MATRICES))
+                and (info.nbytes >= T_MIN_BYTES or not self.on_cuda))
+
+    def _t_able(self, name: str) -> bool:
+        # a T type with a dequant-cache copy (the part of the rule that is not size or role)
+        return "dq." + name in self.spans and self.model.tensor(name).ggml_type in gemv_t.WORDS
+
+    def _int8_x(self, name: str, slot: int) -> tuple | None:
+        """The int8 copy decode gives matrix ``name`` (slot 0: a normed row, 1: the GLU
+        output): only a T matrix multiplies int8 x."""
+        return self.xq[slot] if self.xq is not None and name in self.tmats else None
+
+    # --- tensors -------------------------------------------------------------------------
+    def vec(self, name: str) -> torch.Tensor | None:
+        raw = self.spans.get(name)
+        if raw is None:
+            return None
+        info = self.model.tensor(name)
+        if info.ggml_type != qt.F32:
+            raise CarveError(f"{name}: expected F32, the file has {qt.type_name(info.ggml_type)}")
+        return raw.view(torch.float32)
+
+    def matrix(self, name: str, bias: str | None = None) -> Matrix:
+        w, t = packed(self.model, self.spans, name)
+        dq = self.spans.get("dq." + name)
+        t_bytes = self.spans[name] if name in self.tmats else None
+        return Matrix(name, t, w, t_bytes, None if dq is None else dq.view(w.shape[0], -1),
+                      self.vec(bias) if bias else None,
+                      self._t_config(w.shape[0]) if t_bytes is not None else self._config(w))
+
+    def _config(self, w: torch.Tensor) -> tuple[int, ...] | None:
+        # the tuned tile on a GPU; under the CPU interpreter one program per matrix (each
+        # program costs ~20 ms there whatever its size)
+        return None if self.on_cuda else (min(512, triton.next_power_of_2(w.shape[0])), 16, 1)
+
+    def _t_config(self, rows: int) -> tuple[int, int, int] | None:
+        # the tuned config on a GPU; under the interpreter one program per matrix, no split
+        return None if self.on_cuda else (min(512, triton.next_power_of_2(rows)), 1, 1)
+
+    def head(self) -> tuple[torch.Tensor, Matrix, tuple | None]:
+        """The output norm, the output projection (the embedding where the file ties them)
+        and the int8 copy of decode's normed row it multiplies."""
+        name = "output.weight" if "output.weight" in self.spans else "token_embd.weight"
+        return self.vec("output_norm.weight"), self.matrix(name), self._int8_x(name, 0)
+
+    # --- layers --------------------------------------------------------------------------
+    def layer(self, i: int) -> Layer:
+        return Layer(i, self.attention(i), self.ffn(i))
+
+    def attention(self, i: int) -> Attention:
+        hp, p = self.hp, f"blk.{i}."
+        qkv = tuple(self.matrix(p + n, p + n.replace(".weight", ".bias")) for n in QKV)
+        fused, mats, biases, config = self._qkv_launch(qkv)
+        k, v = self.spans[f"kv.{i}.k"], self.spans[f"kv.{i}.v"]
+        swa = bool(hp.swa_layers[i]) if hp.swa_layers else False
+        return Attention(
+            norm=self.vec(p + "attn_norm.weight"), xq=self._int8_x(p + QKV[0], 0), qkv=qkv,
+            fused=fused, fused_mats=mats, fused_biases=biases, fused_config=config,
+            q_norm=self.vec(p + "attn_q_norm.weight") if hp.qk_norm else None,
+            k_norm=self.vec(p + "attn_k_norm.weight") if hp.qk_norm else None,
+            k_cache=k, v_cache=v, cells=hp.kv_cells(i, self.ctx), kv_q8=k.dtype == torch.uint8,
+            # sliding-window layers: their own base, never scaled (engine/runtime/models/layers.py)
+            window=hp.sliding_window if swa else 0,
+            rope_base=hp.rope_base_swa if swa else hp.rope_base,
+            rope_scale=1.0 if swa else self.rope_scale,
+            rope_store=rope.can_fuse_store(hp.rope_style == "neox", k, hp.head_dim),
+            output=self.matrix(p + "attn_output.weight"),
+            post_norm=self.vec(p + "post_attention_norm.weight") if hp.sandwich_norm else None)
+
+    def _qkv_launch(self, qkv: tuple[Matrix, Matrix, Matrix]) -> tuple[str, list, Any, Any]:
+        """Decode's q/k/v in one launch when the three have biases or none have: T when they
+        are in the T layout (all three or none are), else GGUF order's gemv3."""
+        has = [m.bias is not None for m in qkv]
+        if any(has) and not all(has):
+            return "", [], None, None
+        biases = [m.bias for m in qkv] if all(has) else None
+        if qkv[0].t_bytes is not None:
+            return ("t3", [(m.t_bytes, m.ggml_type, m.rows) for m in qkv], biases,
+                    self._t_config(max(m.rows for m in qkv)))
+        return "gemv3", [(m.packed, m.ggml_type) for m in qkv], biases, [m.config for m in qkv]
+
+    def ffn(self, i: int) -> Ffn:
+        hp, p = self.hp, f"blk.{i}."
+        gate, up = self.matrix(p + "ffn_gate.weight"), self.matrix(p + "ffn_up.weight")
+        fused, config = self._ffn_launch(gate, up)
+        return Ffn(norm=self.vec(p + "ffn_norm.weight"), xq=self._int8_x(gate.name, 0),
+                   gate=gate, up=up, down=self.matrix(p + "ffn_down.weight"), fused=fused,
+                   fused_config=config, xq_down=self._int8_x(p + "ffn_down.weight", 1),
+                   post_norm=self.vec(p + "post_ffw_norm.weight") if hp.sandwich_norm else None)
+
+    def _ffn_launch(self, gate: Matrix, up: Matrix) -> tuple[str, Any]:
+        """Decode's gate, up and GLU in one launch when the pair has one type and shape and
+        both or neither are in the T layout."""
+        in_t = (gate.t_bytes is not None) + (up.t_bytes is not None)
+        if in_t == 1 or not quant_matmul.can_pair(gate.packed, gate.ggml_type, up.packed,
+                                                  up.ggml_type):
+            return "", None
+        if in_t:
+            return "t_glu", self._t_config(gate.rows)
+        return "gemv_glu", gate.config

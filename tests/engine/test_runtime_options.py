@@ -1,0 +1,66 @@
+"""RunnerOptions: the runner and the GPU runner's kernel switches, read from the environment once
+at engine start; a bad value is one line naming the variable and what it accepts, and the engine
+process exits 2 with that line before it serves anything."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.runtime.options import RunnerOptions
+from spec.errors import CarveError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_when_nothing_is_set() -> None:
+    assert RunnerOptions.from_env({}) == RunnerOptions() == RunnerOptions(
+        runner="auto", q8x=True, t_layout=True, pdl=True)
+    empty = {"CARVE_RUNNER": "", "CARVE_Q8X": " ", "CARVE_T_LAYOUT": "", "CARVE_PDL": ""}
+    assert RunnerOptions.from_env(empty) == RunnerOptions()
+
+
+@pytest.mark.parametrize(("env", "want"), [
+    ({"CARVE_RUNNER": "torch"}, RunnerOptions(runner="torch")),
+    ({"CARVE_RUNNER": "auto"}, RunnerOptions()),
+    ({"CARVE_Q8X": "0"}, RunnerOptions(q8x=False)),
+    ({"CARVE_T_LAYOUT": "0"}, RunnerOptions(t_layout=False)),
+    ({"CARVE_PDL": "0"}, RunnerOptions(pdl=False)),
+    ({"CARVE_Q8X": "1", "CARVE_T_LAYOUT": "1", "CARVE_PDL": "1"}, RunnerOptions()),
+    ({"CARVE_Q8X": "0", "CARVE_PDL": "0", "OTHER": "x"}, RunnerOptions(q8x=False, pdl=False)),
+])
+def test_each_variable_sets_its_option(env, want) -> None:
+    assert RunnerOptions.from_env(env) == want
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"CARVE_RUNNER": "triton"}, "CARVE_RUNNER=triton: use auto or torch"),
+    ({"CARVE_Q8X": "off"}, "CARVE_Q8X=off: use 1 (on, the default) or 0 (off)"),
+    ({"CARVE_T_LAYOUT": "false"}, "CARVE_T_LAYOUT=false: use 1 (on, the default) or 0 (off)"),
+    ({"CARVE_PDL": "2"}, "CARVE_PDL=2: use 1 (on, the default) or 0 (off)"),
+])
+def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) -> None:
+    with pytest.raises(CarveError) as e:
+        RunnerOptions.from_env(env)
+    assert str(e.value) == message
+
+
+def test_options_are_frozen_and_checked() -> None:
+    with pytest.raises(AttributeError):
+        RunnerOptions().pdl = False  # type: ignore[misc]
+    with pytest.raises(CarveError, match="runner 'cuda'"):
+        RunnerOptions(runner="cuda")
+
+
+def test_the_engine_process_exits_2_with_one_line_on_a_bad_value() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CARVE_Q8X": "yes"}
+    res = subprocess.run([sys.executable, "-m", "engine.runtime.server"], cwd=ROOT, env=env,
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip().splitlines() == [
+        "carve-engine: CARVE_Q8X=yes: use 1 (on, the default) or 0 (off)"]
