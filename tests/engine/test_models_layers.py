@@ -10,6 +10,7 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.runtime.kv_cache import _mask
+from engine.runtime.models import ops
 from engine.runtime.models.layers import inv_freq, rope_angles
 from engine.runtime.models.ops import (
     QWeight,
@@ -142,16 +143,22 @@ def test_linear_uncached_matches_gguf_dequantize(scratch_rows: int | None) -> No
 
 
 @pytest.mark.parametrize("t", [1, 3])
-def test_linear_cached_bf16(t: int) -> None:
+@pytest.mark.parametrize("block_rows", [None, 7])  # 7: five blocks of rows and a short one
+def test_linear_cached_bf16_multiplies_in_float32(
+    t: int, block_rows: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rows, cols = 40, 64
     raw = _q8_0_matrix(rows, cols, 8)
     ref_w = torch.from_numpy(gguf_dequantize(raw.numpy(), qt.Q8_0).reshape(rows, cols))
     w = QWeight("m", raw, qt.Q8_0, rows, cols, ref_w.to(torch.bfloat16))
+    if block_rows is not None:
+        monkeypatch.setattr(ops, "CPU_BLOCK", block_rows * cols)
     x = torch.randn(t, cols, generator=_rng(9))
     y = linear(x, w)
     assert y.dtype == torch.float32 and y.shape == (t, rows)
-    # bf16 weights and input: 8 mantissa bits each, sums of 64 terms
-    torch.testing.assert_close(y, x @ ref_w.T, rtol=2e-2, atol=2e-2)
+    # only the cache's copy is bf16: the input and the sums stay float32 on the CPU
+    want = x.double() @ ref_w.to(torch.bfloat16).double().T
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_embed_dequantizes_only_the_rows_asked() -> None:
