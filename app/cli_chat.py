@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn, Self
 
+from app.models.load_progress import LoadProgress
 from engine.planning.rules import KvType, Verdict
 from engine.process import protocol as p
 from engine.process.client import EngineProcess
@@ -170,13 +171,13 @@ def load(engine: EngineProcess, plan: Any) -> None:
     """Send the plan; show progress on a terminal; return once loaded (error event: raise)."""
     engine.send(p.Load(plan.to_json()))
     tty = sys.stderr.isatty()
+    progress = LoadProgress()
     start = time.monotonic()
     while True:
         ev = engine.wait_for(p.Progress, p.Loaded, p.Unloaded)
         if isinstance(ev, p.Progress) and tty:
-            pct = 100 * ev.done / ev.total if ev.total else 0
-            sys.stderr.write(f"\rloading: {ev.stage} {pct:5.1f}% "
-                             f"({ev.done / MB:,.0f}/{ev.total / MB:,.0f} MB, {ev.rate / MB:,.0f} MB/s)  ")  # fmt: skip
+            progress.update(ev.stage, ev.done, ev.total, ev.rate)
+            sys.stderr.write(f"\rloading: {progress.text()}    ")
             sys.stderr.flush()
         elif isinstance(ev, p.Unloaded):
             raise CarveError("loading was cancelled")

@@ -2,7 +2,7 @@
 # The GPU machine's one script: install the carried wheels, run the GPU tests, then `carve bench`
 # on synthetic files of real shapes (written on the device), and print one table last.
 #
-#   bash benchmarks/h200.sh [--tests] [--bench SHAPE ...] [--split SHAPE]
+#   BENCH="qwen2-7b" ENGINE=1 TESTS="tests/kernels" bash benchmarks/h200.sh
 #
 # Run from the repository root on the GPU machine. Wheels the device lacks (gguf) travel in .whl/
 # (see benchmarks/README.md). Full JSON and logs go to $OUT (or /tmp/carve-out).
@@ -20,26 +20,24 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 
-tests=0 shapes=() split=()
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --tests) tests=1 ;;
-        --bench) shift; while [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; do shapes+=("$1"); shift; done; continue ;;
-        --split) shift; split+=("$1") ;;
-        *) echo "h200.sh: unknown argument $1" >&2; exit 2 ;;
-    esac
-    shift
-done
-
-if [ "$tests" = 1 ]; then
-    python3 -m pytest -q -p no:cacheprovider -m gpu --ignore=tests/app tests 2>&1 | tee "$out/gpu-tests.log" | tail -15
-fi
-for s in "${shapes[@]}" "${split[@]}"; do
+# what to run, from the environment (the device command line is short):
+#   BENCH="qwen2-7b qwen2-0.5b"  synthetic shapes for `carve bench` (ENGINE=1 adds --engine)
+#   SPLIT="qwen2-7b"             shapes also run as two stages (--compare-split)
+#   TESTS="tests/engine/test_gpu_session.py ..."  pytest paths, run after the benches
+#   STEP_S=240                   the most seconds any one step may take
+step=${STEP_S:-240}
+for s in ${BENCH:-}; do
     extra=()
-    for t in "${split[@]}"; do [ "$t" = "$s" ] && extra=(--compare-split); done
-    python3 -m engine.runtime.bench --synth "$s" --depths "" "${extra[@]}" --json "$out/bench-$s.json" \
-        2>&1 | tee "$out/bench-$s.log"
+    [[ " ${SPLIT:-} " == *" $s "* ]] && extra+=(--compare-split)
+    [ "${ENGINE:-0}" = 1 ] && extra+=(--engine)
+    timeout "$step" python3 -m engine.runtime.bench --synth "$s" --depths "" "${extra[@]}" \
+        --json "$out/bench-$s.json" 2>&1 | tee "$out/bench-$s.log"
 done
+if [ -n "${TESTS:-}" ]; then
+    # shellcheck disable=SC2086
+    timeout "$step" python3 -m pytest -q -p no:cacheprovider -x $TESTS 2>&1 \
+        | tee "$out/gpu-tests.log" | tail -15
+fi
 python3 - "$out" <<'PY'
 import glob, json, sys
 print(f"{'model':28s} {'stages':>6s} {'tg t/s':>8s} {'pp t/s':>9s} {'load GB/s':>9s} "
@@ -52,4 +50,9 @@ for f in sorted(glob.glob(sys.argv[1] + "/bench-*.json")):
               f"{r['pp']['tps']:9.0f} {r['load_gbps']:9.1f} {same!s:>16s}  {r['greedy64_sha256']}")
     if "split_same_ids" in o:
         print(f"{'':28s} split keeps the greedy ids: {o['split_same_ids']}")
+    e = o.get("engine", {}).get("summary")
+    if e:
+        print(f"{'':28s} engine process: greedy {e['greedy_decode_tps']:.1f} t/s, sampled "
+              f"{e['sampled_decode_tps']:.1f} t/s, first/last prompt {e['first_prompt_tps']:.0f}"
+              f"/{e['tenth_prompt_tps']:.0f} t/s, launch->loaded {e['launch_to_loaded_s']:.1f} s")
 PY

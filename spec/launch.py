@@ -55,3 +55,14 @@ def scratch(rows: Sequence[int], cols: int, config: tuple[int, int, int],
     t = tiles(rows, block_n)
     s, _ = split(t, nb, target)
     return (parts * s * sum(rows), t) if s > 1 else (0, 0)
+
+
+# The GPU sampler (kernels/sample.py): the top-k it serves (1..SAMPLE_TOP_K), the repetition
+# penalty's window (up to SAMPLE_LAST_N tokens), the programs of its first pass (each keeps its
+# slice's best SAMPLE_TOP_K) and the ring of sampled ids the host reads back. Its state: 16
+# settings slots, the penalty's history ring, the ring of ids (int32).
+SAMPLE_TOP_K = 64
+SAMPLE_LAST_N = 256
+SAMPLE_PARTS = 128
+SAMPLE_RING = 64
+SAMPLE_STATE = 16 + SAMPLE_LAST_N + SAMPLE_RING

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.process.protocol import WARM_UP
+
 GB = 1e9
 
 
@@ -28,6 +30,8 @@ class LoadProgress:
         return max(0.0, (self.total - self.done) / self.rate)
 
     def text(self) -> str:
+        if self.stage == WARM_UP:  # steps, not bytes
+            return f"{self.stage}: step {min(self.done + 1, self.total)} of {self.total}"
         parts = [f"{self.stage}: " if self.stage else ""]
         parts.append(f"{self.done / GB:.2f} of {self.total / GB:.2f} GB")
         if self.rate > 0:

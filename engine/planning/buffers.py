@@ -93,6 +93,10 @@ def activation_buffers(
     out += [BufferSpec("xq", (q8 // 4,), "i32"), BufferSpec("xq_ds", (2, q8 // 32), "f32")]
     if n_vocab_rows > 0:
         out.append(BufferSpec("logits", (n_vocab_rows, hp.n_vocab), "f32"))  # [rows, n_vocab]
+        # the GPU sampler (kernels/sample.py): each first-pass program's best candidates as
+        # (value, id) keys, and its settings, history ring and ring of sampled ids
+        out.append(BufferSpec("samp_keys", (launch.SAMPLE_PARTS * launch.SAMPLE_TOP_K,), "i64"))
+        out.append(BufferSpec("samp_state", (launch.SAMPLE_STATE,), "i32"))
     if dequant_scratch > 0:
         # [elements] one matrix dequantized for a prefill GEMM, reused matrix after matrix
         out.append(BufferSpec("dequant", (dequant_scratch,), a))

@@ -48,6 +48,11 @@ MAX_LINE = 32 << 20  # bytes; a perplexity text of a few MB fits, a runaway writ
 # ---------------------------------------------------------------- requests
 
 
+# the load stage that compiles and captures what a reply will run; its progress counts steps,
+# not bytes
+WARM_UP = "warm-up"
+
+
 @dataclass(frozen=True, slots=True)
 class Load:
     TYPE: ClassVar[str] = "load"

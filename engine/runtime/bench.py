@@ -2,6 +2,7 @@
 load GB/s and priced vs reserved bytes per device, against ceilings measured in the same run.
 
     python -m engine.runtime.bench MODEL | --synth SHAPE [--mix q4_k_m] [--gpus RIG] [--compare-split]
+        [--engine]   (also through the engine process: engine/runtime/bench_engine.py)
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="2048,4096,8192,16384,32768")
     ap.add_argument("--kernels", action="store_true",
                     help="also list GPU time per kernel in a decode step (torch.profiler)")
+    ap.add_argument("--engine", action="store_true",
+                    help="also measure through the engine process, as the window drives it")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     try:
@@ -182,12 +185,28 @@ def main(argv: list[str] | None = None) -> int:
             out["split_same_ids"] = ids1 == ids2
             out["runs"] = out["runs"][-1:]
             _print(out)
+        if args.engine:
+            out["engine"] = _engine(path, ctx, args.kv, out["runs"][0]["tg"]["tps"])
     except CarveError as e:
         print(f"carve: {e}", file=sys.stderr)
         return 2
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
+
+
+def _engine(path: str, ctx: int, kv_type: str, pipeline_tps: float) -> dict:
+    """The same file through `carve-engine` on the GPUs here, with the window's default plan."""
+    from engine.gguf.reader import GGUFModel
+    from engine.hardware.rigs import parse_rig
+    from engine.planning.defaults import default_plan
+    from engine.runtime import bench_engine
+
+    model = GGUFModel.open(path)
+    plan = default_plan(model, parse_rig("auto"), ctx=ctx, kv_type=kv_type, model_path=path)
+    res = bench_engine.run(plan)
+    bench_engine.print_report(res, pipeline_tps)
+    return dict(res, summary=bench_engine.summary(res))
 
 
 def _print(out: dict) -> None:

@@ -58,8 +58,12 @@ class ChunkedSession:
     def check_finite(self, logits: torch.Tensor) -> None:
         """Cheap test at the end of a pass; when it fails, re-run the cached tokens with a
         per-layer check to name where NaN/inf first appears."""
-        if bool(torch.isfinite(logits).all()):
-            return
+        if not bool(torch.isfinite(logits).all()):
+            self.name_non_finite()
+
+    def name_non_finite(self) -> None:
+        """Raise CarveError naming where NaN/inf first appears: re-run the cached tokens with a
+        check after every layer (the cache is reset)."""
         tokens = list(self.tokens)
         self.reset()
         where = "the output head"

@@ -36,31 +36,19 @@ def generate(
     stop_ids: set[int],
     on_token: Callable[[int], bool],
 ) -> GenerationStats:
-    """Prefill ``prompt_ids`` then sample up to params.max_tokens tokens. A stop token ends the
-    reply without being passed to ``on_token``; ``on_token`` returning False cancels."""
+    """Prefill ``prompt_ids`` then sample up to params.max_tokens tokens on the host. A stop
+    token ends the reply without being passed to ``on_token``; ``on_token`` returning False
+    cancels."""
     from engine.runtime.sampling import Sampler
 
-    if not prompt_ids:
-        raise CarveError("the prompt is empty; send at least one token")
-    ctx = session.plan.ctx
-    if len(prompt_ids) > ctx:
-        raise CarveError(
-            f"the prompt is {len(prompt_ids)} tokens but the context is {ctx}; raise --ctx or "
-            f"shorten the conversation"
-        )
     sampler = Sampler(params)
     t0 = time.perf_counter()
-    # Reuse the cached prefix shared with the previous call (multi-turn chat re-sends the
-    # whole conversation); at least the last prompt token is recomputed for its logits.
-    keep = _common_prefix(session.tokens, prompt_ids)
-    keep = min(keep, len(prompt_ids) - 1)
-    if not session.rewind(keep):
-        session.reset()
-        keep = 0
+    keep = start(session, prompt_ids)
     logits = session.prefill(prompt_ids[keep:], all_rows=False)[-1]
     history = list(prompt_ids)
     t1 = time.perf_counter()
     prefill_s = t1 - t0
+    ctx = session.plan.ctx
 
     n_out, reason = 0, "length"
     while n_out < params.max_tokens:
@@ -87,6 +75,25 @@ def generate(
         decode_s=time.perf_counter() - t1,
         reason=reason,
     )
+
+
+def start(session: Any, prompt_ids: list[int]) -> int:
+    """Check the prompt against the context and keep the cached prefix it shares with the
+    previous call (multi-turn chat re-sends the whole conversation); at least the last prompt
+    token is recomputed for its logits. Returns how many prompt tokens stay cached."""
+    if not prompt_ids:
+        raise CarveError("the prompt is empty; send at least one token")
+    ctx = session.plan.ctx
+    if len(prompt_ids) > ctx:
+        raise CarveError(
+            f"the prompt is {len(prompt_ids)} tokens but the context is {ctx}; raise --ctx or "
+            f"shorten the conversation"
+        )
+    keep = min(_common_prefix(session.tokens, prompt_ids), len(prompt_ids) - 1)
+    if not session.rewind(keep):
+        session.reset()
+        keep = 0
+    return keep
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

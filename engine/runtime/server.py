@@ -63,6 +63,45 @@ def safe_text(text: str) -> str:
         return text.encode("utf-8", "replace").decode("utf-8")
 
 
+class TokenWriter:
+    """Detokenizes and writes a reply's token events on a thread of its own, so that the decode
+    loop only hands over ids. Tokens that arrive while a write is under way go out together in
+    the next one (one write and one flush for all of them)."""
+
+    def __init__(self, engine: Engine, decoder: Any) -> None:
+        self.engine, self.decoder = engine, decoder
+        self.ids: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="token-writer")
+        self.thread.start()
+
+    def put(self, token_id: int) -> None:
+        self.ids.put(int(token_id))
+
+    def close(self) -> None:
+        """Write what is queued, the tail of an unfinished character, and stop."""
+        self.ids.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        done = False
+        while not done:
+            batch = [self.ids.get()]
+            while not self.ids.empty():
+                batch.append(self.ids.get())
+            msgs = []
+            for i in batch:
+                if i is None:
+                    done = True
+                    break
+                msgs.append(p.Token(i, safe_text(self.decoder.push(i))))
+            if done and hasattr(self.decoder, "flush"):
+                tail = safe_text(self.decoder.flush())
+                if tail:  # bytes of a character the reply never finished: U+FFFD, as id -1
+                    msgs.append(p.Token(-1, tail))
+            if msgs:
+                self.engine.emit_many(msgs)
+
+
 class Engine:
     def __init__(self, out: IO[bytes], options: RunnerOptions = RunnerOptions()) -> None:
         self._out = out
@@ -84,6 +123,15 @@ class Engine:
                 self._out.write(p.encode(msg))
                 self._out.flush()
         except (OSError, ValueError):  # reader gone (broken pipe, closed): nobody to serve
+            self.request_exit("stdout closed")
+
+    def emit_many(self, msgs: list[p.Message]) -> None:
+        """Several events in one write and one flush."""
+        try:
+            with self._out_lock:
+                self._out.write(b"".join(p.encode(m) for m in msgs))
+                self._out.flush()
+        except (OSError, ValueError):
             self.request_exit("stdout closed")
 
     # ------------------------------------------------------------ input (reader thread)
@@ -267,17 +315,16 @@ class Engine:
         if params.max_tokens > ctx - len(ids):
             params = dataclasses.replace(params, max_tokens=ctx - len(ids))
         stop_ids = set(tok.eot_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
-        decoder = tok.stream_decoder()
+        writer = TokenWriter(self, tok.stream_decoder())
 
         def on_token(token_id: int) -> bool:
-            if token_id not in stop_ids:
-                self.emit(p.Token(int(token_id), safe_text(decoder.push(token_id))))
+            writer.put(token_id)
             return not cancelled()
 
-        stats = session.generate(ids, params, stop_ids, on_token)
-        tail = safe_text(decoder.flush()) if hasattr(decoder, "flush") else ""
-        if tail:  # bytes of a character the reply never finished: U+FFFD, as id -1
-            self.emit(p.Token(-1, tail))
+        try:
+            stats = session.generate(ids, params, stop_ids, on_token)
+        finally:
+            writer.close()  # every token event is written before Done (or the error)
         reason = "cancelled" if cancelled() and stats.reason != "length" else stats.reason
         self.emit(
             p.Done(

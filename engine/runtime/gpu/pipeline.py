@@ -187,6 +187,18 @@ class GpuPipeline:
         if len(self.stages) > 1:
             self.stages[0].buf["tokens"][:1].copy_(self.stages[-1].next_id, non_blocking=True)
 
+    def sample_prefilled(self, pos: int) -> None:
+        """Draw the next id from the last prefilled row's logits (buf.logits[0], where the head
+        left them) with the GPU sampler and make it the next decode step's input at ``pos``
+        (device work only, no host sync)."""
+        last = self.stages[-1]
+        with on(last.device):
+            last.sample_next()
+        if len(self.stages) > 1:
+            self.stages[0].buf["tokens"][:1].copy_(last.next_id, non_blocking=True)
+        for st in self.stages:
+            st.buf["positions"][:1].fill_(pos)
+
     def greedy(self, n: int) -> list[int]:
         out = []
         for _ in range(n):

@@ -17,12 +17,16 @@ from typing import Any
 
 import torch
 
+from engine.process.protocol import WARM_UP
 from engine.runtime.chunked import ChunkedSession
+from engine.runtime.generate import GenerationStats
+from engine.runtime.gpu import decode
 from engine.runtime.gpu.pipeline import GpuPipeline, on, sync
 from engine.runtime.gpu.stage import ARCHS
 from engine.runtime.models.layers import NonFinite
 from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
+from spec.launch import SAMPLE_RING
 
 log = logging.getLogger("carve.engine")
 
@@ -83,8 +87,11 @@ class GpuSession(ChunkedSession):
         self.kv = GpuKV(hp, plan.ctx)
         self.tokens: list[int] = []  # the tokens whose keys/values are in the cache, in order
         last = pipe.stages[-1]
-        # the sampler's row: filled by a device-to-host copy, never reallocated
+        # the host sampler's row: filled by a device-to-host copy, never reallocated
         self._host = torch.empty((1, hp.n_vocab), dtype=torch.float32, pin_memory=last.on_cuda)
+        # the GPU sampler's ids, read back one draw at a time (engine/runtime/gpu/decode.py)
+        self._ids = decode.IdRing(last, torch.empty(SAMPLE_RING, dtype=torch.int32,
+                                                    pin_memory=last.on_cuda))
 
     @classmethod
     def load(cls, plan: Any, on_progress: Callable | None = None,
@@ -111,7 +118,7 @@ class GpuSession(ChunkedSession):
         err: BaseException | None = None
         try:
             sess = cls(plan, model, hp, layout, pipe)
-            sess._warm_up()
+            sess._warm_up(on_progress)
             pipe.finish_report(remember)
             return sess
         except BaseException as exc:  # noqa: BLE001 - re-raised once the memory is freed
@@ -123,17 +130,40 @@ class GpuSession(ChunkedSession):
         pipe.free()
         raise err
 
-    def _warm_up(self) -> None:
-        """On a GPU: one full prefill chunk (cuBLAS makes its workspace, prefill kernels
-        compile) and the decode graphs, so the overhead measured after it is the whole of it."""
-        if not self.pipe.stages[0].on_cuda:
-            self.pipe.capture()  # no graphs on the CPU: replay runs eagerly
-            return
-        n = min(self.plan.prefill_chunk, self.plan.ctx)
-        self.pipe.run_chunk([0] * n, 0)
-        self.pipe.capture()
+    def _warm_up(self, on_progress: Callable | None = None) -> None:
+        """Everything a reply would otherwise compile or capture on its first use, done at load
+        and reported as the load stage "warm-up": prefill chunks of a whole and of an odd
+        length at the start and further in (Triton specializes on sizes divisible by 16), a
+        chunk of a few rows (the GEMV path), the head and the GPU sampler on a prefilled row,
+        then the decode graphs. On a GPU the overhead measured after it is then the whole of
+        it; under the interpreter only the graphs' eager step runs."""
+        steps = self._warm_up_steps() if self.pipe.stages[0].on_cuda else []
+        total = len(steps) + 1
+        for i, step in enumerate(steps):
+            if on_progress is not None:
+                on_progress(WARM_UP, i, total, 0.0)
+            step()
+        if on_progress is not None:
+            on_progress(WARM_UP, total - 1, total, 0.0)
+        self.pipe.capture()  # on the CPU no graphs: replay runs eagerly
         self.pipe.sync()
         self.reset()
+        if on_progress is not None:
+            on_progress(WARM_UP, total, total, 0.0)
+
+    def _warm_up_steps(self) -> list[Callable[[], None]]:
+        chunk, ctx = self.plan.prefill_chunk, self.plan.ctx
+        n = min(chunk, ctx)
+        odd = max(1, min(n - 1, 51)) | 1  # not a multiple of 16
+        pipe = self.pipe
+        steps = [lambda: pipe.run_chunk([0] * n, 0)]
+        if n + odd <= ctx:
+            steps.append(lambda: pipe.run_chunk([0] * odd, n))
+        steps.append(lambda: pipe.run_chunk([0] * min(odd, n), 0))
+        if 3 + 5 <= ctx:
+            steps.append(lambda: pipe.run_chunk([0] * 3, 5))  # a few rows: GEMVs
+        steps.append(lambda: pipe.sample_prefilled(1))
+        return steps
 
     # --- queries ------------------------------------------------------------------------------
     def memory_report(self) -> list[dict]:
@@ -143,6 +173,17 @@ class GpuSession(ChunkedSession):
                 for r, dl in zip(self.pipe.report, self.layout.devices, strict=True)]
 
     # --- compute ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], params: Any, stop_ids: set[int],
+                 on_token: Callable[[int], bool]) -> GenerationStats:
+        """As ChunkedSession.generate; settings the GPU sampler serves (greedy, or top-k from 1
+        to spec.launch.SAMPLE_TOP_K with a penalty window up to SAMPLE_LAST_N) draw on the
+        device with no host round trip per token, others on the host."""
+        if decode.served(self, params):
+            return decode.generate_on_device(self, self._ids, list(prompt_ids), params,
+                                             set(stop_ids), on_token)
+        return super().generate(prompt_ids, params, stop_ids, on_token)
+
     def forward(self, ids: list[int], pos0: int, rows: str = "last",
                 check: bool = False) -> torch.Tensor | None:
         """ids (one chunk) at positions pos0..; float32 host logits of ``rows`` "all", the

@@ -26,7 +26,7 @@ from engine.runtime.gpu.matrices import packed as packed_matrix
 from engine.runtime.models import FAMILIES
 from engine.runtime.models.layers import _linear_scale
 from engine.runtime.options import RunnerOptions
-from kernels import attention, gemv_t, glu, kv_cache, norm, q8x, quant_matmul, rope
+from kernels import attention, gemv_t, glu, kv_cache, norm, q8x, quant_matmul, rope, sample
 from spec.errors import CarveError
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
@@ -122,8 +122,11 @@ class GpuStage:
         self.attn_count = self.buf.get("attn_count")
         if self.attn_count is not None:
             self.attn_count.zero_()  # the decode kernel leaves it at zero after each use
-        # the greedy id lives in the last slot of buf.tokens: nothing outside the Layout
+        # the sampled id lives in the last slot of buf.tokens: nothing outside the Layout
         self.next_id = self.buf["tokens"][-1:] if self.last else None
+        self.samp_state, self.samp_keys = self.buf.get("samp_state"), self.buf.get("samp_keys")
+        if self.samp_state is not None:
+            self.samp_state.zero_()  # greedy, no penalty, until a reply writes its settings
         self.t_part, self.t_count = self.buf.get("t_part"), self.buf.get("t_count")
         if self.t_count is not None:
             self.t_count.zero_()  # the T GEMVs leave their counters at zero after each use
@@ -380,13 +383,19 @@ class GpuStage:
     # --- decode --------------------------------------------------------------------------
     def decode_step(self) -> None:
         """One token: buf.tokens[0] at buf.positions[0]; leaves logits (last stage) and, on the
-        last stage, the greedy next id in ``next_id``; advances the device position."""
+        last stage, the next id drawn by the GPU sampler under the settings in its state
+        (greedy until a reply writes others) in ``next_id``; advances the device position."""
         self.forward(1, None)
         if self.last:
-            torch.argmax(self.buf["logits"][0], dim=-1, keepdim=True, out=self.next_id)
-            if self.first:  # one stage: feed the token back without leaving the graph
-                self.buf["tokens"][:1].copy_(self.next_id)
+            self.sample_next()
         self.buf["positions"][:1] += 1
+
+    def sample_next(self) -> None:
+        """Draw the next id from buf.logits[0] into ``next_id`` (kernels/sample.py); one stage
+        feeds it back as the next input without leaving the graph."""
+        sample.sample(self.buf["logits"][0], self.samp_state, self.samp_keys, self.next_id)
+        if self.first:
+            self.buf["tokens"][:1].copy_(self.next_id)
 
     def capture(self) -> None:
         """Capture decode_step in a CUDA graph (after one eager warm-up that compiles kernels).
@@ -411,7 +420,7 @@ class GpuStage:
         self.spans = {}
         self.buf = {}
         self.attn_ws = ()
-        self.attn_count = self.next_id = None
+        self.attn_count = self.next_id = self.samp_state = self.samp_keys = None
         self.t_part = self.t_count = None
         self.tmats = set()
         self.xq = None

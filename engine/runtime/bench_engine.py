@@ -1,0 +1,121 @@
+"""`carve bench --engine`: the speed users get, measured through the engine process exactly as
+the window and `carve chat` drive it (start `carve-engine`, send the plan, generate chat replies,
+read the events), printed beside the pipeline figure of the same file.
+
+Prints launch -> loaded split by load stage, each reply's time to first token, prompt t/s (the
+engine's Done event) and decode t/s both as the engine reports it and as the client sees the
+tokens arrive, for greedy replies and for replies with the default sampling settings.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from engine.process import protocol as p
+from engine.process.client import EngineProcess
+from spec.errors import CarveError
+
+# about 51 tokens with the Qwen2 chat template; the system line differs per reply so that a
+# reply reuses only a few cached tokens of the one before
+USER = ("Write a short Python function that returns the n-th Fibonacci number iteratively, "
+        "and explain in one sentence why the loop is faster than the recursion.")
+
+
+def _messages(i: int) -> list[dict]:
+    return [{"role": "system", "content": f"Reply {i}: you are a terse assistant."},
+            {"role": "user", "content": USER}]
+
+
+def _load(engine: EngineProcess, plan: Any, timeout: float) -> dict:
+    """Send the plan; seconds per load stage (first to last progress event) and in all."""
+    t0 = time.perf_counter()
+    engine.send(p.Load(plan.to_json()))
+    stages: dict[str, list[float]] = {}
+    while True:
+        ev = engine.wait_for(p.Progress, p.Loaded, p.Unloaded, timeout=timeout)
+        now = time.perf_counter() - t0
+        if isinstance(ev, p.Progress):
+            span = stages.setdefault(ev.stage, [now, now])
+            span[1] = now
+        elif isinstance(ev, p.Unloaded):
+            raise CarveError("the engine unloaded the model during the load")
+        else:
+            return {"loaded_s": now, "devices": ev.devices,
+                    "stages": {k: v[1] - v[0] for k, v in stages.items()}}
+
+
+def _reply(engine: EngineProcess, i: int, sampling: dict, max_tokens: int,
+           timeout: float) -> dict:
+    t0 = time.perf_counter()
+    engine.send(p.Generate(_messages(i), id=f"bench{i}", sampling=sampling,
+                           max_tokens=max_tokens))
+    arrivals: list[float] = []
+    while True:
+        ev = engine.wait_for(p.Token, p.Done, timeout=timeout)
+        if isinstance(ev, p.Token):
+            arrivals.append(time.perf_counter() - t0)
+            continue
+        seen = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 2 else 0.0
+        return {"ttft_s": arrivals[0] if arrivals else None, "prompt_tokens": ev.prompt_tokens,
+                "tokens": ev.completion_tokens, "reason": ev.reason,
+                "prefill_tps": ev.prefill_tps, "decode_tps": ev.decode_tps,
+                "client_decode_tps": seen}
+
+
+def run(plan: Any, replies: int = 10, sampled: int = 3, max_tokens: int = 128,
+        timeout: float = 600.0) -> dict:
+    """Launch the engine, load ``plan``, then ``replies`` greedy replies and ``sampled`` with
+    the default sampling settings; the engine process is ended whatever happens."""
+    t0 = time.perf_counter()
+    with EngineProcess() as engine:
+        engine.wait_for(p.Ready, timeout=timeout)
+        out: dict = {"ready_s": time.perf_counter() - t0}
+        load = _load(engine, plan, timeout)
+        out.update(load, launch_to_loaded_s=time.perf_counter() - t0)
+        greedy = {"temperature": 0.0, "seed": 1}
+        out["greedy"] = [_reply(engine, i, greedy, max_tokens, timeout) for i in range(replies)]
+        out["sampled"] = [_reply(engine, replies + i, {"seed": 7 + i}, max_tokens, timeout)
+                          for i in range(sampled)]
+    return out
+
+
+def summary(out: dict) -> dict:
+    g, s = out["greedy"], out["sampled"]
+    later = g[1:] or g
+    return {
+        "launch_to_loaded_s": out["launch_to_loaded_s"],
+        "first_prompt_tps": g[0]["prefill_tps"],
+        "tenth_prompt_tps": g[-1]["prefill_tps"],
+        "first_ttft_s": g[0]["ttft_s"],
+        "tenth_ttft_s": g[-1]["ttft_s"],
+        "greedy_decode_tps": statistics.median(r["decode_tps"] for r in later),
+        "greedy_client_tps": statistics.median(r["client_decode_tps"] for r in later),
+        "sampled_decode_tps": statistics.median(r["decode_tps"] for r in s) if s else 0.0,
+        "sampled_client_tps": statistics.median(r["client_decode_tps"] for r in s) if s else 0.0,
+    }
+
+
+def print_report(out: dict, pipeline_tps: float | None) -> None:
+    sm = summary(out)
+    stages = ", ".join(f"{k} {v:.2f} s" for k, v in out["stages"].items())
+    print(f"engine process: ready {out['ready_s']:.2f} s, launch -> loaded "
+          f"{sm['launch_to_loaded_s']:.2f} s ({stages})", flush=True)
+    for kind in ("greedy", "sampled"):
+        for i, r in enumerate(out[kind]):
+            ttft = f"{r['ttft_s'] * 1e3:7.1f} ms" if r["ttft_s"] is not None else "     -"
+            print(f"   {kind:7s} reply {i + 1:2d}: ttft {ttft}, prompt {r['prompt_tokens']} "
+                  f"tokens {r['prefill_tps']:9.0f} t/s, {r['tokens']:3d} tokens ({r['reason']}) "
+                  f"decode {r['decode_tps']:7.1f} t/s (client {r['client_decode_tps']:7.1f})")
+    ratio = ""
+    if pipeline_tps:
+        ratio = (f"; engine / pipeline: greedy {sm['greedy_decode_tps'] / pipeline_tps:.3f}, "
+                 f"sampled {sm['sampled_decode_tps'] / pipeline_tps:.3f}")
+    print(f"decode t/s: pipeline {pipeline_tps or 0:.1f}, engine greedy "
+          f"{sm['greedy_decode_tps']:.1f} (client {sm['greedy_client_tps']:.1f}), engine "
+          f"sampled {sm['sampled_decode_tps']:.1f} (client {sm['sampled_client_tps']:.1f})"
+          f"{ratio}", flush=True)
+    first, last = sm["first_prompt_tps"], sm["tenth_prompt_tps"]
+    print(f"prompt t/s: first reply {first:.0f}, last reply {last:.0f} "
+          f"(first / last {first / max(last, 1e-9):.2f})", flush=True)
