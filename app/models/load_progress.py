@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.process.protocol import WARM_UP
+from engine.process.protocol import STEP_STAGES
 
 GB = 1e9
 
@@ -30,7 +30,7 @@ class LoadProgress:
         return max(0.0, (self.total - self.done) / self.rate)
 
     def text(self) -> str:
-        if self.stage == WARM_UP:  # steps, not bytes
+        if self.stage in STEP_STAGES:  # steps, not bytes
             return f"{self.stage}: step {min(self.done + 1, self.total)} of {self.total}"
         parts = [f"{self.stage}: " if self.stage else ""]
         parts.append(f"{self.done / GB:.2f} of {self.total / GB:.2f} GB")

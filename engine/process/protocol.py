@@ -48,9 +48,10 @@ MAX_LINE = 32 << 20  # bytes; a perplexity text of a few MB fits, a runaway writ
 # ---------------------------------------------------------------- requests
 
 
-# the load stage that compiles and captures what a reply will run; its progress counts steps,
-# not bytes
-WARM_UP = "warm-up"
+# load stages whose progress counts steps, not bytes: the dequant cache fill, the tokenizer
+# build and the warm-up that compiles and captures what a reply will run
+DEQUANT_CACHE, TOKENIZER, WARM_UP = "dequant cache", "tokenizer", "warm-up"
+STEP_STAGES = (DEQUANT_CACHE, TOKENIZER, WARM_UP)
 
 
 @dataclass(frozen=True, slots=True)

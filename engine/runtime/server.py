@@ -267,6 +267,9 @@ class Engine:
             self.emit(p.Unloaded())
             return
         self.session = session
+        on_progress(p.TOKENIZER, 0, 1, 0.0)
+        self._tokenizer(session)  # built now, not on the first reply
+        on_progress(p.TOKENIZER, 1, 1, 0.0)
         report = list(session.memory_report())
         for d in report:
             if d.get("overhead_measured") is not None:  # the GPU runner measured its overhead

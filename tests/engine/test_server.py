@@ -283,8 +283,12 @@ def test_load_reports_progress_then_loaded(harness):
     loaded, seen = harness.until(p.Loaded)
     assert loaded.devices[0]["allocated"] == 10
     assert seen and all(isinstance(e, p.Progress) for e in seen)
-    assert seen[-1].done == seen[-1].total == 50  # the last one always goes, however throttled
-    assert len(seen) < 50  # throttled: not one event per callback
+    # the tokenizer is built at load, as the last stage: its start and its end go out
+    assert [(e.stage, e.done, e.total) for e in seen[-2:]] == [(p.TOKENIZER, 0, 1),
+                                                              (p.TOKENIZER, 1, 1)]
+    loading = seen[:-2]
+    assert loading[-1].done == loading[-1].total == 50  # the last one goes, however throttled
+    assert len(loading) < 50  # throttled: not one event per callback
     assert harness.engine.session is FakeSession.instances[-1]
     assert harness.engine.session.options is harness.engine.options  # read once, passed down
 

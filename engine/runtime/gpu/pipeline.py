@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from engine.process.protocol import DEQUANT_CACHE
 from engine.runtime.gpu import memory as gpu_memory
 from engine.runtime.gpu.load import load_tensors
 from engine.runtime.gpu.stage import GpuStage, allocate
@@ -97,9 +98,13 @@ class GpuPipeline:
         t0 = time.perf_counter()
         if cancelled is not None and cancelled():
             raise CarveError("load cancelled")
+        if on_progress is not None:
+            on_progress(DEQUANT_CACHE, 0, 1, 0.0)
         with on(dev):
             cached = stage.fill_dequant_cache()
         sync(dev)
+        if on_progress is not None:
+            on_progress(DEQUANT_CACHE, 1, 1, 0.0)
         self.report.append({
             "index": dl.device.index, "name": dl.device.name, "layers": list(dl.layers),
             "priced": dl.allocated, "allocated": reserved, "reserved": reserved,

@@ -152,16 +152,20 @@ class GpuSession(ChunkedSession):
             on_progress(WARM_UP, total, total, 0.0)
 
     def _warm_up_steps(self) -> list[Callable[[], None]]:
+        """A whole chunk, then odd lengths from about the chunk down to a few rows (each new
+        GEMM height may load another cuBLAS kernel; the last ones take the GEMV path), once at
+        a later position, and the sampler."""
         chunk, ctx = self.plan.prefill_chunk, self.plan.ctx
         n = min(chunk, ctx)
-        odd = max(1, min(n - 1, 51)) | 1  # not a multiple of 16
         pipe = self.pipe
         steps = [lambda: pipe.run_chunk([0] * n, 0)]
+        rows = n - 1
+        while rows >= 3:
+            steps.append(lambda r=rows | 1: pipe.run_chunk([0] * min(r, n), 0))
+            rows //= 2
+        odd = max(1, min(n - 1, 51)) | 1  # not a multiple of 16
         if n + odd <= ctx:
             steps.append(lambda: pipe.run_chunk([0] * odd, n))
-        steps.append(lambda: pipe.run_chunk([0] * min(odd, n), 0))
-        if 3 + 5 <= ctx:
-            steps.append(lambda: pipe.run_chunk([0] * 3, 5))  # a few rows: GEMVs
         steps.append(lambda: pipe.sample_prefilled(1))
         return steps
 
