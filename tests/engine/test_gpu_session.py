@@ -360,6 +360,26 @@ def test_a_cancelled_load_leaves_nothing_allocated(tiny, watched) -> None:
     assert made and seen and alive() == 0
 
 
+def test_close_after_a_sampled_reply_frees_every_arena(tiny, monkeypatch) -> None:
+    ranges = []
+
+    def new_arena(nbytes, device):
+        t = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        ranges.append((t.data_ptr(), t.data_ptr() + nbytes))
+        return t
+
+    monkeypatch.setattr(gpu_stage, "new_arena", new_arena)
+    g = load(plan(tiny))
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=3)
+    g.generate(ids(5, 2), sampled, set(), lambda t: True)  # the GPU sampler's path
+    g.close()
+    gc.collect()
+    # no tensor anywhere (the session object is still alive) is a view into an arena
+    views = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel()
+             and any(a <= o.data_ptr() < b for a, b in ranges)]
+    assert ranges and not views
+
+
 def test_a_failed_allocation_leaves_nothing_allocated(tiny, watched) -> None:
     made, state, alive = watched
     pl = plan(tiny, SIM, (0, 1, 2), cache_reserve=NO_CACHE)

@@ -31,26 +31,25 @@ DEPTH = 2  # decode steps queued ahead of the id the host reads
 class IdRing:
     """The ring of sampled ids, read back on the host one draw at a time."""
 
-    def __init__(self, stage: Any, host: torch.Tensor | None) -> None:
-        self.stage = stage
-        self.dev = sample.sampled(stage.samp_state)
-        self.on_cuda = stage.on_cuda
-        # on the CPU (interpreter) the device ring is already host memory
-        self.host = host if self.on_cuda else self.dev
+    def __init__(self, stage: Any, host: torch.Tensor) -> None:
+        # no view into the stage's arena is kept here: closing the session frees it all
+        self.stage, self.host, self.on_cuda = stage, host, stage.on_cuda
         self.events = [torch.cuda.Event() for _ in range(SAMPLE_RING)] if self.on_cuda else []
 
     def enqueue(self, draw: int) -> None:
         """Copy the ring to the host after the work queued so far (the step of ``draw``)."""
         if self.on_cuda:
             with on(self.stage.device):
-                self.host.copy_(self.dev, non_blocking=True)
+                self.host.copy_(sample.sampled(self.stage.samp_state), non_blocking=True)
                 self.events[draw % SAMPLE_RING].record()
 
     def read(self, draw: int) -> int:
         """The id of ``draw``, once its copy has landed (the only wait of the decode loop)."""
         if self.on_cuda:
             self.events[draw % SAMPLE_RING].synchronize()
-        return int(self.host[draw % SAMPLE_RING])
+            return int(self.host[draw % SAMPLE_RING])
+        # on the CPU (interpreter) the device ring is host memory already
+        return int(sample.sampled(self.stage.samp_state)[draw % SAMPLE_RING])
 
 
 def served(session: Any, params: Any) -> bool:

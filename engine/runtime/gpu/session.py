@@ -163,9 +163,11 @@ class GpuSession(ChunkedSession):
         while rows >= 3:
             steps.append(lambda r=rows | 1: pipe.run_chunk([0] * min(r, n), 0))
             rows //= 2
-        odd = max(1, min(n - 1, 51)) | 1  # not a multiple of 16
-        if n + odd <= ctx:
-            steps.append(lambda: pipe.run_chunk([0] * odd, n))
+        # a later reply starts past its cached prefix: a position that is not a multiple of 16
+        odd = max(1, min(n - 1, 51)) | 1
+        if odd + n <= ctx:
+            steps.append(lambda: pipe.run_chunk([0] * n, odd))
+            steps.append(lambda: pipe.run_chunk([0] * odd, odd))
         steps.append(lambda: pipe.sample_prefilled(1))
         return steps
 
