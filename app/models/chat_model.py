@@ -13,7 +13,45 @@ from app.models.events import Events
 from engine.process.sampling_params import SamplingParams as SamplingSettings
 from spec.errors import CarveError
 
-__all__ = ["ChatHistory", "Message", "SamplingSettings"]
+__all__ = ["ChatHistory", "Message", "ReplyMeter", "SamplingSettings"]
+
+
+class ReplyMeter:
+    """Tokens and tokens/s of the reply streaming now, as the window shows them under the chat
+    (the rate counts the tokens after the first, over the time since the first arrived)."""
+
+    def __init__(self, clock: Any = None) -> None:
+        import time
+
+        self._clock = clock or time.monotonic
+        self.tokens = 0
+        self._first = self._last_shown = 0.0
+
+    def begin(self) -> None:
+        self.tokens = 0
+
+    def token(self) -> bool:
+        """Count one token; True when the status is due for a refresh (at most ten a second)."""
+        now = self._clock()
+        self.tokens += 1
+        if self.tokens == 1:
+            self._first = now
+        if self.tokens == 1 or now - self._last_shown >= 0.1:
+            self._last_shown = now
+            return True
+        return False
+
+    @property
+    def rate(self) -> float:
+        dt = self._clock() - self._first
+        return (self.tokens - 1) / dt if self.tokens > 1 and dt > 0 else 0.0
+
+    def text(self, context_before: int = 0, ctx_limit: int = 0) -> str:
+        parts = [f"generating: {self.tokens:,} tokens", f"{self.rate:.1f} tokens/s"]
+        if context_before:
+            limit = f" / {ctx_limit:,}" if ctx_limit else ""
+            parts.append(f"context over {context_before + self.tokens:,}{limit} tokens")
+        return "  ·  ".join(parts)
 
 
 @dataclass(slots=True)

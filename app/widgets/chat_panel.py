@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.engine_client import EngineClient
-from app.models.chat_model import ChatHistory
+from app.models.chat_model import ChatHistory, ReplyMeter
 from app.theme import Theme
 from app.widgets.chat_view import ChatView
 from app.widgets.sampling_panel import SamplingPanel
@@ -65,6 +65,7 @@ class ChatPanel(QWidget):
         top.addWidget(self.new_button)
 
         self.view = ChatView(history, theme)
+        self.meter = ReplyMeter()
         self.stats = QLabel("no model loaded")
         self.stats.setObjectName("muted")
         self.input = _Input(self.send)
@@ -141,6 +142,7 @@ class ChatPanel(QWidget):
         messages = self.history.request_messages()
         self.history.begin_reply()
         self._gen_id = f"chat-{next(self._ids)}"
+        self.meter.begin()
         s = self.sampling.settings.to_dict()
         self.client.generate(messages, s, self._gen_id, max_tokens=s["max_tokens"])
         self._update_buttons()
@@ -148,6 +150,8 @@ class ChatPanel(QWidget):
     # -- engine events -----------------------------------------------------------------------
     def _on_token(self, _id: int, text: str) -> None:
         self.history.append(text)
+        if self.meter.token():
+            self.stats.setText(self.meter.text(self.history.context_used, self.ctx_limit or 0))
 
     def _on_done(self, stats: dict) -> None:
         self.history.finish(stats)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.models.chat_model import ChatHistory, SamplingSettings
+from app.models.chat_model import ChatHistory, ReplyMeter, SamplingSettings
 from app.models.load_progress import LoadProgress, format_seconds
 from spec.errors import CarveError
 
@@ -86,3 +86,20 @@ def test_load_progress_text():
     assert format_seconds(125) == "2 min 05 s" and format_seconds(7300) == "2 h 01 min"
     p.update("weights", 0, 0, 0.0)
     assert p.seconds_left is None and p.fraction == 0.0
+
+
+def test_reply_meter_counts_tokens_and_rate_while_streaming():
+    now = [10.0]
+    meter = ReplyMeter(clock=lambda: now[0])
+    meter.begin()
+    assert meter.token()  # the first token is shown at once
+    shown = 0
+    for _ in range(100):
+        now[0] += 0.01  # 100 tokens/s
+        shown += meter.token()
+    assert meter.tokens == 101 and abs(meter.rate - 100.0) < 1e-6
+    assert 5 <= shown <= 11  # about ten refreshes a second, not one per token
+    text = meter.text(context_before=200, ctx_limit=4096)
+    assert "101 tokens" in text and "100.0 tokens/s" in text and "301 / 4,096" in text
+    meter.begin()
+    assert meter.tokens == 0 and meter.rate == 0.0
