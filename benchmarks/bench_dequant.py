@@ -54,7 +54,7 @@ def _time(fn, min_s: float = 0.5) -> tuple[float, float]:
 def bench_types(mb: float, dtype: torch.dtype, cols: int = 4096) -> None:
     rng = np.random.default_rng(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, output {dtype}")
-    print(f"{'type':6} {'in MB':>7} {'MB/s in':>9} {'Melem/s':>9} {'MB/s per CPU-s':>15}")
+    print(f"{'type':7} {'in MB':>7} {'MB/s in':>9} {'Melem/s':>9} {'MB/s per CPU-s':>15}")
     for t in SUPPORTED_TYPES:
         q = qt.quant(t)
         rows = max(1, int(mb * 1e6 / (cols / q.block_size * q.type_size)))
@@ -65,7 +65,7 @@ def bench_types(mb: float, dtype: torch.dtype, cols: int = 4096) -> None:
             lambda raw=raw, t=t, out=out, shape=shape: dequantize_to(raw, t, shape, dtype, out)
         )
         mb = raw.numel() / 1e6
-        print(f"{q.name:6} {mb:7.1f} {mb / s:9.0f} {rows * cols / 1e6 / s:9.0f} {mb / cpu:15.0f}")
+        print(f"{q.name:7} {mb:7.1f} {mb / s:9.0f} {rows * cols / 1e6 / s:9.0f} {mb / cpu:15.0f}")
 
 
 def bench_model(path: str, dtype: torch.dtype) -> None:

@@ -61,6 +61,8 @@ BY_NAME: dict[str, int] = {q.name.lower(): tid for tid, q in QUANT.items()}
 F32, F16, BF16 = 0, 1, 30
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = 10, 11, 12, 13, 14, 15
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS = 16, 17, 18, 19, 20, 21, 22, 23
+IQ1_M, MXFP4 = 29, 39
 
 
 def quant(ggml_type: int) -> QuantType:

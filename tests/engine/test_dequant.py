@@ -7,8 +7,10 @@ rounded once, so it must equal the reference cast to that dtype (again exact equ
 
 Inputs are fresh random blocks each run (the `seed` fixture, printed with every failure): raw
 random bytes for every block type with finite, small f16 d/dmin fields (real files never hold
-inf/nan scales), plus, for the 32-blocks, values that gguf.quants.quantize produced from random
-floats.
+inf/nan scales; IQ1_M's d is spread over four nibbles, MXFP4's e8m0 exponent byte is finite for
+every value), plus, for the 32-blocks, values that gguf.quants.quantize produced from random
+floats. The lookup types (IQ family, MXFP4) are compared with every table index drawn: grid rows,
+sign patterns and value lists come from random bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,19 @@ from kernels.dequant import SUPPORTED_TYPES, dequantize, dequantize_to
 from spec import quant_types as qt
 from spec.errors import CarveError
 
+# types whose values come from the format's tables (grids, sign patterns, value lists)
+LOOKUP_TYPES = [
+    qt.IQ4_NL,
+    qt.IQ4_XS,
+    qt.IQ2_XXS,
+    qt.IQ2_XS,
+    qt.IQ2_S,
+    qt.IQ3_XXS,
+    qt.IQ3_S,
+    qt.IQ1_S,
+    qt.IQ1_M,
+    qt.MXFP4,
+]
 BLOCK_TYPES = [
     qt.Q4_0,
     qt.Q4_1,
@@ -38,6 +53,7 @@ BLOCK_TYPES = [
     qt.Q4_K,
     qt.Q5_K,
     qt.Q6_K,
+    *LOOKUP_TYPES,
 ]
 
 
@@ -52,6 +68,13 @@ def _raw_blocks(ggml_type: int, n_blocks: int, rng: np.random.Generator) -> np.n
         # magnitudes from 1e-6 to 1, signs both ways: subnormal-ish to large f16 scales
         f = rng.standard_normal(n_blocks) * 10.0 ** rng.uniform(-6, 0, n_blocks)
         b[:, off : off + 2] = f.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+    if ggml_type == qt.IQ1_M:
+        # d's 16 bits are the top nibbles of the four u16 scales at 48 (bytes 49, 51, 53, 55)
+        f = rng.standard_normal(n_blocks) * 10.0 ** rng.uniform(-6, 0, n_blocks)
+        d = f.astype(np.float16).view(np.uint16)
+        for k in range(4):
+            nibble = ((d >> (4 * k)) & 0xF).astype(np.uint8)
+            b[:, 49 + 2 * k] = (b[:, 49 + 2 * k] & 0x0F) | (nibble << 4)
     return b
 
 
@@ -59,7 +82,8 @@ def _reference(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
     """gguf.quants.dequantize on the bytes laid out as gguf does: [..., ne1, row bytes]."""
     q = qt.QUANT[ggml_type]
     rows = raw.reshape(*shape[:0:-1], shape[0] // q.block_size * q.type_size)
-    return gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(ggml_type))
+    with np.errstate(over="ignore"):  # MXFP4's top exponents times 6 or 12 are inf, here and ours
+        return gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(ggml_type))
 
 
 def _shape(ggml_type: int, rng: np.random.Generator) -> tuple[int, ...]:
@@ -86,11 +110,25 @@ def test_random_blocks_bit_equal_to_gguf(ggml_type: int, seed: int) -> None:
 def test_many_blocks_span_several_chunks(seed: int) -> None:
     """Long tensors go through the chunk loop (including a short last chunk)."""
     rng = _rng(seed, 1000)
-    for ggml_type in (qt.Q5_0, qt.Q6_K):
+    for ggml_type in (qt.Q5_0, qt.Q6_K, qt.IQ2_XXS, qt.IQ1_M):
         shape = (qt.QUANT[ggml_type].block_size * 3, 701)
         raw = _raw_blocks(ggml_type, 3 * 701, rng).reshape(-1)
         got = dequantize(raw, ggml_type, shape)  # numpy input, as GGUFModel.tensor_data gives
         assert np.array_equal(got.numpy(), _reference(raw, ggml_type, shape))
+
+
+@pytest.mark.parametrize("ggml_type", LOOKUP_TYPES, ids=qt.type_name)
+def test_lookup_types_one_row_many_rows_long_rows(ggml_type: int, seed: int) -> None:
+    """One block, one row of several blocks, several rows, and rows of many blocks."""
+    rng = _rng(seed, 6000 + ggml_type)
+    bs = qt.QUANT[ggml_type].block_size
+    for shape in ((bs,), (bs * 5,), (bs, 7), (bs * 3, 4), (bs * 16, 2, 3)):
+        n_blocks = int(np.prod(shape)) // bs
+        raw = _raw_blocks(ggml_type, n_blocks, rng).reshape(-1)
+        want = _reference(raw, ggml_type, shape)
+        got = dequantize(torch.from_numpy(raw), ggml_type, shape)
+        assert tuple(got.shape) == shape[::-1] == want.shape
+        assert np.array_equal(got.numpy(), want), f"shape {shape}"
 
 
 @pytest.mark.parametrize(
@@ -127,7 +165,7 @@ def test_float_types(ggml_type: int, seed: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("ggml_type", [qt.Q4_K, qt.Q8_0, qt.F32], ids=qt.type_name)
+@pytest.mark.parametrize("ggml_type", [qt.Q4_K, qt.Q8_0, qt.F32, *LOOKUP_TYPES], ids=qt.type_name)
 def test_half_output_is_reference_rounded_once(
     ggml_type: int, dtype: torch.dtype, seed: int
 ) -> None:
@@ -147,8 +185,8 @@ def test_half_output_is_reference_rounded_once(
 
 
 def test_unknown_and_unsupported_types_name_the_type() -> None:
-    with pytest.raises(CarveError, match="IQ4_NL"):
-        dequantize(torch.zeros(18, dtype=torch.uint8), 20, (32,))
+    with pytest.raises(CarveError, match="TQ1_0"):
+        dequantize(torch.zeros(54, dtype=torch.uint8), 34, (256,))
     with pytest.raises(CarveError, match="type 99"):
         dequantize(torch.zeros(18, dtype=torch.uint8), 99, (32,))
     assert set(BLOCK_TYPES) | {qt.F32, qt.F16, qt.BF16} == set(SUPPORTED_TYPES)
@@ -159,6 +197,17 @@ def test_wrong_byte_count_and_partial_blocks_are_errors() -> None:
         dequantize(torch.zeros(35, dtype=torch.uint8), qt.Q4_0, (32, 2))
     with pytest.raises(CarveError, match="whole blocks of 256"):
         dequantize(torch.zeros(144, dtype=torch.uint8), qt.Q4_K, (128, 2))
+
+
+@pytest.mark.parametrize("ggml_type", LOOKUP_TYPES, ids=qt.type_name)
+def test_partial_blocks_of_lookup_types_name_the_type(ggml_type: int) -> None:
+    q = qt.QUANT[ggml_type]
+    raw = torch.zeros(2 * q.type_size, dtype=torch.uint8)
+    with pytest.raises(
+        CarveError, match=rf"^{q.name} tensor .* whole blocks of {q.block_size}"
+    ) as e:
+        dequantize(raw, ggml_type, (q.block_size + q.block_size // 2, 2))
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.demo
