@@ -132,7 +132,7 @@ def pick_devices(gpus: str) -> list[Any]:
 
 def build_plan(path: Path, gpus: str, ctx: int | None, kv: str, logits_rows: int = 1) -> Any:
     """A priced Plan for the devices here (engine.planning.defaults.default_plan); CarveError
-    naming the device when it does not fit."""
+    naming the device when it does not fit or its runner has no kernel for a tensor type."""
     from engine.gguf.reader import GGUFModel
     from engine.planning.defaults import default_plan
     from engine.planning.price import price
@@ -144,6 +144,10 @@ def build_plan(path: Path, gpus: str, ctx: int | None, kv: str, logits_rows: int
     )
     layout = price(plan, model)
     for dev in layout.devices:
+        if dev.verdict == Verdict.DOES_NOT_RUN:
+            raise CarveError(
+                f"{path.name} does not run on {dev.device.label} ({dev.device.name}): {dev.advice}"
+            )
         if dev.verdict == Verdict.DOES_NOT_FIT:
             advice = f": {dev.advice}" if dev.advice else ""
             raise CarveError(

@@ -6,7 +6,8 @@
 
 With --gpus auto and no NVIDIA GPU, it plans for this machine's CPU (system RAM), which is
 where the engine would run, and says so; --gpus RIG plans for GPUs you do not have.
-Exit status: 0 fits (or tight), 1 does not fit, 2 bad input. Never imports torch.
+Exit status: 0 fits (or tight), 1 does not fit, 2 bad input or does not run here (the runner
+that would run the plan has no kernel for a tensor type of the file). Never imports torch.
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     except BrokenPipeError:  # `carve plan ... | head`: the reader left, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0 if layout.fits else 1
+    return 0 if layout.fits else 2 if layout.verdict == Verdict.DOES_NOT_RUN else 1
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ _TERMS_LIGHT = {
     "dequant_cache": "#e0a030",
     "overhead": "#7a8699",
 }
-_VERDICT = {"fits": "#2f9e55", "tight": "#d99a1e", "does not fit": "#d64545", "": "#8a94a6"}
+_VERDICT = {"fits": "#2f9e55", "tight": "#d99a1e", "does not fit": "#d64545",
+            "does not run here": "#d64545", "": "#8a94a6"}
 _STAGES = ("#3b6fd8", "#2f9e8f", "#c2682d", "#8a55d6", "#c2417a", "#5f8f2f", "#b08a1e", "#4f6d8f")
 
 LIGHT = Theme(
@@ -67,7 +68,8 @@ DARK = Theme(
         "dequant_cache": "#e8b04a",
         "overhead": "#8d98ab",
     },
-    verdict={"fits": "#45b86c", "tight": "#e6aa35", "does not fit": "#ec5f5f", "": "#8d98ab"},
+    verdict={"fits": "#45b86c", "tight": "#e6aa35", "does not fit": "#ec5f5f",
+             "does not run here": "#ec5f5f", "": "#8d98ab"},
     stages=("#5b8def", "#3fb3a2", "#dd8448", "#a57ae8", "#dc5f95", "#7fb04a", "#cfa53a", "#7391b5"),
 )
 

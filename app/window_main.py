@@ -256,7 +256,7 @@ class MainWindow(QMainWindow):
     def _on_layout(self, layout: object) -> None:
         excluded = {d.index for i, d in enumerate(self.plan.devices) if i in self.plan.excluded}
         self.board.set_plan(layout, excluded)
-        self.launch_bar.set_verdict(self.plan.verdict())
+        self.launch_bar.set_verdict(self.plan.verdict(), self.plan.reason())
 
     # -- launch ------------------------------------------------------------------------------
     def launch(self) -> None:

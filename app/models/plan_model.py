@@ -99,7 +99,10 @@ class PlanModel:
             self.reprice()
             return
         self.excluded = frozenset()
+        split = self.split
         self._reset_split()
+        if self.split == split:  # the same boundaries on other devices: set_split priced nothing
+            self.reprice()
         self.events.devices.emit(devices)
 
     def active_devices(self) -> tuple[Any, ...]:
@@ -262,6 +265,14 @@ class PlanModel:
             return Verdict.DOES_NOT_FIT if self.error else ""
         return self.layout.verdict
 
+    def reason(self) -> str:
+        """Why the plan does not run here (the runner, the tensor type it has no kernel for and
+        what would run it), "" when it runs."""
+        if self.layout is None:
+            return ""
+        return next((d.advice for d in self.layout.devices if d.verdict == Verdict.DOES_NOT_RUN),
+                    "")
+
     def fixes(self) -> list[Fix]:
         """One-click changes that make a plan that does not fit, fit. Tried by pricing (each
         price is ~ms), so a suggested change is one the pricing model has already checked."""
@@ -284,7 +295,8 @@ class PlanModel:
             layout = self.price_plan(plan)
         except CarveError:
             return False
-        return worst_verdict(d.verdict for d in layout.devices) != Verdict.DOES_NOT_FIT
+        worst = worst_verdict(d.verdict for d in layout.devices)
+        return worst is None or worst.runs
 
     def _largest_fitting_ctx(self) -> int | None:
         if not self._fits(ctx=MIN_CTX):

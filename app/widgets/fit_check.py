@@ -133,6 +133,10 @@ class FitCheck(QWidget):
             self.summary.setText(f"<span style='color:{colour}'>●</span> {m.error}")
         elif layout is None:
             self.summary.setText("Open a model to see whether it fits.")
+        elif verdict == Verdict.DOES_NOT_RUN:
+            self.summary.setText(
+                f"<span style='color:{colour}; font-size:15px'>●</span> "
+                f"<b>{verdict.capitalize()}</b> — {m.reason()}")
         else:
             worst = min((d.headroom for d in rows), default=0)
             self.summary.setText(

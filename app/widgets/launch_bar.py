@@ -1,4 +1,5 @@
-"""The bar along the bottom: verdict, Launch (refused when a GPU does not fit unless overridden),
+"""The bar along the bottom: verdict, Launch (refused when a GPU does not fit unless overridden,
+and when the plan does not run here, with the reason),
 load progress with GB, GB/s and time left, Cancel, Unload, and the loaded report."""
 
 from __future__ import annotations
@@ -65,12 +66,13 @@ class LaunchBar(QWidget):
         layout.addLayout(row)
         layout.addWidget(self.report)
         self.verdict = ""
+        self.reason = ""  # why the plan does not run here
         self.engine_state = "stopped"
         self.message = ""
         self._update()
 
-    def set_verdict(self, verdict: str) -> None:
-        self.verdict = verdict
+    def set_verdict(self, verdict: str, reason: str = "") -> None:
+        self.verdict, self.reason = verdict, reason
         self._update()
 
     def set_engine_state(self, state: str) -> None:
@@ -112,6 +114,8 @@ class LaunchBar(QWidget):
         self.report.hide()
 
     def can_launch(self) -> bool:
+        if self.verdict == Verdict.DOES_NOT_RUN:
+            return False
         return bool(self.verdict) and (self.verdict != Verdict.DOES_NOT_FIT or self.override.isChecked())
 
     def _update(self) -> None:
@@ -130,6 +134,8 @@ class LaunchBar(QWidget):
             text = "Model loaded — chat on the Chat tab"
         elif self.message:
             text = self.message
+        elif self.verdict == Verdict.DOES_NOT_RUN:
+            text = f"This plan does not run here: {self.reason}"
         elif self.verdict == Verdict.DOES_NOT_FIT:
             text = "A GPU does not fit this plan: apply a fix above, or tick “Launch anyway”."
         elif self.verdict:

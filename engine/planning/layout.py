@@ -160,7 +160,7 @@ class Layout:
 
     @property
     def fits(self) -> bool:
-        return self.verdict is not Verdict.DOES_NOT_FIT
+        return self.verdict.runs
 
     @property
     def verdict(self) -> Verdict:

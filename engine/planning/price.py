@@ -19,6 +19,7 @@ from collections import OrderedDict
 from typing import Any
 
 from engine.hardware.calibration import overhead_for
+from engine.planning import capability
 from engine.planning.advice import advise
 from engine.planning.arena import align_up, reserved_bytes, round_block, segment_size
 from engine.planning.carve import ModelIndex, model_index
@@ -33,6 +34,7 @@ from engine.planning.stage import (
     stage_key,
 )
 from spec.errors import CarveError
+from spec.runners import Runner
 
 _STAGES: OrderedDict[tuple[int, StageKey], DeviceLayout] = OrderedDict()
 
@@ -149,12 +151,14 @@ def open_model(path: str) -> Any:
     return GGUFModel.open(path)
 
 
-def price(plan: Plan, model: Any = None) -> Layout:
-    """Every allocation of `plan`, per device, with a verdict and advice for what does not fit."""
+def price(plan: Plan, model: Any = None, runner: Runner | None = None) -> Layout:
+    """Every allocation of `plan`, per device, with a verdict and advice for what does not fit,
+    and "does not run here" with the reason where `runner` (default: the one that will run the
+    plan, `capability.runner_for`) has no kernel for a tensor the device holds."""
     model = model if model is not None else open_model(plan.model)
     idx = model_index(model)
     _check(plan, idx)
     stages = [price_stage(idx, stage_key(plan, i)) for i in range(len(plan.devices))]
     if any(s.verdict == Verdict.DOES_NOT_FIT for s in stages):
         stages = advise(plan, idx, stages)
-    return Layout(plan, tuple(stages))
+    return Layout(plan, tuple(capability.check(plan, idx, stages, runner)))

@@ -80,11 +80,14 @@ TIGHT = 512 * MIB
 
 
 class Verdict(StrEnum):
-    """A device's verdict, best first; a plan's verdict is its worst device's."""
+    """A device's verdict, best first; a plan's verdict is its worst device's. "does not run
+    here": the runner lacks a kernel for a tensor type the device holds (planning/capability.py),
+    which no change of memory terms fixes."""
 
     FITS = "fits"
     TIGHT = "tight"
     DOES_NOT_FIT = "does not fit"
+    DOES_NOT_RUN = "does not run here"
 
     @classmethod
     def of(cls, headroom: int) -> Verdict:
@@ -94,6 +97,11 @@ class Verdict(StrEnum):
     @property
     def rank(self) -> int:
         return _RANK[self]
+
+    @property
+    def runs(self) -> bool:
+        """Whether a launch can go ahead: fits or tight."""
+        return self.rank < _RANK[Verdict.DOES_NOT_FIT]
 
 
 _RANK = {v: i for i, v in enumerate(Verdict)}

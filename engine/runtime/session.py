@@ -22,7 +22,7 @@ from engine.runtime.models import build_stage
 from engine.runtime.models.layers import Stage
 from engine.runtime.models.ops import TORCH_OPS
 from engine.runtime.options import RunnerOptions
-from spec.errors import CarveError
+from spec.runners import TORCH
 
 __all__ = ["GenerationStats", "Session"]
 
@@ -65,22 +65,19 @@ class Session(ChunkedSession):
         from engine.gguf.hparams import HParams
         from engine.gguf.reader import GGUFModel
         from engine.planning.price import price
-        from engine.runtime.gpu.session import GpuSession, why_not
+        from engine.runtime.gpu.session import GpuSession, refuse, why_not
 
         model = GGUFModel.open(plan.model)
         hp = HParams.from_model(model)
-        why = why_not(plan, hp, options)
+        why = why_not(plan, hp, options, model)
         devices = ", ".join(d.label for d in plan.devices)
         if why is None:
             print(f"carve-engine: runner triton on {devices}", file=sys.stderr, flush=True)
             return GpuSession.load(plan, on_progress, cancelled, model=model,  # type: ignore[return-value]
                                    options=options)
         print(f"carve-engine: runner torch on {devices} ({why})", file=sys.stderr, flush=True)
-        layout = price(plan, model)
-        if not layout.fits:
-            bad = next(d for d in layout.devices if d.verdict == "does not fit")
-            why = bad.advice or f"{-bad.headroom / 2**20:.0f} MiB over"
-            raise CarveError(f"{bad.device.label}: the plan does not fit ({why})")
+        layout = price(plan, model, TORCH)
+        refuse(layout)
         allocator = RecordingAllocator()
         loaded = load_layout(layout, model, allocator, on_progress, cancelled)
         return cls(plan, model, hp, layout, allocator, loaded, ops)

@@ -269,3 +269,12 @@ def test_perplexity_prints_progress_and_the_final_estimate(demo_model_path, tmp_
     value, err = float(final.split()[4]), float(final.split()[6])
     # a repetitive, famous sentence: a small model predicts its second halves well
     assert 1.0 < value < 20.0 and 0 < err < value
+
+
+def test_a_file_the_runner_cannot_run_is_refused_before_the_engine_starts(synth_model, capsys):
+    # TQ2_0: a type neither runner has a kernel for; refused at plan time, one line, exit 2
+    path = synth_model("qwen2", "tq2_0")
+    assert cli_chat.main(["chat", str(path), "--gpus", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"carve: {path.name} does not run on CPU (") and "\n" not in err
+    assert "TQ2_0 (blk.0.attn_q.weight and 28 more) has no dequantizer in the CPU engine" in err

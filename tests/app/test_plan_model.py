@@ -160,3 +160,41 @@ def test_auto_split_uses_the_search(model, make_gpu):
     model.set_devices([make_gpu(0, 3000), make_gpu(1, 20000)])
     assert model.auto_split()
     assert valid_split(model.split, 4, 2)
+
+
+def test_a_plan_that_does_not_run_here_names_why_and_cannot_launch(qtbot, synth_model,
+                                                                     make_gpu):
+    from app.theme import LIGHT
+    from app.widgets.fit_check import FitCheck
+    from app.widgets.launch_bar import LaunchBar
+
+    m = PlanModel()
+    m.open_model(str(synth_model("qwen2", "iq4_xs")))
+    m.set_devices([make_gpu(0, 8000)])
+    reason = ("IQ4_XS (blk.0.attn_q.weight and 28 more) has no GPU kernel: run on the CPU engine "
+              "(--gpus cpu) or use a file without it")
+    assert m.verdict() == "does not run here" and m.reason() == reason
+    assert m.fixes() == []  # no memory change makes it run
+    fit = FitCheck(m, LIGHT)
+    bar = LaunchBar()
+    qtbot.addWidget(fit)
+    qtbot.addWidget(bar)
+    m.events.layout.connect(lambda *_: bar.set_verdict(m.verdict(), m.reason()))
+    m.set_ctx(1024)  # re-prices: both views follow
+    assert fit.table.item(0, fit.table.columnCount() - 1).text() == "does not run here"
+    assert reason in fit.summary.text() and reason in fit.advice.text()
+    assert not bar.launch_button.isEnabled() and not bar.can_launch()
+    assert bar.status.text() == f"This plan does not run here: {reason}"
+    assert bar.override.isHidden()  # "Launch anyway" cannot help: nothing would run it
+    bar.override.setChecked(True)
+    assert not bar.can_launch()
+    # the same file on a plan whose runner runs it: Launch is back
+    m.set_devices([_cpu()])
+    assert m.verdict() == "fits" and m.reason() == ""
+    assert bar.launch_button.isEnabled()
+
+
+def _cpu():
+    from engine.hardware.devices import DeviceSpec
+
+    return DeviceSpec(index=-1, name="cpu", total=64 << 30, free=64 << 30)

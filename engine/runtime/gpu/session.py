@@ -13,47 +13,65 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from engine.planning.rules import Verdict
 from engine.process.protocol import WARM_UP
 from engine.runtime.chunked import ChunkedSession
 from engine.runtime.generate import GenerationStats
 from engine.runtime.gpu import decode
 from engine.runtime.gpu.pipeline import GpuPipeline, on, sync
-from engine.runtime.gpu.stage import ARCHS
 from engine.runtime.models.layers import NonFinite
 from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
 from spec.launch import SAMPLE_RING
+from spec.runners import TRITON
 
 log = logging.getLogger("carve.engine")
 
 
-def why_not(plan: Any, hp: Any, options: RunnerOptions = RunnerOptions()) -> str | None:
-    """None when the GPU runner runs this plan, else why the torch engine does."""
+def why_not(plan: Any, hp: Any, options: RunnerOptions = RunnerOptions(),
+            model: Any = None) -> str | None:
+    """None when the GPU runner runs this plan, else why the torch engine does: the options,
+    then the rule a plan can tell (engine.planning.capability.gpu_why_not, which pricing
+    shares), then whether this process sees CUDA. ``model``: the opened file (else read from
+    the plan's path)."""
+    from engine.planning.capability import gpu_why_not
+
     if options.runner == "torch":
         return "CARVE_RUNNER=torch"
-    if any(d.index < 0 for d in plan.devices):
-        return "the plan places layers on the CPU"
+    why = gpu_why_not(plan, hp, _tensors_of(plan.model) if model is None else model)
+    if why is not None:
+        return why
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
-    if hp.arch not in ARCHS:
-        return f"the Triton runner runs {'/'.join(ARCHS)} models, not {hp.arch}"
-    if hp.arch == "llama" and _has_rope_factors(plan.model):
-        return "the Triton RoPE has no per-pair frequency factors (rope_freqs.weight) yet"
     return None
 
 
-def _has_rope_factors(path: str) -> bool:
-    """Whether the file carries llama-3.1-style rope_freqs (a header read)."""
+def _tensors_of(path: str) -> Any:
+    """The file's tensor list (a header read); none when it cannot be read (the load names
+    what is wrong with the file)."""
     from engine.gguf.reader import GGUFModel
 
     try:
-        return any(t.name == "rope_freqs.weight" for t in GGUFModel.open(path).tensors)
+        return GGUFModel.open(path)
     except (CarveError, OSError):
-        return False  # the load names what is wrong with the file
+        return SimpleNamespace(tensors=())
+
+
+def refuse(layout: Any) -> None:
+    """CarveError, before anything is allocated, naming the first device the plan does not fit
+    or does not run on and why."""
+    if layout.fits:
+        return
+    bad = next(d for d in layout.devices if not d.verdict.runs)
+    if bad.verdict == Verdict.DOES_NOT_RUN:
+        raise CarveError(f"{bad.device.label}: the plan does not run here ({bad.advice})")
+    why = bad.advice or f"{-bad.headroom / 2**20:.0f} MiB over"
+    raise CarveError(f"{bad.device.label}: the plan does not fit ({why})")
 
 
 def _check_layer(layer: int, hidden: torch.Tensor) -> None:
@@ -109,11 +127,8 @@ class GpuSession(ChunkedSession):
 
         model = GGUFModel.open(plan.model) if model is None else model
         hp = HParams.from_model(model)
-        layout = price(plan, model)
-        if not layout.fits:
-            bad = next(d for d in layout.devices if d.verdict == "does not fit")
-            why = bad.advice or f"{-bad.headroom / 2**20:.0f} MiB over"
-            raise CarveError(f"{bad.device.label}: the plan does not fit ({why})")
+        layout = price(plan, model, TRITON)
+        refuse(layout)
         pipe = GpuPipeline(model, hp, layout, on_progress, cancelled, devices, options)
         err: BaseException | None = None
         try:

@@ -1,0 +1,110 @@
+"""Which runner will execute a plan, and whether it can run every tensor each device holds.
+
+A device whose stage holds a tensor of a type its runner has no kernel for gets the verdict
+"does not run here" and a reason naming the type, a tensor of it, the runner, and what would run
+it — before anything is allocated, in the window, `carve plan` and the engine alike.
+
+The runner rule is the pure part of the engine's (engine/runtime/gpu/session.py `why_not`, which
+adds the checks only a torch process can make): a plan with every layer on GPUs, of an
+architecture the GPU runner runs, runs on the Triton GPU runner; any other on the torch engine.
+A plan for simulated GPUs is priced as the GPU runner would run it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from engine.planning.carve import ModelIndex
+from engine.planning.layout import DeviceLayout
+from engine.planning.plan import Plan
+from engine.planning.rules import Verdict
+from spec.quant_types import type_name
+from spec.runners import ARCHS, RUNNERS, TORCH, TRITON, Runner
+
+ROPE_FACTORS = "rope_freqs.weight"
+
+
+def gpu_why_not(plan: Plan, hp: Any, model: Any) -> str | None:
+    """None when the GPU runner runs `plan` (as far as a plan can tell), else why the torch
+    engine does. `model`: anything with `.tensors` (their names are read)."""
+    if any(d.is_cpu for d in plan.devices):
+        return "the plan places layers on the CPU"
+    if hp.arch not in ARCHS:
+        return f"the Triton runner runs {'/'.join(ARCHS)} models, not {hp.arch}"
+    if hp.arch == "llama" and any(t.name == ROPE_FACTORS for t in model.tensors):
+        return "the Triton RoPE has no per-pair frequency factors (rope_freqs.weight) yet"
+    return None
+
+
+def runner_for(plan: Plan, idx: ModelIndex) -> Runner:
+    """The runner that will execute `plan`."""
+    return TRITON if gpu_why_not(plan, idx.hp, idx.model) is None else TORCH
+
+
+def _runs(runner: Runner, t: Any) -> bool:
+    # the GPU runner multiplies matrices with its kernels and reads vectors as F32
+    if runner is TRITON and len(t.shape) < 2:
+        return True
+    return t.ggml_type in runner.types
+
+
+_MISSING: OrderedDict[tuple[int, str], tuple[tuple[tuple[Any, ...], ...], tuple[Any, ...]]] = (
+    OrderedDict()
+)
+
+
+def _missing(idx: ModelIndex, runner: Runner) -> tuple[tuple[tuple[Any, ...], ...], tuple[Any, ...]]:
+    """Per layer, then of the non-layer tensors: those `runner` cannot run (once per model)."""
+    key = (idx.token, runner.name)
+    hit = _MISSING.get(key)
+    if hit is None:
+        per = tuple(tuple(t for t in ts if not _runs(runner, t)) for ts in idx.layer_tensors)
+        glob = {id(t): t for t in idx.first_globals + idx.shared + idx.last_globals}
+        hit = per, tuple(t for t in glob.values() if not _runs(runner, t))
+        _MISSING[key] = hit
+        while len(_MISSING) > 16:
+            _MISSING.popitem(last=False)
+    return hit
+
+
+def reason(runner: Runner, tensors: Sequence[Any]) -> str:
+    """ "IQ4_XS (blk.0.ffn_down.weight and 27 more) has no GPU kernel: run on the CPU engine
+    (--gpus cpu) or use a file without it", a clause per type, in file order."""
+    by_type: dict[int, list[str]] = {}
+    for t in tensors:
+        by_type.setdefault(t.ggml_type, []).append(t.name)
+    clauses = []
+    for tid, names in by_type.items():
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        others = [r for r in RUNNERS.values() if r is not runner and tid in r.types]
+        fix = (
+            f"{others[0].elsewhere} or use a file without it"
+            if others
+            else "no runner of this Carve runs it; use a file without it"
+        )
+        clauses.append(f"{type_name(tid)} ({names[0]}{more}) {runner.lacks}: {fix}")
+    return "; ".join(clauses)
+
+
+def check(
+    plan: Plan, idx: ModelIndex, stages: Sequence[DeviceLayout], runner: Runner | None = None
+) -> list[DeviceLayout]:
+    """`stages` with "does not run here" and its reason on each device holding a tensor that
+    `runner` (default: the one `runner_for` picks) cannot run."""
+    runner = runner if runner is not None else runner_for(plan, idx)
+    per, glob = _missing(idx, runner)
+    if not glob and not any(per):
+        return list(stages)
+    out = []
+    for s in stages:
+        lo, hi = s.layers
+        held = {id(t) for t in idx.first_globals} if s.first else set()
+        held |= {id(t) for t in idx.shared}
+        if s.last:
+            held |= {id(t) for t in idx.last_globals}
+        bad = [t for ts in per[lo:hi] for t in ts] + [t for t in glob if id(t) in held]
+        out.append(replace(s, verdict=Verdict.DOES_NOT_RUN, advice=reason(runner, bad)) if bad else s)
+    return out
