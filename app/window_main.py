@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 )
 
 import app.pyside_refcount  # noqa: F401  (PySide6 6.12.0 refcount bug: before any Qt call)
+from app.demo_assembler import DemoAssembler, demo_installed
 from app.engine_client import EngineClient
 from app.models.chat_model import ChatHistory
 from app.models.device_board import DeviceBoard
@@ -78,6 +79,7 @@ class MainWindow(QMainWindow):
         self.live_poll = live_poll
         self.launched_layout = None
         self.poller = None
+        self.assembler: DemoAssembler | None = None  # the demo model joined on a first start
         self.last_error = ""
         self.remember = remember  # a --snapshot run leaves the user's last session alone
 
@@ -309,7 +311,23 @@ class MainWindow(QMainWindow):
         if urls:
             self.open_model(urls[0].toLocalFile())
 
+    def _assemble_demo(self) -> None:
+        self.assembler = DemoAssembler(self)
+        self.assembler.progress.connect(
+            lambda done, total: self.launch_bar.show_message(_assembling(done, total)))
+        self.assembler.finished.connect(self._on_demo_assembled)
+        self.assembler.failed.connect(lambda m: self.launch_bar.show_message(f"⚠ {m}"))
+        self.launch_bar.show_message(_assembling(0, 0).split(":")[0] + "…")
+        self.assembler.start()
+
+    def _on_demo_assembled(self, path: str) -> None:
+        self.launch_bar.show_message("")
+        if self.plan.gguf is None:  # the user has not opened another model meanwhile
+            self.open_model(path)
+
     def closeEvent(self, event: QCloseEvent) -> None:
+        if self.assembler is not None:
+            self.assembler.wait()  # a QThread must not be destroyed while it runs
         if self.plan.gguf is not None and self.remember:
             self.store.save_last_session(str(self.plan.gguf.paths[0]), self.rig,
                                          self.plan.settings())
@@ -318,10 +336,11 @@ class MainWindow(QMainWindow):
             self.poller.stop()
         super().closeEvent(event)
 
-    def restore(self, model: str | None, rig: str | None) -> str:
-        """Startup: the model asked for, else the last one, else the demo model if assembled;
-        the rig asked for, else the last one, else this machine (simulated if no GPU).
-        Returns what went wrong with a model or rig the user named ("" if nothing)."""
+    def restore(self, model: str | None, rig: str | None, assemble_demo: bool = False) -> str:
+        """Startup: the model asked for, else the last one, else the demo model if assembled
+        (``assemble_demo``: else the demo model once its installed chunks are joined, off the
+        GUI thread); the rig asked for, else the last one, else this machine (simulated if no
+        GPU). Returns what went wrong with a model or rig the user named ("" if nothing)."""
         last = self.store.last_session()
         problem = self.set_rig(rig or last.get("rig") or "auto")
         if problem and rig:
@@ -330,6 +349,8 @@ class MainWindow(QMainWindow):
             self.set_rig("auto")
         path = model or last.get("model") or _demo_model()
         if not path:
+            if assemble_demo and demo_installed():
+                self._assemble_demo()
             return ""
         if not self.open_model(path):
             return self.last_error if model else ""
@@ -337,6 +358,10 @@ class MainWindow(QMainWindow):
         if same and isinstance(last.get("settings"), dict):
             self.plan.apply_settings(last["settings"])
         return ""
+
+
+def _assembling(done: int, total: int) -> str:
+    return f"Assembling the demo model (first start): {done / 1e6:,.0f} of {total / 1e6:,.0f} MB"
 
 
 def _demo_model() -> str | None:
@@ -408,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         app.processEvents()
         print(f"shown {time.time() - float(spawned):.3f}", flush=True)
     QTimer.singleShot(0, window.build_plots)
-    QTimer.singleShot(0, lambda: window.restore(args.model, args.gpus))
+    QTimer.singleShot(0, lambda: window.restore(args.model, args.gpus, assemble_demo=True))
     if spawned:
         QTimer.singleShot(0, lambda: (print(f"planned {time.time() - float(spawned):.3f}",
                                             flush=True), window.close()))

@@ -216,3 +216,22 @@ def test_the_load_report_shows_the_measured_runtime_overhead_and_the_runner(wind
     assert "GPU 0" in text and "runtime 700" in text and "priced 724" in text
     assert "triton kernels" in text
     assert "differs by 4" in text  # the second GPU: allocated is not the priced figure
+
+
+def test_a_first_start_assembles_the_demo_model_off_the_gui_thread_and_opens_it(
+        qtbot, tmp_path, monkeypatch):
+    from engine.gguf import demo
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))  # a newcomer's machine
+    w = MainWindow(LIGHT, engine_program=[sys.executable, FAKE, "normal"], live_poll=False)
+    qtbot.addWidget(w)
+    seen: list[str] = []
+    w.launch_bar.show_message = lambda text: seen.append(text)  # the bar's status line
+    assert w.restore(None, "2x24GiB", assemble_demo=True) == ""
+    assert w.assembler is not None and w.plan.gguf is None  # restore returned at once
+    qtbot.waitUntil(lambda: w.plan.gguf is not None, timeout=120_000)
+    assert Path(w.plan.gguf.paths[0]).name == demo.DEMO_FILENAME
+    assert any("Assembling the demo model" in s and " of " in s for s in seen)
+    assert w.plan.layout is not None and w.plan.verdict()  # planned like any opened model
+    w.close()  # nothing left running
+    assert w.assembler.running is False
