@@ -38,9 +38,11 @@ RING = HIST + SAMPLE_LAST_N
 M32 = 0xFFFFFFFF
 
 
-def served(top_k: int, repeat_last_n: int, temperature: float) -> bool:
-    """Whether these settings run on the GPU sampler (else the host sampler draws)."""
-    return temperature == 0 or (1 <= top_k <= SAMPLE_TOP_K and repeat_last_n <= SAMPLE_LAST_N)
+def served(params) -> bool:
+    """Whether these sampling settings run on the GPU sampler (else the host sampler draws):
+    greedy or top-k from 1 to SAMPLE_TOP_K, with a penalty window of at most SAMPLE_LAST_N."""
+    window = params.repeat_penalty == 1.0 or params.repeat_last_n <= SAMPLE_LAST_N
+    return window and (params.temperature == 0 or 1 <= params.top_k <= SAMPLE_TOP_K)
 
 
 def _mix32(x: int) -> int:

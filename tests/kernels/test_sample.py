@@ -98,11 +98,16 @@ def test_logits_that_are_not_finite_read_back_as_minus_one(seed) -> None:
 
 
 def test_what_the_gpu_sampler_serves() -> None:
-    assert sample.served(top_k=40, repeat_last_n=64, temperature=0.7)
-    assert sample.served(top_k=0, repeat_last_n=10_000, temperature=0.0)  # greedy: always
-    assert not sample.served(top_k=0, repeat_last_n=64, temperature=0.7)  # the whole vocab
-    assert not sample.served(top_k=SAMPLE_TOP_K + 1, repeat_last_n=64, temperature=0.7)
-    assert not sample.served(top_k=40, repeat_last_n=SAMPLE_LAST_N + 1, temperature=0.7)
+    def s(**kw) -> bool:
+        return sample.served(SamplingParams(**kw))
+
+    assert s(top_k=40, repeat_last_n=64, temperature=0.7)
+    assert s(top_k=0, temperature=0.0)  # greedy: any top-k
+    assert s(top_k=40, repeat_last_n=10_000, repeat_penalty=1.0)  # no penalty: no window
+    assert not s(top_k=0, temperature=0.7)  # the whole vocabulary
+    assert not s(top_k=SAMPLE_TOP_K + 1, temperature=0.7)
+    assert not s(top_k=40, repeat_last_n=SAMPLE_LAST_N + 1, repeat_penalty=1.1)
+    assert not s(temperature=0.0, repeat_last_n=SAMPLE_LAST_N + 1, repeat_penalty=1.1)
 
 
 def test_uniform_is_the_same_24_bits_as_the_kernel_hash() -> None:

@@ -55,8 +55,7 @@ class IdRing:
 def served(session: Any, params: Any) -> bool:
     """Whether this reply's settings run on the GPU sampler (else the host sampler)."""
     last = session.pipe.stages[-1]
-    return last.samp_state is not None and sample.served(
-        params.top_k, params.repeat_last_n, params.temperature)
+    return last.samp_state is not None and sample.served(params)
 
 
 def generate_on_device(session: Any, ring: IdRing, prompt_ids: list[int], params: Any,
