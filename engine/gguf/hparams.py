@@ -14,8 +14,18 @@ from typing import Any
 from engine.gguf.reader import GGUFModel
 from spec.errors import CarveError
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3")
-_ROPE_STYLE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox"}
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe")
+MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe")
+_ROPE_STYLE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
+               "qwen3moe": "neox", "gpt-oss": "neox", "glm4moe": "neox"}
+# {arch}.expert_gating_func values (gguf ExpertGatingFuncType); gpt-oss has no key: llama.cpp
+# always takes the softmax over the chosen k logits for it
+_GATING = {1: "softmax", 2: "sigmoid"}
+_GATING_DEFAULT = {"qwen3moe": "softmax", "glm4moe": "sigmoid"}
+# gpt-oss's clamped SwiGLU limit and sliding-window period (llama.cpp hard-codes both:
+# swiglu_oai(limit = 7.0), set_swa_pattern(2) = even layers use the window)
+_GPT_OSS_SWIGLU_LIMIT = 7.0
+_GPT_OSS_SWA_PATTERN = 2
 # gemma3: every 6th layer (i+1) % 6 == 0 attends globally, the rest use the window
 # (llama.cpp src/llama-model.cpp: hparams.set_swa_pattern(6) for LLM_ARCH_GEMMA3)
 _GEMMA3_SWA_PATTERN = 6
@@ -49,6 +59,37 @@ class HParams:
     embed_scale: float
     act: str  # "silu" | "gelu"
     attn_scale: float  # multiplier of q·k
+    # --- mixture of experts (all zero / off for dense models) ---
+    n_expert: int = 0  # routed experts per MoE layer
+    n_expert_used: int = 0  # experts each token is routed to (top-k)
+    n_ff_exp: int = 0  # one routed expert's FFN width
+    n_expert_shared: int = 0  # shared experts beside the routed ones (glm4moe: 1)
+    n_ff_shexp: int = 0  # the shared-expert FFN width, as its tensors hold it (all shared ones)
+    n_layer_dense_lead: int = 0  # leading layers with a dense FFN (glm4moe)
+    # "softmax": softmax over all experts, then top-k (qwen3moe); "softmax_topk": top-k on the
+    # logits, softmax over the chosen k (gpt-oss); "sigmoid": top-k of sigmoid + exp_probs_b,
+    # weights the plain sigmoid values (glm4moe)
+    expert_gating: str = ""
+    expert_weights_norm: bool = False  # chosen weights divided by their sum
+    expert_weights_scale: float = 1.0  # chosen weights multiplied by it (glm4moe routed scaling)
+    n_layer_run: int = 0  # layers the model runs; 0 = n_layer (glm4moe's NextN layers are not)
+    rope_dim: int = 0  # leading dims of each head RoPE rotates; 0 = head_dim (glm4moe: half)
+    swiglu_limit: float = 0.0  # gpt-oss clamped SwiGLU (gate <= limit, |up| <= limit); 0 = off
+    attn_sinks: bool = False  # per-head sink logit in the softmax denominator (gpt-oss)
+    # YaRN (rope_scaling == "yarn", factor rope_scale): {arch}.rope.scaling.*
+    rope_scaling_orig_ctx: int = 0  # original_context_length
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.n_layer_run:
+            object.__setattr__(self, "n_layer_run", self.n_layer)
+        if not self.rope_dim:
+            object.__setattr__(self, "rope_dim", self.head_dim)
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Does layer ``i`` route through experts (else it has a dense FFN)."""
+        return self.n_expert > 0 and i >= self.n_layer_dense_lead
 
     @staticmethod
     def from_model(model: GGUFModel) -> HParams:
@@ -142,14 +183,19 @@ def _read(model: GGUFModel) -> HParams:
         raise CarveError(f"{model.paths[0]}: no token_embd.weight matrix; not a complete model")
     n_vocab = embd.shape[1]
     tied = not any(t.name == "output.weight" for t in model.tensors)
-    _check_shapes(model, {
+    moe = _read_moe(model, m, n_layer, n_embd) if arch in MOE_ARCHS else {}
+    n_run = moe.get("n_layer_run", n_layer)
+    dense = [i for i in range(n_run) if i < moe.get("n_layer_dense_lead", n_run)]
+    expect = {
         "token_embd.weight": (n_embd, n_vocab),
         "blk.0.attn_q.weight": (n_embd, n_head * head_dim),
         "blk.0.attn_k.weight": (n_embd, n_head_kv * head_dim),
         "blk.0.attn_v.weight": (n_embd, n_head_kv * head_dim_v),
-        "blk.0.ffn_up.weight": (n_embd, n_ff),
-        f"blk.{n_layer - 1}.ffn_down.weight": (n_ff, n_embd),
-    })
+    }
+    if dense:
+        expect[f"blk.{dense[0]}.ffn_up.weight"] = (n_embd, n_ff)
+        expect[f"blk.{dense[-1]}.ffn_down.weight"] = (n_ff, n_embd)
+    _check_shapes(model, expect)
 
     rope_base = m.float_("rope.freq_base", 10000.0)
     scaling = m.str_("rope.scaling.type")
@@ -161,9 +207,27 @@ def _read(model: GGUFModel) -> HParams:
     if scaling == "none":
         scaling = None
 
-    gemma = arch == "gemma3"
+    gemma, oss = arch == "gemma3", arch == "gpt-oss"
     window = m.int_("attention.sliding_window", _GEMMA3_DEFAULT_WINDOW if gemma else 0)
-    swa = _swa_layers(m, n_layer) if gemma and window else (False,) * n_layer
+    if gemma and window:
+        swa = _swa_layers(m, n_layer)
+    elif oss and window:
+        swa = tuple(i % _GPT_OSS_SWA_PATTERN == 0 for i in range(n_layer))
+    else:
+        swa = (False,) * n_layer
+    rope_dim = m.int_("rope.dimension_count", head_dim)
+    if rope_dim <= 0 or rope_dim > head_dim or rope_dim % 2:
+        raise CarveError(f"{model.paths[0]}: {arch}.rope.dimension_count {rope_dim} does not fit "
+                         f"a head of {head_dim}; it must be even and at most the head dim")
+    if scaling == "yarn":
+        moe["rope_scaling_orig_ctx"] = m.int_("rope.scaling.original_context_length", 0)
+        moe["rope_yarn_beta_fast"] = m.float_("rope.scaling.yarn_beta_fast", 32.0)
+        moe["rope_yarn_beta_slow"] = m.float_("rope.scaling.yarn_beta_slow", 1.0)
+        if moe["rope_scaling_orig_ctx"] <= 0 or scale <= 1.0:
+            raise CarveError(f"{model.paths[0]}: YaRN RoPE needs {arch}.rope.scaling.factor > 1 "
+                             f"and {arch}.rope.scaling.original_context_length; the file lacks one")
+    qk_norm = arch in ("qwen3", "gemma3", "qwen3moe") or (
+        arch == "glm4moe" and any(t.name == "blk.0.attn_q_norm.weight" for t in model.tensors))
     query_pre = m.float_("attention.query_pre_attn_scalar", 0.0)
     if query_pre:
         default_scale = query_pre**-0.5
@@ -183,8 +247,96 @@ def _read(model: GGUFModel) -> HParams:
         rope_base=rope_base,
         rope_base_swa=_GEMMA3_ROPE_BASE_SWA if gemma else rope_base,
         rope_style=_ROPE_STYLE[arch], rope_scaling=scaling, rope_scale=scale or 1.0,
-        sliding_window=window if gemma else 0, swa_layers=swa, tied_embeddings=tied,
-        qk_norm=arch in ("qwen3", "gemma3"), sandwich_norm=gemma,
+        sliding_window=window if gemma or oss else 0, swa_layers=swa, tied_embeddings=tied,
+        qk_norm=qk_norm, sandwich_norm=gemma,
         embed_scale=math.sqrt(n_embd) if gemma else 1.0, act="gelu" if gemma else "silu",
-        attn_scale=attn_scale,
+        attn_scale=attn_scale, rope_dim=rope_dim,
+        swiglu_limit=_GPT_OSS_SWIGLU_LIMIT if oss else 0.0, attn_sinks=oss,
+        **moe,
+    )
+
+
+def _tensor_shapes(model: GGUFModel) -> dict[str, tuple[int, ...]]:
+    return {t.name: tuple(t.shape) for t in model.tensors}
+
+
+def _read_moe(model: GGUFModel, m: _Meta, n_layer: int, n_embd: int) -> dict[str, Any]:
+    """The expert fields of a MoE architecture, checked against every run layer's router and
+    expert tensors (GGUF shapes: router [n_embd, n_expert], gate/up experts [n_embd, n_ff_exp,
+    n_expert], down experts [n_ff_exp, n_embd, n_expert])."""
+    path, arch = model.paths[0], model.arch
+    n_expert = m.int_("expert_count", required=True)
+    n_used = m.int_("expert_used_count", required=True)
+    if n_expert <= 0:
+        raise CarveError(f"{path}: {arch}.expert_count is {n_expert}; a mixture-of-experts "
+                         "model needs at least one expert")
+    if not 0 < n_used <= n_expert:
+        raise CarveError(f"{path}: {arch}.expert_used_count is {n_used} but the file has "
+                         f"{n_expert} experts ({arch}.expert_count); it must be 1..{n_expert}")
+    nextn = m.int_("nextn_predict_layers", 0) if arch == "glm4moe" else 0
+    n_run = n_layer - nextn
+    if not 0 < n_run <= n_layer:
+        raise CarveError(f"{path}: {arch}.nextn_predict_layers {nextn} leaves no layer to run "
+                         f"of {n_layer}")
+    lead = m.int_("leading_dense_block_count", 0) if arch == "glm4moe" else 0
+    if not 0 <= lead < n_run:
+        raise CarveError(f"{path}: {arch}.leading_dense_block_count {lead} leaves no expert "
+                         f"layer of {n_run}")
+    shapes = _tensor_shapes(model)
+    gate0 = shapes.get(f"blk.{lead}.ffn_gate_exps.weight")
+    n_ff_exp = m.int_("expert_feed_forward_length", gate0[1] if gate0 and len(gate0) == 3 else 0)
+    n_shared = m.int_("expert_shared_count", 0) if arch == "glm4moe" else 0
+    shexp = shapes.get(f"blk.{lead}.ffn_gate_shexp.weight")
+    n_ff_shexp = shexp[1] if n_shared and shexp and len(shexp) == 2 else 0
+    if n_shared and not n_ff_shexp:
+        raise CarveError(f"{path}: tensor blk.{lead}.ffn_gate_shexp.weight is missing; "
+                         f"{arch}.expert_shared_count says {n_shared} shared experts")
+    if n_ff_exp <= 0:
+        raise CarveError(f"{path}: tensor blk.{lead}.ffn_gate_exps.weight is missing and "
+                         f"{arch}.expert_feed_forward_length is not set; not a complete model")
+    for i in range(lead, n_run):
+        p = f"blk.{i}."
+        router = shapes.get(p + "ffn_gate_inp.weight")
+        if router is None:
+            raise CarveError(f"{path}: tensor {p}ffn_gate_inp.weight (the expert router of "
+                             f"layer {i}) is missing; the file is incomplete")
+        want = {
+            p + "ffn_gate_inp.weight": (n_embd, n_expert),
+            p + "ffn_gate_exps.weight": (n_embd, n_ff_exp, n_expert),
+            p + "ffn_up_exps.weight": (n_embd, n_ff_exp, n_expert),
+            p + "ffn_down_exps.weight": (n_ff_exp, n_embd, n_expert),
+        }
+        if n_shared:
+            want[p + "ffn_gate_shexp.weight"] = (n_embd, n_ff_shexp)
+            want[p + "ffn_up_shexp.weight"] = (n_embd, n_ff_shexp)
+            want[p + "ffn_down_shexp.weight"] = (n_ff_shexp, n_embd)
+        for name, shape in want.items():
+            got = shapes.get(name)
+            if got is None:
+                raise CarveError(f"{path}: tensor {name} is missing; layer {i} routes through "
+                                 "experts and needs it")
+            if got != shape:
+                if len(got) == len(shape) and got[-1] != shape[-1] and "exps" in name:
+                    raise CarveError(f"{path}: tensor {name} holds {got[-1]} experts but "
+                                     f"{arch}.expert_count says {n_expert}; the file is "
+                                     "inconsistent")
+                raise CarveError(f"{path}: tensor {name} has shape {list(got)} but the "
+                                 f"metadata implies {list(shape)}; the file is inconsistent")
+    if arch == "gpt-oss":
+        gating = "softmax_topk"
+    else:
+        code = m.int_("expert_gating_func", 0)
+        if code and code not in _GATING:
+            raise CarveError(f"{path}: {arch}.expert_gating_func {code} is not one the engine "
+                             f"runs ({', '.join(f'{k} = {v}' for k, v in _GATING.items())})")
+        gating = _GATING.get(code, _GATING_DEFAULT[arch])
+    # qwen3moe renormalises its top-k weights whatever the file says (llama.cpp's graph does)
+    norm = True if arch == "qwen3moe" else arch == "glm4moe" and bool(
+        m.md.get(f"{arch}.expert_weights_norm", False))
+    return dict(
+        n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp, n_expert_shared=n_shared,
+        n_ff_shexp=n_ff_shexp, n_layer_dense_lead=lead, expert_gating=gating,
+        expert_weights_norm=norm,
+        expert_weights_scale=m.float_("expert_weights_scale", 1.0) if arch == "glm4moe" else 1.0,
+        n_layer_run=n_run,
     )
