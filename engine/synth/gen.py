@@ -22,11 +22,23 @@ import numpy as np
 from engine.gguf.writer import GGUFSink, MetaItem, split_names, tensor_bytes
 from engine.synth.shapes import SHAPES, Shape, metadata, tensor_table
 from spec.errors import CarveError
-from spec.quant_types import BY_NAME, F32, Q4_K, Q5_K, Q6_K, QUANT, SCALE_FIELDS, quant, type_name
+from spec.quant_types import (
+    BY_NAME,
+    F32,
+    MXFP4,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    QUANT,
+    SCALE_FIELDS,
+    quant,
+    type_name,
+)
 
 __all__ = ["MIXES", "SHAPES", "Shape", "main", "tensor_types", "write_model"]
 
-MIXES = ("q4_k_m", *sorted(BY_NAME))
+MIXES = ("q4_k_m", "mxfp4_moe", *sorted(BY_NAME))
 
 # llama.cpp's fallback when a row length is not a multiple of 256 (llama_tensor_get_type):
 # K, IQ and TQ types that cannot tile the row become a 32-block type of similar size.
@@ -51,42 +63,69 @@ def _fit(ggml_type: int, ne0: int) -> int:
     )
 
 
+def _stays_float(name: str, dims: Sequence[int]) -> bool:
+    # llama.cpp quantizes only 2-D and 3-D "*weight" tensors, never norms or the expert router
+    # (the converter writes routers as F32 whatever the output type)
+    return (len(dims) == 1 or not name.endswith("weight") or "_norm.weight" in name
+            or "ffn_gate_inp.weight" in name)
+
+
 def tensor_types(shape: Shape, mix: str, layer_order: Sequence[int] | None = None,
                  ) -> dict[str, int]:
-    """GGML type per tensor name for a mix: "q4_k_m" (llama.cpp's rule) or one type for all
-    matrices. 1-D tensors (norms, biases) are always F32.
+    """GGML type per tensor name for a mix: "q4_k_m" (llama.cpp's rule), "mxfp4_moe" (MXFP4
+    experts, Q8_0 elsewhere) or one type for all matrices. Norms, biases and routers are F32.
 
     llama.cpp applies its layer rule to a counter of attn_v / ffn_down tensors in the order the
     source file lists them, not to the layer number; ``layer_order`` gives that order when it
-    is not 0..n-1 (files whose layers were sorted as strings: 0, 1, 10, 11, ...)."""
+    is not 0..n-1 (files whose layers were sorted as strings: 0, 1, 10, 11, ...). In a MoE file
+    the ffn_down rule reads the layer from the tensor's name instead (experts and shared experts
+    alike), over every declared layer (NextN included)."""
     mix = mix.lower()
-    if mix != "q4_k_m" and mix not in BY_NAME:
-        raise CarveError(f"unknown --mix {mix!r}: choose q4_k_m or a tensor type such as q8_0")
+    if mix not in ("q4_k_m", "mxfp4_moe") and mix not in BY_NAME:
+        raise CarveError(f"unknown --mix {mix!r}: choose q4_k_m, mxfp4_moe or a tensor type "
+                         "such as q8_0")
     out: dict[str, int] = {}
     tied = shape.tied_embeddings
-    rank = {layer: i for i, layer in enumerate(layer_order or range(shape.n_layer))}
+    n = shape.n_block
+    rank = {layer: i for i, layer in enumerate(layer_order or range(n))}
+    eight = shape.n_expert == 8  # llama.cpp's Mixtral rules key on exactly 8 experts
     for name, dims in tensor_table(shape):
-        if len(dims) == 1:
+        if _stays_float(name, dims):
             out[name] = F32
             continue
-        if mix != "q4_k_m":
-            out[name] = _fit(BY_NAME[mix], dims[0])
-            continue
-        t = Q4_K
-        if name == "output.weight" or (tied and name == "token_embd.weight"):
+        head = name == "output.weight" or (tied and name == "token_embd.weight")
+        if mix == "mxfp4_moe":
+            t = MXFP4 if len(dims) == 3 and dims[2] > 1 and not head else Q8_0
+        elif mix != "q4_k_m":
+            t = BY_NAME[mix]
+        elif head:
             # llama.cpp gives the output projection Q6_K, and with tied embeddings the
             # token embedding *is* the output projection
             t = Q6_K
-        elif name.endswith(("attn_v.weight", "ffn_down.weight")):
-            layer = int(name.split(".")[1])
-            if _use_more_bits(rank[layer], shape.n_layer):
-                t = Q6_K
-            elif name.endswith("attn_v.weight") and shape.arch == "llama" and shape.n_layer == 80:
-                # llama.cpp: a 70B's 8 KV heads make attn_v 8x smaller than attn_q, so it
-                # gets Q5_K for almost no size (LLM_TYPE_70B branch of llama_tensor_get_type)
-                t = Q5_K
+        else:
+            t = _q4_k_m(shape, name, rank, n, eight)
         out[name] = _fit(t, dims[0])
     return out
+
+
+def _q4_k_m(shape: Shape, name: str, rank: dict[int, int], n: int, eight: bool) -> int:
+    """llama.cpp's Q4_K_M choice for one layer matrix (llama_tensor_get_type)."""
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+    if name.endswith("attn_v.weight"):
+        t = Q6_K if _use_more_bits(rank[layer], n) else Q4_K
+        if t == Q4_K and shape.arch == "llama" and shape.n_layer == 80:
+            # llama.cpp: a 70B's 8 KV heads make attn_v 8x smaller than attn_q, so it
+            # gets Q5_K for almost no size (LLM_TYPE_70B branch of llama_tensor_get_type)
+            t = Q5_K
+        return Q8_0 if eight else t
+    if name.endswith("attn_k.weight") and eight:
+        return Q8_0
+    if name.endswith("attn_output.weight") and eight:
+        return Q5_K
+    if "ffn_down" in name:
+        i = layer if shape.n_expert > 1 else rank[layer]
+        return Q6_K if _use_more_bits(i, n) else Q4_K
+    return Q4_K
 
 
 _POOL_BYTES = 16 << 20
@@ -166,13 +205,14 @@ def _kind(name: str) -> str:
     return "norm" if "norm" in name else "bias" if name.endswith(".bias") else "w"
 
 
-def write_model(path: str | Path, shape: str | Shape, mix: str = "q4_k_m", split: int = 1,
+def write_model(path: str | Path, shape: str | Shape, mix: str | None = None, split: int = 1,
                 seed: int = 0, edit: Callable[[list[MetaItem]], list[MetaItem]] | None = None,
                 ) -> list[Path]:
     """Write a synthetic model (one file, or ``split`` shards named like gguf-split's) and
     return the paths written. Tensor data streams from pools: memory stays ~100 MiB.
     ``edit`` may rewrite the metadata list (tests use it for odd keys and broken models)."""
     sh = SHAPES[shape] if isinstance(shape, str) else shape
+    mix = mix or sh.mix
     types = tensor_types(sh, mix)
     table = tensor_table(sh)
     meta = metadata(sh, mix)
@@ -219,7 +259,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.synth.gen"
         "well-formed quantized blocks.")
     ap.add_argument("--shape", help="one of: " + ", ".join(SHAPES))
     ap.add_argument("--list", action="store_true", help="print the shapes and their sizes")
-    ap.add_argument("--mix", default="q4_k_m", help="q4_k_m or one tensor type (q8_0, f16, ...)")
+    ap.add_argument("--mix", help="q4_k_m, mxfp4_moe or one tensor type (q8_0, f16, ...); "
+                    "default: the mix the shape's published files use")
     ap.add_argument("-o", "--output", help="output .gguf path")
     ap.add_argument("--split", type=int, default=1, help="write N shards (gguf-split names)")
     ap.add_argument("--seed", type=int, default=0)
@@ -233,7 +274,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.synth.gen"
         if args.shape not in SHAPES:
             raise CarveError(f"unknown --shape {args.shape!r}: choose one of {', '.join(SHAPES)}")
         t0 = time.perf_counter()
-        paths = write_model(args.output, args.shape, args.mix, args.split, args.seed)
+        mix = args.mix or SHAPES[args.shape].mix
+        paths = write_model(args.output, args.shape, mix, args.split, args.seed)
         dt = time.perf_counter() - t0
     except CarveError as err:
         print(f"carve: {err}", file=sys.stderr)
@@ -241,18 +283,27 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.synth.gen"
     total = sum(p.stat().st_size for p in paths)
     for p in paths:
         print(f"wrote {p} ({_size(p.stat().st_size)})")
-    print(f"{args.shape} {args.mix}: {len(paths)} file(s), {_size(total)} in {dt:.1f} s "
+    print(f"{args.shape} {mix}: {len(paths)} file(s), {_size(total)} in {dt:.1f} s "
           f"({total / max(dt, 1e-9) / 1e9:.2f} GB/s)")
     return 0
 
 
-def _print_shapes(mix: str) -> None:
+def model_bytes(shape: Shape, mix: str | None = None) -> int:
+    """Tensor bytes of the file `write_model` would write (the size without writing it)."""
+    types = tensor_types(shape, mix or shape.mix)
+    return sum(tensor_bytes(types[n], d) for n, d in tensor_table(shape))
+
+
+def _print_shapes(mix: str | None) -> None:
     for name, sh in SHAPES.items():
-        types = tensor_types(sh, mix)
-        total = sum(tensor_bytes(types[n], d) for n, d in tensor_table(sh))
-        print(f"{name:16} {sh.arch:7} {sh.n_layer:3} layers, hidden {sh.n_embd:5}, heads "
-              f"{sh.n_head}/{sh.n_head_kv}, FFN {sh.n_ff:5}, vocab {sh.n_vocab:6}"
-              f"{', tied' if sh.tied_embeddings else ''}: {mix} {_size(total)}")
+        if mix is not None:
+            tensor_types(sh, mix)  # an unknown mix fails before anything is printed
+        moe = (f", {sh.n_expert} experts of {sh.n_ff_exp} ({sh.n_expert_used} used)"
+               if sh.n_expert else "")
+        print(f"{name:18} {sh.arch:8} {sh.n_layer:3} layers, hidden {sh.n_embd:5}, heads "
+              f"{sh.n_head}/{sh.n_head_kv}, FFN {sh.n_ff:5}{moe}, vocab {sh.n_vocab:6}"
+              f"{', tied' if sh.tied_embeddings else ''}: {mix or sh.mix} "
+              f"{_size(model_bytes(sh, mix))}")
 
 
 def _size(n: int) -> str:

@@ -25,11 +25,31 @@ class Shape:
     n_ctx: int = 32768
     rope_base: float = 1e6
     rms_eps: float = 1e-6
-    sliding_window: int = 0  # gemma3: local layers' window
+    sliding_window: int = 0  # gemma3: local layers' window; gpt-oss: even layers' window
+    # --- mixture of experts (qwen3moe, gpt-oss, glm4moe); 0 = dense ---
+    n_expert: int = 0  # routed experts per MoE layer
+    n_expert_used: int = 0
+    n_ff_exp: int = 0  # one routed expert's FFN width
+    n_expert_shared: int = 0  # shared experts (glm4moe: 1), n_ff_exp wide each
+    n_layer_dense_lead: int = 0  # leading layers with a dense FFN of n_ff (glm4moe)
+    n_nextn: int = 0  # next-token-prediction layers declared after the n_layer run ones (glm4moe)
+    rope_dim: int = 0  # partial RoPE: rotated dims per head (glm4moe: half); 0 = all
+    qk_norm: bool = False  # per-head q/k RMSNorm where the arch makes it optional (glm4moe)
+    expert_weights_scale: float = 1.0  # glm4moe routed_scaling_factor
+    yarn: tuple[float, int] = (0.0, 0)  # YaRN RoPE (factor, original context); gpt-oss
+    mix: str = "q4_k_m"  # the mix the published files use (`carve gen` default)
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def n_block(self) -> int:
+        """Layers the file declares (block_count): the run layers and the NextN ones."""
+        return self.n_layer + self.n_nextn
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.n_expert > 0 and i >= self.n_layer_dense_lead
 
 
 SHAPES: dict[str, Shape] = {
@@ -50,34 +70,99 @@ SHAPES: dict[str, Shape] = {
     "qwen3-tiny": Shape("qwen3", 4, 256, 4, 2, 512, 512, head_dim=128, n_ctx=2048),
     "gemma3-tiny": Shape("gemma3", 6, 256, 2, 1, 512, 512, head_dim=128, tied_embeddings=True,
                          n_ctx=2048, sliding_window=64),
+    # mixture of experts, from each model's published config.json
+    "qwen3moe-30b-a3b": Shape("qwen3moe", 48, 2048, 32, 4, 6144, 151936, head_dim=128,
+                              n_ctx=40960, n_expert=128, n_expert_used=8, n_ff_exp=768),
+    "qwen3moe-235b-a22b": Shape("qwen3moe", 94, 4096, 64, 4, 12288, 151936, head_dim=128,
+                                n_ctx=40960, n_expert=128, n_expert_used=8, n_ff_exp=1536),
+    "gpt-oss-20b": Shape("gpt-oss", 24, 2880, 64, 8, 2880, 201088, head_dim=64, n_ctx=131072,
+                         rope_base=150000.0, rms_eps=1e-5, sliding_window=128, n_expert=32,
+                         n_expert_used=4, n_ff_exp=2880, yarn=(32.0, 4096), mix="mxfp4_moe"),
+    "gpt-oss-120b": Shape("gpt-oss", 36, 2880, 64, 8, 2880, 201088, head_dim=64, n_ctx=131072,
+                          rope_base=150000.0, rms_eps=1e-5, sliding_window=128, n_expert=128,
+                          n_expert_used=4, n_ff_exp=2880, yarn=(32.0, 4096), mix="mxfp4_moe"),
+    "glm4.5-air": Shape("glm4moe", 46, 4096, 96, 8, 10944, 151552, head_dim=128, n_ctx=131072,
+                        rms_eps=1e-5, n_expert=128, n_expert_used=8, n_ff_exp=1408,
+                        n_expert_shared=1, n_layer_dense_lead=1, n_nextn=1, rope_dim=64),
+    # tiny MoE test shapes (4 experts: llama.cpp's 8-expert rules stay out of the way)
+    "qwen3moe-tiny": Shape("qwen3moe", 4, 256, 4, 2, 512, 512, head_dim=64, n_ctx=2048,
+                           n_expert=4, n_expert_used=2, n_ff_exp=256),
+    "gpt-oss-tiny": Shape("gpt-oss", 4, 256, 4, 2, 256, 512, head_dim=64, n_ctx=2048,
+                          rope_base=150000.0, rms_eps=1e-5, sliding_window=64, n_expert=4,
+                          n_expert_used=2, n_ff_exp=256, yarn=(4.0, 512), mix="mxfp4_moe"),
+    "glm4moe-tiny": Shape("glm4moe", 3, 256, 4, 2, 512, 512, head_dim=64, n_ctx=2048,
+                          rms_eps=1e-5, n_expert=4, n_expert_used=2, n_ff_exp=256,
+                          n_expert_shared=1, n_layer_dense_lead=1, n_nextn=1, rope_dim=32,
+                          expert_weights_scale=2.5),
 }
+
+_QK_NORM = ("qwen3", "gemma3", "qwen3moe")
+_POST_ATTN_FFN_NORM = ("gpt-oss", "glm4moe")  # the FFN's pre-norm is named post_attention_norm
+
+
+def _attention(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    q, kv = s.n_head * s.hd, s.n_head_kv * s.hd
+    return [
+        ("attn_norm.weight", (s.n_embd,)),
+        ("attn_q.weight", (s.n_embd, q)),
+        ("attn_k.weight", (s.n_embd, kv)),
+        ("attn_v.weight", (s.n_embd, kv)),
+        ("attn_output.weight", (q, s.n_embd)),
+    ]
+
+
+def _attention_extras(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    q, kv = s.n_head * s.hd, s.n_head_kv * s.hd
+    out: list[tuple[str, tuple[int, ...]]] = []
+    if s.arch in ("qwen2", "glm4moe", "gpt-oss"):
+        out += [("attn_q.bias", (q,)), ("attn_k.bias", (kv,)), ("attn_v.bias", (kv,))]
+    if s.arch == "gpt-oss":
+        out += [("attn_output.bias", (s.n_embd,)), ("attn_sinks.weight", (s.n_head,))]
+    if s.arch in _QK_NORM or s.qk_norm:
+        out += [("attn_q_norm.weight", (s.hd,)), ("attn_k_norm.weight", (s.hd,))]
+    return out
+
+
+def _ffn(s: Shape, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    e = s.n_embd
+    norm = "post_attention_norm" if s.arch in _POST_ATTN_FFN_NORM else "ffn_norm"
+    out: list[tuple[str, tuple[int, ...]]] = [(f"{norm}.weight", (e,))]
+    if not s.is_moe_layer(i):
+        return out + [("ffn_gate.weight", (e, s.n_ff)), ("ffn_up.weight", (e, s.n_ff)),
+                      ("ffn_down.weight", (s.n_ff, e))]
+    n, f = s.n_expert, s.n_ff_exp
+    out.append(("ffn_gate_inp.weight", (e, n)))  # the router
+    if s.arch == "gpt-oss":
+        out.append(("ffn_gate_inp.bias", (n,)))
+    if s.arch == "glm4moe":
+        out.append(("exp_probs_b.bias", (n,)))  # selection bias (e_score_correction_bias)
+    # the converters stack each projection's experts into one 3-D tensor: down, gate, up
+    out += [("ffn_down_exps.weight", (f, e, n)), ("ffn_gate_exps.weight", (e, f, n)),
+            ("ffn_up_exps.weight", (e, f, n))]
+    if s.arch == "gpt-oss":
+        out += [("ffn_down_exps.bias", (e, n)), ("ffn_gate_exps.bias", (f, n)),
+                ("ffn_up_exps.bias", (f, n))]
+    if s.n_expert_shared:
+        sf = f * s.n_expert_shared
+        out += [("ffn_gate_shexp.weight", (e, sf)), ("ffn_up_shexp.weight", (e, sf)),
+                ("ffn_down_shexp.weight", (sf, e))]
+    return out
 
 
 def tensor_table(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, GGUF dims with ne0 first) in the order llama.cpp's converter writes them."""
-    q, kv = s.n_head * s.hd, s.n_head_kv * s.hd
+    """(name, GGUF dims with ne0 first) in the order llama.cpp's converter writes them. A
+    NextN layer (glm4moe) is a whole MoE layer plus its own projection and norms."""
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s.n_embd, s.n_vocab))]
-    for i in range(s.n_layer):
-        b = f"blk.{i}."
-        layer = [
-            ("attn_norm.weight", (s.n_embd,)),
-            ("attn_q.weight", (s.n_embd, q)),
-            ("attn_k.weight", (s.n_embd, kv)),
-            ("attn_v.weight", (s.n_embd, kv)),
-            ("attn_output.weight", (q, s.n_embd)),
-            ("ffn_norm.weight", (s.n_embd,)),
-            ("ffn_gate.weight", (s.n_embd, s.n_ff)),
-            ("ffn_up.weight", (s.n_embd, s.n_ff)),
-            ("ffn_down.weight", (s.n_ff, s.n_embd)),
-        ]
-        if s.arch == "qwen2":
-            layer += [("attn_q.bias", (q,)), ("attn_k.bias", (kv,)), ("attn_v.bias", (kv,))]
-        if s.arch in ("qwen3", "gemma3"):
-            layer += [("attn_q_norm.weight", (s.hd,)), ("attn_k_norm.weight", (s.hd,))]
+    for i in range(s.n_block):
+        layer = _attention(s) + _ffn(s, i) + _attention_extras(s)
         if s.arch == "gemma3":
             layer += [("post_attention_norm.weight", (s.n_embd,)),
                       ("post_ffw_norm.weight", (s.n_embd,))]
-        out += [(b + n, d) for n, d in layer]
+        if i >= s.n_layer:  # NextN: the optional vocabulary-sized copies are left out
+            layer += [("nextn.eh_proj.weight", (2 * s.n_embd, s.n_embd)),
+                      ("nextn.enorm.weight", (s.n_embd,)), ("nextn.hnorm.weight", (s.n_embd,)),
+                      ("nextn.shared_head_norm.weight", (s.n_embd,))]
+        out += [(f"blk.{i}.{n}", d) for n, d in layer]
     out.append(("output_norm.weight", (s.n_embd,)))
     if not s.tied_embeddings:
         out.append(("output.weight", (s.n_embd, s.n_vocab)))
@@ -124,7 +209,7 @@ _FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q
               "q2_k": 10, "q3_k": 11, "q4_k": 14, "q4_k_m": 15, "q5_k": 16, "q6_k": 18,
               "iq2_xxs": 19, "iq2_xs": 20, "iq3_xxs": 23, "iq1_s": 24, "iq4_nl": 25,
               "iq3_s": 26, "iq2_s": 28, "iq4_xs": 30, "iq1_m": 31, "bf16": 32, "tq1_0": 36,
-              "tq2_0": 37}
+              "tq2_0": 37, "mxfp4_moe": 38}
 
 
 def metadata(s: Shape, mix: str) -> list[MetaItem]:
@@ -133,7 +218,7 @@ def metadata(s: Shape, mix: str) -> list[MetaItem]:
         ("general.architecture", STR, a),
         ("general.type", STR, "model"),
         ("general.name", STR, f"carve synthetic {a} {s.n_layer}L {s.n_embd} {mix}"),
-        (f"{a}.block_count", U32, s.n_layer),
+        (f"{a}.block_count", U32, s.n_block),
         (f"{a}.context_length", U32, s.n_ctx),
         (f"{a}.embedding_length", U32, s.n_embd),
         (f"{a}.feed_forward_length", U32, s.n_ff),
@@ -142,7 +227,7 @@ def metadata(s: Shape, mix: str) -> list[MetaItem]:
         (f"{a}.rope.freq_base", F32, s.rope_base),
         (f"{a}.attention.layer_norm_rms_epsilon", F32, s.rms_eps),
     ]
-    if s.head_dim or a in ("qwen3", "gemma3"):
+    if s.head_dim or a in _QK_NORM:
         meta += [(f"{a}.attention.key_length", U32, s.hd),
                  (f"{a}.attention.value_length", U32, s.hd)]
     if a == "llama":
@@ -150,6 +235,23 @@ def metadata(s: Shape, mix: str) -> list[MetaItem]:
         meta.append((f"{a}.rope.dimension_count", U32, s.hd))
     if s.sliding_window:
         meta.append((f"{a}.attention.sliding_window", U32, s.sliding_window))
+    if s.rope_dim:
+        meta.append((f"{a}.rope.dimension_count", U32, s.rope_dim))
+    if s.yarn[0]:
+        meta += [(f"{a}.rope.scaling.type", STR, "yarn"),
+                 (f"{a}.rope.scaling.factor", F32, s.yarn[0]),
+                 (f"{a}.rope.scaling.original_context_length", U32, s.yarn[1])]
+    if s.n_expert:
+        meta += [(f"{a}.expert_count", U32, s.n_expert),
+                 (f"{a}.expert_used_count", U32, s.n_expert_used),
+                 (f"{a}.expert_feed_forward_length", U32, s.n_ff_exp)]
+    if a == "glm4moe":  # as llama.cpp's Glm4MoeModel converter writes them
+        meta += [(f"{a}.expert_shared_count", U32, s.n_expert_shared),
+                 (f"{a}.leading_dense_block_count", U32, s.n_layer_dense_lead),
+                 (f"{a}.expert_gating_func", U32, 2),  # sigmoid
+                 (f"{a}.expert_weights_scale", F32, s.expert_weights_scale),
+                 (f"{a}.expert_weights_norm", BOOL, True),
+                 (f"{a}.nextn_predict_layers", U32, s.n_nextn)]
     if mix.lower() in _FILE_TYPE:
         meta.append(("general.file_type", U32, _FILE_TYPE[mix.lower()]))
     tokens, types, merges = vocab(s.n_vocab)

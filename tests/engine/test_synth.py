@@ -179,7 +179,7 @@ def test_cli_prints_what_it_wrote(tmp_path, capsys):
     assert GGUFModel.open(out).arch == "llama"
     capsys.readouterr()
     assert carve_main(["gen", "--list"]) == 0
-    assert "qwen2-7b         qwen2    28 layers" in capsys.readouterr().out
+    assert "qwen2-7b           qwen2     28 layers" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -212,3 +212,88 @@ def test_gen_never_imports_torch(tmp_path):
             "import engine.gguf.reader, engine.gguf.hparams; "
             "assert 'torch' not in sys.modules and 'triton' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+# --- mixture of experts ---------------------------------------------------------------------
+
+@pytest.mark.parametrize(("shape", "expect"), [
+    # the Qwen3-30B-A3B Q4_K_M reference file; gpt-oss as ggml-org publishes it (12.1 GB,
+    # 63.4 GB: MXFP4 experts, Q8_0 elsewhere)
+    ("qwen3moe-30b-a3b", "17.28 GiB"), ("gpt-oss-20b", "11.27 GiB"), ("gpt-oss-120b", "59.02 GiB"),
+])
+def test_moe_shape_sizes_without_writing(shape, expect, capsys):
+    from engine.synth.gen import model_bytes
+
+    assert f"{model_bytes(SHAPES[shape]) / 2**30:.2f} GiB" == expect
+    assert main(["--list"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(shape + " "))
+    assert line.endswith(expect) and f"{SHAPES[shape].n_expert} experts" in line
+
+
+def test_q4_k_m_rule_on_moe_tensors():
+    sh = SHAPES["qwen3moe-30b-a3b"]
+    types = tensor_types(sh, "q4_k_m")
+    # ffn_down_exps takes the dense ffn_down rule, the layer read from its name
+    more = [i for i in range(48) if types[f"blk.{i}.ffn_down_exps.weight"] == 14]
+    assert more == [i for i in range(48) if types[f"blk.{i}.attn_v.weight"] == 14]
+    assert more[:8] == [0, 1, 2, 3, 4, 5, 8, 11] and len(more) == 24
+    assert {types[f"blk.{i}.ffn_gate_exps.weight"] for i in range(48)} == {12}
+    assert types["blk.7.ffn_gate_inp.weight"] == 0  # the router stays F32
+    assert types["blk.7.attn_k.weight"] == 12 and types["blk.7.attn_output.weight"] == 12
+    assert dict(tensor_table(sh))["blk.0.ffn_down_exps.weight"] == (768, 2048, 128)
+    # 8 experts (Mixtral's rule): attn_v and attn_k Q8_0, attn_output Q5_K
+    eight = Shape("qwen3moe", 8, 256, 4, 2, 512, 512, head_dim=64, n_expert=8, n_expert_used=2,
+                  n_ff_exp=256)
+    t8 = tensor_types(eight, "q4_k_m")
+    assert (t8["blk.3.attn_v.weight"], t8["blk.3.attn_k.weight"]) == (8, 8)
+    assert t8["blk.3.attn_output.weight"] == 13
+
+
+def test_glm_mix_counts_the_nextn_layer_and_falls_back():
+    sh = SHAPES["glm4.5-air"]
+    types = tensor_types(sh, "q4_k_m")
+    table = dict(tensor_table(sh))
+    assert sh.n_block == 47 and "blk.46.nextn.eh_proj.weight" in table
+    assert "blk.46.ffn_down_exps.weight" in table and "blk.47.attn_q.weight" not in table
+    assert "blk.0.ffn_down.weight" in table and "blk.0.ffn_gate_inp.weight" not in table
+    # 1408-wide expert rows cannot hold K blocks: Q4_K -> Q5_0, Q6_K -> Q8_0 (llama.cpp's
+    # fallback); the more-bits layers are those of all 47 declared layers
+    down = {i: types[f"blk.{i}.ffn_down_exps.weight"] for i in range(1, 47)}
+    assert set(down.values()) == {6, 8}
+    assert [i for i, t in down.items() if t == 8][-5:] == [42, 43, 44, 45, 46]
+    assert types["blk.44.ffn_down_shexp.weight"] == 8 and types["blk.45.ffn_down_shexp.weight"] == 8
+    assert types["blk.1.ffn_gate_exps.weight"] == 12 and types["blk.1.exp_probs_b.bias"] == 0
+
+
+def test_gpt_oss_mix_as_published():
+    types = tensor_types(SHAPES["gpt-oss-20b"], "mxfp4_moe")
+    assert {types[f"blk.{i}.ffn_{p}_exps.weight"] for i in range(24) for p in ("gate", "up", "down")} == {39}
+    assert types["blk.0.attn_q.weight"] == types["output.weight"] == types["token_embd.weight"] == 8
+    assert types["blk.0.ffn_gate_exps.bias"] == types["blk.0.attn_sinks.weight"] == 0
+    assert types["blk.0.ffn_gate_inp.weight"] == 0
+
+
+@pytest.mark.parametrize(("shape", "mix"), [
+    ("qwen3moe-tiny", "q4_k_m"), ("gpt-oss-tiny", "mxfp4_moe"), ("glm4moe-tiny", "q4_k_m"),
+])
+def test_moe_files_read_back_with_well_formed_experts(synth_model, shape, mix):
+    sh = SHAPES[shape]
+    model = GGUFModel.open(synth_model(shape, mix))
+    hp = HParams.from_model(model)
+    assert (hp.n_expert, hp.n_expert_used, hp.n_ff_exp) == (sh.n_expert, sh.n_expert_used, sh.n_ff_exp)
+    assert (hp.n_layer, hp.n_layer_run, hp.n_layer_dense_lead) == (sh.n_block, sh.n_layer,
+                                                                   sh.n_layer_dense_lead)
+    assert hp.rope_dim == (sh.rope_dim or sh.hd)
+    assert hp.n_ff_shexp == sh.n_ff_exp * sh.n_expert_shared
+    types = tensor_types(sh, mix)
+    experts = 0
+    for t in model.tensors:
+        assert t.ggml_type == types[t.name], t.name
+        if len(t.shape) < 2 or t.ggml_type in (0, 1):
+            continue
+        w = dequantize(model.tensor_data(t), GGMLQuantizationType(t.ggml_type))
+        assert np.isfinite(w).all(), t.name
+        rms = float(np.sqrt(np.mean(np.square(w, dtype=np.float64))))
+        assert 0.002 < rms < 0.2, (t.name, rms)
+        experts += "_exps." in t.name
+    assert experts == 3 * (sh.n_block - sh.n_layer_dense_lead)
