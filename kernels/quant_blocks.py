@@ -37,6 +37,7 @@ PLANS: dict[int, BlockPlan] = {
     qt.Q4_K: BlockPlan(256, 144, 8, 32),
     qt.Q5_K: BlockPlan(256, 176, 8, 32),
     qt.Q6_K: BlockPlan(256, 210, 16, 16),
+    qt.MXFP4: BlockPlan(32, 17, 2, 16),
 }
 
 
@@ -73,6 +74,21 @@ def _scale_min_k4(w_ptr, base, J: tl.constexpr):
         sc = (q4 & 15) | ((_u8(w_ptr, s + J - 4) >> 6) << 4)
         mn = (q4 >> 4) | ((_u8(w_ptr, s + J) >> 6) << 4)
     return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _e8m0_half(x):
+    # ggml_e8m0_to_fp32_half: 2^(x - 128) as float32 bits (a subnormal for x < 2)
+    bits = tl.where(x < 2, 0x00200000 << x, (x - 1) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_value(q):
+    # the doubled e2m1 value of a nibble: 0 1 2 3 4 6 8 12, bit 3 the sign
+    m = q & 7
+    mag = tl.where(m < 4, m, (2 + (m & 1)) << ((m >> 1) - 1))
+    return tl.where(q >= 8, -mag, mag).to(tl.float32)
 
 
 @triton.jit
@@ -117,6 +133,11 @@ def dequant_part(w_ptr, wh_ptr, base, lane, TYPE: tl.constexpr, P: tl.constexpr,
         q = (_u8(w_ptr, base + 48 + 32 * (P // 2) + lane[None, None, :]) >> (4 * (P % 2))) & 15
         hb = (_u8(w_ptr, base + 16 + lane[None, None, :]) >> P) & 1
         v = _f32(q | (hb << 4), 0.0, MAGIC) * (d * sc) - dmin * mn
+    elif TYPE == 39:  # MXFP4: e (E8M0), qs[16]; element j low nibble, j+16 high nibble
+        # 17-byte blocks: ``base`` may be odd here (nothing loads through wh_ptr)
+        e = lane + 16 * P
+        q = (_u8(w_ptr, base + 1 + lane[None, None, :]) >> (4 * P)) & 15
+        v = _mxfp4_value(q) * _e8m0_half(_u8(w_ptr, base))
     else:  # Q6_K: ql[128], qh[64], scales[16] int8, d; part P = 16 elements of one scale
         # P = 8n + 2g + h: half n (128 elements), quarter g (32), half-quarter h (16)
         n = P // 8

@@ -33,6 +33,7 @@ GEMV_CONFIG: dict[int, tuple[int, ...]] = {
     qt.Q4_K: (4, 16, 4),
     qt.Q5_K: (4, 16, 4),
     qt.Q6_K: (2, 16, 4),
+    qt.MXFP4: (4, 16, 4),  # not swept yet
 }
 # tiles for matrices with many rows (>= WIDE_PROGRAMS programs at the default tile), where
 # fewer, fatter programs win: Qwen2-7B's ffn_up/gate and the output head
@@ -184,6 +185,8 @@ def _views(w: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor]
         raise ValueError(f"weight must be contiguous uint8 [rows, row_bytes], got {w.dtype} "
                          f"{tuple(w.shape)}")
     half = torch.bfloat16 if ggml_type == qt.BF16 else torch.float16
+    if w.shape[1] % 2:  # MXFP4's 17-byte blocks: its walk loads nothing 16 bits wide
+        return w, w
     return w, w.view(half)
 
 

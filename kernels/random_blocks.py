@@ -7,6 +7,8 @@ Built with torch alone so that the device check needs no GGUF file and no gguf p
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from spec import quant_types as qt
@@ -30,4 +32,9 @@ def random_weight(ggml_type: int, rows: int, cols: int, device: torch.device | s
         span = {qt.Q4_K: 63.0 * 8, qt.Q5_K: 63.0 * 16, qt.Q6_K: 127.0 * 32}.get(ggml_type, 8.0)
         d = (torch.rand(rows, nblk, generator=generator, device=device) + 0.5) * (scale / span)
         raw[:, :, off:off + 2] = d.to(torch.float16).view(torch.uint8).view(rows, nblk, 2)
+    if ggml_type == qt.MXFP4:
+        # the E8M0 exponent byte: 2^(e - 128) per doubled e2m1 step (up to 12), near ``scale``
+        e = 128 + round(math.log2(scale / 12))
+        raw[:, :, 0] = torch.randint(e - 2, e + 1, (rows, nblk), dtype=torch.uint8,
+                                     generator=generator, device=device)
     return raw.view(rows, nblk * q.type_size)

@@ -66,3 +66,13 @@ SAMPLE_LAST_N = 256
 SAMPLE_PARTS = 128
 SAMPLE_RING = 64
 SAMPLE_STATE = 16 + SAMPLE_LAST_N + SAMPLE_RING
+
+# Mixture-of-experts prefill (kernels/moe.py): the routed rows (tokens x experts used) sorted
+# by expert, cut into tiles of MOE_TILE_ROWS rows of one expert each; every expert's last tile
+# may be partial, so a chunk needs at most this many tiles (the priced buf.moe_tiles).
+MOE_TILE_ROWS = 32
+
+
+def moe_tiles(routed_rows: int, n_expert: int) -> int:
+    """Tiles of at most MOE_TILE_ROWS rows of one expert that ``routed_rows`` rows can need."""
+    return cdiv(routed_rows, MOE_TILE_ROWS) + min(n_expert, routed_rows)

@@ -31,7 +31,8 @@ TRITON = Runner(
     "triton",
     "has no GPU kernel",
     "run every layer on GPUs (the GPU runner runs it)",
-    frozenset({qt.F16, qt.BF16, qt.Q4_0, qt.Q5_0, qt.Q8_0, qt.Q4_K, qt.Q5_K, qt.Q6_K}),
+    frozenset({qt.F16, qt.BF16, qt.Q4_0, qt.Q5_0, qt.Q8_0, qt.Q4_K, qt.Q5_K, qt.Q6_K,
+               qt.MXFP4}),
 )
 # The torch engine (engine/runtime/models/, on the CPU or CUDA): every tensor is dequantized by
 # kernels/dequant.py.

@@ -1,0 +1,204 @@
+"""The mixture-of-experts kernels (kernels/moe.py) against their plain-torch twins: router,
+routing under each gating rule, decode's expert GEMVs (every GPU type, MXFP4 included, gpt-oss's
+biases and clamped SwiGLU), prefill's sort by expert, grouped GEMMs and combine. Fresh random
+inputs each run, outputs poisoned first; tiny shapes under the interpreter without a GPU."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from reference_check import DEVICE, gemv_scale, generator, nerr, poison
+
+from kernels import moe, quant_matmul
+from kernels.quant_blocks import PLANS
+from kernels.random_blocks import random_weight
+from spec import quant_types as qt
+from spec.launch import MOE_TILE_ROWS, moe_tiles
+
+
+def _experts(t: int, n_expert: int, rows: int, cols: int, g) -> torch.Tensor:
+    # a 3-D expert tensor as the runner holds it: [experts * rows, row_bytes]
+    return random_weight(t, n_expert * rows, cols, DEVICE, g)
+
+
+def _ids(m: int, k: int, n_expert: int, g) -> torch.Tensor:
+    return torch.stack([torch.randperm(n_expert, generator=g, device=DEVICE)[:k]
+                        for _ in range(m)]).to(torch.int32)
+
+
+def _block(t: int) -> int:
+    return PLANS[t].block if PLANS[t].block > 32 else 64
+
+
+def test_mxfp4_dequantize_is_bit_exact(seed):
+    g = generator(seed)
+    w = random_weight(qt.MXFP4, 6, 96, DEVICE, g)  # 3 blocks: odd 51-byte rows
+    ref = gguf.quants.dequantize(w.cpu().numpy(), gguf.GGMLQuantizationType.MXFP4)
+    out = poison((6, 96))
+    quant_matmul.dequantize(w, qt.MXFP4, torch.float32, out=out)
+    assert torch.equal(out.cpu(), torch.from_numpy(np.ascontiguousarray(ref)))
+
+
+def test_router_matches_reference(seed):
+    g = generator(seed)
+    w = torch.randn(12, 96, generator=g, device=DEVICE)
+    x = torch.randn(3, 96, generator=g, device=DEVICE)
+    b = torch.randn(12, generator=g, device=DEVICE)
+    for bias in (None, b):
+        out = poison((3, 12))
+        moe.router(w, x, bias, out=out)
+        mag = x.abs() @ w.abs().T + (0 if bias is None else bias.abs())
+        assert nerr(out, moe.router_ref(w, x, bias), mag) < 1e-6
+
+
+@pytest.mark.parametrize("gating", ["softmax", "softmax_topk", "sigmoid"])
+def test_route_matches_reference(gating, seed):
+    g = generator(seed)
+    m, e, k = 5, 12, 3
+    logits = torch.randn(m, e, generator=g, device=DEVICE) * 3
+    sb = torch.randn(e, generator=g, device=DEVICE) if gating == "sigmoid" else None
+    for norm, scale in ((False, 1.0), (True, 2.5)):
+        ids = torch.full((m, k), -7, dtype=torch.int32, device=DEVICE)
+        wts = poison((m, k))
+        moe.route(logits, k, gating, norm, scale, sb, ids, wts)
+        rid, rw = moe.route_ref(logits, k, gating, norm, scale, sb)
+        assert torch.equal(ids, rid)
+        assert nerr(wts, rw) < 1e-6
+    if gating == "sigmoid":  # the bias changes the choice, never the weights' values
+        moe.route(logits, k, gating, ids=ids, weights=wts)
+        plain = torch.sigmoid(logits).gather(1, ids.long())
+        assert nerr(wts, plain) < 1e-6
+
+
+def test_route_ties_pick_the_lower_id():
+    logits = torch.zeros(1, 8, device=DEVICE)
+    logits[0, [2, 5, 6]] = 1.0
+    ids, w = moe.route(logits, 2, "softmax", norm=True)
+    assert ids.tolist() == [[2, 5]]
+    assert torch.allclose(w.cpu(), torch.tensor([[0.5, 0.5]]))
+
+
+@pytest.mark.parametrize("ggml_type", [qt.Q4_K, qt.Q6_K, qt.Q8_0, qt.MXFP4, qt.BF16],
+                         ids=qt.type_name)
+def test_expert_glu_and_down_match_reference(ggml_type, seed):
+    g = generator(seed)
+    n_expert, k, m, n_ff = 5, 2, 2, 16
+    cols = _block(ggml_type)
+    gate = _experts(ggml_type, n_expert, n_ff, cols, g)
+    up = _experts(qt.Q8_0 if ggml_type == qt.Q4_K else ggml_type, n_expert, n_ff, cols, g)
+    up_type = qt.Q8_0 if ggml_type == qt.Q4_K else ggml_type  # a mixed pair too
+    x = torch.randn(m, cols, generator=g, device=DEVICE)
+    ids = _ids(m, k, n_expert, g)
+    h = poison((m * k, n_ff))
+    cfg = (16, 16, 1)
+    moe.expert_glu(gate, ggml_type, up, up_type, n_expert, x, ids, h, config=cfg)
+    ref = moe.expert_glu_ref(gate, ggml_type, up, up_type, n_expert, x, ids,
+                             torch.empty(m * k, n_ff, device=DEVICE))
+    assert nerr(h, ref) < 1e-5
+    # down: n_ff -> cols rows, weighted sum into out (and added onto what out holds)
+    down = _experts(ggml_type, n_expert, cols, _block(ggml_type), g)
+    hd = torch.randn(m * k, quant_matmul.row_cols(down, ggml_type), generator=g, device=DEVICE)
+    wts = torch.rand(m, k, generator=g, device=DEVICE)
+    prior = torch.randn(m, cols, generator=g, device=DEVICE)
+    for accumulate in (False, True):
+        out = prior.clone() if accumulate else poison((m, cols))
+        moe.expert_down(down, ggml_type, n_expert, hd, ids, wts, out, accumulate=accumulate,
+                        config=(64, 16, 1))
+        want = moe.expert_down_ref(down, ggml_type, n_expert, hd, ids, wts, prior.clone(),
+                                   accumulate=accumulate)
+        mag = sum(wts[:, j:j + 1] * torch.stack([
+            gemv_scale(down[int(ids[i, j]) * cols:(int(ids[i, j]) + 1) * cols], ggml_type,
+                       hd[i * k + j:i * k + j + 1])[0] for i in range(m)]) for j in range(k))
+        assert nerr(out, want, mag + (prior.abs() if accumulate else 0)) < 1e-5
+
+
+def test_expert_glu_gpt_oss_biases_and_clamped_swiglu(seed):
+    g = generator(seed)
+    n_expert, k, n_ff, cols = 4, 2, 16, 64
+    gate = _experts(qt.MXFP4, n_expert, n_ff, cols, g)
+    up = _experts(qt.MXFP4, n_expert, n_ff, cols, g)
+    gb = torch.randn(n_expert * n_ff, generator=g, device=DEVICE) * 8  # some past the limit
+    ub = torch.randn(n_expert * n_ff, generator=g, device=DEVICE) * 8
+    x = torch.randn(1, cols, generator=g, device=DEVICE)
+    ids = _ids(1, k, n_expert, g)
+    h = poison((k, n_ff))
+    moe.expert_glu(gate, qt.MXFP4, up, qt.MXFP4, n_expert, x, ids, h, "swiglu_oai", gb, ub,
+                   limit=7.0, config=(16, 16, 1))
+    ref = moe.expert_glu_ref(gate, qt.MXFP4, up, qt.MXFP4, n_expert, x, ids,
+                             torch.empty(k, n_ff, device=DEVICE), "swiglu_oai", gb, ub, 7.0)
+    assert nerr(h, ref) < 1e-5
+    # the clamp bites: without it the outputs differ
+    loose = moe.expert_glu_ref(gate, qt.MXFP4, up, qt.MXFP4, n_expert, x, ids,
+                               torch.empty(k, n_ff, device=DEVICE), "swiglu_oai", gb, ub, 1e9)
+    assert nerr(loose, ref) > 1e-3
+
+
+def test_sort_routes_groups_rows_by_expert(seed):
+    g = generator(seed)
+    n_expert, k = 6, 2
+    m = MOE_TILE_ROWS + 7  # one expert gets more than a tile of rows
+    ids = torch.stack([torch.randperm(n_expert, generator=g, device=DEVICE)[:k]
+                       for _ in range(m)]).to(torch.int32)
+    ids[: MOE_TILE_ROWS + 3, 0] = 1
+    ids[: MOE_TILE_ROWS + 3, 1] = torch.where(ids[: MOE_TILE_ROWS + 3, 1] == 1, 0,
+                                              ids[: MOE_TILE_ROWS + 3, 1])
+    t = moe_tiles(m * k, n_expert)
+    rows = torch.full((m * k,), -5, dtype=torch.int32, device=DEVICE)
+    pos = rows.clone()
+    tiles = torch.full((3, t), -5, dtype=torch.int32, device=DEVICE)
+    moe.sort_routes(ids, n_expert, rows, pos, tiles)
+    r_rows, r_pos, r_tiles = (torch.empty_like(rows), torch.empty_like(pos),
+                              torch.empty_like(tiles))
+    moe.sort_routes_ref(ids, n_expert, r_rows, r_pos, r_tiles)
+    assert torch.equal(rows, r_rows) and torch.equal(pos, r_pos)
+    assert torch.equal(tiles[0], r_tiles[0])
+    used = r_tiles[0] >= 0
+    assert torch.equal(tiles[1:, used], r_tiles[1:, used])
+    assert int(used.sum()) == sum(-(-int(c) // MOE_TILE_ROWS)
+                                  for c in torch.bincount(ids.reshape(-1).long()))
+
+
+@pytest.mark.parametrize("types", [(qt.Q4_K, qt.Q6_K), (qt.MXFP4, qt.MXFP4), (qt.Q8_0, qt.Q4_0)],
+                         ids=lambda t: "-".join(qt.type_name(x) for x in t))
+def test_prefill_grouped_path_matches_decode_reference(types, seed):
+    # sort -> grouped gate/up -> grouped down -> combine gives, for every token, what the
+    # decode composition of the references gives
+    gu_type, d_type = types
+    g = generator(seed)
+    n_expert, k, m = 4, 2, 21
+    cols = max(_block(gu_type), _block(d_type))
+    ff_cols = _block(d_type)
+    gate = _experts(gu_type, n_expert, ff_cols, cols, g)
+    up = _experts(gu_type, n_expert, ff_cols, cols, g)
+    down = _experts(d_type, n_expert, cols, ff_cols, g)
+    bias = (torch.randn(n_expert * ff_cols, generator=g, device=DEVICE)
+            if gu_type == qt.MXFP4 else None)
+    act, limit = ("swiglu_oai", 7.0) if bias is not None else ("silu", 0.0)
+    x = torch.randn(m, cols, generator=g, device=DEVICE)
+    ids, wts = moe.route(torch.randn(m, n_expert, generator=g, device=DEVICE), k, "softmax",
+                         norm=True)
+    t = moe_tiles(m * k, n_expert)
+    rows = torch.empty(m * k, dtype=torch.int32, device=DEVICE)
+    pos, tiles = torch.empty_like(rows), torch.empty(3, t, dtype=torch.int32, device=DEVICE)
+    moe.sort_routes(ids, n_expert, rows, pos, tiles)
+    h = poison((m * k, ff_cols))
+    moe.grouped_glu(gate, gu_type, up, gu_type, n_expert, x, ids, rows, tiles, h, act, bias,
+                    bias, limit)
+    h_ref = moe.grouped_glu_ref(gate, gu_type, up, gu_type, n_expert, x, ids, rows, tiles,
+                                torch.empty_like(h), act, bias, bias, limit)
+    assert nerr(h, h_ref) < 1e-5
+    y = poison((m * k, cols))
+    moe.grouped_down(down, d_type, n_expert, h_ref, tiles, y)
+    y_ref = moe.grouped_down_ref(down, d_type, n_expert, h_ref, tiles, torch.empty_like(y))
+    assert nerr(y, y_ref) < 1e-5
+    prior = torch.randn(m, cols, generator=g, device=DEVICE)
+    out = prior.clone()
+    moe.combine(y_ref, pos, wts, out, accumulate=True)
+    # against decode's kernels' references, token by token, in the original order
+    h_tok = moe.expert_glu_ref(gate, gu_type, up, gu_type, n_expert, x, ids,
+                               torch.empty(m * k, ff_cols, device=DEVICE), act, bias, bias, limit)
+    want = moe.expert_down_ref(down, d_type, n_expert, h_tok, ids, wts, prior.clone(),
+                               accumulate=True)
+    assert nerr(out, want) < 1e-5
