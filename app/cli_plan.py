@@ -127,6 +127,7 @@ def build_layout(args: argparse.Namespace) -> tuple[Layout, Any, str]:
 
 ROWS = (
     ("weights", "weights"),
+    ("experts", "experts"),  # mixture-of-experts models only
     ("globals", "globals"),
     ("kv", "KV cache"),
     ("buffers", "buffers"),
@@ -163,7 +164,12 @@ def render(layout: Layout, model: Any, note: str) -> str:
         ("", names),
         ("layers", [f"{d.layers[0]}-{d.layers[1] - 1}" for d in devs]),
     ]
-    table += [(label, [human(d.terms[key]) for d in devs]) for key, label in ROWS]
+    moe = any(d.terms.get("experts") for d in devs)
+    table += [
+        (label, [human(d.terms.get(key, 0)) for d in devs])
+        for key, label in ROWS
+        if moe or key != "experts"
+    ]
     table += [("total", [human(d.total) for d in devs])]
     free_label = "free now" if not any(d.device.simulated for d in devs) else "free (idle card)"
     table += [(free_label, [human(d.device.free) for d in devs])]
@@ -182,6 +188,8 @@ def render(layout: Layout, model: Any, note: str) -> str:
     for d in devs:
         if d.advice:
             lines.append(f"{d.device.label}: {d.advice}")
+    if layout.skipped_line():
+        lines.append(layout.skipped_line())
     src = {d.overhead_source for d in devs}
     lines.append("overhead: " + "; ".join(sorted(src)))
     verdict = layout.verdict

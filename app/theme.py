@@ -29,6 +29,7 @@ class Theme:
 
 _TERMS_LIGHT = {
     "weights": "#3b6fd8",
+    "experts": "#7fa6ee",
     "kv": "#8a55d6",
     "buffers": "#1b9aaa",
     "dequant_cache": "#e0a030",
@@ -63,6 +64,7 @@ DARK = Theme(
     others="#5b6475",
     terms={
         "weights": "#5b8def",
+        "experts": "#9bbcf5",
         "kv": "#a57ae8",
         "buffers": "#37b3c2",
         "dequant_cache": "#e8b04a",

@@ -12,6 +12,7 @@ from app.models.events import Events
 # Our engine's memory, in the order the bars stack it (layout term -> label).
 OUR_TERMS = (
     ("weights", "weights"),
+    ("experts", "experts"),
     ("kv", "KV cache"),
     ("buffers", "buffers"),
     ("dequant_cache", "dequant cache"),
@@ -131,6 +132,7 @@ class DeviceBoard:
                 self._launched[d.device.index] = {
                     "weights": terms.get("weights", 0) + terms.get("globals", 0)
                     + terms.get("rounding", 0),
+                    "experts": terms.get("experts", 0),
                     "kv": terms.get("kv", 0),
                     "buffers": terms.get("buffers", 0),
                     "dequant_cache": terms.get("dequant_cache", 0),

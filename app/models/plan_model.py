@@ -67,7 +67,8 @@ class PlanModel:
     # -- what is being planned ---------------------------------------------------------------
     @property
     def n_layer(self) -> int:
-        return int(self.hparams.n_layer) if self.hparams is not None else 0
+        # the layers the model runs (a GLM file's NextN layer is declared but never run)
+        return int(self.hparams.n_layer_run) if self.hparams is not None else 0
 
     @property
     def max_ctx(self) -> int:

@@ -26,6 +26,7 @@ from engine.planning.rules import Verdict
 COLUMNS = (
     ("Device", None),
     ("Weights", "weights"),
+    ("Experts", "experts"),  # shown for mixture-of-experts models only
     ("KV", "kv"),
     ("Buffers", "buffers"),
     ("Dequant", "dequant_cache"),
@@ -36,6 +37,8 @@ COLUMNS = (
     ("Headroom", None),
     ("Verdict", None),
 )
+_EXPERTS = next(i for i, (_, key) in enumerate(COLUMNS) if key == "experts")
+_TERM_END = next(i for i, (label, _) in enumerate(COLUMNS) if label == "Total")  # term columns end
 
 
 class FitCheck(QWidget):
@@ -71,6 +74,9 @@ class FitCheck(QWidget):
         self.fix_buttons: list[QPushButton] = []
         self.timing = QLabel()
         self.timing.setObjectName("muted")
+        self.skipped = QLabel()  # layers the file declares and the model does not run
+        self.skipped.setObjectName("muted")
+        self.skipped.hide()
 
         top = QHBoxLayout()
         top.addWidget(self.summary, 1)
@@ -83,6 +89,7 @@ class FitCheck(QWidget):
         layout.setSpacing(6)
         layout.addLayout(top)
         layout.addWidget(self.table)
+        layout.addWidget(self.skipped)
         layout.addWidget(self.advice)
         layout.addLayout(fixes)
 
@@ -115,7 +122,7 @@ class FitCheck(QWidget):
             pos = next((i for i, x in enumerate(m.devices) if x == dev), r)
             label = "CPU" if dev.index < 0 else f"GPU {dev.index}"
             cells = [f"■ {label}"]  # the card's name is in the tooltip and on the VRAM bar
-            cells += [human_bytes(d.terms.get(key, 0)) for _, key in COLUMNS[1:7]]
+            cells += [human_bytes(d.terms.get(key, 0)) for _, key in COLUMNS[1:_TERM_END]]
             cells += [human_bytes(d.total), human_bytes(dev.free), human_bytes(d.headroom), d.verdict]
             for c, text in enumerate(cells):
                 self.table.item(r, c).setText(text)
@@ -124,6 +131,7 @@ class FitCheck(QWidget):
             verdict_item = self.table.item(r, len(COLUMNS) - 1)
             verdict_item.setForeground(QColor(self.theme.verdict.get(d.verdict, self.theme.text)))
             verdict_item.setToolTip(d.advice or "")
+        self.table.setColumnHidden(_EXPERTS, not any(d.terms.get("experts") for d in rows))
         header_h = self.table.horizontalHeader().sizeHint().height()
         self.table.setFixedHeight(header_h + 26 * len(rows) + 6)
 
@@ -143,6 +151,9 @@ class FitCheck(QWidget):
                 f"<span style='color:{colour}; font-size:15px'>●</span> "
                 f"<b>{verdict.capitalize()}</b> — tightest headroom {human_bytes(worst)}")
         self.timing.setText(f"priced in {m.price_ms:.2f} ms" if layout is not None else "")
+        skipped = layout.skipped_line() if layout is not None else ""
+        self.skipped.setText(skipped)
+        self.skipped.setVisible(bool(skipped))
         notes = [f"<b>{'CPU' if d.device.index < 0 else f'GPU {d.device.index}'}:</b> {d.advice}"
                  for d in rows if d.advice and d.verdict != Verdict.FITS]
         self.advice.setText("<br>".join(notes))

@@ -2,7 +2,11 @@
 
 A stage running layers [lo, hi) holds exactly the tensors `blk.N.*` with lo <= N < hi, plus
 `token_embd` on the first stage and `output_norm` + `output` on the last (a tied model's last
-stage keeps its own copy of `token_embd`). `model_index` computes everything about a model that
+stage keeps its own copy of `token_embd`). A MoE layer's expert tensors (`*_exps.*`) are its
+tensors like any other, so a stage holds only its own layers' experts; they are billed as their
+own term. Layers a file declares but the model does not run (GLM's next-token-prediction layer:
+`blk.N.*` for N >= n_layer_run) are neither priced nor loaded; the index keeps their count and
+bytes for the bill. `model_index` computes everything about a model that
 pricing needs once (per-layer byte sums as prefix sums, the cacheable matrices), so re-pricing
 while a user drags a boundary is arithmetic on those sums.
 """
@@ -36,6 +40,12 @@ ROLE_GLOBALS_FIRST = ("token_embd.weight",)
 ROLE_GLOBALS_LAST = ("output_norm.weight", "output.weight")
 
 
+def is_expert(name: str) -> bool:
+    """A routed-expert tensor (`blk.N.ffn_{gate,up,down}_exps.weight|bias`): stacked over the
+    experts (last GGUF dimension), of which a token reads n_expert_used."""
+    return "_exps." in name
+
+
 @dataclass(frozen=True, slots=True)
 class ModelIndex:
     """What pricing needs from a model, computed once: per-layer tensor lists and prefix sums,
@@ -59,6 +69,9 @@ class ModelIndex:
     # act ggml id -> per layer: elements of the largest matrix needing a dequant for a GEMM,
     # of all matrices ("all") and of those the dequant cache cannot hold ("uncacheable")
     gemm_max: dict[tuple[int, str], tuple[int, ...]]
+    expert_raw_prefix: tuple[int, ...] = (0,)  # exact expert-tensor bytes of layers [0, i)
+    skipped: tuple[Any, ...] = ()  # tensors of declared layers the model does not run (NextN)
+    n_skipped_layers: int = 0
 
 
 def _request(t: Any) -> Request:
@@ -84,17 +97,21 @@ def model_index(model: Any) -> ModelIndex:
     from engine.gguf.hparams import HParams
 
     hp = HParams.from_model(model)
-    n = hp.n_layer
+    n = getattr(hp, "n_layer_run", 0) or hp.n_layer  # the layers the model runs
     per: list[list[Any]] = [[] for _ in range(n)]
     by_name = {}
+    skipped = []
     for t in model.tensors:
         layer = t.layer
         if layer is None:
             by_name[t.name] = t
         elif 0 <= layer < n:
             per[layer].append(t)
+        elif n <= layer < hp.n_layer:
+            skipped.append(t)  # declared, never run: neither priced nor loaded
         else:
-            raise CarveError(f"{model.paths[0]}: tensor {t.name} is outside the model's {n} layers")
+            raise CarveError(f"{model.paths[0]}: tensor {t.name} is outside the model's "
+                             f"{hp.n_layer} layers")
     first = [t for name, t in by_name.items() if name in ROLE_GLOBALS_FIRST]
     shared = [
         t for name, t in by_name.items() if name not in ROLE_GLOBALS_FIRST + ROLE_GLOBALS_LAST
@@ -110,7 +127,9 @@ def model_index(model: Any) -> ModelIndex:
         (
             (i, t, t.n_elements * 2)
             for i, t in [(i, t) for i, ts in enumerate(per) for t in ts] + heads
-            if len(t.shape) >= 2 and t.ggml_type not in NOT_QUANTIZED
+            # experts get no cache copy: a prefill GEMM dequantizes one expert at a time
+            # into the scratch (their bf16 copies would be ~4x the file's largest term)
+            if len(t.shape) >= 2 and t.ggml_type not in NOT_QUANTIZED and not is_expert(t.name)
         ),
         key=lambda it: (
             -_DEQUANT_COST.get(it[1].ggml_type, 2.0),
@@ -127,9 +146,13 @@ def model_index(model: Any) -> ModelIndex:
     gemm_max = {}
     for act in (0, 1, 30):
         mats = [[t for t in ts if len(t.shape) >= 2 and t.ggml_type != act] for ts in per]
-        gemm_max[act, "all"] = tuple(max((t.n_elements for t in m), default=0) for m in mats)
+        gemm_max[act, "all"] = tuple(max((_gemm_elements(t) for t in m), default=0) for m in mats)
         gemm_max[act, "uncacheable"] = tuple(
-            max((t.n_elements for t in m if t.ggml_type in NOT_QUANTIZED), default=0) for m in mats
+            max(
+                (_gemm_elements(t) for t in m if t.ggml_type in NOT_QUANTIZED or is_expert(t.name)),
+                default=0,
+            )
+            for m in mats
         )
     idx = ModelIndex(
         next(_TOKENS),
@@ -148,11 +171,20 @@ def model_index(model: Any) -> ModelIndex:
         _prefix(per_cache),
         _prefix(per_cache_al),
         gemm_max,
+        _prefix([sum(t.nbytes for t in ts if is_expert(t.name)) for ts in per]),
+        tuple(skipped),
+        hp.n_layer - n,
     )
     _INDEX[id(model)] = idx
     while len(_INDEX) > 8:
         _INDEX.popitem(last=False)
     return idx
+
+
+def _gemm_elements(t: Any) -> int:
+    """Elements a prefill GEMM on `t` dequantizes at once: the matrix, or one expert's slice
+    of a stacked expert tensor."""
+    return t.n_elements // t.shape[-1] if is_expert(t.name) else t.n_elements
 
 
 def carve(model: Any, lo: int, hi: int, first: bool, last: bool) -> list[Any]:
@@ -171,3 +203,18 @@ def _globals(idx: ModelIndex, first: bool, last: bool) -> list[Any]:
     if last:
         out += [t for t in idx.last_globals if not (first and t in idx.first_globals)]
     return out
+
+
+def parameter_counts(model: Any, hp: Any) -> tuple[int, int]:
+    """(parameters the model runs, parameters a token reads): the second counts n_expert_used
+    of every n_expert routed experts (shared experts and everything else in full). Layers the
+    file declares but the model does not run are in neither."""
+    run = getattr(hp, "n_layer_run", 0) or hp.n_layer
+    total = active = 0
+    share = hp.n_expert_used / hp.n_expert if getattr(hp, "n_expert", 0) else 1.0
+    for t in model.tensors:
+        if t.layer is not None and t.layer >= run:
+            continue
+        total += t.n_elements
+        active += round(t.n_elements * share) if is_expert(t.name) else t.n_elements
+    return total, active

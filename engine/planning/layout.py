@@ -15,6 +15,9 @@ from engine.planning.plan import Plan
 from engine.planning.rules import Verdict, worst_verdict
 
 PURPOSES = ("weights", "globals", "kv", "buffers", "dequant_cache")  # allocated by the engine
+# the bill's terms (bytes requested): the routed experts are allocated in the weights arena
+# (spans of purpose "weights") and billed beside the dense weights
+TERMS = ("weights", "experts", "globals", "kv", "buffers", "dequant_cache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +160,18 @@ class DeviceLayout:
 class Layout:
     plan: Plan
     devices: tuple[DeviceLayout, ...]
+    # layers the file declares but the model does not run (GLM's next-token prediction):
+    # neither priced nor loaded
+    skipped_layers: int = 0
+    skipped_bytes: int = 0
+
+    def skipped_line(self) -> str:
+        """The bill's line for what the file holds and no device gets, or ""."""
+        n = self.skipped_layers
+        if not n:
+            return ""
+        layers = "layer" if n == 1 else "layers"
+        return f"skipped: {n} next-token-prediction {layers}, {human(self.skipped_bytes)}"
 
     @property
     def fits(self) -> bool:
@@ -173,12 +188,17 @@ class Layout:
             "plan": self.plan.to_json(),
             "devices": [d.to_json() for d in self.devices],
             "verdict": self.verdict,
+            "skipped": {"layers": self.skipped_layers, "bytes": self.skipped_bytes},
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Layout:
+        skipped = d.get("skipped", {})
         return cls(
-            Plan.from_json(d["plan"]), tuple(DeviceLayout.from_json(x) for x in d["devices"])
+            Plan.from_json(d["plan"]),
+            tuple(DeviceLayout.from_json(x) for x in d["devices"]),
+            skipped.get("layers", 0),
+            skipped.get("bytes", 0),
         )
 
 

@@ -23,7 +23,7 @@ from engine.planning import capability
 from engine.planning.advice import advise
 from engine.planning.arena import align_up, reserved_bytes, round_block, segment_size
 from engine.planning.carve import ModelIndex, model_index
-from engine.planning.layout import PURPOSES, Arena, DeviceLayout, Layout, LazyArenas
+from engine.planning.layout import TERMS, Arena, DeviceLayout, Layout, LazyArenas
 from engine.planning.plan import Plan
 from engine.planning.rules import MIB, ArenaKind, Verdict, parse_arena
 from engine.planning.stage import (
@@ -101,7 +101,7 @@ def price_stage(idx: ModelIndex, k: StageKey) -> DeviceLayout:
         else sum(t.n_elements * 2 for t in chosen)
     )
     terms["overhead"] = overhead
-    terms["rounding"] = allocated - sum(terms[p] for p in PURPOSES)
+    terms["rounding"] = allocated - sum(terms[p] for p in TERMS)
     total = allocated + overhead
     headroom = avail - total
     final = chosen
@@ -161,4 +161,9 @@ def price(plan: Plan, model: Any = None, runner: Runner | None = None) -> Layout
     stages = [price_stage(idx, stage_key(plan, i)) for i in range(len(plan.devices))]
     if any(s.verdict == Verdict.DOES_NOT_FIT for s in stages):
         stages = advise(plan, idx, stages)
-    return Layout(plan, tuple(capability.check(plan, idx, stages, runner)))
+    return Layout(
+        plan,
+        tuple(capability.check(plan, idx, stages, runner)),
+        idx.n_skipped_layers,
+        sum(t.nbytes for t in idx.skipped),
+    )

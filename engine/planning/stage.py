@@ -158,8 +158,11 @@ def allocations(
     )
     kv_raw, kv_al, kv_sizes = _kv_table(idx, k.ctx, k.kv_type)
     bufs = _buffer_sizes(idx, k, scratch)
+    experts = idx.expert_raw_prefix[k.hi] - idx.expert_raw_prefix[k.lo]
     terms = {
-        "weights": idx.layer_raw_prefix[k.hi] - idx.layer_raw_prefix[k.lo],
+        # the weights arena holds both; the bill shows the routed experts beside the dense rest
+        "weights": idx.layer_raw_prefix[k.hi] - idx.layer_raw_prefix[k.lo] - experts,
+        "experts": experts,
         "globals": sum(glob),
         "kv": kv_raw[k.hi] - kv_raw[k.lo],
         "buffers": sum(bufs),

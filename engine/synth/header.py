@@ -16,7 +16,8 @@ from spec.quant_types import tensor_nbytes
 class HeaderModel:
     """A model's header without a file: what pricing reads (paths, metadata, tensors)."""
 
-    def __init__(self, shape: Shape, mix: str = "q4_k_m", name: str = "synthetic.gguf") -> None:
+    def __init__(self, shape: Shape, mix: str | None = None, name: str = "synthetic.gguf") -> None:
+        mix = mix or shape.mix
         self.paths = (Path(name),)
         self.metadata: dict[str, Any] = {
             k: (v[1] if isinstance(v, tuple) else v) for k, _, v in metadata(shape, mix)
