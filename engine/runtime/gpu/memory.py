@@ -25,6 +25,7 @@ GIB, MIB = float(1 << 30), float(1 << 20)
 _TERMS = (
     ("overhead", "the runtime overhead", "move the split: fewer layers on {label}"),
     ("weights", "the weights", "move the split: fewer layers on {label}"),
+    ("experts", "the experts", "move the split: fewer layers on {label}"),
     ("globals", "the embeddings/output head", "move the split: fewer layers on {label}"),
     ("buffers", "the activation buffers", "lower the prefill chunk"),
     ("kv", "the KV cache", "lower --ctx or use --kv q8_0"),
