@@ -13,8 +13,12 @@ from typing import NamedTuple
 
 from spec import quant_types as qt
 
-# the architectures the engine runs (engine.runtime.models.FAMILIES), on either runner
-ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+# the architectures the engine runs (engine.runtime.models.FAMILIES): the torch engine runs all
+ARCHS: tuple[str, ...] = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe",
+)
+# those the Triton GPU runner runs too (the mixture-of-experts ones run on the torch engine)
+TRITON_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 
 class Runner(NamedTuple):

@@ -80,6 +80,9 @@ class HParams:
     rope_scaling_orig_ctx: int = 0  # original_context_length
     rope_yarn_beta_fast: float = 32.0
     rope_yarn_beta_slow: float = 1.0
+    # round the YaRN ramp's ends to whole dims (llama.cpp does for every model; gpt-oss's own
+    # config says truncate = false, as its reference implementation and transformers run it)
+    rope_yarn_truncate: bool = True
 
     def __post_init__(self) -> None:
         if not self.n_layer_run:
@@ -223,6 +226,7 @@ def _read(model: GGUFModel) -> HParams:
         moe["rope_scaling_orig_ctx"] = m.int_("rope.scaling.original_context_length", 0)
         moe["rope_yarn_beta_fast"] = m.float_("rope.scaling.yarn_beta_fast", 32.0)
         moe["rope_yarn_beta_slow"] = m.float_("rope.scaling.yarn_beta_slow", 1.0)
+        moe["rope_yarn_truncate"] = not oss
         if moe["rope_scaling_orig_ctx"] <= 0 or scale <= 1.0:
             raise CarveError(f"{model.paths[0]}: YaRN RoPE needs {arch}.rope.scaling.factor > 1 "
                              f"and {arch}.rope.scaling.original_context_length; the file lacks one")

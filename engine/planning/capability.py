@@ -22,7 +22,7 @@ from engine.planning.layout import DeviceLayout
 from engine.planning.plan import Plan
 from engine.planning.rules import Verdict
 from spec.quant_types import type_name
-from spec.runners import ARCHS, RUNNERS, TORCH, TRITON, Runner
+from spec.runners import RUNNERS, TORCH, TRITON, TRITON_ARCHS, Runner
 
 ROPE_FACTORS = "rope_freqs.weight"
 
@@ -32,8 +32,8 @@ def gpu_why_not(plan: Plan, hp: Any, model: Any) -> str | None:
     engine does. `model`: anything with `.tensors` (their names are read)."""
     if any(d.is_cpu for d in plan.devices):
         return "the plan places layers on the CPU"
-    if hp.arch not in ARCHS:
-        return f"the Triton runner runs {'/'.join(ARCHS)} models, not {hp.arch}"
+    if hp.arch not in TRITON_ARCHS:
+        return f"the Triton runner runs {'/'.join(TRITON_ARCHS)} models, not {hp.arch}"
     if hp.arch == "llama" and any(t.name == ROPE_FACTORS for t in model.tensors):
         return "the Triton RoPE has no per-pair frequency factors (rope_freqs.weight) yet"
     return None

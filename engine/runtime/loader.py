@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.runtime.models.ops import QWeight
+from engine.runtime.models.ops import QExperts, QWeight
 from kernels.dequant import dequantize_to
 from spec import quant_types as qt
 from spec.errors import CarveError
@@ -156,11 +156,11 @@ def _load(layout, model, allocator, on_progress, cancelled) -> list[LoadedStage]
             raise CarveError("load cancelled")
         name = span.name.removeprefix("dq.")
         w = st.tensors.get(name)
-        if not isinstance(w, QWeight):
+        if not isinstance(w, (QWeight, QExperts)):
             raise CarveError(f"layout: dequant-cache span {span.name} has no matrix {name} on {st.device}")
         out = st.spans[span.name]
         dequantize_to(w.raw, w.ggml_type, w.gguf_shape, out.dtype, out=out)
-        w.cached = out
+        w.cached = out if isinstance(w, QWeight) else out.view(w.n_expert, w.rows, w.cols)
         meter.add(span.nbytes)
     return stages
 
@@ -174,9 +174,18 @@ def _bind_tensors(st: LoadedStage, model: Any) -> None:
         info = model.tensor(name)
         shape = tuple(int(s) for s in info.shape)
         dims = [s for s in shape if s != 1] or [1]
-        if len(shape) >= 2 and len(dims) >= 2:
+        if len(shape) == 3 and name.endswith(".weight"):
+            # experts [n_expert, rows, cols]: GGUF shape (cols, rows, n_expert)
+            _check_mxfp4(model, info, view)
+            st.tensors[name] = QExperts(name, view, info.ggml_type, shape[2], shape[1], shape[0],
+                                        None, scratch)
+        elif len(shape) == 2 and name.endswith(".bias") and info.ggml_type == qt.F32:
+            # one bias row per expert (gpt-oss): [n_expert, rows]
+            st.tensors[name] = view.view(torch.float32).view(shape[1], shape[0])
+        elif len(shape) >= 2 and len(dims) >= 2:
             if len(dims) > 2:
                 raise CarveError(f"tensor {name} has {len(dims)} dimensions; the engine runs 2-D matrices only")
+            _check_mxfp4(model, info, view)
             st.tensors[name] = QWeight(name, view, info.ggml_type, shape[1], shape[0], None, scratch)
         elif info.ggml_type == qt.F32:
             st.tensors[name] = view.view(torch.float32)
@@ -186,6 +195,21 @@ def _bind_tensors(st: LoadedStage, model: Any) -> None:
             from kernels.dequant import dequantize
 
             st.tensors[name] = dequantize(view, info.ggml_type, shape).reshape(-1)
+
+
+def _check_mxfp4(model: Any, info: Any, view: torch.Tensor) -> None:
+    """Refuse an MXFP4 tensor with a block scale of 0xFF: E8M0's NaN in the OCP MX format
+    (ggml would read it as 2^127, whose products overflow float32)."""
+    if info.ggml_type != qt.MXFP4:
+        return
+    scales = view.view(-1, 17)[:, 0]  # a block: one E8M0 scale byte, then 16 bytes of nibbles
+    bad = (scales == 0xFF).nonzero()
+    if bad.numel():
+        block = int(bad[0, 0])
+        raise CarveError(
+            f"{model.paths[info.shard]}: tensor {info.name} has a non-finite MXFP4 block scale "
+            f"(0xFF, block {block}); the file is damaged or not MXFP4 as ggml writes it"
+        )
 
 
 def _from_numpy(a: np.ndarray) -> torch.Tensor:

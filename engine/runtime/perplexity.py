@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         model = GGUFModel.open(a.model)
         tok = Tokenizer.from_model(model)
         tokens = tok.encode(text, parse_special=False)  # llama-perplexity: specials as text
-        n = HParams.from_model(model).n_layer
+        n = HParams.from_model(model).n_layer_run
         chunk = min(a.ctx, 512)
         plan = Plan(model=a.model, devices=(cpu_spec(),), split=(0, n), ctx=a.ctx,
                     prefill_chunk=chunk, cache_reserve=0, logits_rows=chunk)

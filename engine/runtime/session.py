@@ -46,7 +46,7 @@ class Session(ChunkedSession):
             for st in loaded
         ]
         kv_spans = {k: v for st in loaded for k, v in st.spans.items() if k.startswith("kv.")}
-        self.kv = KVCache.from_spans(kv_spans, hp, range(hp.n_layer), plan.ctx)
+        self.kv = KVCache.from_spans(kv_spans, hp, range(hp.n_layer_run), plan.ctx)
         self.tokens: list[int] = []  # the tokens whose keys/values are in the cache, in order
 
     @classmethod

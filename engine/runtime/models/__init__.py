@@ -10,6 +10,7 @@ import torch
 from engine.runtime.models.gemma3 import Gemma3Stage
 from engine.runtime.models.layers import Stage, Tensors
 from engine.runtime.models.llama import LlamaStage
+from engine.runtime.models.moe import Glm4MoEStage, GptOssStage, Qwen3MoEStage
 from engine.runtime.models.ops import TORCH_OPS
 from spec.errors import CarveError
 
@@ -19,6 +20,9 @@ FAMILIES: dict[str, type[Stage]] = {
     "qwen2": LlamaStage,
     "qwen3": LlamaStage,
     "gemma3": Gemma3Stage,
+    "qwen3moe": Qwen3MoEStage,
+    "gpt-oss": GptOssStage,
+    "glm4moe": Glm4MoEStage,
 }
 
 

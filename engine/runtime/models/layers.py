@@ -7,6 +7,7 @@ arenas) or `QWeight` for matrices; nothing here reads a file.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any, Protocol
@@ -43,9 +44,39 @@ def inv_freq(head_dim: int, base: float, scale: float, factors: torch.Tensor | N
     return f
 
 
-def rope_angles(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, D/2] for integer positions [T]."""
+def yarn_freqs(hp: Any, truncate: bool) -> tuple[torch.Tensor, float]:
+    """YaRN's float32 [rope_dim/2] frequencies and its cos/sin multiplier, as transformers
+    computes them: dims rotating fewer than beta_slow times over the original context are
+    interpolated (divided by the factor), those rotating more than beta_fast times kept, a
+    linear ramp between; cos and sin scaled by 0.1 ln(factor) + 1. ``truncate`` rounds the
+    ramp's ends outwards to whole dims (llama.cpp always does; gpt-oss's own config and
+    reference implementation do not)."""
+    d, base, factor = hp.rope_dim, hp.rope_base, hp.rope_scale
+    orig = hp.rope_scaling_orig_ctx
+
+    def dim_of(rotations: float) -> float:
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(hp.rope_yarn_beta_fast), dim_of(hp.rope_yarn_beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    extrapolated = inv_freq(d, base, 1.0, None)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+    f = extrapolated / factor * (1 - keep) + extrapolated * keep
+    return f, 0.1 * math.log(factor) + 1.0
+
+
+def rope_angles(
+    positions: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D/2] for integer positions [T] (times ``mscale``: YaRN's)."""
     a = positions.float().unsqueeze(1) * freqs.unsqueeze(0)
+    if mscale != 1.0:
+        return a.cos() * mscale, a.sin() * mscale
     return a.cos(), a.sin()
 
 
@@ -81,9 +112,16 @@ class Stage:
         self.device = torch.device(device)
         self._fused: dict[int, QWeight | None] = {}
         factors = tensors.get("rope_freqs.weight")
-        d = hp.head_dim
-        self.freqs = inv_freq(d, hp.rope_base, _linear_scale(hp), factors).to(self.device)
-        self.freqs_swa = inv_freq(d, hp.rope_base_swa, 1.0, None).to(self.device)
+        d = getattr(hp, "rope_dim", 0) or hp.head_dim  # partial RoPE (glm4moe) rotates fewer
+        self.mscale = 1.0
+        if hp.rope_scaling == "yarn":  # every layer, windowed or not (gpt-oss)
+            f, self.mscale = yarn_freqs(hp, truncate=hp.rope_yarn_truncate)
+            self.freqs = self.freqs_swa = f.to(self.device)
+        else:
+            self.freqs = inv_freq(d, hp.rope_base, _linear_scale(hp), factors).to(self.device)
+            self.freqs_swa = inv_freq(d, hp.rope_base_swa, 1.0, None).to(self.device)
+        # layers the model runs: a file's next-token-prediction layers (glm4moe) are not
+        self.n_run = getattr(hp, "n_layer_run", 0) or hp.n_layer
         if first:
             self.embd = weight(tensors, "token_embd.weight")
         if last:
@@ -107,10 +145,10 @@ class Stage:
         output is tested for NaN/inf (slow path used only to name the failing layer)."""
         pos = torch.arange(pos0, pos0 + x.shape[0], device=self.device)
         rope = {
-            False: rope_angles(pos, self.freqs),
-            True: rope_angles(pos, self.freqs_swa),
+            False: rope_angles(pos, self.freqs, self.mscale),
+            True: rope_angles(pos, self.freqs_swa, self.mscale),
         }
-        for i in range(self.lb, self.le):
+        for i in range(self.lb, min(self.le, self.n_run)):
             x = self.layer(i, x, rope, pos0, kv)
             if check and not bool(torch.isfinite(x).all()):
                 raise NonFinite(i)
@@ -142,11 +180,20 @@ class Stage:
             k = ops.rmsnorm(k, k_norm, hp.rms_eps)
         swa = bool(hp.swa_layers[i]) if hp.swa_layers else False
         cos, sin = rope[swa]
-        q = ops.rope(q, cos, sin, hp.rope_style)
-        k = ops.rope(k, cos, sin, hp.rope_style)
+        rd = getattr(hp, "rope_dim", 0) or hp.head_dim
+        if rd < hp.head_dim:  # partial RoPE: the leading rd dims rotate, the rest pass
+            q = torch.cat((ops.rope(q[..., :rd], cos, sin, hp.rope_style), q[..., rd:]), -1)
+            k = torch.cat((ops.rope(k[..., :rd], cos, sin, hp.rope_style), k[..., rd:]), -1)
+        else:
+            q = ops.rope(q, cos, sin, hp.rope_style)
+            k = ops.rope(k, cos, sin, hp.rope_style)
         keys, values, mask = kv.store_and_fetch(i, k, v, pos0)
-        o = ops.attention(q, keys, values, mask, hp.attn_scale)  # [T, H * Dv]
-        return ops.linear(o, weight(self.t, p + "attn_output.weight"))
+        sinks = self.t.get(p + "attn_sinks.weight") if getattr(hp, "attn_sinks", False) else None
+        if sinks is not None:
+            o = ops.attention(q, keys, values, mask, hp.attn_scale, sinks)  # [T, H * Dv]
+        else:
+            o = ops.attention(q, keys, values, mask, hp.attn_scale)  # [T, H * Dv]
+        return self.proj(o, p + "attn_output")
 
     def proj(self, x: torch.Tensor, name: str) -> torch.Tensor:
         y = self.ops.linear(x, weight(self.t, name + ".weight"))

@@ -36,6 +36,34 @@ class QWeight:
         return (self.cols, self.rows)
 
 
+@dataclass(slots=True)
+class QExperts:
+    """A layer's expert matrices, one 3-D GGUF tensor [n_expert, rows, cols] (GGUF shape
+    (cols, rows, n_expert), ne0 fastest): expert e's bytes are the contiguous e-th slice of
+    ``raw``, so a product dequantizes only the experts it routes to."""
+
+    name: str
+    raw: torch.Tensor  # uint8 [nbytes], view into a weights arena
+    ggml_type: int
+    n_expert: int
+    rows: int
+    cols: int
+    cached: torch.Tensor | None = None  # [n_expert, rows, cols], view into the dequant cache
+    scratch: torch.Tensor | None = None
+
+    @property
+    def gguf_shape(self) -> tuple[int, int]:
+        """The tensor as one matrix of all experts' rows (what the dequant cache holds)."""
+        return (self.cols, self.rows * self.n_expert)
+
+    def expert(self, e: int) -> QWeight:
+        """Expert ``e`` as a matrix [rows, cols]: views, nothing is copied."""
+        per = self.raw.numel() // self.n_expert
+        c = None if self.cached is None else self.cached[e]
+        return QWeight(f"{self.name}[{e}]", self.raw[e * per : (e + 1) * per], self.ggml_type,
+                       self.rows, self.cols, c, self.scratch)
+
+
 FALLBACK_SCRATCH = 1 << 22  # elements
 # Elements of a cached matrix made float32 at a time on the CPU (2 MiB): the block is still in
 # cache when the product reads it. Measured on a Qwen2 head [151936, 896], decode, 2 threads of a
@@ -171,11 +199,15 @@ def attention(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax(q k^T * scale + mask) v with grouped KV heads.
     q [T, H, D], k [S, K, D], v [S, K, Dv], mask bool [T, S] (True = may attend) or None for
-    "every key" -> [T, H * Dv]."""
+    "every key" -> [T, H * Dv]. ``sinks`` [H] (gpt-oss): one more logit per head in each
+    softmax's denominator, attending to nothing."""
     t, h, _ = q.shape
+    if sinks is not None:
+        return _attention_sinks(q, k, v, mask, scale, sinks)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
     kh = k.to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, K, S, D]
     vh = v.to(q.dtype).transpose(0, 1).unsqueeze(0)
@@ -185,11 +217,114 @@ def attention(
     return o[0].transpose(0, 1).reshape(t, -1)
 
 
+def _attention_sinks(q, k, v, mask, scale, sinks) -> torch.Tensor:
+    t, h, _ = q.shape
+    rep = h // k.shape[1]
+    qh = q.float().transpose(0, 1)  # [H, T, D]
+    kh = k.float().repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, S, D]
+    vh = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, S, Dv]
+    logits = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [H, T, S]
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(h, 1, 1).expand(h, t, 1)
+    probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
+    o = torch.matmul(probs, vh)  # [H, T, Dv]
+    return o.transpose(0, 1).reshape(t, -1).to(q.dtype)
+
+
 def glu(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
     """act(gate) * up: SwiGLU for "silu", GeGLU with the tanh GELU for "gelu"."""
     if act == "silu":
         return F.silu(gate) * up
     return F.gelu(gate, approximate="tanh") * up
+
+
+OAI_ALPHA = 1.702  # gpt-oss's SwiGLU: gate * sigmoid(1.702 gate), as its reference and llama.cpp
+
+
+def glu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """gpt-oss's SwiGLU: gate clamped to <= limit, up to [-limit, limit],
+    gate * sigmoid(alpha gate) * (up + 1)."""
+    g = gate.clamp(max=limit)
+    u = up.clamp(-limit, limit)
+    return g * torch.sigmoid(OAI_ALPHA * g) * (u + 1)
+
+
+def route(
+    logits: torch.Tensor,
+    k: int,
+    gating: str,
+    norm: bool,
+    scale: float,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (float32) -> expert ids [T, k] int64 and their weights [T, k]
+    float32, by the family's gating (HParams.expert_gating):
+    "softmax": softmax over all E, the k largest; "softmax_topk": the k largest logits, softmax
+    over those k; "sigmoid": the k largest of sigmoid + ``bias`` (the selection bias), weighted
+    by the plain sigmoid values. ``norm`` divides the k weights by their sum; ``scale``
+    multiplies them."""
+    logits = logits.float()
+    if gating == "softmax":
+        w, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+    elif gating == "softmax_topk":
+        top, ids = torch.topk(logits, k, dim=-1)
+        w = torch.softmax(top, dim=-1)
+    elif gating == "sigmoid":
+        probs = torch.sigmoid(logits)
+        choice = probs if bias is None else probs + bias.float()
+        ids = torch.topk(choice, k, dim=-1).indices
+        w = probs.gather(-1, ids)
+    else:
+        raise ValueError(f"unknown expert gating {gating!r}")
+    if norm:
+        # llama.cpp clamps the sum away from zero the same way
+        w = w / w.sum(-1, keepdim=True).clamp_min(6.103515625e-5)
+    if scale != 1.0:
+        w = w * scale
+    return ids, w
+
+
+def experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate: QExperts,
+    up: QExperts,
+    down: QExperts,
+    act: str,
+    limit: float = 0.0,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The routed experts' FFN: sum over each token's k experts e of
+    weights[t, j] * down_e(glu(gate_e x_t, up_e x_t)) -> [T, n_embd] in x's dtype.
+    x [T, n_embd], ids/weights [T, k]. Tokens are grouped by expert, so each chosen expert's
+    slices are read (and dequantized) once per call and no other expert is touched.
+    ``limit`` > 0 takes gpt-oss's clamped SwiGLU; ``biases`` (gate, up, down) [E, rows] are
+    added to each expert's products (gpt-oss)."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # routed slots grouped by expert
+    counts = torch.bincount(flat, minlength=gate.n_expert).tolist()
+    w = weights.reshape(-1).float()
+    out = torch.zeros(t, down.rows, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        slots = order[start : start + n]
+        start += n
+        rows = slots // k  # the tokens routed to e
+        xe = x[rows]
+        g, u = linear(xe, gate.expert(e)).float(), linear(xe, up.expert(e)).float()
+        if biases is not None:
+            g, u = g + biases[0][e], u + biases[1][e]
+        h = glu_clamped(g, u, limit) if limit else glu(g, u, act)
+        y = linear(h.to(x.dtype), down.expert(e)).float()
+        if biases is not None:
+            y = y + biases[2][e]
+        out.index_add_(0, rows, y * w[slots].unsqueeze(1))
+    return out.to(x.dtype)
 
 
 TORCH_OPS = SimpleNamespace(
@@ -200,4 +335,6 @@ TORCH_OPS = SimpleNamespace(
     rope=rope,
     attention=attention,
     glu=glu,
+    route=route,
+    experts=experts,
 )

@@ -1,0 +1,263 @@
+"""Tiny random mixture-of-experts models: a transformers model built from a config, and the same
+weights written to a GGUF with llama.cpp's tensor names and metadata keys.
+
+Quantized files round-trip the weights through ``gguf.quants`` and load the dequantized values
+back into the transformers model, so the reference runs exactly the weights the file holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from engine.gguf.writer import ARR, BOOL, F32, I32, STR, U32, GGUFSink, MetaItem
+from engine.synth.shapes import CHATML, vocab
+
+N_VOCAB = 512  # the synthetic byte-level vocabulary needs ~300 tokens
+COMMON = dict(vocab_size=N_VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+              tie_word_embeddings=False)
+GGUF_ARCH = {"qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "glm4moe": "glm4moe"}
+
+
+def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny transformers model of ``arch`` with random weights large enough to route
+    decisively (norm weights around 1, biases and sinks of order 1)."""
+    import transformers as tf
+
+    if arch == "qwen3moe":
+        cfg = tf.Qwen3MoeConfig(**COMMON, num_hidden_layers=2, intermediate_size=96,
+                                moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                norm_topk_prob=True, rope_theta=1e6)
+        cls = tf.Qwen3MoeForCausalLM
+    elif arch == "gpt-oss":
+        cfg = tf.GptOssConfig(**COMMON, num_hidden_layers=2, intermediate_size=32,
+                              num_local_experts=8, num_experts_per_tok=2, sliding_window=16)
+        cls = tf.GptOssForCausalLM
+    elif arch == "glm4moe":
+        cfg = tf.Glm4MoeConfig(**COMMON, num_hidden_layers=3, intermediate_size=96,
+                               moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                               num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                               topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                               attention_bias=True, use_qk_norm=False,
+                               partial_rotary_factor=0.5, num_nextn_predict_layers=1)
+        cls = tf.Glm4MoeForCausalLM
+    else:
+        raise ValueError(arch)
+    cfg._attn_implementation = "eager"  # gpt-oss's sinks run in its eager attention
+    torch.manual_seed(seed)
+    m = cls(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1 + 0.1 * r)
+            elif p.ndim == 1 or name.endswith("_bias"):  # biases, sinks
+                p.copy_(0.5 * r)
+            else:
+                p.copy_(0.08 * r)
+        for name, b in m.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn(b.shape, generator=g))
+    return m
+
+
+def _gguf_tensors(arch: str, m: torch.nn.Module) -> dict[str, np.ndarray]:
+    """GGUF name -> float32 array in torch order ([rows, cols], experts [E, rows, cols])."""
+    sd = {k: v.detach().float().numpy() for k, v in m.state_dict().items()}
+    cfg = m.config
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"],
+           "output_norm.weight": sd["model.norm.weight"], "output.weight": sd["lm_head.weight"]}
+    ffn_norm = "ffn_norm" if arch == "qwen3moe" else "post_attention_norm"
+    for i in range(cfg.num_hidden_layers):
+        h, b = f"model.layers.{i}.", f"blk.{i}."
+        out[b + "attn_norm.weight"] = sd[h + "input_layernorm.weight"]
+        out[b + ffn_norm + ".weight"] = sd[h + "post_attention_layernorm.weight"]
+        for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")):
+            for kind in ("weight", "bias"):
+                key = f"{h}self_attn.{theirs}_proj.{kind}"
+                if key in sd:
+                    out[f"{b}attn_{ours}.{kind}"] = sd[key]
+        for n in ("q", "k"):
+            if f"{h}self_attn.{n}_norm.weight" in sd:
+                out[f"{b}attn_{n}_norm.weight"] = sd[f"{h}self_attn.{n}_norm.weight"]
+        if h + "self_attn.sinks" in sd:
+            out[b + "attn_sinks.weight"] = sd[h + "self_attn.sinks"]
+        if h + "mlp.gate_proj.weight" in sd:  # a dense layer
+            for n in ("gate", "up", "down"):
+                out[f"{b}ffn_{n}.weight"] = sd[f"{h}mlp.{n}_proj.weight"]
+            continue
+        if arch == "gpt-oss":
+            gu, gub = sd[h + "mlp.experts.gate_up_proj"], sd[h + "mlp.experts.gate_up_proj_bias"]
+            # [E, n_embd, 2 n_ff] with gate and up interleaved along the last axis
+            out[b + "ffn_gate_exps.weight"] = gu[..., ::2].transpose(0, 2, 1).copy()
+            out[b + "ffn_up_exps.weight"] = gu[..., 1::2].transpose(0, 2, 1).copy()
+            out[b + "ffn_down_exps.weight"] = sd[h + "mlp.experts.down_proj"].transpose(0, 2, 1).copy()
+            out[b + "ffn_gate_exps.bias"] = gub[..., ::2].copy()
+            out[b + "ffn_up_exps.bias"] = gub[..., 1::2].copy()
+            out[b + "ffn_down_exps.bias"] = sd[h + "mlp.experts.down_proj_bias"]
+            out[b + "ffn_gate_inp.weight"] = sd[h + "mlp.router.weight"]
+            out[b + "ffn_gate_inp.bias"] = sd[h + "mlp.router.bias"]
+            continue
+        gu = sd[h + "mlp.experts.gate_up_proj"]  # [E, 2 n_ff, n_embd]: gate rows, then up
+        half = gu.shape[1] // 2
+        out[b + "ffn_gate_exps.weight"] = gu[:, :half].copy()
+        out[b + "ffn_up_exps.weight"] = gu[:, half:].copy()
+        out[b + "ffn_down_exps.weight"] = sd[h + "mlp.experts.down_proj"]
+        out[b + "ffn_gate_inp.weight"] = sd[h + "mlp.gate.weight"]
+        if h + "mlp.gate.e_score_correction_bias" in sd:
+            out[b + "exp_probs_b.bias"] = sd[h + "mlp.gate.e_score_correction_bias"]
+        for n in ("gate", "up", "down"):
+            key = f"{h}mlp.shared_experts.{n}_proj.weight"
+            if key in sd:
+                out[f"{b}ffn_{n}_shexp.weight"] = sd[key]
+    return out
+
+
+def _nextn_layer(tensors: dict[str, np.ndarray], n: int, rng: np.random.Generator) -> None:
+    """GLM's next-token-prediction block blk.n, as the converter writes it: a full MoE layer plus
+    the nextn.* tensors. Random: the model does not run it."""
+    for name, a in list(tensors.items()):
+        if name.startswith(f"blk.{n - 1}."):
+            tensors[name.replace(f"blk.{n - 1}.", f"blk.{n}.")] = rng.standard_normal(
+                a.shape).astype(np.float32)
+    e = tensors["token_embd.weight"].shape[1]
+    tensors[f"blk.{n}.nextn.eh_proj.weight"] = rng.standard_normal((e, 2 * e)).astype(np.float32)
+    for k in ("enorm", "hnorm", "shared_head_norm"):
+        tensors[f"blk.{n}.nextn.{k}.weight"] = np.ones(e, np.float32)
+
+
+def _metadata(arch: str, m: torch.nn.Module, n_block: int) -> list[MetaItem]:
+    c, a = m.config, GGUF_ARCH[arch]
+    meta: list[MetaItem] = [
+        ("general.architecture", STR, a),
+        (f"{a}.block_count", U32, n_block),
+        (f"{a}.context_length", U32, c.max_position_embeddings),
+        (f"{a}.embedding_length", U32, c.hidden_size),
+        (f"{a}.feed_forward_length", U32, c.intermediate_size),
+        (f"{a}.attention.head_count", U32, c.num_attention_heads),
+        (f"{a}.attention.head_count_kv", U32, c.num_key_value_heads),
+        (f"{a}.attention.key_length", U32, c.head_dim),
+        (f"{a}.attention.value_length", U32, c.head_dim),
+        (f"{a}.rope.freq_base", F32, float(c.rope_parameters["rope_theta"])),
+        (f"{a}.attention.layer_norm_rms_epsilon", F32, c.rms_norm_eps),
+        (f"{a}.expert_used_count", U32, c.num_experts_per_tok),
+    ]
+    if arch == "qwen3moe":
+        meta += [(f"{a}.expert_count", U32, c.num_experts),
+                 (f"{a}.expert_feed_forward_length", U32, c.moe_intermediate_size)]
+    elif arch == "gpt-oss":
+        rp = c.rope_parameters
+        meta += [(f"{a}.expert_count", U32, c.num_local_experts),
+                 (f"{a}.expert_feed_forward_length", U32, c.intermediate_size),
+                 (f"{a}.attention.sliding_window", U32, c.sliding_window),
+                 (f"{a}.rope.scaling.type", STR, "yarn"),
+                 (f"{a}.rope.scaling.factor", F32, rp["factor"]),
+                 (f"{a}.rope.scaling.original_context_length", U32,
+                  rp["original_max_position_embeddings"])]
+    else:
+        meta += [(f"{a}.expert_count", U32, c.n_routed_experts),
+                 (f"{a}.expert_feed_forward_length", U32, c.moe_intermediate_size),
+                 (f"{a}.rope.dimension_count", U32,
+                  int(c.head_dim * c.rope_parameters["partial_rotary_factor"])),
+                 (f"{a}.expert_shared_count", U32, c.n_shared_experts),
+                 (f"{a}.leading_dense_block_count", U32, c.first_k_dense_replace),
+                 (f"{a}.expert_gating_func", U32, 2),
+                 (f"{a}.expert_weights_scale", F32, c.routed_scaling_factor),
+                 (f"{a}.expert_weights_norm", BOOL, c.norm_topk_prob),
+                 (f"{a}.nextn_predict_layers", U32, c.num_nextn_predict_layers)]
+    tokens, types, merges = vocab(N_VOCAB)
+    meta += [
+        ("tokenizer.ggml.model", STR, "gpt2"),
+        ("tokenizer.ggml.pre", STR, "qwen2"),
+        ("tokenizer.ggml.tokens", ARR, (STR, tokens)),
+        ("tokenizer.ggml.token_type", ARR, (I32, types)),
+        ("tokenizer.ggml.merges", ARR, (STR, merges)),
+        ("tokenizer.ggml.bos_token_id", U32, N_VOCAB - 3),
+        ("tokenizer.ggml.eos_token_id", U32, N_VOCAB - 1),
+        ("tokenizer.ggml.add_bos_token", BOOL, False),
+        ("tokenizer.chat_template", STR, CHATML),
+    ]
+    return meta
+
+
+def _type_of(name: str, a: np.ndarray, quant: str) -> Q:
+    """The file's type for a tensor: vectors, biases and the router stay F32 (as llama.cpp keeps
+    them); with quant "q8_0" every other matrix is Q8_0, gpt-oss's experts MXFP4."""
+    if quant == "f32" or a.ndim == 1 or name.endswith(".bias") or "ffn_gate_inp" in name:
+        return Q.F32
+    if "_exps." in name and quant == "mxfp4":
+        return Q.MXFP4
+    return Q.Q8_0
+
+
+def write_pair(arch: str, quant: str, path: Path, seed: int = 0,
+               edit=None) -> tuple[torch.nn.Module, Path]:
+    """(transformers model, GGUF path) holding the same weights. ``quant``: "f32", "q8_0" or
+    "mxfp4" (Q8_0 with MXFP4 experts). ``edit(meta, tensors)`` may break the file (tests)."""
+    m = hf_model(arch, seed)
+    tensors = _gguf_tensors(arch, m)
+    n_block = m.config.num_hidden_layers
+    if arch == "glm4moe":
+        _nextn_layer(tensors, n_block, np.random.default_rng(seed))
+        n_block += 1
+    meta = _metadata(arch, m, n_block)
+    raw: dict[str, bytes] = {}
+    table = []
+    for name, a in tensors.items():
+        t = _type_of(name, a, quant)
+        if t == Q.F32:
+            data = np.ascontiguousarray(a, np.float32)
+        else:
+            data = quantize(np.ascontiguousarray(a, np.float32), t)
+            tensors[name] = dequantize(data, t).reshape(a.shape)  # what the file holds
+        raw[name] = data.tobytes()
+        table.append((name, tuple(reversed(a.shape)), int(t)))
+    if edit is not None:
+        meta, table = edit(meta, table)
+    if quant != "f32":
+        _load_back(arch, m, tensors)
+
+    def payload(name: str, ggml_type: int, nbytes: int):
+        b = raw[name]
+        yield b[:nbytes] + b"\0" * max(0, nbytes - len(b))
+
+    GGUFSink(meta, table, [path]).write(payload)
+    return m, path
+
+
+def _load_back(arch: str, m: torch.nn.Module, tensors: dict[str, np.ndarray]) -> None:
+    """Give the transformers model the dequantized weights of the file."""
+    back = {}
+    back["model.embed_tokens.weight"] = tensors["token_embd.weight"]
+    back["lm_head.weight"] = tensors["output.weight"]
+    for i in range(m.config.num_hidden_layers):
+        h, b = f"model.layers.{i}.", f"blk.{i}."
+        for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")):
+            back[f"{h}self_attn.{theirs}_proj.weight"] = tensors[f"{b}attn_{ours}.weight"]
+        if b + "ffn_gate.weight" in tensors:
+            for n in ("gate", "up", "down"):
+                back[f"{h}mlp.{n}_proj.weight"] = tensors[f"{b}ffn_{n}.weight"]
+            continue
+        g, u = tensors[b + "ffn_gate_exps.weight"], tensors[b + "ffn_up_exps.weight"]
+        d = tensors[b + "ffn_down_exps.weight"]
+        if arch == "gpt-oss":
+            gu = np.empty((g.shape[0], g.shape[2], 2 * g.shape[1]), np.float32)
+            gu[..., ::2], gu[..., 1::2] = g.transpose(0, 2, 1), u.transpose(0, 2, 1)
+            back[h + "mlp.experts.gate_up_proj"] = gu
+            back[h + "mlp.experts.down_proj"] = d.transpose(0, 2, 1)
+        else:
+            back[h + "mlp.experts.gate_up_proj"] = np.concatenate((g, u), axis=1)
+            back[h + "mlp.experts.down_proj"] = d
+        for n in ("gate", "up", "down"):
+            if f"{b}ffn_{n}_shexp.weight" in tensors:
+                back[f"{h}mlp.shared_experts.{n}_proj.weight"] = tensors[f"{b}ffn_{n}_shexp.weight"]
+    params = dict(m.named_parameters())
+    with torch.no_grad():
+        for k, v in back.items():
+            params[k].copy_(torch.from_numpy(np.ascontiguousarray(v)).reshape(params[k].shape))
