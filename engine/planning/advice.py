@@ -14,10 +14,11 @@ from engine.planning.stage import fits, stage_key
 # The term named as overflowing is the one that crosses the free memory when terms are added in
 # this order: what the model and runtime impose first, the KV cache (sized by --ctx/--kv, the
 # knobs a user turns) last — so "KV cache does not fit" means a smaller context would help.
-_ORDER = ("overhead", "weights", "globals", "buffers", "rounding", "kv")
+_ORDER = ("overhead", "weights", "experts", "globals", "buffers", "rounding", "kv")
 _LABEL = {
     "overhead": "the runtime overhead",
     "weights": "weights",
+    "experts": "experts",
     "globals": "globals",
     "kv": "KV cache",
     "buffers": "activation buffers",

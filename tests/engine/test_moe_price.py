@@ -236,3 +236,11 @@ def test_a_real_moe_shape_over_two_24_gib_cards():
     experts = [d.terms["experts"] for d in layout.devices]
     assert abs(experts[0] - experts[1]) <= 2 * 113 * MIB  # within about two layers' experts
     assert sum(experts) > 15 * GIB
+
+
+def test_advice_names_the_experts_when_they_overflow(capsys):
+    model = HeaderModel(SHAPES["qwen3moe-30b-a3b"])
+    layout = price(Plan("m", (gpu(0, 8 * 1024),), (0, 48), ctx=4096, act_dtype="bf16"), model)
+    d = layout.devices[0]
+    assert not layout.fits and d.terms["experts"] > 15 * GIB
+    assert f"experts ({d.terms['experts'] / GIB:.2f} GiB) does not fit in 8.00 GiB free" in d.advice
