@@ -55,9 +55,19 @@ def test_allocator_model_equals_torch(seed: int) -> None:
     del held
 
 
+SHAPES = {
+    "dense": Shape("qwen2", 6, 1024, 8, 2, 2816, 32000, n_ctx=8192),
+    # experts in the weights arena, MoE buffers, a NextN layer left out
+    "moe": Shape("glm4moe", 6, 1024, 8, 2, 2816, 32000, head_dim=128, n_ctx=8192, n_expert=32,
+                 n_expert_used=4, n_ff_exp=512, n_expert_shared=1, n_layer_dense_lead=1,
+                 n_nextn=1, rope_dim=64),
+}
+
+
+@pytest.mark.parametrize("shape", ["dense", "moe"])
 @pytest.mark.parametrize("arena", ["packed", "per-tensor", "chunked:64"])
-def test_layout_arenas_allocate_exactly_what_was_priced(arena: str) -> None:
-    model = HeaderModel(Shape("qwen2", 6, 1024, 8, 2, 2816, 32000, n_ctx=8192))
+def test_layout_arenas_allocate_exactly_what_was_priced(arena: str, shape: str) -> None:
+    model = HeaderModel(SHAPES[shape])
     dev = DeviceSpec(0, torch.cuda.get_device_name(0), 8 << 30, 8 << 30)
     layout = price(Plan("m", (dev,), (0, 6), ctx=2048, arena=arena, act_dtype="bf16"), model)
     d = layout.devices[0]
