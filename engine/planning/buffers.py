@@ -100,4 +100,28 @@ def activation_buffers(
     if dequant_scratch > 0:
         # [elements] one matrix dequantized for a prefill GEMM, reused matrix after matrix
         out.append(BufferSpec("dequant", (dequant_scratch,), a))
-    return out
+    return out + moe_buffers(hp, chunk, act_dtype)
+
+
+def moe_buffers(hp: Any, chunk: int, act_dtype: str) -> list[BufferSpec]:
+    """The routed-expert buffers of a mixture-of-experts stage (kernels/moe.py), sized for the
+    chunk's ``chunk * n_expert_used`` routed rows; none for a dense model. Experts are read in
+    their GGUF bytes in decode and prefill alike: no dequantized copy, no scratch."""
+    n_expert = getattr(hp, "n_expert", 0)
+    if not n_expert:
+        return []
+    k = hp.n_expert_used
+    routed = chunk * k  # routed rows: row m * k + j is token m's j-th expert
+    return [
+        BufferSpec("moe_logits", (chunk, n_expert), "f32"),  # [chunk, n_expert] router logits
+        BufferSpec("moe_ids", (chunk, k), "i32"),  # [chunk, k] chosen experts
+        BufferSpec("moe_w", (chunk, k), "f32"),  # [chunk, k] their weights
+        BufferSpec("moe_h", (routed, hp.n_ff_exp), act_dtype),  # [routed, n_ff_exp] act(g) * u
+        # prefill: routed rows sorted by expert (sorted place -> row, row -> place), the tiles
+        # of one expert each the grouped GEMMs run on ([expert, first, end] x tiles), and the
+        # down projections per sorted row before the weighted sum into each token
+        BufferSpec("moe_rows", (routed,), "i32"),
+        BufferSpec("moe_pos", (routed,), "i32"),
+        BufferSpec("moe_tiles", (3, launch.moe_tiles(routed, n_expert)), "i32"),
+        BufferSpec("moe_out", (routed, hp.n_embd), "f32"),  # [routed, n_embd]
+    ]

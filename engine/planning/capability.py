@@ -21,10 +21,11 @@ from engine.planning.carve import ModelIndex
 from engine.planning.layout import DeviceLayout
 from engine.planning.plan import Plan
 from engine.planning.rules import Verdict
-from spec.quant_types import type_name
+from spec.quant_types import F32, type_name
 from spec.runners import RUNNERS, TORCH, TRITON, TRITON_ARCHS, Runner
 
 ROPE_FACTORS = "rope_freqs.weight"
+ROUTER = "ffn_gate_inp.weight"
 
 
 def gpu_why_not(plan: Plan, hp: Any, model: Any) -> str | None:
@@ -45,8 +46,9 @@ def runner_for(plan: Plan, idx: ModelIndex) -> Runner:
 
 
 def _runs(runner: Runner, t: Any) -> bool:
-    # the GPU runner multiplies matrices with its kernels and reads vectors as F32
-    if runner is TRITON and len(t.shape) < 2:
+    # the GPU runner multiplies matrices with its kernels and reads vectors as F32, and expert
+    # routers as F32 matrices (kernels/moe.py's router GEMV)
+    if runner is TRITON and (len(t.shape) < 2 or (t.name.endswith(ROUTER) and t.ggml_type == F32)):
         return True
     return t.ggml_type in runner.types
 

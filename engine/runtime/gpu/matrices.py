@@ -94,10 +94,33 @@ class Ffn:
 
 
 @dataclass(slots=True)
+class Experts:
+    """The FFN half of a mixture-of-experts layer: pre-norm, the router (float32, as files keep
+    it), the top-k routing, the routed experts and (glm4moe) a shared expert beside them. Each
+    routed tensor is a Matrix whose ``packed`` holds all experts, [n_expert * rows, bytes per
+    row] (expert e's rows a contiguous slice, GGUF order); ``bias``: gpt-oss's per-expert
+    biases [n_expert * rows]. Decode and prefill both read the quantized bytes
+    (kernels/moe.py)."""
+
+    norm: torch.Tensor  # ffn_norm [n_embd]
+    router: torch.Tensor  # ffn_gate_inp [n_expert, n_embd] f32
+    router_bias: torch.Tensor | None  # [n_expert] (gpt-oss)
+    sel_bias: torch.Tensor | None  # exp_probs_b [n_expert] (glm4moe: selection only)
+    gate: Matrix
+    up: Matrix
+    down: Matrix
+    config: tuple[int, ...] | None  # the decode gate/up GEMVs' tile (None: tuned per type)
+    down_config: tuple[int, ...] | None
+    shared: Ffn | None  # glm4moe's shared expert
+    xq: tuple | None = None  # the experts run on float x (no int8 copy)
+    post_norm: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
 class Layer:
     index: int
     attn: Attention
-    ffn: Ffn
+    ffn: Ffn | Experts
 
 
 def packed(model: Any, spans: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, int]:
@@ -106,7 +129,10 @@ def packed(model: Any, spans: dict[str, torch.Tensor], name: str) -> tuple[torch
     raw = spans.get(name)
     if raw is None:
         raise CarveError(f"tensor {name} is not in this stage's Layout")
-    return raw.view(info.shape[1], -1), info.ggml_type
+    rows = 1
+    for d in info.shape[1:]:  # a 3-D expert tensor: every expert's rows, expert after expert
+        rows *= d
+    return raw.view(rows, -1), info.ggml_type
 
 
 class LayerBuilder:
@@ -181,7 +207,8 @@ class LayerBuilder:
 
     # --- layers --------------------------------------------------------------------------
     def layer(self, i: int) -> Layer:
-        return Layer(i, self.attention(i), self.ffn(i))
+        moe = getattr(self.hp, "is_moe_layer", None)
+        return Layer(i, self.attention(i), self.experts(i) if moe and moe(i) else self.ffn(i))
 
     def attention(self, i: int) -> Attention:
         hp, p = self.hp, f"blk.{i}."
@@ -234,3 +261,34 @@ class LayerBuilder:
         if in_t:
             return "t_glu", self._t_config(gate.rows)
         return "gemv_glu", gate.config
+
+    def experts(self, i: int) -> Experts:
+        """A mixture-of-experts layer's FFN: router, routed experts, shared expert (glm4moe)."""
+        hp, p = self.hp, f"blk.{i}."
+        mats = [self._expert_matrix(p + f"ffn_{n}_exps") for n in ("gate", "up", "down")]
+        shared = None
+        if hp.n_expert_shared:
+            gate, up = self.matrix(p + "ffn_gate_shexp.weight"), self.matrix(p + "ffn_up_shexp.weight")
+            fused, config = self._ffn_launch(gate, up)
+            shared = Ffn(norm=self.vec(p + "ffn_norm.weight"), xq=None, gate=gate, up=up,
+                         down=self.matrix(p + "ffn_down_shexp.weight"), fused=fused,
+                         fused_config=config, xq_down=None, post_norm=None)
+        return Experts(norm=self.vec(p + "ffn_norm.weight"),
+                       router=self.vec(p + "ffn_gate_inp.weight").view(hp.n_expert, hp.n_embd),
+                       router_bias=self.vec(p + "ffn_gate_inp.bias"),
+                       sel_bias=self.vec(p + "exp_probs_b.bias"),
+                       gate=mats[0], up=mats[1], down=mats[2],
+                       config=self._expert_config(mats[0], hp.n_ff_exp),
+                       down_config=self._expert_config(mats[2], hp.n_embd), shared=shared)
+
+    def _expert_matrix(self, stem: str) -> Matrix:
+        w, t = packed(self.model, self.spans, stem + ".weight")
+        return Matrix(stem + ".weight", t, w, None, None, self.vec(stem + ".bias"), None)
+
+    def _expert_config(self, m: Matrix, rows: int) -> tuple[int, ...]:
+        # the type's tuned tile for one expert's shape on a GPU (not the whole tensor's: its
+        # many rows would pick the wide tile); under the interpreter one program per expert
+        if self.on_cuda:
+            return quant_matmul.gemv_config(m.ggml_type, rows,
+                                            quant_matmul.row_cols(m.packed, m.ggml_type))
+        return (min(512, triton.next_power_of_2(rows)), 16, 1)

@@ -21,17 +21,27 @@ from typing import Any
 
 import torch
 
-from engine.runtime.gpu.matrices import GEMV_ROWS, Attention, Ffn, Layer, LayerBuilder, Matrix
+from engine.runtime.gpu.matrices import (
+    GEMV_ROWS,
+    Attention,
+    Experts,
+    Ffn,
+    Layer,
+    LayerBuilder,
+    Matrix,
+)
 from engine.runtime.gpu.matrices import packed as packed_matrix
 from engine.runtime.models import FAMILIES
 from engine.runtime.models.layers import _linear_scale
 from engine.runtime.options import RunnerOptions
-from kernels import attention, gemv_t, glu, kv_cache, norm, q8x, quant_matmul, rope, sample
+from kernels import attention, gemv_t, glu, kv_cache, moe, norm, q8x, quant_matmul, rope, sample
 from spec.errors import CarveError
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "i64": torch.int64, "i32": torch.int32, "uint8": torch.uint8}
 ARCHS = tuple(FAMILIES)  # every family the CPU engine runs
+# the mixture-of-experts families the GPU stage runs (the others run on the torch engine)
+MOE_ARCHS = ("qwen3moe",)
 
 
 def new_arena(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -89,6 +99,10 @@ class GpuStage:
         if hp.arch not in ARCHS:
             raise CarveError(f"the GPU stage runs {', '.join(ARCHS)} models; {hp.arch} runs on "
                              f"the CPU engine for now")
+        if getattr(hp, "n_expert", 0) and hp.arch not in MOE_ARCHS:
+            raise CarveError(f"the GPU stage runs the mixture-of-experts models "
+                             f"{', '.join(MOE_ARCHS)}; {hp.arch} runs on the torch engine "
+                             f"(CARVE_RUNNER=torch) for now")
         if "rope_freqs.weight" in spans:  # gpu_session.why_not sends these to the torch engine
             raise CarveError("rope_freqs.weight (llama-3.1 RoPE factors) is not supported by "
                              "the Triton runner yet; run with CARVE_RUNNER=torch")
@@ -246,8 +260,43 @@ class GpuStage:
         f = layer.ffn
         xq = f.xq if a.n == 1 else None
         self._add_norm(a, layer.attn.post_norm, f.norm, xq)
+        if isinstance(f, Experts):
+            self._experts(f, a)
+            return
         aq = self._glu(f, a, xq)
         self._linear(f.down, a.ffn_act, a.proj, xq=aq)
+
+    def _experts(self, f: Experts, a: Rows) -> None:
+        """A mixture-of-experts FFN on normed into proj: router logits, top-k routing (ids and
+        weights stay on the device), the shared expert (glm4moe) into proj, then the routed
+        experts added onto it with their weights. Up to GEMV_ROWS rows: the expert GEMVs (the
+        decode step's graph holds them); more: the rows sorted by expert and one grouped GEMM
+        per expert (kernels/moe.py)."""
+        hp, b, n, x = self.hp, self.buf, a.n, a.normed
+        k, ne, pdl = hp.n_expert_used, hp.n_expert, self.pdl
+        ids, w = b["moe_ids"][:n], b["moe_w"][:n]
+        moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl)
+        moe.route(b["moe_logits"][:n], k, hp.expert_gating, hp.expert_weights_norm,
+                  hp.expert_weights_scale, f.sel_bias, ids, w, use_pdl=pdl)
+        if f.shared is not None:
+            self._glu(f.shared, a, None)
+            self._linear(f.shared.down, a.ffn_act, a.proj)
+        act = "swiglu_oai" if hp.swiglu_limit else hp.act
+        g, u, d = f.gate, f.up, f.down
+        h = b["moe_h"][:n * k]
+        if n <= GEMV_ROWS:
+            moe.expert_glu(g.packed, g.ggml_type, u.packed, u.ggml_type, ne, x, ids, h, act,
+                           g.bias, u.bias, hp.swiglu_limit, f.config, use_pdl=pdl)
+            moe.expert_down(d.packed, d.ggml_type, ne, h, ids, w, a.proj, d.bias,
+                            accumulate=f.shared is not None, config=f.down_config, use_pdl=pdl)
+            return
+        rows, pos, tiles = b["moe_rows"][:n * k], b["moe_pos"][:n * k], b["moe_tiles"]
+        moe.sort_routes(ids, ne, rows, pos, tiles)
+        moe.grouped_glu(g.packed, g.ggml_type, u.packed, u.ggml_type, ne, x, ids, rows, tiles, h,
+                        act, g.bias, u.bias, hp.swiglu_limit)
+        out = b["moe_out"][:n * k]
+        moe.grouped_down(d.packed, d.ggml_type, ne, h, tiles, out, d.bias)
+        moe.combine(out, pos, w, a.proj, accumulate=f.shared is not None)
 
     def _add_norm(self, a: Rows, post: torch.Tensor | None, w: torch.Tensor, q8) -> None:
         """hidden += proj (gemma3: rmsnorm(proj) * post first), then normed = rmsnorm(hidden) *

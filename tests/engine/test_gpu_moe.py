@@ -1,0 +1,155 @@
+"""The Triton GPU runner on mixture-of-experts models (kernels/moe.py through
+engine/runtime/gpu/) against the CPU engine (engine/runtime/models/moe.py) on the same file:
+prefill over chunks (the sorted, grouped path), decode steps (the expert GEMVs the captured
+step holds) and greedy ids; and on a GPU, two stages on one device giving one stage's ids.
+
+Tiny synthetic files written by engine.synth.gen, norm weights made random (as
+tests/engine/test_gpu_archs.py does). Without a GPU the runner runs under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gpu_compare import decode_errors, rel
+
+from engine.gguf.hparams import HParams
+from engine.gguf.reader import GGUFModel
+from engine.hardware.devices import DeviceSpec
+from engine.planning.buffers import activation_buffers
+from engine.planning.plan import Plan
+from engine.runtime.gpu.session import GpuSession
+from engine.runtime.sampling import SamplingParams
+from engine.runtime.session import Session
+from engine.synth.gen import write_model
+from engine.synth.shapes import Shape
+from spec.launch import moe_tiles
+
+GIB = 1 << 30
+CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
+ON_GPU = torch.cuda.is_available()
+DEV = torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
+NO_CACHE = 64 * GIB
+GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=4)
+# 2 layers, 4 experts of 256 with 2 used: gate/up experts have 128-value rows (a 32-block type
+# in the q4_k_m mix), down experts 256-value rows (a K type)
+SHAPE = Shape("qwen3moe", 2, 128, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
+              n_expert_used=2, n_ff_exp=256)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    (out,) = write_model(tmp_path_factory.mktemp("moe") / "qwen3moe.gguf", SHAPE, "q4_k_m")
+    m = GGUFModel.open(out)
+    rng = np.random.default_rng(1)
+    with open(out, "r+b") as f:
+        for t in m.tensors:
+            if "norm" in t.name:
+                f.seek(t.offset)
+                f.write(rng.uniform(0.5, 1.5, t.n_elements).astype(np.float32).tobytes())
+    return str(out)
+
+
+def plan(path: str, devices=(CPU,), split=(0, 2), **kw) -> Plan:
+    base = {"ctx": 64, "prefill_chunk": 16, "cache_reserve": NO_CACHE, "logits_rows": 16}
+    base.update(kw)
+    return Plan(model=path, devices=tuple(devices), split=split, **base)
+
+
+def ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_moe_buffers_are_sized_for_the_routed_rows(model) -> None:
+    hp = HParams.from_model(GGUFModel.open(model))
+    assert hp.n_expert == 4 and hp.n_expert_used == 2 and hp.expert_gating == "softmax"
+    bufs = {b.name: b for b in activation_buffers(hp, 16, "f32", 1)}
+    assert bufs["moe_h"].shape == (32, 256) and bufs["moe_out"].shape == (32, 128)
+    assert bufs["moe_ids"].shape == (16, 2) and bufs["moe_logits"].shape == (16, 4)
+    assert bufs["moe_tiles"].shape == (3, moe_tiles(32, 4))
+    dense = HParams.from_model(GGUFModel.open(write_model_dense(model)))
+    assert not any(b.name.startswith("moe_") for b in activation_buffers(dense, 16, "f32", 1))
+
+
+def write_model_dense(path: str) -> str:
+    out = path.replace(".gguf", "-dense.gguf")
+    write_model(out, Shape("qwen3", 2, 128, 4, 2, 256, 320, head_dim=64, n_ctx=512), "q8_0")
+    return out
+
+
+def test_logits_and_decode_match_the_cpu_engine(model) -> None:
+    """f32 activations: prefill of 20 rows over two chunks (16 rows through the grouped GEMMs,
+    4 through the expert GEMVs), decode steps, then greedy ids from a fresh cache."""
+    pl = plan(model)
+    g = GpuSession.load(pl, devices=[DEV], remember=False)
+    c = Session.load(pl)
+    try:
+        prompt = ids(20)
+        lg, lc = g.logits(prompt), c.logits(prompt)
+        assert lg.shape == lc.shape == (20, 320)
+        errs = [rel(lg, lc), *decode_errors(g, c, ids(3, 1))[0]]
+        print(f"qwen3moe: rel errors prefill {errs[0]:.2e}, decode {max(errs[1:]):.2e}")
+        # as the dense families: f32 activations, prefill attention rounds q, k, v to f16
+        assert max(errs) < 5e-3
+        one: list[int] = []
+        ref: list[int] = []
+        g.generate(ids(6, 3), GREEDY, set(), one.append)
+        c.generate(ids(6, 3), GREEDY, set(), ref.append)
+        assert one == ref and len(one) == 4
+    finally:
+        g.close()
+        c.close()
+
+
+# ------------------------------------------------------------------ on a real GPU
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+def cuda_plan(path: str, split: tuple[int, ...], n_dev: int = 1, **kw) -> Plan:
+    free, total = torch.cuda.mem_get_info(0)
+    dev = DeviceSpec(index=0, name=torch.cuda.get_device_name(0), total=total,
+                     free=free // n_dev)
+    base = {"ctx": 128, "prefill_chunk": 32, "cache_reserve": 0, "logits_rows": 1,
+            "act_dtype": "bf16"}
+    base.update(kw)
+    return Plan(model=path, devices=(dev,) * n_dev, split=split, **base)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_two_stages_give_the_greedy_ids_of_one(model, tmp_path, monkeypatch) -> None:
+    """bf16, decode in CUDA graphs: the split moves bytes, not results."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    got = []
+    for split, n_dev in (((0, 2), 1), ((0, 1, 2), 2)):
+        g = GpuSession.load(cuda_plan(model, split, n_dev))
+        try:
+            out: list[int] = []
+            g.generate(ids(40, 5), SamplingParams(temperature=0.0, repeat_penalty=1.0,
+                                                  max_tokens=24), set(), out.append)
+            got.append(out)
+        finally:
+            g.close()
+            torch.cuda.empty_cache()
+    assert got[0] == got[1] and len(got[0]) == 24
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_bf16_moe_logits_near_the_cpu_engine(model, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    g = GpuSession.load(cuda_plan(model, (0, 2), prefill_chunk=16, logits_rows=16, ctx=64))
+    c = Session.load(plan(model))
+    try:
+        prompt = ids(20)
+        errs = [rel(g.logits(prompt), c.logits(prompt)), *decode_errors(g, c, ids(4, 1))[0]]
+        print(f"qwen3moe: bf16 rel errors prefill {errs[0]:.2e}, decode {max(errs[1:]):.2e}")
+        assert max(errs) < 0.15  # bf16 rounding on random tiny models (test_gpu_archs.py)
+    finally:
+        g.close()
+        c.close()
+        torch.cuda.empty_cache()
