@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="carve bench")
     ap.add_argument("model", nargs="?")
     ap.add_argument("--synth", help="write and bench a synthetic model of this shape")
-    ap.add_argument("--mix", default="q4_k_m")
+    ap.add_argument("--mix", help="--synth's mix (default: the one the shape's published files "
+                    "use: q4_k_m, gpt-oss mxfp4_moe)")
     ap.add_argument("--gpus", default="",
                     help="a rig as carve plan takes it: one stage per device it names, run on the "
                          'GPUs here ("auto": one per GPU here); default one stage')
@@ -162,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
             raise CarveError("carve bench needs an NVIDIA GPU with a CUDA build of torch")
         path = args.model
         if args.synth:
-            from engine.synth.gen import write_model
+            from engine.synth.gen import SHAPES, write_model
 
-            path = str(Path("/tmp") / f"carve-bench-{args.synth}-{args.mix}.gguf")
+            mix = args.mix or getattr(SHAPES.get(args.synth), "mix", "q4_k_m")
+            path = str(Path("/tmp") / f"carve-bench-{args.synth}-{mix}.gguf")
             t0 = time.perf_counter()
-            write_model(path, args.synth, args.mix)
+            write_model(path, args.synth, mix)
             print(f"# wrote {path} in {time.perf_counter() - t0:.1f} s", flush=True)
         if not path:
             raise CarveError("carve bench: give a MODEL path or --synth SHAPE")
