@@ -42,7 +42,7 @@ def _load(engine: EngineProcess, plan: Any, timeout: float) -> dict:
         elif isinstance(ev, p.Unloaded):
             raise CarveError("the engine unloaded the model during the load")
         else:
-            return {"loaded_s": now, "devices": ev.devices,
+            return {"loaded_s": now, "devices": ev.devices, "timeline": ev.timeline,
                     "stages": {k: v[1] - v[0] for k, v in stages.items()}}
 
 
@@ -65,13 +65,20 @@ def _reply(engine: EngineProcess, i: int, sampling: dict, max_tokens: int,
 
 
 def run(plan: Any, replies: int = 10, sampled: int = 3, max_tokens: int = 128,
-        timeout: float = 600.0) -> dict:
+        timeout: float = 600.0, prestarted: bool = False) -> dict:
     """Launch the engine, load ``plan``, then ``replies`` greedy replies and ``sampled`` with
-    the default sampling settings; the engine process is ended whatever happens."""
+    the default sampling settings; the engine process is ended whatever happens.
+    ``prestarted``: as the window does, start the engine first and let it import its modules
+    (answered by an Unload, which waits for them), then time Launch from the Load request."""
     t0 = time.perf_counter()
     with EngineProcess() as engine:
         engine.wait_for(p.Ready, timeout=timeout)
-        out: dict = {"ready_s": time.perf_counter() - t0}
+        out: dict = {"ready_s": time.perf_counter() - t0, "prestarted": prestarted}
+        if prestarted:
+            engine.send(p.Unload())
+            engine.wait_for(p.Unloaded, timeout=timeout)
+            out["preloaded_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
         load = _load(engine, plan, timeout)
         out.update(load, launch_to_loaded_s=time.perf_counter() - t0)
         greedy = {"temperature": 0.0, "seed": 1}
@@ -97,11 +104,29 @@ def summary(out: dict) -> dict:
     }
 
 
+def print_timeline(out: dict) -> None:
+    """The engine's load marks: seconds since the load request, and each step's share."""
+    marks = out.get("timeline") or []
+    if marks:
+        print("   load timeline (s since the load request, +step): " + ", ".join(
+            f"{k} {v:.2f} (+{v - prev:.2f})" for k, v, prev in
+            ((k, v, marks[i - 1][1] if i else 0.0) for i, (k, v) in enumerate(marks))),
+            flush=True)
+
+
 def print_report(out: dict, pipeline_tps: float | None) -> None:
     sm = summary(out)
     stages = ", ".join(f"{k} {v:.2f} s" for k, v in out["stages"].items())
     print(f"engine process: ready {out['ready_s']:.2f} s, launch -> loaded "
           f"{sm['launch_to_loaded_s']:.2f} s ({stages})", flush=True)
+    print_timeline(out)
+    for d in out.get("devices", []):
+        if d.get("overhead_measured") is not None:
+            print(f"   cuda:{d['index']}: priced {d['priced']} B, reserved {d['allocated']} B; "
+                  f"overhead priced {d.get('overhead_priced', 0)} B, measured "
+                  f"{d['overhead_measured']} B (measured - priced "
+                  f"{(d['overhead_measured'] - d.get('overhead_priced', 0)) / 2**20:+.1f} MiB); "
+                  f"NVML {d.get('nvml_before')} -> {d.get('nvml_used')} B", flush=True)
     for kind in ("greedy", "sampled"):
         for i, r in enumerate(out[kind]):
             ttft = f"{r['ttft_s'] * 1e3:7.1f} ms" if r["ttft_s"] is not None else "     -"

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.runtime import timeline
 from engine.runtime.chunked import ChunkedSession
 from engine.runtime.generate import GenerationStats
 from engine.runtime.kv_cache import KVCache
@@ -70,6 +71,7 @@ class Session(ChunkedSession):
         model = GGUFModel.open(plan.model)
         hp = HParams.from_model(model)
         why = why_not(plan, hp, options, model)
+        timeline.mark("model opened")
         devices = ", ".join(d.label for d in plan.devices)
         if why is None:
             print(f"carve-engine: runner triton on {devices}", file=sys.stderr, flush=True)

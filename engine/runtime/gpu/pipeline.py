@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from engine.process.protocol import DEQUANT_CACHE
+from engine.runtime import timeline
 from engine.runtime.gpu import memory as gpu_memory
 from engine.runtime.gpu.load import load_tensors
 from engine.runtime.gpu.stage import GpuStage, allocate
@@ -56,6 +57,7 @@ class GpuPipeline:
         err: BaseException | None = None
         try:
             gpu_memory.check_free(layout, self.devices, self.meter)
+            timeline.mark("CUDA context, fit check")
             for dl, dev in zip(layout.devices, self.devices, strict=True):
                 self._load_stage(dl, dev, on_progress, cancelled)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the memory is gone
@@ -86,8 +88,10 @@ class GpuPipeline:
                 f"--ctx, raise --cache-reserve or move layers to another device") from None
         reserved = torch.cuda.memory_reserved(dev) - before if dev.type == "cuda" else sum(
             a.numel() for a in arenas)
+        timeline.mark(f"{dev}: arenas allocated")
         names = [s.name for a in dl.arenas for s in a.spans if s.purpose in ("weights", "globals")]
         nbytes, sec = load_tensors(self.model, names, spans, dev, on_progress, cancelled)
+        timeline.mark(f"{dev}: weights")
         for name, t in spans.items():
             if name.startswith("kv."):
                 t.zero_()
@@ -95,6 +99,7 @@ class GpuPipeline:
         stage = GpuStage(self.hp, self.model, dl, spans, dev, plan.ctx, plan.prefill_chunk,
                          self.options)
         self.stages.append(stage)
+        timeline.mark(f"{dev}: stage built")
         t0 = time.perf_counter()
         if cancelled is not None and cancelled():
             raise CarveError("load cancelled")
@@ -103,6 +108,7 @@ class GpuPipeline:
         with on(dev):
             cached = stage.fill_dequant_cache()
         sync(dev)
+        timeline.mark(f"{dev}: dequant cache")
         if on_progress is not None:
             on_progress(DEQUANT_CACHE, 1, 1, 0.0)
         self.report.append({

@@ -20,6 +20,7 @@ import torch
 
 from engine.planning.rules import Verdict
 from engine.process.protocol import WARM_UP
+from engine.runtime import timeline
 from engine.runtime.chunked import ChunkedSession
 from engine.runtime.generate import GenerationStats
 from engine.runtime.gpu import decode
@@ -129,12 +130,14 @@ class GpuSession(ChunkedSession):
         hp = HParams.from_model(model)
         layout = price(plan, model, TRITON)
         refuse(layout)
+        timeline.mark("priced")
         pipe = GpuPipeline(model, hp, layout, on_progress, cancelled, devices, options)
         err: BaseException | None = None
         try:
             sess = cls(plan, model, hp, layout, pipe)
             sess._warm_up(on_progress)
             pipe.finish_report(remember)
+            timeline.mark("memory measured")
             return sess
         except BaseException as exc:  # noqa: BLE001 - re-raised once the memory is freed
             if not isinstance(exc, CarveError):
@@ -158,10 +161,12 @@ class GpuSession(ChunkedSession):
             if on_progress is not None:
                 on_progress(WARM_UP, i, total, 0.0)
             step()
+        timeline.mark("warm-up chunks")
         if on_progress is not None:
             on_progress(WARM_UP, total - 1, total, 0.0)
         self.pipe.capture()  # on the CPU no graphs: replay runs eagerly
         self.pipe.sync()
+        timeline.mark("graphs captured")
         self.reset()
         if on_progress is not None:
             on_progress(WARM_UP, total, total, 0.0)
