@@ -6,7 +6,11 @@ Pure Python: the GUI, the CLIs and the engine all import it.
 
 Requests (to the engine)
     load {plan}                       plan = Plan.to_json(); replaces any loaded model
-    generate {id, messages, sampling, max_tokens}
+    generate {id, messages, sampling, max_tokens, prompt, exact_max_tokens}
+                                      prompt: raw text generated from as it is (no chat
+                                      template; messages then empty); exact_max_tokens: a
+                                      max_tokens that does not fit beside the prompt is an error
+                                      (code context_overflow), not shortened to fit
     stop                              cancels the running load / generate / perplexity
     unload                            frees the model (cancels a load in progress) -> unloaded
     shutdown                          the engine exits
@@ -24,7 +28,9 @@ Events (from the engine)
                                       id -1: the held bytes of an unfinished character at the end
     done {reason, prompt_tokens, completion_tokens, prefill_tps, decode_tps, ctx_used, request}
                                       reason: "stop" | "length" | "cancelled"
-    error {message, fatal, request}   message is one line a person can act on
+    error {message, fatal, request, code}   message is one line a person can act on; code
+                                      names the kind a front end answers differently ("" or
+                                      CONTEXT_OVERFLOW)
     tokens {ids}
     perplexity {value, stderr, chunks, total}   running estimate after each chunk;
                                       the final one has chunks == total
@@ -53,6 +59,8 @@ MAX_LINE = 32 << 20  # bytes; a perplexity text of a few MB fits, a runaway writ
 DEQUANT_CACHE, TOKENIZER, WARM_UP = "dequant cache", "tokenizer", "warm-up"
 STEP_STAGES = (DEQUANT_CACHE, TOKENIZER, WARM_UP)
 
+CONTEXT_OVERFLOW = "context_overflow"  # an error event's code: the request does not fit the ctx
+
 
 @dataclass(frozen=True, slots=True)
 class Load:
@@ -67,6 +75,8 @@ class Generate:
     id: str = ""
     sampling: dict = field(default_factory=dict)  # SamplingParams field -> value
     max_tokens: int | None = None
+    prompt: str | None = None  # raw text instead of messages: no chat template
+    exact_max_tokens: bool = False  # True: refuse (context_overflow) rather than shorten
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +133,8 @@ class Progress:
 class Loaded:
     TYPE: ClassVar[str] = "loaded"
     devices: list[dict] = field(default_factory=list)
+    # [label, seconds since the load request] marks of where the load's time went
+    timeline: list[list] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +173,7 @@ class Error:
     message: str
     fatal: bool = False  # True: the engine is exiting
     request: str = ""
+    code: str = ""  # "" or CONTEXT_OVERFLOW: the prompt (plus max_tokens) exceeds the context
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
 
 import dataclasses
 import gc
+import importlib
 import logging
 import queue
 import sys
@@ -29,13 +30,23 @@ import traceback
 from typing import IO, Any
 
 from engine.process import protocol as p
+from engine.runtime import timeline
 from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
 
 log = logging.getLogger("carve.engine")
+# what every load imports, imported right after Ready (Engine.preload)
+PRELOAD = ("torch", "engine.runtime.session", "engine.runtime.gpu.session", "engine.runtime.sampling",
+           "engine.text.tokenizer", "engine.text.chat_template")
 PROGRESS_INTERVAL = 0.1  # seconds between load progress events; the last one always goes
 PARENT_POLL = 0.5  # seconds
 EXIT_GRACE = 10.0  # seconds a shutdown may wait for a request that does not notice cancellation
+
+
+class ContextOverflow(CarveError):
+    """The prompt, or the prompt and the max_tokens asked for, exceed the loaded context."""
+
+    code = p.CONTEXT_OVERFLOW
 
 
 def one_line(err: BaseException) -> str:
@@ -114,6 +125,25 @@ class Engine:
         self._served = threading.Event()  # serve() has returned
         self.session: Any = None
         self._tok: tuple[Any, Any] = (None, None)  # (session, its tokenizer)
+        self._preloaded = threading.Event()  # set: no import is under way in another thread
+        self._preloaded.set()
+
+    def start_preload(self) -> None:
+        self._preloaded.clear()
+        threading.Thread(target=self.preload, daemon=True, name="preload").start()
+
+    def preload(self) -> None:
+        """Import the engine's torch half (torch, Triton, the kernels, the runners) while the
+        process waits for its first request: a launcher that starts the engine ahead of
+        Launch (the window does, when a model is opened) then pays only for the load itself.
+        Requests wait for it (`handle`), so no module is ever imported from two threads."""
+        try:
+            for name in PRELOAD:
+                importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the request that needs the module reports it
+            log.debug("preload failed:\n%s", traceback.format_exc())
+        finally:
+            self._preloaded.set()
 
     # ------------------------------------------------------------ output
 
@@ -206,13 +236,15 @@ class Engine:
                 if not isinstance(err, CarveError):
                     log.error("request %s failed:\n%s", req.TYPE, traceback.format_exc())
                 fatal = is_fatal(err)
-                self.emit(p.Error(one_line(err), fatal=fatal, request=getattr(req, "id", "")))
+                self.emit(p.Error(one_line(err), fatal=fatal, request=getattr(req, "id", ""),
+                                  code=getattr(err, "code", "")))
                 if fatal:  # the CUDA context is poisoned: only a new process can use the GPU
                     return 1
         self.release()
         return 0
 
     def handle(self, req: p.Request, cancelled: Any) -> None:
+        self._preloaded.wait()
         if isinstance(req, p.Load):
             self.load(req, cancelled)
         elif isinstance(req, p.Unload):
@@ -233,14 +265,30 @@ class Engine:
             session.close()
         del session
         gc.collect()
-        torch = sys.modules.get("torch")
+        # torch half-imported by the preload thread has no CUDA state to hand back yet
+        torch = sys.modules.get("torch") if self._preloaded.is_set() else None
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
     def load(self, req: p.Load, cancelled: Any) -> None:
+        path = os.environ.get("CARVE_PROFILE_LOAD")
+        if not path:
+            self._load(req, cancelled)
+            return
+        import cProfile
+
+        prof = cProfile.Profile()
+        try:
+            prof.runcall(self._load, req, cancelled)
+        finally:
+            prof.dump_stats(path)
+
+    def _load(self, req: p.Load, cancelled: Any) -> None:
+        timeline.reset()
         from engine.planning.plan import Plan
         from engine.runtime.session import Session
 
+        timeline.mark("imports")
         self.release()  # one model at a time: free the old one before pricing memory for the new
         plan = Plan.from_json(req.plan)
         last = {"t": 0.0, "stage": ""}
@@ -270,6 +318,7 @@ class Engine:
         on_progress(p.TOKENIZER, 0, 1, 0.0)
         self._tokenizer(session)  # built now, not on the first reply
         on_progress(p.TOKENIZER, 1, 1, 0.0)
+        timeline.mark("tokenizer")
         report = list(session.memory_report())
         for d in report:
             if d.get("overhead_measured") is not None:  # the GPU runner measured its overhead
@@ -277,7 +326,8 @@ class Engine:
                          "overhead %d B (priced %d B)", d["index"], d["priced"], d["allocated"],
                          d.get("nvml_before"), d.get("nvml_used"), d["overhead_measured"],
                          d.get("overhead_priced", 0))
-        self.emit(p.Loaded(report))
+        timeline.mark("loaded")
+        self.emit(p.Loaded(report, timeline.marks()))
 
     def _require_session(self, what: str) -> Any:
         if self.session is None:
@@ -293,17 +343,23 @@ class Engine:
 
     def generate(self, req: p.Generate, cancelled: Any) -> None:
         session = self._require_session("generate")
-        messages = check_messages(req.messages)
         from engine.runtime.sampling import SamplingParams
         from engine.text.chat_template import render_chat
 
+        if req.prompt is None:
+            messages = check_messages(req.messages)
+        elif not req.prompt:
+            raise CarveError("generate: the prompt is empty; send some text")
         params = SamplingParams.from_dict(req.sampling)
         if req.max_tokens is not None:
             params = dataclasses.replace(params, max_tokens=req.max_tokens)
         tok = self._tokenizer(session)
-        text, note = render_chat(session.model, messages)
-        if note:
-            self.emit(p.Note(note))
+        if req.prompt is None:
+            text, note = render_chat(session.model, messages)
+            if note:
+                self.emit(p.Note(note))
+        else:
+            text = req.prompt
         ids = tok.encode(text, parse_special=True)
         if len(ids) >= 2 and ids[0] == ids[1] == tok.bos_id:
             ids = ids[
@@ -311,11 +367,19 @@ class Engine:
             ]  # the template wrote BOS and the tokenizer added one (llama.cpp drops it too)
         ctx = plan_ctx(session)
         if len(ids) >= ctx:
-            raise CarveError(
-                f"the conversation is {len(ids)} tokens but the context holds {ctx}: "
-                "start over (/reset) or load the model with a larger --ctx"
+            what, shorter = (("conversation", "start over (/reset)") if req.prompt is None
+                             else ("prompt", "shorten it"))
+            raise ContextOverflow(
+                f"the {what} is {len(ids)} tokens but the context holds {ctx}: "
+                f"{shorter} or load the model with a larger --ctx"
             )
         if params.max_tokens > ctx - len(ids):
+            if req.exact_max_tokens:
+                raise ContextOverflow(
+                    f"the prompt is {len(ids)} tokens and max_tokens is {params.max_tokens}: "
+                    f"{len(ids) + params.max_tokens} tokens do not fit the context of {ctx}; "
+                    f"ask for at most {ctx - len(ids)} tokens or load the model with a larger --ctx"
+                )
             params = dataclasses.replace(params, max_tokens=ctx - len(ids))
         stop_ids = set(tok.eot_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
         writer = TokenWriter(self, tok.stream_decoder())
@@ -412,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine = Engine(take_stdout(), options)
     engine.emit(p.Ready(pid=os.getpid()))  # before the reader can answer a bad line
+    engine.start_preload()
     threading.Thread(target=engine.read_requests, args=(0,), daemon=True, name="stdin").start()
     threading.Thread(target=engine.watch_parent, daemon=True, name="parent").start()
     try:
