@@ -14,13 +14,14 @@ SUBCOMMANDS = {
     "demo": "app.cli_demo",
     "bench": "app.cli_bench",
     "gen": "app.cli_gen",
+    "serve": "app.cli_serve",
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: carve [plan|chat|tokenize|perplexity|demo|bench|gen] ...  (no command: the window)")
+        print("usage: carve [plan|chat|serve|tokenize|perplexity|demo|bench|gen] ...  (no command: the window)")
         return 0
     if argv and argv[0] in SUBCOMMANDS:
         module = importlib.import_module(SUBCOMMANDS[argv[0]])

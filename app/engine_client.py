@@ -125,9 +125,10 @@ class EngineClient(QObject):
             self._set_state("loading")
 
     def generate(self, messages: list[dict[str, str]], sampling: dict[str, Any], gen_id: str = "",
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, **more: Any) -> None:
+        """`more`: the other Generate fields (prompt, exact_max_tokens), as the server sends."""
         request = protocol.Generate(messages=messages, id=gen_id, sampling=sampling,
-                                    max_tokens=max_tokens)
+                                    max_tokens=max_tokens, **more)
         if self.send(request):
             self._set_state("generating")
 
