@@ -66,6 +66,7 @@ class MainWindow(QMainWindow):
         from app.widgets.model_panel import ModelPanel
         from app.widgets.presets_box import PresetsBox
         from app.widgets.rig_picker import RigPicker
+        from app.widgets.serve_switch import ServeSwitch
 
         self.setWindowTitle("Carve")
         self.setAcceptDrops(True)
@@ -91,6 +92,9 @@ class MainWindow(QMainWindow):
         self.fit = FitCheck(self.plan, theme)
         self.launch_bar = LaunchBar()
         self.chat = ChatPanel(self.history, self.client, theme)
+        # the OpenAI-compatible server on the launched model, sharing this engine process
+        self.serve = ServeSwitch(self.client, self.history, lambda: (
+            self.launched_layout.plan.model if self.launched_layout is not None else None))
 
         sidebar = QWidget()
         sidebar.setObjectName("sidebar")
@@ -126,6 +130,7 @@ class MainWindow(QMainWindow):
         chat_tab = QWidget()
         chat_layout = QVBoxLayout(chat_tab)
         chat_layout.setContentsMargins(6, 10, 10, 6)
+        chat_layout.addWidget(self.serve)
         chat_layout.addWidget(self.chat)
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
@@ -331,6 +336,7 @@ class MainWindow(QMainWindow):
         if self.plan.gguf is not None and self.remember:
             self.store.save_last_session(str(self.plan.gguf.paths[0]), self.rig,
                                          self.plan.settings())
+        self.serve.stop()  # before the engine: a request in flight is stopped, not orphaned
         self.client.close_blocking()  # quitting ends the engine: no orphan holds VRAM
         if self.poller is not None:
             self.poller.stop()

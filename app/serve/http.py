@@ -209,6 +209,9 @@ class Api:
                         return Response(status_code=499)
         except EngineGone as err:
             raise _gone(err) from None
+        except BaseException:  # cancelled (the server is stopping) or our own bug
+            self.turns.abandon(turn)
+            raise
         parts.append(stop.flush())
         usage = Reply.usage(event.prompt_tokens, event.completion_tokens)
         return JSONResponse(reply.whole("".join(parts), FINISH.get(event.reason, "stop"), usage))
