@@ -107,11 +107,18 @@ def summary(out: dict) -> dict:
 def print_timeline(out: dict) -> None:
     """The engine's load marks: seconds since the load request, and each step's share."""
     marks = out.get("timeline") or []
-    if marks:
-        print("   load timeline (s since the load request, +step): " + ", ".join(
-            f"{k} {v:.2f} (+{v - prev:.2f})" for k, v, prev in
-            ((k, v, marks[i - 1][1] if i else 0.0) for i, (k, v) in enumerate(marks))),
-            flush=True)
+    if not marks:
+        return
+    steps, prev_t, prev_b = [], 0.0, None
+    for m in marks:
+        k, v = m[0], m[1]
+        b = m[2] if len(m) > 2 else None
+        mem = ""
+        if b is not None and prev_b is not None and b != prev_b:
+            mem = f", GPU {(b - prev_b) / 2**20:+.0f} MiB"
+        steps.append(f"{k} {v:.2f} (+{v - prev_t:.2f}{mem})")
+        prev_t, prev_b = v, (b if b is not None else prev_b)
+    print("   load timeline (s since the load request, +step): " + ", ".join(steps), flush=True)
 
 
 def print_report(out: dict, pipeline_tps: float | None) -> None:

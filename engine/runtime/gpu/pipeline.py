@@ -54,6 +54,10 @@ class GpuPipeline:
         self.spans: list[dict[str, torch.Tensor]] = []
         self.report: list[dict] = []
         self.meter = gpu_memory.Meter([d.index for d in self.devices if d.type == "cuda"])
+        cuda = [d.index for d in self.devices if d.type == "cuda"]
+        if cuda:
+            timeline.set_probe(lambda i=cuda[0]: gpu_memory.nvml_use(i)[0])
+            timeline.mark("NVML")
         err: BaseException | None = None
         try:
             gpu_memory.check_free(layout, self.devices, self.meter)
