@@ -40,10 +40,10 @@ DRAW = {"temperature": 1.0, "top_p": 1.0, "extra_body": {"top_k": 0, "min_p": 0}
 class Served:
     """`carve serve` in a subprocess: its URL, model id, pid and stderr."""
 
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, **env: str) -> None:
         cmd = [sys.executable, "-m", "app", "serve", str(model), "--gpus", "cpu", "--ctx",
                str(CTX), "--port", "0", "--api-key", KEY]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
         self.err: list[str] = []
         deadline = time.monotonic() + 120
@@ -270,7 +270,8 @@ def test_bad_requests_get_openai_errors_and_the_engine_serves_on(served, path, b
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and error["code"] == code
     assert says in error["message"], error["message"]
-    assert _quick(served) < 30
+    if code == "context_length_exceeded":  # the engine refused it: it must serve on
+        assert _quick(served) < 30
 
 
 def test_unknown_routes_and_methods_are_openai_errors(served):
@@ -279,6 +280,7 @@ def test_unknown_routes_and_methods_are_openai_errors(served):
     assert res.status_code == 404 and "POST /v1/chat/completions" in res.json()["error"]["message"]
     res = httpx.get(served.url + "/chat/completions", headers=headers)
     assert res.status_code == 405 and res.json()["error"]["type"] == "invalid_request_error"
+    assert _quick(served) < 30  # after every bad request above, the engine still answers
 
 
 def test_a_taken_port_or_a_planning_rig_is_one_line_before_any_engine(model, capsys):
@@ -305,3 +307,30 @@ def test_sigterm_stops_the_server_and_its_engine(served):
         while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+def test_a_dead_engine_is_503_and_the_server_says_so(model):
+    fake = f"{sys.executable} {ROOT / 'tests' / 'fake_engine.py'}"
+    served = Served(model, CARVE_ENGINE_CMD=fake, CARVE_FAKE_TOKEN_DELAY="0")
+    try:
+        res = served.post("/chat/completions", {"messages": MSG})
+        assert res.json()["choices"][0]["message"]["content"] == (
+            "Hello from the fake engine. You said: hi ")
+        (engine,) = served.engine_pids()
+        os.kill(engine, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while not any("requests now get 503" in line for line in served.err):
+            assert time.monotonic() < deadline, "".join(served.err)
+            time.sleep(0.05)
+        res = served.post("/chat/completions", {"messages": MSG})
+        assert res.status_code == 503 and res.json()["error"]["code"] == "engine_unavailable"
+        assert "the engine process exited" in res.json()["error"]["message"]
+        assert served.post("/completions", {"prompt": "x", "stream": True}).status_code == 503
+        assert httpx.get(served.url + "/models", headers={"Authorization": f"Bearer {KEY}"},
+                         timeout=10).status_code == 200  # fmt: skip
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(timeout=30) == 143
+    finally:
+        if served.proc.poll() is None:
+            served.proc.kill()
+            served.proc.wait()
