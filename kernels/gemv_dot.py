@@ -79,7 +79,7 @@ def _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes,
 
 
 @triton.jit
-def _generic_dot(w_ptr, wh_ptr, xrow, rows_c, nblk, row_bytes,
+def _generic_dot(w_ptr, wh_ptr, g_ptr, xrow, rows_c, nblk, row_bytes,
                  TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
                  L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
                  LANE_SUM: tl.constexpr, MAGIC: tl.constexpr):
@@ -94,7 +94,7 @@ def _generic_dot(w_ptr, wh_ptr, xrow, rows_c, nblk, row_bytes,
         blk_c = tl.minimum(blk, nblk - 1)
         base = row_base + blk_c[None, :, None] * TS
         for p in tl.static_range(NPART):
-            v, e = dequant_part(w_ptr, wh_ptr, base, lane, TYPE, p, MAGIC)
+            v, e = dequant_part(w_ptr, wh_ptr, base, lane, TYPE, p, MAGIC, g_ptr)
             # blocks past the row end read x as 0 (their weights are a clamped, finite copy).
             # x comes as a full [R, B, L] tile in the weight tile's register layout: no
             # shared-memory layout conversion per part. F16/BF16 weights are as wide as x,
@@ -122,12 +122,13 @@ def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
             LANE_SUM: tl.constexpr, SPECIAL: tl.constexpr, MAGIC: tl.constexpr):
     """[BLOCK_R] float32 dot products of weight rows ``rows_c`` (clamped in range) with the
     activation row at ``xrow``. ``w_ptr``/``wh_ptr``/``wi_ptr``: the weight's bytes as uint8,
-    16-bit floats and int32. SPECIAL picks the Q4_K storage-order body, MAGIC the 2^23
-    integer-to-float of the generic walk."""
+    16-bit floats and int32 (for the types that read a value table, the IQ family, ``wi_ptr``
+    is that table: kernels.lowbit_blocks.lookup_table). SPECIAL picks the Q4_K storage-order
+    body, MAGIC the 2^23 integer-to-float of the generic walk."""
     nblk = K // BS
     if SPECIAL and TYPE == 12:
         y = _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B)
     else:
-        y = _generic_dot(w_ptr, wh_ptr, xrow, rows_c, nblk, row_bytes, TYPE, BS, TS, NPART, L,
-                         BLOCK_R, BLOCK_B, LANE_SUM, MAGIC)
+        y = _generic_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, TYPE, BS, TS,
+                         NPART, L, BLOCK_R, BLOCK_B, LANE_SUM, MAGIC)
     return y

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from kernels.lowbit_blocks import LOWBIT_PLANS, lowbit_part
 from spec import quant_types as qt
 
 
@@ -38,6 +39,8 @@ PLANS: dict[int, BlockPlan] = {
     qt.Q5_K: BlockPlan(256, 176, 8, 32),
     qt.Q6_K: BlockPlan(256, 210, 16, 16),
     qt.MXFP4: BlockPlan(32, 17, 2, 16),
+    # Q4_1, Q5_1, Q2_K, Q3_K and the IQ family: kernels/lowbit_blocks.py
+    **{t: BlockPlan(*p) for t, p in LOWBIT_PLANS.items()},
 }
 
 
@@ -93,12 +96,13 @@ def _mxfp4_value(q):
 
 @triton.jit
 def dequant_part(w_ptr, wh_ptr, base, lane, TYPE: tl.constexpr, P: tl.constexpr,
-                 MAGIC: tl.constexpr = False):
+                 MAGIC: tl.constexpr = False, g_ptr=None):
     """Part P of the blocks at byte offsets ``base`` ([R, B, 1], even): values [R, B, L] float32
     and the element index of each lane inside the block ([L]).
 
     ``w_ptr`` is the tensor's bytes, ``wh_ptr`` the same memory as 16-bit floats (f16, or bf16
-    for a BF16 tensor) so that scale fields load as one access.
+    for a BF16 tensor) so that scale fields load as one access. ``g_ptr``: the type's value
+    table (kernels.lowbit_blocks.lookup_table) for the IQ types.
     """
     if TYPE == 1 or TYPE == 30:  # F16 / BF16
         e = lane
@@ -138,6 +142,10 @@ def dequant_part(w_ptr, wh_ptr, base, lane, TYPE: tl.constexpr, P: tl.constexpr,
         e = lane + 16 * P
         q = (_u8(w_ptr, base + 1 + lane[None, None, :]) >> (4 * P)) & 15
         v = _mxfp4_value(q) * _e8m0_half(_u8(w_ptr, base))
+    elif (TYPE == 3 or TYPE == 7 or TYPE == 10 or TYPE == 11 or TYPE == 16 or TYPE == 17
+          or TYPE == 18 or TYPE == 19 or TYPE == 20 or TYPE == 21 or TYPE == 22 or TYPE == 23
+          or TYPE == 29):
+        v, e = lowbit_part(w_ptr, wh_ptr, g_ptr, base, lane, TYPE, P)
     else:  # Q6_K: ql[128], qh[64], scales[16] int8, d; part P = 16 elements of one scale
         # P = 8n + 2g + h: half n (128 elements), quarter g (32), half-quarter h (16)
         n = P // 8

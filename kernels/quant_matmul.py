@@ -17,7 +17,8 @@ from kernels import dequant as _dq
 from kernels import pdl
 from kernels.gemv_dot import row_dot
 from kernels.glu import glu_act
-from kernels.quant_blocks import dequant_part, plan
+from kernels.lowbit_blocks import LOWBIT_PLANS, lookup_table
+from kernels.quant_blocks import PLANS, dequant_part, plan
 from spec import quant_types as qt
 
 # (rows per program, blocks per step, warps[, pipeline stages]) per type, for M<=8 decode GEMV;
@@ -34,6 +35,8 @@ GEMV_CONFIG: dict[int, tuple[int, ...]] = {
     qt.Q5_K: (4, 16, 4),
     qt.Q6_K: (2, 16, 4),
     qt.MXFP4: (4, 16, 4),  # not swept yet
+    # Q4_1, Q5_1, Q2_K, Q3_K and the IQ family (kernels/lowbit_blocks.py): not swept yet
+    **{t: (4, 16, 4) if PLANS[t].block == 32 else (4, 8, 4) for t in LOWBIT_PLANS},
 }
 # tiles for matrices with many rows (>= WIDE_PROGRAMS programs at the default tile), where
 # fewer, fatter programs win: Qwen2-7B's ffn_up/gate and the output head
@@ -152,7 +155,7 @@ def _gemv3_kernel(w1, w1h, w1i, b1, N1, rb1, w2, w2h, w2i, b2, N2, rb2, w3, w3h,
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, wh_ptr, ids_ptr, out_ptr, N, K, row_bytes, stride_om,
+def _dequant_kernel(w_ptr, wh_ptr, g_ptr, ids_ptr, out_ptr, N, K, row_bytes, stride_om,
                     TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
                     L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
                     GATHER: tl.constexpr,
@@ -175,7 +178,7 @@ def _dequant_kernel(w_ptr, wh_ptr, ids_ptr, out_ptr, N, K, row_bytes, stride_om,
     out_row = out_ptr + r.to(tl.int64)[:, None, None] * stride_om
     mask = rmask[:, None, None] & bmask[None, :, None]
     for p in tl.static_range(NPART):
-        v, e = dequant_part(w_ptr, wh_ptr, base, lane, TYPE, p)
+        v, e = dequant_part(w_ptr, wh_ptr, base, lane, TYPE, p, False, g_ptr)
         col = blk[None, :, None] * BS + e[None, None, :]
         tl.store(out_row + col, v.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -198,10 +201,17 @@ def row_cols(w: torch.Tensor, ggml_type: int) -> int:
     return w.shape[1] // p.nbytes * p.block
 
 
+def _table(w: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    # the value table of an IQ type (kernels/lowbit_blocks.py); the weight itself, unread,
+    # for the types that have none
+    t = lookup_table(ggml_type, w.device)
+    return w if t is None else t
+
+
 def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None = None,
                  x_dtype: torch.dtype = torch.bfloat16):
-    """(pointer views (bytes, 16-bit, int32), the body's constexprs, warps, stages) of one
-    weight's GEMV."""
+    """(pointer views (bytes, 16-bit, int32 or the type's value table), the body's constexprs,
+    warps, stages) of one weight's GEMV."""
     w, wh = _views(w, ggml_type)
     p = plan(ggml_type)
     k = row_cols(w, ggml_type)
@@ -210,7 +220,8 @@ def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None
     # float32 activations the generic walk is faster (on an H200)
     special = (align is not None and w.data_ptr() % align == 0 and w.shape[1] % align == 0
                and x_dtype != torch.float32)
-    wi = w.view(torch.int32) if special else w  # the storage-order body's 16-byte loads
+    # the storage-order body's 16-byte loads; the IQ types' value table in its place
+    wi = w.view(torch.int32) if special else _table(w, ggml_type)
     br, bb, warps, *rest = config or gemv_config(ggml_type, w.shape[0], k)
     bb = min(bb, triton.next_power_of_2(k // p.block))  # short rows: no all-masked blocks
     meta = {"TYPE": ggml_type, "BS": p.block, "TS": p.nbytes, "NPART": p.parts, "L": p.lanes,
@@ -266,7 +277,8 @@ def gemv_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, x: torch.Tens
     up_ptrs, meta_u, _, _ = _launch_args(up, ggml_type, config, x_dtype=x.dtype)
     meta["SPECIAL"] = meta["SPECIAL"] and meta_u["SPECIAL"]
     if not meta["SPECIAL"]:
-        gp, up_ptrs = (gate, gp[1], gate), (up, up_ptrs[1], up)
+        gp = (gate, gp[1], _table(gate, ggml_type))
+        up_ptrs = (up, up_ptrs[1], _table(up, ggml_type))
     n, k = gate.shape[0], row_cols(gate, ggml_type)
     x2 = _x2(x, k)
     m = x2.shape[0]
@@ -332,7 +344,8 @@ def _dequant_launch(w, ggml_type, ids, out, n, k, use_pdl):
     br = 8
     bb = min(8 if p.block == 256 else 16, triton.next_power_of_2(k // p.block))
     grid = (triton.cdiv(n, br), triton.cdiv(k // p.block, bb))
-    _dequant_kernel[grid](w, wh, ids if ids is not None else w, out, n, k, w.shape[1],
+    _dequant_kernel[grid](w, wh, _table(w, ggml_type), ids if ids is not None else w, out, n, k,
+                          w.shape[1],
                           out.stride(0), TYPE=ggml_type, BS=p.block, TS=p.nbytes,
                           NPART=p.parts, L=p.lanes, BLOCK_R=br, BLOCK_B=bb,
                           GATHER=ids is not None, num_warps=4, **pdl.opts(out, use_pdl))

@@ -36,7 +36,10 @@ TRITON = Runner(
     "has no GPU kernel",
     "run every layer on GPUs (the GPU runner runs it)",
     frozenset({qt.F16, qt.BF16, qt.Q4_0, qt.Q5_0, qt.Q8_0, qt.Q4_K, qt.Q5_K, qt.Q6_K,
-               qt.MXFP4}),
+               qt.MXFP4,
+               # kernels/lowbit_blocks.py
+               qt.Q4_1, qt.Q5_1, qt.Q2_K, qt.Q3_K, qt.IQ1_S, qt.IQ1_M, qt.IQ2_XXS, qt.IQ2_XS,
+               qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ4_NL, qt.IQ4_XS}),
 )
 # The torch engine (engine/runtime/models/, on the CPU or CUDA): every tensor is dequantized by
 # kernels/dequant.py.

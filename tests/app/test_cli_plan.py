@@ -147,19 +147,19 @@ def test_demo_model(demo_model_path: Path) -> None:
 
 
 def test_a_type_the_runner_has_no_kernel_for_does_not_run(synth_model: Any) -> None:
-    path = str(synth_model("qwen2", "iq4_xs"))
+    path = str(synth_model("qwen2", "f32"))
     r = run(path, "--gpus", "1x4GiB")
     assert r.returncode == 2, r.stderr
     lines = r.stdout.splitlines()
     assert lines[-1] == "does not run here"
-    assert "GPU 0: IQ4_XS (blk.0.attn_q.weight and 28 more) has no GPU kernel: run on the CPU " \
+    assert "GPU 0: F32 (blk.0.attn_q.weight and 28 more) has no GPU kernel: run on the CPU " \
         "engine (--gpus cpu) or use a file without it" in lines
     assert any(line.startswith("verdict") and line.endswith(" does not run here") for line in lines)
     r = run(path, "--gpus", "1x4GiB", "--json")
     assert r.returncode == 2, r.stderr
     out = json.loads(r.stdout)
     assert out["verdict"] == "does not run here"
-    assert out["devices"][0]["advice"].startswith("IQ4_XS (blk.0.attn_q.weight and 28 more)")
+    assert out["devices"][0]["advice"].startswith("F32 (blk.0.attn_q.weight and 28 more)")
     # the CPU engine runs it
     r = run(path, "--gpus", "cpu")
     assert r.returncode == 0, r.stderr

@@ -169,9 +169,9 @@ def test_a_plan_that_does_not_run_here_names_why_and_cannot_launch(qtbot, synth_
     from app.widgets.launch_bar import LaunchBar
 
     m = PlanModel()
-    m.open_model(str(synth_model("qwen2", "iq4_xs")))
+    m.open_model(str(synth_model("qwen2", "f32")))
     m.set_devices([make_gpu(0, 8000)])
-    reason = ("IQ4_XS (blk.0.attn_q.weight and 28 more) has no GPU kernel: run on the CPU engine "
+    reason = ("F32 (blk.0.attn_q.weight and 28 more) has no GPU kernel: run on the CPU engine "
               "(--gpus cpu) or use a file without it")
     assert m.verdict() == "does not run here" and m.reason() == reason
     assert m.fixes() == []  # no memory change makes it run

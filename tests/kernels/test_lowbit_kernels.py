@@ -1,0 +1,101 @@
+"""The GPU kernels of the low-bit types (Q4_1, Q5_1, Q2_K, Q3_K and the IQ family,
+kernels/lowbit_blocks.py) against the CPU dequantizer, itself bit-equal to
+gguf.quants.dequantize: fresh random well-formed blocks each run, outputs poisoned with NaN.
+
+Under TRITON_INTERPRET=1 without a GPU (tests/conftest.py), at tiny shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr, poison
+
+from kernels import glu, quant_matmul
+from kernels.lowbit_blocks import LOWBIT_PLANS, TABLE_TYPES, lookup_table
+from kernels.quant_blocks import PLANS
+from kernels.random_blocks import random_weight
+from spec import quant_types as qt
+
+TYPES = list(LOWBIT_PLANS)
+
+
+def _shape(ggml_type: int, g: torch.Generator, most_blocks: int = 3) -> tuple[int, int]:
+    rows = int(torch.randint(1, 10, (1,), generator=g, device=DEVICE))
+    blocks = int(torch.randint(1, most_blocks + 1, (1,), generator=g, device=DEVICE))
+    return rows, qt.quant(ggml_type).block_size * blocks
+
+
+def test_every_type_of_the_issue_has_a_gpu_plan() -> None:
+    issue = {qt.Q2_K, qt.Q3_K, qt.Q4_1, qt.Q5_1, qt.IQ1_S, qt.IQ1_M, qt.IQ2_XXS, qt.IQ2_XS,
+             qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ4_NL, qt.IQ4_XS}
+    assert issue <= set(PLANS)
+    for t in issue:  # the plan agrees with the format's block
+        assert (PLANS[t].block, PLANS[t].nbytes) == qt.QUANT[t][1:]
+        assert PLANS[t].parts * PLANS[t].lanes == PLANS[t].block
+        assert (lookup_table(t, DEVICE) is not None) == (t in TABLE_TYPES)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
+def test_dequantize_and_embed_are_the_cpu_dequantizer(ggml_type, seed):
+    # float32 out: the same float32 operations in the same order as the reference, bit-equal
+    g = generator(seed)
+    rows, cols = _shape(ggml_type, g)
+    w = random_weight(ggml_type, rows, cols, DEVICE, g)
+    ref = quant_matmul.dequantize_ref(w, ggml_type, torch.float32)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 0
+    out = poison((rows, cols))
+    quant_matmul.dequantize(w, ggml_type, torch.float32, out=out)
+    assert torch.equal(out, ref)
+    half = poison((rows, cols), torch.float16)
+    quant_matmul.dequantize(w, ggml_type, torch.float16, out=half)
+    assert nerr(half, ref) < 1e-3  # one f16 rounding (the interpreter's may differ by a unit)
+    ids = torch.randint(0, rows, (5,), generator=g, device=DEVICE)
+    emb = poison((5, cols))
+    quant_matmul.embed(w, ggml_type, ids, out=emb)
+    assert torch.equal(emb, ref[ids.long()])
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
+def test_gemv_matches_reference(ggml_type, seed):
+    g = generator(seed)
+    rows, cols = _shape(ggml_type, g)
+    m = int(torch.randint(1, 5, (1,), generator=g, device=DEVICE))
+    w = random_weight(ggml_type, rows, cols, DEVICE, g)
+    x = torch.randn(m, cols, generator=g, device=DEVICE).to(torch.bfloat16)
+    out = poison((m, rows))
+    quant_matmul.gemv(w, ggml_type, x, out=out)
+    ref = quant_matmul.gemv_ref(w, ggml_type, x.float())
+    assert nerr(out, ref, gemv_scale(w, ggml_type, x)) < 1e-5
+
+
+@pytest.mark.parametrize("ggml_type", [qt.IQ2_XXS, qt.IQ3_S, qt.Q2_K], ids=qt.type_name)
+def test_gemv_glu_matches_reference(ggml_type, seed):
+    # gate and up of a table type: each program reads the table through both matrices
+    g = generator(seed)
+    rows, cols = _shape(ggml_type, g, 2)
+    gate = random_weight(ggml_type, rows, cols, DEVICE, g)
+    up = random_weight(ggml_type, rows, cols, DEVICE, g)
+    x = torch.randn(1, cols, generator=g, device=DEVICE).to(torch.bfloat16)
+    out = poison((1, rows))
+    quant_matmul.gemv_glu(gate, up, ggml_type, x, "silu", out=out)
+    xf = x.float()
+    g_ref = quant_matmul.gemv_ref(gate, ggml_type, xf)
+    u_ref = quant_matmul.gemv_ref(up, ggml_type, xf)
+    scale = glu_scale(g_ref, u_ref, "silu", gemv_scale(gate, ggml_type, xf),
+                      gemv_scale(up, ggml_type, xf))
+    assert nerr(out, glu.glu_ref(g_ref, u_ref, "silu"), scale) < 1e-5
+
+
+def test_gemv3_of_three_table_types(seed):
+    # q, k, v of the IQ2_XXS mix's kinds in one launch: each matrix reads its own table
+    g = generator(seed)
+    cols = 256
+    mats = [(random_weight(t, int(torch.randint(1, 8, (1,), generator=g, device=DEVICE)), cols,
+                           DEVICE, g), t) for t in (qt.IQ2_XXS, qt.IQ4_XS, qt.IQ3_S)]
+    x = torch.randn(1, cols, generator=g, device=DEVICE)
+    out = poison((1, sum(w.shape[0] for w, _ in mats)))
+    quant_matmul.gemv3(mats, x, out)
+    ref = torch.cat([quant_matmul.gemv_ref(w, t, x) for w, t in mats], dim=1)
+    scale = torch.cat([gemv_scale(w, t, x) for w, t in mats], dim=1)
+    assert nerr(out, ref, scale) < 1e-5
