@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.gguf.writer import GGUFSink, MetaItem, split_names, tensor_bytes
+from engine.synth.file_types import FILE_TYPES, file_type_types
 from engine.synth.shapes import SHAPES, Shape, metadata, tensor_table
 from spec.errors import CarveError
 from spec.quant_types import (
@@ -38,7 +39,8 @@ from spec.quant_types import (
 
 __all__ = ["MIXES", "SHAPES", "Shape", "main", "tensor_types", "write_model"]
 
-MIXES = ("q4_k_m", "mxfp4_moe", *sorted(BY_NAME))
+MIXES = ("q4_k_m", "mxfp4_moe", *FILE_TYPES, *sorted(BY_NAME), *(f"pure-{t}" for t in FILE_TYPES
+                                                                    if t in BY_NAME))
 
 # llama.cpp's fallback when a row length is not a multiple of 256 (llama_tensor_get_type):
 # K, IQ and TQ types that cannot tile the row become a 32-block type of similar size.
@@ -73,7 +75,10 @@ def _stays_float(name: str, dims: Sequence[int]) -> bool:
 def tensor_types(shape: Shape, mix: str, layer_order: Sequence[int] | None = None,
                  ) -> dict[str, int]:
     """GGML type per tensor name for a mix: "q4_k_m" (llama.cpp's rule), "mxfp4_moe" (MXFP4
-    experts, Q8_0 elsewhere) or one type for all matrices. Norms, biases and routers are F32.
+    experts, Q8_0 elsewhere), one of llama.cpp's low-bit file types ("q2_k", "iq2_xxs", ...:
+    engine/synth/file_types.py) or one type for all matrices (any other type name, or
+    "pure-<type>" for a type whose name is also a file type's). Norms, biases and routers are
+    F32.
 
     llama.cpp applies its layer rule to a counter of attn_v / ffn_down tensors in the order the
     source file lists them, not to the layer number; ``layer_order`` gives that order when it
@@ -81,20 +86,31 @@ def tensor_types(shape: Shape, mix: str, layer_order: Sequence[int] | None = Non
     the ffn_down rule reads the layer from the tensor's name instead (experts and shared experts
     alike), over every declared layer (NextN included)."""
     mix = mix.lower()
-    if mix not in ("q4_k_m", "mxfp4_moe") and mix not in BY_NAME:
-        raise CarveError(f"unknown --mix {mix!r}: choose q4_k_m, mxfp4_moe or a tensor type "
+    pure = BY_NAME.get(mix.removeprefix("pure-")) if mix.startswith("pure-") else None
+    if mix not in ("q4_k_m", "mxfp4_moe") and mix not in BY_NAME and mix not in FILE_TYPES \
+            and pure is None:
+        raise CarveError(f"unknown --mix {mix!r}: choose q4_k_m, mxfp4_moe, a llama.cpp file "
+                         f"type ({', '.join(FILE_TYPES)}) or a tensor type "
                          "such as q8_0")
     out: dict[str, int] = {}
     tied = shape.tied_embeddings
     n = shape.n_block
     rank = {layer: i for i, layer in enumerate(layer_order or range(n))}
     eight = shape.n_expert == 8  # llama.cpp's Mixtral rules key on exactly 8 experts
-    for name, dims in tensor_table(shape):
+    table = tensor_table(shape)
+    by_file_type = file_type_types(
+        shape, mix, [nm for nm, d in table if not _stays_float(nm, d)], rank, tied
+    ) if mix in FILE_TYPES else {}
+    for name, dims in table:
         if _stays_float(name, dims):
             out[name] = F32
             continue
         head = name == "output.weight" or (tied and name == "token_embd.weight")
-        if mix == "mxfp4_moe":
+        if pure is not None:
+            t = pure
+        elif mix in FILE_TYPES:
+            t = by_file_type[name]
+        elif mix == "mxfp4_moe":
             t = MXFP4 if len(dims) == 3 and dims[2] > 1 and not head else Q8_0
         elif mix != "q4_k_m":
             t = BY_NAME[mix]
@@ -259,7 +275,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.synth.gen"
         "well-formed quantized blocks.")
     ap.add_argument("--shape", help="one of: " + ", ".join(SHAPES))
     ap.add_argument("--list", action="store_true", help="print the shapes and their sizes")
-    ap.add_argument("--mix", help="q4_k_m, mxfp4_moe or one tensor type (q8_0, f16, ...); "
+    ap.add_argument("--mix", help="q4_k_m, mxfp4_moe, a llama.cpp low-bit file type (q2_k, "
+                    "q3_k_m, iq2_xxs, iq2_m, iq3_xxs, iq3_s, iq3_m, iq4_xs, iq2_xxs-q8attn, "
+                    "iq3_s-bumped) or one tensor type (q8_0, f16, pure-iq2_xxs, ...); "
                     "default: the mix the shape's published files use")
     ap.add_argument("-o", "--output", help="output .gguf path")
     ap.add_argument("--split", type=int, default=1, help="write N shards (gguf-split names)")
