@@ -203,9 +203,12 @@ def _check_mxfp4(model: Any, info: Any, view: torch.Tensor) -> None:
     if info.ggml_type != qt.MXFP4:
         return
     scales = view.view(-1, 17)[:, 0]  # a block: one E8M0 scale byte, then 16 bytes of nibbles
-    bad = (scales == 0xFF).nonzero()
-    if bad.numel():
-        block = int(bad[0, 0])
+    step = COPY_CHUNK  # blocks per look: bounds the temporary on a file of many GiB
+    for b0 in range(0, scales.numel(), step):
+        bad = (scales[b0 : b0 + step] == 0xFF).nonzero()
+        if not bad.numel():
+            continue
+        block = b0 + int(bad[0, 0])
         raise CarveError(
             f"{model.paths[info.shard]}: tensor {info.name} has a non-finite MXFP4 block scale "
             f"(0xFF, block {block}); the file is damaged or not MXFP4 as ggml writes it"
