@@ -54,6 +54,7 @@ class ChatPanel(QWidget):
         self.ctx_limit = 0
         self._ids = itertools.count(1)
         self._gen_id = ""
+        self._waiting = False  # a message sent while the engine answers a Serve request
 
         self.system = QLineEdit()
         self.system.setPlaceholderText("System prompt (optional), e.g. “You are a concise coding assistant.”")
@@ -76,7 +77,7 @@ class ChatPanel(QWidget):
         self.send_button.setObjectName("primary")
         self.send_button.clicked.connect(self.send)
         self.stop_button = QPushButton("Stop")
-        self.stop_button.clicked.connect(self.client.stop)
+        self.stop_button.clicked.connect(self.stop)
         self.regen_button = QPushButton("Regenerate")
         self.regen_button.clicked.connect(self.regenerate)
         buttons = QVBoxLayout()
@@ -109,13 +110,15 @@ class ChatPanel(QWidget):
         client.done.connect(self._on_done)
         client.error.connect(self._on_error)
         client.state_changed.connect(self._update_buttons)
+        client.state_changed.connect(self._on_state)
         history.events.finished.connect(lambda *_: self._update_buttons())
         self._update_buttons()
 
     # -- actions -----------------------------------------------------------------------------
     def send(self) -> None:
         text = self.input.toPlainText()
-        if self.client.state != "loaded" or self.history.streaming or not text.strip():
+        if (self.client.state not in ("loaded", "generating") or self.history.streaming
+                or self._waiting or not text.strip()):  # fmt: skip
             return
         try:
             self.history.add_user(text)
@@ -123,7 +126,28 @@ class ChatPanel(QWidget):
             self.stats.setText(str(err))
             return
         self.input.clear()
+        if self.client.state == "generating":  # the engine answers a Serve request: queue
+            self._waiting = True
+            self.stats.setText("waiting for the server's request to finish…")
+            self._update_buttons()
+            return
         self._generate()
+
+    def stop(self) -> None:
+        if self._waiting:  # never reached the engine
+            self._waiting = False
+            self.stats.setText("not sent: stopped while the server's request ran")
+            self._update_buttons()
+        else:
+            self.client.stop()
+
+    def _on_state(self, state: str) -> None:
+        if self._waiting and state == "loaded":
+            self._waiting = False
+            self._generate()
+        elif self._waiting and state != "generating":
+            self._waiting = False
+            self._update_buttons()
 
     def regenerate(self) -> None:
         if self.client.state != "loaded" or not self.history.can_regenerate():
@@ -135,6 +159,7 @@ class ChatPanel(QWidget):
         if self.history.streaming:
             self.client.stop()
             self.history.finish({"reason": "cancelled"})
+        self._waiting = False
         self.history.new_chat()
         self._update_buttons()
 
@@ -149,11 +174,15 @@ class ChatPanel(QWidget):
 
     # -- engine events -----------------------------------------------------------------------
     def _on_token(self, _id: int, text: str) -> None:
+        if not self.history.streaming:
+            return  # a Serve request's reply
         self.history.append(text)
         if self.meter.token():
             self.stats.setText(self.meter.text(self.history.context_used, self.ctx_limit or 0))
 
     def _on_done(self, stats: dict) -> None:
+        if stats.get("request") not in (None, "", self._gen_id):
+            return  # a Serve request's reply
         self.history.finish(stats)
         used = int(stats.get("ctx_used") or self.history.context_used)
         self.history.context_used = used
@@ -172,8 +201,8 @@ class ChatPanel(QWidget):
     def _update_buttons(self, *_: object) -> None:
         loaded = self.client.state in ("loaded", "generating")
         streaming = self.history.streaming
-        self.send_button.setEnabled(loaded and not streaming)
-        self.stop_button.setEnabled(streaming)
+        self.send_button.setEnabled(loaded and not streaming and not self._waiting)
+        self.stop_button.setEnabled(streaming or self._waiting)
         self.regen_button.setEnabled(loaded and self.history.can_regenerate())
         if not loaded and not streaming:
             self.stats.setText("no model loaded — launch one on the Plan tab")

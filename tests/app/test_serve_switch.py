@@ -5,6 +5,7 @@ shows, and switching off (or unloading) stops the server."""
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from pathlib import Path
@@ -76,11 +77,22 @@ def test_serve_answers_from_the_windows_engine_and_queues_with_the_chat(qtbot, w
     assert [m.role for m in w.history.messages] == ["user", "assistant"]  # the server's: not here
     qtbot.waitUntil(lambda: "1 request served" in w.serve.status.text(), timeout=3000)
 
-    # the window's chat goes on after the server's request
+    # a chat message sent while a server request runs waits for it, then gets its reply
+    got = _post_in_thread(w.serve.url, {"messages": [{"role": "user", "content": "pong"}],
+                                        "stream": True})  # fmt: skip
+    qtbot.waitUntil(lambda: w.client.state == "generating", timeout=10_000)
     qtbot.keyClicks(w.chat.input, "second")
-    with qtbot.waitSignal(w.client.done, timeout=20_000):
-        qtbot.keyClick(w.chat.input, Qt.Key.Key_Return)
+    qtbot.keyClick(w.chat.input, Qt.Key.Key_Return)
+    assert "waiting for the server" in w.chat.stats.text() and w.chat.stop_button.isEnabled()
+    qtbot.waitUntil(lambda: bool(got), timeout=20_000)
+    lines = [ln[6:] for ln in got["response"].text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    text = "".join(json.loads(ln)["choices"][0]["delta"].get("content", "") for ln in lines[:-1])
+    assert text == "Hello from the fake engine. You said: pong "
+    qtbot.waitUntil(lambda: len(w.history.messages) == 4 and not w.history.streaming,
+                    timeout=20_000)  # fmt: skip
     assert w.history.messages[-1].content == "Hello from the fake engine. You said: second "
+    qtbot.waitUntil(lambda: "2 requests served" in w.serve.status.text(), timeout=3000)
 
     url = w.serve.url
     w.serve.button.click()  # off
