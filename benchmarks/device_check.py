@@ -1,12 +1,14 @@
 """Every kernel on a GPU against its torch twin at real (Qwen2-7B) shapes, timed against its floor.
 
-    python -m benchmarks.device_check [--quick | --attn] [--json FILE]
+    python -m benchmarks.device_check [--quick | --attn] [--types LIST] [--json FILE]
 
 Prints the measured copy rate and bf16 matmul rate, then one line per kernel (GEMV per type and
 tile, dequantize, RMSNorm, SwiGLU, RoPE, attention decode and prefill over f16 and q8_0 KV
 caches): microseconds, its floor (bytes over the copy rate, or FLOPs over the matmul rate), the
 share of the floor reached and the normalized error against the reference; then the same as a
-Markdown table and the fastest GEMV tile per type (``--json`` writes them to FILE too). Builds
+Markdown table and the fastest GEMV tile per type (``--json`` writes them to FILE too).
+``--types`` picks the GEMV / dequantize types (comma-separated names; ``lowbit``: Q2_K, Q3_K,
+Q4_1, Q5_1 and the IQ family) and skips the other kernels. Builds
 every input itself (random well-formed blocks), so it needs no model file and no gguf. Needs a
 CUDA GPU.
 """
@@ -29,8 +31,12 @@ from triton.testing import do_bench
 from kernels import attention, glu, kv_cache, norm, quant_matmul, rope
 from kernels.random_blocks import random_weight
 from spec import quant_types as qt
+from spec.errors import CarveError
 
 TYPES = [qt.Q4_K, qt.Q6_K, qt.Q5_K, qt.Q4_0, qt.Q5_0, qt.Q8_0, qt.F16, qt.BF16]
+# the low-bit types of large quants, by use in published files
+LOWBIT = [qt.IQ2_XXS, qt.IQ3_S, qt.IQ4_XS, qt.Q2_K, qt.Q3_K, qt.IQ3_XXS, qt.IQ2_XS, qt.IQ2_S,
+          qt.IQ4_NL, qt.IQ1_S, qt.IQ1_M, qt.Q4_1, qt.Q5_1]
 K_CONFIGS = [(4, 16, 4), (8, 8, 4), (4, 8, 2), (8, 16, 8), (2, 16, 2)]
 B_CONFIGS = [(4, 32, 4), (8, 16, 4), (4, 16, 2), (8, 32, 8)]
 ROTATE = 4  # weight copies cycled so that timings are not L2 hits (60 MB of L2)
@@ -84,7 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one GEMV config per type")
     ap.add_argument("--attn", action="store_true", help="the attention kernels only")
     ap.add_argument("--json", metavar="FILE", default=None, help="also write the rows to FILE")
+    ap.add_argument("--types", metavar="LIST", default=None,
+                    help="GEMV/dequantize types only: comma-separated names, or lowbit")
     args = ap.parse_args(argv)
+    try:
+        types = _types(args.types)
+    except CarveError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if not require_cuda(prog):
         return 2
     dev = torch.cuda.get_device_properties(0)
@@ -111,19 +124,33 @@ def main(argv: list[str] | None = None) -> int:
         _table(rows, best_cfg, args, copy_bw, mm_rate)
         return 0
     # -- decode GEMV, Qwen2-7B ffn_up/gate [18944 x 3584] and ffn_down [3584 x 18944]
-    for t in TYPES:
+    for t in types or TYPES:
         try:
             _gemv_section(t, args, g, copy_bw, row, best_cfg)
         except Exception as exc:  # report and go on: one device call must bring back the rest
             print(f"FAIL section gemv {qt.type_name(t)}: {type(exc).__name__}: {exc}", flush=True)
         torch.cuda.empty_cache()
-    try:
-        _other_section(g, copy_bw, mm_rate, row)
-    except Exception:
-        import traceback
-        traceback.print_exc()
+    if types is None:
+        try:
+            _other_section(g, copy_bw, mm_rate, row)
+        except Exception:
+            import traceback
+            traceback.print_exc()
     _table(rows, best_cfg, args, copy_bw, mm_rate)
     return 0
+
+
+def _types(arg: str | None) -> list[int] | None:
+    """The --types list: None (every kernel), LOWBIT, or the named types."""
+    if arg is None:
+        return None
+    if arg.lower() == "lowbit":
+        return LOWBIT
+    out = [qt.type_id(n.strip()) for n in arg.split(",") if n.strip()]
+    missing = [qt.type_name(t) for t in out if t not in quant_matmul.GEMV_CONFIG]
+    if missing:
+        raise CarveError(f"--types: no GPU GEMV for {', '.join(missing)}")
+    return out
 
 
 def _gemv_section(t, args, g, copy_bw, row, best_cfg):

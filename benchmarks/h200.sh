@@ -24,8 +24,14 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #   BENCH="qwen2-7b qwen2-0.5b"  synthetic shapes for `carve bench` (ENGINE=1 adds --engine)
 #   SPLIT="qwen2-7b"             shapes also run as two stages (--compare-split)
 #   TESTS="tests/engine/test_gpu_session.py ..."  pytest paths, run after the benches
+#   KERNELS="lowbit"             benchmarks.device_check --types (each type's GEMV against
+#                                its byte floor at 7B sizes), run before the benches
 #   STEP_S=240                   the most seconds any one step may take
 step=${STEP_S:-240}
+if [ -n "${KERNELS:-}" ]; then
+    timeout "$step" python3 -m benchmarks.device_check --types "$KERNELS" \
+        --json "$out/device-check.json" 2>&1 | tee "$out/device-check.log"
+fi
 for s in ${BENCH:-}; do
     extra=()
     [[ " ${SPLIT:-} " == *" $s "* ]] && extra+=(--compare-split)
