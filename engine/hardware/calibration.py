@@ -5,8 +5,12 @@ CUDA graph pools, Triton modules) at start and calls `remember`; pricing reads t
 the same (GPU name, driver, torch version). Records live in `calibration.json` in Carve's
 config folder (`config_dir`, which the window's presets share).
 
-Default without a record, from DESIGN.md "Reference figures" (H200, torch 2.11, driver 580):
-CUDA context 620 MiB + cuBLAS workspace 32 MiB + first CUDA graph capture 72 MiB = 724 MiB.
+Default without a record: what a launch took on an H200 (torch 2.11, driver 580, 2026-12-01),
+the same 782 MiB for the Qwen2 0.5B and 7B and the Qwen3-30B-A3B shapes, split by the load
+timeline's NVML marks (`carve bench --engine`): the CUDA context as the fit check creates it
+524 MiB, kernel modules loaded on first use while the weights load and the stage is built
+(torch's and Triton's) 162 MiB, the warm-up's cuBLAS handle, workspace and GEMM kernels 94 MiB,
+the decode graphs 2 MiB.
 The CPU device has no such overhead: 0.
 """
 
@@ -23,8 +27,11 @@ from typing import Any
 from engine.hardware.devices import DeviceSpec, driver_version
 
 MIB = 1 << 20
-DEFAULT_PARTS = {"cuda_context": 620 * MIB, "cublas_workspace": 32 * MIB, "cuda_graphs": 72 * MIB}
+DEFAULT_PARTS = {"cuda_context": 524 * MIB, "kernel_modules": 162 * MIB, "cublas": 94 * MIB,
+                 "cuda_graphs": 2 * MIB}
 DEFAULT_OVERHEAD = sum(DEFAULT_PARTS.values())
+DEFAULT_SOURCE = (f"default ({DEFAULT_OVERHEAD // MIB} MiB measured on an H200: " + " + ".join(
+    f"{k.replace('_', ' ')} {v // MIB}" for k, v in DEFAULT_PARTS.items()) + ")")
 
 _cache: dict[str, Any] = {"path": None, "mtime": None, "records": [], "checked": 0.0}
 
@@ -96,7 +103,7 @@ def overhead_for(device: DeviceSpec) -> tuple[int, str]:
         if best is None or r.get("measured", "") >= best.get("measured", ""):
             best = r
     if best is None:
-        return DEFAULT_OVERHEAD, "default (724 MiB: context 620 + cuBLAS 32 + CUDA graphs 72)"
+        return DEFAULT_OVERHEAD, DEFAULT_SOURCE
     return best["overhead"], f"calibrated {best.get('measured', '')} (driver {best.get('driver')})"
 
 
