@@ -89,7 +89,7 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
     hp = HParams.from_model(model)
     if hp.n_ctx_train and ctx > hp.n_ctx_train:
         ctx = hp.n_ctx_train  # the deepest point of the sweep is then ctx - 64
-    layout = price(_plan(path, n_gpus, hp.n_layer, ctx, kv_type, arena), model)
+    layout = price(_plan(path, n_gpus, hp.n_layer_run, ctx, kv_type, arena), model)
     t0 = time.perf_counter()
     pipe = GpuPipeline(model, hp, layout, options=options)
     load_s = time.perf_counter() - t0
