@@ -44,6 +44,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The line printed when the server is reachable from other machines with no key."""
+    from app.serve.http import is_loopback
+
+    if is_loopback(host) or api_key is not None:
+        return None
+    return (f"carve: warning: listening on {host} without --api-key: anyone who can reach this "
+            "port can use the model")  # fmt: skip
+
+
 def pump_events(engine: EngineProcess, turns: Any, stopping: threading.Event) -> None:
     """The engine's events to the server's turns, until the engine exits (a thread)."""
     try:
@@ -57,7 +67,7 @@ def pump_events(engine: EngineProcess, turns: Any, stopping: threading.Event) ->
 
 def serve(args: argparse.Namespace) -> int:
     from app.serve.engine_turns import EngineTurns
-    from app.serve.http import HttpServer, build_app, is_loopback
+    from app.serve.http import HttpServer, build_app
     from app.serve.openai_api import model_id
 
     path = cli_chat.model_path(args.model)
@@ -74,9 +84,8 @@ def serve(args: argparse.Namespace) -> int:
         cli_chat.load(engine, plan)
         threading.Thread(target=pump_events, args=(engine, turns, stopping), daemon=True,
                          name="engine-events").start()  # fmt: skip
-        if not is_loopback(args.host) and args.api_key is None:
-            print(f"carve: warning: listening on {args.host} without --api-key: anyone who can "
-                  "reach this port can use the model", file=sys.stderr)  # fmt: skip
+        if warning := exposure_warning(args.host, args.api_key):
+            print(warning, file=sys.stderr)
         print(f"serving {model} (ctx {plan.ctx}) at {server.url}  ·  Ctrl-C stops",
               file=sys.stderr, flush=True)  # fmt: skip
         try:

@@ -151,3 +151,16 @@ def test_a_request_abandoned_before_its_turn_never_reaches_the_engine():
         assert rec.sent == [a.request] and turns.waiting == 0
 
     _run(main())
+
+
+@pytest.mark.parametrize("host, key, warned", [
+    ("127.0.0.1", None, False), ("localhost", None, False), ("::1", None, False),
+    ("127.0.0.2", None, False), ("0.0.0.0", None, True), ("192.168.1.5", None, True),
+    ("0.0.0.0", "k", False), ("::", None, True),
+])  # fmt: skip
+def test_a_server_open_to_other_machines_without_a_key_is_warned_about(host, key, warned):
+    from app.cli_serve import exposure_warning
+
+    line = exposure_warning(host, key)
+    assert (line is not None) == warned
+    assert line is None or (host in line and "--api-key" in line)
