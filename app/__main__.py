@@ -20,8 +20,12 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"carve {_version()}")
+        return 0
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: carve [plan|chat|serve|tokenize|perplexity|demo|bench|gen] ...  (no command: the window)")
+        print("usage: carve [--version] [plan|chat|serve|tokenize|perplexity|demo|bench|gen] ...  "
+              "(no command: the window)")
         return 0
     if argv and argv[0] in SUBCOMMANDS:
         module = importlib.import_module(SUBCOMMANDS[argv[0]])
@@ -29,6 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     from app.window_main import main as gui_main
 
     return gui_main(argv)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("carve")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`carve plan`: price a launch per GPU and say whether it fits, before anything is allocated.
 
-    carve plan MODEL.gguf --gpus auto|RIG --ctx N --split 0,14,29,38,48|auto --prefer spread|fewest
+    carve plan MODEL.gguf --gpus auto|RIG --ctx N --split 0,14,29,38,48|auto --prefer auto|spread|fewest
                --kv f16|q8_0 --cache-reserve MiB --arena packed|per-tensor|chunked:N
                --prefill-chunk N [--reserve MiB] [--json]
 
@@ -49,9 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="auto", help='boundaries "0,14,29,48" or "auto"')
     p.add_argument(
         "--prefer",
-        default="spread",
-        choices=("spread", "fewest"),
-        help="--split auto: all GPUs (most headroom) or the fewest that fit",
+        default="auto",
+        choices=("auto", "spread", "fewest"),
+        help="--split auto: one GPU when the model fits on one, else all (auto); all GPUs "
+        "(spread); or the fewest that fit",
     )
     p.add_argument("--kv", default=str(KvType.F16), help=f"KV cache type: {' or '.join(KvType)}")
     p.add_argument(

@@ -1,4 +1,4 @@
-"""Light and dark looks: the style sheet from resources/ plus the colours the plots draw with.
+"""Light and dark looks: the style sheet from app/resources/ plus the colours the plots draw with.
 
 Plots cannot read a style sheet, so the colours they need live here, one table per theme; the
 style sheets use the same hex values.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-RESOURCES = Path(__file__).resolve().parent.parent / "resources"
+RESOURCES = Path(__file__).resolve().parent / "resources"  # package data: installs with app/
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QCloseEvent, QDragEnterEvent, QDropEvent
+from PySide6.QtGui import QCloseEvent, QDragEnterEvent, QDropEvent, QIcon
 from PySide6.QtWidgets import (
     QApplication,
     QGroupBox,
@@ -31,14 +31,13 @@ from app.demo_assembler import DemoAssembler, demo_installed
 from app.engine_client import EngineClient
 from app.models.chat_model import ChatHistory
 from app.models.device_board import DeviceBoard
+from app.models.launch_target import launch_target
 from app.models.model_summary import summarize
 from app.models.plan_model import PlanModel
 from app.models.presets import PresetStore
-from app.theme import THEMES, Theme, style_sheet
+from app.theme import RESOURCES, THEMES, Theme, style_sheet
 from app.window_menu import build_menu
 from spec.errors import CarveError
-
-DEFAULT_SIM_RIG = "rtx4090,rtx4090"  # planning works at once on a machine without a GPU
 
 
 def _group(title: str, *widgets: QWidget, stretch_last: bool = False) -> QGroupBox:
@@ -77,6 +76,7 @@ class MainWindow(QMainWindow):
         self.history = ChatHistory()
         self.client = EngineClient(engine_program, parent=self)
         self.rig = "auto"
+        self.no_gpu = False  # NVML found no NVIDIA GPU: "This machine" is the CPU engine
         self.live_poll = live_poll
         self.launched_layout = None
         self.poller = None
@@ -195,25 +195,24 @@ class MainWindow(QMainWindow):
 
     # -- devices -----------------------------------------------------------------------------
     def set_rig(self, rig: str) -> str:
-        """"auto": this machine's GPUs, live; anything else: a simulated rig (engine.hardware.rigs)."""
+        """"auto": this machine's GPUs, live, or its CPU when NVML finds no NVIDIA GPU; anything
+        else: a rig of engine.hardware.rigs (cards are simulated: planned, never launched)."""
         from engine.hardware.devices import no_gpu_reason, snapshot
         from engine.hardware.rigs import parse_rig
 
         snaps = snapshot()
+        self.no_gpu = not snaps
         self.rig_picker.set_no_gpu("" if snaps else no_gpu_reason() or "no NVIDIA GPU found")
-        if rig == "auto":
-            if not snaps:
-                rig = DEFAULT_SIM_RIG
-            else:
-                self.rig = "auto"
-                self.rig_picker.set_current("auto")
-                self.board.set_live()
-                self.board.set_snapshots(snaps)
-                self._plan_live_devices(snaps)
-                self._start_polling()
-                return ""
-        try:
-            specs = parse_rig(rig)
+        if rig == "auto" and snaps:
+            self.rig = "auto"
+            self.rig_picker.set_current("auto")
+            self.board.set_live()
+            self.board.set_snapshots(snaps)
+            self._plan_live_devices(snaps)
+            self._start_polling()
+            return ""
+        try:  # no GPU: this machine is its CPU, and Launch runs the CPU engine
+            specs = parse_rig("cpu" if rig == "auto" else rig)
         except CarveError as err:
             self.launch_bar.show_message(str(err))
             return str(err)
@@ -255,6 +254,7 @@ class MainWindow(QMainWindow):
             self.last_error = str(err)
             return False
         self.model_panel.show_summary(summarize(self.plan.gguf, self.plan.hparams))
+        self.setWindowTitle(f"{Path(path).name} — Carve")  # the open document, as desktop apps do
         self.model_panel.set_recent(self.store.add_recent(path))
         self.presets.set_model(str(path))
         self.chat.ctx_limit = self.plan.ctx
@@ -263,6 +263,7 @@ class MainWindow(QMainWindow):
     def _on_layout(self, layout: object) -> None:
         excluded = {d.index for i, d in enumerate(self.plan.devices) if i in self.plan.excluded}
         self.board.set_plan(layout, excluded)
+        self.launch_bar.set_target(launch_target(self.plan.devices, self.no_gpu))
         self.launch_bar.set_verdict(self.plan.verdict(), self.plan.reason())
 
     # -- launch ------------------------------------------------------------------------------
@@ -345,8 +346,8 @@ class MainWindow(QMainWindow):
     def restore(self, model: str | None, rig: str | None, assemble_demo: bool = False) -> str:
         """Startup: the model asked for, else the last one, else the demo model if assembled
         (``assemble_demo``: else the demo model once its installed chunks are joined, off the
-        GUI thread); the rig asked for, else the last one, else this machine (simulated if no
-        GPU). Returns what went wrong with a model or rig the user named ("" if nothing)."""
+        GUI thread); the rig asked for, else the last one, else this machine (its CPU if NVML
+        finds no GPU). Returns what went wrong with a model or rig the user named ("" if nothing)."""
         last = self.store.last_session()
         problem = self.set_rig(rig or last.get("rig") or "auto")
         if problem and rig:
@@ -422,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         return plan_in_terminal(args)
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("Carve")
+    app.setDesktopFileName("carve")  # the installed menu entry (installer/install.sh)
+    app.setWindowIcon(QIcon(str(RESOURCES / "carve.svg")))
     saved = PresetStore().ui().get("theme")
     theme = THEMES[args.theme or os.environ.get("CARVE_THEME") or
                    (saved if saved in THEMES else "light")]

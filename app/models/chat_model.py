@@ -48,7 +48,7 @@ class ReplyMeter:
 
     def text(self, context_before: int = 0, ctx_limit: int = 0) -> str:
         parts = [f"generating: {self.tokens:,} tokens", f"{self.rate:.1f} tokens/s"]
-        if context_before:
+        if context_before or ctx_limit:  # the first reply: its prompt is counted at "done"
             limit = f" / {ctx_limit:,}" if ctx_limit else ""
             parts.append(f"context over {context_before + self.tokens:,}{limit} tokens")
         return "  ·  ".join(parts)

@@ -60,6 +60,9 @@ class PlanModel:
         self.prefill_chunk = PREFILL_CHUNK
         self.cache_reserve = CACHE_RESERVE
         self.arena = str(ArenaKind.PACKED)
+        # which devices a new model or rig runs on (engine.planning.split's `prefer`): "auto"
+        # keeps a model that fits on one GPU on one; "spread" (one click away) uses them all
+        self.prefer = "auto"
         self.layout: Any = None
         self.error = ""
         self.price_ms = 0.0
@@ -78,7 +81,10 @@ class PlanModel:
         self.gguf, self.hparams = gguf, hparams
         self.ctx = max(MIN_CTX, min(self.ctx, self.max_ctx))
         self.events.model.emit(gguf)
-        self._reset_split()
+        excluded = self.excluded
+        self._choose_devices()
+        if self.excluded != excluded:
+            self.events.devices.emit(self.devices)
 
     def open_model(self, path: str) -> None:
         """Read the GGUF header (fast) and plan for it. Raises CarveError on a bad file."""
@@ -99,11 +105,7 @@ class PlanModel:
         if same_cards:
             self.reprice()
             return
-        self.excluded = frozenset()
-        split = self.split
-        self._reset_split()
-        if self.split == split:  # the same boundaries on other devices: set_split priced nothing
-            self.reprice()
+        self._choose_devices()
         self.events.devices.emit(devices)
 
     def active_devices(self) -> tuple[Any, ...]:
@@ -118,6 +120,31 @@ class PlanModel:
         self.excluded = frozenset(new)
         self._reset_split()
         self.events.devices.emit(self.devices)
+
+    def pick_devices(self, prefer: str) -> None:
+        """Auto ("auto": one GPU when the model fits on one, else all) or Spread ("spread": every
+        GPU): which devices run the model and its boundaries, by the split search's rule; the
+        choice holds for the next model or rig until the other is picked."""
+        self.prefer = prefer
+        excluded = self.excluded
+        self._choose_devices()
+        if self.excluded != excluded:
+            self.events.devices.emit(self.devices)
+
+    def _choose_devices(self) -> None:
+        """Every device a candidate again; the split search (``self.prefer``) leaves out those
+        it does not need. Re-prices whether or not the boundaries moved."""
+        self.excluded = frozenset()
+        split = self.split
+        found = self._search(self.devices, self.prefer)
+        if found is not None:
+            chosen, bounds = found
+            self.excluded = frozenset(i for i, d in enumerate(self.devices) if d not in chosen)
+            self.set_split(bounds)
+        else:
+            self._reset_split()
+        if self.split == split:  # the same boundaries on other devices: set_split priced nothing
+            self.reprice()
 
     # -- split -------------------------------------------------------------------------------
     def _reset_split(self) -> None:
@@ -170,22 +197,28 @@ class PlanModel:
     def searched_split(self) -> tuple[int, ...] | None:
         """``engine.planning.split.auto_split``'s boundaries over the active devices, or None."""
         devices = self.active_devices()
+        found = self._search(devices, "spread")
+        if found is None or found[0] != devices:
+            return None  # the search left a device out (more devices than layers)
+        return found[1]
+
+    def _search(self, devices: tuple[Any, ...], prefer: str
+                ) -> tuple[tuple[Any, ...], tuple[int, ...]] | None:
+        """(the devices the split search keeps, their boundaries), or None."""
         if self.gguf is None or not devices:
             return None
         try:
             from engine.planning.split import auto_split
 
             found = auto_split(
-                self.gguf, devices, prefer="spread", ctx=self.ctx, kv_type=self.kv_type,
+                self.gguf, devices, prefer=prefer, ctx=self.ctx, kv_type=self.kv_type,
                 prefill_chunk=self.prefill_chunk, cache_reserve=self.cache_reserve,
                 arena=self.arena, act_dtype=self.act_dtype(devices),
             )
         except (ImportError, CarveError):
             return None
-        if tuple(found.devices) != devices:
-            return None  # the search left a device out (more devices than layers)
-        split = tuple(found.split)
-        return split if valid_split(split, self.n_layer, len(devices)) else None
+        chosen, split = tuple(found.devices), tuple(found.split)
+        return (chosen, split) if valid_split(split, self.n_layer, len(chosen)) else None
 
     # -- settings ----------------------------------------------------------------------------
     def set_ctx(self, ctx: int) -> None:
@@ -227,8 +260,9 @@ class PlanModel:
         return act_dtype_for(self.active_devices() if devices is None else devices)
 
     def plan(self, **changes: Any) -> Any:
-        """The Plan as edited now (with optional field overrides), or None if nothing to plan."""
-        devices = self.active_devices()
+        """The Plan as edited now (with optional field overrides, ``devices`` among them), or
+        None if nothing to plan."""
+        devices = tuple(changes.pop("devices", self.active_devices()))
         split = tuple(changes.pop("split", self.split))
         if self.gguf is None or not devices or len(split) != len(devices) + 1:
             return None
@@ -288,6 +322,9 @@ class PlanModel:
         found = self.searched_split() if len(self.active_devices()) > 1 else None
         if found is not None and found != self.split and self._fits(split=found):
             fixes.append(Fix("Rebalance the split (Auto)", lambda s=found: self.set_split(s)))
+        spread = self._search(self.devices, "spread") if self.excluded else None
+        if spread is not None and self._fits(devices=spread[0], split=spread[1]):
+            fixes.append(Fix("Spread over every GPU", lambda: self.pick_devices("spread")))
         return fixes
 
     def _fits(self, **changes: Any) -> bool:

@@ -1,5 +1,6 @@
 """The bar along the bottom: verdict, Launch (refused when a GPU does not fit unless overridden,
-and when the plan does not run here, with the reason),
+when the plan does not run here, with the reason, and on a simulated rig, saying how to launch;
+"Launch on CPU" when the CPU engine runs it),
 load progress with GB, GB/s and time left, Cancel, Unload, and the loaded report."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.models.launch_target import SIMULATED, LaunchTarget
 from app.models.load_progress import LoadProgress
 from app.models.model_summary import human_bytes
 from engine.planning.rules import Verdict
@@ -67,12 +69,17 @@ class LaunchBar(QWidget):
         layout.addWidget(self.report)
         self.verdict = ""
         self.reason = ""  # why the plan does not run here
+        self.target = LaunchTarget("")  # where a Launch runs it (app.models.launch_target)
         self.engine_state = "stopped"
         self.message = ""
         self._update()
 
     def set_verdict(self, verdict: str, reason: str = "") -> None:
         self.verdict, self.reason = verdict, reason
+        self._update()
+
+    def set_target(self, target: LaunchTarget) -> None:
+        self.target = target
         self._update()
 
     def set_engine_state(self, state: str) -> None:
@@ -114,7 +121,7 @@ class LaunchBar(QWidget):
         self.report.hide()
 
     def can_launch(self) -> bool:
-        if self.verdict == Verdict.DOES_NOT_RUN:
+        if self.verdict == Verdict.DOES_NOT_RUN or self.target.kind == SIMULATED:
             return False
         return bool(self.verdict) and (self.verdict != Verdict.DOES_NOT_FIT or self.override.isChecked())
 
@@ -125,21 +132,27 @@ class LaunchBar(QWidget):
         self.progress.setVisible(loading)
         self.cancel_button.setVisible(loading)
         self.unload_button.setVisible(loaded)
-        self.override.setVisible(self.verdict == Verdict.DOES_NOT_FIT and not loading)
+        self.override.setVisible(self.verdict == Verdict.DOES_NOT_FIT and not loading
+                                 and self.target.kind != SIMULATED)
         self.launch_button.setEnabled(not loading and self.can_launch())
-        self.launch_button.setText("Relaunch" if loaded else "Launch")
+        self.launch_button.setText("Relaunch" if loaded else self.target.button)
+        self.launch_button.setToolTip(self.target.note)
         if loading:
             text = "Loading — " + self.progress_model.text()
         elif loaded:
             text = "Model loaded — chat on the Chat tab"
         elif self.message:
             text = self.message
+        elif self.verdict and self.target.kind == SIMULATED:
+            text = self.target.note
         elif self.verdict == Verdict.DOES_NOT_RUN:
             text = f"This plan does not run here: {self.reason}"
         elif self.verdict == Verdict.DOES_NOT_FIT:
             text = "A GPU does not fit this plan: apply a fix above, or tick “Launch anyway”."
         elif self.verdict:
             text = f"Plan {self.verdict} — ready to launch"
+            if self.target.note:
+                text += f". {self.target.note}"
         else:
             text = "Open a model to plan a launch"
         self.status.setText(text)

@@ -38,8 +38,10 @@ class RigPicker(QWidget):
         self.combo.setCurrentText(LIVE if rig == "auto" else rig)
 
     def set_no_gpu(self, reason: str) -> None:
-        """No driver / no GPU: say so plainly; the live entry stays for when one appears."""
-        self.banner.setText("⚠ No GPU found — planning for a simulated rig" if reason else "")
+        """No driver / no GPU: say so plainly; the live entry is then the CPU (and plans for GPUs
+        when one appears)."""
+        self.banner.setText("⚠ No NVIDIA GPU found — this machine runs models on the CPU"
+                            if reason else "")
         self.banner.setToolTip(reason)
         self.banner.setVisible(bool(reason))
 

@@ -32,8 +32,12 @@ class SplitEditor(QWidget):
         self.selected = 1  # inner boundary the arrow keys move
 
         self.auto_button = QPushButton("Auto")
-        self.auto_button.setToolTip("Split search: the boundaries with the most headroom")
-        self.auto_button.clicked.connect(self._on_auto)
+        self.auto_button.setToolTip("One GPU when the model fits on one (a split only adds a hop), "
+                                    "else every GPU, with the boundaries of most headroom")
+        self.auto_button.clicked.connect(lambda: self.model.pick_devices("auto"))
+        self.spread_button = QPushButton("Spread")
+        self.spread_button.setToolTip("Every GPU, with the boundaries of most headroom")
+        self.spread_button.clicked.connect(lambda: self.model.pick_devices("spread"))
         self.even_button = QPushButton("Even")
         self.even_button.setToolTip("The same number of layers on every GPU")
         self.even_button.clicked.connect(self._on_even)
@@ -53,12 +57,17 @@ class SplitEditor(QWidget):
         pi.addItem(self.stages)
         self.ticks = pg.PlotDataItem(connect="pairs")  # thin marks at every layer boundary
         pi.addItem(self.ticks)
+        # no model: a sentence in place of the strip, and no layer axis with nothing on it
+        self.placeholder = pg.TextItem("Open a model to see its layers split between the GPUs",
+                                       anchor=(0.5, 0.5), color=theme.muted)
+        pi.addItem(self.placeholder)
         self._lines: list[pg.InfiniteLine] = []
         self._labels: list[pg.TextItem] = []
         self._syncing = False
 
         top = QHBoxLayout()
         top.addWidget(self.auto_button)
+        top.addWidget(self.spread_button)
         top.addWidget(self.even_button)
         top.addSpacing(12)
         top.addWidget(self.use_label)
@@ -99,6 +108,7 @@ class SplitEditor(QWidget):
         for box in self._use_boxes:
             box.setVisible(multi)
         self.use_label.setVisible(multi)
+        self.spread_button.setVisible(multi)
         self._on_split()
 
     def _on_split(self, *_: object) -> None:
@@ -110,8 +120,15 @@ class SplitEditor(QWidget):
             return  # mid-change (devices first, split next): the split event follows
         if len(self._labels) != n_stage:
             self._rebuild_lines(n_stage)
-        if n_stage == 0:
+        empty = n_stage == 0
+        self.placeholder.setVisible(empty)
+        pi.showAxis("bottom", not empty)
+        if empty:
             self.stages.setOpts(x0=[0], width=[0], y0=[0], height=[1])
+            self.ticks.setData([], [])
+            self.placeholder.setColor(self.theme.muted)
+            self.placeholder.setPos(0.5, 0.5)
+            pi.setRange(xRange=(0, 1), yRange=(0, 1), padding=0)
             return
         s = np.asarray(split, dtype=float)
         active = self.model.active_devices()
@@ -183,10 +200,6 @@ class SplitEditor(QWidget):
         self.selected = i
         self.setFocus()
         self._on_split()
-
-    def _on_auto(self) -> None:
-        if not self.model.auto_split():
-            self.hint.setText("no split fits these GPUs; see the fit check")
 
     def _on_even(self) -> None:
         from app.models.plan_model import even_split

@@ -33,11 +33,12 @@ def default_plan(
     cache_reserve: int = CACHE_RESERVE,
     arena: str = "packed",
     logits_rows: int = 1,
-    prefer: str = "spread",
+    prefer: str = "auto",
     model_path: str | None = None,
 ) -> Plan:
     """A Plan for `model` (an open GGUF) on `devices`. `split` None: one device runs every
-    layer, several are split by `engine.planning.split.auto_split` (`prefer` as there).
+    layer; of several, `engine.planning.split.auto_split` picks the devices and boundaries
+    (`prefer` as there: "auto" keeps a model that fits on one device on one).
     `ctx` None: the default context for this model. `logits_rows` is capped at the prefill
     chunk (perplexity asks for a row per position of a chunk)."""
     devices = tuple(devices)

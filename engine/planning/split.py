@@ -18,6 +18,9 @@ the rest (lexicographic max-min: every card gets as much headroom as the others 
 Remaining ties go to the larger total dequant cache among the front-heavy, back-heavy and
 memory-proportional splits.
 
+prefer="auto" (the default everywhere: `default_plan`, `carve plan`, `carve chat`, the window):
+the one device with the most free memory when the model with the requested context leaves it at
+least the cache reserve (a split only adds a hop between devices), else "spread".
 prefer="spread": every device (if the model has fewer layers than devices, the smallest are
 left out). prefer="fewest": the fewest devices, largest first, whose best split leaves every
 one of them at least the cache reserve; devices not needed are *dropped from the Plan*
@@ -36,7 +39,7 @@ from engine.planning.plan import MAX_DEVICES, Plan
 from engine.planning.stage import StageKey, stage_need
 from spec.errors import CarveError
 
-PREFER = ("spread", "fewest")
+PREFER = ("auto", "spread", "fewest")
 GRAIN = 1 << 20  # slack resolution of the search: 1 MiB
 
 
@@ -226,7 +229,7 @@ def auto_split(
     """A Plan over `devices` with searched boundaries. plan_kw: ctx (required), kv_type,
     prefill_chunk, cache_reserve, arena, act_dtype, logits_rows (as engine.planning.plan.Plan)."""
     if prefer not in PREFER:
-        raise CarveError(f"--prefer: unknown {prefer!r}; use spread or fewest")
+        raise CarveError(f"--prefer: unknown {prefer!r}; use auto, spread or fewest")
     if not devices:
         raise CarveError("--split auto: no devices to split over; name a rig with --gpus")
     if len(devices) > MAX_DEVICES:
@@ -262,6 +265,11 @@ def auto_split(
         return t, Plan(path, tuple(devs), tuple(bounds), **plan_kw)
 
     by_size = _largest_first(devices)
+    if prefer == "auto":
+        slack, one = plan_for(by_size(1))
+        if slack >= settings["cache_reserve"] or len(devices) == 1:
+            return one
+        prefer = "spread"
     if prefer == "spread":
         keep = by_size(min(len(devices), idx.n_layer))
         return plan_for(keep)[1]

@@ -16,6 +16,7 @@ def model(synth_model, make_gpu):
     m = PlanModel()
     m.open_model(str(synth_model("llama")))
     m.set_devices([make_gpu(0, 8000), make_gpu(1, 8000)])
+    m.pick_devices("spread")  # Auto keeps this small model on one GPU; these tests edit a split
     return m
 
 

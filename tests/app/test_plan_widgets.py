@@ -25,6 +25,7 @@ def plan(synth_model, make_gpu):
     m = PlanModel()
     m.open_model(str(synth_model("gemma3")))  # 6 layers
     m.set_devices([make_gpu(0, 8000), make_gpu(1, 8000), make_gpu(2, 8000)])
+    m.pick_devices("spread")  # Auto keeps this small model on one GPU; these tests edit a split
     m.set_split((0, 2, 4, 6))
     return m
 

@@ -15,27 +15,55 @@ from PySide6.QtCore import Qt
 from app.models.presets import PresetStore
 from app.theme import LIGHT
 from app.window_main import MainWindow
+from engine.hardware import devices
+from engine.hardware.devices import DeviceSnapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = str(ROOT / "tests" / "fake_engine.py")
+MIB = 1 << 20
+
+
+def nvml_gpu(i: int, free_mib: int = 23_000) -> DeviceSnapshot:
+    total = 24_564 * MIB
+    return DeviceSnapshot(nvml_index=i, cuda_index=i, name="NVIDIA GeForce RTX 4090",
+                          uuid=f"GPU-{i}", pci_bus_id=f"0000:0{i}:00.0", total=total,
+                          free=free_mib * MIB, used=total - free_mib * MIB, reserved=0,
+                          temperature=None, utilization=None, memory_utilization=None)
 
 
 @pytest.fixture
-def window(qtbot, synth_model, request):
+def machine_gpus(monkeypatch):
+    """This machine's GPUs as NVML reports them (faked at devices.snapshot): two idle RTX 4090s.
+    Tests edit the list in place."""
+    gpus = [nvml_gpu(0), nvml_gpu(1)]
+    monkeypatch.setattr(devices, "snapshot", lambda: list(gpus))
+    return gpus
+
+
+@pytest.fixture
+def window(qtbot, synth_model, request, machine_gpus):
     scenario = getattr(request, "param", "normal")
     w = MainWindow(LIGHT, engine_program=[sys.executable, FAKE, scenario], live_poll=False)
     qtbot.addWidget(w)
-    w.restore(str(synth_model("qwen2")), "2x24GiB")
+    w.restore(str(synth_model("qwen2")), "auto")
     w.show()
     yield w
     w.close()
 
 
 def test_restore_plans_at_once(window):
-    assert window.plan.layout is not None and len(window.plan.layout.devices) == 2
-    assert window.board.simulated and len(window.board.rows) == 2
+    # Auto keeps a model that fits on one GPU on one; Spread, one click away, uses both
+    assert window.plan.layout is not None and len(window.plan.layout.devices) == 1
+    assert not window.board.simulated and len(window.board.rows) == 2
+    assert window.plan.excluded == {1} and window.board.rows[1].excluded
     assert window.launch_bar.launch_button.isEnabled()
+    assert window.launch_bar.launch_button.text() == "Launch"
     assert "qwen2" in window.model_panel._values["Architecture"].text()
+    window.split_editor.spread_button.click()
+    assert [d.device.index for d in window.plan.layout.devices] == [0, 1]
+    assert window.split_editor._use_boxes[1].isChecked()
+    window.split_editor.auto_button.click()
+    assert [d.device.index for d in window.plan.layout.devices] == [0]
 
 
 def test_launch_load_and_chat_streams_into_the_view(qtbot, window):
@@ -60,8 +88,9 @@ def test_launch_load_and_chat_streams_into_the_view(qtbot, window):
     assert not window.board.launched
 
 
-def test_launch_is_refused_when_it_does_not_fit_unless_overridden(qtbot, window, make_gpu):
-    window.plan.set_devices([make_gpu(0, 100)])  # 100 MiB free: not even the runtime overhead fits
+def test_launch_is_refused_when_it_does_not_fit_unless_overridden(qtbot, window, machine_gpus):
+    machine_gpus[:] = [nvml_gpu(0, free_mib=100)]  # not even the runtime overhead fits
+    window.set_rig("auto")
     assert window.plan.verdict() == "does not fit"
     assert not window.launch_bar.launch_button.isEnabled()
     window.launch_bar.override.setChecked(True)
@@ -85,7 +114,7 @@ def test_presets_and_last_session_survive_a_restart(qtbot, window, synth_model):
     again = MainWindow(LIGHT, live_poll=False)
     qtbot.addWidget(again)
     again.restore(None, None)
-    assert again.rig == "2x24GiB" and again.plan.ctx == 1024 and again.plan.kv_type == "q8_0"
+    assert again.rig == "auto" and again.plan.ctx == 1024 and again.plan.kv_type == "q8_0"
     assert again.presets.combo.findText("small") >= 0
     assert PresetStore().recent_files()[0].endswith(synth_model("qwen2").name)
 
@@ -154,8 +183,9 @@ def test_typing_a_rig_replans_and_a_bad_one_says_why(qtbot, window):
     combo = window.rig_picker.combo
     combo.setEditText("3x24GiB")
     combo.lineEdit().editingFinished.emit()
+    window.split_editor.spread_button.click()
     assert window.rig == "3x24GiB" and len(window.plan.layout.devices) == 3
-    assert window.rig_picker.banner.isVisibleTo(window)  # no GPU here: the banner says so
+    assert not window.rig_picker.banner.isVisibleTo(window)  # this machine has GPUs
     combo.setEditText("3xbanana")
     combo.lineEdit().editingFinished.emit()
     assert window.rig == "3x24GiB"
