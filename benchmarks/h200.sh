@@ -24,6 +24,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #   BENCH="qwen2-7b qwen2-0.5b"  synthetic shapes for `carve bench` (ENGINE=1 adds --engine)
 #   SPLIT="qwen2-7b"             shapes also run as two stages (--compare-split)
 #   TESTS="tests/engine/test_gpu_session.py ..."  pytest paths, run after the benches
+#   SERVE="qwen2-7b"             benchmarks.bench_serve on these synthetic shapes (carve
+#                                serve through HTTP; needs starlette, uvicorn, httpx wheels)
 #   KERNELS="lowbit"             benchmarks.device_check --types (each type's GEMV against
 #                                its byte floor at 7B sizes), run before the benches
 #   STEP_S=240                   the most seconds any one step may take
@@ -38,6 +40,9 @@ for s in ${BENCH:-}; do
     [ "${ENGINE:-0}" = 1 ] && extra+=(--engine)
     timeout "$step" python3 -m engine.runtime.bench --synth "$s" --depths "" "${extra[@]}" \
         --json "$out/bench-$s.json" 2>&1 | tee "$out/bench-$s.log"
+done
+for s in ${SERVE:-}; do
+    timeout "$step" python3 -m benchmarks.bench_serve --synth "$s" 2>&1 | tee "$out/serve-$s.log"
 done
 if [ -n "${TESTS:-}" ]; then
     # shellcheck disable=SC2086
