@@ -1,10 +1,11 @@
 """Every kernel on a GPU against its torch twin at real (Qwen2-7B) shapes, timed against its floor.
 
-    python -m benchmarks.device_check [--quick | --attn] [--types LIST] [--json FILE]
+    python -m benchmarks.device_check [--quick | --attn | --moe] [--types LIST] [--json FILE]
 
 Prints the measured copy rate and bf16 matmul rate, then one line per kernel (GEMV per type and
 tile, dequantize, RMSNorm, SwiGLU, RoPE, attention decode and prefill over f16 and q8_0 KV
-caches): microseconds, its floor (bytes over the copy rate, or FLOPs over the matmul rate), the
+caches; ``--moe``: the mixture-of-experts kernels alone, decode and prefill at Qwen3-30B-A3B
+and gpt-oss-20b expert shapes): microseconds, its floor (bytes over the copy rate, or FLOPs over the matmul rate), the
 share of the floor reached and the normalized error against the reference; then the same as a
 Markdown table and the fastest GEMV tile per type (``--json`` writes them to FILE too).
 ``--types`` picks the GEMV / dequantize types (comma-separated names; ``lowbit``: Q2_K, Q3_K,
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one GEMV config per type")
     ap.add_argument("--attn", action="store_true", help="the attention kernels only")
+    ap.add_argument("--moe", action="store_true",
+                    help="the mixture-of-experts kernels only (30B-A3B and gpt-oss-20b shapes)")
     ap.add_argument("--json", metavar="FILE", default=None, help="also write the rows to FILE")
     ap.add_argument("--types", metavar="LIST", default=None,
                     help="GEMV/dequantize types only: comma-separated names, or lowbit")
@@ -119,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
 
     g = torch.Generator(device="cuda")
     g.manual_seed(int(time.time()))
+    if args.moe:
+        _moe_section(g, copy_bw, mm_rate, row)
+        _table(rows, best_cfg, args, copy_bw, mm_rate)
+        return 0
     if args.attn:
         _attn_section(g, copy_bw, mm_rate, row)
         _table(rows, best_cfg, args, copy_bw, mm_rate)
@@ -294,6 +301,81 @@ def _attn_section(g, copy_bw, mm_rate, row):
                 row(f"attn prefill {kv_type} 512@0", tp0, 4 * t_ * (t_ + 1) / 2 * d * nh / mm_rate)
             kc = vc = src = None  # free the cache before the next depth
             torch.cuda.empty_cache()
+
+
+# -- mixture of experts (kernels/moe.py) at Qwen3-30B-A3B (Q4_K_M: gate/up Q4_K, down Q6_K)
+# and gpt-oss-20b (MXFP4) expert shapes
+MOE_SHAPES = [  # (label, n_expert, k, n_embd, n_ff_exp, gate/up type, down type)
+    ("30B-A3B", 128, 8, 2048, 768, qt.Q4_K, qt.Q6_K),
+    ("30B-A3B", 128, 8, 2048, 768, qt.Q4_K, qt.Q4_K),
+    ("gpt-oss-20b", 32, 4, 2880, 2880, qt.MXFP4, qt.MXFP4),
+]
+
+
+def _moe_section(g, copy_bw, mm_rate, row):
+    """Each MoE kernel against the bytes it must move (decode: the k routed experts' rows only;
+    prefill 512 tokens: every expert's bytes once, or its FLOPs). Decode calls in one graph
+    draw different experts (8 id sets), so the 8 calls do not hit L2 for each other."""
+    from kernels import moe
+    from spec.launch import moe_tiles
+
+    for label, ne, k, e, f, gt, dt in MOE_SHAPES:
+        tag = f"{label} {qt.type_name(gt)}/{qt.type_name(dt)}"
+        gate = random_weight(gt, ne * f, e, "cuda", g)
+        up = random_weight(gt, ne * f, e, "cuda", g)
+        down = random_weight(dt, ne * e, f, "cuda", g)
+        router_w = torch.randn(ne, e, device="cuda", generator=g) * 0.05
+        per_g, per_d = gate.numel() // ne, down.numel() // ne  # one expert's bytes
+        x = torch.randn(1, e, device="cuda", generator=g).to(torch.bfloat16)
+        sets = [torch.randperm(ne, device="cuda", generator=g)[:k].view(1, k).to(torch.int32)
+                for _ in range(8)]
+        wts = torch.rand(1, k, device="cuda", generator=g)
+        logits = torch.empty(1, ne, device="cuda")
+        ids, w_out = torch.empty(1, k, dtype=torch.int32, device="cuda"), torch.empty(1, k,
+                                                                                     device="cuda")
+        h = torch.empty(k, f, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(1, e, device="cuda", dtype=torch.bfloat16)
+        t = graph_time(lambda i=0: moe.router(router_w, x, out=logits))
+        row(f"moe router {label} T=1", t, router_w.numel() * 4 / copy_bw)
+        t = graph_time(lambda i=0: moe.route(logits, k, "softmax", True, 1.0, None, ids, w_out))
+        row(f"moe route {label} T=1", t, 0.0, note="latency only")
+        moe.expert_glu(gate, gt, up, gt, ne, x, sets[0], h)
+        ref = moe.expert_glu_ref(gate, gt, up, gt, ne, x.float(), sets[0],
+                                 torch.empty(k, f, device="cuda"))
+        t = graph_time(lambda i=0: moe.expert_glu(gate, gt, up, gt, ne, x, sets[i], h))
+        row(f"moe expert gate/up+glu {tag} T=1", t, 2 * k * per_g / copy_bw, nerr(h, ref))
+        moe.expert_down(down, dt, ne, h, sets[0], wts, y)
+        ref = moe.expert_down_ref(down, dt, ne, h.float(), sets[0], wts,
+                                  torch.empty(1, e, device="cuda"))
+        t = graph_time(lambda i=0: moe.expert_down(down, dt, ne, h, sets[i], wts, y))
+        row(f"moe expert down {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref))
+        # prefill: 512 tokens routed by random logits
+        m = 512
+        xp = torch.randn(m, e, device="cuda", generator=g).to(torch.bfloat16)
+        lg = torch.empty(m, ne, device="cuda")
+        ids_p = torch.empty(m, k, dtype=torch.int32, device="cuda")
+        w_p = torch.empty(m, k, device="cuda")
+        rows_, pos = (torch.empty(m * k, dtype=torch.int32, device="cuda") for _ in range(2))
+        tiles = torch.empty(3, moe_tiles(m * k, ne), dtype=torch.int32, device="cuda")
+        hp_ = torch.empty(m * k, f, device="cuda", dtype=torch.bfloat16)
+        out_rows = torch.empty(m * k, e, device="cuda")
+        yp = torch.empty(m, e, device="cuda", dtype=torch.bfloat16)
+        t = graph_time(lambda i=0: moe.router(router_w, xp, out=lg), calls=2)
+        row(f"moe router {label} T=512", t, 2 * m * e * ne / mm_rate)
+        moe.route(lg, k, "softmax", True, 1.0, None, ids_p, w_p)
+        t = graph_time(lambda i=0: moe.sort_routes(ids_p, ne, rows_, pos, tiles), calls=2)
+        row(f"moe sort {label} T=512", t, 0.0, note="latency only")
+        flops = 2 * m * k * e * f
+        t = graph_time(lambda i=0: moe.grouped_glu(gate, gt, up, gt, ne, xp, ids_p, rows_, tiles,
+                                                   hp_), calls=2)
+        row(f"moe grouped gate/up {tag} T=512", t,
+            max(2 * gate.numel() / copy_bw, 2 * flops / mm_rate))
+        t = graph_time(lambda i=0: moe.grouped_down(down, dt, ne, hp_, tiles, out_rows), calls=2)
+        row(f"moe grouped down {tag} T=512", t, max(down.numel() / copy_bw, flops / mm_rate))
+        t = graph_time(lambda i=0: moe.combine(out_rows, pos, w_p, yp), calls=2)
+        row(f"moe combine {label} T=512", t, (out_rows.numel() * 4 + yp.numel() * 2) / copy_bw)
+        gate = up = down = hp_ = out_rows = None  # free before the next shape
+        torch.cuda.empty_cache()
 
 
 def _table(rows, best_cfg, args, copy_bw, mm_rate):

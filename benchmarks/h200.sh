@@ -28,11 +28,17 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #                                serve through HTTP; needs starlette, uvicorn, httpx wheels)
 #   KERNELS="lowbit"             benchmarks.device_check --types (each type's GEMV against
 #                                its byte floor at 7B sizes), run before the benches
+#   MOE=1                        benchmarks.device_check --moe (the mixture-of-experts
+#                                kernels against their byte floors), run before the benches
 #   STEP_S=240                   the most seconds any one step may take
 step=${STEP_S:-240}
 if [ -n "${KERNELS:-}" ]; then
     timeout "$step" python3 -m benchmarks.device_check --types "$KERNELS" \
         --json "$out/device-check.json" 2>&1 | tee "$out/device-check.log"
+fi
+if [ "${MOE:-0}" = 1 ]; then
+    timeout "$step" python3 -m benchmarks.device_check --moe \
+        --json "$out/device-check-moe.json" 2>&1 | tee "$out/device-check-moe.log"
 fi
 for s in ${BENCH:-}; do
     extra=()

@@ -68,14 +68,47 @@ def _router_kernel(w_ptr, x_ptr, b_ptr, y_ptr, E, K, stride_xm, HAS_BIAS: tl.con
     tl.store(y_ptr + m * E + rows, y, mask=rmask)
 
 
+@triton.jit
+def _router_mm_kernel(w_ptr, x_ptr, b_ptr, y_ptr, M, E, K, stride_xm, HAS_BIAS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    # prefill: a tile of rows times a tile of experts, so that the router's weights are read
+    # once per BLOCK_M rows, not once per row; float32 products (a tf32 rounding could change
+    # which experts a near tie picks)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ex = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    rm, em = rows < M, ex < E
+    acc = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + tl.arange(0, BLOCK_K)
+        cm = c < K
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + c[None, :],
+                    mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + ex.to(tl.int64)[None, :] * K + c[:, None],
+                    mask=em[None, :] & cm[:, None], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + ex, mask=em, other=0.0)[None, :]
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * E + ex[None, :], acc,
+             mask=rm[:, None] & em[None, :])
+
+
+ROUTER_GEMV_ROWS = 8  # up to this many rows the router runs as a GEMV (decode)
+
+
 def router(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None, use_pdl: bool = True) -> torch.Tensor:
     """Router logits [M, E] float32 = x [M, K] @ w^T (+ bias); ``w`` float32 [E, K] (the file
-    keeps routers in F32)."""
+    keeps routers in F32). Up to ROUTER_GEMV_ROWS rows a GEMV, else a tiled float32 GEMM."""
     e, k = w.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     out = torch.empty(m, e, dtype=torch.float32, device=x.device) if out is None else out
+    if m > ROUTER_GEMV_ROWS:
+        be = 64 if x.is_cuda else max(16, triton.next_power_of_2(e))
+        _router_mm_kernel[(triton.cdiv(e, be), triton.cdiv(m, 32))](
+            w, x2, bias if bias is not None else w, out, m, e, k, x2.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=32, BLOCK_E=be, BLOCK_K=32, num_warps=4)
+        return out
     block_e = 2 if x.is_cuda else triton.next_power_of_2(e)
     block_k = 512 if x.is_cuda else triton.next_power_of_2(k)
     _router_kernel[(triton.cdiv(e, block_e), m)](

@@ -153,3 +153,25 @@ def test_cuda_bf16_moe_logits_near_the_cpu_engine(model, tmp_path, monkeypatch) 
         g.close()
         c.close()
         torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_moe_priced_equals_reserved_and_nothing_more_per_token(model, tmp_path,
+                                                                     monkeypatch) -> None:
+    """The MoE buffers are what the runner holds: the load reserves what was priced, and
+    prefill chunks (sort, grouped GEMMs, combine) and decode steps allocate nothing more."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    torch.cuda.empty_cache()
+    g = GpuSession.load(cuda_plan(model, (0, 2), prefill_chunk=32, logits_rows=1))
+    try:
+        for r in g.memory_report():
+            assert r["runner"] == "triton" and r["allocated"] == r["reserved"] == r["priced"], r
+        g.generate(ids(40), GREEDY, set(), lambda t: True)
+        after_one = torch.cuda.memory_reserved(0)
+        g.generate(ids(70, 5), SamplingParams(temperature=0.0, repeat_penalty=1.0,
+                                              max_tokens=20), set(), lambda t: True)
+        assert torch.cuda.memory_reserved(0) == after_one
+    finally:
+        g.close()
+        torch.cuda.empty_cache()

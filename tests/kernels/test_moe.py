@@ -44,13 +44,14 @@ def test_mxfp4_dequantize_is_bit_exact(seed):
 def test_router_matches_reference(seed):
     g = generator(seed)
     w = torch.randn(12, 96, generator=g, device=DEVICE)
-    x = torch.randn(3, 96, generator=g, device=DEVICE)
     b = torch.randn(12, generator=g, device=DEVICE)
-    for bias in (None, b):
-        out = poison((3, 12))
-        moe.router(w, x, bias, out=out)
-        mag = x.abs() @ w.abs().T + (0 if bias is None else bias.abs())
-        assert nerr(out, moe.router_ref(w, x, bias), mag) < 1e-6
+    for m in (3, 37):  # the decode GEMV and the prefill GEMM
+        x = torch.randn(m, 96, generator=g, device=DEVICE)
+        for bias in (None, b):
+            out = poison((m, 12))
+            moe.router(w, x, bias, out=out)
+            mag = x.abs() @ w.abs().T + (0 if bias is None else bias.abs())
+            assert nerr(out, moe.router_ref(w, x, bias), mag) < 1e-6
 
 
 @pytest.mark.parametrize("gating", ["softmax", "softmax_topk", "sigmoid"])
