@@ -299,3 +299,32 @@ def test_moe_files_read_back_with_well_formed_experts(synth_model, shape, mix):
         assert 0.002 < rms < 0.2, (t.name, rms)
         experts += "_exps." in t.name
     assert experts == 3 * (sh.n_block - sh.n_layer_dense_lead)
+
+
+def test_transformers_runs_a_synthetic_qwen3moe(tmp_path):
+    # someone else's loader: names, stacked expert shapes and blocks fit Qwen3MoeForCausalLM.
+    # (its GGUF reader ignores expert_feed_forward_length and assumes 768, hence that width)
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    sh = Shape("qwen3moe", 2, 256, 4, 2, 512, 512, head_dim=64, n_ctx=2048, n_expert=4,
+               n_expert_used=2, n_ff_exp=768)
+    path = write_model(tmp_path / "moe.gguf", sh)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
+    assert model.config.num_experts == 4 and model.config.num_experts_per_tok == 2
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 4]])).logits
+    assert logits.shape == (1, 4, 512) and bool(torch.isfinite(logits).all())
+    assert 0.1 < float(logits.std()) < 100
+
+
+def test_gen_writes_each_shapes_published_mix_by_default(tmp_path, capsys):
+    out = tmp_path / "oss.gguf"
+    assert main(["--shape", "gpt-oss-tiny", "-o", str(out)]) == 0
+    assert "gpt-oss-tiny mxfp4_moe: 1 file(s)" in capsys.readouterr().out
+    model = GGUFModel.open(out)
+    assert model.tensor("blk.0.ffn_up_exps.weight").ggml_type == 39  # MXFP4
+    assert model.metadata["general.file_type"] == 38  # LLAMA_FTYPE_MOSTLY_MXFP4_MOE
+    assert model.metadata["gpt-oss.rope.scaling.type"] == "yarn"
