@@ -4,12 +4,15 @@
 and turns each line the engine prints into one Qt signal. A line that does not decode becomes one
 ``invalid_data`` signal, never an exception. The process dying unasked becomes ``crashed`` with
 its last stderr lines. Quitting ends it: ``shutdown`` asks, then terminates, then kills.
+A hung engine (stopped, frozen) is killed after ``silence_limit`` seconds without any event
+while it starts, loads or answers (the engine sends ``alive`` meanwhile), and ``crashed`` says so.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections import deque
 from typing import Any
 
@@ -19,6 +22,7 @@ import app.pyside_refcount  # noqa: F401  (PySide6 6.12.0 refcount bug: before a
 from engine.process import protocol
 
 STDERR_KEEP = 40  # lines of engine stderr kept for the crash message
+BUSY = ("starting", "loading", "generating")  # states in which the engine owes us events
 
 
 class EngineClient(QObject):
@@ -38,7 +42,8 @@ class EngineClient(QObject):
     crashed = Signal(str)  # exit description + last stderr lines
     exited = Signal()  # the process is gone (asked or not)
 
-    def __init__(self, program: list[str] | None = None, parent: QObject | None = None) -> None:
+    def __init__(self, program: list[str] | None = None, parent: QObject | None = None,
+                 silence_limit: float = protocol.SILENCE_LIMIT) -> None:
         super().__init__(parent)
         self.program = program or [sys.executable, "-m", "engine.runtime.server"]
         self.state = "stopped"
@@ -51,6 +56,12 @@ class EngineClient(QObject):
         self._escalate = QTimer(self)
         self._escalate.setSingleShot(True)
         self._escalate.timeout.connect(self._on_escalate)
+        self.silence_limit = silence_limit
+        self._heard = time.monotonic()  # the last event, or the start of the current wait
+        self._hung = ""  # why this client killed the engine
+        self._silence = QTimer(self)
+        self._silence.setInterval(int(min(1.0, silence_limit / 4) * 1000))
+        self._silence.timeout.connect(self._check_silence)
 
     # -- process lifetime --------------------------------------------------------------------
     def is_running(self) -> bool:
@@ -73,11 +84,13 @@ class EngineClient(QObject):
         proc.errorOccurred.connect(self._on_error_occurred)
         self._proc = proc
         self._stopping = False
+        self._hung = ""
         self._decoder = protocol.LineDecoder(protocol.EVENTS)
         self._stderr_buf = b""
         self.stderr_tail.clear()
         self._set_state("starting")
         proc.start(self.program[0], self.program[1:])
+        self._silence.start()
 
     def shutdown(self, grace_ms: int = 3000) -> None:
         """Ask the engine to exit; terminate it after ``grace_ms``, kill it after twice that."""
@@ -142,7 +155,16 @@ class EngineClient(QObject):
     # -- engine output -----------------------------------------------------------------------
     def _on_stdout(self) -> None:
         for msg in self._decoder.feed(bytes(self._proc.readAllStandardOutput().data())):
-            self._dispatch(msg)
+            self._heard = time.monotonic()
+            if not isinstance(msg, protocol.Alive):  # a heartbeat is for this class only
+                self._dispatch(msg)
+
+    def _check_silence(self) -> None:
+        quiet = time.monotonic() - self._heard
+        if self.state in BUSY and quiet > self.silence_limit and self.is_running():
+            self._hung = (f"The engine stopped answering (nothing for {quiet:.0f} s while it "
+                          f"was {self.state}), so it was stopped.")
+            self._proc.kill()
 
     def _dispatch(self, msg: protocol.Message | protocol.ProtocolError) -> None:
         p = protocol
@@ -198,16 +220,20 @@ class EngineClient(QObject):
             self.stderr_tail.append(self._stderr_buf.decode("utf-8", "replace").rstrip())
             self._stderr_buf = b""
         self._escalate.stop()
+        self._silence.stop()
         expected = self._stopping
         self._set_state("stopped")
         if not expected:
             how = ("was killed" if status == QProcess.ExitStatus.CrashExit
                    else f"exited with status {code}")
             tail = "\n".join(list(self.stderr_tail)[-12:])
-            self.crashed.emit(f"The engine {how}." + (f"\n\nLast output:\n{tail}" if tail else ""))
+            first = self._hung or f"The engine {how}."
+            self.crashed.emit(first + (f"\n\nLast output:\n{tail}" if tail else ""))
         self.exited.emit()
 
     def _set_state(self, state: str) -> None:
         if state != self.state:
+            if state in BUSY and self.state not in BUSY:
+                self._heard = time.monotonic()  # a new wait starts now, not at the last event
             self.state = state
             self.state_changed.emit(state)

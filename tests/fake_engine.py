@@ -20,6 +20,8 @@ Scenarios (default "normal"):
                 SIGTERM (only SIGKILL or the parent's death end it). For terminate -> kill paths.
     flood       like normal, but generate streams tokens at 500 tokens/s ("tok0 ", "tok1 ", ...)
                 until max_tokens (default 2000) or stop. For GUI throttling tests.
+    slow-load   like normal, but a load first spends CARVE_FAKE_SLOW seconds (default 2) with
+                no progress, sending only alive events (every 0.2 s), as a long compile does.
 
 Every scenario exits when its parent process disappears, so a crashed test leaves no orphan.
 """
@@ -38,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.process import protocol as p
 
-SCENARIOS = ("normal", "load-error", "crash-load", "hang", "flood")
+SCENARIOS = ("normal", "load-error", "crash-load", "hang", "flood", "slow-load")
 FAKE_DEVICE = {"index": 0, "name": "Fake GPU", "priced": 104857600, "allocated": 104857600,
                "nvml_used": 104857600 + (620 << 20)}  # fmt: skip
 
@@ -98,6 +100,11 @@ class FakeEngine:
 
     def load(self) -> None:
         total = 100 << 20
+        if self.scenario == "slow-load":
+            end = time.monotonic() + float(os.environ.get("CARVE_FAKE_SLOW", "2"))
+            while time.monotonic() < end:
+                time.sleep(0.2)
+                self.emit(p.Alive())
         steps = 2 if self.scenario == "crash-load" else 5
         for i in range(1, steps + 1):
             if self.stop.is_set():

@@ -8,6 +8,11 @@
 Pure Python, no torch: `app/` imports it. The engine runs in its own session (no controlling
 terminal's process group), so a Ctrl-C in the terminal reaches only the CLI, which decides to
 send `stop`; the engine's parent watchdog still ends it if the CLI dies.
+
+A hung engine (stopped, frozen, deadlocked in its output) is noticed: while a request of ours
+runs, the engine sends some event at least every `protocol.HEARTBEAT` seconds (progress,
+tokens, or `alive`); after `silence_limit` seconds with none the client kills it, and the
+waiting caller gets EngineExited saying so.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Self
 
@@ -37,6 +43,11 @@ class EngineExited(CarveError):
     """The engine process ended while a client waited for it."""
 
 
+# requests whose answer the client waits for, and the events that end that wait
+_ASKS = (p.Load, p.Generate, p.Tokenize, p.Perplexity)
+_ANSWERS = (p.Loaded, p.Unloaded, p.Done, p.Error, p.Tokens)
+
+
 class EngineProcess:
     """Owns one engine process: spawns it, writes requests, reads events, ends it on exit."""
 
@@ -45,6 +56,7 @@ class EngineProcess:
         command: Sequence[str] | None = None,
         env: dict[str, str] | None = None,
         echo_stderr: bool = False,
+        silence_limit: float = p.SILENCE_LIMIT,
     ) -> None:
         self.command = list(command) if command else engine_command()
         self._env = env
@@ -53,6 +65,10 @@ class EngineProcess:
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
         self._write_lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.silence_limit = silence_limit
+        self._waiting = 0  # requests sent whose answer has not come back
+        self._heard = time.monotonic()  # the last event (or the first request it owes one for)
+        self._hung = ""  # why the client killed the engine, when it did
 
     # ------------------------------------------------------------ lifecycle
 
@@ -77,6 +93,7 @@ class EngineProcess:
         threading.Thread(target=self._read_stdout, daemon=True, name="engine-out").start()
         self._stderr_thread = threading.Thread(target=self._read_stderr, daemon=True)
         self._stderr_thread.start()
+        threading.Thread(target=self._watch_silence, daemon=True, name="engine-silence").start()
         return self
 
     def __enter__(self) -> Self:
@@ -129,6 +146,10 @@ class EngineProcess:
             raise CarveError("the engine is not started")
         try:
             with self._write_lock:
+                if isinstance(msg, _ASKS):
+                    if not self._waiting:
+                        self._heard = time.monotonic()
+                    self._waiting += 1
                 self.proc.stdin.write(p.encode(msg))
                 self.proc.stdin.flush()
         except (BrokenPipeError, ValueError, OSError):
@@ -164,6 +185,8 @@ class EngineProcess:
                 raise CarveError(item.message)
 
     def _exited(self) -> EngineExited:
+        if self._hung:
+            return EngineExited(self._hung)
         try:
             code = self.proc.wait(timeout=5) if self.proc else None
         except subprocess.TimeoutExpired:
@@ -178,10 +201,28 @@ class EngineProcess:
         stream = self.proc.stdout
         while chunk := stream.read1(1 << 16):
             for item in decoder.feed(chunk):
-                self._events.put(item)
+                self._heard = time.monotonic()
+                if isinstance(item, _ANSWERS) or (
+                        isinstance(item, p.PerplexityResult) and item.chunks >= item.total):
+                    with self._write_lock:
+                        self._waiting = max(0, self._waiting - 1)
+                if not isinstance(item, p.Alive):  # a heartbeat is for this class only
+                    self._events.put(item)
         for item in decoder.finish():
             self._events.put(item)
         self._events.put(None)
+
+    def _watch_silence(self) -> None:
+        """Kill the engine when a request of ours has heard nothing for silence_limit s."""
+        proc = self.proc
+        while proc.poll() is None:
+            time.sleep(min(1.0, self.silence_limit / 4))
+            quiet = time.monotonic() - self._heard
+            if self._waiting and quiet > self.silence_limit and proc.poll() is None:
+                self._hung = (f"the engine stopped answering (nothing for {quiet:.0f} s while it "
+                              "worked on a request), so it was killed; start it again")
+                proc.kill()
+                return
 
     def _read_stderr(self) -> None:
         for raw in self.proc.stderr:

@@ -34,6 +34,11 @@ Events (from the engine)
     tokens {ids}
     perplexity {value, stderr, chunks, total}   running estimate after each chunk;
                                       the final one has chunks == total
+    alive                             every HEARTBEAT seconds while a request runs and no other
+                                      event went out: the engine is working, not stuck. A client
+                                      that hears nothing for SILENCE_LIMIT seconds while a
+                                      request of its own runs takes the engine for hung and
+                                      kills it (clients keep this event to themselves)
 
 Decoding never raises: a bad line becomes a ``ProtocolError`` item (qutebrowser's ipc does the
 same), so one malformed line can not take down either side.
@@ -49,6 +54,10 @@ from typing import Any, ClassVar, Union
 
 VERSION = 1
 MAX_LINE = 32 << 20  # bytes; a perplexity text of a few MB fits, a runaway writer does not
+HEARTBEAT = 1.0  # seconds between alive events while a request runs
+# seconds a client waits for any event while a request runs before it takes the engine for hung;
+# loads are long but send progress, and the alive events cover steps without progress
+SILENCE_LIMIT = 30.0
 
 
 # ---------------------------------------------------------------- requests
@@ -177,6 +186,11 @@ class Error:
 
 
 @dataclass(frozen=True, slots=True)
+class Alive:
+    TYPE: ClassVar[str] = "alive"
+
+
+@dataclass(frozen=True, slots=True)
 class Tokens:
     TYPE: ClassVar[str] = "tokens"
     ids: list[int]
@@ -194,6 +208,7 @@ class PerplexityResult:
 Request = Load | Generate | Stop | Unload | Shutdown | Tokenize | Perplexity
 Event = (
     Ready | Progress | Loaded | Unloaded | Note | Token | Done | Error | Tokens | PerplexityResult
+    | Alive
 )
 Message = Request | Event
 

@@ -3,7 +3,9 @@
 
 Threads: a reader turns stdin bytes into requests (answering bad lines at once and marking
 stop/unload/shutdown as cancelling everything received before them), the main thread runs one
-request at a time, and a watchdog ends the process when its parent dies so no orphan holds VRAM.
+request at a time, a watchdog ends the process when its parent dies so no orphan holds VRAM,
+and a heartbeat sends `alive` while a request runs and says nothing else, so a client can tell
+a long step (a kernel compile, a big prefill) from a stopped or frozen process.
 
 Cancellation is by sequence number, not a flag: each request gets the number of its arrival and
 `stop` (also unload, shutdown, and a new load) cancels every request numbered below it. So a
@@ -127,6 +129,8 @@ class Engine:
         self._tok: tuple[Any, Any] = (None, None)  # (session, its tokenizer)
         self._preloaded = threading.Event()  # set: no import is under way in another thread
         self._preloaded.set()
+        self._busy = False  # a request is being handled (the heartbeat speaks only then)
+        self._last_emit = time.monotonic()
 
     def start_preload(self) -> None:
         self._preloaded.clear()
@@ -152,6 +156,7 @@ class Engine:
             with self._out_lock:
                 self._out.write(p.encode(msg))
                 self._out.flush()
+                self._last_emit = time.monotonic()
         except (OSError, ValueError):  # reader gone (broken pipe, closed): nobody to serve
             self.request_exit("stdout closed")
 
@@ -161,6 +166,7 @@ class Engine:
             with self._out_lock:
                 self._out.write(b"".join(p.encode(m) for m in msgs))
                 self._out.flush()
+                self._last_emit = time.monotonic()
         except (OSError, ValueError):
             self.request_exit("stdout closed")
 
@@ -213,6 +219,12 @@ class Engine:
                 self.request_exit(f"parent process {parent} is gone")
                 return
 
+    def heartbeat(self, interval: float = p.HEARTBEAT) -> None:
+        """`alive` every `interval` seconds while a request runs and nothing else went out."""
+        while not self._exiting.wait(interval / 4):
+            if self._busy and time.monotonic() - self._last_emit >= interval:
+                self.emit(p.Alive())
+
     # ------------------------------------------------------------ worker (main thread)
 
     def serve(self) -> int:
@@ -230,6 +242,7 @@ class Engine:
             def cancelled(seq: int = seq) -> bool:
                 return seq < self._cancel_below or self._exiting.is_set()
 
+            self._busy = True
             try:
                 self.handle(req, cancelled)
             except Exception as err:  # noqa: BLE001 - any failure is one error event, then serve on
@@ -240,6 +253,8 @@ class Engine:
                                   code=getattr(err, "code", "")))
                 if fatal:  # the CUDA context is poisoned: only a new process can use the GPU
                     return 1
+            finally:
+                self._busy = False
         self.release()
         return 0
 
@@ -479,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.start_preload()
     threading.Thread(target=engine.read_requests, args=(0,), daemon=True, name="stdin").start()
     threading.Thread(target=engine.watch_parent, daemon=True, name="parent").start()
+    threading.Thread(target=engine.heartbeat, daemon=True, name="heartbeat").start()
     try:
         code = engine.serve()
     except KeyboardInterrupt:
