@@ -468,7 +468,7 @@ def sort_routes_ref(ids, n_expert, rows, pos, tiles):
 
 
 @triton.jit
-def _tile_dot(acc, w_ptr, wh_ptr, n_c, xrows, rm, K, row_bytes, TYPE: tl.constexpr,
+def _tile_dot(acc, w_ptr, wh_ptr, g_ptr, n_c, xrows, rm, K, row_bytes, TYPE: tl.constexpr,
               BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr, L: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
               DOT_F32: tl.constexpr):
@@ -483,7 +483,7 @@ def _tile_dot(acc, w_ptr, wh_ptr, n_c, xrows, rm, K, row_bytes, TYPE: tl.constex
         bm = blk < nblk
         base = row_base + tl.minimum(blk, nblk - 1)[None, :, None] * TS
         for p in tl.static_range(NPART):
-            v, el = dequant_part(w_ptr, wh_ptr, base, lane, TYPE, p)
+            v, el = dequant_part(w_ptr, wh_ptr, base, lane, TYPE, p, False, g_ptr)
             cols = blk[:, None] * BS + el[None, :]  # [B, L]
             xv = tl.load(xrows[:, None, None] + cols[None, :, :],
                          mask=rm[:, None, None] & bm[None, :, None], other=0.0)
@@ -497,7 +497,7 @@ def _tile_dot(acc, w_ptr, wh_ptr, n_c, xrows, rm, K, row_bytes, TYPE: tl.constex
 
 
 @triton.jit
-def _grouped_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, gb_ptr, ub_ptr, x_ptr, rows_ptr,
+def _grouped_glu_kernel(g_ptr, gh_ptr, gg_ptr, u_ptr, uh_ptr, ug_ptr, gb_ptr, ub_ptr, x_ptr, rows_ptr,
                         tiles_ptr, h_ptr, N, K, g_rb, u_rb, stride_xm, T, limit,
                         KU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                         TG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr,
@@ -514,10 +514,12 @@ def _grouped_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, gb_ptr, ub_ptr, x_ptr, row
         xrows = x_ptr + tok.to(tl.int64) * stride_xm
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_c = ex * N + tl.minimum(n, N - 1)
-        g = _tile_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), g_ptr, gh_ptr, n_c, xrows,
-                      rm, K, g_rb, TG, BSG, TSG, NPG, LG, BLOCK_M, BLOCK_N, BBG, DOT_F32)
-        u = _tile_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), u_ptr, uh_ptr, n_c, xrows,
-                      rm, K, u_rb, TU, BSU, TSU, NPU, LU, BLOCK_M, BLOCK_N, BBU, DOT_F32)
+        g = _tile_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), g_ptr, gh_ptr, gg_ptr, n_c,
+                      xrows, rm, K, g_rb, TG, BSG, TSG, NPG, LG, BLOCK_M, BLOCK_N, BBG,
+                      DOT_F32)
+        u = _tile_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), u_ptr, uh_ptr, ug_ptr, n_c,
+                      xrows, rm, K, u_rb, TU, BSU, TSU, NPU, LU, BLOCK_M, BLOCK_N, BBU,
+                      DOT_F32)
         if HAS_BIAS:
             g += tl.load(gb_ptr + n_c).to(tl.float32)[None, :]
             u += tl.load(ub_ptr + n_c).to(tl.float32)[None, :]
@@ -528,8 +530,9 @@ def _grouped_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, gb_ptr, ub_ptr, x_ptr, row
 
 def _gemm_meta(w: torch.Tensor, t: int, tag: str) -> tuple[tuple, dict]:
     p = plan(t)
-    _, wh = _launch_args(w, t)[0][:2]
-    return (w, wh), {f"T{tag}": t, f"BS{tag}": p.block, f"TS{tag}": p.nbytes,
+    # bytes, 16-bit view, and the IQ types' value table (the weight itself for other types)
+    _, wh, table = _launch_args(w, t, x_dtype=torch.float32)[0]
+    return (w, wh, table), {f"T{tag}": t, f"BS{tag}": p.block, f"TS{tag}": p.nbytes,
                      f"NP{tag}": p.parts, f"L{tag}": p.lanes,
                      f"BB{tag}": max(1, 64 // p.block)}  # 16-64 values per tl.dot step
 
@@ -573,7 +576,7 @@ def grouped_glu_ref(gate, gate_type, up, up_type, n_expert, x, ids, rows, tiles,
 
 
 @triton.jit
-def _grouped_down_kernel(w_ptr, wh_ptr, b_ptr, h_ptr, tiles_ptr, y_ptr, N, K, row_bytes, T,
+def _grouped_down_kernel(w_ptr, wh_ptr, wg_ptr, b_ptr, h_ptr, tiles_ptr, y_ptr, N, K, row_bytes, T,
                          HAS_BIAS: tl.constexpr, TD: tl.constexpr, BSD: tl.constexpr,
                          TSD: tl.constexpr, NPD: tl.constexpr, LD: tl.constexpr,
                          BBD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -585,7 +588,7 @@ def _grouped_down_kernel(w_ptr, wh_ptr, b_ptr, h_ptr, tiles_ptr, y_ptr, N, K, ro
         rm = r < tl.load(tiles_ptr + 2 * T + t)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_c = ex * N + tl.minimum(n, N - 1)
-        y = _tile_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), w_ptr, wh_ptr, n_c,
+        y = _tile_dot(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), w_ptr, wh_ptr, wg_ptr, n_c,
                       h_ptr + r.to(tl.int64) * K, rm, K, row_bytes, TD, BSD, TSD, NPD, LD,
                       BLOCK_M, BLOCK_N, BBD, DOT_F32)
         if HAS_BIAS:

@@ -106,7 +106,7 @@ def test_expert_glu_and_down_match_reference(ggml_type, seed):
     for accumulate in (False, True):
         out = prior.clone() if accumulate else poison((m, cols))
         moe.expert_down(down, ggml_type, n_expert, hd, ids, wts, out, accumulate=accumulate,
-                        config=(64, 16, 1))
+                        config=(256, 16, 1))
         want = moe.expert_down_ref(down, ggml_type, n_expert, hd, ids, wts, prior.clone(),
                                    accumulate=accumulate)
         mag = sum(wts[:, j:j + 1] * torch.stack([
@@ -161,7 +161,8 @@ def test_sort_routes_groups_rows_by_expert(seed):
                                   for c in torch.bincount(ids.reshape(-1).long()))
 
 
-@pytest.mark.parametrize("types", [(qt.Q4_K, qt.Q6_K), (qt.MXFP4, qt.MXFP4), (qt.Q8_0, qt.Q4_0)],
+@pytest.mark.parametrize("types", [(qt.Q4_K, qt.Q6_K), (qt.MXFP4, qt.MXFP4), (qt.Q8_0, qt.Q4_0),
+                                   (qt.IQ4_XS, qt.IQ2_XXS)],
                          ids=lambda t: "-".join(qt.type_name(x) for x in t))
 def test_prefill_grouped_path_matches_decode_reference(types, seed):
     # sort -> grouped gate/up -> grouped down -> combine gives, for every token, what the
