@@ -62,7 +62,7 @@ def pump_events(engine: EngineProcess, turns: Any, stopping: threading.Event) ->
     except EngineExited as err:
         if not stopping.is_set():
             print(f"carve: {err}; requests now get 503", file=sys.stderr, flush=True)
-        turns.engine_gone(str(err))
+        turns.engine_gone(f"{err}; start carve serve again")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -77,7 +77,7 @@ def serve(args: argparse.Namespace) -> int:
     turns = EngineTurns(engine.send)
     # bound before the engine starts: a taken port is reported before minutes of loading
     server = HttpServer(build_app(turns, model, args.api_key), args.host, args.port,
-                        args.verbose)  # fmt: skip
+                        args.verbose, on_exit=lambda: turns.close("carve serve is stopping"))
     stopping = threading.Event()
     with engine, server.sock:
         engine.wait_for(p.Ready, timeout=120)

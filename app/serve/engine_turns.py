@@ -73,6 +73,11 @@ class EngineTurns:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._on_gone, why)
 
+    def close(self, why: str) -> None:
+        """The server is stopping: stop the engine's generation and answer everyone `why`."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._on_close, why)
+
     # ------------------------------------------------------------ the server's side (its loop)
 
     async def begin(self, request: p.Generate) -> Turn:
@@ -134,6 +139,11 @@ class EngineTurns:
         if not turn.abandoned:
             turn.events.put_nowait(event)
         self._next()
+
+    def _on_close(self, why: str) -> None:
+        if self._current is not None:
+            self.stop(self._current)
+        self._on_gone(why)
 
     def _on_gone(self, why: str) -> None:
         self.gone = self.gone or why

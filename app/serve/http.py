@@ -16,7 +16,7 @@ import hmac
 import json
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import uvicorn
@@ -71,8 +71,8 @@ def _engine_error(event: p.Error, job: Job) -> ApiError:
 
 
 def _gone(err: EngineGone) -> ApiError:
-    return ApiError(503, f"the engine process is gone ({err}); restart carve serve or launch "
-                    "the model again", code="engine_unavailable", type="server_error")  # fmt: skip
+    return ApiError(503, f"no engine to answer: {err}", code="engine_unavailable",
+                    type="server_error")  # fmt: skip
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
@@ -304,12 +304,13 @@ class HttpServer:
     ``run`` blocks (in the main thread it ends on Ctrl-C/SIGTERM); ``stop`` ends it from any
     thread."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int, verbose: bool = False) -> None:
+    def __init__(self, app: ASGIApp, host: str, port: int, verbose: bool = False,
+                 on_exit: Callable[[], None] = lambda: None) -> None:  # fmt: skip
         self.sock = bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="info" if verbose else "warning", ws="none",
                                 lifespan="on", timeout_graceful_shutdown=2)  # fmt: skip
-        self.server = uvicorn.Server(config)
+        self.server = _Uvicorn(config, on_exit)
 
     @property
     def url(self) -> str:
@@ -323,7 +324,22 @@ class HttpServer:
             self.sock.close()
 
     def stop(self) -> None:
+        self.server.on_exit()
         self.server.should_exit = True
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn that tells the app it is stopping as soon as it is asked to (Ctrl-C, SIGTERM,
+    stop()), so requests still waiting on the engine are answered (503) before the graceful
+    shutdown's deadline, instead of being cancelled with a traceback in the log."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.on_exit()
+        super().handle_exit(sig, frame)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -153,7 +153,8 @@ class ServeSwitch(QWidget):
         link = WindowLink(self.client, self.history, self)
         try:
             server = HttpServer(build_app(link.turns, model_id(Path(path).name)), self.host,
-                                self.port)  # fmt: skip
+                                self.port, on_exit=lambda: link.turns.close(
+                                    "serving was switched off in the window"))  # fmt: skip
         except CarveError as err:
             link.close()
             link.deleteLater()

@@ -154,19 +154,19 @@ def test_raw_completion_of_the_rendered_template_continues_as_chat_does(client, 
 
 
 def test_stop_strings_end_the_reply_and_are_cut_from_it(client, served):
-    full = chat(client, served, "abc", 11, max_tokens=24).choices[0].message.content
+    full = chat(client, served, "abc", 11, max_tokens=16).choices[0].message.content
     stop = full[len(full) // 2 : len(full) // 2 + 4]
     cut = full[: full.find(stop)]
     assert len(cut) < len(full) - 4
     for stops in (stop, ["never-in-it", stop]):
-        whole = chat(client, served, "abc", 11, max_tokens=24, stop=stops)
+        whole = chat(client, served, "abc", 11, max_tokens=16, stop=stops)
         assert whole.choices[0].message.content == cut
         assert whole.choices[0].finish_reason == "stop"
-        assert whole.usage.completion_tokens < 24
-        text, chunks = streamed(chat(client, served, "abc", 11, max_tokens=24, stop=stops,
+        assert whole.usage.completion_tokens < 16
+        text, chunks = streamed(chat(client, served, "abc", 11, max_tokens=16, stop=stops,
                                      stream=True))  # fmt: skip
         assert text == cut and chunks[-1].choices[0].finish_reason == "stop"
-    missed = chat(client, served, "abc", 11, max_tokens=24, stop=["never-in-it"])
+    missed = chat(client, served, "abc", 11, max_tokens=16, stop=["never-in-it"])
     assert missed.choices[0].message.content == full
     assert missed.choices[0].finish_reason == "length"
 
@@ -180,11 +180,11 @@ def test_concurrent_clients_queue_and_get_what_they_get_alone(client, served):
             return streamed(chat(client, served, f"q{i}", i, max_tokens=8, stream=True))[0]
         return chat(client, served, f"q{i}", i, max_tokens=8).choices[0].message.content
 
-    alone = [one(i) for i in range(5)]
-    with ThreadPoolExecutor(5) as pool:
-        together = list(pool.map(one, range(5)))
+    alone = [one(i) for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(one, range(4)))
     assert together == alone
-    assert len(set(alone)) == 5
+    assert len(set(alone)) == 4
 
 
 def _quick(served) -> float:
