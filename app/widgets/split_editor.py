@@ -123,8 +123,8 @@ class SplitEditor(QWidget):
         empty = n_stage == 0
         self.placeholder.setVisible(empty)
         pi.showAxis("bottom", not empty)
-        if empty:
-            self.stages.setOpts(x0=[0], width=[0], y0=[0], height=[1])
+        if empty:  # no bar, and no outline of a zero-width one at x = 0 either
+            self.stages.setOpts(x0=[0], width=[0], y0=[0], height=[1], pens=[pg.mkPen(None)])
             self.ticks.setData([], [])
             self.placeholder.setColor(self.theme.muted)
             self.placeholder.setPos(0.5, 0.5)

@@ -149,6 +149,6 @@ class VramBars(QWidget):
             parts.append(f"plan {human_bytes(r.planned)} · {r.verdict}")
         if r.excluded:
             parts.append("excluded")
-        if r.simulated:
+        if r.simulated and r.index >= 0:  # the CPU row is this machine's RAM, never simulated
             parts.append("simulated")
         return "   ·   ".join(parts)

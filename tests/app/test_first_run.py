@@ -48,6 +48,8 @@ def test_without_a_gpu_this_machine_is_the_cpu_and_launch_says_so(qtbot, window,
     assert window.rig == "auto" and window.rig_picker.combo.currentText() == LIVE
     assert [d.is_cpu for d in window.plan.plan().devices] == [True]
     assert "No NVIDIA GPU found" in window.rig_picker.banner.text()
+    caption = window.vram._captions[0].toPlainText()
+    assert caption.startswith("CPU") and "simulated" not in caption  # this machine's RAM
     bar = window.launch_bar
     assert bar.launch_button.isEnabled() and bar.launch_button.text() == "Launch on CPU"
     assert bar.status.text() == ("Plan fits — ready to launch. No NVIDIA GPU was found, so the "
