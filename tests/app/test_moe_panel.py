@@ -106,3 +106,30 @@ def test_vram_bars_give_experts_their_own_colour(qtbot, synth_model):
     weights, experts = bars._items["weights"].opts, bars._items["experts"].opts
     assert experts["x0"][0] == pytest.approx(weights["x0"][0] + weights["width"][0])
     assert experts["width"][0] == pytest.approx(layout.devices[0].terms["experts"] / (1 << 30))
+
+
+def test_a_moe_file_with_a_bad_expert_tensor_leaves_the_window_usable(qtbot, synth_model,
+                                                                      monkeypatch, tmp_path):
+    import engine.synth.gen as gen
+    from engine.synth.gen import write_model
+
+    table = gen.tensor_table
+    monkeypatch.setattr(gen, "tensor_table", lambda s: [
+        (n, (d[0], d[1], 3) if n == "blk.2.ffn_up_exps.weight" else d) for n, d in table(s)])
+    bad = write_model(tmp_path / "bad-moe.gguf", "qwen3moe-tiny")[0]
+    monkeypatch.setattr(gen, "tensor_table", table)
+    monkeypatch.setattr(devices, "snapshot", lambda: [_gpu(0)])
+    w = MainWindow(LIGHT, engine_program=[sys.executable, FAKE, "normal"], live_poll=False)
+    qtbot.addWidget(w)
+    w.restore(str(synth_model("qwen3moe-tiny")), "auto")
+    try:
+        good = w.plan.layout
+        assert good is not None
+        assert not w.open_model(str(bad))
+        text = w.model_panel.path.text()
+        assert "bad-moe.gguf" in text and "blk.2.ffn_up_exps.weight holds 3 experts" in text
+        assert w.plan.layout is good and w.launch_bar.launch_button.isEnabled()
+        assert w.open_model(str(synth_model("glm4moe-tiny")))  # and the next file opens
+        assert w.plan.layout.skipped_layers == 1
+    finally:
+        w.close()
