@@ -6,9 +6,9 @@ stage keeps its own copy of `token_embd`). A MoE layer's expert tensors (`*_exps
 tensors like any other, so a stage holds only its own layers' experts; they are billed as their
 own term. Layers a file declares but the model does not run (GLM's next-token-prediction layer:
 `blk.N.*` for N >= n_layer_run) are neither priced nor loaded; the index keeps their count and
-bytes for the bill. `model_index` computes everything about a model that
-pricing needs once (per-layer byte sums as prefix sums, the cacheable matrices), so re-pricing
-while a user drags a boundary is arithmetic on those sums.
+bytes for the bill. `model_index` computes everything about a model that pricing needs once
+(per-layer byte sums as prefix sums, the cacheable matrices), so re-pricing while a user drags
+a boundary is arithmetic on those sums.
 """
 
 from __future__ import annotations
@@ -127,8 +127,9 @@ def model_index(model: Any) -> ModelIndex:
         (
             (i, t, t.n_elements * 2)
             for i, t in [(i, t) for i, ts in enumerate(per) for t in ts] + heads
-            # experts get no cache copy: a prefill GEMM dequantizes one expert at a time
-            # into the scratch (their bf16 copies would be ~4x the file's largest term)
+            # experts get no cache copy (bf16 copies would be ~4x the file's largest term):
+            # the GPU's grouped GEMM reads their GGUF bytes, the CPU engine dequantizes one
+            # routed expert at a time into the scratch
             if len(t.shape) >= 2 and t.ggml_type not in NOT_QUANTIZED and not is_expert(t.name)
         ),
         key=lambda it: (
