@@ -17,8 +17,10 @@ from spec import quant_types as qt
 ARCHS: tuple[str, ...] = (
     "llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe",
 )
-# those the Triton GPU runner runs too (gpt-oss and glm4moe run on the torch engine for now)
-TRITON_ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe")
+# those the Triton GPU runner runs too (gpt-oss runs on the torch engine for now)
+TRITON_ARCHS: tuple[str, ...] = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe",
+)
 
 
 class Runner(NamedTuple):

@@ -47,7 +47,8 @@ def activation_buffers(
     the dequant cache); 0 when every matrix is cached or nothing needs a GEMM.
     """
     a = act_dtype
-    e, f = hp.n_embd, hp.n_ff
+    # the FFN buffers serve the dense layers and a shared expert (glm4moe) alike
+    e, f = hp.n_embd, max(hp.n_ff, getattr(hp, "n_ff_shexp", 0))
     q_width = hp.n_head * hp.head_dim
     kv_width = hp.n_head_kv * hp.head_dim + hp.n_head_kv * hp.head_dim_v
     out = [

@@ -32,22 +32,32 @@ ON_GPU = torch.cuda.is_available()
 DEV = torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
 NO_CACHE = 64 * GIB
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=4)
-# 2 layers, 4 experts of 256 with 2 used: gate/up experts have 128-value rows (a 32-block type
-# in the q4_k_m mix), down experts 256-value rows (a K type)
-SHAPE = Shape("qwen3moe", 2, 128, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
-              n_expert_used=2, n_ff_exp=256)
+# 2 layers run, 4 experts of 256 with 2 used: gate/up experts have 128-value rows (a 32-block
+# type in the q4_k_m mix), down experts 256-value rows (a K type). glm4moe: a dense first layer,
+# a shared expert, sigmoid routing with its selection bias and a routed scale, RoPE on half of
+# each head, q/k/v biases, and a declared NextN layer that is not run.
+SHAPES = {
+    "qwen3moe": Shape("qwen3moe", 2, 128, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
+                      n_expert_used=2, n_ff_exp=256),
+    "glm4moe": Shape("glm4moe", 2, 128, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
+                     n_expert_used=2, n_ff_exp=256, n_expert_shared=1, n_layer_dense_lead=1,
+                     n_nextn=1, rope_dim=32, expert_weights_scale=2.5),
+}
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    (out,) = write_model(tmp_path_factory.mktemp("moe") / "qwen3moe.gguf", SHAPE, "q4_k_m")
+@pytest.fixture(scope="module", params=list(SHAPES))
+def model(request, tmp_path_factory) -> str:
+    arch = request.param
+    (out,) = write_model(tmp_path_factory.mktemp("moe") / f"{arch}.gguf", SHAPES[arch], "q4_k_m")
     m = GGUFModel.open(out)
     rng = np.random.default_rng(1)
     with open(out, "r+b") as f:
         for t in m.tensors:
-            if "norm" in t.name:
+            # random norms (synth's are ~1) and selection biases (synth's are 0), so that one
+            # read from the wrong tensor shows
+            if "norm" in t.name or "exp_probs_b" in t.name:
                 f.seek(t.offset)
                 f.write(rng.uniform(0.5, 1.5, t.n_elements).astype(np.float32).tobytes())
     return str(out)
@@ -65,7 +75,12 @@ def ids(n: int, seed: int = 0) -> list[int]:
 
 def test_moe_buffers_are_sized_for_the_routed_rows(model) -> None:
     hp = HParams.from_model(GGUFModel.open(model))
-    assert hp.n_expert == 4 and hp.n_expert_used == 2 and hp.expert_gating == "softmax"
+    glm = hp.arch == "glm4moe"
+    assert hp.n_expert == 4 and hp.n_expert_used == 2
+    assert hp.expert_gating == ("sigmoid" if glm else "softmax")
+    if glm:
+        assert hp.n_layer_run == 2 and hp.rope_dim == 32 and hp.n_ff_shexp == 256
+        assert not hp.is_moe_layer(0) and hp.is_moe_layer(1)
     bufs = {b.name: b for b in activation_buffers(hp, 16, "f32", 1)}
     assert bufs["moe_h"].shape == (32, 256) and bufs["moe_out"].shape == (32, 128)
     assert bufs["moe_ids"].shape == (16, 2) and bufs["moe_logits"].shape == (16, 4)
@@ -91,7 +106,7 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
         lg, lc = g.logits(prompt), c.logits(prompt)
         assert lg.shape == lc.shape == (20, 320)
         errs = [rel(lg, lc), *decode_errors(g, c, ids(3, 1))[0]]
-        print(f"qwen3moe: rel errors prefill {errs[0]:.2e}, decode {max(errs[1:]):.2e}")
+        print(f"{model}: rel errors prefill {errs[0]:.2e}, decode {max(errs[1:]):.2e}")
         # as the dense families: f32 activations, prefill attention rounds q, k, v to f16
         assert max(errs) < 5e-3
         one: list[int] = []
@@ -147,7 +162,7 @@ def test_cuda_bf16_moe_logits_near_the_cpu_engine(model, tmp_path, monkeypatch) 
     try:
         prompt = ids(20)
         errs = [rel(g.logits(prompt), c.logits(prompt)), *decode_errors(g, c, ids(4, 1))[0]]
-        print(f"qwen3moe: bf16 rel errors prefill {errs[0]:.2e}, decode {max(errs[1:]):.2e}")
+        print(f"{model}: bf16 rel errors prefill {errs[0]:.2e}, decode {max(errs[1:]):.2e}")
         assert max(errs) < 0.15  # bf16 rounding on random tiny models (test_gpu_archs.py)
     finally:
         g.close()

@@ -74,6 +74,7 @@ class Attention:
     rope_base: float
     rope_scale: float
     rope_store: bool  # decode rotates k and stores k and v in one launch
+    rope_dim: int  # leading dims of each head RoPE rotates (glm4moe: part of head_dim)
     output: Matrix  # attn_output
     post_norm: torch.Tensor | None  # gemma3's sandwich norm of the output, before its add
 
@@ -145,6 +146,10 @@ class LayerBuilder:
                  rope_scale: float) -> None:
         self.hp, self.model, self.spans, self.ctx = hp, model, spans, ctx
         self.on_cuda, self.options, self.xq, self.rope_scale = on_cuda, options, xq, rope_scale
+        self.rope_dim = getattr(hp, "rope_dim", 0) or hp.head_dim
+        # gpt-oss and glm4moe name their pre-FFN norm post_attention_norm (llama.cpp's names)
+        self.ffn_norm = ("post_attention_norm.weight" if hp.arch in ("gpt-oss", "glm4moe")
+                         else "ffn_norm.weight")
         # the matrices held in the T layout
         self.tmats = {n[3:] for n in spans if n.startswith("dq.") and self._t_eligible(n[3:])}
 
@@ -226,7 +231,10 @@ class LayerBuilder:
             window=hp.sliding_window if swa else 0,
             rope_base=hp.rope_base_swa if swa else hp.rope_base,
             rope_scale=1.0 if swa else self.rope_scale,
-            rope_store=rope.can_fuse_store(hp.rope_style == "neox", k, hp.head_dim),
+            # partial RoPE rotates a view of each head: the fused store writes whole heads
+            rope_store=(rope.can_fuse_store(hp.rope_style == "neox", k, hp.head_dim)
+                        and self.rope_dim == hp.head_dim),
+            rope_dim=self.rope_dim,
             output=self.matrix(p + "attn_output.weight"),
             post_norm=self.vec(p + "post_attention_norm.weight") if hp.sandwich_norm else None)
 
@@ -246,7 +254,7 @@ class LayerBuilder:
         hp, p = self.hp, f"blk.{i}."
         gate, up = self.matrix(p + "ffn_gate.weight"), self.matrix(p + "ffn_up.weight")
         fused, config = self._ffn_launch(gate, up)
-        return Ffn(norm=self.vec(p + "ffn_norm.weight"), xq=self._int8_x(gate.name, 0),
+        return Ffn(norm=self.vec(p + self.ffn_norm), xq=self._int8_x(gate.name, 0),
                    gate=gate, up=up, down=self.matrix(p + "ffn_down.weight"), fused=fused,
                    fused_config=config, xq_down=self._int8_x(p + "ffn_down.weight", 1),
                    post_norm=self.vec(p + "post_ffw_norm.weight") if hp.sandwich_norm else None)
@@ -270,10 +278,10 @@ class LayerBuilder:
         if hp.n_expert_shared:
             gate, up = self.matrix(p + "ffn_gate_shexp.weight"), self.matrix(p + "ffn_up_shexp.weight")
             fused, config = self._ffn_launch(gate, up)
-            shared = Ffn(norm=self.vec(p + "ffn_norm.weight"), xq=None, gate=gate, up=up,
+            shared = Ffn(norm=self.vec(p + self.ffn_norm), xq=None, gate=gate, up=up,
                          down=self.matrix(p + "ffn_down_shexp.weight"), fused=fused,
                          fused_config=config, xq_down=None, post_norm=None)
-        return Experts(norm=self.vec(p + "ffn_norm.weight"),
+        return Experts(norm=self.vec(p + self.ffn_norm),
                        router=self.vec(p + "ffn_gate_inp.weight").view(hp.n_expert, hp.n_embd),
                        router_bias=self.vec(p + "ffn_gate_inp.bias"),
                        sel_bias=self.vec(p + "exp_probs_b.bias"),

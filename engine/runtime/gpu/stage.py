@@ -41,7 +41,7 @@ DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "i64": torch.int64, "i32": torch.int32, "uint8": torch.uint8}
 ARCHS = tuple(FAMILIES)  # every family the CPU engine runs
 # the mixture-of-experts families the GPU stage runs (the others run on the torch engine)
-MOE_ARCHS = ("qwen3moe",)
+MOE_ARCHS = ("qwen3moe", "glm4moe")
 
 
 def new_arena(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -279,8 +279,7 @@ class GpuStage:
         moe.route(b["moe_logits"][:n], k, hp.expert_gating, hp.expert_weights_norm,
                   hp.expert_weights_scale, f.sel_bias, ids, w, use_pdl=pdl)
         if f.shared is not None:
-            self._glu(f.shared, a, None)
-            self._linear(f.shared.down, a.ffn_act, a.proj)
+            self._shared_expert(f.shared, a)
         act = "swiglu_oai" if hp.swiglu_limit else hp.act
         g, u, d = f.gate, f.up, f.down
         h = b["moe_h"][:n * k]
@@ -339,15 +338,22 @@ class GpuStage:
             rope.rope_store(a.qk3, a.v3, a.pos, att.rope_base, self.neox, att.rope_scale,
                             hp.n_head, att.k_cache, att.v_cache, att.cells, use_pdl=self.pdl)
         else:
-            rope.rope(a.qk3, a.pos, att.rope_base, self.neox, att.rope_scale, use_pdl=self.pdl)
+            rope.rope(self._rotated(att, a), a.pos, att.rope_base, self.neox, att.rope_scale,
+                      use_pdl=self.pdl)
             kv_cache.kv_store(a.k3, att.k_cache, a.pos, att.cells, a.v3, att.v_cache,
                               use_pdl=self.pdl)
         attention.attn_decode(a.q3[0], att.k_cache, att.v_cache, a.pos, hp.n_head_kv, att.cells,
                               att.window, hp.attn_scale, out=a.o3[0], workspace=self.attn_ws,
                               counter=self.attn_count, use_pdl=self.pdl)
 
+    def _rotated(self, att: Attention, a: Rows) -> torch.Tensor:
+        # the q and k dims RoPE rotates: whole heads, or (partial RoPE) each head's first
+        # rope_dim dims, whose angles then step by rope_dim, as ggml's n_dims
+        return a.qk3 if att.rope_dim == self.hp.head_dim else a.qk3[..., :att.rope_dim]
+
     def _attend_prefill(self, att: Attention, a: Rows, pos0: int) -> None:
-        rope.rope(a.qk3, a.pos, att.rope_base, self.neox, att.rope_scale, use_pdl=self.pdl)
+        rope.rope(self._rotated(att, a), a.pos, att.rope_base, self.neox, att.rope_scale,
+                  use_pdl=self.pdl)
         if att.kv_q8:
             # q8_0: the chunk attends its own keys/values as the cache gives them back (the CPU
             # engine and llama.cpp do); the store below re-quantizes them
@@ -383,6 +389,21 @@ class GpuStage:
         self._linear(f.up, x, a.ffn_up[:, nf:])
         glu.glu(a.ffn_up[:, :nf], a.ffn_up[:, nf:], self.hp.act, out=a.ffn_act, use_pdl=self.pdl)
         return None
+
+    def _shared_expert(self, f: Ffn, a: Rows) -> None:
+        # glm4moe's shared expert into proj, on views of ffn_up / ffn_act as wide as its rows
+        # (n_ff_shexp, not the dense layers' n_ff)
+        n, nf, x = a.n, f.gate.rows, a.normed
+        act = self.buf["ffn_act"].view(-1)[: n * nf].view(n, nf)
+        if n <= GEMV_ROWS and f.fused == "gemv_glu":
+            quant_matmul.gemv_glu(f.gate.packed, f.up.packed, f.gate.ggml_type, x, self.hp.act,
+                                  out=act, config=f.fused_config, use_pdl=self.pdl)
+        else:
+            gu = self.buf["ffn_up"].view(-1)[: 2 * n * nf].view(n, 2 * nf)
+            self._linear(f.gate, x, gu[:, :nf])
+            self._linear(f.up, x, gu[:, nf:])
+            glu.glu(gu[:, :nf], gu[:, nf:], self.hp.act, out=act, use_pdl=self.pdl)
+        self._linear(f.down, act, a.proj)
 
     # --- matrices ------------------------------------------------------------------------
     def _linear(self, m: Matrix, x: torch.Tensor, out: torch.Tensor, xq=None) -> None:
