@@ -9,6 +9,7 @@ be broken becomes one CarveError line naming the file.
 from __future__ import annotations
 
 import mmap
+import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -81,6 +82,9 @@ class _Header:
                     raise CarveError(f"{path}: not a GGUF file ({self.size} bytes, too small "
                                      "for a GGUF header)")
                 self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                # the file as opened: a later rename or delete of the path does not change
+                # what read_into reads, and a truncation becomes a short read, not a SIGBUS
+                self.fd = os.dup(f.fileno())
         except FileNotFoundError:
             raise CarveError(f"{path}: no such file") from None
         except IsADirectoryError:
@@ -95,6 +99,11 @@ class _Header:
         except (UnicodeDecodeError, OverflowError, MemoryError, ValueError) as err:
             raise CarveError(f"{path}: corrupt GGUF header ({type(err).__name__}); "
                              "re-download or re-copy it") from None
+
+    def __del__(self) -> None:
+        if getattr(self, "fd", -1) >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def _fail(self, what: str) -> CarveError:
         return CarveError(f"{self.path}: {what}; the file is damaged or not a GGUF model")
@@ -287,9 +296,31 @@ class GGUFModel:
             raise CarveError(f"{self.paths[0]}: no tensor named {name!r}") from None
 
     def tensor_data(self, info: TensorInfo) -> np.ndarray:
-        """Read-only uint8 view (mmap) of exactly ``info.nbytes`` bytes of the tensor's data."""
+        """Read-only uint8 view (mmap) of exactly ``info.nbytes`` bytes of the tensor's data.
+
+        A page of a file truncated after it was opened kills the process with SIGBUS when
+        touched: loaders read with :meth:`read_into`, which turns that into a CarveError."""
         mm = self._headers[info.shard].mm
         return np.frombuffer(mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+    def read_into(self, info: TensorInfo, start: int, out: memoryview) -> None:
+        """Fill ``out`` with the tensor's bytes from ``start`` on, read (pread) from the file
+        as it was opened; a file that shrank or changed since is a CarveError, not a crash."""
+        h = self._headers[info.shard]
+        n = out.nbytes
+        if start < 0 or start + n > info.nbytes:
+            raise ValueError(f"bytes {start}..{start + n} are outside tensor {info.name}")
+        got = 0
+        while got < n:
+            k = os.preadv(h.fd, [out[got:]], info.offset + start + got)
+            if k <= 0:
+                break
+            got += k
+        if got < n:
+            now = os.fstat(h.fd).st_size
+            raise CarveError(f"{h.path}: the file is now {now} bytes, shorter than the "
+                             f"{h.size} it had when opened (truncated or overwritten while "
+                             f"loading tensor {info.name}); copy the file again and relaunch")
 
     def close(self) -> None:
         """Unmap the files; views from tensor_data that are still alive keep theirs open."""
@@ -298,6 +329,9 @@ class GGUFModel:
                 h.mm.close()
             except BufferError:
                 pass
+            if h.fd >= 0:
+                os.close(h.fd)
+                h.fd = -1
 
     def __enter__(self) -> Self:
         return self

@@ -139,12 +139,11 @@ def _load(layout, model, allocator, on_progress, cancelled) -> list[LoadedStage]
                 f"{model.paths[info.shard]}: tensor {span.name} has {info.nbytes} bytes but the "
                 f"layout priced {span.nbytes}; re-price the plan for this file"
             )
-        src = model.tensor_data(info)
         for a in range(0, info.nbytes, COPY_CHUNK):
             if cancelled():
                 raise CarveError("load cancelled")
             b = min(info.nbytes, a + COPY_CHUNK)
-            view[a:b].copy_(_from_numpy(src[a:b]))
+            _read_piece(model, info, a, view[a:b])  # pread: a file cut short is an error, not SIGBUS
             meter.add(b - a)
 
     for st in stages:
@@ -213,6 +212,16 @@ def _check_mxfp4(model: Any, info: Any, view: torch.Tensor) -> None:
             f"{model.paths[info.shard]}: tensor {info.name} has a non-finite MXFP4 block scale "
             f"(0xFF, block {block}); the file is damaged or not MXFP4 as ggml writes it"
         )
+
+
+def _read_piece(model: Any, info: Any, start: int, dst: torch.Tensor) -> None:
+    """The tensor's bytes from ``start`` into ``dst`` (uint8), read from the file."""
+    if dst.device.type == "cpu":
+        model.read_into(info, start, memoryview(dst.numpy()))
+        return
+    host = torch.empty(dst.numel(), dtype=torch.uint8)
+    model.read_into(info, start, memoryview(host.numpy()))
+    dst.copy_(host)
 
 
 def _from_numpy(a: np.ndarray) -> torch.Tensor:
