@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spec import launch
 from spec import quant_types as qt
 
 # (block elements, bytes, parts, lanes) as kernels.quant_blocks.BlockPlan
@@ -48,7 +49,7 @@ _TABLES: dict[int, tuple[str, int]] = {
     qt.IQ4_NL: ("IQ4_NL", 1), qt.IQ4_XS: ("IQ4_NL", 1),
     qt.IQ2_XXS: ("IQ2_XXS", 1), qt.IQ2_XS: ("IQ2_XS", 1), qt.IQ2_S: ("IQ2_S", 1),
     qt.IQ3_XXS: ("IQ3_XXS", 1), qt.IQ3_S: ("IQ3_S", 1),
-    qt.IQ1_S: ("IQ1_S", 8), qt.IQ1_M: ("IQ1_M", 8),
+    qt.IQ1_S: ("IQ1_S", 8), qt.IQ1_M: ("IQ1_S", 8),  # one grid (iq1s_grid) for both
 }
 TABLE_TYPES = frozenset(_TABLES)
 
@@ -67,10 +68,21 @@ def _table_values(name: str, times: int) -> np.ndarray:
 _DEVICE_TABLES: dict[tuple[int, str], torch.Tensor] = {}
 
 
+def _layout() -> dict[tuple[str, int], int]:
+    """Byte offset of each distinct table in the lookup buffer, each in whole 256-byte lines."""
+    out, off = {}, 0
+    for src in dict.fromkeys(_TABLES.values()):
+        out[src] = off
+        off += -(-_table_values(*src).size // 256) * 256
+    return out
+
+
 def lookup_table(ggml_type: int, device: torch.device | str) -> torch.Tensor | None:
     """The int8 value table the kernels of ``ggml_type`` read on ``device`` (a 16-value list,
-    or grid rows of 4 or 8 values one after the other), made on first use; None for types that
-    read no table. Call it before capturing a CUDA graph: the first call copies to the device."""
+    or grid rows of 4 or 8 values one after the other); None for types that read no table.
+    A view into the device's installed lookup buffer (``install_tables``: the GPU runner's
+    priced buf.lookup), else a tensor of its own made on first use (tests, benchmarks; call it
+    before capturing a CUDA graph: that first call copies to the device)."""
     src = _TABLES.get(ggml_type)
     if src is None:
         return None
@@ -80,6 +92,31 @@ def lookup_table(ggml_type: int, device: torch.device | str) -> torch.Tensor | N
         t = torch.from_numpy(_table_values(*src).copy()).to(device)
         _DEVICE_TABLES[key] = t
     return t
+
+
+def install_tables(buf: torch.Tensor) -> torch.Tensor:
+    """Write every table into ``buf`` (uint8 [LOOKUP_BYTES] on a device: a stage's
+    buf.lookup) and serve its views from ``lookup_table`` on that device; returns the int32
+    flags of its last 256-byte line (kernels/scale_scan.py). Nothing is allocated on the
+    device: the host tables are copied straight into ``buf``."""
+    if buf.dtype != torch.uint8 or buf.numel() != launch.LOOKUP_BYTES:
+        raise ValueError(f"the lookup buffer is uint8 [{launch.LOOKUP_BYTES}]")
+    dev = str(buf.device)
+    for t, src in _TABLES.items():
+        values = torch.from_numpy(_table_values(*src).copy())
+        off = _layout()[src]
+        view = buf[off:off + values.numel()]
+        view.copy_(values.view(torch.uint8))
+        _DEVICE_TABLES[(t, dev)] = view.view(torch.int8)
+    return buf[-4 * launch.LOOKUP_FLAGS:].view(torch.int32)
+
+
+def uninstall_tables(buf: torch.Tensor) -> None:
+    """Forget the views into ``buf`` (its stage is closing: nothing may keep its arena)."""
+    base = buf.untyped_storage().data_ptr()
+    for key, t in list(_DEVICE_TABLES.items()):
+        if t.untyped_storage().data_ptr() == base:
+            del _DEVICE_TABLES[key]
 
 
 @triton.jit

@@ -67,6 +67,12 @@ SAMPLE_PARTS = 128
 SAMPLE_RING = 64
 SAMPLE_STATE = 16 + SAMPLE_LAST_N + SAMPLE_RING
 
+# The GPU runner's lookup buffer (buf.lookup, one per stage): the IQ types' value tables
+# (kernels/lowbit_blocks.py lays them out in whole 256-byte lines) and, in its last line, the
+# int32 flags of the load's scan for non-finite block scales (kernels/scale_scan.py).
+LOOKUP_BYTES = 34304
+LOOKUP_FLAGS = 64
+
 # Mixture-of-experts prefill (kernels/moe.py): the routed rows (tokens x experts used) sorted
 # by expert, cut into tiles of MOE_TILE_ROWS rows of one expert each; every expert's last tile
 # may be partial, so a chunk needs at most this many tiles (the priced buf.moe_tiles).

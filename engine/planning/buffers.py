@@ -92,6 +92,8 @@ def activation_buffers(
     # (rounded to 1024 values: both spans whole 256-byte arena slots)
     q8 = -(-(-(-e // 32) * 32 + -(-f // 32) * 32) // 1024) * 1024
     out += [BufferSpec("xq", (q8 // 4,), "i32"), BufferSpec("xq_ds", (2, q8 // 32), "f32")]
+    # the IQ types' value tables and the load's scale-scan flags (spec/launch.py LOOKUP_BYTES)
+    out.append(BufferSpec("lookup", (launch.LOOKUP_BYTES,), "uint8"))
     if n_vocab_rows > 0:
         out.append(BufferSpec("logits", (n_vocab_rows, hp.n_vocab), "f32"))  # [rows, n_vocab]
         # the GPU sampler (kernels/sample.py): each first-pass program's best candidates as

@@ -18,6 +18,7 @@ import torch
 
 from engine.runtime.models.ops import QExperts, QWeight
 from kernels.dequant import dequantize_to
+from kernels.scale_scan import first_bad_block
 from spec import quant_types as qt
 from spec.errors import CarveError
 
@@ -145,6 +146,13 @@ def _load(layout, model, allocator, on_progress, cancelled) -> list[LoadedStage]
             b = min(info.nbytes, a + COPY_CHUNK)
             _read_piece(model, info, a, view[a:b])  # pread: a file cut short is an error, not SIGBUS
             meter.add(b - a)
+        # the file's bytes (whole: the reads above would have failed) for a non-finite scale
+        src = _from_numpy(model.tensor_data(info))
+        if len(info.shape) >= 2 and first_bad_block(src, info.ggml_type) is not None:
+            raise CarveError(
+                f"{model.paths[info.shard]}: tensor {span.name} has a block whose "
+                f"{qt.type_name(info.ggml_type)} scale is not finite (inf or NaN): the file is "
+                "damaged; download or convert it again")
 
     for st in stages:
         _bind_tensors(st, model)

@@ -34,7 +34,21 @@ from engine.runtime.gpu.matrices import packed as packed_matrix
 from engine.runtime.models import FAMILIES
 from engine.runtime.models.layers import _linear_scale
 from engine.runtime.options import RunnerOptions
-from kernels import attention, gemv_t, glu, kv_cache, moe, norm, q8x, quant_matmul, rope, sample
+from kernels import (
+    attention,
+    gemv_t,
+    glu,
+    kv_cache,
+    lowbit_blocks,
+    moe,
+    norm,
+    q8x,
+    quant_matmul,
+    rope,
+    sample,
+    scale_scan,
+)
+from spec import quant_types as qt
 from spec.errors import CarveError
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
@@ -144,6 +158,10 @@ class GpuStage:
         self.t_part, self.t_count = self.buf.get("t_part"), self.buf.get("t_count")
         if self.t_count is not None:
             self.t_count.zero_()  # the T GEMVs leave their counters at zero after each use
+        # the IQ types' value tables, in the Layout (kernels/lowbit_blocks.py), and the flags of
+        # the load's scan for non-finite scales
+        lookup = self.buf.get("lookup")
+        self.scan_flags = None if lookup is None else lowbit_blocks.install_tables(lookup)
 
     def _int8_x(self, options: RunnerOptions) -> tuple | None:
         """Decode's int8 copies of the T GEMVs' inputs (a normed row, the GLU output) for their
@@ -160,7 +178,9 @@ class GpuStage:
     def fill_dequant_cache(self) -> int:
         """Dequantize every matrix that has a ``dq.`` span into it, and repack the T-layout
         matrices on the way (their GGUF bytes go through the still-empty dq span, so no
-        memory outside the Layout); returns matrices cached. Runs once, before any forward."""
+        memory outside the Layout); returns matrices cached. Runs once, before any forward,
+        after the scan for non-finite scales (`check_scales`)."""
+        self.check_scales()
         n = 0
         for name, dst in self.spans.items():
             if not name.startswith("dq."):
@@ -176,6 +196,27 @@ class GpuStage:
                 quant_matmul.dequantize(w, t, dst.dtype, out=dst.view(rows, -1), use_pdl=self.pdl)
             n += 1
         return n
+
+    def check_scales(self) -> None:
+        """CarveError naming a quantized tensor of this stage with a block whose scale is
+        inf or NaN (a damaged file): every block's scale fields are read once, on the device,
+        into buf.lookup's flags (kernels/scale_scan.py), and one flag comes back."""
+        if self.scan_flags is None:
+            return
+        flag = self.scan_flags[:1]
+        flag.zero_()
+        names = [n for n in self.spans if not n.startswith(("buf.", "kv.", "dq."))]
+        for i, name in enumerate(names, 1):
+            info = self.model.tensor(name)
+            if len(info.shape) >= 2:
+                scale_scan.scan(self.spans[name].view(torch.uint8), info.ggml_type, flag, i)
+        bad = int(flag.item())
+        if bad:
+            info = self.model.tensor(names[bad - 1])
+            raise CarveError(
+                f"{self.model.paths[info.shard]}: tensor {names[bad - 1]} has a block whose "
+                f"{qt.type_name(info.ggml_type)} scale is not finite (inf or NaN): the file is "
+                "damaged; download or convert it again")
 
     def _dequant_t(self, name: str, t: int, rows: int, dst: torch.Tensor) -> None:
         # row slabs back into GGUF order through buf.ffn_up (free at load, wider than any row
@@ -487,6 +528,9 @@ class GpuStage:
         """Drop every view into the arenas this stage holds (and its graph), so that freeing
         the arenas frees the memory."""
         self.graph = None
+        if self.buf.get("lookup") is not None:
+            lowbit_blocks.uninstall_tables(self.buf["lookup"])
+        self.scan_flags = None
         self.spans = {}
         self.buf = {}
         self.attn_ws = ()
