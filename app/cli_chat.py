@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn, Self
 
+from app.cli_plan import add_expert_args, expert_settings
 from app.models.load_progress import LoadProgress
 from engine.planning.rules import KvType, Verdict
 from engine.process import protocol as p
@@ -43,6 +44,7 @@ def _common(parser: argparse.ArgumentParser, ctx_default: int | None) -> None:
     parser.add_argument("--ctx", type=int, default=ctx_default, help="context length in tokens")
     parser.add_argument("--kv", default=str(KvType.F16), choices=[str(k) for k in KvType],
                         help="KV cache type")
+    add_expert_args(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="show the engine's log")
 
 
@@ -130,19 +132,25 @@ def pick_devices(gpus: str) -> list[Any]:
     return devices or parse_rig("cpu")
 
 
-def build_plan(path: Path, gpus: str, ctx: int | None, kv: str, logits_rows: int = 1) -> Any:
+def build_plan(path: Path, gpus: str, ctx: int | None, kv: str, logits_rows: int = 1,
+               args: argparse.Namespace | None = None) -> Any:
     """A priced Plan for the devices here (engine.planning.defaults.default_plan); CarveError
-    naming the device when it does not fit or its runner has no kernel for a tensor type."""
+    naming the device when it does not fit or its runner has no kernel for a tensor type.
+    ``args``: the command's flags, for the expert placement (`add_expert_args`)."""
     from engine.gguf.reader import GGUFModel
     from engine.planning.defaults import default_plan
     from engine.planning.price import price
 
     model = GGUFModel.open(path)
     devices = pick_devices(gpus)
+    experts = expert_settings(args) if args is not None else {}
     plan = default_plan(
-        model, devices, ctx=ctx, kv_type=kv, logits_rows=logits_rows, model_path=str(path)
+        model, devices, ctx=ctx, kv_type=kv, logits_rows=logits_rows, model_path=str(path),
+        **experts,
     )
     layout = price(plan, model)
+    if layout.host is not None and not layout.host.verdict.runs:
+        raise CarveError(f"{path.name}: {layout.host.advice}")
     for dev in layout.devices:
         if dev.verdict == Verdict.DOES_NOT_RUN:
             raise CarveError(
@@ -313,7 +321,7 @@ def sampling_of(args: argparse.Namespace) -> dict[str, Any]:
 def chat(args: argparse.Namespace) -> int:
     sampling = sampling_of(args)
     path = model_path(args.model)
-    plan = build_plan(path, args.gpus, args.ctx, args.kv)
+    plan = build_plan(path, args.gpus, args.ctx, args.kv, args=args)
     with engine_process(args.verbose) as engine:
         engine.wait_for(p.Ready, timeout=120)
         load(engine, plan)
@@ -384,7 +392,7 @@ def tokenize(args: argparse.Namespace) -> int:
 def perplexity(args: argparse.Namespace) -> int:
     path = model_path(args.model)
     text = read_text(args.file)
-    plan = build_plan(path, args.gpus, args.ctx, args.kv, logits_rows=args.ctx)
+    plan = build_plan(path, args.gpus, args.ctx, args.kv, logits_rows=args.ctx, args=args)
     with engine_process(args.verbose) as engine:
         engine.wait_for(p.Ready, timeout=120)
         load(engine, plan)

@@ -3,6 +3,7 @@
     carve plan MODEL.gguf --gpus auto|RIG --ctx N --split 0,14,29,38,48|auto --prefer auto|spread|fewest
                --kv f16|q8_0 --cache-reserve MiB --arena packed|per-tensor|chunked:N
                --prefill-chunk N [--reserve MiB] [--json]
+               --experts-resident auto|N,N --expert-slots N[,N] --host-ram SIZE
 
 With --gpus auto and no NVIDIA GPU, it plans for this machine's CPU (system RAM), which is
 where the engine would run, and says so; --gpus RIG plans for GPUs you do not have.
@@ -71,8 +72,55 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--arena", default="packed", help="packed | per-tensor | chunked:N (MiB)")
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N")
+    add_expert_args(p)
+    p.add_argument(
+        "--host-ram",
+        metavar="SIZE",
+        help='host RAM to price pinned experts against, e.g. "64GiB" (default: what this '
+        "machine has available now)",
+    )
     p.add_argument("--json", action="store_true", help="print the Layout as JSON")
     return p
+
+
+def add_expert_args(p: argparse.ArgumentParser) -> None:
+    """The mixture-of-experts placement flags `carve plan`, `carve chat` and `carve serve`
+    share (`expert_settings` reads them)."""
+    p.add_argument(
+        "--experts-resident",
+        default="auto",
+        metavar="auto|N,N",
+        help="per GPU, how many of its MoE layers keep their experts in VRAM (its first ones; "
+        "the rest in pinned host memory, computed by the CPU); auto: all when that fits, else "
+        "the most that fit",
+    )
+    p.add_argument(
+        "--expert-slots",
+        default="",
+        metavar="N[,N]",
+        help="per GPU (one number: every GPU), VRAM slots of the expert cache, one expert each",
+    )
+
+
+def expert_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """default_plan's keywords from `add_expert_args`' flags."""
+    from engine.planning.plan import parse_counts
+
+    text = args.experts_resident.strip().lower()
+    resident = None if text == "auto" else parse_counts("--experts-resident", text)
+    slots = parse_counts("--expert-slots", args.expert_slots) if args.expert_slots.strip() else ()
+    return {"experts_resident": resident, "expert_slots": slots}
+
+
+def _host(text: str | None) -> Any:
+    """--host-ram SIZE as the host memory a plan is priced against; None: this machine's."""
+    if text is None:
+        return None
+    from engine.hardware.devices import DeviceSpec
+    from engine.hardware.rigs import parse_size
+
+    size = parse_size("--host-ram", text)
+    return DeviceSpec(-1, f"{text} host RAM (stated)", size, size, simulated=True)
 
 
 def _devices(gpus: str, reserve: int) -> tuple[list[Any], str]:
@@ -122,6 +170,8 @@ def build_layout(args: argparse.Namespace) -> tuple[Layout, Any, str]:
         arena=args.arena,
         prefer=args.prefer,
         model_path=args.model,
+        host=_host(args.host_ram),
+        **expert_settings(args),
     )
     return price(plan, model), model, note
 
@@ -132,6 +182,7 @@ ROWS = (
     ("globals", "globals"),
     ("kv", "KV cache"),
     ("buffers", "buffers"),
+    ("expert_cache", "expert cache"),  # with slots only
     ("dequant_cache", "dequant cache"),
     ("overhead", "overhead"),
     ("rounding", "rounding"),
@@ -165,12 +216,15 @@ def render(layout: Layout, model: Any, note: str) -> str:
         ("", names),
         ("layers", [f"{d.layers[0]}-{d.layers[1] - 1}" for d in devs]),
     ]
-    moe = any(d.terms.get("experts") for d in devs)
+    moe = any(d.terms.get("experts") or d.host for d in devs)
+    cache = any(d.terms.get("expert_cache") for d in devs)
     table += [
         (label, [human(d.terms.get(key, 0)) for d in devs])
         for key, label in ROWS
-        if moe or key != "experts"
+        if (moe or key != "experts") and (cache or key != "expert_cache")
     ]
+    if layout.host is not None:
+        table += [("pinned on host", [human(d.host) for d in devs])]
     table += [("total", [human(d.total) for d in devs])]
     free_label = "free now" if not any(d.device.simulated for d in devs) else "free (idle card)"
     table += [(free_label, [human(d.device.free) for d in devs])]
@@ -189,6 +243,7 @@ def render(layout: Layout, model: Any, note: str) -> str:
     for d in devs:
         if d.advice:
             lines.append(f"{d.device.label}: {d.advice}")
+    lines += host_lines(layout, model)
     if layout.skipped_line():
         lines.append(layout.skipped_line())
     src = {d.overhead_source for d in devs}
@@ -197,9 +252,40 @@ def render(layout: Layout, model: Any, note: str) -> str:
     lines.append(
         f"fits, but tight (< {TIGHT // MIB} MiB headroom on a device)"
         if verdict == Verdict.TIGHT
-        else str(verdict)
+        else layout.bottleneck() or str(verdict)
     )
     return "\n".join(lines)
+
+
+def host_lines(layout: Layout, model: Any) -> list[str]:
+    """Where each GPU keeps its experts, and the host line: Carve's pinned bytes against the
+    host's available RAM, with its verdict and, when it does not fit, why."""
+    host = layout.host
+    if host is None:
+        return []
+    from engine.planning.carve import model_index
+
+    out = []
+    plan = layout.plan
+    for i, d in enumerate(layout.devices):
+        if not d.host:
+            continue
+        moe = len(model_index(model).moe_layers(*d.layers))
+        kept = plan.resident(i)
+        out.append(
+            f"{d.device.label}: experts of {kept} of its {moe} MoE layers in VRAM (its first), "
+            f"{moe - kept} in host memory ({human(d.terms.get('host_experts', 0))}, and "
+            f"{human(d.terms.get('host_buffers', 0))} of transfer buffers), computed by the CPU"
+        )
+    dev = host.device
+    avail = "stated" if dev.simulated else "available now"
+    out.append(
+        f"host RAM: {human(host.pinned)} pinned of {human(dev.free - dev.reserve)} {avail}, "
+        f"headroom {human(host.headroom)}: {host.verdict}"
+    )
+    if host.advice:
+        out.append(host.advice)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

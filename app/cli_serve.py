@@ -71,7 +71,7 @@ def serve(args: argparse.Namespace) -> int:
     from app.serve.openai_api import model_id
 
     path = cli_chat.model_path(args.model)
-    plan = cli_chat.build_plan(path, args.gpus, args.ctx, args.kv)
+    plan = cli_chat.build_plan(path, args.gpus, args.ctx, args.kv, args=args)
     model = model_id(path.name)
     engine = cli_chat.engine_process(args.verbose)
     turns = EngineTurns(engine.send)

@@ -73,6 +73,15 @@ ACCEPTED = (
 )
 
 
+def parse_size(flag: str, text: str) -> int:
+    """ "64GiB" | "96GB" | "512MiB" -> bytes (GiB/MiB binary, GB/MB decimal); CarveError
+    naming ``flag`` otherwise."""
+    m = _SIZE.match(text.strip().lower())
+    if not m or m.group(2) not in _UNITS:
+        raise CarveError(f"{flag}: cannot read {text!r}; give a size like 64GiB or 96GB")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
 def card_names() -> list[str]:
     return sorted(CARDS)
 

@@ -72,6 +72,21 @@ class ModelIndex:
     expert_raw_prefix: tuple[int, ...] = (0,)  # exact expert-tensor bytes of layers [0, i)
     skipped: tuple[Any, ...] = ()  # tensors of declared layers the model does not run (NextN)
     n_skipped_layers: int = 0
+    expert_prefix: tuple[int, ...] = (0,)  # aligned expert-tensor bytes of layers [0, i)
+    moe_prefix: tuple[int, ...] = (0,)  # MoE layers (layers holding experts) among [0, i)
+    # per layer: bytes of one expert slot, its gate, up and down slices (and biases) each
+    # 256-byte aligned; 0 for a dense layer
+    expert_slot: tuple[int, ...] = ()
+
+    def moe_layers(self, lo: int, hi: int) -> list[int]:
+        """The layers of [lo, hi) that hold routed experts, in order."""
+        return [i for i in range(lo, hi) if self.expert_slot[i]]
+
+    def host_cut(self, lo: int, hi: int, resident: int) -> int:
+        """The first layer of [lo, hi) whose experts live in host memory when the stage keeps
+        ``resident`` MoE layers' experts in VRAM (its first ones); hi when it keeps them all."""
+        moe = self.moe_layers(lo, hi)
+        return moe[resident] if resident < len(moe) else hi
 
 
 def _request(t: Any) -> Request:
@@ -175,11 +190,20 @@ def model_index(model: Any) -> ModelIndex:
         _prefix([sum(t.nbytes for t in ts if is_expert(t.name)) for ts in per]),
         tuple(skipped),
         hp.n_layer - n,
+        _prefix([sum(align_up(t.nbytes) for t in ts if is_expert(t.name)) for ts in per]),
+        _prefix([int(any(is_expert(t.name) for t in ts)) for ts in per]),
+        tuple(_slot_bytes(ts, getattr(hp, "n_expert", 0)) for ts in per),
     )
     _INDEX[id(model)] = idx
     while len(_INDEX) > 8:
         _INDEX.popitem(last=False)
     return idx
+
+
+def _slot_bytes(tensors: Any, n_expert: int) -> int:
+    """One expert's gate, up and down slices (and their biases), each 256-byte aligned: what
+    one slot of the VRAM expert cache holds for this layer."""
+    return sum(align_up(t.nbytes // n_expert) for t in tensors if is_expert(t.name))
 
 
 def _gemm_elements(t: Any) -> int:

@@ -1,12 +1,15 @@
 """`default_plan`: the one way a Plan is built from what a person asked for. `carve chat`,
 `carve plan` and the window all call it, so a setting left out gets the same value everywhere:
-the context from `rules.default_ctx`, activations from `rules.act_dtype_for`, and boundaries
-from the split search when none are given.
+the context from `rules.default_ctx`, activations from `rules.act_dtype_for`, boundaries
+from the split search when none are given, and for a mixture-of-experts model that does not
+fit in VRAM, the placement of experts in host memory that keeps the most layers' experts in
+VRAM (`place_experts`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from engine.hardware.devices import DeviceSpec
@@ -20,6 +23,7 @@ from engine.planning.rules import (
     default_ctx,
 )
 from engine.planning.split import auto_split
+from engine.planning.stage import StageKey, fits, host_bytes, stage_key, stage_need
 
 
 def default_plan(
@@ -35,12 +39,17 @@ def default_plan(
     logits_rows: int = 1,
     prefer: str = "auto",
     model_path: str | None = None,
+    experts_resident: Sequence[int] | None = None,
+    expert_slots: Sequence[int] = (),
+    host: DeviceSpec | None = None,
 ) -> Plan:
     """A Plan for `model` (an open GGUF) on `devices`. `split` None: one device runs every
     layer; of several, `engine.planning.split.auto_split` picks the devices and boundaries
     (`prefer` as there: "auto" keeps a model that fits on one device on one).
     `ctx` None: the default context for this model. `logits_rows` is capped at the prefill
-    chunk (perplexity asks for a row per position of a chunk)."""
+    chunk (perplexity asks for a row per position of a chunk). `experts_resident` None: every
+    MoE layer's experts in VRAM when that fits, else `place_experts`; `host`: the host memory
+    pinned experts are priced against (None: this machine's, read when priced)."""
     devices = tuple(devices)
     path = model_path or str(model.paths[0])
     if ctx is None:
@@ -53,9 +62,68 @@ def default_plan(
         "arena": arena,
         "act_dtype": act_dtype_for(devices),
         "logits_rows": min(logits_rows, prefill_chunk),
+        "host": host,
     }
     if split is None and len(devices) == 1:  # nothing to search: the one device runs it all
         split = (0, model_index(model).n_layer)
     if split is None:
-        return auto_split(model, devices, prefer=prefer, model_path=path, **settings)
-    return Plan(path, devices, tuple(split), **settings)
+        plan = auto_split(model, devices, prefer=prefer, model_path=path, **settings)
+    else:
+        plan = Plan(path, devices, tuple(split), **settings)
+    slots = tuple(expert_slots)
+    if len(slots) == 1:  # one count: every device of the plan
+        slots *= len(plan.devices)
+    if slots:
+        plan = replace(plan, expert_slots=slots)
+    if experts_resident is not None:
+        return replace(plan, experts_resident=tuple(experts_resident))
+    return place_experts(plan, model)
+
+
+def place_experts(plan: Plan, model: Any) -> Plan:
+    """`plan` as it is when every stage fits with all its experts in VRAM (or the model has
+    none); else, per GPU that does not fit, the most of its MoE layers' experts it can keep in
+    VRAM and still leave the cache reserve free (else: fit at all), the others in pinned host
+    memory, as long as host RAM takes them all. A stage that does not fit even with every
+    expert in host memory keeps them all (the bill then says what overflows)."""
+    idx = model_index(model)
+    if plan.devices[0].is_cpu or not any(idx.expert_slot):
+        return plan
+    keys = [stage_key(plan, i) for i in range(len(plan.devices))]
+    if all(fits(idx, k) for k in keys):
+        return plan
+    from engine.planning.price import host_memory
+
+    host = host_memory(plan)
+    room = host.free - host.reserve
+    counts = []
+    for k in keys:
+        moe = len(idx.moe_layers(k.lo, k.hi))
+        best = moe
+        if not fits(idx, k):
+            for keep in (k.cache_reserve, 0):
+                r = _most_resident(idx, k, moe, keep)
+                if r is not None:
+                    best = r
+                    break
+        counts.append(best)
+        room -= host_bytes(idx, replace(k, resident=best))
+    if room < 0:  # host RAM cannot take them: leave the plan as asked, the bill says why
+        return plan
+    return replace(plan, experts_resident=tuple(counts))
+
+
+def _most_resident(idx: Any, k: StageKey, moe: int, keep: int) -> int | None:
+    """The most of the stage's ``moe`` MoE layers that keep their experts in VRAM with
+    ``keep`` bytes left free; None when even none does (the need grows with the count)."""
+
+    def ok(r: int) -> bool:
+        return stage_need(idx, replace(k, resident=r)) + keep <= k.device.free - k.device.reserve
+
+    if not ok(0):
+        return None
+    lo, hi = 0, moe
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo

@@ -11,13 +11,16 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 from engine.hardware.devices import DeviceSpec
+from engine.planning.host import HOST_PURPOSES, HostLayout
 from engine.planning.plan import Plan
 from engine.planning.rules import Verdict, worst_verdict
 
-PURPOSES = ("weights", "globals", "kv", "buffers", "dequant_cache")  # allocated by the engine
+# allocated by the engine on the device (a stage's host arenas, engine.planning.host.HOST_PURPOSES,
+# come after these, in pinned host memory)
+PURPOSES = ("weights", "globals", "kv", "buffers", "expert_cache", "dequant_cache")
 # the bill's terms (bytes requested): the routed experts are allocated in the weights arena
 # (spans of purpose "weights") and billed beside the dense weights
-TERMS = ("weights", "experts", "globals", "kv", "buffers", "dequant_cache")
+TERMS = ("weights", "experts", "globals", "kv", "buffers", "expert_cache", "dequant_cache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +117,18 @@ class DeviceLayout:
     verdict: Verdict
     advice: str = ""
     overhead_source: str = ""  # "default" or the calibration record it came from
+    # bytes the stage pins in host memory (its host arenas; terms "host_experts" and
+    # "host_buffers"), outside `allocated`
+    host: int = 0
+
+    @property
+    def device_arenas(self) -> list[Arena]:
+        """The arenas allocated on the device itself, in order (not the pinned host ones)."""
+        return [a for a in self.arenas if a.purpose not in HOST_PURPOSES]
+
+    @property
+    def host_arenas(self) -> list[Arena]:
+        return [a for a in self.arenas if a.purpose in HOST_PURPOSES]
 
     def span(self, name: str) -> tuple[Arena, Span]:
         for a in self.arenas:
@@ -136,6 +151,7 @@ class DeviceLayout:
             "verdict": self.verdict,
             "advice": self.advice,
             "overhead_source": self.overhead_source,
+            "host": self.host,
         }
 
     @classmethod
@@ -153,6 +169,7 @@ class DeviceLayout:
             Verdict(d["verdict"]),
             d.get("advice", ""),
             d.get("overhead_source", ""),
+            d.get("host", 0),
         )
 
 
@@ -164,6 +181,7 @@ class Layout:
     # neither priced nor loaded
     skipped_layers: int = 0
     skipped_bytes: int = 0
+    host: HostLayout | None = None  # pinned host memory, when a stage keeps experts there
 
     def skipped_line(self) -> str:
         """The bill's line for what the file holds and no device gets, or ""."""
@@ -179,9 +197,23 @@ class Layout:
 
     @property
     def verdict(self) -> Verdict:
-        worst = worst_verdict(d.verdict for d in self.devices)
+        host = [self.host.verdict] if self.host is not None else []
+        worst = worst_verdict([*(d.verdict for d in self.devices), *host])
         assert worst is not None, "a Layout has at least one device"
         return worst
+
+    def bottleneck(self) -> str:
+        """One sentence naming what keeps the plan from fitting (VRAM of a device, host RAM),
+        or "" when it fits."""
+        if self.verdict.runs:
+            return ""
+        over = [d for d in self.devices if d.verdict == Verdict.DOES_NOT_FIT]
+        parts = [f"VRAM of {d.device.label} (over by {human(-d.headroom)})" for d in over]
+        if self.host is not None and self.host.verdict == Verdict.DOES_NOT_FIT:
+            parts.append(f"host RAM (over by {human(-self.host.headroom)})")
+        if not parts:
+            return ""
+        return "does not fit: the bottleneck is " + " and ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -189,6 +221,7 @@ class Layout:
             "devices": [d.to_json() for d in self.devices],
             "verdict": self.verdict,
             "skipped": {"layers": self.skipped_layers, "bytes": self.skipped_bytes},
+            "host": None if self.host is None else self.host.to_json(),
         }
 
     @classmethod
@@ -199,6 +232,7 @@ class Layout:
             tuple(DeviceLayout.from_json(x) for x in d["devices"]),
             skipped.get("layers", 0),
             skipped.get("bytes", 0),
+            HostLayout.from_json(d["host"]) if d.get("host") else None,
         )
 
 

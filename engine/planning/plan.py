@@ -16,6 +16,31 @@ from spec.errors import CarveError
 
 ACT_DTYPES = ("f32", "bf16", "f16")
 MAX_DEVICES = 8
+ALL_RESIDENT = 1 << 30  # "every MoE layer of the stage keeps its experts in VRAM"
+
+
+def _per_device(flag: str, counts: Any, n: int) -> tuple[int, ...]:
+    """One count per device, each 0 or more; () means the default for every device."""
+    try:
+        out = tuple(int(c) for c in counts)
+    except (TypeError, ValueError):
+        raise CarveError(f"{flag}: expected whole numbers, one per device, got {counts!r}") from None
+    if out and len(out) != n:
+        raise CarveError(f"{flag}: {n} device(s) need {n} counts, got {len(out)}: "
+                         f"{','.join(map(str, out))}")
+    if any(c < 0 for c in out):
+        raise CarveError(f"{flag}: counts must be 0 or more, got {','.join(map(str, out))}")
+    return out
+
+
+def parse_counts(flag: str, text: str) -> tuple[int, ...]:
+    """ "40,48" -> (40, 48): a command line's per-device counts; CarveError naming ``flag``."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise CarveError(
+            f"{flag}: cannot read {text!r}; give whole numbers, one per device, like 40,48"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +60,17 @@ class Plan:
     # Rows of logits the last stage keeps: 1 for chat (last token only), prefill_chunk for
     # perplexity (every position). Sizes buf.logits.
     logits_rows: int = 1
+    # Mixture-of-experts placement, per device (DESIGN.md "Experts in host memory"): how many
+    # of its stage's MoE layers keep their routed experts in VRAM, counted from the stage's
+    # first MoE layer; the stage's other (last) MoE layers keep them in pinned host memory and
+    # the CPU computes them. () or a count >= the stage's MoE layers: all in VRAM.
+    experts_resident: tuple[int, ...] = ()
+    # per device: VRAM slots of the expert cache, one slot one expert (gate, up and down) of
+    # one layer, sized for the stage's largest; () : none
+    expert_slots: tuple[int, ...] = ()
+    # the host memory pinned experts are priced against (cpu_spec(): MemAvailable when the plan
+    # was made; a simulated rig's stated RAM); None: read live when the plan is priced
+    host: DeviceSpec | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
@@ -73,6 +109,20 @@ class Plan:
                 f"logits_rows: must be 1..prefill_chunk ({self.prefill_chunk}), got {self.logits_rows}"
             )
         parse_arena(self.arena)  # raises CarveError naming --arena
+        for flag, name in (("--experts-resident", "experts_resident"),
+                           ("--expert-slots", "expert_slots")):
+            counts = _per_device(flag, getattr(self, name), n)
+            object.__setattr__(self, name, counts)
+            if counts and self.devices[0].is_cpu:
+                raise CarveError(
+                    f"{flag}: a CPU plan keeps every expert in system RAM already; leave it out")
+
+    def resident(self, i: int) -> int:
+        """MoE layers of stage i whose experts stay in VRAM (a large number: all)."""
+        return self.experts_resident[i] if self.experts_resident else ALL_RESIDENT
+
+    def slots(self, i: int) -> int:
+        return self.expert_slots[i] if self.expert_slots else 0
 
     @property
     def n_layer(self) -> int:
@@ -85,6 +135,9 @@ class Plan:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["devices"] = [d.to_json() for d in self.devices]
         out["split"] = list(self.split)
+        out["experts_resident"] = list(self.experts_resident)
+        out["expert_slots"] = list(self.expert_slots)
+        out["host"] = None if self.host is None else self.host.to_json()
         return out
 
     @classmethod
@@ -100,6 +153,9 @@ class Plan:
             kw = {f.name: data[f.name] for f in fields(cls) if f.name in data}
             kw["devices"] = tuple(DeviceSpec.from_json(d) for d in data["devices"])
             kw["split"] = tuple(data["split"])
+            for name in ("experts_resident", "expert_slots"):
+                kw[name] = tuple(data.get(name) or ())
+            kw["host"] = DeviceSpec.from_json(data["host"]) if data.get("host") else None
             return cls(**kw)
         except (KeyError, TypeError) as exc:
             raise CarveError(f"plan: missing or malformed field {exc}") from None

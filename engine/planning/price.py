@@ -23,13 +23,16 @@ from engine.planning import capability
 from engine.planning.advice import advise
 from engine.planning.arena import align_up, reserved_bytes, round_block, segment_size
 from engine.planning.carve import ModelIndex, model_index
-from engine.planning.layout import TERMS, Arena, DeviceLayout, Layout, LazyArenas
+from engine.planning.host import HostLayout
+from engine.planning.layout import TERMS, Arena, DeviceLayout, Layout, LazyArenas, human
 from engine.planning.plan import Plan
 from engine.planning.rules import MIB, ArenaKind, Verdict, parse_arena
 from engine.planning.stage import (
     StageKey,
     allocations,
     arenas,
+    host_bytes,
+    host_terms,
     scratch_elements,
     stage_key,
 )
@@ -102,6 +105,7 @@ def price_stage(idx: ModelIndex, k: StageKey) -> DeviceLayout:
     )
     terms["overhead"] = overhead
     terms["rounding"] = allocated - sum(terms[p] for p in TERMS)
+    terms.update(host_terms(idx, k))  # pinned host memory: outside the device's total
     total = allocated + overhead
     headroom = avail - total
     final = chosen
@@ -124,6 +128,7 @@ def price_stage(idx: ModelIndex, k: StageKey) -> DeviceLayout:
         Verdict.of(headroom),
         "",
         source,
+        host_bytes(idx, k),
     )
     _STAGES[cache_key] = out
     while len(_STAGES) > 512:
@@ -159,11 +164,40 @@ def price(plan: Plan, model: Any = None, runner: Runner | None = None) -> Layout
     idx = model_index(model)
     _check(plan, idx)
     stages = [price_stage(idx, stage_key(plan, i)) for i in range(len(plan.devices))]
+    host = None
+    if any(s.host for s in stages):
+        host = host_layout(host_memory(plan), [s.host for s in stages])
     if any(s.verdict == Verdict.DOES_NOT_FIT for s in stages):
-        stages = advise(plan, idx, stages)
+        stages = advise(plan, idx, stages, host_memory(plan))
     return Layout(
         plan,
         tuple(capability.check(plan, idx, stages, runner)),
         idx.n_skipped_layers,
         sum(t.nbytes for t in idx.skipped),
+        host,
     )
+
+
+def host_layout(device: Any, stages: list[int]) -> HostLayout:
+    """The verdict on pinning ``stages`` bytes (per stage) in ``device``'s memory (the host),
+    with the sentence that names host RAM as the bottleneck when it does not fit."""
+    pinned = sum(stages)
+    avail = device.free - device.reserve
+    headroom = avail - pinned
+    verdict = Verdict.of(headroom)
+    advice = ""
+    if verdict == Verdict.DOES_NOT_FIT:
+        advice = (f"host RAM: over by {human(-headroom)}: {human(pinned)} of experts and "
+                  f"buffers pinned in host memory do not fit in {human(avail)} available; keep "
+                  "more layers' experts in VRAM (--experts-resident), add a GPU or free memory")
+    return HostLayout(device, tuple(stages), headroom, verdict, advice)
+
+
+def host_memory(plan: Plan) -> Any:
+    """The host memory pinned experts are priced against: the plan's (a stated size, or what
+    was available when it was made), else this machine's MemAvailable now."""
+    if plan.host is not None:
+        return plan.host
+    from engine.hardware.devices import cpu_spec
+
+    return cpu_spec()

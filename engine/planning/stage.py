@@ -20,12 +20,14 @@ from engine.planning.arena import (
     align_up,
     allocation_sizes,
     arrange,
+    packed,
     reserved_bytes,
 )
 from engine.planning.buffers import DTYPE_BYTES, activation_buffers
-from engine.planning.carve import ModelIndex, _globals, _prefix, _request
+from engine.planning.carve import ModelIndex, _globals, _prefix, _request, is_expert
+from engine.planning.host import host_moe_buffers
 from engine.planning.layout import Arena
-from engine.planning.plan import Plan
+from engine.planning.plan import ALL_RESIDENT, Plan
 from engine.planning.rules import ArenaKind, ArenaMode, KvType, parse_arena
 from spec.errors import CarveError
 
@@ -63,6 +65,8 @@ class StageKey:
     arena: str
     act_dtype: str
     logits_rows: int
+    resident: int = ALL_RESIDENT  # MoE layers whose experts stay in VRAM (the stage's first)
+    slots: int = 0  # VRAM expert-cache slots
 
 
 def stage_key(plan: Plan, i: int, **over: Any) -> StageKey:
@@ -79,6 +83,8 @@ def stage_key(plan: Plan, i: int, **over: Any) -> StageKey:
         "arena": plan.arena,
         "act_dtype": plan.act_dtype,
         "logits_rows": plan.logits_rows,
+        "resident": plan.resident(i),
+        "slots": plan.slots(i),
     }
     kw.update(over)
     return StageKey(**kw)
@@ -147,11 +153,57 @@ def _buffer_sizes(idx: ModelIndex, k: StageKey, scratch: int) -> list[int]:
     )
 
 
+def host_cut(idx: ModelIndex, k: StageKey) -> int:
+    """The stage's first layer whose experts live in host memory (k.hi: none do). The CPU
+    holds everything in its RAM already: no host placement there."""
+    return k.hi if k.device.is_cpu else idx.host_cut(k.lo, k.hi, k.resident)
+
+
+def slot_bytes(idx: ModelIndex, k: StageKey) -> int:
+    """One expert-cache slot: the stage's largest expert (gate, up and down of one layer)."""
+    return max(idx.expert_slot[k.lo : k.hi], default=0)
+
+
+def _host_buffer_specs(idx: ModelIndex, k: StageKey) -> list[Any]:
+    return _memo(
+        (idx.token, "hostbuf", k.chunk, k.act_dtype),
+        lambda: host_moe_buffers(idx.hp, k.chunk, k.act_dtype),
+    )
+
+
+def host_terms(idx: ModelIndex, k: StageKey) -> dict[str, int]:
+    """Pinned host bytes of the stage, by term: the experts of its host layers at their file
+    bytes, and (when it has any) the transfer buffers its CPU compute runs on; {} otherwise."""
+    cut = host_cut(idx, k)
+    if cut >= k.hi:
+        return {}
+    return {
+        "host_experts": idx.expert_raw_prefix[k.hi] - idx.expert_raw_prefix[cut],
+        "host_buffers": sum(b.nbytes for b in _host_buffer_specs(idx, k)),
+    }
+
+
+def host_bytes(idx: ModelIndex, k: StageKey) -> int:
+    """What the stage pins in host memory: its host arenas (each one allocation, 256-byte
+    aligned spans, like a packed GPU arena)."""
+    cut = host_cut(idx, k)
+    if cut >= k.hi:
+        return 0
+    bufs = sum(align_up(b.nbytes) for b in _host_buffer_specs(idx, k))
+    return idx.expert_prefix[k.hi] - idx.expert_prefix[cut] + bufs
+
+
+def _host_layer_sizes(idx: ModelIndex, i: int) -> list[int]:
+    """Layer i's tensor sizes without its experts (a layer whose experts live in host memory)."""
+    return [n for t, n in zip(idx.layer_tensors[i], idx.layer_sizes[i]) if not is_expert(t.name)]
+
+
 def allocations(
     idx: ModelIndex, k: StageKey, mode: ArenaMode, scratch: int, dq: list[int] | int
 ) -> tuple[list[int], dict[str, int]]:
     """(allocation sizes in engine order, requested bytes per purpose) without building spans.
-    `dq`: the dequant cache's span sizes, or (packed only) their aligned total."""
+    `dq`: the dequant cache's span sizes, or (packed only) their aligned total. Experts of
+    host layers are not in the GPU's weights arena (`host_terms` bills them)."""
     glob = _memo(
         (idx.token, "glob", k.first, k.last),
         lambda: [t.nbytes for t in _globals(idx, k.first, k.last)],
@@ -159,29 +211,38 @@ def allocations(
     kv_raw, kv_al, kv_sizes = _kv_table(idx, k.ctx, k.kv_type)
     bufs = _buffer_sizes(idx, k, scratch)
     experts = idx.expert_raw_prefix[k.hi] - idx.expert_raw_prefix[k.lo]
+    cut = host_cut(idx, k)
+    on_host = idx.expert_raw_prefix[k.hi] - idx.expert_raw_prefix[cut]
+    cache = k.slots * slot_bytes(idx, k)
     terms = {
         # the weights arena holds both; the bill shows the routed experts beside the dense rest
         "weights": idx.layer_raw_prefix[k.hi] - idx.layer_raw_prefix[k.lo] - experts,
-        "experts": experts,
+        "experts": experts - on_host,
         "globals": sum(glob),
         "kv": kv_raw[k.hi] - kv_raw[k.lo],
         "buffers": sum(bufs),
+        "expert_cache": cache,
     }
     if mode.kind == ArenaKind.PACKED:
         dq_al = dq if isinstance(dq, int) else sum(align_up(n) for n in dq)
         allocs = [
-            idx.layer_prefix[k.hi] - idx.layer_prefix[k.lo],
+            idx.layer_prefix[k.hi] - idx.layer_prefix[k.lo]
+            - (idx.expert_prefix[k.hi] - idx.expert_prefix[cut]),
             sum(align_up(n) for n in glob),
             kv_al[k.hi] - kv_al[k.lo],
             sum(align_up(n) for n in bufs),
+            cache,
             dq_al,
         ]
         return [a for a in allocs if a], terms
     assert isinstance(dq, list)
-    allocs = allocation_sizes(mode, [n for i in range(k.lo, k.hi) for n in idx.layer_sizes[i]])
+    weights = [n for i in range(k.lo, cut) for n in idx.layer_sizes[i]]
+    weights += [n for i in range(cut, k.hi) for n in _host_layer_sizes(idx, i)]
+    allocs = allocation_sizes(mode, weights)
     allocs += allocation_sizes(mode, glob)
     allocs += allocation_sizes(mode, [n for i in range(k.lo, k.hi) for n in kv_sizes[i]])
     allocs += allocation_sizes(mode, bufs)
+    allocs += allocation_sizes(mode, [cache] if cache else [])
     return allocs + allocation_sizes(mode, dq), terms
 
 
@@ -191,9 +252,10 @@ def arenas(
     """The stage's arenas with every span, in allocation order (what `allocations` counted)."""
     # bf16 unless activations are f16: CPU matrix-vector products run ~10x slower in f16
     dq_dtype = "f16" if k.act_dtype == "f16" else "bf16"
-    out = arrange(
-        mode, "weights", "weights", [r for i in range(k.lo, k.hi) for r in idx.layer_requests[i]]
-    )
+    cut = host_cut(idx, k)
+    on_gpu = [r for i in range(k.lo, cut) for r in idx.layer_requests[i]]
+    on_gpu += [r for i in range(cut, k.hi) for r in idx.layer_requests[i] if not is_expert(r[0])]
+    out = arrange(mode, "weights", "weights", on_gpu)
     out += arrange(
         mode, "globals", "globals", [_request(t) for t in _globals(idx, k.first, k.last)]
     )
@@ -204,9 +266,27 @@ def arenas(
         "buffers",
         [(f"buf.{b.name}", b.nbytes, b.dtype, b.shape) for b in _buffer_specs(idx, k, scratch)],
     )
-    return out + arrange(
+    if k.slots:  # one span: the slots side by side, slot_bytes each
+        nb = k.slots * slot_bytes(idx, k)
+        out += arrange(mode, "expert_cache", "expert_cache",
+                       [("expert_cache", nb, "uint8", (k.slots, nb // k.slots))])
+    out += arrange(
         mode, "dequant_cache", "dequant_cache", [dq_request(t, dq_dtype) for t in chosen]
     )
+    return out + host_arenas(idx, k)
+
+
+def host_arenas(idx: ModelIndex, k: StageKey) -> list[Arena]:
+    """The stage's pinned host arenas (purposes in layout.HOST_PURPOSES): its host layers'
+    experts at their file bytes, then the CPU compute's transfer buffers (`hbuf.<name>`).
+    Each is one allocation whatever the GPU's arena mode."""
+    cut = host_cut(idx, k)
+    if cut >= k.hi:
+        return []
+    experts = [r for i in range(cut, k.hi) for r in idx.layer_requests[i] if is_expert(r[0])]
+    bufs = [(f"hbuf.{b.name}", b.nbytes, b.dtype, b.shape) for b in _host_buffer_specs(idx, k)]
+    return [a for a in (packed("host_experts", "host_experts", experts),
+                        packed("host_buffers", "host_buffers", bufs)) if a is not None]
 
 
 def dq_request(t: Any, dtype: str) -> Request:

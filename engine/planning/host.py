@@ -1,0 +1,61 @@
+"""Host memory as a device of the plan (DESIGN.md "Experts in host memory"): the pinned
+buffers a stage whose last MoE layers keep their experts in host memory runs the CPU compute
+on, and the host line of the bill — every stage's pinned bytes against the RAM the machine has
+available.
+
+The experts themselves are priced per stage by `engine.planning.stage` (`host_terms`,
+`host_arenas`); this module adds them up against the one host they all share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.hardware.devices import DeviceSpec
+from engine.planning.buffers import BufferSpec
+from engine.planning.rules import Verdict
+
+# the arenas a GPU stage allocates in host memory (pinned) rather than on its device
+HOST_PURPOSES = ("host_experts", "host_buffers")
+
+
+def host_moe_buffers(hp: Any, chunk: int, act_dtype: str) -> list[BufferSpec]:
+    """The pinned host buffers of a stage whose last MoE layers keep their experts in host
+    memory and run them on the CPU (spans "hbuf.<name>"): the normed rows, expert ids and
+    weights the GPU routed, copied down; the experts' weighted sum, copied back up; and a
+    float32 scratch for one expert matrix, which the CPU dequantizes per routed expert."""
+    e, k = hp.n_embd, hp.n_expert_used
+    return [
+        BufferSpec("x", (chunk, e), act_dtype),  # [chunk, n_embd] the normed rows
+        BufferSpec("ids", (chunk, k), "i32"),  # [chunk, k] the experts the router chose
+        BufferSpec("w", (chunk, k), "f32"),  # [chunk, k] their weights
+        BufferSpec("y", (chunk, e), "f32"),  # [chunk, n_embd] the routed experts' sum
+        BufferSpec("dequant", (hp.n_ff_exp * e,), "f32"),  # one expert matrix, dequantized
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class HostLayout:
+    """The host line of the bill: what every stage pins, against the host's available RAM."""
+
+    device: DeviceSpec  # the host memory: cpu_spec() (MemAvailable) or a stated size
+    stages: tuple[int, ...]  # pinned bytes per stage, in plan order
+    headroom: int  # free - reserve - pinned
+    verdict: Verdict
+    advice: str = ""
+
+    @property
+    def pinned(self) -> int:
+        return sum(self.stages)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device": self.device.to_json(), "stages": list(self.stages),
+                "pinned": self.pinned, "headroom": self.headroom, "verdict": self.verdict,
+                "advice": self.advice}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> HostLayout:
+        return cls(DeviceSpec.from_json(d["device"]), tuple(d["stages"]), d["headroom"],
+                   Verdict(d["verdict"]), d.get("advice", ""))
+

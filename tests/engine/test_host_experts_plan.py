@@ -1,0 +1,185 @@
+"""Experts in host memory, planned and priced: the Plan's per-GPU placement and expert-cache
+slots (validation, JSON), the host line of the bill (pinned experts and transfer buffers against
+the host's RAM), the expert cache as a GPU term, the advice and the automatic placement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.cli_plan import main as plan_main
+from engine.gguf.hparams import HParams
+from engine.gguf.reader import GGUFModel
+from engine.hardware.devices import DeviceSpec
+from engine.planning.arena import align_up
+from engine.planning.carve import is_expert, model_index
+from engine.planning.defaults import default_plan
+from engine.planning.host import HOST_PURPOSES, host_moe_buffers
+from engine.planning.layout import PURPOSES, TERMS, Layout
+from engine.planning.plan import Plan
+from engine.planning.price import price
+from engine.planning.rules import Verdict
+from engine.planning.stage import stage_key, stage_need
+from engine.synth.header import HeaderModel
+from engine.synth.shapes import SHAPES
+from spec.errors import CarveError
+
+MIB, GIB = 1 << 20, 1 << 30
+HOST = DeviceSpec(-1, "host", 64 * GIB, 48 * GIB, simulated=True)
+
+
+def gpu(i: int, free_mib: int) -> DeviceSpec:
+    return DeviceSpec(i, f"card{i}", (free_mib + 600) * MIB, free_mib * MIB, simulated=True)
+
+
+def test_plan_placement_validates_and_round_trips() -> None:
+    devs = (gpu(0, 4000), gpu(1, 4000))
+    p = Plan("m", devs, (0, 2, 4), ctx=64, experts_resident=(1, 0), expert_slots=[3, 4],
+             host=HOST)
+    again = Plan.from_json(json.loads(json.dumps(p.to_json())))
+    assert again == p and again.experts_resident == (1, 0) and again.expert_slots == (3, 4)
+    assert (p.resident(0), p.slots(1)) == (1, 4)
+    old = p.to_json()  # a plan saved before placements existed: all in VRAM, no slots
+    for key in ("experts_resident", "expert_slots", "host"):
+        del old[key]
+    legacy = Plan.from_json(old)
+    assert legacy.experts_resident == () and legacy.host is None and legacy.slots(0) == 0
+    assert legacy.resident(1) >= 1 << 20
+    bad = [
+        ({"experts_resident": (1,)}, "--experts-resident: 2 device(s) need 2 counts, got 1: 1"),
+        ({"expert_slots": (2, -1)}, "--expert-slots: counts must be 0 or more, got 2,-1"),
+        ({"experts_resident": ("a", 1)}, "--experts-resident: expected whole numbers"),
+    ]
+    for kw, msg in bad:
+        with pytest.raises(CarveError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+            Plan("m", devs, (0, 2, 4), ctx=64, **kw)
+    cpu = DeviceSpec(-1, "cpu", 8 * GIB, 8 * GIB)
+    with pytest.raises(CarveError, match="--experts-resident: a CPU plan keeps every expert"):
+        Plan("m", (cpu,), (0, 4), ctx=64, experts_resident=(0,))
+
+
+@pytest.mark.parametrize("arena", ["packed", "per-tensor"])
+def test_host_layers_leave_vram_and_are_billed_on_the_host(synth_model, arena) -> None:
+    """qwen3moe-tiny (4 MoE layers) on two GPUs: GPU 0 keeps 1 of its 2 MoE layers' experts in
+    VRAM, GPU 1 none; every term exact against the tensor table."""
+    model = GGUFModel.open(synth_model("qwen3moe-tiny"))
+    hp_e = HParams.from_model(model).n_expert
+    devs = (gpu(0, 4000), gpu(1, 4000))
+    base = Plan("m", devs, (0, 2, 4), ctx=256, act_dtype="bf16", arena=arena, host=HOST)
+    plan = Plan("m", devs, (0, 2, 4), ctx=256, act_dtype="bf16", arena=arena, host=HOST,
+                experts_resident=(1, 0), expert_slots=(3, 0))
+    full, layout = price(base, model), price(plan, model)
+    host_layers = {0: {1}, 1: {2, 3}}
+    chunk_bufs = host_moe_buffers(HParams.from_model(model), 512, "bf16")
+    for i, (d, d0) in enumerate(zip(layout.devices, full.devices, strict=True)):
+        lo, hi = d.layers
+        experts = [t for t in model.tensors if is_expert(t.name) and lo <= t.layer < hi]
+        away = [t for t in experts if t.layer in host_layers[i]]
+        assert d.terms["host_experts"] == sum(t.nbytes for t in away)
+        assert d.terms["experts"] == sum(t.nbytes for t in experts) - d.terms["host_experts"]
+        assert d.terms["weights"] == d0.terms["weights"]  # dense weights stay on the GPU
+        assert d.terms["host_buffers"] == sum(b.nbytes for b in chunk_bufs)
+        held = {s.name: (a.purpose, s) for a in d.arenas for s in a.spans}
+        for t in experts:  # a host layer's experts are in the host arena only, at file bytes
+            purpose, span = held[t.name]
+            assert purpose == ("host_experts" if t in away else "weights")
+            assert span.nbytes == t.nbytes and span.dtype != "bf16"
+        # one slot holds one expert's gate, up and down of the stage's largest MoE layer
+        slot = max(sum(align_up(t.nbytes // hp_e) for t in experts if t.layer == layer)
+                   for layer in range(lo, hi))
+        assert d.terms["expert_cache"] == (3 * slot if i == 0 else 0)
+        if i == 0:
+            assert held["expert_cache"][1].shape == (3, slot)
+        host_arenas = [a for a in d.arenas if a.purpose in HOST_PURPOSES]
+        assert d.host == sum(a.nbytes for a in host_arenas)
+        assert d.host == sum(align_up(t.nbytes) for t in away) + sum(
+            align_up(b.nbytes) for b in chunk_bufs)
+        # the device's own bytes: every priced purpose, rounding the rest, no host bytes
+        by_purpose = {p: sum(s.nbytes for a in d.arenas for s in a.spans if s.purpose == p)
+                      for p in PURPOSES}
+        assert by_purpose["weights"] == d.terms["weights"] + d.terms["experts"]
+        assert d.terms["rounding"] == d.allocated - sum(d.terms[p] for p in TERMS)
+        assert d.total == d.allocated + d.terms["overhead"]  # host bytes are not VRAM
+    assert layout.host is not None and layout.host.stages == tuple(d.host for d in layout.devices)
+    assert layout.host.headroom == HOST.free - layout.host.pinned
+    assert full.host is None
+    again = Layout.from_json(json.loads(json.dumps(layout.to_json())))
+    assert again.host == layout.host and again.devices[1].host == layout.devices[1].host
+
+
+def test_host_ram_shortfall_is_one_sentence_and_the_bottleneck(synth_model, capsys) -> None:
+    path = str(synth_model("qwen3moe-tiny"))
+    model = GGUFModel.open(path)
+    small = DeviceSpec(-1, "host", GIB, MIB, simulated=True)
+    plan = Plan("m", (gpu(0, 4000),), (0, 4), ctx=256, act_dtype="bf16", host=small,
+                experts_resident=(0,))
+    layout = price(plan, model)
+    h = layout.host
+    assert layout.devices[0].verdict.runs and h.verdict == Verdict.DOES_NOT_FIT
+    assert layout.verdict == Verdict.DOES_NOT_FIT and not layout.fits
+    pinned = h.pinned / MIB
+    over = (h.pinned - MIB) / MIB
+    assert h.advice == (
+        f"host RAM: over by {over:.1f} MiB: {pinned:.1f} MiB of experts and buffers pinned in "
+        "host memory do not fit in 1.0 MiB available; keep more layers' experts in VRAM "
+        "(--experts-resident), add a GPU or free memory")
+    assert layout.bottleneck() == f"does not fit: the bottleneck is host RAM (over by {over:.1f} MiB)"
+    code = plan_main(["plan", path, "--gpus", "4GiB", "--experts-resident", "0",
+                      "--host-ram", "1MiB"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert h.advice in out and out.rstrip().endswith(layout.bottleneck())
+    assert "GPU 0: experts of 0 of its 4 MoE layers in VRAM (its first), 4 in host memory" in out
+
+
+QWEN30 = SHAPES["qwen3moe-30b-a3b"]
+
+
+def test_auto_places_experts_on_the_host_when_vram_does_not_hold_them() -> None:
+    """qwen3moe-30b-a3b (Q4_K_M, from its tensor table, no file) on a 12 GiB card: all in VRAM
+    does not fit; Auto keeps the most layers' experts in VRAM that leave the cache reserve, the
+    rest pinned in host RAM; on a 24 GiB card nothing moves."""
+    model = HeaderModel(QWEN30)
+    card = DeviceSpec(0, "12 GiB (simulated)", 12 * GIB, 12 * GIB - 615 * MIB, simulated=True)
+    everything = price(Plan("m", (card,), (0, 48), ctx=4096, act_dtype="bf16", host=HOST), model)
+    assert everything.devices[0].verdict == Verdict.DOES_NOT_FIT
+    assert "VRAM of GPU 0" in everything.bottleneck()
+    # the advice names the placement that fits, and host RAM can take the rest
+    assert "--experts-resident 27 (GPU 0 keeps 27 of its 48 MoE layers' experts in VRAM" in (
+        everything.devices[0].advice)
+    plan = default_plan(model, [card], host=HOST)
+    (r,) = plan.experts_resident
+    idx = model_index(model)
+    avail = card.free - card.reserve
+    need = [stage_need(idx, stage_key(plan, 0, resident=n)) for n in (r, r + 1)]
+    assert need[0] + plan.cache_reserve <= avail < need[1] + plan.cache_reserve
+    layout = price(plan, model)
+    assert layout.fits and layout.devices[0].verdict == Verdict.FITS
+    host_layers = range(r, 48)
+    assert layout.devices[0].terms["host_experts"] == sum(
+        t.nbytes for t in model.tensors if is_expert(t.name) and t.layer in host_layers)
+    big = DeviceSpec(0, "24 GiB (simulated)", 24 * GIB, 24 * GIB - 615 * MIB, simulated=True)
+    assert default_plan(model, [big], host=HOST).experts_resident == ()
+    # host RAM that cannot take them: the plan stays as asked and the bill says why
+    tiny = DeviceSpec(-1, "host", 4 * GIB, 4 * GIB, simulated=True)
+    assert default_plan(model, [card], host=tiny).experts_resident == ()
+
+
+def test_carve_plan_json_and_text_show_the_host_line_and_cache(synth_model, capsys) -> None:
+    path = str(synth_model("qwen3moe-tiny"))
+    args = ["plan", path, "--gpus", "2x4GiB", "--split", "0,2,4", "--experts-resident", "2,1",
+            "--expert-slots", "5", "--host-ram", "2GiB"]
+    assert plan_main(args) == 0
+    out = capsys.readouterr().out
+    assert "expert cache" in out and "pinned on host" in out
+    assert "host RAM: " in out and "of 2.00 GiB stated" in out
+    assert plan_main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["experts_resident"] == [2, 1] and data["plan"]["expert_slots"] == [5, 5]
+    assert data["host"]["device"]["total"] == 2 * GIB
+    assert data["devices"][0]["host"] == 0 and data["devices"][1]["host"] > 0
+    assert data["host"]["pinned"] == data["devices"][1]["host"]
+    assert all(d["terms"]["expert_cache"] > 0 for d in data["devices"])
+    assert plan_main(["plan", path, "--experts-resident", "x"]) == 2
+    assert "--experts-resident: cannot read 'x'" in capsys.readouterr().err
