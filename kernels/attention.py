@@ -43,12 +43,12 @@ def _load_kv(c_ptr, c8_ptr, ch_ptr, cell, kvh, KVH, dd, cmask, D: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["cells", "window"])
 def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_ptr, pml_ptr,
-                           cnt_ptr, o_ptr, cells, window, scale, KVH, NS, stride_qh, stride_oh,
-                           CNT_STRIDE,
+                           cnt_ptr, o_ptr, sink_ptr, cells, window, scale, KVH, NS, stride_qh,
+                           stride_oh, CNT_STRIDE,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr,
                            FUSED: tl.constexpr, NSP: tl.constexpr, MERGE: tl.constexpr,
-                           PDL: tl.constexpr):
+                           SINK: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     kvh = tl.program_id(0)
     s = tl.program_id(1)
@@ -117,24 +117,30 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
                                 mask=ok[:, None], other=0.0, cache_modifier=".cg")
                     num += o * w[:, None]
                     den += w
+            if SINK:  # gpt-oss: one more logit per head, in the denominator only
+                den += tl.exp(tl.load(sink_ptr + heads, mask=gmask, other=_NEG) - mx)
             tl.store(o_ptr + heads[:, None] * stride_oh + dd[None, :],
                      (num / den[:, None]).to(o_ptr.dtype.element_ty), mask=gmask[:, None])
             tl.atomic_xchg(cnt_ptr + kvh * CNT_STRIDE, 0)
 
 
 @triton.jit
-def _decode_reduce_kernel(po_ptr, pml_ptr, o_ptr, NS, stride_oh, D: tl.constexpr,
-                          NSP: tl.constexpr,
+def _decode_reduce_kernel(po_ptr, pml_ptr, o_ptr, sink_ptr, NS, stride_oh, D: tl.constexpr,
+                          NSP: tl.constexpr, SINK: tl.constexpr,
                           PDL: tl.constexpr):
     pdl.start(PDL)
     h = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, NSP)
     sm = s < NS
     lse = tl.load(pml_ptr + h * NS + s, mask=sm, other=_NEG)
-    w = tl.exp(lse - tl.max(lse, axis=0))
+    mx = tl.max(lse, axis=0)
+    w = tl.exp(lse - mx)
     dd = tl.arange(0, D)
     o = tl.load(po_ptr + (h * NS + s)[:, None] * D + dd[None, :], mask=sm[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    den = tl.sum(w, axis=0)
+    if SINK:
+        den += tl.exp(tl.load(sink_ptr + h) - mx)
+    out = tl.sum(o * w[:, None], axis=0) / den
     tl.store(o_ptr + h * stride_oh + dd, out.to(o_ptr.dtype.element_ty))
 
 
@@ -162,9 +168,12 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 positions: torch.Tensor, n_kv_heads: int, cells: int, window: int, scale: float,
                 out: torch.Tensor | None = None,
                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                counter: torch.Tensor | None = None, use_pdl: bool = True) -> torch.Tensor:
+                counter: torch.Tensor | None = None, use_pdl: bool = True,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token q [n_head, head_dim] at position positions[0] (the key/value of that
     position already stored) -> [n_head, head_dim]. No allocation given out and workspace.
+    ``sinks``: float32 [n_head] (gpt-oss), one more logit per head that takes its share of
+    each softmax and adds no value.
     ``counter``: int32 zeros [n_kv_heads] or [n_kv_heads, k] (left zero); with it the splits
     are merged by the last program of each kv head instead of a second launch. ``use_pdl``:
     launch with PDL where the GPU has it (kernels/pdl.py)."""
@@ -184,19 +193,22 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     fused = counter is not None
     _decode_partial_kernel[(n_kv_heads, ns)](
         q, ck, ck8, ckh, cv, cv8, cvh, positions, po, pml, counter if fused else pml, out,
-        cells, window, scale, n_kv_heads, ns, q.stride(0), out.stride(0),
-        counter.stride(0) if fused else 0, G=g, GP=gp, D=d,
+        sinks if sinks is not None else pml, cells, window, scale, n_kv_heads, ns, q.stride(0),
+        out.stride(0), counter.stride(0) if fused else 0, G=g, GP=gp, D=d,
         SPLIT=split, BLOCK_N=64, Q8=q8, FUSED=fused, NSP=triton.next_power_of_2(ns),
-        MERGE=max(1, 8192 // (gp * d)), num_warps=4, **pdl.opts(out, use_pdl))
+        MERGE=max(1, 8192 // (gp * d)), SINK=sinks is not None, num_warps=4,
+        **pdl.opts(out, use_pdl))
     if not fused:
-        _decode_reduce_kernel[(nh,)](po, pml, out, ns, out.stride(0), D=d,
-                                     NSP=triton.next_power_of_2(ns), num_warps=4,
+        _decode_reduce_kernel[(nh,)](po, pml, out, sinks if sinks is not None else pml, ns,
+                                     out.stride(0), D=d, NSP=triton.next_power_of_2(ns),
+                                     SINK=sinks is not None, num_warps=4,
                                      **pdl.opts(out, use_pdl))
     return out
 
 
-def _attend_ref(q, keys, vals, kpos, qpos, window, scale, g):
-    # q [T, H, D], keys/vals [N, KVH, D], kpos [N], qpos [T] -> [T, H, D] (float32)
+def _attend_ref(q, keys, vals, kpos, qpos, window, scale, g, sinks=None):
+    # q [T, H, D], keys/vals [N, KVH, D], kpos [N], qpos [T] -> [T, H, D] (float32); sinks
+    # [H]: one more logit per head in each softmax, with no value
     k = keys.repeat_interleave(g, dim=1)
     v = vals.repeat_interleave(g, dim=1)
     s = torch.einsum("thd,nhd->htn", q.float() * scale, k)
@@ -204,13 +216,18 @@ def _attend_ref(q, keys, vals, kpos, qpos, window, scale, g):
     if window > 0:
         ok &= (qpos[:, None] - kpos[None, :]) < window
     s = s.masked_fill(~ok[None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(-1, 1, 1).expand(s.shape[0], s.shape[1], 1)
+        p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :-1]
+        return torch.einsum("htn,nhd->thd", p, v)
     return torch.einsum("htn,nhd->thd", torch.softmax(s, dim=-1), v)
 
 
 def attn_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     positions: torch.Tensor, n_kv_heads: int, cells: int, window: int,
                     scale: float, out: torch.Tensor | None = None,
-                    workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    counter=None, use_pdl=True, sinks=None) -> torch.Tensor:
     nh, d = q.shape
     pos = int(positions.reshape(-1)[0])
     n_valid = min(pos + 1, cells)
@@ -219,7 +236,8 @@ def attn_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k = kv_load_ref(k_cache, cells, n_kv_heads, d)[:n_valid]
     v = kv_load_ref(v_cache, cells, n_kv_heads, d)[:n_valid]
     qpos = torch.tensor([pos], device=q.device)
-    y = _attend_ref(q[None], k, v, kpos, qpos, window, scale, nh // n_kv_heads)[0].to(q.dtype)
+    y = _attend_ref(q[None], k, v, kpos, qpos, window, scale, nh // n_kv_heads,
+                    sinks)[0].to(q.dtype)
     return y if out is None else out.copy_(y)
 
 
@@ -236,11 +254,11 @@ def _online(q, k, v, ok, m_i, l_i, acc):
 
 
 @triton.jit(do_not_specialize=["T", "pos0", "cells", "window"])
-def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, o_ptr,
+def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, o_ptr, sink_ptr,
                     T, pos0, cells, window, scale, KVH, stride_qt, stride_qh, stride_kt,
                     stride_kh, stride_ot, stride_oh,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, Q8: tl.constexpr,
+                    BLOCK_N: tl.constexpr, Q8: tl.constexpr, SINK: tl.constexpr,
                     PDL: tl.constexpr):
     pdl.start(PDL)
     mb = tl.program_id(0)
@@ -279,6 +297,8 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, o_p
         ok = jm[None, :] & (j[None, :] <= i[:, None])
         ok = ok & ((window <= 0) | (i[:, None] - j[None, :] < window))
         m_i, l_i, acc = _online(q, k, v, ok, m_i, l_i, acc)
+    if SINK:  # gpt-oss: the sink's share of each softmax, no value
+        l_i += tl.exp(tl.load(sink_ptr + h) - m_i)
     o = acc / l_i[:, None]
     tl.store(o_ptr + i.to(tl.int64)[:, None] * stride_ot + h * stride_oh + dd[None, :],
              o.to(o_ptr.dtype.element_ty), mask=im[:, None])
@@ -287,10 +307,10 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, o_p
 def attn_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, cells: int,
                  window: int, scale: float, out: torch.Tensor | None = None,
-                 use_pdl: bool = True) -> torch.Tensor:
+                 use_pdl: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a chunk q [T, n_head, D] at positions pos0.. over the cache's
     earlier positions plus the chunk's own k_new/v_new [T, n_kv_heads, D] -> [T, n_head, D].
-    ``use_pdl`` as in ``attn_decode``."""
+    ``use_pdl`` and ``sinks`` as in ``attn_decode``."""
     t, nh, d = q.shape
     kvh = k_new.shape[1]
     if out is None:
@@ -299,17 +319,19 @@ def attn_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     cv, cv8, cvh, _ = _views(v_cache)
     bm, bn = (64, 64) if d <= 128 else (32, 32)
     grid = (triton.cdiv(t, bm), nh)
-    _prefill_kernel[grid](q, k_new, v_new, ck, ck8, ckh, cv, cv8, cvh, out, t, pos0, cells,
+    _prefill_kernel[grid](q, k_new, v_new, ck, ck8, ckh, cv, cv8, cvh, out,
+                          sinks if sinks is not None else out, t, pos0, cells,
                           window, scale, kvh, q.stride(0), q.stride(1), k_new.stride(0),
                           k_new.stride(1), out.stride(0), out.stride(1), G=nh // kvh, D=d,
-                          BLOCK_M=bm, BLOCK_N=bn, Q8=q8, num_warps=4,
+                          BLOCK_M=bm, BLOCK_N=bn, Q8=q8, SINK=sinks is not None, num_warps=4,
                           **pdl.opts(out, use_pdl))
     return out
 
 
 def attn_prefill_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, cells: int,
-                     window: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                     window: int, scale: float, out: torch.Tensor | None = None,
+                     use_pdl=True, sinks=None) -> torch.Tensor:
     t, nh, d = q.shape
     kvh = k_new.shape[1]
     lo = max(0, pos0 - cells)
@@ -320,5 +342,5 @@ def attn_prefill_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     vals = torch.cat([vc, v_new.float()])
     kpos = torch.cat([kpos_old, torch.arange(pos0, pos0 + t, device=q.device)])
     qpos = torch.arange(pos0, pos0 + t, device=q.device)
-    y = _attend_ref(q, keys, vals, kpos, qpos, window, scale, nh // kvh).to(q.dtype)
+    y = _attend_ref(q, keys, vals, kpos, qpos, window, scale, nh // kvh, sinks).to(q.dtype)
     return y if out is None else out.copy_(y)

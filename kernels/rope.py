@@ -14,26 +14,32 @@ from kernels.kv_cache import _kv_store_one, _views
 
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale,
-                 D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr,
-                 PDL: tl.constexpr):
+def _rope_kernel(x_ptr, pos_ptr, f_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale,
+                 mscale, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
+                 BLOCK_H: tl.constexpr, FREQS: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
-    _rope_heads(x_ptr, pos_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale,
-                tl.program_id(0), tl.program_id(1), D, HALF, NEOX, BLOCK_H)
+    _rope_heads(x_ptr, pos_ptr, f_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale,
+                mscale, tl.program_id(0), tl.program_id(1), D, HALF, NEOX, BLOCK_H, FREQS)
 
 
 @triton.jit
-def _rope_heads(x_ptr, pos_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale, t, hb,
-                D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rope_heads(x_ptr, pos_ptr, f_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale,
+                mscale, t, hb, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
+                BLOCK_H: tl.constexpr, FREQS: tl.constexpr):
     # rotate heads [hb * BLOCK_H, ...) of token t in place; returns them (two halves, float32)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
     i = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + t).to(tl.float32) * freq_scale
-    # theta_i = pos * base^(-2i/D), as ggml computes it (powf of the base)
-    theta = pos * tl.exp2(-(2.0 * i.to(tl.float32) / D) * log2_base)
-    cos = tl.cos(theta)[None, :]
-    sin = tl.sin(theta)[None, :]
+    if FREQS:  # a frequency per pair (YaRN's ramp), angles and cos/sin scaled as the CPU's
+        theta = tl.load(pos_ptr + t).to(tl.float32) * tl.load(f_ptr + i)
+        cos = (tl.cos(theta) * mscale)[None, :]
+        sin = (tl.sin(theta) * mscale)[None, :]
+    else:
+        pos = tl.load(pos_ptr + t).to(tl.float32) * freq_scale
+        # theta_i = pos * base^(-2i/D), as ggml computes it (powf of the base)
+        theta = pos * tl.exp2(-(2.0 * i.to(tl.float32) / D) * log2_base)
+        cos = tl.cos(theta)[None, :]
+        sin = tl.sin(theta)[None, :]
     if NEOX:
         i1 = i
         i2 = i + HALF
@@ -66,8 +72,8 @@ def _q8_rows(c8_ptr, ch_ptr, blk0, y, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
 @triton.jit
 def _rope_store_kernel(x_ptr, v_ptr, pos_ptr, kc, kc8, kch, vc, vc8, vch, cells, n_q, KVH,
                        stride_t, stride_h, v_stride_t, v_stride_h, log2_base, freq_scale,
-                       D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
-                       BLOCK_H: tl.constexpr, Q8: tl.constexpr,
+                       f_ptr, mscale, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
+                       BLOCK_H: tl.constexpr, Q8: tl.constexpr, FREQS: tl.constexpr,
                        PDL: tl.constexpr):
     pdl.start(PDL)
     # programs [0, NB) rotate q and k heads (k heads also go into the cache), the rest store
@@ -76,9 +82,9 @@ def _rope_store_kernel(x_ptr, v_ptr, pos_ptr, kc, kc8, kch, vc, vc8, vch, cells,
     hb = tl.program_id(1)
     nb = tl.cdiv(n_q + KVH, BLOCK_H)
     if hb < nb:
-        heads, i1, i2, y1, y2 = _rope_heads(x_ptr, pos_ptr, stride_t, stride_h, n_q + KVH,
-                                            log2_base, freq_scale, t, hb, D, HALF, NEOX,
-                                            BLOCK_H)
+        heads, i1, i2, y1, y2 = _rope_heads(x_ptr, pos_ptr, f_ptr, stride_t, stride_h,
+                                            n_q + KVH, log2_base, freq_scale, mscale, t, hb, D,
+                                            HALF, NEOX, BLOCK_H, FREQS)
         kh = heads - n_q
         km = (kh >= 0) & (heads < n_q + KVH)
         cell = (tl.load(pos_ptr + t) % cells).to(tl.int64)
@@ -96,18 +102,21 @@ def _rope_store_kernel(x_ptr, v_ptr, pos_ptr, kc, kc8, kch, vc, vc8, vch, cells,
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float, neox: bool,
-         freq_scale: float = 1.0, use_pdl: bool = True) -> torch.Tensor:
+         freq_scale: float = 1.0, use_pdl: bool = True, freqs: torch.Tensor | None = None,
+         mscale: float = 1.0) -> torch.Tensor:
     """Rotate x [T, n_heads, head_dim] in place by positions [T] (int32, on x's device, so a
     captured decode graph reads the new position each step). ``use_pdl``: launch with PDL
-    where the GPU has it (kernels/pdl.py)."""
+    where the GPU has it (kernels/pdl.py). ``freqs``: float32 [head_dim / 2], each pair's
+    frequency (YaRN), in place of ``base`` and ``freq_scale``; cos and sin times ``mscale``."""
     t, nh, d = x.shape
     if x.stride(2) != 1:
         raise ValueError("rope needs the head dim contiguous")
     bh = min(16, triton.next_power_of_2(nh))
     grid = (t, triton.cdiv(nh, bh))
-    _rope_kernel[grid](x, positions, x.stride(0), x.stride(1), nh, math.log2(base), freq_scale,
-                       D=d, HALF=d // 2, NEOX=neox, BLOCK_H=bh, num_warps=4,
-                       **pdl.opts(x, use_pdl))
+    _rope_kernel[grid](x, positions, freqs if freqs is not None else x, x.stride(0),
+                       x.stride(1), nh, math.log2(base), freq_scale, float(mscale), D=d,
+                       HALF=d // 2, NEOX=neox, BLOCK_H=bh, FREQS=freqs is not None,
+                       num_warps=4, **pdl.opts(x, use_pdl))
     return x
 
 
@@ -118,7 +127,8 @@ def can_fuse_store(neox: bool, k_cache: torch.Tensor, head_dim: int) -> bool:
 
 def rope_store(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, base: float,
                neox: bool, freq_scale: float, n_q: int, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, cells: int, use_pdl: bool = True) -> None:
+               v_cache: torch.Tensor, cells: int, use_pdl: bool = True,
+               freqs: torch.Tensor | None = None, mscale: float = 1.0) -> None:
     """Decode's rotation and cache store in one launch: qk [T, n_q + n_kv, head_dim] (q heads
     then k heads) rotated in place, the rotated keys and v [T, n_kv, head_dim] stored at cells
     positions % cells of the caches (as kernels.kv_cache.kv_store lays them out). ``use_pdl``
@@ -131,18 +141,24 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, base:
     grid = (t, triton.cdiv(nh, bh) + kvh)
     _rope_store_kernel[grid](qk, v, positions, *_views(k_cache), *_views(v_cache), cells, n_q,
                              kvh, qk.stride(0), qk.stride(1), v.stride(0), v.stride(1),
-                             math.log2(base), freq_scale, D=d, HALF=d // 2, NEOX=neox,
-                             BLOCK_H=bh, Q8=k_cache.dtype == torch.uint8, num_warps=4,
+                             math.log2(base), freq_scale, freqs if freqs is not None else qk,
+                             float(mscale), D=d, HALF=d // 2, NEOX=neox, BLOCK_H=bh,
+                             Q8=k_cache.dtype == torch.uint8, FREQS=freqs is not None,
+                             num_warps=4,
                              **pdl.opts(k_cache, use_pdl))
 
 
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, base: float, neox: bool,
-             freq_scale: float = 1.0) -> torch.Tensor:
+             freq_scale: float = 1.0, use_pdl: bool = True, freqs: torch.Tensor | None = None,
+             mscale: float = 1.0) -> torch.Tensor:
     t, nh, d = x.shape
     i = torch.arange(d // 2, device=x.device, dtype=torch.float64)
-    inv = base ** (-2.0 * i / d)
-    theta = (positions.to(torch.float64) * freq_scale)[:, None] * inv[None, :]  # [T, d/2]
-    cos, sin = torch.cos(theta)[:, None, :], torch.sin(theta)[:, None, :]
+    if freqs is None:
+        inv = base ** (-2.0 * i / d)
+        theta = (positions.to(torch.float64) * freq_scale)[:, None] * inv[None, :]  # [T, d/2]
+    else:  # the angle as a float32 product, as the CPU engine's rope_angles forms it
+        theta = (positions.float()[:, None] * freqs.float()[None, :]).to(torch.float64)
+    cos, sin = torch.cos(theta)[:, None, :] * mscale, torch.sin(theta)[:, None, :] * mscale
     xf = x.to(torch.float64)
     if neox:
         x1, x2 = xf[..., : d // 2], xf[..., d // 2:]

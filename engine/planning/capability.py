@@ -25,7 +25,7 @@ from spec.quant_types import F32, type_name
 from spec.runners import RUNNERS, TORCH, TRITON, TRITON_ARCHS, Runner
 
 ROPE_FACTORS = "rope_freqs.weight"
-ROUTER = "ffn_gate_inp.weight"
+F32_MATRICES = ("ffn_gate_inp.weight", "_exps.bias")  # routers, gpt-oss's expert biases
 
 
 def gpu_why_not(plan: Plan, hp: Any, model: Any) -> str | None:
@@ -47,8 +47,9 @@ def runner_for(plan: Plan, idx: ModelIndex) -> Runner:
 
 def _runs(runner: Runner, t: Any) -> bool:
     # the GPU runner multiplies matrices with its kernels and reads vectors as F32, and expert
-    # routers as F32 matrices (kernels/moe.py's router GEMV)
-    if runner is TRITON and (len(t.shape) < 2 or (t.name.endswith(ROUTER) and t.ggml_type == F32)):
+    # routers and per-expert biases as F32 (kernels/moe.py)
+    if runner is TRITON and (len(t.shape) < 2 or (t.name.endswith(F32_MATRICES)
+                                                  and t.ggml_type == F32)):
         return True
     return t.ggml_type in runner.types
 

@@ -42,6 +42,11 @@ SHAPES = {
     "glm4moe": Shape("glm4moe", 2, 128, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
                      n_expert_used=2, n_ff_exp=256, n_expert_shared=1, n_layer_dense_lead=1,
                      n_nextn=1, rope_dim=32, expert_weights_scale=2.5),
+    # gpt-oss: MXFP4 experts with biases and the clamped SwiGLU, router bias, top-k then softmax,
+    # attention sinks, q/k/v/o biases, a window of 8 on even layers, YaRN RoPE
+    "gpt-oss": Shape("gpt-oss", 2, 128, 4, 2, 256, 320, head_dim=64, n_ctx=512,
+                     rope_base=150000.0, rms_eps=1e-5, sliding_window=8, n_expert=4,
+                     n_expert_used=2, n_ff_exp=256, yarn=(4.0, 64), mix="mxfp4_moe"),
 }
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -50,14 +55,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module", params=list(SHAPES))
 def model(request, tmp_path_factory) -> str:
     arch = request.param
-    (out,) = write_model(tmp_path_factory.mktemp("moe") / f"{arch}.gguf", SHAPES[arch], "q4_k_m")
+    shape = SHAPES[arch]
+    (out,) = write_model(tmp_path_factory.mktemp("moe") / f"{arch}.gguf", shape,
+                         None if arch == "gpt-oss" else "q4_k_m")
     m = GGUFModel.open(out)
     rng = np.random.default_rng(1)
     with open(out, "r+b") as f:
         for t in m.tensors:
-            # random norms (synth's are ~1) and selection biases (synth's are 0), so that one
-            # read from the wrong tensor shows
-            if "norm" in t.name or "exp_probs_b" in t.name:
+            # random norms (synth's are ~1), selection biases and sinks (synth's are 0), so
+            # that one read from the wrong tensor shows
+            if "norm" in t.name or "exp_probs_b" in t.name or "sinks" in t.name:
                 f.seek(t.offset)
                 f.write(rng.uniform(0.5, 1.5, t.n_elements).astype(np.float32).tobytes())
     return str(out)
@@ -77,7 +84,8 @@ def test_moe_buffers_are_sized_for_the_routed_rows(model) -> None:
     hp = HParams.from_model(GGUFModel.open(model))
     glm = hp.arch == "glm4moe"
     assert hp.n_expert == 4 and hp.n_expert_used == 2
-    assert hp.expert_gating == ("sigmoid" if glm else "softmax")
+    assert hp.expert_gating == {"glm4moe": "sigmoid", "gpt-oss": "softmax_topk"}.get(hp.arch,
+                                                                                   "softmax")
     if glm:
         assert hp.n_layer_run == 2 and hp.rope_dim == 32 and hp.n_ff_shexp == 256
         assert not hp.is_moe_layer(0) and hp.is_moe_layer(1)

@@ -75,6 +75,9 @@ class Attention:
     rope_scale: float
     rope_store: bool  # decode rotates k and stores k and v in one launch
     rope_dim: int  # leading dims of each head RoPE rotates (glm4moe: part of head_dim)
+    rope_freqs: torch.Tensor | None  # YaRN's frequency per pair (buf.yarn_freqs), every layer
+    rope_mscale: float  # YaRN's cos/sin scale (1.0 without YaRN)
+    sinks: torch.Tensor | None  # gpt-oss: attn_sinks [n_head], one more logit per head
     output: Matrix  # attn_output
     post_norm: torch.Tensor | None  # gemma3's sandwich norm of the output, before its add
 
@@ -143,10 +146,12 @@ class LayerBuilder:
 
     def __init__(self, hp: Any, model: Any, spans: dict[str, torch.Tensor], ctx: int,
                  on_cuda: bool, options: RunnerOptions, xq: tuple | None,
-                 rope_scale: float) -> None:
+                 rope_scale: float, yarn: tuple[torch.Tensor | None, float] = (None, 1.0),
+                 ) -> None:
         self.hp, self.model, self.spans, self.ctx = hp, model, spans, ctx
         self.on_cuda, self.options, self.xq, self.rope_scale = on_cuda, options, xq, rope_scale
         self.rope_dim = getattr(hp, "rope_dim", 0) or hp.head_dim
+        self.yarn = yarn  # (frequencies in buf.yarn_freqs, cos/sin scale) or (None, 1.0)
         # gpt-oss and glm4moe name their pre-FFN norm post_attention_norm (llama.cpp's names)
         self.ffn_norm = ("post_attention_norm.weight" if hp.arch in ("gpt-oss", "glm4moe")
                          else "ffn_norm.weight")
@@ -234,8 +239,9 @@ class LayerBuilder:
             # partial RoPE rotates a view of each head: the fused store writes whole heads
             rope_store=(rope.can_fuse_store(hp.rope_style == "neox", k, hp.head_dim)
                         and self.rope_dim == hp.head_dim),
-            rope_dim=self.rope_dim,
-            output=self.matrix(p + "attn_output.weight"),
+            rope_dim=self.rope_dim, rope_freqs=self.yarn[0], rope_mscale=self.yarn[1],
+            sinks=self.vec(p + "attn_sinks.weight") if getattr(hp, "attn_sinks", False) else None,
+            output=self.matrix(p + "attn_output.weight", p + "attn_output.bias"),
             post_norm=self.vec(p + "post_attention_norm.weight") if hp.sandwich_norm else None)
 
     def _qkv_launch(self, qkv: tuple[Matrix, Matrix, Matrix]) -> tuple[str, list, Any, Any]:

@@ -32,7 +32,7 @@ from engine.runtime.gpu.matrices import (
 )
 from engine.runtime.gpu.matrices import packed as packed_matrix
 from engine.runtime.models import FAMILIES
-from engine.runtime.models.layers import _linear_scale
+from engine.runtime.models.layers import _linear_scale, yarn_freqs
 from engine.runtime.options import RunnerOptions
 from kernels import (
     attention,
@@ -55,7 +55,7 @@ DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "i64": torch.int64, "i32": torch.int32, "uint8": torch.uint8}
 ARCHS = tuple(FAMILIES)  # every family the CPU engine runs
 # the mixture-of-experts families the GPU stage runs (the others run on the torch engine)
-MOE_ARCHS = ("qwen3moe", "glm4moe")
+MOE_ARCHS = ("qwen3moe", "glm4moe", "gpt-oss")
 
 
 def new_arena(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -120,8 +120,10 @@ class GpuStage:
         if "rope_freqs.weight" in spans:  # gpu_session.why_not sends these to the torch engine
             raise CarveError("rope_freqs.weight (llama-3.1 RoPE factors) is not supported by "
                              "the Triton runner yet; run with CARVE_RUNNER=torch")
-        # linear scaling of the global layers' RoPE, or the CPU engine's error for other kinds
-        self.rope_scale = 1.0 / _linear_scale(hp)
+        # linear scaling of the global layers' RoPE, YaRN's frequencies (buf.yarn_freqs, every
+        # layer), or the CPU engine's error for other kinds
+        yarn = hp.rope_scaling == "yarn"
+        self.rope_scale = 1.0 if yarn else 1.0 / _linear_scale(hp)
         self.hp, self.model, self.spans = hp, model, spans
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"  # else the CPU under TRITON_INTERPRET=1
@@ -134,7 +136,7 @@ class GpuStage:
         self._buffers(spans)
         self.xq = self._int8_x(options)
         build = LayerBuilder(hp, model, spans, ctx, self.on_cuda, options, self.xq,
-                             self.rope_scale)
+                             self.rope_scale, self._yarn() if yarn else (None, 1.0))
         self.tmats = build.tmats  # the matrices in the T layout (fill_dequant_cache repacks)
         self.layers: list[Layer] = [build.layer(i) for i in range(self.lb, self.le)]
         # the embedding (first stage); the output norm, projection and its int8 x (last stage)
@@ -162,6 +164,14 @@ class GpuStage:
         # the load's scan for non-finite scales
         lookup = self.buf.get("lookup")
         self.scan_flags = None if lookup is None else lowbit_blocks.install_tables(lookup)
+
+    def _yarn(self) -> tuple[torch.Tensor, float]:
+        # the CPU engine's YaRN frequencies (engine/runtime/models/layers.py), written once
+        # into their priced buffer, and its cos/sin scale
+        f, mscale = yarn_freqs(self.hp, truncate=self.hp.rope_yarn_truncate)
+        dst = self.buf["yarn_freqs"]
+        dst.copy_(f.to(dst.device))
+        return dst, mscale
 
     def _int8_x(self, options: RunnerOptions) -> tuple | None:
         """Decode's int8 copies of the T GEMVs' inputs (a normed row, the GLU output) for their
@@ -377,15 +387,16 @@ class GpuStage:
         hp = self.hp
         if att.rope_store:  # rotation and the cache store of k and v in one launch
             rope.rope_store(a.qk3, a.v3, a.pos, att.rope_base, self.neox, att.rope_scale,
-                            hp.n_head, att.k_cache, att.v_cache, att.cells, use_pdl=self.pdl)
+                            hp.n_head, att.k_cache, att.v_cache, att.cells, use_pdl=self.pdl,
+                            freqs=att.rope_freqs, mscale=att.rope_mscale)
         else:
             rope.rope(self._rotated(att, a), a.pos, att.rope_base, self.neox, att.rope_scale,
-                      use_pdl=self.pdl)
+                      use_pdl=self.pdl, freqs=att.rope_freqs, mscale=att.rope_mscale)
             kv_cache.kv_store(a.k3, att.k_cache, a.pos, att.cells, a.v3, att.v_cache,
                               use_pdl=self.pdl)
         attention.attn_decode(a.q3[0], att.k_cache, att.v_cache, a.pos, hp.n_head_kv, att.cells,
                               att.window, hp.attn_scale, out=a.o3[0], workspace=self.attn_ws,
-                              counter=self.attn_count, use_pdl=self.pdl)
+                              counter=self.attn_count, use_pdl=self.pdl, sinks=att.sinks)
 
     def _rotated(self, att: Attention, a: Rows) -> torch.Tensor:
         # the q and k dims RoPE rotates: whole heads, or (partial RoPE) each head's first
@@ -394,14 +405,15 @@ class GpuStage:
 
     def _attend_prefill(self, att: Attention, a: Rows, pos0: int) -> None:
         rope.rope(self._rotated(att, a), a.pos, att.rope_base, self.neox, att.rope_scale,
-                  use_pdl=self.pdl)
+                  use_pdl=self.pdl, freqs=att.rope_freqs, mscale=att.rope_mscale)
         if att.kv_q8:
             # q8_0: the chunk attends its own keys/values as the cache gives them back (the CPU
             # engine and llama.cpp do); the store below re-quantizes them
             kv_cache.q8_roundtrip_(a.k3, use_pdl=self.pdl)
             kv_cache.q8_roundtrip_(a.v3, use_pdl=self.pdl)
         attention.attn_prefill(a.q3, a.k3, a.v3, att.k_cache, att.v_cache, pos0, att.cells,
-                               att.window, self.hp.attn_scale, out=a.o3, use_pdl=self.pdl)
+                               att.window, self.hp.attn_scale, out=a.o3, use_pdl=self.pdl,
+                               sinks=att.sinks)
         # a ring keeps only the chunk's last `cells` rows: store only those, so that no two
         # programs write one cell
         s0 = max(0, a.n - att.cells)
