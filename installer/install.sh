@@ -122,6 +122,7 @@ Icon=carve
 Terminal=false
 Categories=Development;
 Keywords=LLM;GGUF;GPU;chat;
+StartupWMClass=Carve
 EOF
     mv "$APPS/carve.desktop.tmp" "$APPS/carve.desktop"
 

@@ -74,6 +74,7 @@ def test_install_run_upgrade_uninstall(tmp_path, synth_model):
     icon = home / ".local" / "share" / "icons" / "hicolor" / "scalable" / "apps" / "carve.svg"
     text = entry.read_text()
     assert f"Exec={data / 'venv' / 'bin' / 'carve'}\n" in text and "Icon=carve\n" in text
+    assert "StartupWMClass=Carve\n" in text  # the window's WM_CLASS is ("carve", "Carve")
     assert icon.read_bytes() == (ROOT / "app" / "resources" / "carve.svg").read_bytes()
     if shutil.which("desktop-file-validate"):  # desktop-file-utils
         check = subprocess.run(["desktop-file-validate", str(entry)], capture_output=True,
