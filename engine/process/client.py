@@ -75,7 +75,9 @@ class EngineProcess:
     def start(self) -> EngineProcess:
         env = dict(os.environ if self._env is None else self._env)
         # `python -m engine.runtime.server` must find this checkout's package, wherever the CLI runs
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # (the folder holding engine/; engine/ itself on the path would make its `gguf` package
+        # shadow the gguf library the kernels read their lookup tables from)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
         try:
             self.proc = subprocess.Popen(
