@@ -170,6 +170,7 @@ class ChatPanel(QWidget):
         self.meter.begin()
         s = self.sampling.settings.to_dict()
         self.client.generate(messages, s, self._gen_id, max_tokens=s["max_tokens"])
+        self.stats.setText("reading the prompt…")  # until the first token: not "ready"
         self._update_buttons()
 
     # -- engine events -----------------------------------------------------------------------

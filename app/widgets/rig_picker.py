@@ -6,6 +6,7 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QWidget
 
 LIVE = "This machine (live)"
+LIVE_CPU = "This machine (CPU)"  # the same entry where NVML finds no NVIDIA GPU
 RIGS = ("rtx4090,rtx4090", "1x24GiB", "2x24GiB", "4x24GiB", "rtx3090,rtx3090,a6000", "2xa100-80",
         "4xh100", "8xh100", "h200", "cpu")
 
@@ -35,7 +36,7 @@ class RigPicker(QWidget):
 
     def set_current(self, rig: str) -> None:
         self._last = rig
-        self.combo.setCurrentText(LIVE if rig == "auto" else rig)
+        self.combo.setCurrentText(self.combo.itemText(0) if rig == "auto" else rig)
 
     def set_no_gpu(self, reason: str) -> None:
         """No driver / no GPU: say so plainly; the live entry is then the CPU (and plans for GPUs
@@ -44,10 +45,11 @@ class RigPicker(QWidget):
                             if reason else "")
         self.banner.setToolTip(reason)
         self.banner.setVisible(bool(reason))
+        self.combo.setItemText(0, LIVE_CPU if reason else LIVE)
 
     def _on_edited(self) -> None:
         text = self.combo.currentText().strip()
-        rig = "auto" if text in ("", LIVE) else text
+        rig = "auto" if text in ("", LIVE, LIVE_CPU) else text
         if rig != self._last:
             self._last = rig
             self.rig_chosen.emit(rig)

@@ -122,6 +122,7 @@ class SplitEditor(QWidget):
             self._rebuild_lines(n_stage)
         empty = n_stage == 0
         self.placeholder.setVisible(empty)
+        self.hint.setVisible(n_stage > 1)  # there is a boundary to drag
         pi.showAxis("bottom", not empty)
         if empty:  # no bar, and no outline of a zero-width one at x = 0 either
             self.stages.setOpts(x0=[0], width=[0], y0=[0], height=[1], pens=[pg.mkPen(None)])

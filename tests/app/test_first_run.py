@@ -12,7 +12,7 @@ from PySide6.QtCore import Qt
 
 from app.models.plan_model import PlanModel
 from app.theme import LIGHT
-from app.widgets.rig_picker import LIVE
+from app.widgets.rig_picker import LIVE_CPU
 from app.window_main import MainWindow
 from engine.gguf.hparams import HParams
 from engine.hardware import devices
@@ -45,7 +45,7 @@ def test_without_a_gpu_this_machine_is_the_cpu_and_launch_says_so(qtbot, window,
                                                                    monkeypatch):
     monkeypatch.setenv("CARVE_FAKE_TOKEN_DELAY", "0.05")  # a reply slow enough to watch
     assert window.restore(str(synth_model("qwen2")), None) == ""
-    assert window.rig == "auto" and window.rig_picker.combo.currentText() == LIVE
+    assert window.rig == "auto" and window.rig_picker.combo.currentText() == LIVE_CPU
     assert [d.is_cpu for d in window.plan.plan().devices] == [True]
     assert "No NVIDIA GPU found" in window.rig_picker.banner.text()
     caption = window.vram._captions[0].toPlainText()
@@ -60,6 +60,7 @@ def test_without_a_gpu_this_machine_is_the_cpu_and_launch_says_so(qtbot, window,
     chat = window.chat
     qtbot.keyClicks(chat.input, "tell me about layers and splits")
     qtbot.keyClick(chat.input, Qt.Key.Key_Return)
+    assert chat.stats.text() == "reading the prompt…"  # sent, no token yet: not "ready"
     qtbot.waitUntil(lambda: "generating:" in chat.stats.text(), timeout=10_000)
     assert window.history.streaming
     text = chat.stats.text()
@@ -84,7 +85,7 @@ def test_a_simulated_rig_plans_but_launch_explains_how_to_launch(qtbot, window, 
     assert window.plan.verdict() == "does not fit" and bar.override.isHidden()
     assert bar.status.text().startswith("1 GiB is a simulated rig, for planning only")
     # "This machine": the CPU, and Launch is back
-    window.rig_picker.combo.setCurrentText(LIVE)
+    window.rig_picker.combo.setCurrentText(LIVE_CPU)
     window.rig_picker.combo.lineEdit().editingFinished.emit()
     assert window.rig == "auto" and bar.launch_button.isEnabled()
     assert bar.launch_button.text() == "Launch on CPU"
