@@ -50,6 +50,15 @@ class RecordingAllocator:
         self._live: list[torch.Tensor] = []
 
     def alloc(self, device: torch.device, arena: str, nbytes: int) -> torch.Tensor:
+        if device.type == "cuda" and not torch.cuda.is_available():
+            # not a matter of memory: no advice about the context or the split can help
+            why = ("this torch is a CPU-only build" if torch.version.cuda is None
+                   else "torch finds no NVIDIA driver or GPU")
+            raise CarveError(
+                f"{device}: {why} (torch {torch.__version__}); plan for the CPU (--gpus cpu, "
+                f"or \"This machine\" in the window when it has no GPU), or install the NVIDIA "
+                f"driver and torch's CUDA build"
+            )
         try:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
