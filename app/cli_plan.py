@@ -173,6 +173,11 @@ def build_layout(args: argparse.Namespace) -> tuple[Layout, Any, str]:
         host=_host(args.host_ram),
         **expert_settings(args),
     )
+    if args.prefer == "auto" and len(plan.devices) == 1 < len(devices):
+        kept = ", ".join(d.label for d in plan.devices)
+        note = "\n".join(filter(None, (note, (
+            f"the model fits on one GPU with this context: it stays on {kept} (a split only "
+            f"adds a hop); --prefer spread splits it over all {len(devices)}"))))
     return price(plan, model), model, note
 
 

@@ -154,6 +154,7 @@ def test_demo_model(demo_model_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     # it fits on one 12 GiB card with 32k of context: auto keeps it there (no hop)
     assert "qwen2, 24 layers" in r.stdout and "GPU 0" in r.stdout and "GPU 1" not in r.stdout
+    assert "it stays on GPU 0" in r.stdout and "--prefer spread" in r.stdout  # and says so
 
 
 def test_a_type_the_runner_has_no_kernel_for_does_not_run(synth_model: Any) -> None:
