@@ -53,8 +53,10 @@ def slope(points: list[tuple[int, float]]) -> float:
 
 class Soak:
     def __init__(self, engine: EngineProcess, plan: dict, every: int, seed: int,
-                 out=sys.stdout, max_tokens: int = 64) -> None:  # fmt: skip
+                 out=sys.stdout, max_tokens: int = 64,
+                 mappings_of: Path | None = None) -> None:  # fmt: skip
         self.engine, self.plan, self.every = engine, plan, every
+        self.mappings_of = str(Path(mappings_of).resolve()) if mappings_of else None
         self.max_tokens = max_tokens
         self.rng = random.Random(seed)
         self.out = out
@@ -65,8 +67,12 @@ class Soak:
         gpu = gpu_used_mib()
         self.samples.setdefault(phase, []).append((cycle, rss))
         gpus = " ".join(f"{g:.0f}" for g in gpu)
-        print(f"{phase:9s} {cycle:6d}  rss {rss:8.1f} MiB" + (f"  gpu {gpus} MiB" if gpu else ""),
-              file=self.out, flush=True)
+        maps = ""
+        if self.mappings_of:  # how many of the engine's memory maps are of the model file
+            with open(f"/proc/{self.engine.pid}/maps") as f:
+                maps = f"  maps {sum(1 for line in f if line.rstrip().endswith(self.mappings_of))}"
+        print(f"{phase:9s} {cycle:6d}  rss {rss:8.1f} MiB" + (f"  gpu {gpus} MiB" if gpu else "")
+              + maps, file=self.out, flush=True)
 
     def load(self) -> None:
         self.engine.send(p.Load(self.plan))
@@ -110,13 +116,16 @@ class Soak:
 
 
 def run(model: Path, gpus: str, ctx: int, generate: int, loads: int, tokenize: int, every: int,
-        seed: int, out=sys.stdout, max_tokens: int = 64) -> dict[str, float]:  # fmt: skip
+        seed: int, out=sys.stdout, max_tokens: int = 64,
+        mappings_of: Path | None = None) -> dict[str, float]:  # fmt: skip
+    """The soak; ``mappings_of``: a file whose mappings in the engine are counted per sample
+    (Linux: /proc/PID/maps), the model's own to see that unloads unmap it."""
     from app.cli_chat import build_plan
 
     plan = build_plan(model, gpus, ctx, "f16").to_json()
     with EngineProcess() as engine:
         engine.wait_for(p.Ready, timeout=120)
-        soak = Soak(engine, plan, every, seed, out, max_tokens)
+        soak = Soak(engine, plan, every, seed, out, max_tokens, mappings_of)
         soak.load()
         soak.sample("start", 0)
         soak.generate(generate)
@@ -152,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ap.error("give a MODEL or --synth SHAPE")
         run(Path(model), args.gpus, args.ctx, args.generate, args.loads, args.tokenize,
-            max(1, args.every), args.seed, max_tokens=max(1, args.max_tokens))
+            max(1, args.every), args.seed, max_tokens=max(1, args.max_tokens),
+            mappings_of=Path(model) if Path("/proc/self/maps").exists() else None)
     except CarveError as err:
         print(f"soak: {err}", file=sys.stderr)
         return 2

@@ -101,12 +101,17 @@ def _prefix(values: list[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
+# Where a model object takes no attributes, its index waits here (the last few only). A
+# GGUFModel keeps its own index (`_carve_index`): the two refer to each other and are freed
+# together once nobody holds the model, so an unloaded model's file mapping and header go with it
+# (a table of the last models here kept up to 8 of them mapped after their sessions closed).
 _INDEX: OrderedDict[int, ModelIndex] = OrderedDict()
 _TOKENS = itertools.count()
+_ATTR = "_carve_index"
 
 
 def model_index(model: Any) -> ModelIndex:
-    idx = _INDEX.get(id(model))
+    idx = getattr(model, _ATTR, None) or _INDEX.get(id(model))
     if idx is not None and idx.model is model:
         return idx
     from engine.gguf.hparams import HParams
@@ -194,9 +199,12 @@ def model_index(model: Any) -> ModelIndex:
         _prefix([int(any(is_expert(t.name) for t in ts)) for ts in per]),
         tuple(_slot_bytes(ts, getattr(hp, "n_expert", 0)) for ts in per),
     )
-    _INDEX[id(model)] = idx
-    while len(_INDEX) > 8:
-        _INDEX.popitem(last=False)
+    try:
+        setattr(model, _ATTR, idx)
+    except (AttributeError, TypeError):
+        _INDEX[id(model)] = idx
+        while len(_INDEX) > 8:
+            _INDEX.popitem(last=False)
     return idx
 
 
