@@ -72,6 +72,10 @@ main() {
     if [ "$TORCH" = auto ]; then
         if nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then TORCH=cuda; else TORCH=cpu; fi
     fi
+    if { [ -e "$BIN_DIR/carve" ] || [ -L "$BIN_DIR/carve" ]; } \
+            && [ "$(readlink "$BIN_DIR/carve")" != "$VENV/bin/carve" ]; then
+        die "$BIN_DIR/carve exists and is not this install's; move it away or set CARVE_BIN_DIR"
+    fi
     echo "carve install: from $SRC into $VENV (torch: $TORCH)"
 
     # An existing venv is upgraded in place; one made by another Python (or broken) is made anew.

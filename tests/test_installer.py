@@ -101,6 +101,15 @@ def test_bad_options_say_so_in_one_line(tmp_path):
         assert out.returncode == 2 and words in out.stderr, out.stderr
         assert out.stderr.count("\n") == 1 and out.stderr.startswith("carve install: ")
     assert list(tmp_path.iterdir()) == []  # nothing was installed
+    other = tmp_path / ".local" / "bin" / "carve"  # a `carve` that is not this install's
+    other.parent.mkdir(parents=True)
+    other.write_text("#!/bin/sh\necho another carve\n")
+    out = subprocess.run(["bash", str(INSTALL), "--python", sys.executable], capture_output=True,
+                         text=True, env=env, check=False, timeout=30)
+    assert out.returncode == 2 and "is not this install's" in out.stderr, out.stderr
+    assert other.read_text() == "#!/bin/sh\necho another carve\n"
+    assert not (tmp_path / ".local" / "share").exists()
+    shutil.rmtree(tmp_path / ".local")
     out = subprocess.run(["bash", str(UNINSTALL)], capture_output=True, text=True, env=env,
                          check=False, timeout=30)
     assert out.returncode == 2 and "no install found" in out.stderr
