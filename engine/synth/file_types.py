@@ -48,7 +48,8 @@ def file_type_types(shape, mix: str, names: Sequence[str], rank: dict[int, int],
     gqa = shape.n_head // max(1, shape.n_head_kv)
     n_exp = shape.n_expert
     n = shape.n_block
-    # llama.cpp counts attn_v and ffn_down tensors in the order the source file lists them
+    # llama.cpp counts attn_v and ffn_down tensors in its order of the file's tensors (by
+    # layer number, then name)
     order = sorted(names, key=lambda s: rank.get(_layer(s), -1))
     wv = [s for s in order if "attn_v.weight" in s]
     down = [s for s in order if "ffn_down" in s]
@@ -69,7 +70,9 @@ def file_type_types(shape, mix: str, names: Sequence[str], rank: dict[int, int],
         elif name == "token_embd.weight":
             t = {"iq2_xxs": qt.Q2_K, "iq2_m": qt.IQ3_S, "iq3_xxs": qt.IQ3_S}.get(mix, t)
         elif mix in _IQ2_FAMILY:
-            t = _iq2_family(mix, name, t, gqa, n_exp, i_down.get(name, 0), len(down))
+            # llama.cpp counts ffn_down tensors (experts and shared experts each) against
+            # n_layer / 8 (its n_ffn_down is the layer count)
+            t = _iq2_family(mix, name, t, gqa, n_exp, i_down.get(name, 0), n)
         elif "attn_v.weight" in name:
             t = _attn_v(mix, t, gqa, i_wv[name])
             if shape.arch == "llama" and shape.n_layer == 80 and t in (qt.Q3_K, qt.Q4_K):
