@@ -538,7 +538,7 @@ def _gemm_meta(w: torch.Tensor, t: int, tag: str) -> tuple[tuple, dict]:
 
 
 def _block_n(n: int, on_gpu: bool) -> int:
-    return 64 if on_gpu else max(16, min(128, triton.next_power_of_2(n)))
+    return 64 if on_gpu else max(16, min(256, triton.next_power_of_2(n)))
 
 
 def grouped_glu(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: int,

@@ -343,6 +343,8 @@ def _dequant_launch(w, ggml_type, ids, out, n, k, use_pdl):
     p = plan(ggml_type)
     br = 8
     bb = min(8 if p.block == 256 else 16, triton.next_power_of_2(k // p.block))
+    if not w.is_cuda:  # the interpreter: each program costs ~0.1 s whatever its size
+        br, bb = min(64, triton.next_power_of_2(n)), triton.next_power_of_2(k // p.block)
     grid = (triton.cdiv(n, br), triton.cdiv(k // p.block, bb))
     _dequant_kernel[grid](w, wh, _table(w, ggml_type), ids if ids is not None else w, out, n, k,
                           w.shape[1],
