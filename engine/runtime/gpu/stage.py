@@ -170,7 +170,7 @@ class GpuStage:
         # into their priced buffer, and its cos/sin scale
         f, mscale = yarn_freqs(self.hp, truncate=self.hp.rope_yarn_truncate)
         dst = self.buf["yarn_freqs"]
-        dst.copy_(f.to(dst.device))
+        dst.copy_(f)  # straight from the host: no device temporary outside the Layout
         return dst, mscale
 
     def _int8_x(self, options: RunnerOptions) -> tuple | None:
