@@ -201,9 +201,11 @@ class MainWindow(QMainWindow):
         from engine.hardware.rigs import parse_rig
 
         snaps = snapshot()
-        self.no_gpu = not snaps
-        self.rig_picker.set_no_gpu("" if snaps else no_gpu_reason() or "no NVIDIA GPU found")
-        if rig == "auto" and snaps:
+        self.no_gpu = not any(s.cuda_index >= 0 for s in snaps)  # CUDA_VISIBLE_DEVICES may hide all
+        hidden = "CUDA_VISIBLE_DEVICES hides every GPU"
+        self.rig_picker.set_no_gpu("" if not self.no_gpu else hidden if snaps
+                                   else no_gpu_reason() or "no NVIDIA GPU found")
+        if rig == "auto" and not self.no_gpu:
             self.rig = "auto"
             self.rig_picker.set_current("auto")
             self.board.set_live()

@@ -132,3 +132,19 @@ def test_auto_keeps_one_gpu_and_offers_spread_when_one_no_longer_fits():
     m.set_ctx(4096)
     m.pick_devices("auto")
     assert len(m.active_devices()) == 1
+
+
+def test_gpus_that_cuda_visible_devices_hides_leave_the_cpu(qtbot, monkeypatch, synth_model):
+    from engine.hardware.devices import DeviceSnapshot
+
+    hidden = DeviceSnapshot(nvml_index=0, cuda_index=-1, name="NVIDIA H200", uuid="GPU-0",
+                            pci_bus_id="0000:01:00.0", total=140 << 30, free=139 << 30,
+                            used=1 << 30, reserved=0, temperature=None, utilization=None,
+                            memory_utilization=None)
+    monkeypatch.setattr(devices, "snapshot", lambda: [hidden])
+    w = MainWindow(LIGHT, live_poll=False, remember=False)
+    qtbot.addWidget(w)
+    assert w.restore(str(synth_model("qwen2")), None) == ""
+    assert [d.is_cpu for d in w.plan.plan().devices] == [True]
+    assert w.launch_bar.launch_button.text() == "Launch on CPU"
+    assert w.rig_picker.banner.toolTip() == "CUDA_VISIBLE_DEVICES hides every GPU"
