@@ -200,3 +200,31 @@ def test_cuda_moe_priced_equals_reserved_and_nothing_more_per_token(model, tmp_p
     finally:
         g.close()
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("shape", ["qwen3moe-30b-a3b", "gpt-oss-20b", "glm4.5-air"])
+def test_published_moe_shapes_plan_onto_the_gpu_runner(shape) -> None:
+    """The issue's shapes on a simulated H200: the GPU runner is the one chosen, every tensor
+    type has a kernel, the plan fits, and the routed-row buffers are priced at the chunk's
+    size (what kernels/moe.py writes: chunk x k rows)."""
+    from engine.planning.capability import runner_for
+    from engine.planning.carve import model_index
+    from engine.planning.price import price
+    from engine.synth.header import HeaderModel
+    from engine.synth.shapes import SHAPES as PUBLISHED
+
+    model = HeaderModel(PUBLISHED[shape])
+    hp = HParams.from_model(model)
+    h200 = DeviceSpec(index=0, name="NVIDIA H200", total=140 * GIB, free=139 * GIB,
+                      simulated=True)
+    pl = Plan(model="m", devices=(h200,), split=(0, hp.n_layer_run), ctx=4096,
+              prefill_chunk=512, act_dtype="bf16")
+    assert runner_for(pl, model_index(model)).name == "triton"
+    layout = price(pl, model)
+    d = layout.devices[0]
+    assert d.verdict.runs and layout.fits, d.advice
+    spans = {s.name: s for a in d.arenas for s in a.spans}
+    k = hp.n_expert_used
+    assert spans["buf.moe_h"].shape == (512 * k, hp.n_ff_exp)
+    assert spans["buf.moe_tiles"].shape == (3, moe_tiles(512 * k, hp.n_expert))
+    assert not any(n.startswith("dq.") and "_exps." in n for n in spans)  # experts stay quantized
