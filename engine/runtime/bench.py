@@ -115,8 +115,8 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
     pipe.step()
     pipe.set_position(0, 1)
     t = _timed(pipe.step, tokens)
-    weight_bytes = sum(r["load_bytes"] for r in pipe.report)
-    rep["tg"] = {"tokens": tokens, "s": t, "tps": tokens / t,
+    weight_bytes = step_weight_bytes(model, hp, sum(r["load_bytes"] for r in pipe.report))
+    rep["tg"] = {"tokens": tokens, "s": t, "tps": tokens / t, "step_bytes": weight_bytes,
                  "weight_gbps": weight_bytes / (t / tokens) / 1e9}
     rep["depth"] = []
     for d in depths:
@@ -130,6 +130,16 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
     pipe = None  # free this run's arenas before the next
     torch.cuda.empty_cache()
     return ids
+
+
+def step_weight_bytes(model, hp, loaded: int) -> int:
+    """Weight bytes a decode step reads: every loaded byte, but of a MoE layer's expert
+    tensors only the n_expert_used of n_expert experts a token is routed to."""
+    if not getattr(hp, "n_expert", 0):
+        return loaded
+    experts = sum(t.nbytes for t in model.tensors if "_exps." in t.name
+                  and t.layer is not None and t.layer < hp.n_layer_run)
+    return loaded - experts + experts * hp.n_expert_used // hp.n_expert
 
 
 def main(argv: list[str] | None = None) -> int:
