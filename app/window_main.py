@@ -54,7 +54,8 @@ def _group(title: str, *widgets: QWidget, stretch_last: bool = False) -> QGroupB
 class MainWindow(QMainWindow):
     def __init__(self, theme: Theme, store: PresetStore | None = None,
                  engine_program: list[str] | None = None, live_poll: bool = True,
-                 remember: bool = True, lazy_plots: bool = False) -> None:
+                 remember: bool = True, lazy_plots: bool = False,
+                 prestart_engine: bool = False) -> None:
         super().__init__()
         # Widgets import pyqtgraph; importing them here (not at module top) keeps `carve --help`
         # and the CLIs from paying for it.
@@ -83,6 +84,10 @@ class MainWindow(QMainWindow):
         self.assembler: DemoAssembler | None = None  # the demo model joined on a first start
         self.last_error = ""
         self.remember = remember  # a --snapshot run leaves the user's last session alone
+        # start the engine process when a model opens: it imports torch and the kernels while
+        # the user looks at the plan, so Launch pays only for the load (no GPU memory is taken
+        # before Launch)
+        self.prestart_engine = prestart_engine
 
         self.model_panel = ModelPanel()
         self.presets = PresetsBox(self.store, self.plan.settings)
@@ -260,6 +265,8 @@ class MainWindow(QMainWindow):
         self.model_panel.set_recent(self.store.add_recent(path))
         self.presets.set_model(str(path))
         self.chat.ctx_limit = self.plan.ctx
+        if self.prestart_engine:
+            self.client.start()
         return True
 
     def _on_layout(self, layout: object) -> None:
@@ -433,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     app.setStyle("Fusion")
     app.setStyleSheet(style_sheet(theme))
     window = MainWindow(theme, live_poll=not args.snapshot, remember=not args.snapshot,
-                        lazy_plots=not args.snapshot)
+                        lazy_plots=not args.snapshot, prestart_engine=not args.snapshot)
     if args.snapshot:
         from app.snapshot import render
 
