@@ -30,7 +30,9 @@ class LoadProgress:
         return max(0.0, (self.total - self.done) / self.rate)
 
     def text(self) -> str:
-        if self.stage in STEP_STAGES:  # steps, not bytes
+        # steps, not bytes (the GPU runner's; the CPU loader fills its dequant cache in bytes
+        # and says so with a rate)
+        if self.stage in STEP_STAGES and self.rate <= 0:
             return f"{self.stage}: step {min(self.done + 1, self.total)} of {self.total}"
         parts = [f"{self.stage}: " if self.stage else ""]
         parts.append(f"{self.done / GB:.2f} of {self.total / GB:.2f} GB")

@@ -86,6 +86,11 @@ def test_load_progress_text():
     assert format_seconds(125) == "2 min 05 s" and format_seconds(7300) == "2 h 01 min"
     p.update("weights", 0, 0, 0.0)
     assert p.seconds_left is None and p.fraction == 0.0
+    # the GPU runner's step stages count steps; the CPU loader's dequant cache counts bytes
+    p.update("dequant cache", 1, 3, 0.0)
+    assert p.text() == "dequant cache: step 2 of 3"
+    p.update("dequant cache", 704_643_073, 987_922_432, 5e8)
+    assert p.text().startswith("dequant cache: 0.70 of 0.99 GB")
 
 
 def test_reply_meter_counts_tokens_and_rate_while_streaming():
