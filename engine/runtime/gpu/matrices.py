@@ -118,6 +118,8 @@ class Experts:
     shared: Ffn | None  # glm4moe's shared expert
     xq: tuple | None = None  # the experts run on float x (no int8 copy)
     post_norm: torch.Tensor | None = None
+    # the layer's experts live in host memory: the CPU runs them (engine/runtime/gpu/host.py)
+    host: Any = None
 
 
 @dataclass(slots=True)

@@ -20,9 +20,10 @@ import torch
 
 from engine.process.protocol import DEQUANT_CACHE
 from engine.runtime import timeline
+from engine.runtime.gpu import host as gpu_host
 from engine.runtime.gpu import memory as gpu_memory
 from engine.runtime.gpu.load import load_tensors
-from engine.runtime.gpu.stage import GpuStage, allocate
+from engine.runtime.gpu.stage import DTYPES, GpuStage, allocate
 from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
 
@@ -43,6 +44,13 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+class _OnDevice:
+    """A DeviceLayout as `allocate` should see it: the arenas on the device, not the host's."""
+
+    def __init__(self, dl: Any) -> None:
+        self.arenas = dl.device_arenas
+
+
 class GpuPipeline:
     def __init__(self, model: Any, hp: Any, layout: Any, on_progress=None, cancelled=None,
                  devices: list[torch.device] | None = None,
@@ -52,6 +60,7 @@ class GpuPipeline:
         self.stages: list[GpuStage] = []
         self.arenas: list[list[torch.Tensor]] = []
         self.spans: list[dict[str, torch.Tensor]] = []
+        self.host_arenas: list[tuple[torch.Tensor, bool]] = []  # (allocation, pinned)
         self.report: list[dict] = []
         self.meter = gpu_memory.Meter([d.index for d in self.devices if d.type == "cuda"])
         cuda = [d.index for d in self.devices if d.type == "cuda"]
@@ -61,6 +70,7 @@ class GpuPipeline:
         err: BaseException | None = None
         try:
             gpu_memory.check_free(layout, self.devices, self.meter)
+            gpu_host.check_host(layout)
             timeline.mark("CUDA context, fit check")
             for dl, dev in zip(layout.devices, self.devices, strict=True):
                 self._load_stage(dl, dev, on_progress, cancelled)
@@ -82,8 +92,10 @@ class GpuPipeline:
         spans: dict[str, torch.Tensor] = {}
         self.arenas.append(arenas)  # owned by self before the first byte: free() finds them
         self.spans.append(spans)
+        host = len(self.host_arenas)
         try:
-            allocate(dl, dev, arenas, spans)
+            allocate(_OnDevice(dl), dev, arenas, spans)
+            gpu_host.allocate_host(dl, dev.type == "cuda", self.host_arenas, spans, DTYPES)
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise CarveError(
@@ -95,6 +107,10 @@ class GpuPipeline:
         timeline.mark(f"{dev}: arenas allocated")
         names = [s.name for a in dl.arenas for s in a.spans if s.purpose in ("weights", "globals")]
         nbytes, sec = load_tensors(self.model, names, spans, dev, on_progress, cancelled)
+        on_host = [s.name for a in dl.arenas for s in a.spans if s.purpose == "host_experts"]
+        if on_host:  # straight from the file into the host arena: no copy to make
+            hb, hs = load_tensors(self.model, on_host, spans, "cpu", on_progress, cancelled)
+            nbytes, sec = nbytes + hb, sec + hs
         timeline.mark(f"{dev}: weights")
         for name, t in spans.items():
             if name.startswith("kv."):
@@ -119,7 +135,9 @@ class GpuPipeline:
             "index": dl.device.index, "name": dl.device.name, "layers": list(dl.layers),
             "priced": dl.allocated, "allocated": reserved, "reserved": reserved,
             "load_bytes": nbytes, "load_s": sec, "dequant_cached": cached,
-            "dequant_s": time.perf_counter() - t0})
+            "dequant_s": time.perf_counter() - t0, "host_priced": dl.host,
+            "host_allocated": sum(b.numel() for b, _ in self.host_arenas[host:]),
+            "host_pinned": sum(b.numel() for b, p in self.host_arenas[host:] if p)})
 
     def free(self) -> None:
         """Drop every arena on every device (and every view into them), then hand the cached
@@ -140,6 +158,10 @@ class GpuPipeline:
                 torch.cuda.empty_cache()
             except RuntimeError as exc:  # a sticky CUDA fault: the caller's error says more
                 log.error("freeing the arenas: %s", str(exc).splitlines()[0] if str(exc) else exc)
+        for buf, pinned in self.host_arenas:  # after the sync: no copy reads them any more
+            if pinned:
+                gpu_host.unpin(buf)
+        self.host_arenas.clear()
 
     def finish_report(self, remember: bool = True) -> list[dict]:
         """NVML after the load and the measured runtime overhead, per device (call it after

@@ -69,7 +69,11 @@ def refuse(layout: Any) -> None:
     or does not run on and why."""
     if layout.fits:
         return
-    bad = next(d for d in layout.devices if not d.verdict.runs)
+    host = getattr(layout, "host", None)
+    bad = next((d for d in layout.devices if not d.verdict.runs), None)
+    if bad is None and host is not None:
+        raise CarveError(f"the plan does not fit ({host.advice})")
+    assert bad is not None
     if bad.verdict == Verdict.DOES_NOT_RUN:
         raise CarveError(f"{bad.device.label}: the plan does not run here ({bad.advice})")
     why = bad.advice or f"{-bad.headroom / 2**20:.0f} MiB over"

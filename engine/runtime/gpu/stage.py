@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from engine.runtime.gpu.host import HostExperts, host_layers
 from engine.runtime.gpu.matrices import (
     GEMV_ROWS,
     Attention,
@@ -139,6 +140,11 @@ class GpuStage:
                              self.rope_scale, self._yarn() if yarn else (None, 1.0))
         self.tmats = build.tmats  # the matrices in the T layout (fill_dequant_cache repacks)
         self.layers: list[Layer] = [build.layer(i) for i in range(self.lb, self.le)]
+        # the layers whose experts the plan keeps in host memory: the CPU runs those
+        self.host_layers = host_layers(dl)
+        for layer in self.layers:
+            if layer.index in self.host_layers:
+                layer.ffn.host = HostExperts(hp, model, spans, layer.index)
         # the embedding (first stage); the output norm, projection and its int8 x (last stage)
         self.token_embd = packed_matrix(model, spans, "token_embd.weight") if self.first else None
         self.output_norm, self.output, self.xq_out = build.head() if self.last else (None,) * 3
@@ -215,7 +221,9 @@ class GpuStage:
             return
         flag = self.scan_flags[:1]
         flag.zero_()
-        names = [n for n in self.spans if not n.startswith(("buf.", "kv.", "dq."))]
+        # the host layers' experts are checked by the CPU (engine/runtime/gpu/host.py)
+        names = [n for n, t in self.spans.items()
+                 if not n.startswith(("buf.", "kv.", "dq.", "hbuf.")) and t.device == self.device]
         for i, name in enumerate(names, 1):
             info = self.model.tensor(name)
             if len(info.shape) >= 2:
@@ -331,6 +339,9 @@ class GpuStage:
                   hp.expert_weights_scale, f.sel_bias, ids, w, use_pdl=pdl)
         if f.shared is not None:
             self._shared_expert(f.shared, a)
+        if f.host is not None:  # experts in host memory: routed here, computed by the CPU
+            f.host.run(x, ids, w, a.proj, b["moe_out"][:n], accumulate=f.shared is not None)
+            return
         act = "swiglu_oai" if hp.swiglu_limit else hp.act
         g, u, d = f.gate, f.up, f.down
         h = b["moe_h"][:n * k]
@@ -522,8 +533,9 @@ class GpuStage:
 
     def capture(self) -> None:
         """Capture decode_step in a CUDA graph (after one eager warm-up that compiles kernels).
-        On the CPU (interpreter) there is no graph: replay runs decode_step eagerly."""
-        if not self.on_cuda:
+        On the CPU (interpreter) there is no graph: replay runs decode_step eagerly; so does a
+        stage with layers whose experts the CPU runs (the step waits on the host there)."""
+        if not self.on_cuda or self.host_layers:
             return
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
@@ -535,6 +547,11 @@ class GpuStage:
         # captures; a second GPU's stage needs a stream of its own device
         with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(self.device)):
             self.decode_step()
+
+    def host_moved(self) -> int:
+        """Bytes the stage's host layers have copied between the GPU and host memory."""
+        return sum(la.ffn.host.moved for la in self.layers
+                   if getattr(la.ffn, "host", None) is not None)
 
     def release(self) -> None:
         """Drop every view into the arenas this stage holds (and its graph), so that freeing

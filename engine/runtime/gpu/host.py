@@ -1,0 +1,136 @@
+"""Experts in host memory on a GPU stage (DESIGN.md "Experts in host memory").
+
+A stage's host arenas (the Layout's purposes `engine.planning.host.HOST_PURPOSES`) are one
+pageable allocation each, pinned in place with cudaHostRegister, so that the pinned bytes are
+exactly the priced ones (torch's pinned allocator would round each up to a power of two). A
+layer whose experts live there runs its router and top-k on the GPU, then `HostExperts.run`:
+the normed rows, ids and weights go down to pinned buffers, the CPU engine's `ops.experts`
+runs the routed experts on them as the file stores them (only the routed experts' slices are
+dequantized, into a priced scratch), and the weighted sum goes back up and onto proj.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from engine.planning.host import HOST_PURPOSES
+from engine.runtime.models import ops
+from spec.errors import CarveError
+
+log = logging.getLogger("carve.engine")
+
+
+def check_host(layout: Any) -> None:
+    """Before anything is allocated: CarveError when the host RAM available now cannot take
+    what the plan pins there (the machine's memory changed since the plan was priced)."""
+    host = getattr(layout, "host", None)
+    if host is None:
+        return
+    from engine.hardware.devices import cpu_spec
+    from engine.planning.layout import human
+
+    now = cpu_spec()
+    avail = now.free - host.device.reserve
+    if host.pinned > avail:
+        raise CarveError(
+            f"host RAM: the plan pins {human(host.pinned)} of experts and buffers in host "
+            f"memory and {human(avail)} is available now ({human(host.device.free)} when it "
+            "was priced); re-plan (carve plan, or Auto in the window) or free memory")
+
+
+def new_host_arena(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+    """One host allocation of ``nbytes`` and whether it is pinned. ``pin``: register it with
+    the driver (a GPU stage with CUDA); a refusal (the OS's locked-memory limit) leaves it
+    pageable, says so once in the log, and costs the same bytes."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if not pin or nbytes == 0:
+        return buf, False
+    code = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+    if int(code) != 0:
+        log.warning("pinning %d bytes of host experts was refused (cudaHostRegister error %s): "
+                    "they stay in pageable memory and copies to the GPU run slower",
+                    nbytes, int(code))
+        return buf, False
+    return buf, True
+
+
+def unpin(buf: torch.Tensor) -> None:
+    """Undo `new_host_arena`'s registration (before the memory is freed)."""
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
+def allocate_host(dl: Any, pin: bool, arenas: list[tuple[torch.Tensor, bool]],
+                  spans: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> None:
+    """The DeviceLayout's host arenas, each one host allocation (pinned where ``pin``), every
+    span a view into it (typed for the buffers, raw bytes for the experts). ``arenas``: the
+    caller's list of (allocation, pinned), filled as it goes, so that a failure midway leaves
+    the caller holding (and able to unpin) every one already made."""
+
+    for a in dl.arenas:
+        if a.purpose not in HOST_PURPOSES:
+            continue
+        buf, pinned = new_host_arena(a.nbytes, pin)
+        arenas.append((buf, pinned))
+        for s in a.spans:
+            raw = buf[s.offset:s.offset + s.nbytes]
+            if a.purpose != "host_experts":
+                raw = raw.view(dtypes[s.dtype]).view(s.shape)
+            spans[s.name] = raw
+
+
+def host_layers(dl: Any) -> set[int]:
+    """The layers of a DeviceLayout whose experts live in its host arenas."""
+    return {int(s.name.split(".")[1]) for a in dl.arenas if a.purpose == HOST_PURPOSES[0]
+            for s in a.spans}
+
+
+class HostExperts:
+    """One layer's routed experts in host memory and the pinned buffers its CPU compute runs
+    on (views into the stage's spans). ``moved``: bytes copied between GPU and host so far."""
+
+    def __init__(self, hp: Any, model: Any, spans: dict[str, torch.Tensor], layer: int) -> None:
+        p = f"blk.{layer}."
+        self.hp, self.cuda = hp, False
+        scratch = spans["hbuf.dequant"]
+        self.mats = []
+        for n in ("gate", "up", "down"):
+            name = p + f"ffn_{n}_exps.weight"
+            info = model.tensor(name)
+            cols, rows, n_expert = (int(d) for d in info.shape)  # GGUF order
+            self.mats.append(ops.QExperts(name, spans[name], info.ggml_type, n_expert, rows,
+                                          cols, None, scratch))
+        self.biases = None
+        if p + "ffn_gate_exps.bias" in spans:
+            self.biases = tuple(
+                spans[p + f"ffn_{n}_exps.bias"].view(torch.float32).view(hp.n_expert, -1)
+                for n in ("gate", "up", "down"))
+        self.x, self.ids = spans["hbuf.x"], spans["hbuf.ids"]
+        self.w, self.y = spans["hbuf.w"], spans["hbuf.y"]
+        self.moved = 0
+
+    def run(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+            staging: torch.Tensor, accumulate: bool) -> None:
+        """out (+)= the routed experts of normed rows ``x`` [n, n_embd] chosen as ``ids`` /
+        ``w`` [n, k] (on the stage's device). ``staging`` [n, n_embd] float32 on the device
+        takes the sum on its way up (buf.moe_out's first rows: free in this layer)."""
+        n = x.shape[0]
+        hx, hids, hw, hy = self.x[:n], self.ids[:n], self.w[:n], self.y[:n]
+        hx.copy_(x, non_blocking=True)
+        hids.copy_(ids, non_blocking=True)
+        hw.copy_(w, non_blocking=True)
+        if x.device.type == "cuda":
+            torch.cuda.current_stream(x.device).synchronize()  # the rows are down
+        g, u, d = self.mats
+        hp = self.hp
+        y = ops.experts(hx.float(), hids.long(), hw, g, u, d, hp.act, hp.swiglu_limit,
+                        self.biases)
+        hy.copy_(y)
+        staging.copy_(hy, non_blocking=True)
+        if accumulate:
+            out.add_(staging)
+        else:
+            out.copy_(staging)
+        self.moved += hx.nbytes + hids.nbytes + hw.nbytes + hy.nbytes

@@ -1,0 +1,144 @@
+"""Experts in host memory on the GPU runner: a layer whose experts the plan keeps in host
+memory routes on the device and runs its experts on the CPU (engine/runtime/gpu/host.py);
+the logits and greedy ids are those of the same file with every expert in VRAM, the host
+arenas are exactly the priced bytes, and a plan the host can no longer hold is refused before
+anything is allocated. Without a GPU the runner runs under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_compare import rel
+from test_gpu_moe import SHAPES
+
+from engine.gguf.reader import GGUFModel
+from engine.hardware.devices import DeviceSpec
+from engine.planning.plan import Plan
+from engine.planning.price import price
+from engine.runtime.gpu.session import GpuSession
+from engine.runtime.options import RunnerOptions
+from engine.runtime.session import Session
+from engine.synth.gen import write_model
+from spec.errors import CarveError
+
+GIB = 1 << 30
+ON_GPU = torch.cuda.is_available()
+DEV = torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
+GPU = DeviceSpec(index=0, name="card", total=16 * GIB, free=16 * GIB, simulated=True)
+HOST = DeviceSpec(-1, "host", 8 * GIB, 8 * GIB, simulated=True)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("host")
+    return {arch: str(write_model(root / f"{arch}.gguf", SHAPES[arch], "q4_k_m")[0])
+            for arch in SHAPES}
+
+
+def plan(path: str, resident: tuple[int, ...] = (), **kw) -> Plan:
+    dtype = "bf16" if ON_GPU else "f32"
+    return Plan(model=path, devices=(GPU,), split=(0, 2), ctx=64, prefill_chunk=16,
+                cache_reserve=0, logits_rows=16, act_dtype=dtype, experts_resident=resident,
+                host=HOST, **kw)
+
+
+def ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(sess, prompt: list[int], steps: list[int]) -> list[torch.Tensor]:
+    """Logits of a prefill (every row) and of decode steps after it."""
+    out = [sess.logits(prompt).clone()]
+    sess.kv.n_past = len(prompt)
+    for tok in steps:
+        out.append(sess.forward([tok], sess.kv.n_past, "last")[-1:].clone())
+        sess.kv.n_past += 1
+    return out
+
+
+# the same weights, sums in another order: the GPU runner's bound against the CPU engine
+# (tests/engine/test_gpu_moe.py, f32 activations); on a GPU bf16 activations
+BOUND = 2e-2 if ON_GPU else 5e-3
+
+
+def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files) -> None:
+    """qwen3moe, both MoE layers' experts on the host: a prefill of 12 rows (the grouped path
+    when resident, the CPU's when not) and two decode steps, against the same file with every
+    expert in VRAM; the greedy id at every position is the same."""
+    path = files["qwen3moe"]
+    prompt, steps = ids(12), ids(2, 1)
+    everything = GpuSession.load(plan(path), devices=[DEV], remember=False)
+    try:
+        assert everything.pipe.report[0]["host_allocated"] == 0
+        ref = run(everything, prompt, steps)
+    finally:
+        everything.close()
+    pl = plan(path, resident=(0,))
+    layout = price(pl, model_file := GGUFModel.open(path))
+    assert layout.host is not None and layout.devices[0].terms["experts"] == 0
+    g = GpuSession.load(pl, devices=[DEV], remember=False, model=model_file)
+    try:
+        (rep,) = g.pipe.report
+        # the host arenas are exactly the priced bytes (pinned on a GPU, pageable here)
+        assert rep["host_priced"] == rep["host_allocated"] == layout.devices[0].host > 0
+        assert rep["host_pinned"] == (rep["host_allocated"] if ON_GPU else 0)
+        assert g.pipe.stages[0].graph is None  # decode with host layers runs eagerly
+        moved = g.pipe.stages[0].host_moved()
+        got = run(g, prompt, steps)
+        errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
+        print(f"host vs VRAM experts: rel errors {', '.join(f'{e:.1e}' for e in errs)}")
+        assert max(errs) < BOUND
+        greedy = [t.argmax(-1).tolist() for t in got]
+        assert greedy == [t.argmax(-1).tolist() for t in ref]
+        # per row and host layer: the normed row, 2 ids and 2 weights down, the f32 sum up;
+        # 12 prefill rows and 2 decode rows through 2 host layers
+        es = 2 if ON_GPU else 4
+        assert g.pipe.stages[0].host_moved() - moved == 2 * 14 * (128 * es + 2 * 4 + 2 * 4
+                                                                   + 128 * 4)
+    finally:
+        g.close()
+
+
+def test_a_shared_expert_layer_on_the_host_gives_the_logits_of_all_in_vram(files) -> None:
+    """glm4moe (a dense first layer, then a MoE layer with a shared expert, onto whose output
+    the host's sum is added): prefill logits with that layer's experts on the host against
+    every expert in VRAM."""
+    path = files["glm4moe"]
+    prompt = ids(10)
+    out = []
+    for resident in ((), (0,)):
+        g = GpuSession.load(plan(path, resident=resident), devices=[DEV], remember=False)
+        try:
+            assert g.pipe.stages[0].host_layers == ({1} if resident else set())
+            out.append(g.logits(prompt).clone())
+            assert g.pipe.stages[0].host_moved() == (10 * (128 * (2 if ON_GPU else 4) + 16
+                                                           + 128 * 4) if resident else 0)
+        finally:
+            g.close()
+    print(f"glm4moe host vs VRAM experts: rel error {rel(out[1], out[0]):.1e}")
+    assert rel(out[1], out[0]) < BOUND
+    assert out[1].argmax(-1).tolist() == out[0].argmax(-1).tolist()
+
+
+def test_a_host_that_shrank_since_the_plan_is_refused_before_allocating(files, monkeypatch):
+    import engine.hardware.devices as devices
+    from engine.runtime.gpu import pipeline
+
+    made: list[int] = []
+    real = pipeline.gpu_host.new_host_arena
+    monkeypatch.setattr(pipeline.gpu_host, "new_host_arena",
+                        lambda n, pin: made.append(n) or real(n, pin))
+    monkeypatch.setattr(devices, "cpu_spec", lambda reserve=0: DeviceSpec(
+        -1, "cpu", 8 * GIB, 64 << 10, reserve=reserve))
+    with pytest.raises(CarveError, match=r"^host RAM: the plan pins .* of experts and buffers "
+                       r"in host memory and 64.0 KiB is available now \(8.00 GiB when it was "
+                       r"priced\); re-plan"):
+        GpuSession.load(plan(files["qwen3moe"], resident=(0,)), devices=[DEV], remember=False)
+    assert made == []
+
+
+def test_the_torch_engine_refuses_host_experts(files) -> None:
+    with pytest.raises(CarveError, match="experts in host memory run on the Triton GPU runner"):
+        Session.load(plan(files["qwen3moe"], resident=(0,)), options=RunnerOptions(runner="torch"))
