@@ -3,6 +3,7 @@ load GB/s and priced vs reserved bytes per device, against ceilings measured in 
 
     python -m engine.runtime.bench MODEL | --synth SHAPE [--mix q4_k_m] [--gpus RIG] [--compare-split]
         [--engine]   (also through the engine process: engine/runtime/bench_engine.py)
+        [--vram GiB] [--experts-resident auto|N,N] [--expert-slots N]   (experts in host memory)
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
 
 
-def _plan(path: str, n_gpus: int, n_layer: int, ctx: int, kv_type: str, arena: str):
+def _plan(path: str, n_gpus: int, n_layer: int, ctx: int, kv_type: str, arena: str,
+          placement: dict | None = None):
+    """One stage per device; ``placement``: vram (GiB each device's plan may use, as a card of
+    that size would: the driver's reserve off), experts_resident (None: Auto), expert_slots."""
     from engine.hardware.devices import DeviceSpec
+    from engine.hardware.rigs import DRIVER_RESERVE
     from engine.planning.plan import Plan
 
     devs = []
@@ -32,11 +37,29 @@ def _plan(path: str, n_gpus: int, n_layer: int, ctx: int, kv_type: str, arena: s
         # which still checks that a split changes where bytes live, not what is computed
         free, total = torch.cuda.mem_get_info(i % have)
         share = -(-n_gpus // have)
+        total, free = total // share, free // share
+        if placement and placement.get("vram"):
+            total = int(placement["vram"] * (1 << 30))
+            free = min(free, total - DRIVER_RESERVE)
         devs.append(DeviceSpec(index=i % have, name=torch.cuda.get_device_name(i % have),
-                               total=total // share, free=free // share))
+                               total=total, free=free))
     split = tuple(round(i * n_layer / n_gpus) for i in range(n_gpus + 1))
-    return Plan(model=path, devices=tuple(devs), split=split, ctx=ctx, kv_type=kv_type,
+    plan = Plan(model=path, devices=tuple(devs), split=split, ctx=ctx, kv_type=kv_type,
                 prefill_chunk=512, cache_reserve=1 << 30, arena=arena, act_dtype="bf16")
+    if not placement:
+        return plan
+    from dataclasses import replace
+
+    from engine.gguf.reader import GGUFModel
+    from engine.planning.defaults import place_experts
+
+    slots = tuple(placement.get("expert_slots") or ())
+    if len(slots) == 1:
+        slots *= n_gpus
+    plan = replace(plan, expert_slots=slots)
+    if placement.get("experts_resident") is None:
+        return place_experts(plan, GGUFModel.open(path))
+    return replace(plan, experts_resident=tuple(placement["experts_resident"]))
 
 
 def _timed(fn, n: int) -> float:
@@ -79,7 +102,7 @@ def _kernel_breakdown(pipe, steps: int = 4) -> list[dict]:
 
 def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
         depths: list[int], pp: int, out: dict, kernels: bool = False,
-        options: RunnerOptions = RunnerOptions()) -> list[int]:
+        options: RunnerOptions = RunnerOptions(), placement: dict | None = None) -> list[int]:
     from engine.gguf.hparams import HParams
     from engine.gguf.reader import GGUFModel
     from engine.planning.price import price
@@ -89,11 +112,19 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
     hp = HParams.from_model(model)
     if hp.n_ctx_train and ctx > hp.n_ctx_train:
         ctx = hp.n_ctx_train  # the deepest point of the sweep is then ctx - 64
-    layout = price(_plan(path, n_gpus, hp.n_layer_run, ctx, kv_type, arena), model)
+    layout = price(_plan(path, n_gpus, hp.n_layer_run, ctx, kv_type, arena, placement), model)
+    if not layout.fits:
+        raise CarveError("the bench's plan does not fit: " + (layout.bottleneck() or "; ".join(
+            d.advice for d in layout.devices if d.advice)))
     t0 = time.perf_counter()
     pipe = GpuPipeline(model, hp, layout, options=options)
     load_s = time.perf_counter() - t0
     rep = {"gpus": n_gpus, "devices": pipe.report, "load_wall_s": load_s}
+    if layout.host is not None:
+        plan = layout.plan
+        rep["experts"] = {"resident": list(plan.experts_resident),
+                          "host_layers": [len(st.host_layers) for st in pipe.stages],
+                          "pinned": layout.host.pinned, "slots": list(plan.expert_slots)}
     nbytes = sum(r["load_bytes"] for r in pipe.report)
     rep["load_gbps"] = nbytes / sum(r["load_s"] for r in pipe.report) / 1e9
     pipe.capture()
@@ -164,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="also list GPU time per kernel in a decode step (torch.profiler)")
     ap.add_argument("--engine", action="store_true",
                     help="also measure through the engine process, as the window drives it")
+    ap.add_argument("--vram", type=float, default=0,
+                    help="GiB each device's plan may use (a consumer card's budget on a big GPU)")
+    ap.add_argument("--experts-resident", default="",
+                    help="auto, or per GPU the MoE layers whose experts stay in VRAM (the rest "
+                         "in pinned host memory, computed by the CPU); default: all in VRAM")
+    ap.add_argument("--expert-slots", default="", help="VRAM expert-cache slots per GPU")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     try:
@@ -188,8 +225,20 @@ def main(argv: list[str] | None = None) -> int:
         from engine.hardware.rigs import parse_rig
 
         n_gpus = len(parse_rig(args.gpus)) if args.gpus else 1
+        placement = None
+        if args.vram or args.experts_resident or args.expert_slots:
+            from engine.planning.plan import parse_counts
+
+            text = args.experts_resident.strip().lower()
+            placement = {
+                "vram": args.vram,
+                "experts_resident": (None if text == "auto" else parse_counts(
+                    "--experts-resident", text) if text else ()),
+                "expert_slots": (parse_counts("--expert-slots", args.expert_slots)
+                                 if args.expert_slots else ()),
+            }
         ids1 = run(path, n_gpus, ctx, args.kv, args.arena, args.tokens, depths, args.pp, out,
-                   args.kernels, options)
+                   args.kernels, options, placement)
         _print(out)
         if args.compare_split:
             ids2 = run(path, 2, ctx, args.kv, args.arena, args.tokens, [], args.pp, out,
@@ -247,6 +296,13 @@ def _print(out: dict) -> None:
               f"pp{r['pp']['tokens']} {r['pp']['tps']:.0f} t/s, tg{r['tg']['tokens']} "
               f"{r['tg']['tps']:.1f} t/s ({r['tg']['weight_gbps']:.0f} GB/s of weights), "
               f"greedy64 {r['greedy64_sha256']} finite={r['logits_finite']}")
+        if "experts" in r:
+            e, tg = r["experts"], r["tg"]
+            print(f"   experts: resident {e['resident'] or 'all'}, host layers per stage "
+                  f"{e['host_layers']}, pinned {e['pinned'] / 2**30:.2f} GiB, slots "
+                  f"{e['slots'] or 0}; decode moves {tg['host_bytes_per_token'] / 1e3:.1f} kB "
+                  f"per token between GPU and host ({tg['host_gbps']:.2f} GB/s); expert-cache "
+                  "hit rate: n/a (the runtime does not use the slots yet)")
         for d in r["devices"]:
             print(f"   cuda:{d['index']} layers {d['layers']}: priced {d['priced']:,} B, "
                   f"reserved {d['reserved']:,} B (diff {d['reserved'] - d['priced']:+,}), "
