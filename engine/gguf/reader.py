@@ -1,13 +1,17 @@
 """Open a GGUF model (one file or a gguf-split set) and read its header: metadata and tensor table.
 
 Our own reader because gguf.GGUFReader builds a numpy record per field and takes seconds on a
-150k-token vocabulary; this one walks the header once with struct over an mmap (nothing past
-the tensor table is touched) and is held equal to GGUFReader in tests. Every way a header can
-be broken becomes one CarveError line naming the file.
+150k-token vocabulary; this one walks the header once with struct over bytes read from the file
+(pread, the first 8 MiB, more only where the header is longer: nothing past the tensor table is
+read, and a file cut short while it is read is a short read, never a SIGBUS of a memory map) and
+is held equal to GGUFReader in tests. Every way a header can be broken becomes one CarveError
+line naming the file. Each shard's `FileStamp` (size, mtime, a digest of the header) lets a plan
+notice that the file it was made for changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import re
@@ -36,6 +40,34 @@ _NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: 
 _U32 = struct.Struct("<I").unpack_from
 _U64 = struct.Struct("<Q").unpack_from
 _STRUCTS = {t: struct.Struct("<" + c).unpack_from for t, (c, _) in _SCALAR.items()}
+HEADER_READ = 8 << 20  # a header is read this much at a time (a 150k-token vocabulary: ~6 MiB)
+
+
+class _More(Exception):
+    """The header runs past the bytes read so far (to ``need``, where known): read more."""
+
+    def __init__(self, need: int = 0) -> None:
+        self.need = need
+
+
+@dataclass(frozen=True, slots=True)
+class FileStamp:
+    """One model file as it was when read: what a Plan keeps to notice that the file at its
+    path changed before a load (`engine.planning.plan.Plan.identity`)."""
+
+    name: str  # the file's name (the plan keeps the path)
+    size: int
+    mtime_ns: int
+    header_sha256: str  # of the header: magic, metadata and tensor table, what a plan prices
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "mtime_ns": self.mtime_ns,
+                "header_sha256": self.header_sha256}
+
+    @classmethod
+    def from_json(cls, data: Any) -> FileStamp:
+        return cls(str(data["name"]), int(data["size"]), int(data["mtime_ns"]),
+                   str(data["header_sha256"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +107,14 @@ class _Header:
 
     def __init__(self, path: Path, shard: int) -> None:
         self.path = path
+        self.mm: mmap.mmap | None = None  # mapped on the first tensor_data only
         try:
             with open(path, "rb") as f:
-                self.size = f.seek(0, 2)
+                st = os.fstat(f.fileno())
+                self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
                 if self.size < 24:
                     raise CarveError(f"{path}: not a GGUF file ({self.size} bytes, too small "
                                      "for a GGUF header)")
-                self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 # the file as opened: a later rename or delete of the path does not change
                 # what read_into reads, and a truncation becomes a short read, not a SIGBUS
                 self.fd = os.dup(f.fileno())
@@ -91,52 +124,90 @@ class _Header:
             raise CarveError(f"{path}: is a directory, not a GGUF file") from None
         except PermissionError:
             raise CarveError(f"{path}: permission denied; check the file's permissions") from None
+        self.buf = self._pread(0, min(self.size, HEADER_READ))
         try:
-            self._parse(shard)
+            end = self._parse(shard)
+            digest = hashlib.sha256(memoryview(self.buf)[:end]).hexdigest()
+            self.stamp = FileStamp(path.name, self.size, self.mtime_ns, digest)
         except struct.error:
             raise CarveError(f"{path}: truncated or corrupt GGUF header (it runs past the end "
                              f"of the {self.size}-byte file); re-download or re-copy it") from None
         except (UnicodeDecodeError, OverflowError, MemoryError, ValueError) as err:
             raise CarveError(f"{path}: corrupt GGUF header ({type(err).__name__}); "
                              "re-download or re-copy it") from None
+        finally:
+            self.buf = b""  # the header's bytes: parsed, no longer needed
 
     def __del__(self) -> None:
         if getattr(self, "fd", -1) >= 0:
             os.close(self.fd)
             self.fd = -1
 
+    def _pread(self, start: int, n: int) -> bytes:
+        """n bytes from ``start`` of the file as opened; a file that shrank is a CarveError."""
+        parts, got = [], 0
+        while got < n:
+            b = os.pread(self.fd, n - got, start + got)
+            if not b:
+                now = os.fstat(self.fd).st_size
+                raise CarveError(f"{self.path}: the file is now {now} bytes, shorter than the "
+                                 f"{self.size} it had when opened (truncated or overwritten while "
+                                 "its header was read); copy the file again and reopen it")
+            parts.append(b)
+            got += len(b)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _item(self, read: Any, pos: int) -> tuple[Any, int]:
+        """``read(pos)`` (one metadata entry or tensor record), reading more of the file and
+        trying again while the entry runs past the bytes read so far."""
+        while True:
+            try:
+                return read(pos)
+            except (_More, struct.error) as more:
+                have = len(self.buf)
+                if have >= self.size:
+                    raise struct.error("past the end") from None  # the file ends inside it
+                need = more.need if isinstance(more, _More) else 0
+                want = min(self.size, max(2 * have, need + HEADER_READ))
+                self.buf += self._pread(have, want - have)
+
     def _fail(self, what: str) -> CarveError:
         return CarveError(f"{self.path}: {what}; the file is damaged or not a GGUF model")
 
     # -- primitive reads -------------------------------------------------------------------
     def _str(self, pos: int) -> tuple[str, int]:
-        (n,) = _U64(self.mm, pos)
+        (n,) = _U64(self.buf, pos)
         pos += 8
         if n > self.size - pos or n > MAX_STRING:
             raise self._fail(f"string of {n} bytes at byte {pos - 8} is absurd (the file "
                              f"holds {self.size} bytes)")
-        return str(self.mm[pos : pos + n], "utf-8", "surrogateescape"), pos + n
+        if pos + n > len(self.buf):
+            raise _More(pos + n)
+        return str(self.buf[pos : pos + n], "utf-8", "surrogateescape"), pos + n
 
     def _str_array(self, pos: int, n: int) -> tuple[list[str], int]:
         # The hot loop for 150k-token vocabularies: one unpack and one slice per string
         # (a numpy guess-and-verify variant was no faster: making 150k str objects dominates).
         # The bound check keeps a corrupt length from copying gigabytes of tensor data.
-        mm, q, limit = self.mm, _U64, min(self.size, pos + n * (8 + MAX_STRING))
+        mm, q, limit = self.buf, _U64, min(self.size, pos + n * (8 + MAX_STRING))
+        have = min(limit, len(mm))  # one comparison per string: in the file and read so far
         out: list[str] = [""] * n
         for i in range(n):
             (ln,) = q(mm, pos)
             pos += 8
             end = pos + ln
-            if ln > MAX_STRING or end > limit:
-                raise self._fail(f"string of {ln} bytes at byte {pos - 8} in a string array "
-                                 "is absurd")
+            if ln > MAX_STRING or end > have:
+                if ln > MAX_STRING or end > limit:
+                    raise self._fail(f"string of {ln} bytes at byte {pos - 8} in a string "
+                                     "array is absurd")
+                raise _More(end)
             out[i] = str(mm[pos:end], "utf-8", "surrogateescape")
             pos = end
         return out, pos
 
     def _value(self, vtype: int, pos: int, key: str, depth: int = 0) -> tuple[Any, int]:
         if vtype in _STRUCTS:
-            (v,) = _STRUCTS[vtype](self.mm, pos)
+            (v,) = _STRUCTS[vtype](self.buf, pos)
             return v, pos + _SCALAR[vtype][1]
         if vtype == 8:
             return self._str(pos)
@@ -144,7 +215,7 @@ class _Header:
             raise self._fail(f"metadata key {key!r} has unknown value type {vtype}")
         if depth >= _MAX_NESTING:
             raise self._fail(f"metadata key {key!r} nests arrays more than {_MAX_NESTING} deep")
-        etype, n = struct.unpack_from("<IQ", self.mm, pos)
+        etype, n = struct.unpack_from("<IQ", self.buf, pos)
         pos += 12
         left = self.size - pos
         min_size = _SCALAR[etype][1] if etype in _SCALAR else 8 if etype == 8 else 12
@@ -155,7 +226,9 @@ class _Header:
                              "the file holds")
         if etype in _SCALAR:
             size = _SCALAR[etype][1]
-            arr = np.frombuffer(self.mm, dtype=_NP[etype], count=n, offset=pos)
+            if pos + n * size > len(self.buf):
+                raise _More(pos + n * size)
+            arr = np.frombuffer(self.buf, dtype=_NP[etype], count=n, offset=pos)
             values = arr.astype(bool).tolist() if etype == 7 else arr.tolist()
             return values, pos + n * size
         if etype == 8:
@@ -169,8 +242,9 @@ class _Header:
         return items, pos
 
     # -- header ----------------------------------------------------------------------------
-    def _parse(self, shard: int) -> None:
-        mm = self.mm
+    def _parse(self, shard: int) -> int:
+        """Parse the header; the byte where its tensor table ends."""
+        mm = self.buf
         if mm[:4] != MAGIC:
             raise CarveError(f"{self.path}: not a GGUF file (starts with {bytes(mm[:4])!r}, "
                              "not b'GGUF'); pick a .gguf model")
@@ -192,10 +266,15 @@ class _Header:
             raise self._fail(f"header claims {n_tensors} tensors, more than the "
                              f"{self.size}-byte file can hold (truncated or corrupt)")
         meta: dict[str, Any] = {}
-        for _ in range(n_kv):
+
+        def entry(pos: int) -> tuple[tuple[str, Any], int]:
             key, pos = self._str(pos)
-            (vtype,) = _U32(mm, pos)
+            (vtype,) = _U32(self.buf, pos)
             value, pos = self._value(vtype, pos + 4, key)
+            return (key, value), pos
+
+        for _ in range(n_kv):
+            (key, value), pos = self._item(entry, pos)
             if key in meta:
                 raise self._fail(f"duplicate metadata key {key!r}")
             meta[key] = value
@@ -205,18 +284,23 @@ class _Header:
             raise self._fail(f"general.alignment {align!r} is not a power of two")
         self.alignment = align
         raw = []
-        for _ in range(n_tensors):
+
+        def record(pos: int) -> tuple[tuple[str, tuple[int, ...], int, int], int]:
             name, pos = self._str(pos)
-            (n_dims,) = _U32(mm, pos)
+            (n_dims,) = _U32(self.buf, pos)
             if n_dims > MAX_DIMS:
                 raise self._fail(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})")
-            shape = struct.unpack_from(f"<{n_dims}Q", mm, pos + 4)
+            shape = struct.unpack_from(f"<{n_dims}Q", self.buf, pos + 4)
             pos += 4 + 8 * n_dims
-            ggml_type, offset = struct.unpack_from("<IQ", mm, pos)
-            pos += 12
-            raw.append((name, shape, ggml_type, offset))
+            ggml_type, offset = struct.unpack_from("<IQ", self.buf, pos)
+            return (name, shape, ggml_type, offset), pos + 12
+
+        for _ in range(n_tensors):
+            r, pos = self._item(record, pos)
+            raw.append(r)
         data_start = pos + (-pos % align)
         self.tensors = [self._tensor(shard, data_start, *r) for r in raw]
+        return pos
 
     def _tensor(self, shard: int, data_start: int, name: str, shape: tuple[int, ...],
                 ggml_type: int, offset: int) -> TensorInfo:
@@ -264,6 +348,8 @@ class GGUFModel:
         self.tensors: tuple[TensorInfo, ...] = tuple(t for h in headers for t in h.tensors)
         self.alignment: int = headers[0].alignment
         self.file_size: int = sum(h.size for h in headers)
+        # per file, as read: the plan made from this model keeps it (Plan.identity)
+        self.stamps: tuple[FileStamp, ...] = tuple(h.stamp for h in headers)
         self._by_name: dict[str, TensorInfo] = {}
         for t in self.tensors:
             if t.name in self._by_name:
@@ -300,8 +386,10 @@ class GGUFModel:
 
         A page of a file truncated after it was opened kills the process with SIGBUS when
         touched: loaders read with :meth:`read_into`, which turns that into a CarveError."""
-        mm = self._headers[info.shard].mm
-        return np.frombuffer(mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        h = self._headers[info.shard]
+        if h.mm is None:  # mapped on first use: opening and loading never map the file
+            h.mm = mmap.mmap(h.fd, 0, access=mmap.ACCESS_READ)
+        return np.frombuffer(h.mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
     def read_into(self, info: TensorInfo, start: int, out: memoryview) -> None:
         """Fill ``out`` with the tensor's bytes from ``start`` on, read (pread) from the file
@@ -322,11 +410,16 @@ class GGUFModel:
                              f"{h.size} it had when opened (truncated or overwritten while "
                              f"loading tensor {info.name}); copy the file again and relaunch")
 
+    def dup_fds(self) -> list[int]:
+        """New descriptors (the caller closes them) of the files as this model opened them."""
+        return [os.dup(h.fd) for h in self._headers]
+
     def close(self) -> None:
         """Unmap the files; views from tensor_data that are still alive keep theirs open."""
         for h in self._headers:
             try:
-                h.mm.close()
+                if h.mm is not None:
+                    h.mm.close()
             except BufferError:
                 pass
             if h.fd >= 0:

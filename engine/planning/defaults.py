@@ -70,6 +70,7 @@ def default_plan(
         plan = auto_split(model, devices, prefer=prefer, model_path=path, **settings)
     else:
         plan = Plan(path, devices, tuple(split), **settings)
+    plan = replace(plan, identity=tuple(getattr(model, "stamps", ())))  # checked at load
     slots = tuple(expert_slots)
     if len(slots) == 1:  # one count: every device of the plan
         slots *= len(plan.devices)

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.hardware.devices import DeviceSpec
 from engine.planning.rules import CACHE_RESERVE, PREFILL_CHUNK, ArenaKind, KvType, parse_arena
 from spec.errors import CarveError
+
+if TYPE_CHECKING:
+    from engine.gguf.reader import FileStamp
 
 ACT_DTYPES = ("f32", "bf16", "f16")
 MAX_DEVICES = 8
@@ -71,6 +74,10 @@ class Plan:
     # the host memory pinned experts are priced against (cpu_spec(): MemAvailable when the plan
     # was made; a simulated rig's stated RAM); None: read live when the plan is priced
     host: DeviceSpec | None = None
+    # the model's files as they were when the plan was made (engine.gguf.reader.FileStamp, one
+    # per shard): the engine refuses a plan whose file changed since (`check_identity`); ()
+    # (plans written before, plans built by hand): not checked
+    identity: tuple[FileStamp, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
@@ -138,6 +145,7 @@ class Plan:
         out["experts_resident"] = list(self.experts_resident)
         out["expert_slots"] = list(self.expert_slots)
         out["host"] = None if self.host is None else self.host.to_json()
+        out["identity"] = [s.to_json() for s in self.identity]
         return out
 
     @classmethod
@@ -156,6 +164,33 @@ class Plan:
             for name in ("experts_resident", "expert_slots"):
                 kw[name] = tuple(data.get(name) or ())
             kw["host"] = DeviceSpec.from_json(data["host"]) if data.get("host") else None
+            if data.get("identity"):
+                from engine.gguf.reader import FileStamp
+
+                kw["identity"] = tuple(FileStamp.from_json(s) for s in data["identity"])
+            else:
+                kw["identity"] = ()
             return cls(**kw)
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise CarveError(f"plan: missing or malformed field {exc}") from None
+
+    def check_identity(self, stamps: tuple[FileStamp, ...]) -> None:
+        """CarveError naming the file and what changed when the model's files as read now
+        (``stamps``, GGUFModel.stamps) are not the ones this plan was made for: a size or a
+        header (metadata, tensor table) that differs. A file rewritten with the same size and
+        header (only its time differs) still loads: everything the plan priced is the same."""
+        if not self.identity:
+            return
+        fix = "re-plan (reopen the model)"
+        if len(stamps) != len(self.identity):
+            raise CarveError(f"{self.model}: the model now has {len(stamps)} file(s), the plan was "
+                             f"made for {len(self.identity)}; {fix}")
+        for was, now in zip(self.identity, stamps):
+            if was.size != now.size:
+                raise CarveError(f"{now.name}: the file changed since the plan was made ({was.size} "
+                                 f"bytes then, {now.size} now): another model or a partial copy; "
+                                 f"{fix}")
+            if was.header_sha256 != now.header_sha256:
+                raise CarveError(f"{now.name}: the file changed since the plan was made (its header, "
+                                 f"the metadata and tensor table, differs: another model of the "
+                                 f"same size); {fix}")

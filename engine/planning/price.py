@@ -161,6 +161,7 @@ def price(plan: Plan, model: Any = None, runner: Runner | None = None) -> Layout
     and "does not run here" with the reason where `runner` (default: the one that will run the
     plan, `capability.runner_for`) has no kernel for a tensor the device holds."""
     model = model if model is not None else open_model(plan.model)
+    plan.check_identity(getattr(model, "stamps", ()))  # the file the plan was made for, still
     idx = model_index(model)
     _check(plan, idx)
     stages = [price_stage(idx, stage_key(plan, i)) for i in range(len(plan.devices))]

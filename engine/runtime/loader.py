@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from engine.runtime.models.ops import QExperts, QWeight
@@ -155,9 +154,9 @@ def _load(layout, model, allocator, on_progress, cancelled) -> list[LoadedStage]
             b = min(info.nbytes, a + COPY_CHUNK)
             _read_piece(model, info, a, view[a:b])  # pread: a file cut short is an error, not SIGBUS
             meter.add(b - a)
-        # the file's bytes (whole: the reads above would have failed) for a non-finite scale
-        src = _from_numpy(model.tensor_data(info))
-        if len(info.shape) >= 2 and first_bad_block(src, info.ggml_type) is not None:
+        # the copy just read (never the file's map: a file cut short since would SIGBUS there)
+        # for a non-finite scale
+        if len(info.shape) >= 2 and first_bad_block(view, info.ggml_type) is not None:
             raise CarveError(
                 f"{model.paths[info.shard]}: tensor {span.name} has a block whose "
                 f"{qt.type_name(info.ggml_type)} scale is not finite (inf or NaN): the file is "
@@ -239,14 +238,6 @@ def _read_piece(model: Any, info: Any, start: int, dst: torch.Tensor) -> None:
     host = torch.empty(dst.numel(), dtype=torch.uint8)
     model.read_into(info, start, memoryview(host.numpy()))
     dst.copy_(host)
-
-
-def _from_numpy(a: np.ndarray) -> torch.Tensor:
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only mmap; we only read it
-        return torch.from_numpy(a)
 
 
 class _Meter:

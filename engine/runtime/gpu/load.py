@@ -76,6 +76,13 @@ class _Progress:
             raise CarveError("load cancelled")
 
 
+def _fds(model) -> list[int]:
+    """Descriptors of the model's files as it opened them (GGUFModel.dup_fds): a file renamed
+    over or deleted since loads as it was planned and opened, not whatever the path names now."""
+    dup = getattr(model, "dup_fds", None)
+    return dup() if dup is not None else [os.open(p, os.O_RDONLY) for p in model.paths]
+
+
 def _read(fd: int, buf: memoryview, off: int, path: str) -> None:
     if os.preadv(fd, [buf], off) != len(buf):
         raise CarveError(f"{path}: short read at byte {off}; the file is truncated")
@@ -84,7 +91,7 @@ def _read(fd: int, buf: memoryview, off: int, path: str) -> None:
 def _load_direct(model, pieces: list[Piece], progress: _Progress) -> None:
     """CPU stages (the interpreter runs in CI): no pinned ring, no streams; read each piece
     straight from the file into its span."""
-    fds = [os.open(p, os.O_RDONLY) for p in model.paths]
+    fds = _fds(model)
     try:
         for shard, off, dst in pieces:
             progress.check()
@@ -138,7 +145,7 @@ class _Ring:
         self.stopping = threading.Event()
         self.threads = [threading.Thread(target=self._reader, daemon=True)
                         for _ in range(READERS)]
-        self.fds = [os.open(p, os.O_RDONLY) for p in self.paths]
+        self.fds = _fds(model)
 
     def start(self) -> None:
         for t in self.threads:
