@@ -145,10 +145,19 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
     pipe.set_position(0, 1)
     pipe.step()
     pipe.set_position(0, 1)
+    moved0 = sum(st.host_moved() for st in pipe.stages)
+    hm0 = [sum(x) for x in zip(*(st.cache_hits() for st in pipe.stages))]
     t = _timed(pipe.step, tokens)
+    moved = sum(st.host_moved() for st in pipe.stages) - moved0
+    hits, misses = (a - b for a, b in zip(
+        [sum(x) for x in zip(*(st.cache_hits() for st in pipe.stages))], hm0))
     weight_bytes = step_weight_bytes(model, hp, sum(r["load_bytes"] for r in pipe.report))
     rep["tg"] = {"tokens": tokens, "s": t, "tps": tokens / t, "step_bytes": weight_bytes,
-                 "weight_gbps": weight_bytes / (t / tokens) / 1e9}
+                 "weight_gbps": weight_bytes / (t / tokens) / 1e9,
+                 # experts in host memory: what decode copied between GPU and host, and how
+                 # often the expert cache held the experts a step chose
+                 "host_bytes_per_token": moved / tokens, "host_gbps": moved / t / 1e9,
+                 "cache_hit_rate": hits / (hits + misses) if hits + misses else None}
     rep["depth"] = []
     for d in depths:
         d = min(d, ctx - 64)
@@ -298,11 +307,13 @@ def _print(out: dict) -> None:
               f"greedy64 {r['greedy64_sha256']} finite={r['logits_finite']}")
         if "experts" in r:
             e, tg = r["experts"], r["tg"]
+            rate = tg["cache_hit_rate"]
+            hit = "n/a (no slots, or none used)" if rate is None else f"{rate:.1%}"
             print(f"   experts: resident {e['resident'] or 'all'}, host layers per stage "
                   f"{e['host_layers']}, pinned {e['pinned'] / 2**30:.2f} GiB, slots "
                   f"{e['slots'] or 0}; decode moves {tg['host_bytes_per_token'] / 1e3:.1f} kB "
                   f"per token between GPU and host ({tg['host_gbps']:.2f} GB/s); expert-cache "
-                  "hit rate: n/a (the runtime does not use the slots yet)")
+                  f"hit rate in decode: {hit}")
         for d in r["devices"]:
             print(f"   cuda:{d['index']} layers {d['layers']}: priced {d['priced']:,} B, "
                   f"reserved {d['reserved']:,} B (diff {d['reserved'] - d['priced']:+,}), "

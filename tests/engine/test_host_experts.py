@@ -99,6 +99,25 @@ def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files) -> None:
                                                                    + 128 * 4)
     finally:
         g.close()
+    # 6 expert-cache slots, 3 per host layer, of 4 experts: a decode step's 2 experts run from
+    # slots (copied in on a miss, the least recently used out), the prefill's 4 on the CPU
+    c = GpuSession.load(plan(path, resident=(0,), expert_slots=(6,)), devices=[DEV],
+                        remember=False, model=model_file)
+    try:
+        st = c.pipe.stages[0]
+        caches = [la.ffn.host.cache for la in st.layers]
+        assert [h.n for h in caches] == [3, 3]
+        got = run(c, prompt, steps)
+        errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
+        print(f"host experts, 6 cache slots vs VRAM: rel errors {', '.join(f'{e:.1e}' for e in errs)}")
+        assert max(errs) < BOUND
+        assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in ref]
+        hits, misses = st.cache_hits()
+        # the two decode steps alone place 2 experts in each of 2 layers
+        assert misses >= 2 and hits >= 1 and hits + misses >= 2 * 2 * 2
+        assert all(len(h.held) <= 3 for h in caches)
+    finally:
+        c.close()
 
 
 def test_a_shared_expert_layer_on_the_host_gives_the_logits_of_all_in_vram(files) -> None:

@@ -12,10 +12,13 @@ dequantized, into a priced scratch), and the weighted sum goes back up and onto 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from engine.planning.arena import align_up
 from engine.planning.host import HOST_PURPOSES
 from engine.runtime.models import ops
 from spec.errors import CarveError
@@ -87,6 +90,70 @@ def host_layers(dl: Any) -> set[int]:
             for s in a.spans}
 
 
+class SlotCache:
+    """One host layer's share of the stage's expert-cache slots: per expert matrix a region
+    of ``n`` slots on the device, [n * rows, bytes per row] like a resident expert tensor of n
+    experts, and which expert each slot holds (least recently used first)."""
+
+    def __init__(self, region: torch.Tensor, n: int, mats: list[ops.QExperts]) -> None:
+        self.n, self.mats = n, mats
+        self.views, self.slices = [], []
+        off = 0
+        for m in mats:
+            per = m.raw.numel() // m.n_expert  # one expert's bytes
+            self.views.append(region[off:off + n * per].view(n * m.rows, -1))
+            self.slices.append(per)
+            off += align_up(n * per)
+        assert off <= region.numel(), "the priced slots hold every matrix's slices"
+        self.held: OrderedDict[int, int] = OrderedDict()  # expert -> slot, oldest use first
+        self.free = list(range(n - 1, -1, -1))
+        self.hits = self.misses = self.copied = 0
+
+    def place(self, experts: list[int]) -> dict[int, int] | None:
+        """Slots for ``experts`` (distinct), copying in the ones not held; None when the share
+        cannot hold them all at once."""
+        if len(experts) > self.n:
+            return None
+        for e in experts:
+            if e in self.held:
+                self.held.move_to_end(e)
+                self.hits += 1
+        for e in experts:
+            if e in self.held:
+                continue
+            # the oldest held expert is not one of these: they were all just moved to the end
+            slot = self.free.pop() if self.free else self.held.popitem(last=False)[1]
+            for m, view, per in zip(self.mats, self.views, self.slices, strict=True):
+                dst = view.view(-1)[slot * per:(slot + 1) * per]
+                dst.copy_(m.raw[e * per:(e + 1) * per], non_blocking=True)
+                self.copied += per
+            self.held[e] = slot
+            self.misses += 1
+        return {e: self.held[e] for e in experts}
+
+
+def host_experts(hp: Any, model: Any, spans: dict[str, torch.Tensor],
+                 layers: list[int]) -> dict[int, HostExperts]:
+    """The stage's host layers, each with its share of the expert cache (the span
+    "expert_cache" [slots, slot bytes], split evenly in layer order, at most n_expert slots a
+    layer; none for experts with biases, which the CPU runs)."""
+    out = {i: HostExperts(hp, model, spans, i) for i in layers}
+    cache = spans.get("expert_cache")
+    if cache is None or not layers:
+        return out
+    slots, slot_bytes = cache.shape
+    flat = cache.reshape(-1)
+    start = 0
+    for j, i in enumerate(layers):
+        n = slots // len(layers) + (j < slots % len(layers))
+        h = out[i]
+        if h.biases is None and n:
+            h.cache = SlotCache(flat[start * slot_bytes:(start + n) * slot_bytes],
+                                min(n, hp.n_expert), h.mats)
+        start += n
+    return out
+
+
 class HostExperts:
     """One layer's routed experts in host memory and the pinned buffers its CPU compute runs
     on (views into the stage's spans). ``moved``: bytes copied between GPU and host so far."""
@@ -109,20 +176,35 @@ class HostExperts:
                 for n in ("gate", "up", "down"))
         self.x, self.ids = spans["hbuf.x"], spans["hbuf.ids"]
         self.w, self.y = spans["hbuf.w"], spans["hbuf.y"]
-        self.moved = 0
+        self.cache: SlotCache | None = None
+        self.moved = 0  # bytes copied between the GPU and host memory
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-            staging: torch.Tensor, accumulate: bool) -> None:
+            staging: torch.Tensor, accumulate: bool,
+            gpu: Callable[[list[torch.Tensor], int, torch.Tensor], None] | None = None) -> None:
         """out (+)= the routed experts of normed rows ``x`` [n, n_embd] chosen as ``ids`` /
         ``w`` [n, k] (on the stage's device). ``staging`` [n, n_embd] float32 on the device
-        takes the sum on its way up (buf.moe_out's first rows: free in this layer)."""
+        takes the sum on its way up (buf.moe_out's first rows: free in this layer). ``gpu(
+        (gate, up, down), n_slots, slot_ids)``: the stage's expert kernels on the cache's
+        slots, used when they can hold every chosen expert (``ids`` is rewritten as slots)."""
         n = x.shape[0]
         hx, hids, hw, hy = self.x[:n], self.ids[:n], self.w[:n], self.y[:n]
-        hx.copy_(x, non_blocking=True)
         hids.copy_(ids, non_blocking=True)
+        self._wait(x)  # the ids are down
+        self.moved += hids.nbytes
+        if self.cache is not None and gpu is not None:
+            chosen = hids.reshape(-1).tolist()
+            before = self.cache.copied
+            slots = self.cache.place(sorted(set(chosen)))
+            if slots is not None:
+                hids.copy_(torch.tensor([slots[e] for e in chosen], dtype=hids.dtype).view(n, -1))
+                ids.copy_(hids, non_blocking=True)
+                self.moved += hids.nbytes + self.cache.copied - before
+                gpu(self.cache.views, self.cache.n, ids)
+                return
+        hx.copy_(x, non_blocking=True)
         hw.copy_(w, non_blocking=True)
-        if x.device.type == "cuda":
-            torch.cuda.current_stream(x.device).synchronize()  # the rows are down
+        self._wait(x)  # the rows are down
         g, u, d = self.mats
         hp = self.hp
         y = ops.experts(hx.float(), hids.long(), hw, g, u, d, hp.act, hp.swiglu_limit,
@@ -133,4 +215,9 @@ class HostExperts:
             out.add_(staging)
         else:
             out.copy_(staging)
-        self.moved += hx.nbytes + hids.nbytes + hw.nbytes + hy.nbytes
+        self.moved += hx.nbytes + hw.nbytes + hy.nbytes
+
+    @staticmethod
+    def _wait(x: torch.Tensor) -> None:
+        if x.device.type == "cuda":
+            torch.cuda.current_stream(x.device).synchronize()

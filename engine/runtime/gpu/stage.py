@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine.runtime.gpu.host import HostExperts, host_layers
+from engine.runtime.gpu.host import host_experts, host_layers
 from engine.runtime.gpu.matrices import (
     GEMV_ROWS,
     Attention,
@@ -142,9 +142,10 @@ class GpuStage:
         self.layers: list[Layer] = [build.layer(i) for i in range(self.lb, self.le)]
         # the layers whose experts the plan keeps in host memory: the CPU runs those
         self.host_layers = host_layers(dl)
+        hosts = host_experts(hp, model, spans, sorted(self.host_layers))
         for layer in self.layers:
-            if layer.index in self.host_layers:
-                layer.ffn.host = HostExperts(hp, model, spans, layer.index)
+            if layer.index in hosts:
+                layer.ffn.host = hosts[layer.index]
         # the embedding (first stage); the output norm, projection and its int8 x (last stage)
         self.token_embd = packed_matrix(model, spans, "token_embd.weight") if self.first else None
         self.output_norm, self.output, self.xq_out = build.head() if self.last else (None,) * 3
@@ -223,7 +224,8 @@ class GpuStage:
         flag.zero_()
         # the host layers' experts are checked by the CPU (engine/runtime/gpu/host.py)
         names = [n for n, t in self.spans.items()
-                 if not n.startswith(("buf.", "kv.", "dq.", "hbuf.")) and t.device == self.device]
+                 if not n.startswith(("buf.", "kv.", "dq.", "hbuf.", "expert_cache"))
+                 and t.device == self.device]
         for i, name in enumerate(names, 1):
             info = self.model.tensor(name)
             if len(info.shape) >= 2:
@@ -339,24 +341,35 @@ class GpuStage:
                   hp.expert_weights_scale, f.sel_bias, ids, w, use_pdl=pdl)
         if f.shared is not None:
             self._shared_expert(f.shared, a)
-        if f.host is not None:  # experts in host memory: routed here, computed by the CPU
-            f.host.run(x, ids, w, a.proj, b["moe_out"][:n], accumulate=f.shared is not None)
+        if f.host is not None:  # experts in host memory: routed here, run from the expert
+            # cache's slots or by the CPU (engine/runtime/gpu/host.py)
+            f.host.run(x, ids, w, a.proj, b["moe_out"][:n], f.shared is not None,
+                       lambda mats, slots, sid: self._routed(f, mats, slots, sid, w, a))
             return
+        self._routed(f, [f.gate.packed, f.up.packed, f.down.packed], ne, ids, w, a)
+
+    def _routed(self, f: Experts, mats: list[torch.Tensor], ne: int, ids: torch.Tensor,
+                w: torch.Tensor, a: Rows) -> None:
+        """The routed experts onto proj: ``mats`` the gate, up and down bytes of ``ne``
+        experts ([ne * rows, bytes per row] each: the layer's tensors, or cache slots)."""
+        hp, b, n, x, pdl = self.hp, self.buf, a.n, a.normed, self.pdl
+        k = hp.n_expert_used
         act = "swiglu_oai" if hp.swiglu_limit else hp.act
         g, u, d = f.gate, f.up, f.down
+        gp, up, dp = mats
         h = b["moe_h"][:n * k]
         if n <= GEMV_ROWS:
-            moe.expert_glu(g.packed, g.ggml_type, u.packed, u.ggml_type, ne, x, ids, h, act,
+            moe.expert_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, h, act,
                            g.bias, u.bias, hp.swiglu_limit, f.config, use_pdl=pdl)
-            moe.expert_down(d.packed, d.ggml_type, ne, h, ids, w, a.proj, d.bias,
+            moe.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, d.bias,
                             accumulate=f.shared is not None, config=f.down_config, use_pdl=pdl)
             return
         rows, pos, tiles = b["moe_rows"][:n * k], b["moe_pos"][:n * k], b["moe_tiles"]
         moe.sort_routes(ids, ne, rows, pos, tiles)
-        moe.grouped_glu(g.packed, g.ggml_type, u.packed, u.ggml_type, ne, x, ids, rows, tiles, h,
+        moe.grouped_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, rows, tiles, h,
                         act, g.bias, u.bias, hp.swiglu_limit)
         out = b["moe_out"][:n * k]
-        moe.grouped_down(d.packed, d.ggml_type, ne, h, tiles, out, d.bias)
+        moe.grouped_down(dp, d.ggml_type, ne, h, tiles, out, d.bias)
         moe.combine(out, pos, w, a.proj, accumulate=f.shared is not None)
 
     def _add_norm(self, a: Rows, post: torch.Tensor | None, w: torch.Tensor, q8) -> None:
@@ -550,8 +563,15 @@ class GpuStage:
 
     def host_moved(self) -> int:
         """Bytes the stage's host layers have copied between the GPU and host memory."""
-        return sum(la.ffn.host.moved for la in self.layers
-                   if getattr(la.ffn, "host", None) is not None)
+        return sum(h.moved for h in self._hosts())
+
+    def cache_hits(self) -> tuple[int, int]:
+        """(hits, misses) of the stage's expert cache so far."""
+        caches = [h.cache for h in self._hosts() if h.cache is not None]
+        return sum(c.hits for c in caches), sum(c.misses for c in caches)
+
+    def _hosts(self) -> list[Any]:
+        return [la.ffn.host for la in self.layers if getattr(la.ffn, "host", None) is not None]
 
     def release(self) -> None:
         """Drop every view into the arenas this stage holds (and its graph), so that freeing
