@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -424,6 +425,29 @@ def plan_in_terminal(args: argparse.Namespace) -> int:
     return cli_plan.main(["plan", model, "--gpus", args.gpus or "auto"])
 
 
+def close_on_signals(window: QMainWindow) -> QTimer:
+    """SIGTERM and SIGINT (Ctrl-C in the terminal that started the window, a logout, `kill`)
+    close the window as its close button does: the engine is shut down and waited for, so none
+    is left holding memory, and the session is remembered. Python runs a signal handler only
+    between bytecodes and Qt's event loop runs none, so a timer wakes the interpreter 5 times a
+    second; a second signal while the window closes ends the process at once (the engine's
+    watchdog then ends the engine). Returns the timer (it lives as long as the window)."""
+
+    def on_signal(signum: int, _frame: object) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+        print(f"carve: {signal.Signals(signum).name}: closing the window and its engine",
+              file=sys.stderr, flush=True)
+        QTimer.singleShot(0, window.close)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    timer = QTimer(window)
+    timer.timeout.connect(lambda: None)  # a moment of Python for a pending signal's handler
+    timer.start(200)
+    return timer
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.snapshot and "QT_QPA_PLATFORM" not in os.environ:
@@ -446,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return render(window, app, args)
     window.show()
+    close_on_signals(window)
     spawned = os.environ.get("CARVE_STARTUP_TIMING")  # set by `python -m benchmarks.bench_gui`
     if spawned:
         app.processEvents()
