@@ -203,6 +203,18 @@ def _gemv_section(t, args, g, copy_bw, row, best_cfg):
     err = nerr(out, quant_matmul.gemv_ref(w, t, x))
     row(f"gemv {name} up+down M=1", total, nbytes / copy_bw, err,
         f"cfg={cfg} {nbytes / total / 1e9:.0f} GB/s")
+    if t in quant_matmul.ROW_BODY_TYPES:  # the same tile on the generic per-part walk
+        body = quant_matmul.ROW_BODY_TYPES
+        quant_matmul.ROW_BODY_TYPES = body - {t}
+        xy = {s: (torch.randn(1, s[1], device="cuda", generator=g),
+                  torch.empty(1, s[0], device="cuda")) for s in shapes}
+        try:
+            generic = sum(graph_time(lambda i=0, s=s: quant_matmul.gemv(
+                ws[s][i % ROTATE], t, xy[s][0], out=xy[s][1], config=cfg)) for s in shapes)
+        finally:
+            quant_matmul.ROW_BODY_TYPES = body
+        row(f"gemv {name} up+down M=1 generic walk", generic, nbytes / copy_bw, None,
+            f"cfg={cfg}")
     # M=4 time with the best config
     s = shapes[0]
     x4 = torch.randn(4, s[1], device="cuda", generator=g)

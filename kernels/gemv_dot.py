@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.gemv_iq import iq2xxs_dot
 from kernels.quant_blocks import dequant_part
 
 
@@ -128,6 +129,8 @@ def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
     nblk = K // BS
     if SPECIAL and TYPE == 12:
         y = _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B)
+    elif SPECIAL and TYPE == 16:  # IQ2_XXS, a grid row per lane; wi_ptr: its grid
+        y = iq2xxs_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B)
     else:
         y = _generic_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, TYPE, BS, TS,
                          NPART, L, BLOCK_R, BLOCK_B, LANE_SUM, MAGIC)

@@ -52,6 +52,9 @@ MAGIC_TYPES = frozenset({qt.Q6_K})
 # types with a storage-order body in kernels/gemv_dot.py, and the byte alignment of the
 # weight's start (and of its rows) that the body's 16-byte loads assume
 SPECIAL_ALIGN = {qt.Q4_K: 16}
+# types with a body of their own that needs no alignment (kernels/gemv_iq.py: IQ2_XXS, a grid
+# row per lane, reading its table, 8-byte aligned, as int64 words)
+ROW_BODY_TYPES = frozenset({qt.IQ2_XXS})
 
 
 def gemv_config(ggml_type: int, rows: int, cols: int) -> tuple[int, ...]:
@@ -222,6 +225,7 @@ def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None
                and x_dtype != torch.float32)
     # the storage-order body's 16-byte loads; the IQ types' value table in its place
     wi = w.view(torch.int32) if special else _table(w, ggml_type)
+    special = special or ggml_type in ROW_BODY_TYPES
     br, bb, warps, *rest = config or gemv_config(ggml_type, w.shape[0], k)
     bb = min(bb, triton.next_power_of_2(k // p.block))  # short rows: no all-masked blocks
     meta = {"TYPE": ggml_type, "BS": p.block, "TS": p.nbytes, "NPART": p.parts, "L": p.lanes,
