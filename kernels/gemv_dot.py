@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gemv_iq import iq2xxs_dot
+from kernels.gemv_iq import iq_rows_dot
 from kernels.quant_blocks import dequant_part
 
 
@@ -125,12 +125,17 @@ def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
     activation row at ``xrow``. ``w_ptr``/``wh_ptr``/``wi_ptr``: the weight's bytes as uint8,
     16-bit floats and int32 (for the types that read a value table, the IQ family, ``wi_ptr``
     is that table: kernels.lowbit_blocks.lookup_table). SPECIAL picks the Q4_K storage-order
-    body, MAGIC the 2^23 integer-to-float of the generic walk."""
+    body or the grid IQ types' row body (kernels/gemv_iq.py), MAGIC the 2^23 integer-to-float of the generic walk."""
     nblk = K // BS
     if SPECIAL and TYPE == 12:
         y = _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B)
-    elif SPECIAL and TYPE == 16:  # IQ2_XXS, a grid row per lane; wi_ptr: its grid
-        y = iq2xxs_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B)
+    elif SPECIAL and (TYPE == 18 or TYPE == 21):  # IQ3_XXS / IQ3_S: 4-value grid rows
+        y = iq_rows_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, TYPE, TS, 4,
+                        BLOCK_R, BLOCK_B)
+    elif SPECIAL and (TYPE == 16 or TYPE == 17 or TYPE == 19 or TYPE == 22 or TYPE == 29):
+        # IQ2_XXS, IQ2_XS, IQ1_S, IQ2_S, IQ1_M: 8-value grid rows
+        y = iq_rows_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, TYPE, TS, 8,
+                        BLOCK_R, BLOCK_B)
     else:
         y = _generic_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, TYPE, BS, TS,
                          NPART, L, BLOCK_R, BLOCK_B, LANE_SUM, MAGIC)

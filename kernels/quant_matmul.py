@@ -52,9 +52,10 @@ MAGIC_TYPES = frozenset({qt.Q6_K})
 # types with a storage-order body in kernels/gemv_dot.py, and the byte alignment of the
 # weight's start (and of its rows) that the body's 16-byte loads assume
 SPECIAL_ALIGN = {qt.Q4_K: 16}
-# types with a body of their own that needs no alignment (kernels/gemv_iq.py: IQ2_XXS, a grid
-# row per lane, reading its table, 8-byte aligned, as int64 words)
-ROW_BODY_TYPES = frozenset({qt.IQ2_XXS})
+# types with a body of their own that needs no alignment (kernels/gemv_iq.py: the grid IQ types,
+# a grid row per lane, reading their table, 8-byte aligned, a row per word)
+ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
+                            qt.IQ1_M})
 
 
 def gemv_config(ggml_type: int, rows: int, cols: int) -> tuple[int, ...]:

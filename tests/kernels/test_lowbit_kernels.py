@@ -101,18 +101,20 @@ def test_gemv3_of_three_table_types(seed):
     assert nerr(out, ref, scale) < 1e-5
 
 
-@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16], ids=str)
-def test_iq2_xxs_row_body_matches_reference(xdtype, seed):
-    # kernels/gemv_iq.py (a grid row per lane) on float32 and 16-bit x, rows that are not a
+@pytest.mark.parametrize("ggml_type", sorted(quant_matmul.ROW_BODY_TYPES), ids=qt.type_name)
+def test_row_body_matches_reference(ggml_type, seed):
+    # kernels/gemv_iq.py (a grid row per lane) on float32 or 16-bit x, rows that are not a
     # multiple of the tile, several steps of blocks and a partial last one
     g = generator(seed)
     rows = int(torch.randint(1, 11, (1,), generator=g, device=DEVICE))
     cols = 256 * int(torch.randint(3, 6, (1,), generator=g, device=DEVICE))
-    w = random_weight(qt.IQ2_XXS, rows, cols, DEVICE, g)
-    assert quant_matmul._launch_args(w, qt.IQ2_XXS, x_dtype=xdtype)[1]["SPECIAL"]
+    xdtype = (torch.float32, torch.bfloat16)[int(torch.randint(0, 2, (1,), generator=g,
+                                                              device=DEVICE))]
+    w = random_weight(ggml_type, rows, cols, DEVICE, g)
+    assert quant_matmul._launch_args(w, ggml_type, x_dtype=xdtype)[1]["SPECIAL"]
     x = torch.randn(2, cols, generator=g, device=DEVICE).to(xdtype)
-    ref = quant_matmul.gemv_ref(w, qt.IQ2_XXS, x.float())
+    ref = quant_matmul.gemv_ref(w, ggml_type, x.float())
     for config in (None, (2, 2, 4)):
         out = poison((2, rows))
-        quant_matmul.gemv(w, qt.IQ2_XXS, x, out=out, config=config)
-        assert nerr(out, ref, gemv_scale(w, qt.IQ2_XXS, x)) < 1e-5
+        quant_matmul.gemv(w, ggml_type, x, out=out, config=config)
+        assert nerr(out, ref, gemv_scale(w, ggml_type, x)) < 1e-5
