@@ -17,6 +17,7 @@ from engine.planning.plan import Plan
 from engine.planning.price import price
 from engine.runtime.gpu.session import GpuSession
 from engine.runtime.options import RunnerOptions
+from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
 from engine.synth.gen import write_model
 from spec.errors import CarveError
@@ -63,7 +64,7 @@ def run(sess, prompt: list[int], steps: list[int]) -> list[torch.Tensor]:
 BOUND = 2e-2 if ON_GPU else 5e-3
 
 
-def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files) -> None:
+def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> None:
     """qwen3moe, both MoE layers' experts on the host: a prefill of 12 rows (the grouped path
     when resident, the CPU's when not) and two decode steps, against the same file with every
     expert in VRAM; the greedy id at every position is the same."""
@@ -116,6 +117,13 @@ def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files) -> None:
         # the two decode steps alone place 2 experts in each of 2 layers
         assert misses >= 2 and hits >= 1 and hits + misses >= 2 * 2 * 2
         assert all(len(h.held) <= 3 for h in caches)
+        # a reply logs what it moved per token and the cache's hit rate
+        with caplog.at_level("INFO", logger="carve.engine"):
+            c.generate(ids(3), SamplingParams(temperature=0.0, max_tokens=2), set(),
+                       lambda t: True)
+        line = [r.getMessage() for r in caplog.records if "experts in host memory" in r.message]
+        assert len(line) == 1 and "kB moved per token, expert-cache hit rate " in line[0]
+        assert line[0].endswith("%")
     finally:
         c.close()
 
@@ -161,3 +169,4 @@ def test_a_host_that_shrank_since_the_plan_is_refused_before_allocating(files, m
 def test_the_torch_engine_refuses_host_experts(files) -> None:
     with pytest.raises(CarveError, match="experts in host memory run on the Triton GPU runner"):
         Session.load(plan(files["qwen3moe"], resident=(0,)), options=RunnerOptions(runner="torch"))
+

@@ -216,10 +216,30 @@ class GpuSession(ChunkedSession):
         """As ChunkedSession.generate; settings the GPU sampler serves (greedy, or top-k from 1
         to spec.launch.SAMPLE_TOP_K with a penalty window up to SAMPLE_LAST_N) draw on the
         device with no host round trip per token, others on the host."""
+        before = self._host_stats()
         if decode.served(self, params):
-            return decode.generate_on_device(self, self._ids, list(prompt_ids), params,
-                                             set(stop_ids), on_token)
-        return super().generate(prompt_ids, params, stop_ids, on_token)
+            stats = decode.generate_on_device(self, self._ids, list(prompt_ids), params,
+                                              set(stop_ids), on_token)
+        else:
+            stats = super().generate(prompt_ids, params, stop_ids, on_token)
+        self._log_host(before, stats)
+        return stats
+
+    def _host_stats(self) -> tuple[int, int, int]:
+        """(bytes moved between the GPUs and host memory, cache hits, misses) so far."""
+        st = self.pipe.stages
+        return (sum(s.host_moved() for s in st), sum(s.cache_hits()[0] for s in st),
+                sum(s.cache_hits()[1] for s in st))
+
+    def _log_host(self, before: tuple[int, int, int], stats: GenerationStats) -> None:
+        # experts in host memory: what the reply moved over PCIe and the cache's hit rate
+        if not any(s.host_layers for s in self.pipe.stages):
+            return
+        moved, hits, misses = (a - b for a, b in zip(self._host_stats(), before, strict=True))
+        tokens = max(1, stats.prompt_tokens + stats.completion_tokens)
+        rate = f"{hits / (hits + misses):.1%}" if hits + misses else "n/a"
+        log.info("experts in host memory: %.1f kB moved per token, expert-cache hit rate %s",
+                 moved / tokens / 1e3, rate)
 
     def forward(self, ids: list[int], pos0: int, rows: str = "last",
                 check: bool = False) -> torch.Tensor | None:
