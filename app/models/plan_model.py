@@ -25,7 +25,6 @@ from engine.planning.rules import (
     Verdict,
     act_dtype_for,
     parse_arena,
-    worst_verdict,
 )
 from spec.errors import CarveError
 
@@ -60,6 +59,10 @@ class PlanModel:
         self.prefill_chunk = PREFILL_CHUNK
         self.cache_reserve = CACHE_RESERVE
         self.arena = str(ArenaKind.PACKED)
+        # mixture-of-experts placement: per active GPU, the MoE layers whose experts stay in
+        # VRAM (None: Auto, engine.planning.defaults.place_experts), and expert-cache slots
+        self.experts_resident: tuple[int, ...] | None = None
+        self.expert_slots = 0
         # which devices a new model or rig runs on (engine.planning.split's `prefer`): "auto"
         # keeps a model that fits on one GPU on one; "spread" (one click away) uses them all
         self.prefer = "auto"
@@ -251,6 +254,18 @@ class PlanModel:
             self.arena = arena
             self._settings_changed()
 
+    def set_experts_resident(self, counts: tuple[int, ...] | list[int] | None) -> None:
+        """Per active GPU, the MoE layers whose experts stay in VRAM; None: Auto."""
+        counts = None if counts is None else tuple(int(c) for c in counts)
+        if counts != self.experts_resident:
+            self.experts_resident = counts
+            self._settings_changed()
+
+    def set_expert_slots(self, n: int) -> None:
+        if n != self.expert_slots:
+            self.expert_slots = max(0, int(n))
+            self._settings_changed()
+
     def _settings_changed(self) -> None:
         self.events.settings.emit()
         self.reprice()
@@ -275,7 +290,11 @@ class PlanModel:
             "prefill_chunk": self.prefill_chunk,
             "cache_reserve": self.cache_reserve,
             "arena": self.arena,
+            "expert_slots": (self.expert_slots,) if self.expert_slots else (),
         }
+        resident = self.experts_resident
+        if resident is not None and len(resident) == len(devices):  # else: Auto
+            fields["experts_resident"] = resident
         fields.update(changes)
         return default_plan(self.gguf, devices, **fields)
 
@@ -333,8 +352,7 @@ class PlanModel:
             layout = self.price_plan(plan)
         except CarveError:
             return False
-        worst = worst_verdict(d.verdict for d in layout.devices)
-        return worst is None or worst.runs
+        return layout.verdict.runs  # every device and the host line
 
     def _largest_fitting_ctx(self) -> int | None:
         if not self._fits(ctx=MIN_CTX):
@@ -370,6 +388,9 @@ class PlanModel:
             "arena": self.arena,
             "split": list(self.split),
             "excluded": sorted(self.excluded),
+            "experts_resident": None if self.experts_resident is None
+            else list(self.experts_resident),
+            "expert_slots": self.expert_slots,
         }
 
     def apply_settings(self, data: dict[str, Any]) -> None:
@@ -388,6 +409,9 @@ class PlanModel:
                 self.set_arena(str(data.get("arena", self.arena)))
             except CarveError:
                 pass
+            resident = data.get("experts_resident")
+            self.set_experts_resident(None if resident is None else tuple(resident))
+            self.set_expert_slots(int(data.get("expert_slots", 0)))
             excluded = frozenset(int(i) for i in data.get("excluded", ()))
             in_range = all(0 <= i < len(self.devices) for i in excluded)
             if excluded != self.excluded and in_range and len(excluded) < len(self.devices):

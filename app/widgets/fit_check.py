@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.cli_plan import host_lines
 from app.models.device_board import short_gpu_name
 from app.models.model_summary import human_bytes
 from app.models.plan_model import PlanModel
@@ -29,6 +30,7 @@ COLUMNS = (
     ("Experts", "experts"),  # shown for mixture-of-experts models only
     ("KV", "kv"),
     ("Buffers", "buffers"),
+    ("Cache", "expert_cache"),  # the VRAM expert cache, when it has slots
     ("Dequant", "dequant_cache"),
     ("Overhead", "overhead"),
     ("Rounding", "rounding"),
@@ -38,6 +40,7 @@ COLUMNS = (
     ("Verdict", None),
 )
 _EXPERTS = next(i for i, (_, key) in enumerate(COLUMNS) if key == "experts")
+_CACHE = next(i for i, (_, key) in enumerate(COLUMNS) if key == "expert_cache")
 _TERM_END = next(i for i, (label, _) in enumerate(COLUMNS) if label == "Total")  # term columns end
 
 
@@ -132,6 +135,7 @@ class FitCheck(QWidget):
             verdict_item.setForeground(QColor(self.theme.verdict.get(d.verdict, self.theme.text)))
             verdict_item.setToolTip(d.advice or "")
         self.table.setColumnHidden(_EXPERTS, not any(d.terms.get("experts") for d in rows))
+        self.table.setColumnHidden(_CACHE, not any(d.terms.get("expert_cache") for d in rows))
         header_h = self.table.horizontalHeader().sizeHint().height()
         self.table.setFixedHeight(header_h + 26 * len(rows) + 6)
 
@@ -141,6 +145,10 @@ class FitCheck(QWidget):
             self.summary.setText(f"<span style='color:{colour}'>●</span> {m.error}")
         elif layout is None:
             self.summary.setText("Open a model to see whether it fits.")
+        elif verdict == Verdict.DOES_NOT_FIT and layout.bottleneck():
+            self.summary.setText(
+                f"<span style='color:{colour}; font-size:15px'>●</span> "
+                f"<b>{verdict.capitalize()}</b> — {layout.bottleneck().split(': ', 1)[1]}")
         elif verdict == Verdict.DOES_NOT_RUN:
             self.summary.setText(
                 f"<span style='color:{colour}; font-size:15px'>●</span> "
@@ -156,6 +164,8 @@ class FitCheck(QWidget):
         self.skipped.setVisible(bool(skipped))
         notes = [f"<b>{'CPU' if d.device.index < 0 else f'GPU {d.device.index}'}:</b> {d.advice}"
                  for d in rows if d.advice and d.verdict != Verdict.FITS]
+        if layout is not None and layout.host is not None:  # experts in host memory
+            notes += host_lines(layout, m.gguf)
         self.advice.setText("<br>".join(notes))
         self.advice.setVisible(bool(notes))
         self._fix_timer.start()

@@ -1,4 +1,5 @@
-"""Launch settings: context, KV type, dequant-cache reserve, arena mode, prefill chunk.
+"""Launch settings: context, KV type, dequant-cache reserve, arena mode, prefill chunk, and for
+mixture-of-experts models the experts kept in VRAM per GPU and the expert-cache slots.
 
 Every control writes to ``PlanModel`` at once (which re-prices); the model's ``settings`` event
 writes the values back, so presets and one-click fixes show up here too.
@@ -12,6 +13,7 @@ from PySide6.QtWidgets import (
     QFormLayout,
     QHBoxLayout,
     QLabel,
+    QLineEdit,
     QSlider,
     QSpinBox,
     QWidget,
@@ -19,7 +21,9 @@ from PySide6.QtWidgets import (
 
 from app.models.model_summary import human_bytes
 from app.models.plan_model import PlanModel
+from engine.planning.plan import parse_counts
 from engine.planning.rules import MIB, MIN_CTX, ArenaKind, ArenaMode, KvType, parse_arena
+from spec.errors import CarveError
 
 
 class LaunchSettings(QWidget):
@@ -72,6 +76,17 @@ class LaunchSettings(QWidget):
         self.prefill_spin.setSuffix(" tokens")
         self.prefill_spin.setKeyboardTracking(False)
 
+        self.resident_edit = QLineEdit()
+        self.resident_edit.setPlaceholderText("auto")
+        self.resident_edit.setToolTip(
+            "Per GPU, how many of its MoE layers keep their experts in VRAM (its first ones), "
+            "e.g. 24,48; the rest stay in pinned host memory. auto: all when they fit, else "
+            "the most that fit")
+        self.slots_spin = QSpinBox()
+        self.slots_spin.setRange(0, 1 << 16)
+        self.slots_spin.setToolTip("VRAM expert-cache slots per GPU, one expert each, filled "
+                                   "from host memory")
+
         form = QFormLayout(self)
         form.setContentsMargins(0, 0, 0, 0)
         form.setLabelAlignment(Qt.AlignmentFlag.AlignLeft)
@@ -81,6 +96,10 @@ class LaunchSettings(QWidget):
         form.addRow("Arena", arena_row)
         form.addRow("", self.waste)
         form.addRow("Prefill chunk", self.prefill_spin)
+        self._moe_rows = [("Experts in VRAM", self.resident_edit), ("Expert slots", self.slots_spin)]
+        for label, w in self._moe_rows:
+            form.addRow(label, w)
+        self._form = form
 
         # Pricing the three arena modes takes three prices; do it once the user pauses.
         self._waste_timer = QTimer(self)
@@ -96,6 +115,8 @@ class LaunchSettings(QWidget):
         self.arena_combo.currentTextChanged.connect(lambda *_: self._write_arena())
         self.chunk_spin.valueChanged.connect(lambda *_: self._write_arena())
         self.prefill_spin.valueChanged.connect(lambda v: self._write(self.model.set_prefill_chunk, v))
+        self.resident_edit.editingFinished.connect(self._write_resident)
+        self.slots_spin.valueChanged.connect(lambda v: self._write(self.model.set_expert_slots, v))
 
         model.events.settings.connect(self._on_settings)
         model.events.model.connect(lambda *_: self._on_settings())
@@ -105,6 +126,15 @@ class LaunchSettings(QWidget):
     def _write(self, setter, value) -> None:
         if not self._syncing:
             setter(value)
+
+    def _write_resident(self) -> None:
+        text = self.resident_edit.text().strip().lower()
+        try:
+            counts = None if text in ("", "auto") else parse_counts("Experts in VRAM", text)
+        except CarveError as err:
+            self.resident_edit.setToolTip(str(err))
+            return
+        self._write(self.model.set_experts_resident, counts)
 
     def _chunked(self) -> str:
         return ArenaMode(ArenaKind.CHUNKED, self.chunk_spin.value() * MIB).text
@@ -130,6 +160,12 @@ class LaunchSettings(QWidget):
                 self.chunk_spin.setValue(mode.chunk // MIB)
             self.chunk_spin.setEnabled(mode.kind == ArenaKind.CHUNKED)
             self.prefill_spin.setValue(m.prefill_chunk)
+            r = m.experts_resident
+            self.resident_edit.setText("" if r is None else ",".join(map(str, r)))
+            self.slots_spin.setValue(m.expert_slots)
+            moe = bool(getattr(m.hparams, "n_expert", 0))
+            for _, w in self._moe_rows:  # mixture-of-experts models only
+                self._form.setRowVisible(w, moe)
         finally:
             self._syncing = False
 

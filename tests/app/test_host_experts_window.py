@@ -1,0 +1,82 @@
+"""Experts in host memory in the window: the plan model's per-GPU placement (Auto or counts)
+and expert-cache slots, the launch settings' controls, and the fit check's host line, cache
+column and bottleneck."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.models.plan_model import PlanModel
+from app.theme import LIGHT
+from app.widgets.fit_check import COLUMNS, FitCheck
+from app.widgets.launch_settings import LaunchSettings
+from engine.gguf.hparams import HParams
+from engine.hardware import devices
+from engine.hardware.devices import DeviceSpec
+from engine.planning.rules import Verdict
+from engine.synth.header import HeaderModel
+from engine.synth.shapes import SHAPES
+
+GIB, MIB = 1 << 30, 1 << 20
+
+
+@pytest.fixture
+def plan(monkeypatch) -> PlanModel:
+    """qwen3moe-30b-a3b (its tensor table, no file) on a 12 GiB card, a host with 48 GiB free."""
+    monkeypatch.setattr(devices, "cpu_spec", lambda reserve=0: DeviceSpec(
+        -1, "cpu", 64 * GIB, 48 * GIB, reserve=reserve))
+    m = PlanModel()
+    gguf = HeaderModel(SHAPES["qwen3moe-30b-a3b"])
+    m.set_model(gguf, HParams.from_model(gguf))
+    m.set_devices([DeviceSpec(0, "card", 12 * GIB, 12 * GIB - 615 * MIB, simulated=True)])
+    return m
+
+
+def test_auto_places_experts_and_counts_override_it(plan) -> None:
+    lay = plan.layout
+    assert lay.fits and lay.host is not None and lay.plan.experts_resident == (24,)
+    plan.set_experts_resident((48,))  # every layer's experts in VRAM: VRAM is the bottleneck
+    assert plan.verdict() == Verdict.DOES_NOT_FIT
+    assert plan.layout.bottleneck().startswith("does not fit: the bottleneck is VRAM of GPU 0")
+    plan.set_experts_resident((10,))
+    assert plan.layout.fits and plan.layout.plan.experts_resident == (10,)
+    plan.set_expert_slots(16)
+    d = plan.layout.devices[0]
+    assert d.terms["expert_cache"] == 16 * d.span("expert_cache")[1].shape[1]
+    saved = plan.settings()
+    assert saved["experts_resident"] == [10] and saved["expert_slots"] == 16
+    plan.set_experts_resident(None)
+    plan.set_expert_slots(0)
+    assert plan.layout.plan.experts_resident == (24,) and plan.layout.plan.expert_slots == ()
+    plan.apply_settings(saved)
+    assert (plan.experts_resident, plan.expert_slots) == ((10,), 16)
+
+
+def test_settings_and_fit_check_show_the_placement(qtbot, plan) -> None:
+    settings, fit = LaunchSettings(plan), FitCheck(plan, LIGHT)
+    qtbot.addWidget(settings)
+    qtbot.addWidget(fit)
+    settings.show()
+    fit.show()
+    assert settings.resident_edit.isVisible() and settings.resident_edit.text() == ""
+    assert "GPU 0: experts of 24 of its 48 MoE layers in VRAM (its first), 24 in host memory" in (
+        fit.advice.text())
+    assert "host RAM: " in fit.advice.text() and "of 48.00 GiB available now" in fit.advice.text()
+    cache = next(i for i, (_, key) in enumerate(COLUMNS) if key == "expert_cache")
+    assert fit.table.isColumnHidden(cache)
+    settings.resident_edit.setText("48")
+    settings.resident_edit.editingFinished.emit()
+    assert plan.experts_resident == (48,)
+    assert "— the bottleneck is VRAM of GPU 0 (over by 7.12 GiB)" in fit.summary.text()
+    settings.resident_edit.setText("x,1")
+    settings.resident_edit.editingFinished.emit()
+    assert plan.experts_resident == (48,)  # unreadable: nothing changes, the tooltip says why
+    assert "Experts in VRAM: cannot read 'x,1'" in settings.resident_edit.toolTip()
+    settings.resident_edit.setText("auto")
+    settings.resident_edit.editingFinished.emit()
+    settings.slots_spin.setValue(8)
+    assert plan.experts_resident is None and plan.expert_slots == 8
+    assert not fit.table.isColumnHidden(cache)
+    dense = HeaderModel(SHAPES["qwen2-7b"])
+    plan.set_model(dense, HParams.from_model(dense))
+    assert not settings.resident_edit.isVisible()  # dense models have no experts to place
