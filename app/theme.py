@@ -32,6 +32,7 @@ _TERMS_LIGHT = {
     "experts": "#7fa6ee",
     "kv": "#8a55d6",
     "buffers": "#1b9aaa",
+    "expert_cache": "#b9cdf4",
     "dequant_cache": "#e0a030",
     "overhead": "#7a8699",
 }
@@ -67,6 +68,7 @@ DARK = Theme(
         "experts": "#9bbcf5",
         "kv": "#a57ae8",
         "buffers": "#37b3c2",
+        "expert_cache": "#c4d6f8",
         "dequant_cache": "#e8b04a",
         "overhead": "#8d98ab",
     },

@@ -15,6 +15,7 @@ OUR_TERMS = (
     ("experts", "experts"),
     ("kv", "KV cache"),
     ("buffers", "buffers"),
+    ("expert_cache", "expert cache"),
     ("dequant_cache", "dequant cache"),
     ("overhead", "overhead"),
 )
@@ -135,6 +136,7 @@ class DeviceBoard:
                     "experts": terms.get("experts", 0),
                     "kv": terms.get("kv", 0),
                     "buffers": terms.get("buffers", 0),
+                    "expert_cache": terms.get("expert_cache", 0),
                     "dequant_cache": terms.get("dequant_cache", 0),
                     "overhead": terms.get("overhead", 0),
                 }
