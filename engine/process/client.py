@@ -21,6 +21,7 @@ import collections
 import os
 import queue
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -196,7 +197,15 @@ class EngineProcess:
         self._stderr_thread.join(timeout=1)  # its last words explain the exit
         tail = self._stderr_tail[-1] if self._stderr_tail else ""
         detail = f"; last log line: {tail}" if tail else ""
-        return EngineExited(f"the engine process exited (status {code}){detail}")
+        how = ""
+        if isinstance(code, int) and code < 0:  # a signal ended it: say which, and who sends it
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            how = (f": killed by {name}" + (", by another program or by the system running out of "
+                                            "memory" if name == "SIGKILL" else ""))
+        return EngineExited(f"the engine process exited (status {code}){how}{detail}")
 
     def _read_stdout(self) -> None:
         decoder = p.LineDecoder(p.EVENTS)
