@@ -3,7 +3,8 @@
     carve plan MODEL.gguf --gpus auto|RIG --ctx N --split 0,14,29,38,48|auto --prefer auto|spread|fewest
                --kv f16|q8_0 --cache-reserve MiB --arena packed|per-tensor|chunked:N
                --prefill-chunk N [--reserve MiB] [--json]
-               --experts-resident auto|N,N --expert-slots N[,N] --host-ram SIZE
+               --experts-resident auto|N,N --expert-slots N[,N] --host-compute gpu|cpu
+               --host-ram SIZE
 
 With --gpus auto and no NVIDIA GPU, it plans for this machine's CPU (system RAM), which is
 where the engine would run, and says so; --gpus RIG plans for GPUs you do not have.
@@ -91,7 +92,7 @@ def add_expert_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         metavar="auto|N,N",
         help="per GPU, how many of its MoE layers keep their experts in VRAM (its first ones; "
-        "the rest in pinned host memory, computed by the CPU); auto: all when that fits, else "
+        "the rest in pinned host memory; --host-compute: where they run); auto: all when that fits, else "
         "the most that fit",
     )
     p.add_argument(
@@ -99,6 +100,13 @@ def add_expert_args(p: argparse.ArgumentParser) -> None:
         default="",
         metavar="N[,N]",
         help="per GPU (one number: every GPU), VRAM slots of the expert cache, one expert each",
+    )
+    p.add_argument(
+        "--host-compute",
+        default="gpu",
+        choices=("gpu", "cpu"),
+        help="where experts in host memory run: gpu (copied over PCIe through a staging span "
+        "of one layer's experts) or cpu (computed in host memory)",
     )
 
 
@@ -109,7 +117,8 @@ def expert_settings(args: argparse.Namespace) -> dict[str, Any]:
     text = args.experts_resident.strip().lower()
     resident = None if text == "auto" else parse_counts("--experts-resident", text)
     slots = parse_counts("--expert-slots", args.expert_slots) if args.expert_slots.strip() else ()
-    return {"experts_resident": resident, "expert_slots": slots}
+    return {"experts_resident": resident, "expert_slots": slots,
+            "host_compute": args.host_compute}
 
 
 def _host(text: str | None) -> Any:
@@ -280,7 +289,9 @@ def host_lines(layout: Layout, model: Any) -> list[str]:
         out.append(
             f"{d.device.label}: experts of {kept} of its {moe} MoE layers in VRAM (its first), "
             f"{moe - kept} in host memory ({human(d.terms.get('host_experts', 0))}, and "
-            f"{human(d.terms.get('host_buffers', 0))} of transfer buffers), computed by the CPU"
+            f"{human(d.terms.get('host_buffers', 0))} of transfer buffers), "
+            + ("computed by the CPU" if plan.host_compute == "cpu"
+               else "copied to the GPU over PCIe when routed")
         )
     dev = host.device
     avail = "stated" if dev.simulated else "available now"

@@ -42,6 +42,7 @@ def default_plan(
     experts_resident: Sequence[int] | None = None,
     expert_slots: Sequence[int] = (),
     host: DeviceSpec | None = None,
+    host_compute: str = "gpu",
 ) -> Plan:
     """A Plan for `model` (an open GGUF) on `devices`. `split` None: one device runs every
     layer; of several, `engine.planning.split.auto_split` picks the devices and boundaries
@@ -63,6 +64,7 @@ def default_plan(
         "act_dtype": act_dtype_for(devices),
         "logits_rows": min(logits_rows, prefill_chunk),
         "host": host,
+        "host_compute": host_compute,
     }
     if split is None and len(devices) == 1:  # nothing to search: the one device runs it all
         split = (0, model_index(model).n_layer)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 ACT_DTYPES = ("f32", "bf16", "f16")
 MAX_DEVICES = 8
 ALL_RESIDENT = 1 << 30  # "every MoE layer of the stage keeps its experts in VRAM"
+HOST_COMPUTE = ("gpu", "cpu")
 
 
 def _per_device(flag: str, counts: Any, n: int) -> tuple[int, ...]:
@@ -74,6 +75,10 @@ class Plan:
     # the host memory pinned experts are priced against (cpu_spec(): MemAvailable when the plan
     # was made; a simulated rig's stated RAM); None: read live when the plan is priced
     host: DeviceSpec | None = None
+    # where a host layer's experts run: "gpu" (copied over PCIe into VRAM: the chosen experts
+    # in decode, the whole layer in prefill, through a priced staging span) or "cpu" (the CPU
+    # computes them in place; nothing more in VRAM)
+    host_compute: str = "gpu"
     # the model's files as they were when the plan was made (engine.gguf.reader.FileStamp, one
     # per shard): the engine refuses a plan whose file changed since (`check_identity`); ()
     # (plans written before, plans built by hand): not checked
@@ -116,6 +121,8 @@ class Plan:
                 f"logits_rows: must be 1..prefill_chunk ({self.prefill_chunk}), got {self.logits_rows}"
             )
         parse_arena(self.arena)  # raises CarveError naming --arena
+        if self.host_compute not in HOST_COMPUTE:
+            raise CarveError(f"--host-compute: unknown {self.host_compute!r}; use gpu or cpu")
         for flag, name in (("--experts-resident", "experts_resident"),
                            ("--expert-slots", "expert_slots")):
             counts = _per_device(flag, getattr(self, name), n)

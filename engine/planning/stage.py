@@ -67,6 +67,7 @@ class StageKey:
     logits_rows: int
     resident: int = ALL_RESIDENT  # MoE layers whose experts stay in VRAM (the stage's first)
     slots: int = 0  # VRAM expert-cache slots
+    host_compute: str = "gpu"  # where host layers' experts run (Plan.host_compute)
 
 
 def stage_key(plan: Plan, i: int, **over: Any) -> StageKey:
@@ -85,6 +86,7 @@ def stage_key(plan: Plan, i: int, **over: Any) -> StageKey:
         "logits_rows": plan.logits_rows,
         "resident": plan.resident(i),
         "slots": plan.slots(i),
+        "host_compute": plan.host_compute,
     }
     kw.update(over)
     return StageKey(**kw)
@@ -164,6 +166,28 @@ def slot_bytes(idx: ModelIndex, k: StageKey) -> int:
     return max(idx.expert_slot[k.lo : k.hi], default=0)
 
 
+def stream_bytes(idx: ModelIndex, k: StageKey) -> int:
+    """The staging span through which a stage whose host layers' experts run on the GPU copies
+    them in: the largest host layer's expert tensors, each 256-byte aligned; 0 when none."""
+    if k.host_compute != "gpu":
+        return 0
+    cut = host_cut(idx, k)
+    return max((idx.expert_prefix[i + 1] - idx.expert_prefix[i] for i in range(cut, k.hi)),
+               default=0)
+
+
+def _cache_requests(idx: ModelIndex, k: StageKey) -> list[Request]:
+    """The expert-cache arena's spans: the host layers' staging span, then the slots."""
+    out: list[Request] = []
+    stream = stream_bytes(idx, k)
+    if stream:
+        out.append(("expert_stream", stream, "uint8", (stream,)))
+    if k.slots:  # the slots side by side, slot_bytes each
+        nb = k.slots * slot_bytes(idx, k)
+        out.append(("expert_cache", nb, "uint8", (k.slots, nb // k.slots)))
+    return out
+
+
 def _host_buffer_specs(idx: ModelIndex, k: StageKey) -> list[Any]:
     return _memo(
         (idx.token, "hostbuf", k.chunk, k.act_dtype),
@@ -213,7 +237,7 @@ def allocations(
     experts = idx.expert_raw_prefix[k.hi] - idx.expert_raw_prefix[k.lo]
     cut = host_cut(idx, k)
     on_host = idx.expert_raw_prefix[k.hi] - idx.expert_raw_prefix[cut]
-    cache = k.slots * slot_bytes(idx, k)
+    cache = sum(r[1] for r in _cache_requests(idx, k))  # multiples of 256 bytes each
     terms = {
         # the weights arena holds both; the bill shows the routed experts beside the dense rest
         "weights": idx.layer_raw_prefix[k.hi] - idx.layer_raw_prefix[k.lo] - experts,
@@ -242,7 +266,7 @@ def allocations(
     allocs += allocation_sizes(mode, glob)
     allocs += allocation_sizes(mode, [n for i in range(k.lo, k.hi) for n in kv_sizes[i]])
     allocs += allocation_sizes(mode, bufs)
-    allocs += allocation_sizes(mode, [cache] if cache else [])
+    allocs += allocation_sizes(mode, [r[1] for r in _cache_requests(idx, k)])
     return allocs + allocation_sizes(mode, dq), terms
 
 
@@ -266,10 +290,7 @@ def arenas(
         "buffers",
         [(f"buf.{b.name}", b.nbytes, b.dtype, b.shape) for b in _buffer_specs(idx, k, scratch)],
     )
-    if k.slots:  # one span: the slots side by side, slot_bytes each
-        nb = k.slots * slot_bytes(idx, k)
-        out += arrange(mode, "expert_cache", "expert_cache",
-                       [("expert_cache", nb, "uint8", (k.slots, nb // k.slots))])
+    out += arrange(mode, "expert_cache", "expert_cache", _cache_requests(idx, k))
     out += arrange(
         mode, "dequant_cache", "dequant_cache", [dq_request(t, dq_dtype) for t in chosen]
     )

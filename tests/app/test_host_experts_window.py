@@ -34,7 +34,7 @@ def plan(monkeypatch) -> PlanModel:
 
 def test_auto_places_experts_and_counts_override_it(plan) -> None:
     lay = plan.layout
-    assert lay.fits and lay.host is not None and lay.plan.experts_resident == (24,)
+    assert lay.fits and lay.host is not None and lay.plan.experts_resident == (23,)
     plan.set_experts_resident((48,))  # every layer's experts in VRAM: VRAM is the bottleneck
     assert plan.verdict() == Verdict.DOES_NOT_FIT
     assert plan.layout.bottleneck().startswith("does not fit: the bottleneck is VRAM of GPU 0")
@@ -42,12 +42,13 @@ def test_auto_places_experts_and_counts_override_it(plan) -> None:
     assert plan.layout.fits and plan.layout.plan.experts_resident == (10,)
     plan.set_expert_slots(16)
     d = plan.layout.devices[0]
-    assert d.terms["expert_cache"] == 16 * d.span("expert_cache")[1].shape[1]
+    assert d.terms["expert_cache"] == 16 * d.span("expert_cache")[1].shape[1] + d.span(
+        "expert_stream")[1].nbytes
     saved = plan.settings()
     assert saved["experts_resident"] == [10] and saved["expert_slots"] == 16
     plan.set_experts_resident(None)
     plan.set_expert_slots(0)
-    assert plan.layout.plan.experts_resident == (24,) and plan.layout.plan.expert_slots == ()
+    assert plan.layout.plan.experts_resident == (23,) and plan.layout.plan.expert_slots == ()
     plan.apply_settings(saved)
     assert (plan.experts_resident, plan.expert_slots) == ((10,), 16)
 
@@ -59,14 +60,16 @@ def test_settings_and_fit_check_show_the_placement(qtbot, plan) -> None:
     settings.show()
     fit.show()
     assert settings.resident_edit.isVisible() and settings.resident_edit.text() == ""
-    assert "GPU 0: experts of 24 of its 48 MoE layers in VRAM (its first), 24 in host memory" in (
+    assert "GPU 0: experts of 23 of its 48 MoE layers in VRAM (its first), 25 in host memory" in (
         fit.advice.text())
     assert "host RAM: " in fit.advice.text() and "of 48.00 GiB available now" in fit.advice.text()
     cache = next(i for i, (_, key) in enumerate(COLUMNS) if key == "expert_cache")
-    assert fit.table.isColumnHidden(cache)
+    # the cache term: the staging span host layers' experts are copied into
+    assert not fit.table.isColumnHidden(cache)
     settings.resident_edit.setText("48")
     settings.resident_edit.editingFinished.emit()
     assert plan.experts_resident == (48,)
+    assert fit.table.isColumnHidden(cache)  # no host layers, no slots
     assert "— the bottleneck is VRAM of GPU 0 (over by 7.12 GiB)" in fit.summary.text()
     settings.resident_edit.setText("x,1")
     settings.resident_edit.editingFinished.emit()

@@ -65,9 +65,12 @@ BOUND = 2e-2 if ON_GPU else 5e-3
 
 
 def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> None:
-    """qwen3moe, both MoE layers' experts on the host: a prefill of 12 rows (the grouped path
-    when resident, the CPU's when not) and two decode steps, against the same file with every
-    expert in VRAM; the greedy id at every position is the same."""
+    """qwen3moe, both MoE layers' experts on the host, run on the GPU, with 3 expert-cache
+    slots: layer 0's 2 of them hold a decode step's 2 experts (copied in on a miss, the least
+    recently used out); layer 1's 1 cannot, so its chosen experts are copied into the staging
+    span; a prefill of 12 rows copies each layer's experts in whole. Against the same file with
+    every expert in VRAM, over the prefill and two decode steps: the same logits and greedy id
+    at every position."""
     path = files["qwen3moe"]
     prompt, steps = ids(12), ids(2, 1)
     everything = GpuSession.load(plan(path), devices=[DEV], remember=False)
@@ -76,7 +79,7 @@ def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> No
         ref = run(everything, prompt, steps)
     finally:
         everything.close()
-    pl = plan(path, resident=(0,))
+    pl = plan(path, resident=(0,), expert_slots=(3,))
     layout = price(pl, model_file := GGUFModel.open(path))
     assert layout.host is not None and layout.devices[0].terms["experts"] == 0
     g = GpuSession.load(pl, devices=[DEV], remember=False, model=model_file)
@@ -85,61 +88,50 @@ def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> No
         # the host arenas are exactly the priced bytes (pinned on a GPU, pageable here)
         assert rep["host_priced"] == rep["host_allocated"] == layout.devices[0].host > 0
         assert rep["host_pinned"] == (rep["host_allocated"] if ON_GPU else 0)
-        assert g.pipe.stages[0].graph is None  # decode with host layers runs eagerly
-        moved = g.pipe.stages[0].host_moved()
+        st = g.pipe.stages[0]
+        assert st.graph is None  # decode with host layers runs eagerly
+        hosts = [la.ffn.host for la in st.layers]
+        assert [h.cache.n for h in hosts] == [2, 1]
+        moved = hosts[1].moved
         got = run(g, prompt, steps)
         errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
-        print(f"host vs VRAM experts: rel errors {', '.join(f'{e:.1e}' for e in errs)}")
+        print(f"host experts on the GPU vs VRAM: rel errors {', '.join(f'{e:.1e}' for e in errs)}")
         assert max(errs) < BOUND
         greedy = [t.argmax(-1).tolist() for t in got]
         assert greedy == [t.argmax(-1).tolist() for t in ref]
-        # per row and host layer: the normed row, 2 ids and 2 weights down, the f32 sum up;
-        # 12 prefill rows and 2 decode rows through 2 host layers
-        es = 2 if ON_GPU else 4
-        assert g.pipe.stages[0].host_moved() - moved == 2 * 14 * (128 * es + 2 * 4 + 2 * 4
-                                                                   + 128 * 4)
-    finally:
-        g.close()
-    # 6 expert-cache slots, 3 per host layer, of 4 experts: a decode step's 2 experts run from
-    # slots (copied in on a miss, the least recently used out), the prefill's 4 on the CPU
-    c = GpuSession.load(plan(path, resident=(0,), expert_slots=(6,)), devices=[DEV],
-                        remember=False, model=model_file)
-    try:
-        st = c.pipe.stages[0]
-        caches = [la.ffn.host.cache for la in st.layers]
-        assert [h.n for h in caches] == [3, 3]
-        got = run(c, prompt, steps)
-        errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
-        print(f"host experts, 6 cache slots vs VRAM: rel errors {', '.join(f'{e:.1e}' for e in errs)}")
-        assert max(errs) < BOUND
-        assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in ref]
-        hits, misses = st.cache_hits()
-        # the two decode steps alone place 2 experts in each of 2 layers
-        assert misses >= 2 and hits >= 1 and hits + misses >= 2 * 2 * 2
-        assert all(len(h.held) <= 3 for h in caches)
+        # layer 1: the ids down (2 per row), then prefill its expert tensors whole, each decode
+        # step its 2 chosen experts' slices (a quarter of the tensors each: 4 experts)
+        whole = sum(t.nbytes for t in model_file.tensors
+                    if t.layer == 1 and t.name.endswith("_exps.weight"))
+        assert hosts[1].moved - moved == 12 * 2 * 4 + whole + 2 * (2 * 4 + 2 * whole // 4)
+        assert hosts[1].cache.hits == hosts[1].cache.misses == 0
+        c0 = hosts[0].cache  # the two decode steps place 2 experts each
+        assert c0.misses >= 2 and c0.hits + c0.misses >= 2 * 2 and len(c0.held) <= 2
         # a reply logs what it moved per token and the cache's hit rate
         with caplog.at_level("INFO", logger="carve.engine"):
-            c.generate(ids(3), SamplingParams(temperature=0.0, max_tokens=2), set(),
+            g.generate(ids(3), SamplingParams(temperature=0.0, max_tokens=2), set(),
                        lambda t: True)
         line = [r.getMessage() for r in caplog.records if "experts in host memory" in r.message]
         assert len(line) == 1 and "kB moved per token, expert-cache hit rate " in line[0]
         assert line[0].endswith("%")
     finally:
-        c.close()
+        g.close()
 
 
-def test_a_shared_expert_layer_on_the_host_gives_the_logits_of_all_in_vram(files) -> None:
+def test_a_shared_expert_layer_computed_by_the_cpu_gives_the_logits_of_all_in_vram(files):
     """glm4moe (a dense first layer, then a MoE layer with a shared expert, onto whose output
-    the host's sum is added): prefill logits with that layer's experts on the host against
-    every expert in VRAM."""
+    the host's sum is added), the plan's host_compute "cpu": prefill logits with that layer's
+    experts on the host, computed by the CPU, against every expert in VRAM."""
     path = files["glm4moe"]
     prompt = ids(10)
     out = []
     for resident in ((), (0,)):
-        g = GpuSession.load(plan(path, resident=resident), devices=[DEV], remember=False)
+        g = GpuSession.load(plan(path, resident=resident, host_compute="cpu"), devices=[DEV],
+                            remember=False)
         try:
             assert g.pipe.stages[0].host_layers == ({1} if resident else set())
             out.append(g.logits(prompt).clone())
+            # per row: the ids, the normed row and the weights down, the f32 sum up
             assert g.pipe.stages[0].host_moved() == (10 * (128 * (2 if ON_GPU else 4) + 16
                                                            + 128 * 4) if resident else 0)
         finally:

@@ -5,6 +5,7 @@ the host's RAM), the expert cache as a GPU term, the advice and the automatic pl
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -88,7 +89,11 @@ def test_host_layers_leave_vram_and_are_billed_on_the_host(synth_model, arena) -
         # one slot holds one expert's gate, up and down of the stage's largest MoE layer
         slot = max(sum(align_up(t.nbytes // hp_e) for t in experts if t.layer == layer)
                    for layer in range(lo, hi))
-        assert d.terms["expert_cache"] == (3 * slot if i == 0 else 0)
+        # and the staging span host experts run on the GPU through: the largest host layer's
+        stream = max(sum(align_up(t.nbytes) for t in away if t.layer == layer)
+                     for layer in host_layers[i])
+        assert held["expert_stream"][1].nbytes == stream
+        assert d.terms["expert_cache"] == (3 * slot if i == 0 else 0) + stream
         if i == 0:
             assert held["expert_cache"][1].shape == (3, slot)
         host_arenas = [a for a in d.arenas if a.purpose in HOST_PURPOSES]
@@ -104,6 +109,12 @@ def test_host_layers_leave_vram_and_are_billed_on_the_host(synth_model, arena) -
     assert layout.host is not None and layout.host.stages == tuple(d.host for d in layout.devices)
     assert layout.host.headroom == HOST.free - layout.host.pinned
     assert full.host is None
+    # computed by the CPU: no staging span in VRAM
+    cpu = price(replace(plan, host_compute="cpu"), model)
+    assert [d.terms["expert_cache"] for d in cpu.devices] == [
+        d.terms["expert_cache"] - d.span("expert_stream")[1].nbytes for d in layout.devices]
+    with pytest.raises(CarveError, match="--host-compute: unknown 'tpu'; use gpu or cpu"):
+        replace(plan, host_compute="tpu")
     again = Layout.from_json(json.loads(json.dumps(layout.to_json())))
     assert again.host == layout.host and again.devices[1].host == layout.devices[1].host
 
@@ -146,11 +157,15 @@ def test_auto_places_experts_on_the_host_when_vram_does_not_hold_them() -> None:
     assert everything.devices[0].verdict == Verdict.DOES_NOT_FIT
     assert "VRAM of GPU 0" in everything.bottleneck()
     # the advice names the placement that fits, and host RAM can take the rest
-    assert "--experts-resident 27 (GPU 0 keeps 27 of its 48 MoE layers' experts in VRAM" in (
-        everything.devices[0].advice)
+    idx = model_index(model)
+    free = card.free - card.reserve
+    most = max(r for r in range(48) if stage_need(idx, stage_key(everything.plan, 0, resident=r))
+               <= free)
+    advice = everything.devices[0].advice
+    assert f"fits with --experts-resident {most} (GPU 0 keeps {most} of its 48 MoE layers' " \
+        "experts in VRAM, " in advice and "pinned in host RAM of 48.00 GiB available)" in advice
     plan = default_plan(model, [card], host=HOST)
     (r,) = plan.experts_resident
-    idx = model_index(model)
     avail = card.free - card.reserve
     need = [stage_need(idx, stage_key(plan, 0, resident=n)) for n in (r, r + 1)]
     assert need[0] + plan.cache_reserve <= avail < need[1] + plan.cache_reserve

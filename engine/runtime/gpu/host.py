@@ -3,10 +3,19 @@
 A stage's host arenas (the Layout's purposes `engine.planning.host.HOST_PURPOSES`) are one
 pageable allocation each, pinned in place with cudaHostRegister, so that the pinned bytes are
 exactly the priced ones (torch's pinned allocator would round each up to a power of two). A
-layer whose experts live there runs its router and top-k on the GPU, then `HostExperts.run`:
-the normed rows, ids and weights go down to pinned buffers, the CPU engine's `ops.experts`
-runs the routed experts on them as the file stores them (only the routed experts' slices are
-dequantized, into a priced scratch), and the weighted sum goes back up and onto proj.
+layer whose experts live there runs its router and top-k on the GPU, then `HostExperts.run`.
+
+The expert ids come down first. Where the stage has expert-cache slots (the Layout's span
+`expert_cache`, shared out evenly among its host layers, `SlotCache`) and the layer's share can
+hold every expert the rows chose, the missing ones are copied from host memory into slots
+(least recently used out), the ids are rewritten as slots, and the GPU runs its usual expert
+kernels on the slots. Else, where the plan runs host experts on the GPU (the span
+`expert_stream`, room for one layer's expert tensors, `Stream`), decode copies the chosen
+experts into it at their own places and prefill the whole layer, and the kernels run there.
+Otherwise (the plan's host_compute "cpu", or experts with biases) the normed rows and weights
+go down to pinned buffers too, the CPU engine's `ops.experts` runs the routed experts on them
+as the file stores them (only the routed experts' slices are dequantized, into a priced
+scratch), and the weighted sum goes back up and onto proj.
 """
 
 from __future__ import annotations
@@ -24,6 +33,9 @@ from engine.runtime.models import ops
 from spec.errors import CarveError
 
 log = logging.getLogger("carve.engine")
+# above this many rows a host layer copies all its experts to the GPU (prefill), at most this
+# many only the chosen ones (decode's GEMV path: gpu/matrices.py GEMV_ROWS)
+STREAM_ROWS = 8
 
 
 def check_host(layout: Any) -> None:
@@ -132,12 +144,46 @@ class SlotCache:
         return {e: self.held[e] for e in experts}
 
 
+class Stream:
+    """The staging span a host layer's experts are copied into to run on the GPU: per matrix
+    its whole tensor's room, [n_expert * rows, bytes per row] like the resident tensor."""
+
+    def __init__(self, span: torch.Tensor, mats: list[ops.QExperts]) -> None:
+        self.mats, self.views, self.slices = mats, [], []
+        off = 0
+        for m in mats:
+            self.views.append(span[off:off + m.raw.numel()].view(m.n_expert * m.rows, -1))
+            self.slices.append(m.raw.numel() // m.n_expert)
+            off += align_up(m.raw.numel())
+        assert off <= span.numel(), "the priced span holds the layer's experts"
+        self.n = mats[0].n_expert
+
+    def fill(self, experts: list[int] | None) -> int:
+        """Copy ``experts`` (None: all of them) in at their own places; returns bytes copied."""
+        done = 0
+        for m, view, per in zip(self.mats, self.views, self.slices, strict=True):
+            flat = view.view(-1)
+            if experts is None:
+                flat.copy_(m.raw, non_blocking=True)
+                done += m.raw.numel()
+                continue
+            for e in experts:
+                flat[e * per:(e + 1) * per].copy_(m.raw[e * per:(e + 1) * per], non_blocking=True)
+                done += per
+        return done
+
+
 def host_experts(hp: Any, model: Any, spans: dict[str, torch.Tensor],
                  layers: list[int]) -> dict[int, HostExperts]:
     """The stage's host layers, each with its share of the expert cache (the span
     "expert_cache" [slots, slot bytes], split evenly in layer order, at most n_expert slots a
     layer; none for experts with biases, which the CPU runs)."""
     out = {i: HostExperts(hp, model, spans, i) for i in layers}
+    stream = spans.get("expert_stream")
+    if stream is not None:
+        for h in out.values():
+            if h.biases is None:
+                h.stream = Stream(stream, h.mats)
     cache = spans.get("expert_cache")
     if cache is None or not layers:
         return out
@@ -177,6 +223,7 @@ class HostExperts:
         self.x, self.ids = spans["hbuf.x"], spans["hbuf.ids"]
         self.w, self.y = spans["hbuf.w"], spans["hbuf.y"]
         self.cache: SlotCache | None = None
+        self.stream: Stream | None = None
         self.moved = 0  # bytes copied between the GPU and host memory
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
@@ -202,6 +249,12 @@ class HostExperts:
                 self.moved += hids.nbytes + self.cache.copied - before
                 gpu(self.cache.views, self.cache.n, ids)
                 return
+        if self.stream is not None and gpu is not None:
+            # prefill reads most experts: the whole layer in one copy per tensor
+            chosen = None if n > STREAM_ROWS else sorted(set(hids.reshape(-1).tolist()))
+            self.moved += self.stream.fill(chosen)
+            gpu(self.stream.views, self.stream.n, ids)
+            return
         hx.copy_(x, non_blocking=True)
         hw.copy_(w, non_blocking=True)
         self._wait(x)  # the rows are down

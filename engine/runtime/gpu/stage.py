@@ -224,7 +224,7 @@ class GpuStage:
         flag.zero_()
         # the host layers' experts are checked by the CPU (engine/runtime/gpu/host.py)
         names = [n for n, t in self.spans.items()
-                 if not n.startswith(("buf.", "kv.", "dq.", "hbuf.", "expert_cache"))
+                 if not n.startswith(("buf.", "kv.", "dq.", "hbuf.", "expert_"))
                  and t.device == self.device]
         for i, name in enumerate(names, 1):
             info = self.model.tensor(name)
