@@ -56,7 +56,7 @@ def _plan(path: str, n_gpus: int, n_layer: int, ctx: int, kv_type: str, arena: s
     slots = tuple(placement.get("expert_slots") or ())
     if len(slots) == 1:
         slots *= n_gpus
-    plan = replace(plan, expert_slots=slots)
+    plan = replace(plan, expert_slots=slots, host_compute=placement.get("host_compute", "gpu"))
     if placement.get("experts_resident") is None:
         return place_experts(plan, GGUFModel.open(path))
     return replace(plan, experts_resident=tuple(placement["experts_resident"]))
@@ -122,7 +122,7 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
     rep = {"gpus": n_gpus, "devices": pipe.report, "load_wall_s": load_s}
     if layout.host is not None:
         plan = layout.plan
-        rep["experts"] = {"resident": list(plan.experts_resident),
+        rep["experts"] = {"resident": list(plan.experts_resident), "on": plan.host_compute,
                           "host_layers": [len(st.host_layers) for st in pipe.stages],
                           "pinned": layout.host.pinned, "slots": list(plan.expert_slots)}
     nbytes = sum(r["load_bytes"] for r in pipe.report)
@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto, or per GPU the MoE layers whose experts stay in VRAM (the rest "
                          "in pinned host memory, computed by the CPU); default: all in VRAM")
     ap.add_argument("--expert-slots", default="", help="VRAM expert-cache slots per GPU")
+    ap.add_argument("--host-compute", default="gpu", choices=("gpu", "cpu"),
+                    help="where experts in host memory run: copied to the GPU, or on the CPU")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     try:
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
         n_gpus = len(parse_rig(args.gpus)) if args.gpus else 1
         placement = None
-        if args.vram or args.experts_resident or args.expert_slots:
+        if args.vram or args.experts_resident or args.expert_slots or args.host_compute != "gpu":
             from engine.planning.plan import parse_counts
 
             text = args.experts_resident.strip().lower()
@@ -245,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--experts-resident", text) if text else ()),
                 "expert_slots": (parse_counts("--expert-slots", args.expert_slots)
                                  if args.expert_slots else ()),
+                "host_compute": args.host_compute,
             }
         ids1 = run(path, n_gpus, ctx, args.kv, args.arena, args.tokens, depths, args.pp, out,
                    args.kernels, options, placement)
@@ -309,7 +312,8 @@ def _print(out: dict) -> None:
             e, tg = r["experts"], r["tg"]
             rate = tg["cache_hit_rate"]
             hit = "n/a (no slots, or none used)" if rate is None else f"{rate:.1%}"
-            print(f"   experts: resident {e['resident'] or 'all'}, host layers per stage "
+            print(f"   experts: resident {e['resident'] or 'all'} (host ones run on the "
+                  f"{e['on'].upper()}), host layers per stage "
                   f"{e['host_layers']}, pinned {e['pinned'] / 2**30:.2f} GiB, slots "
                   f"{e['slots'] or 0}; decode moves {tg['host_bytes_per_token'] / 1e3:.1f} kB "
                   f"per token between GPU and host ({tg['host_gbps']:.2f} GB/s); expert-cache "
