@@ -35,9 +35,28 @@ from spec.errors import CarveError
 ENGINE_ENV = "CARVE_ENGINE_CMD"  # a command line replacing `python -m engine.runtime.server` (tests)
 
 
+SILENCE_ENV = "CARVE_SILENCE_LIMIT"  # seconds of silence before a busy engine counts as hung
+
+
 def engine_command() -> list[str]:
     override = os.environ.get(ENGINE_ENV, "").strip()
     return shlex.split(override) if override else [sys.executable, "-m", "engine.runtime.server"]
+
+
+def silence_limit_setting() -> float:
+    """CARVE_SILENCE_LIMIT (seconds, more than the engine's heartbeat), else the protocol's."""
+    text = os.environ.get(SILENCE_ENV, "").strip()
+    if not text:
+        return p.SILENCE_LIMIT
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 2 * p.HEARTBEAT or value == float("inf"):
+        raise CarveError(f"{SILENCE_ENV}={text!r}: give the seconds a busy engine may stay silent "
+                         f"before it is killed, more than {2 * p.HEARTBEAT:g} (default "
+                         f"{p.SILENCE_LIMIT:g})")
+    return value
 
 
 class EngineExited(CarveError):
@@ -57,7 +76,7 @@ class EngineProcess:
         command: Sequence[str] | None = None,
         env: dict[str, str] | None = None,
         echo_stderr: bool = False,
-        silence_limit: float = p.SILENCE_LIMIT,
+        silence_limit: float | None = None,
     ) -> None:
         self.command = list(command) if command else engine_command()
         self._env = env
@@ -66,7 +85,7 @@ class EngineProcess:
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
         self._write_lock = threading.Lock()
         self.proc: subprocess.Popen[bytes] | None = None
-        self.silence_limit = silence_limit
+        self.silence_limit = silence_limit_setting() if silence_limit is None else silence_limit
         self._waiting = 0  # requests sent whose answer has not come back
         self._heard = time.monotonic()  # the last event (or the first request it owes one for)
         self._hung = ""  # why the client killed the engine, when it did
