@@ -133,8 +133,10 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
     # pp: one warm-up pass, then the timed one (fresh positions 0..pp-1 each time)
     pipe.prefill(prompt)
     pipe.sync()
+    moved0 = sum(st.host_moved() for st in pipe.stages)
     t = _timed(lambda: pipe.prefill(prompt), 1)
-    rep["pp"] = {"tokens": pp, "s": t, "tps": pp / t}
+    moved = sum(st.host_moved() for st in pipe.stages) - moved0
+    rep["pp"] = {"tokens": pp, "s": t, "tps": pp / t, "host_gbps": moved / t / 1e9}
     nxt = pipe.prefill(prompt[:32])
     ids = [nxt, *pipe.greedy(63)]
     rep["greedy64_sha256"] = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="GiB each device's plan may use (a consumer card's budget on a big GPU)")
     ap.add_argument("--experts-resident", default="",
                     help="auto, or per GPU the MoE layers whose experts stay in VRAM (the rest "
-                         "in pinned host memory, computed by the CPU); default: all in VRAM")
+                         "in pinned host memory); default: all in VRAM")
     ap.add_argument("--expert-slots", default="", help="VRAM expert-cache slots per GPU")
     ap.add_argument("--host-compute", default="gpu", choices=("gpu", "cpu"),
                     help="where experts in host memory run: copied to the GPU, or on the CPU")
@@ -317,7 +319,7 @@ def _print(out: dict) -> None:
                   f"{e['host_layers']}, pinned {e['pinned'] / 2**30:.2f} GiB, slots "
                   f"{e['slots'] or 0}; decode moves {tg['host_bytes_per_token'] / 1e3:.1f} kB "
                   f"per token between GPU and host ({tg['host_gbps']:.2f} GB/s); expert-cache "
-                  f"hit rate in decode: {hit}")
+                  f"hit rate in decode: {hit}; prefill moved {r['pp']['host_gbps']:.2f} GB/s")
         for d in r["devices"]:
             print(f"   cuda:{d['index']} layers {d['layers']}: priced {d['priced']:,} B, "
                   f"reserved {d['reserved']:,} B (diff {d['reserved'] - d['priced']:+,}), "
