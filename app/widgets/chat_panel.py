@@ -205,6 +205,7 @@ class ChatPanel(QWidget):
         self.send_button.setEnabled(loaded and not streaming and not self._waiting)
         self.stop_button.setEnabled(streaming or self._waiting)
         self.regen_button.setEnabled(loaded and self.history.can_regenerate())
+        self.view.set_loaded(loaded)
         if not loaded and not streaming:
             self.stats.setText("no model loaded — launch one on the Plan tab")
         elif loaded and self.stats.text().startswith("no model"):

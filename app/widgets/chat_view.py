@@ -63,7 +63,15 @@ class ChatView(QTextBrowser):
         history.events.added.connect(self._on_added)
         history.events.text.connect(self._on_text)
         history.events.finished.connect(self._on_finished)
+        self._loaded = False
         self._rebuild()
+
+    def set_loaded(self, loaded: bool) -> None:
+        """The empty transcript's hint follows the engine: launch first, or type now."""
+        if loaded != self._loaded:
+            self._loaded = loaded
+            if getattr(self, "_placeholder", False):
+                self._rebuild()
 
     def apply_theme(self, theme: Theme) -> None:
         self.theme = theme
@@ -74,8 +82,10 @@ class ChatView(QTextBrowser):
         self._frame.stop()
         self.clear()
         if not self.history.messages:
+            first = ("The model is loaded: type below." if self._loaded else
+                     "Launch a model, then type below.")
             self.setHtml(
-                f"<p style='color:{self.theme.muted}'>Launch a model, then type below. "
+                f"<p style='color:{self.theme.muted}'>{first} "
                 "Replies stream here; Markdown and code blocks are rendered.</p>")
             self._placeholder = True
             return

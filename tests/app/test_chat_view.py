@@ -95,3 +95,13 @@ def _blocks(doc):
     while b.isValid():
         yield b
         b = b.next()
+
+
+def test_the_empty_transcript_says_launch_first_then_type(qtbot):
+    view = ChatView(ChatHistory(), LIGHT)
+    qtbot.addWidget(view)
+    assert "Launch a model" in view.toPlainText()
+    view.set_loaded(True)
+    assert "The model is loaded: type below." in view.toPlainText()
+    view.set_loaded(False)
+    assert "Launch a model" in view.toPlainText()
