@@ -134,3 +134,15 @@ def test_sigterm_to_carve_chat_shuts_its_engine_down(chat):
     err = chat.err.decode()
     assert "carve: SIGTERM: stopping the engine" in err and "Traceback" not in err, err
     assert not _gone(family)  # gone when carve chat exits: shut down, not left to its watchdog
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "1", "inf", "nan"])
+def test_a_bad_silence_limit_is_one_line_before_any_engine(synth_model, monkeypatch, capsys,
+                                                             value):
+    from app import cli_chat
+
+    monkeypatch.setenv("CARVE_SILENCE_LIMIT", value)
+    assert cli_chat.main(["chat", str(synth_model("llama")), "--gpus", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"carve: CARVE_SILENCE_LIMIT={value!r}: give the seconds") and \
+        "\n" not in err, err

@@ -151,3 +151,14 @@ def test_opening_planning_and_loading_never_map_the_file(planned):
         assert _mappings(path.resolve()) == 0
     finally:
         session.close()
+
+
+def test_the_windows_plans_carry_the_identity(planned):
+    from app.models.plan_model import PlanModel
+    from engine.hardware.devices import cpu_spec
+
+    path, _ = planned
+    pm = PlanModel()
+    pm.open_model(str(path))
+    pm.set_devices([cpu_spec()])
+    assert pm.plan().identity == GGUFModel.open(path).stamps
