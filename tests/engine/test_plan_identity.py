@@ -162,3 +162,37 @@ def test_the_windows_plans_carry_the_identity(planned):
     pm.open_model(str(path))
     pm.set_devices([cpu_spec()])
     assert pm.plan().identity == GGUFModel.open(path).stamps
+
+
+def _spans(model):
+    import torch
+
+    return {t.name: torch.zeros(t.nbytes, dtype=torch.uint8) for t in model.tensors}
+
+
+def test_the_gpu_loader_reads_the_file_as_opened_and_a_cut_is_an_error(planned, synth_model):
+    """engine/runtime/gpu/load.py (its CPU path, as the interpreter tests run it): a file
+    renamed over after the model opened still loads as opened; one cut short while it loads is
+    a CarveError naming it."""
+    from engine.runtime.gpu.load import load_tensors
+
+    path, _ = planned
+    model = GGUFModel.open(path)
+    names = [t.name for t in model.tensors]
+    want = _spans(model)
+    load_tensors(model, names, want, "cpu")
+    shutil.copy(synth_model("qwen2"), path.with_suffix(".new"))
+    os.replace(path.with_suffix(".new"), path)  # another model has the name now
+    got = _spans(model)
+    load_tensors(model, names, got, "cpu")
+    assert all(bool((got[n] == want[n]).all()) for n in names)
+
+    cut = GGUFModel.open(path)
+    size = path.stat().st_size
+
+    def shrink(stage, done, total, rate):
+        if path.stat().st_size == size:
+            os.truncate(path, cut.tensors[len(cut.tensors) // 2].offset)
+
+    with pytest.raises(CarveError, match=r"m\.gguf: short read at byte \d+; the file is truncated"):
+        load_tensors(cut, [t.name for t in cut.tensors], _spans(cut), "cpu", on_progress=shrink)
