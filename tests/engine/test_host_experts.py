@@ -162,3 +162,33 @@ def test_the_torch_engine_refuses_host_experts(files) -> None:
     with pytest.raises(CarveError, match="experts in host memory run on the Triton GPU runner"):
         Session.load(plan(files["qwen3moe"], resident=(0,)), options=RunnerOptions(runner="torch"))
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_cuda_host_experts_priced_equals_reserved_and_pinned(files, tmp_path, monkeypatch):
+    """On a GPU: the device reserves what was priced (the staging span and slots included,
+    the host experts not), the host arenas are pinned at the priced bytes, replies allocate
+    nothing more, and closing unpins them (a second load pins again)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    free, total = torch.cuda.mem_get_info(0)
+    gpu0 = DeviceSpec(index=0, name=torch.cuda.get_device_name(0), total=total, free=free)
+    pl = Plan(model=files["qwen3moe"], devices=(gpu0,), split=(0, 2), ctx=128,
+              prefill_chunk=32, cache_reserve=0, act_dtype="bf16", experts_resident=(1,),
+              expert_slots=(2,))
+    for _ in range(2):
+        torch.cuda.empty_cache()
+        g = GpuSession.load(pl)
+        try:
+            (rep,) = g.pipe.report
+            assert rep["host_priced"] == rep["host_allocated"] == rep["host_pinned"] > 0
+            for r in g.memory_report():
+                assert r["allocated"] == r["reserved"] == r["priced"], r
+            g.generate(ids(40), SamplingParams(temperature=0.0, max_tokens=8), set(),
+                       lambda t: True)
+            after = torch.cuda.memory_reserved(0)
+            g.generate(ids(20, 5), SamplingParams(temperature=0.0, max_tokens=8), set(),
+                       lambda t: True)
+            assert torch.cuda.memory_reserved(0) == after
+        finally:
+            g.close()
