@@ -16,6 +16,7 @@ allocator pools and lazily built kernels grow there legitimately).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import tempfile
@@ -37,6 +38,21 @@ def gpu_used_mib() -> list[float]:
         return [d.used / 2**20 for d in devices.snapshot() if d.used is not None]
     except Exception:  # noqa: BLE001 - no NVML here: the CPU figures stand alone
         return []
+
+
+def file_holds(pid: int, path: str) -> int:
+    """Open descriptors plus memory maps of ``path`` in process ``pid`` (Linux /proc): a loaded
+    model holds one descriptor; a model an unload failed to free holds its own too."""
+    n = 0
+    fds = f"/proc/{pid}/fd"
+    for fd in os.listdir(fds):
+        try:
+            n += os.readlink(f"{fds}/{fd}") == path
+        except OSError:  # closed meanwhile
+            pass
+    with open(f"/proc/{pid}/maps") as f:
+        n += sum(1 for line in f if line.rstrip().endswith(path))
+    return n
 
 
 def slope(points: list[tuple[int, float]]) -> float:
@@ -67,12 +83,11 @@ class Soak:
         gpu = gpu_used_mib()
         self.samples.setdefault(phase, []).append((cycle, rss))
         gpus = " ".join(f"{g:.0f}" for g in gpu)
-        maps = ""
-        if self.mappings_of:  # how many of the engine's memory maps are of the model file
-            with open(f"/proc/{self.engine.pid}/maps") as f:
-                maps = f"  maps {sum(1 for line in f if line.rstrip().endswith(self.mappings_of))}"
+        holds = ""
+        if self.mappings_of:  # the engine's descriptors and memory maps of the model file
+            holds = f"  holds {file_holds(self.engine.pid, self.mappings_of)}"
         print(f"{phase:9s} {cycle:6d}  rss {rss:8.1f} MiB" + (f"  gpu {gpus} MiB" if gpu else "")
-              + maps, file=self.out, flush=True)
+              + holds, file=self.out, flush=True)
 
     def load(self) -> None:
         self.engine.send(p.Load(self.plan))
@@ -119,7 +134,7 @@ def run(model: Path, gpus: str, ctx: int, generate: int, loads: int, tokenize: i
         seed: int, out=sys.stdout, max_tokens: int = 64,
         mappings_of: Path | None = None) -> dict[str, float]:  # fmt: skip
     """The soak; ``mappings_of``: a file whose mappings in the engine are counted per sample
-    (Linux: /proc/PID/maps), the model's own to see that unloads unmap it."""
+    (Linux: /proc/PID/fd and maps), the model's own to see that unloads free it."""
     from app.cli_chat import build_plan
 
     plan = build_plan(model, gpus, ctx, "f16").to_json()
