@@ -35,6 +35,7 @@ _TERMS_LIGHT = {
     "expert_cache": "#b9cdf4",
     "dequant_cache": "#e0a030",
     "overhead": "#7a8699",
+    "host_experts": "#5aa6a0",
 }
 _VERDICT = {"fits": "#2f9e55", "tight": "#d99a1e", "does not fit": "#d64545",
             "does not run here": "#d64545", "": "#8a94a6"}
@@ -71,6 +72,7 @@ DARK = Theme(
         "expert_cache": "#c4d6f8",
         "dequant_cache": "#e8b04a",
         "overhead": "#8d98ab",
+        "host_experts": "#6cc0b8",
     },
     verdict={"fits": "#45b86c", "tight": "#e6aa35", "does not fit": "#ec5f5f",
              "does not run here": "#ec5f5f", "": "#8d98ab"},

@@ -18,7 +18,9 @@ OUR_TERMS = (
     ("expert_cache", "expert cache"),
     ("dequant_cache", "dequant cache"),
     ("overhead", "overhead"),
+    ("host_experts", "pinned experts"),  # the host row's: experts and buffers in host memory
 )
+HOST_KEY, HOST_INDEX = "host", -2  # the host row: shown while a plan pins experts there
 
 
 @dataclass(slots=True)
@@ -61,6 +63,7 @@ class DeviceBoard:
         self.rig = ""
         self.nvml_error = ""
         self._launched: dict[int, dict[str, int]] = {}  # device index -> our terms after load
+        self._host: DeviceRow | None = None  # host RAM, while the plan pins experts there
 
     # -- inputs ------------------------------------------------------------------------------
     def set_snapshots(self, snaps: list[Any]) -> None:
@@ -101,6 +104,7 @@ class DeviceBoard:
         self.simulated, self.rig = False, ""
 
     def _install(self, rows: list[DeviceRow]) -> None:
+        rows = [r for r in rows if r.key != HOST_KEY] + ([self._host] if self._host else [])
         old = {r.key: r for r in self.rows}
         same = [r.key for r in rows] == [r.key for r in self.rows]
         for r in rows:
@@ -118,6 +122,15 @@ class DeviceBoard:
         per_index = {}
         if layout is not None:
             per_index = {d.device.index: (d.total, d.verdict) for d in layout.devices}
+        host = getattr(layout, "host", None)
+        had = self._host is not None
+        self._host = None if host is None else DeviceRow(
+            key=HOST_KEY, name="host RAM", index=HOST_INDEX, total=host.device.total,
+            used=host.device.total - host.device.free)
+        if host is not None:
+            per_index[HOST_INDEX] = (host.pinned, host.verdict)
+        if had or host is not None:  # the host row comes, goes or takes this machine's figures
+            self._install(list(self.rows))
         for r in self.rows:
             r.planned, r.verdict = per_index.get(r.index, (0, ""))
             r.excluded = r.index in excluded_indices
@@ -140,6 +153,8 @@ class DeviceBoard:
                     "dequant_cache": terms.get("dequant_cache", 0),
                     "overhead": terms.get("overhead", 0),
                 }
+            if getattr(layout, "host", None) is not None:
+                self._launched[HOST_INDEX] = {"host_experts": layout.host.pinned}
         for r in self.rows:
             if r.simulated:
                 r.used = max(0, r.used - r.ours_total)

@@ -12,7 +12,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
 
-from app.models.device_board import OUR_TERMS, DeviceBoard
+from app.models.device_board import HOST_KEY, OUR_TERMS, DeviceBoard
 from app.models.model_summary import human_bytes
 from app.theme import Theme
 from app.widgets.static_plot import static_plot
@@ -137,13 +137,15 @@ class VramBars(QWidget):
 
     @staticmethod
     def _caption(r) -> str:
-        label = "CPU" if r.index < 0 else f"GPU {r.index}"
+        label = "Host" if r.key == HOST_KEY else "CPU" if r.index < 0 else f"GPU {r.index}"
         parts = [f"{label}  {r.name}", f"{human_bytes(r.total)} total", f"{human_bytes(r.free)} free"]
         if r.temperature is not None:
             parts.append(f"{r.temperature} °C")
         if r.utilization is not None:
             parts.append(f"{r.utilization} % busy")
-        if r.ours:
+        if r.ours and r.key == HOST_KEY:
+            parts.append(f"Carve pins {human_bytes(r.ours_total)}")
+        elif r.ours:
             parts.append(f"engine {human_bytes(r.ours_total)}")
         elif r.planned:
             parts.append(f"plan {human_bytes(r.planned)} · {r.verdict}")

@@ -83,3 +83,28 @@ def test_settings_and_fit_check_show_the_placement(qtbot, plan) -> None:
     dense = HeaderModel(SHAPES["qwen2-7b"])
     plan.set_model(dense, HParams.from_model(dense))
     assert not settings.resident_edit.isVisible()  # dense models have no experts to place
+
+
+def test_the_bars_show_a_host_row_of_pinned_experts(qtbot, plan) -> None:
+    from app.models.device_board import HOST_KEY, DeviceBoard
+    from app.widgets.vram_bars import VramBars
+
+    board = DeviceBoard()
+    board.set_simulated("12GiB", list(plan.devices))
+    bars = VramBars(board, LIGHT)
+    qtbot.addWidget(bars)
+    host = plan.layout.host
+    board.set_plan(plan.layout)
+    row = board.rows[-1]
+    assert [r.key for r in board.rows].count(HOST_KEY) == 1 and row.key == HOST_KEY
+    assert (row.planned, row.verdict, row.total) == (host.pinned, host.verdict, 64 * GIB)
+    assert row.used == 16 * GIB  # what the machine uses: 64 GiB less 48 available
+    assert bars._caption(row).startswith("Host  host RAM")
+    board.set_simulated("12GiB", list(plan.devices))  # a new poll keeps the host row
+    assert board.rows[-1].key == HOST_KEY
+    board.set_launched(plan.layout)
+    assert board.rows[-1].ours == {"host_experts": host.pinned}
+    assert f"Carve pins {host.pinned / GIB:.2f} GiB" in bars._caption(board.rows[-1])
+    board.set_launched(None)
+    board.set_plan(None)  # nothing planned: no host row
+    assert HOST_KEY not in [r.key for r in board.rows]
