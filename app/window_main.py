@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QCloseEvent, QDragEnterEvent, QDropEvent, QIcon
@@ -281,11 +282,38 @@ class MainWindow(QMainWindow):
         plan = self.plan.plan()
         if plan is None or not self.launch_bar.can_launch():
             return
+        if self._replanned_for_a_changed_file(plan):
+            return
         self.store.save_last_session(plan.model, self.rig, self.plan.settings())
         self.launched_layout = self.plan.layout
         self.chat.ctx_limit = plan.ctx
         self.launch_bar.show_message("")
         self.client.load(plan.to_json())
+
+    def _replanned_for_a_changed_file(self, plan: Any) -> bool:
+        """The model file changed on disk since it was opened (another size or time: a new
+        download, a copy over it): open it again and plan for it as it is now, keeping the
+        settings that still apply, and say so instead of launching a plan made for other bytes
+        (the engine would refuse it). True when it re-planned (or the file is gone)."""
+        changed = []
+        for stamp, path in zip(plan.identity, self.plan.gguf.paths):
+            try:
+                st = os.stat(path)
+            except OSError:
+                st = None
+            if st is None or (st.st_size, st.st_mtime_ns) != (stamp.size, stamp.mtime_ns):
+                changed.append(path)
+        if not changed:
+            return False
+        settings = self.plan.settings()
+        if not self.open_model(str(self.plan.gguf.paths[0])):
+            self.launch_bar.show_message(f"⚠ {self.last_error}")
+            return True
+        self.plan.apply_settings(settings)
+        self.launch_bar.show_message(
+            f"⚠ {Path(changed[0]).name} changed on disk since it was opened: re-planned for the "
+            "file as it is now; check the plan and Launch again")
+        return True
 
     def _on_loaded(self, devices: list) -> None:
         self.board.set_launched(self.launched_layout)
