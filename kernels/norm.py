@@ -22,7 +22,11 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, s
     h = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         h += tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
-        tl.store(res_ptr + row * stride_r + c, h.to(res_ptr.dtype.element_ty), mask=mask)
+        # the norm reads the stream as stored (bf16 rounds here): a stage boundary, where the
+        # next stage's first norm reads the stored stream, then changes no bit
+        h = h.to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * stride_r + c, h, mask=mask)
+        h = h.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
     y = h * inv * w
     tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -34,7 +38,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
             q8=None, use_pdl: bool = True) -> torch.Tensor:
     """y = rmsnorm(x + residual) * weight over the last dim. With ``residual`` [T, H] the sum
-    x + residual is also written back into ``residual`` (the residual stream moves on).
+    x + residual is also written back into ``residual`` (the residual stream moves on), and y
+    is the norm of the sum as written there (rounded to residual's dtype), so that a norm
+    reading a stored stream (a stage's first) gives the bits a fused one does.
     ``q8``: (q, d, s) buffers (kernels/q8x.py) that also get y's int8 copy (one row, H a
     multiple of 32). ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py)."""
     h = x.shape[-1]
@@ -58,8 +64,8 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     h = x.to(torch.float32)
     if residual is not None:
-        h = h + residual.to(torch.float32)
-        residual.copy_(h)
+        residual.copy_(h + residual.to(torch.float32))
+        h = residual.to(torch.float32)
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.to(torch.float32)
     y = y.to(x.dtype)
     return y if out is None else out.copy_(y)
@@ -79,7 +85,9 @@ def _post_rmsnorm_kernel(x_ptr, res_ptr, wp_ptr, w_ptr, y_ptr, H, eps, stride_x,
     # the sub-layer output's own norm stays in float32 on its way into the residual
     h = x / tl.sqrt(tl.sum(x * x, axis=0) / H + eps) * wp
     h += tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
-    tl.store(res_ptr + row * stride_r + c, h.to(res_ptr.dtype.element_ty), mask=mask)
+    h = h.to(res_ptr.dtype.element_ty)  # the stream as stored, as in _rmsnorm_kernel
+    tl.store(res_ptr + row * stride_r + c, h, mask=mask)
+    h = h.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
     tl.store(y_ptr + row * stride_y + c, (h * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
 

@@ -336,6 +336,25 @@ def test_greedy_ids_match_the_cpu_engine_and_a_two_stage_split(exact, tiny) -> N
     two.close()
 
 
+def test_bf16_two_stages_give_the_logits_of_one_to_the_bit(tiny) -> None:
+    """bf16 activations: the stream crosses a stage boundary as stored (bf16), and a fused
+    add-and-norm inside a stage normalizes that stored value too, so a split changes no bit of
+    prefill's or decode's logits (it did: ~4e-3 apart, which flipped a near tie of greedy ids)."""
+    prompt = ids(12, 3)
+    got = []
+    for devices, split in ((SIM[:1], (0, 2)), (SIM, (0, 1, 2))):
+        g = load(plan(tiny, devices, split, prefill_chunk=8, cache_reserve=NO_CACHE,
+                      logits_rows=1, act_dtype="bf16"))
+        try:
+            g.forward(prompt[:8], 0, "none")
+            rows = [g.forward(prompt[8:], 8, "last").clone()]
+            rows += [g.forward([t], 12 + i, "last").clone() for i, t in enumerate((5, 9))]
+            got.append(torch.stack([r[-1] for r in rows]))
+        finally:
+            g.close()
+    assert torch.equal(got[0], got[1])
+
+
 def test_nan_names_the_first_bad_layer(exact) -> None:
     g, _ = exact
     (st,) = g.pipe.stages

@@ -183,6 +183,23 @@ def test_rmsnorm_matches_reference(with_residual, seed):
         assert nerr(res, res_ref) < 1e-6
 
 
+@pytest.mark.parametrize("post", [False, True])
+def test_bf16_fused_add_norm_normalizes_the_stream_as_stored(post, seed):
+    # a stage boundary stores the stream (bf16) and the next stage's first norm reads it; the
+    # fused add-and-norm of a layer boundary must give those bits (a split changes nothing)
+    g = generator(seed)
+    x, res = (torch.randn(3, 96, generator=g, device=DEVICE).to(torch.bfloat16) for _ in "xr")
+    w, wp = (torch.rand(96, generator=g, device=DEVICE) + 0.5 for _ in "wp")
+    stored, fused = res.clone(), poison((3, 96)).to(torch.bfloat16)
+    if post:
+        norm.rmsnorm_post(x, wp, w, 1e-6, stored, fused)
+        x = norm.rmsnorm_ref(x, wp, 1e-6).float()
+    else:
+        norm.rmsnorm(x, w, 1e-6, residual=stored, out=fused)
+    assert nerr(stored, res.float() + x.float()) < 1e-2  # bf16
+    assert torch.equal(fused, norm.rmsnorm(stored, w, 1e-6))
+
+
 @pytest.mark.parametrize("neox", [False, True])
 def test_rope_matches_reference(neox, seed):
     g = generator(seed)

@@ -134,6 +134,9 @@ class GpuStage:
         self.first, self.last = dl.first, dl.last
         self.ctx, self.chunk = ctx, chunk
         self.graph: torch.cuda.CUDAGraph | None = None
+        # with host layers: decode's pieces (graph replays and eager host layers) and graphs
+        self.pieces: list[Callable[[], None]] = []
+        self._graphs: list[torch.cuda.CUDAGraph] = []
         self._buffers(spans)
         self.xq = self._int8_x(options)
         build = LayerBuilder(hp, model, spans, ctx, self.on_cuda, options, self.xq,
@@ -333,20 +336,31 @@ class GpuStage:
         experts added onto it with their weights. Up to GEMV_ROWS rows: the expert GEMVs (the
         decode step's graph holds them); more: the rows sorted by expert and one grouped GEMM
         per expert (kernels/moe.py)."""
-        hp, b, n, x = self.hp, self.buf, a.n, a.normed
-        k, ne, pdl = hp.n_expert_used, hp.n_expert, self.pdl
-        ids, w = b["moe_ids"][:n], b["moe_w"][:n]
+        self._route(f, a)
+        self._experts_out(f, a)
+
+    def _route(self, f: Experts, a: Rows) -> None:
+        """Router logits and top-k routing into buf.moe_ids / moe_w (on the device), and the
+        shared expert (glm4moe) into proj."""
+        hp, b, n, x, pdl = self.hp, self.buf, a.n, a.normed, self.pdl
         moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl)
-        moe.route(b["moe_logits"][:n], k, hp.expert_gating, hp.expert_weights_norm,
-                  hp.expert_weights_scale, f.sel_bias, ids, w, use_pdl=pdl)
+        moe.route(b["moe_logits"][:n], hp.n_expert_used, hp.expert_gating,
+                  hp.expert_weights_norm, hp.expert_weights_scale, f.sel_bias,
+                  b["moe_ids"][:n], b["moe_w"][:n], use_pdl=pdl)
         if f.shared is not None:
             self._shared_expert(f.shared, a)
+
+    def _experts_out(self, f: Experts, a: Rows) -> None:
+        """The routed experts of the routing in buf.moe_ids / moe_w onto proj."""
+        b, n = self.buf, a.n
+        ids, w = b["moe_ids"][:n], b["moe_w"][:n]
         if f.host is not None:  # experts in host memory: routed here, run from the expert
-            # cache's slots or by the CPU (engine/runtime/gpu/host.py)
-            f.host.run(x, ids, w, a.proj, b["moe_out"][:n], f.shared is not None,
+            # cache's slots, the staging span or by the CPU (engine/runtime/gpu/host.py)
+            f.host.run(a.normed, ids, w, a.proj, b["moe_out"][:n], f.shared is not None,
                        lambda mats, slots, sid: self._routed(f, mats, slots, sid, w, a))
             return
-        self._routed(f, [f.gate.packed, f.up.packed, f.down.packed], ne, ids, w, a)
+        self._routed(f, [f.gate.packed, f.up.packed, f.down.packed], self.hp.n_expert, ids, w,
+                     a)
 
     def _routed(self, f: Experts, mats: list[torch.Tensor], ne: int, ids: torch.Tensor,
                 w: torch.Tensor, a: Rows) -> None:
@@ -383,11 +397,17 @@ class GpuStage:
                               use_pdl=self.pdl)
 
     def _add_output(self, a: Rows, last: Ffn) -> None:
-        # the stage's last FFN output into hidden (the next stage's first norm takes hidden)
+        # the stage's last FFN output into hidden (the next stage's first norm takes hidden),
+        # rounded once as the fused add-and-norm of a layer boundary rounds it: a split then
+        # changes no bit of the stream
+        # by the same kernels (a torch add rounds bf16 to nearest, the interpreter's Triton
+        # casts truncate); their norm into normed is not read (the head rewrites it)
         if last.post_norm is not None:
-            norm.rmsnorm(a.proj, last.post_norm, self.hp.rms_eps, out=a.proj,
-                         use_pdl=self.pdl)  # in place: one row per program
-        a.hidden += a.proj
+            norm.rmsnorm_post(a.proj, last.post_norm, last.post_norm, self.hp.rms_eps,
+                              residual=a.hidden, out=a.normed, use_pdl=self.pdl)
+        else:
+            norm.rmsnorm(a.proj, last.norm, self.hp.rms_eps, residual=a.hidden, out=a.normed,
+                         use_pdl=self.pdl)
 
     # --- attention -----------------------------------------------------------------------
     def _qkv(self, att: Attention, x: torch.Tensor, out: torch.Tensor, xq) -> None:
@@ -546,20 +566,75 @@ class GpuStage:
 
     def capture(self) -> None:
         """Capture decode_step in a CUDA graph (after one eager warm-up that compiles kernels).
-        On the CPU (interpreter) there is no graph: replay runs decode_step eagerly; so does a
-        stage with layers whose experts the CPU runs (the step waits on the host there)."""
-        if not self.on_cuda or self.host_layers:
+        On the CPU (interpreter) there is no graph: replay runs decode_step eagerly. A stage
+        with host layers (their experts wait on the host) captures the stretches between them,
+        one graph each, and replay runs the host layers' experts eagerly in between (on the
+        CPU the same pieces, all eager)."""
+        pieces = self._decode_pieces() if self.host_layers else []
+        if not self.on_cuda:
+            self.pieces = [run for _, run in pieces]
             return
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
-            self.decode_step()
+            for _, run in pieces or [(True, self.decode_step)]:
+                run()
         torch.cuda.current_stream(self.device).wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        # torch.cuda.graph's default capture stream is created once, on the first device that
-        # captures; a second GPU's stage needs a stream of its own device
-        with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(self.device)):
-            self.decode_step()
+        if not pieces:
+            self.graph = torch.cuda.CUDAGraph()
+            # torch.cuda.graph's default capture stream is created once, on the first device
+            # that captures; a second GPU's stage needs a stream of its own device
+            with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(self.device)):
+                self.decode_step()
+            return
+        self.pieces = []
+        for graphable, run in pieces:
+            if graphable:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=torch.cuda.Stream(self.device)):
+                    run()
+                self._graphs.append(g)
+                run = g.replay
+            self.pieces.append(run)
+
+    def _decode_pieces(self) -> list[tuple[bool, Callable[[], None]]]:
+        """decode_step as pieces run in order, each (graphable, run): the stretch up to each
+        host layer's routing, that layer's experts (eager: they wait on the host), and the
+        stretch after the last one through the head, the sampler and the position."""
+        hosts = [p for p, la in enumerate(self.layers) if la.index in self.host_layers]
+        out: list[tuple[bool, Callable[[], None]]] = []
+        start = 0
+        for p in hosts:
+            out.append((True, lambda s=start, e=p: self._decode_span(s, e, True)))
+            out.append((False, lambda e=p: self._experts_out(self.layers[e].ffn, self._rows(1))))
+            start = p + 1
+        out.append((True, lambda s=start: self._decode_span(s, len(self.layers), False)))
+        return out
+
+    def _decode_span(self, s: int, e: int, route: bool) -> None:
+        """Decode's layers [s, e) of this stage (as `forward(1, None)` runs them); ``route``:
+        then layer e up to its routing; else the stage's end, the head, the sampler and the
+        position (as `decode_step`)."""
+        a = self._rows(1)
+        if s == 0 and self.first:
+            self._embed(a)
+        prev: Ffn | Experts | None = self.layers[s - 1].ffn if s else None
+        for layer in self.layers[s:e]:
+            self._attention(layer.attn, a, None, prev)
+            self._ffn(layer, a)
+            prev = layer.ffn
+        if route:
+            layer = self.layers[e]
+            self._attention(layer.attn, a, None, prev)
+            self._add_norm(a, layer.attn.post_norm, layer.ffn.norm, layer.ffn.xq)
+            self._route(layer.ffn, a)
+            return
+        if prev is not None:
+            self._add_output(a, prev)
+        if self.last:
+            self.head(0, 1)
+            self.sample_next()
+        self.buf["positions"][:1] += 1
 
     def host_moved(self) -> int:
         """Bytes the stage's host layers have copied between the GPU and host memory."""
@@ -577,6 +652,7 @@ class GpuStage:
         """Drop every view into the arenas this stage holds (and its graph), so that freeing
         the arenas frees the memory."""
         self.graph = None
+        self.pieces, self._graphs = [], []
         if self.buf.get("lookup") is not None:
             lowbit_blocks.uninstall_tables(self.buf["lookup"])
         self.scan_flags = None
@@ -591,7 +667,10 @@ class GpuStage:
         self.token_embd = self.output = self.output_norm = self.xq_out = None
 
     def replay(self) -> None:
-        if self.graph is None:
+        if self.pieces:
+            for run in self.pieces:
+                run()
+        elif self.graph is None:
             self.decode_step()
         else:
             self.graph.replay()
