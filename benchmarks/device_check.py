@@ -351,15 +351,19 @@ def _moe_section(g, copy_bw, mm_rate, row):
         row(f"moe router {label} T=1", t, router_w.numel() * 4 / copy_bw)
         t = graph_time(lambda i=0: moe.route(logits, k, "softmax", True, 1.0, None, ids, w_out))
         row(f"moe route {label} T=1", t, 0.0, note="latency only")
+        # timed first: the graph's last call leaves sets[7]'s output in h and y, so each
+        # result is checked after its timing, from a poisoned output, with the ids it used
+        t = graph_time(lambda i=0: moe.expert_glu(gate, gt, up, gt, ne, x, sets[i], h))
+        h.fill_(float("nan"))
         moe.expert_glu(gate, gt, up, gt, ne, x, sets[0], h)
         ref = moe.expert_glu_ref(gate, gt, up, gt, ne, x.float(), sets[0],
                                  torch.empty(k, f, device="cuda"))
-        t = graph_time(lambda i=0: moe.expert_glu(gate, gt, up, gt, ne, x, sets[i], h))
         row(f"moe expert gate/up+glu {tag} T=1", t, 2 * k * per_g / copy_bw, nerr(h, ref))
+        t = graph_time(lambda i=0: moe.expert_down(down, dt, ne, h, sets[i], wts, y))
+        y.fill_(float("nan"))
         moe.expert_down(down, dt, ne, h, sets[0], wts, y)
         ref = moe.expert_down_ref(down, dt, ne, h.float(), sets[0], wts,
                                   torch.empty(1, e, device="cuda"))
-        t = graph_time(lambda i=0: moe.expert_down(down, dt, ne, h, sets[i], wts, y))
         row(f"moe expert down {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref))
         # prefill: 512 tokens routed by random logits
         m = 512
@@ -373,21 +377,53 @@ def _moe_section(g, copy_bw, mm_rate, row):
         out_rows = torch.empty(m * k, e, device="cuda")
         yp = torch.empty(m, e, device="cuda", dtype=torch.bfloat16)
         t = graph_time(lambda i=0: moe.router(router_w, xp, out=lg), calls=2)
-        row(f"moe router {label} T=512", t, 2 * m * e * ne / mm_rate)
+        row(f"moe router {label} T=512", t, 2 * m * e * ne / mm_rate,
+            nerr(lg, moe.router_ref(router_w, xp)))
         moe.route(lg, k, "softmax", True, 1.0, None, ids_p, w_p)
         t = graph_time(lambda i=0: moe.sort_routes(ids_p, ne, rows_, pos, tiles), calls=2)
-        row(f"moe sort {label} T=512", t, 0.0, note="latency only")
+        same = _sort_agrees(moe, ids_p, ne, rows_, pos, tiles)
+        row(f"moe sort {label} T=512", t, 0.0, None if same else float("inf"),
+            note="latency only" + ("" if same else "; DIFFERS from sort_routes_ref"))
         flops = 2 * m * k * e * f
         t = graph_time(lambda i=0: moe.grouped_glu(gate, gt, up, gt, ne, xp, ids_p, rows_, tiles,
                                                    hp_), calls=2)
+        ex_of = ids_p.reshape(-1)[rows_.long()].long()  # expert of each sorted row
+        tok_of = rows_.long() // k  # token of each sorted row
+        gd = _per_expert(gate, gt, ne, xp.float()[tok_of], ex_of)
+        ud = _per_expert(up, gt, ne, xp.float()[tok_of], ex_of)
         row(f"moe grouped gate/up {tag} T=512", t,
-            max(2 * gate.numel() / copy_bw, 2 * flops / mm_rate))
+            max(2 * gate.numel() / copy_bw, 2 * flops / mm_rate),
+            nerr(hp_, torch.nn.functional.silu(gd) * ud))
+        gd = ud = None
         t = graph_time(lambda i=0: moe.grouped_down(down, dt, ne, hp_, tiles, out_rows), calls=2)
-        row(f"moe grouped down {tag} T=512", t, max(down.numel() / copy_bw, flops / mm_rate))
+        row(f"moe grouped down {tag} T=512", t, max(down.numel() / copy_bw, flops / mm_rate),
+            nerr(out_rows, _per_expert(down, dt, ne, hp_.float(), ex_of)))
         t = graph_time(lambda i=0: moe.combine(out_rows, pos, w_p, yp), calls=2)
-        row(f"moe combine {label} T=512", t, (out_rows.numel() * 4 + yp.numel() * 2) / copy_bw)
+        row(f"moe combine {label} T=512", t, (out_rows.numel() * 4 + yp.numel() * 2) / copy_bw,
+            nerr(yp, moe.combine_ref(out_rows, pos, w_p, torch.empty(m, e, device="cuda"))))
         gate = up = down = hp_ = out_rows = None  # free before the next shape
         torch.cuda.empty_cache()
+
+
+def _per_expert(w, t, n_expert, x, ex_of):
+    """Reference of a grouped GEMM: row s of ``x`` times expert ex_of[s]'s matrix, in float32
+    from ``quant_matmul.dequantize_ref`` one expert at a time."""
+    n = w.shape[0] // n_expert
+    y = torch.zeros(x.shape[0], n, device=x.device)
+    for ex in ex_of.unique().tolist():
+        sel = ex_of == ex
+        y[sel] = x[sel] @ quant_matmul.dequantize_ref(w[ex * n:(ex + 1) * n], t,
+                                                      torch.float32).T
+    return y
+
+
+def _sort_agrees(moe, ids, n_expert, rows, pos, tiles) -> bool:
+    """The device sort's rows, places and used tiles against ``sort_routes_ref``."""
+    r, p, tl_ = torch.empty_like(rows), torch.empty_like(pos), torch.empty_like(tiles)
+    moe.sort_routes_ref(ids, n_expert, r, p, tl_)
+    used = tl_[0] >= 0
+    return (torch.equal(r, rows) and torch.equal(p, pos)
+            and torch.equal(tl_[:, used], tiles[:, used]) and bool((tiles[0, ~used] < 0).all()))
 
 
 def _table(rows, best_cfg, args, copy_bw, mm_rate):
