@@ -96,6 +96,22 @@ def allocate_host(dl: Any, pin: bool, arenas: list[tuple[torch.Tensor, bool]],
             spans[s.name] = raw
 
 
+def check_scales(model: Any, names: list[str], spans: dict[str, torch.Tensor]) -> None:
+    """CarveError naming a host expert tensor with a block whose scale is inf or NaN (a
+    damaged file), read by the CPU where it lies (the stage's device scan reads only its own
+    memory)."""
+    from kernels.scale_scan import first_bad_block
+    from spec import quant_types as qt
+
+    for name in names:
+        info = model.tensor(name)
+        if len(info.shape) >= 2 and first_bad_block(spans[name], info.ggml_type) is not None:
+            raise CarveError(
+                f"{model.paths[info.shard]}: tensor {name} has a block whose "
+                f"{qt.type_name(info.ggml_type)} scale is not finite (inf or NaN): the file is "
+                "damaged; download or convert it again")
+
+
 def host_layers(dl: Any) -> set[int]:
     """The layers of a DeviceLayout whose experts live in its host arenas."""
     return {int(s.name.split(".")[1]) for a in dl.arenas if a.purpose == HOST_PURPOSES[0]

@@ -111,6 +111,8 @@ class GpuPipeline:
         if on_host:  # straight from the file into the host arena: no copy to make
             hb, hs = load_tensors(self.model, on_host, spans, "cpu", on_progress, cancelled)
             nbytes, sec = nbytes + hb, sec + hs
+            if dev.type == "cuda":  # the stage's scan on the device reads only its own memory
+                gpu_host.check_scales(self.model, on_host, spans)
         timeline.mark(f"{dev}: weights")
         for name, t in spans.items():
             if name.startswith("kv."):
