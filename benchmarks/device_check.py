@@ -353,18 +353,27 @@ def _moe_section(g, copy_bw, mm_rate, row):
         row(f"moe route {label} T=1", t, 0.0, note="latency only")
         # timed first: the graph's last call leaves sets[7]'s output in h and y, so each
         # result is checked after its timing, from a poisoned output, with the ids it used
-        t = graph_time(lambda i=0: moe.expert_glu(gate, gt, up, gt, ne, x, sets[i], h))
+        cg, cd = moe.expert_config(gt, f, e, "glu"), moe.expert_config(dt, e, f, "down")
+        t = graph_time(lambda i=0: moe.expert_glu(gate, gt, up, gt, ne, x, sets[i], h,
+                                                  config=cg))
         h.fill_(float("nan"))
-        moe.expert_glu(gate, gt, up, gt, ne, x, sets[0], h)
+        moe.expert_glu(gate, gt, up, gt, ne, x, sets[0], h, config=cg)
         ref = moe.expert_glu_ref(gate, gt, up, gt, ne, x.float(), sets[0],
                                  torch.empty(k, f, device="cuda"))
-        row(f"moe expert gate/up+glu {tag} T=1", t, 2 * k * per_g / copy_bw, nerr(h, ref))
-        t = graph_time(lambda i=0: moe.expert_down(down, dt, ne, h, sets[i], wts, y))
+        row(f"moe expert gate/up+glu {tag} T=1", t, 2 * k * per_g / copy_bw, nerr(h, ref),
+            f"cfg={cg}")
+        t = graph_time(lambda i=0: moe.expert_down(down, dt, ne, h, sets[i], wts, y,
+                                                   config=cd))
         y.fill_(float("nan"))
-        moe.expert_down(down, dt, ne, h, sets[0], wts, y)
+        moe.expert_down(down, dt, ne, h, sets[0], wts, y, config=cd)
         ref = moe.expert_down_ref(down, dt, ne, h.float(), sets[0], wts,
                                   torch.empty(1, e, device="cuda"))
-        row(f"moe expert down {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref))
+        row(f"moe expert down {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref), f"cfg={cd}")
+        # the tiles moe.EXPERT_CONFIG may take (blocks per step clamp to the row's blocks)
+        _expert_sweep(f"glu {tag}", lambda c, i: moe.expert_glu(
+            gate, gt, up, gt, ne, x, sets[i], h, config=c), 2 * k * per_g / copy_bw, row)
+        _expert_sweep(f"down {tag}", lambda c, i: moe.expert_down(
+            down, dt, ne, h, sets[i], wts, y, config=c), k * per_d / copy_bw, row)
         # prefill: 512 tokens routed by random logits
         m = 512
         xp = torch.randn(m, e, device="cuda", generator=g).to(torch.bfloat16)
@@ -380,7 +389,8 @@ def _moe_section(g, copy_bw, mm_rate, row):
         row(f"moe router {label} T=512", t, 2 * m * e * ne / mm_rate,
             nerr(lg, moe.router_ref(router_w, xp)))
         moe.route(lg, k, "softmax", True, 1.0, None, ids_p, w_p)
-        t = graph_time(lambda i=0: moe.sort_routes(ids_p, ne, rows_, pos, tiles), calls=2)
+        t = graph_time(lambda i=0: moe.sort_routes(ids_p, ne, rows_, pos, tiles,
+                                                   lg.view(torch.int32)), calls=2)
         same = _sort_agrees(moe, ids_p, ne, rows_, pos, tiles)
         row(f"moe sort {label} T=512", t, 0.0, None if same else float("inf"),
             note="latency only" + ("" if same else "; DIFFERS from sort_routes_ref"))
@@ -398,11 +408,43 @@ def _moe_section(g, copy_bw, mm_rate, row):
         t = graph_time(lambda i=0: moe.grouped_down(down, dt, ne, hp_, tiles, out_rows), calls=2)
         row(f"moe grouped down {tag} T=512", t, max(down.numel() / copy_bw, flops / mm_rate),
             nerr(out_rows, _per_expert(down, dt, ne, hp_.float(), ex_of)))
+        for c in GROUPED_TILES:  # the tiles moe.GROUPED_CONFIG may take
+            try:
+                tg = graph_time(lambda i=0, c=c: moe.grouped_glu(
+                    gate, gt, up, gt, ne, xp, ids_p, rows_, tiles, hp_, config=c), calls=2)
+                td = graph_time(lambda i=0, c=c: moe.grouped_down(
+                    down, dt, ne, hp_, tiles, out_rows, config=c), calls=2)
+            except Exception as exc:  # a tile can exceed registers or shared memory
+                print(f"  grouped {tag} {c}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                continue
+            print(f"  grouped {tag} cfg {c}: gate/up {tg * 1e6:.1f} us, down {td * 1e6:.1f} us",
+                  flush=True)
         t = graph_time(lambda i=0: moe.combine(out_rows, pos, w_p, yp), calls=2)
         row(f"moe combine {label} T=512", t, (out_rows.numel() * 4 + yp.numel() * 2) / copy_bw,
             nerr(yp, moe.combine_ref(out_rows, pos, w_p, torch.empty(m, e, device="cuda"))))
         gate = up = down = hp_ = out_rows = None  # free before the next shape
         torch.cuda.empty_cache()
+
+
+GROUPED_TILES = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)]
+EXPERT_TILES = [(1, 16, 1), (2, 16, 1), (2, 16, 2), (4, 16, 2), (4, 16, 4), (8, 16, 4),
+                (8, 16, 8), (16, 16, 4), (16, 16, 8), (32, 16, 8)]
+
+
+def _expert_sweep(name, fn, floor, row):
+    """Each tile of EXPERT_TILES for one decode expert kernel; the fastest as a row."""
+    timings = []
+    for cfg in EXPERT_TILES:
+        try:
+            sec = graph_time(lambda i=0, c=cfg: fn(c, i))
+        except Exception as exc:  # a tile can exceed registers or a body's constraints
+            print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+            continue
+        timings.append((sec, cfg))
+        print(f"  {name} cfg {cfg}: {sec * 1e6:.1f} us", flush=True)
+    if timings:
+        sec, cfg = min(timings)
+        row(f"moe expert {name} best tile", sec, floor, note=f"cfg={cfg}")
 
 
 def _per_expert(w, t, n_expert, x, ex_of):

@@ -37,7 +37,7 @@ from kernels import pdl
 from kernels.gemv_dot import row_dot
 from kernels.glu import glu_act
 from kernels.quant_blocks import dequant_part, plan
-from kernels.quant_matmul import _launch_args, dequantize_ref, row_cols
+from kernels.quant_matmul import _launch_args, dequantize_ref, gemv_config, row_cols
 from spec.launch import MOE_TILE_ROWS, moe_tiles
 
 GATINGS = {"softmax": 0, "softmax_topk": 1, "sigmoid": 2}
@@ -104,10 +104,13 @@ def router(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
     m = x2.shape[0]
     out = torch.empty(m, e, dtype=torch.float32, device=x.device) if out is None else out
     if m > ROUTER_GEMV_ROWS:
-        be = 64 if x.is_cuda else max(16, triton.next_power_of_2(e))
-        _router_mm_kernel[(triton.cdiv(e, be), triton.cdiv(m, 32))](
+        # tiles of 16 rows x 32 experts: 128 programs at 512 rows x 128 experts (tiles of 32 x
+        # 64 gave 32 programs on 132 SMs: 157 us on an H200 for 0.27 GFLOP)
+        be = min(32, max(16, triton.next_power_of_2(e))) if x.is_cuda else max(
+            16, triton.next_power_of_2(e))
+        _router_mm_kernel[(triton.cdiv(e, be), triton.cdiv(m, 16))](
             w, x2, bias if bias is not None else w, out, m, e, k, x2.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=32, BLOCK_E=be, BLOCK_K=32, num_warps=4)
+            HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_E=be, BLOCK_K=64, num_warps=4)
         return out
     block_e = 2 if x.is_cuda else triton.next_power_of_2(e)
     block_k = 512 if x.is_cuda else triton.next_power_of_2(k)
@@ -259,6 +262,16 @@ def _expert_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, ub_
 
 
 _ACTS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
+# decode expert GEMV tiles (rows per program, blocks per step, warps) by type where they differ
+# from the dense GEMV's: one expert's matrix is small (768 x 2048 at Qwen3-30B-A3B) and its k
+# experts share a grid; `python -m benchmarks.device_check --moe` sweeps them
+EXPERT_CONFIG: dict[tuple[int, str], tuple[int, ...]] = {}
+
+
+def expert_config(ggml_type: int, rows: int, cols: int, part: str) -> tuple[int, ...]:
+    """The tile of a decode expert GEMV: ``part`` "glu" (gate/up) or "down", ``rows`` x
+    ``cols`` one expert's shape."""
+    return EXPERT_CONFIG.get((ggml_type, part)) or gemv_config(ggml_type, rows, cols)
 
 
 def _pair_meta(w: torch.Tensor, t: int, config, x_dtype, tag: str):
@@ -344,7 +357,9 @@ def _expert_down_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, h_ptr, ids_ptr, rw_ptr, y_
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for j in range(KU):  # the k experts in order: the sum does not depend on launch order
+    # the k experts in order (the sum does not depend on launch order), unrolled so that the
+    # k experts' id, weight and row loads are in flight together
+    for j in tl.static_range(KU):
         slot = m * KU + j
         eid = tl.load(ids_ptr + slot)
         wt = tl.load(rw_ptr + slot)
@@ -397,61 +412,91 @@ def expert_down_ref(down, ggml_type, n_expert, h, ids, weights, out, bias=None,
 
 
 # --- prefill: routed rows sorted by expert, one GEMM per expert -----------------------------
+SORT_BLOCK = 128  # routed rows per program of the sort (at least k: see sort_routes)
+
+
 @triton.jit
-def _sort_kernel(ids_ptr, rows_ptr, pos_ptr, tiles_ptr, A, E, T, TILE: tl.constexpr,
-                 BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
-    # one program: A = tokens x k routed rows (a few thousand), E experts (up to a few hundred)
+def _sort_count_kernel(ids_ptr, cnt_ptr, A, E, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr):
+    # one program per BLOCK_A routed rows: how many of them each expert holds
+    b = tl.program_id(0)
+    a = b * BLOCK_A + tl.arange(0, BLOCK_A)
     e = tl.arange(0, BLOCK_E)
+    ex = tl.load(ids_ptr + a, mask=a < A, other=-1)
+    counts = tl.sum((ex[:, None] == e[None, :]).to(tl.int32), axis=0)
+    tl.store(cnt_ptr + b * E + e, counts, mask=e < E)
+
+
+@triton.jit
+def _sort_place_kernel(ids_ptr, cnt_ptr, rows_ptr, pos_ptr, tiles_ptr, A, E, T, NB,
+                       TILE: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_T: tl.constexpr):
+    # the same BLOCK_A rows: each expert's start (the counts of all blocks) plus the rows of
+    # that expert in the blocks before this one; program 0 also writes the tiles
+    b = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for a0 in range(0, A, BLOCK_A):
-        a = a0 + tl.arange(0, BLOCK_A)
-        ex = tl.load(ids_ptr + a, mask=a < A, other=-1)
-        counts += tl.sum((ex[:, None] == e[None, :]).to(tl.int32), axis=0)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for i in range(NB):
+        c = tl.load(cnt_ptr + i * E + e, mask=em, other=0)
+        counts += c
+        before += tl.where(i < b, c, 0)
     start = tl.cumsum(counts, axis=0) - counts  # each expert's first sorted row
-    nt = (counts + TILE - 1) // TILE
-    tend = tl.cumsum(nt, axis=0)
-    tstart = tend - nt  # each expert's first tile
-    # tile t belongs to the expert whose tiles [tstart, tend) hold it; past the last: -1
-    for t0 in range(0, T, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        ex = tl.sum((tend[None, :] <= t[:, None]).to(tl.int32), axis=1)
-        sel = e[None, :] == ex[:, None]
-        r0 = (tl.sum(tl.where(sel, start[None, :], 0), axis=1)
-              + (t - tl.sum(tl.where(sel, tstart[None, :], 0), axis=1)) * TILE)
-        r1 = tl.minimum(r0 + TILE, tl.sum(tl.where(sel, (start + counts)[None, :], 0), axis=1))
-        tm = t < T
-        tl.store(tiles_ptr + t, tl.where(ex < E, ex, -1), mask=tm)
-        tl.store(tiles_ptr + T + t, r0, mask=tm)
-        tl.store(tiles_ptr + 2 * T + t, r1, mask=tm)
+    if b == 0:
+        nt = (counts + TILE - 1) // TILE
+        tend = tl.cumsum(nt, axis=0)
+        tstart = tend - nt  # each expert's first tile
+        # tile t belongs to the expert whose tiles [tstart, tend) hold it; past the last: -1
+        for t0 in range(0, T, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            ex = tl.sum((tend[None, :] <= t[:, None]).to(tl.int32), axis=1)
+            sel = e[None, :] == ex[:, None]
+            r0 = (tl.sum(tl.where(sel, start[None, :], 0), axis=1)
+                  + (t - tl.sum(tl.where(sel, tstart[None, :], 0), axis=1)) * TILE)
+            r1 = tl.minimum(r0 + TILE,
+                            tl.sum(tl.where(sel, (start + counts)[None, :], 0), axis=1))
+            tm = t < T
+            tl.store(tiles_ptr + t, tl.where(ex < E, ex, -1), mask=tm)
+            tl.store(tiles_ptr + T + t, r0, mask=tm)
+            tl.store(tiles_ptr + 2 * T + t, r1, mask=tm)
     # each routed row's place: its expert's start + the rows of that expert before it
-    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for a0 in range(0, A, BLOCK_A):
-        a = a0 + tl.arange(0, BLOCK_A)
-        am = a < A
-        oh = (tl.load(ids_ptr + a, mask=am, other=-1)[:, None] == e[None, :]).to(tl.int32)
-        before = tl.cumsum(oh, axis=0) - 1 + (start + seen)[None, :]
-        pos = tl.sum(oh * before, axis=1)
-        tl.store(pos_ptr + a, pos, mask=am)
-        tl.store(rows_ptr + pos, a, mask=am)
-        seen += tl.sum(oh, axis=0)
+    a = b * BLOCK_A + tl.arange(0, BLOCK_A)
+    am = a < A
+    oh = (tl.load(ids_ptr + a, mask=am, other=-1)[:, None] == e[None, :]).to(tl.int32)
+    place = tl.cumsum(oh, axis=0) - 1 + (start + before)[None, :]
+    pos = tl.sum(oh * place, axis=1)
+    tl.store(pos_ptr + a, pos, mask=am)
+    tl.store(rows_ptr + pos, a, mask=am)
 
 
 def sort_routes(ids: torch.Tensor, n_expert: int, rows: torch.Tensor, pos: torch.Tensor,
-                tiles: torch.Tensor) -> None:
+                tiles: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
     """Group the routed rows (``ids`` [M, k]: row a = m * k + j) by expert, on the device:
     ``rows[s]`` the routed row at sorted place s (experts in order, rows in order within one),
     ``pos[a]`` the place of routed row a, ``tiles`` [3, T] (T = spec.launch.moe_tiles) each
-    tile's expert (-1: unused), first and end sorted place; tiles hold one expert's rows."""
+    tile's expert (-1: unused), first and end sorted place; tiles hold one expert's rows.
+    Two launches of one program per SORT_BLOCK routed rows (a count, then the places), the
+    counts in ``scratch`` (int32, at least M * n_expert: the router's logits, read by then,
+    hold them in the runner)."""
     a = ids.numel()
     t = tiles.shape[1]
     if t < moe_tiles(a, n_expert):
         raise ValueError(f"{t} tiles cannot hold {a} routed rows of {n_expert} experts")
-    _sort_kernel[(1,)](ids, rows, pos, tiles, a, n_expert, t, TILE=MOE_TILE_ROWS,
-                       BLOCK_A=64, BLOCK_E=triton.next_power_of_2(n_expert), BLOCK_T=64,
-                       num_warps=4)
+    block = SORT_BLOCK if ids.is_cuda else 64
+    nb = triton.cdiv(a, block)
+    if scratch is None:
+        scratch = torch.empty(nb * n_expert, dtype=torch.int32, device=ids.device)
+    if scratch.dtype != torch.int32 or scratch.numel() < nb * n_expert:
+        raise ValueError(f"the sort needs {nb * n_expert} int32 of scratch")
+    be = triton.next_power_of_2(n_expert)
+    _sort_count_kernel[(nb,)](ids, scratch, a, n_expert, BLOCK_A=block, BLOCK_E=be,
+                              num_warps=4)
+    _sort_place_kernel[(nb,)](ids, scratch, rows, pos, tiles, a, n_expert, t, nb,
+                              TILE=MOE_TILE_ROWS, BLOCK_A=block, BLOCK_E=be, BLOCK_T=64,
+                              num_warps=4)
 
 
-def sort_routes_ref(ids, n_expert, rows, pos, tiles):
+def sort_routes_ref(ids, n_expert, rows, pos, tiles, scratch=None):
     flat = ids.reshape(-1).long()
     order = torch.sort(flat, stable=True).indices
     rows.copy_(order.to(torch.int32))
@@ -537,36 +582,43 @@ def _gemm_meta(w: torch.Tensor, t: int, tag: str) -> tuple[tuple, dict]:
                      f"BB{tag}": max(1, 64 // p.block)}  # 16-64 values per tl.dot step
 
 
-def _block_n(n: int, on_gpu: bool) -> int:
-    return 64 if on_gpu else max(16, min(256, triton.next_power_of_2(n)))
+# prefill's grouped GEMM tile on a GPU: (columns per program, warps); a program's rows are one
+# tile of MOE_TILE_ROWS sorted rows. `python -m benchmarks.device_check --moe` sweeps it
+GROUPED_CONFIG = (64, 4)
+
+
+def _grouped_tile(n: int, on_gpu: bool, config: tuple[int, int] | None) -> tuple[int, int]:
+    if config is not None:
+        return config
+    return GROUPED_CONFIG if on_gpu else (max(16, min(256, triton.next_power_of_2(n))), 4)
 
 
 def grouped_glu(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: int,
                 n_expert: int, x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
                 tiles: torch.Tensor, out: torch.Tensor, act: str = "silu",
                 gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
-                limit: float = 0.0) -> torch.Tensor:
+                limit: float = 0.0, config: tuple[int, int] | None = None) -> torch.Tensor:
     """Prefill's routed gate/up over the rows ``sort_routes`` grouped: ``out[s] = act(x[m] @
     gate_e^T) * (x[m] @ up_e^T)`` for the routed row a = rows[s] = m * k + j of expert e; one
-    launch, a program per (tile, column block)."""
+    launch, a program per (tile, column block). ``config``: (columns per program, warps)."""
     n, k = expert_rows(gate, n_expert), row_cols(gate, gate_type)
     m, ku = ids.shape
     x2 = x.reshape(m, k)
     gp, gmeta = _gemm_meta(gate, gate_type, "G")
     upp, umeta = _gemm_meta(up, up_type, "U")
-    bn = _block_n(n, x.is_cuda)
+    bn, warps = _grouped_tile(n, x.is_cuda, config)
     t = tiles.shape[1]
     _grouped_glu_kernel[(t, triton.cdiv(n, bn))](
         *gp, *upp, gate_bias if gate_bias is not None else x2,
         up_bias if up_bias is not None else x2, x2, rows, tiles, out, n, k, gate.shape[1],
         up.shape[1], x2.stride(0), t, float(limit), KU=ku, HAS_BIAS=gate_bias is not None,
         ACT=_ACTS[act], **gmeta, **umeta, BLOCK_M=MOE_TILE_ROWS, BLOCK_N=bn,
-        DOT_F32=x.dtype == torch.float32, num_warps=4)
+        DOT_F32=x.dtype == torch.float32, num_warps=warps)
     return out
 
 
 def grouped_glu_ref(gate, gate_type, up, up_type, n_expert, x, ids, rows, tiles, out,
-                    act="silu", gate_bias=None, up_bias=None, limit=0.0):
+                    act="silu", gate_bias=None, up_bias=None, limit=0.0, config=None):
     m, ku = ids.shape
     h = torch.empty(m * ku, expert_rows(gate, n_expert), dtype=out.dtype, device=out.device)
     expert_glu_ref(gate, gate_type, up, up_type, n_expert, x, ids, h, act, gate_bias, up_bias,
@@ -599,21 +651,23 @@ def _grouped_down_kernel(w_ptr, wh_ptr, wg_ptr, b_ptr, h_ptr, tiles_ptr, y_ptr, 
 
 def grouped_down(down: torch.Tensor, ggml_type: int, n_expert: int, h: torch.Tensor,
                  tiles: torch.Tensor, out: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None,
+                 config: tuple[int, int] | None = None) -> torch.Tensor:
     """Prefill's routed down projection, row by sorted row: ``out[s] = h[s] @ down_e^T (+
-    bias_e)`` for the expert e of the tile holding s (weights applied by ``combine``)."""
+    bias_e)`` for the expert e of the tile holding s (weights applied by ``combine``);
+    ``config`` as in ``grouped_glu``."""
     n, k = expert_rows(down, n_expert), row_cols(down, ggml_type)
     ptrs, meta = _gemm_meta(down, ggml_type, "D")
-    bn = _block_n(n, h.is_cuda)
+    bn, warps = _grouped_tile(n, h.is_cuda, config)
     t = tiles.shape[1]
     _grouped_down_kernel[(t, triton.cdiv(n, bn))](
         *ptrs, bias if bias is not None else h, h, tiles, out, n, k, down.shape[1], t,
         HAS_BIAS=bias is not None, **meta, BLOCK_M=MOE_TILE_ROWS, BLOCK_N=bn,
-        DOT_F32=h.dtype == torch.float32, num_warps=4)
+        DOT_F32=h.dtype == torch.float32, num_warps=warps)
     return out
 
 
-def grouped_down_ref(down, ggml_type, n_expert, h, tiles, out, bias=None):
+def grouped_down_ref(down, ggml_type, n_expert, h, tiles, out, bias=None, config=None):
     n = expert_rows(down, n_expert)
     for i in range(tiles.shape[1]):
         e = int(tiles[0, i])
@@ -634,7 +688,7 @@ def _combine_kernel(y_rows_ptr, pos_ptr, rw_ptr, out_ptr, C, stride_om, KU: tl.c
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for j in range(KU):  # in order, as the decode kernel sums
+    for j in tl.static_range(KU):  # in order, as the decode kernel sums
         s = tl.load(pos_ptr + m * KU + j).to(tl.int64)
         acc += tl.load(rw_ptr + m * KU + j) * tl.load(y_rows_ptr + s * C + c, mask=cm,
                                                       other=0.0).to(tl.float32)

@@ -151,7 +151,10 @@ def test_sort_routes_groups_rows_by_expert(seed):
     rows = torch.full((m * k,), -5, dtype=torch.int32, device=DEVICE)
     pos = rows.clone()
     tiles = torch.full((3, t), -5, dtype=torch.int32, device=DEVICE)
-    moe.sort_routes(ids, n_expert, rows, pos, tiles)
+    # counts in a poisoned scratch of M x experts (the runner lends the router's logits); the
+    # 78 routed rows span two programs under the interpreter (64 rows each)
+    scratch = torch.full((m * n_expert,), -9, dtype=torch.int32, device=DEVICE)
+    moe.sort_routes(ids, n_expert, rows, pos, tiles, scratch)
     r_rows, r_pos, r_tiles = (torch.empty_like(rows), torch.empty_like(pos),
                               torch.empty_like(tiles))
     moe.sort_routes_ref(ids, n_expert, r_rows, r_pos, r_tiles)

@@ -13,7 +13,7 @@ import torch
 import triton
 
 from engine.runtime.options import RunnerOptions
-from kernels import gemv_t, quant_matmul, rope
+from kernels import gemv_t, moe, quant_matmul, rope
 from spec import quant_types as qt
 from spec.errors import CarveError
 
@@ -294,17 +294,18 @@ class LayerBuilder:
                        router_bias=self.vec(p + "ffn_gate_inp.bias"),
                        sel_bias=self.vec(p + "exp_probs_b.bias"),
                        gate=mats[0], up=mats[1], down=mats[2],
-                       config=self._expert_config(mats[0], hp.n_ff_exp),
-                       down_config=self._expert_config(mats[2], hp.n_embd), shared=shared)
+                       config=self._expert_config(mats[0], hp.n_ff_exp, "glu"),
+                       down_config=self._expert_config(mats[2], hp.n_embd, "down"),
+                       shared=shared)
 
     def _expert_matrix(self, stem: str) -> Matrix:
         w, t = packed(self.model, self.spans, stem + ".weight")
         return Matrix(stem + ".weight", t, w, None, None, self.vec(stem + ".bias"), None)
 
-    def _expert_config(self, m: Matrix, rows: int) -> tuple[int, ...]:
+    def _expert_config(self, m: Matrix, rows: int, part: str) -> tuple[int, ...]:
         # the type's tuned tile for one expert's shape on a GPU (not the whole tensor's: its
         # many rows would pick the wide tile); under the interpreter one program per expert
         if self.on_cuda:
-            return quant_matmul.gemv_config(m.ggml_type, rows,
-                                            quant_matmul.row_cols(m.packed, m.ggml_type))
+            return moe.expert_config(m.ggml_type, rows,
+                                     quant_matmul.row_cols(m.packed, m.ggml_type), part)
         return (min(512, triton.next_power_of_2(rows)), 16, 1)

@@ -379,7 +379,8 @@ class GpuStage:
                             accumulate=f.shared is not None, config=f.down_config, use_pdl=pdl)
             return
         rows, pos, tiles = b["moe_rows"][:n * k], b["moe_pos"][:n * k], b["moe_tiles"]
-        moe.sort_routes(ids, ne, rows, pos, tiles)
+        # the router's logits are read by now: their span holds the sort's counts
+        moe.sort_routes(ids, ne, rows, pos, tiles, b["moe_logits"][:n].view(torch.int32))
         moe.grouped_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, rows, tiles, h,
                         act, g.bias, u.bias, hp.swiglu_limit)
         out = b["moe_out"][:n * k]
