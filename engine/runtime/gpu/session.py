@@ -24,7 +24,6 @@ from engine.runtime import timeline
 from engine.runtime.chunked import ChunkedSession
 from engine.runtime.generate import GenerationStats
 from engine.runtime.gpu import decode
-from engine.runtime.gpu.matrices import GEMV_ROWS
 from engine.runtime.gpu.pipeline import GpuPipeline, on, sync
 from engine.runtime.models.layers import NonFinite
 from engine.runtime.options import RunnerOptions
@@ -188,12 +187,6 @@ class GpuSession(ChunkedSession):
         while rows >= 3:
             steps.append(lambda r=rows | 1: pipe.run_chunk([0] * min(r, n), 0))
             rows //= 2
-        # every further 16 rows: cuBLAS picks its GEMM kernel by height, and each kernel's
-        # module loads on its first use (a first reply of 169 tokens ran at 0.41 of the later
-        # ones' prompt speed with the halving heights alone)
-        done = {n} | {r | 1 for r in (n - 1, *(((n - 1) >> k) for k in range(1, 12)))}
-        steps += [lambda r=r: pipe.run_chunk([0] * r, 0)
-                  for r in range(GEMV_ROWS + 1, n, 16) if r not in done]
         # a later reply starts past its cached prefix: a position that is not a multiple of 16
         odd = max(1, min(n - 1, 51)) | 1
         if odd + n <= ctx:
