@@ -369,11 +369,21 @@ def _moe_section(g, copy_bw, mm_rate, row):
         ref = moe.expert_down_ref(down, dt, ne, h.float(), sets[0], wts,
                                   torch.empty(1, e, device="cuda"))
         row(f"moe expert down {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref), f"cfg={cd}")
+        # the k experts in parallel programs, then summed in order (moe.DOWN_SPLIT)
+        yr = torch.empty(k, e, device="cuda")
+        t = graph_time(lambda i=0: moe.expert_down(down, dt, ne, h, sets[i], wts, y,
+                                                   config=cd, rows_out=yr))
+        y.fill_(float("nan"))
+        moe.expert_down(down, dt, ne, h, sets[0], wts, y, config=cd, rows_out=yr)
+        row(f"moe expert down split {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref),
+            f"cfg={cd} DOWN_SPLIT={moe.DOWN_SPLIT}")
         # the tiles moe.EXPERT_CONFIG may take (blocks per step clamp to the row's blocks)
         _expert_sweep(f"glu {tag}", lambda c, i: moe.expert_glu(
             gate, gt, up, gt, ne, x, sets[i], h, config=c), 2 * k * per_g / copy_bw, row)
         _expert_sweep(f"down {tag}", lambda c, i: moe.expert_down(
             down, dt, ne, h, sets[i], wts, y, config=c), k * per_d / copy_bw, row)
+        _expert_sweep(f"down split {tag}", lambda c, i: moe.expert_down(
+            down, dt, ne, h, sets[i], wts, y, config=c, rows_out=yr), k * per_d / copy_bw, row)
         # prefill: 512 tokens routed by random logits
         m = 512
         xp = torch.randn(m, e, device="cuda", generator=g).to(torch.bfloat16)

@@ -262,6 +262,9 @@ def _expert_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, ub_
 
 
 _ACTS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
+# decode's down runs its k experts in parallel programs into the routed rows' buffer, then sums
+# them in order (expert_down's rows_out); device_check --moe times both ways
+DOWN_SPLIT = True
 # decode expert GEMV tiles (rows per program, blocks per step, warps) by type where they differ
 # from the dense GEMV's: one expert's matrix is small (768 x 2048 at Qwen3-30B-A3B) and its k
 # experts share a grid; `python -m benchmarks.device_check --moe` sweeps them
@@ -350,12 +353,22 @@ def _expert_down_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, h_ptr, ids_ptr, rw_ptr, y_
                         ACCUM: tl.constexpr, TYPE: tl.constexpr, BS: tl.constexpr,
                         TS: tl.constexpr, NPART: tl.constexpr, L: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr,
-                        SPECIAL: tl.constexpr, MAGIC: tl.constexpr, PDL: tl.constexpr):
+                        SPECIAL: tl.constexpr, MAGIC: tl.constexpr, SPLIT: tl.constexpr,
+                        PDL: tl.constexpr):
     pdl.start(PDL)
     pid = tl.program_id(0)
     m = tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
+    if SPLIT:  # one expert per program: its row (+ bias), unweighted, into y's routed row
+        slot = m * KU + tl.program_id(2)
+        rows_c = tl.load(ids_ptr + slot) * N + tl.minimum(rows, N - 1)
+        y = row_dot(w_ptr, wh_ptr, wi_ptr, h_ptr + slot.to(tl.int64) * K, rows_c, K, row_bytes,
+                    TYPE, BS, TS, NPART, L, BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows_c).to(tl.float32)
+        tl.store(y_ptr + slot.to(tl.int64) * stride_ym + rows, y, mask=rmask)
+        return
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     # the k experts in order (the sum does not depend on launch order), unrolled so that the
     # k experts' id, weight and row loads are in flight together
@@ -378,25 +391,36 @@ def _expert_down_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, h_ptr, ids_ptr, rw_ptr, y_
 def expert_down(down: torch.Tensor, ggml_type: int, n_expert: int, h: torch.Tensor,
                 ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                 bias: torch.Tensor | None = None, accumulate: bool = False,
-                config: tuple[int, ...] | None = None, use_pdl: bool = True) -> torch.Tensor:
+                config: tuple[int, ...] | None = None, use_pdl: bool = True,
+                rows_out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode's routed down projection with the routing weights folded in:
-    ``out[m] (+)= sum_j weights[m, j] * (h[m * k + j] @ down_e^T (+ bias_e))``, e = ids[m, j];
-    one launch, the k experts summed in order inside each program."""
+    ``out[m] (+)= sum_j weights[m, j] * (h[m * k + j] @ down_e^T (+ bias_e))``, e = ids[m, j].
+    Without ``rows_out``: one launch, the k experts summed in order inside each program. With
+    ``rows_out`` (float32 [M * k, rows], contiguous): the k experts in parallel programs into
+    it, then ``combine`` sums them in the same order (two launches, k times the programs:
+    each program waits on one expert's rows, not on k in a row)."""
     n, k = expert_rows(down, n_expert), row_cols(down, ggml_type)
     m, ku = ids.shape
     ptrs, meta, warps, stages = _launch_args(down, ggml_type, config, h.dtype)
     if h.shape[-1] != k or not h.is_contiguous():
         raise ValueError("h must be contiguous [M * k, cols of down]")
-    grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
-    _expert_down_kernel[grid](*ptrs, bias if bias is not None else h, h, ids, weights, out, n, k,
-                              down.shape[1], out.stride(0), KU=ku, HAS_BIAS=bias is not None,
-                              ACCUM=accumulate, **meta, num_warps=warps,
-                              **pdl.opts(out, use_pdl))
+    split = rows_out is not None
+    if split and (rows_out.shape != (m * ku, n) or rows_out.dtype != torch.float32
+                  or not rows_out.is_contiguous()):
+        raise ValueError(f"rows_out must be contiguous float32 [{m * ku}, {n}]")
+    y = rows_out if split else out
+    grid = (triton.cdiv(n, meta["BLOCK_R"]), m, ku if split else 1)
+    _expert_down_kernel[grid](*ptrs, bias if bias is not None else h, h, ids, weights, y, n, k,
+                              down.shape[1], y.stride(0), KU=ku, HAS_BIAS=bias is not None,
+                              ACCUM=accumulate, **meta, SPLIT=split, num_warps=warps,
+                              **pdl.opts(y, use_pdl))
+    if split:
+        combine(rows_out, None, weights, out, accumulate)
     return out
 
 
 def expert_down_ref(down, ggml_type, n_expert, h, ids, weights, out, bias=None,
-                    accumulate=False, config=None, use_pdl=True):
+                    accumulate=False, config=None, use_pdl=True, rows_out=None):
     n = expert_rows(down, n_expert)
     m, ku = ids.shape
     for i in range(m):
@@ -688,13 +712,16 @@ def grouped_down_ref(down, ggml_type, n_expert, h, tiles, out, bias=None, config
 
 @triton.jit
 def _combine_kernel(y_rows_ptr, pos_ptr, rw_ptr, out_ptr, C, stride_om, KU: tl.constexpr,
-                    ACCUM: tl.constexpr, BLOCK_C: tl.constexpr):
+                    ACCUM: tl.constexpr, IDENT: tl.constexpr, BLOCK_C: tl.constexpr):
     m = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(KU):  # in order, as the decode kernel sums
-        s = tl.load(pos_ptr + m * KU + j).to(tl.int64)
+        if IDENT:  # the rows in routed order (decode's split down)
+            s = (m * KU + j).to(tl.int64)
+        else:
+            s = tl.load(pos_ptr + m * KU + j).to(tl.int64)
         acc += tl.load(rw_ptr + m * KU + j) * tl.load(y_rows_ptr + s * C + c, mask=cm,
                                                       other=0.0).to(tl.float32)
     op = out_ptr + m.to(tl.int64) * stride_om + c
@@ -703,21 +730,22 @@ def _combine_kernel(y_rows_ptr, pos_ptr, rw_ptr, out_ptr, C, stride_om, KU: tl.c
     tl.store(op, acc.to(out_ptr.dtype.element_ty), mask=cm)
 
 
-def combine(y_rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-            accumulate: bool = False) -> torch.Tensor:
+def combine(y_rows: torch.Tensor, pos: torch.Tensor | None, weights: torch.Tensor,
+            out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
     """``out[m] (+)= sum_j weights[m, j] * y_rows[pos[m * k + j]]``: the routed rows back to
-    their tokens, weighted, summed in order of j."""
+    their tokens, weighted, summed in order of j (``pos`` None: row m * k + j itself)."""
     m, ku = weights.shape
     c = out.shape[-1]
     bc = 256 if out.is_cuda else triton.next_power_of_2(c)
-    _combine_kernel[(m, triton.cdiv(c, bc))](y_rows, pos, weights, out, c, out.stride(0), KU=ku,
-                                            ACCUM=accumulate, BLOCK_C=bc, num_warps=4)
+    _combine_kernel[(m, triton.cdiv(c, bc))](y_rows, weights if pos is None else pos, weights,
+                                            out, c, out.stride(0), KU=ku, ACCUM=accumulate,
+                                            IDENT=pos is None, BLOCK_C=bc, num_warps=4)
     return out
 
 
 def combine_ref(y_rows, pos, weights, out, accumulate=False):
     m, ku = weights.shape
-    y = y_rows[pos[:m * ku].long()].float().view(m, ku, -1)
+    y = (y_rows[:m * ku] if pos is None else y_rows[pos[:m * ku].long()]).float().view(m, ku, -1)
     s = (weights.float()[:, :, None] * y).sum(1)
     out.copy_((out.float() + s if accumulate else s).to(out.dtype))
     return out

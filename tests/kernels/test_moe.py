@@ -105,10 +105,12 @@ def test_expert_glu_and_down_match_reference(ggml_type, seed):
     hd = torch.randn(m * k, quant_matmul.row_cols(down, down_type), generator=g, device=DEVICE)
     wts = torch.rand(m, k, generator=g, device=DEVICE)
     prior = torch.randn(m, cols, generator=g, device=DEVICE)
-    for accumulate in (False, True):
+    # one launch summing the k experts, and the k experts in parallel programs (a poisoned
+    # float32 row each) summed by combine
+    for accumulate, split in ((False, False), (True, False), (False, True), (True, True)):
         out = prior.clone() if accumulate else poison((m, cols))
         moe.expert_down(down, down_type, n_expert, hd, ids, wts, out, accumulate=accumulate,
-                        config=(256, 16, 1))
+                        config=(256, 16, 1), rows_out=poison((m * k, cols)) if split else None)
         want = moe.expert_down_ref(down, down_type, n_expert, hd, ids, wts, prior.clone(),
                                    accumulate=accumulate)
         mag = sum(wts[:, j:j + 1] * torch.stack([

@@ -376,7 +376,8 @@ class GpuStage:
             moe.expert_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, h, act,
                            g.bias, u.bias, hp.swiglu_limit, f.config, use_pdl=pdl)
             moe.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, d.bias,
-                            accumulate=f.shared is not None, config=f.down_config, use_pdl=pdl)
+                            accumulate=f.shared is not None, config=f.down_config, use_pdl=pdl,
+                            rows_out=b["moe_out"][:n * k] if moe.DOWN_SPLIT else None)
             return
         rows, pos, tiles = b["moe_rows"][:n * k], b["moe_pos"][:n * k], b["moe_tiles"]
         # the router's logits are read by now: their span holds the sort's counts
