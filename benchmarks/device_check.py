@@ -440,8 +440,7 @@ def _moe_section(g, copy_bw, mm_rate, row):
 
 
 # the sweeps' candidates, few enough that --moe stays within a few minutes of compiles
-GROUPED_TILES = [(64, 4, 16), (64, 4, 64), (64, 4, 128), (32, 4, 64), (128, 4, 64),
-                 (128, 8, 64)]
+GROUPED_TILES = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
 EXPERT_TILES = [(1, 16, 1), (2, 16, 2), (4, 16, 4), (8, 16, 4), (16, 16, 8), (32, 16, 8)]
 
 

@@ -597,45 +597,40 @@ def _grouped_glu_kernel(g_ptr, gh_ptr, gg_ptr, u_ptr, uh_ptr, ug_ptr, gb_ptr, ub
                  mask=rm[:, None] & (n < N)[None, :])
 
 
-def _gemm_meta(w: torch.Tensor, t: int, tag: str, dot_k: int) -> tuple[tuple, dict]:
+def _gemm_meta(w: torch.Tensor, t: int, tag: str) -> tuple[tuple, dict]:
     p = plan(t)
     # bytes, 16-bit view, and the IQ types' value table (the weight itself for other types)
     _, wh, table = _launch_args(w, t, x_dtype=torch.float32)[0]
-    # blocks per step: each part's tl.dot takes at least dot_k values (Q6_K's parts are 16
-    # lanes: one block a step made K = 16 dots), no more blocks than a row has
-    bb = min(max(1, dot_k // p.lanes), triton.next_power_of_2(row_cols(w, t) // p.block))
     return (w, wh, table), {f"T{tag}": t, f"BS{tag}": p.block, f"TS{tag}": p.nbytes,
-                            f"NP{tag}": p.parts, f"L{tag}": p.lanes, f"BB{tag}": bb}
+                     f"NP{tag}": p.parts, f"L{tag}": p.lanes,
+                     f"BB{tag}": max(1, 64 // p.block)}  # 16-64 values per tl.dot step
 
 
-# prefill's grouped GEMM tile on a GPU: (columns per program, warps, values per part's tl.dot);
-# a program's rows are one tile of MOE_TILE_ROWS sorted rows. `python -m benchmarks.device_check
-# --moe` sweeps it
-GROUPED_CONFIG = (64, 4, 64)
+# prefill's grouped GEMM tile on a GPU: (columns per program, warps); a program's rows are one
+# tile of MOE_TILE_ROWS sorted rows. `python -m benchmarks.device_check --moe` sweeps it
+GROUPED_CONFIG = (64, 4)
 
 
-def _grouped_tile(n: int, on_gpu: bool,
-                  config: tuple[int, int, int] | None) -> tuple[int, int, int]:
+def _grouped_tile(n: int, on_gpu: bool, config: tuple[int, int] | None) -> tuple[int, int]:
     if config is not None:
         return config
-    return GROUPED_CONFIG if on_gpu else (max(16, min(256, triton.next_power_of_2(n))), 4, 64)
+    return GROUPED_CONFIG if on_gpu else (max(16, min(256, triton.next_power_of_2(n))), 4)
 
 
 def grouped_glu(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: int,
                 n_expert: int, x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
                 tiles: torch.Tensor, out: torch.Tensor, act: str = "silu",
                 gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
-                limit: float = 0.0, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                limit: float = 0.0, config: tuple[int, int] | None = None) -> torch.Tensor:
     """Prefill's routed gate/up over the rows ``sort_routes`` grouped: ``out[s] = act(x[m] @
     gate_e^T) * (x[m] @ up_e^T)`` for the routed row a = rows[s] = m * k + j of expert e; one
-    launch, a program per (tile, column block). ``config``: (columns per program, warps,
-    values per tl.dot of a part); default GROUPED_CONFIG."""
+    launch, a program per (tile, column block). ``config``: (columns per program, warps)."""
     n, k = expert_rows(gate, n_expert), row_cols(gate, gate_type)
     m, ku = ids.shape
     x2 = x.reshape(m, k)
-    bn, warps, dot_k = _grouped_tile(n, x.is_cuda, config)
-    gp, gmeta = _gemm_meta(gate, gate_type, "G", dot_k)
-    upp, umeta = _gemm_meta(up, up_type, "U", dot_k)
+    gp, gmeta = _gemm_meta(gate, gate_type, "G")
+    upp, umeta = _gemm_meta(up, up_type, "U")
+    bn, warps = _grouped_tile(n, x.is_cuda, config)
     t = tiles.shape[1]
     _grouped_glu_kernel[(t, triton.cdiv(n, bn))](
         *gp, *upp, gate_bias if gate_bias is not None else x2,
@@ -681,13 +676,13 @@ def _grouped_down_kernel(w_ptr, wh_ptr, wg_ptr, b_ptr, h_ptr, tiles_ptr, y_ptr, 
 def grouped_down(down: torch.Tensor, ggml_type: int, n_expert: int, h: torch.Tensor,
                  tiles: torch.Tensor, out: torch.Tensor,
                  bias: torch.Tensor | None = None,
-                 config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                 config: tuple[int, int] | None = None) -> torch.Tensor:
     """Prefill's routed down projection, row by sorted row: ``out[s] = h[s] @ down_e^T (+
     bias_e)`` for the expert e of the tile holding s (weights applied by ``combine``);
     ``config`` as in ``grouped_glu``."""
     n, k = expert_rows(down, n_expert), row_cols(down, ggml_type)
-    bn, warps, dot_k = _grouped_tile(n, h.is_cuda, config)
-    ptrs, meta = _gemm_meta(down, ggml_type, "D", dot_k)
+    ptrs, meta = _gemm_meta(down, ggml_type, "D")
+    bn, warps = _grouped_tile(n, h.is_cuda, config)
     t = tiles.shape[1]
     _grouped_down_kernel[(t, triton.cdiv(n, bn))](
         *ptrs, bias if bias is not None else h, h, tiles, out, n, k, down.shape[1], t,

@@ -168,31 +168,6 @@ def test_sort_routes_groups_rows_by_expert(seed):
                                   for c in torch.bincount(ids.reshape(-1).long()))
 
 
-def test_grouped_gemms_step_over_several_blocks_with_a_partial_last(seed):
-    # rows of 3 K blocks: 2 or 4 blocks a step (the last step's extra blocks masked), as the
-    # 768-value rows of Qwen3-30B-A3B's down experts take on a GPU
-    g = generator(seed)
-    n_expert, k, m, n, cols = 2, 1, 5, 64, 768
-    gate, up = (_experts(qt.Q4_K, n_expert, n, cols, g) for _ in "gu")
-    down = _experts(qt.Q6_K, n_expert, n, cols, g)
-    x = torch.randn(m, cols, generator=g, device=DEVICE)
-    ids, _ = moe.route(torch.randn(m, n_expert, generator=g, device=DEVICE), k, "softmax")
-    rows = torch.empty(m * k, dtype=torch.int32, device=DEVICE)
-    pos = torch.empty_like(rows)
-    tiles = torch.empty(3, moe_tiles(m * k, n_expert), dtype=torch.int32, device=DEVICE)
-    moe.sort_routes(ids, n_expert, rows, pos, tiles)
-    h_ref = moe.grouped_glu_ref(gate, qt.Q4_K, up, qt.Q4_K, n_expert, x, ids, rows, tiles,
-                                torch.empty(m * k, n, device=DEVICE))
-    y_ref = moe.grouped_down_ref(down, qt.Q6_K, n_expert, x, tiles,
-                                 torch.empty(m * k, n, device=DEVICE))
-    for dot_k in (64, 128):  # Q4_K: 2 and 4 blocks a step; Q6_K: 4 and 8, capped at 4
-        h, y = poison((m * k, n)), poison((m * k, n))
-        moe.grouped_glu(gate, qt.Q4_K, up, qt.Q4_K, n_expert, x, ids, rows, tiles, h,
-                        config=(64, 4, dot_k))
-        moe.grouped_down(down, qt.Q6_K, n_expert, x, tiles, y, config=(64, 4, dot_k))
-        assert nerr(h, h_ref) < 1e-5 and nerr(y, y_ref) < 1e-5
-
-
 @pytest.mark.parametrize("types", [(qt.Q4_K, qt.Q6_K), (qt.MXFP4, qt.MXFP4), (qt.Q8_0, qt.Q4_0),
                                    (qt.IQ4_XS, qt.IQ2_XXS)],
                          ids=lambda t: "-".join(qt.type_name(x) for x in t))
