@@ -18,15 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _u8(ptr, off):
-    return tl.load(ptr + off).to(tl.int32)
-
-
-@triton.jit
-def _u16(ptr, off):
-    return _u8(ptr, off) | (_u8(ptr, off + 1) << 8)
+from kernels.lowbit_blocks import _u8, _u16
 
 
 @triton.jit
