@@ -90,7 +90,10 @@ def test_a_hung_engine_is_killed_within_the_silence_limit_and_requests_get_503(s
     first = threading.Event()
 
     def long_stream() -> None:
-        body = {"messages": [{"role": "user", "content": "a long one"}], "stream": True}
+        # greedy: the synthetic model repeats one token that is not its end, so the reply is
+        # still running when the engine is stopped (a sampled one could end on its own first)
+        body = {"messages": [{"role": "user", "content": "a long one"}], "stream": True,
+                "temperature": 0}
         with httpx.stream("POST", served.url + "/chat/completions", json=body, timeout=120,
                           headers=HEADERS) as res:  # fmt: skip
             for line in res.iter_lines():
