@@ -284,22 +284,16 @@ def _engine(path: str, ctx: int, kv_type: str, pipeline_tps: float) -> dict:
     again = bench_engine.run(plan, replies=1, sampled=0)  # a second launch: kernel cache warm
     print(f"engine process, second launch: launch -> loaded {again['launch_to_loaded_s']:.2f} s "
           f"({', '.join(f'{k} {v:.2f} s' for k, v in again['stages'].items())})", flush=True)
-    _print_timeline(again)
+    bench_engine.print_timeline(again)
     # the window starts the engine when a model opens: Launch then pays only for the load
     pre = bench_engine.run(plan, replies=1, sampled=0, prestarted=True)
     print(f"engine process pre-started (as the window does; modules imported in "
           f"{pre['preloaded_s']:.2f} s): Launch -> loaded {pre['launch_to_loaded_s']:.2f} s "
           f"({', '.join(f'{k} {v:.2f} s' for k, v in pre['stages'].items())})", flush=True)
-    _print_timeline(pre)
+    bench_engine.print_timeline(pre)
     summary = dict(bench_engine.summary(res), warm_launch_to_loaded_s=again["launch_to_loaded_s"],
                    prestarted_launch_to_loaded_s=pre["launch_to_loaded_s"])
     return dict(res, summary=summary, second_launch=again, prestarted_launch=pre)
-
-
-def _print_timeline(out: dict) -> None:
-    from engine.runtime.bench_engine import print_timeline
-
-    print_timeline(out)
 
 
 def _print(out: dict) -> None:
