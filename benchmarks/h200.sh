@@ -30,8 +30,31 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #                                its byte floor at 7B sizes), run before the benches
 #   MOE=1                        benchmarks.device_check --moe (the mixture-of-experts
 #                                kernels against their byte floors), run before the benches
+#   PLACE="--vram 12 --experts-resident auto;--vram 12 --host-compute cpu"
+#                                more `carve bench` runs of the first BENCH shape's file, one per
+#                                ';'-separated argument set (expert placements at a VRAM budget)
+#   LLAMA="qwen3moe-30b-a3b"     llama-bench built from .whl/llama.cpp.tar.gz (CUDA, sm_90) on
+#                                these shapes' files: pp512 and tg128, flash attention on, once
+#                                per NCMOE value (--n-cpu-moe), each with its peak VRAM
+#   NCMOE="0"                    comma-separated --n-cpu-moe values for LLAMA
 #   STEP_S=240                   the most seconds any one step may take
 step=${STEP_S:-240}
+synth() {  # the synthetic file of shape $1, written once per machine
+    local f=/tmp/carve-bench-$1.gguf
+    if [ ! -s "$f" ]; then
+        python3 -m engine.synth.gen --shape "$1" -o "$f.part" >/dev/null && mv "$f.part" "$f"
+    fi
+    echo "$f"
+}
+if [ -n "${LLAMA:-}" ]; then  # built in the background while the GPU benches run
+    ( mkdir -p /tmp/llama && tar xzf .whl/llama.cpp.tar.gz -C /tmp/llama \
+      && cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+         -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null \
+      && cmake --build build --target llama-bench -j "$(nproc)" >/dev/null ) \
+        >"$out/llama-build.log" 2>&1 &
+    llama_build=$!
+fi
 if [ -n "${KERNELS:-}" ]; then
     timeout "$step" python3 -m benchmarks.device_check --types "$KERNELS" \
         --json "$out/device-check.json" 2>&1 | tee "$out/device-check.log"
@@ -44,9 +67,41 @@ for s in ${BENCH:-}; do
     extra=()
     [[ " ${SPLIT:-} " == *" $s "* ]] && extra+=(--compare-split)
     [ "${ENGINE:-0}" = 1 ] && extra+=(--engine)
-    timeout "$step" python3 -m engine.runtime.bench --synth "$s" --depths "" "${extra[@]}" \
+    f=$(synth "$s")
+    timeout "$step" python3 -m engine.runtime.bench "$f" --depths "" "${extra[@]}" \
         --json "$out/bench-$s.json" 2>&1 | tee "$out/bench-$s.log"
 done
+if [ -n "${PLACE:-}" ]; then
+    s=${BENCH%% *}
+    f=$(synth "$s")
+    IFS=';' read -ra places <<<"$PLACE"
+    i=0
+    for a in "${places[@]}"; do
+        i=$((i + 1))
+        echo "== carve bench $s $a"
+        # shellcheck disable=SC2086
+        timeout "$step" python3 -m engine.runtime.bench "$f" --depths "" $a \
+            --json "$out/bench-$s-place$i.json" 2>&1 | tee "$out/bench-$s-place$i.log"
+    done
+fi
+if [ -n "${LLAMA:-}" ]; then
+    wait "$llama_build" || { tail -20 "$out/llama-build.log"; echo "llama-bench build failed"; }
+    lb=/tmp/llama/llama.cpp/build/bin/llama-bench
+    for s in $LLAMA; do
+        f=$(synth "$s")
+        IFS=',' read -ra ns <<<"${NCMOE:-0}"
+        for n in "${ns[@]}"; do
+            nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 \
+                >"$out/llama-vram-$s-$n.txt" &
+            smi=$!
+            timeout "$step" "$lb" -m "$f" -ngl 99 -fa 1 -p 512 -n 128 -r 2 -ncmoe "$n" -o md \
+                2>&1 | grep -E '^\|' | tee "$out/llama-$s-$n.md"
+            kill "$smi" 2>/dev/null
+            echo "llama.cpp $s --n-cpu-moe $n: peak VRAM $(sort -n "$out/llama-vram-$s-$n.txt" \
+                | tail -1) MiB (whole GPU, nvidia-smi)"
+        done
+    done
+fi
 for s in ${SERVE:-}; do
     timeout "$step" python3 -m benchmarks.bench_serve --synth "$s" 2>&1 | tee "$out/serve-$s.log"
 done
@@ -65,6 +120,12 @@ for f in sorted(glob.glob(sys.argv[1] + "/bench-*.json")):
         same = all(d["priced"] == d["reserved"] for d in r["devices"])
         print(f"{o['model'].rsplit('/', 1)[-1]:28s} {r['gpus']:6d} {r['tg']['tps']:8.1f} "
               f"{r['pp']['tps']:9.0f} {r['load_gbps']:9.1f} {same!s:>16s}  {r['greedy64_sha256']}")
+        if "experts" in r:
+            e, tg, hit = r["experts"], r["tg"], r["tg"]["cache_hit_rate"]
+            print(f"{'':28s} experts resident {e['resident'] or 'all'}, host ones on the "
+                  f"{e['on']}, pinned {e['pinned'] / 2**30:.2f} GiB, slots {e['slots'] or 0}, hit "
+                  f"{'n/a' if hit is None else f'{hit:.1%}'}, decode {tg['host_gbps']:.2f} GB/s "
+                  f"host<->GPU, VRAM {sum(d['reserved'] for d in r['devices']) / 2**30:.2f} GiB")
     if "split_same_ids" in o:
         print(f"{'':28s} split keeps the greedy ids: {o['split_same_ids']}")
     e = o.get("engine", {}).get("summary")

@@ -209,6 +209,19 @@ class GpuPipeline:
         # the eager warm-up advanced positions and wrote one KV row: callers prefill or
         # set_position next
 
+    def clear_buffers(self) -> None:
+        """Zero every stage's working buffers (GpuStage.clear_buffers)."""
+        for st in self.stages:
+            with on(st.device):
+                st.clear_buffers()
+
+    def decode_eager(self) -> None:
+        """One eager decode step through every stage (no graphs, no hand-over between them:
+        precompile's dry pass only needs each stage's launches)."""
+        for st in self.stages:
+            with on(st.device):
+                st.decode_eager()
+
     def set_position(self, pos: int, token: int = 0) -> None:
         """The next decode step runs ``token`` at ``pos`` (device writes, no allocation)."""
         for st in self.stages:

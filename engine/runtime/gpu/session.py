@@ -23,7 +23,7 @@ from engine.process.protocol import WARM_UP
 from engine.runtime import timeline
 from engine.runtime.chunked import ChunkedSession
 from engine.runtime.generate import GenerationStats
-from engine.runtime.gpu import decode
+from engine.runtime.gpu import decode, precompile
 from engine.runtime.gpu.pipeline import GpuPipeline, on, sync
 from engine.runtime.models.layers import NonFinite
 from engine.runtime.options import RunnerOptions
@@ -108,6 +108,7 @@ class GpuSession(ChunkedSession):
         self.plan, self.model, self.hp, self.layout = plan, model, hp, layout
         self.pipe = pipe
         self.kv = GpuKV(hp, plan.ctx)
+        self.compiled: dict = {}  # what the load's precompile did (gpu/precompile.py)
         self.tokens: list[int] = []  # the tokens whose keys/values are in the cache, in order
         last = pipe.stages[-1]
         # the host sampler's row: filled by a device-to-host copy, never reallocated
@@ -161,6 +162,15 @@ class GpuSession(ChunkedSession):
         it; under the interpreter only the graphs' eager step runs."""
         steps = self._warm_up_steps() if self.pipe.stages[0].on_cuda else []
         total = len(steps) + 1
+        if steps:  # a cold kernel cache: compile what the steps need on every core first
+            if on_progress is not None:
+                on_progress(WARM_UP, 0, total, 0.0)
+            self.compiled = precompile.precompile(
+                [*steps, self.pipe.decode_eager], self.pipe.clear_buffers, self.pipe.sync)
+            c = self.compiled
+            timeline.mark(f"kernels precompiled ({c.get('compiled', 0)} of {c['variants']} "
+                          f"variants, {c.get('threads', 0)} threads)" if c["variants"] else
+                          "kernels precompiled (none to compile)")
         for i, step in enumerate(steps):
             if on_progress is not None:
                 on_progress(WARM_UP, i, total, 0.0)

@@ -559,6 +559,23 @@ class GpuStage:
             self.sample_next()
         self.buf["positions"][:1] += 1
 
+    # buffers written once at load (the YaRN frequencies, the IQ types' value tables and the
+    # scan's flags): `clear_buffers` leaves them as they are
+    LOADED_BUFFERS = frozenset({"yarn_freqs", "lookup"})
+
+    def clear_buffers(self) -> None:
+        """Zero the working buffers (ids, counts, sort places, activations, sampler state): in
+        range for any kernel that reads them as indices (gpu/precompile.py's dry pass)."""
+        for name, t in self.buf.items():
+            if name not in self.LOADED_BUFFERS:
+                t.zero_()
+
+    def decode_eager(self) -> None:
+        """One decode step as `capture` runs it before capturing (host layers' pieces too)."""
+        for _, run in (self._decode_pieces() if self.host_layers else
+                       [(True, self.decode_step)]):
+            run()
+
     def sample_next(self) -> None:
         """Draw the next id from buf.logits[0] into ``next_id`` (kernels/sample.py); one stage
         feeds it back as the next input without leaving the graph."""

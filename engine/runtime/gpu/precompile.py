@@ -1,0 +1,129 @@
+"""Compile the Triton kernels a load's warm-up needs on several threads before it runs them.
+
+With a cold kernel cache the warm-up compiles each kernel variant the plan uses where it first
+launches it, one after another (about 2 s each on a workstation core; 32 variants for a 7B
+Q4_K_M file). Here a dry pass runs the warm-up's steps with Triton's JIT cache hook declining
+every compile: the variant is recorded, neither compiled nor launched. The stages' working
+buffers are zeroed before the dry pass and after it, so a kernel that is already compiled (and
+so does run) reads ids and counts of zero, in range, where a skipped kernel would have written
+them. The recorded variants then compile on a pool of threads (Triton releases the GIL while
+LLVM and ptxas run) into the JIT's own cache and Triton's cache folder, and the real warm-up
+finds them there. Anything this cannot do (a Triton without the hook, a variant that fails to
+compile here) is left to the warm-up, which compiles it as before: this only saves time.
+
+``CARVE_COMPILE_THREADS``: the pool's size (default: the CPUs this process may use; 0 or 1
+turns the dry pass off).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+log = logging.getLogger("carve.engine")
+
+
+def threads(env: dict[str, str] | None = None) -> int:
+    """The pool's size: CARVE_COMPILE_THREADS, else the CPUs this process may run on."""
+    env = os.environ if env is None else env
+    text = env.get("CARVE_COMPILE_THREADS", "").strip()
+    if text:
+        try:
+            return max(0, int(text))
+        except ValueError:
+            log.warning("CARVE_COMPILE_THREADS=%r is not a whole number: using the CPU count",
+                        text)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _runtime_knobs() -> Any | None:
+    """Triton's runtime knobs when they have the JIT cache hook (Triton 3.4 and later)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    rt = getattr(knobs, "runtime", None)
+    return rt if rt is not None and hasattr(rt, "jit_cache_hook") else None
+
+
+class Recorder:
+    """The JIT cache hook of the dry pass: records each variant a launch would compile and
+    declines the compile (Triton then neither compiles nor launches it)."""
+
+    def __init__(self) -> None:
+        self.variants: dict[tuple, tuple[Any, str, Any]] = {}
+
+    def __call__(self, *, key: Any = None, fn: Any = None, compile: dict | None = None,
+                 **_: Any) -> bool:
+        jit = getattr(fn, "jit_function", None)
+        data = (compile or {}).get("specialization_data")
+        if jit is None or data is None:
+            return False  # not what this Triton's hook gives: let it compile as usual
+        device = (compile or {}).get("device")
+        self.variants.setdefault((id(jit), str(key), device), (jit, data, device))
+        return True
+
+
+def _compile(variant: tuple[Any, str, Any]) -> str | None:
+    """Compile one recorded variant into its JIT's cache; the error's text when it fails."""
+    jit, data, device = variant
+    try:
+        if isinstance(device, int):
+            torch.cuda.set_device(device)  # the thread's current device: the JIT's cache key
+        jit.preload(data)
+        return None
+    except Exception as exc:  # noqa: BLE001 - the warm-up compiles it instead, as before
+        name = json.loads(data).get("name", "?") if data.startswith("{") else "?"
+        return f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def precompile(steps: Iterable[Callable[[], None]], clear: Callable[[], None],
+               sync: Callable[[], None], n_threads: int | None = None) -> dict:
+    """Run ``steps`` as a dry pass (``clear`` zeroes the working buffers before and after,
+    ``sync`` waits for the devices), then compile what they would have compiled on
+    ``n_threads`` threads. Returns what it did: variants recorded, compiled, failed, seconds
+    (``{"variants": 0}`` when it did not run)."""
+    n = threads() if n_threads is None else n_threads
+    rt = _runtime_knobs()
+    if rt is None or n <= 1:
+        return {"variants": 0}
+    t0 = time.perf_counter()
+    rec = Recorder()
+    previous = rt.jit_cache_hook
+    clear()
+    rt.jit_cache_hook = rec
+    try:
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - skipped kernels leave garbage behind;
+                # the real warm-up runs every step again and compiles what this one missed
+                log.debug("precompile dry pass: a step stopped early: %s", exc)
+    finally:
+        rt.jit_cache_hook = previous
+        sync()
+        clear()
+    dry = time.perf_counter() - t0
+    variants = list(rec.variants.values())
+    errors: list[str] = []
+    if variants:
+        with ThreadPoolExecutor(min(n, len(variants)), thread_name_prefix="carve-compile") as ex:
+            errors = [e for e in ex.map(_compile, variants) if e]
+    for e in errors[:5]:
+        log.warning("precompiling a kernel failed (the warm-up compiles it instead): %s", e)
+    out = {"variants": len(variants), "compiled": len(variants) - len(errors),
+           "failed": len(errors), "threads": min(n, max(1, len(variants))),
+           "dry_s": round(dry, 3), "s": round(time.perf_counter() - t0, 3)}
+    log.info("precompiled %d of %d kernel variants on %d threads in %.1f s", out["compiled"],
+             out["variants"], out["threads"], out["s"])
+    return out

@@ -1,0 +1,137 @@
+"""The load's parallel precompile (engine/runtime/gpu/precompile.py) on a GPU: with a cold
+kernel cache, the dry pass finds the kernel variants the warm-up launches and the pool compiles
+them, so that the warm-up itself compiles none or almost none; and the session then gives the
+greedy ids of a load that compiled everything the usual way. Each load runs in a process of
+its own with a fresh Triton cache folder (a process's compiled kernels stay in memory)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.runtime.gpu import precompile
+from engine.synth.gen import write_model
+
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+ROOT = Path(__file__).resolve().parents[2]
+# counts the compiles each thread runs, loads the file and prints the greedy ids and counts
+SCRIPT = r"""
+import json, sys, threading
+from collections import Counter
+import triton
+from engine.hardware.rigs import parse_rig
+from engine.gguf.reader import GGUFModel
+from engine.planning.defaults import default_plan
+from engine.runtime.gpu.session import GpuSession
+from engine.runtime.sampling import SamplingParams
+
+compiles = Counter()
+def count(**kw):
+    compiles["pool" if threading.current_thread().name.startswith("carve-compile")
+             else "warm-up"] += 1
+triton.knobs.runtime.jit_post_compile_hook = count
+path = sys.argv[1]
+plan = default_plan(GGUFModel.open(path), parse_rig("auto"), ctx=256, model_path=path)
+sess = GpuSession.load(plan, remember=False)
+ids = []
+sess.generate([5, 9, 13, 200], SamplingParams(temperature=0.0, repeat_penalty=1.0,
+              max_tokens=8), set(), lambda t: ids.append(t) or True)
+print(json.dumps({"ids": ids, "compiles": dict(compiles), "precompile": sess.compiled}))
+"""
+
+
+def load(path: str, tmp: Path, threads: int) -> dict:
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp / f"cache-{threads}"),
+               CARVE_COMPILE_THREADS=str(threads), PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", SCRIPT, path], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@ON_GPU
+@pytest.mark.parametrize("shape", ["qwen2-tiny", "qwen3moe-tiny"])
+def test_a_cold_load_compiles_its_kernels_in_the_pool_and_decodes_the_same(shape, tmp_path):
+    if precompile._runtime_knobs() is None:
+        pytest.skip("this Triton has no JIT cache hook: the warm-up compiles as before")
+    path = str(write_model(tmp_path / f"{shape}.gguf", shape, "q4_k_m")[0])
+    serial = load(path, tmp_path, 0)
+    pooled = load(path, tmp_path, 8)
+    print(shape, "serial:", serial["compiles"], "pooled:", pooled["compiles"],
+          pooled["precompile"])
+    assert serial["precompile"] == {"variants": 0}
+    assert serial["compiles"].get("pool", 0) == 0
+    pc = pooled["precompile"]
+    assert pc["variants"] > 0 and pc["failed"] == 0
+    # the pool compiled what the warm-up would have; the warm-up at most a straggler or two
+    # (a step of the dry pass that read a skipped kernel's zeros and took another branch)
+    assert pooled["compiles"]["pool"] == pc["compiled"]
+    assert pooled["compiles"].get("warm-up", 0) <= max(1, serial["compiles"]["warm-up"] // 10)
+    assert pooled["ids"] == serial["ids"]
+
+
+def test_the_pool_size_comes_from_the_environment():
+    assert precompile.threads({"CARVE_COMPILE_THREADS": "3"}) == 3
+    assert precompile.threads({"CARVE_COMPILE_THREADS": "0"}) == 0
+    assert precompile.threads({"CARVE_COMPILE_THREADS": "x"}) >= 1
+    assert precompile.threads({}) >= 1
+
+
+class FakeJit:
+    """A JITFunction's stand-in: preload 'compiles' (records the thread) or fails."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.loaded = fail, []
+
+    def preload(self, data: str) -> None:
+        if self.fail:
+            raise RuntimeError("no ptxas here")
+        self.loaded.append((json.loads(data)["name"], threading.current_thread().name))
+
+
+def test_the_dry_pass_records_declines_restores_and_compiles_on_the_pool(monkeypatch):
+    """The control flow without a GPU: every launch the steps make goes through the hook,
+    which declines it; a step that raises does not stop the others; the buffers are cleared
+    before and after; the hook is handed back; each variant compiles once on a pool thread;
+    one that fails is counted and left to the warm-up."""
+    rt = SimpleNamespace(jit_cache_hook="theirs")
+    monkeypatch.setattr(precompile, "_runtime_knobs", lambda: rt)
+    good, bad = FakeJit(), FakeJit(fail=True)
+    calls, hooked = [], []
+
+    def launch(jit, key):
+        declined = rt.jit_cache_hook(key=key, fn=SimpleNamespace(jit_function=jit),
+                                     compile={"specialization_data": json.dumps({"name": key}),
+                                              "device": None})
+        hooked.append(declined)
+
+    def broken():
+        launch(good, "b")
+        raise IndexError("read a skipped kernel's output")
+
+    out = precompile.precompile(
+        [lambda: launch(good, "a"), broken, lambda: launch(good, "a"), lambda: launch(bad, "c")],
+        clear=lambda: calls.append("clear"), sync=lambda: calls.append("sync"), n_threads=4)
+    assert hooked == [True, True, True, True]
+    assert rt.jit_cache_hook == "theirs"
+    assert calls == ["clear", "sync", "clear"]
+    assert sorted(n for n, _ in good.loaded) == ["a", "b"]
+    assert all(t.startswith("carve-compile") for _, t in good.loaded)
+    assert out["variants"] == 3 and out["compiled"] == 2 and out["failed"] == 1
+
+
+def test_no_pool_no_dry_pass(monkeypatch):
+    monkeypatch.setattr(precompile, "_runtime_knobs", lambda: SimpleNamespace(jit_cache_hook=None))
+    ran = []
+    assert precompile.precompile([lambda: ran.append(1)], lambda: None, lambda: None,
+                                 n_threads=1) == {"variants": 0}
+    assert ran == []
