@@ -37,6 +37,11 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #                                these shapes' files: pp512 and tg128, flash attention on, once
 #                                per NCMOE value (--n-cpu-moe), each with its peak VRAM
 #   NCMOE="0"                    comma-separated --n-cpu-moe values for LLAMA
+#   LAUNCH="qwen2-7b"            benchmarks.bench_launch --runs 0 (a cold launch, then a
+#                                pre-started one) with the load's compile pool, then cold with
+#                                CARVE_COMPILE_THREADS=0 (every kernel compiled in turn;
+#                                LAUNCH_SERIAL=0 leaves that out)
+#   SOAK="qwen2-0.5b"            benchmarks.soak through the engine process on the GPU
 #   STEP_S=240                   the most seconds any one step may take
 step=${STEP_S:-240}
 synth() {  # the synthetic file of shape $1, written once per machine
@@ -63,6 +68,17 @@ if [ "${MOE:-0}" = 1 ]; then
     timeout "$step" python3 -m benchmarks.device_check --moe \
         --json "$out/device-check-moe.json" 2>&1 | tee "$out/device-check-moe.log"
 fi
+for s in ${LAUNCH:-}; do
+    timeout "$step" python3 -m benchmarks.bench_launch --synth "$s" --runs 0 2>&1 \
+        | tee "$out/launch-$s.log"
+    [ "${LAUNCH_SERIAL:-1}" = 1 ] && CARVE_COMPILE_THREADS=0 timeout "$step" python3 -m benchmarks.bench_launch --synth "$s" \
+        --runs 0 2>&1 | tee "$out/launch-serial-$s.log"
+done
+for s in ${SOAK:-}; do
+    timeout "$step" python3 -m benchmarks.soak --synth "$s" --gpus auto --generate 1000 \
+        --loads 100 --tokenize 1000 2>&1 | tee "$out/soak-$s.log" | grep -v "^ *[a-z]* *[0-9]* " \
+        | tail -30
+done
 for s in ${BENCH:-}; do
     extra=()
     [[ " ${SPLIT:-} " == *" $s "* ]] && extra+=(--compare-split)

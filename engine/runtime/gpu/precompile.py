@@ -9,7 +9,9 @@ so does run) reads ids and counts of zero, in range, where a skipped kernel woul
 them. The recorded variants then compile on a pool of threads (Triton releases the GIL while
 LLVM and ptxas run) into the JIT's own cache and Triton's cache folder, and the real warm-up
 finds them there. Anything this cannot do (a Triton without the hook, a variant that fails to
-compile here) is left to the warm-up, which compiles it as before: this only saves time.
+compile here) is left to the warm-up, which compiles it as before: this only saves time. When
+the first variant turns out to be in Triton's cache folder already (every launch after the
+first), the dry pass stops there and the warm-up loads the kernels from the folder as before.
 
 ``CARVE_COMPILE_THREADS``: the pool's size (default: the CPUs this process may use; 0 or 1
 turns the dry pass off).
@@ -56,12 +58,25 @@ def _runtime_knobs() -> Any | None:
     return rt if rt is not None and hasattr(rt, "jit_cache_hook") else None
 
 
+# a first variant that Triton's cache folder already holds loads in a few milliseconds; one
+# that compiles takes a second or more
+WARM_S = 0.25
+
+
+class WarmCache(Exception):
+    """The dry pass's first variant was in Triton's cache folder: the rest most likely are."""
+
+
 class Recorder:
     """The JIT cache hook of the dry pass: records each variant a launch would compile and
-    declines the compile (Triton then neither compiles nor launches it)."""
+    declines the compile (Triton then neither compiles nor launches it). The first variant is
+    compiled on the spot instead: when that takes under WARM_S (Triton's cache folder had it,
+    as on every launch after the first) the dry pass stops (WarmCache), and the warm-up loads
+    the rest from the folder as it always did."""
 
     def __init__(self) -> None:
         self.variants: dict[tuple, tuple[Any, str, Any]] = {}
+        self.first_s: float | None = None
 
     def __call__(self, *, key: Any = None, fn: Any = None, compile: dict | None = None,
                  **_: Any) -> bool:
@@ -70,21 +85,38 @@ class Recorder:
         if jit is None or data is None:
             return False  # not what this Triton's hook gives: let it compile as usual
         device = (compile or {}).get("device")
-        self.variants.setdefault((id(jit), str(key), device), (jit, data, device))
+        variant = (jit, data, device)
+        if self.first_s is None:
+            t0 = time.perf_counter()
+            failed = _compile(variant, hooked=True)
+            self.first_s = time.perf_counter() - t0
+            if failed is None and self.first_s < WARM_S:
+                raise WarmCache
+            if failed is None:
+                return True  # compiled: in the JIT's cache now
+        self.variants.setdefault((id(jit), str(key), device), variant)
         return True
 
 
-def _compile(variant: tuple[Any, str, Any]) -> str | None:
-    """Compile one recorded variant into its JIT's cache; the error's text when it fails."""
+def _compile(variant: tuple[Any, str, Any], hooked: bool = False) -> str | None:
+    """Compile one recorded variant into its JIT's cache; the error's text when it fails.
+    ``hooked``: called from within the hook (which Triton's compile would call again)."""
     jit, data, device = variant
+    rt = _runtime_knobs() if hooked else None
+    hook = rt.jit_cache_hook if rt is not None else None
     try:
-        if isinstance(device, int):
+        if rt is not None:
+            rt.jit_cache_hook = None
+        if isinstance(device, int) and torch.cuda.is_available():
             torch.cuda.set_device(device)  # the thread's current device: the JIT's cache key
         jit.preload(data)
         return None
     except Exception as exc:  # noqa: BLE001 - the warm-up compiles it instead, as before
         name = json.loads(data).get("name", "?") if data.startswith("{") else "?"
         return f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    finally:
+        if rt is not None:
+            rt.jit_cache_hook = hook
 
 
 def precompile(steps: Iterable[Callable[[], None]], clear: Callable[[], None],
@@ -99,6 +131,7 @@ def precompile(steps: Iterable[Callable[[], None]], clear: Callable[[], None],
         return {"variants": 0}
     t0 = time.perf_counter()
     rec = Recorder()
+    warm = False
     previous = rt.jit_cache_hook
     clear()
     rt.jit_cache_hook = rec
@@ -106,6 +139,9 @@ def precompile(steps: Iterable[Callable[[], None]], clear: Callable[[], None],
         for step in steps:
             try:
                 step()
+            except WarmCache:
+                warm = True
+                break
             except Exception as exc:  # noqa: BLE001 - skipped kernels leave garbage behind;
                 # the real warm-up runs every step again and compiles what this one missed
                 log.debug("precompile dry pass: a step stopped early: %s", exc)
@@ -123,7 +159,8 @@ def precompile(steps: Iterable[Callable[[], None]], clear: Callable[[], None],
         log.warning("precompiling a kernel failed (the warm-up compiles it instead): %s", e)
     out = {"variants": len(variants), "compiled": len(variants) - len(errors),
            "failed": len(errors), "threads": min(n, max(1, len(variants))),
-           "dry_s": round(dry, 3), "s": round(time.perf_counter() - t0, 3)}
+           "warm": warm, "first_s": round(rec.first_s or 0.0, 3), "dry_s": round(dry, 3),
+           "s": round(time.perf_counter() - t0, 3)}
     log.info("precompiled %d of %d kernel variants on %d threads in %.1f s", out["compiled"],
              out["variants"], out["threads"], out["s"])
     return out

@@ -168,7 +168,8 @@ class GpuSession(ChunkedSession):
             self.compiled = precompile.precompile(
                 [*steps, self.pipe.decode_eager], self.pipe.clear_buffers, self.pipe.sync)
             c = self.compiled
-            timeline.mark(f"kernels precompiled ({c.get('compiled', 0)} of {c['variants']} "
+            timeline.mark("kernel cache warm" if c.get("warm") else
+                          f"kernels precompiled ({c.get('compiled', 0)} of {c['variants']} "
                           f"variants, {c.get('threads', 0)} threads)" if c["variants"] else
                           "kernels precompiled (none to compile)")
         for i, step in enumerate(steps):
