@@ -15,7 +15,6 @@ boundary re-prices only the two stages beside it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 from engine.hardware.calibration import overhead_for
@@ -28,6 +27,7 @@ from engine.planning.layout import TERMS, Arena, DeviceLayout, Layout, LazyArena
 from engine.planning.plan import Plan
 from engine.planning.rules import MIB, ArenaKind, Verdict, parse_arena
 from engine.planning.stage import (
+    ModelCache,
     StageKey,
     allocations,
     arenas,
@@ -39,7 +39,8 @@ from engine.planning.stage import (
 from spec.errors import CarveError
 from spec.runners import Runner
 
-_STAGES: OrderedDict[tuple[int, StageKey], DeviceLayout] = OrderedDict()
+# priced stages: the window re-prices the same stages as a boundary is dragged
+_STAGES = ModelCache(512)
 
 
 def _gemm_elements(t: Any) -> int:
@@ -58,7 +59,6 @@ def price_stage(idx: ModelIndex, k: StageKey) -> DeviceLayout:
     cache_key = (idx.token, k, overhead)
     hit = _STAGES.get(cache_key)
     if hit is not None:
-        _STAGES.move_to_end(cache_key)
         return hit
     dev, mode, gpu = k.device, parse_arena(k.arena), not k.device.is_cpu
     avail = dev.free - dev.reserve
@@ -130,9 +130,7 @@ def price_stage(idx: ModelIndex, k: StageKey) -> DeviceLayout:
         source,
         host_bytes(idx, k),
     )
-    _STAGES[cache_key] = out
-    while len(_STAGES) > 512:
-        _STAGES.popitem(last=False)
+    _STAGES.put(cache_key, out)
     return out
 
 

@@ -10,6 +10,7 @@ user drags a boundary is arithmetic on prefix sums.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,15 +109,55 @@ def scratch_elements(idx: ModelIndex, k: StageKey, which: str = "all", skipped: 
     return best
 
 
-_MEMO: dict[tuple[Any, ...], Any] = {}
+class ModelCache:
+    """Entries keyed by (model index token, ...), least recently used out past ``size``, and
+    only for the last ``models`` tokens: a model opened again gets a new token (every load
+    opens its model anew), so an older token's entries can never be hit again and would only
+    hold memory (an engine loading over and over grew by them until the table was full)."""
+
+    def __init__(self, size: int, models: int = 4) -> None:
+        self.size, self.models = size, models
+        self.entries: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self.tokens: OrderedDict[int, None] = OrderedDict()
+
+    def get(self, key: tuple[Any, ...]) -> Any:
+        v = self.entries.get(key)
+        if v is not None:
+            self.entries.move_to_end(key)
+        return v
+
+    def put(self, key: tuple[Any, ...], value: Any) -> None:
+        self.entries[key] = value
+        self.tokens[key[0]] = None
+        self.tokens.move_to_end(key[0])
+        if len(self.tokens) > self.models:
+            gone = set()
+            while len(self.tokens) > self.models:
+                gone.add(self.tokens.popitem(last=False)[0])
+            for k in [k for k in self.entries if k[0] in gone]:
+                del self.entries[k]
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.tokens.clear()
+
+    def pop(self, key: tuple[Any, ...], default: Any = None) -> Any:
+        return self.entries.pop(key, default)
+
+
+_MEMO = ModelCache(4096)
 
 
 def _memo(key: tuple[Any, ...], make: Any) -> Any:
     v = _MEMO.get(key)
     if v is None:
-        v = _MEMO[key] = make()
-        if len(_MEMO) > 4096:
-            _MEMO.pop(next(iter(_MEMO)))
+        v = make()
+        _MEMO.put(key, v)
     return v
 
 

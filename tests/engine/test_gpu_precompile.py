@@ -1,6 +1,7 @@
 """The load's parallel precompile (engine/runtime/gpu/precompile.py) on a GPU: with a cold
 kernel cache, the dry pass finds the kernel variants the warm-up launches and the pool compiles
-them, so that the warm-up itself compiles none or almost none; and the session then gives the
+them, so that the warm-up itself compiles none or almost none (the load's steps before it, the
+scan and the dequant cache, compile theirs as before); and the session then gives the
 greedy ids of a load that compiled everything the usual way. Each load runs in a process of
 its own with a fresh Triton cache folder (a process's compiled kernels stay in memory)."""
 
@@ -35,11 +36,18 @@ from engine.planning.defaults import default_plan
 from engine.runtime.gpu.session import GpuSession
 from engine.runtime.sampling import SamplingParams
 
-compiles = Counter()
+from engine.runtime.gpu import precompile
+
+compiles, phase = Counter(), ["load"]  # the load's own compiles (scan, dequant cache) first
 def count(**kw):
     compiles["pool" if threading.current_thread().name.startswith("carve-compile")
-             else "warm-up"] += 1
+             else phase[0]] += 1
 triton.knobs.runtime.jit_post_compile_hook = count
+run = precompile.precompile
+def warm_up(*a, **k):
+    phase[0] = "warm-up"
+    return run(*a, **k)
+precompile.precompile = warm_up
 path = sys.argv[1]
 plan = default_plan(GGUFModel.open(path), parse_rig("auto"), ctx=256, model_path=path)
 sess = GpuSession.load(plan, remember=False)
