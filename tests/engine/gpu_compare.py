@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.runtime.sampling import SamplingParams
+
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest absolute difference over the reference's largest magnitude."""
@@ -21,3 +23,35 @@ def decode_errors(g, c, toks: list[int]) -> tuple[list[float], torch.Tensor]:
         c.kv.n_past += 1
         errs.append(rel(dg[-1], dc[-1]))
     return errs, dg[-1].clone()
+
+
+GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=4)
+
+
+def against_cpu_engine(plan, device: torch.device, prompt: list[int], steps: list[int],
+                       greedy_prompt: list[int] | None, bound: float, label: str) -> None:
+    """Load ``plan`` on the Triton runner (its stages on ``device``) and on the CPU engine:
+    the prefill logits of every row of ``prompt``, then decode ``steps``, within ``bound``
+    relative error; with ``greedy_prompt``, the same 4 greedy ids from a fresh cache (prefill,
+    then decode steps as generate runs them)."""
+    from engine.runtime.gpu.session import GpuSession
+    from engine.runtime.session import Session
+
+    g = GpuSession.load(plan, devices=[device], remember=False)
+    c = Session.load(plan)
+    try:
+        lg, lc = g.logits(prompt), c.logits(prompt)
+        assert lg.shape == lc.shape and lg.shape[0] == len(prompt)
+        errs = [rel(lg, lc), *decode_errors(g, c, steps)[0]]
+        print(f"{label}: rel errors prefill {errs[0]:.2e}, decode {max(errs[1:]):.2e}")
+        assert max(errs) < bound
+        if greedy_prompt is None:
+            return
+        one: list[int] = []
+        ref: list[int] = []
+        g.generate(greedy_prompt, GREEDY, set(), one.append)
+        c.generate(greedy_prompt, GREEDY, set(), ref.append)
+        assert one == ref and len(one) == 4
+    finally:
+        g.close()
+        c.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gpu_compare import decode_errors, rel
+from gpu_compare import against_cpu_engine, decode_errors, rel
 
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import GGUFModel
@@ -106,27 +106,10 @@ def write_model_dense(path: str) -> str:
 def test_logits_and_decode_match_the_cpu_engine(model) -> None:
     """f32 activations: prefill of 20 rows over two chunks (16 rows through the grouped GEMMs,
     4 through the expert GEMVs), decode steps, then (qwen3moe) greedy ids from a fresh cache."""
-    pl = plan(model)
-    g = GpuSession.load(pl, devices=[DEV], remember=False)
-    c = Session.load(pl)
-    try:
-        prompt = ids(20)
-        lg, lc = g.logits(prompt), c.logits(prompt)
-        assert lg.shape == lc.shape == (20, 320)
-        errs = [rel(lg, lc), *decode_errors(g, c, ids(2, 1))[0]]
-        print(f"{model}: rel errors prefill {errs[0]:.2e}, decode {max(errs[1:]):.2e}")
-        # as the dense families: f32 activations, prefill attention rounds q, k, v to f16
-        assert max(errs) < 5e-3
-        if "qwen3moe" not in model:
-            return  # the greedy loop is the same code for every family: one is enough here
-        one: list[int] = []
-        ref: list[int] = []
-        g.generate(ids(6, 3), GREEDY, set(), one.append)
-        c.generate(ids(6, 3), GREEDY, set(), ref.append)
-        assert one == ref and len(one) == 4
-    finally:
-        g.close()
-        c.close()
+    # as the dense families: f32 activations, prefill attention rounds q, k, v to f16; the
+    # greedy loop is the same code for every family: qwen3moe's is enough here
+    against_cpu_engine(plan(model), DEV, ids(20), ids(2, 1),
+                       ids(6, 3) if "qwen3moe" in model else None, 5e-3, model)
 
 
 # ------------------------------------------------------------------ on a real GPU
