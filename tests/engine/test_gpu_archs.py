@@ -32,7 +32,6 @@ CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
 ON_GPU = torch.cuda.is_available()
 DEV = torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
 NO_CACHE = 64 * GIB  # nothing in the dequant cache: prefill GEMMs in f32, as the CPU engine's
-GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=4)
 WINDOW = 4  # gemma3's local layers: shorter than a prefill chunk (8), so the ring wraps inside it
 
 # 4 query / 2 KV heads of 64 (q width 256 != n_embd 128: head_dim is read, not derived)

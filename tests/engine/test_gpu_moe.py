@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gpu_compare import against_cpu_engine, decode_errors, rel
+from gpu_compare import GREEDY, against_cpu_engine, decode_errors, rel
 
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import GGUFModel
@@ -31,7 +31,6 @@ CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
 ON_GPU = torch.cuda.is_available()
 DEV = torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
 NO_CACHE = 64 * GIB
-GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=4)
 # 2 layers run, 4 experts of 256 with 2 used: gate/up experts have 128-value rows (a 32-block
 # type in the q4_k_m mix), down experts 256-value rows (a K type). glm4moe: a dense first layer,
 # a shared expert, sigmoid routing with its selection bias and a routed scale, RoPE on half of
