@@ -33,6 +33,9 @@ class VramBars(QWidget):
         self.legend = QLabel()
         self.legend.setObjectName("legend")
         self.legend.setTextFormat(Qt.TextFormat.RichText)
+        # eleven swatches are wider than the plan pane at 1280x800: they wrap between entries
+        # (never inside one) rather than widen the pane past the window
+        self.legend.setWordWrap(True)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(2)
@@ -56,12 +59,13 @@ class VramBars(QWidget):
         swatches = [("others & driver", theme.others)] + [
             (label, theme.terms[key]) for key, label in OUR_TERMS
         ] + [("free", theme.free)]
-        self.legend.setText(
-            "&nbsp;&nbsp;".join(
-                f"<span style='color:{c}; font-size:14px'>■</span>&nbsp;{label}" for label, c in swatches
-            )
-            + "&nbsp;&nbsp;<span style='color:{}'>▭</span>&nbsp;plan (by verdict)".format(theme.verdict["fits"])
-        )
+        # within an entry's label only non-breaking spaces; between entries a space the line
+        # may break at
+        entries = [f"<span style='color:{c}; font-size:14px'>■</span>&nbsp;"
+                   f"{label.replace(' ', '&nbsp;')}" for label, c in swatches]
+        entries.append(f"<span style='color:{theme.verdict['fits']}'>▭</span>&nbsp;"
+                       "plan&nbsp;(by&nbsp;verdict)")
+        self.legend.setText(" &nbsp;".join(entries))
         self._n = -1
         self._on_rows()
 
