@@ -66,7 +66,8 @@ SILENCE_LIMIT = 30.0
 # load stages whose progress counts steps, not bytes: the dequant cache fill, the tokenizer
 # build and the warm-up that compiles and captures what a reply will run
 DEQUANT_CACHE, TOKENIZER, WARM_UP = "dequant cache", "tokenizer", "warm-up"
-STEP_STAGES = (DEQUANT_CACHE, TOKENIZER, WARM_UP)
+COMPILE = "compiling kernels"  # a cold kernel cache: the GPU runner's compile pool, per variant
+STEP_STAGES = (DEQUANT_CACHE, TOKENIZER, WARM_UP, COMPILE)
 
 CONTEXT_OVERFLOW = "context_overflow"  # an error event's code: the request does not fit the ctx
 

@@ -89,6 +89,8 @@ def test_load_progress_text():
     # the GPU runner's step stages count steps; the CPU loader's dequant cache counts bytes
     p.update("dequant cache", 1, 3, 0.0)
     assert p.text() == "dequant cache: step 2 of 3"
+    p.update("compiling kernels", 5, 28, 0.0)  # a cold kernel cache: the compile pool
+    assert p.text() == "compiling kernels: step 6 of 28"
     p.update("dequant cache", 704_643_073, 987_922_432, 5e8)
     assert p.text().startswith("dequant cache: 0.70 of 0.99 GB")
 

@@ -134,9 +134,12 @@ def test_the_dry_pass_records_declines_restores_and_compiles_on_the_pool(monkeyp
         launch(good, "b")
         raise IndexError("read a skipped kernel's output")
 
+    progress = []
     out = precompile.precompile(
         [lambda: launch(good, "a"), broken, lambda: launch(good, "a"), lambda: launch(bad, "c")],
-        clear=lambda: calls.append("clear"), sync=lambda: calls.append("sync"), n_threads=4)
+        clear=lambda: calls.append("clear"), sync=lambda: calls.append("sync"), n_threads=4,
+        on_compiled=lambda done, n: progress.append((done, n)))
+    assert progress == [(0, 2), (1, 2), (2, 2)]  # the pool's variants as each one finishes
     assert hooked == [True, True, True]
     assert rt.jit_cache_hook == "theirs"
     assert calls == ["clear", "sync", "clear"]

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import torch
@@ -120,10 +120,12 @@ def _compile(variant: tuple[Any, str, Any], hooked: bool = False) -> str | None:
 
 
 def precompile(steps: Iterable[Callable[[], None]], clear: Callable[[], None],
-               sync: Callable[[], None], n_threads: int | None = None) -> dict:
+               sync: Callable[[], None], n_threads: int | None = None,
+               on_compiled: Callable[[int, int], None] | None = None) -> dict:
     """Run ``steps`` as a dry pass (``clear`` zeroes the working buffers before and after,
     ``sync`` waits for the devices), then compile what they would have compiled on
-    ``n_threads`` threads. Returns what it did: variants recorded, compiled, failed, seconds
+    ``n_threads`` threads, calling ``on_compiled(done, total)`` before the first and as each
+    finishes. Returns what it did: variants recorded, compiled, failed, seconds
     (``{"variants": 0}`` when it did not run)."""
     n = threads() if n_threads is None else n_threads
     rt = _runtime_knobs()
@@ -153,8 +155,15 @@ def precompile(steps: Iterable[Callable[[], None]], clear: Callable[[], None],
     variants = list(rec.variants.values())
     errors: list[str] = []
     if variants:
+        if on_compiled is not None:
+            on_compiled(0, len(variants))
         with ThreadPoolExecutor(min(n, len(variants)), thread_name_prefix="carve-compile") as ex:
-            errors = [e for e in ex.map(_compile, variants) if e]
+            futures = [ex.submit(_compile, v) for v in variants]
+            for done, f in enumerate(as_completed(futures), 1):
+                if f.result():
+                    errors.append(f.result())
+                if on_compiled is not None:
+                    on_compiled(done, len(variants))
     for e in errors[:5]:
         log.warning("precompiling a kernel failed (the warm-up compiles it instead): %s", e)
     out = {"variants": len(variants), "compiled": len(variants) - len(errors),

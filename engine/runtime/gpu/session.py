@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from engine.planning.rules import Verdict
-from engine.process.protocol import WARM_UP
+from engine.process.protocol import COMPILE, WARM_UP
 from engine.runtime import timeline
 from engine.runtime.chunked import ChunkedSession
 from engine.runtime.generate import GenerationStats
@@ -166,7 +166,9 @@ class GpuSession(ChunkedSession):
             if on_progress is not None:
                 on_progress(WARM_UP, 0, total, 0.0)
             self.compiled = precompile.precompile(
-                [*steps, self.pipe.decode_eager], self.pipe.clear_buffers, self.pipe.sync)
+                [*steps, self.pipe.decode_eager], self.pipe.clear_buffers, self.pipe.sync,
+                on_compiled=None if on_progress is None else
+                lambda done, n: on_progress(COMPILE, done, n, 0.0))
             c = self.compiled
             timeline.mark("kernel cache warm" if c.get("warm") else
                           f"kernels precompiled ({c.get('compiled', 0)} of {c['variants']} "
