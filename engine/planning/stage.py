@@ -213,9 +213,8 @@ def stream_bytes(idx: ModelIndex, k: StageKey) -> int:
     if k.host_compute != "gpu":
         return 0
     cut = host_cut(idx, k)
-    # experts with biases (gpt-oss) run on the CPU (engine/runtime/gpu/host.py): no room for them
-    return max((idx.expert_prefix[i + 1] - idx.expert_prefix[i] for i in range(cut, k.hi)
-                if not any(t.name.endswith("_exps.bias") for t in idx.layer_tensors[i])),
+    # the expert tensors with their biases (gpt-oss), each aligned as the Stream places them
+    return max((idx.expert_prefix[i + 1] - idx.expert_prefix[i] for i in range(cut, k.hi)),
                default=0)
 
 

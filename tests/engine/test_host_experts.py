@@ -120,6 +120,48 @@ def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> No
         g.close()
 
 
+def test_gpt_oss_host_layers_run_from_the_staging_span_with_their_biases(files) -> None:
+    """gpt-oss (biases on every expert matrix, the clamped SwiGLU): every MoE layer's experts
+    on the host, run on the GPU from the staging span (biased experts take no cache slots),
+    with their biases copied beside them: a prefill of 12 rows copies each layer's tensors
+    and biases whole, a decode step its chosen experts' slices and bias rows. Against every
+    expert in VRAM: the same logits and greedy ids."""
+    path = files["gpt-oss"]
+    prompt, steps = ids(12), ids(2, 1)
+    everything = GpuSession.load(plan(path), devices=[DEV], remember=False)
+    try:
+        ref = run(everything, prompt, steps)
+    finally:
+        everything.close()
+    model_file = GGUFModel.open(path)
+    g = GpuSession.load(plan(path, resident=(0,), expert_slots=(2,)), devices=[DEV],
+                        remember=False, model=model_file)
+    try:
+        st = g.pipe.stages[0]
+        hosts = [la.ffn.host for la in st.layers if getattr(la.ffn, "host", None) is not None]
+        assert len(hosts) == 2
+        assert all(h.cache is None and h.stream is not None and h.stream.biases for h in hosts)
+        moved = [h.moved for h in hosts]
+        got = run(g, prompt, steps)
+        errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
+        print(f"gpt-oss host experts from the staging span vs VRAM: rel errors "
+              f"{', '.join(f'{e:.1e}' for e in errs)}")
+        assert max(errs) < BOUND
+        assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in ref]
+        hp = g.hp
+        k, ne = hp.n_expert_used, hp.n_expert
+        for h, before in zip(hosts, moved, strict=True):
+            layer = next(la.index for la in st.layers if la.ffn.host is h)
+            whole = sum(t.nbytes for t in model_file.tensors
+                        if t.layer == layer and "_exps." in t.name)
+            assert any(t.layer == layer and t.name.endswith("_exps.bias")
+                       for t in model_file.tensors)
+            # the ids down (4 bytes each), then the layer whole; each decode step its k experts
+            assert h.moved - before == 12 * k * 4 + whole + 2 * (k * 4 + k * whole // ne)
+    finally:
+        g.close()
+
+
 def test_a_shared_expert_layer_computed_by_the_cpu_gives_the_logits_of_all_in_vram(files):
     """glm4moe (a dense first layer, then a MoE layer with a shared expert, onto whose output
     the host's sum is added), the plan's host_compute "cpu": prefill and a decode step with

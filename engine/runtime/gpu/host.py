@@ -11,9 +11,9 @@ hold every expert the rows chose, the missing ones are copied from host memory i
 (least recently used out), the ids are rewritten as slots, and the GPU runs its usual expert
 kernels on the slots. Else, where the plan runs host experts on the GPU (the span
 `expert_stream`, room for one layer's expert tensors, `Stream`), decode copies the chosen
-experts into it at their own places and prefill the whole layer, and the kernels run there.
-Otherwise (the plan's host_compute "cpu", or experts with biases) the normed rows and weights
-go down to pinned buffers too, the CPU engine's `ops.experts` runs the routed experts on them
+experts into it at their own places and prefill the whole layer (gpt-oss's expert biases
+beside them), and the kernels run there. Otherwise (the plan's host_compute "cpu") the normed
+rows and weights go down to pinned buffers too, the CPU engine's `ops.experts` runs the routed experts on them
 as the file stores them (only the routed experts' slices are dequantized, into a priced
 scratch), and the weighted sum goes back up and onto proj.
 """
@@ -162,29 +162,45 @@ class SlotCache:
 
 class Stream:
     """The staging span a host layer's experts are copied into to run on the GPU: per matrix
-    its whole tensor's room, [n_expert * rows, bytes per row] like the resident tensor."""
+    its whole tensor's room, [n_expert * rows, bytes per row] like the resident tensor, then
+    (gpt-oss) per matrix its biases' room, float32 [n_expert * rows] like a resident bias."""
 
-    def __init__(self, span: torch.Tensor, mats: list[ops.QExperts]) -> None:
+    def __init__(self, span: torch.Tensor, mats: list[ops.QExperts],
+                 biases: list[torch.Tensor] | None = None) -> None:
         self.mats, self.views, self.slices = mats, [], []
+        # (the host bias bytes, their float32 view in the span) per matrix; [] without biases
+        self.bias_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         off = 0
         for m in mats:
             self.views.append(span[off:off + m.raw.numel()].view(m.n_expert * m.rows, -1))
             self.slices.append(m.raw.numel() // m.n_expert)
             off += align_up(m.raw.numel())
-        assert off <= span.numel(), "the priced span holds the layer's experts"
+        for raw in biases or []:
+            self.bias_pairs.append((raw, span[off:off + raw.numel()].view(torch.float32)))
+            off += align_up(raw.numel())
+        assert off <= span.numel(), "the priced span holds the layer's experts and biases"
         self.n = mats[0].n_expert
 
+    @property
+    def biases(self) -> list[torch.Tensor] | None:
+        """The biases the kernels read, in the span (None: the experts have none)."""
+        return [v for _, v in self.bias_pairs] or None
+
     def fill(self, experts: list[int] | None) -> int:
-        """Copy ``experts`` (None: all of them) in at their own places; returns bytes copied."""
+        """Copy ``experts`` (None: all of them) in at their own places, their bias rows too;
+        returns bytes copied."""
         done = 0
-        for m, view, per in zip(self.mats, self.views, self.slices, strict=True):
-            flat = view.view(-1)
+        parts = [(m.raw, view.view(-1), per)
+                 for m, view, per in zip(self.mats, self.views, self.slices, strict=True)]
+        parts += [(raw, dst.view(torch.uint8), raw.numel() // self.n)
+                  for raw, dst in self.bias_pairs]
+        for src, dst, per in parts:
             if experts is None:
-                flat.copy_(m.raw, non_blocking=True)
-                done += m.raw.numel()
+                dst.copy_(src, non_blocking=True)
+                done += src.numel()
                 continue
             for e in experts:
-                flat[e * per:(e + 1) * per].copy_(m.raw[e * per:(e + 1) * per], non_blocking=True)
+                dst[e * per:(e + 1) * per].copy_(src[e * per:(e + 1) * per], non_blocking=True)
                 done += per
         return done
 
@@ -193,13 +209,13 @@ def host_experts(hp: Any, model: Any, spans: dict[str, torch.Tensor],
                  layers: list[int]) -> dict[int, HostExperts]:
     """The stage's host layers, each with its share of the expert cache (the span
     "expert_cache" [slots, slot bytes], split evenly in layer order, at most n_expert slots a
-    layer; none for experts with biases, which the CPU runs)."""
+    layer; none for experts with biases, whose slots would need their bias rows too: those
+    run from the staging span)."""
     out = {i: HostExperts(hp, model, spans, i) for i in layers}
     stream = spans.get("expert_stream")
     if stream is not None:
         for h in out.values():
-            if h.biases is None:
-                h.stream = Stream(stream, h.mats)
+            h.stream = Stream(stream, h.mats, h.bias_bytes)
     cache = spans.get("expert_cache")
     if cache is None or not layers:
         return out
@@ -232,7 +248,9 @@ class HostExperts:
             self.mats.append(ops.QExperts(name, spans[name], info.ggml_type, n_expert, rows,
                                           cols, None, scratch))
         self.biases = None
+        self.bias_bytes: list[torch.Tensor] | None = None  # the raw host bytes (the Stream's)
         if p + "ffn_gate_exps.bias" in spans:
+            self.bias_bytes = [spans[p + f"ffn_{n}_exps.bias"] for n in ("gate", "up", "down")]
             self.biases = tuple(
                 spans[p + f"ffn_{n}_exps.bias"].view(torch.float32).view(hp.n_expert, -1)
                 for n in ("gate", "up", "down"))
@@ -244,12 +262,14 @@ class HostExperts:
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
             staging: torch.Tensor, accumulate: bool,
-            gpu: Callable[[list[torch.Tensor], int, torch.Tensor], None] | None = None) -> None:
+            gpu: Callable[[list[torch.Tensor], int, torch.Tensor, list[torch.Tensor] | None],
+                          None] | None = None) -> None:
         """out (+)= the routed experts of normed rows ``x`` [n, n_embd] chosen as ``ids`` /
         ``w`` [n, k] (on the stage's device). ``staging`` [n, n_embd] float32 on the device
         takes the sum on its way up (buf.moe_out's first rows: free in this layer). ``gpu(
-        (gate, up, down), n_slots, slot_ids)``: the stage's expert kernels on the cache's
-        slots, used when they can hold every chosen expert (``ids`` is rewritten as slots)."""
+        (gate, up, down), n, ids, biases)``: the stage's expert kernels on the cache's slots
+        (``ids`` rewritten as slots) when they can hold every chosen expert, or on the staging
+        span (``biases`` there too, gpt-oss; else None: the layer's own)."""
         n = x.shape[0]
         hx, hids, hw, hy = self.x[:n], self.ids[:n], self.w[:n], self.y[:n]
         hids.copy_(ids, non_blocking=True)
@@ -263,13 +283,13 @@ class HostExperts:
                 hids.copy_(torch.tensor([slots[e] for e in chosen], dtype=hids.dtype).view(n, -1))
                 ids.copy_(hids, non_blocking=True)
                 self.moved += hids.nbytes + self.cache.copied - before
-                gpu(self.cache.views, self.cache.n, ids)
+                gpu(self.cache.views, self.cache.n, ids, None)
                 return
         if self.stream is not None and gpu is not None:
             # prefill reads most experts: the whole layer in one copy per tensor
             chosen = None if n > STREAM_ROWS else sorted(set(hids.reshape(-1).tolist()))
             self.moved += self.stream.fill(chosen)
-            gpu(self.stream.views, self.stream.n, ids)
+            gpu(self.stream.views, self.stream.n, ids, self.stream.biases)
             return
         hx.copy_(x, non_blocking=True)
         hw.copy_(w, non_blocking=True)

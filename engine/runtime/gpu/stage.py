@@ -357,25 +357,29 @@ class GpuStage:
         if f.host is not None:  # experts in host memory: routed here, run from the expert
             # cache's slots, the staging span or by the CPU (engine/runtime/gpu/host.py)
             f.host.run(a.normed, ids, w, a.proj, b["moe_out"][:n], f.shared is not None,
-                       lambda mats, slots, sid: self._routed(f, mats, slots, sid, w, a))
+                       lambda mats, slots, sid, bias: self._routed(f, mats, slots, sid, w, a,
+                                                                    bias))
             return
         self._routed(f, [f.gate.packed, f.up.packed, f.down.packed], self.hp.n_expert, ids, w,
                      a)
 
     def _routed(self, f: Experts, mats: list[torch.Tensor], ne: int, ids: torch.Tensor,
-                w: torch.Tensor, a: Rows) -> None:
+                w: torch.Tensor, a: Rows, biases: list[torch.Tensor] | None = None) -> None:
         """The routed experts onto proj: ``mats`` the gate, up and down bytes of ``ne``
-        experts ([ne * rows, bytes per row] each: the layer's tensors, or cache slots)."""
+        experts ([ne * rows, bytes per row] each: the layer's tensors, or cache slots);
+        ``biases``: their biases where they are not the layer's own (a host layer's, copied
+        into the staging span)."""
         hp, b, n, x, pdl = self.hp, self.buf, a.n, a.normed, self.pdl
         k = hp.n_expert_used
         act = "swiglu_oai" if hp.swiglu_limit else hp.act
         g, u, d = f.gate, f.up, f.down
+        gb, ub, db = biases or (g.bias, u.bias, d.bias)
         gp, up, dp = mats
         h = b["moe_h"][:n * k]
         if n <= GEMV_ROWS:
             moe.expert_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, h, act,
-                           g.bias, u.bias, hp.swiglu_limit, f.config, use_pdl=pdl)
-            moe.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, d.bias,
+                           gb, ub, hp.swiglu_limit, f.config, use_pdl=pdl)
+            moe.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, db,
                             accumulate=f.shared is not None, config=f.down_config, use_pdl=pdl,
                             rows_out=b["moe_out"][:n * k] if moe.DOWN_SPLIT else None)
             return
@@ -383,9 +387,9 @@ class GpuStage:
         # the router's logits are read by now: their span holds the sort's counts
         moe.sort_routes(ids, ne, rows, pos, tiles, b["moe_logits"][:n].view(torch.int32))
         moe.grouped_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, rows, tiles, h,
-                        act, g.bias, u.bias, hp.swiglu_limit)
+                        act, gb, ub, hp.swiglu_limit)
         out = b["moe_out"][:n * k]
-        moe.grouped_down(dp, d.ggml_type, ne, h, tiles, out, d.bias)
+        moe.grouped_down(dp, d.ggml_type, ne, h, tiles, out, db)
         moe.combine(out, pos, w, a.proj, accumulate=f.shared is not None)
 
     def _add_norm(self, a: Rows, post: torch.Tensor | None, w: torch.Tensor, q8) -> None:
