@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model", nargs="?")
     ap.add_argument("--synth", help="write a synthetic model of this shape first")
     ap.add_argument("--mix", default="q4_k_m")
-    ap.add_argument("--runs", type=int, default=2, help="warm launches after the cold one (0: the cold one and a pre-started one)")
+    ap.add_argument("--runs", type=int, default=2,
+                    help="warm launches after the cold one (0: the cold one and a pre-started one)")
     args = ap.parse_args(argv)
     try:
         import torch
