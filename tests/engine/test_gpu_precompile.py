@@ -21,6 +21,7 @@ import torch
 
 from engine.runtime.gpu import precompile
 from engine.synth.gen import write_model
+from spec.errors import CarveError
 
 ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -178,3 +179,26 @@ def test_no_pool_no_dry_pass(monkeypatch):
     assert precompile.precompile([lambda: ran.append(1)], lambda: None, lambda: None,
                                  n_threads=1) == {"variants": 0}
     assert ran == []
+
+
+def test_cancel_drops_the_variants_not_started(monkeypatch):
+    """Cancel during the pool: the compiles not yet started are dropped and the load ends with
+    "load cancelled" (the running ones finish: a compile cannot be interrupted)."""
+    rt = SimpleNamespace(jit_cache_hook=None)
+    monkeypatch.setattr(precompile, "_runtime_knobs", lambda: rt)
+    jit = FakeJit(seconds=precompile.WARM_S + 0.05)
+    stop = []
+
+    def launch(key):
+        rt.jit_cache_hook(key=key, fn=SimpleNamespace(jit_function=jit),
+                          compile={"specialization_data": json.dumps({"name": key}),
+                                   "device": None})
+
+    with pytest.raises(CarveError, match="load cancelled"):
+        precompile.precompile([lambda k=k: launch(k) for k in "abcdefgh"], lambda: None,
+                              lambda: None, n_threads=2,
+                              on_compiled=lambda done, n: stop.append(done),
+                              cancelled=lambda: len(stop) >= 2)
+    # "a" on the spot, then at most the two running when cancel came and the one after
+    assert len(jit.loaded) <= 1 + 3 < 8
+    assert rt.jit_cache_hook is None

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from spec.errors import CarveError
+
 log = logging.getLogger("carve.engine")
 
 
@@ -121,11 +123,14 @@ def _compile(variant: tuple[Any, str, Any], hooked: bool = False) -> str | None:
 
 def precompile(steps: Iterable[Callable[[], None]], clear: Callable[[], None],
                sync: Callable[[], None], n_threads: int | None = None,
-               on_compiled: Callable[[int, int], None] | None = None) -> dict:
+               on_compiled: Callable[[int, int], None] | None = None,
+               cancelled: Callable[[], bool] | None = None) -> dict:
     """Run ``steps`` as a dry pass (``clear`` zeroes the working buffers before and after,
     ``sync`` waits for the devices), then compile what they would have compiled on
     ``n_threads`` threads, calling ``on_compiled(done, total)`` before the first and as each
-    finishes. Returns what it did: variants recorded, compiled, failed, seconds
+    finishes. ``cancelled()`` true between two of them: the variants not started are dropped
+    and CarveError("load cancelled") raised once the running ones end (a compile cannot be
+    interrupted). Returns what it did: variants recorded, compiled, failed, seconds
     (``{"variants": 0}`` when it did not run)."""
     n = threads() if n_threads is None else n_threads
     rt = _runtime_knobs()
@@ -164,6 +169,9 @@ def precompile(steps: Iterable[Callable[[], None]], clear: Callable[[], None],
                     errors.append(f.result())
                 if on_compiled is not None:
                     on_compiled(done, len(variants))
+                if cancelled is not None and cancelled():
+                    ex.shutdown(wait=True, cancel_futures=True)
+                    raise CarveError("load cancelled")
     for e in errors[:5]:
         log.warning("precompiling a kernel failed (the warm-up compiles it instead): %s", e)
     out = {"variants": len(variants), "compiled": len(variants) - len(errors),

@@ -140,7 +140,7 @@ class GpuSession(ChunkedSession):
         err: BaseException | None = None
         try:
             sess = cls(plan, model, hp, layout, pipe)
-            sess._warm_up(on_progress)
+            sess._warm_up(on_progress, cancelled)
             pipe.finish_report(remember)
             timeline.mark("memory measured")
             return sess
@@ -153,7 +153,8 @@ class GpuSession(ChunkedSession):
         pipe.free()
         raise err
 
-    def _warm_up(self, on_progress: Callable | None = None) -> None:
+    def _warm_up(self, on_progress: Callable | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> None:
         """Everything a reply would otherwise compile or capture on its first use, done at load
         and reported as the load stage "warm-up": prefill chunks of a whole and of an odd
         length at the start and further in (Triton specializes on sizes divisible by 16), a
@@ -168,13 +169,15 @@ class GpuSession(ChunkedSession):
             self.compiled = precompile.precompile(
                 [*steps, self.pipe.decode_eager], self.pipe.clear_buffers, self.pipe.sync,
                 on_compiled=None if on_progress is None else
-                lambda done, n: on_progress(COMPILE, done, n, 0.0))
+                lambda done, n: on_progress(COMPILE, done, n, 0.0), cancelled=cancelled)
             c = self.compiled
             timeline.mark("kernel cache warm" if c.get("warm") else
                           f"kernels precompiled ({c.get('compiled', 0)} of {c['variants']} "
                           f"variants, {c.get('threads', 0)} threads)" if c["variants"] else
                           "kernels precompiled (none to compile)")
         for i, step in enumerate(steps):
+            if cancelled is not None and cancelled():
+                raise CarveError("load cancelled")
             if on_progress is not None:
                 on_progress(WARM_UP, i, total, 0.0)
             step()
