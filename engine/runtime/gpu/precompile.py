@@ -178,6 +178,7 @@ def precompile(steps: Iterable[Callable[[], None]], clear: Callable[[], None],
            "failed": len(errors), "threads": min(n, max(1, len(variants))),
            "warm": warm, "first_s": round(rec.first_s or 0.0, 3), "dry_s": round(dry, 3),
            "s": round(time.perf_counter() - t0, 3)}
-    log.info("precompiled %d of %d kernel variants on %d threads in %.1f s", out["compiled"],
-             out["variants"], out["threads"], out["s"])
+    if variants:
+        log.info("precompiled %d of %d kernel variants on %d threads in %.1f s",
+                 out["compiled"], out["variants"], out["threads"], out["s"])
     return out
