@@ -199,6 +199,7 @@ def test_cancel_drops_the_variants_not_started(monkeypatch):
                               lambda: None, n_threads=2,
                               on_compiled=lambda done, n: stop.append(done),
                               cancelled=lambda: len(stop) >= 2)
-    # "a" on the spot, then at most the two running when cancel came and the one after
-    assert len(jit.loaded) <= 1 + 3 < 8
+    # "a" on the spot, then per thread at most the one that finished and the one it took next
+    # before the cancel was seen; never all 8
+    assert len(jit.loaded) <= 1 + 2 * 2 < 8
     assert rt.jit_cache_hook is None
