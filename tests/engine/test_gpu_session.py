@@ -413,7 +413,7 @@ def test_a_failure_after_loading_frees_everything_and_keeps_its_type(tiny, watch
                                                                      monkeypatch) -> None:
     made, _, alive = watched
 
-    def boom(self, on_progress=None) -> None:
+    def boom(self, on_progress=None, cancelled=None) -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(GpuSession, "_warm_up", boom)
