@@ -123,7 +123,8 @@ def test_gemv_glu_matches_reference(ggml_type, act, seed):
     u_ref = quant_matmul.gemv_ref(up, ggml_type, xf)
     scale = glu_scale(g_ref, u_ref, act, gemv_scale(gate, ggml_type, xf),
                       gemv_scale(up, ggml_type, xf))
-    assert nerr(out, glu.glu_ref(g_ref, u_ref, act), scale) < 1e-5
+    # the reference in float64: torch's float32 tanh GELU is off far down the negative tail
+    assert nerr(out, glu.glu_ref(g_ref.double(), u_ref.double(), act), scale) < 1e-5
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -217,7 +218,7 @@ def test_glu_matches_reference(act, seed):
     gate, up = torch.randn(2, 2, 100, generator=g, device=DEVICE).unbind(0)
     out = poison((2, 100))
     glu.glu(gate, up, act, out=out)
-    assert nerr(out, glu.glu_ref(gate, up, act)) < 1e-5
+    assert nerr(out, glu.glu_ref(gate.double(), up.double(), act)) < 1e-5
 
 
 def _cache(kv_type: str, cells: int, kvh: int, d: int) -> torch.Tensor:
