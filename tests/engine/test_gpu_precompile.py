@@ -112,6 +112,16 @@ class FakeJit:
         self.loaded.append((json.loads(data)["name"], threading.current_thread().name))
 
 
+def hooked_launch(rt, jit: FakeJit, key: str):
+    """A launch of a variant not in the JIT's cache, as Triton makes it: through the hook
+    (None when the variant is in the cache: Triton launches it without asking)."""
+    if key in (n for n, _ in jit.loaded):
+        return None
+    return rt.jit_cache_hook(key=key, fn=SimpleNamespace(jit_function=jit),
+                             compile={"specialization_data": json.dumps({"name": key}),
+                                      "device": None})
+
+
 def test_the_dry_pass_records_declines_restores_and_compiles_on_the_pool(monkeypatch):
     """The control flow without a GPU: every launch the steps make goes through the hook,
     which declines it; a step that raises does not stop the others; the buffers are cleared
@@ -124,12 +134,9 @@ def test_the_dry_pass_records_declines_restores_and_compiles_on_the_pool(monkeyp
     calls, hooked = [], []
 
     def launch(jit, key):
-        if key in (n for n, _ in jit.loaded):
-            return  # in the JIT's cache: Triton launches it without asking the hook
-        declined = rt.jit_cache_hook(key=key, fn=SimpleNamespace(jit_function=jit),
-                                     compile={"specialization_data": json.dumps({"name": key}),
-                                              "device": None})
-        hooked.append(declined)
+        declined = hooked_launch(rt, jit, key)
+        if declined is not None:
+            hooked.append(declined)
 
     def broken():
         launch(good, "b")
@@ -161,9 +168,7 @@ def test_a_first_variant_from_the_cache_folder_stops_the_dry_pass(monkeypatch):
 
     def step(key):
         ran.append(key)
-        rt.jit_cache_hook(key=key, fn=SimpleNamespace(jit_function=jit),
-                          compile={"specialization_data": json.dumps({"name": key}),
-                                   "device": None})
+        hooked_launch(rt, jit, key)
 
     out = precompile.precompile([lambda: step("a"), lambda: step("b")],
                                 clear=lambda: calls.append("clear"), sync=lambda: None,
@@ -189,13 +194,9 @@ def test_cancel_drops_the_variants_not_started(monkeypatch):
     jit = FakeJit(seconds=precompile.WARM_S + 0.05)
     stop = []
 
-    def launch(key):
-        rt.jit_cache_hook(key=key, fn=SimpleNamespace(jit_function=jit),
-                          compile={"specialization_data": json.dumps({"name": key}),
-                                   "device": None})
-
     with pytest.raises(CarveError, match="load cancelled"):
-        precompile.precompile([lambda k=k: launch(k) for k in "abcdefgh"], lambda: None,
+        precompile.precompile([lambda k=k: hooked_launch(rt, jit, k) for k in "abcdefgh"],
+                              lambda: None,
                               lambda: None, n_threads=2,
                               on_compiled=lambda done, n: stop.append(done),
                               cancelled=lambda: len(stop) >= 2)

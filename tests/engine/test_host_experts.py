@@ -138,10 +138,12 @@ def test_gpt_oss_host_layers_run_from_the_staging_span_with_their_biases(files) 
                         remember=False, model=model_file)
     try:
         st = g.pipe.stages[0]
-        hosts = [la.ffn.host for la in st.layers if getattr(la.ffn, "host", None) is not None]
+        hosts = {la.index: la.ffn.host for la in st.layers
+                 if getattr(la.ffn, "host", None) is not None}
         assert len(hosts) == 2
-        assert all(h.cache is None and h.stream is not None and h.stream.biases for h in hosts)
-        moved = [h.moved for h in hosts]
+        assert all(h.cache is None and h.stream is not None and h.stream.biases
+                   for h in hosts.values())
+        moved = {i: h.moved for i, h in hosts.items()}
         got = run(g, prompt, steps)
         errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
         print(f"gpt-oss host experts from the staging span vs VRAM: rel errors "
@@ -150,14 +152,13 @@ def test_gpt_oss_host_layers_run_from_the_staging_span_with_their_biases(files) 
         assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in ref]
         hp = g.hp
         k, ne = hp.n_expert_used, hp.n_expert
-        for h, before in zip(hosts, moved, strict=True):
-            layer = next(la.index for la in st.layers if la.ffn.host is h)
+        for layer, h in hosts.items():
             whole = sum(t.nbytes for t in model_file.tensors
                         if t.layer == layer and "_exps." in t.name)
             assert any(t.layer == layer and t.name.endswith("_exps.bias")
                        for t in model_file.tensors)
             # the ids down (4 bytes each), then the layer whole; each decode step its k experts
-            assert h.moved - before == 12 * k * 4 + whole + 2 * (k * 4 + k * whole // ne)
+            assert h.moved - moved[layer] == 12 * k * 4 + whole + 2 * (k * 4 + k * whole // ne)
     finally:
         g.close()
 

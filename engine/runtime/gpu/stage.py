@@ -600,8 +600,7 @@ class GpuStage:
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
-            for _, run in pieces or [(True, self.decode_step)]:
-                run()
+            self.decode_eager()
         torch.cuda.current_stream(self.device).wait_stream(s)
         if not pieces:
             self.graph = torch.cuda.CUDAGraph()
