@@ -29,7 +29,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from kernels import attention, glu, kv_cache, norm, quant_matmul, rope
+from kernels import attention, glu, kv_cache, norm, q8x, quant_matmul, rope
 from kernels.random_blocks import random_weight
 from spec import quant_types as qt
 from spec.errors import CarveError
@@ -40,6 +40,9 @@ LOWBIT = [qt.IQ2_XXS, qt.IQ3_S, qt.IQ4_XS, qt.Q2_K, qt.Q3_K, qt.IQ3_XXS, qt.IQ2_
           qt.IQ4_NL, qt.IQ1_S, qt.IQ1_M, qt.Q4_1, qt.Q5_1]
 K_CONFIGS = [(4, 16, 4), (8, 8, 4), (4, 8, 2), (8, 16, 8), (2, 16, 2)]
 B_CONFIGS = [(4, 32, 4), (8, 16, 4), (4, 16, 2), (8, 32, 8)]
+# the grid IQ types' row body (a lane per group of 32 values: 8 lanes per block); a sweep of
+# ten tiles on an H200 (2026-12-02) put these first, the best at (4, 4, 4) or (8, 8, 4)
+ROW_CONFIGS = [(4, 4, 4), (8, 8, 4), (4, 8, 4), (2, 8, 4), (8, 4, 4)]
 ROTATE = 4  # weight copies cycled so that timings are not L2 hits (60 MB of L2)
 
 
@@ -165,6 +168,8 @@ def _gemv_section(t, args, g, copy_bw, row, best_cfg):
     shapes = [(18944, 3584), (3584, 18944)]
     ws = {s: [random_weight(t, s[0], s[1], "cuda", g) for _ in range(ROTATE)] for s in shapes}
     cfgs = K_CONFIGS if quant_matmul.plan(t).block == 256 else B_CONFIGS
+    if t in quant_matmul.ROW_BODY_TYPES:
+        cfgs = ROW_CONFIGS
     if args.quick:
         cfgs = [quant_matmul.GEMV_CONFIG[t]]
     # correctness at M=1 and M=4 on the real shape, default config
@@ -180,8 +185,8 @@ def _gemv_section(t, args, g, copy_bw, row, best_cfg):
     for cfg in cfgs:
         total = 0.0
         ok = True
-        for s in shapes:
-            x = torch.randn(1, s[1], device="cuda", generator=g)
+        for s in shapes:  # timed on bf16 x, as decode runs them
+            x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
             y = torch.empty(1, s[0], device="cuda")
             try:
                 total += graph_time(lambda i=0, s=s, x=x, y=y, cfg=cfg: quant_matmul.gemv(
@@ -206,7 +211,7 @@ def _gemv_section(t, args, g, copy_bw, row, best_cfg):
     if t in quant_matmul.ROW_BODY_TYPES:  # the same tile on the generic per-part walk
         body = quant_matmul.ROW_BODY_TYPES
         quant_matmul.ROW_BODY_TYPES = body - {t}
-        xy = {s: (torch.randn(1, s[1], device="cuda", generator=g),
+        xy = {s: (torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16),
                   torch.empty(1, s[0], device="cuda")) for s in shapes}
         try:
             generic = sum(graph_time(lambda i=0, s=s: quant_matmul.gemv(
@@ -215,9 +220,30 @@ def _gemv_section(t, args, g, copy_bw, row, best_cfg):
             quant_matmul.ROW_BODY_TYPES = body
         row(f"gemv {name} up+down M=1 generic walk", generic, nbytes / copy_bw, None,
             f"cfg={cfg}")
+        # on decode's int8 copy of x (dp4a), every tile
+        xqs = {s: q8x.copy_ref(torch.randn(s[1], device="cuda", generator=g)) for s in shapes}
+        best = None
+        for c in cfgs:
+            try:
+                tq = sum(graph_time(lambda i=0, s=s, c=c: quant_matmul.gemv(
+                    ws[s][i % ROTATE], t, xqs[s][1].to(torch.bfloat16), out=xy[s][1],
+                    config=c, xq=xqs[s][0])) for s in shapes)
+            except Exception as exc:
+                print(f"  {name} int8 {c}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                continue
+            print(f"  {name} int8 x cfg {c}: {tq * 1e6 / 2:.1f} us per matrix", flush=True)
+            best = min(best or (tq, c), (tq, c))
+        s0 = shapes[0]
+        yq = torch.full((1, s0[0]), float("nan"), device="cuda")
+        quant_matmul.gemv(ws[s0][0], t, xqs[s0][1].to(torch.bfloat16), out=yq, config=best[1],
+                          xq=xqs[s0][0])
+        row(f"gemv {name} up+down M=1 int8 x", best[0], nbytes / copy_bw,
+            nerr(yq, quant_matmul.gemv_ref(ws[s0][0], t, xqs[s0][1])),
+            f"cfg={best[1]} {nbytes / best[0] / 1e9:.0f} GB/s")
+        best_cfg[name + " int8"] = list(best[1])
     # M=4 time with the best config
     s = shapes[0]
-    x4 = torch.randn(4, s[1], device="cuda", generator=g)
+    x4 = torch.randn(4, s[1], device="cuda", generator=g).to(torch.bfloat16)
     y4 = torch.empty(4, s[0], device="cuda")
     t4 = graph_time(lambda i=0: quant_matmul.gemv(ws[s][i % ROTATE], t, x4, out=y4, config=cfg))
     row(f"gemv {name} up M=4", t4, ws[s][0].numel() / copy_bw)

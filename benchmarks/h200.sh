@@ -21,7 +21,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 
 # what to run, from the environment (the device command line is short):
-#   BENCH="qwen2-7b qwen2-0.5b"  synthetic shapes for `carve bench` (ENGINE=1 adds --engine)
+#   BENCH="qwen2-7b qwen2-0.5b"  synthetic shapes for `carve bench` (ENGINE=1 adds --engine);
+#                                SHAPE@MIX picks a `carve gen --mix` (qwen2-7b@iq2_xxs)
+#   BENCH_ARGS="--kernels"       more `carve bench` arguments for every BENCH shape
 #   SPLIT="qwen2-7b"             shapes also run as two stages (--compare-split)
 #   TESTS="tests/engine/test_gpu_session.py ..."  pytest paths, run after the benches
 #   SERVE="qwen2-7b"             benchmarks.bench_serve on these synthetic shapes (carve
@@ -44,10 +46,12 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #   SOAK="qwen2-0.5b"            benchmarks.soak through the engine process on the GPU
 #   STEP_S=240                   the most seconds any one step may take
 step=${STEP_S:-240}
-synth() {  # the synthetic file of shape $1, written once per machine
-    local f=/tmp/carve-bench-$1.gguf
+synth() {  # the synthetic file of shape $1 (SHAPE or SHAPE@MIX), written once per machine
+    local f=/tmp/carve-bench-$1.gguf mix=()
+    [[ "$1" == *@* ]] && mix=(--mix "${1#*@}")
     if [ ! -s "$f" ]; then
-        python3 -m engine.synth.gen --shape "$1" -o "$f.part" >/dev/null && mv "$f.part" "$f"
+        python3 -m engine.synth.gen --shape "${1%@*}" "${mix[@]}" -o "$f.part" >/dev/null \
+            && mv "$f.part" "$f"
     fi
     echo "$f"
 }
@@ -83,6 +87,8 @@ for s in ${BENCH:-}; do
     extra=()
     [[ " ${SPLIT:-} " == *" $s "* ]] && extra+=(--compare-split)
     [ "${ENGINE:-0}" = 1 ] && extra+=(--engine)
+    # shellcheck disable=SC2206
+    extra+=(${BENCH_ARGS:-})
     f=$(synth "$s")
     timeout "$step" python3 -m engine.runtime.bench "$f" --depths "" "${extra[@]}" \
         --json "$out/bench-$s.json" 2>&1 | tee "$out/bench-$s.log"

@@ -120,22 +120,25 @@ def _generic_dot(w_ptr, wh_ptr, g_ptr, xrow, rows_c, nblk, row_bytes,
 def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
             TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
             L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
-            LANE_SUM: tl.constexpr, SPECIAL: tl.constexpr, MAGIC: tl.constexpr):
+            LANE_SUM: tl.constexpr, SPECIAL: tl.constexpr, MAGIC: tl.constexpr,
+            xd_ptr=None, ASM: tl.constexpr = False):
     """[BLOCK_R] float32 dot products of weight rows ``rows_c`` (clamped in range) with the
     activation row at ``xrow``. ``w_ptr``/``wh_ptr``/``wi_ptr``: the weight's bytes as uint8,
     16-bit floats and int32 (for the types that read a value table, the IQ family, ``wi_ptr``
     is that table: kernels.lowbit_blocks.lookup_table). SPECIAL picks the Q4_K storage-order
-    body or the grid IQ types' row body (kernels/gemv_iq.py), MAGIC the 2^23 integer-to-float of the generic walk."""
+    body or the grid IQ types' row body (kernels/gemv_iq.py), MAGIC the 2^23 integer-to-float of
+    the generic walk. An int8 ``xrow`` is decode's int8 copy of x, its scales at ``xd_ptr``
+    (the grid IQ types' body only); ASM: dp4a as the GPU's instruction."""
     nblk = K // BS
     if SPECIAL and TYPE == 12:
         y = _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B)
     elif SPECIAL and (TYPE == 18 or TYPE == 21):  # IQ3_XXS / IQ3_S: 4-value grid rows
-        y = iq_rows_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, TYPE, TS, 4,
-                        BLOCK_R, BLOCK_B)
+        y = iq_rows_dot(w_ptr, wh_ptr, wi_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, TYPE,
+                        TS, 4, BLOCK_R, BLOCK_B, ASM)
     elif SPECIAL and (TYPE == 16 or TYPE == 17 or TYPE == 19 or TYPE == 22 or TYPE == 29):
         # IQ2_XXS, IQ2_XS, IQ1_S, IQ2_S, IQ1_M: 8-value grid rows
-        y = iq_rows_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, TYPE, TS, 8,
-                        BLOCK_R, BLOCK_B)
+        y = iq_rows_dot(w_ptr, wh_ptr, wi_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, TYPE,
+                        TS, 8, BLOCK_R, BLOCK_B, ASM)
     else:
         y = _generic_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, TYPE, BS, TS,
                          NPART, L, BLOCK_R, BLOCK_B, LANE_SUM, MAGIC)

@@ -1,16 +1,22 @@
-"""A row-of-the-grid body for the grid IQ types' decode GEMVs (``gemv_dot.row_dot`` with
-SPECIAL): IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M (grid rows of 8 values) and IQ3_XXS, IQ3_S
-(rows of 4).
+"""A body of their own for the grid IQ types' decode GEMVs (``gemv_dot.row_dot`` with SPECIAL):
+IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M (grid rows of 8 values) and IQ3_XXS, IQ3_S (rows of 4).
 
 The generic walk (kernels/lowbit_blocks.py) gives every lane one value: per value it loads a
-grid index, gathers one grid byte and works out its sign. Here each lane holds one grid row: its
-index, sign bits (with the parity of a 7-bit sign index), scale and IQ1 delta are worked out
-once for its 4 or 8 values, the row is one 4- or 8-byte gather from the table (read as int32 or
-int64 words), and its values are unpacked by shifts:
+grid index, gathers one grid byte and works out its sign. Here each lane holds a group of 32
+values of a block (4 grid rows of 8, or 8 of 4): it reads the group's fields once, in 16-bit
+loads (every grid type's block is a whole number of 16-bit words), then per grid row works out
+the index, sign bits (the parity of a 7-bit sign index computed), scale and IQ1 delta, gathers
+the row from the table as one 4- or 8-byte word, puts the signs into its bytes as integers (a
+word of four at a time) and multiplies:
 
     sum_j x_j * db * v_j = db * sum_j x_j * v_j,   v_j = +-grid_j (IQ1: 8 grid_j +- 1)
 
-Block layouts as in kernels/lowbit_blocks.py; ``r`` is the grid row within the block.
+x is read in 64-bit words (four 16-bit values, or two float32, a load). With ``xq`` (decode's
+int8 copy of x, kernels/q8x.py) the signed grid bytes multiply x's int8 values with ``dp4a``,
+four a instruction, and each group's integer sum is scaled once by the group's x scale (x's
+groups of 32 are the lane's group).
+
+Block layouts as in kernels/lowbit_blocks.py.
 """
 
 from __future__ import annotations
@@ -18,117 +24,292 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.lowbit_blocks import _u8, _u16
+from kernels.gemv_t_dot import _dp4a
 
 
 @triton.jit
-def _ksigns(s):
-    # ksigns_iq2xs[s] for a 7-bit s: s and its parity in bit 7
-    p = s ^ (s >> 4)
-    p = p ^ (p >> 2)
-    p = p ^ (p >> 1)
+def _ksigns(s, ASM: tl.constexpr):
+    # ksigns_iq2xs[s] for a 7-bit s: s and its parity in bit 7 (ASM: the GPU's popc)
+    if ASM:
+        p = tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [s], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    else:
+        p = s ^ (s >> 4)
+        p = p ^ (p >> 2)
+        p = p ^ (p >> 1)
     return s | ((p & 1) << 7)
 
 
 @triton.jit
-def _row(w_ptr, wh_ptr, base, r, TYPE: tl.constexpr):
-    """Row ``r`` ([ROWS]) of the blocks at ``base`` ([R, B, 1]): (grid index, sign bits with
-    bit j for value j, the row's float scale, IQ1's delta in units of grid/8 or 0)."""
-    rr = r[None, None, :]
-    zero = tl.zeros_like(base).to(tl.int32) + tl.zeros_like(rr)
-    if TYPE == 16:  # IQ2_XXS: d, per 32 values 4 index bytes + u32 (4 x 7 sign bits, scale)
-        o = base + 2 + 8 * (rr // 4)
-        gi = _u8(w_ptr, o + rr % 4)
-        hi = _u8(w_ptr, o + 7)
-        aux = _u8(w_ptr, o + 4) | (_u8(w_ptr, o + 5) << 8) | (_u8(w_ptr, o + 6) << 16) | (
-            (hi & 15) << 24)
-        sgn = _ksigns((aux >> (7 * (rr % 4))) & 127)
-        db = tl.load(wh_ptr + base // 2).to(tl.float32) * (0.5 + (hi >> 4).to(tl.float32)) * 0.25
-        delta = zero
-    elif TYPE == 17:  # IQ2_XS: d, qs[32] u16 (9-bit index, 7 sign bits), scales[8] nibbles
-        q = _u16(w_ptr, base + 2 + 2 * rr)
+def _h(wh_ptr, hoff):
+    # the u16 at 16-bit offset hoff (a field of a block; every grid type's block is whole
+    # 16-bit words) as int32
+    return tl.load(wh_ptr + hoff).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _group(wh_ptr, hb, g, TYPE: tl.constexpr):
+    """The fields of group ``g`` (32 values) of the blocks at 16-bit offsets ``hb``: (i0, i1,
+    i2, i3: 16-bit words of the group's grid indices or of its rows, a, b: type-specific words,
+    d: the block's float scale)."""
+    zero = tl.zeros_like(hb + g).to(tl.int32)
+    i2 = zero
+    i3 = zero
+    b = zero
+    if TYPE == 29:  # IQ1_M: qs[32], qh[16] (a nibble per row), scales 4 x u16 (d in their tops)
+        i0 = _h(wh_ptr, hb + 2 * g)
+        i1 = _h(wh_ptr, hb + 2 * g + 1)
+        a = _h(wh_ptr, hb + 16 + g)
+        b = _h(wh_ptr, hb + 24 + g // 2)
+        d16 = ((_h(wh_ptr, hb + 24) >> 12) | ((_h(wh_ptr, hb + 25) >> 12) << 4)
+               | ((_h(wh_ptr, hb + 26) >> 12) << 8) | ((_h(wh_ptr, hb + 27) >> 12) << 12))
+        d = d16.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        d = tl.load(wh_ptr + hb).to(tl.float32)
+        if TYPE == 16:  # IQ2_XXS: d, per group 4 index bytes + u32 (4 x 7 sign bits, scale)
+            i0 = _h(wh_ptr, hb + 1 + 4 * g)
+            i1 = _h(wh_ptr, hb + 2 + 4 * g)
+            a = _h(wh_ptr, hb + 3 + 4 * g) | (_h(wh_ptr, hb + 4 + 4 * g) << 16)
+        elif TYPE == 17:  # IQ2_XS: d, qs[32] u16 (9-bit index, 7 sign bits), scales[8]
+            i0 = _h(wh_ptr, hb + 1 + 4 * g)
+            i1 = _h(wh_ptr, hb + 2 + 4 * g)
+            i2 = _h(wh_ptr, hb + 3 + 4 * g)
+            i3 = _h(wh_ptr, hb + 4 + 4 * g)
+            a = (_h(wh_ptr, hb + 33 + g // 2) >> (8 * (g % 2))) & 255
+        elif TYPE == 22:  # IQ2_S: d, qs[32], signs[32], qh[8] (2 bits a row), scales[8]
+            i0 = _h(wh_ptr, hb + 1 + 2 * g)
+            i1 = _h(wh_ptr, hb + 2 + 2 * g)
+            a = _h(wh_ptr, hb + 17 + 2 * g) | (_h(wh_ptr, hb + 18 + 2 * g) << 16)
+            b = (((_h(wh_ptr, hb + 33 + g // 2) >> (8 * (g % 2))) & 255)
+                 | (((_h(wh_ptr, hb + 37 + g // 2) >> (8 * (g % 2))) & 255) << 8))
+        elif TYPE == 19:  # IQ1_S: d, qs[32], qh[8] u16 (3 bits a row, scale, delta sign)
+            i0 = _h(wh_ptr, hb + 1 + 2 * g)
+            i1 = _h(wh_ptr, hb + 2 + 2 * g)
+            a = _h(wh_ptr, hb + 17 + g)
+        elif TYPE == 18:  # IQ3_XXS: d, qs[64] (an index per 4 values), 8 u32 (signs, scale)
+            i0 = _h(wh_ptr, hb + 1 + 4 * g)
+            i1 = _h(wh_ptr, hb + 2 + 4 * g)
+            i2 = _h(wh_ptr, hb + 3 + 4 * g)
+            i3 = _h(wh_ptr, hb + 4 + 4 * g)
+            a = _h(wh_ptr, hb + 33 + 2 * g) | (_h(wh_ptr, hb + 34 + 2 * g) << 16)
+        else:  # IQ3_S: d, qs[64], qh[8] (top bit a row), signs[32], scales[4] nibbles
+            i0 = _h(wh_ptr, hb + 1 + 4 * g)
+            i1 = _h(wh_ptr, hb + 2 + 4 * g)
+            i2 = _h(wh_ptr, hb + 3 + 4 * g)
+            i3 = _h(wh_ptr, hb + 4 + 4 * g)
+            a = (((_h(wh_ptr, hb + 33 + g // 2) >> (8 * (g % 2))) & 255)
+                 | (((_h(wh_ptr, hb + 53 + g // 4) >> (8 * ((g // 2) % 2) + 4 * (g % 2))) & 15)
+                    << 8))
+            b = _h(wh_ptr, hb + 37 + 2 * g) | (_h(wh_ptr, hb + 38 + 2 * g) << 16)
+    return i0, i1, i2, i3, a, b, d
+
+
+@triton.jit
+def _byte(i0, i1, i2, i3, RI: tl.constexpr):
+    # index byte RI of the group (two a 16-bit word)
+    if RI // 2 == 0:
+        w = i0
+    elif RI // 2 == 1:
+        w = i1
+    elif RI // 2 == 2:
+        w = i2
+    else:
+        w = i3
+    return (w >> (8 * (RI % 2))) & 255
+
+
+@triton.jit
+def _grid_row(i0, i1, i2, i3, a, b, d, g, RI: tl.constexpr, TYPE: tl.constexpr,
+              ASM: tl.constexpr):
+    """Row RI of a group: (grid index, sign bits (bit j for value j), float scale, IQ1's
+    delta in units of grid/8, else 0)."""
+    delta = 0
+    sgn = 0
+    if TYPE == 16:  # IQ2_XXS
+        gi = _byte(i0, i1, i2, i3, RI)
+        sgn = _ksigns((a >> (7 * RI)) & 127, ASM)
+        db = d * (0.5 + ((a >> 28) & 15).to(tl.float32)) * 0.25
+    elif TYPE == 17:  # IQ2_XS: row RI's u16 is word RI
+        if RI == 0:
+            q = i0
+        elif RI == 1:
+            q = i1
+        elif RI == 2:
+            q = i2
+        else:
+            q = i3
         gi = q & 511
-        sgn = _ksigns(q >> 9)
-        s = (_u8(w_ptr, base + 66 + rr // 4) >> (4 * ((rr // 2) % 2))) & 15
-        db = tl.load(wh_ptr + base // 2).to(tl.float32) * (0.5 + s.to(tl.float32)) * 0.25
-        delta = zero
-    elif TYPE == 22:  # IQ2_S: d, qs[32], signs[32], qh[8] (2 top bits per row), scales[8]
-        gi = _u8(w_ptr, base + 2 + rr) | (((_u8(w_ptr, base + 66 + rr // 4) >> (2 * (rr % 4)))
-                                           & 3) << 8)
-        sgn = _u8(w_ptr, base + 34 + rr)
-        s = (_u8(w_ptr, base + 74 + rr // 4) >> (4 * ((rr // 2) % 2))) & 15
-        db = tl.load(wh_ptr + base // 2).to(tl.float32) * (0.5 + s.to(tl.float32)) * 0.25
-        delta = zero
-    elif TYPE == 19:  # IQ1_S: d, qs[32], qh[8] u16 (3 top bits per row, scale, delta sign)
-        qh = _u16(w_ptr, base + 34 + 2 * (rr // 4))
-        gi = _u8(w_ptr, base + 2 + rr) | (((qh >> (3 * (rr % 4))) & 7) << 8)
-        sgn = zero
-        dl = tl.load(wh_ptr + base // 2).to(tl.float32) * (2 * ((qh >> 12) & 7) + 1).to(
-            tl.float32)
-        db = dl * 0.125
-        delta = 1 - 2 * (qh >> 15)
-    elif TYPE == 29:  # IQ1_M: qs[32], qh[16] (a nibble per row), scales 4 x u16 (and d)
-        nib = (_u8(w_ptr, base + 32 + rr // 2) >> (4 * (rr % 2))) & 15
-        gi = _u8(w_ptr, base + rr) | ((nib & 7) << 8)
-        sgn = zero
-        d16 = ((_u8(w_ptr, base + 49) >> 4) | (_u8(w_ptr, base + 51) & 0xF0)
-               | ((_u8(w_ptr, base + 53) >> 4) << 8) | ((_u8(w_ptr, base + 55) & 0xF0) << 8))
-        d = d16.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        s3 = (_u16(w_ptr, base + 48 + 2 * (rr // 8)) >> (3 * ((rr // 2) % 4))) & 7
+        sgn = _ksigns(q >> 9, ASM)
+        db = d * (0.5 + ((a >> (4 * (RI // 2))) & 15).to(tl.float32)) * 0.25
+    elif TYPE == 22:  # IQ2_S
+        gi = _byte(i0, i1, i2, i3, RI) | (((b >> (2 * RI)) & 3) << 8)
+        sgn = (a >> (8 * RI)) & 255
+        db = d * (0.5 + ((b >> (8 + 4 * (RI // 2))) & 15).to(tl.float32)) * 0.25
+    elif TYPE == 19:  # IQ1_S
+        gi = _byte(i0, i1, i2, i3, RI) | (((a >> (3 * RI)) & 7) << 8)
+        db = d * (2 * ((a >> 12) & 7) + 1).to(tl.float32) * 0.125
+        delta = 1 - 2 * ((a >> 15) & 1)
+    elif TYPE == 29:  # IQ1_M
+        nib = (a >> (4 * RI)) & 15
+        gi = _byte(i0, i1, i2, i3, RI) | ((nib & 7) << 8)
+        s3 = (b >> (3 * ((2 * g + RI // 2) % 4))) & 7
         db = d * (2 * s3 + 1).to(tl.float32) * 0.125
         delta = 1 - 2 * (nib >> 3)
-    elif TYPE == 18:  # IQ3_XXS: d, qs[64] (an index per 4 values), 8 u32 (signs, scale)
-        gi = _u8(w_ptr, base + 2 + rr)
-        o = base + 66 + 4 * (rr // 8)
-        hi = _u8(w_ptr, o + 3)
-        aux = _u8(w_ptr, o) | (_u8(w_ptr, o + 1) << 8) | (_u8(w_ptr, o + 2) << 16) | (
-            (hi & 15) << 24)
-        sgn = _ksigns((aux >> (7 * ((rr % 8) // 2))) & 127) >> (4 * (rr % 2))
-        db = tl.load(wh_ptr + base // 2).to(tl.float32) * (0.5 + (hi >> 4).to(tl.float32)) * 0.5
-        delta = zero
-    else:  # IQ3_S: d, qs[64], qh[8] (top bit per row), signs[32], scales[4] nibbles
-        sub = rr // 8
-        gi = _u8(w_ptr, base + 2 + rr) | (((_u8(w_ptr, base + 66 + sub) >> (rr % 8)) & 1) << 8)
-        sgn = _u8(w_ptr, base + 74 + rr // 2) >> (4 * (rr % 2))
-        s = (_u8(w_ptr, base + 106 + sub // 2) >> (4 * (sub % 2))) & 15
-        db = tl.load(wh_ptr + base // 2).to(tl.float32) * (1 + 2 * s).to(tl.float32)
-        delta = zero
+    elif TYPE == 18:  # IQ3_XXS: 8 rows of 4
+        gi = _byte(i0, i1, i2, i3, RI)
+        sgn = (_ksigns((a >> (7 * (RI // 2))) & 127, ASM) >> (4 * (RI % 2))) & 15
+        db = d * (0.5 + ((a >> 28) & 15).to(tl.float32)) * 0.5
+    else:  # IQ3_S
+        gi = _byte(i0, i1, i2, i3, RI) | (((a >> RI) & 1) << 8)
+        sgn = (b >> (4 * RI)) & 15
+        db = d * (1 + 2 * ((a >> 8) & 15)).to(tl.float32)
     return gi, sgn, db, delta
 
 
 @triton.jit
-def iq_rows_dot(w_ptr, wh_ptr, g_ptr, xrow, rows_c, nblk, row_bytes, TYPE: tl.constexpr,
-                TS: tl.constexpr, W: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_B: tl.constexpr):
+def _signed(w, s4):
+    # the 4 grid bytes of word w (each 1..127), byte k negated where bit k of s4 is set:
+    # s4 * 0x00204081 puts bit k at bit 8k, (v ^ 0xFF) + 1 = -v in a byte, with no carry out
+    # of the byte since v > 0
+    m = (s4 * 0x00204081) & 0x01010101
+    return (w ^ (m * 255)) + m
+
+
+@triton.jit
+def _sbyte(w, K: tl.constexpr):
+    # signed byte K of int32 w, as int32
+    return (w << (24 - 8 * K)) >> 24
+
+
+@triton.jit
+def _half(w, K: tl.constexpr, BF16: tl.constexpr):
+    # 16-bit value K of x word w (two bf16 or f16), as float32
+    if BF16:
+        if K == 0:
+            return (w << 16).to(tl.float32, bitcast=True)
+        else:
+            return (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        return ((w >> (16 * K)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(
+            tl.float32)
+
+
+@triton.jit
+def _word_dot(w, xa, xb, X16: tl.constexpr, BF16: tl.constexpr):
+    # sum over the 4 signed bytes k of grid word w of byte k times x value k: of the 64-bit x
+    # word xa (four 16-bit values), or of xa then xb (two float32 each)
+    s = tl.zeros(w.shape, dtype=tl.float32)
+    for k in tl.static_range(4):
+        q = _sbyte(w, k).to(tl.float32)
+        if X16:
+            s += q * _half((xa >> (32 * (k // 2))).to(tl.int32), k % 2, BF16)
+        elif k < 2:
+            s += q * (xa >> (32 * k)).to(tl.int32).to(tl.float32, bitcast=True)
+        else:
+            s += q * (xb >> (32 * (k - 2))).to(tl.int32).to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
+def _add_bytes(w, v):
+    # bytewise w + v (no carry between bytes)
+    return ((w & 0x7F7F7F7F) + (v & 0x7F7F7F7F)) ^ ((w ^ v) & -0x7F7F7F80)  # 0x80808080
+
+
+@triton.jit
+def iq_rows_dot(w_ptr, wh_ptr, g_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes,
+                TYPE: tl.constexpr, TS: tl.constexpr, W: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_B: tl.constexpr, ASM: tl.constexpr):
     """[BLOCK_R] float32 dot products of rows ``rows_c`` (of a grid IQ type, ``W`` values per
-    grid row) with the activation row at ``xrow``; ``g_ptr``: the type's grid
-    (kernels.lowbit_blocks.lookup_table, its start 8-byte aligned), read a row per word."""
+    grid row) with the activation row at ``xrow`` (float32, bf16 or f16, its start 8-byte
+    aligned; or int8: decode's int8 copy of x, its scales per 32 values at ``xd_ptr``);
+    ``wh_ptr``: the weight as 16-bit words; ``g_ptr``: the type's grid
+    (kernels.lowbit_blocks.lookup_table, its start 8-byte aligned), read a row per word.
+    ASM: dp4a as the GPU's instruction (else integer ops: the interpreter)."""
+    NR: tl.constexpr = 32 // W  # grid rows per group of 32 values
+    # one scale for the whole group (the others: one per 16 values)
+    PER_GROUP: tl.constexpr = TYPE == 16 or TYPE == 18 or TYPE == 19 or TYPE == 21
+    IQ1: tl.constexpr = TYPE == 19 or TYPE == 29
+    XQ: tl.constexpr = xrow.dtype.element_ty == tl.int8
+    X16: tl.constexpr = xrow.dtype.element_ty == tl.bfloat16 or (
+        xrow.dtype.element_ty == tl.float16)
+    BF16: tl.constexpr = xrow.dtype.element_ty == tl.bfloat16
+    # x values per word: a grid row's worth of int8 values (one word), four 16-bit values or
+    # two float32 in 64 bits
+    XV: tl.constexpr = W if XQ else (4 if X16 else 2)
     if W == 4:
         gw = g_ptr.to(tl.pointer_type(tl.int32))
     else:
         gw = g_ptr.to(tl.pointer_type(tl.int64))
+    if XQ and W == 4:
+        xw = xrow.to(tl.pointer_type(tl.int32))
+    else:
+        xw = xrow.to(tl.pointer_type(tl.int64))
     tb = tl.arange(0, BLOCK_B)
-    r = tl.arange(0, 256 // W)
-    row_base = rows_c.to(tl.int64)[:, None, None] * row_bytes
-    acc = tl.zeros([BLOCK_R, BLOCK_B, 256 // W], dtype=tl.float32)
+    g = tl.arange(0, 8)[None, None, :]  # the lane's group in its block
+    row_half = rows_c.to(tl.int64)[:, None, None] * (row_bytes // 2)
+    acc = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):
         blk = b0 + tb
         bmask = blk < nblk
-        base = row_base + tl.minimum(blk, nblk - 1)[None, :, None] * TS  # [R, B, 1]
-        gi, sgn, db, delta = _row(w_ptr, wh_ptr, base, r, TYPE)
-        g = tl.load(gw + gi)  # [R, B, rows]: each row's grid values, a byte each
-        xo = (blk * 256)[:, None] + (W * r)[None, :]  # [B, rows]: each row's first x
-        xm = tl.broadcast_to(bmask[None, :, None], (BLOCK_R, BLOCK_B, 256 // W))
-        srow = tl.zeros([BLOCK_R, BLOCK_B, 256 // W], dtype=tl.float32)
-        for j in tl.static_range(W):
-            # x as a full [R, B, rows] tile in the weights' register layout (no conversion)
-            xp = tl.broadcast_to((xrow + xo + j)[None, :, :], (BLOCK_R, BLOCK_B, 256 // W))
-            xv = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
-            q = ((g >> (8 * j)) & 255).to(tl.int32)
-            if TYPE == 19 or TYPE == 29:  # IQ1: signed grid values (times 8), the delta
-                q = tl.where(q > 127, q - 256, q) + delta
+        hb = row_half + (tl.minimum(blk, nblk - 1) * (TS // 2))[None, :, None]  # [R, B, 1]
+        i0, i1, i2, i3, a, b, d = _group(wh_ptr, hb, g, TYPE)
+        # the group's first x word, as a full [R, B, 8] tile in the weights' register
+        # layout (no conversion)
+        xg = tl.broadcast_to((blk * 8)[None, :, None] + g, (BLOCK_R, BLOCK_B, 8))
+        xo = xg * (32 // XV)
+        xm = tl.broadcast_to(bmask[None, :, None], (BLOCK_R, BLOCK_B, 8))
+        gsum = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.float32)
+        isum = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.int32)
+        for i in tl.static_range(NR):
+            gi, sgn, db, delta = _grid_row(i0, i1, i2, i3, a, b, d, g, i, TYPE, ASM)
+            gr = tl.load(gw + gi)  # the row's 4 or 8 grid bytes
+            if W == 4:
+                w0 = gr
+                w1 = gr
             else:
-                q = tl.where(((sgn >> j) & 1) != 0, -q, q)
-            srow += q.to(tl.float32) * xv
-        acc += db * srow
+                w0 = gr.to(tl.int32)
+                w1 = (gr >> 32).to(tl.int32)
+            if IQ1:  # signed grid values times 8, plus the row's delta in every byte
+                dw = (delta & 255) * 0x01010101
+                w0 = _add_bytes(w0, dw)
+                w1 = _add_bytes(w1, dw)
+            else:
+                w0 = _signed(w0, sgn & 15)
+                w1 = _signed(w1, (sgn >> 4) & 15)
+            v0 = W * i  # the row's first value in the group
+            if XQ:  # the row's int8 x values are one word; integer sums over the group (or
+                # over the row when its scale is its own)
+                xa = tl.load(xw + xo + i, mask=xm, other=0)
+                if not PER_GROUP:
+                    isum = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.int32)
+                if W == 4:
+                    isum = _dp4a(w0, xa, isum, ASM, True)
+                else:
+                    isum = _dp4a(w0, xa.to(tl.int32), isum, ASM, True)
+                    isum = _dp4a(w1, (xa >> 32).to(tl.int32), isum, ASM, True)
+                if PER_GROUP:
+                    if i == NR - 1:
+                        gsum = db * isum.to(tl.float32)
+                else:
+                    gsum += db * isum.to(tl.float32)
+            elif X16:
+                xa = tl.load(xw + xo + v0 // 4, mask=xm, other=0)
+                s = _word_dot(w0, xa, xa, True, BF16)
+                if W == 8:
+                    xb = tl.load(xw + xo + v0 // 4 + 1, mask=xm, other=0)
+                    s += _word_dot(w1, xb, xb, True, BF16)
+                gsum += db * s
+            else:
+                xa = tl.load(xw + xo + v0 // 2, mask=xm, other=0)
+                xb = tl.load(xw + xo + v0 // 2 + 1, mask=xm, other=0)
+                s = _word_dot(w0, xa, xb, False, BF16)
+                if W == 8:
+                    xc = tl.load(xw + xo + v0 // 2 + 2, mask=xm, other=0)
+                    xd = tl.load(xw + xo + v0 // 2 + 3, mask=xm, other=0)
+                    s += _word_dot(w1, xc, xd, False, BF16)
+                gsum += db * s
+        if XQ:  # x's scale of the group
+            gsum = gsum * tl.load(xd_ptr + xg, mask=xm, other=0.0)
+        acc += gsum
     return tl.sum(tl.sum(acc, axis=2), axis=1)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels import dequant as _dq
-from kernels import pdl
+from kernels import pdl, q8x
 from kernels.gemv_dot import row_dot
 from kernels.glu import glu_act
 from kernels.lowbit_blocks import LOWBIT_PLANS, lookup_table
@@ -69,12 +69,12 @@ def gemv_config(ggml_type: int, rows: int, cols: int) -> tuple[int, ...]:
 
 
 @triton.jit
-def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, y_ptr, b_ptr, N, K, row_bytes, stride_xm,
-                 stride_ym, TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, N, K, row_bytes,
+                 stride_xm, stride_ym, TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
                  NPART: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr, SPECIAL: tl.constexpr,
-                 MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PDL: tl.constexpr):
+                 MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr, Q8X: tl.constexpr,
+                 ASM: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     # rows on axis 0: a 152064-row output matrix in 2-row programs passes the 65535 limit of
     # grid axes 1 and 2
@@ -82,9 +82,10 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, y_ptr, b_ptr, N, K, row_bytes, st
     m = tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rows_c = tl.minimum(rows, N - 1)  # clamp instead of masking every weight load
-    xrow = x_ptr + m.to(tl.int64) * stride_xm
+    # Q8X: x's int8 copy (one row; the grid IQ types' body)
+    xrow = xq_ptr if Q8X else x_ptr + m.to(tl.int64) * stride_xm
     y = row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
-                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC)
+                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, ASM)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty),
@@ -92,12 +93,12 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, y_ptr, b_ptr, N, K, row_bytes, st
 
 
 @triton.jit
-def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, y_ptr, N, K, row_bytes,
-                     stride_xm, stride_ym, TYPE: tl.constexpr, BS: tl.constexpr,
-                     TS: tl.constexpr, NPART: tl.constexpr, L: tl.constexpr,
+def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr,
+                     N, K, row_bytes, stride_xm, stride_ym, TYPE: tl.constexpr,
+                     BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr, L: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr,
                      SPECIAL: tl.constexpr, MAGIC: tl.constexpr, GELU: tl.constexpr,
-                     PDL: tl.constexpr):
+                     Q8X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     # gate and up rows of the same outputs in one program: x is read once for both, and the
     # GLU needs no launch and no [T, 2F] buffer of its own
@@ -105,23 +106,26 @@ def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, y_ptr,
     m = tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rows_c = tl.minimum(rows, N - 1)
-    xrow = x_ptr + m.to(tl.int64) * stride_xm
+    xrow = xq_ptr if Q8X else x_ptr + m.to(tl.int64) * stride_xm
     g = row_dot(g_ptr, gh_ptr, gi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
-                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC)
+                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, ASM)
     u = row_dot(u_ptr, uh_ptr, ui_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
-                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC)
+                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, ASM)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows,
              glu_act(g, u, GELU).to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
-def _seg(pid, P0, w_ptr, wh_ptr, wi_ptr, b_ptr, xrow, yrow, N, K, row_bytes,
+def _seg(pid, P0, w_ptr, wh_ptr, wi_ptr, b_ptr, xrow, xq_ptr, xd_ptr, yrow, N, K, row_bytes,
          TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
          L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr,
-         SPECIAL: tl.constexpr, MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr):
+         SPECIAL: tl.constexpr, MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr, Q8X: tl.constexpr,
+         ASM: tl.constexpr):
     rows = (pid - P0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if Q8X:
+        xrow = xq_ptr
     y = row_dot(w_ptr, wh_ptr, wi_ptr, xrow, tl.minimum(rows, N - 1), K, row_bytes, TYPE, BS,
-                TS, NPART, L, BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC)
+                TS, NPART, L, BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, ASM)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(yrow + rows, y.to(yrow.dtype.element_ty), mask=rows < N)
@@ -129,17 +133,17 @@ def _seg(pid, P0, w_ptr, wh_ptr, wi_ptr, b_ptr, xrow, yrow, N, K, row_bytes,
 
 @triton.jit
 def _gemv3_kernel(w1, w1h, w1i, b1, N1, rb1, w2, w2h, w2i, b2, N2, rb2, w3, w3h, w3i, b3, N3, rb3,
-                  x_ptr, y_ptr, P1, P2, K, stride_xm, stride_ym,
+                  x_ptr, xq_ptr, xd_ptr, y_ptr, P1, P2, K, stride_xm, stride_ym,
                   T1: tl.constexpr, BS1: tl.constexpr, TS1: tl.constexpr, NP1: tl.constexpr,
                   L1: tl.constexpr, R1: tl.constexpr, B1: tl.constexpr, LS1: tl.constexpr,
-                  SP1: tl.constexpr, MG1: tl.constexpr,
+                  SP1: tl.constexpr, MG1: tl.constexpr, Q8X1: tl.constexpr,
                   T2: tl.constexpr, BS2: tl.constexpr, TS2: tl.constexpr, NP2: tl.constexpr,
                   L2: tl.constexpr, R2: tl.constexpr, B2: tl.constexpr, LS2: tl.constexpr,
-                  SP2: tl.constexpr, MG2: tl.constexpr,
+                  SP2: tl.constexpr, MG2: tl.constexpr, Q8X2: tl.constexpr,
                   T3: tl.constexpr, BS3: tl.constexpr, TS3: tl.constexpr, NP3: tl.constexpr,
                   L3: tl.constexpr, R3: tl.constexpr, B3: tl.constexpr, LS3: tl.constexpr,
-                  SP3: tl.constexpr, MG3: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  PDL: tl.constexpr):
+                  SP3: tl.constexpr, MG3: tl.constexpr, Q8X3: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     # q, k and v of one layer (each with its own type and tile) in one launch: the outputs sit
     # side by side in y's row; programs [0, P1) do the first matrix, [P1, P2) the second
@@ -148,14 +152,14 @@ def _gemv3_kernel(w1, w1h, w1i, b1, N1, rb1, w2, w2h, w2i, b2, N2, rb2, w3, w3h,
     xrow = x_ptr + m * stride_xm
     yrow = y_ptr + m * stride_ym
     if pid < P1:
-        _seg(pid, 0, w1, w1h, w1i, b1, xrow, yrow, N1, K, rb1, T1, BS1, TS1, NP1, L1, R1, B1,
-             LS1, SP1, MG1, HAS_BIAS)
+        _seg(pid, 0, w1, w1h, w1i, b1, xrow, xq_ptr, xd_ptr, yrow, N1, K, rb1, T1, BS1, TS1,
+             NP1, L1, R1, B1, LS1, SP1, MG1, HAS_BIAS, Q8X1, ASM)
     elif pid < P2:
-        _seg(pid, P1, w2, w2h, w2i, b2, xrow, yrow + N1, N2, K, rb2, T2, BS2, TS2, NP2, L2, R2,
-             B2, LS2, SP2, MG2, HAS_BIAS)
+        _seg(pid, P1, w2, w2h, w2i, b2, xrow, xq_ptr, xd_ptr, yrow + N1, N2, K, rb2, T2, BS2,
+             TS2, NP2, L2, R2, B2, LS2, SP2, MG2, HAS_BIAS, Q8X2, ASM)
     else:
-        _seg(pid, P2, w3, w3h, w3i, b3, xrow, yrow + N1 + N2, N3, K, rb3, T3, BS3, TS3, NP3, L3,
-             R3, B3, LS3, SP3, MG3, HAS_BIAS)
+        _seg(pid, P2, w3, w3h, w3i, b3, xrow, xq_ptr, xd_ptr, yrow + N1 + N2, N3, K, rb3, T3,
+             BS3, TS3, NP3, L3, R3, B3, LS3, SP3, MG3, HAS_BIAS, Q8X3, ASM)
 
 
 @triton.jit
@@ -235,6 +239,17 @@ def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None
     return (w, wh, wi), meta, warps, (rest[0] if rest else None)
 
 
+def _q8_in(xq, ggml_type: int, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(int8 values, scales, use): decode's int8 copy of x (kernels/q8x.py: q as int32 words,
+    d, s) where the kernel multiplies with it (a grid IQ type, one row of x), else x twice and
+    False."""
+    if xq is None or ggml_type not in ROW_BODY_TYPES or x2.shape[0] != 1:
+        return x2, x2, False
+    if not q8x.fits(xq, x2.shape[1]):
+        raise ValueError(f"int8 x buffers too small for a row of {x2.shape[1]}")
+    return xq[0].view(torch.int8), xq[1], True
+
+
 def _x2(x: torch.Tensor, k: int) -> torch.Tensor:
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
@@ -248,21 +263,24 @@ def _opts(warps: int, stages: int | None) -> dict:
 
 def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | None = None,
          config: tuple[int, ...] | None = None, bias: torch.Tensor | None = None,
-         use_pdl: bool = True) -> torch.Tensor:
+         use_pdl: bool = True, xq=None) -> torch.Tensor:
     """y[M, rows] = x[M, cols] @ W^T (+ bias), dequantizing W on the fly; M small (decode,
     M <= 8). x is float32/bf16/f16; y has x's dtype unless ``out`` is given. No allocation
     with ``out``. ``config`` overrides the tile (rows per program, blocks per step, warps[,
     stages]); the body and the accumulation follow from the type, the weight's alignment and
-    x's dtype. ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py)."""
+    x's dtype. ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py). ``xq``: x's
+    int8 copy (q, d, s of kernels/q8x.py), which a grid IQ type multiplies by dp4a when M = 1;
+    ignored by the other types."""
     ptrs, meta, warps, stages = _launch_args(w, ggml_type, config, x.dtype)
     n, k = w.shape[0], row_cols(w, ggml_type)
     x2 = _x2(x, k)
     m = x2.shape[0]
+    q, d, use = _q8_in(xq, ggml_type, x2)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
-    _gemv_kernel[grid](*ptrs, x2, y, bias if bias is not None else y, n, k, w.shape[1],
-                       x2.stride(0), y.stride(0), HAS_BIAS=bias is not None, **meta,
-                       **_opts(warps, stages), **pdl.opts(y, use_pdl))
+    _gemv_kernel[grid](*ptrs, x2, q, d, y, bias if bias is not None else y, n, k, w.shape[1],
+                       x2.stride(0), y.stride(0), HAS_BIAS=bias is not None, Q8X=use,
+                       ASM=w.is_cuda, **meta, **_opts(warps, stages), **pdl.opts(y, use_pdl))
     return y.view(*x.shape[:-1], n) if out is None else out
 
 
@@ -273,9 +291,10 @@ def can_pair(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: int)
 
 def gemv_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, x: torch.Tensor,
              act: str = "silu", out: torch.Tensor | None = None,
-             config: tuple[int, ...] | None = None, use_pdl: bool = True) -> torch.Tensor:
-    """act(x @ gate^T) * (x @ up^T) in one launch (decode FFN): [M, rows]. ``use_pdl`` as in
-    ``gemv``."""
+             config: tuple[int, ...] | None = None, use_pdl: bool = True,
+             xq=None) -> torch.Tensor:
+    """act(x @ gate^T) * (x @ up^T) in one launch (decode FFN): [M, rows]. ``use_pdl``, ``xq``
+    as in ``gemv``."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     gp, meta, warps, stages = _launch_args(gate, ggml_type, config, x_dtype=x.dtype)
@@ -287,11 +306,12 @@ def gemv_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, x: torch.Tens
     n, k = gate.shape[0], row_cols(gate, ggml_type)
     x2 = _x2(x, k)
     m = x2.shape[0]
+    q, d, use = _q8_in(xq, ggml_type, x2) if meta["SPECIAL"] else (x2, x2, False)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
-    _gemv_glu_kernel[grid](*gp, *up_ptrs, x2, y, n, k, gate.shape[1], x2.stride(0), y.stride(0),
-                           GELU=act == "gelu", **meta, **_opts(warps, stages),
-                           **pdl.opts(y, use_pdl))
+    _gemv_glu_kernel[grid](*gp, *up_ptrs, x2, q, d, y, n, k, gate.shape[1], x2.stride(0),
+                           y.stride(0), GELU=act == "gelu", Q8X=use, ASM=gate.is_cuda, **meta,
+                           **_opts(warps, stages), **pdl.opts(y, use_pdl))
     return y.view(*x.shape[:-1], n) if out is None else out
 
 
@@ -302,10 +322,10 @@ _SUFFIX = {"TYPE": "T", "BS": "BS", "TS": "TS", "NPART": "NP", "L": "L", "BLOCK_
 def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tensor,
           biases: list[torch.Tensor] | None = None,
           configs: list[tuple[int, ...] | None] | None = None,
-          use_pdl: bool = True) -> torch.Tensor:
+          use_pdl: bool = True, xq=None) -> torch.Tensor:
     """Three GEMVs of the same x in one launch (q, k, v), outputs side by side in ``out``
     [M, n1 + n2 + n3] (rows may be strided); each matrix keeps its own type and tile.
-    ``use_pdl`` as in ``gemv``."""
+    ``use_pdl``, ``xq`` as in ``gemv`` (each matrix of a grid IQ type reads the int8 copy)."""
     if len(mats) != 3:
         raise ValueError("gemv3 takes three matrices")
     k = row_cols(*mats[0])
@@ -315,6 +335,7 @@ def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tens
     if y.shape != (m, sum(w.shape[0] for w, _ in mats)) or y.stride(1) != 1:
         raise ValueError("out must hold the three outputs side by side")
     args, consts, progs, warps = [], {}, [0], 4
+    q, d = x2, x2
     for i, (w, t) in enumerate(mats, 1):
         if row_cols(w, t) != k:
             raise ValueError("gemv3's matrices must have the same number of columns")
@@ -324,11 +345,14 @@ def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tens
         b = biases[i - 1] if biases is not None else y
         args += [*ptrs, b, w.shape[0], w.shape[1]]
         consts.update({f"{_SUFFIX[key]}{i}": v for key, v in meta.items()})
+        qi, di, consts[f"Q8X{i}"] = _q8_in(xq, t, x2)
+        if consts[f"Q8X{i}"]:
+            q, d = qi, di
         progs.append(progs[-1] + triton.cdiv(w.shape[0], meta["BLOCK_R"]))
     grid = (progs[3], m)
-    _gemv3_kernel[grid](*args, x2, y, progs[1], progs[2], k, x2.stride(0), y.stride(0),
-                        HAS_BIAS=biases is not None, **consts, num_warps=warps,
-                        **pdl.opts(y, use_pdl))
+    _gemv3_kernel[grid](*args, x2, q, d, y, progs[1], progs[2], k, x2.stride(0), y.stride(0),
+                        HAS_BIAS=biases is not None, ASM=mats[0][0].is_cuda, **consts,
+                        num_warps=warps, **pdl.opts(y, use_pdl))
     return out
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr, poison
 
-from kernels import glu, quant_matmul
+from kernels import glu, q8x, quant_matmul
 from kernels.lowbit_blocks import LOWBIT_PLANS, TABLE_TYPES, lookup_table
 from kernels.quant_blocks import PLANS
 from kernels.random_blocks import random_weight
@@ -101,15 +101,16 @@ def test_gemv3_of_three_table_types(seed):
     assert nerr(out, ref, scale) < 1e-5
 
 
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("ggml_type", sorted(quant_matmul.ROW_BODY_TYPES), ids=qt.type_name)
-def test_row_body_matches_reference(ggml_type, seed):
-    # kernels/gemv_iq.py (a grid row per lane) on float32 or 16-bit x, rows that are not a
-    # multiple of the tile, several steps of blocks and a partial last one
+def test_row_body_matches_reference(ggml_type, xdtype, seed):
+    # kernels/gemv_iq.py (a grid row per lane) on float32 or 16-bit x (read two values a
+    # word), rows that are not a multiple of the tile, several steps of blocks and a partial
+    # last one
     g = generator(seed)
     rows = int(torch.randint(1, 11, (1,), generator=g, device=DEVICE))
     cols = 256 * int(torch.randint(3, 6, (1,), generator=g, device=DEVICE))
-    xdtype = (torch.float32, torch.bfloat16)[int(torch.randint(0, 2, (1,), generator=g,
-                                                              device=DEVICE))]
     w = random_weight(ggml_type, rows, cols, DEVICE, g)
     assert quant_matmul._launch_args(w, ggml_type, x_dtype=xdtype)[1]["SPECIAL"]
     x = torch.randn(2, cols, generator=g, device=DEVICE).to(xdtype)
@@ -118,3 +119,50 @@ def test_row_body_matches_reference(ggml_type, seed):
         out = poison((2, rows))
         quant_matmul.gemv(w, ggml_type, x, out=out, config=config)
         assert nerr(out, ref, gemv_scale(w, ggml_type, x)) < 1e-5
+
+
+@pytest.mark.parametrize("ggml_type", sorted(quant_matmul.ROW_BODY_TYPES), ids=qt.type_name)
+def test_row_body_on_int8_x(ggml_type, seed):
+    # decode's int8 copy of x (kernels/q8x.py): the grid IQ types multiply it by dp4a (integer
+    # ops under the interpreter); the reference multiplies the values the copy stands for
+    g = generator(seed)
+    rows = int(torch.randint(1, 11, (1,), generator=g, device=DEVICE))
+    cols = 256 * int(torch.randint(2, 5, (1,), generator=g, device=DEVICE))
+    w = random_weight(ggml_type, rows, cols, DEVICE, g)
+    up = random_weight(ggml_type, rows, cols, DEVICE, g)
+    x = torch.randn(1, cols, generator=g, device=DEVICE).to(torch.bfloat16)
+    xq, xr = q8x.copy_ref(x[0])
+    ref = quant_matmul.gemv_ref(w, ggml_type, xr)
+    for config in (None, (2, 2, 4)):
+        out = poison((1, rows))
+        quant_matmul.gemv(w, ggml_type, x, out=out, config=config, xq=xq)
+        assert nerr(out, ref, gemv_scale(w, ggml_type, xr)) < 1e-5
+    # the int8 copy is what it reads: a copy of other values gives other outputs
+    other, _ = q8x.copy_ref(-x[0])
+    out = poison((1, rows))
+    quant_matmul.gemv(w, ggml_type, x, out=out, xq=other)
+    assert nerr(out, -ref, gemv_scale(w, ggml_type, xr)) < 1e-5
+    # gate/up in one launch
+    u_ref = quant_matmul.gemv_ref(up, ggml_type, xr)
+    out = poison((1, rows))
+    quant_matmul.gemv_glu(w, up, ggml_type, x, "silu", out=out, xq=xq)
+    scale = glu_scale(ref, u_ref, "silu", gemv_scale(w, ggml_type, xr),
+                      gemv_scale(up, ggml_type, xr))
+    assert nerr(out, glu.glu_ref(ref, u_ref, "silu"), scale) < 1e-5
+
+
+def test_gemv3_mixes_int8_and_float_x(seed):
+    # q, k, v where only the grid IQ matrices read the int8 copy and the Q4_K one reads x
+    g = generator(seed)
+    cols = 512
+    types = (qt.IQ2_XXS, qt.Q4_K, qt.IQ3_S)
+    mats = [(random_weight(t, int(torch.randint(1, 8, (1,), generator=g, device=DEVICE)), cols,
+                           DEVICE, g), t) for t in types]
+    x = torch.randn(1, cols, generator=g, device=DEVICE).to(torch.bfloat16)
+    xq, xr = q8x.copy_ref(x[0])
+    out = poison((1, sum(w.shape[0] for w, _ in mats)))
+    quant_matmul.gemv3(mats, x, out, xq=xq)
+    xs = [xr if t in quant_matmul.ROW_BODY_TYPES else x.float() for t in types]
+    ref = torch.cat([quant_matmul.gemv_ref(w, t, xi) for (w, t), xi in zip(mats, xs)], dim=1)
+    scale = torch.cat([gemv_scale(w, t, xi) for (w, t), xi in zip(mats, xs)], dim=1)
+    assert nerr(out, ref, scale) < 1e-5

@@ -14,6 +14,7 @@ import triton
 
 from engine.runtime.options import RunnerOptions
 from kernels import gemv_t, moe, quant_matmul, rope
+from kernels.quant_matmul import ROW_BODY_TYPES
 from spec import quant_types as qt
 from spec.errors import CarveError
 
@@ -181,8 +182,12 @@ class LayerBuilder:
 
     def _int8_x(self, name: str, slot: int) -> tuple | None:
         """The int8 copy decode gives matrix ``name`` (slot 0: a normed row, 1: the GLU
-        output): only a T matrix multiplies int8 x."""
-        return self.xq[slot] if self.xq is not None and name in self.tmats else None
+        output): a T matrix and a grid IQ type's (kernels/gemv_iq.py) multiply int8 x."""
+        if self.xq is None or name not in self.spans:
+            return None
+        if name in self.tmats or self.model.tensor(name).ggml_type in ROW_BODY_TYPES:
+            return self.xq[slot]
+        return None
 
     # --- tensors -------------------------------------------------------------------------
     def vec(self, name: str) -> torch.Tensor | None:
@@ -229,7 +234,7 @@ class LayerBuilder:
         k, v = self.spans[f"kv.{i}.k"], self.spans[f"kv.{i}.v"]
         swa = bool(hp.swa_layers[i]) if hp.swa_layers else False
         return Attention(
-            norm=self.vec(p + "attn_norm.weight"), xq=self._int8_x(p + QKV[0], 0), qkv=qkv,
+            norm=self.vec(p + "attn_norm.weight"), xq=self._qkv_int8_x(p), qkv=qkv,
             fused=fused, fused_mats=mats, fused_biases=biases, fused_config=config,
             q_norm=self.vec(p + "attn_q_norm.weight") if hp.qk_norm else None,
             k_norm=self.vec(p + "attn_k_norm.weight") if hp.qk_norm else None,
@@ -245,6 +250,10 @@ class LayerBuilder:
             sinks=self.vec(p + "attn_sinks.weight") if getattr(hp, "attn_sinks", False) else None,
             output=self.matrix(p + "attn_output.weight", p + "attn_output.bias"),
             post_norm=self.vec(p + "post_attention_norm.weight") if hp.sandwich_norm else None)
+
+    def _qkv_int8_x(self, p: str) -> tuple | None:
+        # the normed row's int8 copy when any of q, k, v multiplies it
+        return next((x for x in (self._int8_x(p + n, 0) for n in QKV) if x is not None), None)
 
     def _qkv_launch(self, qkv: tuple[Matrix, Matrix, Matrix]) -> tuple[str, list, Any, Any]:
         """Decode's q/k/v in one launch when the three have biases or none have: T when they

@@ -425,11 +425,11 @@ class GpuStage:
                            config=att.fused_config, xq=xq, use_pdl=self.pdl)
         elif gemv and att.fused == "gemv3":
             quant_matmul.gemv3(att.fused_mats, x, out, att.fused_biases, att.fused_config,
-                               use_pdl=self.pdl)
+                               use_pdl=self.pdl, xq=xq)
         else:
             o = 0
             for m in att.qkv:
-                self._linear(m, x, out[:, o:o + m.rows])
+                self._linear(m, x, out[:, o:o + m.rows], xq=xq)
                 o += m.rows
 
     def _attend_decode(self, att: Attention, a: Rows) -> None:
@@ -485,11 +485,12 @@ class GpuStage:
             return oq
         if gemv and f.fused == "gemv_glu":
             quant_matmul.gemv_glu(f.gate.packed, f.up.packed, f.gate.ggml_type, x, self.hp.act,
-                                  out=a.ffn_act, config=f.fused_config, use_pdl=self.pdl)
+                                  out=a.ffn_act, config=f.fused_config, use_pdl=self.pdl,
+                                  xq=xq)
             return None
         nf = self.hp.n_ff
-        self._linear(f.gate, x, a.ffn_up[:, :nf])
-        self._linear(f.up, x, a.ffn_up[:, nf:])
+        self._linear(f.gate, x, a.ffn_up[:, :nf], xq=xq)
+        self._linear(f.up, x, a.ffn_up[:, nf:], xq=xq)
         glu.glu(a.ffn_up[:, :nf], a.ffn_up[:, nf:], self.hp.act, out=a.ffn_act, use_pdl=self.pdl)
         return None
 
@@ -511,7 +512,7 @@ class GpuStage:
     # --- matrices ------------------------------------------------------------------------
     def _linear(self, m: Matrix, x: torch.Tensor, out: torch.Tensor, xq=None) -> None:
         """out = x @ m^T (+ m's bias, in the same launch): its GEMV up to GEMV_ROWS rows (``xq``:
-        x's int8 copy, for a T matrix), else a GEMM."""
+        x's int8 copy, for a T matrix or a grid IQ type's), else a GEMM."""
         if x.shape[0] > GEMV_ROWS:
             self._gemm(m, x, out)
         elif m.t_bytes is not None:
@@ -519,7 +520,7 @@ class GpuStage:
                           bias=m.bias, config=m.config, xq=xq, use_pdl=self.pdl)
         else:
             quant_matmul.gemv(m.packed, m.ggml_type, x, out=out, bias=m.bias, config=m.config,
-                              use_pdl=self.pdl)
+                              use_pdl=self.pdl, xq=xq)
 
     def _gemm(self, m: Matrix, x: torch.Tensor, out: torch.Tensor) -> None:
         # prefill only (never in the captured decode step): one GEMM on the dequant cache's
