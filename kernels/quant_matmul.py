@@ -35,8 +35,12 @@ GEMV_CONFIG: dict[int, tuple[int, ...]] = {
     qt.Q5_K: (4, 16, 4),
     qt.Q6_K: (2, 16, 4),
     qt.MXFP4: (4, 16, 4),  # not swept yet
-    # Q4_1, Q5_1, Q2_K, Q3_K and the IQ family (kernels/lowbit_blocks.py): not swept yet
+    # Q4_1, Q5_1, Q2_K, Q3_K, IQ4_NL and IQ4_XS (kernels/lowbit_blocks.py): not swept yet
     **{t: (4, 16, 4) if PLANS[t].block == 32 else (4, 8, 4) for t in LOWBIT_PLANS},
+    # the grid IQ types' body (kernels/gemv_iq.py: tiles of groups of 32 values), from
+    # device_check sweeps on an H200 (2026-12-02, bf16 and int8 x)
+    qt.IQ2_XXS: (8, 8, 4), qt.IQ2_S: (8, 8, 4), qt.IQ1_M: (8, 8, 4),
+    qt.IQ2_XS: (4, 4, 4), qt.IQ3_XXS: (4, 4, 4), qt.IQ3_S: (4, 4, 4), qt.IQ1_S: (4, 4, 4),
 }
 # tiles for matrices with many rows (>= WIDE_PROGRAMS programs at the default tile), where
 # fewer, fatter programs win: Qwen2-7B's ffn_up/gate and the output head
