@@ -47,7 +47,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #   STEP_S=240                   the most seconds any one step may take
 step=${STEP_S:-240}
 synth() {  # the synthetic file of shape $1 (SHAPE or SHAPE@MIX), written once per machine
-    local f=/tmp/carve-bench-$1.gguf mix=()
+    local f=/tmp/carve-bench-${1//@/-}.gguf mix=()
     [[ "$1" == *@* ]] && mix=(--mix "${1#*@}")
     if [ ! -s "$f" ]; then
         python3 -m engine.synth.gen --shape "${1%@*}" "${mix[@]}" -o "$f.part" >/dev/null \
@@ -90,8 +90,9 @@ for s in ${BENCH:-}; do
     # shellcheck disable=SC2206
     extra+=(${BENCH_ARGS:-})
     f=$(synth "$s")
+    n=${s//@/-}  # no '@' in the names of files that come back
     timeout "$step" python3 -m engine.runtime.bench "$f" --depths "" "${extra[@]}" \
-        --json "$out/bench-$s.json" 2>&1 | tee "$out/bench-$s.log"
+        --json "$out/bench-$n.json" 2>&1 | tee "$out/bench-$n.log"
 done
 if [ -n "${PLACE:-}" ]; then
     s=${BENCH%% *}
@@ -103,7 +104,7 @@ if [ -n "${PLACE:-}" ]; then
         echo "== carve bench $s $a"
         # shellcheck disable=SC2086
         timeout "$step" python3 -m engine.runtime.bench "$f" --depths "" $a \
-            --json "$out/bench-$s-place$i.json" 2>&1 | tee "$out/bench-$s-place$i.log"
+            --json "$out/bench-${s//@/-}-place$i.json" 2>&1 | tee "$out/bench-${s//@/-}-place$i.log"
     done
 fi
 if [ -n "${LLAMA:-}" ]; then
@@ -114,12 +115,12 @@ if [ -n "${LLAMA:-}" ]; then
         IFS=',' read -ra ns <<<"${NCMOE:-0}"
         for n in "${ns[@]}"; do
             nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 \
-                >"$out/llama-vram-$s-$n.txt" &
+                >"$out/llama-vram-${s//@/-}-$n.txt" &
             smi=$!
             timeout "$step" "$lb" -m "$f" -ngl 99 -fa 1 -p 512 -n 128 -r 2 -ncmoe "$n" -o md \
-                2>&1 | grep -E '^\|' | tee "$out/llama-$s-$n.md"
+                2>&1 | grep -E '^\|' | tee "$out/llama-${s//@/-}-$n.md"
             kill "$smi" 2>/dev/null
-            echo "llama.cpp $s --n-cpu-moe $n: peak VRAM $(sort -n "$out/llama-vram-$s-$n.txt" \
+            echo "llama.cpp $s --n-cpu-moe $n: peak VRAM $(sort -n "$out/llama-vram-${s//@/-}-$n.txt" \
                 | tail -1) MiB (whole GPU, nvidia-smi)"
         done
     done
