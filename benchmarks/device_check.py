@@ -354,7 +354,7 @@ def _moe_section(g, copy_bw, mm_rate, row):
     """Each MoE kernel against the bytes it must move (decode: the k routed experts' rows only;
     prefill 512 tokens: every expert's bytes once, or its FLOPs). Decode calls in one graph
     draw different experts (8 id sets), so the 8 calls do not hit L2 for each other."""
-    from kernels import moe
+    from kernels import moe, moe_decode, moe_prefill
     from spec.launch import moe_tiles
 
     swept: set = set()
@@ -380,38 +380,38 @@ def _moe_section(g, copy_bw, mm_rate, row):
         row(f"moe route {label} T=1", t, 0.0, note="latency only")
         # timed first: the graph's last call leaves sets[7]'s output in h and y, so each
         # result is checked after its timing, from a poisoned output, with the ids it used
-        cg, cd = moe.expert_config(gt, f, e, "glu"), moe.expert_config(dt, e, f, "down")
-        t = graph_time(lambda i=0: moe.expert_glu(gate, gt, up, gt, ne, x, sets[i], h,
+        cg, cd = moe_decode.expert_config(gt, f, e, "glu"), moe_decode.expert_config(dt, e, f, "down")
+        t = graph_time(lambda i=0: moe_decode.expert_glu(gate, gt, up, gt, ne, x, sets[i], h,
                                                   config=cg))
         h.fill_(float("nan"))
-        moe.expert_glu(gate, gt, up, gt, ne, x, sets[0], h, config=cg)
-        ref = moe.expert_glu_ref(gate, gt, up, gt, ne, x.float(), sets[0],
+        moe_decode.expert_glu(gate, gt, up, gt, ne, x, sets[0], h, config=cg)
+        ref = moe_decode.expert_glu_ref(gate, gt, up, gt, ne, x.float(), sets[0],
                                  torch.empty(k, f, device="cuda"))
         row(f"moe expert gate/up+glu {tag} T=1", t, 2 * k * per_g / copy_bw, nerr(h, ref),
             f"cfg={cg}")
-        t = graph_time(lambda i=0: moe.expert_down(down, dt, ne, h, sets[i], wts, y,
+        t = graph_time(lambda i=0: moe_decode.expert_down(down, dt, ne, h, sets[i], wts, y,
                                                    config=cd))
         y.fill_(float("nan"))
-        moe.expert_down(down, dt, ne, h, sets[0], wts, y, config=cd)
-        ref = moe.expert_down_ref(down, dt, ne, h.float(), sets[0], wts,
+        moe_decode.expert_down(down, dt, ne, h, sets[0], wts, y, config=cd)
+        ref = moe_decode.expert_down_ref(down, dt, ne, h.float(), sets[0], wts,
                                   torch.empty(1, e, device="cuda"))
         row(f"moe expert down {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref), f"cfg={cd}")
-        # the k experts in parallel programs, then summed in order (moe.DOWN_SPLIT)
+        # the k experts in parallel programs, then summed in order (moe_decode.DOWN_SPLIT)
         yr = torch.empty(k, e, device="cuda")
-        t = graph_time(lambda i=0: moe.expert_down(down, dt, ne, h, sets[i], wts, y,
+        t = graph_time(lambda i=0: moe_decode.expert_down(down, dt, ne, h, sets[i], wts, y,
                                                    config=cd, rows_out=yr))
         y.fill_(float("nan"))
-        moe.expert_down(down, dt, ne, h, sets[0], wts, y, config=cd, rows_out=yr)
+        moe_decode.expert_down(down, dt, ne, h, sets[0], wts, y, config=cd, rows_out=yr)
         row(f"moe expert down split {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref),
-            f"cfg={cd} DOWN_SPLIT={moe.DOWN_SPLIT}")
-        # the tiles moe.EXPERT_CONFIG may take (blocks per step clamp to the row's blocks)
+            f"cfg={cd} DOWN_SPLIT={moe_decode.DOWN_SPLIT}")
+        # the tiles moe_decode.EXPERT_CONFIG may take (blocks per step clamp to the row's blocks)
         if (label, gt) not in swept:  # the Q4_K/Q4_K shape repeats the gate/up of Q4_K/Q6_K
             swept.add((label, gt))
-            _expert_sweep(f"glu {tag}", lambda c, i: moe.expert_glu(
+            _expert_sweep(f"glu {tag}", lambda c, i: moe_decode.expert_glu(
                 gate, gt, up, gt, ne, x, sets[i], h, config=c), 2 * k * per_g / copy_bw, row)
-        _expert_sweep(f"down {tag}", lambda c, i: moe.expert_down(
+        _expert_sweep(f"down {tag}", lambda c, i: moe_decode.expert_down(
             down, dt, ne, h, sets[i], wts, y, config=c), k * per_d / copy_bw, row)
-        _expert_sweep(f"down split {tag}", lambda c, i: moe.expert_down(
+        _expert_sweep(f"down split {tag}", lambda c, i: moe_decode.expert_down(
             down, dt, ne, h, sets[i], wts, y, config=c, rows_out=yr), k * per_d / copy_bw, row)
         # prefill: 512 tokens routed by random logits
         m = 512
@@ -428,13 +428,13 @@ def _moe_section(g, copy_bw, mm_rate, row):
         row(f"moe router {label} T=512", t, 2 * m * e * ne / mm_rate,
             nerr(lg, moe.router_ref(router_w, xp)))
         moe.route(lg, k, "softmax", True, 1.0, None, ids_p, w_p)
-        t = graph_time(lambda i=0: moe.sort_routes(ids_p, ne, rows_, pos, tiles,
+        t = graph_time(lambda i=0: moe_prefill.sort_routes(ids_p, ne, rows_, pos, tiles,
                                                    lg.view(torch.int32)), calls=2)
-        same = _sort_agrees(moe, ids_p, ne, rows_, pos, tiles)
+        same = _sort_agrees(moe_prefill, ids_p, ne, rows_, pos, tiles)
         row(f"moe sort {label} T=512", t, 0.0, None if same else float("inf"),
             note="latency only" + ("" if same else "; DIFFERS from sort_routes_ref"))
         flops = 2 * m * k * e * f
-        t = graph_time(lambda i=0: moe.grouped_glu(gate, gt, up, gt, ne, xp, ids_p, rows_, tiles,
+        t = graph_time(lambda i=0: moe_prefill.grouped_glu(gate, gt, up, gt, ne, xp, ids_p, rows_, tiles,
                                                    hp_), calls=2)
         ex_of = ids_p.reshape(-1)[rows_.long()].long()  # expert of each sorted row
         tok_of = rows_.long() // k  # token of each sorted row
@@ -444,14 +444,14 @@ def _moe_section(g, copy_bw, mm_rate, row):
             max(2 * gate.numel() / copy_bw, 2 * flops / mm_rate),
             nerr(hp_, torch.nn.functional.silu(gd) * ud))
         gd = ud = None
-        t = graph_time(lambda i=0: moe.grouped_down(down, dt, ne, hp_, tiles, out_rows), calls=2)
+        t = graph_time(lambda i=0: moe_prefill.grouped_down(down, dt, ne, hp_, tiles, out_rows), calls=2)
         row(f"moe grouped down {tag} T=512", t, max(down.numel() / copy_bw, flops / mm_rate),
             nerr(out_rows, _per_expert(down, dt, ne, hp_.float(), ex_of)))
-        for c in GROUPED_TILES:  # the tiles moe.GROUPED_CONFIG may take
+        for c in GROUPED_TILES:  # the tiles moe_prefill.GROUPED_CONFIG may take
             try:
-                tg = graph_time(lambda i=0, c=c: moe.grouped_glu(
+                tg = graph_time(lambda i=0, c=c: moe_prefill.grouped_glu(
                     gate, gt, up, gt, ne, xp, ids_p, rows_, tiles, hp_, config=c), calls=2)
-                td = graph_time(lambda i=0, c=c: moe.grouped_down(
+                td = graph_time(lambda i=0, c=c: moe_prefill.grouped_down(
                     down, dt, ne, hp_, tiles, out_rows, config=c), calls=2)
             except Exception as exc:  # a tile can exceed registers or shared memory
                 print(f"  grouped {tag} {c}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
@@ -498,10 +498,10 @@ def _per_expert(w, t, n_expert, x, ex_of):
     return y
 
 
-def _sort_agrees(moe, ids, n_expert, rows, pos, tiles) -> bool:
+def _sort_agrees(moe_prefill, ids, n_expert, rows, pos, tiles) -> bool:
     """The device sort's rows, places and used tiles against ``sort_routes_ref``."""
     r, p, tl_ = torch.empty_like(rows), torch.empty_like(pos), torch.empty_like(tiles)
-    moe.sort_routes_ref(ids, n_expert, r, p, tl_)
+    moe_prefill.sort_routes_ref(ids, n_expert, r, p, tl_)
     used = tl_[0] >= 0
     return (torch.equal(r, rows) and torch.equal(p, pos)
             and torch.equal(tl_[:, used], tiles[:, used]) and bool((tiles[0, ~used] < 0).all()))

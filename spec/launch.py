@@ -73,7 +73,7 @@ SAMPLE_STATE = 16 + SAMPLE_LAST_N + SAMPLE_RING
 LOOKUP_BYTES = 34304
 LOOKUP_FLAGS = 64
 
-# Mixture-of-experts prefill (kernels/moe.py): the routed rows (tokens x experts used) sorted
+# Mixture-of-experts prefill (kernels/moe_prefill.py): the routed rows (tokens x experts used) sorted
 # by expert, cut into tiles of MOE_TILE_ROWS rows of one expert each; every expert's last tile
 # may be partial, so a chunk needs at most this many tiles (the priced buf.moe_tiles).
 MOE_TILE_ROWS = 32

@@ -1,4 +1,4 @@
-"""The mixture-of-experts kernels (kernels/moe.py) against their plain-torch twins: router,
+"""The mixture-of-experts kernels (kernels/moe.py, moe_decode.py, moe_prefill.py) against their plain-torch twins: router,
 routing under each gating rule, decode's expert GEMVs (every GPU type, MXFP4 included, gpt-oss's
 biases and clamped SwiGLU), prefill's sort by expert, grouped GEMMs and combine. Fresh random
 inputs each run, outputs poisoned first; tiny shapes under the interpreter without a GPU."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, nerr, poison
 
-from kernels import moe, quant_matmul
+from kernels import moe, moe_decode, moe_prefill, quant_matmul
 from kernels.quant_blocks import PLANS
 from kernels.random_blocks import random_weight
 from spec import quant_types as qt
@@ -94,8 +94,8 @@ def test_expert_glu_and_down_match_reference(ggml_type, seed):
     ids = _ids(m, k, n_expert, g)
     h = poison((m * k, n_ff))
     cfg = (16, 16, 1)
-    moe.expert_glu(gate, ggml_type, up, up_type, n_expert, x, ids, h, config=cfg)
-    ref = moe.expert_glu_ref(gate, ggml_type, up, up_type, n_expert, x, ids,
+    moe_decode.expert_glu(gate, ggml_type, up, up_type, n_expert, x, ids, h, config=cfg)
+    ref = moe_decode.expert_glu_ref(gate, ggml_type, up, up_type, n_expert, x, ids,
                              torch.empty(m * k, n_ff, device=DEVICE))
     assert nerr(h, ref) < 1e-5
     # down: n_ff -> cols rows, weighted sum into out (and added onto what out holds)
@@ -109,9 +109,9 @@ def test_expert_glu_and_down_match_reference(ggml_type, seed):
     # float32 row each) summed by combine
     for accumulate, split in ((False, False), (True, False), (False, True), (True, True)):
         out = prior.clone() if accumulate else poison((m, cols))
-        moe.expert_down(down, down_type, n_expert, hd, ids, wts, out, accumulate=accumulate,
+        moe_decode.expert_down(down, down_type, n_expert, hd, ids, wts, out, accumulate=accumulate,
                         config=(256, 16, 1), rows_out=poison((m * k, cols)) if split else None)
-        want = moe.expert_down_ref(down, down_type, n_expert, hd, ids, wts, prior.clone(),
+        want = moe_decode.expert_down_ref(down, down_type, n_expert, hd, ids, wts, prior.clone(),
                                    accumulate=accumulate)
         mag = sum(wts[:, j:j + 1] * torch.stack([
             gemv_scale(down[int(ids[i, j]) * cols:(int(ids[i, j]) + 1) * cols], down_type,
@@ -129,13 +129,13 @@ def test_expert_glu_gpt_oss_biases_and_clamped_swiglu(seed):
     x = torch.randn(1, cols, generator=g, device=DEVICE)
     ids = _ids(1, k, n_expert, g)
     h = poison((k, n_ff))
-    moe.expert_glu(gate, qt.MXFP4, up, qt.MXFP4, n_expert, x, ids, h, "swiglu_oai", gb, ub,
+    moe_decode.expert_glu(gate, qt.MXFP4, up, qt.MXFP4, n_expert, x, ids, h, "swiglu_oai", gb, ub,
                    limit=7.0, config=(16, 16, 1))
-    ref = moe.expert_glu_ref(gate, qt.MXFP4, up, qt.MXFP4, n_expert, x, ids,
+    ref = moe_decode.expert_glu_ref(gate, qt.MXFP4, up, qt.MXFP4, n_expert, x, ids,
                              torch.empty(k, n_ff, device=DEVICE), "swiglu_oai", gb, ub, 7.0)
     assert nerr(h, ref) < 1e-5
     # the clamp bites: without it the outputs differ
-    loose = moe.expert_glu_ref(gate, qt.MXFP4, up, qt.MXFP4, n_expert, x, ids,
+    loose = moe_decode.expert_glu_ref(gate, qt.MXFP4, up, qt.MXFP4, n_expert, x, ids,
                                torch.empty(k, n_ff, device=DEVICE), "swiglu_oai", gb, ub, 1e9)
     assert nerr(loose, ref) > 1e-3
 
@@ -156,10 +156,10 @@ def test_sort_routes_groups_rows_by_expert(seed):
     # counts in a poisoned scratch of M x experts (the runner lends the router's logits); the
     # 78 routed rows span two programs under the interpreter (64 rows each)
     scratch = torch.full((m * n_expert,), -9, dtype=torch.int32, device=DEVICE)
-    moe.sort_routes(ids, n_expert, rows, pos, tiles, scratch)
+    moe_prefill.sort_routes(ids, n_expert, rows, pos, tiles, scratch)
     r_rows, r_pos, r_tiles = (torch.empty_like(rows), torch.empty_like(pos),
                               torch.empty_like(tiles))
-    moe.sort_routes_ref(ids, n_expert, r_rows, r_pos, r_tiles)
+    moe_prefill.sort_routes_ref(ids, n_expert, r_rows, r_pos, r_tiles)
     assert torch.equal(rows, r_rows) and torch.equal(pos, r_pos)
     assert torch.equal(tiles[0], r_tiles[0])
     used = r_tiles[0] >= 0
@@ -191,23 +191,23 @@ def test_prefill_grouped_path_matches_decode_reference(types, seed):
     t = moe_tiles(m * k, n_expert)
     rows = torch.empty(m * k, dtype=torch.int32, device=DEVICE)
     pos, tiles = torch.empty_like(rows), torch.empty(3, t, dtype=torch.int32, device=DEVICE)
-    moe.sort_routes(ids, n_expert, rows, pos, tiles)
+    moe_prefill.sort_routes(ids, n_expert, rows, pos, tiles)
     h = poison((m * k, ff_cols))
-    moe.grouped_glu(gate, gu_type, up, gu_type, n_expert, x, ids, rows, tiles, h, act, bias,
+    moe_prefill.grouped_glu(gate, gu_type, up, gu_type, n_expert, x, ids, rows, tiles, h, act, bias,
                     bias, limit)
-    h_ref = moe.grouped_glu_ref(gate, gu_type, up, gu_type, n_expert, x, ids, rows, tiles,
+    h_ref = moe_prefill.grouped_glu_ref(gate, gu_type, up, gu_type, n_expert, x, ids, rows, tiles,
                                 torch.empty_like(h), act, bias, bias, limit)
     assert nerr(h, h_ref) < 1e-5
     y = poison((m * k, cols))
-    moe.grouped_down(down, d_type, n_expert, h_ref, tiles, y)
-    y_ref = moe.grouped_down_ref(down, d_type, n_expert, h_ref, tiles, torch.empty_like(y))
+    moe_prefill.grouped_down(down, d_type, n_expert, h_ref, tiles, y)
+    y_ref = moe_prefill.grouped_down_ref(down, d_type, n_expert, h_ref, tiles, torch.empty_like(y))
     assert nerr(y, y_ref) < 1e-5
     prior = torch.randn(m, cols, generator=g, device=DEVICE)
     out = prior.clone()
     moe.combine(y_ref, pos, wts, out, accumulate=True)
     # against decode's kernels' references, token by token, in the original order
-    h_tok = moe.expert_glu_ref(gate, gu_type, up, gu_type, n_expert, x, ids,
+    h_tok = moe_decode.expert_glu_ref(gate, gu_type, up, gu_type, n_expert, x, ids,
                                torch.empty(m * k, ff_cols, device=DEVICE), act, bias, bias, limit)
-    want = moe.expert_down_ref(down, d_type, n_expert, h_tok, ids, wts, prior.clone(),
+    want = moe_decode.expert_down_ref(down, d_type, n_expert, h_tok, ids, wts, prior.clone(),
                                accumulate=True)
     assert nerr(out, want) < 1e-5

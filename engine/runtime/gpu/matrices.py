@@ -13,7 +13,7 @@ import torch
 import triton
 
 from engine.runtime.options import RunnerOptions
-from kernels import gemv_t, moe, quant_matmul, rope
+from kernels import gemv_t, moe_decode, quant_matmul, rope
 from kernels.quant_matmul import ROW_BODY_TYPES
 from spec import quant_types as qt
 from spec.errors import CarveError
@@ -315,6 +315,6 @@ class LayerBuilder:
         # the type's tuned tile for one expert's shape on a GPU (not the whole tensor's: its
         # many rows would pick the wide tile); under the interpreter one program per expert
         if self.on_cuda:
-            return moe.expert_config(m.ggml_type, rows,
+            return moe_decode.expert_config(m.ggml_type, rows,
                                      quant_matmul.row_cols(m.packed, m.ggml_type), part)
         return (min(512, triton.next_power_of_2(rows)), 16, 1)

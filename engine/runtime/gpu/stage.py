@@ -42,6 +42,8 @@ from kernels import (
     kv_cache,
     lowbit_blocks,
     moe,
+    moe_decode,
+    moe_prefill,
     norm,
     q8x,
     quant_matmul,
@@ -377,19 +379,19 @@ class GpuStage:
         gp, up, dp = mats
         h = b["moe_h"][:n * k]
         if n <= GEMV_ROWS:
-            moe.expert_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, h, act,
+            moe_decode.expert_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, h, act,
                            gb, ub, hp.swiglu_limit, f.config, use_pdl=pdl)
-            moe.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, db,
+            moe_decode.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, db,
                             accumulate=f.shared is not None, config=f.down_config, use_pdl=pdl,
-                            rows_out=b["moe_out"][:n * k] if moe.DOWN_SPLIT else None)
+                            rows_out=b["moe_out"][:n * k] if moe_decode.DOWN_SPLIT else None)
             return
         rows, pos, tiles = b["moe_rows"][:n * k], b["moe_pos"][:n * k], b["moe_tiles"]
         # the router's logits are read by now: their span holds the sort's counts
-        moe.sort_routes(ids, ne, rows, pos, tiles, b["moe_logits"][:n].view(torch.int32))
-        moe.grouped_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, rows, tiles, h,
+        moe_prefill.sort_routes(ids, ne, rows, pos, tiles, b["moe_logits"][:n].view(torch.int32))
+        moe_prefill.grouped_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, rows, tiles, h,
                         act, gb, ub, hp.swiglu_limit)
         out = b["moe_out"][:n * k]
-        moe.grouped_down(dp, d.ggml_type, ne, h, tiles, out, db)
+        moe_prefill.grouped_down(dp, d.ggml_type, ne, h, tiles, out, db)
         moe.combine(out, pos, w, a.proj, accumulate=f.shared is not None)
 
     def _add_norm(self, a: Rows, post: torch.Tensor | None, w: torch.Tensor, q8) -> None:
