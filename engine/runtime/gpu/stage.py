@@ -32,6 +32,8 @@ from engine.runtime.gpu.matrices import (
     Matrix,
 )
 from engine.runtime.gpu.matrices import packed as packed_matrix
+from engine.runtime.gpu.stage_graph import DecodeGraph
+from engine.runtime.gpu.stage_moe import MoeLayers
 from engine.runtime.models import FAMILIES
 from engine.runtime.models.layers import _linear_scale, yarn_freqs
 from engine.runtime.options import RunnerOptions
@@ -41,14 +43,10 @@ from kernels import (
     glu,
     kv_cache,
     lowbit_blocks,
-    moe,
-    moe_decode,
-    moe_prefill,
     norm,
     q8x,
     quant_matmul,
     rope,
-    sample,
     scale_scan,
 )
 from spec import quant_types as qt
@@ -109,7 +107,7 @@ class Rows:
     pos: torch.Tensor  # [n] positions
 
 
-class GpuStage:
+class GpuStage(MoeLayers, DecodeGraph):
     def __init__(self, hp: Any, model: Any, dl: Any, spans: dict[str, torch.Tensor],
                  device: torch.device | str, ctx: int, chunk: int,
                  options: RunnerOptions = RunnerOptions()) -> None:
@@ -332,68 +330,6 @@ class GpuStage:
         aq = self._glu(f, a, xq)
         self._linear(f.down, a.ffn_act, a.proj, xq=aq)
 
-    def _experts(self, f: Experts, a: Rows) -> None:
-        """A mixture-of-experts FFN on normed into proj: router logits, top-k routing (ids and
-        weights stay on the device), the shared expert (glm4moe) into proj, then the routed
-        experts added onto it with their weights. Up to GEMV_ROWS rows: the expert GEMVs (the
-        decode step's graph holds them); more: the rows sorted by expert and one grouped GEMM
-        per expert (kernels/moe.py)."""
-        self._route(f, a)
-        self._experts_out(f, a)
-
-    def _route(self, f: Experts, a: Rows) -> None:
-        """Router logits and top-k routing into buf.moe_ids / moe_w (on the device), and the
-        shared expert (glm4moe) into proj."""
-        hp, b, n, x, pdl = self.hp, self.buf, a.n, a.normed, self.pdl
-        moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl)
-        moe.route(b["moe_logits"][:n], hp.n_expert_used, hp.expert_gating,
-                  hp.expert_weights_norm, hp.expert_weights_scale, f.sel_bias,
-                  b["moe_ids"][:n], b["moe_w"][:n], use_pdl=pdl)
-        if f.shared is not None:
-            self._shared_expert(f.shared, a)
-
-    def _experts_out(self, f: Experts, a: Rows) -> None:
-        """The routed experts of the routing in buf.moe_ids / moe_w onto proj."""
-        b, n = self.buf, a.n
-        ids, w = b["moe_ids"][:n], b["moe_w"][:n]
-        if f.host is not None:  # experts in host memory: routed here, run from the expert
-            # cache's slots, the staging span or by the CPU (engine/runtime/gpu/host.py)
-            f.host.run(a.normed, ids, w, a.proj, b["moe_out"][:n], f.shared is not None,
-                       lambda mats, slots, sid, bias: self._routed(f, mats, slots, sid, w, a,
-                                                                    bias))
-            return
-        self._routed(f, [f.gate.packed, f.up.packed, f.down.packed], self.hp.n_expert, ids, w,
-                     a)
-
-    def _routed(self, f: Experts, mats: list[torch.Tensor], ne: int, ids: torch.Tensor,
-                w: torch.Tensor, a: Rows, biases: list[torch.Tensor] | None = None) -> None:
-        """The routed experts onto proj: ``mats`` the gate, up and down bytes of ``ne``
-        experts ([ne * rows, bytes per row] each: the layer's tensors, or cache slots);
-        ``biases``: their biases where they are not the layer's own (a host layer's, copied
-        into the staging span)."""
-        hp, b, n, x, pdl = self.hp, self.buf, a.n, a.normed, self.pdl
-        k = hp.n_expert_used
-        act = "swiglu_oai" if hp.swiglu_limit else hp.act
-        g, u, d = f.gate, f.up, f.down
-        gb, ub, db = biases or (g.bias, u.bias, d.bias)
-        gp, up, dp = mats
-        h = b["moe_h"][:n * k]
-        if n <= GEMV_ROWS:
-            moe_decode.expert_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, h, act,
-                           gb, ub, hp.swiglu_limit, f.config, use_pdl=pdl)
-            moe_decode.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, db,
-                            accumulate=f.shared is not None, config=f.down_config, use_pdl=pdl,
-                            rows_out=b["moe_out"][:n * k] if moe_decode.DOWN_SPLIT else None)
-            return
-        rows, pos, tiles = b["moe_rows"][:n * k], b["moe_pos"][:n * k], b["moe_tiles"]
-        # the router's logits are read by now: their span holds the sort's counts
-        moe_prefill.sort_routes(ids, ne, rows, pos, tiles, b["moe_logits"][:n].view(torch.int32))
-        moe_prefill.grouped_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, rows, tiles, h,
-                        act, gb, ub, hp.swiglu_limit)
-        out = b["moe_out"][:n * k]
-        moe_prefill.grouped_down(dp, d.ggml_type, ne, h, tiles, out, db)
-        moe.combine(out, pos, w, a.proj, accumulate=f.shared is not None)
-
     def _add_norm(self, a: Rows, post: torch.Tensor | None, w: torch.Tensor, q8) -> None:
         """hidden += proj (gemma3: rmsnorm(proj) * post first), then normed = rmsnorm(hidden) *
         w (and its int8 copy into ``q8``; never with post: the stage keeps it off for gemma3)."""
@@ -496,21 +432,6 @@ class GpuStage:
         glu.glu(a.ffn_up[:, :nf], a.ffn_up[:, nf:], self.hp.act, out=a.ffn_act, use_pdl=self.pdl)
         return None
 
-    def _shared_expert(self, f: Ffn, a: Rows) -> None:
-        # glm4moe's shared expert into proj, on views of ffn_up / ffn_act as wide as its rows
-        # (n_ff_shexp, not the dense layers' n_ff)
-        n, nf, x = a.n, f.gate.rows, a.normed
-        act = self.buf["ffn_act"].view(-1)[: n * nf].view(n, nf)
-        if n <= GEMV_ROWS and f.fused == "gemv_glu":
-            quant_matmul.gemv_glu(f.gate.packed, f.up.packed, f.gate.ggml_type, x, self.hp.act,
-                                  out=act, config=f.fused_config, use_pdl=self.pdl)
-        else:
-            gu = self.buf["ffn_up"].view(-1)[: 2 * n * nf].view(n, 2 * nf)
-            self._linear(f.gate, x, gu[:, :nf])
-            self._linear(f.up, x, gu[:, nf:])
-            glu.glu(gu[:, :nf], gu[:, nf:], self.hp.act, out=act, use_pdl=self.pdl)
-        self._linear(f.down, act, a.proj)
-
     # --- matrices ------------------------------------------------------------------------
     def _linear(self, m: Matrix, x: torch.Tensor, out: torch.Tensor, xq=None) -> None:
         """out = x @ m^T (+ m's bias, in the same launch): its GEMV up to GEMV_ROWS rows (``xq``:
@@ -556,123 +477,7 @@ class GpuStage:
             self._linear(self.output, normed, out, xq=xq)
         return out
 
-    # --- decode --------------------------------------------------------------------------
-    def decode_step(self) -> None:
-        """One token: buf.tokens[0] at buf.positions[0]; leaves logits (last stage) and, on the
-        last stage, the next id drawn by the GPU sampler under the settings in its state
-        (greedy until a reply writes others) in ``next_id``; advances the device position."""
-        self.forward(1, None)
-        if self.last:
-            self.sample_next()
-        self.buf["positions"][:1] += 1
-
-    # buffers written once at load (the YaRN frequencies, the IQ types' value tables and the
-    # scan's flags): `clear_buffers` leaves them as they are
-    LOADED_BUFFERS = frozenset({"yarn_freqs", "lookup"})
-
-    def clear_buffers(self) -> None:
-        """Zero the working buffers (ids, counts, sort places, activations, sampler state): in
-        range for any kernel that reads them as indices (gpu/precompile.py's dry pass)."""
-        for name, t in self.buf.items():
-            if name not in self.LOADED_BUFFERS:
-                t.zero_()
-
-    def decode_eager(self) -> None:
-        """One decode step as `capture` runs it before capturing (host layers' pieces too)."""
-        for _, run in (self._decode_pieces() if self.host_layers else
-                       [(True, self.decode_step)]):
-            run()
-
-    def sample_next(self) -> None:
-        """Draw the next id from buf.logits[0] into ``next_id`` (kernels/sample.py); one stage
-        feeds it back as the next input without leaving the graph."""
-        sample.sample(self.buf["logits"][0], self.samp_state, self.samp_keys, self.next_id)
-        if self.first:
-            self.buf["tokens"][:1].copy_(self.next_id)
-
-    def capture(self) -> None:
-        """Capture decode_step in a CUDA graph (after one eager warm-up that compiles kernels).
-        On the CPU (interpreter) there is no graph: replay runs decode_step eagerly. A stage
-        with host layers (their experts wait on the host) captures the stretches between them,
-        one graph each, and replay runs the host layers' experts eagerly in between (on the
-        CPU the same pieces, all eager)."""
-        pieces = self._decode_pieces() if self.host_layers else []
-        if not self.on_cuda:
-            self.pieces = [run for _, run in pieces]
-            return
-        s = torch.cuda.Stream(self.device)
-        s.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(s):
-            self.decode_eager()
-        torch.cuda.current_stream(self.device).wait_stream(s)
-        if not pieces:
-            self.graph = torch.cuda.CUDAGraph()
-            # torch.cuda.graph's default capture stream is created once, on the first device
-            # that captures; a second GPU's stage needs a stream of its own device
-            with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(self.device)):
-                self.decode_step()
-            return
-        self.pieces = []
-        for graphable, run in pieces:
-            if graphable:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=torch.cuda.Stream(self.device)):
-                    run()
-                self._graphs.append(g)
-                run = g.replay
-            self.pieces.append(run)
-
-    def _decode_pieces(self) -> list[tuple[bool, Callable[[], None]]]:
-        """decode_step as pieces run in order, each (graphable, run): the stretch up to each
-        host layer's routing, that layer's experts (eager: they wait on the host), and the
-        stretch after the last one through the head, the sampler and the position."""
-        hosts = [p for p, la in enumerate(self.layers) if la.index in self.host_layers]
-        out: list[tuple[bool, Callable[[], None]]] = []
-        start = 0
-        for p in hosts:
-            out.append((True, lambda s=start, e=p: self._decode_span(s, e, True)))
-            out.append((False, lambda e=p: self._experts_out(self.layers[e].ffn, self._rows(1))))
-            start = p + 1
-        out.append((True, lambda s=start: self._decode_span(s, len(self.layers), False)))
-        return out
-
-    def _decode_span(self, s: int, e: int, route: bool) -> None:
-        """Decode's layers [s, e) of this stage (as `forward(1, None)` runs them); ``route``:
-        then layer e up to its routing; else the stage's end, the head, the sampler and the
-        position (as `decode_step`)."""
-        a = self._rows(1)
-        if s == 0 and self.first:
-            self._embed(a)
-        prev: Ffn | Experts | None = self.layers[s - 1].ffn if s else None
-        for layer in self.layers[s:e]:
-            self._attention(layer.attn, a, None, prev)
-            self._ffn(layer, a)
-            prev = layer.ffn
-        if route:
-            layer = self.layers[e]
-            self._attention(layer.attn, a, None, prev)
-            self._add_norm(a, layer.attn.post_norm, layer.ffn.norm, layer.ffn.xq)
-            self._route(layer.ffn, a)
-            return
-        if prev is not None:
-            self._add_output(a, prev)
-        if self.last:
-            self.head(0, 1)
-            self.sample_next()
-        self.buf["positions"][:1] += 1
-
-    def host_moved(self) -> int:
-        """Bytes the stage's host layers have copied between the GPU and host memory."""
-        return sum(h.moved for h in self._hosts())
-
-    def cache_hits(self) -> tuple[int, int]:
-        """(hits, misses) of the stage's expert cache so far."""
-        caches = [h.cache for h in self._hosts() if h.cache is not None]
-        return sum(c.hits for c in caches), sum(c.misses for c in caches)
-
-    def _hosts(self) -> list[Any]:
-        return [la.ffn.host for la in self.layers if getattr(la.ffn, "host", None) is not None]
-
+    # --- release -------------------------------------------------------------------------
     def release(self) -> None:
         """Drop every view into the arenas this stage holds (and its graph), so that freeing
         the arenas frees the memory."""
@@ -691,11 +496,3 @@ class GpuStage:
         self.layers = []
         self.token_embd = self.output = self.output_norm = self.xq_out = None
 
-    def replay(self) -> None:
-        if self.pieces:
-            for run in self.pieces:
-                run()
-        elif self.graph is None:
-            self.decode_step()
-        else:
-            self.graph.replay()

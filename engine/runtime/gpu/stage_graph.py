@@ -1,0 +1,133 @@
+"""A GPU stage's decode step and its CUDA graph (``GpuStage`` mixes it in): one token through
+the stage's layers, the head and the GPU sampler, captured once and replayed at every depth
+(the graph reads the token and the position from device buffers); a stage with experts in host
+memory captures the stretches between those layers and runs their experts eagerly in between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.runtime.gpu.matrices import Experts, Ffn
+from kernels import sample
+
+
+class DecodeGraph:
+    """GpuStage's decode step, its capture and replay (they read the stage's buffers, layers
+    and its ``forward``, ``_rows``, ``_embed``, ``_attention``, ``_ffn``, ``_add_norm``,
+    ``_add_output``, ``_route``, ``_experts_out`` and ``head``)."""
+
+    def decode_step(self) -> None:
+        """One token: buf.tokens[0] at buf.positions[0]; leaves logits (last stage) and, on the
+        last stage, the next id drawn by the GPU sampler under the settings in its state
+        (greedy until a reply writes others) in ``next_id``; advances the device position."""
+        self.forward(1, None)
+        if self.last:
+            self.sample_next()
+        self.buf["positions"][:1] += 1
+
+    # buffers written once at load (the YaRN frequencies, the IQ types' value tables and the
+    # scan's flags): `clear_buffers` leaves them as they are
+    LOADED_BUFFERS = frozenset({"yarn_freqs", "lookup"})
+
+    def clear_buffers(self) -> None:
+        """Zero the working buffers (ids, counts, sort places, activations, sampler state): in
+        range for any kernel that reads them as indices (gpu/precompile.py's dry pass)."""
+        for name, t in self.buf.items():
+            if name not in self.LOADED_BUFFERS:
+                t.zero_()
+
+    def decode_eager(self) -> None:
+        """One decode step as `capture` runs it before capturing (host layers' pieces too)."""
+        for _, run in (self._decode_pieces() if self.host_layers else
+                       [(True, self.decode_step)]):
+            run()
+
+    def sample_next(self) -> None:
+        """Draw the next id from buf.logits[0] into ``next_id`` (kernels/sample.py); one stage
+        feeds it back as the next input without leaving the graph."""
+        sample.sample(self.buf["logits"][0], self.samp_state, self.samp_keys, self.next_id)
+        if self.first:
+            self.buf["tokens"][:1].copy_(self.next_id)
+
+    def capture(self) -> None:
+        """Capture decode_step in a CUDA graph (after one eager warm-up that compiles kernels).
+        On the CPU (interpreter) there is no graph: replay runs decode_step eagerly. A stage
+        with host layers (their experts wait on the host) captures the stretches between them,
+        one graph each, and replay runs the host layers' experts eagerly in between (on the
+        CPU the same pieces, all eager)."""
+        pieces = self._decode_pieces() if self.host_layers else []
+        if not self.on_cuda:
+            self.pieces = [run for _, run in pieces]
+            return
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            self.decode_eager()
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        if not pieces:
+            self.graph = torch.cuda.CUDAGraph()
+            # torch.cuda.graph's default capture stream is created once, on the first device
+            # that captures; a second GPU's stage needs a stream of its own device
+            with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(self.device)):
+                self.decode_step()
+            return
+        self.pieces = []
+        for graphable, run in pieces:
+            if graphable:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=torch.cuda.Stream(self.device)):
+                    run()
+                self._graphs.append(g)
+                run = g.replay
+            self.pieces.append(run)
+
+    def _decode_pieces(self) -> list[tuple[bool, Callable[[], None]]]:
+        """decode_step as pieces run in order, each (graphable, run): the stretch up to each
+        host layer's routing, that layer's experts (eager: they wait on the host), and the
+        stretch after the last one through the head, the sampler and the position."""
+        hosts = [p for p, la in enumerate(self.layers) if la.index in self.host_layers]
+        out: list[tuple[bool, Callable[[], None]]] = []
+        start = 0
+        for p in hosts:
+            out.append((True, lambda s=start, e=p: self._decode_span(s, e, True)))
+            out.append((False, lambda e=p: self._experts_out(self.layers[e].ffn, self._rows(1))))
+            start = p + 1
+        out.append((True, lambda s=start: self._decode_span(s, len(self.layers), False)))
+        return out
+
+    def _decode_span(self, s: int, e: int, route: bool) -> None:
+        """Decode's layers [s, e) of this stage (as `forward(1, None)` runs them); ``route``:
+        then layer e up to its routing; else the stage's end, the head, the sampler and the
+        position (as `decode_step`)."""
+        a = self._rows(1)
+        if s == 0 and self.first:
+            self._embed(a)
+        prev: Ffn | Experts | None = self.layers[s - 1].ffn if s else None
+        for layer in self.layers[s:e]:
+            self._attention(layer.attn, a, None, prev)
+            self._ffn(layer, a)
+            prev = layer.ffn
+        if route:
+            layer = self.layers[e]
+            self._attention(layer.attn, a, None, prev)
+            self._add_norm(a, layer.attn.post_norm, layer.ffn.norm, layer.ffn.xq)
+            self._route(layer.ffn, a)
+            return
+        if prev is not None:
+            self._add_output(a, prev)
+        if self.last:
+            self.head(0, 1)
+            self.sample_next()
+        self.buf["positions"][:1] += 1
+
+    def replay(self) -> None:
+        if self.pieces:
+            for run in self.pieces:
+                run()
+        elif self.graph is None:
+            self.decode_step()
+        else:
+            self.graph.replay()

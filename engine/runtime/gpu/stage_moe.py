@@ -1,0 +1,113 @@
+"""The mixture-of-experts FFN of a GPU stage's layers (``GpuStage`` mixes it in): router
+logits and top-k routing on the device, glm4moe's shared expert, and the routed experts as
+decode's expert GEMVs (kernels/moe_decode.py) or prefill's sort by expert and grouped GEMMs
+(kernels/moe_prefill.py), run from the layer's own tensors or, for experts in host memory,
+through engine/runtime/gpu/host.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.runtime.gpu.matrices import GEMV_ROWS, Experts, Ffn
+from kernels import glu, moe, moe_decode, moe_prefill, quant_matmul
+
+if TYPE_CHECKING:
+    from engine.runtime.gpu.stage import Rows
+
+
+class MoeLayers:
+    """GpuStage's mixture-of-experts steps (they read the stage's hp, buf, pdl, layers and
+    its ``_linear``)."""
+
+    def _experts(self, f: Experts, a: Rows) -> None:
+        """A mixture-of-experts FFN on normed into proj: router logits, top-k routing (ids and
+        weights stay on the device), the shared expert (glm4moe) into proj, then the routed
+        experts added onto it with their weights. Up to GEMV_ROWS rows: the expert GEMVs (the
+        decode step's graph holds them); more: the rows sorted by expert and one grouped GEMM
+        per expert (kernels/moe_decode.py, moe_prefill.py)."""
+        self._route(f, a)
+        self._experts_out(f, a)
+
+    def _route(self, f: Experts, a: Rows) -> None:
+        """Router logits and top-k routing into buf.moe_ids / moe_w (on the device), and the
+        shared expert (glm4moe) into proj."""
+        hp, b, n, x, pdl = self.hp, self.buf, a.n, a.normed, self.pdl
+        moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl)
+        moe.route(b["moe_logits"][:n], hp.n_expert_used, hp.expert_gating,
+                  hp.expert_weights_norm, hp.expert_weights_scale, f.sel_bias,
+                  b["moe_ids"][:n], b["moe_w"][:n], use_pdl=pdl)
+        if f.shared is not None:
+            self._shared_expert(f.shared, a)
+
+    def _experts_out(self, f: Experts, a: Rows) -> None:
+        """The routed experts of the routing in buf.moe_ids / moe_w onto proj."""
+        b, n = self.buf, a.n
+        ids, w = b["moe_ids"][:n], b["moe_w"][:n]
+        if f.host is not None:  # experts in host memory: routed here, run from the expert
+            # cache's slots, the staging span or by the CPU (engine/runtime/gpu/host.py)
+            f.host.run(a.normed, ids, w, a.proj, b["moe_out"][:n], f.shared is not None,
+                       lambda mats, slots, sid, bias: self._routed(f, mats, slots, sid, w, a,
+                                                                    bias))
+            return
+        self._routed(f, [f.gate.packed, f.up.packed, f.down.packed], self.hp.n_expert, ids, w,
+                     a)
+
+    def _routed(self, f: Experts, mats: list[torch.Tensor], ne: int, ids: torch.Tensor,
+                w: torch.Tensor, a: Rows, biases: list[torch.Tensor] | None = None) -> None:
+        """The routed experts onto proj: ``mats`` the gate, up and down bytes of ``ne``
+        experts ([ne * rows, bytes per row] each: the layer's tensors, or cache slots);
+        ``biases``: their biases where they are not the layer's own (a host layer's, copied
+        into the staging span)."""
+        hp, b, n, x, pdl = self.hp, self.buf, a.n, a.normed, self.pdl
+        k = hp.n_expert_used
+        act = "swiglu_oai" if hp.swiglu_limit else hp.act
+        g, u, d = f.gate, f.up, f.down
+        gb, ub, db = biases or (g.bias, u.bias, d.bias)
+        gp, up, dp = mats
+        h = b["moe_h"][:n * k]
+        if n <= GEMV_ROWS:
+            moe_decode.expert_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, h, act,
+                                  gb, ub, hp.swiglu_limit, f.config, use_pdl=pdl)
+            moe_decode.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, db,
+                                   accumulate=f.shared is not None, config=f.down_config,
+                                   use_pdl=pdl, rows_out=b["moe_out"][:n * k]
+                                   if moe_decode.DOWN_SPLIT else None)
+            return
+        rows, pos, tiles = b["moe_rows"][:n * k], b["moe_pos"][:n * k], b["moe_tiles"]
+        # the router's logits are read by now: their span holds the sort's counts
+        moe_prefill.sort_routes(ids, ne, rows, pos, tiles, b["moe_logits"][:n].view(torch.int32))
+        moe_prefill.grouped_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, rows, tiles, h,
+                                act, gb, ub, hp.swiglu_limit)
+        out = b["moe_out"][:n * k]
+        moe_prefill.grouped_down(dp, d.ggml_type, ne, h, tiles, out, db)
+        moe.combine(out, pos, w, a.proj, accumulate=f.shared is not None)
+
+    def _shared_expert(self, f: Ffn, a: Rows) -> None:
+        # glm4moe's shared expert into proj, on views of ffn_up / ffn_act as wide as its rows
+        # (n_ff_shexp, not the dense layers' n_ff)
+        n, nf, x = a.n, f.gate.rows, a.normed
+        act = self.buf["ffn_act"].view(-1)[: n * nf].view(n, nf)
+        if n <= GEMV_ROWS and f.fused == "gemv_glu":
+            quant_matmul.gemv_glu(f.gate.packed, f.up.packed, f.gate.ggml_type, x, self.hp.act,
+                                  out=act, config=f.fused_config, use_pdl=self.pdl)
+        else:
+            gu = self.buf["ffn_up"].view(-1)[: 2 * n * nf].view(n, 2 * nf)
+            self._linear(f.gate, x, gu[:, :nf])
+            self._linear(f.up, x, gu[:, nf:])
+            glu.glu(gu[:, :nf], gu[:, nf:], self.hp.act, out=act, use_pdl=self.pdl)
+        self._linear(f.down, act, a.proj)
+
+    def host_moved(self) -> int:
+        """Bytes the stage's host layers have copied between the GPU and host memory."""
+        return sum(h.moved for h in self._hosts())
+
+    def cache_hits(self) -> tuple[int, int]:
+        """(hits, misses) of the stage's expert cache so far."""
+        caches = [h.cache for h in self._hosts() if h.cache is not None]
+        return sum(c.hits for c in caches), sum(c.misses for c in caches)
+
+    def _hosts(self) -> list[Any]:
+        return [la.ffn.host for la in self.layers if getattr(la.ffn, "host", None) is not None]
