@@ -163,6 +163,62 @@ def _types(arg: str | None) -> list[int] | None:
     return out
 
 
+def _sweep(label, t, ws, shapes, cfgs, xy, xqs=None):
+    """Each tile's time for the pair of matrices of type ``t`` on the rows ``xy[s]`` (x, y),
+    or on the int8 copies ``xqs[s]``; (best time, its tile), None if no tile ran."""
+    best = None
+    for c in cfgs:
+        try:
+            tt = sum(graph_time(lambda i=0, s=s, c=c: quant_matmul.gemv(
+                ws[s][i % ROTATE], t, xy[s][0], out=xy[s][1], config=c,
+                xq=None if xqs is None else xqs[s][0])) for s in shapes)
+        except Exception as exc:  # a config can exceed registers/shared memory
+            print(f"  {label} {c}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+            continue
+        print(f"  {label} cfg {c}: {tt * 1e6 / 2:.1f} us per matrix", flush=True)
+        best = min(best or (tt, c), (tt, c))
+    return best
+
+
+def _int8_row(name, t, ws, shapes, cfgs, g, copy_bw, row, best_cfg, note=""):
+    # a body's GEMV on decode's int8 copy of x (dp4a) at every tile, its error at the best
+    xqs = {s: q8x.copy_ref(torch.randn(s[1], device="cuda", generator=g)) for s in shapes}
+    xy = {s: (xqs[s][1].to(torch.bfloat16), torch.empty(1, s[0], device="cuda"))
+          for s in shapes}
+    best = _sweep(f"{name} int8 x{note}", t, ws, shapes, cfgs, xy, xqs)
+    if best is None:
+        return
+    s0 = shapes[0]
+    yq = torch.full((1, s0[0]), float("nan"), device="cuda")
+    quant_matmul.gemv(ws[s0][0], t, xy[s0][0], out=yq, config=best[1], xq=xqs[s0][0])
+    nbytes = sum(w[0].numel() for w in ws.values())
+    row(f"gemv {name} up+down M=1 int8 x{note}", best[0], nbytes / copy_bw,
+        nerr(yq, quant_matmul.gemv_ref(ws[s0][0], t, xqs[s0][1])),
+        f"cfg={best[1]} {nbytes / best[0] / 1e9:.0f} GB/s")
+    best_cfg[f"{name} int8{note}"] = list(best[1])
+
+
+def _trial_rows(name, t, ws, shapes, g, copy_bw, row, best_cfg):
+    # a body written but not yet switched on (quant_matmul.ROW_BODY_TRIAL): its GEMV on bf16
+    # and on int8 x at every row-body tile, beside the generic walk's rows above
+    body = quant_matmul.ROW_BODY_TYPES
+    quant_matmul.ROW_BODY_TYPES = body | {t}
+    try:
+        xy = {s: (torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16),
+                  torch.empty(1, s[0], device="cuda")) for s in shapes}
+        best = _sweep(f"{name} row body", t, ws, shapes, ROW_CONFIGS, xy)
+        if best is not None:
+            x = torch.randn(1, shapes[0][1], device="cuda", generator=g)
+            out = torch.full((1, shapes[0][0]), float("nan"), device="cuda")
+            quant_matmul.gemv(ws[shapes[0]][0], t, x, out=out, config=best[1])
+            nbytes = sum(w[0].numel() for w in ws.values())
+            row(f"gemv {name} up+down M=1 row body (trial)", best[0], nbytes / copy_bw,
+                nerr(out, quant_matmul.gemv_ref(ws[shapes[0]][0], t, x)), f"cfg={best[1]}")
+        _int8_row(name, t, ws, shapes, ROW_CONFIGS, g, copy_bw, row, best_cfg, " (trial)")
+    finally:
+        quant_matmul.ROW_BODY_TYPES = body
+
+
 def _gemv_section(t, args, g, copy_bw, row, best_cfg):
     name = qt.type_name(t)
     shapes = [(18944, 3584), (3584, 18944)]
@@ -181,24 +237,10 @@ def _gemv_section(t, args, g, copy_bw, row, best_cfg):
         e = nerr(out, quant_matmul.gemv_ref(w, t, x))
         if not e < 1e-4:
             print(f"FAIL gemv {name} M={m} err {e}", flush=True)
-    timings = []
-    for cfg in cfgs:
-        total = 0.0
-        ok = True
-        for s in shapes:  # timed on bf16 x, as decode runs them
-            x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
-            y = torch.empty(1, s[0], device="cuda")
-            try:
-                total += graph_time(lambda i=0, s=s, x=x, y=y, cfg=cfg: quant_matmul.gemv(
-                    ws[s][i % ROTATE], t, x, out=y, config=cfg))
-            except Exception as exc:  # a config can exceed registers/shared memory
-                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
-                ok = False
-                break
-        if ok:
-            timings.append((total, cfg))
-            print(f"  {name} cfg {cfg}: {total * 1e6 / 2:.1f} us per matrix", flush=True)
-    total, cfg = min(timings)
+    # timed on bf16 x, as decode runs them
+    xy = {s: (torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16),
+              torch.empty(1, s[0], device="cuda")) for s in shapes}
+    total, cfg = _sweep(name, t, ws, shapes, cfgs, xy)
     best_cfg[name] = list(cfg)
     nbytes = sum(w[0].numel() for w in ws.values())
     w = ws[shapes[0]][0]
@@ -211,36 +253,16 @@ def _gemv_section(t, args, g, copy_bw, row, best_cfg):
     if t in quant_matmul.ROW_BODY_TYPES:  # the same tile on the generic per-part walk
         body = quant_matmul.ROW_BODY_TYPES
         quant_matmul.ROW_BODY_TYPES = body - {t}
-        xy = {s: (torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16),
-                  torch.empty(1, s[0], device="cuda")) for s in shapes}
         try:
-            generic = sum(graph_time(lambda i=0, s=s: quant_matmul.gemv(
-                ws[s][i % ROTATE], t, xy[s][0], out=xy[s][1], config=cfg)) for s in shapes)
+            generic = _sweep(f"{name} generic walk", t, ws, shapes, [cfg], xy)
         finally:
             quant_matmul.ROW_BODY_TYPES = body
-        row(f"gemv {name} up+down M=1 generic walk", generic, nbytes / copy_bw, None,
-            f"cfg={cfg}")
-        # on decode's int8 copy of x (dp4a), every tile
-        xqs = {s: q8x.copy_ref(torch.randn(s[1], device="cuda", generator=g)) for s in shapes}
-        best = None
-        for c in cfgs:
-            try:
-                tq = sum(graph_time(lambda i=0, s=s, c=c: quant_matmul.gemv(
-                    ws[s][i % ROTATE], t, xqs[s][1].to(torch.bfloat16), out=xy[s][1],
-                    config=c, xq=xqs[s][0])) for s in shapes)
-            except Exception as exc:
-                print(f"  {name} int8 {c}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
-                continue
-            print(f"  {name} int8 x cfg {c}: {tq * 1e6 / 2:.1f} us per matrix", flush=True)
-            best = min(best or (tq, c), (tq, c))
-        s0 = shapes[0]
-        yq = torch.full((1, s0[0]), float("nan"), device="cuda")
-        quant_matmul.gemv(ws[s0][0], t, xqs[s0][1].to(torch.bfloat16), out=yq, config=best[1],
-                          xq=xqs[s0][0])
-        row(f"gemv {name} up+down M=1 int8 x", best[0], nbytes / copy_bw,
-            nerr(yq, quant_matmul.gemv_ref(ws[s0][0], t, xqs[s0][1])),
-            f"cfg={best[1]} {nbytes / best[0] / 1e9:.0f} GB/s")
-        best_cfg[name + " int8"] = list(best[1])
+        if generic is not None:
+            row(f"gemv {name} up+down M=1 generic walk", generic[0], nbytes / copy_bw, None,
+                f"cfg={cfg}")
+        _int8_row(name, t, ws, shapes, cfgs, g, copy_bw, row, best_cfg)
+    if t in quant_matmul.ROW_BODY_TRIAL:
+        _trial_rows(name, t, ws, shapes, g, copy_bw, row, best_cfg)
     # M=4 time with the best config
     s = shapes[0]
     x4 = torch.randn(4, s[1], device="cuda", generator=g).to(torch.bfloat16)

@@ -101,13 +101,18 @@ def test_gemv3_of_three_table_types(seed):
     assert nerr(out, ref, scale) < 1e-5
 
 
+ROW_BODIES = sorted(quant_matmul.ROW_BODY_TYPES | quant_matmul.ROW_BODY_TRIAL)
+
+
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("ggml_type", sorted(quant_matmul.ROW_BODY_TYPES), ids=qt.type_name)
-def test_row_body_matches_reference(ggml_type, xdtype, seed):
-    # kernels/gemv_iq.py (a grid row per lane) on float32 or 16-bit x (read two values a
-    # word), rows that are not a multiple of the tile, several steps of blocks and a partial
-    # last one
+@pytest.mark.parametrize("ggml_type", ROW_BODIES, ids=qt.type_name)
+def test_row_body_matches_reference(ggml_type, xdtype, seed, monkeypatch):
+    # kernels/gemv_iq.py (a group of 32 values per lane) on float32 or 16-bit x (read in
+    # 64-bit words), rows that are not a multiple of the tile, several steps of blocks and a
+    # partial last one; the bodies still on trial too
+    monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES",
+                        quant_matmul.ROW_BODY_TYPES | {ggml_type})
     g = generator(seed)
     rows = int(torch.randint(1, 11, (1,), generator=g, device=DEVICE))
     cols = 256 * int(torch.randint(3, 6, (1,), generator=g, device=DEVICE))
@@ -121,10 +126,13 @@ def test_row_body_matches_reference(ggml_type, xdtype, seed):
         assert nerr(out, ref, gemv_scale(w, ggml_type, x)) < 1e-5
 
 
-@pytest.mark.parametrize("ggml_type", sorted(quant_matmul.ROW_BODY_TYPES), ids=qt.type_name)
-def test_row_body_on_int8_x(ggml_type, seed):
-    # decode's int8 copy of x (kernels/q8x.py): the grid IQ types multiply it by dp4a (integer
-    # ops under the interpreter); the reference multiplies the values the copy stands for
+@pytest.mark.parametrize("ggml_type", ROW_BODIES, ids=qt.type_name)
+def test_row_body_on_int8_x(ggml_type, seed, monkeypatch):
+    # decode's int8 copy of x (kernels/q8x.py): the grid IQ types (and the bodies on trial)
+    # multiply it by dp4a (integer ops under the interpreter); the reference multiplies the
+    # values the copy stands for
+    monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES",
+                        quant_matmul.ROW_BODY_TYPES | {ggml_type})
     g = generator(seed)
     rows = int(torch.randint(1, 11, (1,), generator=g, device=DEVICE))
     cols = 256 * int(torch.randint(2, 5, (1,), generator=g, device=DEVICE))
