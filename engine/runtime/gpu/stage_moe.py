@@ -7,15 +7,13 @@ through engine/runtime/gpu/host.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from engine.runtime.gpu.matrices import GEMV_ROWS, Experts, Ffn
+from engine.runtime.gpu.rows import Rows
 from kernels import glu, moe, moe_decode, moe_prefill, quant_matmul
-
-if TYPE_CHECKING:
-    from engine.runtime.gpu.stage import Rows
 
 
 class MoeLayers:
