@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gemv_iq import iq4xs_rows_dot, iq_rows_dot
+from kernels.gemv_iq import iq4xs_rows_dot, iq_rows_dot, q2k_rows_dot
 from kernels.quant_blocks import dequant_part
 
 
@@ -135,6 +135,9 @@ def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
     elif SPECIAL and (TYPE == 18 or TYPE == 21):  # IQ3_XXS / IQ3_S: 4-value grid rows
         y = iq_rows_dot(w_ptr, wh_ptr, wi_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, TYPE,
                         TS, 4, BLOCK_R, BLOCK_B, ASM)
+    elif SPECIAL and TYPE == 10:  # Q2_K: a lane per 32 values, dp4a on int8 x
+        y = q2k_rows_dot(w_ptr, wh_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, TS, BLOCK_R,
+                         BLOCK_B, ASM)
     elif SPECIAL and TYPE == 23:  # IQ4_XS: the 16-value table through byte permutes
         y = iq4xs_rows_dot(w_ptr, wh_ptr, wi_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, TS,
                            BLOCK_R, BLOCK_B, ASM)

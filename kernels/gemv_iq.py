@@ -417,3 +417,83 @@ def iq4xs_rows_dot(w_ptr, wh_ptr, g_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes,
         else:
             acc += dl * s
     return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+# --- Q2_K: 2-bit values, a scale and a min per 16 --------------------------------------------
+@triton.jit
+def q2k_rows_dot(w_ptr, wh_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, TS: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_R] float32 dot products of Q2_K rows ``rows_c`` with the activation row at
+    ``xrow``, as ``iq_rows_dot`` (float32, bf16, f16 or decode's int8 copy of x with its
+    scales at ``xd_ptr``): a lane per 32 values. Block (84 bytes): scales[16] (a 4-bit scale
+    and a 4-bit min per 16 values), qs[64], d, dmin; values 32g..32g+31 (g = 4n + j) are bits
+    2j..2j+1 of qs bytes 32n..32n+31, and their two scale bytes are 16-bit word g of the
+    block. value = d * scale * q - dmin * min."""
+    XQ: tl.constexpr = xrow.dtype.element_ty == tl.int8
+    X16: tl.constexpr = xrow.dtype.element_ty == tl.bfloat16 or (
+        xrow.dtype.element_ty == tl.float16)
+    BF16: tl.constexpr = xrow.dtype.element_ty == tl.bfloat16
+    ww = w_ptr.to(tl.pointer_type(tl.int32))
+    if XQ:
+        xw = xrow.to(tl.pointer_type(tl.int32))
+    else:
+        xw = xrow.to(tl.pointer_type(tl.int64))
+    tb = tl.arange(0, BLOCK_B)
+    g = tl.arange(0, 8)[None, None, :]
+    n2 = g // 4
+    j2 = g % 4
+    row_half = rows_c.to(tl.int64)[:, None, None] * (row_bytes // 2)
+    acc = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.float32)
+    ones = tl.full([BLOCK_R, BLOCK_B, 8], 0x01010101, tl.int32)
+    for b0 in range(0, nblk, BLOCK_B):
+        blk = b0 + tb
+        bmask = blk < nblk
+        hb = row_half + (tl.minimum(blk, nblk - 1) * (TS // 2))[None, :, None]  # [R, B, 1]
+        sc = _h(wh_ptr, hb + g)  # the two scale bytes of the lane's 32 values
+        d = tl.load(wh_ptr + hb + 40).to(tl.float32)
+        dmin = tl.load(wh_ptr + hb + 41).to(tl.float32)
+        qw = hb // 2 + 4 + 8 * n2  # the first of the lane's 8 qs words (block byte 16 + 32 n)
+        xg = tl.broadcast_to((blk * 8)[None, :, None] + g, (BLOCK_R, BLOCK_B, 8))
+        xm = tl.broadcast_to(bmask[None, :, None], (BLOCK_R, BLOCK_B, 8))
+        iq0 = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.int32)
+        iq1 = iq0
+        ix0 = iq0
+        ix1 = iq0
+        f0 = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.float32)
+        f1 = f0
+        fx0 = f0
+        fx1 = f0
+        for k in tl.static_range(8):
+            v = (tl.load(ww + qw + k) >> (2 * j2)) & 0x03030303  # values 4k..4k+3, 0..3
+            if XQ:
+                xa = tl.load(xw + xg * 8 + k, mask=xm, other=0)
+                if k < 4:
+                    iq0 = _dp4a(v, xa, iq0, ASM, True)
+                    ix0 = _dp4a(ones, xa, ix0, ASM, True)
+                else:
+                    iq1 = _dp4a(v, xa, iq1, ASM, True)
+                    ix1 = _dp4a(ones, xa, ix1, ASM, True)
+            else:
+                if X16:
+                    xa = tl.load(xw + xg * 8 + k, mask=xm, other=0)
+                    xb = xa
+                else:
+                    xa = tl.load(xw + xg * 16 + 2 * k, mask=xm, other=0)
+                    xb = tl.load(xw + xg * 16 + 2 * k + 1, mask=xm, other=0)
+                if k < 4:
+                    f0 += _word_dot(v, xa, xb, X16, BF16)
+                    fx0 += _word_dot(ones, xa, xb, X16, BF16)
+                else:
+                    f1 += _word_dot(v, xa, xb, X16, BF16)
+                    fx1 += _word_dot(ones, xa, xb, X16, BF16)
+        if XQ:
+            f0 = iq0.to(tl.float32)
+            f1 = iq1.to(tl.float32)
+            fx0 = ix0.to(tl.float32)
+            fx1 = ix1.to(tl.float32)
+        s = (d * ((sc & 15).to(tl.float32) * f0 + ((sc >> 8) & 15).to(tl.float32) * f1)
+             - dmin * (((sc >> 4) & 15).to(tl.float32) * fx0 + (sc >> 12).to(tl.float32) * fx1))
+        if XQ:
+            s = s * tl.load(xd_ptr + xg, mask=xm, other=0.0)
+        acc += s
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
