@@ -1,0 +1,182 @@
+"""``python -m benchmarks.device_check --moe``: the mixture-of-experts kernels (kernels/moe.py,
+moe_decode.py, moe_prefill.py) on a GPU against their torch twins, each timed against the bytes
+it must move or its FLOPs, and the sweeps of the decode expert tiles and the grouped GEMM
+tiles. Rows go through device_check's ``row``."""
+
+# Timed lambdas run at once inside their loop iteration (B023); a failing section is reported
+# and the run goes on, so one device call brings back everything else (BLE001).
+# ruff: noqa: B023, BLE001
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.device_check import graph_time, nerr
+from kernels import quant_matmul
+from kernels.random_blocks import random_weight
+from spec import quant_types as qt
+
+# mixture of experts at Qwen3-30B-A3B (Q4_K_M: gate/up Q4_K, down Q6_K)
+# and gpt-oss-20b (MXFP4) expert shapes
+MOE_SHAPES = [  # (label, n_expert, k, n_embd, n_ff_exp, gate/up type, down type)
+    ("30B-A3B", 128, 8, 2048, 768, qt.Q4_K, qt.Q6_K),
+    ("30B-A3B", 128, 8, 2048, 768, qt.Q4_K, qt.Q4_K),
+    ("gpt-oss-20b", 32, 4, 2880, 2880, qt.MXFP4, qt.MXFP4),
+]
+
+
+def moe_section(g, copy_bw, mm_rate, row):
+    """Each MoE kernel against the bytes it must move (decode: the k routed experts' rows only;
+    prefill 512 tokens: every expert's bytes once, or its FLOPs). Decode calls in one graph
+    draw different experts (8 id sets), so the 8 calls do not hit L2 for each other."""
+    from kernels import moe, moe_decode, moe_prefill
+    from spec.launch import moe_tiles
+
+    swept: set = set()
+    for label, ne, k, e, f, gt, dt in MOE_SHAPES:
+        tag = f"{label} {qt.type_name(gt)}/{qt.type_name(dt)}"
+        gate = random_weight(gt, ne * f, e, "cuda", g)
+        up = random_weight(gt, ne * f, e, "cuda", g)
+        down = random_weight(dt, ne * e, f, "cuda", g)
+        router_w = torch.randn(ne, e, device="cuda", generator=g) * 0.05
+        per_g, per_d = gate.numel() // ne, down.numel() // ne  # one expert's bytes
+        x = torch.randn(1, e, device="cuda", generator=g).to(torch.bfloat16)
+        sets = [torch.randperm(ne, device="cuda", generator=g)[:k].view(1, k).to(torch.int32)
+                for _ in range(8)]
+        wts = torch.rand(1, k, device="cuda", generator=g)
+        logits = torch.empty(1, ne, device="cuda")
+        ids, w_out = torch.empty(1, k, dtype=torch.int32, device="cuda"), torch.empty(1, k,
+                                                                                     device="cuda")
+        h = torch.empty(k, f, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(1, e, device="cuda", dtype=torch.bfloat16)
+        t = graph_time(lambda i=0: moe.router(router_w, x, out=logits))
+        row(f"moe router {label} T=1", t, router_w.numel() * 4 / copy_bw)
+        t = graph_time(lambda i=0: moe.route(logits, k, "softmax", True, 1.0, None, ids, w_out))
+        row(f"moe route {label} T=1", t, 0.0, note="latency only")
+        # timed first: the graph's last call leaves sets[7]'s output in h and y, so each
+        # result is checked after its timing, from a poisoned output, with the ids it used
+        cg, cd = moe_decode.expert_config(gt, f, e, "glu"), moe_decode.expert_config(dt, e, f, "down")
+        t = graph_time(lambda i=0: moe_decode.expert_glu(gate, gt, up, gt, ne, x, sets[i], h,
+                                                  config=cg))
+        h.fill_(float("nan"))
+        moe_decode.expert_glu(gate, gt, up, gt, ne, x, sets[0], h, config=cg)
+        ref = moe_decode.expert_glu_ref(gate, gt, up, gt, ne, x.float(), sets[0],
+                                 torch.empty(k, f, device="cuda"))
+        row(f"moe expert gate/up+glu {tag} T=1", t, 2 * k * per_g / copy_bw, nerr(h, ref),
+            f"cfg={cg}")
+        t = graph_time(lambda i=0: moe_decode.expert_down(down, dt, ne, h, sets[i], wts, y,
+                                                   config=cd))
+        y.fill_(float("nan"))
+        moe_decode.expert_down(down, dt, ne, h, sets[0], wts, y, config=cd)
+        ref = moe_decode.expert_down_ref(down, dt, ne, h.float(), sets[0], wts,
+                                  torch.empty(1, e, device="cuda"))
+        row(f"moe expert down {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref), f"cfg={cd}")
+        # the k experts in parallel programs, then summed in order (moe_decode.DOWN_SPLIT)
+        yr = torch.empty(k, e, device="cuda")
+        t = graph_time(lambda i=0: moe_decode.expert_down(down, dt, ne, h, sets[i], wts, y,
+                                                   config=cd, rows_out=yr))
+        y.fill_(float("nan"))
+        moe_decode.expert_down(down, dt, ne, h, sets[0], wts, y, config=cd, rows_out=yr)
+        row(f"moe expert down split {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref),
+            f"cfg={cd} DOWN_SPLIT={moe_decode.DOWN_SPLIT}")
+        # the tiles moe_decode.EXPERT_CONFIG may take (blocks per step clamp to the row's blocks)
+        if (label, gt) not in swept:  # the Q4_K/Q4_K shape repeats the gate/up of Q4_K/Q6_K
+            swept.add((label, gt))
+            _expert_sweep(f"glu {tag}", lambda c, i: moe_decode.expert_glu(
+                gate, gt, up, gt, ne, x, sets[i], h, config=c), 2 * k * per_g / copy_bw, row)
+        _expert_sweep(f"down {tag}", lambda c, i: moe_decode.expert_down(
+            down, dt, ne, h, sets[i], wts, y, config=c), k * per_d / copy_bw, row)
+        _expert_sweep(f"down split {tag}", lambda c, i: moe_decode.expert_down(
+            down, dt, ne, h, sets[i], wts, y, config=c, rows_out=yr), k * per_d / copy_bw, row)
+        # prefill: 512 tokens routed by random logits
+        m = 512
+        xp = torch.randn(m, e, device="cuda", generator=g).to(torch.bfloat16)
+        lg = torch.empty(m, ne, device="cuda")
+        ids_p = torch.empty(m, k, dtype=torch.int32, device="cuda")
+        w_p = torch.empty(m, k, device="cuda")
+        rows_, pos = (torch.empty(m * k, dtype=torch.int32, device="cuda") for _ in range(2))
+        tiles = torch.empty(3, moe_tiles(m * k, ne), dtype=torch.int32, device="cuda")
+        hp_ = torch.empty(m * k, f, device="cuda", dtype=torch.bfloat16)
+        out_rows = torch.empty(m * k, e, device="cuda")
+        yp = torch.empty(m, e, device="cuda", dtype=torch.bfloat16)
+        t = graph_time(lambda i=0: moe.router(router_w, xp, out=lg), calls=2)
+        row(f"moe router {label} T=512", t, 2 * m * e * ne / mm_rate,
+            nerr(lg, moe.router_ref(router_w, xp)))
+        moe.route(lg, k, "softmax", True, 1.0, None, ids_p, w_p)
+        t = graph_time(lambda i=0: moe_prefill.sort_routes(ids_p, ne, rows_, pos, tiles,
+                                                   lg.view(torch.int32)), calls=2)
+        same = _sort_agrees(moe_prefill, ids_p, ne, rows_, pos, tiles)
+        row(f"moe sort {label} T=512", t, 0.0, None if same else float("inf"),
+            note="latency only" + ("" if same else "; DIFFERS from sort_routes_ref"))
+        flops = 2 * m * k * e * f
+        t = graph_time(lambda i=0: moe_prefill.grouped_glu(gate, gt, up, gt, ne, xp, ids_p, rows_, tiles,
+                                                   hp_), calls=2)
+        ex_of = ids_p.reshape(-1)[rows_.long()].long()  # expert of each sorted row
+        tok_of = rows_.long() // k  # token of each sorted row
+        gd = _per_expert(gate, gt, ne, xp.float()[tok_of], ex_of)
+        ud = _per_expert(up, gt, ne, xp.float()[tok_of], ex_of)
+        row(f"moe grouped gate/up {tag} T=512", t,
+            max(2 * gate.numel() / copy_bw, 2 * flops / mm_rate),
+            nerr(hp_, torch.nn.functional.silu(gd) * ud))
+        gd = ud = None
+        t = graph_time(lambda i=0: moe_prefill.grouped_down(down, dt, ne, hp_, tiles, out_rows), calls=2)
+        row(f"moe grouped down {tag} T=512", t, max(down.numel() / copy_bw, flops / mm_rate),
+            nerr(out_rows, _per_expert(down, dt, ne, hp_.float(), ex_of)))
+        for c in GROUPED_TILES:  # the tiles moe_prefill.GROUPED_CONFIG may take
+            try:
+                tg = graph_time(lambda i=0, c=c: moe_prefill.grouped_glu(
+                    gate, gt, up, gt, ne, xp, ids_p, rows_, tiles, hp_, config=c), calls=2)
+                td = graph_time(lambda i=0, c=c: moe_prefill.grouped_down(
+                    down, dt, ne, hp_, tiles, out_rows, config=c), calls=2)
+            except Exception as exc:  # a tile can exceed registers or shared memory
+                print(f"  grouped {tag} {c}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                continue
+            print(f"  grouped {tag} cfg {c}: gate/up {tg * 1e6:.1f} us, down {td * 1e6:.1f} us",
+                  flush=True)
+        t = graph_time(lambda i=0: moe.combine(out_rows, pos, w_p, yp), calls=2)
+        row(f"moe combine {label} T=512", t, (out_rows.numel() * 4 + yp.numel() * 2) / copy_bw,
+            nerr(yp, moe.combine_ref(out_rows, pos, w_p, torch.empty(m, e, device="cuda"))))
+        gate = up = down = hp_ = out_rows = None  # free before the next shape
+        torch.cuda.empty_cache()
+
+
+# the sweeps' candidates, few enough that --moe stays within a few minutes of compiles
+GROUPED_TILES = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
+EXPERT_TILES = [(1, 16, 1), (2, 16, 2), (4, 16, 4), (8, 16, 4), (16, 16, 8), (32, 16, 8)]
+
+
+def _expert_sweep(name, fn, floor, row):
+    """Each tile of EXPERT_TILES for one decode expert kernel; the fastest as a row."""
+    timings = []
+    for cfg in EXPERT_TILES:
+        try:
+            sec = graph_time(lambda i=0, c=cfg: fn(c, i))
+        except Exception as exc:  # a tile can exceed registers or a body's constraints
+            print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+            continue
+        timings.append((sec, cfg))
+        print(f"  {name} cfg {cfg}: {sec * 1e6:.1f} us", flush=True)
+    if timings:
+        sec, cfg = min(timings)
+        row(f"moe expert {name} best tile", sec, floor, note=f"cfg={cfg}")
+
+
+def _per_expert(w, t, n_expert, x, ex_of):
+    """Reference of a grouped GEMM: row s of ``x`` times expert ex_of[s]'s matrix, in float32
+    from ``quant_matmul.dequantize_ref`` one expert at a time."""
+    n = w.shape[0] // n_expert
+    y = torch.zeros(x.shape[0], n, device=x.device)
+    for ex in ex_of.unique().tolist():
+        sel = ex_of == ex
+        y[sel] = x[sel] @ quant_matmul.dequantize_ref(w[ex * n:(ex + 1) * n], t,
+                                                      torch.float32).T
+    return y
+
+
+def _sort_agrees(moe_prefill, ids, n_expert, rows, pos, tiles) -> bool:
+    """The device sort's rows, places and used tiles against ``sort_routes_ref``."""
+    r, p, tl_ = torch.empty_like(rows), torch.empty_like(pos), torch.empty_like(tiles)
+    moe_prefill.sort_routes_ref(ids, n_expert, r, p, tl_)
+    used = tl_[0] >= 0
+    return (torch.equal(r, rows) and torch.equal(p, pos)
+            and torch.equal(tl_[:, used], tiles[:, used]) and bool((tiles[0, ~used] < 0).all()))
