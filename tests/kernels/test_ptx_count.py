@@ -1,0 +1,52 @@
+"""The decode GEMV bodies compile for sm_90 without a GPU (benchmarks/ptx_count.py: Triton's
+compiler and the ptxas of its wheel, in a process of its own since the tests run the kernels
+under the interpreter), with the instructions they were written for: dp4a on decode's int8
+copy of x, popc for the IQ2 sign parity, prmt for IQ4_XS's table. The interpreter runs no inline
+assembly, so this is where CI sees it assembled at all; and each body's loop stays well under
+the generic walk's instructions per value (a codegen property, not a timing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import ptx_count
+from kernels import quant_matmul
+from spec import quant_types as qt
+
+
+def _count(*args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.ptx_count", *args, "--json"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("ggml_type, ops", [
+    (qt.IQ2_XXS, {"dp4a", "popc"}),
+    (qt.IQ3_S, {"dp4a"}),
+    (qt.IQ4_XS, {"dp4a", "prmt"}),
+    (qt.Q2_K, {"dp4a"}),
+], ids=lambda v: qt.type_name(v) if isinstance(v, int) else "")
+def test_int8_bodies_assemble_with_their_instructions(ggml_type, ops):
+    name = qt.type_name(ggml_type)
+    body = ["--body", "row"] if ggml_type in quant_matmul.ROW_BODY_TRIAL else []
+    row = _count(name, "--x", "int8", "--config", "4,4,4", *body)
+    assert ops <= set(row["counts"]), sorted(row["counts"])
+    generic = _count(name, "--config", "4,8,4", "--body", "generic")
+    assert row["per_value"] < 0.5 * generic["per_value"], (row, generic)
+
+
+def test_the_tool_refuses_what_it_cannot_count(capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert ptx_count.main(["Q4_K", "--x", "int8"]) == 2
+    assert "reads no int8 x" in capsys.readouterr().err
+    assert ptx_count.main(["NOPE"]) == 2
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ptx_count.main(["IQ2_XXS"]) == 2
+    assert "TRITON_INTERPRET" in capsys.readouterr().err
