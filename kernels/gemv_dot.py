@@ -18,7 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gemv_iq import iq4xs_rows_dot, iq_rows_dot, q2k_rows_dot
+from kernels.gemv_iq import iq_rows_dot
+from kernels.gemv_lowbit import iq4xs_rows_dot, q2k_rows_dot
 from kernels.quant_blocks import dequant_part
 
 
