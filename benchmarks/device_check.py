@@ -88,8 +88,7 @@ def ceilings() -> tuple[float, float]:
     return copy_bw, mm
 
 
-def main(argv: list[str] | None = None) -> int:
-    prog = "python -m benchmarks.device_check"
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.device_check") -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one GEMV config per type")
     ap.add_argument("--attn", action="store_true", help="the attention kernels only")

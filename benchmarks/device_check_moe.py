@@ -1,13 +1,21 @@
-"""``python -m benchmarks.device_check --moe``: the mixture-of-experts kernels (kernels/moe.py,
-moe_decode.py, moe_prefill.py) on a GPU against their torch twins, each timed against the bytes
-it must move or its FLOPs, and the sweeps of the decode expert tiles and the grouped GEMM
-tiles. Rows go through device_check's ``row``."""
+"""The mixture-of-experts kernels (kernels/moe.py, moe_decode.py, moe_prefill.py) on a GPU
+against their torch twins, each timed against the bytes it must move or its FLOPs, and the
+sweeps of the decode expert tiles and the grouped GEMM tiles, at Qwen3-30B-A3B and gpt-oss-20b
+expert shapes:
+
+    python -m benchmarks.device_check_moe [--json FILE]
+
+the same as ``python -m benchmarks.device_check --moe`` (whose copy-rate and matmul-rate
+ceilings, table and JSON it shares). Needs a CUDA GPU."""
 
 # Timed lambdas run at once inside their loop iteration (B023); a failing section is reported
 # and the run goes on, so one device call brings back everything else (BLE001).
 # ruff: noqa: B023, BLE001
 
 from __future__ import annotations
+
+import argparse
+import sys
 
 import torch
 
@@ -180,3 +188,18 @@ def _sort_agrees(moe_prefill, ids, n_expert, rows, pos, tiles) -> bool:
     used = tl_[0] >= 0
     return (torch.equal(r, rows) and torch.equal(p, pos)
             and torch.equal(tl_[:, used], tiles[:, used]) and bool((tiles[0, ~used] < 0).all()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.device_check_moe",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--json", metavar="FILE", default=None, help="also write the rows to FILE")
+    args = ap.parse_args(argv)
+    from benchmarks import device_check
+
+    return device_check.main(["--moe"] + (["--json", args.json] if args.json else []),
+                             prog="python -m benchmarks.device_check_moe")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

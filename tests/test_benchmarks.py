@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = sorted(m.name for m in pkgutil.iter_modules([str(ROOT / "benchmarks")]))
-GPU_ONLY = ("device_check", "gemv_profile")
+GPU_ONLY = ("device_check", "device_check_moe", "gemv_profile")
 
 CHILD = r"""
 import contextlib, importlib, io, json, runpy, sys
