@@ -407,21 +407,22 @@ def perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exit_on_sigterm() -> None:
+def _exit_on_sigterm() -> Any:
     """SIGTERM (a logout, `kill`, a service manager) ends the command the way Ctrl-D does:
     SystemExit unwinds through `with engine_process()`, whose exit shuts the engine down and
-    waits for it, so no engine is left holding memory; exit status 143 (128 + SIGTERM)."""
+    waits for it, so no engine is left holding memory; exit status 143 (128 + SIGTERM).
+    Returns the handler it replaced (``main`` puts it back when the command ends)."""
 
     def on_sigterm(signum: int, _frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends us at once
         print("\ncarve: SIGTERM: stopping the engine", file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    return signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def main(argv: list[str]) -> int:
-    _exit_on_sigterm()
+    old = _exit_on_sigterm()
     try:
         args = parse_args(argv)
         return {"chat": chat, "tokenize": tokenize, "perplexity": perplexity}[argv[0]](args)
@@ -431,3 +432,5 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    finally:  # a caller in the same process (the tests, a script) keeps its own handler
+        signal.signal(signal.SIGTERM, old)

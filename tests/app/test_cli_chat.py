@@ -69,7 +69,10 @@ def test_bad_input_is_one_line_and_exit_2(argv, expected, tiny_model, text_file,
     binary = tmp_path / "bin.txt"
     binary.write_bytes(b"ok\xff\xfe")
     argv = [a.format(model=tiny_model, text=text_file, binary=binary) for a in argv]
+    before = signal.getsignal(signal.SIGTERM)
     assert cli_chat.main(argv) == 2
+    # the command's SIGTERM handler goes with it: a caller in the same process keeps its own
+    assert signal.getsignal(signal.SIGTERM) is before
     err = capsys.readouterr().err.strip()
     assert err.startswith("carve: ") and "\n" not in err and "Traceback" not in err
     assert expected in err
