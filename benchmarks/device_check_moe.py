@@ -65,24 +65,24 @@ def moe_section(g, copy_bw, mm_rate, row):
         # result is checked after its timing, from a poisoned output, with the ids it used
         cg, cd = moe_decode.expert_config(gt, f, e, "glu"), moe_decode.expert_config(dt, e, f, "down")
         t = graph_time(lambda i=0: moe_decode.expert_glu(gate, gt, up, gt, ne, x, sets[i], h,
-                                                  config=cg))
+                                                         config=cg))
         h.fill_(float("nan"))
         moe_decode.expert_glu(gate, gt, up, gt, ne, x, sets[0], h, config=cg)
         ref = moe_decode.expert_glu_ref(gate, gt, up, gt, ne, x.float(), sets[0],
-                                 torch.empty(k, f, device="cuda"))
+                                        torch.empty(k, f, device="cuda"))
         row(f"moe expert gate/up+glu {tag} T=1", t, 2 * k * per_g / copy_bw, nerr(h, ref),
             f"cfg={cg}")
         t = graph_time(lambda i=0: moe_decode.expert_down(down, dt, ne, h, sets[i], wts, y,
-                                                   config=cd))
+                                                          config=cd))
         y.fill_(float("nan"))
         moe_decode.expert_down(down, dt, ne, h, sets[0], wts, y, config=cd)
         ref = moe_decode.expert_down_ref(down, dt, ne, h.float(), sets[0], wts,
-                                  torch.empty(1, e, device="cuda"))
+                                         torch.empty(1, e, device="cuda"))
         row(f"moe expert down {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref), f"cfg={cd}")
         # the k experts in parallel programs, then summed in order (moe_decode.DOWN_SPLIT)
         yr = torch.empty(k, e, device="cuda")
         t = graph_time(lambda i=0: moe_decode.expert_down(down, dt, ne, h, sets[i], wts, y,
-                                                   config=cd, rows_out=yr))
+                                                          config=cd, rows_out=yr))
         y.fill_(float("nan"))
         moe_decode.expert_down(down, dt, ne, h, sets[0], wts, y, config=cd, rows_out=yr)
         row(f"moe expert down split {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref),
@@ -112,13 +112,13 @@ def moe_section(g, copy_bw, mm_rate, row):
             nerr(lg, moe.router_ref(router_w, xp)))
         moe.route(lg, k, "softmax", True, 1.0, None, ids_p, w_p)
         t = graph_time(lambda i=0: moe_prefill.sort_routes(ids_p, ne, rows_, pos, tiles,
-                                                   lg.view(torch.int32)), calls=2)
+                                                           lg.view(torch.int32)), calls=2)
         same = _sort_agrees(moe_prefill, ids_p, ne, rows_, pos, tiles)
         row(f"moe sort {label} T=512", t, 0.0, None if same else float("inf"),
             note="latency only" + ("" if same else "; DIFFERS from sort_routes_ref"))
         flops = 2 * m * k * e * f
         t = graph_time(lambda i=0: moe_prefill.grouped_glu(gate, gt, up, gt, ne, xp, ids_p, rows_, tiles,
-                                                   hp_), calls=2)
+                                                           hp_), calls=2)
         ex_of = ids_p.reshape(-1)[rows_.long()].long()  # expert of each sorted row
         tok_of = rows_.long() // k  # token of each sorted row
         gd = _per_expert(gate, gt, ne, xp.float()[tok_of], ex_of)

@@ -61,8 +61,9 @@ SPECIAL_ALIGN = {qt.Q4_K: 16}
 ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
                             qt.IQ1_M})
 # bodies of their own written but not yet measured on a GPU (kernels/gemv_lowbit.py: IQ4_XS
-# iq4xs_rows_dot, Q2_K q2k_rows_dot): they run only where a caller adds them to ROW_BODY_TYPES (the tests;
-# benchmarks/device_check.py --types, which times them beside the generic walk)
+# iq4xs_rows_dot, Q2_K q2k_rows_dot): they run only where a caller adds them to
+# ROW_BODY_TYPES (the tests; benchmarks/device_check.py --types, which times them beside the
+# generic walk)
 ROW_BODY_TRIAL = frozenset({qt.IQ4_XS, qt.Q2_K})
 
 

@@ -97,7 +97,7 @@ def test_expert_glu_and_down_match_reference(ggml_type, seed):
     cfg = (16, 16, 1)
     moe_decode.expert_glu(gate, ggml_type, up, up_type, n_expert, x, ids, h, config=cfg)
     ref = moe_decode.expert_glu_ref(gate, ggml_type, up, up_type, n_expert, x, ids,
-                             torch.empty(m * k, n_ff, device=DEVICE))
+                                    torch.empty(m * k, n_ff, device=DEVICE))
     assert nerr(h, ref) < 1e-5
     # down: n_ff -> cols rows, weighted sum into out (and added onto what out holds)
     # Q4_K_M's pair: Q4_K gate, Q6_K down (the prefill test runs Q6_K's grouped walk too)
@@ -111,9 +111,9 @@ def test_expert_glu_and_down_match_reference(ggml_type, seed):
     for accumulate, split in ((False, False), (True, False), (False, True), (True, True)):
         out = prior.clone() if accumulate else poison((m, cols))
         moe_decode.expert_down(down, down_type, n_expert, hd, ids, wts, out, accumulate=accumulate,
-                        config=(256, 16, 1), rows_out=poison((m * k, cols)) if split else None)
+                               config=(256, 16, 1), rows_out=poison((m * k, cols)) if split else None)
         want = moe_decode.expert_down_ref(down, down_type, n_expert, hd, ids, wts, prior.clone(),
-                                   accumulate=accumulate)
+                                          accumulate=accumulate)
         mag = sum(wts[:, j:j + 1] * torch.stack([
             gemv_scale(down[int(ids[i, j]) * cols:(int(ids[i, j]) + 1) * cols], down_type,
                        hd[i * k + j:i * k + j + 1])[0] for i in range(m)]) for j in range(k))
@@ -131,13 +131,13 @@ def test_expert_glu_gpt_oss_biases_and_clamped_swiglu(seed):
     ids = _ids(1, k, n_expert, g)
     h = poison((k, n_ff))
     moe_decode.expert_glu(gate, qt.MXFP4, up, qt.MXFP4, n_expert, x, ids, h, "swiglu_oai", gb, ub,
-                   limit=7.0, config=(16, 16, 1))
+                          limit=7.0, config=(16, 16, 1))
     ref = moe_decode.expert_glu_ref(gate, qt.MXFP4, up, qt.MXFP4, n_expert, x, ids,
-                             torch.empty(k, n_ff, device=DEVICE), "swiglu_oai", gb, ub, 7.0)
+                                    torch.empty(k, n_ff, device=DEVICE), "swiglu_oai", gb, ub, 7.0)
     assert nerr(h, ref) < 1e-5
     # the clamp bites: without it the outputs differ
     loose = moe_decode.expert_glu_ref(gate, qt.MXFP4, up, qt.MXFP4, n_expert, x, ids,
-                               torch.empty(k, n_ff, device=DEVICE), "swiglu_oai", gb, ub, 1e9)
+                                      torch.empty(k, n_ff, device=DEVICE), "swiglu_oai", gb, ub, 1e9)
     assert nerr(loose, ref) > 1e-3
 
 
@@ -195,9 +195,9 @@ def test_prefill_grouped_path_matches_decode_reference(types, seed):
     moe_prefill.sort_routes(ids, n_expert, rows, pos, tiles)
     h = poison((m * k, ff_cols))
     moe_prefill.grouped_glu(gate, gu_type, up, gu_type, n_expert, x, ids, rows, tiles, h, act, bias,
-                    bias, limit)
+                            bias, limit)
     h_ref = moe_prefill.grouped_glu_ref(gate, gu_type, up, gu_type, n_expert, x, ids, rows, tiles,
-                                torch.empty_like(h), act, bias, bias, limit)
+                                        torch.empty_like(h), act, bias, bias, limit)
     assert nerr(h, h_ref) < 1e-5
     y = poison((m * k, cols))
     moe_prefill.grouped_down(down, d_type, n_expert, h_ref, tiles, y)
@@ -208,7 +208,7 @@ def test_prefill_grouped_path_matches_decode_reference(types, seed):
     moe.combine(y_ref, pos, wts, out, accumulate=True)
     # against decode's kernels' references, token by token, in the original order
     h_tok = moe_decode.expert_glu_ref(gate, gu_type, up, gu_type, n_expert, x, ids,
-                               torch.empty(m * k, ff_cols, device=DEVICE), act, bias, bias, limit)
+                                      torch.empty(m * k, ff_cols, device=DEVICE), act, bias, bias, limit)
     want = moe_decode.expert_down_ref(down, d_type, n_expert, h_tok, ids, wts, prior.clone(),
-                               accumulate=True)
+                                      accumulate=True)
     assert nerr(out, want) < 1e-5

@@ -14,7 +14,6 @@ import triton
 
 from engine.runtime.options import RunnerOptions
 from kernels import gemv_t, moe_decode, quant_matmul, rope
-from kernels.quant_matmul import ROW_BODY_TYPES
 from spec import quant_types as qt
 from spec.errors import CarveError
 
@@ -185,7 +184,8 @@ class LayerBuilder:
         output): a T matrix and a grid IQ type's (kernels/gemv_iq.py) multiply int8 x."""
         if self.xq is None or name not in self.spans:
             return None
-        if name in self.tmats or self.model.tensor(name).ggml_type in ROW_BODY_TYPES:
+        if (name in self.tmats
+                or self.model.tensor(name).ggml_type in quant_matmul.ROW_BODY_TYPES):
             return self.xq[slot]
         return None
 
@@ -316,5 +316,5 @@ class LayerBuilder:
         # many rows would pick the wide tile); under the interpreter one program per expert
         if self.on_cuda:
             return moe_decode.expert_config(m.ggml_type, rows,
-                                     quant_matmul.row_cols(m.packed, m.ggml_type), part)
+                                            quant_matmul.row_cols(m.packed, m.ggml_type), part)
         return (min(512, triton.next_power_of_2(rows)), 16, 1)
