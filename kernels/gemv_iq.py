@@ -217,6 +217,20 @@ def _add_bytes(w, v):
 
 
 @triton.jit
+def _step(row_half, blk, nblk, g, TS: tl.constexpr, BLOCK_R: tl.constexpr,
+          BLOCK_B: tl.constexpr):
+    """One step of the lane-per-32-values bodies (this module's and kernels/gemv_lowbit.py's)
+    over blocks ``blk`` [B] of rows at 16-bit offsets ``row_half`` [R, 1, 1]: (each block's
+    16-bit offset [R, B, 1], past the last block the last one's; each lane's 32-value group
+    of x, as a full [R, B, 8] tile in the weights' register layout (no conversion); its
+    mask)."""
+    hb = row_half + (tl.minimum(blk, nblk - 1) * (TS // 2))[None, :, None]
+    xg = tl.broadcast_to((blk * 8)[None, :, None] + g, (BLOCK_R, BLOCK_B, 8))
+    xm = tl.broadcast_to((blk < nblk)[None, :, None], (BLOCK_R, BLOCK_B, 8))
+    return hb, xg, xm
+
+
+@triton.jit
 def iq_rows_dot(w_ptr, wh_ptr, g_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes,
                 TYPE: tl.constexpr, TS: tl.constexpr, W: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_B: tl.constexpr, ASM: tl.constexpr):
@@ -250,15 +264,9 @@ def iq_rows_dot(w_ptr, wh_ptr, g_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes,
     row_half = rows_c.to(tl.int64)[:, None, None] * (row_bytes // 2)
     acc = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):
-        blk = b0 + tb
-        bmask = blk < nblk
-        hb = row_half + (tl.minimum(blk, nblk - 1) * (TS // 2))[None, :, None]  # [R, B, 1]
+        hb, xg, xm = _step(row_half, b0 + tb, nblk, g, TS, BLOCK_R, BLOCK_B)
         i0, i1, i2, i3, a, b, d = _group(wh_ptr, hb, g, TYPE)
-        # the group's first x word, as a full [R, B, 8] tile in the weights' register
-        # layout (no conversion)
-        xg = tl.broadcast_to((blk * 8)[None, :, None] + g, (BLOCK_R, BLOCK_B, 8))
-        xo = xg * (32 // XV)
-        xm = tl.broadcast_to(bmask[None, :, None], (BLOCK_R, BLOCK_B, 8))
+        xo = xg * (32 // XV)  # the group's first x word
         gsum = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.float32)
         isum = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.int32)
         for i in tl.static_range(NR):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gemv_iq import _h, _word_dot
+from kernels.gemv_iq import _h, _step, _word_dot
 from kernels.gemv_t_dot import _dp4a
 
 
@@ -82,16 +82,12 @@ def iq4xs_rows_dot(w_ptr, wh_ptr, g_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes,
     row_half = rows_c.to(tl.int64)[:, None, None] * (row_bytes // 2)
     acc = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):
-        blk = b0 + tb
-        bmask = blk < nblk
-        hb = row_half + (tl.minimum(blk, nblk - 1) * (TS // 2))[None, :, None]  # [R, B, 1]
+        hb, xg, xm = _step(row_half, b0 + tb, nblk, g, TS, BLOCK_R, BLOCK_B)
         d = tl.load(wh_ptr + hb).to(tl.float32)
         sh = _h(wh_ptr, hb + 1)
         sl = (_h(wh_ptr, hb + 2 + g // 4) >> (8 * ((g // 2) % 2) + 4 * (g % 2))) & 15
         dl = d * ((sl | (((sh >> (2 * g)) & 3) << 4)) - 32).to(tl.float32)
         qw = hb // 2 + 2 + 4 * g  # the sub-block's first qs word (block byte 8 + 16 g)
-        xg = tl.broadcast_to((blk * 8)[None, :, None] + g, (BLOCK_R, BLOCK_B, 8))
-        xm = tl.broadcast_to(bmask[None, :, None], (BLOCK_R, BLOCK_B, 8))
         isum = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.int32)
         s = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.float32)
         for k in tl.static_range(4):
@@ -145,15 +141,11 @@ def q2k_rows_dot(w_ptr, wh_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, TS: tl.co
     acc = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.float32)
     ones = tl.full([BLOCK_R, BLOCK_B, 8], 0x01010101, tl.int32)
     for b0 in range(0, nblk, BLOCK_B):
-        blk = b0 + tb
-        bmask = blk < nblk
-        hb = row_half + (tl.minimum(blk, nblk - 1) * (TS // 2))[None, :, None]  # [R, B, 1]
+        hb, xg, xm = _step(row_half, b0 + tb, nblk, g, TS, BLOCK_R, BLOCK_B)
         sc = _h(wh_ptr, hb + g)  # the two scale bytes of the lane's 32 values
         d = tl.load(wh_ptr + hb + 40).to(tl.float32)
         dmin = tl.load(wh_ptr + hb + 41).to(tl.float32)
         qw = hb // 2 + 4 + 8 * n2  # the first of the lane's 8 qs words (block byte 16 + 32 n)
-        xg = tl.broadcast_to((blk * 8)[None, :, None] + g, (BLOCK_R, BLOCK_B, 8))
-        xm = tl.broadcast_to(bmask[None, :, None], (BLOCK_R, BLOCK_B, 8))
         iq0 = tl.zeros([BLOCK_R, BLOCK_B, 8], dtype=tl.int32)
         iq1 = iq0
         ix0 = iq0

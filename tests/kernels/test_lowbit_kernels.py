@@ -26,6 +26,22 @@ def _shape(ggml_type: int, g: torch.Generator, most_blocks: int = 3) -> tuple[in
     return rows, qt.quant(ggml_type).block_size * blocks
 
 
+def _glu_err(out, gate, up, ggml_type, xf) -> float:
+    # silu(x @ gate^T) * (x @ up^T) of the float32 rows xf against ``out``, scaled error
+    g_ref = quant_matmul.gemv_ref(gate, ggml_type, xf)
+    u_ref = quant_matmul.gemv_ref(up, ggml_type, xf)
+    scale = glu_scale(g_ref, u_ref, "silu", gemv_scale(gate, ggml_type, xf),
+                      gemv_scale(up, ggml_type, xf))
+    return nerr(out, glu.glu_ref(g_ref, u_ref, "silu"), scale)
+
+
+def _gemv3_err(out, mats, xs) -> float:
+    # q, k, v side by side in ``out`` against each matrix times its own float32 x row
+    ref = torch.cat([quant_matmul.gemv_ref(w, t, xi) for (w, t), xi in zip(mats, xs)], dim=1)
+    scale = torch.cat([gemv_scale(w, t, xi) for (w, t), xi in zip(mats, xs)], dim=1)
+    return nerr(out, ref, scale)
+
+
 def test_every_type_of_the_issue_has_a_gpu_plan() -> None:
     issue = {qt.Q2_K, qt.Q3_K, qt.Q4_1, qt.Q5_1, qt.IQ1_S, qt.IQ1_M, qt.IQ2_XXS, qt.IQ2_XS,
              qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ4_NL, qt.IQ4_XS}
@@ -79,12 +95,7 @@ def test_gemv_glu_matches_reference(ggml_type, seed):
     x = torch.randn(1, cols, generator=g, device=DEVICE).to(torch.bfloat16)
     out = poison((1, rows))
     quant_matmul.gemv_glu(gate, up, ggml_type, x, "silu", out=out)
-    xf = x.float()
-    g_ref = quant_matmul.gemv_ref(gate, ggml_type, xf)
-    u_ref = quant_matmul.gemv_ref(up, ggml_type, xf)
-    scale = glu_scale(g_ref, u_ref, "silu", gemv_scale(gate, ggml_type, xf),
-                      gemv_scale(up, ggml_type, xf))
-    assert nerr(out, glu.glu_ref(g_ref, u_ref, "silu"), scale) < 1e-5
+    assert _glu_err(out, gate, up, ggml_type, x.float()) < 1e-5
 
 
 def test_gemv3_of_three_table_types(seed):
@@ -96,9 +107,7 @@ def test_gemv3_of_three_table_types(seed):
     x = torch.randn(1, cols, generator=g, device=DEVICE)
     out = poison((1, sum(w.shape[0] for w, _ in mats)))
     quant_matmul.gemv3(mats, x, out)
-    ref = torch.cat([quant_matmul.gemv_ref(w, t, x) for w, t in mats], dim=1)
-    scale = torch.cat([gemv_scale(w, t, x) for w, t in mats], dim=1)
-    assert nerr(out, ref, scale) < 1e-5
+    assert _gemv3_err(out, mats, [x] * 3) < 1e-5
 
 
 ROW_BODIES = sorted(quant_matmul.ROW_BODY_TYPES | quant_matmul.ROW_BODY_TRIAL)
@@ -151,12 +160,9 @@ def test_row_body_on_int8_x(ggml_type, seed, monkeypatch):
     quant_matmul.gemv(w, ggml_type, x, out=out, xq=other)
     assert nerr(out, -ref, gemv_scale(w, ggml_type, xr)) < 1e-5
     # gate/up in one launch
-    u_ref = quant_matmul.gemv_ref(up, ggml_type, xr)
     out = poison((1, rows))
     quant_matmul.gemv_glu(w, up, ggml_type, x, "silu", out=out, xq=xq)
-    scale = glu_scale(ref, u_ref, "silu", gemv_scale(w, ggml_type, xr),
-                      gemv_scale(up, ggml_type, xr))
-    assert nerr(out, glu.glu_ref(ref, u_ref, "silu"), scale) < 1e-5
+    assert _glu_err(out, w, up, ggml_type, xr) < 1e-5
 
 
 def test_gemv3_mixes_int8_and_float_x(seed):
@@ -171,6 +177,4 @@ def test_gemv3_mixes_int8_and_float_x(seed):
     out = poison((1, sum(w.shape[0] for w, _ in mats)))
     quant_matmul.gemv3(mats, x, out, xq=xq)
     xs = [xr if t in quant_matmul.ROW_BODY_TYPES else x.float() for t in types]
-    ref = torch.cat([quant_matmul.gemv_ref(w, t, xi) for (w, t), xi in zip(mats, xs)], dim=1)
-    scale = torch.cat([gemv_scale(w, t, xi) for (w, t), xi in zip(mats, xs)], dim=1)
-    assert nerr(out, ref, scale) < 1e-5
+    assert _gemv3_err(out, mats, xs) < 1e-5
