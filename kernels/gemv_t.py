@@ -271,10 +271,8 @@ def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
 def _q8_in(xq, ggml_type: int, x2: torch.Tensor):
     """(q, d, s, use): the int8 copy of x (kernels/q8x.py) where the kernel can use it (a
     T matrix, one row of x), else x's own pointers and False."""
-    if xq is None or ggml_type not in WORDS or x2.shape[0] != 1:
+    if ggml_type not in WORDS or not q8x.usable(xq, x2):
         return x2, x2, x2, False
-    if not q8x.fits(xq, x2.shape[1]):
-        raise ValueError(f"int8 x buffers too small for a row of {x2.shape[1]}")
     return (*xq, True)
 
 

@@ -58,6 +58,17 @@ def fits(bufs, k: int) -> bool:
     return q.dtype == torch.int32 and q.numel() * 4 >= k and min(d.numel(), s.numel()) >= k // 32
 
 
+def usable(xq, x2: torch.Tensor) -> bool:
+    """Whether a GEMV of the rows ``x2`` [M, K] multiplies the int8 copy ``xq`` (q words, d, s)
+    instead of x: there is one (decode writes it for one row) and x is one row; a copy too
+    small for the row is a caller's mistake (ValueError)."""
+    if xq is None or x2.shape[0] != 1:
+        return False
+    if not fits(xq, x2.shape[1]):
+        raise ValueError(f"int8 x buffers too small for a row of {x2.shape[1]}")
+    return True
+
+
 def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [K] -> (int8 [K], d [K/32], s [K/32]) as the kernels write them (reference)."""
     v = x.to(torch.float32).reshape(-1, 32)

@@ -252,10 +252,8 @@ def _q8_in(xq, ggml_type: int, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """(int8 values, scales, use): decode's int8 copy of x (kernels/q8x.py: q as int32 words,
     d, s) where the kernel multiplies with it (a grid IQ type, one row of x), else x twice and
     False."""
-    if xq is None or ggml_type not in ROW_BODY_TYPES or x2.shape[0] != 1:
+    if ggml_type not in ROW_BODY_TYPES or not q8x.usable(xq, x2):
         return x2, x2, False
-    if not q8x.fits(xq, x2.shape[1]):
-        raise ValueError(f"int8 x buffers too small for a row of {x2.shape[1]}")
     return xq[0].view(torch.int8), xq[1], True
 
 
