@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # the kernels' switches (CARVE_Q8X, CARVE_T_LAYOUT, CARVE_PDL); bench runs Triton
         options = RunnerOptions.from_env(os.environ)
+        options.apply()
         if not torch.cuda.is_available():
             raise CarveError("carve bench needs an NVIDIA GPU with a CUDA build of torch")
         path = args.model

@@ -33,12 +33,16 @@ class RunnerOptions:
     ``CARVE_PDL``: ``1`` (default) or ``0``. On, the kernels launch with programmatic
         dependent launch on GPUs of compute capability 9.0 and later (kernels/pdl.py), so that
         each may start while the one before it finishes; off, each waits for the one before.
+    ``CARVE_ROW_BODY_TRIAL``: ``0`` (default) or ``1``. On, decode's GEMVs also run the bodies
+        written but not yet adopted (``kernels.quant_matmul.ROW_BODY_TRIAL``) for their types,
+        with decode's int8 copy of x: for measuring them through the engine before they are.
     """
 
     runner: str = "auto"  # CARVE_RUNNER
     q8x: bool = True  # CARVE_Q8X
     t_layout: bool = True  # CARVE_T_LAYOUT
     pdl: bool = True  # CARVE_PDL
+    row_body_trial: bool = False  # CARVE_ROW_BODY_TRIAL
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -52,13 +56,23 @@ class RunnerOptions:
         if runner not in RUNNERS:
             raise CarveError(f"CARVE_RUNNER={runner}: use {' or '.join(RUNNERS)}")
         return cls(runner=runner, q8x=_switch(environ, "CARVE_Q8X"),
-                   t_layout=_switch(environ, "CARVE_T_LAYOUT"), pdl=_switch(environ, "CARVE_PDL"))
+                   t_layout=_switch(environ, "CARVE_T_LAYOUT"), pdl=_switch(environ, "CARVE_PDL"),
+                   row_body_trial=_switch(environ, "CARVE_ROW_BODY_TRIAL", default=False))
+
+    def apply(self) -> None:
+        """Set what these options switch for the whole process (the entry points call it once,
+        after reading them): the trial bodies join ``quant_matmul.ROW_BODY_TYPES``."""
+        if self.row_body_trial:
+            from kernels import quant_matmul
+
+            quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | quant_matmul.ROW_BODY_TRIAL
 
 
-def _switch(environ: Mapping[str, str], name: str) -> bool:
+def _switch(environ: Mapping[str, str], name: str, default: bool = True) -> bool:
     value = environ.get(name, "").strip()
     if not value:
-        return True  # every switch is on by default
+        return default
     if value not in SWITCH:
-        raise CarveError(f"{name}={value}: use 1 (on, the default) or 0 (off)")
+        on, off = ("on, the default", "off") if default else ("on", "off, the default")
+        raise CarveError(f"{name}={value}: use 1 ({on}) or 0 ({off})")
     return SWITCH[value]

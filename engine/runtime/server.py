@@ -486,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         options = RunnerOptions.from_env(os.environ)
+        options.apply()
     except CarveError as err:
         print(f"carve-engine: {err}", file=sys.stderr, flush=True)
         return 2

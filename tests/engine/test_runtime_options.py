@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_defaults_when_nothing_is_set() -> None:
     assert RunnerOptions.from_env({}) == RunnerOptions() == RunnerOptions(
-        runner="auto", q8x=True, t_layout=True, pdl=True)
+        runner="auto", q8x=True, t_layout=True, pdl=True, row_body_trial=False)
     empty = {"CARVE_RUNNER": "", "CARVE_Q8X": " ", "CARVE_T_LAYOUT": "", "CARVE_PDL": ""}
     assert RunnerOptions.from_env(empty) == RunnerOptions()
 
@@ -32,6 +32,8 @@ def test_defaults_when_nothing_is_set() -> None:
     ({"CARVE_PDL": "0"}, RunnerOptions(pdl=False)),
     ({"CARVE_Q8X": "1", "CARVE_T_LAYOUT": "1", "CARVE_PDL": "1"}, RunnerOptions()),
     ({"CARVE_Q8X": "0", "CARVE_PDL": "0", "OTHER": "x"}, RunnerOptions(q8x=False, pdl=False)),
+    ({"CARVE_ROW_BODY_TRIAL": "1"}, RunnerOptions(row_body_trial=True)),
+    ({"CARVE_ROW_BODY_TRIAL": "0"}, RunnerOptions()),
 ])
 def test_each_variable_sets_its_option(env, want) -> None:
     assert RunnerOptions.from_env(env) == want
@@ -42,11 +44,24 @@ def test_each_variable_sets_its_option(env, want) -> None:
     ({"CARVE_Q8X": "off"}, "CARVE_Q8X=off: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_T_LAYOUT": "false"}, "CARVE_T_LAYOUT=false: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_PDL": "2"}, "CARVE_PDL=2: use 1 (on, the default) or 0 (off)"),
+    ({"CARVE_ROW_BODY_TRIAL": "yes"},
+     "CARVE_ROW_BODY_TRIAL=yes: use 1 (on) or 0 (off, the default)"),
 ])
 def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) -> None:
     with pytest.raises(CarveError) as e:
         RunnerOptions.from_env(env)
     assert str(e.value) == message
+
+
+def test_the_trial_switch_adds_the_trial_bodies_for_the_process(monkeypatch) -> None:
+    from kernels import quant_matmul
+
+    base = quant_matmul.ROW_BODY_TYPES
+    monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", base)
+    RunnerOptions().apply()
+    assert quant_matmul.ROW_BODY_TYPES == base
+    RunnerOptions(row_body_trial=True).apply()
+    assert quant_matmul.ROW_BODY_TYPES == base | quant_matmul.ROW_BODY_TRIAL > base
 
 
 def test_options_are_frozen_and_checked() -> None:
