@@ -29,7 +29,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from kernels import attention, glu, kv_cache, norm, q8x, quant_matmul, rope
+from kernels import attention, gemv_t, glu, kv_cache, norm, q8x, quant_matmul, rope
 from kernels.random_blocks import random_weight
 from spec import quant_types as qt
 from spec.errors import CarveError
@@ -264,6 +264,10 @@ def _gemv_section(t, args, g, copy_bw, row, best_cfg):
         _int8_row(name, t, ws, shapes, cfgs, g, copy_bw, row, best_cfg)
     if t in quant_matmul.ROW_BODY_TRIAL:
         _trial_rows(name, t, ws, shapes, g, copy_bw, row, best_cfg)
+    if t in gemv_t.WORDS:  # the T layout the runner repacks these into (device_check_t.py)
+        from benchmarks.device_check_t import t_rows  # it imports this module's helpers
+
+        t_rows(t, ws, shapes, g, copy_bw, row, best_cfg)
     # M=4 time with the best config
     s = shapes[0]
     x4 = torch.randn(4, s[1], device="cuda", generator=g).to(torch.bfloat16)

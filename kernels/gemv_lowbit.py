@@ -12,45 +12,10 @@ import triton.language as tl
 
 from kernels.gemv_iq import _h, _step, _word_dot
 from kernels.gemv_t_dot import _dp4a
+from kernels.gemv_t_low import _iq4_values
 
 
-# --- IQ4_XS: nibbles into the 16-value table by byte permutes --------------------------------
-@triton.jit
-def _prmt(a, b, c, ASM: tl.constexpr):
-    # PTX prmt.b32 (the generic mode): byte k of the result is byte (c >> 4k) & 7 of the eight
-    # bytes of {b, a} (a's first), or that byte's sign bit repeated when bit 3 of the nibble
-    # is set; ASM: the GPU's instruction, else the same in integer ops (the interpreter)
-    if ASM:
-        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        r = tl.zeros_like(a ^ b ^ c)  # the broadcast shape (c may be a constant)
-        for k in tl.static_range(4):
-            sel = (c >> (4 * k)) & 15
-            i = sel & 7
-            byte = (tl.where(i < 4, a, b) >> (8 * (i & 3))) & 255
-            byte = tl.where((sel & 8) != 0, tl.where((byte & 128) != 0, 255, 0), byte)
-            r = r | (byte << (8 * k))
-        return r
-
-
-@triton.jit
-def _iq4_values(q, t0, t1, t2, t3, ASM: tl.constexpr):
-    """The table values of the 8 nibbles of qs word q (t0..t3: the 16 int8 values as four
-    words): (the low nibbles' 4 values, the high nibbles'), each a word of 4 signed bytes."""
-    # nibble k of each 16-bit half picks among 8 bytes: the first 8 values when its bit 3 is
-    # clear, the last 8 when set; a third permute takes each byte from the right one
-    # (bit 3 of a prmt selector asks for the sign, so the table permutes see only bits 0-2)
-    s0 = q
-    s1 = q >> 16
-    h0 = _prmt(_prmt(t0, t1, s0 & 0x7777, ASM), _prmt(t2, t3, s0 & 0x7777, ASM),
-               0x3210 | ((s0 & 0x8888) >> 1), ASM)
-    h1 = _prmt(_prmt(t0, t1, s1 & 0x7777, ASM), _prmt(t2, t3, s1 & 0x7777, ASM),
-               0x3210 | ((s1 & 0x8888) >> 1), ASM)
-    # h0, h1: the values of bytes 0-1 and 2-3, low and high nibble in turn
-    return _prmt(h0, h1, 0x6420, ASM), _prmt(h0, h1, 0x7531, ASM)
-
-
+# --- IQ4_XS: nibbles into the 16-value table by byte permutes (gemv_t_low._iq4_values) ----
 @triton.jit
 def iq4xs_rows_dot(w_ptr, wh_ptr, g_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes,
                    TS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,

@@ -35,17 +35,19 @@ import triton
 import triton.language as tl
 
 from kernels import pdl, q8x
-from kernels.gemv_t_dot import q4k_t_dot_half, t_body
+from kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
+from kernels.gemv_t_low import iq4xs_t_dot, q2k_t_dot
 from kernels.glu import glu_act
+from kernels.lowbit_blocks import lookup_table
 from spec import launch
 from spec import quant_types as qt
 from spec.launch import T_CONFIG, T_GLU_CONFIG
 
 # words (4 bytes) per block that go to the word planes, and tail bytes per block that go to a
 # plane of their own after them (Q6_K's f16 d: its 210-byte block is 52 words and 2 bytes)
-WORDS = {qt.Q4_K: 36, qt.Q6_K: 52}
-TAIL = {qt.Q4_K: 0, qt.Q6_K: 2}
-BLOCK_BYTES = {qt.Q4_K: 144, qt.Q6_K: 210}
+WORDS = {qt.Q4_K: 36, qt.Q6_K: 52, qt.Q2_K: 21, qt.IQ4_XS: 34}
+TAIL = {qt.Q4_K: 0, qt.Q6_K: 2, qt.Q2_K: 0, qt.IQ4_XS: 0}
+BLOCK_BYTES = {qt.Q4_K: 144, qt.Q6_K: 210, qt.Q2_K: 84, qt.IQ4_XS: 136}
 
 
 def _planes(t: torch.Tensor, ggml_type: int, rows: int):
@@ -93,6 +95,28 @@ def unpack(t: torch.Tensor, ggml_type: int, rows: int) -> torch.Tensor:
 
 
 @triton.jit
+def t_body(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_lo,
+           b_hi, BLOCK_N: tl.constexpr, XV: tl.constexpr, TYPE: tl.constexpr,
+           Q8X: tl.constexpr, ASM: tl.constexpr):
+    # a program's sums over blocks [b_lo, b_hi) of its rows, by type (kernels/gemv_t_dot.py,
+    # kernels/gemv_t_low.py); rows masked, not clamped: a clamp hides their contiguity and the
+    # loads go 4 bytes wide. tab_ptr: the type's value table (lowbit_blocks.lookup_table)
+    if TYPE == 10:
+        acc = q2k_t_dot(wt_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV,
+                        Q8X, ASM)
+    elif TYPE == 23:
+        acc = iq4xs_t_dot(wt_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi,
+                          BLOCK_N, XV, Q8X, ASM)
+    elif TYPE == 14:
+        acc = _q6k_t_dot(wt_ptr, wh_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
+                         BLOCK_N, XV, Q8X, ASM)
+    else:
+        acc, _ = q4k_t_dot_half(wt_ptr, wt_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
+                                 b_lo, b_hi, BLOCK_N, XV, False, Q8X, ASM)
+    return acc
+
+
+@triton.jit
 def _t_tile(N, NB, BPS, BLOCK_N: tl.constexpr):
     # this program's row tile, x row (M index) and block range
     pid = tl.program_id(0)
@@ -128,13 +152,13 @@ def _t_split_done(prow, acc, rows, rmask, N, cnt, SPLIT: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
-def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, b_ptr, part_ptr,
+def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, b_ptr, part_ptr,
                    cnt_ptr, N, NB, BPS, stride_xm, stride_ym, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, XV: tl.constexpr, HAS_BIAS: tl.constexpr,
                    TYPE: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
     pdl.start(PDL)
-    acc = t_body(wt_ptr, wh_ptr, x_ptr + m * stride_xm, xq_ptr, xd_ptr, xs_ptr, rows, rmask,
+    acc = t_body(wt_ptr, wh_ptr, tab_ptr, x_ptr + m * stride_xm, xq_ptr, xd_ptr, xs_ptr, rows, rmask,
                   N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
     last = True
     if SPLIT > 1:
@@ -147,7 +171,7 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, b_ptr, 
 
 
 @triton.jit
-def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr,
+def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr,
                        oq_ptr, od_ptr, os_ptr, part_ptr, cnt_ptr, N, NB, BPS, stride_xm,
                        stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        XV: tl.constexpr, TYPE: tl.constexpr, GELU: tl.constexpr,
@@ -163,9 +187,9 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, xq_ptr, xd_ptr, xs_p
         g, u = q4k_t_dot_half(g_ptr, u_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
                                b_lo, b_hi, BLOCK_N, XV, True, Q8X, ASM)
     else:
-        g = t_body(g_ptr, gh_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_lo,
+        g = t_body(g_ptr, gh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_lo,
                     b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
-        u = t_body(u_ptr, uh_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_lo,
+        u = t_body(u_ptr, uh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_lo,
                     b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
     last = True
     if SPLIT > 1:
@@ -183,7 +207,7 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, u_ptr, uh_ptr, x_ptr, xq_ptr, xd_ptr, xs_p
 
 
 @triton.jit
-def _gemv_t3_kernel(w1, h1, w2, h2, w3, h3, b1, b2, b3, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr,
+def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr,
                     part_ptr, cnt_ptr, N1, N2, N3, NB, BPS, stride_xm, stride_ym,
                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, XV: tl.constexpr,
                     HAS_BIAS: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
@@ -204,13 +228,13 @@ def _gemv_t3_kernel(w1, h1, w2, h2, w3, h3, b1, b2, b3, x_ptr, xq_ptr, xd_ptr, x
     pdl.start(PDL)
     xrow = x_ptr + m * stride_xm
     if pid < p1:
-        acc = t_body(w1, h1, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N1, NB, b_lo, b_hi,
+        acc = t_body(w1, h1, g1, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N1, NB, b_lo, b_hi,
                      BLOCK_N, XV, T1, Q8X, ASM)
     elif pid < p2:
-        acc = t_body(w2, h2, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N2, NB, b_lo, b_hi,
+        acc = t_body(w2, h2, g2, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N2, NB, b_lo, b_hi,
                      BLOCK_N, XV, T2, Q8X, ASM)
     else:
-        acc = t_body(w3, h3, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N3, NB, b_lo, b_hi,
+        acc = t_body(w3, h3, g3, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N3, NB, b_lo, b_hi,
                      BLOCK_N, XV, T3, Q8X, ASM)
     last = True
     if SPLIT > 1:
@@ -230,13 +254,16 @@ def _gemv_t3_kernel(w1, h1, w2, h2, w3, h3, b1, b2, b3, x_ptr, xq_ptr, xd_ptr, x
 
 
 def _t_words(wt: torch.Tensor, ggml_type: int, rows: int) -> tuple[int, tuple]:
-    """(blocks per row, (word view, 16-bit view)) of a T-layout matrix, checked."""
+    """(blocks per row, (word view, 16-bit view, value table)) of a T-layout matrix, checked
+    (the table: ``lookup_table``'s for the types that read one, else the word view)."""
     if ggml_type not in WORDS:
         raise ValueError(f"no T layout for {qt.type_name(ggml_type)}")
     nb = wt.numel() // (rows * BLOCK_BYTES[ggml_type])
     if wt.numel() != nb * rows * BLOCK_BYTES[ggml_type] or wt.dtype != torch.uint8:
         raise ValueError(f"T weight of {wt.numel()} bytes is not {rows} rows of whole blocks")
-    return nb, (wt[: nb * WORDS[ggml_type] * rows * 4].view(torch.int32), wt.view(torch.float16))
+    words = wt[: nb * WORDS[ggml_type] * rows * 4].view(torch.int32)
+    table = lookup_table(ggml_type, wt.device)
+    return nb, (words, wt.view(torch.float16), words if table is None else table)
 
 
 def _t_grid(rows: list[int], nb: int, x: torch.Tensor, config: tuple[int, int, int] | None,

@@ -398,17 +398,3 @@ def _q6k_t_dot(wt_ptr, wh_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, 
             acc += _q6_group(a4, a5, a6, a7, b4, b5, b6, b7, h4, h5, h6, h7, xb + 16, sw0, sw1,
                              d, 1, BLOCK_N, XV)
     return acc
-
-
-@triton.jit
-def t_body(wt_ptr, wh_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_lo, b_hi,
-            BLOCK_N: tl.constexpr, XV: tl.constexpr, TYPE: tl.constexpr, Q8X: tl.constexpr,
-            ASM: tl.constexpr):
-    # rows masked, not clamped: a clamp hides their contiguity and the loads go 4 bytes wide
-    if TYPE == 14:
-        acc = _q6k_t_dot(wt_ptr, wh_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
-                         BLOCK_N, XV, Q8X, ASM)
-    else:
-        acc, _ = q4k_t_dot_half(wt_ptr, wt_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
-                                 b_lo, b_hi, BLOCK_N, XV, False, Q8X, ASM)
-    return acc

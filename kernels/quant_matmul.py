@@ -41,6 +41,9 @@ GEMV_CONFIG: dict[int, tuple[int, ...]] = {
     # device_check sweeps on an H200 (2026-12-02, bf16 and int8 x)
     qt.IQ2_XXS: (8, 8, 4), qt.IQ2_S: (8, 8, 4), qt.IQ1_M: (8, 8, 4),
     qt.IQ2_XS: (4, 4, 4), qt.IQ3_XXS: (4, 4, 4), qt.IQ3_S: (4, 4, 4), qt.IQ1_S: (4, 4, 4),
+    # IQ4_XS's body (kernels/gemv_lowbit.py), the same sweep: int8 x best at (8, 8, 4), bf16
+    # x at (8, 4, 4), within 4 % of it here
+    qt.IQ4_XS: (8, 8, 4),
 }
 # tiles for matrices with many rows (>= WIDE_PROGRAMS programs at the default tile), where
 # fewer, fatter programs win: Qwen2-7B's ffn_up/gate and the output head
@@ -56,15 +59,18 @@ MAGIC_TYPES = frozenset({qt.Q6_K})
 # types with a storage-order body in kernels/gemv_dot.py, and the byte alignment of the
 # weight's start (and of its rows) that the body's 16-byte loads assume
 SPECIAL_ALIGN = {qt.Q4_K: 16}
-# types with a body of their own that needs no alignment (kernels/gemv_iq.py: the grid IQ types,
-# a grid row per lane, reading their table, 8-byte aligned, a row per word)
+# types with a body of their own that needs no alignment: the grid IQ types
+# (kernels/gemv_iq.py, a group of 32 values per lane, reading their table, 8-byte aligned, a row
+# per word) and IQ4_XS (kernels/gemv_lowbit.py; on an H200 1.9x the generic walk on int8 x,
+# 1.7x on bf16 x, 2026-12-02)
 ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
-                            qt.IQ1_M})
-# bodies of their own written but not yet measured on a GPU (kernels/gemv_lowbit.py: IQ4_XS
-# iq4xs_rows_dot, Q2_K q2k_rows_dot): they run only where a caller adds them to
-# ROW_BODY_TYPES (the tests; benchmarks/device_check.py --types, which times them beside the
-# generic walk)
-ROW_BODY_TRIAL = frozenset({qt.IQ4_XS, qt.Q2_K})
+                            qt.IQ1_M, qt.IQ4_XS})
+# bodies of their own not switched on: Q2_K (kernels/gemv_lowbit.py q2k_rows_dot) measured
+# 1.14x the generic walk on int8 x but 0.85x on bf16 x (H200, 2026-12-02), and its big matrices
+# go to the T layout (kernels/gemv_t_low.py); it runs only where a caller adds it to
+# ROW_BODY_TYPES (the tests; benchmarks/device_check.py --types, which times it beside the
+# generic walk; CARVE_ROW_BODY_TRIAL=1)
+ROW_BODY_TRIAL = frozenset({qt.Q2_K})
 
 
 def gemv_config(ggml_type: int, rows: int, cols: int) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ from engine.runtime.session import Session
 from engine.synth.gen import write_model
 from engine.synth.shapes import Shape
 from kernels import attention, gemv_t, glu, kv_cache, norm, pdl, quant_matmul, rope
+from spec import quant_types as qt
 from spec.errors import CarveError
 
 GIB = 1 << 30
@@ -202,6 +203,28 @@ def test_int8_x_decode_matches_the_cpu_engine(wide, wide_q4k, all_t, monkeypatch
         errs, _ = decode_errors(g, c, ids(3, 1))
         assert max(errs) < 3e-2
         assert ("glu", True, True) in used and ("one", True) in used and ("qkv", True) in used
+    finally:
+        g.close()
+        c.close()
+
+
+def test_q2_k_t_matrices_decode_as_the_cpu_engine(tmp_path, all_t) -> None:
+    # the low-bit types' T bodies (kernels/gemv_t_low.py) through the runner: the Q2_K mix's
+    # gate/up in one T launch on the norm's int8 copy, beside its Q3_K ffn_down and attn_v in
+    # GGUF order (IQ4_XS, the other T body of that module, is slow under the interpreter:
+    # tests/kernels/test_gemv_t.py and test_q8x.py check it)
+    path = str(write_model(tmp_path / "q2_k.gguf", WIDE, "q2_k")[0])
+    g = load(plan(path, act_dtype="bf16", logits_rows=12))
+    c = Session.load(plan(path, logits_rows=12))
+    try:
+        (st,) = g.pipe.stages
+        assert st.xq is not None
+        assert all(ly.ffn.gate.ggml_type == qt.Q2_K and ly.ffn.gate.t_bytes is not None
+                   and ly.ffn.up.t_bytes is not None and ly.ffn.fused == "t_glu"
+                   for ly in st.layers)
+        prompt = ids(12)
+        assert rel(g.logits(prompt), c.logits(prompt)) < 3e-2
+        assert max(decode_errors(g, c, ids(3, 1))[0]) < 3e-2
     finally:
         g.close()
         c.close()

@@ -20,7 +20,7 @@ def _rand(g, lo, hi):
     return int(torch.randint(lo, hi, (1,), generator=g, device=DEVICE))
 
 
-TYPES = [qt.Q4_K, qt.Q6_K]
+TYPES = [qt.Q4_K, qt.Q6_K, qt.Q2_K, qt.IQ4_XS]
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
@@ -52,6 +52,7 @@ def test_repack_is_a_permutation_of_the_bytes(ggml_type, seed):
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gemv_t_matches_reference(ggml_type, split, xdtype, seed):
+    # (on decode's int8 copy of x: tests/kernels/test_q8x.py)
     g = generator(seed)
     m = _rand(g, 1, 3)
     rows = _rand(g, 1, 70)
@@ -85,12 +86,18 @@ def test_split_count_covers_the_blocks():
         assert 1 <= s <= nb and (s - 1) * bps < nb <= s * bps  # every split holds a block
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
-@pytest.mark.parametrize("act", ["silu", "gelu"])
+# (type, paired, act): Q4_K's gate and up read in the same steps (bf16 x) or one after the
+# other (f32 x), under both activations; the other types always run one after the other, here
+# on bf16 x (the activation is the epilogue's, the same for every type)
+GLU_CASES = ([(qt.Q4_K, p, a) for p in (True, False) for a in ("silu", "gelu")]
+             + [(t, True, "silu") for t in TYPES[1:]])
+
+
+@pytest.mark.parametrize(("ggml_type", "paired", "act"), GLU_CASES,
+                         ids=lambda c: c if isinstance(c, str) else (
+                             str(c) if isinstance(c, bool) else qt.type_name(c)))
 @pytest.mark.parametrize("split", [True, False])
-@pytest.mark.parametrize("paired", [True, False])
 def test_gemv_t_glu_matches_reference(ggml_type, act, split, paired, seed):
-    # paired: Q4_K's gate and up in the same steps (bf16 x); else one after the other (f32 x)
     g = generator(seed)
     m, rows, nb = _rand(g, 1, 3), _rand(g, 1, 50), _rand(g, 1, 4)
     gate = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
@@ -121,7 +128,7 @@ def test_gemv_t3_matches_three_reference_gemvs(split, int8_x, seed):
     g = generator(seed)
     m = 1 if int8_x else _rand(g, 1, 3)
     nb = _rand(g, 1, 4)
-    types = [TYPES[_rand(g, 0, 2)] for _ in range(3)]
+    types = [TYPES[_rand(g, 0, len(TYPES))] for _ in range(3)]
     rows = [_rand(g, 1, 70) for _ in range(3)]
     ws = [random_weight(t, r, 256 * nb, DEVICE, g) for t, r in zip(types, rows)]
     x = torch.randn(m, 256 * nb, generator=g, device=DEVICE).to(torch.bfloat16)

@@ -1,0 +1,293 @@
+"""T-layout step bodies (kernels/gemv_t.py) of the low-bit K and IQ types: Q2_K and IQ4_XS.
+
+As for Q4_K and Q6_K (kernels/gemv_t_dot.py) each thread owns whole rows, reads the same word
+of neighbouring rows beside its neighbours (one 128-byte line a warp a word), issues a step's
+loads together and keeps its rows' sums in registers; x, the same for every row, is read as
+scalars (broadcast loads) and whatever depends on x alone (Q2_K's sums of x per 16 values) is
+worked out once per thread, whatever its number of rows.
+
+On decode's int8 copy of x (kernels/q8x.py) the values multiply by ``dp4a``: Q2_K's 2-bit
+values as bytes ``(w >> 2j) & 0x03030303``, IQ4_XS's nibbles turned into their table values
+by byte permutes (``_iq4_values``). On float x (bf16 as 64-bit words of four, or float32 or
+f16 one value a load) Q2_K's values become floats through the mantissa of 1.0 (1 + q/4, the 1
+taken back out with the sum of x) and IQ4_XS's signed table bytes by a convert.
+
+Blocks (GGUF order, the T layout keeps the words of a block; neither type has a tail):
+Q2_K, 84 bytes = 21 words: scales[16] (words 0-3; low nibble a scale, high a min, per 16
+values), qs[64] (words 4-19; values 128n + 32j + l are bits 2j of byte 32n + l), d and dmin
+(word 20). IQ4_XS, 136 bytes = 34 words: d and scales_h (word 0), scales_l (word 1), qs[128]
+(words 2-33; sub-block i: bytes 16i..16i+15, value l in the low nibble of byte l, 16 + l in
+the high one).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.gemv_t_dot import _dp4a, _ld8, _sc8, _x4
+
+
+@triton.jit
+def _prmt(a, b, c, ASM: tl.constexpr):
+    # PTX prmt.b32 (the generic mode): byte k of the result is byte (c >> 4k) & 7 of the eight
+    # bytes of {b, a} (a's first), or that byte's sign bit repeated when bit 3 of the nibble
+    # is set; ASM: the GPU's instruction, else the same in integer ops (the interpreter)
+    if ASM:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        r = tl.zeros_like(a ^ b ^ c)  # the broadcast shape (c may be a constant)
+        for k in tl.static_range(4):
+            sel = (c >> (4 * k)) & 15
+            i = sel & 7
+            byte = (tl.where(i < 4, a, b) >> (8 * (i & 3))) & 255
+            byte = tl.where((sel & 8) != 0, tl.where((byte & 128) != 0, 255, 0), byte)
+            r = r | (byte << (8 * k))
+        return r
+
+
+@triton.jit
+def _iq4_values(q, t0, t1, t2, t3, ASM: tl.constexpr):
+    """The table values of the 8 nibbles of qs word q (t0..t3: the 16 int8 values as four
+    words): (the low nibbles' 4 values, the high nibbles'), each a word of 4 signed bytes."""
+    # nibble k of each 16-bit half picks among 8 bytes with its bits 0-2 (bit 3 of a prmt
+    # selector asks for the sign, so it is cleared), in the first 8 values and in the last 8;
+    # a third permute takes each byte from the first (bit 3 clear) or the last (set)
+    lo = q & 0x77777777
+    pick = ((q >> 1) & 0x44444444) | 0x32103210
+    h0 = _prmt(_prmt(t0, t1, lo, ASM), _prmt(t2, t3, lo, ASM), pick, ASM)
+    lo1 = lo >> 16
+    h1 = _prmt(_prmt(t0, t1, lo1, ASM), _prmt(t2, t3, lo1, ASM), pick >> 16, ASM)
+    # h0, h1: the values of bytes 0-1 and 2-3, low and high nibble in turn
+    return _prmt(h0, h1, 0x6420, ASM), _prmt(h0, h1, 0x7531, ASM)
+
+
+@triton.jit
+def _f16(w, HI: tl.constexpr):
+    # the f16 in the low (HI: high) half of word w, as float32
+    if HI:
+        w = w >> 16
+    return (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _x64(xq_ptr, i):
+    # int8 x words i and i + 1 (8 values) in one 8-byte load, as two int32
+    v = tl.load(xq_ptr.to(tl.pointer_type(tl.int64)) + i // 2)
+    return v.to(tl.int32), (v >> 32).to(tl.int32)
+
+
+# --- Q2_K -------------------------------------------------------------------------------------
+@triton.jit
+def _q2_quarter_q8(a0, a1, a2, a3, a4, a5, a6, a7, sw, d, dmin, xq_ptr, xd_ptr, xi,
+                   J: tl.constexpr, ASM: tl.constexpr):
+    # values 32J..32J+31 of a half block (bits 2J of its 8 qs words), two sub-blocks of 16
+    # with their scale and min bytes in sw (bytes 2(J % 2) and 2(J % 2) + 1), on int8 x words
+    # xi..xi+7 and x scale xd_ptr
+    z = a0 * 0
+    i0 = z
+    i1 = z
+    for k in tl.static_range(0, 8, 2):
+        if k == 0:
+            wa, wb = a0, a1
+        elif k == 2:
+            wa, wb = a2, a3
+        elif k == 4:
+            wa, wb = a4, a5
+        else:
+            wa, wb = a6, a7
+        xa, xb = _x64(xq_ptr, xi + k)
+        if k == 0:  # x's sums per 16 values: scalars, once per thread whatever its rows
+            ones = xa * 0 + 0x01010101
+            s0 = xa * 0
+            s1 = s0
+        va = (wa >> (2 * J)) & 0x03030303
+        vb = (wb >> (2 * J)) & 0x03030303
+        if k < 4:
+            i0 = _dp4a(vb, xb, _dp4a(va, xa, i0, ASM, True), ASM, True)
+            s0 = _dp4a(ones, xb, _dp4a(ones, xa, s0, ASM, True), ASM, True)
+        else:
+            i1 = _dp4a(vb, xb, _dp4a(va, xa, i1, ASM, True), ASM, True)
+            s1 = _dp4a(ones, xb, _dp4a(ones, xa, s1, ASM, True), ASM, True)
+    SH: tl.constexpr = 16 * (J % 2)
+    isc = ((sw >> SH) & 15) * i0 + ((sw >> (SH + 8)) & 15) * i1
+    imn = ((sw >> (SH + 4)) & 15) * s0 + ((sw >> (SH + 12)) & 15) * s1
+    return tl.load(xd_ptr) * (d * isc.to(tl.float32) - dmin * imn.to(tl.float32))
+
+
+@triton.jit
+def _q2_val(w, S: tl.constexpr):
+    # the 2-bit value at bit S of each word as the float 1 + q/4 (q into the top of the
+    # mantissa of 1.0)
+    if S <= 21:
+        v = (w << (21 - S)) & 0x600000
+    else:
+        v = (w >> (S - 21)) & 0x600000
+    return (v | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q2_quarter_f(a0, a1, a2, a3, a4, a5, a6, a7, sw, d, dmin, xp, J: tl.constexpr,
+                  BLOCK_N: tl.constexpr, XV: tl.constexpr):
+    # _q2_quarter_q8 on float x: xp points at x[32 J] of the half block
+    z = tl.zeros([BLOCK_N], dtype=tl.float32)
+    f0 = z
+    f1 = z
+    x0 = 0.0
+    x1 = 0.0
+    for k in tl.static_range(8):
+        if k == 0:
+            w = a0
+        elif k == 1:
+            w = a1
+        elif k == 2:
+            w = a2
+        elif k == 3:
+            w = a3
+        elif k == 4:
+            w = a4
+        elif k == 5:
+            w = a5
+        elif k == 6:
+            w = a6
+        else:
+            w = a7
+        if XV:
+            xv = tl.load((xp + 4 * k).to(tl.pointer_type(tl.int64)))
+        else:
+            xv = xp + 4 * k
+        for m in tl.static_range(4):
+            xm = _x4(xv, m, XV)
+            if k < 4:
+                f0 += _q2_val(w, 8 * m + 2 * J) * xm
+                x0 += xm
+            else:
+                f1 += _q2_val(w, 8 * m + 2 * J) * xm
+                x1 += xm
+    # sum x q = 4 (sum x (1 + q/4) - sum x)
+    SH: tl.constexpr = 16 * (J % 2)
+    q0 = 4.0 * (f0 - x0)
+    q1 = 4.0 * (f1 - x1)
+    return d * (((sw >> SH) & 15).to(tl.float32) * q0
+                + ((sw >> (SH + 8)) & 15).to(tl.float32) * q1) \
+        - dmin * (((sw >> (SH + 4)) & 15).to(tl.float32) * x0
+                  + ((sw >> (SH + 12)) & 15).to(tl.float32) * x1)
+
+
+@triton.jit
+def q2k_t_dot(wt_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N: tl.constexpr,
+              XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
+    # half a block (128 values: 8 qs words, 2 scale words, the d word) per step
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for hb in range(2 * b_lo, 2 * b_hi):
+        b = hb // 2
+        n = hb % 2
+        base = wt_ptr + b * 21 * N + rows
+        a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(base + (4 + 8 * n) * N, N, rmask)
+        sw0 = tl.load(base + 2 * n * N, mask=rmask, other=0)
+        sw1 = tl.load(base + (2 * n + 1) * N, mask=rmask, other=0)
+        dw = tl.load(base + 20 * N, mask=rmask, other=0)
+        t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ sw0 ^ sw1 ^ dw
+        a0 = a0 + (t & (N >> 31))  # the step's loads issued together (kernels/gemv_t_dot.py)
+        d = _f16(dw, False)
+        dmin = _f16(dw, True)
+        if Q8X:  # x words b * 64 + 32 n + 8 j + k, scales b * 8 + 4 n + j
+            xi = b * 64 + 32 * n
+            xd = xd_ptr + b * 8 + 4 * n
+            acc += _q2_quarter_q8(a0, a1, a2, a3, a4, a5, a6, a7, sw0, d, dmin, xq_ptr, xd,
+                                  xi, 0, ASM)
+            acc += _q2_quarter_q8(a0, a1, a2, a3, a4, a5, a6, a7, sw0, d, dmin, xq_ptr, xd + 1,
+                                  xi + 8, 1, ASM)
+            acc += _q2_quarter_q8(a0, a1, a2, a3, a4, a5, a6, a7, sw1, d, dmin, xq_ptr, xd + 2,
+                                  xi + 16, 2, ASM)
+            acc += _q2_quarter_q8(a0, a1, a2, a3, a4, a5, a6, a7, sw1, d, dmin, xq_ptr, xd + 3,
+                                  xi + 24, 3, ASM)
+        else:
+            xb = x_ptr + b * 256 + 128 * n
+            acc += _q2_quarter_f(a0, a1, a2, a3, a4, a5, a6, a7, sw0, d, dmin, xb, 0, BLOCK_N,
+                                 XV)
+            acc += _q2_quarter_f(a0, a1, a2, a3, a4, a5, a6, a7, sw0, d, dmin, xb + 32, 1,
+                                 BLOCK_N, XV)
+            acc += _q2_quarter_f(a0, a1, a2, a3, a4, a5, a6, a7, sw1, d, dmin, xb + 64, 2,
+                                 BLOCK_N, XV)
+            acc += _q2_quarter_f(a0, a1, a2, a3, a4, a5, a6, a7, sw1, d, dmin, xb + 96, 3,
+                                 BLOCK_N, XV)
+    return acc
+
+
+# --- IQ4_XS -----------------------------------------------------------------------------------
+@triton.jit
+def _iq4_sub(q0, q1, q2, q3, t0, t1, t2, t3, dl, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
+             XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
+    # one sub-block (32 values: qs words q0..q3) times its scale dl: on int8 x words
+    # xi..xi+7 and x scale xd_ptr, or on float x at xp
+    z = q0 * 0
+    isum = z
+    s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(4):
+        if k == 0:
+            q = q0
+        elif k == 1:
+            q = q1
+        elif k == 2:
+            q = q2
+        else:
+            q = q3
+        vl, vh = _iq4_values(q, t0, t1, t2, t3, ASM)  # values 4k.., 16 + 4k..
+        if Q8X:
+            isum = _dp4a(vl, tl.load(xq_ptr + xi + k), isum, ASM, True)
+            isum = _dp4a(vh, tl.load(xq_ptr + xi + 4 + k), isum, ASM, True)
+        else:
+            if XV:
+                xl = tl.load((xp + 4 * k).to(tl.pointer_type(tl.int64)))
+                xh = tl.load((xp + 16 + 4 * k).to(tl.pointer_type(tl.int64)))
+            else:
+                xl = xp + 4 * k
+                xh = xp + 16 + 4 * k
+            for m in tl.static_range(4):
+                s += _sc8(vl, m) * _x4(xl, m, XV) + _sc8(vh, m) * _x4(xh, m, XV)
+    if Q8X:
+        return dl * tl.load(xd_ptr) * isum.to(tl.float32)
+    return dl * s
+
+
+@triton.jit
+def iq4xs_t_dot(wt_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi,
+                BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr,
+                ASM: tl.constexpr):
+    # half a block (4 sub-blocks: 16 qs words, and the d/scales_h and scales_l words) per
+    # step; tab_ptr: the 16 int8 values (kernels/lowbit_blocks.lookup_table), 4-byte aligned
+    tw = tab_ptr.to(tl.pointer_type(tl.int32))
+    t0 = tl.load(tw)
+    t1 = tl.load(tw + 1)
+    t2 = tl.load(tw + 2)
+    t3 = tl.load(tw + 3)
+    xw = xq_ptr.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for hb in range(2 * b_lo, 2 * b_hi):
+        b = hb // 2
+        n = hb % 2
+        base = wt_ptr + b * 34 * N + rows
+        h0 = tl.load(base, mask=rmask, other=0)
+        h1 = tl.load(base + N, mask=rmask, other=0)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(base + (2 + 16 * n) * N, N, rmask)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _ld8(base + (10 + 16 * n) * N, N, rmask)
+        t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ e0 ^ e1 ^ e2 ^ e3 ^ e4 ^ e5 ^ e6 ^ e7 ^ h0 ^ h1
+        a0 = a0 + (t & (N >> 31))  # the step's loads issued together
+        d = _f16(h0, False)
+        for i in tl.static_range(4):  # sub-block 4 n + i
+            if i == 0:
+                q0, q1, q2, q3 = a0, a1, a2, a3
+            elif i == 1:
+                q0, q1, q2, q3 = a4, a5, a6, a7
+            elif i == 2:
+                q0, q1, q2, q3 = e0, e1, e2, e3
+            else:
+                q0, q1, q2, q3 = e4, e5, e6, e7
+            ib = 4 * n + i
+            ls = ((h1 >> (4 * ib)) & 15) | (((h0 >> (16 + 2 * ib)) & 3) << 4)
+            dl = d * (ls - 32).to(tl.float32)
+            acc += _iq4_sub(q0, q1, q2, q3, t0, t1, t2, t3, dl, xw, xd_ptr + b * 8 + ib,
+                            b * 64 + 8 * ib, x_ptr + b * 256 + 32 * ib, BLOCK_N, XV, Q8X, ASM)
+    return acc
