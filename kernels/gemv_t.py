@@ -36,7 +36,7 @@ import triton.language as tl
 
 from kernels import pdl, q8x
 from kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
-from kernels.gemv_t_low import iq4xs_t_dot, q2k_t_dot
+from kernels.gemv_t_low import iq2xxs_t_dot, iq3s_t_dot, iq4xs_t_dot, q2k_t_dot
 from kernels.glu import glu_act
 from kernels.lowbit_blocks import lookup_table
 from spec import launch
@@ -45,9 +45,21 @@ from spec.launch import T_CONFIG, T_GLU_CONFIG
 
 # words (4 bytes) per block that go to the word planes, and tail bytes per block that go to a
 # plane of their own after them (Q6_K's f16 d: its 210-byte block is 52 words and 2 bytes)
-WORDS = {qt.Q4_K: 36, qt.Q6_K: 52, qt.Q2_K: 21, qt.IQ4_XS: 34}
-TAIL = {qt.Q4_K: 0, qt.Q6_K: 2, qt.Q2_K: 0, qt.IQ4_XS: 0}
-BLOCK_BYTES = {qt.Q4_K: 144, qt.Q6_K: 210, qt.Q2_K: 84, qt.IQ4_XS: 136}
+WORDS = {qt.Q4_K: 36, qt.Q6_K: 52, qt.Q2_K: 21, qt.IQ4_XS: 34, qt.IQ2_XXS: 16, qt.IQ3_S: 27}
+TAIL = {qt.Q4_K: 0, qt.Q6_K: 2, qt.Q2_K: 0, qt.IQ4_XS: 0, qt.IQ2_XXS: 2, qt.IQ3_S: 2}
+BLOCK_BYTES = {qt.Q4_K: 144, qt.Q6_K: 210, qt.Q2_K: 84, qt.IQ4_XS: 136, qt.IQ2_XXS: 66,
+               qt.IQ3_S: 110}
+# types whose tail is at the start of the block (the grid IQ types' f16 d): the words are the
+# bytes after it
+HEAD = {qt.IQ2_XXS: 2, qt.IQ3_S: 2}
+
+
+def _cut(ggml_type: int) -> tuple[slice, slice]:
+    """(the word bytes, the tail bytes) of a block of ``ggml_type``."""
+    w, head = WORDS[ggml_type] * 4, HEAD.get(ggml_type, 0)
+    if head:
+        return slice(head, head + w), slice(0, head)
+    return slice(0, w), slice(w, BLOCK_BYTES[ggml_type])
 
 
 def _planes(t: torch.Tensor, ggml_type: int, rows: int):
@@ -70,6 +82,7 @@ def repack(w: torch.Tensor, ggml_type: int, out: torch.Tensor | None = None,
     if w.shape[1] != nb * bb:
         raise ValueError(f"{qt.type_name(ggml_type)} row of {w.shape[1]} bytes is not whole blocks")
     wd, tail = WORDS[ggml_type], TAIL[ggml_type]
+    body, rest_b = _cut(ggml_type)
     src = w.view(n, nb, bb)
     if out is None:
         out = torch.empty(w.numel(), dtype=torch.uint8, device=w.device)
@@ -78,20 +91,18 @@ def repack(w: torch.Tensor, ggml_type: int, out: torch.Tensor | None = None,
         rows = rows or slice(0, n)
         total = out.numel() // (nb * bb)
     words, rest = _planes(out, ggml_type, total)
-    words[:, :, rows, :].copy_(src[:, :, : wd * 4].view(n, nb, wd, 4).permute(1, 2, 0, 3))
+    words[:, :, rows, :].copy_(src[:, :, body].view(n, nb, wd, 4).permute(1, 2, 0, 3))
     if tail:
-        rest[:, rows, :].copy_(src[:, :, wd * 4:].permute(1, 0, 2))
+        rest[:, rows, :].copy_(src[:, :, rest_b].permute(1, 0, 2))
     return out
 
 
 def unpack(t: torch.Tensor, ggml_type: int, rows: int) -> torch.Tensor:
     """The T layout back to GGUF rows (uint8 [rows, row_bytes]); for checks."""
-    words, rest = _planes(t, ggml_type, rows)
-    nb, wd = words.shape[0], words.shape[1]
-    parts = [words.permute(2, 0, 1, 3).reshape(rows, nb, wd * 4)]
-    if rest is not None:
-        parts.append(rest.permute(1, 0, 2))
-    return torch.cat(parts, dim=2).reshape(rows, -1).contiguous()
+    words = _planes(t, ggml_type, rows)[0]
+    out = torch.empty(rows, words.shape[0] * BLOCK_BYTES[ggml_type], dtype=torch.uint8,
+                      device=t.device)
+    return unpack_rows(t, ggml_type, rows, 0, rows, out)
 
 
 @triton.jit
@@ -107,6 +118,12 @@ def t_body(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N
     elif TYPE == 23:
         acc = iq4xs_t_dot(wt_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi,
                           BLOCK_N, XV, Q8X, ASM)
+    elif TYPE == 16:
+        acc = iq2xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, NB,
+                           b_lo, b_hi, BLOCK_N, XV, Q8X, ASM)
+    elif TYPE == 21:
+        acc = iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, NB,
+                         b_lo, b_hi, BLOCK_N, XV, Q8X, ASM)
     elif TYPE == 14:
         acc = _q6k_t_dot(wt_ptr, wh_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
                          BLOCK_N, XV, Q8X, ASM)
@@ -385,10 +402,11 @@ def unpack_rows(t: torch.Tensor, ggml_type: int, rows: int, r0: int, r1: int,
     words, rest = _planes(t, ggml_type, rows)
     nb, wd = words.shape[0], words.shape[1]
     bb = BLOCK_BYTES[ggml_type]
+    body, rest_b = _cut(ggml_type)
     o = out[: (r1 - r0) * nb * bb].view(r1 - r0, nb, bb)
-    o[:, :, : wd * 4].view(r1 - r0, nb, wd, 4).copy_(words[:, :, r0:r1, :].permute(2, 0, 1, 3))
+    o[:, :, body].view(r1 - r0, nb, wd, 4).copy_(words[:, :, r0:r1, :].permute(2, 0, 1, 3))
     if rest is not None:
-        o[:, :, wd * 4:].copy_(rest[:, r0:r1, :].permute(1, 0, 2))
+        o[:, :, rest_b].copy_(rest[:, r0:r1, :].permute(1, 0, 2))
     return o.view(r1 - r0, nb * bb)
 
 

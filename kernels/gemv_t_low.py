@@ -25,6 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.gemv_iq import _ksigns, _signed
 from kernels.gemv_t_dot import _dp4a, _ld8, _sc8, _x4
 
 
@@ -290,4 +291,143 @@ def iq4xs_t_dot(wt_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_
             dl = d * (ls - 32).to(tl.float32)
             acc += _iq4_sub(q0, q1, q2, q3, t0, t1, t2, t3, dl, xw, xd_ptr + b * 8 + ib,
                             b * 64 + 8 * ib, x_ptr + b * 256 + 32 * ib, BLOCK_N, XV, Q8X, ASM)
+    return acc
+
+
+# --- the grid types: IQ2_XXS and IQ3_S --------------------------------------------------------
+@triton.jit
+def _grid_dot(w0, w1, xp, xq_ptr, xi, isum, s, W: tl.constexpr, XV: tl.constexpr,
+              Q8X: tl.constexpr, ASM: tl.constexpr):
+    # one signed grid row (W = 8: words w0, w1; W = 4: w0) against x: int8 words xi.. into
+    # isum, or float x at xp into s
+    if Q8X:
+        if W == 8:
+            xa, xb = _x64(xq_ptr, xi)
+            isum = _dp4a(w1, xb, _dp4a(w0, xa, isum, ASM, True), ASM, True)
+        else:
+            isum = _dp4a(w0, tl.load(xq_ptr + xi), isum, ASM, True)
+    else:
+        if XV:
+            xa = tl.load(xp.to(tl.pointer_type(tl.int64)))
+        else:
+            xa = xp
+        for m in tl.static_range(4):
+            s += _sc8(w0, m) * _x4(xa, m, XV)
+        if W == 8:
+            if XV:
+                xb = tl.load((xp + 4).to(tl.pointer_type(tl.int64)))
+            else:
+                xb = xp + 4
+            for m in tl.static_range(4):
+                s += _sc8(w1, m) * _x4(xb, m, XV)
+    return isum, s
+
+
+@triton.jit
+def _iq2xxs_group(aux0, aux1, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
+                  XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
+    # a group of 32 values: 4 grid rows of 8 (index bytes of aux0; 7 sign bits each and the
+    # group's 4-bit scale in aux1)
+    isum = aux0 * 0
+    s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r in tl.static_range(4):
+        gr = tl.load(tab + ((aux0 >> (8 * r)) & 255))  # the row's 8 grid bytes, 1..127
+        sg = _ksigns((aux1 >> (7 * r)) & 127, ASM)
+        isum, s = _grid_dot(_signed(gr.to(tl.int32), sg & 15),
+                            _signed((gr >> 32).to(tl.int32), (sg >> 4) & 15), xp + 8 * r,
+                            xq_ptr, xi + 2 * r, isum, s, 8, XV, Q8X, ASM)
+    db = d * (0.5 + ((aux1 >> 28) & 15).to(tl.float32)) * 0.25
+    if Q8X:
+        return db * tl.load(xd_ptr) * isum.to(tl.float32)
+    return db * s
+
+
+@triton.jit
+def iq2xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
+                 BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr,
+                 ASM: tl.constexpr):
+    # IQ2_XXS: words 0-15 the qs of groups 0-7 (2 a group: 4 index bytes, then the signs and
+    # scale), its f16 d in the tail plane. Half a block (4 groups, 8 words) per step
+    tab = tab_ptr.to(tl.pointer_type(tl.int64))
+    dp = wh_ptr + NB * 32 * N + rows
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for hb in range(2 * b_lo, 2 * b_hi):
+        b = hb // 2
+        n = hb % 2
+        a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(wt_ptr + b * 16 * N + 8 * n * N + rows, N, rmask)
+        d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
+        t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7
+        a0 = a0 + (t & (N >> 31))  # the step's loads issued together
+        for j in tl.static_range(4):  # group 4 n + j
+            if j == 0:
+                u, v = a0, a1
+            elif j == 1:
+                u, v = a2, a3
+            elif j == 2:
+                u, v = a4, a5
+            else:
+                u, v = a6, a7
+            g = 4 * n + j
+            acc += _iq2xxs_group(u, v, tab, d, xq_ptr, xd_ptr + b * 8 + g, b * 64 + 8 * g,
+                                 x_ptr + b * 256 + 32 * g, BLOCK_N, XV, Q8X, ASM)
+    return acc
+
+
+@triton.jit
+def _iq3s_group(q0, q1, qh, sg, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
+                XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
+    # a group of 32 values: 8 grid rows of 4 (index bytes of q0, q1, their 9th bits in the
+    # byte qh, 4 sign bits each in sg), the group's scale nibble sc
+    isum = q0 * 0
+    s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r in tl.static_range(8):
+        if r < 4:
+            q = q0
+        else:
+            q = q1
+        gi = ((q >> (8 * (r % 4))) & 255) | (((qh >> r) & 1) << 8)
+        w = _signed(tl.load(tab + gi), (sg >> (4 * r)) & 15)  # the row's 4 grid bytes
+        isum, s = _grid_dot(w, w, xp + 4 * r, xq_ptr, xi + r, isum, s, 4, XV, Q8X, ASM)
+    db = d * (1 + 2 * sc).to(tl.float32)
+    if Q8X:
+        return db * tl.load(xd_ptr) * isum.to(tl.float32)
+    return db * s
+
+
+@triton.jit
+def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
+               BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
+    # IQ3_S: words 0-15 qs (2 a group), 16-17 qh (a byte a group), 18-25 signs (a word a
+    # group), 26 the scales (a nibble a group); its f16 d in the tail plane. Half a block (4
+    # groups) per step
+    tab = tab_ptr.to(tl.pointer_type(tl.int32))
+    dp = wh_ptr + NB * 54 * N + rows
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for hb in range(2 * b_lo, 2 * b_hi):
+        b = hb // 2
+        n = hb % 2
+        base = wt_ptr + b * 27 * N + rows
+        a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(base + 8 * n * N, N, rmask)
+        qh = tl.load(base + (16 + n) * N, mask=rmask, other=0)
+        s0 = tl.load(base + (18 + 4 * n) * N, mask=rmask, other=0)
+        s1 = tl.load(base + (19 + 4 * n) * N, mask=rmask, other=0)
+        s2 = tl.load(base + (20 + 4 * n) * N, mask=rmask, other=0)
+        s3 = tl.load(base + (21 + 4 * n) * N, mask=rmask, other=0)
+        sc = tl.load(base + 26 * N, mask=rmask, other=0)
+        d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
+        t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ qh ^ s0 ^ s1 ^ s2 ^ s3 ^ sc
+        a0 = a0 + (t & (N >> 31))  # the step's loads issued together
+        for j in tl.static_range(4):  # group 4 n + j
+            if j == 0:
+                u, v, sg = a0, a1, s0
+            elif j == 1:
+                u, v, sg = a2, a3, s1
+            elif j == 2:
+                u, v, sg = a4, a5, s2
+            else:
+                u, v, sg = a6, a7, s3
+            g = 4 * n + j
+            acc += _iq3s_group(u, v, (qh >> (8 * j)) & 255, sg, (sc >> (4 * g)) & 15, tab, d,
+                               xq_ptr, xd_ptr + b * 8 + g, b * 64 + 8 * g,
+                               x_ptr + b * 256 + 32 * g, BLOCK_N, XV, Q8X, ASM)
     return acc

@@ -208,20 +208,25 @@ def test_int8_x_decode_matches_the_cpu_engine(wide, wide_q4k, all_t, monkeypatch
         c.close()
 
 
-def test_q2_k_t_matrices_decode_as_the_cpu_engine(tmp_path, all_t) -> None:
-    # the low-bit types' T bodies (kernels/gemv_t_low.py) through the runner: the Q2_K mix's
-    # gate/up in one T launch on the norm's int8 copy, beside its Q3_K ffn_down and attn_v in
-    # GGUF order (IQ4_XS, the other T body of that module, is slow under the interpreter:
-    # tests/kernels/test_gemv_t.py and test_q8x.py check it)
-    path = str(write_model(tmp_path / "q2_k.gguf", WIDE, "q2_k")[0])
+@pytest.mark.parametrize(("mix", "t_type"), [("q2_k", qt.Q2_K), ("iq2_xxs", qt.IQ2_XXS)])
+def test_low_bit_t_matrices_decode_as_the_cpu_engine(tmp_path, all_t, mix, t_type) -> None:
+    # the low-bit types' T bodies (kernels/gemv_t_low.py) through the runner on decode's int8
+    # copies: the Q2_K mix's gate/up in one T launch beside its Q3_K ffn_down and attn_v in
+    # GGUF order; the IQ2_XXS mix's gate/up, down (the GLU's int8 copy) and q/k/v (IQ2_XXS
+    # q and k beside a Q2_K v). (IQ4_XS's T body is slow under the interpreter:
+    # tests/kernels/test_gemv_t.py and test_q8x.py check it.)
+    path = str(write_model(tmp_path / f"{mix}.gguf", WIDE, mix)[0])
     g = load(plan(path, act_dtype="bf16", logits_rows=12))
     c = Session.load(plan(path, logits_rows=12))
     try:
         (st,) = g.pipe.stages
         assert st.xq is not None
-        assert all(ly.ffn.gate.ggml_type == qt.Q2_K and ly.ffn.gate.t_bytes is not None
+        assert all(ly.ffn.gate.ggml_type == t_type and ly.ffn.gate.t_bytes is not None
                    and ly.ffn.up.t_bytes is not None and ly.ffn.fused == "t_glu"
                    for ly in st.layers)
+        if t_type == qt.IQ2_XXS:
+            assert all(ly.ffn.down.t_bytes is not None and ly.attn.fused == "t3"
+                       for ly in st.layers)
         prompt = ids(12)
         assert rel(g.logits(prompt), c.logits(prompt)) < 3e-2
         assert max(decode_errors(g, c, ids(3, 1))[0]) < 3e-2

@@ -1,8 +1,9 @@
 """The int8-x decode path (kernels/q8x.py): RMSNorm and the GLU epilogue write x's int8 copy
-as the reference quantizes it, and the T-layout GEMVs (Q4_K, Q6_K, Q2_K, IQ4_XS) multiply it
-(dp4a, emulated under the interpreter) to the reference GEMV on the dequantized int8 x. Fresh random inputs each run
-(the seed is printed on failure), errors against the products' magnitudes (reference_check.py),
-outputs and split buffers poisoned with NaN, counters left at zero."""
+as the reference quantizes it, and the T-layout GEMVs (every type of kernels/gemv_t.py WORDS)
+multiply it (dp4a, emulated under the interpreter) to the reference GEMV on the dequantized
+int8 x. Fresh random inputs each run (the seed is printed on failure), errors against the
+products' magnitudes (reference_check.py), outputs and split buffers poisoned with NaN,
+counters left at zero."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_rmsnorm_writes_the_int8_copy(residual, seed):
     _same_q8(bufs, out[0])
 
 
-TYPES = [qt.Q4_K, qt.Q6_K, qt.Q2_K, qt.IQ4_XS]
+TYPES = [qt.Q4_K, qt.Q6_K, qt.Q2_K, qt.IQ4_XS, qt.IQ2_XXS, qt.IQ3_S]
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
@@ -75,7 +76,8 @@ def test_gemv_t_on_int8_x_matches_reference(ggml_type, split, seed):
 
 @pytest.mark.parametrize("ggml_type,paired", [(qt.Q4_K, True), (qt.Q4_K, False),
                                               (qt.Q6_K, False), (qt.Q2_K, False),
-                                              (qt.IQ4_XS, False)])
+                                              (qt.IQ4_XS, False), (qt.IQ2_XXS, False),
+                                              (qt.IQ3_S, False)])
 @pytest.mark.parametrize("split", [True, False])
 def test_glu_on_int8_x_writes_the_int8_copy_of_its_output(ggml_type, paired, split, seed):
     g = generator(seed)
