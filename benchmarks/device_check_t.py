@@ -1,7 +1,7 @@
 """The T-layout decode GEMVs (kernels/gemv_t.py) in ``benchmarks.device_check --types``: for a
 type the runner repacks (``gemv_t.WORDS``), Qwen2-7B ffn_up + ffn_down in the T layout on bf16
-x and on decode's int8 copy of x, at the launch rule's tile (spec/launch.py ``T_CONFIG``) and a
-few others, beside the same matrices' GGUF-order rows that device_check prints before these.
+x and on decode's int8 copy of x, at the launch rule's tiles (spec/launch.py ``T_CONFIG`` and
+``T_CONFIG_LOWBIT``) and a few others, beside the same matrices' GGUF-order rows that device_check prints before these.
 Each line: microseconds for the pair, its byte floor, the error against the reference at the
 best tile. Needs a CUDA GPU (run through device_check).
 """
@@ -17,8 +17,10 @@ from kernels import gemv_t, q8x, quant_matmul
 from spec import launch
 from spec import quant_types as qt
 
-# (rows per program, warps, target programs): the rule's, then fewer or more rows a program
-T_CONFIGS = [launch.T_CONFIG, (64, 2, 2112), (256, 4, 2112), (128, 4, 1056), (128, 4, 4224)]
+# (rows per program, warps, target programs): the rule's two, then more rows a thread or fewer
+# programs
+T_CONFIGS = [launch.T_CONFIG, launch.T_CONFIG_LOWBIT, (256, 2, 2112), (512, 4, 2112),
+             (256, 4, 1056)]
 
 
 def t_rows(t, ws, shapes, g, copy_bw, row, best_cfg) -> None:

@@ -41,7 +41,7 @@ from kernels.glu import glu_act
 from kernels.lowbit_blocks import lookup_table
 from spec import launch
 from spec import quant_types as qt
-from spec.launch import T_CONFIG, T_GLU_CONFIG
+from spec.launch import T_CONFIG
 
 # words (4 bytes) per block that go to the word planes, and tail bytes per block that go to a
 # plane of their own after them (Q6_K's f16 d: its 210-byte block is 52 words and 2 bytes)
@@ -308,6 +308,7 @@ def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
               counter: torch.Tensor, use_pdl: bool):
     """(grid, word view, 16-bit view, x rows, common args, constexprs, warps) of a T GEMV."""
     nb, ptrs = _t_words(wt, ggml_type, rows)
+    config = config or launch.t_config(ggml_type)
     grid, x2, bps, meta, warps = _t_grid([rows], nb, x, config, parts, part, counter, use_pdl)
     return grid, ptrs, x2, (nb, bps), {**meta, "TYPE": ggml_type}, warps
 
@@ -350,7 +351,7 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
     of 32), the input of the next GEMV. ``use_pdl`` as in ``gemv_t``."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-    config = config or T_GLU_CONFIG
+    config = config or launch.t_config(ggml_type, glu=True)
     grid, gp, x2, (nb, bps), meta, warps = _t_launch(gate, ggml_type, rows, x, config, 2, part,
                                                      counter, use_pdl)
     _, up_p, _, _, _, _ = _t_launch(up, ggml_type, rows, x, config, 2, part, counter, use_pdl)

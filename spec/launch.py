@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from spec import quant_types as qt
+
 ATTN_SPLITS = 64  # split-K decode attention: the KV range is cut into at most this many pieces
 
 # (rows per program, warps, programs aimed at) of the T-layout GEMV. With the split sums added
@@ -25,6 +27,19 @@ T_CONFIG = (128, 4, 2112)
 # the gate/up launch: 128 rows per program, each Q4_K step reading both matrices' words (H200:
 # 7B 50.1 -> 47.0 us, 32B 88.6 -> 83.0 us against one matrix after the other at 256 rows)
 T_GLU_CONFIG = (128, 4, 2112)
+# the low-bit types' T bodies (kernels/gemv_t_low.py), alone or as the gate/up pair: two rows a
+# thread share each x value's loads and x-only work (H200, 7B ffn_up + ffn_down, 2026-12-02:
+# 256 rows won the sweep of five configs for Q2_K and IQ4_XS, on bf16 and int8 x)
+T_LOWBIT_TYPES = frozenset({qt.Q2_K, qt.IQ4_XS, qt.IQ2_XXS, qt.IQ3_S})
+T_CONFIG_LOWBIT = (256, 4, 2112)
+
+
+def t_config(ggml_type: int, glu: bool = False) -> tuple[int, int, int]:
+    """The config of a single (or, ``glu``, a gate/up) T launch over matrices of this type;
+    q/k/v's launch is always ``T_CONFIG``."""
+    if ggml_type in T_LOWBIT_TYPES:
+        return T_CONFIG_LOWBIT
+    return T_GLU_CONFIG if glu else T_CONFIG
 
 
 def cdiv(a: int, b: int) -> int:

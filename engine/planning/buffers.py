@@ -77,14 +77,17 @@ def activation_buffers(
     # that split a row's blocks, one row per split, and a counter per row tile (left zero),
     # for the largest of the launches decode can make (spec/launch.py, the same rule)
     kv_k = hp.n_head_kv * hp.head_dim
-    launches = [
-        launch.scratch([f], e, launch.T_GLU_CONFIG, parts=2),  # gate | up
-        launch.scratch([e], f, launch.T_CONFIG),  # ffn_down
-        launch.scratch([e], hp.n_head * hp.head_dim_v, launch.T_CONFIG),  # attn_output
-        launch.scratch([q_width, kv_k, kv_width - kv_k], e, launch.T_CONFIG),  # q, k, v
-    ]
-    if n_vocab_rows > 0:
-        launches.append(launch.scratch([hp.n_vocab], e, launch.T_CONFIG))  # the head
+    # (every config a type's launch may take: spec/launch.py t_config)
+    launches = [launch.scratch([q_width, kv_k, kv_width - kv_k], e, launch.T_CONFIG)]  # q, k, v
+    for glu, one in ((launch.T_GLU_CONFIG, launch.T_CONFIG),
+                     (launch.T_CONFIG_LOWBIT, launch.T_CONFIG_LOWBIT)):
+        launches += [
+            launch.scratch([f], e, glu, parts=2),  # gate | up
+            launch.scratch([e], f, one),  # ffn_down
+            launch.scratch([e], hp.n_head * hp.head_dim_v, one),  # attn_output
+        ]
+        if n_vocab_rows > 0:
+            launches.append(launch.scratch([hp.n_vocab], e, one))  # the head
     part, count = (-(-max(1, *v) // 64) * 64 for v in zip(*launches))  # whole 256-byte lines
     out += [BufferSpec("t_part", (8, part), "f32"), BufferSpec("t_count", (8, count), "i32")]
     # decode's int8 copies of the T GEMVs' inputs (kernels/q8x.py): the normed row (n_embd)
