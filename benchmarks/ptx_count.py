@@ -1,13 +1,16 @@
 """Count the instructions of a decode GEMV's inner loop without a GPU: compile
-``quant_matmul._gemv_kernel`` for sm_90 with the ptxas that ships in the Triton wheel and count
-the PTX of the loop over blocks, per value and by opcode.
+``quant_matmul._gemv_kernel`` (``--t``: the T-layout ``gemv_t._gemv_t_kernel``) for sm_90 with
+the ptxas that ships in the Triton wheel and count the PTX of the loop over blocks (``--sass``:
+the machine code, disassembled by the wheel's nvdisasm), per value and by opcode.
 
-    python -m benchmarks.ptx_count TYPE [--config R,B,W] [--x bf16|f32|int8] [--body row|generic]
+    python -m benchmarks.ptx_count TYPE [--config R,B,W | --t --config ROWS,WARPS]
+        [--x bf16|f32|int8] [--body row|generic] [--sass] [--json]
 
-A GEMV of the low-bit types is instruction-bound long before it is memory-bound, so the count
-per value is the first thing to move when a body changes (kernels/NOTES.md); the time on a GPU
-(`benchmarks.device_check --types`) is the figure that counts. ``--body row`` puts TYPE in
-``quant_matmul.ROW_BODY_TYPES`` (the bodies on trial too), ``generic`` takes it out.
+A GEMV of the low-bit types in GGUF order was instruction-bound long before it was
+memory-bound, then bound by its L1 traffic (kernels/NOTES.md): the count per value is the first
+thing to move when a body changes; the time on a GPU (`benchmarks.device_check --types`) is the
+figure that counts. ``--body row`` puts TYPE in ``quant_matmul.ROW_BODY_TYPES`` (the bodies on
+trial too), ``generic`` takes it out.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 from collections import Counter
 
@@ -26,11 +30,12 @@ from spec import quant_types as qt
 _SKIP = ("//", ".", "{", "}", "$", ")", "ret")
 
 
-def compile_ptx(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
-                body: str | None = None) -> str:
-    """The PTX of the decode GEMV of ``ggml_type`` at tile ``config`` on x of kind ``x``
-    (bf16, f32, or int8: decode's int8 copy) with the row body (``body="row"``), the generic
-    walk (``"generic"``) or whatever the type runs today (None)."""
+def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
+                 body: str | None = None):
+    """The compiled decode GEMV (``.asm["ptx"]``, ``.asm["cubin"]``) of ``ggml_type`` at tile
+    ``config`` on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy) with the row body
+    (``body="row"``), the generic walk (``"generic"``) or whatever the type runs today
+    (None)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -56,8 +61,58 @@ def compile_ptx(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(7)}  # the pointers
     src = ASTSource(fn=qm._gemv_kernel, signature=sig, constexprs=const, attrs=aligned)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    return kernel.asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16"):
+    """The compiled T-layout GEMV of ``ggml_type`` (kernels/gemv_t.py), ``rows`` rows a
+    program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import gemv_t
+
+    sig = {"wt_ptr": "*i32", "wh_ptr": "*fp16", "tab_ptr": "*i8",
+           "x_ptr": "*fp32" if x == "f32" else "*bf16", "xq_ptr": "*i32", "xd_ptr": "*fp32",
+           "xs_ptr": "*fp32", "y_ptr": "*fp32", "b_ptr": "*fp32", "part_ptr": "*fp32",
+           "cnt_ptr": "*i32", "N": "i32", "NB": "i32", "BPS": "i32", "stride_xm": "i32",
+           "stride_ym": "i32"}
+    const = {"BLOCK_N": rows, "SPLIT": 4, "XV": x == "bf16", "HAS_BIAS": False,
+             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": True, "PDL": False}
+    sig.update({k: "constexpr" for k in const})
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(11)}  # the pointers
+    src = ASTSource(fn=gemv_t._gemv_t_kernel, signature=sig, constexprs=const, attrs=aligned)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def sass_counts(cubin: bytes) -> Counter:
+    """Opcodes of the largest basic block of the machine code (nvdisasm of the Triton wheel)."""
+    import tempfile
+
+    import triton
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    blocks: dict[str, Counter] = {}
+    cur = blocks.setdefault("entry", Counter())
+    for line in text.splitlines():
+        m = re.match(r"^\s*(\.L_x_\d+):", line)
+        if m:
+            cur = blocks.setdefault(m.group(1), Counter())
+            continue
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if m:
+            ins = m.group(1).strip()
+            if ins.startswith("@"):  # predicated: count its opcode
+                ins = ins.split(None, 1)[1]
+            cur[ins.split()[0].split(".")[0]] += 1
+    return max(blocks.values(), key=lambda c: sum(c.values()))
 
 
 def loop_counts(ptx: str) -> Counter:
@@ -92,9 +147,12 @@ def values_per_step(ggml_type: int, config: tuple[int, int, int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ptx_count", description=__doc__)
     ap.add_argument("type", help="a GGML type name (IQ2_XXS, Q2_K, ...)")
-    ap.add_argument("--config", default=None, help="rows,blocks,warps (default: the type's)")
+    ap.add_argument("--config", default=None,
+                    help="rows,blocks,warps (--t: rows,warps; default: the type's launch)")
     ap.add_argument("--x", choices=("bf16", "f32", "int8"), default="bf16")
     ap.add_argument("--body", choices=("row", "generic"), default=None)
+    ap.add_argument("--t", action="store_true", help="the T-layout GEMV (kernels/gemv_t.py)")
+    ap.add_argument("--sass", action="store_true", help="count the machine code, not the PTX")
     ap.add_argument("--json", action="store_true", help="one JSON line instead")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -105,21 +163,38 @@ def main(argv: list[str] | None = None) -> int:
     if t is None or t not in qm.GEMV_CONFIG:
         print(f"error: no GPU GEMV for type {args.type!r}", file=sys.stderr)
         return 2
-    cfg = (tuple(int(v) for v in args.config.split(",")) if args.config
-           else tuple(qm.GEMV_CONFIG[t][:3]))
-    if args.x == "int8" and args.body != "row" and t not in qm.ROW_BODY_TYPES:
-        print(f"error: {args.type}'s GEMV reads no int8 x (add --body row for a body on trial)",
-              file=sys.stderr)
-        return 2
-    counts = loop_counts(compile_ptx(t, cfg, args.x, args.body))
-    n, per = sum(counts.values()), values_per_step(t, cfg)
+    if args.t:
+        from kernels import gemv_t
+        from spec import launch
+
+        if t not in gemv_t.WORDS:
+            print(f"error: no T layout for {args.type}", file=sys.stderr)
+            return 2
+        rows, warps = (tuple(int(v) for v in args.config.split(",")) if args.config
+                       else launch.t_config(t)[:2])
+        cfg = (rows, warps)
+        kernel = compile_t(t, rows, warps, args.x)
+        per = rows // (32 * warps) * 128  # half a block of each of its rows a step
+    else:
+        cfg = (tuple(int(v) for v in args.config.split(",")) if args.config
+               else tuple(qm.GEMV_CONFIG[t][:3]))
+        if args.x == "int8" and args.body != "row" and t not in qm.ROW_BODY_TYPES:
+            print(f"error: {args.type}'s GEMV reads no int8 x (add --body row for a body on "
+                  "trial)", file=sys.stderr)
+            return 2
+        kernel = compile_gemv(t, cfg, args.x, args.body)
+        per = values_per_step(t, cfg)
+    counts = sass_counts(kernel.asm["cubin"]) if args.sass else loop_counts(kernel.asm["ptx"])
+    n = sum(counts.values())
+    code = "SASS" if args.sass else "PTX"
     if args.json:
         print(json.dumps({"type": qt.type_name(t), "config": cfg, "x": args.x,
-                          "body": args.body, "loop": n, "per_value": n / per,
-                          "counts": dict(counts)}))
+                          "body": "t" if args.t else args.body, "code": code, "loop": n,
+                          "per_value": n / per, "counts": dict(counts)}))
         return 0
-    print(f"{qt.type_name(t)} tile {cfg} x {args.x} body {args.body or 'default'}: "
-          f"{n} PTX instructions a loop step, {per} values a thread, {n / per:.2f} per value")
+    print(f"{qt.type_name(t)} {'T ' if args.t else ''}tile {cfg} x {args.x} body "
+          f"{'t' if args.t else args.body or 'default'}: {n} {code} instructions a loop step, "
+          f"{per} values a thread, {n / per:.2f} per value")
     print("  " + ", ".join(f"{op} {c}" for op, c in counts.most_common(16)))
     return 0
 

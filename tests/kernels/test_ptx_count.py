@@ -42,11 +42,27 @@ def test_int8_bodies_assemble_with_their_instructions(ggml_type, ops):
     assert row["per_value"] < 0.5 * generic["per_value"], (row, generic)
 
 
+@pytest.mark.parametrize("ggml_type, ops", [
+    (qt.IQ2_XXS, {"IDP", "POPC"}),
+    (qt.IQ4_XS, {"IDP", "PRMT"}),
+], ids=lambda v: qt.type_name(v) if isinstance(v, int) else "")
+def test_t_bodies_assemble_to_dp4a_machine_code(ggml_type, ops):
+    # the T-layout bodies (kernels/gemv_t_low.py) on int8 x, in sm_90 machine code (IDP is
+    # dp4a): fewer instructions per value at two rows a thread than at one (x's loads and
+    # x-only work shared)
+    two = _count(qt.type_name(ggml_type), "--t", "--x", "int8", "--sass", "--config", "256,4")
+    assert ops <= set(two["counts"]), sorted(two["counts"])
+    one = _count(qt.type_name(ggml_type), "--t", "--x", "int8", "--sass", "--config", "128,4")
+    assert two["per_value"] < one["per_value"], (two, one)
+
+
 def test_the_tool_refuses_what_it_cannot_count(capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert ptx_count.main(["Q4_K", "--x", "int8"]) == 2
     assert "reads no int8 x" in capsys.readouterr().err
     assert ptx_count.main(["NOPE"]) == 2
+    assert ptx_count.main(["Q5_0", "--t"]) == 2
+    assert "no T layout for Q5_0" in capsys.readouterr().err
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert ptx_count.main(["IQ2_XXS"]) == 2
     assert "TRITON_INTERPRET" in capsys.readouterr().err
