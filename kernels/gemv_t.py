@@ -4,9 +4,10 @@ neighbouring rows side by side, and every activation value they need is the same
 program.
 
 GGUF stores a matrix row by row, block by block. The T layout keeps every byte and only
-reorders them: the first W words of each block go to word planes, the rest of the block (the
-tail) to a plane after them (Q4_K: 144 bytes = 36 words, no tail; Q6_K: 210 bytes = 52 words
-and its 2-byte d):
+reorders them: W words of each block go to word planes, the rest of the block (the tail) to a
+plane after them (Q4_K: 144 bytes = 36 words, no tail; Q6_K: 210 bytes = 52 words and its
+2-byte d; Q2_K 21 words, IQ4_XS 34, no tail; IQ2_XXS and IQ3_S: the 2-byte d at the block's
+start, then 16 / 27 words):
 
     T[b, u, n] = word u of block b of row n      (word planes [blocks per row, W, rows])
     D[b, n]    = tail of block b of row n        (then the tail plane [blocks per row, rows])
@@ -17,13 +18,15 @@ range is loaded as scalars (the same address in every thread: one broadcast per 
 layout conversion, no shuffle), and each thread keeps its rows' sums in registers to the end.
 Programs that split a row's blocks store their sums in their own row of a float32 ``part``
 buffer; the last one of a row tile to finish (an atomic counter, acq_rel) adds those rows in
-split order (deterministic: spec/launch.py) and writes y. The
-per-step dot products are in kernels/gemv_t_dot.py: x as float, or (``xq=``) its int8 copy
-(kernels/q8x.py) through dp4a; the gate/up launch reads both matrices' Q4_K words in one step.
+split order (deterministic: spec/launch.py) and writes y. The per-step dot products are in
+kernels/gemv_t_dot.py (Q4_K, Q6_K) and kernels/gemv_t_low.py (the low-bit types): x as float,
+or (``xq=``) its int8 copy (kernels/q8x.py) through dp4a; the gate/up launch reads both
+matrices' Q4_K words in one step.
 
 Same results as ``quant_matmul.gemv`` on the GGUF layout (the torch twin is ``gemv_t_ref``).
-Q4_K and Q6_K; on the H200 1.1-1.3x the GGUF-order GEMV for Q4_K matrices of 12 MB and more,
-1.5-2.4x for Q6_K, slower below ~8 MB (bf16 x; kernels/NOTES.md). The GPU runner repacks
+On the H200 1.1-1.3x the GGUF-order GEMV for Q4_K matrices of 12 MB and more, 1.5-2.4x for
+Q6_K, slower below ~8 MB (bf16 x); 2.5x for Q2_K and 1.6x for IQ4_XS on int8 x
+(kernels/NOTES.md). The GPU runner repacks
 its big decode matrices at load time (engine/runtime/gpu/stage.py); prefill reads their
 dequant-cache copies, so nothing dequantizes from this layout except ``unpack_rows``.
 """
@@ -44,7 +47,8 @@ from spec import quant_types as qt
 from spec.launch import T_CONFIG
 
 # words (4 bytes) per block that go to the word planes, and tail bytes per block that go to a
-# plane of their own after them (Q6_K's f16 d: its 210-byte block is 52 words and 2 bytes)
+# plane of their own after them (Q6_K's f16 d: its 210-byte block is 52 words and 2 bytes; the
+# grid IQ types' f16 d, at the start of their blocks: HEAD)
 WORDS = {qt.Q4_K: 36, qt.Q6_K: 52, qt.Q2_K: 21, qt.IQ4_XS: 34, qt.IQ2_XXS: 16, qt.IQ3_S: 27}
 TAIL = {qt.Q4_K: 0, qt.Q6_K: 2, qt.Q2_K: 0, qt.IQ4_XS: 0, qt.IQ2_XXS: 2, qt.IQ3_S: 2}
 BLOCK_BYTES = {qt.Q4_K: 144, qt.Q6_K: 210, qt.Q2_K: 84, qt.IQ4_XS: 136, qt.IQ2_XXS: 66,
@@ -169,14 +173,14 @@ def _t_split_done(prow, acc, rows, rmask, N, cnt, SPLIT: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
-def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, b_ptr, part_ptr,
-                   cnt_ptr, N, NB, BPS, stride_xm, stride_ym, BLOCK_N: tl.constexpr,
+def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, b_ptr,
+                   part_ptr, cnt_ptr, N, NB, BPS, stride_xm, stride_ym, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, XV: tl.constexpr, HAS_BIAS: tl.constexpr,
                    TYPE: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
     pdl.start(PDL)
-    acc = t_body(wt_ptr, wh_ptr, tab_ptr, x_ptr + m * stride_xm, xq_ptr, xd_ptr, xs_ptr, rows, rmask,
-                  N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
+    acc = t_body(wt_ptr, wh_ptr, tab_ptr, x_ptr + m * stride_xm, xq_ptr, xd_ptr, xs_ptr, rows,
+                 rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
     last = True
     if SPLIT > 1:
         last, acc = _t_split_done(part_ptr + m * SPLIT * N, acc, rows, rmask, N,
@@ -188,9 +192,9 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr
 
 
 @triton.jit
-def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr,
-                       oq_ptr, od_ptr, os_ptr, part_ptr, cnt_ptr, N, NB, BPS, stride_xm,
-                       stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, xq_ptr, xd_ptr,
+                       xs_ptr, y_ptr, oq_ptr, od_ptr, os_ptr, part_ptr, cnt_ptr, N, NB, BPS,
+                       stride_xm, stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        XV: tl.constexpr, TYPE: tl.constexpr, GELU: tl.constexpr,
                        PAIR: tl.constexpr, Q8X: tl.constexpr, QOUT: tl.constexpr,
                        ASM: tl.constexpr, PDL: tl.constexpr):
@@ -204,10 +208,10 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
         g, u = q4k_t_dot_half(g_ptr, u_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
                                b_lo, b_hi, BLOCK_N, XV, True, Q8X, ASM)
     else:
-        g = t_body(g_ptr, gh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_lo,
-                    b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
-        u = t_body(u_ptr, uh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_lo,
-                    b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
+        g = t_body(g_ptr, gh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB,
+                   b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
+        u = t_body(u_ptr, uh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB,
+                   b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
     last = True
     if SPLIT > 1:
         prow = part_ptr + m * 2 * SPLIT * N  # [2, SPLIT, N]: gate's splits, then up's
@@ -224,8 +228,8 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
 
 
 @triton.jit
-def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr,
-                    part_ptr, cnt_ptr, N1, N2, N3, NB, BPS, stride_xm, stride_ym,
+def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_ptr, xd_ptr,
+                    xs_ptr, y_ptr, part_ptr, cnt_ptr, N1, N2, N3, NB, BPS, stride_xm, stride_ym,
                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, XV: tl.constexpr,
                     HAS_BIAS: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
                     T3: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
