@@ -1,9 +1,9 @@
 """The T-layout decode GEMVs (kernels/gemv_t.py) in ``benchmarks.device_check --types``: for a
 type the runner repacks (``gemv_t.WORDS``), Qwen2-7B ffn_up + ffn_down in the T layout on bf16
 x and on decode's int8 copy of x, at the launch rule's tiles (spec/launch.py ``T_CONFIG``,
-``T_CONFIG_LOWBIT``) and a few others, beside the same matrices' GGUF-order rows that device_check prints before these.
-Each line: microseconds for the pair, its byte floor, the error against the reference at the
-best tile. Needs a CUDA GPU (run through device_check).
+``T_CONFIG_LOWBIT``) and a few others, beside the same matrices' GGUF-order rows that
+device_check prints before these. Each line: microseconds for the pair, its byte floor, the
+error against the reference at the best tile. Needs a CUDA GPU (run through device_check).
 """
 
 # ruff: noqa: B023
