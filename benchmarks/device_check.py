@@ -31,6 +31,7 @@ from triton.testing import do_bench
 
 from kernels import attention, gemv_t, glu, kv_cache, norm, q8x, quant_matmul, rope
 from kernels.random_blocks import random_weight
+from spec import launch
 from spec import quant_types as qt
 from spec.errors import CarveError
 
@@ -43,6 +44,10 @@ B_CONFIGS = [(4, 32, 4), (8, 16, 4), (4, 16, 2), (8, 32, 8)]
 # the grid IQ types' row body (a lane per group of 32 values: 8 lanes per block); a sweep of
 # ten tiles on an H200 (2026-12-02) put these first, the best at (4, 4, 4) or (8, 8, 4)
 ROW_CONFIGS = [(4, 4, 4), (8, 8, 4), (4, 8, 4), (2, 8, 4), (8, 4, 4)]
+# (rows per program, warps, target programs): the rule's two, then more rows a thread or fewer
+# programs
+T_CONFIGS = [launch.T_CONFIG, launch.T_CONFIG_LOWBIT, (256, 2, 2112), (512, 4, 2112),
+             (256, 4, 1056)]
 ROTATE = 4  # weight copies cycled so that timings are not L2 hits (60 MB of L2)
 
 
@@ -220,6 +225,39 @@ def _trial_rows(name, t, ws, shapes, g, copy_bw, row, best_cfg):
         quant_matmul.ROW_BODY_TYPES = body
 
 
+def _t_rows(t, ws, shapes, g, copy_bw, row, best_cfg) -> None:
+    """The T layout (kernels/gemv_t.py) of the GGUF-order matrices ``ws[shape]`` (ROTATE
+    copies each) on bf16 x and on decode's int8 copy of x, at the launch rule's tiles and a few
+    others: each x kind's best, with its error against the reference."""
+    name = qt.type_name(t)
+    wts = {s: [gemv_t.repack(w, t) for w in ws[s]] for s in shapes}
+    floats = max(launch.scratch([s[0]], s[1], c)[0] for s in shapes for c in T_CONFIGS)
+    part = torch.empty(floats, device="cuda")
+    counter = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    nbytes = sum(w[0].numel() for w in ws.values())
+    for label, int8 in (("bf16 x", False), ("int8 x", True)):
+        xs, xqs = {}, {}
+        for s in shapes:
+            x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
+            xqs[s], xr = q8x.copy_ref(x[0]) if int8 else (None, x.float())
+            xs[s] = (x, xr, torch.full((1, s[0]), float("nan"), device="cuda"))
+        best = None
+        for c in T_CONFIGS:
+            tt = sum(graph_time(lambda i=0, s=s, c=c: gemv_t.gemv_t(
+                wts[s][i % ROTATE], t, s[0], xs[s][0], xs[s][2], part, counter, config=c,
+                xq=xqs[s])) for s in shapes)
+            print(f"  {name} T {label} cfg {c}: {tt * 1e6 / 2:.1f} us per matrix", flush=True)
+            best = min(best or (tt, c), (tt, c))
+        s0 = shapes[0]
+        out = xs[s0][2].fill_(float("nan"))
+        gemv_t.gemv_t(wts[s0][0], t, s0[0], xs[s0][0], out, part, counter, config=best[1],
+                      xq=xqs[s0])
+        err = nerr(out, quant_matmul.gemv_ref(ws[s0][0], t, xs[s0][1]))
+        row(f"gemv {name} up+down M=1 T {label}", best[0], nbytes / copy_bw, err,
+            f"cfg={best[1]} {nbytes / best[0] / 1e9:.0f} GB/s")
+        best_cfg[f"{name} T {label}"] = list(best[1])
+
+
 def _gemv_section(t, args, g, copy_bw, row, best_cfg):
     name = qt.type_name(t)
     shapes = [(18944, 3584), (3584, 18944)]
@@ -264,10 +302,8 @@ def _gemv_section(t, args, g, copy_bw, row, best_cfg):
         _int8_row(name, t, ws, shapes, cfgs, g, copy_bw, row, best_cfg)
     if t in quant_matmul.ROW_BODY_TRIAL:
         _trial_rows(name, t, ws, shapes, g, copy_bw, row, best_cfg)
-    if t in gemv_t.WORDS:  # the T layout the runner repacks these into (device_check_t.py)
-        from benchmarks.device_check_t import t_rows  # it imports this module's helpers
-
-        t_rows(t, ws, shapes, g, copy_bw, row, best_cfg)
+    if t in gemv_t.WORDS:  # the T layout the runner repacks these into
+        _t_rows(t, ws, shapes, g, copy_bw, row, best_cfg)
     # M=4 time with the best config
     s = shapes[0]
     x4 = torch.randn(4, s[1], device="cuda", generator=g).to(torch.bfloat16)
