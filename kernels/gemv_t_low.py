@@ -1,4 +1,5 @@
-"""T-layout step bodies (kernels/gemv_t.py) of the low-bit K and IQ types: Q2_K and IQ4_XS.
+"""T-layout step bodies (kernels/gemv_t.py) of the low-bit K and IQ types: Q2_K, IQ4_XS,
+IQ2_XXS and IQ3_S.
 
 As for Q4_K and Q6_K (kernels/gemv_t_dot.py) each thread owns whole rows, reads the same word
 of neighbouring rows beside its neighbours (one 128-byte line a warp a word), issues a step's
@@ -8,16 +9,21 @@ worked out once per thread, whatever its number of rows.
 
 On decode's int8 copy of x (kernels/q8x.py) the values multiply by ``dp4a``: Q2_K's 2-bit
 values as bytes ``(w >> 2j) & 0x03030303``, IQ4_XS's nibbles turned into their table values
-by byte permutes (``_iq4_values``). On float x (bf16 as 64-bit words of four, or float32 or
-f16 one value a load) Q2_K's values become floats through the mantissa of 1.0 (1 + q/4, the 1
-taken back out with the sum of x) and IQ4_XS's signed table bytes by a convert.
+by byte permutes (``_iq4_values``), IQ2_XXS's and IQ3_S's grid rows gathered from the table
+(one 8- or 4-byte word a row) with their signs put into the bytes as integers
+(kernels/gemv_iq.py ``_signed``). On float x (bf16 as 64-bit words of four, or float32 or f16
+one value a load) Q2_K's values become floats through the mantissa of 1.0 (1 + q/4, the 1
+taken back out with the sum of x) and the others' signed bytes by a convert.
 
-Blocks (GGUF order, the T layout keeps the words of a block; neither type has a tail):
-Q2_K, 84 bytes = 21 words: scales[16] (words 0-3; low nibble a scale, high a min, per 16
-values), qs[64] (words 4-19; values 128n + 32j + l are bits 2j of byte 32n + l), d and dmin
-(word 20). IQ4_XS, 136 bytes = 34 words: d and scales_h (word 0), scales_l (word 1), qs[128]
-(words 2-33; sub-block i: bytes 16i..16i+15, value l in the low nibble of byte l, 16 + l in
-the high one).
+Blocks (GGUF order; the T layout keeps the words of a block): Q2_K, 84 bytes = 21 words:
+scales[16] (words 0-3; low nibble a scale, high a min, per 16 values), qs[64] (words 4-19;
+values 128n + 32j + l are bits 2j of byte 32n + l), d and dmin (word 20). IQ4_XS, 136 bytes =
+34 words: d and scales_h (word 0), scales_l (word 1), qs[128] (words 2-33; sub-block i: bytes
+16i..16i+15, value l in the low nibble of byte l, 16 + l in the high one). IQ2_XXS, 66 bytes:
+d (to the tail plane), then 16 words, two a group of 32 values (4 index bytes; 4 x 7 sign bits
+and a 4-bit scale). IQ3_S, 110 bytes: d (to the tail plane), then 27 words: qs (2 a group, an
+index byte a row of 4), qh (a byte a group, the indices' 9th bits), signs (a word a group, 4
+bits a row), scales (a nibble a group).
 """
 
 from __future__ import annotations
