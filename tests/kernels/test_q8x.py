@@ -104,6 +104,28 @@ def test_glu_on_int8_x_writes_the_int8_copy_of_its_output(ggml_type, paired, spl
     assert not counter.any()
 
 
+def test_an_int8_copy_too_small_for_the_row_is_refused_before_any_launch():
+    # the GEMVs check the copy they are handed against x's row (q8x.usable): too few words or
+    # scales is a ValueError naming the row, never a read past the buffers; two rows of x (or
+    # no copy) read x itself
+    x = torch.randn(1, 512, device=DEVICE)
+    (q, d, s), _ = q8x.copy_ref(x[0])
+    assert q8x.usable((q, d, s), x)
+    assert not q8x.usable((q, d, s), torch.randn(2, 512, device=DEVICE))
+    assert not q8x.usable(None, x)
+    for short in ((q[:64], d, s), (q, d[:8], s), (q, d, s[:15])):
+        with pytest.raises(ValueError, match="too small for a row of 512"):
+            q8x.usable(short, x)
+    w = random_weight(qt.Q2_K, 32, 512, DEVICE, generator(0))
+    part = torch.zeros(2 * 32, device=DEVICE)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    out = torch.full((1, 32), float("nan"), device=DEVICE)
+    with pytest.raises(ValueError, match="too small"):
+        gemv_t.gemv_t(gemv_t.repack(w, qt.Q2_K), qt.Q2_K, 32, x, out, part, counter,
+                      config=(32, 1, 1), xq=(q[:64], d, s))
+    assert torch.isnan(out).all()  # nothing ran
+
+
 def test_int8_x_is_refused_where_it_cannot_go():
     x = torch.randn(2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="int8 copy"):
