@@ -15,9 +15,38 @@ from typing import Any
 from engine.hardware.devices import DeviceSpec
 from engine.planning.buffers import BufferSpec
 from engine.planning.rules import Verdict
+from spec import quant_types as qt
 
 # the arenas a GPU stage allocates in host memory (pinned) rather than on its device
 HOST_PURPOSES = ("host_experts", "host_buffers")
+
+# How a stage holds a host layer's expert tensor whose experts the CPU computes (host_compute
+# "cpu"; engine.runtime.models.cpu_experts): "int4" keeps the 4-bit values with a bf16 (scale,
+# zero) pair per CPU_GROUP values, "bf16" holds each weight dequantized once, "file" keeps the
+# file's blocks (dequantized per routed expert on every product, about ten times slower).
+CPU_GROUP = 32
+CPU_INT4 = (qt.Q4_0, qt.Q4_1, qt.Q4_K)
+CPU_BF16 = (qt.Q5_0, qt.Q5_1, qt.Q5_K, qt.Q6_K, qt.Q8_0, qt.F16, qt.BF16)
+
+
+def cpu_layout(ggml_type: int, rows: int, cols: int) -> str:
+    """The CPU layout of an expert matrix type (rows x cols per expert): "int4", "bf16" or
+    "file". torch's int4 packer takes row counts that are multiples of 16."""
+    if ggml_type in CPU_INT4 and rows % 16 == 0 and cols % CPU_GROUP == 0:
+        return "int4"
+    return "bf16" if ggml_type in CPU_BF16 else "file"
+
+
+def cpu_bytes(name: str, ggml_type: int, shape: tuple[int, ...], nbytes: int) -> int:
+    """Host bytes of expert tensor ``name`` (GGUF shape (cols, rows, n_expert), ``nbytes`` in
+    the file) in its CPU layout; biases stay as the file has them."""
+    if len(shape) != 3 or not name.endswith(".weight"):
+        return nbytes
+    cols, rows, n = shape
+    layout = cpu_layout(ggml_type, rows, cols)
+    if layout == "int4":  # 4 bits a value, then 2 x 16 bits per CPU_GROUP values
+        return n * rows * cols // 2 + n * rows * (cols // CPU_GROUP) * 4
+    return n * rows * cols * 2 if layout == "bf16" else nbytes
 
 
 def host_moe_buffers(hp: Any, chunk: int, act_dtype: str) -> list[BufferSpec]:

@@ -130,6 +130,11 @@ class Plan:
             if counts and self.devices[0].is_cpu:
                 raise CarveError(
                     f"{flag}: a CPU plan keeps every expert in system RAM already; leave it out")
+        if self.host_compute == "cpu" and any(self.expert_slots):
+            raise CarveError(
+                "--expert-slots: the slots feed host experts to the GPU's kernels, and with "
+                "--host-compute cpu the CPU computes them from layouts of its own; leave "
+                "--expert-slots out or use --host-compute gpu")
 
     def resident(self, i: int) -> int:
         """MoE layers of stage i whose experts stay in VRAM (a large number: all)."""

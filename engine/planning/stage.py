@@ -26,11 +26,12 @@ from engine.planning.arena import (
 )
 from engine.planning.buffers import DTYPE_BYTES, activation_buffers
 from engine.planning.carve import ModelIndex, _globals, _prefix, _request, is_expert
-from engine.planning.host import host_moe_buffers
+from engine.planning.host import cpu_bytes, host_moe_buffers
 from engine.planning.layout import Arena
 from engine.planning.plan import ALL_RESIDENT, Plan
 from engine.planning.rules import ArenaKind, ArenaMode, KvType, parse_arena
 from spec.errors import CarveError
+from spec.quant_types import type_id
 
 
 def kv_requests(hp: Any, lo: int, hi: int, ctx: int, kv_type: KvType) -> list[Request]:
@@ -238,13 +239,15 @@ def _host_buffer_specs(idx: ModelIndex, k: StageKey) -> list[Any]:
 
 
 def host_terms(idx: ModelIndex, k: StageKey) -> dict[str, int]:
-    """Pinned host bytes of the stage, by term: the experts of its host layers at their file
-    bytes, and (when it has any) the transfer buffers its CPU compute runs on; {} otherwise."""
+    """Pinned host bytes of the stage, by term: the experts of its host layers (at their file
+    bytes, or in their CPU layouts where the CPU computes them), and (when it has any) the
+    transfer buffers its CPU compute runs on; {} otherwise."""
     cut = host_cut(idx, k)
     if cut >= k.hi:
         return {}
+    raw = idx.host_expert_prefix(k.host_compute == "cpu", aligned=False)
     return {
-        "host_experts": idx.expert_raw_prefix[k.hi] - idx.expert_raw_prefix[cut],
+        "host_experts": raw[k.hi] - raw[cut],
         "host_buffers": sum(b.nbytes for b in _host_buffer_specs(idx, k)),
     }
 
@@ -256,7 +259,8 @@ def host_bytes(idx: ModelIndex, k: StageKey) -> int:
     if cut >= k.hi:
         return 0
     bufs = sum(align_up(b.nbytes) for b in _host_buffer_specs(idx, k))
-    return idx.expert_prefix[k.hi] - idx.expert_prefix[cut] + bufs
+    al = idx.host_expert_prefix(k.host_compute == "cpu", aligned=True)
+    return al[k.hi] - al[cut] + bufs
 
 
 def _host_layer_sizes(idx: ModelIndex, i: int) -> list[int]:
@@ -341,12 +345,16 @@ def arenas(
 
 def host_arenas(idx: ModelIndex, k: StageKey) -> list[Arena]:
     """The stage's pinned host arenas (purposes in layout.HOST_PURPOSES): its host layers'
-    experts at their file bytes, then the CPU compute's transfer buffers (`hbuf.<name>`).
-    Each is one allocation whatever the GPU's arena mode."""
+    experts (at their file bytes, or in their CPU layouts: `host_terms`), then the CPU
+    compute's transfer buffers (`hbuf.<name>`). Each is one allocation whatever the GPU's arena
+    mode."""
     cut = host_cut(idx, k)
     if cut >= k.hi:
         return []
     experts = [r for i in range(cut, k.hi) for r in idx.layer_requests[i] if is_expert(r[0])]
+    if k.host_compute == "cpu":
+        experts = [(name, cpu_bytes(name, type_id(dt), shape, nb), dt, shape)
+                   for name, nb, dt, shape in experts]
     bufs = [(f"hbuf.{b.name}", b.nbytes, b.dtype, b.shape) for b in _host_buffer_specs(idx, k)]
     return [a for a in (packed("host_experts", "host_experts", experts),
                         packed("host_buffers", "host_buffers", bufs)) if a is not None]

@@ -25,6 +25,7 @@ from engine.planning.stage import stage_key, stage_need
 from engine.synth.header import HeaderModel
 from engine.synth.shapes import SHAPES
 from spec.errors import CarveError
+from spec.quant_types import type_name
 
 MIB, GIB = 1 << 20, 1 << 30
 HOST = DeviceSpec(-1, "host", 64 * GIB, 48 * GIB, simulated=True)
@@ -109,10 +110,22 @@ def test_host_layers_leave_vram_and_are_billed_on_the_host(synth_model, arena) -
     assert layout.host is not None and layout.host.stages == tuple(d.host for d in layout.devices)
     assert layout.host.headroom == HOST.free - layout.host.pinned
     assert full.host is None
-    # computed by the CPU: no staging span in VRAM
-    cpu = price(replace(plan, host_compute="cpu"), model)
-    assert [d.terms["expert_cache"] for d in cpu.devices] == [
-        d.terms["expert_cache"] - d.span("expert_stream")[1].nbytes for d in layout.devices]
+    # computed by the CPU: no staging span and no slots in VRAM, and the host experts in the
+    # CPU's layouts (Q4_K: 4 bits a value and a bf16 pair per 32; Q6_K: bf16)
+    cpu = price(replace(plan, host_compute="cpu", expert_slots=()), model)
+    assert [d.terms["expert_cache"] for d in cpu.devices] == [0, 0]
+    for i, d in enumerate(cpu.devices):
+        away = [t for t in model.tensors if is_expert(t.name) and t.layer in host_layers[i]]
+        want = {t.name: t.n_elements * {"Q4_K": 5 / 8, "Q6_K": 2}[type_name(t.ggml_type)]
+                for t in away}
+        assert d.terms["host_experts"] == sum(want.values())
+        held = {s.name: s for a in d.host_arenas for s in a.spans}
+        assert {n: held[n].nbytes for n in want} == want
+        assert d.host == sum(a.nbytes for a in d.host_arenas) == sum(
+            align_up(n) for n in want.values()) + sum(align_up(b.nbytes) for b in chunk_bufs)
+    with pytest.raises(CarveError, match="^--expert-slots: the slots feed host experts to the "
+                       "GPU's kernels, and with --host-compute cpu the CPU computes them"):
+        replace(plan, host_compute="cpu")
     with pytest.raises(CarveError, match="--host-compute: unknown 'tpu'; use gpu or cpu"):
         replace(plan, host_compute="tpu")
     again = Layout.from_json(json.loads(json.dumps(layout.to_json())))

@@ -29,7 +29,7 @@ import torch
 
 from engine.planning.arena import align_up
 from engine.planning.host import HOST_PURPOSES
-from engine.runtime.models import ops
+from engine.runtime.models import cpu_experts, ops
 from spec.errors import CarveError
 
 log = logging.getLogger("carve.engine")
@@ -101,15 +101,43 @@ def check_scales(model: Any, names: list[str], spans: dict[str, torch.Tensor]) -
     damaged file), read by the CPU where it lies (the stage's device scan reads only its own
     memory)."""
     from kernels.scale_scan import first_bad_block
-    from spec import quant_types as qt
 
     for name in names:
         info = model.tensor(name)
         if len(info.shape) >= 2 and first_bad_block(spans[name], info.ggml_type) is not None:
-            raise CarveError(
-                f"{model.paths[info.shard]}: tensor {name} has a block whose "
-                f"{qt.type_name(info.ggml_type)} scale is not finite (inf or NaN): the file is "
-                "damaged; download or convert it again")
+            raise bad_scale(model, name)
+
+
+def bad_scale(model: Any, name: str) -> CarveError:
+    from spec import quant_types as qt
+
+    info = model.tensor(name)
+    return CarveError(
+        f"{model.paths[info.shard]}: tensor {name} has a block whose "
+        f"{qt.type_name(info.ggml_type)} scale is not finite (inf or NaN): the file is "
+        "damaged; download or convert it again")
+
+
+def load_cpu_layouts(model: Any, names: list[str], spans: dict[str, torch.Tensor],
+                     cancelled: Callable[[], bool] | None = None) -> tuple[list[str], int]:
+    """Read the host expert tensors ``names`` whose span holds a CPU layout (its size differs
+    from the file's bytes: host_compute "cpu") from the file into it, checking every block's
+    scale on the way; returns (the other names, to load as they are; file bytes read)."""
+    from kernels.scale_scan import first_bad_block
+
+    plain, done = [], 0
+    for name in names:
+        info = model.tensor(name)
+        if spans[name].numel() == info.nbytes:
+            plain.append(name)
+            continue
+
+        def check(raw: torch.Tensor, info: Any = info, name: str = name) -> None:
+            if first_bad_block(raw, info.ggml_type) is not None:
+                raise bad_scale(model, name)
+
+        done += cpu_experts.load_packed(model, name, spans[name], cancelled, check)
+    return plain, done
 
 
 def host_layers(dl: Any) -> set[int]:
@@ -240,9 +268,15 @@ class HostExperts:
         p = f"blk.{layer}."
         self.hp, self.cuda = hp, False
         scratch = spans["hbuf.dequant"]
-        self.mats = []
+        # the plan prices the staging span exactly when the GPU computes host experts
+        # (engine.planning.stage.stream_bytes): else the CPU does, from its CPU layouts
+        cpu = "expert_stream" not in spans
+        self.mats: list[Any] = []
         for n in ("gate", "up", "down"):
             name = p + f"ffn_{n}_exps.weight"
+            if cpu:
+                self.mats.append(cpu_experts.host_matrix(model, name, spans[name], scratch))
+                continue
             info = model.tensor(name)
             cols, rows, n_expert = (int(d) for d in info.shape)  # GGUF order
             self.mats.append(ops.QExperts(name, spans[name], info.ggml_type, n_expert, rows,

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from engine.planning.carve import is_expert
 from engine.runtime.gpu.host import host_experts, host_layers
 from engine.runtime.gpu.matrices import (
     GEMV_ROWS,
@@ -204,10 +205,12 @@ class GpuStage(MoeLayers, DecodeGraph):
             return
         flag = self.scan_flags[:1]
         flag.zero_()
-        # the host layers' experts are checked by the CPU (engine/runtime/gpu/host.py)
+        # the host layers' experts are checked by the CPU (engine/runtime/gpu/host.py), as
+        # the file has them (their spans may hold the CPU's layouts)
         names = [n for n, t in self.spans.items()
                  if not n.startswith(("buf.", "kv.", "dq.", "hbuf.", "expert_"))
-                 and t.device == self.device]
+                 and t.device == self.device
+                 and not (is_expert(n) and int(n.split(".")[1]) in self.host_layers)]
         for i, name in enumerate(names, 1):
             info = self.model.tensor(name)
             if len(info.shape) >= 2:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,10 @@ class QExperts:
         c = None if self.cached is None else self.cached[e]
         return QWeight(f"{self.name}[{e}]", self.raw[e * per : (e + 1) * per], self.ggml_type,
                        self.rows, self.cols, c, self.scratch)
+
+    def product(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x [n, cols] -> [n, rows]: expert e's matrix times x (`linear`)."""
+        return linear(x, self.expert(e))
 
 
 FALLBACK_SCRATCH = 1 << 22  # elements
@@ -307,9 +312,9 @@ def experts(
     x: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor,
-    gate: QExperts,
-    up: QExperts,
-    down: QExperts,
+    gate: Any,
+    up: Any,
+    down: Any,
     act: str,
     limit: float = 0.0,
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -317,7 +322,9 @@ def experts(
     """The routed experts' FFN: sum over each token's k experts e of
     weights[t, j] * down_e(glu(gate_e x_t, up_e x_t)) -> [T, n_embd] in x's dtype.
     x [T, n_embd], ids/weights [T, k]. Tokens are grouped by expert, so each chosen expert's
-    slices are read (and dequantized) once per call and no other expert is touched.
+    slices are read (and dequantized) once per call and no other expert is touched. The
+    matrices are `QExperts` or anything with its ``n_expert`` and ``product(e, x)``
+    (`cpu_experts.PackedExperts`, host experts in a CPU layout).
     ``limit`` > 0 takes gpt-oss's clamped SwiGLU; ``biases`` (gate, up, down) [E, rows] are
     added to each expert's products (gpt-oss)."""
     t, k = ids.shape
@@ -334,11 +341,11 @@ def experts(
         start += n
         rows = slots // k  # the tokens routed to e
         xe = x[rows]
-        g, u = linear(xe, gate.expert(e)).float(), linear(xe, up.expert(e)).float()
+        g, u = gate.product(e, xe).float(), up.product(e, xe).float()
         if biases is not None:
             g, u = g + biases[0][e], u + biases[1][e]
         h = glu_clamped(g, u, limit) if limit else glu(g, u, act)
-        y = linear(h.to(x.dtype), down.expert(e)).float()
+        y = down.product(e, h.to(x.dtype)).float()
         if biases is not None:
             y = y + biases[2][e]
         out.index_add_(0, rows, y * w[slots].unsqueeze(1))

@@ -1,0 +1,128 @@
+"""The CPU's share of a decode step whose experts live in host memory (host_compute "cpu"):
+one token's routed experts of a MoE layer, computed on this machine's cores from the file's
+blocks (dequantized per routed expert, the CPU engine's way) and from the CPU layouts
+(engine/runtime/models/cpu_experts.py), beside a plain read of the same bytes.
+
+    python -m benchmarks.bench_host_experts [--shape qwen3moe-30b-a3b] [--layers 4]
+        [--tokens 64] [--down q4_k,q6_k] [--threads N]
+
+Each layer is built from random well-formed blocks at the shape's expert sizes (gate and up
+Q4_K, down each type of ``--down``, as llama.cpp's Q4_K_M rule gives half the layers each);
+every token routes to ``n_expert_used`` random experts of the next layer in turn, so the
+bytes come from memory, not cache. Prints, per layout: milliseconds per layer and token, the
+bytes a token's experts occupy in that layout, their rate in GB/s and that rate over the
+machine's read rate of a buffer larger than its caches (measured in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from engine.planning.host import cpu_bytes, cpu_layout
+from engine.runtime.models import ops
+from engine.runtime.models.cpu_experts import PackedExperts
+from engine.synth.shapes import SHAPES
+from kernels.random_blocks import random_weight
+from spec import quant_types as qt
+
+
+def _layer(shape, down_type: int, gen: torch.Generator) -> dict[str, list]:
+    """One layer's gate, up and down expert tensors: file bytes and CPU layouts."""
+    e, d, f = shape.n_expert, shape.n_embd, shape.n_ff_exp
+    out: dict[str, list] = {"file": [], "cpu": []}
+    for name, t, rows, cols in (("gate", qt.Q4_K, f, d), ("up", qt.Q4_K, f, d),
+                                ("down", down_type, d, f)):
+        raw = torch.cat([random_weight(t, rows, cols, generator=gen).reshape(-1)
+                         for _ in range(e)])
+        out["file"].append(ops.QExperts(name, raw, t, e, rows, cols, None,
+                                        torch.empty(rows * cols)))
+        span = torch.empty(cpu_bytes(f"blk.0.ffn_{name}_exps.weight", t, (cols, rows, e),
+                                     raw.numel()), dtype=torch.uint8)
+        if cpu_layout(t, rows, cols) == "file":
+            out["cpu"].append(out["file"][-1])
+            continue
+        m = PackedExperts(name, cpu_layout(t, rows, cols), e, rows, cols, span)
+        m.fill(raw, t, 0)
+        out["cpu"].append(m)
+    return out
+
+
+def _bytes(m, k: int) -> int:
+    """Bytes k experts of matrix m occupy in its layout."""
+    if isinstance(m, ops.QExperts):
+        return m.raw.numel() // m.n_expert * k
+    return m.span.numel() // m.n_expert * k
+
+
+def read_rate(nbytes: int = 1 << 30, runs: int = 3) -> float:
+    """GB/s of a sum over a buffer larger than the caches (the memory's read rate)."""
+    buf = torch.ones(nbytes // 8, dtype=torch.int64)
+    buf.sum()
+    t = time.perf_counter()
+    for _ in range(runs):
+        buf.sum()
+    return nbytes * runs / (time.perf_counter() - t) / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_host_experts",
+                                 description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3moe-30b-a3b", help="a MoE shape of carve gen")
+    ap.add_argument("--layers", type=int, default=4, help="layers to rotate through per down "
+                    "type (their experts must not fit in the caches)")
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens timed per layout")
+    ap.add_argument("--down", default="q4_k,q6_k", help="down-projection types, comma-separated")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args(argv)
+    shape = SHAPES[args.shape]
+    if shape.n_expert <= 1:
+        raise SystemExit(f"--shape {args.shape} has no routed experts")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    k, d = shape.n_expert_used, shape.n_embd
+    rate = read_rate()
+    print(f"{args.shape}: {shape.n_expert} experts of {shape.n_ff_exp} x {d}, {k} per token; "
+          f"{torch.get_num_threads()} threads; memory read {rate:.1f} GB/s")
+    print(f"{'down':<6} {'layout':<22} {'ms/layer':>9} {'MB/token':>9} {'GB/s':>7} "
+          f"{'of read':>8} {'rel err':>8}")
+    for name in args.down.split(","):
+        down = qt.type_id(name.strip().upper())
+        layers = [_layer(shape, down, gen) for _ in range(args.layers)]
+        xs = torch.randn(args.tokens, 1, d, generator=gen)
+        ids = [torch.randperm(shape.n_expert, generator=gen)[:k].view(1, k)
+               for _ in range(args.tokens)]
+        w = torch.softmax(torch.randn(args.tokens, 1, k, generator=gen), -1)
+        ref = []
+        for how in ("file", "cpu"):
+            def step(i: int, how: str = how) -> torch.Tensor:
+                g, u, dn = layers[i % len(layers)][how]
+                return ops.experts(xs[i], ids[i], w[i], g, u, dn, "silu")
+
+            step(0)
+            outs = []
+            t = time.perf_counter()
+            for i in range(args.tokens):
+                outs.append(step(i))
+            ms = (time.perf_counter() - t) / args.tokens * 1e3
+            nb = sum(_bytes(m, k) for m in layers[0][how])
+            if how == "file":
+                ref = outs
+                err = 0.0
+            else:
+                err = max(((a - b).norm() / b.norm()).item()
+                          for a, b in zip(outs, ref, strict=True))
+            label = "file blocks" if how == "file" else "CPU layouts (" + "/".join(
+                getattr(m, "layout", "file") for m in layers[0][how]) + ")"
+            gbs = nb / ms / 1e6
+            print(f"{name:<6} {label:<22} {ms:9.3f} {nb / 1e6:9.2f} {gbs:7.1f} "
+                  f"{gbs / rate:8.2f} {err:8.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
