@@ -21,6 +21,7 @@ import sys
 from typing import Any, NoReturn
 
 from engine.planning.layout import Layout, human
+from engine.planning.plan import HOST_COMPUTE
 from engine.planning.rules import (
     CACHE_RESERVE,
     DEFAULT_CTX,
@@ -104,9 +105,10 @@ def add_expert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host-compute",
         default="gpu",
-        choices=("gpu", "cpu"),
+        choices=HOST_COMPUTE,
         help="where experts in host memory run: gpu (copied over PCIe through a staging span "
-        "of one layer's experts) or cpu (computed in host memory)",
+        "of one layer's experts), cpu (computed in host memory, from the CPU's own layouts) or "
+        "both (the CPU decodes, prefill copies them to the GPU; host memory holds both forms)",
     )
 
 
@@ -271,6 +273,13 @@ def render(layout: Layout, model: Any, note: str) -> str:
     return "\n".join(lines)
 
 
+# how a placement line says where host experts run (Plan.host_compute)
+HOST_RUN = {"gpu": "copied to the GPU over PCIe when routed",
+            "cpu": "computed by the CPU, in its own layouts",
+            "both": "computed by the CPU for decode (in its own layouts, beside the file's "
+                    "bytes), copied to the GPU for prefill"}
+
+
 def host_lines(layout: Layout, model: Any) -> list[str]:
     """Where each GPU keeps its experts, and the host line: Carve's pinned bytes against the
     host's available RAM, with its verdict and, when it does not fit, why."""
@@ -290,8 +299,7 @@ def host_lines(layout: Layout, model: Any) -> list[str]:
             f"{d.device.label}: experts of {kept} of its {moe} MoE layers in VRAM (its first), "
             f"{moe - kept} in host memory ({human(d.terms.get('host_experts', 0))}, and "
             f"{human(d.terms.get('host_buffers', 0))} of transfer buffers), "
-            + ("computed by the CPU" if plan.host_compute == "cpu"
-               else "copied to the GPU over PCIe when routed")
+            + HOST_RUN[plan.host_compute]
         )
     dev = host.device
     avail = "stated" if dev.simulated else "available now"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.models.events import Events
+from engine.planning.plan import HOST_COMPUTE
 from engine.planning.rules import (
     CACHE_RESERVE,
     DEFAULT_CTX,
@@ -63,6 +64,9 @@ class PlanModel:
         # VRAM (None: Auto, engine.planning.defaults.place_experts), and expert-cache slots
         self.experts_resident: tuple[int, ...] | None = None
         self.expert_slots = 0
+        # where host-memory experts run (Plan.host_compute): "gpu" copies the routed ones in
+        # over PCIe, "cpu" computes them where they lie (no expert-cache slots then)
+        self.host_compute = "gpu"
         # which devices a new model or rig runs on (engine.planning.split's `prefer`): "auto"
         # keeps a model that fits on one GPU on one; "spread" (one click away) uses them all
         self.prefer = "auto"
@@ -266,6 +270,13 @@ class PlanModel:
             self.expert_slots = max(0, int(n))
             self._settings_changed()
 
+    def set_host_compute(self, where: str) -> None:
+        if where not in HOST_COMPUTE:
+            raise CarveError(f"host compute: unknown {where!r}; use gpu or cpu")
+        if where != self.host_compute:
+            self.host_compute = where
+            self._settings_changed()
+
     def _settings_changed(self) -> None:
         self.events.settings.emit()
         self.reprice()
@@ -290,7 +301,10 @@ class PlanModel:
             "prefill_chunk": self.prefill_chunk,
             "cache_reserve": self.cache_reserve,
             "arena": self.arena,
-            "expert_slots": (self.expert_slots,) if self.expert_slots else (),
+            # the slots feed the GPU's kernels: a plan whose CPU computes host experts has none
+            "expert_slots": (self.expert_slots,) if self.expert_slots
+            and self.host_compute == "gpu" else (),
+            "host_compute": self.host_compute,
         }
         resident = self.experts_resident
         if resident is not None and len(resident) == len(devices):  # else: Auto
@@ -391,6 +405,7 @@ class PlanModel:
             "experts_resident": None if self.experts_resident is None
             else list(self.experts_resident),
             "expert_slots": self.expert_slots,
+            "host_compute": self.host_compute,
         }
 
     def apply_settings(self, data: dict[str, Any]) -> None:
@@ -412,6 +427,8 @@ class PlanModel:
             resident = data.get("experts_resident")
             self.set_experts_resident(None if resident is None else tuple(resident))
             self.set_expert_slots(int(data.get("expert_slots", 0)))
+            if data.get("host_compute") in HOST_COMPUTE:
+                self.set_host_compute(data["host_compute"])
             excluded = frozenset(int(i) for i in data.get("excluded", ()))
             in_range = all(0 <= i < len(self.devices) for i in excluded)
             if excluded != self.excluded and in_range and len(excluded) < len(self.devices):

@@ -1,5 +1,6 @@
 """Launch settings: context, KV type, dequant-cache reserve, arena mode, prefill chunk, and for
-mixture-of-experts models the experts kept in VRAM per GPU and the expert-cache slots.
+mixture-of-experts models the experts kept in VRAM per GPU, where the others run (copied to the
+GPU, or computed by the CPU) and the expert-cache slots.
 
 Every control writes to ``PlanModel`` at once (which re-prices); the model's ``settings`` event
 writes the values back, so presets and one-click fixes show up here too.
@@ -24,6 +25,10 @@ from app.models.plan_model import PlanModel
 from engine.planning.plan import parse_counts
 from engine.planning.rules import MIB, MIN_CTX, ArenaKind, ArenaMode, KvType, parse_arena
 from spec.errors import CarveError
+
+# the host-compute choices: (shown, Plan.host_compute)
+HOST_CHOICES = (("GPU (copied in when routed)", "gpu"), ("CPU (where they lie)", "cpu"),
+                ("Both (CPU decodes, GPU prefills)", "both"))
 
 
 class LaunchSettings(QWidget):
@@ -82,6 +87,15 @@ class LaunchSettings(QWidget):
             "Per GPU, how many of its MoE layers keep their experts in VRAM (its first ones), "
             "e.g. 24,48; the rest stay in pinned host memory. auto: all when they fit, else "
             "the most that fit")
+        self.host_combo = QComboBox()
+        for text, where in HOST_CHOICES:
+            self.host_combo.addItem(text, where)
+        self.host_combo.setToolTip(
+            "Experts kept in host memory: copied to the GPU over PCIe when routed (prefill "
+            "moves whole layers fast), computed by this machine's CPU where they lie (decode "
+            "moves no experts over PCIe; they are held in the CPU's own layouts, which can take "
+            "more host RAM than the file), or both: the CPU decodes and prefill copies them to "
+            "the GPU (host memory holds both forms)")
         self.slots_spin = QSpinBox()
         self.slots_spin.setRange(0, 1 << 16)
         self.slots_spin.setToolTip("VRAM expert-cache slots per GPU, one expert each, filled "
@@ -96,7 +110,8 @@ class LaunchSettings(QWidget):
         form.addRow("Arena", arena_row)
         form.addRow("", self.waste)
         form.addRow("Prefill chunk", self.prefill_spin)
-        self._moe_rows = [("Experts in VRAM", self.resident_edit), ("Expert slots", self.slots_spin)]
+        self._moe_rows = [("Experts in VRAM", self.resident_edit),
+                          ("Host experts on", self.host_combo), ("Expert slots", self.slots_spin)]
         for label, w in self._moe_rows:
             form.addRow(label, w)
         self._form = form
@@ -117,6 +132,8 @@ class LaunchSettings(QWidget):
         self.prefill_spin.valueChanged.connect(lambda v: self._write(self.model.set_prefill_chunk, v))
         self.resident_edit.editingFinished.connect(self._write_resident)
         self.slots_spin.valueChanged.connect(lambda v: self._write(self.model.set_expert_slots, v))
+        self.host_combo.currentIndexChanged.connect(
+            lambda i: self._write(self.model.set_host_compute, self.host_combo.itemData(i)))
 
         model.events.settings.connect(self._on_settings)
         model.events.model.connect(lambda *_: self._on_settings())
@@ -163,6 +180,9 @@ class LaunchSettings(QWidget):
             r = m.experts_resident
             self.resident_edit.setText("" if r is None else ",".join(map(str, r)))
             self.slots_spin.setValue(m.expert_slots)
+            self.host_combo.setCurrentIndex(self.host_combo.findData(m.host_compute))
+            # the slots feed the GPU's kernels: none when the CPU computes host experts
+            self.slots_spin.setEnabled(m.host_compute == "gpu")
             moe = bool(getattr(m.hparams, "n_expert", 0))
             for _, w in self._moe_rows:  # mixture-of-experts models only
                 self._form.setRowVisible(w, moe)

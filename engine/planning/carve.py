@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.planning.arena import Request, align_up
-from engine.planning.host import cpu_bytes
 from spec.errors import CarveError
 from spec.quant_types import type_name
 
@@ -78,17 +77,6 @@ class ModelIndex:
     # per layer: bytes of one expert slot, its gate, up and down slices (and biases) each
     # 256-byte aligned; 0 for a dense layer
     expert_slot: tuple[int, ...] = ()
-    # exact and aligned expert-tensor bytes of layers [0, i) in the layout the CPU computes
-    # them from (host_compute "cpu": engine.planning.host.cpu_bytes)
-    cpu_expert_raw_prefix: tuple[int, ...] = (0,)
-    cpu_expert_prefix: tuple[int, ...] = (0,)
-
-    def host_expert_prefix(self, cpu: bool, aligned: bool) -> tuple[int, ...]:
-        """Expert bytes of layers [0, i) as host memory holds them: the file's, or (``cpu``)
-        the CPU layouts'; each tensor 256-byte aligned where ``aligned``."""
-        if cpu:
-            return self.cpu_expert_prefix if aligned else self.cpu_expert_raw_prefix
-        return self.expert_prefix if aligned else self.expert_raw_prefix
 
     def moe_layers(self, lo: int, hi: int) -> list[int]:
         """The layers of [lo, hi) that hold routed experts, in order."""
@@ -104,10 +92,6 @@ class ModelIndex:
 def _request(t: Any) -> Request:
     # raw GGUF bytes; shape in GGUF order (ne0 first), dtype the GGUF type name
     return (t.name, t.nbytes, type_name(t.ggml_type), tuple(t.shape))
-
-
-def _cpu_bytes(t: Any) -> int:
-    return cpu_bytes(t.name, t.ggml_type, tuple(int(d) for d in t.shape), t.nbytes)
 
 
 def _prefix(values: list[int]) -> tuple[int, ...]:
@@ -214,8 +198,6 @@ def model_index(model: Any) -> ModelIndex:
         _prefix([sum(align_up(t.nbytes) for t in ts if is_expert(t.name)) for ts in per]),
         _prefix([int(any(is_expert(t.name) for t in ts)) for ts in per]),
         tuple(_slot_bytes(ts, getattr(hp, "n_expert", 0)) for ts in per),
-        _prefix([sum(_cpu_bytes(t) for t in ts if is_expert(t.name)) for ts in per]),
-        _prefix([sum(align_up(_cpu_bytes(t)) for t in ts if is_expert(t.name)) for ts in per]),
     )
     try:
         setattr(model, _ATTR, idx)

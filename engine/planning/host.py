@@ -25,6 +25,8 @@ HOST_PURPOSES = ("host_experts", "host_buffers")
 # zero) pair per CPU_GROUP values, "bf16" holds each weight dequantized once, "file" keeps the
 # file's blocks (dequantized per routed expert on every product, about ten times slower).
 CPU_GROUP = 32
+# host_compute "both": the span of an expert tensor's CPU layout, beside the file's bytes
+CPU_PREFIX = "cpu."
 CPU_INT4 = (qt.Q4_0, qt.Q4_1, qt.Q4_K)
 CPU_BF16 = (qt.Q5_0, qt.Q5_1, qt.Q5_K, qt.Q6_K, qt.Q8_0, qt.F16, qt.BF16)
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 ACT_DTYPES = ("f32", "bf16", "f16")
 MAX_DEVICES = 8
 ALL_RESIDENT = 1 << 30  # "every MoE layer of the stage keeps its experts in VRAM"
-HOST_COMPUTE = ("gpu", "cpu")
+HOST_COMPUTE = ("gpu", "cpu", "both")
 
 
 def _per_device(flag: str, counts: Any, n: int) -> tuple[int, ...]:
@@ -76,8 +76,9 @@ class Plan:
     # was made; a simulated rig's stated RAM); None: read live when the plan is priced
     host: DeviceSpec | None = None
     # where a host layer's experts run: "gpu" (copied over PCIe into VRAM: the chosen experts
-    # in decode, the whole layer in prefill, through a priced staging span) or "cpu" (the CPU
-    # computes them in place; nothing more in VRAM)
+    # in decode, the whole layer in prefill, through a priced staging span), "cpu" (the CPU
+    # computes them in place, from its own layouts; nothing more in VRAM) or "both" (the CPU
+    # decodes from its layouts, prefill copies the file's bytes in: host memory holds both)
     host_compute: str = "gpu"
     # the model's files as they were when the plan was made (engine.gguf.reader.FileStamp, one
     # per shard): the engine refuses a plan whose file changed since (`check_identity`); ()
@@ -122,7 +123,8 @@ class Plan:
             )
         parse_arena(self.arena)  # raises CarveError naming --arena
         if self.host_compute not in HOST_COMPUTE:
-            raise CarveError(f"--host-compute: unknown {self.host_compute!r}; use gpu or cpu")
+            raise CarveError(
+                f"--host-compute: unknown {self.host_compute!r}; use gpu, cpu or both")
         for flag, name in (("--experts-resident", "experts_resident"),
                            ("--expert-slots", "expert_slots")):
             counts = _per_device(flag, getattr(self, name), n)
@@ -130,11 +132,11 @@ class Plan:
             if counts and self.devices[0].is_cpu:
                 raise CarveError(
                     f"{flag}: a CPU plan keeps every expert in system RAM already; leave it out")
-        if self.host_compute == "cpu" and any(self.expert_slots):
+        if self.host_compute != "gpu" and any(self.expert_slots):
             raise CarveError(
-                "--expert-slots: the slots feed host experts to the GPU's kernels, and with "
-                "--host-compute cpu the CPU computes them from layouts of its own; leave "
-                "--expert-slots out or use --host-compute gpu")
+                "--expert-slots: the slots feed decode's host experts to the GPU's kernels, and "
+                f"with --host-compute {self.host_compute} the CPU computes them from layouts of "
+                "its own; leave --expert-slots out or use --host-compute gpu")
 
     def resident(self, i: int) -> int:
         """MoE layers of stage i whose experts stay in VRAM (a large number: all)."""

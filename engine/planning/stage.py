@@ -26,7 +26,7 @@ from engine.planning.arena import (
 )
 from engine.planning.buffers import DTYPE_BYTES, activation_buffers
 from engine.planning.carve import ModelIndex, _globals, _prefix, _request, is_expert
-from engine.planning.host import cpu_bytes, host_moe_buffers
+from engine.planning.host import CPU_PREFIX, cpu_bytes, host_moe_buffers
 from engine.planning.layout import Arena
 from engine.planning.plan import ALL_RESIDENT, Plan
 from engine.planning.rules import ArenaKind, ArenaMode, KvType, parse_arena
@@ -211,7 +211,7 @@ def slot_bytes(idx: ModelIndex, k: StageKey) -> int:
 def stream_bytes(idx: ModelIndex, k: StageKey) -> int:
     """The staging span through which a stage whose host layers' experts run on the GPU copies
     them in: the largest host layer's expert tensors, each 256-byte aligned; 0 when none."""
-    if k.host_compute != "gpu":
+    if k.host_compute == "cpu":
         return 0
     cut = host_cut(idx, k)
     # the expert tensors with their biases (gpt-oss), each aligned as the Stream places them
@@ -238,16 +238,39 @@ def _host_buffer_specs(idx: ModelIndex, k: StageKey) -> list[Any]:
     )
 
 
-def host_terms(idx: ModelIndex, k: StageKey) -> dict[str, int]:
-    """Pinned host bytes of the stage, by term: the experts of its host layers (at their file
-    bytes, or in their CPU layouts where the CPU computes them), and (when it has any) the
-    transfer buffers its CPU compute runs on; {} otherwise."""
+def host_expert_requests(idx: ModelIndex, k: StageKey) -> list[Request]:
+    """The host layers' expert spans of a stage, in file order: where the GPU computes them
+    (host_compute "gpu"), the file's bytes (what the GPU's kernels read); where the CPU does
+    ("cpu"), each in its CPU layout (`host.cpu_bytes`; the file's bytes where there is none);
+    "both": the file's bytes, and beside each that has a CPU layout a span "cpu.<name>"."""
     cut = host_cut(idx, k)
-    if cut >= k.hi:
+
+    def build() -> list[Request]:
+        out = []
+        for i in range(cut, k.hi):
+            for name, nb, dt, shape in idx.layer_requests[i]:
+                if not is_expert(name):
+                    continue
+                cpu = cpu_bytes(name, type_id(dt), shape, nb)
+                if k.host_compute == "cpu" or k.host_compute == "both" and cpu == nb:
+                    out.append((name, cpu, dt, shape))  # (the file's bytes when cpu == nb)
+                    continue
+                out.append((name, nb, dt, shape))
+                if k.host_compute == "both" and cpu != nb:
+                    out.append((CPU_PREFIX + name, cpu, dt, shape))
+        return out
+
+    return _memo((idx.token, "hostreq", cut, k.hi, k.host_compute), build)
+
+
+def host_terms(idx: ModelIndex, k: StageKey) -> dict[str, int]:
+    """Pinned host bytes of the stage, by term: the experts of its host layers
+    (`host_expert_requests`), and (when it has any) the transfer buffers its CPU compute runs
+    on; {} otherwise."""
+    if host_cut(idx, k) >= k.hi:
         return {}
-    raw = idx.host_expert_prefix(k.host_compute == "cpu", aligned=False)
     return {
-        "host_experts": raw[k.hi] - raw[cut],
+        "host_experts": sum(r[1] for r in host_expert_requests(idx, k)),
         "host_buffers": sum(b.nbytes for b in _host_buffer_specs(idx, k)),
     }
 
@@ -255,12 +278,10 @@ def host_terms(idx: ModelIndex, k: StageKey) -> dict[str, int]:
 def host_bytes(idx: ModelIndex, k: StageKey) -> int:
     """What the stage pins in host memory: its host arenas (each one allocation, 256-byte
     aligned spans, like a packed GPU arena)."""
-    cut = host_cut(idx, k)
-    if cut >= k.hi:
+    if host_cut(idx, k) >= k.hi:
         return 0
     bufs = sum(align_up(b.nbytes) for b in _host_buffer_specs(idx, k))
-    al = idx.host_expert_prefix(k.host_compute == "cpu", aligned=True)
-    return al[k.hi] - al[cut] + bufs
+    return sum(align_up(r[1]) for r in host_expert_requests(idx, k)) + bufs
 
 
 def _host_layer_sizes(idx: ModelIndex, i: int) -> list[int]:
@@ -345,16 +366,12 @@ def arenas(
 
 def host_arenas(idx: ModelIndex, k: StageKey) -> list[Arena]:
     """The stage's pinned host arenas (purposes in layout.HOST_PURPOSES): its host layers'
-    experts (at their file bytes, or in their CPU layouts: `host_terms`), then the CPU
-    compute's transfer buffers (`hbuf.<name>`). Each is one allocation whatever the GPU's arena
-    mode."""
+    experts (`host_expert_requests`), then the CPU compute's transfer buffers (`hbuf.<name>`).
+    Each is one allocation whatever the GPU's arena mode."""
     cut = host_cut(idx, k)
     if cut >= k.hi:
         return []
-    experts = [r for i in range(cut, k.hi) for r in idx.layer_requests[i] if is_expert(r[0])]
-    if k.host_compute == "cpu":
-        experts = [(name, cpu_bytes(name, type_id(dt), shape, nb), dt, shape)
-                   for name, nb, dt, shape in experts]
+    experts = host_expert_requests(idx, k)
     bufs = [(f"hbuf.{b.name}", b.nbytes, b.dtype, b.shape) for b in _host_buffer_specs(idx, k)]
     return [a for a in (packed("host_experts", "host_experts", experts),
                         packed("host_buffers", "host_buffers", bufs)) if a is not None]

@@ -212,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto, or per GPU the MoE layers whose experts stay in VRAM (the rest "
                          "in pinned host memory); default: all in VRAM")
     ap.add_argument("--expert-slots", default="", help="VRAM expert-cache slots per GPU")
-    ap.add_argument("--host-compute", default="gpu", choices=("gpu", "cpu"),
-                    help="where experts in host memory run: copied to the GPU, or on the CPU")
+    ap.add_argument("--host-compute", default="gpu", choices=("gpu", "cpu", "both"),
+                    help="where experts in host memory run: copied to the GPU, on the CPU, or "
+                         "both (the CPU decodes, the GPU prefills)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     try:

@@ -13,6 +13,8 @@ from app.widgets.launch_settings import LaunchSettings
 from engine.gguf.hparams import HParams
 from engine.hardware import devices
 from engine.hardware.devices import DeviceSpec
+from engine.planning.carve import is_expert
+from engine.planning.host import cpu_bytes
 from engine.planning.rules import Verdict
 from engine.synth.header import HeaderModel
 from engine.synth.shapes import SHAPES
@@ -108,3 +110,45 @@ def test_the_bars_show_a_host_row_of_pinned_experts(qtbot, plan) -> None:
     board.set_launched(None)
     board.set_plan(None)  # nothing planned: no host row
     assert HOST_KEY not in [r.key for r in board.rows]
+
+
+def test_host_experts_computed_by_the_cpu_from_the_window(qtbot, plan) -> None:
+    """The launch settings' "Host experts on" choice: CPU prices the host layers' experts in
+    the CPU's layouts (more host RAM than the file's bytes for Q6_K's bf16), drops the staging
+    span and the slots from VRAM, says so in the fit check, and round-trips in a preset."""
+    settings, fit = LaunchSettings(plan), FitCheck(plan, LIGHT)
+    qtbot.addWidget(settings)
+    qtbot.addWidget(fit)
+    settings.show()
+    settings.slots_spin.setValue(8)
+    on_gpu = plan.layout
+    assert settings.host_combo.isVisible() and settings.host_combo.currentData() == "gpu"
+    assert on_gpu.devices[0].terms["expert_cache"] > 0 and on_gpu.plan.expert_slots == (8,)
+    settings.host_combo.setCurrentIndex(settings.host_combo.findData("cpu"))
+    assert plan.host_compute == "cpu" and not settings.slots_spin.isEnabled()
+    lay = plan.layout
+    assert lay.plan.host_compute == "cpu" and lay.plan.expert_slots == ()
+    d, d0 = lay.devices[0], on_gpu.devices[0]
+    assert d.terms["expert_cache"] == 0
+    # Auto: the staging span's VRAM now keeps one more layer's experts resident
+    (kept,) = lay.plan.experts_resident
+    assert kept == on_gpu.plan.experts_resident[0] + 1
+    away = [t for t in plan.gguf.tensors if is_expert(t.name) and t.layer >= kept]
+    assert d.terms["host_experts"] == sum(
+        cpu_bytes(t.name, t.ggml_type, tuple(t.shape), t.nbytes) for t in away)
+    assert d.terms["host_experts"] > sum(t.nbytes for t in away) > 0  # Q6_K's bf16 is larger
+    assert d0.terms["host_experts"] < d.terms["host_experts"]
+    assert "in host memory" in fit.advice.text() and "computed by the CPU" in fit.advice.text()
+    saved = plan.settings()
+    assert saved["host_compute"] == "cpu" and saved["expert_slots"] == 8
+    settings.host_combo.setCurrentIndex(settings.host_combo.findData("gpu"))
+    assert plan.host_compute == "gpu" and settings.slots_spin.isEnabled()
+    assert plan.layout.plan.expert_slots == (8,)
+    plan.apply_settings(saved)
+    assert plan.host_compute == "cpu" and settings.host_combo.currentData() == "cpu"
+    # both: the staging span again (prefill), the CPU's layouts beside the file's bytes
+    settings.host_combo.setCurrentIndex(settings.host_combo.findData("both"))
+    lay = plan.layout
+    assert lay.plan.host_compute == "both" and not settings.slots_spin.isEnabled()
+    assert lay.devices[0].terms["expert_cache"] > 0 and lay.plan.expert_slots == ()
+    assert "computed by the CPU for decode" in fit.advice.text()

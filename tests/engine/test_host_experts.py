@@ -13,6 +13,7 @@ from test_gpu_moe import SHAPES
 
 from engine.gguf.reader import GGUFModel
 from engine.hardware.devices import DeviceSpec
+from engine.planning.host import cpu_layout
 from engine.planning.plan import Plan
 from engine.planning.price import price
 from engine.runtime.gpu.session import GpuSession
@@ -192,6 +193,54 @@ def test_a_shared_expert_layer_computed_by_the_cpu_gives_the_logits_of_all_in_vr
     # results: bf16's rounding where the VRAM experts run in float32 (measured: 4.7e-3)
     assert max(errs) < max(BOUND, 1e-2)
     assert [t.argmax(-1).tolist() for t in out[1]] == [t.argmax(-1).tolist() for t in out[0]]
+
+
+def test_both_decodes_on_the_cpu_and_prefills_on_the_gpu(files) -> None:
+    """qwen3moe, host_compute "both": host memory holds each host expert tensor's file bytes
+    and, beside it, its CPU layout (cpu.<name>); a prefill of 12 rows copies the layer's file
+    bytes whole into the staging span, each decode step runs its experts on the CPU from the
+    layouts (its rows down, the sum up). Against every expert in VRAM: the same logits and
+    greedy ids."""
+    path = files["qwen3moe"]
+    prompt, steps = ids(12), ids(2, 1)
+    everything = GpuSession.load(plan(path), devices=[DEV], remember=False)
+    try:
+        ref = run(everything, prompt, steps)
+    finally:
+        everything.close()
+    model_file = GGUFModel.open(path)
+    pl = plan(path, resident=(0,), host_compute="both")
+    layout = price(pl, model_file)
+    g = GpuSession.load(pl, devices=[DEV], remember=False, model=model_file)
+    try:
+        (rep,) = g.pipe.report
+        assert rep["host_priced"] == rep["host_allocated"] == layout.devices[0].host > 0
+        st = g.pipe.stages[0]
+        hosts = [la.ffn.host for la in st.layers]
+        for h in hosts:
+            assert h.stream is not None and h.cache is None
+            infos = [model_file.tensor(m.name) for m in h.mats]
+            assert [m.layout for m in h.cpu_mats] == [
+                cpu_layout(t.ggml_type, t.shape[1], t.shape[0]) for t in infos]
+            assert "file" not in [m.layout for m in h.cpu_mats]
+            assert [type(m).__name__ for m in h.mats] == ["QExperts"] * 3
+            span = st.spans["cpu." + h.mats[0].name]
+            assert h.cpu_mats[0].span.data_ptr() == span.data_ptr()
+        moved = [h.moved for h in hosts]
+        got = run(g, prompt, steps)
+        errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
+        print(f"both (CPU decode, GPU prefill) vs VRAM: rel errors "
+              f"{', '.join(f'{e:.1e}' for e in errs)}")
+        assert max(errs) < max(BOUND, 1e-2)  # decode's CPU layouts round to bf16
+        assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in ref]
+        for layer, h in enumerate(hosts):
+            whole = sum(t.nbytes for t in model_file.tensors
+                        if t.layer == layer and t.name.endswith("_exps.weight"))
+            row = sum(t[0].nbytes for t in (h.ids, h.x, h.w, h.y))
+            # prefill: its ids down, the layer whole; each decode step: its row's traffic
+            assert h.moved - moved[layer] == 12 * 2 * 4 + whole + 2 * row
+    finally:
+        g.close()
 
 
 def test_a_host_that_shrank_since_the_plan_is_refused_before_allocating(files, monkeypatch):

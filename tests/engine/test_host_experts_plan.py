@@ -123,10 +123,23 @@ def test_host_layers_leave_vram_and_are_billed_on_the_host(synth_model, arena) -
         assert {n: held[n].nbytes for n in want} == want
         assert d.host == sum(a.nbytes for a in d.host_arenas) == sum(
             align_up(n) for n in want.values()) + sum(align_up(b.nbytes) for b in chunk_bufs)
-    with pytest.raises(CarveError, match="^--expert-slots: the slots feed host experts to the "
-                       "GPU's kernels, and with --host-compute cpu the CPU computes them"):
-        replace(plan, host_compute="cpu")
-    with pytest.raises(CarveError, match="--host-compute: unknown 'tpu'; use gpu or cpu"):
+    # both: the staging span for prefill, the file's bytes, and beside them the CPU's layouts
+    both = price(replace(plan, host_compute="both", expert_slots=()), model)
+    for i, (d, dc) in enumerate(zip(both.devices, cpu.devices, strict=True)):
+        away = [t for t in model.tensors if is_expert(t.name) and t.layer in host_layers[i]]
+        held = {s.name: s for a in d.host_arenas for s in a.spans}
+        assert {n for n in held if not n.startswith("hbuf.")} == {t.name for t in away} | {
+            "cpu." + t.name for t in away}
+        assert all(held[t.name].nbytes == t.nbytes for t in away)
+        assert all(held["cpu." + t.name].nbytes == dc.span(t.name)[1].nbytes for t in away)
+        assert d.terms["host_experts"] == dc.terms["host_experts"] + sum(t.nbytes for t in away)
+        assert d.terms["expert_cache"] == layout.devices[i].span("expert_stream")[1].nbytes
+    for where in ("cpu", "both"):
+        with pytest.raises(CarveError, match="^--expert-slots: the slots feed decode's host "
+                           f"experts to the GPU's kernels, and with --host-compute {where} the "
+                           "CPU computes them"):
+            replace(plan, host_compute=where)
+    with pytest.raises(CarveError, match="--host-compute: unknown 'tpu'; use gpu, cpu or both"):
         replace(plan, host_compute="tpu")
     again = Layout.from_json(json.loads(json.dumps(layout.to_json())))
     assert again.host == layout.host and again.devices[1].host == layout.devices[1].host

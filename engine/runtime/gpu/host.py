@@ -12,10 +12,11 @@ hold every expert the rows chose, the missing ones are copied from host memory i
 kernels on the slots. Else, where the plan runs host experts on the GPU (the span
 `expert_stream`, room for one layer's expert tensors, `Stream`), decode copies the chosen
 experts into it at their own places and prefill the whole layer (gpt-oss's expert biases
-beside them), and the kernels run there. Otherwise (the plan's host_compute "cpu") the normed
-rows and weights go down to pinned buffers too, the CPU engine's `ops.experts` runs the routed experts on them
-as the file stores them (only the routed experts' slices are dequantized, into a priced
-scratch), and the weighted sum goes back up and onto proj.
+beside them), and the kernels run there. Otherwise (the plan's host_compute "cpu", and decode
+rows under "both") the normed rows and weights go down to pinned buffers too, the CPU engine's
+`ops.experts` runs the routed experts on them from the CPU's own layouts
+(engine/runtime/models/cpu_experts.py; the file's blocks, dequantized per routed expert into a
+priced scratch, for types without one), and the weighted sum goes back up and onto proj.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from engine.planning.arena import align_up
-from engine.planning.host import HOST_PURPOSES
+from engine.planning.host import CPU_PREFIX, HOST_PURPOSES
 from engine.runtime.models import cpu_experts, ops
 from spec.errors import CarveError
 
@@ -120,13 +121,17 @@ def bad_scale(model: Any, name: str) -> CarveError:
 
 def load_cpu_layouts(model: Any, names: list[str], spans: dict[str, torch.Tensor],
                      cancelled: Callable[[], bool] | None = None) -> tuple[list[str], int]:
-    """Read the host expert tensors ``names`` whose span holds a CPU layout (its size differs
-    from the file's bytes: host_compute "cpu") from the file into it, checking every block's
-    scale on the way; returns (the other names, to load as they are; file bytes read)."""
+    """Read the host expert tensors ``names`` whose span holds a CPU layout in place of the
+    file's bytes (host_compute "cpu": its size differs from the file's) from the file into
+    it, checking every block's scale on the way; returns (the names to load as the file has
+    them, file bytes read). Spans "cpu.<name>" (host_compute "both") are left out: `fill_cpu_copies`
+    makes them from the file's bytes once those are loaded."""
     from kernels.scale_scan import first_bad_block
 
     plain, done = [], 0
     for name in names:
+        if name.startswith(CPU_PREFIX):
+            continue
         info = model.tensor(name)
         if spans[name].numel() == info.nbytes:
             plain.append(name)
@@ -140,10 +145,26 @@ def load_cpu_layouts(model: Any, names: list[str], spans: dict[str, torch.Tensor
     return plain, done
 
 
+def fill_cpu_copies(model: Any, names: list[str], spans: dict[str, torch.Tensor],
+                    cancelled: Callable[[], bool] | None = None) -> None:
+    """host_compute "both": each span "cpu.<name>" of ``names`` made from tensor <name>'s
+    file bytes, already in its own host span (checked by then)."""
+    for span_name in names:
+        if not span_name.startswith(CPU_PREFIX):
+            continue
+        if cancelled is not None and cancelled():
+            raise CarveError("load cancelled")
+        name = span_name.removeprefix(CPU_PREFIX)
+        info = model.tensor(name)
+        m = cpu_experts.host_matrix(model, name, spans[span_name], spans["hbuf.dequant"])
+        assert isinstance(m, cpu_experts.PackedExperts), "a cpu. span holds a CPU layout"
+        m.fill(spans[name], info.ggml_type, 0)
+
+
 def host_layers(dl: Any) -> set[int]:
     """The layers of a DeviceLayout whose experts live in its host arenas."""
-    return {int(s.name.split(".")[1]) for a in dl.arenas if a.purpose == HOST_PURPOSES[0]
-            for s in a.spans}
+    return {int(s.name.removeprefix(CPU_PREFIX).split(".")[1]) for a in dl.arenas
+            if a.purpose == HOST_PURPOSES[0] for s in a.spans}
 
 
 class SlotCache:
@@ -234,12 +255,12 @@ class Stream:
 
 
 def host_experts(hp: Any, model: Any, spans: dict[str, torch.Tensor],
-                 layers: list[int]) -> dict[int, HostExperts]:
+                 layers: list[int], host_compute: str = "gpu") -> dict[int, HostExperts]:
     """The stage's host layers, each with its share of the expert cache (the span
     "expert_cache" [slots, slot bytes], split evenly in layer order, at most n_expert slots a
     layer; none for experts with biases, whose slots would need their bias rows too: those
     run from the staging span)."""
-    out = {i: HostExperts(hp, model, spans, i) for i in layers}
+    out = {i: HostExperts(hp, model, spans, i, host_compute) for i in layers}
     stream = spans.get("expert_stream")
     if stream is not None:
         for h in out.values():
@@ -264,23 +285,29 @@ class HostExperts:
     """One layer's routed experts in host memory and the pinned buffers its CPU compute runs
     on (views into the stage's spans). ``moved``: bytes copied between GPU and host so far."""
 
-    def __init__(self, hp: Any, model: Any, spans: dict[str, torch.Tensor], layer: int) -> None:
+    def __init__(self, hp: Any, model: Any, spans: dict[str, torch.Tensor], layer: int,
+                 host_compute: str = "gpu") -> None:
         p = f"blk.{layer}."
         self.hp, self.cuda = hp, False
         scratch = spans["hbuf.dequant"]
-        # the plan prices the staging span exactly when the GPU computes host experts
-        # (engine.planning.stage.stream_bytes): else the CPU does, from its CPU layouts
-        cpu = "expert_stream" not in spans
-        self.mats: list[Any] = []
+        # host_compute (Plan.host_compute): "gpu" copies the file's bytes into the staging
+        # span (or slots) for every row; "cpu" multiplies them on the CPU, from its own layouts
+        # (the file's bytes where a type has none); "both": the CPU's layouts for decode rows
+        # (spans cpu.<name> beside the file's bytes), the staging span for prefill chunks
+        self.host_compute = host_compute
+        self.mats: list[Any] = []  # as the GPU's kernels read them (the file's bytes)
+        self.cpu_mats: list[Any] | None = None  # as the CPU multiplies them
         for n in ("gate", "up", "down"):
             name = p + f"ffn_{n}_exps.weight"
-            if cpu:
-                self.mats.append(cpu_experts.host_matrix(model, name, spans[name], scratch))
-                continue
-            info = model.tensor(name)
-            cols, rows, n_expert = (int(d) for d in info.shape)  # GGUF order
-            self.mats.append(ops.QExperts(name, spans[name], info.ggml_type, n_expert, rows,
-                                          cols, None, scratch))
+            if host_compute != "cpu":
+                info = model.tensor(name)
+                cols, rows, n_expert = (int(d) for d in info.shape)  # GGUF order
+                self.mats.append(ops.QExperts(name, spans[name], info.ggml_type, n_expert,
+                                              rows, cols, None, scratch))
+            if host_compute != "gpu":
+                mine = CPU_PREFIX + name if CPU_PREFIX + name in spans else name
+                self.cpu_mats = (self.cpu_mats or []) + [
+                    cpu_experts.host_matrix(model, name, spans[mine], scratch)]
         self.biases = None
         self.bias_bytes: list[torch.Tensor] | None = None  # the raw host bytes (the Stream's)
         if p + "ffn_gate_exps.bias" in spans:
@@ -319,7 +346,8 @@ class HostExperts:
                 self.moved += hids.nbytes + self.cache.copied - before
                 gpu(self.cache.views, self.cache.n, ids, None)
                 return
-        if self.stream is not None and gpu is not None:
+        if self.stream is not None and gpu is not None and (
+                self.cpu_mats is None or n > STREAM_ROWS):  # "both": the CPU takes decode rows
             # prefill reads most experts: the whole layer in one copy per tensor
             chosen = None if n > STREAM_ROWS else sorted(set(hids.reshape(-1).tolist()))
             self.moved += self.stream.fill(chosen)
@@ -328,7 +356,7 @@ class HostExperts:
         hx.copy_(x, non_blocking=True)
         hw.copy_(w, non_blocking=True)
         self._wait(x)  # the rows are down
-        g, u, d = self.mats
+        g, u, d = self.cpu_mats or self.mats
         hp = self.hp
         y = ops.experts(hx.float(), hids.long(), hw, g, u, d, hp.act, hp.swiglu_limit,
                         self.biases)

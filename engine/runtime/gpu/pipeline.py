@@ -111,19 +111,21 @@ class GpuPipeline:
         if on_host:  # straight from the file into the host arena: no copy to make
             t0 = time.perf_counter()
             # the CPU layouts (host_compute "cpu") are made from the file's bytes as they come
-            on_host, nb = gpu_host.load_cpu_layouts(self.model, on_host, spans, cancelled)
+            plain, nb = gpu_host.load_cpu_layouts(self.model, on_host, spans, cancelled)
             nbytes, sec = nbytes + nb, sec + time.perf_counter() - t0
-            hb, hs = load_tensors(self.model, on_host, spans, "cpu", on_progress, cancelled)
+            hb, hs = load_tensors(self.model, plain, spans, "cpu", on_progress, cancelled)
             nbytes, sec = nbytes + hb, sec + hs
             if dev.type == "cuda":  # the stage's scan on the device reads only its own memory
-                gpu_host.check_scales(self.model, on_host, spans)
+                gpu_host.check_scales(self.model, plain, spans)
+            # host_compute "both": the CPU's layouts beside the file's bytes, made from them
+            gpu_host.fill_cpu_copies(self.model, on_host, spans, cancelled)
         timeline.mark(f"{dev}: weights")
         for name, t in spans.items():
             if name.startswith("kv."):
                 t.zero_()
         plan = self.layout.plan
         stage = GpuStage(self.hp, self.model, dl, spans, dev, plan.ctx, plan.prefill_chunk,
-                         self.options)
+                         self.options, plan.host_compute)
         self.stages.append(stage)
         timeline.mark(f"{dev}: stage built")
         t0 = time.perf_counter()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from engine.planning.carve import is_expert
+from engine.planning.host import CPU_PREFIX
 from engine.runtime.gpu.host import host_experts, host_layers
 from engine.runtime.gpu.matrices import (
     GEMV_ROWS,
@@ -90,7 +91,7 @@ def allocate(dl: Any, device: torch.device | str, arenas: list[torch.Tensor] | N
 class GpuStage(MoeLayers, DecodeGraph):
     def __init__(self, hp: Any, model: Any, dl: Any, spans: dict[str, torch.Tensor],
                  device: torch.device | str, ctx: int, chunk: int,
-                 options: RunnerOptions = RunnerOptions()) -> None:
+                 options: RunnerOptions = RunnerOptions(), host_compute: str = "gpu") -> None:
         if hp.arch not in ARCHS:
             raise CarveError(f"the GPU stage runs {', '.join(ARCHS)} models; {hp.arch} runs on "
                              f"the CPU engine for now")
@@ -125,7 +126,7 @@ class GpuStage(MoeLayers, DecodeGraph):
         self.layers: list[Layer] = [build.layer(i) for i in range(self.lb, self.le)]
         # the layers whose experts the plan keeps in host memory: the CPU runs those
         self.host_layers = host_layers(dl)
-        hosts = host_experts(hp, model, spans, sorted(self.host_layers))
+        hosts = host_experts(hp, model, spans, sorted(self.host_layers), host_compute)
         for layer in self.layers:
             if layer.index in hosts:
                 layer.ffn.host = hosts[layer.index]
@@ -208,7 +209,7 @@ class GpuStage(MoeLayers, DecodeGraph):
         # the host layers' experts are checked by the CPU (engine/runtime/gpu/host.py), as
         # the file has them (their spans may hold the CPU's layouts)
         names = [n for n, t in self.spans.items()
-                 if not n.startswith(("buf.", "kv.", "dq.", "hbuf.", "expert_"))
+                 if not n.startswith(("buf.", "kv.", "dq.", "hbuf.", "expert_", CPU_PREFIX))
                  and t.device == self.device
                  and not (is_expert(n) and int(n.split(".")[1]) in self.host_layers)]
         for i, name in enumerate(names, 1):
