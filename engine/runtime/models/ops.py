@@ -328,11 +328,26 @@ def experts(
     ``limit`` > 0 takes gpt-oss's clamped SwiGLU; ``biases`` (gate, up, down) [E, rows] are
     added to each expert's products (gpt-oss)."""
     t, k = ids.shape
+    w = weights.reshape(-1).float()
+    out = torch.zeros(t, down.rows, dtype=torch.float32, device=x.device)
+
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+        g, u = gate.product(e, xe).float(), up.product(e, xe).float()
+        if biases is not None:
+            g, u = g + biases[0][e], u + biases[1][e]
+        h = glu_clamped(g, u, limit) if limit else glu(g, u, act)
+        y = down.product(e, h.to(x.dtype)).float()
+        return y if biases is None else y + biases[2][e]
+
+    if t == 1 and x.device.type == "cpu":
+        # one row (decode on the host): its k experts in expert order, as the grouping below
+        # sums them, without the per-expert gathers (a fifth of a host layer's time on 2 cores)
+        for e, j in sorted(zip(ids.reshape(-1).tolist(), range(k), strict=True)):
+            out.add_(expert(e, x) * w[j])
+        return out.to(x.dtype)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # routed slots grouped by expert
     counts = torch.bincount(flat, minlength=gate.n_expert).tolist()
-    w = weights.reshape(-1).float()
-    out = torch.zeros(t, down.rows, dtype=torch.float32, device=x.device)
     start = 0
     for e, n in enumerate(counts):
         if not n:
@@ -340,15 +355,7 @@ def experts(
         slots = order[start : start + n]
         start += n
         rows = slots // k  # the tokens routed to e
-        xe = x[rows]
-        g, u = gate.product(e, xe).float(), up.product(e, xe).float()
-        if biases is not None:
-            g, u = g + biases[0][e], u + biases[1][e]
-        h = glu_clamped(g, u, limit) if limit else glu(g, u, act)
-        y = down.product(e, h.to(x.dtype)).float()
-        if biases is not None:
-            y = y + biases[2][e]
-        out.index_add_(0, rows, y * w[slots].unsqueeze(1))
+        out.index_add_(0, rows, expert(e, x[rows]) * w[slots].unsqueeze(1))
     return out.to(x.dtype)
 
 
