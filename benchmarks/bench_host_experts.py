@@ -11,7 +11,9 @@ Q4_K, down each type of ``--down``, as llama.cpp's Q4_K_M rule gives half the la
 every token routes to ``n_expert_used`` random experts of the next layer in turn, so the
 bytes come from memory, not cache. Prints, per layout: milliseconds per layer and token, the
 bytes a token's experts occupy in that layout, their rate in GB/s and that rate over the
-machine's read rate of a buffer larger than its caches (measured in the same run).
+machine's read rate of a buffer larger than its caches (measured in the same run); then one
+expert tensor's product for one row, k experts at the gate's shape, in each type's CPU layout:
+the unit llama.cpp's `test-backend-ops perf -o MUL_MAT_ID -b CPU` times for Qwen3-30B-A3B.
 """
 
 from __future__ import annotations
@@ -121,6 +123,35 @@ def main(argv: list[str] | None = None) -> int:
             gbs = nb / ms / 1e6
             print(f"{name:<6} {label:<22} {ms:9.3f} {nb / 1e6:9.2f} {gbs:7.1f} "
                   f"{gbs / rate:8.2f} {err:8.1e}")
+    # one expert product of k experts at the gate's shape, the unit llama.cpp's
+    # `test-backend-ops perf -o MUL_MAT_ID` times for this model (128 experts, 8 used)
+    f = shape.n_ff_exp
+    print(f"one tensor, {k} experts x [{f}, {d}], one row (MUL_MAT_ID):")
+    print(f"{'type':<6} {'layout':<8} {'us':>9} {'GB/s':>7} {'of read':>8}")
+    for name in args.down.split(","):
+        t = qt.type_id(name.strip().upper())
+        layout = cpu_layout(t, f, d)
+        mats = []
+        for _ in range(args.layers):
+            raw = torch.cat([random_weight(t, f, d, generator=gen).reshape(-1)
+                             for _ in range(shape.n_expert)])
+            span = torch.empty(cpu_bytes("blk.0.ffn_gate_exps.weight", t, (d, f, shape.n_expert),
+                                         raw.numel()), dtype=torch.uint8)
+            m = PackedExperts(name, layout, shape.n_expert, f, d, span)
+            m.fill(raw, t, 0)
+            mats.append(m)
+        x = torch.randn(1, d, generator=gen)
+        picks = [torch.randperm(shape.n_expert, generator=gen)[:k].tolist()
+                 for _ in range(args.tokens)]
+        for e in picks[0]:
+            mats[0].product(e, x)
+        t0 = time.perf_counter()
+        for i, chosen in enumerate(picks):
+            for e in chosen:
+                mats[i % len(mats)].product(e, x)
+        us = (time.perf_counter() - t0) / args.tokens * 1e6
+        gbs = _bytes(mats[0], k) / us / 1e3
+        print(f"{name:<6} {layout:<8} {us:9.1f} {gbs:7.1f} {gbs / rate:8.2f}")
     return 0
 
 

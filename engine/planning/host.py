@@ -39,16 +39,26 @@ def cpu_layout(ggml_type: int, rows: int, cols: int) -> str:
     return "bf16" if ggml_type in CPU_BF16 else "file"
 
 
+def tensor_cpu_layout(name: str, ggml_type: int, shape: tuple[int, ...]) -> str:
+    """The CPU layout of expert tensor ``name`` (GGUF shape (cols, rows, n_expert)); biases
+    and anything not 3-D stay as the file has them ("file")."""
+    if len(shape) != 3 or not name.endswith(".weight"):
+        return "file"
+    cols, rows, _ = shape
+    return cpu_layout(ggml_type, rows, cols)
+
+
 def cpu_bytes(name: str, ggml_type: int, shape: tuple[int, ...], nbytes: int) -> int:
     """Host bytes of expert tensor ``name`` (GGUF shape (cols, rows, n_expert), ``nbytes`` in
-    the file) in its CPU layout; biases stay as the file has them."""
-    if len(shape) != 3 or not name.endswith(".weight"):
+    the file) in its CPU layout (`tensor_cpu_layout`; the file's bytes for "file"). A size
+    says nothing of the layout: Q4_1's file bytes equal its int4 layout's."""
+    layout = tensor_cpu_layout(name, ggml_type, shape)
+    if layout == "file":
         return nbytes
     cols, rows, n = shape
-    layout = cpu_layout(ggml_type, rows, cols)
     if layout == "int4":  # 4 bits a value, then 2 x 16 bits per CPU_GROUP values
         return n * rows * cols // 2 + n * rows * (cols // CPU_GROUP) * 4
-    return n * rows * cols * 2 if layout == "bf16" else nbytes
+    return n * rows * cols * 2
 
 
 def host_moe_buffers(hp: Any, chunk: int, act_dtype: str) -> list[BufferSpec]:

@@ -26,7 +26,7 @@ from engine.planning.arena import (
 )
 from engine.planning.buffers import DTYPE_BYTES, activation_buffers
 from engine.planning.carve import ModelIndex, _globals, _prefix, _request, is_expert
-from engine.planning.host import CPU_PREFIX, cpu_bytes, host_moe_buffers
+from engine.planning.host import CPU_PREFIX, cpu_bytes, host_moe_buffers, tensor_cpu_layout
 from engine.planning.layout import Arena
 from engine.planning.plan import ALL_RESIDENT, Plan
 from engine.planning.rules import ArenaKind, ArenaMode, KvType, parse_arena
@@ -248,15 +248,17 @@ def host_expert_requests(idx: ModelIndex, k: StageKey) -> list[Request]:
     def build() -> list[Request]:
         out = []
         for i in range(cut, k.hi):
-            for name, nb, dt, shape in idx.layer_requests[i]:
-                if not is_expert(name):
-                    continue
+            reqs = [r for r in idx.layer_requests[i] if is_expert(r[0])]
+            layouts = [tensor_cpu_layout(name, type_id(dt), shape) for name, _, dt, shape in reqs]
+            # "both" keeps CPU copies of a layer only when every expert matrix has a layout
+            # (the runner sends a layer with any other to the GPU for decode too)
+            both = k.host_compute == "both" and all(
+                lay != "file" for (name, *_), lay in zip(reqs, layouts, strict=True)
+                if name.endswith(".weight"))
+            for (name, nb, dt, shape), lay in zip(reqs, layouts, strict=True):
                 cpu = cpu_bytes(name, type_id(dt), shape, nb)
-                if k.host_compute == "cpu" or k.host_compute == "both" and cpu == nb:
-                    out.append((name, cpu, dt, shape))  # (the file's bytes when cpu == nb)
-                    continue
-                out.append((name, nb, dt, shape))
-                if k.host_compute == "both" and cpu != nb:
+                out.append((name, cpu if k.host_compute == "cpu" else nb, dt, shape))
+                if both and lay != "file":
                     out.append((CPU_PREFIX + name, cpu, dt, shape))
         return out
 

@@ -115,3 +115,25 @@ def test_a_load_fills_the_layout_in_runs_and_checks_each_run() -> None:
         load_packed(model, name, span, check=damaged)
     with pytest.raises(CarveError, match="load cancelled"):
         load_packed(model, name, span, cancelled=lambda: True)
+
+
+def test_q4_1_is_packed_though_its_layout_is_the_files_size() -> None:
+    """Q4_1's file bytes (20 per 32 values) equal its int4 layout's (16 + a 4-byte pair): what
+    a span holds follows the plan's host_compute and the type, never the span's size."""
+    from engine.runtime.gpu.host import load_cpu_layouts
+
+    n, rows, cols, t = 4, 32, 256, qt.Q4_1
+    raw = _experts(t, n, rows, cols, seed=3)
+    name = "blk.0.ffn_up_exps.weight"
+    model = _File(name, t, (cols, rows, n), raw)
+    assert cpu_bytes(name, t, (cols, rows, n), raw.numel()) == raw.numel()
+    span = torch.zeros(raw.numel(), dtype=torch.uint8)
+    assert load_cpu_layouts(model, [name], {name: span}, "gpu") == ([name], 0)
+    assert load_cpu_layouts(model, [name], {name: span}, "both") == ([name], 0)
+    assert not span.any()  # left for the plain loader
+    assert load_cpu_layouts(model, [name], {name: span}, "cpu") == ([], raw.numel())
+    assert not torch.equal(span, raw)  # packed, not the file's bytes
+    m = PackedExperts(name, "int4", n, rows, cols, span)
+    ref = _reference(raw, t, n, rows, cols)
+    x = torch.randn(2, cols)
+    assert ((m.product(3, x) - x @ ref[3].T).norm() / (x @ ref[3].T).norm()).item() < 1e-2

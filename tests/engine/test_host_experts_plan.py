@@ -145,6 +145,21 @@ def test_host_layers_leave_vram_and_are_billed_on_the_host(synth_model, arena) -
     assert again.host == layout.host and again.devices[1].host == layout.devices[1].host
 
 
+def test_both_copies_only_layers_whose_every_matrix_has_a_cpu_layout(synth_model) -> None:
+    """gpt-oss's MXFP4 experts (and their biases) have no CPU layout: "both" keeps the file's
+    bytes alone (the GPU takes those layers' decode rows), "cpu" the file's bytes too."""
+    model = GGUFModel.open(synth_model("gpt-oss-tiny", "mxfp4_moe"))
+    base = Plan("m", (gpu(0, 4000),), (0, 4), ctx=256, act_dtype="bf16", host=HOST,
+                experts_resident=(2,))
+    away = [t for t in model.tensors if is_expert(t.name) and t.layer >= 2]
+    assert away and all(type_name(t.ggml_type) in ("MXFP4", "F32") for t in away)
+    for where in ("gpu", "cpu", "both"):
+        d = price(replace(base, host_compute=where), model).devices[0]
+        held = {s.name for a in d.host_arenas for s in a.spans if not s.name.startswith("hbuf.")}
+        assert held == {t.name for t in away}
+        assert d.terms["host_experts"] == sum(t.nbytes for t in away)
+
+
 def test_host_ram_shortfall_is_one_sentence_and_the_bottleneck(synth_model, capsys) -> None:
     path = str(synth_model("qwen3moe-tiny"))
     model = GGUFModel.open(path)

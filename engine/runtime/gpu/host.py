@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from engine.planning.arena import align_up
-from engine.planning.host import CPU_PREFIX, HOST_PURPOSES
+from engine.planning.host import CPU_PREFIX, HOST_PURPOSES, tensor_cpu_layout
 from engine.runtime.models import cpu_experts, ops
 from spec.errors import CarveError
 
@@ -120,12 +120,13 @@ def bad_scale(model: Any, name: str) -> CarveError:
 
 
 def load_cpu_layouts(model: Any, names: list[str], spans: dict[str, torch.Tensor],
-                     cancelled: Callable[[], bool] | None = None) -> tuple[list[str], int]:
-    """Read the host expert tensors ``names`` whose span holds a CPU layout in place of the
-    file's bytes (host_compute "cpu": its size differs from the file's) from the file into
-    it, checking every block's scale on the way; returns (the names to load as the file has
-    them, file bytes read). Spans "cpu.<name>" (host_compute "both") are left out: `fill_cpu_copies`
-    makes them from the file's bytes once those are loaded."""
+                     host_compute: str, cancelled: Callable[[], bool] | None = None
+                     ) -> tuple[list[str], int]:
+    """host_compute "cpu": read the host expert tensors of ``names`` that have a CPU layout
+    (`tensor_cpu_layout`) from the file into their spans in that layout, checking every
+    block's scale on the way; returns (the names to load as the file has them, file bytes
+    read). Spans "cpu.<name>" (host_compute "both") are left out: `fill_cpu_copies` makes
+    them from the file's bytes once those are loaded."""
     from kernels.scale_scan import first_bad_block
 
     plain, done = [], 0
@@ -133,7 +134,8 @@ def load_cpu_layouts(model: Any, names: list[str], spans: dict[str, torch.Tensor
         if name.startswith(CPU_PREFIX):
             continue
         info = model.tensor(name)
-        if spans[name].numel() == info.nbytes:
+        shape = tuple(int(d) for d in info.shape)
+        if host_compute != "cpu" or tensor_cpu_layout(name, info.ggml_type, shape) == "file":
             plain.append(name)
             continue
 
@@ -304,10 +306,15 @@ class HostExperts:
                 cols, rows, n_expert = (int(d) for d in info.shape)  # GGUF order
                 self.mats.append(ops.QExperts(name, spans[name], info.ggml_type, n_expert,
                                               rows, cols, None, scratch))
-            if host_compute != "gpu":
-                mine = CPU_PREFIX + name if CPU_PREFIX + name in spans else name
-                self.cpu_mats = (self.cpu_mats or []) + [
-                    cpu_experts.host_matrix(model, name, spans[mine], scratch)]
+        names = [p + f"ffn_{n}_exps.weight" for n in ("gate", "up", "down")]
+        if host_compute == "cpu":
+            self.cpu_mats = [cpu_experts.host_matrix(model, n, spans[n], scratch) for n in names]
+        elif host_compute == "both" and all(CPU_PREFIX + n in spans for n in names):
+            # (the plan makes CPU copies of a layer only when every matrix has a layout: a
+            # type without one, dequantized per routed expert, would be far slower than
+            # copying the chosen experts in, so the GPU takes that layer's decode rows too)
+            self.cpu_mats = [cpu_experts.host_matrix(model, n, spans[CPU_PREFIX + n], scratch)
+                             for n in names]
         self.biases = None
         self.bias_bytes: list[torch.Tensor] | None = None  # the raw host bytes (the Stream's)
         if p + "ffn_gate_exps.bias" in spans:

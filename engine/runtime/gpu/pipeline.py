@@ -111,7 +111,8 @@ class GpuPipeline:
         if on_host:  # straight from the file into the host arena: no copy to make
             t0 = time.perf_counter()
             # the CPU layouts (host_compute "cpu") are made from the file's bytes as they come
-            plain, nb = gpu_host.load_cpu_layouts(self.model, on_host, spans, cancelled)
+            plain, nb = gpu_host.load_cpu_layouts(self.model, on_host, spans,
+                                                  self.layout.plan.host_compute, cancelled)
             nbytes, sec = nbytes + nb, sec + time.perf_counter() - t0
             hb, hs = load_tensors(self.model, plain, spans, "cpu", on_progress, cancelled)
             nbytes, sec = nbytes + hb, sec + hs

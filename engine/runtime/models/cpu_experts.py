@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.planning.host import CPU_GROUP, cpu_layout
+from engine.planning.host import CPU_GROUP, cpu_layout, tensor_cpu_layout
 from engine.runtime.models import ops
 from kernels.dequant import dequantize_to
 from spec import quant_types as qt
@@ -160,7 +160,7 @@ def host_matrix(model: Any, name: str, span: torch.Tensor, scratch: torch.Tensor
     """Expert tensor ``name`` of a host layer as its CPU layout holds it in ``span``."""
     info = model.tensor(name)
     cols, rows, n_expert = (int(d) for d in info.shape)  # GGUF order
-    layout = cpu_layout(info.ggml_type, rows, cols)
+    layout = tensor_cpu_layout(name, info.ggml_type, (cols, rows, n_expert))
     if layout == "file":
         return ops.QExperts(name, span, info.ggml_type, n_expert, rows, cols, None, scratch)
     return PackedExperts(name, layout, n_expert, rows, cols, span)
