@@ -109,7 +109,7 @@ class PackedExperts:
 
     def product(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """x [n, cols] -> float32 [n, rows]: expert e's matrix times x (bf16 inputs)."""
-        xb = x.to(torch.bfloat16)
+        xb = ops._as_dtype(x, torch.bfloat16)  # gate and up share one cast of x
         if self.layout == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed[e], CPU_GROUP,
                                                            self.pairs[e])
