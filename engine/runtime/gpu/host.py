@@ -296,17 +296,15 @@ class HostExperts:
         # span (or slots) for every row; "cpu" multiplies them on the CPU, from its own layouts
         # (the file's bytes where a type has none); "both": the CPU's layouts for decode rows
         # (spans cpu.<name> beside the file's bytes), the staging span for prefill chunks
-        self.host_compute = host_compute
+        names = [p + f"ffn_{n}_exps.weight" for n in ("gate", "up", "down")]
         self.mats: list[Any] = []  # as the GPU's kernels read them (the file's bytes)
         self.cpu_mats: list[Any] | None = None  # as the CPU multiplies them
-        for n in ("gate", "up", "down"):
-            name = p + f"ffn_{n}_exps.weight"
-            if host_compute != "cpu":
+        if host_compute != "cpu":
+            for name in names:
                 info = model.tensor(name)
                 cols, rows, n_expert = (int(d) for d in info.shape)  # GGUF order
                 self.mats.append(ops.QExperts(name, spans[name], info.ggml_type, n_expert,
                                               rows, cols, None, scratch))
-        names = [p + f"ffn_{n}_exps.weight" for n in ("gate", "up", "down")]
         if host_compute == "cpu":
             self.cpu_mats = [cpu_experts.host_matrix(model, n, spans[n], scratch) for n in names]
         elif host_compute == "both" and all(CPU_PREFIX + n in spans for n in names):
