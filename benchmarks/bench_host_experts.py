@@ -12,23 +12,27 @@ every token routes to ``n_expert_used`` random experts of the next layer in turn
 bytes come from memory, not cache. Prints, per layout: milliseconds per layer and token, the
 bytes a token's experts occupy in that layout, their rate in GB/s and that rate over the
 machine's read rate of a buffer larger than its caches (measured in the same run); then one
-expert tensor's product for one row, k experts at the gate's shape, in each type's CPU layout:
-the unit llama.cpp's `test-backend-ops perf -o MUL_MAT_ID -b CPU` times for Qwen3-30B-A3B.
+expert tensor's product for one row, k experts at the gate's shape, in each type's CPU layout
+("half" in both f16 and bf16, timed in turns): the unit llama.cpp's `test-backend-ops perf -o
+MUL_MAT_ID -b CPU` times for Qwen3-30B-A3B.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
 
 from engine.planning.host import cpu_bytes, cpu_layout
-from engine.runtime.models import ops
-from engine.runtime.models.cpu_experts import PackedExperts
+from engine.runtime.models import cpu_experts, ops
+from engine.runtime.models.cpu_experts import PackedExperts, half_dtype
 from engine.synth.shapes import SHAPES
 from kernels.random_blocks import random_weight
 from spec import quant_types as qt
+
+ROUNDS = 5  # interleaved rounds of the one-tensor timings (this machine's noise is large)
 
 
 def _layer(shape, down_type: int, gen: torch.Generator) -> dict[str, list]:
@@ -124,34 +128,47 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<6} {label:<22} {ms:9.3f} {nb / 1e6:9.2f} {gbs:7.1f} "
                   f"{gbs / rate:8.2f} {err:8.1e}")
     # one expert product of k experts at the gate's shape, the unit llama.cpp's
-    # `test-backend-ops perf -o MUL_MAT_ID` times for this model (128 experts, 8 used)
+    # `test-backend-ops perf -o MUL_MAT_ID` times for this model (128 experts, 8 used); the
+    # "half" layout in both 16-bit types; variants timed in turns, medians of the rounds
     f = shape.n_ff_exp
-    print(f"one tensor, {k} experts x [{f}, {d}], one row (MUL_MAT_ID):")
-    print(f"{'type':<6} {'layout':<8} {'us':>9} {'GB/s':>7} {'of read':>8}")
+    print(f"one tensor, {k} experts x [{f}, {d}], one row (MUL_MAT_ID), median of "
+          f"{ROUNDS} interleaved rounds; this machine's half type: "
+          f"{str(half_dtype()).removeprefix('torch.')}:")
+    print(f"{'type':<6} {'layout':<14} {'us':>9} {'GB/s':>7} {'of read':>8}")
+    chosen = cpu_experts._HALF[:]
+    variants = []
     for name in args.down.split(","):
         t = qt.type_id(name.strip().upper())
         layout = cpu_layout(t, f, d)
-        mats = []
-        for _ in range(args.layers):
-            raw = torch.cat([random_weight(t, f, d, generator=gen).reshape(-1)
-                             for _ in range(shape.n_expert)])
-            span = torch.empty(cpu_bytes("blk.0.ffn_gate_exps.weight", t, (d, f, shape.n_expert),
-                                         raw.numel()), dtype=torch.uint8)
-            m = PackedExperts(name, layout, shape.n_expert, f, d, span)
-            m.fill(raw, t, 0)
-            mats.append(m)
-        x = torch.randn(1, d, generator=gen)
-        picks = [torch.randperm(shape.n_expert, generator=gen)[:k].tolist()
-                 for _ in range(args.tokens)]
-        for e in picks[0]:
-            mats[0].product(e, x)
-        t0 = time.perf_counter()
-        for i, chosen in enumerate(picks):
-            for e in chosen:
-                mats[i % len(mats)].product(e, x)
-        us = (time.perf_counter() - t0) / args.tokens * 1e6
+        raws = [torch.cat([random_weight(t, f, d, generator=gen).reshape(-1)
+                           for _ in range(shape.n_expert)]) for _ in range(args.layers)]
+        for dt in ((torch.bfloat16, torch.float16) if layout == "half" else (None,)):
+            cpu_experts._HALF[:] = [dt] if dt is not None else chosen
+            mats = []
+            for raw in raws:
+                span = torch.empty(cpu_bytes("blk.0.ffn_gate_exps.weight", t,
+                                             (d, f, shape.n_expert), raw.numel()),
+                                   dtype=torch.uint8)
+                m = PackedExperts(name, layout, shape.n_expert, f, d, span)
+                m.fill(raw, t, 0)
+                mats.append(m)
+            label = layout if dt is None else f"{layout} {str(dt).removeprefix('torch.')}"
+            variants.append((name, label, mats, []))
+    cpu_experts._HALF[:] = chosen
+    x = torch.randn(1, d, generator=gen)
+    picks = [torch.randperm(shape.n_expert, generator=gen)[:k].tolist()
+             for _ in range(args.tokens)]
+    for _ in range(ROUNDS):
+        for _, _, mats, times in variants:
+            t0 = time.perf_counter()
+            for i, chosen_e in enumerate(picks):
+                for e in chosen_e:
+                    mats[i % len(mats)].product(e, x)
+            times.append((time.perf_counter() - t0) / len(picks) * 1e6)
+    for name, label, mats, times in variants:
+        us = statistics.median(times)
         gbs = _bytes(mats[0], k) / us / 1e3
-        print(f"{name:<6} {layout:<8} {us:9.1f} {gbs:7.1f} {gbs / rate:8.2f}")
+        print(f"{name:<6} {label:<14} {us:9.1f} {gbs:7.1f} {gbs / rate:8.2f}")
     return 0
 
 

@@ -22,21 +22,22 @@ HOST_PURPOSES = ("host_experts", "host_buffers")
 
 # How a stage holds a host layer's expert tensor whose experts the CPU computes (host_compute
 # "cpu"; engine.runtime.models.cpu_experts): "int4" keeps the 4-bit values with a bf16 (scale,
-# zero) pair per CPU_GROUP values, "bf16" holds each weight dequantized once, "file" keeps the
+# zero) pair per CPU_GROUP values, "half" holds each weight dequantized once to a 16-bit float
+# (f16 or bf16, whichever this CPU multiplies faster), "file" keeps the
 # file's blocks (dequantized per routed expert on every product, about ten times slower).
 CPU_GROUP = 32
 # host_compute "both": the span of an expert tensor's CPU layout, beside the file's bytes
 CPU_PREFIX = "cpu."
 CPU_INT4 = (qt.Q4_0, qt.Q4_1, qt.Q4_K)
-CPU_BF16 = (qt.Q5_0, qt.Q5_1, qt.Q5_K, qt.Q6_K, qt.Q8_0, qt.F16, qt.BF16)
+CPU_HALF = (qt.Q5_0, qt.Q5_1, qt.Q5_K, qt.Q6_K, qt.Q8_0, qt.F16, qt.BF16)
 
 
 def cpu_layout(ggml_type: int, rows: int, cols: int) -> str:
-    """The CPU layout of an expert matrix type (rows x cols per expert): "int4", "bf16" or
+    """The CPU layout of an expert matrix type (rows x cols per expert): "int4", "half" or
     "file". torch's int4 packer takes row counts that are multiples of 16."""
     if ggml_type in CPU_INT4 and rows % 16 == 0 and cols % CPU_GROUP == 0:
         return "int4"
-    return "bf16" if ggml_type in CPU_BF16 else "file"
+    return "half" if ggml_type in CPU_HALF else "file"
 
 
 def tensor_cpu_layout(name: str, ggml_type: int, shape: tuple[int, ...]) -> str:

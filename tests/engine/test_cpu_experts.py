@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.planning.host import cpu_bytes, cpu_layout
-from engine.runtime.models import ops
+from engine.runtime.models import cpu_experts, ops
 from engine.runtime.models.cpu_experts import PackedExperts, int4_parts, load_packed
 from kernels.random_blocks import random_weight
 from spec import quant_types as qt
@@ -44,9 +44,16 @@ def test_int4_parts_are_the_files_weights(t: int) -> None:
     torch.testing.assert_close(w, ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.fixture(params=[torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def half(request, monkeypatch) -> torch.dtype:
+    """The "half" layout's type, each of the two (the machine's own choice is timed)."""
+    monkeypatch.setattr(cpu_experts, "_HALF", [request.param])
+    return request.param
+
+
 @pytest.mark.parametrize("t,layout", [(qt.Q4_0, "int4"), (qt.Q4_1, "int4"), (qt.Q4_K, "int4"),
-                                      (qt.Q5_K, "bf16"), (qt.Q6_K, "bf16"), (qt.Q8_0, "bf16")])
-def test_each_experts_product_in_its_cpu_layout(t: int, layout: str) -> None:
+                                      (qt.Q5_K, "half"), (qt.Q6_K, "half"), (qt.Q8_0, "half")])
+def test_each_experts_product_in_its_cpu_layout(t: int, layout: str, half) -> None:
     n, rows, cols = 3, 64, 512
     raw = _experts(t, n, rows, cols, seed=t)
     assert cpu_layout(t, rows, cols) == layout
@@ -54,6 +61,8 @@ def test_each_experts_product_in_its_cpu_layout(t: int, layout: str) -> None:
     assert nb == n * rows * cols * (5 / 8 if layout == "int4" else 2)
     span = torch.full((nb,), 0xFF, dtype=torch.uint8)  # poisoned: every byte is written
     m = PackedExperts("blk.0.ffn_up_exps.weight", layout, n, rows, cols, span)
+    if layout == "half":
+        assert m.dense.dtype == half
     m.fill(raw[: raw.numel() // n], t, 0)  # one expert at a time, as a load's runs come
     m.fill(raw[raw.numel() // n:], t, 1)
     ref = _reference(raw, t, n, rows, cols)
@@ -66,6 +75,29 @@ def test_each_experts_product_in_its_cpu_layout(t: int, layout: str) -> None:
     # the file layout's product (the CPU engine's, dequantized per expert) agrees with it
     q = ops.QExperts("w", raw, t, n, rows, cols)
     assert ((q.product(2, x) - m.product(2, x)).norm() / want.norm()).item() < 1e-2
+    # a row far beyond f16's range, and one of zeros, come out right in either type
+    big = torch.cat((x[:1] * 1e7, torch.zeros(1, cols)))
+    y = m.product(1, big)
+    assert torch.isfinite(y).all() and not y[1].any()
+    ref = big[:1].double() @ ref[1].double().T
+    assert ((y[:1].double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_an_f16_product_that_overflows_is_redone_in_float32(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_experts, "_HALF", [torch.float16])
+    n, rows, cols = 1, 16, 256
+    span = torch.empty(n * rows * cols * 2, dtype=torch.uint8)
+    m = PackedExperts("blk.0.ffn_down_exps.weight", "half", n, rows, cols, span)
+    m.dense[0] = 60000.0  # every weight near f16's largest: the scaled sums overflow anyway
+    x = torch.ones(1, cols)
+    assert torch.equal(m.product(0, x), torch.full((1, rows), 60000.0 * cols))
+
+
+def test_half_dtype_is_timed_once_per_process(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_experts, "_HALF", [])
+    first = cpu_experts.half_dtype()
+    assert first in (torch.float16, torch.bfloat16)
+    assert cpu_experts._HALF == [first] and cpu_experts.half_dtype() is first
 
 
 def test_types_without_a_cpu_layout_keep_the_files_bytes() -> None:
@@ -137,3 +169,21 @@ def test_q4_1_is_packed_though_its_layout_is_the_files_size() -> None:
     ref = _reference(raw, t, n, rows, cols)
     x = torch.randn(2, cols)
     assert ((m.product(3, x) - x @ ref[3].T).norm() / (x @ ref[3].T).norm()).item() < 1e-2
+
+
+def test_weights_beyond_f16_are_a_load_error_naming_the_tensor(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_experts, "_HALF", [torch.float16])
+    n, rows, cols, t = 2, 16, 256, qt.Q8_0
+    raw = _experts(t, n, rows, cols, seed=5)
+    one = raw.numel() // n
+    raw[one:one + 2] = torch.tensor([1000.0], dtype=torch.float16).view(torch.uint8)
+    raw[one + 2] = 127  # expert 1's first weight: 1000 * 127, beyond 65504
+    span = torch.empty(n * rows * cols * 2, dtype=torch.uint8)
+    m = PackedExperts("blk.2.ffn_down_exps.weight", "half", n, rows, cols, span)
+    with pytest.raises(CarveError, match=r"^tensor blk.2.ffn_down_exps.weight: expert 1 has "
+                       r"weights beyond f16's range \(65504\).*--host-compute gpu"):
+        m.fill(raw, t, 0)
+    monkeypatch.setattr(cpu_experts, "_HALF", [torch.bfloat16])  # bf16 holds them
+    m = PackedExperts("blk.2.ffn_down_exps.weight", "half", n, rows, cols, span)
+    m.fill(raw, t, 0)
+    assert float(m.dense[1, 0, 0]) == 126976.0  # 127000 rounded to bf16

@@ -1,28 +1,34 @@
 """Routed experts that the CPU multiplies itself, held in a layout torch multiplies at memory
-speed (DESIGN.md "Experts in host memory", host_compute "cpu").
+speed (DESIGN.md "Experts in host memory", host_compute "cpu" and "both").
 
 The file's blocks are what the GPU kernels read, but torch has no CPU product over them: the
 CPU engine's `ops.linear` dequantizes each routed expert to float32 first, which costs about
-ten times the product itself. So a stage whose host layers' experts run on the CPU holds each
-expert tensor in the layout `engine.planning.host.cpu_layout` chose for it:
+forty times the product itself. So a stage whose host layers' experts run on the CPU holds
+each expert tensor in the layout `engine.planning.host.cpu_layout` chose for it:
 
 - "int4" (Q4_0, Q4_1, Q4_K): the 4-bit values unchanged, packed by torch's own int4 weight
   packer, with one (scale, zero) pair in bf16 per 32 values such that a weight is
   ``(q - 8) * scale + zero`` — Q4_0: scale d, zero 0; Q4_1: d, 8d + m; Q4_K: d * sc, 8 d * sc -
   dmin * m. The product is torch's int4 matrix kernel on bf16 inputs. Exact but for the bf16
   rounding of scale and zero (and of x and the result);
-- "bf16" (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, F16, BF16): each expert dequantized once, at load, to a
-  bf16 matrix (the value of each weight rounded once to bf16), multiplied by torch's bf16 GEMM;
+- "half" (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, F16, BF16): each expert dequantized once, at load, to a
+  16-bit float matrix, multiplied by torch's GEMM in that type: f16 or bf16, whichever this
+  CPU's torch multiplies faster (`half_dtype`, timed once per process: f16 ran 1.9x faster on
+  a Zen 4, ten times slower on an older Xeon). In f16, x is scaled by a power of two into
+  f16's range first and the result scaled back (exact), and a weight beyond f16's range is a
+  load error; a product that overflows anyway is redone in float32;
 - "file": the file's bytes, dequantized per routed expert as the CPU engine does (every other
   type, and the biases).
 
 Per expert matrix the span holds, for "int4", the experts' packed values one after another
 ([rows, cols / 2] bytes each, as torch packs one expert), then their scale/zero pairs (bf16
-[n_expert, cols / 32, rows, 2]); for "bf16", [n_expert * rows, cols] bf16.
+[n_expert, cols / 32, rows, 2]); for "half", [n_expert * rows, cols] of the 16-bit type.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +40,33 @@ from engine.planning.host import CPU_GROUP, cpu_layout, tensor_cpu_layout
 from engine.runtime.models import ops
 from kernels.dequant import dequantize_to
 from spec import quant_types as qt
+from spec.errors import CarveError
 
 # experts repacked per step at load: bounds the temporary copy of their file bytes
 LOAD_EXPERTS = 8
+# the "half" layout's type on this machine (`half_dtype`), decided once per process
+_HALF: list[torch.dtype] = []
+# f16 must beat bf16 by this factor to be chosen (bf16 needs no scaling of x)
+HALF_MARGIN = 0.8
+
+
+def half_dtype() -> torch.dtype:
+    """The 16-bit float of the "half" layout: f16 where this CPU's torch multiplies a
+    [768, 2048] matrix by a row clearly faster in it than in bf16, else bf16. Timed once per
+    process (a few milliseconds), so the load and every product agree."""
+    if not _HALF:
+        w32, x32 = torch.randn(768, 2048), torch.randn(1, 2048)
+        took = {}
+        for dt in (torch.bfloat16, torch.float16):
+            w, x = w32.to(dt), x32.to(dt)
+            F.linear(x, w)
+            t = time.perf_counter()
+            for _ in range(8):
+                F.linear(x, w)
+            took[dt] = time.perf_counter() - t
+        fast = took[torch.float16] < HALF_MARGIN * took[torch.bfloat16]
+        _HALF.append(torch.float16 if fast else torch.bfloat16)
+    return _HALF[0]
 
 
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -85,7 +115,7 @@ def pack_int4(raw: torch.Tensor, ggml_type: int, rows: int, cols: int, packed: t
 
 @dataclass
 class PackedExperts:
-    """One expert tensor [n_expert, rows, cols] in a CPU layout ("int4" or "bf16"), in a span
+    """One expert tensor [n_expert, rows, cols] in a CPU layout ("int4" or "half"), in a span
     of host memory (module docstring). ``product(e, x)`` is expert e's x @ W.T."""
 
     name: str
@@ -102,20 +132,30 @@ class PackedExperts:
             self.packed = self.span[:n].view(e, r, c // 2)
             self.pairs = self.span[n:n + e * r * c // 8].view(torch.bfloat16).view(
                 e, c // CPU_GROUP, r, 2)
-        elif self.layout == "bf16":
-            self.dense = self.span[:e * r * c * 2].view(torch.bfloat16).view(e, r, c)
+        elif self.layout == "half":
+            self.dense = self.span[:e * r * c * 2].view(half_dtype()).view(e, r, c)
         else:
             raise ValueError(f"{self.name}: no CPU layout {self.layout!r}")
 
     def product(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """x [n, cols] -> float32 [n, rows]: expert e's matrix times x (bf16 inputs)."""
-        xb = ops._as_dtype(x, torch.bfloat16)  # gate and up share one cast of x
+        """x [n, cols] -> float32 [n, rows]: expert e's matrix times x (16-bit inputs)."""
         if self.layout == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed[e], CPU_GROUP,
-                                                           self.pairs[e])
-        else:
-            y = F.linear(xb, self.dense[e])
-        return y.float()
+            xb = ops._as_dtype(x, torch.bfloat16)  # gate and up share one cast of x
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xb, self.packed[e], CPU_GROUP, self.pairs[e]).float()
+        w = self.dense[e]
+        if w.dtype == torch.bfloat16:
+            return F.linear(ops._as_dtype(x, torch.bfloat16), w).float()
+        # f16: x's largest value brought to [1/16, 1/8) by a power of two (exact both ways),
+        # so that x and the sums stay inside f16's range (65504)
+        top = float(x.abs().amax())
+        if not 0 < top < math.inf:
+            return x.float() @ w.float().T  # zeros (or a non-finite x): float32 as it is
+        scale = 2.0 ** (-4 - math.ceil(math.log2(top)))
+        y = F.linear((x * scale).to(torch.float16), w).float()
+        if not bool(torch.isfinite(y).all()):
+            return x.float() @ w.float().T  # overflowed even so: float32
+        return y / scale
 
     def fill(self, raw: torch.Tensor, ggml_type: int, first: int) -> None:
         """Experts first, first + 1, ... from ``raw``, their file bytes (uint8, whole experts),
@@ -126,8 +166,14 @@ class PackedExperts:
             if self.layout == "int4":
                 pack_int4(src, ggml_type, self.rows, self.cols, self.packed[e], self.pairs[e])
             else:
-                dequantize_to(src, ggml_type, (self.cols, self.rows), torch.bfloat16,
+                dequantize_to(src, ggml_type, (self.cols, self.rows), self.dense.dtype,
                               out=self.dense[e])
+                if self.dense.dtype == torch.float16 and not bool(
+                        torch.isfinite(self.dense[e]).all()):
+                    raise CarveError(
+                        f"tensor {self.name}: expert {e} has weights beyond f16's range "
+                        "(65504), which the CPU's f16 layout cannot hold; use --host-compute "
+                        "gpu for this file")
 
 
 def load_packed(model: Any, name: str, span: torch.Tensor,
@@ -143,8 +189,6 @@ def load_packed(model: Any, name: str, span: torch.Tensor,
     buf = torch.empty(min(LOAD_EXPERTS, n_expert) * one, dtype=torch.uint8)
     for first in range(0, n_expert, LOAD_EXPERTS):
         if cancelled is not None and cancelled():
-            from spec.errors import CarveError
-
             raise CarveError("load cancelled")
         n = min(LOAD_EXPERTS, n_expert - first)
         part = buf[:n * one]
