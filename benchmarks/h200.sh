@@ -148,7 +148,8 @@ for f in sorted(glob.glob(sys.argv[1] + "/bench-*.json")):
             print(f"{'':28s} experts resident {e['resident'] or 'all'}, host ones on the "
                   f"{e['on']}, pinned {e['pinned'] / 2**30:.2f} GiB, slots {e['slots'] or 0}, hit "
                   f"{'n/a' if hit is None else f'{hit:.1%}'}, decode {tg['host_gbps']:.2f} GB/s "
-                  f"host<->GPU, VRAM {sum(d['reserved'] for d in r['devices']) / 2**30:.2f} GiB")
+                  f"host<->GPU, CPU {tg.get('host_cpu_ms_per_token', 0):.2f} ms/token, "
+                  f"VRAM {sum(d['reserved'] for d in r['devices']) / 2**30:.2f} GiB")
     if "split_same_ids" in o:
         print(f"{'':28s} split keeps the greedy ids: {o['split_same_ids']}")
     e = o.get("engine", {}).get("summary")

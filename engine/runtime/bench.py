@@ -148,9 +148,11 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
     pipe.step()
     pipe.set_position(0, 1)
     moved0 = sum(st.host_moved() for st in pipe.stages)
+    cpu0 = sum(st.host_cpu_s() for st in pipe.stages)
     hm0 = [sum(x) for x in zip(*(st.cache_hits() for st in pipe.stages))]
     t = _timed(pipe.step, tokens)
     moved = sum(st.host_moved() for st in pipe.stages) - moved0
+    cpu_s = sum(st.host_cpu_s() for st in pipe.stages) - cpu0
     hits, misses = (a - b for a, b in zip(
         [sum(x) for x in zip(*(st.cache_hits() for st in pipe.stages))], hm0))
     weight_bytes = step_weight_bytes(model, hp, sum(r["load_bytes"] for r in pipe.report))
@@ -159,6 +161,8 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
                  # experts in host memory: what decode copied between GPU and host, and how
                  # often the expert cache held the experts a step chose
                  "host_bytes_per_token": moved / tokens, "host_gbps": moved / t / 1e9,
+                 # and the share of a step the CPU spent computing host experts
+                 "host_cpu_ms_per_token": cpu_s / tokens * 1e3,
                  "cache_hit_rate": hits / (hits + misses) if hits + misses else None}
     rep["depth"] = []
     for d in depths:
@@ -315,7 +319,9 @@ def _print(out: dict) -> None:
                   f"{e['host_layers']}, pinned {e['pinned'] / 2**30:.2f} GiB, slots "
                   f"{e['slots'] or 0}; decode moves {tg['host_bytes_per_token'] / 1e3:.1f} kB "
                   f"per token between GPU and host ({tg['host_gbps']:.2f} GB/s); expert-cache "
-                  f"hit rate in decode: {hit}; prefill moved {r['pp']['host_gbps']:.2f} GB/s")
+                  f"hit rate in decode: {hit}; the CPU computed host experts "
+                  f"{tg['host_cpu_ms_per_token']:.2f} ms of each "
+                  f"{1e3 / tg['tps']:.2f} ms step; prefill moved {r['pp']['host_gbps']:.2f} GB/s")
         for d in r["devices"]:
             print(f"   cuda:{d['index']} layers {d['layers']}: priced {d['priced']:,} B, "
                   f"reserved {d['reserved']:,} B (diff {d['reserved'] - d['priced']:+,}), "

@@ -116,7 +116,9 @@ def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> No
                        lambda t: True)
         line = [r.getMessage() for r in caplog.records if "experts in host memory" in r.message]
         assert len(line) == 1 and "kB moved per token, expert-cache hit rate " in line[0]
-        assert line[0].endswith("%")
+        # the GPU computed every host expert: no CPU time
+        assert line[0].endswith("%, 0.00 ms of CPU compute per token")
+        assert all(h.cpu_s == 0 for h in hosts)
     finally:
         g.close()
 
@@ -239,6 +241,8 @@ def test_both_decodes_on_the_cpu_and_prefills_on_the_gpu(files) -> None:
             row = sum(t[0].nbytes for t in (h.ids, h.x, h.w, h.y))
             # prefill: its ids down, the layer whole; each decode step: its row's traffic
             assert h.moved - moved[layer] == 12 * 2 * 4 + whole + 2 * row
+            assert h.cpu_s > 0  # the decode steps' experts, on the CPU
+        assert st.host_cpu_s() == sum(h.cpu_s for h in hosts)
     finally:
         g.close()
 

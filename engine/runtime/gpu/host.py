@@ -22,6 +22,7 @@ priced scratch, for types without one), and the weighted sum goes back up and on
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -325,6 +326,7 @@ class HostExperts:
         self.cache: SlotCache | None = None
         self.stream: Stream | None = None
         self.moved = 0  # bytes copied between the GPU and host memory
+        self.cpu_s = 0.0  # seconds the CPU spent computing this layer's experts
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
             staging: torch.Tensor, accumulate: bool,
@@ -361,11 +363,13 @@ class HostExperts:
         hx.copy_(x, non_blocking=True)
         hw.copy_(w, non_blocking=True)
         self._wait(x)  # the rows are down
+        t0 = time.perf_counter()
         g, u, d = self.cpu_mats or self.mats
         hp = self.hp
         y = ops.experts(hx.float(), hids.long(), hw, g, u, d, hp.act, hp.swiglu_limit,
                         self.biases)
         hy.copy_(y)
+        self.cpu_s += time.perf_counter() - t0
         staging.copy_(hy, non_blocking=True)
         if accumulate:
             out.add_(staging)

@@ -234,21 +234,25 @@ class GpuSession(ChunkedSession):
         self._log_host(before, stats)
         return stats
 
-    def _host_stats(self) -> tuple[int, int, int]:
-        """(bytes moved between the GPUs and host memory, cache hits, misses) so far."""
+    def _host_stats(self) -> tuple[float, ...]:
+        """(bytes moved between the GPUs and host memory, cache hits, misses, seconds of CPU
+        compute of host experts) so far."""
         st = self.pipe.stages
         return (sum(s.host_moved() for s in st), sum(s.cache_hits()[0] for s in st),
-                sum(s.cache_hits()[1] for s in st))
+                sum(s.cache_hits()[1] for s in st), sum(s.host_cpu_s() for s in st))
 
-    def _log_host(self, before: tuple[int, int, int], stats: GenerationStats) -> None:
-        # experts in host memory: what the reply moved over PCIe and the cache's hit rate
+    def _log_host(self, before: tuple[float, ...], stats: GenerationStats) -> None:
+        # experts in host memory: what the reply moved over PCIe, the cache's hit rate and the
+        # CPU's time computing host experts
         if not any(s.host_layers for s in self.pipe.stages):
             return
-        moved, hits, misses = (a - b for a, b in zip(self._host_stats(), before, strict=True))
+        moved, hits, misses, cpu_s = (
+            a - b for a, b in zip(self._host_stats(), before, strict=True))
         tokens = max(1, stats.prompt_tokens + stats.completion_tokens)
         rate = f"{hits / (hits + misses):.1%}" if hits + misses else "n/a"
-        log.info("experts in host memory: %.1f kB moved per token, expert-cache hit rate %s",
-                 moved / tokens / 1e3, rate)
+        log.info("experts in host memory: %.1f kB moved per token, expert-cache hit rate %s, "
+                 "%.2f ms of CPU compute per token", moved / tokens / 1e3, rate,
+                 cpu_s / tokens * 1e3)
 
     def forward(self, ids: list[int], pos0: int, rows: str = "last",
                 check: bool = False) -> torch.Tensor | None:

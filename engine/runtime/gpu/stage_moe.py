@@ -102,6 +102,10 @@ class MoeLayers:
         """Bytes the stage's host layers have copied between the GPU and host memory."""
         return sum(h.moved for h in self._hosts())
 
+    def host_cpu_s(self) -> float:
+        """Seconds the CPU has spent computing the stage's host layers' experts."""
+        return sum(h.cpu_s for h in self._hosts())
+
     def cache_hits(self) -> tuple[int, int]:
         """(hits, misses) of the stage's expert cache so far."""
         caches = [h.cache for h in self._hosts() if h.cache is not None]
