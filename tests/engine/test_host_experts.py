@@ -60,6 +60,15 @@ def run(sess, prompt: list[int], steps: list[int]) -> list[torch.Tensor]:
     return out
 
 
+def all_in_vram(path: str, prompt: list[int], steps: list[int]) -> list[torch.Tensor]:
+    """`run` on the file with every expert in VRAM: the reference of a host placement."""
+    everything = GpuSession.load(plan(path), devices=[DEV], remember=False)
+    try:
+        return run(everything, prompt, steps)
+    finally:
+        everything.close()
+
+
 # the same weights, sums in another order: the GPU runner's bound against the CPU engine
 # (tests/engine/test_gpu_moe.py, f32 activations); on a GPU bf16 activations
 BOUND = 2e-2 if ON_GPU else 5e-3
@@ -131,11 +140,7 @@ def test_gpt_oss_host_layers_run_from_the_staging_span_with_their_biases(files) 
     expert in VRAM: the same logits and greedy ids."""
     path = files["gpt-oss"]
     prompt, steps = ids(12), ids(2, 1)
-    everything = GpuSession.load(plan(path), devices=[DEV], remember=False)
-    try:
-        ref = run(everything, prompt, steps)
-    finally:
-        everything.close()
+    ref = all_in_vram(path, prompt, steps)
     model_file = GGUFModel.open(path)
     g = GpuSession.load(plan(path, resident=(0,), expert_slots=(2,)), devices=[DEV],
                         remember=False, model=model_file)
@@ -205,11 +210,7 @@ def test_both_decodes_on_the_cpu_and_prefills_on_the_gpu(files) -> None:
     greedy ids."""
     path = files["qwen3moe"]
     prompt, steps = ids(12), ids(2, 1)
-    everything = GpuSession.load(plan(path), devices=[DEV], remember=False)
-    try:
-        ref = run(everything, prompt, steps)
-    finally:
-        everything.close()
+    ref = all_in_vram(path, prompt, steps)
     model_file = GGUFModel.open(path)
     pl = plan(path, resident=(0,), host_compute="both")
     layout = price(pl, model_file)
