@@ -4,7 +4,7 @@ speed (DESIGN.md "Experts in host memory", host_compute "cpu" and "both").
 The file's blocks are what the GPU kernels read, but torch has no CPU product over them: the
 CPU engine's `ops.linear` dequantizes each routed expert to float32 first, which costs about
 forty times the product itself. So a stage whose host layers' experts run on the CPU holds
-each expert tensor in the layout `engine.planning.host.cpu_layout` chose for it:
+each expert tensor in the layout `engine.planning.host.tensor_cpu_layout` chose for it:
 
 - "int4" (Q4_0, Q4_1, Q4_K): the 4-bit values unchanged, packed by torch's own int4 weight
   packer, with one (scale, zero) pair in bf16 per 32 values such that a weight is
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.planning.host import CPU_GROUP, cpu_layout, tensor_cpu_layout
+from engine.planning.host import CPU_GROUP, tensor_cpu_layout
 from engine.runtime.models import ops
 from kernels.dequant import dequantize_to
 from spec import quant_types as qt
@@ -183,8 +183,10 @@ def load_packed(model: Any, name: str, span: torch.Tensor,
     experts at a time (the only temporary: their file bytes), ``check`` (raising) on each run
     of file bytes first. Returns the file bytes read."""
     info = model.tensor(name)
-    cols, rows, n_expert = (int(d) for d in info.shape)
-    m = PackedExperts(name, cpu_layout(info.ggml_type, rows, cols), n_expert, rows, cols, span)
+    m = host_matrix(model, name, span)
+    if not isinstance(m, PackedExperts):
+        raise ValueError(f"{name}: {qt.type_name(info.ggml_type)} has no CPU layout")
+    n_expert = m.n_expert
     one = info.nbytes // n_expert
     buf = torch.empty(min(LOAD_EXPERTS, n_expert) * one, dtype=torch.uint8)
     for first in range(0, n_expert, LOAD_EXPERTS):
@@ -199,9 +201,10 @@ def load_packed(model: Any, name: str, span: torch.Tensor,
     return info.nbytes
 
 
-def host_matrix(model: Any, name: str, span: torch.Tensor, scratch: torch.Tensor
+def host_matrix(model: Any, name: str, span: torch.Tensor, scratch: torch.Tensor | None = None
                 ) -> PackedExperts | ops.QExperts:
-    """Expert tensor ``name`` of a host layer as its CPU layout holds it in ``span``."""
+    """Expert tensor ``name`` of a host layer as its CPU layout holds it in ``span`` (the
+    file's blocks, dequantized into ``scratch``, for a type without one)."""
     info = model.tensor(name)
     cols, rows, n_expert = (int(d) for d in info.shape)  # GGUF order
     layout = tensor_cpu_layout(name, info.ggml_type, (cols, rows, n_expert))
