@@ -9,6 +9,7 @@ torch.cuda.memory_reserved per arena mode; `python -m pytest -q tests/engine/tes
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import io
@@ -71,6 +72,26 @@ def ids(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@contextlib.contextmanager
+def beside_cpu(gpu_plan: Plan, cpu_plan: Plan):
+    """The GPU runner on ``gpu_plan`` and the CPU engine on ``cpu_plan``, both closed after."""
+    g = load(gpu_plan)
+    try:
+        c = Session.load(cpu_plan)
+        try:
+            yield g, c
+        finally:
+            c.close()
+    finally:
+        g.close()
+
+
+def assert_agree(g, c, prompt: list[int], bound: float) -> None:
+    """The prompt's logits and three decode steps after it within ``bound`` of the CPU's."""
+    assert rel(g.logits(prompt), c.logits(prompt)) < bound
+    assert max(decode_errors(g, c, ids(3, 1))[0]) < bound
+
+
 @pytest.fixture
 def watched(monkeypatch):
     """Every arena the GPU runner allocates, as weak references; fail_at=N makes the N-th fail."""
@@ -126,15 +147,8 @@ def test_q8_0_kv_prefill_and_decode_match_the_cpu_engine(tiny) -> None:
     # prefill chunk must see for its own keys as the cache gives them back (as the CPU engine
     # does); 20 tokens in chunks of 8 read earlier chunks back from the cache too
     kw = {"prefill_chunk": 8, "cache_reserve": NO_CACHE, "kv_type": "q8_0"}
-    g = load(plan(tiny, **kw))
-    c = Session.load(plan(tiny, **kw))
-    try:
-        prompt = ids(20)
-        assert rel(g.logits(prompt), c.logits(prompt)) < 2e-3
-        assert max(decode_errors(g, c, ids(3, 1))[0]) < 2e-3
-    finally:
-        g.close()
-        c.close()
+    with beside_cpu(plan(tiny, **kw), plan(tiny, **kw)) as (g, c):
+        assert_agree(g, c, ids(20), 2e-3)
 
 
 # 256-wide rows: every matrix keeps its K type, so q/k/v, the FFN pair, ffn_down, attn_output and
@@ -155,9 +169,8 @@ def all_t(monkeypatch) -> None:
 
 
 def test_t_layout_matrices_match_the_cpu_engine(wide, all_t) -> None:
-    g = load(plan(wide, act_dtype="bf16", logits_rows=12))
-    c = Session.load(plan(wide, logits_rows=12))
-    try:
+    with beside_cpu(plan(wide, act_dtype="bf16", logits_rows=12),
+                    plan(wide, logits_rows=12)) as (g, c):
         (st,) = g.pipe.stages
         want = {f"blk.{i}.{m}" for i in range(2) for m in matrices.T_MATRICES + matrices.QKV}
         assert set(st.tmats) == want | {"output.weight"}
@@ -165,12 +178,7 @@ def test_t_layout_matrices_match_the_cpu_engine(wide, all_t) -> None:
         assert {(ly.attn.fused, ly.ffn.fused) for ly in st.layers} == {("t3", "t_glu")}
         assert all(m.t_bytes is not None for ly in st.layers
                    for m in (*ly.attn.qkv, ly.attn.output, ly.ffn.gate, ly.ffn.up, ly.ffn.down))
-        prompt = ids(20)
-        assert rel(g.logits(prompt), c.logits(prompt)) < 3e-2
-        assert max(decode_errors(g, c, ids(3, 1))[0]) < 3e-2
-    finally:
-        g.close()
-        c.close()
+        assert_agree(g, c, ids(20), 3e-2)
 
 
 @pytest.fixture(scope="module")
@@ -196,16 +204,12 @@ def test_int8_x_decode_matches_the_cpu_engine(wide, wide_q4k, all_t, monkeypatch
     monkeypatch.setattr(gemv_t, "gemv_t_glu", spy("glu", gemv_t.gemv_t_glu, "xq", "out_q"))
     monkeypatch.setattr(gemv_t, "gemv_t", spy("one", gemv_t.gemv_t, "xq"))
     monkeypatch.setattr(gemv_t, "gemv_t3", spy("qkv", gemv_t.gemv_t3, "xq"))
-    g = load(plan(path, act_dtype="bf16", logits_rows=12))
-    c = Session.load(plan(path, logits_rows=12))
-    try:
+    with beside_cpu(plan(path, act_dtype="bf16", logits_rows=12),
+                    plan(path, logits_rows=12)) as (g, c):
         assert g.pipe.stages[0].xq is not None
         errs, _ = decode_errors(g, c, ids(3, 1))
         assert max(errs) < 3e-2
         assert ("glu", True, True) in used and ("one", True) in used and ("qkv", True) in used
-    finally:
-        g.close()
-        c.close()
 
 
 @pytest.mark.parametrize(("mix", "t_type"), [("q2_k", qt.Q2_K), ("iq2_xxs", qt.IQ2_XXS)])
@@ -216,9 +220,8 @@ def test_low_bit_t_matrices_decode_as_the_cpu_engine(tmp_path, all_t, mix, t_typ
     # q and k beside a Q2_K v). (IQ4_XS's T body is slow under the interpreter:
     # tests/kernels/test_gemv_t.py and test_q8x.py check it.)
     path = str(write_model(tmp_path / f"{mix}.gguf", WIDE, mix)[0])
-    g = load(plan(path, act_dtype="bf16", logits_rows=12))
-    c = Session.load(plan(path, logits_rows=12))
-    try:
+    with beside_cpu(plan(path, act_dtype="bf16", logits_rows=12),
+                    plan(path, logits_rows=12)) as (g, c):
         (st,) = g.pipe.stages
         assert st.xq is not None
         assert all(ly.ffn.gate.ggml_type == t_type and ly.ffn.gate.t_bytes is not None
@@ -227,12 +230,7 @@ def test_low_bit_t_matrices_decode_as_the_cpu_engine(tmp_path, all_t, mix, t_typ
         if t_type == qt.IQ2_XXS:
             assert all(ly.ffn.down.t_bytes is not None and ly.attn.fused == "t3"
                        for ly in st.layers)
-        prompt = ids(12)
-        assert rel(g.logits(prompt), c.logits(prompt)) < 3e-2
-        assert max(decode_errors(g, c, ids(3, 1))[0]) < 3e-2
-    finally:
-        g.close()
-        c.close()
+        assert_agree(g, c, ids(12), 3e-2)
 
 
 def test_t_layout_decodes_as_the_gguf_order_kernels(wide, all_t) -> None:
