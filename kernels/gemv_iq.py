@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gemv_t_dot import _dp4a
+from kernels.gemv_t_dot import _dp4a, _pick4
 
 
 @triton.jit
@@ -107,15 +107,7 @@ def _group(wh_ptr, hb, g, TYPE: tl.constexpr):
 @triton.jit
 def _byte(i0, i1, i2, i3, RI: tl.constexpr):
     # index byte RI of the group (two a 16-bit word)
-    if RI // 2 == 0:
-        w = i0
-    elif RI // 2 == 1:
-        w = i1
-    elif RI // 2 == 2:
-        w = i2
-    else:
-        w = i3
-    return (w >> (8 * (RI % 2))) & 255
+    return (_pick4(i0, i1, i2, i3, RI // 2) >> (8 * (RI % 2))) & 255
 
 
 @triton.jit
@@ -130,14 +122,7 @@ def _grid_row(i0, i1, i2, i3, a, b, d, g, RI: tl.constexpr, TYPE: tl.constexpr,
         sgn = _ksigns((a >> (7 * RI)) & 127, ASM)
         db = d * (0.5 + ((a >> 28) & 15).to(tl.float32)) * 0.25
     elif TYPE == 17:  # IQ2_XS: row RI's u16 is word RI
-        if RI == 0:
-            q = i0
-        elif RI == 1:
-            q = i1
-        elif RI == 2:
-            q = i2
-        else:
-            q = i3
+        q = _pick4(i0, i1, i2, i3, RI)
         gi = q & 511
         sgn = _ksigns(q >> 9, ASM)
         db = d * (0.5 + ((a >> (4 * (RI // 2))) & 15).to(tl.float32)) * 0.25

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from kernels.gemv_iq import _h, _step, _word_dot
 from kernels.gemv_t_dot import _dp4a
-from kernels.gemv_t_low import _iq4_values
+from kernels.gemv_t_low import _iq4_table, _iq4_values
 
 
 # --- IQ4_XS: nibbles into the 16-value table by byte permutes (gemv_t_low._iq4_values) ----
@@ -32,11 +32,7 @@ def iq4xs_rows_dot(w_ptr, wh_ptr, g_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes,
     X16: tl.constexpr = xrow.dtype.element_ty == tl.bfloat16 or (
         xrow.dtype.element_ty == tl.float16)
     BF16: tl.constexpr = xrow.dtype.element_ty == tl.bfloat16
-    tw = g_ptr.to(tl.pointer_type(tl.int32))
-    t0 = tl.load(tw)
-    t1 = tl.load(tw + 1)
-    t2 = tl.load(tw + 2)
-    t3 = tl.load(tw + 3)
+    t0, t1, t2, t3 = _iq4_table(g_ptr)
     ww = w_ptr.to(tl.pointer_type(tl.int32))
     if XQ:
         xw = xrow.to(tl.pointer_type(tl.int32))

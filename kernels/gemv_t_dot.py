@@ -15,11 +15,31 @@ import triton.language as tl
 def _nib(w, S: tl.constexpr):
     # nibble at bit S of each word as the float 1 + q/16 (q into the top of the mantissa of 1.0:
     # one shift and one LOP3, no convert); the caller takes the 1 back out per sub-block
-    if S <= 19:
-        v = (w << (19 - S)) & 0x780000
+    return (_bits(w, S, 0xF, 19) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pick4(a0, a1, a2, a3, K: tl.constexpr):
+    # a<K> of four words, K known when compiling (registers cannot be indexed)
+    if K == 0:
+        w = a0
+    elif K == 1:
+        w = a1
+    elif K == 2:
+        w = a2
     else:
-        v = (w >> (S - 19)) & 0x780000
-    return (v | 0x3F800000).to(tl.float32, bitcast=True)
+        w = a3
+    return w
+
+
+@triton.jit
+def _pick8(a0, a1, a2, a3, a4, a5, a6, a7, K: tl.constexpr):
+    # a<K> of eight words, K known when compiling
+    if K < 4:
+        w = _pick4(a0, a1, a2, a3, K)
+    else:
+        w = _pick4(a4, a5, a6, a7, K - 4)
+    return w
 
 
 @triton.jit
@@ -344,14 +364,9 @@ def _q6_q8_group(a0, a1, a2, a3, b0, b1, b2, b3, h0, h1, h2, h3, xw, xd, sw0, sw
     z = a0 * 0
     i0, i1, i2, i3 = z, z, z, z
     for j in tl.static_range(4):
-        if j == 0:
-            a, b, h = a0, b0, h0
-        elif j == 1:
-            a, b, h = a1, b1, h1
-        elif j == 2:
-            a, b, h = a2, b2, h2
-        else:
-            a, b, h = a3, b3, h3
+        a = _pick4(a0, a1, a2, a3, j)
+        b = _pick4(b0, b1, b2, b3, j)
+        h = _pick4(h0, h1, h2, h3, j)
         i0 = _dp4a(_q6_s8(a, h << 4), tl.load(xw + j) + z, i0, ASM, True)
         i1 = _dp4a(_q6_s8(b, h << 2), tl.load(xw + 8 + j) + z, i1, ASM, True)
         i2 = _dp4a(_q6_s8(a >> 4, h), tl.load(xw + 16 + j) + z, i2, ASM, True)

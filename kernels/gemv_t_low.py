@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemv_iq import _ksigns, _signed
-from kernels.gemv_t_dot import _dp4a, _ld8, _sc8, _x4
+from kernels.gemv_t_dot import _bits, _dp4a, _ld8, _pick4, _pick8, _sc8, _x4
 
 
 @triton.jit
@@ -52,6 +52,13 @@ def _prmt(a, b, c, ASM: tl.constexpr):
             byte = tl.where(sel >= 8, (byte >> 7) * 255, byte)
             r = r | (byte << (8 * k))
         return r.to(tl.int32)
+
+
+@triton.jit
+def _iq4_table(tab_ptr):
+    """The 16 int8 values at tab_ptr (4-byte aligned) as the four words `_iq4_values` takes."""
+    tw = tab_ptr.to(tl.pointer_type(tl.int32))
+    return tl.load(tw), tl.load(tw + 1), tl.load(tw + 2), tl.load(tw + 3)
 
 
 @triton.jit
@@ -96,14 +103,8 @@ def _q2_quarter_q8(a0, a1, a2, a3, a4, a5, a6, a7, sw, d, dmin, xq_ptr, xd_ptr, 
     i0 = z
     i1 = z
     for k in tl.static_range(0, 8, 2):
-        if k == 0:
-            wa, wb = a0, a1
-        elif k == 2:
-            wa, wb = a2, a3
-        elif k == 4:
-            wa, wb = a4, a5
-        else:
-            wa, wb = a6, a7
+        wa = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, k)
+        wb = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, k + 1)
         xa, xb = _x64(xq_ptr, xi + k)
         if k == 0:  # x's sums per 16 values: scalars, once per thread whatever its rows
             ones = xa * 0 + 0x01010101
@@ -127,11 +128,7 @@ def _q2_quarter_q8(a0, a1, a2, a3, a4, a5, a6, a7, sw, d, dmin, xq_ptr, xd_ptr, 
 def _q2_val(w, S: tl.constexpr):
     # the 2-bit value at bit S of each word as the float 1 + q/4 (q into the top of the
     # mantissa of 1.0)
-    if S <= 21:
-        v = (w << (21 - S)) & 0x600000
-    else:
-        v = (w >> (S - 21)) & 0x600000
-    return (v | 0x3F800000).to(tl.float32, bitcast=True)
+    return (_bits(w, S, 3, 21) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -144,22 +141,7 @@ def _q2_quarter_f(a0, a1, a2, a3, a4, a5, a6, a7, sw, d, dmin, xp, J: tl.constex
     x0 = 0.0
     x1 = 0.0
     for k in tl.static_range(8):
-        if k == 0:
-            w = a0
-        elif k == 1:
-            w = a1
-        elif k == 2:
-            w = a2
-        elif k == 3:
-            w = a3
-        elif k == 4:
-            w = a4
-        elif k == 5:
-            w = a5
-        elif k == 6:
-            w = a6
-        else:
-            w = a7
+        w = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, k)
         if XV:
             xv = tl.load((xp + 4 * k).to(tl.pointer_type(tl.int64)))
         else:
@@ -233,14 +215,7 @@ def _iq4_sub(q0, q1, q2, q3, t0, t1, t2, t3, dl, xq_ptr, xd_ptr, xi, xp, BLOCK_N
     isum = z
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k in tl.static_range(4):
-        if k == 0:
-            q = q0
-        elif k == 1:
-            q = q1
-        elif k == 2:
-            q = q2
-        else:
-            q = q3
+        q = _pick4(q0, q1, q2, q3, k)
         vl, vh = _iq4_values(q, t0, t1, t2, t3, ASM)  # values 4k.., 16 + 4k..
         if Q8X:
             isum = _dp4a(vl, tl.load(xq_ptr + xi + k), isum, ASM, True)
@@ -265,11 +240,7 @@ def iq4xs_t_dot(wt_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_
                 ASM: tl.constexpr):
     # half a block (4 sub-blocks: 16 qs words, and the d/scales_h and scales_l words) per
     # step; tab_ptr: the 16 int8 values (kernels/lowbit_blocks.lookup_table), 4-byte aligned
-    tw = tab_ptr.to(tl.pointer_type(tl.int32))
-    t0 = tl.load(tw)
-    t1 = tl.load(tw + 1)
-    t2 = tl.load(tw + 2)
-    t3 = tl.load(tw + 3)
+    t0, t1, t2, t3 = _iq4_table(tab_ptr)
     xw = xq_ptr.to(tl.pointer_type(tl.int32))
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -365,14 +336,8 @@ def iq2xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
         t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7
         a0 = a0 + (t & (N >> 31))  # the step's loads issued together
         for j in tl.static_range(4):  # group 4 n + j
-            if j == 0:
-                u, v = a0, a1
-            elif j == 1:
-                u, v = a2, a3
-            elif j == 2:
-                u, v = a4, a5
-            else:
-                u, v = a6, a7
+            u = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, 2 * j)
+            v = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, 2 * j + 1)
             g = 4 * n + j
             acc += _iq2xxs_group(u, v, tab, d, xq_ptr, xd_ptr + b * 8 + g, b * 64 + 8 * g,
                                  x_ptr + b * 256 + 32 * g, BLOCK_N, XV, Q8X, ASM)
@@ -424,14 +389,9 @@ def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
         t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ qh ^ s0 ^ s1 ^ s2 ^ s3 ^ sc
         a0 = a0 + (t & (N >> 31))  # the step's loads issued together
         for j in tl.static_range(4):  # group 4 n + j
-            if j == 0:
-                u, v, sg = a0, a1, s0
-            elif j == 1:
-                u, v, sg = a2, a3, s1
-            elif j == 2:
-                u, v, sg = a4, a5, s2
-            else:
-                u, v, sg = a6, a7, s3
+            u = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, 2 * j)
+            v = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, 2 * j + 1)
+            sg = _pick4(s0, s1, s2, s3, j)
             g = 4 * n + j
             acc += _iq3s_group(u, v, (qh >> (8 * j)) & 255, sg, (sc >> (4 * g)) & 15, tab, d,
                                xq_ptr, xd_ptr + b * 8 + g, b * 64 + 8 * g,
