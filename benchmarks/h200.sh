@@ -18,6 +18,8 @@ else
 fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+echo "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)," \
+    "$(awk '/MemTotal/ {printf "%.0f GiB", $2 / 2^20}' /proc/meminfo)"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 
 # what to run, from the environment (the device command line is short):
@@ -32,9 +34,13 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #                                its byte floor at 7B sizes), run before the benches
 #   MOE=1                        benchmarks.device_check --moe (the mixture-of-experts
 #                                kernels against their byte floors), run before the benches
-#   PLACE="--vram 12 --experts-resident auto;--vram 12 --host-compute cpu"
+#   PLACE="--vram 12 --experts-resident auto;CARVE_HOST_WORKERS=0 --vram 12 --host-compute cpu"
 #                                more `carve bench` runs of the first BENCH shape's file, one per
-#                                ';'-separated argument set (expert placements at a VRAM budget)
+#                                ';'-separated argument set (expert placements at a VRAM budget;
+#                                leading NAME=VALUE words are its environment)
+#   BENCH_PLAIN=0                leave out the BENCH shapes' own runs (PLACE's only)
+#   HOST_EXPERTS="0,2,4,8"       benchmarks.bench_host_experts on this machine's cores with these
+#                                expert-pool sizes, run first (before anything else loads the CPU)
 #   LLAMA="qwen3moe-30b-a3b"     llama-bench built from .whl/llama.cpp.tar.gz (CUDA, sm_90) on
 #                                these shapes' files: pp512 and tg128, flash attention on, once
 #                                per NCMOE value (--n-cpu-moe), each with its peak VRAM
@@ -55,6 +61,10 @@ synth() {  # the synthetic file of shape $1 (SHAPE or SHAPE@MIX), written once p
     fi
     echo "$f"
 }
+if [ -n "${HOST_EXPERTS:-}" ]; then
+    timeout "$step" python3 -m benchmarks.bench_host_experts --layers 6 --tokens 32 \
+        --workers "$HOST_EXPERTS" 2>&1 | tee "$out/host-experts.log"
+fi
 if [ -n "${LLAMA:-}" ]; then  # built in the background while the GPU benches run
     ( mkdir -p /tmp/llama && tar xzf .whl/llama.cpp.tar.gz -C /tmp/llama \
       && cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
@@ -84,6 +94,7 @@ for s in ${SOAK:-}; do
         | tail -30
 done
 for s in ${BENCH:-}; do
+    [ "${BENCH_PLAIN:-1}" = 0 ] && break
     extra=()
     [[ " ${SPLIT:-} " == *" $s "* ]] && extra+=(--compare-split)
     [ "${ENGINE:-0}" = 1 ] && extra+=(--engine)
@@ -102,9 +113,14 @@ if [ -n "${PLACE:-}" ]; then
     for a in "${places[@]}"; do
         i=$((i + 1))
         echo "== carve bench $s $a"
-        # shellcheck disable=SC2086
-        timeout "$step" python3 -m engine.runtime.bench "$f" --depths "" $a \
-            --json "$out/bench-${s//@/-}-place$i.json" 2>&1 | tee "$out/bench-${s//@/-}-place$i.log"
+        read -ra words <<<"$a"
+        envs=()
+        while [[ "${words[0]:-}" == *=* && "${words[0]}" != -* ]]; do
+            envs+=("${words[0]}")
+            words=("${words[@]:1}")
+        done
+        timeout "$step" env "${envs[@]}" python3 -m engine.runtime.bench "$f" --depths "" \
+            "${words[@]}" --json "$out/bench-${s//@/-}-place$i.json" 2>&1 | tee "$out/bench-${s//@/-}-place$i.log"
     done
 fi
 if [ -n "${LLAMA:-}" ]; then

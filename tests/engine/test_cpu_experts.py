@@ -187,3 +187,43 @@ def test_weights_beyond_f16_are_a_load_error_naming_the_tensor(monkeypatch) -> N
     m = PackedExperts("blk.2.ffn_down_exps.weight", "half", n, rows, cols, span)
     m.fill(raw, t, 0)
     assert float(m.dense[1, 0, 0]) == 126976.0  # 127000 rounded to bf16
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_a_pool_computes_the_same_experts_as_one_thread(tokens: int, half) -> None:
+    """Experts computed side by side on the pool's threads sum to what one thread gives,
+    for a decode row and for grouped rows, int4 and half layouts alike."""
+    n, d, f, k = 8, 256, 256, 3
+    mats = []
+    for name, t, rows, cols in (("gate", qt.Q4_K, f, d), ("up", qt.Q4_0, f, d),
+                                ("down", qt.Q6_K, d, f)):
+        raw = _experts(t, n, rows, cols, seed=rows + t)
+        layout = cpu_layout(t, rows, cols)
+        span = torch.empty(cpu_bytes(f"blk.0.ffn_{name}_exps.weight", t, (cols, rows, n),
+                                     raw.numel()), dtype=torch.uint8)
+        m = PackedExperts(name, layout, n, rows, cols, span)
+        m.fill(raw, t, 0)
+        mats.append(m)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, d, generator=g)
+    ids = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, k, generator=g), -1)
+    alone = ops.experts(x, ids, w, *mats, "silu")
+    pool = cpu_experts.expert_pool(3)
+    assert pool is not None and cpu_experts.expert_pool(3) is pool  # made once, kept
+    together = ops.experts(x, ids, w, *mats, "silu", pool=pool)
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+    assert cpu_experts.expert_pool(0) is None
+
+
+def test_the_pool_takes_two_cores_a_worker_or_the_setting(monkeypatch) -> None:
+    monkeypatch.delenv("CARVE_HOST_WORKERS", raising=False)
+    assert cpu_experts.pool_workers(2) == 0  # one worker gains nothing: none
+    assert cpu_experts.pool_workers(3) == 0
+    assert cpu_experts.pool_workers(8) == 4
+    assert cpu_experts.pool_workers(64) == 8  # no more than a row's experts
+    assert cpu_experts.pool_workers(64, k=4) == 4
+    monkeypatch.setenv("CARVE_HOST_WORKERS", "5")
+    assert cpu_experts.pool_workers(2) == 5
+    monkeypatch.setenv("CARVE_HOST_WORKERS", "0")
+    assert cpu_experts.pool_workers(64) == 0

@@ -314,6 +314,12 @@ class HostExperts:
             # copying the chosen experts in, so the GPU takes that layer's decode rows too)
             self.cpu_mats = [cpu_experts.host_matrix(model, n, spans[CPU_PREFIX + n], scratch)
                              for n in names]
+        # a row's experts side by side on a many-core host, when every matrix is in a CPU
+        # layout (the file's blocks dequantize into one shared scratch: one at a time)
+        self.pool = None
+        if self.cpu_mats is not None and all(
+                isinstance(m, cpu_experts.PackedExperts) for m in self.cpu_mats):
+            self.pool = cpu_experts.expert_pool()
         self.biases = None
         self.bias_bytes: list[torch.Tensor] | None = None  # the raw host bytes (the Stream's)
         if p + "ffn_gate_exps.bias" in spans:
@@ -340,7 +346,13 @@ class HostExperts:
         span (``biases`` there too, gpt-oss; else None: the layer's own)."""
         n = x.shape[0]
         hx, hids, hw, hy = self.x[:n], self.ids[:n], self.w[:n], self.y[:n]
+        streamed = self.stream is not None and gpu is not None and (
+            self.cpu_mats is None or n > STREAM_ROWS)  # "both": the CPU takes decode rows
+        on_cpu = not streamed and (self.cache is None or gpu is None)
         hids.copy_(ids, non_blocking=True)
+        if on_cpu:  # the rows come down with the ids: one wait
+            hx.copy_(x, non_blocking=True)
+            hw.copy_(w, non_blocking=True)
         self._wait(x)  # the ids are down
         self.moved += hids.nbytes
         if self.cache is not None and gpu is not None:
@@ -353,21 +365,21 @@ class HostExperts:
                 self.moved += hids.nbytes + self.cache.copied - before
                 gpu(self.cache.views, self.cache.n, ids, None)
                 return
-        if self.stream is not None and gpu is not None and (
-                self.cpu_mats is None or n > STREAM_ROWS):  # "both": the CPU takes decode rows
+        if streamed:
             # prefill reads most experts: the whole layer in one copy per tensor
             chosen = None if n > STREAM_ROWS else sorted(set(hids.reshape(-1).tolist()))
             self.moved += self.stream.fill(chosen)
             gpu(self.stream.views, self.stream.n, ids, self.stream.biases)
             return
-        hx.copy_(x, non_blocking=True)
-        hw.copy_(w, non_blocking=True)
-        self._wait(x)  # the rows are down
+        if not on_cpu:  # the expert cache could not hold them
+            hx.copy_(x, non_blocking=True)
+            hw.copy_(w, non_blocking=True)
+            self._wait(x)  # the rows are down
         t0 = time.perf_counter()
         g, u, d = self.cpu_mats or self.mats
         hp = self.hp
         y = ops.experts(hx.float(), hids.long(), hw, g, u, d, hp.act, hp.swiglu_limit,
-                        self.biases)
+                        self.biases, self.pool)
         hy.copy_(y)
         self.cpu_s += time.perf_counter() - t0
         staging.copy_(hy, non_blocking=True)
