@@ -4,15 +4,12 @@ blocks (dequantized per routed expert, the CPU engine's way) and from the CPU la
 (engine/runtime/models/cpu_experts.py), beside a plain read of the same bytes.
 
     python -m benchmarks.bench_host_experts [--shape qwen3moe-30b-a3b] [--layers 4]
-        [--tokens 64] [--down q4_k,q6_k] [--threads N] [--workers 0,auto]
+        [--tokens 64] [--down q4_k,q6_k] [--threads N]
 
 Each layer is built from random well-formed blocks at the shape's expert sizes (gate and up
 Q4_K, down each type of ``--down``, as llama.cpp's Q4_K_M rule gives half the layers each);
 every token routes to ``n_expert_used`` random experts of the next layer in turn, so the
-bytes come from memory, not cache. The CPU layouts are timed once per ``--workers`` count (a
-row's experts computed side by side on that many threads, `cpu_experts.expert_pool`; 0: one
-after another, each product on every core; auto: the engine's choice). Prints, per layout
-and worker count: milliseconds per layer and token, the
+bytes come from memory, not cache. Prints, per layout: milliseconds per layer and token, the
 bytes a token's experts occupy in that layout, their rate in GB/s and that rate over the
 machine's read rate of a buffer larger than its caches (measured in the same run); then one
 expert tensor's product for one row, k experts at the gate's shape, in each type's CPU layout
@@ -86,25 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens timed per layout")
     ap.add_argument("--down", default="q4_k,q6_k", help="down-projection types, comma-separated")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--workers", default="0,auto", help="expert pool sizes for the CPU "
-                    "layouts, comma-separated (0: none; auto: the engine's choice)")
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
     if shape.n_expert <= 1:
         raise SystemExit(f"--shape {args.shape} has no routed experts")
     if args.threads:
         torch.set_num_threads(args.threads)
-    pools = []
-    for w in dict.fromkeys(v.strip() for v in args.workers.split(",")):
-        n = cpu_experts.pool_workers() if w == "auto" else int(w)
-        if n not in pools:
-            pools.append(n)
     gen = torch.Generator().manual_seed(0)
     k, d = shape.n_expert_used, shape.n_embd
     rate = read_rate()
     print(f"{args.shape}: {shape.n_expert} experts of {shape.n_ff_exp} x {d}, {k} per token; "
           f"{torch.get_num_threads()} threads; memory read {rate:.1f} GB/s")
-    print(f"{'down':<6} {'layout':<30} {'ms/layer':>9} {'MB/token':>9} {'GB/s':>7} "
+    print(f"{'down':<6} {'layout':<22} {'ms/layer':>9} {'MB/token':>9} {'GB/s':>7} "
           f"{'of read':>8} {'rel err':>8}")
     for name in args.down.split(","):
         down = qt.type_id(name.strip().upper())
@@ -114,12 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(args.tokens)]
         w = torch.softmax(torch.randn(args.tokens, 1, k, generator=gen), -1)
         ref = []
-        for how, workers in [("file", 0)] + [("cpu", n) for n in pools]:
-            pool = cpu_experts.expert_pool(workers)
-
-            def step(i: int, how: str = how, pool=pool) -> torch.Tensor:
+        for how in ("file", "cpu"):
+            def step(i: int, how: str = how) -> torch.Tensor:
                 g, u, dn = layers[i % len(layers)][how]
-                return ops.experts(xs[i], ids[i], w[i], g, u, dn, "silu", pool=pool)
+                return ops.experts(xs[i], ids[i], w[i], g, u, dn, "silu")
 
             step(0)
             outs = []
@@ -135,10 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                 err = max(((a - b).norm() / b.norm()).item()
                           for a, b in zip(outs, ref, strict=True))
             label = "file blocks" if how == "file" else "CPU layouts (" + "/".join(
-                getattr(m, "layout", "file") for m in layers[0][how]) + ")" + (
-                f" x{workers}" if workers else "")
+                getattr(m, "layout", "file") for m in layers[0][how]) + ")"
             gbs = nb / ms / 1e6
-            print(f"{name:<6} {label:<30} {ms:9.3f} {nb / 1e6:9.2f} {gbs:7.1f} "
+            print(f"{name:<6} {label:<22} {ms:9.3f} {nb / 1e6:9.2f} {gbs:7.1f} "
                   f"{gbs / rate:8.2f} {err:8.1e}")
     # one expert product of k experts at the gate's shape, the unit llama.cpp's
     # `test-backend-ops perf -o MUL_MAT_ID` times for this model (128 experts, 8 used); the

@@ -1,11 +1,14 @@
 """Every kernel on a GPU against its torch twin at real (Qwen2-7B) shapes, timed against its floor.
 
-    python -m benchmarks.device_check [--quick | --attn | --moe] [--types LIST] [--json FILE]
+    python -m benchmarks.device_check [--quick | --attn | --moe | --moe-host] [--types LIST]
+        [--json FILE]
 
 Prints the measured copy rate and bf16 matmul rate, then one line per kernel (GEMV per type and
 tile, dequantize, RMSNorm, SwiGLU, RoPE, attention decode and prefill over f16 and q8_0 KV
 caches; ``--moe``: the mixture-of-experts kernels alone, decode and prefill at Qwen3-30B-A3B
-and gpt-oss-20b expert shapes): microseconds, its floor (bytes over the copy rate, or FLOPs over the matmul rate), the
+and gpt-oss-20b expert shapes; ``--moe-host``: decode's expert kernels reading experts in
+pinned host memory where they lie, against the host-to-GPU copy rate): microseconds, its
+floor (bytes over the copy rate, or FLOPs over the matmul rate), the
 share of the floor reached and the normalized error against the reference; then the same as a
 Markdown table and the fastest GEMV tile per type (``--json`` writes them to FILE too).
 ``--types`` picks the GEMV / dequantize types (comma-separated names; ``lowbit``: Q2_K, Q3_K,
@@ -99,6 +102,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.device
     ap.add_argument("--attn", action="store_true", help="the attention kernels only")
     ap.add_argument("--moe", action="store_true",
                     help="the mixture-of-experts kernels only (30B-A3B and gpt-oss-20b shapes)")
+    ap.add_argument("--moe-host", action="store_true",
+                    help="decode's expert kernels reading experts in pinned host memory in "
+                         "place, against the host-to-GPU copy rate (30B-A3B shape)")
     ap.add_argument("--json", metavar="FILE", default=None, help="also write the rows to FILE")
     ap.add_argument("--types", metavar="LIST", default=None,
                     help="GEMV/dequantize types only: comma-separated names, or lowbit")
@@ -129,10 +135,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.device
 
     g = torch.Generator(device="cuda")
     g.manual_seed(int(time.time()))
-    if args.moe:
-        from benchmarks.device_check_moe import moe_section  # it imports this module's helpers
+    if args.moe or args.moe_host:
+        # they import this module's helpers
+        from benchmarks.device_check_moe import host_section, moe_section
 
-        moe_section(g, copy_bw, mm_rate, row)
+        (host_section if args.moe_host else moe_section)(g, copy_bw, mm_rate, row)
         _table(rows, best_cfg, args, copy_bw, mm_rate)
         return 0
     if args.attn:

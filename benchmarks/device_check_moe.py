@@ -148,6 +148,85 @@ def moe_section(g, copy_bw, mm_rate, row):
         torch.cuda.empty_cache()
 
 
+def host_section(g, copy_bw, mm_rate, row):
+    """Decode's expert kernels (one row, k of the experts) reading gate, up and down where
+    they lie in pinned host memory (registered with the driver as the GPU runner's host
+    arenas are), each against the bytes it reads over the measured host-to-GPU copy rate;
+    beside them the way a host layer ran before: the chosen experts copied into device
+    memory, then the kernels there. Every tile of EXPERT_TILES for the host reads."""
+    from engine.runtime.gpu.host import new_host_arena, unpin
+    from kernels import moe_decode
+
+    label, ne, k, e, f, gt, dt = MOE_SHAPES[0]
+    tag = f"{label} {qt.type_name(gt)}/{qt.type_name(dt)}"
+    dev = [random_weight(gt, ne * f, e, "cuda", g), random_weight(gt, ne * f, e, "cuda", g),
+           random_weight(dt, ne * e, f, "cuda", g)]
+    arenas, host = [], []
+    for w in dev:
+        buf, pinned = new_host_arena(w.numel(), True)
+        if not pinned:
+            print("pinning refused: no in-place reads to time", flush=True)
+            return
+        arenas.append(buf)
+        buf.copy_(w.view(-1).cpu())
+        host.append(buf.view(w.shape))
+    big, _ = new_host_arena(1 << 30, True)
+    arenas.append(big)
+    to = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    from triton.testing import do_bench
+    ms = do_bench(lambda: to.copy_(big, non_blocking=True), warmup=5, rep=40,
+                  return_mode="median")
+    h2d = (1 << 30) / (ms / 1e3)
+    print(f"# host to GPU copy {h2d / 1e9:.1f} GB/s (1 GiB, registered host memory)", flush=True)
+    to = None
+    per = [w.numel() // ne for w in dev]  # one expert's bytes per matrix
+    x = torch.randn(1, e, device="cuda", generator=g).to(torch.bfloat16)
+    sets = [torch.randperm(ne, device="cuda", generator=g)[:k].view(1, k).to(torch.int32)
+            for _ in range(8)]
+    wts = torch.rand(1, k, device="cuda", generator=g)
+    h = torch.empty(k, f, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(1, e, device="cuda", dtype=torch.bfloat16)
+    cg, cd = moe_decode.expert_config(gt, f, e, "glu"), moe_decode.expert_config(dt, e, f, "down")
+    for where, (gm, um, dm) in (("in VRAM", dev), ("host in place", host)):
+        t = graph_time(lambda i=0: moe_decode.expert_glu(gm, gt, um, gt, ne, x, sets[i], h,
+                                                         config=cg))
+        h.fill_(float("nan"))
+        moe_decode.expert_glu(gm, gt, um, gt, ne, x, sets[0], h, config=cg)
+        ref = moe_decode.expert_glu_ref(dev[0], gt, dev[1], gt, ne, x.float(), sets[0],
+                                        torch.empty(k, f, device="cuda"))
+        floor = 2 * k * per[0] / (copy_bw if where == "in VRAM" else h2d)
+        row(f"moe expert gate/up {where} {tag}", t, floor, nerr(h, ref), f"cfg={cg}")
+        t = graph_time(lambda i=0: moe_decode.expert_down(dm, dt, ne, h, sets[i], wts, y,
+                                                          config=cd))
+        y.fill_(float("nan"))
+        moe_decode.expert_down(dm, dt, ne, h, sets[0], wts, y, config=cd)
+        ref = moe_decode.expert_down_ref(dev[2], dt, ne, h.float(), sets[0], wts,
+                                         torch.empty(1, e, device="cuda"))
+        floor = k * per[2] / (copy_bw if where == "in VRAM" else h2d)
+        row(f"moe expert down {where} {tag}", t, floor, nerr(y, ref), f"cfg={cd}")
+    # the chosen experts copied into device memory first (what a host layer did per token)
+    chosen = sets[0].view(-1).tolist()
+    staged = [torch.empty_like(w) for w in dev]
+    layer_bytes = k * sum(per)
+
+    def copy_in():
+        for src, dst, n in zip(host, staged, per, strict=True):
+            for ex in chosen:
+                dst.view(-1)[ex * n:(ex + 1) * n].copy_(src.view(-1)[ex * n:(ex + 1) * n],
+                                                       non_blocking=True)
+
+    ms = do_bench(copy_in, warmup=5, rep=40, return_mode="median")
+    row(f"moe copy-in of {k} experts {tag}", ms / 1e3, layer_bytes / h2d,
+        note=f"{3 * k} copies")
+    _expert_sweep(f"glu host {tag}", lambda c, i: moe_decode.expert_glu(
+        host[0], gt, host[1], gt, ne, x, sets[i], h, config=c), 2 * k * per[0] / h2d, row)
+    _expert_sweep(f"down host {tag}", lambda c, i: moe_decode.expert_down(
+        host[2], dt, ne, h, sets[i], wts, y, config=c), k * per[2] / h2d, row)
+    host = staged = dev = None
+    for buf in arenas:
+        unpin(buf)
+
+
 # the sweeps' candidates, few enough that --moe stays within a few minutes of compiles
 GROUPED_TILES = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
 EXPERT_TILES = [(1, 16, 1), (2, 16, 2), (4, 16, 4), (8, 16, 4), (16, 16, 8), (32, 16, 8)]

@@ -39,8 +39,10 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #                                ';'-separated argument set (expert placements at a VRAM budget;
 #                                leading NAME=VALUE words are its environment)
 #   BENCH_PLAIN=0                leave out the BENCH shapes' own runs (PLACE's only)
-#   HOST_EXPERTS="0,2,4,8"       benchmarks.bench_host_experts on this machine's cores with these
-#                                expert-pool sizes, run first (before anything else loads the CPU)
+#   HOST_EXPERTS=1               benchmarks.bench_host_experts on this machine's cores, run first
+#                                (before anything else loads the CPU)
+#   MOE_HOST=1                   benchmarks.device_check --moe-host (decode's expert kernels
+#                                reading pinned host memory in place), run before the benches
 #   LLAMA="qwen3moe-30b-a3b"     llama-bench built from .whl/llama.cpp.tar.gz (CUDA, sm_90) on
 #                                these shapes' files: pp512 and tg128, flash attention on, once
 #                                per NCMOE value (--n-cpu-moe), each with its peak VRAM
@@ -61,9 +63,9 @@ synth() {  # the synthetic file of shape $1 (SHAPE or SHAPE@MIX), written once p
     fi
     echo "$f"
 }
-if [ -n "${HOST_EXPERTS:-}" ]; then
-    timeout "$step" python3 -m benchmarks.bench_host_experts --layers 6 --tokens 32 \
-        --workers "$HOST_EXPERTS" 2>&1 | tee "$out/host-experts.log"
+if [ "${HOST_EXPERTS:-0}" = 1 ]; then
+    timeout "$step" python3 -m benchmarks.bench_host_experts --layers 6 --tokens 32 2>&1 \
+        | tee "$out/host-experts.log"
 fi
 if [ -n "${LLAMA:-}" ]; then  # built in the background while the GPU benches run
     ( mkdir -p /tmp/llama && tar xzf .whl/llama.cpp.tar.gz -C /tmp/llama \
@@ -77,6 +79,10 @@ fi
 if [ -n "${KERNELS:-}" ]; then
     timeout "$step" python3 -m benchmarks.device_check --types "$KERNELS" \
         --json "$out/device-check.json" 2>&1 | tee "$out/device-check.log"
+fi
+if [ "${MOE_HOST:-0}" = 1 ]; then
+    timeout "$step" python3 -m benchmarks.device_check --moe-host \
+        --json "$out/device-check-moe-host.json" 2>&1 | tee "$out/device-check-moe-host.log"
 fi
 if [ "${MOE:-0}" = 1 ]; then
     timeout "$step" python3 -m benchmarks.device_check --moe \

@@ -227,7 +227,10 @@ def row_cols(w: torch.Tensor, ggml_type: int) -> int:
 def _table(w: torch.Tensor, ggml_type: int) -> torch.Tensor:
     # the value table of an IQ type (kernels/lowbit_blocks.py); the weight itself, unread,
     # for the types that have none
-    t = lookup_table(ggml_type, w.device)
+    dev = w.device
+    if not w.is_cuda and w.is_pinned():  # pinned host memory a GPU kernel reads in place
+        dev = torch.device("cuda", torch.cuda.current_device())
+    t = lookup_table(ggml_type, dev)
     return w if t is None else t
 
 

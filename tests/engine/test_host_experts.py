@@ -134,10 +134,10 @@ def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> No
 
 def test_gpt_oss_host_layers_run_from_the_staging_span_with_their_biases(files) -> None:
     """gpt-oss (biases on every expert matrix, the clamped SwiGLU): every MoE layer's experts
-    on the host, run on the GPU from the staging span (biased experts take no cache slots),
-    with their biases copied beside them: a prefill of 12 rows copies each layer's tensors
-    and biases whole, a decode step its chosen experts' slices and bias rows. Against every
-    expert in VRAM: the same logits and greedy ids."""
+    on the host, run on the GPU (biased experts take no cache slots): a prefill of 12 rows
+    copies each layer's tensors and biases whole into the staging span, a decode step's
+    kernels read its chosen experts' slices and bias rows where they lie (in place, inside
+    the step's graph). Against every expert in VRAM: the same logits and greedy ids."""
     path = files["gpt-oss"]
     prompt, steps = ids(12), ids(2, 1)
     ref = all_in_vram(path, prompt, steps)
@@ -150,7 +150,8 @@ def test_gpt_oss_host_layers_run_from_the_staging_span_with_their_biases(files) 
                  if getattr(la.ffn, "host", None) is not None}
         assert len(hosts) == 2
         assert all(h.cache is None and h.stream is not None and h.stream.biases
-                   for h in hosts.values())
+                   and h.in_place is not None and h.in_place_biases for h in hosts.values())
+        assert not st.pieces  # decode is one step again: no layer waits on the host
         moved = {i: h.moved for i, h in hosts.items()}
         got = run(g, prompt, steps)
         errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
@@ -165,8 +166,44 @@ def test_gpt_oss_host_layers_run_from_the_staging_span_with_their_biases(files) 
                         if t.layer == layer and "_exps." in t.name)
             assert any(t.layer == layer and t.name.endswith("_exps.bias")
                        for t in model_file.tensors)
-            # the ids down (4 bytes each), then the layer whole; each decode step its k experts
-            assert h.moved - moved[layer] == 12 * k * 4 + whole + 2 * (k * 4 + k * whole // ne)
+            # the ids down (4 bytes each), then the layer whole; each decode step reads its k
+            # experts' slices and bias rows
+            assert h.moved - moved[layer] == 12 * k * 4 + whole + 2 * (k * whole // ne)
+    finally:
+        g.close()
+
+
+def test_decode_reads_host_experts_in_place_inside_one_graph(files) -> None:
+    """qwen3moe, layer 1's experts on the host, no cache slots: decode's expert kernels read
+    the routed experts in host memory where they lie (pinned, mapped into the GPU's address
+    space; host memory itself under the interpreter), so the step is one graph on a GPU and
+    no piece waits on the host; a prefill of 12 rows still copies the layer whole. The same
+    logits and greedy ids as every expert in VRAM, and each decode step counts k experts'
+    bytes read."""
+    path = files["qwen3moe"]
+    prompt, steps = ids(12), ids(3, 1)
+    ref = all_in_vram(path, prompt, steps)
+    model_file = GGUFModel.open(path)
+    g = GpuSession.load(plan(path, resident=(1,)), devices=[DEV], remember=False,
+                        model=model_file)
+    try:
+        st = g.pipe.stages[0]
+        (h,) = [la.ffn.host for la in st.layers if getattr(la.ffn, "host", None) is not None]
+        assert h.in_place is not None and h.cache is None and h.in_place_biases is None
+        assert st.eager_hosts() == set() and not st.pieces
+        assert (st.graph is not None) == ON_GPU
+        whole = sum(t.nbytes for t in model_file.tensors
+                    if t.layer == 1 and t.name.endswith("_exps.weight"))
+        k, ne = g.hp.n_expert_used, g.hp.n_expert
+        assert h.row_bytes == k * whole // ne
+        moved = h.moved
+        got = run(g, prompt, steps)
+        errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
+        print(f"host experts read in place vs VRAM: rel errors "
+              f"{', '.join(f'{e:.1e}' for e in errs)}")
+        assert max(errs) < BOUND
+        assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in ref]
+        assert h.moved - moved == 12 * k * 4 + whole + len(steps) * k * whole // ne
     finally:
         g.close()
 

@@ -258,19 +258,31 @@ class Stream:
 
 
 def host_experts(hp: Any, model: Any, spans: dict[str, torch.Tensor],
-                 layers: list[int], host_compute: str = "gpu") -> dict[int, HostExperts]:
+                 layers: list[int], host_compute: str = "gpu", mapped: bool = False
+                 ) -> dict[int, HostExperts]:
     """The stage's host layers, each with its share of the expert cache (the span
     "expert_cache" [slots, slot bytes], split evenly in layer order, at most n_expert slots a
     layer; none for experts with biases, whose slots would need their bias rows too: those
-    run from the staging span)."""
+    run from the staging span). ``mapped`` (pinned host arenas, a CUDA stage): with
+    host_compute "gpu", a layer without slots has decode's kernels read its routed experts in
+    host memory where they lie (`HostExperts.in_place`)."""
     out = {i: HostExperts(hp, model, spans, i, host_compute) for i in layers}
     stream = spans.get("expert_stream")
     if stream is not None:
         for h in out.values():
             h.stream = Stream(stream, h.mats, h.bias_bytes)
     cache = spans.get("expert_cache")
-    if cache is None or not layers:
-        return out
+    if cache is not None and layers:
+        _share_slots(hp, out, layers, cache)
+    if mapped and host_compute == "gpu":
+        for h in out.values():
+            if h.cache is None:
+                h.read_in_place()
+    return out
+
+
+def _share_slots(hp: Any, out: dict[int, HostExperts], layers: list[int],
+                 cache: torch.Tensor) -> None:
     slots, slot_bytes = cache.shape
     flat = cache.reshape(-1)
     start = 0
@@ -281,7 +293,6 @@ def host_experts(hp: Any, model: Any, spans: dict[str, torch.Tensor],
             h.cache = SlotCache(flat[start * slot_bytes:(start + n) * slot_bytes],
                                 min(n, hp.n_expert), h.mats)
         start += n
-    return out
 
 
 class HostExperts:
@@ -314,12 +325,6 @@ class HostExperts:
             # copying the chosen experts in, so the GPU takes that layer's decode rows too)
             self.cpu_mats = [cpu_experts.host_matrix(model, n, spans[CPU_PREFIX + n], scratch)
                              for n in names]
-        # a row's experts side by side on a many-core host, when every matrix is in a CPU
-        # layout (the file's blocks dequantize into one shared scratch: one at a time)
-        self.pool = None
-        if self.cpu_mats is not None and all(
-                isinstance(m, cpu_experts.PackedExperts) for m in self.cpu_mats):
-            self.pool = cpu_experts.expert_pool()
         self.biases = None
         self.bias_bytes: list[torch.Tensor] | None = None  # the raw host bytes (the Stream's)
         if p + "ffn_gate_exps.bias" in spans:
@@ -331,8 +336,27 @@ class HostExperts:
         self.w, self.y = spans["hbuf.w"], spans["hbuf.y"]
         self.cache: SlotCache | None = None
         self.stream: Stream | None = None
+        # decode's kernels read the routed experts in pinned host memory over PCIe, inside the
+        # step's graph (`read_in_place`): the matrices as [n_expert * rows, bytes per row]
+        # views of the host spans, their biases, and the bytes one row's experts read
+        self.in_place: list[torch.Tensor] | None = None
+        self.in_place_biases: list[torch.Tensor] | None = None
+        self.row_bytes = 0
         self.moved = 0  # bytes copied between the GPU and host memory
         self.cpu_s = 0.0  # seconds the CPU spent computing this layer's experts
+
+    def read_in_place(self) -> None:
+        """Have decode's kernels read this layer's experts where they lie: host memory the
+        driver has pinned is mapped into the GPU's address space, so a kernel reads only the
+        routed experts' bytes over PCIe, with no copy, no wait on the host and no break in
+        the step's graph (prefill chunks still copy the layer whole: they read most
+        experts)."""
+        self.in_place = [m.raw.view(m.n_expert * m.rows, -1) for m in self.mats]
+        if self.bias_bytes is not None:
+            self.in_place_biases = [b.view(torch.float32) for b in self.bias_bytes]
+        k = self.hp.n_expert_used
+        self.row_bytes = k * sum(m.raw.numel() // m.n_expert for m in self.mats) + k * sum(
+            b.numel() // self.hp.n_expert for b in self.bias_bytes or [])
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
             staging: torch.Tensor, accumulate: bool,
@@ -379,7 +403,7 @@ class HostExperts:
         g, u, d = self.cpu_mats or self.mats
         hp = self.hp
         y = ops.experts(hx.float(), hids.long(), hw, g, u, d, hp.act, hp.swiglu_limit,
-                        self.biases, self.pool)
+                        self.biases)
         hy.copy_(y)
         self.cpu_s += time.perf_counter() - t0
         staging.copy_(hy, non_blocking=True)

@@ -129,8 +129,11 @@ class Layer:
     ffn: Ffn | Experts
 
 
-def packed(model: Any, spans: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, int]:
-    """Matrix ``name``'s span as [rows, bytes per row], and its GGUF type."""
+def packed(model: Any, spans: dict[str, torch.Tensor], name: str, meta: bool = False
+           ) -> tuple[torch.Tensor, int]:
+    """Matrix ``name``'s span as [rows, bytes per row], and its GGUF type. ``meta``: a tensor
+    of that shape on the meta device instead (host experts the CPU computes from its own
+    layout: the GPU never reads them, and a launch on one fails loudly)."""
     info = model.tensor(name)
     raw = spans.get(name)
     if raw is None:
@@ -138,6 +141,9 @@ def packed(model: Any, spans: dict[str, torch.Tensor], name: str) -> tuple[torch
     rows = 1
     for d in info.shape[1:]:  # a 3-D expert tensor: every expert's rows, expert after expert
         rows *= d
+    if meta:
+        return torch.empty(rows, info.nbytes // rows, dtype=torch.uint8,
+                           device="meta"), info.ggml_type
     return raw.view(rows, -1), info.ggml_type
 
 
@@ -149,8 +155,11 @@ class LayerBuilder:
     def __init__(self, hp: Any, model: Any, spans: dict[str, torch.Tensor], ctx: int,
                  on_cuda: bool, options: RunnerOptions, xq: tuple | None,
                  rope_scale: float, yarn: tuple[torch.Tensor | None, float] = (None, 1.0),
-                 ) -> None:
+                 cpu_layers: frozenset[int] = frozenset()) -> None:
         self.hp, self.model, self.spans, self.ctx = hp, model, spans, ctx
+        # layers whose routed experts the CPU computes from its own layouts (host_compute
+        # "cpu"): their spans hold those, so the GPU's matrices are shapes only (`packed`)
+        self.cpu_layers = cpu_layers
         self.on_cuda, self.options, self.xq, self.rope_scale = on_cuda, options, xq, rope_scale
         self.rope_dim = getattr(hp, "rope_dim", 0) or hp.head_dim
         self.yarn = yarn  # (frequencies in buf.yarn_freqs, cos/sin scale) or (None, 1.0)
@@ -290,7 +299,8 @@ class LayerBuilder:
     def experts(self, i: int) -> Experts:
         """A mixture-of-experts layer's FFN: router, routed experts, shared expert (glm4moe)."""
         hp, p = self.hp, f"blk.{i}."
-        mats = [self._expert_matrix(p + f"ffn_{n}_exps") for n in ("gate", "up", "down")]
+        mats = [self._expert_matrix(p + f"ffn_{n}_exps", i in self.cpu_layers)
+                for n in ("gate", "up", "down")]
         shared = None
         if hp.n_expert_shared:
             gate, up = self.matrix(p + "ffn_gate_shexp.weight"), self.matrix(p + "ffn_up_shexp.weight")
@@ -307,8 +317,8 @@ class LayerBuilder:
                        down_config=self._expert_config(mats[2], hp.n_embd, "down"),
                        shared=shared)
 
-    def _expert_matrix(self, stem: str) -> Matrix:
-        w, t = packed(self.model, self.spans, stem + ".weight")
+    def _expert_matrix(self, stem: str, meta: bool = False) -> Matrix:
+        w, t = packed(self.model, self.spans, stem + ".weight", meta)
         return Matrix(stem + ".weight", t, w, None, None, self.vec(stem + ".bias"), None)
 
     def _expert_config(self, m: Matrix, rows: int, part: str) -> tuple[int, ...]:

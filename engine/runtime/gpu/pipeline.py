@@ -126,7 +126,8 @@ class GpuPipeline:
                 t.zero_()
         plan = self.layout.plan
         stage = GpuStage(self.hp, self.model, dl, spans, dev, plan.ctx, plan.prefill_chunk,
-                         self.options, plan.host_compute)
+                         self.options, plan.host_compute,
+                         all(p for _, p in self.host_arenas[host:]))
         self.stages.append(stage)
         timeline.mark(f"{dev}: stage built")
         t0 = time.perf_counter()

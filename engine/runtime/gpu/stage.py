@@ -91,7 +91,8 @@ def allocate(dl: Any, device: torch.device | str, arenas: list[torch.Tensor] | N
 class GpuStage(MoeLayers, DecodeGraph):
     def __init__(self, hp: Any, model: Any, dl: Any, spans: dict[str, torch.Tensor],
                  device: torch.device | str, ctx: int, chunk: int,
-                 options: RunnerOptions = RunnerOptions(), host_compute: str = "gpu") -> None:
+                 options: RunnerOptions = RunnerOptions(), host_compute: str = "gpu",
+                 host_pinned: bool = False) -> None:
         if hp.arch not in ARCHS:
             raise CarveError(f"the GPU stage runs {', '.join(ARCHS)} models; {hp.arch} runs on "
                              f"the CPU engine for now")
@@ -120,13 +121,18 @@ class GpuStage(MoeLayers, DecodeGraph):
         self._graphs: list[torch.cuda.CUDAGraph] = []
         self._buffers(spans)
         self.xq = self._int8_x(options)
+        # the layers whose experts the plan keeps in host memory (engine/runtime/gpu/host.py)
+        self.host_layers = host_layers(dl)
         build = LayerBuilder(hp, model, spans, ctx, self.on_cuda, options, self.xq,
-                             self.rope_scale, self._yarn() if yarn else (None, 1.0))
+                             self.rope_scale, self._yarn() if yarn else (None, 1.0),
+                             frozenset(self.host_layers if host_compute == "cpu" else ()))
         self.tmats = build.tmats  # the matrices in the T layout (fill_dequant_cache repacks)
         self.layers: list[Layer] = [build.layer(i) for i in range(self.lb, self.le)]
-        # the layers whose experts the plan keeps in host memory: the CPU runs those
-        self.host_layers = host_layers(dl)
-        hosts = host_experts(hp, model, spans, sorted(self.host_layers), host_compute)
+        # host_pinned: the host arenas are registered with the driver, so decode's kernels can
+        # read a host layer's experts where they lie (host_compute "gpu", no cache slots);
+        # under the interpreter they read host memory anyway
+        hosts = host_experts(hp, model, spans, sorted(self.host_layers), host_compute,
+                             host_pinned or not self.on_cuda)
         for layer in self.layers:
             if layer.index in hosts:
                 layer.ffn.host = hosts[layer.index]

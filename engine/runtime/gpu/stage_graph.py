@@ -41,7 +41,7 @@ class DecodeGraph:
 
     def decode_eager(self) -> None:
         """One decode step as `capture` runs it before capturing (host layers' pieces too)."""
-        for _, run in (self._decode_pieces() if self.host_layers else
+        for _, run in (self._decode_pieces() if self.eager_hosts() else
                        [(True, self.decode_step)]):
             run()
 
@@ -58,7 +58,7 @@ class DecodeGraph:
         with host layers (their experts wait on the host) captures the stretches between them,
         one graph each, and replay runs the host layers' experts eagerly in between (on the
         CPU the same pieces, all eager)."""
-        pieces = self._decode_pieces() if self.host_layers else []
+        pieces = self._decode_pieces() if self.eager_hosts() else []
         if not self.on_cuda:
             self.pieces = [run for _, run in pieces]
             return
@@ -88,7 +88,8 @@ class DecodeGraph:
         """decode_step as pieces run in order, each (graphable, run): the stretch up to each
         host layer's routing, that layer's experts (eager: they wait on the host), and the
         stretch after the last one through the head, the sampler and the position."""
-        hosts = [p for p, la in enumerate(self.layers) if la.index in self.host_layers]
+        eager = self.eager_hosts()
+        hosts = [p for p, la in enumerate(self.layers) if la.index in eager]
         out: list[tuple[bool, Callable[[], None]]] = []
         start = 0
         for p in hosts:
@@ -129,5 +130,9 @@ class DecodeGraph:
                 run()
         elif self.graph is None:
             self.decode_step()
+            return
         else:
             self.graph.replay()
+        for h in self._hosts():  # what the graph's in-place reads of host experts moved
+            if h.in_place is not None:
+                h.moved += h.row_bytes

@@ -44,6 +44,13 @@ class MoeLayers:
         """The routed experts of the routing in buf.moe_ids / moe_w onto proj."""
         b, n = self.buf, a.n
         ids, w = b["moe_ids"][:n], b["moe_w"][:n]
+        if f.host is not None and f.host.in_place is not None and n <= GEMV_ROWS:
+            # decode's rows: the kernels read the routed experts in pinned host memory
+            self._routed(f, f.host.in_place, self.hp.n_expert, ids, w, a,
+                         f.host.in_place_biases)
+            if not self.capturing():  # a graph's replays count theirs (`replay`)
+                f.host.moved += n * f.host.row_bytes
+            return
         if f.host is not None:  # experts in host memory: routed here, run from the expert
             # cache's slots, the staging span or by the CPU (engine/runtime/gpu/host.py)
             f.host.run(a.normed, ids, w, a.proj, b["moe_out"][:n], f.shared is not None,
@@ -113,3 +120,12 @@ class MoeLayers:
 
     def _hosts(self) -> list[Any]:
         return [la.ffn.host for la in self.layers if getattr(la.ffn, "host", None) is not None]
+
+    def eager_hosts(self) -> set[int]:
+        """The host layers whose decode waits on the host (expert cache, CPU compute): the
+        step's graph breaks around them. Layers read in place stay inside it."""
+        return {la.index for la in self.layers
+                if getattr(la.ffn, "host", None) is not None and la.ffn.host.in_place is None}
+
+    def capturing(self) -> bool:
+        return self.on_cuda and torch.cuda.is_current_stream_capturing()

@@ -28,11 +28,8 @@ Per expert matrix the span holds, for "int4", the experts' packed values one aft
 from __future__ import annotations
 
 import math
-import os
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,37 +48,6 @@ LOAD_EXPERTS = 8
 _HALF: list[torch.dtype] = []
 # f16 must beat bf16 by this factor to be chosen (bf16 needs no scaling of x)
 HALF_MARGIN = 0.8
-# threads per worker of the expert pool (`expert_pool`): a row's experts run side by side, each
-# product on this many cores
-POOL_THREADS = 2
-_POOL: dict[int, ThreadPoolExecutor | None] = {}
-_POOL_LOCK = threading.Lock()
-
-
-def pool_workers(threads: int | None = None, k: int = 8) -> int:
-    """How many experts of a row the CPU computes side by side: ``CARVE_HOST_WORKERS`` when
-    set (0: one after another, each product on every core), else one per POOL_THREADS of
-    torch's threads, at most k; 0 below two workers (a few cores gain nothing from it)."""
-    env = os.environ.get("CARVE_HOST_WORKERS", "").strip()
-    if env:
-        return max(0, int(env))
-    n = min(k, (threads or torch.get_num_threads()) // POOL_THREADS)
-    return n if n >= 2 else 0
-
-
-def expert_pool(workers: int | None = None) -> ThreadPoolExecutor | None:
-    """The process's pool of ``workers`` threads (default `pool_workers`) that compute host
-    experts, each thread's torch ops on its share of torch's threads; None for 0 workers.
-    Made once per worker count and kept (its threads idle between steps)."""
-    n = pool_workers() if workers is None else workers
-    if n <= 0:
-        return None
-    with _POOL_LOCK:
-        if n not in _POOL:
-            each = max(1, torch.get_num_threads() // n)
-            _POOL[n] = ThreadPoolExecutor(n, thread_name_prefix="carve-experts",
-                                          initializer=torch.set_num_threads, initargs=(each,))
-        return _POOL[n]
 
 
 def half_dtype() -> torch.dtype:

@@ -9,7 +9,6 @@ Shapes: T tokens, H query heads, K key/value heads, D head dim, S key positions.
 
 from __future__ import annotations
 
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -85,20 +84,17 @@ def _dequant_rows(w: QWeight, r0: int, r1: int, out: torch.Tensor | None) -> tor
     return dequantize_to(raw, w.ggml_type, (w.cols, r1 - r0), dtype, out=out)
 
 
-# [(source tensor, its cast)]: q/k/v and gate/up share an input. One tuple, swapped whole, so
-# that threads computing experts side by side (`experts`' pool) never pair one x with another's
-# cast
-_last_cast: list = [(None, None)]
+_last_cast: list = [None, None]  # (source tensor, its cast): q/k/v and gate/up share an input
 
 
 def _as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if x.dtype == dtype:
         return x
-    src, cast = _last_cast[0]
+    src, cast = _last_cast
     if src is x and cast.dtype == dtype:
         return cast
     cast = x.to(dtype)
-    _last_cast[0] = (x, cast)
+    _last_cast[0], _last_cast[1] = x, cast
     return cast
 
 
@@ -322,7 +318,6 @@ def experts(
     act: str,
     limit: float = 0.0,
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    pool: Executor | None = None,
 ) -> torch.Tensor:
     """The routed experts' FFN: sum over each token's k experts e of
     weights[t, j] * down_e(glu(gate_e x_t, up_e x_t)) -> [T, n_embd] in x's dtype.
@@ -331,9 +326,7 @@ def experts(
     matrices are `QExperts` or anything with its ``n_expert`` and ``product(e, x)``
     (`cpu_experts.PackedExperts`, host experts in a CPU layout).
     ``limit`` > 0 takes gpt-oss's clamped SwiGLU; ``biases`` (gate, up, down) [E, rows] are
-    added to each expert's products (gpt-oss). ``pool``: the experts are computed on its
-    threads, one task each, and summed here in the same order (many-core hosts: a row's
-    experts in parallel rather than each product spread thin over every core)."""
+    added to each expert's products (gpt-oss)."""
     t, k = ids.shape
     w = weights.reshape(-1).float()
     out = torch.zeros(t, down.rows, dtype=torch.float32, device=x.device)
@@ -349,29 +342,21 @@ def experts(
     if t == 1 and x.device.type == "cpu":
         # one row (decode on the host): its k experts in expert order, as the grouping below
         # sums them, without the per-expert gathers (a fifth of a host layer's time on 2 cores)
-        picks = sorted(zip(ids.reshape(-1).tolist(), range(k), strict=True))
-        ys = _run(pool, lambda p: expert(p[0], x) * w[p[1]], picks)
-        for y in ys:
-            out.add_(y)
+        for e, j in sorted(zip(ids.reshape(-1).tolist(), range(k), strict=True)):
+            out.add_(expert(e, x) * w[j])
         return out.to(x.dtype)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # routed slots grouped by expert
     counts = torch.bincount(flat, minlength=gate.n_expert).tolist()
-    groups, start = [], 0
+    start = 0
     for e, n in enumerate(counts):
-        if n:
-            slots = order[start : start + n]
-            groups.append((e, slots // k, slots))  # the tokens routed to e, their slots
-            start += n
-    ys = _run(pool, lambda g: expert(g[0], x[g[1]]) * w[g[2]].unsqueeze(1), groups)
-    for (_, rows, _), y in zip(groups, ys, strict=True):
-        out.index_add_(0, rows, y)
+        if not n:
+            continue
+        slots = order[start : start + n]
+        start += n
+        rows = slots // k  # the tokens routed to e
+        out.index_add_(0, rows, expert(e, x[rows]) * w[slots].unsqueeze(1))
     return out.to(x.dtype)
-
-
-def _run(pool: Executor | None, fn: Any, items: list) -> Any:
-    """fn over items, in order: on ``pool``'s threads when there is one."""
-    return map(fn, items) if pool is None else pool.map(fn, items)
 
 
 TORCH_OPS = SimpleNamespace(
