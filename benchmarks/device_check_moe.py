@@ -218,6 +218,26 @@ def host_section(g, copy_bw, mm_rate, row):
     ms = do_bench(copy_in, warmup=5, rep=40, return_mode="median")
     row(f"moe copy-in of {k} experts {tag}", ms / 1e3, layer_bytes / h2d,
         note=f"{3 * k} copies")
+    # the same experts gathered on the GPU (ids on the device, in a graph), then the kernels
+    # in VRAM: what a host layer's decode runs now (HostExperts.gather)
+    t = graph_time(lambda i=0: moe_decode.gather_experts(host, staged, ne, sets[i]))
+    for w, s_ in zip(dev, staged, strict=True):  # the last replay's experts, byte for byte
+        n = w.numel() // ne
+        for ex in sets[7].view(-1).tolist():
+            assert torch.equal(w.view(-1)[ex * n:(ex + 1) * n], s_.view(-1)[ex * n:(ex + 1) * n])
+    row(f"moe gather of {k} experts {tag}", t, layer_bytes / h2d, note="3 launches")
+
+    def gathered(i=0):
+        moe_decode.gather_experts(host, staged, ne, sets[i])
+        moe_decode.expert_glu(staged[0], gt, staged[1], gt, ne, x, sets[i], h, config=cg)
+        moe_decode.expert_down(staged[2], dt, ne, h, sets[i], wts, y, config=cd)
+
+    def direct(i=0):
+        moe_decode.expert_glu(host[0], gt, host[1], gt, ne, x, sets[i], h, config=cg)
+        moe_decode.expert_down(host[2], dt, ne, h, sets[i], wts, y, config=cd)
+
+    row(f"moe host layer gathered {tag}", graph_time(gathered), layer_bytes / h2d)
+    row(f"moe host layer read directly {tag}", graph_time(direct), layer_bytes / h2d)
     _expert_sweep(f"glu host {tag}", lambda c, i: moe_decode.expert_glu(
         host[0], gt, host[1], gt, ne, x, sets[i], h, config=c), 2 * k * per[0] / h2d, row)
     _expert_sweep(f"down host {tag}", lambda c, i: moe_decode.expert_down(

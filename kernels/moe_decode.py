@@ -200,3 +200,38 @@ def expert_down_ref(down, ggml_type, n_expert, h, ids, weights, out, bias=None,
         out[i] = acc.to(out.dtype)
     return out
 
+
+
+# --- experts in host memory ------------------------------------------------------------------
+GATHER_BLOCK = 4096  # words a gather program copies (16 KiB of int32)
+
+
+@triton.jit
+def _gather_kernel(src_ptr, dst_ptr, ids_ptr, per, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)  # the ids are the routing kernel's
+    c = tl.program_id(0)
+    e = tl.load(ids_ptr + tl.program_id(1)).to(tl.int64)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < per
+    v = tl.load(src_ptr + e * per + offs, mask=mask)
+    tl.store(dst_ptr + e * per + offs, v, mask=mask)
+
+
+def gather_experts(srcs: list[torch.Tensor], dsts: list[torch.Tensor], n_expert: int,
+                   ids: torch.Tensor, use_pdl: bool = True) -> None:
+    """Copy the experts ``ids`` (int32 [M, k], on the device) of each expert tensor in
+    ``srcs`` (in host memory the GPU can read: pinned and mapped) to the same place of its
+    twin in ``dsts`` (device memory of the same size): expert e's bytes at e * (bytes /
+    n_expert). Wide sequential reads, so the bytes cross PCIe near the copy engines' rate,
+    with the ids read on the device (no host sync: a decode graph holds it). An expert
+    chosen by two rows is copied twice to the same place."""
+    n = ids.numel()
+    for src, dst in zip(srcs, dsts, strict=True):
+        s, d = src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
+        if s.numel() != d.numel() or s.numel() % n_expert:
+            raise ValueError("gather_experts: a source and its twin differ, or split unevenly")
+        per = s.numel() // n_expert  # bytes an expert
+        if per % 4 == 0 and s.data_ptr() % 4 == 0 and d.data_ptr() % 4 == 0:
+            s, d, per = s.view(torch.int32), d.view(torch.int32), per // 4
+        grid = (triton.cdiv(per, GATHER_BLOCK), n)
+        _gather_kernel[grid](s, d, ids, per, BLOCK=GATHER_BLOCK, **pdl.opts(d, use_pdl))

@@ -173,13 +173,15 @@ def test_gpt_oss_host_layers_run_from_the_staging_span_with_their_biases(files) 
         g.close()
 
 
-def test_decode_reads_host_experts_in_place_inside_one_graph(files) -> None:
-    """qwen3moe, layer 1's experts on the host, no cache slots: decode's expert kernels read
-    the routed experts in host memory where they lie (pinned, mapped into the GPU's address
-    space; host memory itself under the interpreter), so the step is one graph on a GPU and
-    no piece waits on the host; a prefill of 12 rows still copies the layer whole. The same
-    logits and greedy ids as every expert in VRAM, and each decode step counts k experts'
-    bytes read."""
+@pytest.mark.parametrize("read", ["gather", "direct"])
+def test_decode_reads_host_experts_in_place_inside_one_graph(files, read, monkeypatch) -> None:
+    """qwen3moe, layer 1's experts on the host, no cache slots: decode reads the routed
+    experts in host memory where they lie (pinned, mapped into the GPU's address space; host
+    memory itself under the interpreter), gathered into the staging span by a kernel or read
+    by the expert kernels themselves, so the step is one graph on a GPU and no piece waits on
+    the host; a prefill of 12 rows still copies the layer whole. The same logits and greedy
+    ids as every expert in VRAM, and each decode step counts k experts' bytes read."""
+    monkeypatch.setenv("CARVE_HOST_READ", read)
     path = files["qwen3moe"]
     prompt, steps = ids(12), ids(3, 1)
     ref = all_in_vram(path, prompt, steps)
@@ -190,6 +192,7 @@ def test_decode_reads_host_experts_in_place_inside_one_graph(files) -> None:
         st = g.pipe.stages[0]
         (h,) = [la.ffn.host for la in st.layers if getattr(la.ffn, "host", None) is not None]
         assert h.in_place is not None and h.cache is None and h.in_place_biases is None
+        assert h.gather == (read == "gather")
         assert st.eager_hosts() == set() and not st.pieces
         assert (st.graph is not None) == ON_GPU
         whole = sum(t.nbytes for t in model_file.tensors

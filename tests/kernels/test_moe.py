@@ -141,6 +141,32 @@ def test_expert_glu_gpt_oss_biases_and_clamped_swiglu(seed):
     assert nerr(loose, ref) > 1e-3
 
 
+def test_gather_experts_copies_only_the_routed_experts_to_their_places(seed):
+    """Decode's gather of host experts: each routed expert's bytes of every tensor (words,
+    and a tensor whose experts are not whole words) land at that expert's place in the
+    twin; no other byte of the twin is written. From pinned host memory on a GPU."""
+    g = generator(seed)
+    n_expert = 6
+    pin = str(DEVICE).startswith("cuda")
+    srcs = [torch.randint(0, 256, (n_expert * 40, 36), dtype=torch.uint8, generator=g),
+            torch.randint(0, 256, (n_expert * 3,), dtype=torch.uint8, generator=g),
+            torch.randn(n_expert * 8, generator=g)]  # float32 biases
+    srcs = [t.pin_memory() if pin else t for t in srcs]
+    dsts = [torch.full_like(t, 7, device=DEVICE) for t in srcs]
+    ids = torch.tensor([[4, 1], [1, 3]], dtype=torch.int32, device=DEVICE)
+    moe_decode.gather_experts(srcs, dsts, n_expert, ids)
+    chosen = {4, 1, 3}
+    for src, dst in zip(srcs, dsts, strict=True):
+        s, d = src.reshape(n_expert, -1), dst.reshape(n_expert, -1).cpu()
+        for e in range(n_expert):
+            if e in chosen:
+                assert torch.equal(d[e], s[e])
+            else:
+                assert bool((d[e] == 7).all())
+    with pytest.raises(ValueError):
+        moe_decode.gather_experts([srcs[1]], [dsts[1][:-1]], n_expert, ids)
+
+
 def test_sort_routes_groups_rows_by_expert(seed):
     g = generator(seed)
     n_expert, k = 6, 2

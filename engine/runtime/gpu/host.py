@@ -22,6 +22,7 @@ priced scratch, for types without one), and the weighted sum goes back up and on
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -342,6 +343,9 @@ class HostExperts:
         self.in_place: list[torch.Tensor] | None = None
         self.in_place_biases: list[torch.Tensor] | None = None
         self.row_bytes = 0
+        # decode's in-place reads as a gather into the staging span first (wide sequential
+        # reads), then the expert kernels there; else the kernels read host memory themselves
+        self.gather = False
         self.moved = 0  # bytes copied between the GPU and host memory
         self.cpu_s = 0.0  # seconds the CPU spent computing this layer's experts
 
@@ -354,6 +358,9 @@ class HostExperts:
         self.in_place = [m.raw.view(m.n_expert * m.rows, -1) for m in self.mats]
         if self.bias_bytes is not None:
             self.in_place_biases = [b.view(torch.float32) for b in self.bias_bytes]
+        # CARVE_HOST_READ=direct: the expert kernels read host memory themselves
+        self.gather = (self.stream is not None
+                       and os.environ.get("CARVE_HOST_READ", "gather") != "direct")
         k = self.hp.n_expert_used
         self.row_bytes = k * sum(m.raw.numel() // m.n_expert for m in self.mats) + k * sum(
             b.numel() // self.hp.n_expert for b in self.bias_bytes or [])

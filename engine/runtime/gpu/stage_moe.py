@@ -44,12 +44,20 @@ class MoeLayers:
         """The routed experts of the routing in buf.moe_ids / moe_w onto proj."""
         b, n = self.buf, a.n
         ids, w = b["moe_ids"][:n], b["moe_w"][:n]
-        if f.host is not None and f.host.in_place is not None and n <= GEMV_ROWS:
-            # decode's rows: the kernels read the routed experts in pinned host memory
-            self._routed(f, f.host.in_place, self.hp.n_expert, ids, w, a,
-                         f.host.in_place_biases)
+        h = f.host
+        if h is not None and h.in_place is not None and n <= GEMV_ROWS:
+            # decode's rows: the routed experts read in pinned host memory, gathered into the
+            # staging span first (the kernels then run there) or by the kernels themselves
+            if h.gather:
+                st = h.stream
+                moe_decode.gather_experts(h.in_place + (h.bias_bytes or []),
+                                          st.views + [v for _, v in st.bias_pairs],
+                                          self.hp.n_expert, ids, use_pdl=self.pdl)
+                self._routed(f, st.views, self.hp.n_expert, ids, w, a, st.biases)
+            else:
+                self._routed(f, h.in_place, self.hp.n_expert, ids, w, a, h.in_place_biases)
             if not self.capturing():  # a graph's replays count theirs (`replay`)
-                f.host.moved += n * f.host.row_bytes
+                h.moved += n * h.row_bytes
             return
         if f.host is not None:  # experts in host memory: routed here, run from the expert
             # cache's slots, the staging span or by the CPU (engine/runtime/gpu/host.py)
