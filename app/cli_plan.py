@@ -106,9 +106,10 @@ def add_expert_args(p: argparse.ArgumentParser) -> None:
         "--host-compute",
         default="gpu",
         choices=HOST_COMPUTE,
-        help="where experts in host memory run: gpu (copied over PCIe through a staging span "
-        "of one layer's experts), cpu (computed in host memory, from the CPU's own layouts) or "
-        "both (the CPU decodes, prefill copies them to the GPU; host memory holds both forms)",
+        help="where experts in host memory run: gpu (decode gathers the routed ones over "
+        "PCIe, prefill copies a layer's whole, into a staging span), cpu (computed in host "
+        "memory, from the CPU's own layouts) or both (the CPU decodes, prefill copies them "
+        "to the GPU; host memory holds both forms)",
     )
 
 
@@ -274,7 +275,7 @@ def render(layout: Layout, model: Any, note: str) -> str:
 
 
 # how a placement line says where host experts run (Plan.host_compute)
-HOST_RUN = {"gpu": "copied to the GPU over PCIe when routed",
+HOST_RUN = {"gpu": "read by the GPU over PCIe when routed",
             "cpu": "computed by the CPU, in its own layouts",
             "both": "computed by the CPU for decode (in its own layouts, beside the file's "
                     "bytes), copied to the GPU for prefill"}

@@ -27,7 +27,7 @@ from engine.planning.rules import MIB, MIN_CTX, ArenaKind, ArenaMode, KvType, pa
 from spec.errors import CarveError
 
 # the host-compute choices: (shown, Plan.host_compute)
-HOST_CHOICES = (("GPU (copied in when routed)", "gpu"), ("CPU (where they lie)", "cpu"),
+HOST_CHOICES = (("GPU (read over PCIe when routed)", "gpu"), ("CPU (where they lie)", "cpu"),
                 ("Both (CPU decodes, GPU prefills)", "both"))
 
 
@@ -91,8 +91,9 @@ class LaunchSettings(QWidget):
         for text, where in HOST_CHOICES:
             self.host_combo.addItem(text, where)
         self.host_combo.setToolTip(
-            "Experts kept in host memory: copied to the GPU over PCIe when routed (prefill "
-            "moves whole layers fast), computed by this machine's CPU where they lie (decode "
+            "Experts kept in host memory: read by the GPU over PCIe when routed (decode "
+            "gathers only the chosen experts, prefill moves whole layers; usually the fastest), "
+            "computed by this machine's CPU where they lie (decode "
             "moves no experts over PCIe; they are held in the CPU's own layouts, which can take "
             "more host RAM than the file), or both: the CPU decodes and prefill copies them to "
             "the GPU (host memory holds both forms)")
