@@ -20,6 +20,7 @@ import os
 import sys
 from typing import Any, NoReturn
 
+from engine.planning.host import PCIE_SHARE
 from engine.planning.layout import Layout, human
 from engine.planning.plan import HOST_COMPUTE
 from engine.planning.rules import (
@@ -281,6 +282,21 @@ HOST_RUN = {"gpu": "read by the GPU over PCIe when routed",
                     "bytes), copied to the GPU for prefill"}
 
 
+def pcie_line(device: Any, nbytes: int) -> str:
+    """What a decode token reads over ``device``'s PCIe link (host experts the GPU computes),
+    and the most tokens/s that allows at the share of the link the gather reaches: with
+    experts in host memory, PCIe is what bounds decode."""
+    if not nbytes:
+        return ""
+    line = (f"{device.label}: decode reads {human(nbytes)} of experts per token from host "
+            "memory over PCIe")
+    if not device.pcie_gbps:
+        return line + " (the link's rate is not known here)"
+    rate = device.pcie_gbps * PCIE_SHARE
+    return (line + f", the bottleneck: at most ~{rate * 1e9 / nbytes:.0f} tokens/s at "
+            f"~{rate:.0f} GB/s ({PCIE_SHARE:.0%} of its {device.pcie_gbps:.0f} GB/s link)")
+
+
 def host_lines(layout: Layout, model: Any) -> list[str]:
     """Where each GPU keeps its experts, and the host line: Carve's pinned bytes against the
     host's available RAM, with its verdict and, when it does not fit, why."""
@@ -291,10 +307,13 @@ def host_lines(layout: Layout, model: Any) -> list[str]:
 
     out = []
     plan = layout.plan
+    from engine.planning.stage import decode_pcie_bytes, stage_key
+
+    idx = model_index(model)
     for i, d in enumerate(layout.devices):
         if not d.host:
             continue
-        moe = len(model_index(model).moe_layers(*d.layers))
+        moe = len(idx.moe_layers(*d.layers))
         kept = plan.resident(i)
         out.append(
             f"{d.device.label}: experts of {kept} of its {moe} MoE layers in VRAM (its first), "
@@ -302,6 +321,9 @@ def host_lines(layout: Layout, model: Any) -> list[str]:
             f"{human(d.terms.get('host_buffers', 0))} of transfer buffers), "
             + HOST_RUN[plan.host_compute]
         )
+        line = pcie_line(d.device, decode_pcie_bytes(idx, stage_key(plan, i)))
+        if line:
+            out.append(line)
     dev = host.device
     avail = "stated" if dev.simulated else "available now"
     out.append(

@@ -27,6 +27,7 @@ class DeviceSpec:
     simulated: bool = False
     reserve: int = 0  # bytes the user keeps free on this device (display, other apps)
     used_by_others: int = 0  # bytes other processes hold now (already outside `free`)
+    pcie_gbps: float = 0.0  # the host link's rate each way (PCIe generation x lanes); 0: unknown
 
     @property
     def is_cpu(self) -> bool:
@@ -69,6 +70,7 @@ class DeviceSnapshot:
     utilization: int | None  # percent, GPU core
     memory_utilization: int | None  # percent, memory controller
     processes: tuple[ProcessUse, ...] = ()
+    pcie_gbps: float = 0.0  # the host link's rate each way (`pcie_rate`); 0: unknown
 
     def used_by_others(self, own_pids: frozenset[int] = frozenset()) -> int:
         """Bytes held by processes not in `own_pids` (the visible ones only)."""
@@ -86,7 +88,24 @@ class DeviceSnapshot:
             uuid=self.uuid,
             reserve=reserve,
             used_by_others=self.used_by_others(own_pids),
+            pcie_gbps=self.pcie_gbps,
         )
+
+
+# GB/s one PCIe lane carries each way, by generation, after its line encoding
+PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+
+
+def pcie_rate(nvml: Any, h: Any) -> float:
+    """GB/s each way of the link between the host and GPU ``h``: the highest PCIe generation
+    and width the GPU and its slot both support (an idle GPU drops its current link to save
+    power, so the current one says little); 0 where NVML does not say."""
+    try:
+        gen = int(nvml.nvmlDeviceGetMaxPcieLinkGeneration(h))
+        width = int(nvml.nvmlDeviceGetMaxPcieLinkWidth(h))
+    except Exception:  # noqa: BLE001 - not supported here (or an older binding): unknown
+        return 0.0
+    return PCIE_LANE_GBPS.get(gen, 0.0) * max(width, 0)
 
 
 def _text(value: Any) -> str:
@@ -131,7 +150,8 @@ class NvmlMonitor:
         self._nvml = nvml
         self._lock = threading.Lock()
         self._handles: list[Any] | None = None
-        self._static: list[tuple[str, str, str]] = []  # name, uuid, pci bus id per NVML index
+        # name, uuid, pci bus id, host link GB/s per NVML index
+        self._static: list[tuple[str, str, str, float]] = []
         self._cuda: list[int] = []
         self._v2 = True
         self.reason = ""
@@ -157,7 +177,8 @@ class NvmlMonitor:
                 pci = nvml.nvmlDeviceGetPciInfo(h)
                 bus = _text(getattr(pci, "busId", "") or getattr(pci, "busIdLegacy", ""))
                 static.append(
-                    (_text(nvml.nvmlDeviceGetName(h)), _text(nvml.nvmlDeviceGetUUID(h)), bus)
+                    (_text(nvml.nvmlDeviceGetName(h)), _text(nvml.nvmlDeviceGetUUID(h)), bus,
+                     pcie_rate(nvml, h))
                 )
         # Library missing, driver missing, broken or mismatched: "no GPU" is a state the GUI
         # shows, never a crash, whatever the binding raises.
@@ -212,7 +233,7 @@ class NvmlMonitor:
             nvml = self._nvml
             out = []
             for i, h in enumerate(self._handles or []):
-                name, uuid, bus = self._static[i]
+                name, uuid, bus, link = self._static[i]
                 try:
                     total, free, used, reserved = self._memory(h)
                 except (
@@ -244,6 +265,7 @@ class NvmlMonitor:
                         utilization=util,
                         memory_utilization=mem_util,
                         processes=self._processes(h),
+                        pcie_gbps=link,
                     )
                 )
             return out

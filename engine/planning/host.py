@@ -20,6 +20,11 @@ from spec import quant_types as qt
 # the arenas a GPU stage allocates in host memory (pinned) rather than on its device
 HOST_PURPOSES = ("host_experts", "host_buffers")
 
+# The share of a GPU's PCIe link rate (DeviceSpec.pcie_gbps) decode's gather of host experts
+# reaches: on an H200's PCIe 5.0 x16 (63 GB/s) host-to-GPU copies ran at 53-55 GB/s and the
+# gather at 90 % of that (2026-12-02, `benchmarks.device_check --moe-host`)
+PCIE_SHARE = 0.78
+
 # How a stage holds a host layer's expert tensor whose experts the CPU computes (host_compute
 # "cpu"; engine.runtime.models.cpu_experts): "int4" keeps the 4-bit values with a bf16 (scale,
 # zero) pair per CPU_GROUP values, "half" holds each weight dequantized once to a 16-bit float

@@ -203,6 +203,19 @@ def host_cut(idx: ModelIndex, k: StageKey) -> int:
     return k.hi if k.device.is_cpu else idx.host_cut(k.lo, k.hi, k.resident)
 
 
+def decode_pcie_bytes(idx: ModelIndex, k: StageKey) -> int:
+    """Bytes of experts one decode token reads over PCIe on this stage: the n_expert_used
+    routed experts of each host layer, weights and biases (host_compute "gpu"; an upper bound
+    with cache slots, whose hits read nothing); 0 where the CPU computes them (only the rows
+    cross then)."""
+    if k.host_compute != "gpu" or k.device.is_cpu:
+        return 0
+    hp = idx.hp
+    raw = idx.expert_raw_prefix
+    return sum((raw[i + 1] - raw[i]) // hp.n_expert * hp.n_expert_used
+               for i in idx.moe_layers(host_cut(idx, k), k.hi))
+
+
 def slot_bytes(idx: ModelIndex, k: StageKey) -> int:
     """One expert-cache slot: the stage's largest expert (gate, up and down of one layer)."""
     return max(idx.expert_slot[k.lo : k.hi], default=0)

@@ -119,6 +119,33 @@ def test_snapshot_reads_v2_memory_processes_and_maps_cuda_order(
         and spec.reserve == MIB
     )
     assert mon.driver == "580.65.06" and mon.reason == ""
+    # a binding without the PCIe link calls: the link's rate is unknown, nothing else changes
+    assert spec.pcie_gbps == 0.0
+
+
+def test_the_host_link_rate_is_the_max_generation_times_width() -> None:
+    """The GPU's host link (each way): the highest PCIe generation and width the GPU and its
+    slot both support, read once; a GPU whose driver does not say gets 0 (unknown)."""
+    nvml = fake_nvml(two_gpus())
+    link = {0: (4, 16), 1: (5, 8)}
+    asked = []
+
+    def gen(h: int) -> int:
+        asked.append(h)
+        if h not in link:
+            raise FakeNVMLError("Not Supported")
+        return link[h][0]
+
+    nvml.nvmlDeviceGetMaxPcieLinkGeneration = gen
+    nvml.nvmlDeviceGetMaxPcieLinkWidth = lambda h: link[h][1]
+    mon = NvmlMonitor(nvml)  # type: ignore[arg-type]
+    for _ in range(3):
+        snaps = mon.snapshot()
+    assert sorted(asked) == [0, 1]  # static: read when NVML opens, not every poll
+    assert [round(s.pcie_gbps, 2) for s in snaps] == [31.5, 31.5]  # 4.0 x16; 5.0 x8
+    assert snaps[0].to_spec().pcie_gbps == snaps[0].pcie_gbps
+    del link[1]
+    assert devices.pcie_rate(nvml, 1) == 0.0
 
 
 def test_nvml_is_initialised_once_for_many_polls() -> None:

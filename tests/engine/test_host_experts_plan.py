@@ -239,3 +239,42 @@ def test_carve_plan_json_and_text_show_the_host_line_and_cache(synth_model, caps
     assert all(d["terms"]["expert_cache"] > 0 for d in data["devices"])
     assert plan_main(["plan", path, "--experts-resident", "x"]) == 2
     assert "--experts-resident: cannot read 'x'" in capsys.readouterr().err
+
+
+def test_decode_reads_its_routed_host_experts_over_pcie_and_the_plan_says_so(synth_model,
+                                                                             capsys) -> None:
+    """A GPU stage whose host experts the GPU computes reads, per decode token, k of each
+    host layer's experts over PCIe (weights and biases, the file's bytes); one whose CPU
+    computes them reads none. `carve plan` says so per GPU, with the most tokens/s that
+    allows where the link's rate is known, and says the rate is unknown on a stated card."""
+    from app.cli_plan import pcie_line
+    from engine.planning.host import PCIE_SHARE
+    from engine.planning.stage import decode_pcie_bytes
+
+    path = str(synth_model("qwen3moe-tiny"))
+    model = GGUFModel.open(path)
+    idx = model_index(model)
+    hp = idx.hp
+    pl = Plan(model=path, devices=(gpu(0, 4096),), split=(0, 4), ctx=256,
+              experts_resident=(1,), host=HOST)
+    moe = idx.moe_layers(0, 4)
+    host = moe[1:]
+    want = sum(t.nbytes for t in model.tensors if t.layer in host and is_expert(t.name)
+               ) // hp.n_expert * hp.n_expert_used
+    assert want > 0 and decode_pcie_bytes(idx, stage_key(pl, 0)) == want
+    assert decode_pcie_bytes(idx, stage_key(replace(pl, host_compute="cpu"), 0)) == 0
+    assert decode_pcie_bytes(idx, stage_key(replace(pl, experts_resident=(len(moe),)), 0)) == 0
+    card = gpu(0, 4096)
+    assert pcie_line(card, 0) == ""
+    assert pcie_line(card, want).endswith("over PCIe (the link's rate is not known here)")
+    fast = replace(card, pcie_gbps=63.0)
+    line = pcie_line(fast, 100_000_000)
+    rate = 63.0 * PCIE_SHARE
+    assert f"at most ~{rate * 10:.0f} tokens/s" in line and "of its 63 GB/s link" in line
+    assert plan_main(["plan", path, "--gpus", "4GiB", "--experts-resident", "1",
+                      "--host-ram", "2GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU 0: decode reads " in out and "of experts per token from host memory" in out
+    assert plan_main(["plan", path, "--gpus", "4GiB", "--experts-resident", "1",
+                      "--host-ram", "2GiB", "--host-compute", "cpu"]) == 0
+    assert "decode reads" not in capsys.readouterr().out
