@@ -119,6 +119,7 @@ class GpuStage(MoeLayers, DecodeGraph):
         # with host layers: decode's pieces (graph replays and eager host layers) and graphs
         self.pieces: list[Callable[[], None]] = []
         self._graphs: list[torch.cuda.CUDAGraph] = []
+        self.in_place_hosts: list = []  # host layers decode reads in place (set by capture)
         self._buffers(spans)
         self.xq = self._int8_x(options)
         # the layers whose experts the plan keeps in host memory (engine/runtime/gpu/host.py)
@@ -471,7 +472,7 @@ class GpuStage(MoeLayers, DecodeGraph):
         """Drop every view into the arenas this stage holds (and its graph), so that freeing
         the arenas frees the memory."""
         self.graph = None
-        self.pieces, self._graphs = [], []
+        self.pieces, self._graphs, self.in_place_hosts = [], [], []
         if self.buf.get("lookup") is not None:
             lowbit_blocks.uninstall_tables(self.buf["lookup"])
         self.scan_flags = None

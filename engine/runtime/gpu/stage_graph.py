@@ -59,6 +59,8 @@ class DecodeGraph:
         one graph each, and replay runs the host layers' experts eagerly in between (on the
         CPU the same pieces, all eager)."""
         pieces = self._decode_pieces() if self.eager_hosts() else []
+        # the host layers whose experts a replay reads in place (it counts their bytes)
+        self.in_place_hosts = [h for h in self._hosts() if h.in_place is not None]
         if not self.on_cuda:
             self.pieces = [run for _, run in pieces]
             return
@@ -133,6 +135,5 @@ class DecodeGraph:
             return
         else:
             self.graph.replay()
-        for h in self._hosts():  # what the graph's in-place reads of host experts moved
-            if h.in_place is not None:
-                h.moved += h.row_bytes
+        for h in self.in_place_hosts:  # what the graph's in-place reads of host experts moved
+            h.moved += h.row_bytes
