@@ -1,6 +1,8 @@
 """The split editor: the model's layers as a strip, one coloured segment per GPU, boundaries that
 drag. Mirrors ``PlanModel``: a dragged line writes its raw position to ``set_boundary``; the model
-snaps it to a whole layer and re-prices; the view then shows the snapped value.
+snaps it to a whole layer and re-prices; the view then shows the snapped value. A MoE model
+shows, per GPU, the layers whose experts live in host memory as a strip along the bottom, with
+a dashed line at their start that drags the same way (``set_host_cut``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from PySide6.QtWidgets import (
 from app.models.plan_model import PlanModel
 from app.theme import Theme, stage_color
 from app.widgets.static_plot import static_plot
+
+HOST_STRIP = 0.28  # the host strip's height, of the strip's
+HOST_LINE_SPAN = 0.45  # the dashed lines' height, of the strip's
 
 
 class SplitEditor(QWidget):
@@ -43,6 +48,12 @@ class SplitEditor(QWidget):
         self.even_button.clicked.connect(self._on_even)
         self.hint = QLabel("Drag a boundary to move layers between GPUs · ←/→ nudge the selected "
                            "boundary (Shift: 5 layers) · ↑/↓ select another")
+        # a MoE model: per GPU, the layers whose experts live in host memory (a strip along the
+        # bottom) and a dashed line at their start that drags
+        self.host_hint = QLabel("Dashed line: where a GPU's layers start keeping their experts "
+                                "in host memory (the strip below); drag it to keep more or fewer "
+                                "in VRAM")
+        self.host_hint.setObjectName("muted")
         self.hint.setObjectName("muted")
         self.use_label = QLabel("Use GPU")
         self.use_label.setObjectName("muted")
@@ -57,11 +68,16 @@ class SplitEditor(QWidget):
         pi.addItem(self.stages)
         self.ticks = pg.PlotDataItem(connect="pairs")  # thin marks at every layer boundary
         pi.addItem(self.ticks)
+        self.hosts = pg.BarGraphItem(x0=[0], width=[0], y0=[0], height=[HOST_STRIP],
+                                     brushes=["#888"])
+        self.hosts.setZValue(2)
+        pi.addItem(self.hosts)
         # no model: a sentence in place of the strip, and no layer axis with nothing on it
         self.placeholder = pg.TextItem("Open a model to see its layers split between the GPUs",
                                        anchor=(0.5, 0.5), color=theme.muted)
         pi.addItem(self.placeholder)
         self._lines: list[pg.InfiniteLine] = []
+        self._host_lines: list[pg.InfiniteLine] = []  # one per stage (hidden without experts)
         self._labels: list[pg.TextItem] = []
         self._syncing = False
 
@@ -79,10 +95,12 @@ class SplitEditor(QWidget):
         layout.addLayout(top)
         layout.addWidget(self.plot)
         layout.addWidget(self.hint)
+        layout.addWidget(self.host_hint)
 
         model.events.split.connect(self._on_split)
         model.events.devices.connect(self._on_devices)
         model.events.model.connect(lambda *_: self._on_split())
+        model.events.layout.connect(lambda *_: self._on_hosts())
         self._on_devices()
 
     def apply_theme(self, theme: Theme) -> None:
@@ -157,14 +175,46 @@ class SplitEditor(QWidget):
             wide = n * px_per_layer >= 70  # room for the long label, else just the GPU number
             label.setText(f"{name}\n{split[k]}–{split[k + 1] - 1} ({n})" if wide
                           else str(dev.index))
-            label.setPos((split[k] + split[k + 1]) / 2, 0.5)
+            # above the host strip and its dashed line where the stage has one
+            up = self.model.host_cut(k) is not None
+            label.setPos((split[k] + split[k + 1]) / 2, 0.66 if up else 0.5)
         pi.setRange(xRange=(0, max(1, n_layer)), yRange=(0, 1), padding=0.01)
+        self._on_hosts()
+
+    def _on_hosts(self) -> None:
+        """The host strips and dashed lines from the priced plan (Auto's placement included)."""
+        split = self.model.split
+        n_stage = len(self._labels)
+        cuts = [self.model.host_cut(i) for i in range(n_stage)] if n_stage else []
+        x0, width = [], []
+        self._syncing = True
+        try:
+            for i, line in enumerate(self._host_lines):
+                cut = cuts[i] if i < len(cuts) else None
+                line.setVisible(cut is not None)
+                if cut is None:
+                    continue
+                moe = self.model.moe_layers(i)
+                line.setBounds((moe[0], split[i + 1]))
+                if line.value() != cut:
+                    line.setValue(cut)
+                if cut < split[i + 1]:
+                    x0.append(cut)
+                    width.append(split[i + 1] - cut)
+        finally:
+            self._syncing = False
+        self.host_hint.setVisible(any(c is not None for c in cuts))
+        colour = self.theme.terms.get("host_experts", self.theme.muted)
+        self.hosts.setOpts(x0=x0 or [0], width=width or [0], y0=[0] * max(1, len(x0)),
+                           height=[HOST_STRIP] * max(1, len(x0)),
+                           brushes=[colour] * max(1, len(x0)),
+                           pens=[pg.mkPen(None)] * max(1, len(x0)))
 
     def _rebuild_lines(self, n_stage: int) -> None:
         pi = self.plot.getPlotItem()
-        for item in self._lines + self._labels:
+        for item in self._lines + self._labels + self._host_lines:
             pi.removeItem(item)
-        self._lines, self._labels = [], []
+        self._lines, self._labels, self._host_lines = [], [], []
         for i in range(1, n_stage):
             line = pg.InfiniteLine(pos=0, angle=90, movable=True, pen=self._line_pen(False),
                                    hoverPen=pg.mkPen(self.theme.text, width=5))
@@ -174,11 +224,24 @@ class SplitEditor(QWidget):
             line.sigClicked.connect(lambda *_, i=i: self._select(i))
             pi.addItem(line)
             self._lines.append(line)
-        for _ in range(n_stage):
+        for i in range(n_stage):
             label = pg.TextItem(anchor=(0.5, 0.5), color="#ffffff")
             label.setZValue(5)
             pi.addItem(label)
             self._labels.append(label)
+            # over the boundaries' lower part: a cut at a stage's end is still grabbed here
+            host = pg.InfiniteLine(pos=0, angle=90, movable=True, span=(0, HOST_LINE_SPAN),
+                                   pen=pg.mkPen(self.theme.text, width=3,
+                                                style=Qt.PenStyle.DashLine),
+                                   hoverPen=pg.mkPen(self.theme.text, width=5))
+            host.setZValue(11)
+            host.setCursor(Qt.CursorShape.SizeHorCursor)
+            host.setToolTip("drag: the layers right of this line keep their experts in host "
+                            "memory")
+            host.sigPositionChanged.connect(lambda ln, i=i: self._on_host_moved(i, ln))
+            host.setVisible(False)
+            pi.addItem(host)
+            self._host_lines.append(host)
         self.selected = min(max(1, self.selected), max(1, n_stage - 1))
 
     def _line_pen(self, selected: bool) -> pg.QtGui.QPen:
@@ -191,6 +254,17 @@ class SplitEditor(QWidget):
         self.selected = i
         snapped = self.model.set_boundary(i, line.value())
         if line.value() != snapped:  # show the snapped layer, not the raw cursor position
+            self._syncing = True
+            try:
+                line.setValue(snapped)
+            finally:
+                self._syncing = False
+
+    def _on_host_moved(self, i: int, line: pg.InfiniteLine) -> None:
+        if self._syncing:
+            return
+        snapped = self.model.set_host_cut(i, line.value())
+        if line.value() != snapped:  # the cut sits on a whole MoE layer
             self._syncing = True
             try:
                 line.setValue(snapped)

@@ -152,3 +152,48 @@ def test_host_experts_computed_by_the_cpu_from_the_window(qtbot, plan) -> None:
     assert lay.plan.host_compute == "both" and not settings.slots_spin.isEnabled()
     assert lay.devices[0].terms["expert_cache"] > 0 and lay.plan.expert_slots == ()
     assert "computed by the CPU for decode" in fit.advice.text()
+
+
+def test_the_split_strip_drags_where_a_gpus_experts_go_to_host_memory(qtbot, plan) -> None:
+    """The split editor shows Auto's placement: a dashed line at the first layer whose
+    experts live in host memory, a strip from there to the stage's end; dragging the line
+    snaps to a whole MoE layer and sets that GPU's count, which the fit check then prices.
+    The fit check names PCIe as decode's bottleneck with the bytes per token."""
+    from app.widgets.split_editor import HOST_STRIP, SplitEditor
+
+    ed, fit = SplitEditor(plan, LIGHT), FitCheck(plan, LIGHT)
+    qtbot.addWidget(ed)
+    qtbot.addWidget(fit)
+    ed.show()
+    (line,) = ed._host_lines
+    assert line.isVisible() and line.value() == 23 and ed.host_hint.isVisible()
+    opts = ed.hosts.opts
+    assert list(opts["x0"]) == [23] and list(opts["width"]) == [25]
+    assert list(opts["height"]) == [HOST_STRIP]
+    assert "GPU 0: decode reads " in fit.advice.text()
+    assert "over PCIe (the link's rate is not known here)" in fit.advice.text()  # a stated card
+    line.setValue(30.4)  # as a drag does: the cut snaps to layer 30
+    assert plan.experts_resident == (30,) and line.value() == 30
+    assert plan.layout.plan.experts_resident == (30,) and list(ed.hosts.opts["x0"]) == [30]
+    assert "experts of 30 of its 48 MoE layers in VRAM" in fit.advice.text()
+    line.setValue(60)  # past the stage's end: every layer's experts in VRAM, no strip
+    assert plan.experts_resident == (48,) and line.value() == 48
+    assert list(ed.hosts.opts["width"]) == [0]
+    plan.set_experts_resident(None)  # Auto again: the line follows
+    assert line.value() == 23
+
+
+def test_a_dense_model_has_no_host_line(qtbot) -> None:
+    from app.widgets.split_editor import SplitEditor
+
+    m = PlanModel()
+    gguf = HeaderModel(SHAPES["qwen2-0.5b"])
+    m.set_model(gguf, HParams.from_model(gguf))
+    m.set_devices([DeviceSpec(0, "card", 12 * GIB, 12 * GIB - 615 * MIB, simulated=True)])
+    ed = SplitEditor(m, LIGHT)
+    qtbot.addWidget(ed)
+    ed.show()
+    assert not any(ln.isVisible() for ln in ed._host_lines) and not ed.host_hint.isVisible()
+    assert m.host_cut(0) is None and m.moe_layers(0) == []
+    with pytest.raises(IndexError):
+        m.set_host_cut(0, 3)
