@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.models.events import Events
+from app.models.plan_experts import ExpertPlacement
 from engine.planning.plan import HOST_COMPUTE
 from engine.planning.rules import (
     CACHE_RESERVE,
@@ -44,7 +45,7 @@ def _default_pricer(plan: Any, model: Any) -> Any:
     return price(plan, model)
 
 
-class PlanModel:
+class PlanModel(ExpertPlacement):
     """Editable launch configuration; ``layout`` is always the price of the current ``plan()``."""
 
     def __init__(self, pricer: Callable[[Any, Any], Any] | None = None) -> None:
@@ -256,69 +257,6 @@ class PlanModel:
         arena = parse_arena(arena).text
         if arena != self.arena:
             self.arena = arena
-            self._settings_changed()
-
-    def set_experts_resident(self, counts: tuple[int, ...] | list[int] | None) -> None:
-        """Per active GPU, the MoE layers whose experts stay in VRAM; None: Auto."""
-        counts = None if counts is None else tuple(int(c) for c in counts)
-        if counts != self.experts_resident:
-            self.experts_resident = counts
-            self._settings_changed()
-
-    # -- where each GPU's experts live (the dashed lines of the split strip) -----------------
-    def moe_layers(self, stage: int) -> list[int]:
-        """The layers of active stage ``stage`` that hold routed experts ([] for a dense model
-        or a CPU stage, which keeps everything in its RAM)."""
-        devices = self.active_devices()
-        if self.gguf is None or not 0 <= stage < len(devices) or devices[stage].index < 0 \
-                or len(self.split) != len(devices) + 1:
-            return []
-        from engine.planning.carve import model_index
-
-        return model_index(self.gguf).moe_layers(self.split[stage], self.split[stage + 1])
-
-    def resident_counts(self) -> tuple[int, ...]:
-        """Per active stage, the MoE layers whose experts stay in VRAM in the priced plan
-        (Auto's choice where the counts are not set)."""
-        n = len(self.active_devices())
-        plan = self.layout.plan if self.layout is not None else None
-        return tuple(min(len(self.moe_layers(i)),
-                         plan.resident(i) if plan is not None else 1 << 30) for i in range(n))
-
-    def host_cut(self, stage: int) -> int | None:
-        """The first layer of stage ``stage`` whose experts live in host memory (its end when
-        none does); None for a stage without MoE layers."""
-        moe = self.moe_layers(stage)
-        if not moe:
-            return None
-        r = self.resident_counts()[stage]
-        return moe[r] if r < len(moe) else self.split[stage + 1]
-
-    def set_host_cut(self, stage: int, value: float) -> int:
-        """Keep the experts of stage ``stage``'s MoE layers left of ``value`` in VRAM and the
-        rest in host memory: the count snaps to whole MoE layers, the other stages keep theirs
-        (Auto's become fixed on a change). Returns where the cut landed (a layer index)."""
-        moe = self.moe_layers(stage)
-        if not moe:
-            raise IndexError(f"stage {stage} has no MoE layers")
-        r = sum(1 for layer in moe if layer < round(value))
-        counts = list(self.resident_counts())
-        if counts[stage] != r:
-            counts[stage] = r
-            self.set_experts_resident(counts)
-        cut = self.host_cut(stage)
-        return self.split[stage + 1] if cut is None else cut
-
-    def set_expert_slots(self, n: int) -> None:
-        if n != self.expert_slots:
-            self.expert_slots = max(0, int(n))
-            self._settings_changed()
-
-    def set_host_compute(self, where: str) -> None:
-        if where not in HOST_COMPUTE:
-            raise CarveError(f"host compute: unknown {where!r}; use gpu or cpu")
-        if where != self.host_compute:
-            self.host_compute = where
             self._settings_changed()
 
     def _settings_changed(self) -> None:
