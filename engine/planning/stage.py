@@ -356,7 +356,9 @@ def arenas(
     idx: ModelIndex, k: StageKey, mode: ArenaMode, scratch: int, chosen: list[Any]
 ) -> list[Arena]:
     """The stage's arenas with every span, in allocation order (what `allocations` counted)."""
-    # bf16 unless activations are f16: CPU matrix-vector products run ~10x slower in f16
+    # the dequant cache in bf16 unless activations are f16 (whether f16 or bf16 products run
+    # faster on a CPU depends on the CPU: f16 won 1.7-2.6x on a Zen 4, lost ~10x on an older
+    # Xeon; cpu_experts.half_dtype times it for host experts)
     dq_dtype = "f16" if k.act_dtype == "f16" else "bf16"
     cut = host_cut(idx, k)
     on_gpu = [r for i in range(k.lo, cut) for r in idx.layer_requests[i]]
