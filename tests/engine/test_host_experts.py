@@ -74,6 +74,16 @@ def all_in_vram(path: str, prompt: list[int], steps: list[int]) -> list[torch.Te
 BOUND = 2e-2 if ON_GPU else 5e-3
 
 
+def assert_agree(got: list[torch.Tensor], ref: list[torch.Tensor], what: str,
+                 bound: float = BOUND) -> None:
+    """The logits of every position within ``bound`` of the reference's (printed), and the
+    same greedy ids."""
+    errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
+    print(f"{what}: rel errors {', '.join(f'{e:.1e}' for e in errs)}")
+    assert max(errs) < bound
+    assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in ref]
+
+
 def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> None:
     """qwen3moe, both MoE layers' experts on the host, run on the GPU, with 3 expert-cache
     slots: layer 0's 2 of them hold a decode step's 2 experts (copied in on a miss, the least
@@ -106,11 +116,7 @@ def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> No
         assert [h.cache.n for h in hosts] == [2, 1]
         moved = hosts[1].moved
         got = run(g, prompt, steps)
-        errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
-        print(f"host experts on the GPU vs VRAM: rel errors {', '.join(f'{e:.1e}' for e in errs)}")
-        assert max(errs) < BOUND
-        greedy = [t.argmax(-1).tolist() for t in got]
-        assert greedy == [t.argmax(-1).tolist() for t in ref]
+        assert_agree(got, ref, "host experts on the GPU vs VRAM")
         # layer 1: the ids down (2 per row), then prefill its expert tensors whole, each decode
         # step its 2 chosen experts' slices (a quarter of the tensors each: 4 experts)
         whole = sum(t.nbytes for t in model_file.tensors
@@ -154,11 +160,7 @@ def test_gpt_oss_host_layers_run_from_the_staging_span_with_their_biases(files) 
         assert not st.pieces  # decode is one step again: no layer waits on the host
         moved = {i: h.moved for i, h in hosts.items()}
         got = run(g, prompt, steps)
-        errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
-        print(f"gpt-oss host experts from the staging span vs VRAM: rel errors "
-              f"{', '.join(f'{e:.1e}' for e in errs)}")
-        assert max(errs) < BOUND
-        assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in ref]
+        assert_agree(got, ref, "gpt-oss host experts in place vs VRAM")
         hp = g.hp
         k, ne = hp.n_expert_used, hp.n_expert
         for layer, h in hosts.items():
@@ -201,11 +203,7 @@ def test_decode_reads_host_experts_in_place_inside_one_graph(files, read, monkey
         assert h.row_bytes == k * whole // ne
         moved = h.moved
         got = run(g, prompt, steps)
-        errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
-        print(f"host experts read in place vs VRAM: rel errors "
-              f"{', '.join(f'{e:.1e}' for e in errs)}")
-        assert max(errs) < BOUND
-        assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in ref]
+        assert_agree(got, ref, f"host experts read in place ({read}) vs VRAM")
         assert h.moved - moved == 12 * k * 4 + whole + len(steps) * k * whole // ne
     finally:
         g.close()
@@ -234,12 +232,9 @@ def test_a_shared_expert_layer_computed_by_the_cpu_gives_the_logits_of_all_in_vr
             assert g.pipe.stages[0].host_moved() - moved0 == (11 * row if resident else 0)
         finally:
             g.close()
-    errs = [rel(a, b) for a, b in zip(out[1], out[0], strict=True)]
-    print(f"glm4moe host vs VRAM experts: rel errors {', '.join(f'{e:.1e}' for e in errs)}")
     # the CPU's layouts multiply bf16 x by bf16 weights (or bf16 scale/zero pairs) into bf16
     # results: bf16's rounding where the VRAM experts run in float32 (measured: 4.7e-3)
-    assert max(errs) < max(BOUND, 1e-2)
-    assert [t.argmax(-1).tolist() for t in out[1]] == [t.argmax(-1).tolist() for t in out[0]]
+    assert_agree(out[1], out[0], "glm4moe host vs VRAM experts", max(BOUND, 1e-2))
 
 
 def test_both_decodes_on_the_cpu_and_prefills_on_the_gpu(files) -> None:
@@ -271,11 +266,8 @@ def test_both_decodes_on_the_cpu_and_prefills_on_the_gpu(files) -> None:
             assert h.cpu_mats[0].span.data_ptr() == span.data_ptr()
         moved = [h.moved for h in hosts]
         got = run(g, prompt, steps)
-        errs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
-        print(f"both (CPU decode, GPU prefill) vs VRAM: rel errors "
-              f"{', '.join(f'{e:.1e}' for e in errs)}")
-        assert max(errs) < max(BOUND, 1e-2)  # decode's CPU layouts round to bf16
-        assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in ref]
+        # decode's CPU layouts round to bf16
+        assert_agree(got, ref, "both (CPU decode, GPU prefill) vs VRAM", max(BOUND, 1e-2))
         for layer, h in enumerate(hosts):
             whole = sum(t.nbytes for t in model_file.tensors
                         if t.layer == layer and t.name.endswith("_exps.weight"))
