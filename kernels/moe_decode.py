@@ -201,7 +201,6 @@ def expert_down_ref(down, ggml_type, n_expert, h, ids, weights, out, bias=None,
     return out
 
 
-
 # --- experts in host memory ------------------------------------------------------------------
 GATHER_BLOCK = 4096  # words a gather program copies (16 KiB of int32)
 
