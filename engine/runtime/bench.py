@@ -3,7 +3,8 @@ load GB/s and priced vs reserved bytes per device, against ceilings measured in 
 
     python -m engine.runtime.bench MODEL | --synth SHAPE [--mix q4_k_m] [--gpus RIG] [--compare-split]
         [--engine]   (also through the engine process: engine/runtime/bench_engine.py)
-        [--vram GiB] [--experts-resident auto|N,N] [--expert-slots N]   (experts in host memory)
+        [--vram GiB] [--experts-resident auto|N,N] [--expert-slots N] [--host-compute gpu|cpu|both]
+        [--cache-reserve MiB]   (experts in host memory)
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from spec.errors import CarveError
 def _plan(path: str, n_gpus: int, n_layer: int, ctx: int, kv_type: str, arena: str,
           placement: dict | None = None):
     """One stage per device; ``placement``: vram (GiB each device's plan may use, as a card of
-    that size would: the driver's reserve off), experts_resident (None: Auto), expert_slots."""
+    that size would: the driver's reserve off), experts_resident (None: Auto), expert_slots,
+    host_compute, cache_reserve (bytes kept free; 1 GiB without one)."""
     from engine.hardware.devices import DeviceSpec
     from engine.hardware.rigs import DRIVER_RESERVE
     from engine.planning.plan import Plan
@@ -45,7 +47,8 @@ def _plan(path: str, n_gpus: int, n_layer: int, ctx: int, kv_type: str, arena: s
                                total=total, free=free))
     split = tuple(round(i * n_layer / n_gpus) for i in range(n_gpus + 1))
     plan = Plan(model=path, devices=tuple(devs), split=split, ctx=ctx, kv_type=kv_type,
-                prefill_chunk=512, cache_reserve=1 << 30, arena=arena, act_dtype="bf16")
+                prefill_chunk=512, cache_reserve=(placement or {}).get("cache_reserve", 1 << 30),
+                arena=arena, act_dtype="bf16")
     if not placement:
         return plan
     from dataclasses import replace
@@ -217,8 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                          "in pinned host memory); default: all in VRAM")
     ap.add_argument("--expert-slots", default="", help="VRAM expert-cache slots per GPU")
     ap.add_argument("--host-compute", default="gpu", choices=("gpu", "cpu", "both"),
-                    help="where experts in host memory run: copied to the GPU, on the CPU, or "
-                         "both (the CPU decodes, the GPU prefills)")
+                    help="where experts in host memory run: read by the GPU over PCIe, on the "
+                         "CPU, or both (the CPU decodes, the GPU prefills)")
+    ap.add_argument("--cache-reserve", type=float, default=1024, metavar="MiB",
+                    help="VRAM each plan keeps free (the window's cache reserve; Auto's "
+                         "placement of experts leaves it free)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     try:
@@ -245,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
 
         n_gpus = len(parse_rig(args.gpus)) if args.gpus else 1
         placement = None
-        if args.vram or args.experts_resident or args.expert_slots or args.host_compute != "gpu":
+        if (args.vram or args.experts_resident or args.expert_slots
+                or args.host_compute != "gpu" or args.cache_reserve != 1024):
             from engine.planning.plan import parse_counts
 
             text = args.experts_resident.strip().lower()
@@ -256,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                 "expert_slots": (parse_counts("--expert-slots", args.expert_slots)
                                  if args.expert_slots else ()),
                 "host_compute": args.host_compute,
+                "cache_reserve": int(args.cache_reserve * (1 << 20)),
             }
         ids1 = run(path, n_gpus, ctx, args.kv, args.arena, args.tokens, depths, args.pp, out,
                    args.kernels, options, placement)
