@@ -209,11 +209,13 @@ def host_section(g, copy_bw, mm_rate, row):
     staged = [torch.empty_like(w) for w in dev]
     layer_bytes = k * sum(per)
 
+    def one(t, ex, n):  # expert ex's n bytes of expert tensor t
+        return t.view(-1)[ex * n:(ex + 1) * n]
+
     def copy_in():
         for src, dst, n in zip(host, staged, per, strict=True):
             for ex in chosen:
-                dst.view(-1)[ex * n:(ex + 1) * n].copy_(src.view(-1)[ex * n:(ex + 1) * n],
-                                                       non_blocking=True)
+                one(dst, ex, n).copy_(one(src, ex, n), non_blocking=True)
 
     ms = do_bench(copy_in, warmup=5, rep=40, return_mode="median")
     row(f"moe copy-in of {k} experts {tag}", ms / 1e3, layer_bytes / h2d,
@@ -221,10 +223,9 @@ def host_section(g, copy_bw, mm_rate, row):
     # the same experts gathered on the GPU (ids on the device, in a graph), then the kernels
     # in VRAM: what a host layer's decode runs now (HostExperts.gather)
     t = graph_time(lambda i=0: moe_decode.gather_experts(host, staged, ne, sets[i]))
-    for w, s_ in zip(dev, staged, strict=True):  # the last replay's experts, byte for byte
-        n = w.numel() // ne
+    for w, s_, n in zip(dev, staged, per, strict=True):  # the last replay's experts, bytewise
         for ex in sets[7].view(-1).tolist():
-            assert torch.equal(w.view(-1)[ex * n:(ex + 1) * n], s_.view(-1)[ex * n:(ex + 1) * n])
+            assert torch.equal(one(w, ex, n), one(s_, ex, n))
     row(f"moe gather of {k} experts {tag}", t, layer_bytes / h2d, note="3 launches")
 
     def gathered(i=0):

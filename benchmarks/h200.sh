@@ -34,7 +34,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #                                its byte floor at 7B sizes), run before the benches
 #   MOE=1                        benchmarks.device_check --moe (the mixture-of-experts
 #                                kernels against their byte floors), run before the benches
-#   PLACE="--vram 12 --experts-resident auto;CARVE_HOST_WORKERS=0 --vram 12 --host-compute cpu"
+#   PLACE="--vram 12 --experts-resident auto;CARVE_HOST_READ=direct --vram 12 --experts-resident auto"
 #                                more `carve bench` runs of the first BENCH shape's file, one per
 #                                ';'-separated argument set (expert placements at a VRAM budget;
 #                                leading NAME=VALUE words are its environment)

@@ -51,10 +51,15 @@ class ExpertPlacement:
     def resident_counts(self) -> tuple[int, ...]:
         """Per active stage, the MoE layers whose experts stay in VRAM in the priced plan
         (Auto's choice where the counts are not set)."""
-        n = len(self.active_devices())
-        plan = self.layout.plan if self.layout is not None else None
-        return tuple(min(len(self.moe_layers(i)),
-                         plan.resident(i) if plan is not None else 1 << 30) for i in range(n))
+        return tuple(self._resident(i, self.moe_layers(i))
+                     for i in range(len(self.active_devices())))
+
+    def _resident(self, stage: int, moe: list[int]) -> int:
+        # the priced plan's count for the stage whose MoE layers are ``moe`` (all of them
+        # before anything is priced)
+        if self.layout is None:
+            return len(moe)
+        return min(len(moe), self.layout.plan.resident(stage))
 
     def host_cut(self, stage: int) -> int | None:
         """The first layer of stage ``stage`` whose experts live in host memory (its end when
@@ -62,7 +67,7 @@ class ExpertPlacement:
         moe = self.moe_layers(stage)
         if not moe:
             return None
-        r = self.resident_counts()[stage]
+        r = self._resident(stage, moe)
         return moe[r] if r < len(moe) else self.split[stage + 1]
 
     def set_host_cut(self, stage: int, value: float) -> int:

@@ -168,6 +168,7 @@ class SplitEditor(QWidget):
         finally:
             self._syncing = False
         px_per_layer = max(1.0, self.plot.width() - 20) / max(1, n_layer)
+        cuts = self._host_cuts()
         for k, label in enumerate(self._labels):
             dev = active[k]
             n = split[k + 1] - split[k]
@@ -176,16 +177,21 @@ class SplitEditor(QWidget):
             label.setText(f"{name}\n{split[k]}–{split[k + 1] - 1} ({n})" if wide
                           else str(dev.index))
             # above the host strip and its dashed line where the stage has one
-            up = self.model.host_cut(k) is not None
+            up = cuts[k] is not None
             label.setPos((split[k] + split[k + 1]) / 2, 0.66 if up else 0.5)
         pi.setRange(xRange=(0, max(1, n_layer)), yRange=(0, 1), padding=0.01)
-        self._on_hosts()
+        self._on_hosts(cuts)
 
-    def _on_hosts(self) -> None:
-        """The host strips and dashed lines from the priced plan (Auto's placement included)."""
+    def _host_cuts(self) -> list[int | None]:
+        """Per stage shown, its first layer whose experts live in host memory (None: no MoE)."""
+        return [self.model.host_cut(i) for i in range(len(self._labels))]
+
+    def _on_hosts(self, cuts: list[int | None] | None = None) -> None:
+        """The host strips and dashed lines from the priced plan (Auto's placement included);
+        ``cuts``: `_host_cuts`, when the caller has them."""
         split = self.model.split
-        n_stage = len(self._labels)
-        cuts = [self.model.host_cut(i) for i in range(n_stage)] if n_stage else []
+        if cuts is None:
+            cuts = self._host_cuts()
         x0, width = [], []
         self._syncing = True
         try:
