@@ -1,9 +1,10 @@
-"""The load's parallel precompile (engine/runtime/gpu/precompile.py) on a GPU: with a cold
-kernel cache, the dry pass finds the kernel variants the warm-up launches and the pool compiles
-them, so that the warm-up itself compiles none or almost none (the load's steps before it, the
-scan and the dequant cache, compile theirs as before); and the session then gives the
-greedy ids of a load that compiled everything the usual way. Each load runs in a process of
-its own with a fresh Triton cache folder (a process's compiled kernels stay in memory)."""
+"""The load's precompile (engine/runtime/gpu/precompile.py) on a GPU: with a cold kernel cache,
+the dry passes find the kernel variants the dequant-cache fill and the warm-up launch, worker
+processes compile them into Triton's cache folder and this process loads them from there
+under the same keys, so that the load itself compiles none or almost none; and the session
+then gives the greedy ids of a load that compiled everything the usual way. Each load runs in
+a process of its own with a fresh Triton cache folder (a process's compiled kernels stay in
+memory)."""
 
 from __future__ import annotations
 
@@ -39,16 +40,19 @@ from engine.runtime.sampling import SamplingParams
 
 from engine.runtime.gpu import precompile
 
-compiles, phase = Counter(), ["load"]  # the load's own compiles (scan, dequant cache) first
-def count(**kw):
+compiles, phase = Counter(), ["outside"]
+def count(**kw):  # the loading threads' loads (from the folder), else the load's own compiles
     compiles["pool" if threading.current_thread().name.startswith("carve-compile")
              else phase[0]] += 1
 triton.knobs.runtime.jit_post_compile_hook = count
-run = precompile.precompile
-def warm_up(*a, **k):
-    phase[0] = "warm-up"
-    return run(*a, **k)
-precompile.precompile = warm_up
+run = precompile.Compiler.round
+def round_(self, *a, **k):  # the first variant is compiled on the spot, inside a round
+    phase[0] = "round"
+    try:
+        return run(self, *a, **k)
+    finally:
+        phase[0] = "outside"
+precompile.Compiler.round = round_
 path = sys.argv[1]
 plan = default_plan(GGUFModel.open(path), parse_rig("auto"), ctx=256, model_path=path)
 sess = GpuSession.load(plan, remember=False)
@@ -83,12 +87,13 @@ def test_a_cold_load_compiles_its_kernels_in_the_pool_and_decodes_the_same(shape
     assert serial["precompile"] == {"variants": 0}
     assert serial["compiles"].get("pool", 0) == 0
     pc = pooled["precompile"]
-    assert pc["variants"] > 0 and pc["failed"] == 0
-    # the pool compiled what the warm-up would have; outside it only the dry pass's first
-    # variant (compiled on the spot to see whether the cache folder had it) and at most a
-    # straggler or two (a dry step that read a skipped kernel's zeros and took another branch)
+    assert pc["variants"] > 0 and pc["failed"] == 0 and pc["workers"]
+    # what the workers compiled, this process found in the folder under the same keys
+    assert pc.get("rebuilt", 0) == 0
+    # each variant loaded once on a loading thread; outside the rounds at most a straggler or
+    # two (a dry step that read a skipped kernel's zeros and took another branch)
     assert pooled["compiles"]["pool"] == pc["compiled"]
-    assert pooled["compiles"].get("warm-up", 0) <= 1 + serial["compiles"]["warm-up"] // 10
+    assert pooled["compiles"].get("outside", 0) <= 1 + serial["compiles"]["outside"] // 10
     assert pooled["ids"] == serial["ids"]
 
 
@@ -204,3 +209,45 @@ def test_cancel_drops_the_variants_not_started(monkeypatch):
     # before the cancel was seen; never all 8
     assert len(jit.loaded) <= 1 + 2 * 2 < 8
     assert rt.jit_cache_hook is None
+
+
+def test_a_worker_process_compiles_a_variant_into_the_cache_folder(tmp_path, monkeypatch):
+    """No GPU needed: a worker (forked from the server, so without CUDA) compiles a kernel
+    variant, given as the JIT's hook records it, for a stated target into Triton's cache
+    folder; compiling the same variant again here then finds it there and writes nothing."""
+    pytest.importorskip("triton.backends.nvidia")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    target = ("cuda", 90, 32)
+    options = make_backend(GPUTarget(*target)).parse_options({"num_warps": 4}).__dict__
+    sig = {"w_ptr": "*u8", "nblk": "i32", "flag_ptr": "*i32", "tag": "i32",
+           **{k: "constexpr" for k in ("TS", "O0", "O1", "IQ1M", "BLOCK")}}
+    data = json.dumps({
+        "name": "_scan_kernel", "signature": sig,
+        "constant_keys": [[4], [5], [6], [7], [8]], "constant_vals": [144, 0, 2, False, 256],
+        "attrs_keys": [[0], [2]],
+        "attrs_vals": [[["tt.divisibility", 16]], [["tt.divisibility", 16]]],
+        "options": options, "key": "test"}, default=list)
+    job = ("kernels.scale_scan", "_scan_kernel", data, target)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the engine compiles, never interprets
+
+    def in_worker(*job) -> str | None:
+        workers = precompile._workers(1)
+        assert workers is not None
+        try:
+            return workers.submit(precompile.build, *job).result(timeout=600)
+        finally:
+            workers.shutdown()
+            precompile._stop_server()
+
+    assert in_worker(*job) is None
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written
+    assert in_worker(*job) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == written
+    # a kernel the worker cannot find by name: the error's text, for the threads to compile it
+    missing = in_worker("kernels.scale_scan", "_no_such_kernel",
+                        data.replace("_scan_kernel", "_no_such_kernel"), target)
+    assert "_no_such_kernel" in missing

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from engine.process.protocol import DEQUANT_CACHE
+from engine.process.protocol import COMPILE, DEQUANT_CACHE
 from engine.runtime import timeline
 from engine.runtime.gpu import host as gpu_host
 from engine.runtime.gpu import memory as gpu_memory
+from engine.runtime.gpu import precompile
 from engine.runtime.gpu.load import load_tensors
 from engine.runtime.gpu.stage import DTYPES, GpuStage, allocate
 from engine.runtime.options import RunnerOptions
@@ -64,6 +65,13 @@ class GpuPipeline:
         self.report: list[dict] = []
         self.meter = gpu_memory.Meter([d.index for d in self.devices if d.type == "cuda"])
         cuda = [d.index for d in self.devices if d.type == "cuda"]
+        # a cold kernel cache: the load's kernels compile on every core (gpu/precompile.py),
+        # in rounds: each stage's dequant-cache fill, then the session's warm-up; closed by
+        # the session once it has warmed up, or by free()
+        self.compiler = precompile.Compiler(
+            on_compiled=None if on_progress is None else
+            lambda done, n: on_progress(COMPILE, done, n, 0.0),
+            cancelled=cancelled) if cuda else None
         if cuda:
             timeline.set_probe(lambda i=cuda[0]: gpu_memory.nvml_use(i)[0])
             timeline.mark("NVML")
@@ -136,6 +144,10 @@ class GpuPipeline:
         if on_progress is not None:
             on_progress(DEQUANT_CACHE, 0, 1, 0.0)
         with on(dev):
+            if self.compiler is not None and self.compiler.active:
+                self.compiler.round([lambda: stage.fill_dequant_cache(dry=True)],
+                                    sync=lambda: sync(dev))
+                timeline.mark(f"{dev}: {self.compiler.summary()}")
             cached = stage.fill_dequant_cache()
         sync(dev)
         timeline.mark(f"{dev}: dequant cache")
@@ -152,6 +164,8 @@ class GpuPipeline:
     def free(self) -> None:
         """Drop every arena on every device (and every view into them), then hand the cached
         blocks back to the driver."""
+        if self.compiler is not None:
+            self.compiler.close()
         for st in self.stages:
             st.release()
         self.stages.clear()

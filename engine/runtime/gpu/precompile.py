@@ -1,30 +1,47 @@
-"""Compile the Triton kernels a load's warm-up needs on several threads before it runs them.
+"""Compile the Triton kernels a load needs on every core, before the load runs them.
 
-With a cold kernel cache the warm-up compiles each kernel variant the plan uses where it first
-launches it, one after another (about 2 s each on a workstation core; 32 variants for a 7B
-Q4_K_M file). Here a dry pass runs the warm-up's steps with Triton's JIT cache hook declining
-every compile: the variant is recorded, neither compiled nor launched. The stages' working
-buffers are zeroed before the dry pass and after it, so a kernel that is already compiled (and
-so does run) reads ids and counts of zero, in range, where a skipped kernel would have written
-them. The recorded variants then compile on a pool of threads (Triton releases the GIL while
-LLVM and ptxas run) into the JIT's own cache and Triton's cache folder, and the real warm-up
-finds them there. Anything this cannot do (a Triton without the hook, a variant that fails to
-compile here) is left to the warm-up, which compiles it as before: this only saves time. When
-the first variant turns out to be in Triton's cache folder already (every launch after the
-first), the dry pass stops there and the warm-up loads the kernels from the folder as before.
+With a cold kernel cache a load compiles each kernel variant the plan uses where it first
+launches it, one after another (about 1-2 s each; 36 variants for a 7B Q4_K_M file: the
+dequant-cache fill's and the warm-up's). Here the load's kernel-launching work runs in rounds
+(the dequant-cache fill of each stage, then the warm-up), each first as a dry pass with
+Triton's JIT cache hook declining every compile: the variant is recorded, neither compiled nor
+launched. The recorded variants compile in worker processes (one per CPU, forked from a
+server that imported Triton once) into Triton's cache folder, each as soon as the dry pass
+records it; as each one is done, a thread of this process loads it from the folder into the
+JIT's own cache, and the real work then finds every variant compiled. A variant a worker
+cannot compile (its kernel not reachable by name, a worker lost) compiles on those threads
+instead, as it did before there were workers (Triton releases the GIL for part of a compile).
 
-``CARVE_COMPILE_THREADS``: the pool's size (default: the CPUs this process may use; 0 or 1
-turns the dry pass off).
+What a dry pass may run: a kernel compiled before it launches as usual. The warm-up's round
+zeroes the stage's working buffers before and after its dry pass, so such a kernel reads ids
+and counts of zero, in range, where a skipped one would have written them; the fill's dry pass
+moves no byte into a weight span (`GpuStage.fill_dequant_cache(dry=True)`). Anything this
+cannot do (a Triton without the hook, a variant that fails to compile here) is left to the
+real work, which compiles it as before: this only saves time. The first variant of a load is
+compiled on the spot: when that takes under WARM_S, Triton's cache folder had it (every launch
+after the first), so no round runs at all and the load reads its kernels from the folder.
+
+``CARVE_COMPILE_THREADS``: how many variants compile at once (default: the CPUs this process
+may use; 0 or 1 turns the rounds off).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
+import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    wait,
+)
 from typing import Any
 
 import torch
@@ -35,7 +52,7 @@ log = logging.getLogger("carve.engine")
 
 
 def threads(env: dict[str, str] | None = None) -> int:
-    """The pool's size: CARVE_COMPILE_THREADS, else the CPUs this process may run on."""
+    """How many compile at once: CARVE_COMPILE_THREADS, else the CPUs this process may use."""
     env = os.environ if env is None else env
     text = env.get("CARVE_COMPILE_THREADS", "").strip()
     if text:
@@ -66,43 +83,16 @@ WARM_S = 0.25
 
 
 class WarmCache(Exception):
-    """The dry pass's first variant was in Triton's cache folder: the rest most likely are."""
+    """The load's first variant was in Triton's cache folder: the rest most likely are."""
 
 
-class Recorder:
-    """The JIT cache hook of the dry pass: records each variant a launch would compile and
-    declines the compile (Triton then neither compiles nor launches it). The first variant is
-    compiled on the spot instead: when that takes under WARM_S (Triton's cache folder had it,
-    as on every launch after the first) the dry pass stops (WarmCache), and the warm-up loads
-    the rest from the folder as it always did."""
-
-    def __init__(self) -> None:
-        self.variants: dict[tuple, tuple[Any, str, Any]] = {}
-        self.first_s: float | None = None
-
-    def __call__(self, *, key: Any = None, fn: Any = None, compile: dict | None = None,
-                 **_: Any) -> bool:
-        jit = getattr(fn, "jit_function", None)
-        data = (compile or {}).get("specialization_data")
-        if jit is None or data is None:
-            return False  # not what this Triton's hook gives: let it compile as usual
-        device = (compile or {}).get("device")
-        variant = (jit, data, device)
-        if self.first_s is None:
-            t0 = time.perf_counter()
-            failed = _compile(variant, hooked=True)
-            self.first_s = time.perf_counter() - t0
-            if failed is None and self.first_s < WARM_S:
-                raise WarmCache
-            if failed is None:
-                return True  # compiled: in the JIT's cache now
-        self.variants.setdefault((id(jit), str(key), device), variant)
-        return True
+Variant = tuple[Any, str, Any]  # (JITFunction, its specialization data, device)
 
 
-def _compile(variant: tuple[Any, str, Any], hooked: bool = False) -> str | None:
-    """Compile one recorded variant into its JIT's cache; the error's text when it fails.
-    ``hooked``: called from within the hook (which Triton's compile would call again)."""
+def _compile(variant: Variant, hooked: bool = False) -> str | None:
+    """Compile one recorded variant into its JIT's cache in this process (from Triton's cache
+    folder when a worker put it there); the error's text when it fails. ``hooked``: called
+    from within the hook (which Triton's compile would call again)."""
     jit, data, device = variant
     rt = _runtime_knobs() if hooked else None
     hook = rt.jit_cache_hook if rt is not None else None
@@ -113,72 +103,318 @@ def _compile(variant: tuple[Any, str, Any], hooked: bool = False) -> str | None:
             torch.cuda.set_device(device)  # the thread's current device: the JIT's cache key
         jit.preload(data)
         return None
-    except Exception as exc:  # noqa: BLE001 - the warm-up compiles it instead, as before
-        name = json.loads(data).get("name", "?") if data.startswith("{") else "?"
-        return f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    except Exception as exc:  # noqa: BLE001 - the real work compiles it instead, as before
+        return _failure(data, exc)
     finally:
         if rt is not None:
             rt.jit_cache_hook = hook
 
 
+def _timed(variant: Variant) -> tuple[str | None, float]:
+    """_compile, and how long it took."""
+    t0 = time.perf_counter()
+    return _compile(variant), time.perf_counter() - t0
+
+
+def _failure(data: str, exc: BaseException) -> str:
+    name = json.loads(data).get("name", "?") if data.startswith("{") else "?"
+    return f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def job(variant: Variant) -> tuple[str, str, str, tuple] | None:
+    """What a worker process needs to compile ``variant``: the kernel's module and name, its
+    specialization data and the GPU target; None when a worker could not find the kernel by
+    name (one made inside a function) or this Triton keeps its target elsewhere."""
+    jit, data, device = variant
+    fn = getattr(jit, "fn", None)
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not module or not name or "<" in name:
+        return None
+    try:
+        target = jit.device_caches[device][2]
+        return module, name, data, (target.backend, target.arch, target.warp_size)
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
+
+
+def build(module: str, name: str, data: str, target: tuple) -> str | None:
+    """In a worker process: compile one variant into Triton's cache folder exactly as the JIT's
+    ``preload`` would (the same source, signature, constants, attributes and options, so the
+    same cache key) but for a stated target, so no GPU is touched here; the error's text when
+    it fails. The loading thread then finds it in the folder."""
+    try:
+        import triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import ASTSource, compile, make_backend
+        from triton.runtime.jit import JITFunction, convert_to_tuple_if_list
+
+        obj: Any = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        while not isinstance(obj, JITFunction) and hasattr(obj, "fn"):  # autotuner, heuristics
+            obj = obj.fn
+        spec = json.loads(data)
+
+        def constant(value: Any) -> Any:
+            if tl.dtype.is_dtype(value):
+                return tl.dtype(value)
+            if isinstance(value, dict) and "constexpr" in value:
+                return tl.constexpr(convert_to_tuple_if_list(value["constexpr"]))
+            if isinstance(value, dict):
+                raise ValueError(f"a constant this worker cannot rebuild: {value}")
+            return convert_to_tuple_if_list(value)
+
+        constexprs = {tuple(k): constant(v)
+                      for k, v in zip(spec["constant_keys"], spec["constant_vals"], strict=True)}
+        attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"], strict=True)}
+        signature = {k: convert_to_tuple_if_list(v) for k, v in spec["signature"].items()}
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
+        gpu = GPUTarget(*target)
+        options = make_backend(gpu).parse_options(options)
+        compile(ASTSource(obj, signature, constexprs, attrs), target=gpu, options=options.__dict__)
+        return None
+    except Exception as exc:  # noqa: BLE001 - the loading thread compiles it instead
+        return _failure(data, exc)
+
+
+PRELOAD = ["torch", "triton", "triton.compiler.compiler"]
+
+
+def _start_server() -> bool:
+    """Start the workers' server (a fresh interpreter that imports PRELOAD once; workers fork
+    from it, so neither has CUDA). Returns at once: the server imports in the background."""
+    try:
+        from multiprocessing import forkserver
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        forkserver.ensure_running()
+        return True
+    except (OSError, ValueError, RuntimeError) as exc:
+        log.warning("kernel compile workers did not start (%s): compiling on threads", exc)
+        return False
+
+
+def _workers(n: int) -> ProcessPoolExecutor | None:
+    """``n`` worker processes forked from the server; None where that cannot start (the
+    threads then compile)."""
+    if not _start_server():
+        return None
+    return ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("forkserver"))
+
+
+def _stop_server(wait: bool = True) -> None:
+    """The server outlives its pool, holding torch in memory: stop it (it is started again if
+    another load needs workers). Stopping waits for the server to finish its imports, so a
+    server started for nothing (a warm cache) is stopped on a thread (``wait`` False). A
+    private call: without it the server stays until this process ends."""
+    if not wait:
+        threading.Thread(target=_stop_server, name="carve-compile-stop", daemon=True).start()
+        return
+    try:
+        from multiprocessing import forkserver
+
+        stop = getattr(forkserver._forkserver, "_stop", None)
+        if stop is not None:
+            stop()
+    except Exception as exc:  # noqa: BLE001 - an idle process left behind, nothing worse
+        log.debug("stopping the compile workers' server: %s", exc)
+
+
+class Compiler:
+    """One load's precompile, over the rounds of its work (`round`); `close` at the end of the
+    load, whatever happens. ``on_compiled(done, total)``: before a round's first variant and as
+    each one is ready; ``cancelled()`` true while a round waits: the variants not started are
+    dropped and CarveError("load cancelled") raised (a compile under way cannot be stopped).
+    ``report``: variants recorded, compiled, failed, seconds, over all rounds; "rebuilt": how
+    many a worker compiled that this process compiled again (its cache key differed)."""
+
+    def __init__(self, n: int | None = None,
+                 on_compiled: Callable[[int, int], None] | None = None,
+                 cancelled: Callable[[], bool] | None = None,
+                 processes: bool = True) -> None:
+        self.n = threads() if n is None else n
+        self.rt = _runtime_knobs()
+        self.on_compiled, self.cancelled, self.processes = on_compiled, cancelled, processes
+        self.warm: bool | None = None  # unknown until the first variant is compiled on the spot
+        self.first_s: float | None = None
+        self.procs: ProcessPoolExecutor | None = None
+        self.loaders: ThreadPoolExecutor | None = None
+        self.report: dict = {"variants": 0}
+        self._seen: set[tuple] = set()
+        self._pending: dict[Future, Variant] = {}  # in a worker process
+        self._round: list[Variant] = []
+
+    @property
+    def active(self) -> bool:
+        return self.rt is not None and self.n > 1 and not self.warm
+
+    def summary(self) -> str:
+        """The load timeline's words for what the rounds so far did."""
+        r = self.report
+        if self.warm:
+            return "kernel cache warm"
+        if not r["variants"]:
+            return "kernels precompiled (none to compile)"
+        how = f"{self.n} worker processes" if r.get("workers") else f"{self.n} threads"
+        return (f"kernels precompiled ({r['compiled']} of {r['variants']} variants, {how}"
+                + (f", {r['rebuilt']} compiled again here" if r.get("rebuilt") else "") + ")")
+
+    # --- the hook ------------------------------------------------------------------------------
+    def __call__(self, *, key: Any = None, fn: Any = None, compile: dict | None = None,
+                 **_: Any) -> bool:
+        """Triton's JIT cache hook during a dry pass: record the variant and decline it."""
+        jit = getattr(fn, "jit_function", None)
+        data = (compile or {}).get("specialization_data")
+        if jit is None or data is None:
+            return False  # not what this Triton's hook gives: let it compile as usual
+        device = (compile or {}).get("device")
+        variant = (jit, data, device)
+        if self.warm is None:
+            # the workers' server imports while this compiles: ready when it was cold
+            started = self.processes and job(variant) is not None and _start_server()
+            t0 = time.perf_counter()
+            failed = _compile(variant, hooked=True)
+            self.first_s = time.perf_counter() - t0
+            if failed is None and self.first_s < WARM_S:
+                self.warm = True
+                if started:
+                    _stop_server(wait=False)
+                raise WarmCache
+            self.warm = False
+            if failed is None:
+                return True  # compiled: in the JIT's cache now
+        seen = (id(jit), str(key), device)
+        if seen not in self._seen:
+            self._seen.add(seen)
+            self._round.append(variant)
+            self._submit(variant)
+        return True
+
+    def _submit(self, variant: Variant) -> None:
+        """Start compiling ``variant`` in a worker process (the pool starts with the first)."""
+        if not self.processes:
+            return
+        spec = job(variant)
+        if spec is None:
+            return
+        if self.procs is None:
+            self.procs = _workers(self.n)
+            if self.procs is None:
+                self.processes = False
+                return
+        try:
+            self._pending[self.procs.submit(build, *spec)] = variant
+        except RuntimeError as exc:  # a broken pool: the threads compile the rest
+            log.warning("kernel compile workers stopped (%s): compiling on threads", exc)
+            self.processes = False
+
+    # --- a round -------------------------------------------------------------------------------
+    def round(self, steps: Iterable[Callable[[], None]], clear: Callable[[], None] | None = None,
+              sync: Callable[[], None] | None = None) -> None:
+        """Run ``steps`` as a dry pass (``clear`` zeroes the working buffers before and after,
+        ``sync`` waits for the devices), then wait until what they would have compiled is in
+        the JIT's cache."""
+        if not self.active:
+            return
+        t0 = time.perf_counter()
+        self._round = []
+        previous = self.rt.jit_cache_hook
+        if clear is not None:
+            clear()
+        self.rt.jit_cache_hook = self
+        try:
+            for step in steps:
+                try:
+                    step()
+                except WarmCache:
+                    break
+                except Exception as exc:  # noqa: BLE001 - skipped kernels leave garbage
+                    # behind; the real work runs every step again and compiles what this missed
+                    log.debug("precompile dry pass: a step stopped early: %s", exc)
+        finally:
+            self.rt.jit_cache_hook = previous
+            if sync is not None:
+                sync()
+            if clear is not None:
+                clear()
+        dry = time.perf_counter() - t0
+        errors = self._finish(self._round)
+        r = self.report
+        r["variants"] += len(self._round)
+        r["compiled"] = r.get("compiled", 0) + len(self._round) - len(errors)
+        r["failed"] = r.get("failed", 0) + len(errors)
+        r["threads"] = self.n
+        r["workers"] = self.procs is not None
+        r["warm"] = bool(self.warm)
+        r["first_s"] = round(self.first_s or 0.0, 3)
+        r["dry_s"] = round(r.get("dry_s", 0.0) + dry, 3)
+        r["s"] = round(r.get("s", 0.0) + time.perf_counter() - t0, 3)
+        for e in errors[:5]:
+            log.warning("precompiling a kernel failed (the load compiles it instead): %s", e)
+
+    def _finish(self, variants: list[Variant]) -> list[str]:
+        """Wait for the workers' variants and load each into the JIT's cache on a thread (one
+        no worker compiled compiles there); the errors' texts."""
+        if not variants:
+            return []
+        if self.loaders is None:
+            self.loaders = ThreadPoolExecutor(self.n, thread_name_prefix="carve-compile")
+        total, done, errors = len(variants), 0, []
+        if self.on_compiled is not None:
+            self.on_compiled(0, total)
+        in_workers = {v[:2] for v in self._pending.values()}
+        loading: dict[Future, Variant] = {
+            self.loaders.submit(_timed, v): v for v in variants if v[:2] not in in_workers}
+        built: set[Future] = set()  # loads of what a worker compiled: from the folder
+        while self._pending or loading:
+            ready, _ = wait([*self._pending, *loading], timeout=0.25, return_when=FIRST_COMPLETED)
+            for f in ready:
+                if f in self._pending:
+                    v = self._pending.pop(f)
+                    failed = f.exception() or f.result()
+                    if failed:
+                        log.debug("a compile worker failed on %s (this process compiles it)",
+                                  failed)
+                    load = self.loaders.submit(_timed, v)
+                    loading[load] = v
+                    if not failed:
+                        built.add(load)
+                else:
+                    loading.pop(f)
+                    err, seconds = f.result()
+                    if err:
+                        errors.append(err)
+                    elif f in built and seconds >= WARM_S:  # not in the folder under the key it looked for
+                        self.report["rebuilt"] = self.report.get("rebuilt", 0) + 1
+                    done += 1
+                    if self.on_compiled is not None:
+                        self.on_compiled(done, total)
+            if self.cancelled is not None and self.cancelled():
+                self.close(cancel=True)
+                raise CarveError("load cancelled")
+        return errors
+
+    def close(self, cancel: bool = False) -> None:
+        """End the workers and threads (``cancel``: drop what has not started)."""
+        self._pending.clear()
+        if self.procs is not None:
+            self.procs.shutdown(wait=not cancel, cancel_futures=True)
+            self.procs = None
+            _stop_server()
+        if self.loaders is not None:
+            self.loaders.shutdown(wait=True, cancel_futures=True)
+            self.loaders = None
+
+
 def precompile(steps: Iterable[Callable[[], None]], clear: Callable[[], None],
                sync: Callable[[], None], n_threads: int | None = None,
                on_compiled: Callable[[int, int], None] | None = None,
-               cancelled: Callable[[], bool] | None = None) -> dict:
-    """Run ``steps`` as a dry pass (``clear`` zeroes the working buffers before and after,
-    ``sync`` waits for the devices), then compile what they would have compiled on
-    ``n_threads`` threads, calling ``on_compiled(done, total)`` before the first and as each
-    finishes. ``cancelled()`` true between two of them: the variants not started are dropped
-    and CarveError("load cancelled") raised once the running ones end (a compile cannot be
-    interrupted). Returns what it did: variants recorded, compiled, failed, seconds
-    (``{"variants": 0}`` when it did not run)."""
-    n = threads() if n_threads is None else n_threads
-    rt = _runtime_knobs()
-    if rt is None or n <= 1:
-        return {"variants": 0}
-    t0 = time.perf_counter()
-    rec = Recorder()
-    warm = False
-    previous = rt.jit_cache_hook
-    clear()
-    rt.jit_cache_hook = rec
+               cancelled: Callable[[], bool] | None = None, processes: bool = True) -> dict:
+    """One round of a Compiler of its own: what it did (``{"variants": 0}`` when it did not
+    run)."""
+    c = Compiler(n_threads, on_compiled, cancelled, processes)
     try:
-        for step in steps:
-            try:
-                step()
-            except WarmCache:
-                warm = True
-                break
-            except Exception as exc:  # noqa: BLE001 - skipped kernels leave garbage behind;
-                # the real warm-up runs every step again and compiles what this one missed
-                log.debug("precompile dry pass: a step stopped early: %s", exc)
+        c.round(steps, clear, sync)
     finally:
-        rt.jit_cache_hook = previous
-        sync()
-        clear()
-    dry = time.perf_counter() - t0
-    variants = list(rec.variants.values())
-    errors: list[str] = []
-    if variants:
-        if on_compiled is not None:
-            on_compiled(0, len(variants))
-        with ThreadPoolExecutor(min(n, len(variants)), thread_name_prefix="carve-compile") as ex:
-            futures = [ex.submit(_compile, v) for v in variants]
-            for done, f in enumerate(as_completed(futures), 1):
-                if f.result():
-                    errors.append(f.result())
-                if on_compiled is not None:
-                    on_compiled(done, len(variants))
-                if cancelled is not None and cancelled():
-                    ex.shutdown(wait=True, cancel_futures=True)
-                    raise CarveError("load cancelled")
-    for e in errors[:5]:
-        log.warning("precompiling a kernel failed (the warm-up compiles it instead): %s", e)
-    out = {"variants": len(variants), "compiled": len(variants) - len(errors),
-           "failed": len(errors), "threads": min(n, max(1, len(variants))),
-           "warm": warm, "first_s": round(rec.first_s or 0.0, 3), "dry_s": round(dry, 3),
-           "s": round(time.perf_counter() - t0, 3)}
-    if variants:
-        log.info("precompiled %d of %d kernel variants on %d threads in %.1f s",
-                 out["compiled"], out["variants"], out["threads"], out["s"])
-    return out
+        c.close()
+    return c.report

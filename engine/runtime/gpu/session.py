@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from engine.planning.rules import Verdict
-from engine.process.protocol import COMPILE, WARM_UP
+from engine.process.protocol import WARM_UP
 from engine.runtime import timeline
 from engine.runtime.chunked import ChunkedSession
 from engine.runtime.generate import GenerationStats
-from engine.runtime.gpu import decode, precompile
+from engine.runtime.gpu import decode
 from engine.runtime.gpu.pipeline import GpuPipeline, on, sync
 from engine.runtime.models.layers import NonFinite
 from engine.runtime.options import RunnerOptions
@@ -163,18 +163,16 @@ class GpuSession(ChunkedSession):
         it; under the interpreter only the graphs' eager step runs."""
         steps = self._warm_up_steps() if self.pipe.stages[0].on_cuda else []
         total = len(steps) + 1
-        if steps:  # a cold kernel cache: compile what the steps need on every core first
-            if on_progress is not None:
-                on_progress(WARM_UP, 0, total, 0.0)
-            self.compiled = precompile.precompile(
-                [*steps, self.pipe.decode_eager], self.pipe.clear_buffers, self.pipe.sync,
-                on_compiled=None if on_progress is None else
-                lambda done, n: on_progress(COMPILE, done, n, 0.0), cancelled=cancelled)
-            c = self.compiled
-            timeline.mark("kernel cache warm" if c.get("warm") else
-                          f"kernels precompiled ({c.get('compiled', 0)} of {c['variants']} "
-                          f"variants, {c.get('threads', 0)} threads)" if c["variants"] else
-                          "kernels precompiled (none to compile)")
+        compiler = self.pipe.compiler
+        if steps and compiler is not None:  # a cold kernel cache: compile on every core first
+            if compiler.active:
+                if on_progress is not None:
+                    on_progress(WARM_UP, 0, total, 0.0)
+                compiler.round([*steps, self.pipe.decode_eager], self.pipe.clear_buffers,
+                               self.pipe.sync)
+                timeline.mark(compiler.summary())
+            compiler.close()
+            self.compiled = compiler.report
         for i, step in enumerate(steps):
             if cancelled is not None and cancelled():
                 raise CarveError("load cancelled")

@@ -183,11 +183,14 @@ class GpuStage(MoeLayers, DecodeGraph):
         return (q8x.buffers(b["xq"], b["xq_ds"], hp.n_embd),
                 q8x.buffers(b["xq"], b["xq_ds"], hp.n_ff, hp.n_embd))
 
-    def fill_dequant_cache(self) -> int:
+    def fill_dequant_cache(self, dry: bool = False) -> int:
         """Dequantize every matrix that has a ``dq.`` span into it, and repack the T-layout
         matrices on the way (their GGUF bytes go through the still-empty dq span, so no
         memory outside the Layout); returns matrices cached. Runs once, before any forward,
-        after the scan for non-finite scales (`check_scales`)."""
+        after the scan for non-finite scales (`check_scales`). ``dry``: the same kernel
+        launches, but no byte moves into a weight span (the repack is left out): the
+        precompile's dry pass (gpu/precompile.py) records the variants, and a launch that
+        does run writes only the dq spans and a scratch buffer, which the real fill rewrites."""
         self.check_scales()
         n = 0
         for name, dst in self.spans.items():
@@ -196,9 +199,10 @@ class GpuStage(MoeLayers, DecodeGraph):
             w, t = packed_matrix(self.model, self.spans, name[3:])
             rows = w.shape[0]
             if name[3:] in self.tmats:
-                g = dst.view(torch.uint8).reshape(-1)[: w.numel()].view(w.shape)
-                g.copy_(w)
-                gemv_t.repack(g, t, out=self.spans[name[3:]])
+                if not dry:
+                    g = dst.view(torch.uint8).reshape(-1)[: w.numel()].view(w.shape)
+                    g.copy_(w)
+                    gemv_t.repack(g, t, out=self.spans[name[3:]])
                 self._dequant_t(name[3:], t, rows, dst)
             else:
                 quant_matmul.dequantize(w, t, dst.dtype, out=dst.view(rows, -1), use_pdl=self.pdl)
