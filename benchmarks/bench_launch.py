@@ -1,5 +1,6 @@
 """Launch -> loaded through the engine process, stage by stage, with the Triton kernel cache
-cold (a fresh cache folder), warm, and with the engine pre-started as the window starts it.
+cold (a fresh cache folder) and warm, the engine process started at Launch (as `carve chat`
+starts it) and pre-started (as the window starts it when a model opens).
 
     python -m benchmarks.bench_launch MODEL | --synth SHAPE [--mix q4_k_m] [--runs N]
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--synth", help="write a synthetic model of this shape first")
     ap.add_argument("--mix", default="q4_k_m")
     ap.add_argument("--runs", type=int, default=2,
-                    help="warm launches after the cold one (0: the cold one and a pre-started one)")
+                    help="warm launches after the cold ones (0: the two cold ones and a pre-started one)")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -63,19 +64,22 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give MODEL or --synth SHAPE")
     plan = default_plan(GGUFModel.open(path), parse_rig("auto"), model_path=path)
     cache = Path(tempfile.mkdtemp(prefix="carve-triton-"))
-    os.environ["TRITON_CACHE_DIR"] = str(cache)  # the engine process inherits it
-    for i in range(1 + args.runs + 1):
-        kind = "cold" if i == 0 else ("pre-started" if i > args.runs else "warm")
-        out = bench_engine.run(plan, replies=1, sampled=0, prestarted=kind == "pre-started")
+    # (kind, Triton cache folder, engine started before Launch as the window starts it)
+    runs = [("cold", cache, False), ("cold, pre-started", Path(tempfile.mkdtemp(
+        prefix="carve-triton-")), True)] + [("warm", cache, False)] * args.runs + [
+        ("pre-started", cache, True)]
+    for kind, folder, prestarted in runs:
+        os.environ["TRITON_CACHE_DIR"] = str(folder)  # the engine process inherits it
+        out = bench_engine.run(plan, replies=1, sampled=0, prestarted=prestarted)
         stages = ", ".join(f"{k} {v:.2f} s" for k, v in out["stages"].items())
         r = out["greedy"][0]
-        print(f"{kind:11s} launch -> loaded {out['launch_to_loaded_s']:6.2f} s (ready "
+        print(f"{kind:17s} launch -> loaded {out['launch_to_loaded_s']:6.2f} s (ready "
               f"{out['ready_s']:.2f} s; {stages}); first reply ttft {r['ttft_s'] * 1e3:.0f} ms, "
               f"prompt {r['prefill_tps']:.0f} t/s", flush=True)
         bench_engine.print_timeline(out)
-        if i == 0:
-            names = compiled(cache)
-            print(f"   cold launch compiled {sum(names.values())} kernel variants:", ", ".join(
+        if kind.startswith("cold"):
+            names = compiled(folder)
+            print(f"   {kind} launch compiled {sum(names.values())} kernel variants:", ", ".join(
                 f"{n} x{c}" for n, c in names.most_common()), flush=True)
     return 0
 

@@ -88,6 +88,8 @@ def test_a_cold_load_compiles_its_kernels_in_the_pool_and_decodes_the_same(shape
     assert serial["compiles"].get("pool", 0) == 0
     pc = pooled["precompile"]
     assert pc["variants"] > 0 and pc["failed"] == 0 and pc["workers"]
+    # a fresh process: the dequant-cache fill's and the warm-up's dry passes in one round
+    assert pc["rounds"] == 1
     # what the workers compiled, this process found in the folder under the same keys
     assert pc.get("rebuilt", 0) == 0
     # each variant loaded once on a loading thread; outside the rounds at most a straggler or
@@ -135,6 +137,7 @@ def test_the_dry_pass_records_declines_restores_and_compiles_on_the_pool(monkeyp
     (Triton's cache folder did not have it): the dry pass goes on."""
     rt = SimpleNamespace(jit_cache_hook="theirs")
     monkeypatch.setattr(precompile, "_runtime_knobs", lambda: rt)
+    monkeypatch.setattr(precompile, "_entries", lambda: None)  # cold or warm told by time
     good, bad = FakeJit(seconds=precompile.WARM_S + 0.05), FakeJit(fail=True)
     calls, hooked = [], []
 
@@ -169,6 +172,7 @@ def test_a_first_variant_from_the_cache_folder_stops_the_dry_pass(monkeypatch):
     recorded, no step after it runs, and the warm-up loads the rest as before."""
     rt = SimpleNamespace(jit_cache_hook=None)
     monkeypatch.setattr(precompile, "_runtime_knobs", lambda: rt)
+    monkeypatch.setattr(precompile, "_entries", lambda: None)  # cold or warm told by time
     jit, ran, calls = FakeJit(), [], []
 
     def step(key):
@@ -181,6 +185,34 @@ def test_a_first_variant_from_the_cache_folder_stops_the_dry_pass(monkeypatch):
     assert ran == ["a"] and [n for n, _ in jit.loaded] == ["a"]
     assert out["warm"] and out["variants"] == 0
     assert rt.jit_cache_hook is None and calls == ["clear", "clear"]
+
+
+@pytest.mark.parametrize("writes", [False, True])
+def test_the_cache_folder_tells_a_warm_first_variant_from_a_cold_one(writes, tmp_path,
+                                                                     monkeypatch):
+    """The first variant is warm when compiling it wrote nothing into Triton's cache folder,
+    however long it took (a process's first compile also pays Triton's start), and cold when
+    it wrote something, however fast."""
+    rt = SimpleNamespace(jit_cache_hook=None)
+    monkeypatch.setattr(precompile, "_runtime_knobs", lambda: rt)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+
+    class Jit(FakeJit):
+        def preload(self, data: str) -> None:
+            super().preload(data)
+            if writes:
+                (tmp_path / json.loads(data)["name"]).mkdir()
+
+    jit, ran = Jit(seconds=0.0 if writes else precompile.WARM_S + 0.05), []
+
+    def step(key):
+        ran.append(key)
+        hooked_launch(rt, jit, key)
+
+    out = precompile.precompile([lambda: step("a"), lambda: step("b")], lambda: None,
+                                lambda: None, n_threads=2, processes=False)
+    assert out["warm"] is not writes
+    assert ran == (["a", "b"] if writes else ["a"])
 
 
 def test_no_pool_no_dry_pass(monkeypatch):
@@ -196,6 +228,7 @@ def test_cancel_drops_the_variants_not_started(monkeypatch):
     "load cancelled" (the running ones finish: a compile cannot be interrupted)."""
     rt = SimpleNamespace(jit_cache_hook=None)
     monkeypatch.setattr(precompile, "_runtime_knobs", lambda: rt)
+    monkeypatch.setattr(precompile, "_entries", lambda: None)  # cold or warm told by time
     jit = FakeJit(seconds=precompile.WARM_S + 0.05)
     stop = []
 

@@ -55,7 +55,10 @@ class _OnDevice:
 class GpuPipeline:
     def __init__(self, model: Any, hp: Any, layout: Any, on_progress=None, cancelled=None,
                  devices: list[torch.device] | None = None,
-                 options: RunnerOptions = RunnerOptions()) -> None:
+                 options: RunnerOptions = RunnerOptions(), defer_fill: bool = False) -> None:
+        """Allocate, load and build every stage, then fill the dequant caches (``defer_fill``:
+        the caller calls `fill` instead, after its own precompile round; it then owns
+        ``compiler`` and closes it)."""
         self.model, self.hp, self.layout, self.options = model, hp, layout, options
         self.devices = devices or [torch_device(dl.device) for dl in layout.devices]
         self.stages: list[GpuStage] = []
@@ -66,8 +69,7 @@ class GpuPipeline:
         self.meter = gpu_memory.Meter([d.index for d in self.devices if d.type == "cuda"])
         cuda = [d.index for d in self.devices if d.type == "cuda"]
         # a cold kernel cache: the load's kernels compile on every core (gpu/precompile.py),
-        # in rounds: each stage's dequant-cache fill, then the session's warm-up; closed by
-        # the session once it has warmed up, or by free()
+        # in rounds (the dequant-cache fills, the session's warm-up)
         self.compiler = precompile.Compiler(
             on_compiled=None if on_progress is None else
             lambda done, n: on_progress(COMPILE, done, n, 0.0),
@@ -82,6 +84,10 @@ class GpuPipeline:
             timeline.mark("CUDA context, fit check")
             for dl, dev in zip(layout.devices, self.devices, strict=True):
                 self._load_stage(dl, dev, on_progress, cancelled)
+            if not defer_fill:
+                self.fill(on_progress, cancelled)
+                if self.compiler is not None:
+                    self.compiler.close()
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the memory is gone
             if not isinstance(exc, CarveError):
                 log.error("load failed:\n%s", traceback.format_exc())
@@ -138,28 +144,44 @@ class GpuPipeline:
                          all(p for _, p in self.host_arenas[host:]))
         self.stages.append(stage)
         timeline.mark(f"{dev}: stage built")
-        t0 = time.perf_counter()
-        if cancelled is not None and cancelled():
-            raise CarveError("load cancelled")
-        if on_progress is not None:
-            on_progress(DEQUANT_CACHE, 0, 1, 0.0)
-        with on(dev):
-            if self.compiler is not None and self.compiler.active:
-                self.compiler.round([lambda: stage.fill_dequant_cache(dry=True)],
-                                    sync=lambda: sync(dev))
-                timeline.mark(f"{dev}: {self.compiler.summary()}")
-            cached = stage.fill_dequant_cache()
-        sync(dev)
-        timeline.mark(f"{dev}: dequant cache")
-        if on_progress is not None:
-            on_progress(DEQUANT_CACHE, 1, 1, 0.0)
         self.report.append({
             "index": dl.device.index, "name": dl.device.name, "layers": list(dl.layers),
             "priced": dl.allocated, "allocated": reserved, "reserved": reserved,
-            "load_bytes": nbytes, "load_s": sec, "dequant_cached": cached,
-            "dequant_s": time.perf_counter() - t0, "host_priced": dl.host,
+            "load_bytes": nbytes, "load_s": sec, "host_priced": dl.host,
             "host_allocated": sum(b.numel() for b, _ in self.host_arenas[host:]),
             "host_pinned": sum(b.numel() for b, p in self.host_arenas[host:] if p)})
+
+    def fill_steps(self) -> list[Callable[[], None]]:
+        """Each stage's dequant-cache fill as a dry pass runs it (`GpuStage.fill_dequant_cache`
+        with ``dry``: the same launches, no byte into a weight span)."""
+
+        def dry(st: GpuStage) -> None:
+            with on(st.device):
+                st.fill_dequant_cache(dry=True)
+
+        return [lambda st=st: dry(st) for st in self.stages]
+
+    def fill(self, on_progress=None, cancelled=None, precompiled: bool = False) -> None:
+        """Fill every stage's dequant cache (the scan for non-finite scales first), each
+        after a precompile round of its own unless ``precompiled`` (the caller's round had
+        the fills' dry passes)."""
+        for i, (stage, step) in enumerate(zip(self.stages, self.fill_steps(), strict=True)):
+            dev = stage.device
+            if cancelled is not None and cancelled():
+                raise CarveError("load cancelled")
+            if not precompiled and self.compiler is not None and self.compiler.active:
+                self.compiler.round([step], sync=lambda d=dev: sync(d))
+                timeline.mark(f"{dev}: {self.compiler.summary()}")
+            t0 = time.perf_counter()
+            if on_progress is not None:
+                on_progress(DEQUANT_CACHE, 0, 1, 0.0)
+            with on(dev):
+                cached = stage.fill_dequant_cache()
+            sync(dev)
+            timeline.mark(f"{dev}: dequant cache")
+            if on_progress is not None:
+                on_progress(DEQUANT_CACHE, 1, 1, 0.0)
+            self.report[i].update(dequant_cached=cached, dequant_s=time.perf_counter() - t0)
 
     def free(self) -> None:
         """Drop every arena on every device (and every view into them), then hand the cached

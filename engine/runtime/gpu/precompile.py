@@ -32,6 +32,7 @@ import json
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -77,9 +78,25 @@ def _runtime_knobs() -> Any | None:
     return rt if rt is not None and hasattr(rt, "jit_cache_hook") else None
 
 
-# a first variant that Triton's cache folder already holds loads in a few milliseconds; one
-# that compiles takes a second or more
+# where Triton's cache folder cannot be listed: a first variant that the folder holds loads in
+# a few milliseconds, one that compiles takes a second or more (the process's first compile
+# also pays Triton's own start, which is why the folder is asked first)
 WARM_S = 0.25
+
+
+def _entries() -> frozenset[str] | None:
+    """The names in Triton's cache folder (one per compiled kernel or launcher), an empty set
+    when there is none yet; None when it cannot be listed (a remote cache, an old Triton)."""
+    try:
+        from triton import knobs
+
+        folder = knobs.cache.dir
+    except (ImportError, AttributeError):
+        return None
+    try:
+        return frozenset(os.listdir(folder)) if folder and os.path.isdir(folder) else frozenset()
+    except OSError:
+        return None
 
 
 class WarmCache(Exception):
@@ -171,22 +188,43 @@ def build(module: str, name: str, data: str, target: tuple) -> str | None:
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
         gpu = GPUTarget(*target)
         options = make_backend(gpu).parse_options(options)
-        compile(ASTSource(obj, signature, constexprs, attrs), target=gpu, options=options.__dict__)
+        kernel = compile(ASTSource(obj, signature, constexprs, attrs), target=gpu,
+                         options=options.__dict__)
+        _launcher(kernel)
         return None
     except Exception as exc:  # noqa: BLE001 - the loading thread compiles it instead
         return _failure(data, exc)
 
 
-PRELOAD = ["torch", "triton", "triton.compiler.compiler"]
+def _preload() -> list[str]:
+    """What the workers' server imports once: torch, Triton's compiler and NVIDIA backend, the
+    kernels this process has imported, and this process's main module by name (each worker
+    runs that module's body again, as multiprocessing does; its imports are then done)."""
+    main = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
+    return ["torch", "triton", "triton.compiler.compiler", "triton.backends.nvidia.compiler",
+            "triton.backends.nvidia.driver",
+            *sorted(n for n in list(sys.modules) if n.startswith("kernels.")),
+            *([main] if main and not main.endswith("__main__") else [])]
+
+
+def _launcher(kernel: Any) -> None:
+    """Triton versions that build a C launcher for each kernel signature (gcc, at the kernel's
+    first launch, on the loading process's one thread) build it here into the cache folder,
+    where that first launch then finds it. Later Triton has one launcher for all: nothing."""
+    from triton.backends.nvidia import driver as nvidia
+
+    if hasattr(nvidia, "make_launcher") and hasattr(nvidia, "compile_module_from_src"):
+        nvidia.CudaLauncher(kernel.src, kernel.metadata)
 
 
 def _start_server() -> bool:
-    """Start the workers' server (a fresh interpreter that imports PRELOAD once; workers fork
-    from it, so neither has CUDA). Returns at once: the server imports in the background."""
+    """Start the workers' server (a fresh interpreter that imports _preload() once; workers
+    fork from it, so neither has CUDA). Returns at once: the server imports in the
+    background."""
     try:
         from multiprocessing import forkserver
 
-        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        multiprocessing.get_context("forkserver").set_forkserver_preload(_preload())
         forkserver.ensure_running()
         return True
     except (OSError, ValueError, RuntimeError) as exc:
@@ -218,6 +256,28 @@ def _stop_server(wait: bool = True) -> None:
             stop()
     except Exception as exc:  # noqa: BLE001 - an idle process left behind, nothing worse
         log.debug("stopping the compile workers' server: %s", exc)
+
+
+def fresh() -> bool:
+    """No kernel of ``kernels/`` is compiled in this process yet, so none would launch during a
+    dry pass (the first load of an engine process): the dequant-cache fill's and the warm-up's
+    dry passes can then run as one round before either runs for real, whose kernels would
+    otherwise read weights not yet filled or repacked."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return False
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("kernels."):
+            continue
+        for obj in list(vars(module).values()):
+            while not isinstance(obj, JITFunction) and isinstance(getattr(obj, "fn", None),
+                                                                   JITFunction):
+                obj = obj.fn  # an autotuner or heuristics around it
+            if isinstance(obj, JITFunction) and any(
+                    c[0] for c in list(obj.device_caches.values())):
+                return False
+    return True
 
 
 class Compiler:
@@ -272,10 +332,12 @@ class Compiler:
         if self.warm is None:
             # the workers' server imports while this compiles: ready when it was cold
             started = self.processes and job(variant) is not None and _start_server()
+            folder = _entries()
             t0 = time.perf_counter()
             failed = _compile(variant, hooked=True)
             self.first_s = time.perf_counter() - t0
-            if failed is None and self.first_s < WARM_S:
+            if failed is None and (self.first_s < WARM_S if folder is None else
+                                   _entries() == folder):
                 self.warm = True
                 if started:
                     _stop_server(wait=False)
@@ -340,6 +402,7 @@ class Compiler:
         dry = time.perf_counter() - t0
         errors = self._finish(self._round)
         r = self.report
+        r["rounds"] = r.get("rounds", 0) + 1
         r["variants"] += len(self._round)
         r["compiled"] = r.get("compiled", 0) + len(self._round) - len(errors)
         r["failed"] = r.get("failed", 0) + len(errors)

@@ -25,6 +25,7 @@ from engine.runtime.chunked import ChunkedSession
 from engine.runtime.generate import GenerationStats
 from engine.runtime.gpu import decode
 from engine.runtime.gpu.pipeline import GpuPipeline, on, sync
+from engine.runtime.gpu.precompile import fresh
 from engine.runtime.models.layers import NonFinite
 from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
@@ -136,7 +137,8 @@ class GpuSession(ChunkedSession):
         layout = price(plan, model, TRITON)
         refuse(layout)
         timeline.mark("priced")
-        pipe = GpuPipeline(model, hp, layout, on_progress, cancelled, devices, options)
+        pipe = GpuPipeline(model, hp, layout, on_progress, cancelled, devices, options,
+                           defer_fill=True)
         err: BaseException | None = None
         try:
             sess = cls(plan, model, hp, layout, pipe)
@@ -161,15 +163,26 @@ class GpuSession(ChunkedSession):
         chunk of a few rows (the GEMV path), the head and the GPU sampler on a prefilled row,
         then the decode graphs. On a GPU the overhead measured after it is then the whole of
         it; under the interpreter only the graphs' eager step runs."""
-        steps = self._warm_up_steps() if self.pipe.stages[0].on_cuda else []
+        pipe = self.pipe
+        steps = self._warm_up_steps() if pipe.stages[0].on_cuda else []
         total = len(steps) + 1
-        compiler = self.pipe.compiler
-        if steps and compiler is not None:  # a cold kernel cache: compile on every core first
-            if compiler.active:
+        compiler = pipe.compiler
+        # a cold kernel cache: compile on every core first. In a process that has compiled
+        # none of our kernels yet (none can launch in a dry pass), the fills' and the
+        # warm-up's dry passes are one round; else the fills come first, each with a round
+        one_round = compiler is not None and compiler.active and bool(steps) and fresh()
+        if one_round:
+            if on_progress is not None:
+                on_progress(WARM_UP, 0, total, 0.0)
+            compiler.round([*pipe.fill_steps(), *steps, pipe.decode_eager],
+                           pipe.clear_buffers, pipe.sync)
+            timeline.mark(compiler.summary())
+        pipe.fill(on_progress, cancelled, precompiled=one_round)
+        if compiler is not None:
+            if steps and compiler.active and not one_round:
                 if on_progress is not None:
                     on_progress(WARM_UP, 0, total, 0.0)
-                compiler.round([*steps, self.pipe.decode_eager], self.pipe.clear_buffers,
-                               self.pipe.sync)
+                compiler.round([*steps, pipe.decode_eager], pipe.clear_buffers, pipe.sync)
                 timeline.mark(compiler.summary())
             compiler.close()
             self.compiled = compiler.report
