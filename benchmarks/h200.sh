@@ -47,8 +47,10 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #                                these shapes' files: pp512 and tg128, flash attention on, once
 #                                per NCMOE value (--n-cpu-moe), each with its peak VRAM
 #   NCMOE="0"                    comma-separated --n-cpu-moe values for LLAMA
-#   LAUNCH="qwen2-7b"            benchmarks.bench_launch --runs 0 (a cold launch, then a
-#                                pre-started one) with the load's compile pool, then cold with
+#   LAUNCH="qwen2-7b"            benchmarks.bench_launch --runs 0 (cold launches, then a
+#                                pre-started one) with the load's compile workers (the variants
+#                                they compiled: $OUT/variants-SHAPE.jsonl, for
+#                                benchmarks.bench_compile), then cold with
 #                                CARVE_COMPILE_THREADS=0 (every kernel compiled in turn;
 #                                LAUNCH_SERIAL=0 leaves that out)
 #   SOAK="qwen2-0.5b"            benchmarks.soak through the engine process on the GPU
@@ -89,8 +91,8 @@ if [ "${MOE:-0}" = 1 ]; then
         --json "$out/device-check-moe.json" 2>&1 | tee "$out/device-check-moe.log"
 fi
 for s in ${LAUNCH:-}; do
-    timeout "$step" python3 -m benchmarks.bench_launch --synth "$s" --runs 0 2>&1 \
-        | tee "$out/launch-$s.log"
+    CARVE_PRECOMPILE_DUMP="$out/variants-$s.jsonl" timeout "$step" python3 -m \
+        benchmarks.bench_launch --synth "$s" --runs 0 2>&1 | tee "$out/launch-$s.log"
     [ "${LAUNCH_SERIAL:-1}" = 1 ] && CARVE_COMPILE_THREADS=0 timeout "$step" python3 -m benchmarks.bench_launch --synth "$s" \
         --runs 0 2>&1 | tee "$out/launch-serial-$s.log"
 done

@@ -133,6 +133,23 @@ def _timed(variant: Variant) -> tuple[str | None, float]:
     return _compile(variant), time.perf_counter() - t0
 
 
+def _dump(job: tuple, seconds: float, failed: str | None) -> None:
+    """CARVE_PRECOMPILE_DUMP=FILE: append what a worker compiled (module, kernel, its
+    specialization data, target, seconds) as a JSON line, so the variants of a GPU machine's
+    load can be compiled and timed again on any machine (`benchmarks/bench_compile.py`)."""
+    path = os.environ.get("CARVE_PRECOMPILE_DUMP")
+    if not path:
+        return
+    module, name, data, target = job
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"module": module, "name": name, "data": data,
+                                "target": list(target), "seconds": round(seconds, 3),
+                                "failed": failed}) + "\n")
+    except OSError as exc:
+        log.warning("CARVE_PRECOMPILE_DUMP=%s: %s", path, exc)
+
+
 def _failure(data: str, exc: BaseException) -> str:
     name = json.loads(data).get("name", "?") if data.startswith("{") else "?"
     return f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -194,6 +211,12 @@ def build(module: str, name: str, data: str, target: tuple) -> str | None:
         return None
     except Exception as exc:  # noqa: BLE001 - the loading thread compiles it instead
         return _failure(data, exc)
+
+
+def timed_build(module: str, name: str, data: str, target: tuple) -> tuple[str | None, float]:
+    """`build`, and the seconds it took in the worker."""
+    t0 = time.perf_counter()
+    return build(module, name, data, target), time.perf_counter() - t0
 
 
 def _preload() -> list[str]:
@@ -302,6 +325,8 @@ class Compiler:
         self.report: dict = {"variants": 0}
         self._seen: set[tuple] = set()
         self._pending: dict[Future, Variant] = {}  # in a worker process
+        self._jobs: dict[tuple, tuple] = {}  # (jit, data) -> what the worker was given
+        self._times: list[tuple[float, str]] = []  # (seconds in a worker, kernel)
         self._round: list[Variant] = []
 
     @property
@@ -316,7 +341,9 @@ class Compiler:
         if not r["variants"]:
             return "kernels precompiled (none to compile)"
         how = f"{self.n} worker processes" if r.get("workers") else f"{self.n} threads"
+        slow = r.get("slowest")
         return (f"kernels precompiled ({r['compiled']} of {r['variants']} variants, {how}"
+                + (f", slowest {slow[0][0]} {slow[0][1]:.1f} s" if slow else "")
                 + (f", {r['rebuilt']} compiled again here" if r.get("rebuilt") else "") + ")")
 
     # --- the hook ------------------------------------------------------------------------------
@@ -365,7 +392,8 @@ class Compiler:
                 self.processes = False
                 return
         try:
-            self._pending[self.procs.submit(build, *spec)] = variant
+            self._pending[self.procs.submit(timed_build, *spec)] = variant
+            self._jobs[variant[:2]] = spec
         except RuntimeError as exc:  # a broken pool: the threads compile the rest
             log.warning("kernel compile workers stopped (%s): compiling on threads", exc)
             self.processes = False
@@ -412,6 +440,8 @@ class Compiler:
         r["first_s"] = round(self.first_s or 0.0, 3)
         r["dry_s"] = round(r.get("dry_s", 0.0) + dry, 3)
         r["s"] = round(r.get("s", 0.0) + time.perf_counter() - t0, 3)
+        if self._times:
+            r["slowest"] = [[name, round(sec, 2)] for sec, name in sorted(self._times)[-3:][::-1]]
         for e in errors[:5]:
             log.warning("precompiling a kernel failed (the load compiles it instead): %s", e)
 
@@ -434,7 +464,11 @@ class Compiler:
             for f in ready:
                 if f in self._pending:
                     v = self._pending.pop(f)
-                    failed = f.exception() or f.result()
+                    failed = f.exception()
+                    if failed is None:
+                        failed, seconds = f.result()
+                        self._times.append((seconds, self._jobs[v[:2]][1]))
+                        _dump(self._jobs[v[:2]], seconds, failed)
                     if failed:
                         log.debug("a compile worker failed on %s (this process compiles it)",
                                   failed)
