@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SUBCOMMANDS:
         module = importlib.import_module(SUBCOMMANDS[argv[0]])
         return module.main(argv)
-    from app.window_main import main as gui_main
+    from app.window_start import main as gui_main
 
     return gui_main(argv)
 

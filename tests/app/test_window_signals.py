@@ -1,4 +1,4 @@
-"""The real window process (`app.window_main.main` under the offscreen platform, driven by
+"""The real window process (`app.window_start.main` under the offscreen platform, driven by
 window_signal_driver.py) sent SIGTERM or SIGINT mid-load or mid-reply: it closes as its close
 button does, says so in one line, exits 0, and leaves no engine (nor anything the engine
 started) running: the engine is gone when the window's close returns, not later by its own

@@ -1,4 +1,4 @@
-"""The real window (`app.window_main.main`, the code `carve` runs), driven as a person would for
+"""The real window (`app.window_start.main`, the code `carve` runs), driven as a person would for
 tests/app/test_window_signals.py: it opens MODEL on the CPU, presses Launch, and with WHEN
 "reply" sends a chat message once loaded. It prints one line per step on stdout:
 
@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import app.window_main as wm  # noqa: E402
+import app.window_start as start  # noqa: E402
 
 
 def main() -> int:
@@ -48,10 +49,10 @@ def main() -> int:
             if state == "starting":
                 c._proc.started.connect(lambda: say(f"engine {c._proc.processId()}"))
                 if when == "start":
-                    c._proc.started.connect(lambda: wm.QTimer.singleShot(1000,
+                    c._proc.started.connect(lambda: start.QTimer.singleShot(1000,
                                                                          lambda: trigger(self)))
             elif state == "loading" and when == "load":
-                wm.QTimer.singleShot(500, lambda: trigger(self))
+                start.QTimer.singleShot(500, lambda: trigger(self))
 
         c.state_changed.connect(on_state)
         if when == "load":
@@ -74,13 +75,13 @@ def main() -> int:
 
     def restore(self, *args, **kwargs):
         out = real_restore(self, *args, **kwargs)
-        wm.QTimer.singleShot(0, self.launch_bar.launch_button.click)
+        start.QTimer.singleShot(0, self.launch_bar.launch_button.click)
         return out
 
     wm.MainWindow.__init__ = init
     wm.MainWindow.closeEvent = close_event
     wm.MainWindow.restore = restore
-    return wm.main(["--model", model, "--gpus", "cpu"])
+    return start.main(["--model", model, "--gpus", "cpu"])
 
 
 if __name__ == "__main__":
