@@ -19,7 +19,7 @@ import pytest
 
 from engine.process import protocol as p
 from engine.process.client import EngineProcess
-from engine.runtime import server
+from engine.runtime import replies, server
 from spec.errors import CarveError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,13 +143,13 @@ def test_engine_sets_pci_bus_order_before_torch():
 
 
 def test_one_line():
-    assert server.one_line(CarveError("model.gguf:  bad\n  thing")) == "model.gguf: bad thing"
-    assert server.one_line(RuntimeError("x\ny")) == "internal error: RuntimeError: x y"
-    assert len(server.one_line(ValueError("z" * 5000))) < 330
-    assert server.safe_text("ok \ud800 end") == "ok ? end"
-    assert server.is_fatal(RuntimeError("CUDA error: an illegal memory access was encountered"))
-    assert not server.is_fatal(RuntimeError("CUDA error: out of memory"))
-    assert not server.is_fatal(CarveError("GPU 0: does not fit"))
+    assert replies.one_line(CarveError("model.gguf:  bad\n  thing")) == "model.gguf: bad thing"
+    assert replies.one_line(RuntimeError("x\ny")) == "internal error: RuntimeError: x y"
+    assert len(replies.one_line(ValueError("z" * 5000))) < 330
+    assert replies.safe_text("ok \ud800 end") == "ok ? end"
+    assert replies.is_fatal(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not replies.is_fatal(RuntimeError("CUDA error: out of memory"))
+    assert not replies.is_fatal(CarveError("GPU 0: does not fit"))
 
 
 # ------------------------------------------------------------------ the worker, with a fake session
