@@ -171,45 +171,83 @@ def job(variant: Variant) -> tuple[str, str, str, tuple] | None:
         return None
 
 
+def _source(module: str, name: str, data: str, target: tuple) -> tuple[Any, Any, Any]:
+    """(Triton's source of the variant, its target, its options) rebuilt from what the JIT's
+    hook recorded, as its ``preload`` rebuilds them."""
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, convert_to_tuple_if_list
+
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    while not isinstance(obj, JITFunction) and hasattr(obj, "fn"):  # autotuner, heuristics
+        obj = obj.fn
+    spec = json.loads(data)
+
+    def constant(value: Any) -> Any:
+        if tl.dtype.is_dtype(value):
+            return tl.dtype(value)
+        if isinstance(value, dict) and "constexpr" in value:
+            return tl.constexpr(convert_to_tuple_if_list(value["constexpr"]))
+        if isinstance(value, dict):
+            raise ValueError(f"a constant this worker cannot rebuild: {value}")
+        return convert_to_tuple_if_list(value)
+
+    constexprs = {tuple(k): constant(v)
+                  for k, v in zip(spec["constant_keys"], spec["constant_vals"], strict=True)}
+    attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"], strict=True)}
+    signature = {k: convert_to_tuple_if_list(v) for k, v in spec["signature"].items()}
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
+    gpu = GPUTarget(*target)
+    return ASTSource(obj, signature, constexprs, attrs), gpu, make_backend(gpu).parse_options(
+        options)
+
+
 def build(module: str, name: str, data: str, target: tuple) -> str | None:
     """In a worker process: compile one variant into Triton's cache folder exactly as the JIT's
     ``preload`` would (the same source, signature, constants, attributes and options, so the
     same cache key) but for a stated target, so no GPU is touched here; the error's text when
     it fails. The loading thread then finds it in the folder."""
     try:
-        import triton.language as tl
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler.compiler import ASTSource, compile, make_backend
-        from triton.runtime.jit import JITFunction, convert_to_tuple_if_list
+        from triton.compiler.compiler import compile
 
-        obj: Any = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-        while not isinstance(obj, JITFunction) and hasattr(obj, "fn"):  # autotuner, heuristics
-            obj = obj.fn
-        spec = json.loads(data)
-
-        def constant(value: Any) -> Any:
-            if tl.dtype.is_dtype(value):
-                return tl.dtype(value)
-            if isinstance(value, dict) and "constexpr" in value:
-                return tl.constexpr(convert_to_tuple_if_list(value["constexpr"]))
-            if isinstance(value, dict):
-                raise ValueError(f"a constant this worker cannot rebuild: {value}")
-            return convert_to_tuple_if_list(value)
-
-        constexprs = {tuple(k): constant(v)
-                      for k, v in zip(spec["constant_keys"], spec["constant_vals"], strict=True)}
-        attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"], strict=True)}
-        signature = {k: convert_to_tuple_if_list(v) for k, v in spec["signature"].items()}
-        options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
-        gpu = GPUTarget(*target)
-        options = make_backend(gpu).parse_options(options)
-        kernel = compile(ASTSource(obj, signature, constexprs, attrs), target=gpu,
-                         options=options.__dict__)
-        _launcher(kernel)
+        src, gpu, options = _source(module, name, data, target)
+        compile(src, target=gpu, options=options.__dict__)
         return None
     except Exception as exc:  # noqa: BLE001 - the loading thread compiles it instead
+        return _failure(data, exc)
+
+
+def c_launchers() -> bool:
+    """Whether this Triton builds a C launcher per kernel signature (gcc, about a second, at
+    the kernel's first launch, on the launching thread): Triton 3.6 does, later ones have one
+    launcher for every kernel."""
+    try:
+        from triton.backends.nvidia import driver as nvidia
+    except ImportError:
+        return False
+    return hasattr(nvidia, "make_launcher") and hasattr(nvidia, "compile_module_from_src")
+
+
+def build_launcher(module: str, name: str, data: str, target: tuple) -> str | None:
+    """In a worker process: build the variant's C launcher into Triton's cache folder (it
+    depends on the signature and constants alone, so it builds beside the kernel's compile),
+    where the kernel's first launch then finds it; the error's text when it fails (the
+    launch builds it then, as always)."""
+    try:
+        from types import SimpleNamespace
+
+        from triton.backends.nvidia import driver as nvidia
+
+        src = _source(module, name, data, target)[0]
+        nvidia.CudaLauncher(src, SimpleNamespace(  # what the launcher reads of the metadata
+            tensordesc_meta=None, num_ctas=1, global_scratch_size=0, global_scratch_align=1,
+            profile_scratch_size=0, profile_scratch_align=1, launch_cooperative_grid=False,
+            launch_pdl=False))
+        return None
+    except Exception as exc:  # noqa: BLE001 - the first launch builds it instead
         return _failure(data, exc)
 
 
@@ -228,16 +266,6 @@ def _preload() -> list[str]:
             "triton.backends.nvidia.driver",
             *sorted(n for n in list(sys.modules) if n.startswith("kernels.")),
             *([main] if main and not main.endswith("__main__") else [])]
-
-
-def _launcher(kernel: Any) -> None:
-    """Triton versions that build a C launcher for each kernel signature (gcc, at the kernel's
-    first launch, on the loading process's one thread) build it here into the cache folder,
-    where that first launch then finds it. Later Triton has one launcher for all: nothing."""
-    from triton.backends.nvidia import driver as nvidia
-
-    if hasattr(nvidia, "make_launcher") and hasattr(nvidia, "compile_module_from_src"):
-        nvidia.CudaLauncher(kernel.src, kernel.metadata)
 
 
 def _start_server() -> bool:
@@ -326,6 +354,8 @@ class Compiler:
         self._seen: set[tuple] = set()
         self._pending: dict[Future, Variant] = {}  # in a worker process
         self._jobs: dict[tuple, tuple] = {}  # (jit, data) -> what the worker was given
+        self._side: list[Future] = []  # C launchers building in the workers (c_launchers())
+        self.launchers = processes and c_launchers()
         self._times: list[tuple[float, str]] = []  # (seconds in a worker, kernel)
         self._round: list[Variant] = []
 
@@ -394,6 +424,8 @@ class Compiler:
         try:
             self._pending[self.procs.submit(timed_build, *spec)] = variant
             self._jobs[variant[:2]] = spec
+            if self.launchers:
+                self._side.append(self.procs.submit(build_launcher, *spec))
         except RuntimeError as exc:  # a broken pool: the threads compile the rest
             log.warning("kernel compile workers stopped (%s): compiling on threads", exc)
             self.processes = False
@@ -489,11 +521,16 @@ class Compiler:
             if self.cancelled is not None and self.cancelled():
                 self.close(cancel=True)
                 raise CarveError("load cancelled")
+        for f in self._side:  # a launcher that failed is built at its kernel's first launch
+            if f.exception() is None and f.result():
+                log.debug("a compile worker could not build a launcher: %s", f.result())
+        self._side.clear()
         return errors
 
     def close(self, cancel: bool = False) -> None:
         """End the workers and threads (``cancel``: drop what has not started)."""
         self._pending.clear()
+        self._side.clear()
         if self.procs is not None:
             self.procs.shutdown(wait=not cancel, cancel_futures=True)
             self.procs = None
