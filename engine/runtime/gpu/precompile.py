@@ -355,6 +355,7 @@ class Compiler:
         self._pending: dict[Future, Variant] = {}  # in a worker process
         self._jobs: dict[tuple, tuple] = {}  # (jit, data) -> what the worker was given
         self._side: list[Future] = []  # C launchers building in the workers (c_launchers())
+        self._side_jobs: list[tuple] = []  # the round's launchers not yet submitted
         self.launchers = processes and c_launchers()
         self._times: list[tuple[float, str]] = []  # (seconds in a worker, kernel)
         self._round: list[Variant] = []
@@ -424,8 +425,8 @@ class Compiler:
         try:
             self._pending[self.procs.submit(timed_build, *spec)] = variant
             self._jobs[variant[:2]] = spec
-            if self.launchers:
-                self._side.append(self.procs.submit(build_launcher, *spec))
+            if self.launchers:  # after the round's compiles (`round`): they take longer
+                self._side_jobs.append(spec)
         except RuntimeError as exc:  # a broken pool: the threads compile the rest
             log.warning("kernel compile workers stopped (%s): compiling on threads", exc)
             self.processes = False
@@ -460,6 +461,12 @@ class Compiler:
             if clear is not None:
                 clear()
         dry = time.perf_counter() - t0
+        if self.procs is not None:
+            try:
+                self._side += [self.procs.submit(build_launcher, *j) for j in self._side_jobs]
+            except RuntimeError as exc:  # a broken pool: the first launches build them
+                log.debug("compile workers: %s", exc)
+        self._side_jobs.clear()
         errors = self._finish(self._round)
         r = self.report
         r["rounds"] = r.get("rounds", 0) + 1

@@ -174,7 +174,10 @@ class GpuSession(ChunkedSession):
         if one_round:
             if on_progress is not None:
                 on_progress(WARM_UP, 0, total, 0.0)
-            compiler.round([*pipe.fill_steps(), *steps, pipe.decode_eager],
+            # the decode step's fused GEMVs are the slowest to compile (up to ~10 s each,
+            # most of it Triton's coalescing pass): recorded early, they start first; the
+            # fills' scan comes first of all, a small kernel to compile on the spot
+            compiler.round([*pipe.fill_steps(), pipe.decode_eager, *steps],
                            pipe.clear_buffers, pipe.sync)
             timeline.mark(compiler.summary())
         pipe.fill(on_progress, cancelled, precompiled=one_round)
@@ -182,7 +185,7 @@ class GpuSession(ChunkedSession):
             if steps and compiler.active and not one_round:
                 if on_progress is not None:
                     on_progress(WARM_UP, 0, total, 0.0)
-                compiler.round([*steps, pipe.decode_eager], pipe.clear_buffers, pipe.sync)
+                compiler.round([pipe.decode_eager, *steps], pipe.clear_buffers, pipe.sync)
                 timeline.mark(compiler.summary())
             compiler.close()
             self.compiled = compiler.report
