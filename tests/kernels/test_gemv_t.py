@@ -123,13 +123,17 @@ def test_gemv_t_glu_matches_reference(ggml_type, act, split, paired, seed):
 
 @pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("int8_x", [True, False])
-def test_gemv_t3_matches_three_reference_gemvs(split, int8_x, seed):
+@pytest.mark.parametrize("qk_same", [False, True])
+def test_gemv_t3_matches_three_reference_gemvs(split, int8_x, qk_same, seed):
     # q, k, v of the same x in one launch: each its own random type and row count (so the row
-    # tiles of one matrix end mid-tile and the next starts a fresh one), outputs side by side
+    # tiles of one matrix end mid-tile and the next starts a fresh one), outputs side by side;
+    # ``qk_same``: q and k of one type, which the kernel runs through one body
     g = generator(seed)
     m = 1 if int8_x else _rand(g, 1, 3)
     nb = _rand(g, 1, 4)
     types = [TYPES[_rand(g, 0, len(TYPES))] for _ in range(3)]
+    if qk_same:
+        types[1] = types[0]
     rows = [_rand(g, 1, 70) for _ in range(3)]
     ws = [random_weight(t, r, 256 * nb, DEVICE, g) for t, r in zip(types, rows)]
     x = torch.randn(m, 256 * nb, generator=g, device=DEVICE).to(torch.bfloat16)
