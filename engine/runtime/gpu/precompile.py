@@ -358,6 +358,7 @@ class Compiler:
         self._side_jobs: list[tuple] = []  # the round's launchers not yet submitted
         self.launchers = processes and c_launchers()
         self._times: list[tuple[float, str]] = []  # (seconds in a worker, kernel)
+        self._server = False  # the workers' server started (it outlives the workers)
         self._round: list[Variant] = []
 
     @property
@@ -390,6 +391,7 @@ class Compiler:
         if self.warm is None:
             # the workers' server imports while this compiles: ready when it was cold
             started = self.processes and job(variant) is not None and _start_server()
+            self._server = started
             folder = _entries()
             t0 = time.perf_counter()
             failed = _compile(variant, hooked=True)
@@ -399,6 +401,7 @@ class Compiler:
                 self.warm = True
                 if started:
                     _stop_server(wait=False)
+                    self._server = False
                 raise WarmCache
             self.warm = False
             if failed is None:
@@ -422,10 +425,11 @@ class Compiler:
             if self.procs is None:
                 self.processes = False
                 return
+            self._server = True
         try:
             self._pending[self.procs.submit(timed_build, *spec)] = variant
             self._jobs[variant[:2]] = spec
-            if self.launchers:  # after the round's compiles (`round`): they take longer
+            if self.launchers:  # submitted after all the round's compiles (longer jobs)
                 self._side_jobs.append(spec)
         except RuntimeError as exc:  # a broken pool: the threads compile the rest
             log.warning("kernel compile workers stopped (%s): compiling on threads", exc)
@@ -541,6 +545,8 @@ class Compiler:
         if self.procs is not None:
             self.procs.shutdown(wait=not cancel, cancel_futures=True)
             self.procs = None
+        if self._server:
+            self._server = False
             _stop_server()
         if self.loaders is not None:
             self.loaders.shutdown(wait=True, cancel_futures=True)
