@@ -36,23 +36,23 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append(r)
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="carve-compile-")
     os.environ.pop("TRITON_INTERPRET", None)
-    from engine.runtime.gpu import precompile
+    from engine.runtime.gpu import compile_worker
 
-    pool = precompile._workers(max(1, args.jobs))
+    pool = compile_worker.workers(max(1, args.jobs))
     if pool is None:
         print("the compile workers did not start", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     out = []
     try:
-        futures = {pool.submit(precompile.timed_build, j["module"], j["name"], j["data"],
+        futures = {pool.submit(compile_worker.timed_build, j["module"], j["name"], j["data"],
                                tuple(j["target"])): j for j in jobs}
         for fut in as_completed(futures):
             err, sec = fut.result()
             out.append((sec, futures[fut], err))
     finally:
         pool.shutdown()
-        precompile._stop_server()
+        compile_worker.stop_server()
     wall = time.perf_counter() - t0
     print(f"{'kernel':28s} {'here s':>7s} {'there s':>8s}  constants")
     for sec, j, err in sorted(out, key=lambda t: -t[0]):

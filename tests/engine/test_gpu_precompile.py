@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.runtime.gpu import precompile
+from engine.runtime.gpu import compile_worker, precompile
 from engine.synth.gen import write_model
 from spec.errors import CarveError
 
@@ -99,6 +99,17 @@ def test_a_cold_load_compiles_its_kernels_in_the_pool_and_decodes_the_same(shape
     assert pooled["ids"] == serial["ids"]
 
 
+def one_round(steps, clear, sync, n_threads=None, on_compiled=None, cancelled=None,
+              processes=True) -> dict:
+    """A Compiler of its own, one round of ``steps``, closed: what it did."""
+    c = precompile.Compiler(n_threads, on_compiled, cancelled, processes)
+    try:
+        c.round(steps, clear, sync)
+    finally:
+        c.close()
+    return c.report
+
+
 def test_the_pool_size_comes_from_the_environment():
     assert precompile.threads({"CARVE_COMPILE_THREADS": "3"}) == 3
     assert precompile.threads({"CARVE_COMPILE_THREADS": "0"}) == 0
@@ -151,7 +162,7 @@ def test_the_dry_pass_records_declines_restores_and_compiles_on_the_pool(monkeyp
         raise IndexError("read a skipped kernel's output")
 
     progress = []
-    out = precompile.precompile(
+    out = one_round(
         [lambda: launch(good, "a"), broken, lambda: launch(good, "a"), lambda: launch(bad, "c")],
         clear=lambda: calls.append("clear"), sync=lambda: calls.append("sync"), n_threads=4,
         on_compiled=lambda done, n: progress.append((done, n)))
@@ -179,7 +190,7 @@ def test_a_first_variant_from_the_cache_folder_stops_the_dry_pass(monkeypatch):
         ran.append(key)
         hooked_launch(rt, jit, key)
 
-    out = precompile.precompile([lambda: step("a"), lambda: step("b")],
+    out = one_round([lambda: step("a"), lambda: step("b")],
                                 clear=lambda: calls.append("clear"), sync=lambda: None,
                                 n_threads=4)
     assert ran == ["a"] and [n for n, _ in jit.loaded] == ["a"]
@@ -209,7 +220,7 @@ def test_the_cache_folder_tells_a_warm_first_variant_from_a_cold_one(writes, tmp
         ran.append(key)
         hooked_launch(rt, jit, key)
 
-    out = precompile.precompile([lambda: step("a"), lambda: step("b")], lambda: None,
+    out = one_round([lambda: step("a"), lambda: step("b")], lambda: None,
                                 lambda: None, n_threads=2, processes=False)
     assert out["warm"] is not writes
     assert ran == (["a", "b"] if writes else ["a"])
@@ -218,7 +229,7 @@ def test_the_cache_folder_tells_a_warm_first_variant_from_a_cold_one(writes, tmp
 def test_no_pool_no_dry_pass(monkeypatch):
     monkeypatch.setattr(precompile, "_runtime_knobs", lambda: SimpleNamespace(jit_cache_hook=None))
     ran = []
-    assert precompile.precompile([lambda: ran.append(1)], lambda: None, lambda: None,
+    assert one_round([lambda: ran.append(1)], lambda: None, lambda: None,
                                  n_threads=1) == {"variants": 0}
     assert ran == []
 
@@ -233,7 +244,7 @@ def test_cancel_drops_the_variants_not_started(monkeypatch):
     stop = []
 
     with pytest.raises(CarveError, match="load cancelled"):
-        precompile.precompile([lambda k=k: hooked_launch(rt, jit, k) for k in "abcdefgh"],
+        one_round([lambda k=k: hooked_launch(rt, jit, k) for k in "abcdefgh"],
                               lambda: None,
                               lambda: None, n_threads=2,
                               on_compiled=lambda done, n: stop.append(done),
@@ -267,13 +278,13 @@ def test_a_worker_process_compiles_a_variant_into_the_cache_folder(tmp_path, mon
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the engine compiles, never interprets
 
     def in_worker(*job) -> str | None:
-        workers = precompile._workers(1)
+        workers = compile_worker.workers(1)
         assert workers is not None
         try:
-            return workers.submit(precompile.build, *job).result(timeout=600)
+            return workers.submit(compile_worker.build, *job).result(timeout=600)
         finally:
             workers.shutdown()
-            precompile._stop_server()
+            compile_worker.stop_server()
 
     assert in_worker(*job) is None
     written = sorted(p.name for p in tmp_path.iterdir())

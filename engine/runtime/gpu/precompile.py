@@ -1,16 +1,17 @@
 """Compile the Triton kernels a load needs on every core, before the load runs them.
 
 With a cold kernel cache a load compiles each kernel variant the plan uses where it first
-launches it, one after another (about 1-2 s each; 36 variants for a 7B Q4_K_M file: the
-dequant-cache fill's and the warm-up's). Here the load's kernel-launching work runs in rounds
-(the dequant-cache fill of each stage, then the warm-up), each first as a dry pass with
-Triton's JIT cache hook declining every compile: the variant is recorded, neither compiled nor
-launched. The recorded variants compile in worker processes (one per CPU, forked from a
-server that imported Triton once) into Triton's cache folder, each as soon as the dry pass
-records it; as each one is done, a thread of this process loads it from the folder into the
-JIT's own cache, and the real work then finds every variant compiled. A variant a worker
-cannot compile (its kernel not reachable by name, a worker lost) compiles on those threads
-instead, as it did before there were workers (Triton releases the GIL for part of a compile).
+launches it, one after another (1-6 s each; 35 variants for a 7B Q4_K_M file: the
+dequant-cache fill's and the warm-up's). Here the load's kernel-launching work runs in rounds,
+each first as a dry pass with Triton's JIT cache hook declining every compile: the variant is
+recorded, neither compiled nor launched. In a process that has compiled none of our kernels
+(`fresh`), the fills' and the warm-up's dry passes are one round; else each fill gets its own,
+then the warm-up. The recorded variants compile in worker processes (gpu/compile_worker.py)
+into Triton's cache folder, each as soon as the dry pass records it; as each one is done, a
+thread of this process loads it from the folder into the JIT's own cache, and the real work
+then finds every variant compiled. A variant a worker cannot compile (its kernel not reachable
+by name, a worker lost) compiles on those threads instead (Triton releases the GIL for part of
+a compile).
 
 What a dry pass may run: a kernel compiled before it launches as usual. The warm-up's round
 zeroes the stage's working buffers before and after its dry pass, so such a kernel reads ids
@@ -18,8 +19,9 @@ and counts of zero, in range, where a skipped one would have written them; the f
 moves no byte into a weight span (`GpuStage.fill_dequant_cache(dry=True)`). Anything this
 cannot do (a Triton without the hook, a variant that fails to compile here) is left to the
 real work, which compiles it as before: this only saves time. The first variant of a load is
-compiled on the spot: when that takes under WARM_S, Triton's cache folder had it (every launch
-after the first), so no round runs at all and the load reads its kernels from the folder.
+compiled on the spot: when that wrote nothing into Triton's cache folder, the folder had it
+(every launch after the first), so no round runs at all and the load reads its kernels from
+the folder.
 
 ``CARVE_COMPILE_THREADS``: how many variants compile at once (default: the CPUs this process
 may use; 0 or 1 turns the rounds off).
@@ -27,13 +29,10 @@ may use; 0 or 1 turns the rounds off).
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
-import multiprocessing
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import (
@@ -47,6 +46,7 @@ from typing import Any
 
 import torch
 
+from engine.runtime.gpu import compile_worker as worker
 from spec.errors import CarveError
 
 log = logging.getLogger("carve.engine")
@@ -121,7 +121,7 @@ def _compile(variant: Variant, hooked: bool = False) -> str | None:
         jit.preload(data)
         return None
     except Exception as exc:  # noqa: BLE001 - the real work compiles it instead, as before
-        return _failure(data, exc)
+        return worker.failure(data, exc)
     finally:
         if rt is not None:
             rt.jit_cache_hook = hook
@@ -150,11 +150,6 @@ def _dump(job: tuple, seconds: float, failed: str | None) -> None:
         log.warning("CARVE_PRECOMPILE_DUMP=%s: %s", path, exc)
 
 
-def _failure(data: str, exc: BaseException) -> str:
-    name = json.loads(data).get("name", "?") if data.startswith("{") else "?"
-    return f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-
-
 def job(variant: Variant) -> tuple[str, str, str, tuple] | None:
     """What a worker process needs to compile ``variant``: the kernel's module and name, its
     specialization data and the GPU target; None when a worker could not find the kernel by
@@ -169,144 +164,6 @@ def job(variant: Variant) -> tuple[str, str, str, tuple] | None:
         return module, name, data, (target.backend, target.arch, target.warp_size)
     except (AttributeError, IndexError, KeyError, TypeError):
         return None
-
-
-def _source(module: str, name: str, data: str, target: tuple) -> tuple[Any, Any, Any]:
-    """(Triton's source of the variant, its target, its options) rebuilt from what the JIT's
-    hook recorded, as its ``preload`` rebuilds them."""
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import ASTSource, make_backend
-    from triton.runtime.jit import JITFunction, convert_to_tuple_if_list
-
-    obj: Any = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    while not isinstance(obj, JITFunction) and hasattr(obj, "fn"):  # autotuner, heuristics
-        obj = obj.fn
-    spec = json.loads(data)
-
-    def constant(value: Any) -> Any:
-        if tl.dtype.is_dtype(value):
-            return tl.dtype(value)
-        if isinstance(value, dict) and "constexpr" in value:
-            return tl.constexpr(convert_to_tuple_if_list(value["constexpr"]))
-        if isinstance(value, dict):
-            raise ValueError(f"a constant this worker cannot rebuild: {value}")
-        return convert_to_tuple_if_list(value)
-
-    constexprs = {tuple(k): constant(v)
-                  for k, v in zip(spec["constant_keys"], spec["constant_vals"], strict=True)}
-    attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"], strict=True)}
-    signature = {k: convert_to_tuple_if_list(v) for k, v in spec["signature"].items()}
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
-    gpu = GPUTarget(*target)
-    return ASTSource(obj, signature, constexprs, attrs), gpu, make_backend(gpu).parse_options(
-        options)
-
-
-def build(module: str, name: str, data: str, target: tuple) -> str | None:
-    """In a worker process: compile one variant into Triton's cache folder exactly as the JIT's
-    ``preload`` would (the same source, signature, constants, attributes and options, so the
-    same cache key) but for a stated target, so no GPU is touched here; the error's text when
-    it fails. The loading thread then finds it in the folder."""
-    try:
-        from triton.compiler.compiler import compile
-
-        src, gpu, options = _source(module, name, data, target)
-        compile(src, target=gpu, options=options.__dict__)
-        return None
-    except Exception as exc:  # noqa: BLE001 - the loading thread compiles it instead
-        return _failure(data, exc)
-
-
-def c_launchers() -> bool:
-    """Whether this Triton builds a C launcher per kernel signature (gcc, about a second, at
-    the kernel's first launch, on the launching thread): Triton 3.6 does, later ones have one
-    launcher for every kernel."""
-    try:
-        from triton.backends.nvidia import driver as nvidia
-    except ImportError:
-        return False
-    return hasattr(nvidia, "make_launcher") and hasattr(nvidia, "compile_module_from_src")
-
-
-def build_launcher(module: str, name: str, data: str, target: tuple) -> str | None:
-    """In a worker process: build the variant's C launcher into Triton's cache folder (it
-    depends on the signature and constants alone, so it builds beside the kernel's compile),
-    where the kernel's first launch then finds it; the error's text when it fails (the
-    launch builds it then, as always)."""
-    try:
-        from types import SimpleNamespace
-
-        from triton.backends.nvidia import driver as nvidia
-
-        src = _source(module, name, data, target)[0]
-        nvidia.CudaLauncher(src, SimpleNamespace(  # what the launcher reads of the metadata
-            tensordesc_meta=None, num_ctas=1, global_scratch_size=0, global_scratch_align=1,
-            profile_scratch_size=0, profile_scratch_align=1, launch_cooperative_grid=False,
-            launch_pdl=False))
-        return None
-    except Exception as exc:  # noqa: BLE001 - the first launch builds it instead
-        return _failure(data, exc)
-
-
-def timed_build(module: str, name: str, data: str, target: tuple) -> tuple[str | None, float]:
-    """`build`, and the seconds it took in the worker."""
-    t0 = time.perf_counter()
-    return build(module, name, data, target), time.perf_counter() - t0
-
-
-def _preload() -> list[str]:
-    """What the workers' server imports once: torch, Triton's compiler and NVIDIA backend, the
-    kernels this process has imported, and this process's main module by name (each worker
-    runs that module's body again, as multiprocessing does; its imports are then done)."""
-    main = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
-    return ["torch", "triton", "triton.compiler.compiler", "triton.backends.nvidia.compiler",
-            "triton.backends.nvidia.driver",
-            *sorted(n for n in list(sys.modules) if n.startswith("kernels.")),
-            *([main] if main and not main.endswith("__main__") else [])]
-
-
-def _start_server() -> bool:
-    """Start the workers' server (a fresh interpreter that imports _preload() once; workers
-    fork from it, so neither has CUDA). Returns at once: the server imports in the
-    background."""
-    try:
-        from multiprocessing import forkserver
-
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_preload())
-        forkserver.ensure_running()
-        return True
-    except (OSError, ValueError, RuntimeError) as exc:
-        log.warning("kernel compile workers did not start (%s): compiling on threads", exc)
-        return False
-
-
-def _workers(n: int) -> ProcessPoolExecutor | None:
-    """``n`` worker processes forked from the server; None where that cannot start (the
-    threads then compile)."""
-    if not _start_server():
-        return None
-    return ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("forkserver"))
-
-
-def _stop_server(wait: bool = True) -> None:
-    """The server outlives its pool, holding torch in memory: stop it (it is started again if
-    another load needs workers). Stopping waits for the server to finish its imports, so a
-    server started for nothing (a warm cache) is stopped on a thread (``wait`` False). A
-    private call: without it the server stays until this process ends."""
-    if not wait:
-        threading.Thread(target=_stop_server, name="carve-compile-stop", daemon=True).start()
-        return
-    try:
-        from multiprocessing import forkserver
-
-        stop = getattr(forkserver._forkserver, "_stop", None)
-        if stop is not None:
-            stop()
-    except Exception as exc:  # noqa: BLE001 - an idle process left behind, nothing worse
-        log.debug("stopping the compile workers' server: %s", exc)
 
 
 def fresh() -> bool:
@@ -356,7 +213,7 @@ class Compiler:
         self._jobs: dict[tuple, tuple] = {}  # (jit, data) -> what the worker was given
         self._side: list[Future] = []  # C launchers building in the workers (c_launchers())
         self._side_jobs: list[tuple] = []  # the round's launchers not yet submitted
-        self.launchers = processes and c_launchers()
+        self.launchers = processes and worker.c_launchers()
         self._times: list[tuple[float, str]] = []  # (seconds in a worker, kernel)
         self._server = False  # the workers' server started (it outlives the workers)
         self._round: list[Variant] = []
@@ -390,7 +247,7 @@ class Compiler:
         variant = (jit, data, device)
         if self.warm is None:
             # the workers' server imports while this compiles: ready when it was cold
-            started = self.processes and job(variant) is not None and _start_server()
+            started = self.processes and job(variant) is not None and worker.start_server()
             self._server = started
             folder = _entries()
             t0 = time.perf_counter()
@@ -400,7 +257,7 @@ class Compiler:
                                    _entries() == folder):
                 self.warm = True
                 if started:
-                    _stop_server(wait=False)
+                    worker.stop_server(wait=False)
                     self._server = False
                 raise WarmCache
             self.warm = False
@@ -421,13 +278,13 @@ class Compiler:
         if spec is None:
             return
         if self.procs is None:
-            self.procs = _workers(self.n)
+            self.procs = worker.workers(self.n)
             if self.procs is None:
                 self.processes = False
                 return
             self._server = True
         try:
-            self._pending[self.procs.submit(timed_build, *spec)] = variant
+            self._pending[self.procs.submit(worker.timed_build, *spec)] = variant
             self._jobs[variant[:2]] = spec
             if self.launchers:  # submitted after all the round's compiles (longer jobs)
                 self._side_jobs.append(spec)
@@ -467,7 +324,8 @@ class Compiler:
         dry = time.perf_counter() - t0
         if self.procs is not None:
             try:
-                self._side += [self.procs.submit(build_launcher, *j) for j in self._side_jobs]
+                self._side += [self.procs.submit(worker.build_launcher, *j)
+                               for j in self._side_jobs]
             except RuntimeError as exc:  # a broken pool: the first launches build them
                 log.debug("compile workers: %s", exc)
         self._side_jobs.clear()
@@ -524,7 +382,7 @@ class Compiler:
                     err, seconds = f.result()
                     if err:
                         errors.append(err)
-                    elif f in built and seconds >= WARM_S:  # not in the folder under the key it looked for
+                    elif f in built and seconds >= WARM_S:  # the folder lacked its key
                         self.report["rebuilt"] = self.report.get("rebuilt", 0) + 1
                     done += 1
                     if self.on_compiled is not None:
@@ -547,21 +405,7 @@ class Compiler:
             self.procs = None
         if self._server:
             self._server = False
-            _stop_server()
+            worker.stop_server()
         if self.loaders is not None:
             self.loaders.shutdown(wait=True, cancel_futures=True)
             self.loaders = None
-
-
-def precompile(steps: Iterable[Callable[[], None]], clear: Callable[[], None],
-               sync: Callable[[], None], n_threads: int | None = None,
-               on_compiled: Callable[[int, int], None] | None = None,
-               cancelled: Callable[[], bool] | None = None, processes: bool = True) -> dict:
-    """One round of a Compiler of its own: what it did (``{"variants": 0}`` when it did not
-    run)."""
-    c = Compiler(n_threads, on_compiled, cancelled, processes)
-    try:
-        c.round(steps, clear, sync)
-    finally:
-        c.close()
-    return c.report
