@@ -171,22 +171,22 @@ class GpuSession(ChunkedSession):
         # none of our kernels yet (none can launch in a dry pass), the fills' and the
         # warm-up's dry passes are one round; else the fills come first, each with a round
         one_round = compiler is not None and compiler.active and bool(steps) and fresh()
-        if one_round:
+
+        def precompile(work: list[Callable[[], None]]) -> None:
             if on_progress is not None:
                 on_progress(WARM_UP, 0, total, 0.0)
-            # the decode step's fused GEMVs are the slowest to compile (up to ~10 s each,
-            # most of it Triton's coalescing pass): recorded early, they start first; the
-            # fills' scan comes first of all, a small kernel to compile on the spot
-            compiler.round([*pipe.fill_steps(), pipe.decode_eager, *steps],
-                           pipe.clear_buffers, pipe.sync)
+            compiler.round(work, pipe.clear_buffers, pipe.sync)
             timeline.mark(compiler.summary())
+
+        # the decode step's fused GEMVs are the slowest to compile (up to ~7 s each, most of
+        # it Triton's coalescing pass): recorded early, they start first; the fills' scan
+        # comes first of all, a small kernel to compile on the spot
+        if one_round:
+            precompile([*pipe.fill_steps(), pipe.decode_eager, *steps])
         pipe.fill(on_progress, cancelled, precompiled=one_round)
         if compiler is not None:
             if steps and compiler.active and not one_round:
-                if on_progress is not None:
-                    on_progress(WARM_UP, 0, total, 0.0)
-                compiler.round([pipe.decode_eager, *steps], pipe.clear_buffers, pipe.sync)
-                timeline.mark(compiler.summary())
+                precompile([pipe.decode_eager, *steps])
             compiler.close()
             self.compiled = compiler.report
         for i, step in enumerate(steps):
