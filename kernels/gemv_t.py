@@ -248,27 +248,23 @@ def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_pt
     rmask = rows < n
     pdl.start(PDL)
     xrow = x_ptr + m * stride_xm
-    if T1 == T2:
+    if pid >= p2:
+        acc = t_body(w3, h3, g3, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N3, NB, b_lo, b_hi,
+                     BLOCK_N, XV, T3, Q8X, ASM)
+    elif T1 == T2:
         # q and k of one type (the usual case): one body for both, its matrix chosen per
         # program. The same code, but a third less of it to compile: Triton's coalescing
         # pass grows with (loads x operations), most of a cold compile of three bodies
-        if pid < p2:
-            first = pid < p1
-            acc = t_body(tl.where(first, w1, w2), tl.where(first, h1, h2),
-                         tl.where(first, g1, g2), xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask,
-                         tl.where(first, N1, N2), NB, b_lo, b_hi, BLOCK_N, XV, T1, Q8X, ASM)
-        else:
-            acc = t_body(w3, h3, g3, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N3, NB, b_lo,
-                         b_hi, BLOCK_N, XV, T3, Q8X, ASM)
+        first = pid < p1
+        acc = t_body(tl.where(first, w1, w2), tl.where(first, h1, h2), tl.where(first, g1, g2),
+                     xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, tl.where(first, N1, N2), NB,
+                     b_lo, b_hi, BLOCK_N, XV, T1, Q8X, ASM)
     elif pid < p1:
         acc = t_body(w1, h1, g1, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N1, NB, b_lo, b_hi,
                      BLOCK_N, XV, T1, Q8X, ASM)
-    elif pid < p2:
+    else:
         acc = t_body(w2, h2, g2, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N2, NB, b_lo, b_hi,
                      BLOCK_N, XV, T2, Q8X, ASM)
-    else:
-        acc = t_body(w3, h3, g3, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N3, NB, b_lo, b_hi,
-                     BLOCK_N, XV, T3, Q8X, ASM)
     last = True
     if SPLIT > 1:
         # each matrix's [SPLIT, n] partial sums after the ones before it
