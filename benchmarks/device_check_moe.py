@@ -87,6 +87,9 @@ def moe_section(g, copy_bw, mm_rate, row):
         moe_decode.expert_down(down, dt, ne, h, sets[0], wts, y, config=cd, rows_out=yr)
         row(f"moe expert down split {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref),
             f"cfg={cd} DOWN_SPLIT={moe_decode.DOWN_SPLIT}")
+        if moe_decode.q8_able(gt, e) and moe_decode.q8_able(dt, f):
+            _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr,
+                     2 * k * per_g / copy_bw, k * per_d / copy_bw, tag, row)
         # the tiles moe_decode.EXPERT_CONFIG may take (blocks per step clamp to the row's blocks)
         if (label, gt) not in swept:  # the Q4_K/Q4_K shape repeats the gate/up of Q4_K/Q6_K
             swept.add((label, gt))
@@ -248,15 +251,52 @@ def host_section(g, copy_bw, mm_rate, row):
         unpin(buf)
 
 
+def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, floor_glu,
+             floor_down, tag, row):
+    """Decode's expert GEMVs on the int8 copies (kernels/gemv_q8.py): gate/up+GLU on x's copy
+    writing the copy of its outputs, down on that copy, each checked against the reference on
+    the dequantized int8 input, then their tiles swept."""
+    from kernels import q8x
+
+    f, e = h.shape[1], x.shape[1]
+    (q, d, s), xd = q8x.copy_ref(x[0].float())
+    hq = (torch.empty(k * f // 4, dtype=torch.int32, device="cuda"),
+          *torch.empty(2, k * f // 32, device="cuda"))
+    cg, cd = moe_decode.EXPERT_Q8_CONFIG[(gt, "glu")], moe_decode.EXPERT_Q8_CONFIG[(dt, "down")]
+    t = graph_time(lambda i=0: moe_decode.expert_glu_q8(gate, gt, up, gt, ne, (q, d, s), sets[i],
+                                                        h, out_q=hq))
+    h.fill_(float("nan"))
+    moe_decode.expert_glu_q8(gate, gt, up, gt, ne, (q, d, s), sets[0], h, out_q=hq)
+    ref = moe_decode.expert_glu_ref(gate, gt, up, gt, ne, xd, sets[0],
+                                    torch.empty(k, f, device="cuda"))
+    row(f"moe expert gate/up+glu int8 x {tag} T=1", t, floor_glu, nerr(h, ref), f"cfg={cg}")
+    t = graph_time(lambda i=0: moe_decode.expert_down_q8(down, dt, ne, hq, sets[i], wts, y, yr))
+    y.fill_(float("nan"))
+    moe_decode.expert_down_q8(down, dt, ne, hq, sets[0], wts, y, yr)
+    hd = q8x.dequantize_ref(hq[0].view(torch.int8), hq[1]).view(k, f)
+    ref = moe_decode.expert_down_ref(down, dt, ne, hd, sets[0], wts,
+                                     torch.empty(1, e, device="cuda"))
+    row(f"moe expert down int8 x {tag} T=1", t, floor_down, nerr(y, ref), f"cfg={cd}")
+    for name, fn, floor in (
+            ("glu int8 x", lambda c, i: moe_decode.expert_glu_q8(
+                gate, gt, up, gt, ne, (q, d, s), sets[i], h, out_q=hq, config=c), floor_glu),
+            ("down int8 x", lambda c, i: moe_decode.expert_down_q8(
+                down, dt, ne, hq, sets[i], wts, y, yr, config=c), floor_down)):
+        _expert_sweep(f"{name} {tag}", fn, floor, row, Q8_TILES)
+
+
 # the sweeps' candidates, few enough that --moe stays within a few minutes of compiles
 GROUPED_TILES = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
 EXPERT_TILES = [(1, 16, 1), (2, 16, 2), (4, 16, 4), (8, 16, 4), (16, 16, 8), (32, 16, 8)]
+# the int8-x bodies' (rows a multiple of 32: the GLU writes its output's copy per 32 values)
+Q8_TILES = [(32, 1, 2), (32, 1, 4), (32, 2, 4), (32, 4, 4), (64, 1, 4), (64, 2, 8), (32, 2, 8)]
 
 
-def _expert_sweep(name, fn, floor, row):
-    """Each tile of EXPERT_TILES for one decode expert kernel; the fastest as a row."""
+def _expert_sweep(name, fn, floor, row, tiles=None):
+    """Each tile of EXPERT_TILES (or ``tiles``) for one decode expert kernel; the fastest as a
+    row."""
     timings = []
-    for cfg in EXPERT_TILES:
+    for cfg in tiles or EXPERT_TILES:
         try:
             sec = graph_time(lambda i=0, c=cfg: fn(c, i))
         except Exception as exc:  # a tile can exceed registers or a body's constraints

@@ -10,10 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, q8x
 from kernels.gemv_dot import row_dot
+from kernels.gemv_q8 import Q8_TYPES, q4k_q8_rows_dot, q8_rows_dot
 from kernels.moe import _ACTS, _act, _act_ref, _expert_ref, combine, expert_rows
 from kernels.quant_matmul import _launch_args, gemv_config, row_cols
+from spec import quant_types as qt
 
 
 @triton.jit
@@ -92,6 +94,93 @@ def expert_glu(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: in
         up_bias if up_bias is not None else x2, x2, ids, out, n, k, gate.shape[1], up.shape[1],
         x2.stride(0), float(limit), KU=ku, HAS_BIAS=gate_bias is not None, ACT=_ACTS[act],
         **gmeta, **umeta, BLOCK_R=meta["BLOCK_R"], BLOCK_B=meta["BLOCK_B"], num_warps=warps,
+        **pdl.opts(out, use_pdl))
+    return out
+
+
+# decode expert GEMVs on x's int8 copy (kernels/gemv_q8.py, one row of x), tiles by (type,
+# part): rows per program (a multiple of 32: the GLU writes its output's int8 copy 32 values a
+# group), blocks per step, warps; `python -m benchmarks.device_check --moe` sweeps them
+EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
+    (qt.Q4_K, "glu"): (32, 2, 4), (qt.Q6_K, "glu"): (32, 1, 4),
+    (qt.Q4_K, "down"): (32, 1, 4), (qt.Q6_K, "down"): (32, 1, 4),
+}
+
+
+def q8_able(ggml_type: int, cols: int) -> bool:
+    """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy."""
+    return ggml_type in Q8_TYPES and cols % 256 == 0
+
+
+def _q8_views(w: torch.Tensor, ggml_type: int, what: str):
+    if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous():
+        raise ValueError(f"{what} must be contiguous uint8 [rows, row_bytes]")
+    # Q4_K reads int32 words (its 144-byte blocks keep rows 4-byte aligned), Q6_K 16-bit ones
+    wi = w.view(torch.int32) if ggml_type == qt.Q4_K else w
+    return w, w.view(torch.float16), wi
+
+
+@triton.jit
+def _expert_glu_q8_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, ub_ptr, xq_ptr,
+                          xd_ptr, xs_ptr, ids_ptr, h_ptr, oq_ptr, od_ptr, os_ptr, N, NB, g_rb,
+                          u_rb, limit, KU: tl.constexpr, TG: tl.constexpr, TU: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, ACT: tl.constexpr, QOUT: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr,
+                          PDL: tl.constexpr):
+    pdl.start(PDL)
+    pid = tl.program_id(0)
+    slot = tl.program_id(1)  # one row of x: slot j is its j-th expert
+    eid = tl.load(ids_ptr + slot)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < N
+    rows_c = eid * N + tl.minimum(rows, N - 1)
+    if TG == 12 and TU == 12:  # gate and up words in one step, x's words loaded once
+        g, u = q4k_q8_rows_dot(gi_ptr, ui_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, NB, g_rb,
+                               BLOCK_R, BLOCK_B, True, ASM)
+    else:
+        g = q8_rows_dot(g_ptr, gh_ptr, gi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, NB, g_rb, TG,
+                        BLOCK_R, BLOCK_B, ASM)
+        u = q8_rows_dot(u_ptr, uh_ptr, ui_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, NB, u_rb, TU,
+                        BLOCK_R, BLOCK_B, ASM)
+    if HAS_BIAS:
+        g += tl.load(gb_ptr + rows_c).to(tl.float32)
+        u += tl.load(ub_ptr + rows_c).to(tl.float32)
+    h = _act(g, u, ACT, limit)
+    offs = slot * N + rows
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=rmask)
+    if QOUT:  # the int8 copy of h, the down GEMV's input
+        q8x.store_q8(h, offs, rmask, oq_ptr, od_ptr, os_ptr, BLOCK_R)
+
+
+def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: int,
+                  n_expert: int, xq, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
+                  gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+                  limit: float = 0.0, out_q=None, config: tuple[int, int, int] | None = None,
+                  use_pdl: bool = True) -> torch.Tensor:
+    """``expert_glu`` for one row of x given as its int8 copy ``xq`` (q words, d, s of
+    kernels/q8x.py), gate and up Q4_K or Q6_K: ``out[j] = act(x @ gate_e^T) * (x @ up_e^T)``,
+    e = ids[0, j]. ``out_q``: (q, d, s) buffers for the int8 copy of ``out`` ([k * rows]
+    values), the input of ``expert_down_q8``."""
+    n, k = expert_rows(gate, n_expert), row_cols(gate, gate_type)
+    if up.shape[0] != gate.shape[0] or row_cols(up, up_type) != k:
+        raise ValueError("gate and up experts differ in shape")
+    if not (q8_able(gate_type, k) and q8_able(up_type, k)):
+        raise ValueError(f"no int8-x expert GEMV for {qt.type_name(gate_type)}/"
+                         f"{qt.type_name(up_type)} rows of {k}")
+    if ids.shape[0] != 1 or not q8x.fits(xq, k):
+        raise ValueError("expert_glu_q8 takes one row of x and its int8 copy")
+    ku = ids.shape[1]
+    br, bb, warps = config or EXPERT_Q8_CONFIG[(gate_type, "glu")]
+    if out_q is not None and (n % 32 or br % 32 or not q8x.fits(out_q, ku * n)):
+        raise ValueError(f"no int8 copy of {ku} x {n} expert outputs here")
+    oq, od, os_ = out_q if out_q is not None else xq
+    gp, upp = _q8_views(gate, gate_type, "gate"), _q8_views(up, up_type, "up")
+    bias = gate_bias is not None
+    _expert_glu_q8_kernel[(triton.cdiv(n, br), ku)](
+        *gp, *upp, gate_bias if bias else out, up_bias if bias else out, *xq, ids, out, oq, od,
+        os_, n, k // 256, gate.shape[1], up.shape[1], float(limit), KU=ku, TG=gate_type,
+        TU=up_type, HAS_BIAS=bias, ACT=_ACTS[act], QOUT=out_q is not None, BLOCK_R=br,
+        BLOCK_B=min(bb, triton.next_power_of_2(k // 256)), ASM=gate.is_cuda, num_warps=warps,
         **pdl.opts(out, use_pdl))
     return out
 
@@ -182,6 +271,51 @@ def expert_down(down: torch.Tensor, ggml_type: int, n_expert: int, h: torch.Tens
                               **pdl.opts(y, use_pdl))
     if split:
         combine(rows_out, None, weights, out, accumulate)
+    return out
+
+
+@triton.jit
+def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr, ids_ptr, y_ptr,
+                           N, K, row_bytes, stride_ym, HAS_BIAS: tl.constexpr,
+                           TYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+                           ASM: tl.constexpr, PDL: tl.constexpr):
+    # one expert per program: its rows (+ bias), unweighted, into y's routed row
+    pdl.start(PDL)
+    pid = tl.program_id(0)
+    slot = tl.program_id(1)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows_c = tl.load(ids_ptr + slot) * N + tl.minimum(rows, N - 1)
+    g = slot * (K // 32)
+    y = q8_rows_dot(w_ptr, wh_ptr, wi_ptr, hq_ptr + slot * (K // 4), hd_ptr + g, hs_ptr + g,
+                    rows_c, K // 256, row_bytes, TYPE, BLOCK_R, BLOCK_B, ASM)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows_c).to(tl.float32)
+    tl.store(y_ptr + slot.to(tl.int64) * stride_ym + rows, y, mask=rows < N)
+
+
+def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: torch.Tensor,
+                   weights: torch.Tensor, out: torch.Tensor, rows_out: torch.Tensor,
+                   bias: torch.Tensor | None = None, accumulate: bool = False,
+                   config: tuple[int, int, int] | None = None,
+                   use_pdl: bool = True) -> torch.Tensor:
+    """``expert_down`` (with ``rows_out``) for one row whose k GLU outputs come as their int8
+    copy ``hq`` (q words, d, s; ``expert_glu_q8``'s ``out_q``), down Q4_K or Q6_K: the k experts'
+    rows in parallel programs into ``rows_out``, then ``combine`` in order onto ``out``."""
+    n, k = expert_rows(down, n_expert), row_cols(down, ggml_type)
+    ku = ids.shape[1]
+    if not q8_able(ggml_type, k):
+        raise ValueError(f"no int8-x expert GEMV for {qt.type_name(ggml_type)} rows of {k}")
+    if ids.shape[0] != 1 or not q8x.fits(hq, ku * k):
+        raise ValueError("expert_down_q8 takes one row's k expert inputs as their int8 copy")
+    if rows_out.shape != (ku, n) or rows_out.dtype != torch.float32 or not rows_out.is_contiguous():
+        raise ValueError(f"rows_out must be contiguous float32 [{ku}, {n}]")
+    br, bb, warps = config or EXPERT_Q8_CONFIG[(ggml_type, "down")]
+    _expert_down_q8_kernel[(triton.cdiv(n, br), ku)](
+        *_q8_views(down, ggml_type, "down"), bias if bias is not None else rows_out, *hq, ids,
+        rows_out, n, k, down.shape[1], rows_out.stride(0), HAS_BIAS=bias is not None,
+        TYPE=ggml_type, BLOCK_R=br, BLOCK_B=min(bb, triton.next_power_of_2(k // 256)),
+        ASM=down.is_cuda, num_warps=warps, **pdl.opts(rows_out, use_pdl))
+    combine(rows_out, None, weights, out, accumulate)
     return out
 
 

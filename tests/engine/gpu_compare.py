@@ -29,17 +29,21 @@ GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=4)
 
 
 def against_cpu_engine(plan, device: torch.device, prompt: list[int], steps: list[int],
-                       greedy_prompt: list[int] | None, bound: float, label: str) -> None:
+                       greedy_prompt: list[int] | None, bound: float, label: str,
+                       check=None) -> None:
     """Load ``plan`` on the Triton runner (its stages on ``device``) and on the CPU engine:
     the prefill logits of every row of ``prompt``, then decode ``steps``, within ``bound``
     relative error; with ``greedy_prompt``, the same 4 greedy ids from a fresh cache (prefill,
-    then decode steps as generate runs them)."""
+    then decode steps as generate runs them). ``check``: called with the loaded GpuSession
+    first (that the stages took the path under test)."""
     from engine.runtime.gpu.session import GpuSession
     from engine.runtime.session import Session
 
     g = GpuSession.load(plan, devices=[device], remember=False)
     c = Session.load(plan)
     try:
+        if check is not None:
+            check(g)
         lg, lc = g.logits(prompt), c.logits(prompt)
         assert lg.shape == lc.shape and lg.shape[0] == len(prompt)
         errs = [rel(lg, lc), *decode_errors(g, c, steps)[0]]

@@ -111,6 +111,22 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
                        ids(6, 3) if "qwen3moe" in model else None, 5e-3, model)
 
 
+def test_decode_on_the_int8_copies_matches_the_cpu_engine(tmp_path) -> None:
+    """Experts whose rows are whole 256-value blocks (Q4_K gate/up, Q6_K or Q4_K down): decode's
+    expert GEMVs multiply the int8 copies of the normed row and of the routed GLU outputs
+    (kernels/gemv_q8.py) and still match the CPU engine, greedy ids included."""
+    shape = Shape("qwen3moe", 2, 256, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
+                  n_expert_used=2, n_ff_exp=256)
+    (out,) = write_model(tmp_path / "q8.gguf", shape, "q4_k_m")
+
+    def on_int8(g) -> None:
+        for layer in g.pipe.stages[0].layers:
+            assert layer.ffn.xq is not None and layer.ffn.xq_h is not None
+
+    against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), 5e-3, str(out),
+                       on_int8)
+
+
 # ------------------------------------------------------------------ on a real GPU
 
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr
 
-from kernels import gemv_t, glu, norm, q8x, quant_matmul
+from kernels import gemv_t, glu, moe_decode, norm, q8x, quant_matmul
 from kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
@@ -132,3 +132,55 @@ def test_int8_x_is_refused_where_it_cannot_go():
         norm.rmsnorm(x, torch.ones(64, device=DEVICE), 1e-6, q8=_bufs(64))  # two rows
     with pytest.raises(ValueError, match="whole groups"):
         q8x.buffers(torch.zeros(8, dtype=torch.int32), torch.zeros(2, 4), 40)
+
+
+@pytest.mark.parametrize("gate_type,down_type", [(qt.Q4_K, qt.Q6_K), (qt.Q4_K, qt.Q4_K),
+                                                 (qt.Q6_K, qt.Q6_K)],
+                         ids=lambda t: qt.type_name(t))
+def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed):
+    # decode's routed experts in GGUF order on the int8 copies (kernels/gemv_q8.py): gate/up
+    # of the chosen experts on x's copy writing the int8 copy of their GLU outputs, then down
+    # on that copy, each against the reference GEMV on the dequantized int8 input
+    g = generator(seed)
+    n_expert, k, n_ff, nb = 5, 3, 32 * _rand(g, 1, 3), _rand(g, 1, 4)
+    cols = 256 * nb
+    gate = random_weight(gate_type, n_expert * n_ff, cols, DEVICE, g)
+    up = random_weight(gate_type, n_expert * n_ff, cols, DEVICE, g)
+    down = random_weight(down_type, n_expert * cols, n_ff * 8, DEVICE, g)  # n_ff * 8 values
+    x = torch.randn(1, cols, generator=g, device=DEVICE)
+    xq, xd = q8x.copy_ref(x[0])
+    ids = torch.randperm(n_expert, generator=g, device=DEVICE)[:k].view(1, k).to(torch.int32)
+    h = torch.full((k, n_ff), float("nan"), device=DEVICE)
+    hq = _bufs(k * n_ff)
+    # 32 rows a program over 1..2 tiles per expert (the last one partly past the rows)
+    moe_decode.expert_glu_q8(gate, gate_type, up, gate_type, n_expert, xq, ids, h,
+                             out_q=hq, config=(32, 2, 1))
+    ref = moe_decode.expert_glu_ref(gate, gate_type, up, gate_type, n_expert, xd, ids,
+                                    torch.empty(k, n_ff, device=DEVICE))
+    assert nerr(h, ref) < 1e-5
+    for j in range(k):
+        grp = slice(j * n_ff // 32, (j + 1) * n_ff // 32)
+        _same_q8((hq[0][j * n_ff // 4:(j + 1) * n_ff // 4], hq[1][grp], hq[2][grp]), h[j])
+    # down needs rows of whole 256-value blocks: its input is n_ff * 8 wide
+    k2 = n_ff * 8
+    hx = torch.randn(k, k2, generator=g, device=DEVICE)
+    hq2, hd = _bufs(k * k2), []
+    for j in range(k):
+        (q, d, s), f = q8x.copy_ref(hx[j])
+        hq2[0][j * k2 // 4:(j + 1) * k2 // 4] = q
+        hq2[1][j * k2 // 32:(j + 1) * k2 // 32] = d
+        hq2[2][j * k2 // 32:(j + 1) * k2 // 32] = s
+        hd.append(f[0])
+    hd = torch.stack(hd)
+    wts = torch.rand(1, k, generator=g, device=DEVICE)
+    prior = torch.randn(1, cols, generator=g, device=DEVICE)
+    for accumulate in (False, True):
+        out = prior.clone() if accumulate else torch.full((1, cols), float("nan"), device=DEVICE)
+        moe_decode.expert_down_q8(down, down_type, n_expert, hq2, ids, wts, out,
+                                  torch.full((k, cols), float("nan"), device=DEVICE),
+                                  accumulate=accumulate, config=(32, 2, 1))
+        want = moe_decode.expert_down_ref(down, down_type, n_expert, hd, ids, wts, prior.clone(),
+                                          accumulate=accumulate)
+        mag = sum(wts[0, j] * gemv_scale(down[int(ids[0, j]) * cols:(int(ids[0, j]) + 1) * cols],
+                                         down_type, hd[j:j + 1])[0] for j in range(k))
+        assert nerr(out, want, mag + (prior.abs() if accumulate else 0)) < 1e-5

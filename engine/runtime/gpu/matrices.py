@@ -116,7 +116,10 @@ class Experts:
     config: tuple[int, ...] | None  # the decode gate/up GEMVs' tile (None: tuned per type)
     down_config: tuple[int, ...] | None
     shared: Ffn | None  # glm4moe's shared expert
-    xq: tuple | None = None  # the experts run on float x (no int8 copy)
+    # decode's int8 copies (kernels/gemv_q8.py): the normed row for gate/up, the k routed GLU
+    # outputs for down; None: that GEMV runs on float x
+    xq: tuple | None = None
+    xq_h: tuple | None = None
     post_norm: torch.Tensor | None = None
     # the layer's experts live in host memory: the CPU runs them (engine/runtime/gpu/host.py)
     host: Any = None
@@ -315,7 +318,19 @@ class LayerBuilder:
                        gate=mats[0], up=mats[1], down=mats[2],
                        config=self._expert_config(mats[0], hp.n_ff_exp, "glu"),
                        down_config=self._expert_config(mats[2], hp.n_embd, "down"),
-                       shared=shared)
+                       shared=shared, **self._expert_int8_x(mats))
+
+    def _expert_int8_x(self, mats: list[Matrix]) -> dict:
+        """The routed experts' int8 copies (Experts.xq, xq_h) where their types have a GGUF-order
+        int8-x body (kernels/gemv_q8.py): gate and up both, then down too."""
+        hp = self.hp
+        g, u, d = mats
+        if self.xq is None or not all(moe_decode.q8_able(m.ggml_type, hp.n_embd)
+                                      for m in (g, u)):
+            return {}
+        routed = self.xq[2]
+        able = routed is not None and moe_decode.q8_able(d.ggml_type, hp.n_ff_exp)
+        return {"xq": self.xq[0], "xq_h": routed if able and hp.n_ff_exp % 32 == 0 else None}
 
     def _expert_matrix(self, stem: str, meta: bool = False) -> Matrix:
         w, t = packed(self.model, self.spans, stem + ".weight", meta)

@@ -180,8 +180,12 @@ class GpuStage(MoeLayers, DecodeGraph):
         if (not options.q8x or "xq" not in b or hp.sandwich_norm or hp.n_embd % 32
                 or hp.n_ff % 32):
             return None
+        # a MoE layer's k routed GLU outputs (the routed experts' down GEMVs, gpu/stage_moe.py)
+        routed = hp.n_expert_used * hp.n_ff_exp if hp.n_expert else 0
         return (q8x.buffers(b["xq"], b["xq_ds"], hp.n_embd),
-                q8x.buffers(b["xq"], b["xq_ds"], hp.n_ff, hp.n_embd))
+                q8x.buffers(b["xq"], b["xq_ds"], hp.n_ff, hp.n_embd),
+                q8x.buffers(b["xq"], b["xq_ds"], routed, hp.n_embd)
+                if routed and routed % 32 == 0 else None)
 
     def fill_dequant_cache(self, dry: bool = False) -> int:
         """Dequantize every matrix that has a ``dq.`` span into it, and repack the T-layout

@@ -81,6 +81,18 @@ class MoeLayers:
         gb, ub, db = biases or (g.bias, u.bias, d.bias)
         gp, up, dp = mats
         h = b["moe_h"][:n * k]
+        if n == 1 and f.xq is not None:  # decode on the int8 copies (kernels/gemv_q8.py)
+            rows_out = b["moe_out"][:k]
+            moe_decode.expert_glu_q8(gp, g.ggml_type, up, u.ggml_type, ne, f.xq, ids, h, act, gb,
+                                     ub, hp.swiglu_limit, f.xq_h, use_pdl=pdl)
+            if f.xq_h is not None:
+                moe_decode.expert_down_q8(dp, d.ggml_type, ne, f.xq_h, ids, w, a.proj, rows_out,
+                                          db, accumulate=f.shared is not None, use_pdl=pdl)
+            else:
+                moe_decode.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, db,
+                                       accumulate=f.shared is not None, config=f.down_config,
+                                       use_pdl=pdl, rows_out=rows_out)
+            return
         if n <= GEMV_ROWS:
             moe_decode.expert_glu(gp, g.ggml_type, up, u.ggml_type, ne, x, ids, h, act,
                                   gb, ub, hp.swiglu_limit, f.config, use_pdl=pdl)

@@ -1,0 +1,195 @@
+"""GGUF-order row dot products of Q4_K and Q6_K against x's int8 copy (kernels/q8x.py), through
+``dp4a``: the decode GEMVs of matrices that stay in GGUF order because something else reads them
+as the file has them (the routed experts, which prefill's grouped GEMMs dequantize block by
+block, and which host memory holds as the file has them).
+
+Lanes run along a block's words, not along rows: the threads of a program that share a row read
+its block's consecutive words (Q4_K: 16 bytes a thread, a block's 128 quant bytes in 8 threads),
+so a warp's loads are whole 128-byte lines however short the rows are (an expert's 768-value
+rows are 3 blocks). x's int8 words and scales are loaded as full tiles in the weights' register
+layout (the same address in the threads of other rows: L1 broadcasts, no layout conversion).
+
+Q4_K: word j of chunk c (bytes 32c + 4j .. 32c + 4j + 3 of qs) holds values 64c + 4j .. + 3 in
+its low nibbles (sub-block 2c) and 64c + 32 + 4j .. + 3 in its high ones (sub-block 2c + 1);
+x's int8 words 16c + j and 16c + 8 + j. With x = d_x q_x and W = d sc q - dmin mn per
+sub-block of 32 (one x group each):
+
+    sum W x = d sc d_x (dp4a of nibbles and q_x) - dmin mn s_x      (s_x: the group's sum)
+
+Q6_K (210-byte blocks, rows only 2-byte aligned: words are two 16-bit loads): ql word
+``64n + 4t`` (a), ``64n + 32 + 4t`` (b) and qh word ``32n + 4t`` (h) of half n give quarters
+k = 0..3 of l = 4t .. 4t + 3 (a's low nibbles, b's low, a's high, b's high; qh bits 2k), as
+the signed bytes q - 32 into a signed ``dp4a``; scale ``sc[8n + 2k + t // 4]``, x group
+``8b + 4n + k``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.gemv_t_dot import _dp4a, _q6_s8
+
+
+@triton.jit
+def _k4_scale(w0, w1, w2, j):
+    """get_scale_min_k4 of ggml-quants.c for sub-blocks ``j`` ([J] int32, 0..7) of blocks whose
+    12 scale bytes are the int32 words w0, w1, w2 ([R, B]): (scale, min) as [R, B, J] float32."""
+    sh = ((j % 4) * 8)[None, None, :]
+    b0 = (w0[:, :, None] >> sh) & 255  # s[j % 4]
+    b1 = (w1[:, :, None] >> sh) & 255  # s[j % 4 + 4]
+    b2 = (w2[:, :, None] >> sh) & 255  # s[j % 4 + 8]
+    low = (j < 4)[None, None, :]
+    sc = tl.where(low, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4))
+    mn = tl.where(low, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _f16(v):
+    # the low 16 bits of int32 v as an f16, to float32
+    return (v & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q4k_block(wi_ptr, bw, xw, xl, xh, il0, ASM: tl.constexpr):
+    # one Q4_K block per (row, block) of bw ([R, B] word offsets of the blocks): the integer dots
+    # of its 4 chunks' two sub-blocks with x's int8 words xl / xh ([R, B, 4, 8]), and the header
+    qw = tl.load(wi_ptr + bw[:, :, None, None] + 4 + xw)  # qs: words 4..35 of the block
+    il = tl.sum(_dp4a(qw & 0x0F0F0F0F, xl, il0, ASM), axis=3)
+    ih = tl.sum(_dp4a((qw >> 4) & 0x0F0F0F0F, xh, il0, ASM), axis=3)
+    dd = tl.load(wi_ptr + bw)  # d and dmin, two f16 in one word
+    w0 = tl.load(wi_ptr + bw + 1)
+    w1 = tl.load(wi_ptr + bw + 2)
+    w2 = tl.load(wi_ptr + bw + 3)
+    return il, ih, dd, w0, w1, w2
+
+
+@triton.jit
+def _q4k_mix(il, ih, dd, w0, w1, w2, c, dl, dh, sl, sh):
+    # [R, B, 4] float32 sums of a block's chunks from the integer dots, the block's scales and
+    # x's scales (dl, dh) and sums (sl, sh) of the chunks' low and high sub-blocks
+    scl, mnl = _k4_scale(w0, w1, w2, 2 * c)
+    sch, mnh = _k4_scale(w0, w1, w2, 2 * c + 1)
+    d = _f16(dd)[:, :, None]
+    dmin = _f16(dd >> 16)[:, :, None]
+    return d * (scl * dl * il.to(tl.float32) + sch * dh * ih.to(tl.float32)) \
+        - dmin * (mnl * sl + mnh * sh)
+
+
+@triton.jit
+def q4k_q8_rows_dot(wi_ptr, ui_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
+                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, PAIR: tl.constexpr,
+                    ASM: tl.constexpr):
+    """([BLOCK_R], [BLOCK_R]) float32 dot products of Q4_K rows ``rows_c`` (clamped in range)
+    of the weight at ``wi_ptr`` (and, PAIR, of a second one of the same shape at ``ui_ptr``;
+    else the second is zeros) with x's int8 copy: ``xq_ptr`` its int8 values (4-byte aligned),
+    ``xd_ptr`` / ``xs_ptr`` its scales and sums per 32 values. Both weights' rows are 4-byte
+    aligned words (int32 pointers)."""
+    tb = tl.arange(0, BLOCK_B)
+    c = tl.arange(0, 4)
+    j = tl.arange(0, 8)
+    xw = ((c * 8)[:, None] + j[None, :])[None, None, :, :]  # qs word of chunk c, lane j
+    xo = ((c * 16)[:, None] + j[None, :])[None, None, :, :]  # x's int8 word (low sub-block)
+    xq = xq_ptr.to(tl.pointer_type(tl.int32))
+    row_w = rows_c.to(tl.int64) * (row_bytes // 4)
+    acc = tl.zeros([BLOCK_R, BLOCK_B, 4], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_R, BLOCK_B, 4], dtype=tl.float32)
+    z = tl.zeros([BLOCK_R, BLOCK_B, 4, 8], dtype=tl.int32)
+    for b0 in range(0, nblk, BLOCK_B):
+        blk = b0 + tb
+        bm = blk < nblk
+        bw = row_w[:, None] + (tl.minimum(blk, nblk - 1) * 36)[None, :]  # [R, B]
+        # x as full tiles in the weights' layout; blocks past the row end read x as 0
+        xm = tl.broadcast_to(bm[None, :, None, None], (BLOCK_R, BLOCK_B, 4, 8))
+        xp = tl.broadcast_to(xq + (blk * 64)[None, :, None, None] + xo, (BLOCK_R, BLOCK_B, 4, 8))
+        xl = tl.load(xp, mask=xm, other=0)
+        xh = tl.load(xp + 8, mask=xm, other=0)
+        gm = tl.broadcast_to(bm[None, :, None], (BLOCK_R, BLOCK_B, 4))
+        g = tl.broadcast_to((blk * 8)[None, :, None] + 2 * c[None, None, :], (BLOCK_R, BLOCK_B, 4))
+        dl = tl.load(xd_ptr + g, mask=gm, other=0.0)
+        dh = tl.load(xd_ptr + g + 1, mask=gm, other=0.0)
+        sl = tl.load(xs_ptr + g, mask=gm, other=0.0)
+        sh = tl.load(xs_ptr + g + 1, mask=gm, other=0.0)
+        il, ih, dd, w0, w1, w2 = _q4k_block(wi_ptr, bw, xw, xl, xh, z, ASM)
+        acc += _q4k_mix(il, ih, dd, w0, w1, w2, c, dl, dh, sl, sh)
+        if PAIR:
+            il, ih, dd, w0, w1, w2 = _q4k_block(ui_ptr, bw, xw, xl, xh, z, ASM)
+            acc2 += _q4k_mix(il, ih, dd, w0, w1, w2, c, dl, dh, sl, sh)
+    return tl.sum(tl.sum(acc, axis=2), axis=1), tl.sum(tl.sum(acc2, axis=2), axis=1)
+
+
+@triton.jit
+def _w16(wh_ptr, off):
+    # the 32-bit word at 16-bit offset ``off`` (2-byte aligned) as two 16-bit loads
+    lo = tl.load(wh_ptr + off).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = tl.load(wh_ptr + off + 1).to(tl.int16, bitcast=True).to(tl.int32)
+    return lo | (hi << 16)
+
+
+@triton.jit
+def q6k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
+                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_R] float32 dot products of Q6_K rows ``rows_c`` (clamped in range) with x's int8
+    copy (``xq_ptr`` int8 values, 4-byte aligned; ``xd_ptr`` scales per 32). ``w_ptr``: the
+    weight as bytes, ``wh_ptr`` as 16-bit words (its rows are 2-byte aligned)."""
+    tb = tl.arange(0, BLOCK_B)
+    n = tl.arange(0, 2)[:, None, None]  # the block's half
+    s = tl.arange(0, 2)[None, :, None]  # the half's scale (l // 16)
+    t = tl.arange(0, 4)[None, None, :]  # the word within it
+    lw = (s * 4 + t)  # l // 4 of the lane's 4 values
+    qa = (32 * n + 2 * lw)[None, None]  # [1, 1, 2, 2, 4] 16-bit offsets of ql word a
+    qh = (64 + 16 * n + 2 * lw)[None, None]
+    sc = (192 + 8 * n + s)[None, None]  # byte of scale sc[8n + t // 4] (quarter 0)
+    xo = (32 * n + lw)[None, None]  # x's int8 word of quarter 0
+    xg = (4 * n + 0 * s + 0 * t)[None, None]  # x's group of quarter 0
+    xq = xq_ptr.to(tl.pointer_type(tl.int32))
+    row_h = rows_c.to(tl.int64) * (row_bytes // 2)
+    shape: tl.constexpr = (BLOCK_R, BLOCK_B, 2, 2, 4)
+    acc = tl.zeros(shape, dtype=tl.float32)
+    z = tl.zeros(shape, dtype=tl.int32)
+    for b0 in range(0, nblk, BLOCK_B):
+        blk = b0 + tb
+        bm = blk < nblk
+        bh = (row_h[:, None] + (tl.minimum(blk, nblk - 1) * 105)[None, :])[:, :, None, None, None]
+        a = _w16(wh_ptr, bh + qa)
+        b = _w16(wh_ptr, bh + qa + 16)
+        h = _w16(wh_ptr, bh + qh)
+        d = tl.load(wh_ptr + bh + 104).to(tl.float32)
+        xm = tl.broadcast_to(bm[None, :, None, None, None], shape)
+        xp = tl.broadcast_to(xq + (blk * 64)[None, :, None, None, None] + xo, shape)
+        gp = tl.broadcast_to(xd_ptr + (blk * 8)[None, :, None, None, None] + xg, shape)
+        i0 = _dp4a(_q6_s8(a, h << 4), tl.load(xp, mask=xm, other=0), z, ASM, True)
+        i1 = _dp4a(_q6_s8(b, h << 2), tl.load(xp + 8, mask=xm, other=0), z, ASM, True)
+        i2 = _dp4a(_q6_s8(a >> 4, h), tl.load(xp + 16, mask=xm, other=0), z, ASM, True)
+        i3 = _dp4a(_q6_s8(b >> 4, h >> 2), tl.load(xp + 24, mask=xm, other=0), z, ASM, True)
+        sb = w_ptr + (bh * 2 + sc)  # the quarters' scales are 2 bytes apart
+        v = tl.load(sb).to(tl.int8, bitcast=True).to(tl.float32) \
+            * tl.load(gp, mask=xm, other=0.0) * i0.to(tl.float32)
+        v += tl.load(sb + 2).to(tl.int8, bitcast=True).to(tl.float32) \
+            * tl.load(gp + 1, mask=xm, other=0.0) * i1.to(tl.float32)
+        v += tl.load(sb + 4).to(tl.int8, bitcast=True).to(tl.float32) \
+            * tl.load(gp + 2, mask=xm, other=0.0) * i2.to(tl.float32)
+        v += tl.load(sb + 6).to(tl.int8, bitcast=True).to(tl.float32) \
+            * tl.load(gp + 3, mask=xm, other=0.0) * i3.to(tl.float32)
+        acc += d * v
+    return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
+
+
+# the types with a body here
+Q8_TYPES = (12, 14)  # Q4_K, Q6_K
+
+
+@triton.jit
+def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
+                TYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+                ASM: tl.constexpr):
+    """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K or Q6_K weight (its bytes,
+    16-bit words and int32 words) with x's int8 copy (values, scales, sums)."""
+    if TYPE == 12:
+        y, _ = q4k_q8_rows_dot(wi_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
+                               BLOCK_R, BLOCK_B, False, ASM)
+    else:
+        y = q6k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
+                            BLOCK_B, ASM)
+    return y
