@@ -89,16 +89,20 @@ def moe_section(g, copy_bw, mm_rate, row):
             f"cfg={cd} DOWN_SPLIT={moe_decode.DOWN_SPLIT}")
         if moe_decode.q8_able(gt, e) and moe_decode.q8_able(dt, f):
             _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr,
-                     2 * k * per_g / copy_bw, k * per_d / copy_bw, tag, row)
-        # the tiles moe_decode.EXPERT_CONFIG may take (blocks per step clamp to the row's blocks)
-        if (label, gt) not in swept:  # the Q4_K/Q4_K shape repeats the gate/up of Q4_K/Q6_K
-            swept.add((label, gt))
+                     2 * k * per_g / copy_bw, k * per_d / copy_bw, tag, row,
+                     (label, gt) not in swept)
+            swept.add((label, gt))  # the Q4_K/Q4_K shape repeats the gate/up of Q4_K/Q6_K
+        # the tiles moe_decode.EXPERT_CONFIG may take (blocks per step clamp to the row's
+        # blocks): for the types decode runs on bf16 x (the int8-x ones: _q8_rows)
+        if not moe_decode.q8_able(gt, e):
             _expert_sweep(f"glu {tag}", lambda c, i: moe_decode.expert_glu(
                 gate, gt, up, gt, ne, x, sets[i], h, config=c), 2 * k * per_g / copy_bw, row)
-        _expert_sweep(f"down {tag}", lambda c, i: moe_decode.expert_down(
-            down, dt, ne, h, sets[i], wts, y, config=c), k * per_d / copy_bw, row)
-        _expert_sweep(f"down split {tag}", lambda c, i: moe_decode.expert_down(
-            down, dt, ne, h, sets[i], wts, y, config=c, rows_out=yr), k * per_d / copy_bw, row)
+        if not moe_decode.q8_able(dt, f):
+            _expert_sweep(f"down {tag}", lambda c, i: moe_decode.expert_down(
+                down, dt, ne, h, sets[i], wts, y, config=c), k * per_d / copy_bw, row)
+            _expert_sweep(f"down split {tag}", lambda c, i: moe_decode.expert_down(
+                down, dt, ne, h, sets[i], wts, y, config=c, rows_out=yr), k * per_d / copy_bw,
+                row)
         # prefill: 512 tokens routed by random logits
         m = 512
         xp = torch.randn(m, e, device="cuda", generator=g).to(torch.bfloat16)
@@ -252,10 +256,11 @@ def host_section(g, copy_bw, mm_rate, row):
 
 
 def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, floor_glu,
-             floor_down, tag, row):
+             floor_down, tag, row, sweep_glu):
     """Decode's expert GEMVs on the int8 copies (kernels/gemv_q8.py): gate/up+GLU on x's copy
-    writing the copy of its outputs, down on that copy, each checked against the reference on
-    the dequantized int8 input, then their tiles swept."""
+    writing the copy of its outputs, down on that copy (its k rows summed by combine, or by
+    each row tile's last program as the stage runs it), each checked against the reference on
+    the dequantized int8 input, then their tiles swept (gate/up with ``sweep_glu``)."""
     from kernels import q8x
 
     f, e = h.shape[1], x.shape[1]
@@ -277,11 +282,18 @@ def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, 
     ref = moe_decode.expert_down_ref(down, dt, ne, hd, sets[0], wts,
                                      torch.empty(1, e, device="cuda"))
     row(f"moe expert down int8 x {tag} T=1", t, floor_down, nerr(y, ref), f"cfg={cd}")
-    for name, fn, floor in (
-            ("glu int8 x", lambda c, i: moe_decode.expert_glu_q8(
-                gate, gt, up, gt, ne, (q, d, s), sets[i], h, out_q=hq, config=c), floor_glu),
-            ("down int8 x", lambda c, i: moe_decode.expert_down_q8(
-                down, dt, ne, hq, sets[i], wts, y, yr, config=c), floor_down)):
+    cnt = torch.zeros(e // 32, dtype=torch.int32, device="cuda")
+    t = graph_time(lambda i=0: moe_decode.expert_down_q8(down, dt, ne, hq, sets[i], wts, y, yr,
+                                                         counter=cnt))
+    y.fill_(float("nan"))
+    moe_decode.expert_down_q8(down, dt, ne, hq, sets[0], wts, y, yr, counter=cnt)
+    row(f"moe expert down int8 x fused sum {tag} T=1", t, floor_down, nerr(y, ref), f"cfg={cd}")
+    sweeps = [("down int8 x", lambda c, i: moe_decode.expert_down_q8(
+        down, dt, ne, hq, sets[i], wts, y, yr, config=c, counter=cnt), floor_down)]
+    if sweep_glu:
+        sweeps.append(("glu int8 x", lambda c, i: moe_decode.expert_glu_q8(
+            gate, gt, up, gt, ne, (q, d, s), sets[i], h, out_q=hq, config=c), floor_glu))
+    for name, fn, floor in sweeps:
         _expert_sweep(f"{name} {tag}", fn, floor, row, Q8_TILES)
 
 
@@ -289,7 +301,8 @@ def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, 
 GROUPED_TILES = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
 EXPERT_TILES = [(1, 16, 1), (2, 16, 2), (4, 16, 4), (8, 16, 4), (16, 16, 8), (32, 16, 8)]
 # the int8-x bodies' (rows a multiple of 32: the GLU writes its output's copy per 32 values)
-Q8_TILES = [(32, 1, 2), (32, 1, 4), (32, 2, 4), (32, 4, 4), (64, 1, 4), (64, 2, 8), (32, 2, 8)]
+Q8_TILES = [(32, 1, 4), (32, 2, 4), (32, 4, 4), (32, 8, 4), (32, 4, 8), (32, 8, 8), (64, 2, 8),
+            (64, 4, 8), (64, 8, 8)]
 
 
 def _expert_sweep(name, fn, floor, row, tiles=None):

@@ -276,31 +276,48 @@ def expert_down(down: torch.Tensor, ggml_type: int, n_expert: int, h: torch.Tens
 
 @triton.jit
 def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr, ids_ptr, y_ptr,
-                           N, K, row_bytes, stride_ym, HAS_BIAS: tl.constexpr,
-                           TYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
-                           ASM: tl.constexpr, PDL: tl.constexpr):
-    # one expert per program: its rows (+ bias), unweighted, into y's routed row
+                           rw_ptr, out_ptr, cnt_ptr, N, K, row_bytes, stride_ym,
+                           KU: tl.constexpr, HAS_BIAS: tl.constexpr, COMBINE: tl.constexpr,
+                           ACCUM: tl.constexpr, TYPE: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_B: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+    # one expert per program: its rows (+ bias), unweighted, into y's routed row; COMBINE: the
+    # row tile's last expert program to finish adds the k rows in order with their weights
+    # onto out (the same sum as ``combine``, whatever order the programs ran in)
     pdl.start(PDL)
     pid = tl.program_id(0)
     slot = tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < N
     rows_c = tl.load(ids_ptr + slot) * N + tl.minimum(rows, N - 1)
     g = slot * (K // 32)
     y = q8_rows_dot(w_ptr, wh_ptr, wi_ptr, hq_ptr + slot * (K // 4), hd_ptr + g, hs_ptr + g,
                     rows_c, K // 256, row_bytes, TYPE, BLOCK_R, BLOCK_B, ASM)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows_c).to(tl.float32)
-    tl.store(y_ptr + slot.to(tl.int64) * stride_ym + rows, y, mask=rows < N)
+    tl.store(y_ptr + slot.to(tl.int64) * stride_ym + rows, y, mask=rmask)
+    if COMBINE:
+        tl.debug_barrier()  # every thread's stores issued before the counter's release
+        if tl.atomic_add(cnt_ptr + pid, 1) == KU - 1:
+            acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+            for j in tl.static_range(KU):
+                acc += tl.load(rw_ptr + j) * tl.load(y_ptr + j * stride_ym + rows, mask=rmask,
+                                                     other=0.0, cache_modifier=".cg")
+            if ACCUM:
+                acc += tl.load(out_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
+            tl.atomic_xchg(cnt_ptr + pid, 0)  # zero again for the next call
 
 
 def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: torch.Tensor,
                    weights: torch.Tensor, out: torch.Tensor, rows_out: torch.Tensor,
                    bias: torch.Tensor | None = None, accumulate: bool = False,
-                   config: tuple[int, int, int] | None = None,
-                   use_pdl: bool = True) -> torch.Tensor:
+                   config: tuple[int, int, int] | None = None, use_pdl: bool = True,
+                   counter: torch.Tensor | None = None) -> torch.Tensor:
     """``expert_down`` (with ``rows_out``) for one row whose k GLU outputs come as their int8
     copy ``hq`` (q words, d, s; ``expert_glu_q8``'s ``out_q``), down Q4_K or Q6_K: the k experts'
-    rows in parallel programs into ``rows_out``, then ``combine`` in order onto ``out``."""
+    rows in parallel programs into ``rows_out``, then summed in order onto ``out``: by each
+    row tile's last program with ``counter`` (int32 zeros, one per tile of the config's rows,
+    left zero), else by ``combine`` (a second launch)."""
     n, k = expert_rows(down, n_expert), row_cols(down, ggml_type)
     ku = ids.shape[1]
     if not q8_able(ggml_type, k):
@@ -310,12 +327,19 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
     if rows_out.shape != (ku, n) or rows_out.dtype != torch.float32 or not rows_out.is_contiguous():
         raise ValueError(f"rows_out must be contiguous float32 [{ku}, {n}]")
     br, bb, warps = config or EXPERT_Q8_CONFIG[(ggml_type, "down")]
-    _expert_down_q8_kernel[(triton.cdiv(n, br), ku)](
+    tiles = triton.cdiv(n, br)
+    fused = counter is not None
+    if fused and (counter.dtype != torch.int32 or counter.numel() < tiles
+                  or out.numel() != n or not out.is_contiguous()):
+        raise ValueError(f"counter must hold {tiles} int32 zeros and out one row of {n}")
+    _expert_down_q8_kernel[(tiles, ku)](
         *_q8_views(down, ggml_type, "down"), bias if bias is not None else rows_out, *hq, ids,
-        rows_out, n, k, down.shape[1], rows_out.stride(0), HAS_BIAS=bias is not None,
+        rows_out, weights, out, counter if fused else ids, n, k, down.shape[1],
+        rows_out.stride(0), KU=ku, HAS_BIAS=bias is not None, COMBINE=fused, ACCUM=accumulate,
         TYPE=ggml_type, BLOCK_R=br, BLOCK_B=min(bb, triton.next_power_of_2(k // 256)),
         ASM=down.is_cuda, num_warps=warps, **pdl.opts(rows_out, use_pdl))
-    combine(rows_out, None, weights, out, accumulate)
+    if not fused:
+        combine(rows_out, None, weights, out, accumulate)
     return out
 
 

@@ -27,6 +27,9 @@ class RunnerOptions:
     ``CARVE_Q8X``: ``1`` (default) or ``0``. On, decode's T-layout GEMVs multiply an int8 copy
         of their input (written by the norm or the GLU before them) with integer dot products,
         as llama.cpp rounds activations; off, they read the bf16 activations (slower).
+    ``CARVE_EXPERT_Q8``: ``1`` (default) or ``0``. On (with ``CARVE_Q8X``), decode's routed
+        experts of the types kernels/gemv_q8.py has a body for multiply the int8 copies of the
+        normed row and of their GLU outputs; off, they read the bf16 activations (to compare).
     ``CARVE_T_LAYOUT``: ``1`` (default) or ``0``. On, the load repacks the large quantized
         matrices (kernels/gemv_t.py decides which types) into the T layout that decode's
         GEMVs read fastest; off, every matrix stays in GGUF order (kernels/quant_matmul.py).
@@ -40,6 +43,7 @@ class RunnerOptions:
 
     runner: str = "auto"  # CARVE_RUNNER
     q8x: bool = True  # CARVE_Q8X
+    expert_q8: bool = True  # CARVE_EXPERT_Q8
     t_layout: bool = True  # CARVE_T_LAYOUT
     pdl: bool = True  # CARVE_PDL
     row_body_trial: bool = False  # CARVE_ROW_BODY_TRIAL
@@ -56,6 +60,7 @@ class RunnerOptions:
         if runner not in RUNNERS:
             raise CarveError(f"CARVE_RUNNER={runner}: use {' or '.join(RUNNERS)}")
         return cls(runner=runner, q8x=_switch(environ, "CARVE_Q8X"),
+                   expert_q8=_switch(environ, "CARVE_EXPERT_Q8"),
                    t_layout=_switch(environ, "CARVE_T_LAYOUT"), pdl=_switch(environ, "CARVE_PDL"),
                    row_body_trial=_switch(environ, "CARVE_ROW_BODY_TRIAL", default=False))
 

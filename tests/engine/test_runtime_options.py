@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_defaults_when_nothing_is_set() -> None:
     assert RunnerOptions.from_env({}) == RunnerOptions() == RunnerOptions(
-        runner="auto", q8x=True, t_layout=True, pdl=True, row_body_trial=False)
+        runner="auto", q8x=True, expert_q8=True, t_layout=True, pdl=True, row_body_trial=False)
     empty = {"CARVE_RUNNER": "", "CARVE_Q8X": " ", "CARVE_T_LAYOUT": "", "CARVE_PDL": ""}
     assert RunnerOptions.from_env(empty) == RunnerOptions()
 
@@ -28,6 +28,7 @@ def test_defaults_when_nothing_is_set() -> None:
     ({"CARVE_RUNNER": "torch"}, RunnerOptions(runner="torch")),
     ({"CARVE_RUNNER": "auto"}, RunnerOptions()),
     ({"CARVE_Q8X": "0"}, RunnerOptions(q8x=False)),
+    ({"CARVE_EXPERT_Q8": "0"}, RunnerOptions(expert_q8=False)),
     ({"CARVE_T_LAYOUT": "0"}, RunnerOptions(t_layout=False)),
     ({"CARVE_PDL": "0"}, RunnerOptions(pdl=False)),
     ({"CARVE_Q8X": "1", "CARVE_T_LAYOUT": "1", "CARVE_PDL": "1"}, RunnerOptions()),
@@ -44,6 +45,7 @@ def test_each_variable_sets_its_option(env, want) -> None:
     ({"CARVE_Q8X": "off"}, "CARVE_Q8X=off: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_T_LAYOUT": "false"}, "CARVE_T_LAYOUT=false: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_PDL": "2"}, "CARVE_PDL=2: use 1 (on, the default) or 0 (off)"),
+    ({"CARVE_EXPERT_Q8": "no"}, "CARVE_EXPERT_Q8=no: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_ROW_BODY_TRIAL": "yes"},
      "CARVE_ROW_BODY_TRIAL=yes: use 1 (on) or 0 (off, the default)"),
 ])

@@ -325,8 +325,8 @@ class LayerBuilder:
         int8-x body (kernels/gemv_q8.py): gate and up both, then down too."""
         hp = self.hp
         g, u, d = mats
-        if self.xq is None or not all(moe_decode.q8_able(m.ggml_type, hp.n_embd)
-                                      for m in (g, u)):
+        if (self.xq is None or not self.options.expert_q8
+                or not all(moe_decode.q8_able(m.ggml_type, hp.n_embd) for m in (g, u))):
             return {}
         routed = self.xq[2]
         able = routed is not None and moe_decode.q8_able(d.ggml_type, hp.n_ff_exp)

@@ -158,6 +158,8 @@ class GpuStage(MoeLayers, DecodeGraph):
         self.t_part, self.t_count = self.buf.get("t_part"), self.buf.get("t_count")
         if self.t_count is not None:
             self.t_count.zero_()  # the T GEMVs leave their counters at zero after each use
+        if "moe_count" in self.buf:
+            self.buf["moe_count"].zero_()  # so do the MoE router and down GEMVs (stage_moe.py)
         # the IQ types' value tables, in the Layout (kernels/lowbit_blocks.py), and the flags of
         # the load's scan for non-finite scales
         lookup = self.buf.get("lookup")
