@@ -282,27 +282,31 @@ def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, 
     ref = moe_decode.expert_down_ref(down, dt, ne, hd, sets[0], wts,
                                      torch.empty(1, e, device="cuda"))
     row(f"moe expert down int8 x {tag} T=1", t, floor_down, nerr(y, ref), f"cfg={cd}")
-    cnt = torch.zeros(e // 32, dtype=torch.int32, device="cuda")
+    cnt = torch.zeros(e // 16, dtype=torch.int32, device="cuda")
     t = graph_time(lambda i=0: moe_decode.expert_down_q8(down, dt, ne, hq, sets[i], wts, y, yr,
                                                          counter=cnt))
     y.fill_(float("nan"))
     moe_decode.expert_down_q8(down, dt, ne, hq, sets[0], wts, y, yr, counter=cnt)
     row(f"moe expert down int8 x fused sum {tag} T=1", t, floor_down, nerr(y, ref), f"cfg={cd}")
     sweeps = [("down int8 x", lambda c, i: moe_decode.expert_down_q8(
-        down, dt, ne, hq, sets[i], wts, y, yr, config=c, counter=cnt), floor_down)]
+        down, dt, ne, hq, sets[i], wts, y, yr, config=c, counter=cnt), floor_down,
+        Q8_DOWN_TILES)]
     if sweep_glu:
         sweeps.append(("glu int8 x", lambda c, i: moe_decode.expert_glu_q8(
-            gate, gt, up, gt, ne, (q, d, s), sets[i], h, out_q=hq, config=c), floor_glu))
-    for name, fn, floor in sweeps:
-        _expert_sweep(f"{name} {tag}", fn, floor, row, Q8_TILES)
+            gate, gt, up, gt, ne, (q, d, s), sets[i], h, out_q=hq, config=c), floor_glu,
+            Q8_TILES))
+    for name, fn, floor, tiles in sweeps:
+        _expert_sweep(f"{name} {tag}", fn, floor, row, tiles)
 
 
 # the sweeps' candidates, few enough that --moe stays within a few minutes of compiles
 GROUPED_TILES = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
 EXPERT_TILES = [(1, 16, 1), (2, 16, 2), (4, 16, 4), (8, 16, 4), (16, 16, 8), (32, 16, 8)]
 # the int8-x bodies' (rows a multiple of 32: the GLU writes its output's copy per 32 values)
-Q8_TILES = [(32, 1, 4), (32, 2, 4), (32, 4, 4), (32, 8, 4), (32, 4, 8), (32, 8, 8), (64, 2, 8),
-            (64, 4, 8), (64, 8, 8)]
+Q8_TILES = [(32, 2, 4), (32, 4, 4), (32, 8, 4), (32, 4, 2), (64, 4, 4), (64, 4, 8)]
+# down's: any rows; Q6_K's fourth entry, lanes of 16 values (1) or of 4 (0)
+Q8_DOWN_TILES = [(32, 1, 4, 1), (32, 1, 4, 0), (32, 4, 4, 1), (64, 4, 8, 1), (64, 4, 8, 0),
+                 (16, 4, 4, 1), (16, 1, 2, 1), (64, 1, 4, 1), (128, 4, 8, 1)]
 
 
 def _expert_sweep(name, fn, floor, row, tiles=None):

@@ -128,11 +128,9 @@ def _w16(wh_ptr, off):
 
 
 @triton.jit
-def q6k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
-                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
-    """[BLOCK_R] float32 dot products of Q6_K rows ``rows_c`` (clamped in range) with x's int8
-    copy (``xq_ptr`` int8 values, 4-byte aligned; ``xd_ptr`` scales per 32). ``w_ptr``: the
-    weight as bytes, ``wh_ptr`` as 16-bit words (its rows are 2-byte aligned)."""
+def _q6k_q8_w1(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
+               BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
+    # a lane per l-word (4 values of each quarter)
     tb = tl.arange(0, BLOCK_B)
     n = tl.arange(0, 2)[:, None, None]  # the block's half
     s = tl.arange(0, 2)[None, :, None]  # the half's scale (l // 16)
@@ -176,6 +174,72 @@ def q6k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
     return tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
 
 
+@triton.jit
+def _q6k_q8_w4(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
+               BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
+    # a lane per 16 values of l (one scale of each quarter): 4 l-words each of a, b and h,
+    # held as separate registers (the x loads and scales shared by 4 words)
+    n = tl.arange(0, 2)[:, None]  # the block's half
+    s = tl.arange(0, 2)[None, :]  # its scale within the half (l // 16)
+    qa = (32 * n + 8 * s)[None, None]  # [1, 1, 2, 2] 16-bit offset of the lane's first a word
+    qh = (64 + 16 * n + 8 * s)[None, None]
+    sc = (192 + 8 * n + s)[None, None]  # byte of sc[8n + s] (quarter 0; quarter k 2k further)
+    xo = (32 * n + 4 * s)[None, None]  # x's int8 word of quarter 0, word 0
+    xg = (4 * n + 0 * s)[None, None]  # x's group of quarter 0
+    xq = xq_ptr.to(tl.pointer_type(tl.int32))
+    row_h = rows_c.to(tl.int64) * (row_bytes // 2)
+    shape: tl.constexpr = (BLOCK_R, BLOCK_B, 2, 2)
+    acc = tl.zeros(shape, dtype=tl.float32)
+    for b0 in range(0, nblk, BLOCK_B):
+        blk = b0 + tl.arange(0, BLOCK_B)
+        bm = tl.broadcast_to((blk < nblk)[None, :, None, None], shape)
+        bh = (row_h[:, None] + (tl.minimum(blk, nblk - 1) * 105)[None, :])[:, :, None, None]
+        xp = tl.broadcast_to(xq + (blk * 64)[None, :, None, None] + xo, shape)
+        i0 = tl.zeros(shape, dtype=tl.int32)
+        i1 = i0
+        i2 = i0
+        i3 = i0
+        for t in tl.static_range(4):
+            a = _w16(wh_ptr, bh + qa + 2 * t)
+            b = _w16(wh_ptr, bh + qa + 16 + 2 * t)
+            h = _w16(wh_ptr, bh + qh + 2 * t)
+            i0 = _dp4a(_q6_s8(a, h << 4), tl.load(xp + t, mask=bm, other=0), i0, ASM, True)
+            i1 = _dp4a(_q6_s8(b, h << 2), tl.load(xp + 8 + t, mask=bm, other=0), i1, ASM, True)
+            i2 = _dp4a(_q6_s8(a >> 4, h), tl.load(xp + 16 + t, mask=bm, other=0), i2, ASM, True)
+            i3 = _dp4a(_q6_s8(b >> 4, h >> 2), tl.load(xp + 24 + t, mask=bm, other=0), i3, ASM,
+                       True)
+        d = tl.load(wh_ptr + bh + 104).to(tl.float32)
+        gp = tl.broadcast_to(xd_ptr + (blk * 8)[None, :, None, None] + xg, shape)
+        sb = w_ptr + (bh * 2 + sc)
+        v = tl.load(sb).to(tl.int8, bitcast=True).to(tl.float32) \
+            * tl.load(gp, mask=bm, other=0.0) * i0.to(tl.float32)
+        v += tl.load(sb + 2).to(tl.int8, bitcast=True).to(tl.float32) \
+            * tl.load(gp + 1, mask=bm, other=0.0) * i1.to(tl.float32)
+        v += tl.load(sb + 4).to(tl.int8, bitcast=True).to(tl.float32) \
+            * tl.load(gp + 2, mask=bm, other=0.0) * i2.to(tl.float32)
+        v += tl.load(sb + 6).to(tl.int8, bitcast=True).to(tl.float32) \
+            * tl.load(gp + 3, mask=bm, other=0.0) * i3.to(tl.float32)
+        acc += d * v
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+
+
+@triton.jit
+def q6k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
+                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr,
+                    W4: tl.constexpr = True):
+    """[BLOCK_R] float32 dot products of Q6_K rows ``rows_c`` (clamped in range) with x's int8
+    copy (``xq_ptr`` int8 values, 4-byte aligned; ``xd_ptr`` scales per 32). ``w_ptr``: the
+    weight as bytes, ``wh_ptr`` as 16-bit words (its rows are 2-byte aligned). W4: a lane per
+    16 values of each quarter (else per 4)."""
+    if W4:
+        y = _q6k_q8_w4(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
+                       BLOCK_B, ASM)
+    else:
+        y = _q6k_q8_w1(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
+                       BLOCK_B, ASM)
+    return y
+
+
 # the types with a body here
 Q8_TYPES = (12, 14)  # Q4_K, Q6_K
 
@@ -183,7 +247,7 @@ Q8_TYPES = (12, 14)  # Q4_K, Q6_K
 @triton.jit
 def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
                 TYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
-                ASM: tl.constexpr):
+                ASM: tl.constexpr, W4: tl.constexpr = True):
     """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K or Q6_K weight (its bytes,
     16-bit words and int32 words) with x's int8 copy (values, scales, sums)."""
     if TYPE == 12:
@@ -191,5 +255,5 @@ def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row
                                BLOCK_R, BLOCK_B, False, ASM)
     else:
         y = q6k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
-                            BLOCK_B, ASM)
+                            BLOCK_B, ASM, W4)
     return y

@@ -38,7 +38,6 @@ import triton.language as tl
 from kernels import pdl
 from kernels.glu import glu_act
 from kernels.quant_matmul import dequantize_ref
-from spec import launch
 
 GATINGS = {"softmax": 0, "softmax_topk": 1, "sigmoid": 2}
 
@@ -50,11 +49,8 @@ OAI_ALPHA = 1.702  # gpt-oss's clamped SwiGLU: g * sigmoid(1.702 g) * (u + 1)
 # --- the router and the routing -----------------------------------------------------------
 # --- the router and the routing -----------------------------------------------------------
 @triton.jit
-def _router_kernel(w_ptr, x_ptr, b_ptr, y_ptr, sb_ptr, ids_ptr, rw_ptr, cnt_ptr, E, K, stride_xm,
-                   scale, HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ROUTE: tl.constexpr, GATING: tl.constexpr, KU: tl.constexpr,
-                   KP: tl.constexpr, NORM: tl.constexpr, HAS_SB: tl.constexpr,
-                   BLOCK_EP: tl.constexpr, PDL: tl.constexpr):
+def _router_kernel(w_ptr, x_ptr, b_ptr, y_ptr, E, K, stride_xm, HAS_BIAS: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
@@ -72,12 +68,6 @@ def _router_kernel(w_ptr, x_ptr, b_ptr, y_ptr, sb_ptr, ids_ptr, rw_ptr, cnt_ptr,
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0)
     tl.store(y_ptr + m * E + rows, y, mask=rmask)
-    if ROUTE:  # the row's last program to finish routes it (one launch less per layer)
-        tl.debug_barrier()  # every thread's stores issued before the counter's release
-        if tl.atomic_add(cnt_ptr + m, 1) == tl.num_programs(0) - 1:
-            _route_row(y_ptr, sb_ptr, ids_ptr, rw_ptr, m, E, scale, GATING, KU, KP, NORM, HAS_SB,
-                       BLOCK_EP, True)
-            tl.atomic_xchg(cnt_ptr + m, 0)  # zero again for the next call
 
 
 @triton.jit
@@ -104,17 +94,13 @@ def _router_mm_kernel(w_ptr, x_ptr, b_ptr, y_ptr, M, E, K, stride_xm, HAS_BIAS: 
              mask=rm[:, None] & em[None, :])
 
 
-ROUTER_GEMV_ROWS = launch.ROUTER_ROWS  # up to this many rows the router runs as a GEMV (decode)
+ROUTER_GEMV_ROWS = 8  # up to this many rows the router runs as a GEMV (decode)
 
 
 def router(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, use_pdl: bool = True,
-           route_to: dict | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, use_pdl: bool = True) -> torch.Tensor:
     """Router logits [M, E] float32 = x [M, K] @ w^T (+ bias); ``w`` float32 [E, K] (the file
-    keeps routers in F32). Up to ROUTER_GEMV_ROWS rows a GEMV, else a tiled float32 GEMM.
-    ``route_to`` (the GEMV only): ``route``'s keyword arguments (k, gating, norm, scale,
-    sel_bias, ids, weights) and ``counter`` (int32 zeros, >= M, left zero): each row's last
-    program to finish routes it in the same launch."""
+    keeps routers in F32). Up to ROUTER_GEMV_ROWS rows a GEMV, else a tiled float32 GEMM."""
     e, k = w.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -130,32 +116,11 @@ def router(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
         return out
     block_e = 2 if x.is_cuda else triton.next_power_of_2(e)
     block_k = 512 if x.is_cuda else triton.next_power_of_2(k)
-    r = _route_args(route_to, m, out) if route_to is not None else None
     _router_kernel[(triton.cdiv(e, block_e), m)](
-        w, x2, bias if bias is not None else w, out, *(r[0] if r else (out,) * 4), e, k,
-        x2.stride(0), r[1] if r else 1.0, HAS_BIAS=bias is not None, BLOCK_E=block_e,
-        BLOCK_K=block_k, num_warps=4, **(r[2] if r else _NO_ROUTE), **pdl.opts(out, use_pdl))
+        w, x2, bias if bias is not None else w, out, e, k, x2.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
+        **pdl.opts(out, use_pdl))
     return out
-
-
-_NO_ROUTE = {"ROUTE": False, "GATING": 0, "KU": 1, "KP": 1, "NORM": False, "HAS_SB": False,
-             "BLOCK_EP": 1}
-
-
-def _route_args(route_to: dict, m: int, logits: torch.Tensor):
-    # (pointers, scale, constexprs) of the routing fused into the router GEMV
-    k, gating, ids, weights = (route_to[n] for n in ("k", "gating", "ids", "weights"))
-    sel_bias, counter = route_to.get("sel_bias"), route_to["counter"]
-    if gating not in GATINGS:
-        raise ValueError(f"unknown expert gating {gating!r}")
-    if (ids.shape != (m, k) or weights.shape != (m, k) or counter.dtype != torch.int32
-            or counter.numel() < m):
-        raise ValueError(f"route_to needs ids and weights [{m}, {k}] and {m} int32 counters")
-    ptrs = (sel_bias if sel_bias is not None else logits, ids, weights, counter)
-    meta = {"ROUTE": True, "GATING": GATINGS[gating], "KU": k, "KP": triton.next_power_of_2(k),
-            "NORM": bool(route_to.get("norm", False)), "HAS_SB": sel_bias is not None,
-            "BLOCK_EP": triton.next_power_of_2(logits.shape[1])}
-    return ptrs, float(route_to.get("scale", 1.0)), meta
 
 
 def router_ref(w, x, bias=None, out=None, use_pdl=True):
@@ -166,17 +131,14 @@ def router_ref(w, x, bias=None, out=None, use_pdl=True):
 
 
 @triton.jit
-def _route_row(l_ptr, sb_ptr, ids_ptr, w_ptr, m, E, scale, GATING: tl.constexpr,
-               KU: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HAS_SB: tl.constexpr,
-               BLOCK_E: tl.constexpr, CG: tl.constexpr):
-    # row m's top-k ids and weights from its logits (CG: read them at L2, where other programs
-    # of the same launch wrote them)
+def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, GATING: tl.constexpr,
+                  KU: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HAS_SB: tl.constexpr,
+                  BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
+    m = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     emask = e < E
-    if CG:
-        logit = tl.load(l_ptr + m * E + e, mask=emask, other=-float("inf"), cache_modifier=".cg")
-    else:
-        logit = tl.load(l_ptr + m * E + e, mask=emask, other=-float("inf"))
+    logit = tl.load(l_ptr + m * E + e, mask=emask, other=-float("inf"))
     if GATING == 0:  # softmax over all experts; select and weigh by probability
         p = tl.exp(logit - tl.max(logit, axis=0))
         val = p / tl.sum(p, axis=0)
@@ -210,15 +172,6 @@ def _route_row(l_ptr, sb_ptr, ids_ptr, w_ptr, m, E, scale, GATING: tl.constexpr,
     wts = wts * scale
     tl.store(ids_ptr + m * KU + j, ids, mask=kmask)
     tl.store(w_ptr + m * KU + j, wts, mask=kmask)
-
-
-@triton.jit
-def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, GATING: tl.constexpr,
-                  KU: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HAS_SB: tl.constexpr,
-                  BLOCK_E: tl.constexpr, PDL: tl.constexpr):
-    pdl.start(PDL)
-    _route_row(l_ptr, sb_ptr, ids_ptr, w_ptr, tl.program_id(0).to(tl.int64), E, scale, GATING,
-               KU, KP, NORM, HAS_SB, BLOCK_E, False)
 
 
 def route(logits: torch.Tensor, k: int, gating: str, norm: bool = False, scale: float = 1.0,

@@ -89,10 +89,6 @@ SAMPLE_STATE = 16 + SAMPLE_LAST_N + SAMPLE_RING
 LOOKUP_BYTES = 34304
 LOOKUP_FLAGS = 64
 
-# up to this many rows the MoE router runs as a GEMV (decode; kernels/moe.py), which can route
-# them in the same launch (a counter per row: buffers.moe_buffers)
-ROUTER_ROWS = 8
-
 # Mixture-of-experts prefill (kernels/moe_prefill.py): the routed rows (tokens x experts used) sorted
 # by expert, cut into tiles of MOE_TILE_ROWS rows of one expert each; every expert's last tile
 # may be partial, so a chunk needs at most this many tiles (the priced buf.moe_tiles).

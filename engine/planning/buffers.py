@@ -136,9 +136,7 @@ def moe_buffers(hp: Any, chunk: int, act_dtype: str) -> list[BufferSpec]:
         BufferSpec("moe_pos", (routed,), "i32"),
         BufferSpec("moe_tiles", (3, launch.moe_tiles(routed, n_expert)), "i32"),
         BufferSpec("moe_out", (routed, hp.n_embd), "f32"),  # [routed, n_embd]
-        # decode's counters, kept at zero between launches: row 0 per routed row (the router's
-        # last program routes it), row 1 per 32 output rows (down's last expert program of a
-        # row tile adds the k rows); whole 256-byte lines
-        BufferSpec("moe_count", (2, -(-max(launch.ROUTER_ROWS, -(-hp.n_embd // 32)) // 64) * 64),
-                   "i32"),
+        # decode's counters, kept at zero between launches, one per 32 output rows: down's
+        # last expert program of a row tile adds the k rows (whole 256-byte lines)
+        BufferSpec("moe_count", (-(-hp.n_embd // 2048) * 64,), "i32"),
     ]

@@ -74,28 +74,6 @@ def test_route_matches_reference(gating, seed):
         assert nerr(wts, plain) < 1e-6
 
 
-@pytest.mark.parametrize("gating", ["softmax", "softmax_topk", "sigmoid"])
-def test_router_routes_in_its_last_program(gating, seed):
-    # decode's router GEMV with the routing fused (route_to): the same logits, ids and weights
-    # as the router and route_ref, and its counters back at zero for the next call
-    g = generator(seed)
-    m, e, k, cols = 3, 12, 3, 96
-    w = torch.randn(e, cols, generator=g, device=DEVICE)
-    sb = torch.randn(e, generator=g, device=DEVICE) if gating == "sigmoid" else None
-    counter = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-    for step in range(2):  # twice: the counters must be reusable
-        x = torch.randn(m, cols, generator=g, device=DEVICE)
-        logits, wts = poison((m, e)), poison((m, k))
-        ids = torch.full((m, k), -7, dtype=torch.int32, device=DEVICE)
-        moe.router(w, x, out=logits, route_to={
-            "k": k, "gating": gating, "norm": step == 1, "scale": 2.5 if step else 1.0,
-            "sel_bias": sb, "ids": ids, "weights": wts, "counter": counter})
-        assert nerr(logits, moe.router_ref(w, x), x.abs() @ w.abs().T) < 1e-6
-        rid, rw = moe.route_ref(logits, k, gating, step == 1, 2.5 if step else 1.0, sb)
-        assert torch.equal(ids, rid) and nerr(wts, rw) < 1e-6
-        assert not counter.any()
-
-
 def test_route_ties_pick_the_lower_id():
     logits = torch.zeros(1, 8, device=DEVICE)
     logits[0, [2, 5, 6]] = 1.0

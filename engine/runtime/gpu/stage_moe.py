@@ -33,18 +33,10 @@ class MoeLayers:
         """Router logits and top-k routing into buf.moe_ids / moe_w (on the device), and the
         shared expert (glm4moe) into proj."""
         hp, b, n, x, pdl = self.hp, self.buf, a.n, a.normed, self.pdl
-        if n <= moe.ROUTER_GEMV_ROWS:  # decode: routed by the router's last program
-            moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl,
-                       route_to={"k": hp.n_expert_used, "gating": hp.expert_gating,
-                                 "norm": hp.expert_weights_norm,
-                                 "scale": hp.expert_weights_scale, "sel_bias": f.sel_bias,
-                                 "ids": b["moe_ids"][:n], "weights": b["moe_w"][:n],
-                                 "counter": b["moe_count"][0]})
-        else:
-            moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl)
-            moe.route(b["moe_logits"][:n], hp.n_expert_used, hp.expert_gating,
-                      hp.expert_weights_norm, hp.expert_weights_scale, f.sel_bias,
-                      b["moe_ids"][:n], b["moe_w"][:n], use_pdl=pdl)
+        moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl)
+        moe.route(b["moe_logits"][:n], hp.n_expert_used, hp.expert_gating,
+                  hp.expert_weights_norm, hp.expert_weights_scale, f.sel_bias,
+                  b["moe_ids"][:n], b["moe_w"][:n], use_pdl=pdl)
         if f.shared is not None:
             self._shared_expert(f.shared, a)
 
@@ -96,7 +88,7 @@ class MoeLayers:
             if f.xq_h is not None:
                 moe_decode.expert_down_q8(dp, d.ggml_type, ne, f.xq_h, ids, w, a.proj, rows_out,
                                           db, accumulate=f.shared is not None, use_pdl=pdl,
-                                          counter=b["moe_count"][1])
+                                          counter=b["moe_count"])
             else:
                 moe_decode.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, db,
                                        accumulate=f.shared is not None, config=f.down_config,
