@@ -304,9 +304,9 @@ GROUPED_TILES = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
 EXPERT_TILES = [(1, 16, 1), (2, 16, 2), (4, 16, 4), (8, 16, 4), (16, 16, 8), (32, 16, 8)]
 # the int8-x bodies' (rows a multiple of 32: the GLU writes its output's copy per 32 values)
 Q8_TILES = [(32, 2, 4), (32, 4, 4), (32, 8, 4), (32, 4, 2), (64, 4, 4), (64, 4, 8)]
-# down's: any rows; Q6_K's fourth entry, lanes of 16 values (1) or of 4 (0)
-Q8_DOWN_TILES = [(32, 1, 4, 1), (32, 1, 4, 0), (32, 4, 4, 1), (64, 4, 8, 1), (64, 4, 8, 0),
-                 (16, 4, 4, 1), (16, 1, 2, 1), (64, 1, 4, 1), (128, 4, 8, 1)]
+# down's: any rows (the row tile's counters: one per 16 rows here)
+Q8_DOWN_TILES = [(16, 1, 2), (16, 4, 4), (32, 1, 4), (32, 4, 4), (64, 1, 4), (64, 4, 8),
+                 (128, 4, 8)]
 
 
 def _expert_sweep(name, fn, floor, row, tiles=None):

@@ -279,8 +279,7 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
                            rw_ptr, out_ptr, cnt_ptr, N, K, row_bytes, stride_ym,
                            KU: tl.constexpr, HAS_BIAS: tl.constexpr, COMBINE: tl.constexpr,
                            ACCUM: tl.constexpr, TYPE: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_B: tl.constexpr, W4: tl.constexpr, ASM: tl.constexpr,
-                           PDL: tl.constexpr):
+                           BLOCK_B: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     # one expert per program: its rows (+ bias), unweighted, into y's routed row; COMBINE: the
     # row tile's last expert program to finish adds the k rows in order with their weights
     # onto out (the same sum as ``combine``, whatever order the programs ran in)
@@ -292,7 +291,7 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
     rows_c = tl.load(ids_ptr + slot) * N + tl.minimum(rows, N - 1)
     g = slot * (K // 32)
     y = q8_rows_dot(w_ptr, wh_ptr, wi_ptr, hq_ptr + slot * (K // 4), hd_ptr + g, hs_ptr + g,
-                    rows_c, K // 256, row_bytes, TYPE, BLOCK_R, BLOCK_B, ASM, W4)
+                    rows_c, K // 256, row_bytes, TYPE, BLOCK_R, BLOCK_B, ASM)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows_c).to(tl.float32)
     tl.store(y_ptr + slot.to(tl.int64) * stride_ym + rows, y, mask=rmask)
@@ -327,7 +326,7 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
         raise ValueError("expert_down_q8 takes one row's k expert inputs as their int8 copy")
     if rows_out.shape != (ku, n) or rows_out.dtype != torch.float32 or not rows_out.is_contiguous():
         raise ValueError(f"rows_out must be contiguous float32 [{ku}, {n}]")
-    br, bb, warps, *w4 = config or EXPERT_Q8_CONFIG[(ggml_type, "down")]
+    br, bb, warps = config or EXPERT_Q8_CONFIG[(ggml_type, "down")]
     tiles = triton.cdiv(n, br)
     fused = counter is not None
     if fused and (counter.dtype != torch.int32 or counter.numel() < tiles
@@ -338,8 +337,7 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
         rows_out, weights, out, counter if fused else ids, n, k, down.shape[1],
         rows_out.stride(0), KU=ku, HAS_BIAS=bias is not None, COMBINE=fused, ACCUM=accumulate,
         TYPE=ggml_type, BLOCK_R=br, BLOCK_B=min(bb, triton.next_power_of_2(k // 256)),
-        W4=bool(w4[0]) if w4 else True, ASM=down.is_cuda, num_warps=warps,
-        **pdl.opts(rows_out, use_pdl))
+        ASM=down.is_cuda, num_warps=warps, **pdl.opts(rows_out, use_pdl))
     if not fused:
         combine(rows_out, None, weights, out, accumulate)
     return out

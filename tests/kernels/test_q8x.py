@@ -175,14 +175,12 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed):
     wts = torch.rand(1, k, generator=g, device=DEVICE)
     prior = torch.randn(1, cols, generator=g, device=DEVICE)
     counter = torch.zeros(cols // 32, dtype=torch.int32, device=DEVICE)
-    # the k rows summed by combine, or by each row tile's last program (counter); Q6_K's
-    # lanes of 4 values or of 16 (the config's fourth entry)
-    for accumulate, fused, w4 in ((False, False, 1), (True, False, 0), (False, True, 0),
-                                  (True, True, 1)):
+    # the k rows summed by combine, or by each row tile's last program (counter)
+    for accumulate, fused in ((False, False), (True, False), (False, True), (True, True)):
         out = prior.clone() if accumulate else torch.full((1, cols), float("nan"), device=DEVICE)
         moe_decode.expert_down_q8(down, down_type, n_expert, hq2, ids, wts, out,
                                   torch.full((k, cols), float("nan"), device=DEVICE),
-                                  accumulate=accumulate, config=(32, 2, 1, w4),
+                                  accumulate=accumulate, config=(32, 2, 1),
                                   counter=counter if fused else None)
         assert not counter.any()
         want = moe_decode.expert_down_ref(down, down_type, n_expert, hd, ids, wts, prior.clone(),
