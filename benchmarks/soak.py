@@ -118,8 +118,12 @@ class Soak:
                 self.sample("load", i)
 
     def tokenize(self, n: int) -> None:
+        # texts drawn from a pool: the tokenizer's word cache is bounded (10,000 words) but fills
+        # for thousands of calls on ever-new random words, which reads as a leak over a short soak
+        pool = ["".join(self.rng.choice("abc def ghi 日本 😀\n") for _ in range(200))
+                for _ in range(16)]
         for i in range(n):
-            text = "".join(self.rng.choice("abc def ghi 日本 😀\n") for _ in range(200))
+            text = self.rng.choice(pool)
             self.engine.send(p.Tokenize(text))
             self.engine.wait_for(p.Tokens, timeout=600)
             if i % self.every == 0 or i == n - 1:
