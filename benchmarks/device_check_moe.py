@@ -87,7 +87,8 @@ def moe_section(g, copy_bw, mm_rate, row):
         moe_decode.expert_down(down, dt, ne, h, sets[0], wts, y, config=cd, rows_out=yr)
         row(f"moe expert down split {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref),
             f"cfg={cd} DOWN_SPLIT={moe_decode.DOWN_SPLIT}")
-        if moe_decode.q8_able(gt, e) and moe_decode.q8_able(dt, f):
+        # the int8-x bodies, the trial ones (not yet adopted: MXFP4) too
+        if moe_decode.q8_able(gt, e, True) and moe_decode.q8_able(dt, f, True):
             _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr,
                      2 * k * per_g / copy_bw, k * per_d / copy_bw, tag, row,
                      (label, gt) not in swept)
@@ -288,13 +289,14 @@ def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, 
     y.fill_(float("nan"))
     moe_decode.expert_down_q8(down, dt, ne, hq, sets[0], wts, y, yr, counter=cnt)
     row(f"moe expert down int8 x fused sum {tag} T=1", t, floor_down, nerr(y, ref), f"cfg={cd}")
+    small = moe_decode.Q8_BLOCK[gt] == 32  # MXFP4's blocks: more of them a step
     sweeps = [("down int8 x", lambda c, i: moe_decode.expert_down_q8(
         down, dt, ne, hq, sets[i], wts, y, yr, config=c, counter=cnt), floor_down,
-        Q8_DOWN_TILES)]
+        Q8_DOWN_TILES_32 if small else Q8_DOWN_TILES)]
     if sweep_glu:
         sweeps.append(("glu int8 x", lambda c, i: moe_decode.expert_glu_q8(
             gate, gt, up, gt, ne, (q, d, s), sets[i], h, out_q=hq, config=c), floor_glu,
-            Q8_TILES))
+            Q8_TILES_32 if small else Q8_TILES))
     for name, fn, floor, tiles in sweeps:
         _expert_sweep(f"{name} {tag}", fn, floor, row, tiles)
 
@@ -307,6 +309,9 @@ Q8_TILES = [(32, 2, 4), (32, 4, 4), (32, 8, 4), (32, 4, 2), (64, 4, 4), (64, 4, 
 # down's: any rows (the row tile's counters: one per 16 rows here)
 Q8_DOWN_TILES = [(16, 1, 2), (16, 4, 4), (32, 1, 4), (32, 4, 4), (64, 1, 4), (64, 4, 8),
                  (128, 4, 8)]
+# the same for 32-value blocks (MXFP4: 17 bytes a block, 4 lanes)
+Q8_TILES_32 = [(32, 8, 4), (32, 16, 4), (32, 32, 4), (32, 16, 8), (64, 16, 8), (64, 32, 8)]
+Q8_DOWN_TILES_32 = [(16, 16, 2), (32, 8, 4), (32, 16, 4), (32, 32, 4), (64, 16, 8), (64, 32, 8)]
 
 
 def _expert_sweep(name, fn, floor, row, tiles=None):

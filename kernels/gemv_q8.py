@@ -1,4 +1,4 @@
-"""GGUF-order row dot products of Q4_K and Q6_K against x's int8 copy (kernels/q8x.py), through
+"""GGUF-order row dot products of Q4_K, Q6_K and MXFP4 against x's int8 copy (kernels/q8x.py), through
 ``dp4a``: the decode GEMVs of matrices that stay in GGUF order because something else reads them
 as the file has them (the routed experts, which prefill's grouped GEMMs dequantize block by
 block, and which host memory holds as the file has them).
@@ -21,6 +21,11 @@ Q6_K (210-byte blocks, rows only 2-byte aligned: words are two 16-bit loads): ql
 k = 0..3 of l = 4t .. 4t + 3 (a's low nibbles, b's low, a's high, b's high; qh bits 2k), as
 the signed bytes q - 32 into a signed ``dp4a``; scale ``sc[8n + 2k + t // 4]``, x group
 ``8b + 4n + k``. A lane takes t = 4s .. 4s + 3 (16 values of l, one scale per quarter).
+
+MXFP4 (17-byte blocks of 32 values: one x group each): a lane per 4 qs bytes, whose low
+nibbles are values 4t..4t+3 (x's word 8b + t) and high ones 16 + 4t.. (word 8b + 4 + t); the
+nibbles become the signed bytes of the doubled e2m1 values by byte permutes, and the block's
+E8M0 scale 2^(e - 128) undoes the doubling.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import triton.language as tl
 
 from kernels.gemv_dot import _k4_scale
 from kernels.gemv_t_dot import _dp4a, _q6_s8
+from kernels.quant_blocks import _e8m0_half
 
 
 @triton.jit
@@ -167,19 +173,106 @@ def q6k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
 
 
-# the types with a body here
-Q8_TYPES = (12, 14)  # Q4_K, Q6_K
+@triton.jit
+def _mxfp4_s8(q, ASM: tl.constexpr):
+    # the 8 nibbles of q (bytes j..j+3 of a block's qs: values j..j+3 low, j+16..j+19 high) as
+    # two words of 4 signed bytes, the doubled e2m1 values 0 1 2 3 4 6 8 12 (bit 3 the sign):
+    # (values j..j+3, values j+16..j+19). ASM: byte permutes from the 16-entry table (per half
+    # of q: the positive and negative entries by each nibble's low 3 bits, then one or the
+    # other by its sign bit; then the low and the high nibbles' bytes gathered)
+    if ASM:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, t2, t3, s, g, p, n, r0, r1;
+            mov.b32 t0, 0x03020100;
+            mov.b32 t1, 0x0C080604;
+            mov.b32 t2, 0xFDFEFF00;
+            mov.b32 t3, 0xF4F8FAFC;
+            and.b32 s, $2, 0x7777;
+            and.b32 g, $2, 0x8888;
+            shr.b32 g, g, 1;
+            or.b32 g, g, 0x3210;
+            prmt.b32 p, t0, t1, s;
+            prmt.b32 n, t2, t3, s;
+            prmt.b32 r0, p, n, g;
+            shr.b32 s, $2, 16;
+            and.b32 g, s, 0x8888;
+            and.b32 s, s, 0x7777;
+            shr.b32 g, g, 1;
+            or.b32 g, g, 0x3210;
+            prmt.b32 p, t0, t1, s;
+            prmt.b32 n, t2, t3, s;
+            prmt.b32 r1, p, n, g;
+            prmt.b32 $0, r0, r1, 0x6420;
+            prmt.b32 $1, r0, r1, 0x7531;
+            }""",
+            "=r,=r,r", [q], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        lo = q * 0
+        hi = q * 0
+        for k in tl.static_range(4):
+            lo |= (_mxfp4_int((q >> (8 * k)) & 15) & 0xFF) << (8 * k)
+            hi |= (_mxfp4_int((q >> (8 * k + 4)) & 15) & 0xFF) << (8 * k)
+        return lo, hi
+
+
+@triton.jit
+def _mxfp4_int(c):
+    # the doubled e2m1 value of nibble c as an integer (quant_blocks._mxfp4_value's)
+    m = c & 7
+    mag = tl.where(m < 4, m, (2 + (m & 1)) << ((m >> 1) - 1))
+    return tl.where(c >= 8, -mag, mag)
+
+
+@triton.jit
+def mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R: tl.constexpr,
+                      BLOCK_B: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_R] float32 dot products of MXFP4 rows ``rows_c`` (clamped in range) with x's int8
+    copy (``xq_ptr`` int8 values, 4-byte aligned; ``xd_ptr`` scales per 32). A block (17
+    bytes: E8M0 e, then qs) is one x group; a lane per 4 qs bytes (8 values), read byte by
+    byte (the blocks leave rows and words 1-byte aligned):
+
+        sum W x = 2^(e - 128) d_x (dp4a of the doubled values and q_x)"""
+    t = tl.arange(0, 4)[None, None, :]  # the lane's qs word within the block
+    xq = xq_ptr.to(tl.pointer_type(tl.int32))
+    row_b = rows_c.to(tl.int64) * row_bytes
+    shape: tl.constexpr = (BLOCK_R, BLOCK_B, 4)
+    acc = tl.zeros(shape, dtype=tl.float32)
+    for b0 in range(0, nblk, BLOCK_B):
+        blk = b0 + tl.arange(0, BLOCK_B)
+        bm = tl.broadcast_to((blk < nblk)[None, :, None], shape)
+        base = row_b[:, None] + (tl.minimum(blk, nblk - 1) * 17)[None, :]  # [R, B]
+        qp = w_ptr + base[:, :, None] + 1 + 4 * t
+        q = tl.load(qp).to(tl.int32) | (tl.load(qp + 1).to(tl.int32) << 8) \
+            | (tl.load(qp + 2).to(tl.int32) << 16) | (tl.load(qp + 3).to(tl.int32) << 24)
+        lo, hi = _mxfp4_s8(q, ASM)
+        xp = tl.broadcast_to(xq + (blk * 8)[None, :, None] + t, shape)
+        i = _dp4a(lo, tl.load(xp, mask=bm, other=0), tl.zeros(shape, dtype=tl.int32), ASM, True)
+        i = _dp4a(hi, tl.load(xp + 4, mask=bm, other=0), i, ASM, True)
+        e = tl.load(w_ptr + base).to(tl.int32)
+        dx = tl.load(xd_ptr + blk, mask=blk < nblk, other=0.0)
+        acc += (_e8m0_half(e) * dx[None, :])[:, :, None] * i.to(tl.float32)
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+# the types with a body here, and the values of a block each
+Q8_TYPES = (12, 14, 39)  # Q4_K, Q6_K, MXFP4
+Q8_BLOCK = {12: 256, 14: 256, 39: 32}
 
 
 @triton.jit
 def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
                 TYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
                 ASM: tl.constexpr):
-    """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K or Q6_K weight (its bytes,
-    16-bit words and int32 words) with x's int8 copy (values, scales, sums)."""
+    """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K, Q6_K or MXFP4 weight (its
+    bytes, 16-bit words and int32 words; ``nblk`` blocks of ``Q8_BLOCK[TYPE]`` values a row)
+    with x's int8 copy (values, scales, sums)."""
     if TYPE == 12:
         y, _ = q4k_q8_rows_dot(wi_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
                                BLOCK_R, BLOCK_B, False, ASM)
+    elif TYPE == 39:
+        y = mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B,
+                              ASM)
     else:
         y = q6k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
                             BLOCK_B, ASM)

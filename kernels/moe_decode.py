@@ -12,7 +12,7 @@ import triton.language as tl
 
 from kernels import pdl, q8x
 from kernels.gemv_dot import row_dot
-from kernels.gemv_q8 import Q8_TYPES, q4k_q8_rows_dot, q8_rows_dot
+from kernels.gemv_q8 import Q8_BLOCK, Q8_TYPES, q4k_q8_rows_dot, q8_rows_dot
 from kernels.moe import _ACTS, _act, _act_ref, _expert_ref, combine, expert_rows
 from kernels.quant_matmul import _launch_args, gemv_config, row_cols
 from spec import quant_types as qt
@@ -104,18 +104,29 @@ def expert_glu(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: in
 EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     (qt.Q4_K, "glu"): (32, 4, 4), (qt.Q6_K, "glu"): (32, 1, 4),
     (qt.Q4_K, "down"): (64, 4, 8), (qt.Q6_K, "down"): (32, 1, 4),
+    # not yet timed on a GPU: blocks of 32 values, 16 a step read about the bytes of Q4_K's 2
+    (qt.MXFP4, "glu"): (32, 16, 4), (qt.MXFP4, "down"): (32, 16, 4),
 }
+# the types whose int8-x expert bodies decode runs; the trial ones are written and checked
+# against the reference but not yet measured in the step (CARVE_ROW_BODY_TRIAL=1 adds them)
+Q8_EXPERT_TYPES = frozenset({qt.Q4_K, qt.Q6_K})
+Q8_EXPERT_TRIAL = frozenset(Q8_TYPES) - Q8_EXPERT_TYPES
 
 
-def q8_able(ggml_type: int, cols: int) -> bool:
-    """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy."""
-    return ggml_type in Q8_TYPES and cols % 256 == 0
+def q8_able(ggml_type: int, cols: int, trial: bool = False) -> bool:
+    """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy
+    (``trial``: also with the bodies not yet adopted, which the kernels themselves accept)."""
+    types = Q8_EXPERT_TYPES | Q8_EXPERT_TRIAL if trial else Q8_EXPERT_TYPES
+    return ggml_type in types and cols % Q8_BLOCK[ggml_type] == 0
 
 
 def _q8_views(w: torch.Tensor, ggml_type: int, what: str):
     if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous():
         raise ValueError(f"{what} must be contiguous uint8 [rows, row_bytes]")
-    # Q4_K reads int32 words (its 144-byte blocks keep rows 4-byte aligned), Q6_K 16-bit ones
+    # Q4_K reads int32 words (its 144-byte blocks keep rows 4-byte aligned), Q6_K 16-bit ones,
+    # MXFP4 bytes (its 17-byte blocks keep nothing aligned)
+    if ggml_type == qt.MXFP4:
+        return w, w, w
     wi = w.view(torch.int32) if ggml_type == qt.Q4_K else w
     return w, w.view(torch.float16), wi
 
@@ -158,13 +169,13 @@ def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type:
                   limit: float = 0.0, out_q=None, config: tuple[int, int, int] | None = None,
                   use_pdl: bool = True) -> torch.Tensor:
     """``expert_glu`` for one row of x given as its int8 copy ``xq`` (q words, d, s of
-    kernels/q8x.py), gate and up Q4_K or Q6_K: ``out[j] = act(x @ gate_e^T) * (x @ up_e^T)``,
+    kernels/q8x.py), gate and up Q4_K, Q6_K or MXFP4: ``out[j] = act(x @ gate_e^T) * (x @ up_e^T)``,
     e = ids[0, j]. ``out_q``: (q, d, s) buffers for the int8 copy of ``out`` ([k * rows]
     values), the input of ``expert_down_q8``."""
     n, k = expert_rows(gate, n_expert), row_cols(gate, gate_type)
     if up.shape[0] != gate.shape[0] or row_cols(up, up_type) != k:
         raise ValueError("gate and up experts differ in shape")
-    if not (q8_able(gate_type, k) and q8_able(up_type, k)):
+    if not (q8_able(gate_type, k, True) and q8_able(up_type, k, True)):
         raise ValueError(f"no int8-x expert GEMV for {qt.type_name(gate_type)}/"
                          f"{qt.type_name(up_type)} rows of {k}")
     if ids.shape[0] != 1 or not q8x.fits(xq, k):
@@ -178,9 +189,10 @@ def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type:
     bias = gate_bias is not None
     _expert_glu_q8_kernel[(triton.cdiv(n, br), ku)](
         *gp, *upp, gate_bias if bias else out, up_bias if bias else out, *xq, ids, out, oq, od,
-        os_, n, k // 256, gate.shape[1], up.shape[1], float(limit), KU=ku, TG=gate_type,
-        TU=up_type, HAS_BIAS=bias, ACT=_ACTS[act], QOUT=out_q is not None, BLOCK_R=br,
-        BLOCK_B=min(bb, triton.next_power_of_2(k // 256)), ASM=gate.is_cuda, num_warps=warps,
+        os_, n, k // Q8_BLOCK[gate_type], gate.shape[1], up.shape[1], float(limit), KU=ku,
+        TG=gate_type, TU=up_type, HAS_BIAS=bias, ACT=_ACTS[act], QOUT=out_q is not None,
+        BLOCK_R=br, BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[gate_type])),
+        ASM=gate.is_cuda, num_warps=warps,
         **pdl.opts(out, use_pdl))
     return out
 
@@ -278,7 +290,8 @@ def expert_down(down: torch.Tensor, ggml_type: int, n_expert: int, h: torch.Tens
 def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr, ids_ptr, y_ptr,
                            rw_ptr, out_ptr, cnt_ptr, N, K, row_bytes, stride_ym,
                            KU: tl.constexpr, HAS_BIAS: tl.constexpr, COMBINE: tl.constexpr,
-                           ACCUM: tl.constexpr, TYPE: tl.constexpr, BLOCK_R: tl.constexpr,
+                           ACCUM: tl.constexpr, TYPE: tl.constexpr, QK: tl.constexpr,
+                           BLOCK_R: tl.constexpr,
                            BLOCK_B: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     # one expert per program: its rows (+ bias), unweighted, into y's routed row; COMBINE: the
     # row tile's last expert program to finish adds the k rows in order with their weights
@@ -291,7 +304,7 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
     rows_c = tl.load(ids_ptr + slot) * N + tl.minimum(rows, N - 1)
     g = slot * (K // 32)
     y = q8_rows_dot(w_ptr, wh_ptr, wi_ptr, hq_ptr + slot * (K // 4), hd_ptr + g, hs_ptr + g,
-                    rows_c, K // 256, row_bytes, TYPE, BLOCK_R, BLOCK_B, ASM)
+                    rows_c, K // QK, row_bytes, TYPE, BLOCK_R, BLOCK_B, ASM)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows_c).to(tl.float32)
     tl.store(y_ptr + slot.to(tl.int64) * stride_ym + rows, y, mask=rmask)
@@ -314,13 +327,13 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
                    config: tuple[int, int, int] | None = None, use_pdl: bool = True,
                    counter: torch.Tensor | None = None) -> torch.Tensor:
     """``expert_down`` (with ``rows_out``) for one row whose k GLU outputs come as their int8
-    copy ``hq`` (q words, d, s; ``expert_glu_q8``'s ``out_q``), down Q4_K or Q6_K: the k experts'
+    copy ``hq`` (q words, d, s; ``expert_glu_q8``'s ``out_q``), down Q4_K, Q6_K or MXFP4: the k experts'
     rows in parallel programs into ``rows_out``, then summed in order onto ``out``: by each
     row tile's last program with ``counter`` (int32 zeros, one per tile of the config's rows,
     left zero), else by ``combine`` (a second launch)."""
     n, k = expert_rows(down, n_expert), row_cols(down, ggml_type)
     ku = ids.shape[1]
-    if not q8_able(ggml_type, k):
+    if not q8_able(ggml_type, k, True):
         raise ValueError(f"no int8-x expert GEMV for {qt.type_name(ggml_type)} rows of {k}")
     if ids.shape[0] != 1 or not q8x.fits(hq, ku * k):
         raise ValueError("expert_down_q8 takes one row's k expert inputs as their int8 copy")
@@ -336,8 +349,9 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
         *_q8_views(down, ggml_type, "down"), bias if bias is not None else rows_out, *hq, ids,
         rows_out, weights, out, counter if fused else ids, n, k, down.shape[1],
         rows_out.stride(0), KU=ku, HAS_BIAS=bias is not None, COMBINE=fused, ACCUM=accumulate,
-        TYPE=ggml_type, BLOCK_R=br, BLOCK_B=min(bb, triton.next_power_of_2(k // 256)),
-        ASM=down.is_cuda, num_warps=warps, **pdl.opts(rows_out, use_pdl))
+        TYPE=ggml_type, QK=Q8_BLOCK[ggml_type], BLOCK_R=br,
+        BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[ggml_type])), ASM=down.is_cuda,
+        num_warps=warps, **pdl.opts(rows_out, use_pdl))
     if not fused:
         combine(rows_out, None, weights, out, accumulate)
     return out

@@ -30,16 +30,19 @@ GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=4)
 
 def against_cpu_engine(plan, device: torch.device, prompt: list[int], steps: list[int],
                        greedy_prompt: list[int] | None, bound: float, label: str,
-                       check=None) -> None:
+                       check=None, options=None) -> None:
     """Load ``plan`` on the Triton runner (its stages on ``device``) and on the CPU engine:
     the prefill logits of every row of ``prompt``, then decode ``steps``, within ``bound``
     relative error; with ``greedy_prompt``, the same 4 greedy ids from a fresh cache (prefill,
     then decode steps as generate runs them). ``check``: called with the loaded GpuSession
-    first (that the stages took the path under test)."""
+    first (that the stages took the path under test); ``options``: the Triton runner's
+    RunnerOptions."""
     from engine.runtime.gpu.session import GpuSession
+    from engine.runtime.options import RunnerOptions
     from engine.runtime.session import Session
 
-    g = GpuSession.load(plan, devices=[device], remember=False)
+    g = GpuSession.load(plan, devices=[device], remember=False,
+                        options=options or RunnerOptions())
     c = Session.load(plan)
     try:
         if check is not None:

@@ -20,6 +20,7 @@ from engine.hardware.devices import DeviceSpec
 from engine.planning.buffers import activation_buffers
 from engine.planning.plan import Plan
 from engine.runtime.gpu.session import GpuSession
+from engine.runtime.options import RunnerOptions
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
 from engine.synth.gen import write_model
@@ -111,20 +112,37 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
                        ids(6, 3) if "qwen3moe" in model else None, 5e-3, model)
 
 
-def test_decode_on_the_int8_copies_matches_the_cpu_engine(tmp_path) -> None:
-    """Experts whose rows are whole 256-value blocks (Q4_K gate/up, Q6_K or Q4_K down): decode's
-    expert GEMVs multiply the int8 copies of the normed row and of the routed GLU outputs
-    (kernels/gemv_q8.py) and still match the CPU engine, greedy ids included."""
-    shape = Shape("qwen3moe", 2, 256, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
-                  n_expert_used=2, n_ff_exp=256)
-    (out,) = write_model(tmp_path / "q8.gguf", shape, "q4_k_m")
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, tmp_path) -> None:
+    """Experts of a type with an int8-x body (Q4_K gate/up and Q6_K or Q4_K down; gpt-oss's
+    MXFP4, a trial body, with RunnerOptions.row_body_trial): decode's expert GEMVs multiply
+    the int8 copies of the normed row and of the routed GLU outputs (kernels/gemv_q8.py) and
+    still match the CPU engine, greedy ids included."""
+    if arch == "gpt-oss":
+        shape, mix = SHAPES["gpt-oss"], None
+    else:
+        shape, mix = Shape("qwen3moe", 2, 256, 4, 2, 256, 320, head_dim=64, n_ctx=512,
+                           n_expert=4, n_expert_used=2, n_ff_exp=256), "q4_k_m"
+    (out,) = write_model(tmp_path / "q8.gguf", shape, mix)
+    trial = RunnerOptions(row_body_trial=arch == "gpt-oss")
 
     def on_int8(g) -> None:
         for layer in g.pipe.stages[0].layers:
             assert layer.ffn.xq is not None and layer.ffn.xq_h is not None
 
-    against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), 5e-3, str(out),
-                       on_int8)
+    # the int8 rounding of x and of the GLU outputs is the whole error (the kernels match the
+    # reference on the rounded input to 1e-5, tests/kernels/test_q8x.py); on random rows it
+    # is ~1 % of a GEMV's output for Q4_K and MXFP4 alike, and gpt-oss's synthetic file passes
+    # more of it on to the logits (9.6e-3 measured, 1.3e-4 on bf16 x) than qwen3moe's (4.9e-4)
+    bound = 2e-2 if arch == "gpt-oss" else 5e-3
+    against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), bound, str(out),
+                       on_int8, trial)
+    if arch == "gpt-oss":  # not adopted yet: without the trial option the experts read bf16 x
+        g = GpuSession.load(plan(str(out)), devices=[DEV], remember=False)
+        try:
+            assert all(layer.ffn.xq is None for layer in g.pipe.stages[0].layers)
+        finally:
+            g.close()
 
 
 # ------------------------------------------------------------------ on a real GPU

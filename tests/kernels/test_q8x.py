@@ -11,7 +11,7 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr
 
-from kernels import gemv_t, glu, moe_decode, norm, q8x, quant_matmul
+from kernels import gemv_q8, gemv_t, glu, moe_decode, norm, q8x, quant_matmul
 from kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
@@ -135,33 +135,40 @@ def test_int8_x_is_refused_where_it_cannot_go():
 
 
 @pytest.mark.parametrize("gate_type,down_type", [(qt.Q4_K, qt.Q6_K), (qt.Q4_K, qt.Q4_K),
-                                                 (qt.Q6_K, qt.Q6_K)],
+                                                 (qt.Q6_K, qt.Q6_K), (qt.MXFP4, qt.MXFP4)],
                          ids=lambda t: qt.type_name(t))
 def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed):
     # decode's routed experts in GGUF order on the int8 copies (kernels/gemv_q8.py): gate/up
     # of the chosen experts on x's copy writing the int8 copy of their GLU outputs, then down
-    # on that copy, each against the reference GEMV on the dequantized int8 input
+    # on that copy, each against the reference GEMV on the dequantized int8 input; MXFP4 as
+    # gpt-oss runs it (biases, the clamped SwiGLU, an odd number of 32-value blocks a row)
     g = generator(seed)
-    n_expert, k, n_ff, nb = 5, 3, 32 * _rand(g, 1, 3), _rand(g, 1, 4)
-    cols = 256 * nb
+    n_expert, k, n_ff = 5, 3, 32 * _rand(g, 1, 3)
+    qk = gemv_q8.Q8_BLOCK[gate_type]
+    nb = _rand(g, 1, 4) if qk == 256 else 2 * _rand(g, 1, 6) + 1
+    cols = qk * nb
     gate = random_weight(gate_type, n_expert * n_ff, cols, DEVICE, g)
     up = random_weight(gate_type, n_expert * n_ff, cols, DEVICE, g)
     down = random_weight(down_type, n_expert * cols, n_ff * 8, DEVICE, g)  # n_ff * 8 values
+    oai = gate_type == qt.MXFP4
+    act, limit = ("swiglu_oai", 7.0) if oai else ("silu", 0.0)
+    gb, ub, db = (torch.randn(n_expert * r, generator=g, device=DEVICE) * 0.1 if oai else None
+                  for r in (n_ff, n_ff, cols))
     x = torch.randn(1, cols, generator=g, device=DEVICE)
     xq, xd = q8x.copy_ref(x[0])
     ids = torch.randperm(n_expert, generator=g, device=DEVICE)[:k].view(1, k).to(torch.int32)
     h = torch.full((k, n_ff), float("nan"), device=DEVICE)
     hq = _bufs(k * n_ff)
     # 32 rows a program over 1..2 tiles per expert (the last one partly past the rows)
-    moe_decode.expert_glu_q8(gate, gate_type, up, gate_type, n_expert, xq, ids, h,
-                             out_q=hq, config=(32, 2, 1))
+    moe_decode.expert_glu_q8(gate, gate_type, up, gate_type, n_expert, xq, ids, h, act, gb, ub,
+                             limit, out_q=hq, config=(32, 2, 1))
     ref = moe_decode.expert_glu_ref(gate, gate_type, up, gate_type, n_expert, xd, ids,
-                                    torch.empty(k, n_ff, device=DEVICE))
+                                    torch.empty(k, n_ff, device=DEVICE), act, gb, ub, limit)
     assert nerr(h, ref) < 1e-5
     for j in range(k):
         grp = slice(j * n_ff // 32, (j + 1) * n_ff // 32)
         _same_q8((hq[0][j * n_ff // 4:(j + 1) * n_ff // 4], hq[1][grp], hq[2][grp]), h[j])
-    # down needs rows of whole 256-value blocks: its input is n_ff * 8 wide
+    # down needs rows of whole blocks (256 values): its input is n_ff * 8 wide
     k2 = n_ff * 8
     hx = torch.randn(k, k2, generator=g, device=DEVICE)
     hq2, hd = _bufs(k * k2), []
@@ -179,12 +186,12 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed):
     for accumulate, fused in ((False, False), (True, False), (False, True), (True, True)):
         out = prior.clone() if accumulate else torch.full((1, cols), float("nan"), device=DEVICE)
         moe_decode.expert_down_q8(down, down_type, n_expert, hq2, ids, wts, out,
-                                  torch.full((k, cols), float("nan"), device=DEVICE),
+                                  torch.full((k, cols), float("nan"), device=DEVICE), db,
                                   accumulate=accumulate, config=(32, 2, 1),
                                   counter=counter if fused else None)
         assert not counter.any()
         want = moe_decode.expert_down_ref(down, down_type, n_expert, hd, ids, wts, prior.clone(),
-                                          accumulate=accumulate)
+                                          db, accumulate=accumulate)
         mag = sum(wts[0, j] * gemv_scale(down[int(ids[0, j]) * cols:(int(ids[0, j]) + 1) * cols],
                                          down_type, hd[j:j + 1])[0] for j in range(k))
         assert nerr(out, want, mag + (prior.abs() if accumulate else 0)) < 1e-5

@@ -322,14 +322,15 @@ class LayerBuilder:
 
     def _expert_int8_x(self, mats: list[Matrix]) -> dict:
         """The routed experts' int8 copies (Experts.xq, xq_h) where their types have a GGUF-order
-        int8-x body (kernels/gemv_q8.py): gate and up both, then down too."""
-        hp = self.hp
+        int8-x body (kernels/gemv_q8.py; the trial ones too with RunnerOptions.row_body_trial):
+        gate and up both, then down too."""
+        hp, trial = self.hp, self.options.row_body_trial
         g, u, d = mats
         if (self.xq is None or not self.options.expert_q8
-                or not all(moe_decode.q8_able(m.ggml_type, hp.n_embd) for m in (g, u))):
+                or not all(moe_decode.q8_able(m.ggml_type, hp.n_embd, trial) for m in (g, u))):
             return {}
         routed = self.xq[2]
-        able = routed is not None and moe_decode.q8_able(d.ggml_type, hp.n_ff_exp)
+        able = routed is not None and moe_decode.q8_able(d.ggml_type, hp.n_ff_exp, trial)
         return {"xq": self.xq[0], "xq_h": routed if able and hp.n_ff_exp % 32 == 0 else None}
 
     def _expert_matrix(self, stem: str, meta: bool = False) -> Matrix:
