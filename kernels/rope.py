@@ -19,14 +19,18 @@ def _rope_kernel(x_ptr, pos_ptr, f_ptr, stride_t, stride_h, n_heads, log2_base, 
                  BLOCK_H: tl.constexpr, FREQS: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     _rope_heads(x_ptr, pos_ptr, f_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale,
-                mscale, tl.program_id(0), tl.program_id(1), D, HALF, NEOX, BLOCK_H, FREQS)
+                mscale, tl.program_id(0), tl.program_id(1), D, HALF, NEOX, BLOCK_H, FREQS,
+                x_ptr, x_ptr, 0, 0.0, False)
 
 
 @triton.jit
 def _rope_heads(x_ptr, pos_ptr, f_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale,
                 mscale, t, hb, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
-                BLOCK_H: tl.constexpr, FREQS: tl.constexpr):
-    # rotate heads [hb * BLOCK_H, ...) of token t in place; returns them (two halves, float32)
+                BLOCK_H: tl.constexpr, FREQS: tl.constexpr, wq_ptr, wk_ptr, n_q, eps,
+                QK_NORM: tl.constexpr):
+    # rotate heads [hb * BLOCK_H, ...) of token t in place; returns them (two halves, float32).
+    # QK_NORM: each head RMS-normed first (heads below n_q by wq, the rest by wk) and rounded
+    # to x's dtype, the values norm.rmsnorm_heads would have stored
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
     i = tl.arange(0, HALF)
@@ -50,6 +54,13 @@ def _rope_heads(x_ptr, pos_ptr, f_ptr, stride_t, stride_h, n_heads, log2_base, f
     m = hmask[:, None]
     x1 = tl.load(row + i1[None, :], mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(row + i2[None, :], mask=m, other=0.0).to(tl.float32)
+    if QK_NORM:
+        inv = (1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps))[:, None]
+        isq = (heads < n_q)[:, None]
+        w1 = tl.where(isq, tl.load(wq_ptr + i1)[None, :], tl.load(wk_ptr + i1)[None, :])
+        w2 = tl.where(isq, tl.load(wq_ptr + i2)[None, :], tl.load(wk_ptr + i2)[None, :])
+        x1 = (x1 * inv * w1.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * inv * w2.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
     y1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
     y2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
     tl.store(row + i1[None, :], y1, mask=m)
@@ -72,9 +83,9 @@ def _q8_rows(c8_ptr, ch_ptr, blk0, y, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
 @triton.jit
 def _rope_store_kernel(x_ptr, v_ptr, pos_ptr, kc, kc8, kch, vc, vc8, vch, cells, n_q, KVH,
                        stride_t, stride_h, v_stride_t, v_stride_h, log2_base, freq_scale,
-                       f_ptr, mscale, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
-                       BLOCK_H: tl.constexpr, Q8: tl.constexpr, FREQS: tl.constexpr,
-                       PDL: tl.constexpr):
+                       f_ptr, mscale, wq_ptr, wk_ptr, eps, D: tl.constexpr, HALF: tl.constexpr,
+                       NEOX: tl.constexpr, BLOCK_H: tl.constexpr, Q8: tl.constexpr,
+                       FREQS: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     # programs [0, NB) rotate q and k heads (k heads also go into the cache), the rest store
     # one value head each
@@ -84,7 +95,8 @@ def _rope_store_kernel(x_ptr, v_ptr, pos_ptr, kc, kc8, kch, vc, vc8, vch, cells,
     if hb < nb:
         heads, i1, i2, y1, y2 = _rope_heads(x_ptr, pos_ptr, f_ptr, stride_t, stride_h,
                                             n_q + KVH, log2_base, freq_scale, mscale, t, hb, D,
-                                            HALF, NEOX, BLOCK_H, FREQS)
+                                            HALF, NEOX, BLOCK_H, FREQS, wq_ptr, wk_ptr, n_q, eps,
+                                            QK_NORM)
         kh = heads - n_q
         km = (kh >= 0) & (heads < n_q + KVH)
         cell = (tl.load(pos_ptr + t) % cells).to(tl.int64)
@@ -128,23 +140,28 @@ def can_fuse_store(neox: bool, k_cache: torch.Tensor, head_dim: int) -> bool:
 def rope_store(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, base: float,
                neox: bool, freq_scale: float, n_q: int, k_cache: torch.Tensor,
                v_cache: torch.Tensor, cells: int, use_pdl: bool = True,
-               freqs: torch.Tensor | None = None, mscale: float = 1.0) -> None:
+               freqs: torch.Tensor | None = None, mscale: float = 1.0,
+               qk_norm: tuple | None = None) -> None:
     """Decode's rotation and cache store in one launch: qk [T, n_q + n_kv, head_dim] (q heads
     then k heads) rotated in place, the rotated keys and v [T, n_kv, head_dim] stored at cells
     positions % cells of the caches (as kernels.kv_cache.kv_store lays them out). ``use_pdl``
-    as in ``rope``."""
+    as in ``rope``. ``qk_norm``: (q_weight, k_weight, eps), the per-head RMSNorm of
+    ``norm.rmsnorm_heads`` before the rotation, in the same launch."""
     t, nh, d = qk.shape
     kvh = nh - n_q
     if qk.stride(2) != 1 or v.stride(2) != 1 or not can_fuse_store(neox, k_cache, d):
         raise ValueError("rope_store needs contiguous head dims and an f16 or neox q8_0 cache")
+    wq, wk, eps = qk_norm if qk_norm is not None else (qk, qk, 0.0)
+    if qk_norm is not None and (wq.numel() != d or wk.numel() != d):
+        raise ValueError(f"rope_store's q/k norm weights must hold head_dim ({d}) values")
     bh = min(16, triton.next_power_of_2(nh))
     grid = (t, triton.cdiv(nh, bh) + kvh)
     _rope_store_kernel[grid](qk, v, positions, *_views(k_cache), *_views(v_cache), cells, n_q,
                              kvh, qk.stride(0), qk.stride(1), v.stride(0), v.stride(1),
                              math.log2(base), freq_scale, freqs if freqs is not None else qk,
-                             float(mscale), D=d, HALF=d // 2, NEOX=neox, BLOCK_H=bh,
-                             Q8=k_cache.dtype == torch.uint8, FREQS=freqs is not None,
-                             num_warps=4,
+                             float(mscale), wq, wk, float(eps), D=d, HALF=d // 2, NEOX=neox,
+                             BLOCK_H=bh, Q8=k_cache.dtype == torch.uint8,
+                             FREQS=freqs is not None, QK_NORM=qk_norm is not None, num_warps=4,
                              **pdl.opts(k_cache, use_pdl))
 
 

@@ -39,8 +39,9 @@ class RunnerOptions:
     ``CARVE_ROW_BODY_TRIAL``: ``0`` (default) or ``1``. On, decode's GEMVs also run the bodies
         written but not yet adopted (``kernels.quant_matmul.ROW_BODY_TRIAL``) for their types,
         with decode's int8 copy of x, and decode's routed experts the int8-x bodies not yet
-        adopted (``kernels.moe_decode.Q8_EXPERT_TRIAL``: MXFP4): for measuring them through
-        the engine before they are.
+        adopted (``kernels.moe_decode.Q8_EXPERT_TRIAL``: MXFP4), and decode norms q and k per
+        head inside the RoPE and cache-store launch (qwen3, qwen3moe, gemma3): for measuring
+        them through the engine before they are.
     """
 
     runner: str = "auto"  # CARVE_RUNNER

@@ -22,6 +22,7 @@ from engine.gguf.writer import F32, STR, U32
 from engine.hardware.devices import DeviceSpec
 from engine.planning.plan import Plan
 from engine.runtime.gpu.session import GpuSession, why_not
+from engine.runtime.options import RunnerOptions
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
 from engine.synth.gen import write_model
@@ -124,6 +125,16 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
     # <= 1e-3; a norm weight read from the wrong tensor or a RoPE scale on the wrong layers
     # gives 0.3-0.6
     against_cpu_engine(plan(model), DEV, ids(12), ids(3, 1), ids(6, 3), 5e-3, model)
+
+
+def test_q_k_norms_in_the_rope_launch_match_the_cpu_engine(model) -> None:
+    """On trial (RunnerOptions.row_body_trial): decode's per-head q/k norms run inside the
+    rotation and cache store launch (kernels/rope.py rope_store), one launch a layer less."""
+    def fused(g) -> None:
+        assert all(layer.attn.qk_norm_in_rope for layer in g.pipe.stages[0].layers)
+
+    against_cpu_engine(plan(model), DEV, ids(12), ids(3, 1), ids(6, 3), 5e-3, model, fused,
+                       RunnerOptions(row_body_trial=True))
 
 
 def test_the_runner_is_chosen_for_qwen3_and_gemma3(model, monkeypatch) -> None:

@@ -244,19 +244,26 @@ def test_kv_store_matches_reference(kv_type, seed):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("kv_type,neox", [("f16", True), ("f16", False), ("q8_0", True)])
-def test_rope_store_matches_rope_then_kv_store(kv_type, neox, seed):
-    # decode's fused rotation + cache store against the reference rope and kv_store
+@pytest.mark.parametrize("kv_type,neox,qk_norm", [("f16", True, False), ("f16", False, False),
+                                                   ("q8_0", True, False), ("f16", True, True),
+                                                   ("q8_0", True, True), ("f16", False, True)])
+def test_rope_store_matches_rope_then_kv_store(kv_type, neox, qk_norm, seed):
+    # decode's fused rotation + cache store against the reference rope and kv_store; with
+    # qk_norm, qwen3's per-head q/k RMSNorm in the same launch against the reference norm
     g = generator(seed)
     cells, nq, kvh, d, t = 8, 4, 2, 64, 3
-    qk = torch.randn(t, nq + kvh, d, generator=g, device=DEVICE).to(torch.bfloat16)
+    qk = (torch.randn(t, nq + kvh, d, generator=g, device=DEVICE) * 3).to(torch.bfloat16)
     v = torch.randn(t, kvh, d, generator=g, device=DEVICE).to(torch.bfloat16)
     pos = torch.tensor([5, 12, 30], dtype=torch.int32, device=DEVICE)
+    wq, wk = (torch.rand(d, generator=g, device=DEVICE) + 0.5 for _ in range(2))
     ref_qk = qk.clone()
+    if qk_norm:
+        norm.rmsnorm_heads_ref(ref_qk, wq, wk, nq, 1e-6)
     rope.rope_ref(ref_qk, pos, 10000.0, neox)
     a, b = _cache(kv_type, cells, kvh, d), _cache(kv_type, cells, kvh, d)
     a2, b2 = _cache(kv_type, cells, kvh, d), _cache(kv_type, cells, kvh, d)
-    rope.rope_store(qk, v, pos, 10000.0, neox, 1.0, nq, a, a2, cells)
+    rope.rope_store(qk, v, pos, 10000.0, neox, 1.0, nq, a, a2, cells,
+                    qk_norm=(wq, wk, 1e-6) if qk_norm else None)
     kv_cache.kv_store_ref(qk[:, nq:], b, pos, cells, v, b2)  # keys as the kernel rotated them
     assert nerr(qk, ref_qk) < 1e-2  # bf16 rounding of the rotated values
     for x, y in ((a, b), (a2, b2)):

@@ -74,6 +74,9 @@ class Attention:
     rope_base: float
     rope_scale: float
     rope_store: bool  # decode rotates k and stores k and v in one launch
+    # ... and norms q and k per head first (qwen3's q/k norms; on trial: the kernels written
+    # but not adopted, RunnerOptions.row_body_trial)
+    qk_norm_in_rope: bool
     rope_dim: int  # leading dims of each head RoPE rotates (glm4moe: part of head_dim)
     rope_freqs: torch.Tensor | None  # YaRN's frequency per pair (buf.yarn_freqs), every layer
     rope_mscale: float  # YaRN's cos/sin scale (1.0 without YaRN)
@@ -245,6 +248,9 @@ class LayerBuilder:
         fused, mats, biases, config = self._qkv_launch(qkv)
         k, v = self.spans[f"kv.{i}.k"], self.spans[f"kv.{i}.v"]
         swa = bool(hp.swa_layers[i]) if hp.swa_layers else False
+        # partial RoPE rotates a view of each head: the fused store writes whole heads
+        rope_store = (rope.can_fuse_store(hp.rope_style == "neox", k, hp.head_dim)
+                      and self.rope_dim == hp.head_dim)
         return Attention(
             norm=self.vec(p + "attn_norm.weight"), xq=self._qkv_int8_x(p), qkv=qkv,
             fused=fused, fused_mats=mats, fused_biases=biases, fused_config=config,
@@ -255,9 +261,8 @@ class LayerBuilder:
             window=hp.sliding_window if swa else 0,
             rope_base=hp.rope_base_swa if swa else hp.rope_base,
             rope_scale=1.0 if swa else self.rope_scale,
-            # partial RoPE rotates a view of each head: the fused store writes whole heads
-            rope_store=(rope.can_fuse_store(hp.rope_style == "neox", k, hp.head_dim)
-                        and self.rope_dim == hp.head_dim),
+            rope_store=rope_store,
+            qk_norm_in_rope=rope_store and hp.qk_norm and self.options.row_body_trial,
             rope_dim=self.rope_dim, rope_freqs=self.yarn[0], rope_mscale=self.yarn[1],
             sinks=self.vec(p + "attn_sinks.weight") if getattr(hp, "attn_sinks", False) else None,
             output=self.matrix(p + "attn_output.weight", p + "attn_output.bias"),

@@ -309,7 +309,7 @@ class GpuStage(MoeLayers, DecodeGraph):
         else:
             self._add_norm(a, prev.post_norm, att.norm, xq)
         self._qkv(att, a.normed, a.qkv, xq)
-        if hp.qk_norm:
+        if hp.qk_norm and not (pos0 is None and att.qk_norm_in_rope):
             norm.rmsnorm_heads(a.qk3, att.q_norm, att.k_norm, hp.n_head, hp.rms_eps,
                                use_pdl=self.pdl)
         if pos0 is None:
@@ -376,7 +376,9 @@ class GpuStage(MoeLayers, DecodeGraph):
         if att.rope_store:  # rotation and the cache store of k and v in one launch
             rope.rope_store(a.qk3, a.v3, a.pos, att.rope_base, self.neox, att.rope_scale,
                             hp.n_head, att.k_cache, att.v_cache, att.cells, use_pdl=self.pdl,
-                            freqs=att.rope_freqs, mscale=att.rope_mscale)
+                            freqs=att.rope_freqs, mscale=att.rope_mscale,
+                            qk_norm=(att.q_norm, att.k_norm, hp.rms_eps)
+                            if att.qk_norm_in_rope else None)
         else:
             rope.rope(self._rotated(att, a), a.pos, att.rope_base, self.neox, att.rope_scale,
                       use_pdl=self.pdl, freqs=att.rope_freqs, mscale=att.rope_mscale)
