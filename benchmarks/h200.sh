@@ -38,6 +38,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #                                more `carve bench` runs of the first BENCH shape's file, one per
 #                                ';'-separated argument set (expert placements at a VRAM budget;
 #                                leading NAME=VALUE words are its environment)
+#   PLACE_SHAPES="qwen3moe-30b-a3b gpt-oss-20b"  the shapes PLACE runs on (default: the
+#                                first BENCH shape)
 #   BENCH_PLAIN=0                leave out the BENCH shapes' own runs (PLACE's only)
 #   HOST_EXPERTS=1               benchmarks.bench_host_experts on this machine's cores, run first
 #                                (before anything else loads the CPU)
@@ -114,21 +116,23 @@ for s in ${BENCH:-}; do
         --json "$out/bench-$n.json" 2>&1 | tee "$out/bench-$n.log"
 done
 if [ -n "${PLACE:-}" ]; then
-    s=${BENCH%% *}
-    f=$(synth "$s")
     IFS=';' read -ra places <<<"$PLACE"
-    i=0
-    for a in "${places[@]}"; do
-        i=$((i + 1))
-        echo "== carve bench $s $a"
-        read -ra words <<<"$a"
-        envs=()
-        while [[ "${words[0]:-}" == *=* && "${words[0]}" != -* ]]; do
-            envs+=("${words[0]}")
-            words=("${words[@]:1}")
+    for s in ${PLACE_SHAPES:-${BENCH%% *}}; do
+        f=$(synth "$s")
+        i=0
+        for a in "${places[@]}"; do
+            i=$((i + 1))
+            echo "== carve bench $s $a"
+            read -ra words <<<"$a"
+            envs=()
+            while [[ "${words[0]:-}" == *=* && "${words[0]}" != -* ]]; do
+                envs+=("${words[0]}")
+                words=("${words[@]:1}")
+            done
+            timeout "$step" env "${envs[@]}" python3 -m engine.runtime.bench "$f" --depths "" \
+                "${words[@]}" --json "$out/bench-${s//@/-}-place$i.json" 2>&1 \
+                | tee "$out/bench-${s//@/-}-place$i.log"
         done
-        timeout "$step" env "${envs[@]}" python3 -m engine.runtime.bench "$f" --depths "" \
-            "${words[@]}" --json "$out/bench-${s//@/-}-place$i.json" 2>&1 | tee "$out/bench-${s//@/-}-place$i.log"
     done
 fi
 if [ -n "${LLAMA:-}" ]; then

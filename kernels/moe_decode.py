@@ -107,8 +107,11 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     # not yet timed on a GPU: blocks of 32 values, 16 a step read about the bytes of Q4_K's 2
     (qt.MXFP4, "glu"): (32, 16, 4), (qt.MXFP4, "down"): (32, 16, 4),
 }
+# tiles on trial (CARVE_TRIAL=q6k_down16 puts them in EXPERT_Q8_CONFIG): the device_check
+# sweep's best for 30B-A3B's Q6_K down (12.8 against 14.2 us), not yet timed in the step
+EXPERT_Q8_TRIAL_CONFIG = {(qt.Q6_K, "down"): (16, 1, 2)}
 # the types whose int8-x expert bodies decode runs; the trial ones are written and checked
-# against the reference but not yet measured in the step (CARVE_ROW_BODY_TRIAL=1 adds them)
+# against the reference but not yet measured in the step (CARVE_TRIAL=mxfp4_experts adds them)
 Q8_EXPERT_TYPES = frozenset({qt.Q4_K, qt.Q6_K})
 Q8_EXPERT_TRIAL = frozenset(Q8_TYPES) - Q8_EXPERT_TYPES
 

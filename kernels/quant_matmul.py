@@ -69,7 +69,7 @@ ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_
 # 1.14x the generic walk on int8 x but 0.85x on bf16 x (H200, 2026-12-02), and its big matrices
 # go to the T layout (kernels/gemv_t_low.py); it runs only where a caller adds it to
 # ROW_BODY_TYPES (the tests; benchmarks/device_check.py --types, which times it beside the
-# generic walk; CARVE_ROW_BODY_TRIAL=1)
+# generic walk; CARVE_TRIAL=q2k_rows)
 ROW_BODY_TRIAL = frozenset({qt.Q2_K})
 
 

@@ -136,7 +136,8 @@ def moe_buffers(hp: Any, chunk: int, act_dtype: str) -> list[BufferSpec]:
         BufferSpec("moe_pos", (routed,), "i32"),
         BufferSpec("moe_tiles", (3, launch.moe_tiles(routed, n_expert)), "i32"),
         BufferSpec("moe_out", (routed, hp.n_embd), "f32"),  # [routed, n_embd]
-        # decode's counters, kept at zero between launches, one per 32 output rows: down's
-        # last expert program of a row tile adds the k rows (whole 256-byte lines)
-        BufferSpec("moe_count", (-(-hp.n_embd // 2048) * 64,), "i32"),
+        # decode's counters, kept at zero between launches, one per 16 output rows (down's
+        # smallest tile): down's last expert program of a row tile adds the k rows (whole
+        # 256-byte lines)
+        BufferSpec("moe_count", (-(-hp.n_embd // 1024) * 64,), "i32"),
     ]

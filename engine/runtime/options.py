@@ -12,6 +12,13 @@ from spec.errors import CarveError
 
 RUNNERS = ("auto", "torch")
 SWITCH = {"1": True, "0": False}
+# kernels on trial (CARVE_TRIAL): written and checked, not yet measured to win on a GPU
+TRIALS = {
+    "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (kernels/gemv_lowbit.py)",
+    "mxfp4_experts": "MXFP4 routed experts on the int8 copies (kernels/gemv_q8.py)",
+    "qk_norm_rope": "qwen3's per-head q/k norms inside decode's RoPE + cache-store launch",
+    "q6k_down16": "Q6_K down experts on int8 x in tiles of 16 rows x 2 warps",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +43,10 @@ class RunnerOptions:
     ``CARVE_PDL``: ``1`` (default) or ``0``. On, the kernels launch with programmatic
         dependent launch on GPUs of compute capability 9.0 and later (kernels/pdl.py), so that
         each may start while the one before it finishes; off, each waits for the one before.
-    ``CARVE_ROW_BODY_TRIAL``: ``0`` (default) or ``1``. On, decode's GEMVs also run the bodies
-        written but not yet adopted (``kernels.quant_matmul.ROW_BODY_TRIAL``) for their types,
-        with decode's int8 copy of x, and decode's routed experts the int8-x bodies not yet
-        adopted (``kernels.moe_decode.Q8_EXPERT_TRIAL``: MXFP4), and decode norms q and k per
-        head inside the RoPE and cache-store launch (qwen3, qwen3moe, gemma3): for measuring
-        them through the engine before they are.
+    ``CARVE_TRIAL``: empty (default), ``all``, or a comma-separated list of the names in
+        ``TRIALS``: kernels written and checked against references but not yet adopted (not
+        yet measured to win on a GPU), switched on for measuring them through the engine
+        and ``carve bench`` before they are.
     """
 
     runner: str = "auto"  # CARVE_RUNNER
@@ -49,11 +54,14 @@ class RunnerOptions:
     expert_q8: bool = True  # CARVE_EXPERT_Q8
     t_layout: bool = True  # CARVE_T_LAYOUT
     pdl: bool = True  # CARVE_PDL
-    row_body_trial: bool = False  # CARVE_ROW_BODY_TRIAL
+    trials: frozenset[str] = frozenset()  # CARVE_TRIAL
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
             raise CarveError(f"runner {self.runner!r}: use one of {', '.join(RUNNERS)}")
+        unknown = set(self.trials) - set(TRIALS)
+        if unknown:
+            raise CarveError(f"trial {', '.join(sorted(unknown))}: use {', '.join(TRIALS)}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> RunnerOptions:
@@ -65,22 +73,39 @@ class RunnerOptions:
         return cls(runner=runner, q8x=_switch(environ, "CARVE_Q8X"),
                    expert_q8=_switch(environ, "CARVE_EXPERT_Q8"),
                    t_layout=_switch(environ, "CARVE_T_LAYOUT"), pdl=_switch(environ, "CARVE_PDL"),
-                   row_body_trial=_switch(environ, "CARVE_ROW_BODY_TRIAL", default=False))
+                   trials=_trials(environ))
 
     def apply(self) -> None:
         """Set what these options switch for the whole process (the entry points call it once,
-        after reading them): the trial bodies join ``quant_matmul.ROW_BODY_TYPES``."""
-        if self.row_body_trial:
+        after reading them): the trials that are module tables of the kernels."""
+        if "q2k_rows" in self.trials:
             from kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | quant_matmul.ROW_BODY_TRIAL
+        if "q6k_down16" in self.trials:
+            from kernels import moe_decode
+
+            moe_decode.EXPERT_Q8_CONFIG = {**moe_decode.EXPERT_Q8_CONFIG,
+                                           **moe_decode.EXPERT_Q8_TRIAL_CONFIG}
 
 
-def _switch(environ: Mapping[str, str], name: str, default: bool = True) -> bool:
+def _trials(environ: Mapping[str, str]) -> frozenset[str]:
+    value = environ.get("CARVE_TRIAL", "").strip()
+    if value == "all":
+        return frozenset(TRIALS)
+    names = frozenset(n.strip() for n in value.split(",") if n.strip())
+    unknown = names - set(TRIALS)
+    if unknown:
+        raise CarveError(f"CARVE_TRIAL={value}: use all or a comma-separated list of "
+                         f"{', '.join(TRIALS)}")
+    return names
+
+
+def _switch(environ: Mapping[str, str], name: str) -> bool:
+    # a switch that is on unless set to 0
     value = environ.get(name, "").strip()
     if not value:
-        return default
+        return True
     if value not in SWITCH:
-        on, off = ("on, the default", "off") if default else ("on", "off, the default")
-        raise CarveError(f"{name}={value}: use 1 ({on}) or 0 ({off})")
+        raise CarveError(f"{name}={value}: use 1 (on, the default) or 0 (off)")
     return SWITCH[value]

@@ -128,13 +128,13 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
 
 
 def test_q_k_norms_in_the_rope_launch_match_the_cpu_engine(model) -> None:
-    """On trial (RunnerOptions.row_body_trial): decode's per-head q/k norms run inside the
+    """On trial (RunnerOptions.trials qk_norm_rope): decode's per-head q/k norms run inside the
     rotation and cache store launch (kernels/rope.py rope_store), one launch a layer less."""
     def fused(g) -> None:
         assert all(layer.attn.qk_norm_in_rope for layer in g.pipe.stages[0].layers)
 
     against_cpu_engine(plan(model), DEV, ids(12), ids(3, 1), ids(6, 3), 5e-3, model, fused,
-                       RunnerOptions(row_body_trial=True))
+                       RunnerOptions(trials=frozenset({"qk_norm_rope"})))
 
 
 def test_the_runner_is_chosen_for_qwen3_and_gemma3(model, monkeypatch) -> None:

@@ -115,7 +115,7 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
 def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, tmp_path) -> None:
     """Experts of a type with an int8-x body (Q4_K gate/up and Q6_K or Q4_K down; gpt-oss's
-    MXFP4, a trial body, with RunnerOptions.row_body_trial): decode's expert GEMVs multiply
+    MXFP4, on trial, with RunnerOptions.trials mxfp4_experts): decode's expert GEMVs multiply
     the int8 copies of the normed row and of the routed GLU outputs (kernels/gemv_q8.py) and
     still match the CPU engine, greedy ids included."""
     if arch == "gpt-oss":
@@ -124,7 +124,7 @@ def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, tmp_path) -> Non
         shape, mix = Shape("qwen3moe", 2, 256, 4, 2, 256, 320, head_dim=64, n_ctx=512,
                            n_expert=4, n_expert_used=2, n_ff_exp=256), "q4_k_m"
     (out,) = write_model(tmp_path / "q8.gguf", shape, mix)
-    trial = RunnerOptions(row_body_trial=arch == "gpt-oss")
+    trial = RunnerOptions(trials=frozenset({"mxfp4_experts"} if arch == "gpt-oss" else ()))
 
     def on_int8(g) -> None:
         for layer in g.pipe.stages[0].layers:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.runtime.options import RunnerOptions
+from engine.runtime.options import TRIALS, RunnerOptions
 from spec.errors import CarveError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_defaults_when_nothing_is_set() -> None:
     assert RunnerOptions.from_env({}) == RunnerOptions() == RunnerOptions(
-        runner="auto", q8x=True, expert_q8=True, t_layout=True, pdl=True, row_body_trial=False)
+        runner="auto", q8x=True, expert_q8=True, t_layout=True, pdl=True, trials=frozenset())
     empty = {"CARVE_RUNNER": "", "CARVE_Q8X": " ", "CARVE_T_LAYOUT": "", "CARVE_PDL": ""}
     assert RunnerOptions.from_env(empty) == RunnerOptions()
 
@@ -33,8 +33,11 @@ def test_defaults_when_nothing_is_set() -> None:
     ({"CARVE_PDL": "0"}, RunnerOptions(pdl=False)),
     ({"CARVE_Q8X": "1", "CARVE_T_LAYOUT": "1", "CARVE_PDL": "1"}, RunnerOptions()),
     ({"CARVE_Q8X": "0", "CARVE_PDL": "0", "OTHER": "x"}, RunnerOptions(q8x=False, pdl=False)),
-    ({"CARVE_ROW_BODY_TRIAL": "1"}, RunnerOptions(row_body_trial=True)),
-    ({"CARVE_ROW_BODY_TRIAL": "0"}, RunnerOptions()),
+    ({"CARVE_TRIAL": "q2k_rows"}, RunnerOptions(trials=frozenset({"q2k_rows"}))),
+    ({"CARVE_TRIAL": " qk_norm_rope, q6k_down16 "},
+     RunnerOptions(trials=frozenset({"qk_norm_rope", "q6k_down16"}))),
+    ({"CARVE_TRIAL": "all"}, RunnerOptions(trials=frozenset(TRIALS))),
+    ({"CARVE_TRIAL": ""}, RunnerOptions()),
 ])
 def test_each_variable_sets_its_option(env, want) -> None:
     assert RunnerOptions.from_env(env) == want
@@ -46,8 +49,9 @@ def test_each_variable_sets_its_option(env, want) -> None:
     ({"CARVE_T_LAYOUT": "false"}, "CARVE_T_LAYOUT=false: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_PDL": "2"}, "CARVE_PDL=2: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_EXPERT_Q8": "no"}, "CARVE_EXPERT_Q8=no: use 1 (on, the default) or 0 (off)"),
-    ({"CARVE_ROW_BODY_TRIAL": "yes"},
-     "CARVE_ROW_BODY_TRIAL=yes: use 1 (on) or 0 (off, the default)"),
+    ({"CARVE_TRIAL": "qk_norm_rope,q6k"},
+     "CARVE_TRIAL=qk_norm_rope,q6k: use all or a comma-separated list of q2k_rows, "
+     "mxfp4_experts, qk_norm_rope, q6k_down16"),
 ])
 def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) -> None:
     with pytest.raises(CarveError) as e:
@@ -55,15 +59,19 @@ def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) ->
     assert str(e.value) == message
 
 
-def test_the_trial_switch_adds_the_trial_bodies_for_the_process(monkeypatch) -> None:
-    from kernels import quant_matmul
+def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> None:
+    from kernels import moe_decode, quant_matmul
 
-    base = quant_matmul.ROW_BODY_TYPES
+    base, tiles = quant_matmul.ROW_BODY_TYPES, moe_decode.EXPERT_Q8_CONFIG
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", base)
+    monkeypatch.setattr(moe_decode, "EXPERT_Q8_CONFIG", tiles)
     RunnerOptions().apply()
-    assert quant_matmul.ROW_BODY_TYPES == base
-    RunnerOptions(row_body_trial=True).apply()
+    assert quant_matmul.ROW_BODY_TYPES == base and moe_decode.EXPERT_Q8_CONFIG == tiles
+    RunnerOptions(trials=frozenset({"q2k_rows"})).apply()
     assert quant_matmul.ROW_BODY_TYPES == base | quant_matmul.ROW_BODY_TRIAL > base
+    assert moe_decode.EXPERT_Q8_CONFIG == tiles
+    RunnerOptions(trials=frozenset({"q6k_down16"})).apply()
+    assert moe_decode.EXPERT_Q8_CONFIG == {**tiles, **moe_decode.EXPERT_Q8_TRIAL_CONFIG} != tiles
 
 
 def test_options_are_frozen_and_checked() -> None:
@@ -71,6 +79,8 @@ def test_options_are_frozen_and_checked() -> None:
         RunnerOptions().pdl = False  # type: ignore[misc]
     with pytest.raises(CarveError, match="runner 'cuda'"):
         RunnerOptions(runner="cuda")
+    with pytest.raises(CarveError, match="trial fast"):
+        RunnerOptions(trials=frozenset({"fast"}))
 
 
 def test_the_engine_process_exits_2_with_one_line_on_a_bad_value() -> None:

@@ -181,13 +181,15 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed):
     hd = torch.stack(hd)
     wts = torch.rand(1, k, generator=g, device=DEVICE)
     prior = torch.randn(1, cols, generator=g, device=DEVICE)
-    counter = torch.zeros(cols // 32, dtype=torch.int32, device=DEVICE)
-    # the k rows summed by combine, or by each row tile's last program (counter)
-    for accumulate, fused in ((False, False), (True, False), (False, True), (True, True)):
+    counter = torch.zeros(cols // 16, dtype=torch.int32, device=DEVICE)
+    # the k rows summed by combine, or by each row tile's last program (counter; tiles of 32
+    # rows, and of 16 as CARVE_TRIAL=q6k_down16 runs them)
+    for accumulate, fused, tile in ((False, False, 32), (True, False, 32), (False, True, 16),
+                                    (True, True, 32)):
         out = prior.clone() if accumulate else torch.full((1, cols), float("nan"), device=DEVICE)
         moe_decode.expert_down_q8(down, down_type, n_expert, hq2, ids, wts, out,
                                   torch.full((k, cols), float("nan"), device=DEVICE), db,
-                                  accumulate=accumulate, config=(32, 2, 1),
+                                  accumulate=accumulate, config=(tile, 2, 1),
                                   counter=counter if fused else None)
         assert not counter.any()
         want = moe_decode.expert_down_ref(down, down_type, n_expert, hd, ids, wts, prior.clone(),

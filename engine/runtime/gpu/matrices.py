@@ -74,8 +74,8 @@ class Attention:
     rope_base: float
     rope_scale: float
     rope_store: bool  # decode rotates k and stores k and v in one launch
-    # ... and norms q and k per head first (qwen3's q/k norms; on trial: the kernels written
-    # but not adopted, RunnerOptions.row_body_trial)
+    # ... and norms q and k per head first (qwen3's q/k norms; on trial: RunnerOptions.trials
+    # qk_norm_rope)
     qk_norm_in_rope: bool
     rope_dim: int  # leading dims of each head RoPE rotates (glm4moe: part of head_dim)
     rope_freqs: torch.Tensor | None  # YaRN's frequency per pair (buf.yarn_freqs), every layer
@@ -262,7 +262,7 @@ class LayerBuilder:
             rope_base=hp.rope_base_swa if swa else hp.rope_base,
             rope_scale=1.0 if swa else self.rope_scale,
             rope_store=rope_store,
-            qk_norm_in_rope=rope_store and hp.qk_norm and self.options.row_body_trial,
+            qk_norm_in_rope=rope_store and hp.qk_norm and "qk_norm_rope" in self.options.trials,
             rope_dim=self.rope_dim, rope_freqs=self.yarn[0], rope_mscale=self.yarn[1],
             sinks=self.vec(p + "attn_sinks.weight") if getattr(hp, "attn_sinks", False) else None,
             output=self.matrix(p + "attn_output.weight", p + "attn_output.bias"),
@@ -327,9 +327,9 @@ class LayerBuilder:
 
     def _expert_int8_x(self, mats: list[Matrix]) -> dict:
         """The routed experts' int8 copies (Experts.xq, xq_h) where their types have a GGUF-order
-        int8-x body (kernels/gemv_q8.py; the trial ones too with RunnerOptions.row_body_trial):
-        gate and up both, then down too."""
-        hp, trial = self.hp, self.options.row_body_trial
+        int8-x body (kernels/gemv_q8.py; MXFP4's, on trial, with RunnerOptions.trials
+        mxfp4_experts): gate and up both, then down too."""
+        hp, trial = self.hp, "mxfp4_experts" in self.options.trials
         g, u, d = mats
         if (self.xq is None or not self.options.expert_q8
                 or not all(moe_decode.q8_able(m.ggml_type, hp.n_embd, trial) for m in (g, u))):
