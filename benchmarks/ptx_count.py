@@ -5,6 +5,12 @@ the machine code, disassembled by the wheel's nvdisasm), per value and by opcode
 
     python -m benchmarks.ptx_count TYPE [--config R,B,W | --t --config ROWS,WARPS]
         [--x bf16|f32|int8] [--body row|generic] [--sass] [--json]
+    python -m benchmarks.ptx_count TYPE --expert glu|down [--config R,B,W] [--sass] [--json]
+    python -m benchmarks.ptx_count --rope-store [--qk-norm] [--sass] [--json]
+
+``--expert``: decode's routed-expert GEMV on int8 x (kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4).
+``--rope-store``: decode's RoPE + cache store (``--qk-norm``: with qwen3's q/k norms in it),
+its whole kernel counted.
 
 A GEMV of the low-bit types in GGUF order was instruction-bound long before it was
 memory-bound, then bound by its L1 traffic (kernels/NOTES.md): the count per value is the first
@@ -86,8 +92,72 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16"):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def sass_counts(cubin: bytes) -> Counter:
-    """Opcodes of the largest basic block of the machine code (nvdisasm of the Triton wheel)."""
+def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int]):
+    """The compiled decode expert GEMV on int8 x (kernels/moe_decode.py, kernels/gemv_q8.py) of
+    ``ggml_type``: ``part`` "glu" (gate and up of that type, gpt-oss's clamped SwiGLU with
+    biases for MXFP4, writing the int8 copy of its outputs) or "down" (the in-kernel sum of
+    the k rows), tile ``config`` (rows, blocks, warps)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import moe_decode as md
+
+    rows, blocks, warps = config
+    wi = "*i32" if ggml_type == qt.Q4_K else "*u8"
+    wh = "*u8" if ggml_type == qt.MXFP4 else "*fp16"
+    if part == "glu":
+        fn = md._expert_glu_q8_kernel
+        sig = {"g_ptr": "*u8", "gh_ptr": wh, "gi_ptr": wi, "u_ptr": "*u8", "uh_ptr": wh,
+               "ui_ptr": wi, "gb_ptr": "*fp32", "ub_ptr": "*fp32", "xq_ptr": "*i8",
+               "xd_ptr": "*fp32", "xs_ptr": "*fp32", "ids_ptr": "*i32", "h_ptr": "*bf16",
+               "oq_ptr": "*i8", "od_ptr": "*fp32", "os_ptr": "*fp32", "N": "i32", "NB": "i32",
+               "g_rb": "i32", "u_rb": "i32", "limit": "fp32"}
+        oai = ggml_type == qt.MXFP4
+        const = {"KU": 4 if oai else 8, "TG": ggml_type, "TU": ggml_type, "HAS_BIAS": oai,
+                 "ACT": 2 if oai else 0, "QOUT": True}
+    else:
+        fn = md._expert_down_q8_kernel
+        sig = {"w_ptr": "*u8", "wh_ptr": wh, "wi_ptr": wi, "b_ptr": "*fp32", "hq_ptr": "*i8",
+               "hd_ptr": "*fp32", "hs_ptr": "*fp32", "ids_ptr": "*i32", "y_ptr": "*fp32",
+               "rw_ptr": "*fp32", "out_ptr": "*bf16", "cnt_ptr": "*i32", "N": "i32", "K": "i32",
+               "row_bytes": "i32", "stride_ym": "i32"}
+        const = {"KU": 8, "HAS_BIAS": ggml_type == qt.MXFP4, "COMBINE": True, "ACCUM": False,
+                 "TYPE": ggml_type, "QK": md.Q8_BLOCK[ggml_type]}
+    const.update({"BLOCK_R": rows, "BLOCK_B": blocks, "ASM": True, "PDL": True})
+    sig.update({k: "constexpr" for k in const})
+    n_ptr = sum(v.startswith("*") for v in sig.values())
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(n_ptr)}  # the pointers
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=aligned)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def compile_rope_store(qk_norm: bool, q8_cache: bool = False):
+    """The compiled decode RoPE + cache store (kernels/rope.py) for 128-dim neox heads, with
+    qwen3's per-head q/k norms in it (``qk_norm``) or not, into an f16 or q8_0 cache."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import rope
+
+    cache = ("*u8", "*i8", "*fp16") if q8_cache else ("*fp16",) * 3
+    sig = {"x_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i32", "kc": cache[0],
+           "kc8": cache[1], "kch": cache[2], "vc": cache[0], "vc8": cache[1], "vch": cache[2],
+           "cells": "i32", "n_q": "i32", "KVH": "i32", "stride_t": "i32", "stride_h": "i32",
+           "v_stride_t": "i32", "v_stride_h": "i32", "log2_base": "fp32", "freq_scale": "fp32",
+           "f_ptr": "*fp32", "mscale": "fp32", "wq_ptr": "*fp32", "wk_ptr": "*fp32",
+           "eps": "fp32"}
+    const = {"D": 128, "HALF": 64, "NEOX": True, "BLOCK_H": 16, "Q8": q8_cache, "FREQS": False,
+             "QK_NORM": qk_norm, "PDL": True}
+    sig.update({k: "constexpr" for k in const})
+    src = ASTSource(fn=rope._rope_store_kernel, signature=sig, constexprs=const)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def sass_counts(cubin: bytes, whole: bool = False) -> Counter:
+    """Opcodes of the largest basic block of the machine code (nvdisasm of the Triton wheel);
+    ``whole``: of every block."""
     import tempfile
 
     import triton
@@ -112,14 +182,17 @@ def sass_counts(cubin: bytes) -> Counter:
             if ins.startswith("@"):  # predicated: count its opcode
                 ins = ins.split(None, 1)[1]
             cur[ins.split()[0].split(".")[0]] += 1
+    if whole:
+        return sum(blocks.values(), Counter())
     return max(blocks.values(), key=lambda c: sum(c.values()))
 
 
-def loop_counts(ptx: str) -> Counter:
-    """Opcodes of the largest basic block (the loop over blocks), as {opcode: count}; the
-    moves Triton writes before each load's inline assembly are left out (ptxas drops them)."""
+def loop_counts(ptx: str, whole: bool = False) -> Counter:
+    """Opcodes of the largest basic block (the loop over blocks; ``whole``: of every block), as
+    {opcode: count}; the moves Triton writes before each load's inline assembly are left out
+    (ptxas drops them)."""
     blocks: dict[str, Counter] = {}
-    cur = None
+    cur = blocks.setdefault("entry", Counter()) if whole else None
     for line in ptx.splitlines():
         s = line.strip()
         m = re.match(r"^(\$L__BB\d+_\d+):", s)
@@ -135,6 +208,8 @@ def loop_counts(ptx: str) -> Counter:
         if op == "mov" and re.match(r"mov\.u(16|32|64) %r[sd]?\d+, 0x0;", s):
             continue
         cur[op] += 1
+    if whole:
+        return sum(blocks.values(), Counter())
     return max(blocks.values(), key=lambda c: sum(c.values())) if blocks else Counter()
 
 
@@ -146,7 +221,11 @@ def values_per_step(ggml_type: int, config: tuple[int, int, int]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ptx_count", description=__doc__)
-    ap.add_argument("type", help="a GGML type name (IQ2_XXS, Q2_K, ...)")
+    ap.add_argument("type", nargs="?", help="a GGML type name (IQ2_XXS, Q2_K, ...)")
+    ap.add_argument("--expert", choices=("glu", "down"), default=None,
+                    help="the routed-expert GEMV on int8 x (kernels/gemv_q8.py)")
+    ap.add_argument("--rope-store", action="store_true", help="decode's RoPE + cache store")
+    ap.add_argument("--qk-norm", action="store_true", help="--rope-store with the q/k norms")
     ap.add_argument("--config", default=None,
                     help="rows,blocks,warps (--t: rows,warps; default: the type's launch)")
     ap.add_argument("--x", choices=("bf16", "f32", "int8"), default="bf16")
@@ -159,7 +238,23 @@ def main(argv: list[str] | None = None) -> int:
         print("error: unset TRITON_INTERPRET: the interpreter compiles nothing",
               file=sys.stderr)
         return 2
-    t = qt.BY_NAME.get(args.type.lower())
+    if args.rope_store:
+        return _report(compile_rope_store(args.qk_norm), args, "rope_store",
+                       {"qk_norm": args.qk_norm}, whole=True)
+    t = qt.BY_NAME.get((args.type or "").lower())
+    if args.expert:
+        from kernels import moe_decode
+
+        if t not in moe_decode.Q8_BLOCK:
+            print(f"error: no int8-x expert GEMV for type {args.type!r}", file=sys.stderr)
+            return 2
+        cfg = (tuple(int(v) for v in args.config.split(",")) if args.config
+               else moe_decode.EXPERT_Q8_CONFIG[(t, args.expert)])
+        rows, blocks, warps = cfg
+        per = rows * blocks * moe_decode.Q8_BLOCK[t] * (2 if args.expert == "glu" else 1) \
+            // (32 * warps)
+        return _report(compile_expert(t, args.expert, cfg), args, qt.type_name(t),
+                       {"config": cfg, "part": args.expert}, per)
     if t is None or t not in qm.GEMV_CONFIG:
         print(f"error: no GPU GEMV for type {args.type!r}", file=sys.stderr)
         return 2
@@ -195,6 +290,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{qt.type_name(t)} {'T ' if args.t else ''}tile {cfg} x {args.x} body "
           f"{'t' if args.t else args.body or 'default'}: {n} {code} instructions a loop step, "
           f"{per} values a thread, {n / per:.2f} per value")
+    print("  " + ", ".join(f"{op} {c}" for op, c in counts.most_common(16)))
+    return 0
+
+
+def _report(kernel, args, name: str, what: dict, per: int = 0, whole: bool = False) -> int:
+    # the loop's (or, ``whole``, the kernel's) instructions, per value when ``per`` is known
+    code = "SASS" if args.sass else "PTX"
+    if whole:
+        counts = (sass_counts(kernel.asm["cubin"], whole=True) if args.sass
+                  else loop_counts(kernel.asm["ptx"], whole=True))
+    else:
+        counts = sass_counts(kernel.asm["cubin"]) if args.sass else loop_counts(kernel.asm["ptx"])
+    n = sum(counts.values())
+    if args.json:
+        print(json.dumps({"type": name, **what, "code": code, "loop": n,
+                          "per_value": n / per if per else None, "counts": dict(counts)}))
+        return 0
+    print(f"{name} {what}: {n} {code} instructions" + (f", {n / per:.2f} per value" if per else ""))
     print("  " + ", ".join(f"{op} {c}" for op, c in counts.most_common(16)))
     return 0
 

@@ -56,6 +56,31 @@ def test_t_bodies_assemble_to_dp4a_machine_code(ggml_type, ops):
     assert two["per_value"] < one["per_value"], (two, one)
 
 
+@pytest.mark.parametrize("ggml_type, part, ops", [
+    (qt.MXFP4, "glu", {"IDP", "PRMT"}),
+    (qt.MXFP4, "down", {"IDP", "PRMT"}),
+    (qt.Q4_K, "glu", {"IDP"}),
+    (qt.Q6_K, "down", {"IDP"}),
+], ids=lambda v: qt.type_name(v) if isinstance(v, int) else "")
+def test_expert_int8_bodies_assemble_to_dp4a_machine_code(ggml_type, part, ops):
+    # decode's routed experts on int8 x (kernels/gemv_q8.py), at their launch tiles: MXFP4's
+    # nibbles become values through byte permutes (its inline assembly is only assembled
+    # here); each loop step stays within a few instructions a value (measured: MXFP4 gate/up
+    # 2.2, down 5.0; Q4_K gate/up 2.3; Q6_K down 3.6)
+    got = _count(qt.type_name(ggml_type), "--expert", part, "--sass")
+    assert ops <= set(got["counts"]), sorted(got["counts"])
+    assert got["per_value"] < 6, got
+
+
+def test_rope_store_with_the_q_k_norms_compiles():
+    # the norms inside decode's RoPE + cache-store launch (CARVE_TRIAL=qk_norm_rope): a square
+    # root and the head sums' shuffles that the plain launch does not have
+    plain = _count("--rope-store")
+    normed = _count("--rope-store", "--qk-norm")
+    assert "sqrt" in normed["counts"] and "sqrt" not in plain["counts"]
+    assert normed["counts"].get("shfl", 0) > plain["counts"].get("shfl", 0)
+
+
 def test_the_tool_refuses_what_it_cannot_count(capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert ptx_count.main(["Q4_K", "--x", "int8"]) == 2
@@ -63,6 +88,8 @@ def test_the_tool_refuses_what_it_cannot_count(capsys, monkeypatch):
     assert ptx_count.main(["NOPE"]) == 2
     assert ptx_count.main(["Q5_0", "--t"]) == 2
     assert "no T layout for Q5_0" in capsys.readouterr().err
+    assert ptx_count.main(["IQ2_XXS", "--expert", "glu"]) == 2
+    assert "no int8-x expert GEMV for type 'IQ2_XXS'" in capsys.readouterr().err
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert ptx_count.main(["IQ2_XXS"]) == 2
     assert "TRITON_INTERPRET" in capsys.readouterr().err
