@@ -35,7 +35,7 @@ import triton.language as tl
 
 from kernels.gemv_dot import _k4_scale
 from kernels.gemv_t_dot import _dp4a, _q6_s8
-from kernels.quant_blocks import _e8m0_half
+from kernels.quant_blocks import _e8m0_half, _mxfp4_int
 
 
 @triton.jit
@@ -214,14 +214,6 @@ def _mxfp4_s8(q, ASM: tl.constexpr):
             lo |= (_mxfp4_int((q >> (8 * k)) & 15) & 0xFF) << (8 * k)
             hi |= (_mxfp4_int((q >> (8 * k + 4)) & 15) & 0xFF) << (8 * k)
         return lo, hi
-
-
-@triton.jit
-def _mxfp4_int(c):
-    # the doubled e2m1 value of nibble c as an integer (quant_blocks._mxfp4_value's)
-    m = c & 7
-    mag = tl.where(m < 4, m, (2 + (m & 1)) << ((m >> 1) - 1))
-    return tl.where(c >= 8, -mag, mag)
 
 
 @triton.jit

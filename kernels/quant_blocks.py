@@ -87,11 +87,17 @@ def _e8m0_half(x):
 
 
 @triton.jit
-def _mxfp4_value(q):
-    # the doubled e2m1 value of a nibble: 0 1 2 3 4 6 8 12, bit 3 the sign
+def _mxfp4_int(q):
+    # the doubled e2m1 value of a nibble as an integer: 0 1 2 3 4 6 8 12, bit 3 the sign
     m = q & 7
     mag = tl.where(m < 4, m, (2 + (m & 1)) << ((m >> 1) - 1))
-    return tl.where(q >= 8, -mag, mag).to(tl.float32)
+    return tl.where(q >= 8, -mag, mag)
+
+
+@triton.jit
+def _mxfp4_value(q):
+    # the doubled e2m1 value of a nibble, float32
+    return _mxfp4_int(q).to(tl.float32)
 
 
 @triton.jit
