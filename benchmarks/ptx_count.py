@@ -5,10 +5,12 @@ the machine code, disassembled by the wheel's nvdisasm), per value and by opcode
 
     python -m benchmarks.ptx_count TYPE [--config R,B,W | --t --config ROWS,WARPS]
         [--x bf16|f32|int8] [--body row|generic] [--sass] [--json]
-    python -m benchmarks.ptx_count TYPE --expert glu|down [--config R,B,W] [--sass] [--json]
+    python -m benchmarks.ptx_count TYPE --expert glu|down [--norm] [--config R,B,W] [--sass]
+        [--json]
     python -m benchmarks.ptx_count --rope-store [--qk-norm] [--sass] [--json]
 
-``--expert``: decode's routed-expert GEMV on int8 x (kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4).
+``--expert``: decode's routed-expert GEMV on int8 x (kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4;
+``--norm``: down with the next layer's add-and-norm, its whole kernel counted).
 ``--rope-store``: decode's RoPE + cache store (``--qk-norm``: with qwen3's q/k norms in it),
 its whole kernel counted.
 
@@ -92,11 +94,12 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16"):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int]):
+def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int], norm: bool = False):
     """The compiled decode expert GEMV on int8 x (kernels/moe_decode.py, kernels/gemv_q8.py) of
     ``ggml_type``: ``part`` "glu" (gate and up of that type, gpt-oss's clamped SwiGLU with
     biases for MXFP4, writing the int8 copy of its outputs) or "down" (the in-kernel sum of
-    the k rows), tile ``config`` (rows, blocks, warps)."""
+    the k rows; ``norm``: then the next layer's add-and-norm of a 2048-wide row), tile
+    ``config`` (rows, blocks, warps)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -120,10 +123,13 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int]):
         fn = md._expert_down_q8_kernel
         sig = {"w_ptr": "*u8", "wh_ptr": wh, "wi_ptr": wi, "b_ptr": "*fp32", "hq_ptr": "*i8",
                "hd_ptr": "*fp32", "hs_ptr": "*fp32", "ids_ptr": "*i32", "y_ptr": "*fp32",
-               "rw_ptr": "*fp32", "out_ptr": "*bf16", "cnt_ptr": "*i32", "N": "i32", "K": "i32",
-               "row_bytes": "i32", "stride_ym": "i32"}
+               "rw_ptr": "*fp32", "out_ptr": "*bf16", "cnt_ptr": "*i32", "res_ptr": "*bf16",
+               "nw_ptr": "*fp32", "ny_ptr": "*bf16", "nq_ptr": "*i32", "nd_ptr": "*fp32",
+               "ns_ptr": "*fp32", "N": "i32", "K": "i32", "row_bytes": "i32",
+               "stride_ym": "i32", "eps": "fp32"}
         const = {"KU": 8, "HAS_BIAS": ggml_type == qt.MXFP4, "COMBINE": True, "ACCUM": False,
-                 "TYPE": ggml_type, "QK": md.Q8_BLOCK[ggml_type]}
+                 "TYPE": ggml_type, "QK": md.Q8_BLOCK[ggml_type], "NORM": norm, "NQ8": norm,
+                 "BLOCK_N": 2048}
     const.update({"BLOCK_R": rows, "BLOCK_B": blocks, "ASM": True, "PDL": True})
     sig.update({k: "constexpr" for k in const})
     n_ptr = sum(v.startswith("*") for v in sig.values())
@@ -224,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("type", nargs="?", help="a GGML type name (IQ2_XXS, Q2_K, ...)")
     ap.add_argument("--expert", choices=("glu", "down"), default=None,
                     help="the routed-expert GEMV on int8 x (kernels/gemv_q8.py)")
+    ap.add_argument("--norm", action="store_true",
+                    help="--expert down with the next layer's add-and-norm in it")
     ap.add_argument("--rope-store", action="store_true", help="decode's RoPE + cache store")
     ap.add_argument("--qk-norm", action="store_true", help="--rope-store with the q/k norms")
     ap.add_argument("--config", default=None,
@@ -253,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         rows, blocks, warps = cfg
         per = rows * blocks * moe_decode.Q8_BLOCK[t] * (2 if args.expert == "glu" else 1) \
             // (32 * warps)
-        return _report(compile_expert(t, args.expert, cfg), args, qt.type_name(t),
-                       {"config": cfg, "part": args.expert}, per)
+        return _report(compile_expert(t, args.expert, cfg, args.norm), args, qt.type_name(t),
+                       {"config": cfg, "part": args.expert, "norm": args.norm},
+                       0 if args.norm else per, whole=args.norm)
     if t is None or t not in qm.GEMV_CONFIG:
         print(f"error: no GPU GEMV for type {args.type!r}", file=sys.stderr)
         return 2

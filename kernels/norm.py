@@ -19,17 +19,29 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, s
     # the norm's weights are no kernel's output: read them while the one before finishes
     w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
     pdl.start(PDL)
-    h = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    add_norm_row(x_ptr + row * stride_x, res_ptr + row * stride_r, w, y_ptr + row * stride_y,
+                 q_ptr, d_ptr, s_ptr, H, eps, HAS_RES, BLOCK, Q8, "")
+
+
+@triton.jit
+def add_norm_row(x_ptr, res_ptr, w, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, HAS_RES: tl.constexpr,
+                 BLOCK: tl.constexpr, Q8: tl.constexpr, CACHE: tl.constexpr):
+    """One row of ``rmsnorm``: y = rmsnorm(x (+ res, written back to res)) * w (w: the
+    weights, loaded, [BLOCK]); Q8: y's int8 copy too. CACHE: x's load cache modifier (".cg"
+    where other programs of the same launch wrote x)."""
+    c = tl.arange(0, BLOCK)
+    mask = c < H
+    h = tl.load(x_ptr + c, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
     if HAS_RES:
-        h += tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
+        h += tl.load(res_ptr + c, mask=mask, other=0.0).to(tl.float32)
         # the norm reads the stream as stored (bf16 rounds here): a stage boundary, where the
         # next stage's first norm reads the stored stream, then changes no bit
         h = h.to(res_ptr.dtype.element_ty)
-        tl.store(res_ptr + row * stride_r + c, h, mask=mask)
+        tl.store(res_ptr + c, h, mask=mask)
         h = h.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
     y = h * inv * w
-    tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + c, y.to(y_ptr.dtype.element_ty), mask=mask)
     if Q8:  # one row: its int8 copy for the dp4a GEMVs (kernels/q8x.py)
         q8x.store_q8(y, c, mask, q_ptr, d_ptr, s_ptr, BLOCK)
 

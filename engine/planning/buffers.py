@@ -137,7 +137,8 @@ def moe_buffers(hp: Any, chunk: int, act_dtype: str) -> list[BufferSpec]:
         BufferSpec("moe_tiles", (3, launch.moe_tiles(routed, n_expert)), "i32"),
         BufferSpec("moe_out", (routed, hp.n_embd), "f32"),  # [routed, n_embd]
         # decode's counters, kept at zero between launches, one per 16 output rows (down's
-        # smallest tile): down's last expert program of a row tile adds the k rows (whole
+        # smallest tile): down's last expert program of a row tile adds the k rows; and one
+        # more line: the count of row tiles summed, when the last then norms the row (whole
         # 256-byte lines)
-        BufferSpec("moe_count", (-(-hp.n_embd // 1024) * 64,), "i32"),
+        BufferSpec("moe_count", (-(-hp.n_embd // 1024) * 64 + 64,), "i32"),
     ]

@@ -72,6 +72,15 @@ def test_expert_int8_bodies_assemble_to_dp4a_machine_code(ggml_type, part, ops):
     assert got["per_value"] < 6, got
 
 
+def test_down_with_the_next_layers_norm_compiles():
+    # CARVE_TRIAL=down_norm: the norm's square root and its int8 copy's rounding join the
+    # down GEMV's machine code
+    plain = _count("Q6_K", "--expert", "down", "--sass")
+    normed = _count("Q6_K", "--expert", "down", "--norm", "--sass")
+    assert "MUFU" in normed["counts"] and {"IDP", "ATOMG"} <= set(normed["counts"])
+    assert normed["loop"] > plain["loop"]
+
+
 def test_rope_store_with_the_q_k_norms_compiles():
     # the norms inside decode's RoPE + cache-store launch (CARVE_TRIAL=qk_norm_rope): a square
     # root and the head sums' shuffles that the plain launch does not have

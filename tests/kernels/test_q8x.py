@@ -197,3 +197,21 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed):
         mag = sum(wts[0, j] * gemv_scale(down[int(ids[0, j]) * cols:(int(ids[0, j]) + 1) * cols],
                                          down_type, hd[j:j + 1])[0] for j in range(k))
         assert nerr(out, want, mag + (prior.abs() if accumulate else 0)) < 1e-5
+    # with the next layer's attention norm in the same launch (CARVE_TRIAL=down_norm): the
+    # residual stream moves on by out, normed and its int8 copy as norm.rmsnorm writes them
+    counter = torch.zeros(cols // 16 + 1, dtype=torch.int32, device=DEVICE)
+    hidden = torch.randn(1, cols, generator=g, device=DEVICE)
+    nw = torch.rand(cols, generator=g, device=DEVICE) + 0.5
+    for tile in (16, 32):
+        out = torch.full((1, cols), float("nan"), device=DEVICE)
+        res, normed, nq = hidden.clone(), torch.full_like(hidden, float("nan")), _bufs(cols)
+        moe_decode.expert_down_q8(down, down_type, n_expert, hq2, ids, wts, out,
+                                  torch.full((k, cols), float("nan"), device=DEVICE), db,
+                                  config=(tile, 2, 1), counter=counter,
+                                  norm=(res, nw, 1e-6, normed, nq))
+        assert not counter.any()
+        want_res = hidden.clone()
+        want = norm.rmsnorm_ref(out.clone(), nw, 1e-6, residual=want_res)
+        torch.testing.assert_close(res, want_res, rtol=0, atol=0)
+        assert nerr(normed, want) < 1e-5
+        _same_q8(nq, normed[0])

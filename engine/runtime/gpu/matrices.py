@@ -126,6 +126,9 @@ class Experts:
     post_norm: torch.Tensor | None = None
     # the layer's experts live in host memory: the CPU runs them (engine/runtime/gpu/host.py)
     host: Any = None
+    # decode's down GEMV also does the next layer's attention add-and-norm: (its norm weight,
+    # its int8 copy or None); on trial (RunnerOptions.trials down_norm, GpuStage sets it)
+    then_norm: tuple | None = None
 
 
 @dataclass(slots=True)

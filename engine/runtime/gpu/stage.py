@@ -137,9 +137,24 @@ class GpuStage(MoeLayers, DecodeGraph):
         for layer in self.layers:
             if layer.index in hosts:
                 layer.ffn.host = hosts[layer.index]
+        if "down_norm" in options.trials:
+            self._down_norms()
         # the embedding (first stage); the output norm, projection and its int8 x (last stage)
         self.token_embd = packed_matrix(model, spans, "token_embd.weight") if self.first else None
         self.output_norm, self.output, self.xq_out = build.head() if self.last else (None,) * 3
+
+    def _down_norms(self) -> None:
+        # decode's int8-x down GEMV of a MoE layer whose experts are on the GPU also adds its
+        # output to the stream and norms it for the next layer of the stage (stage_moe.py)
+        for layer, nxt in zip(self.layers, self.layers[1:]):
+            f = layer.ffn
+            if (isinstance(f, Experts) and f.xq_h is not None and f.host is None
+                    and nxt.attn.post_norm is None and f.post_norm is None):
+                f.then_norm = (nxt.attn.norm, nxt.attn.xq)
+
+    def _fused_norm(self, prev: Ffn | Experts | None, a: Rows) -> bool:
+        """Did ``prev`` (the layer before) add its output to hidden and norm it already?"""
+        return isinstance(prev, Experts) and prev.then_norm is not None and a.n == 1
 
     def _buffers(self, spans: dict[str, torch.Tensor]) -> None:
         self.buf = {n[4:]: t for n, t in spans.items() if n.startswith("buf.")}
@@ -271,8 +286,13 @@ class GpuStage(MoeLayers, DecodeGraph):
             self._ffn(layer, a)
             prev = layer.ffn
             if check is not None:  # the residual stream after the layer (allocates: fine here)
-                check(layer.index, a.hidden + (a.proj if prev.post_norm is None else norm.rmsnorm(
-                    a.proj, prev.post_norm, self.hp.rms_eps, use_pdl=self.pdl)))
+                if self._fused_norm(prev, a):  # added already (the next layer's norm ran)
+                    check(layer.index, a.hidden.clone())
+                else:
+                    check(layer.index, a.hidden + (a.proj if prev.post_norm is None
+                                                   else norm.rmsnorm(a.proj, prev.post_norm,
+                                                                     self.hp.rms_eps,
+                                                                     use_pdl=self.pdl)))
         if prev is not None:
             self._add_output(a, prev)
         if self.last and head:
@@ -306,7 +326,7 @@ class GpuStage(MoeLayers, DecodeGraph):
         xq = att.xq if a.n == 1 else None
         if prev is None:
             norm.rmsnorm(a.hidden, att.norm, hp.rms_eps, out=a.normed, q8=xq, use_pdl=self.pdl)
-        else:
+        elif not self._fused_norm(prev, a):
             self._add_norm(a, prev.post_norm, att.norm, xq)
         self._qkv(att, a.normed, a.qkv, xq)
         if hp.qk_norm and not (pos0 is None and att.qk_norm_in_rope):
