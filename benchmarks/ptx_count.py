@@ -4,13 +4,14 @@ the ptxas that ships in the Triton wheel and count the PTX of the loop over bloc
 the machine code, disassembled by the wheel's nvdisasm), per value and by opcode.
 
     python -m benchmarks.ptx_count TYPE [--config R,B,W | --t --config ROWS,WARPS]
-        [--x bf16|f32|int8] [--body row|generic] [--sass] [--json]
+        [--x bf16|f32|int8] [--body row|generic] [--norm] [--sass] [--json]
     python -m benchmarks.ptx_count TYPE --expert glu|down [--norm] [--config R,B,W] [--sass]
         [--json]
     python -m benchmarks.ptx_count --rope-store [--qk-norm] [--sass] [--json]
 
 ``--expert``: decode's routed-expert GEMV on int8 x (kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4;
-``--norm``: down with the next layer's add-and-norm, its whole kernel counted).
+``--norm``: down with the next layer's add-and-norm, its whole kernel counted; without
+``--expert``, the GGUF-order GEMV with the FFN's add-and-norm).
 ``--rope-store``: decode's RoPE + cache store (``--qk-norm``: with qwen3's q/k norms in it),
 its whole kernel counted.
 
@@ -39,11 +40,11 @@ _SKIP = ("//", ".", "{", "}", "$", ")", "ret")
 
 
 def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
-                 body: str | None = None):
+                 body: str | None = None, norm: bool = False):
     """The compiled decode GEMV (``.asm["ptx"]``, ``.asm["cubin"]``) of ``ggml_type`` at tile
     ``config`` on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy) with the row body
     (``body="row"``), the generic walk (``"generic"``) or whatever the type runs today
-    (None)."""
+    (None); ``norm``: with the next add-and-norm of a 2048-wide row in it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -60,12 +61,15 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
     # types their value table (int8)
     wi = "*i32" if special and ggml_type in qm.SPECIAL_ALIGN else "*i8"
     sig = {"w_ptr": "*u8", "wh_ptr": "*fp16", "wi_ptr": wi, "x_ptr": xt, "xq_ptr": "*i8",
-           "xd_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16", "N": "i32", "K": "i32",
-           "row_bytes": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+           "xd_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16", "cnt_ptr": "*i32",
+           "res_ptr": "*bf16", "nw_ptr": "*fp32", "ny_ptr": "*bf16", "nq_ptr": "*i32",
+           "nd_ptr": "*fp32", "ns_ptr": "*fp32", "N": "i32", "K": "i32", "row_bytes": "i32",
+           "stride_xm": "i32", "stride_ym": "i32", "eps": "fp32"}
     const = {"TYPE": ggml_type, "BS": p.block, "TS": p.nbytes, "NPART": p.parts, "L": p.lanes,
              "BLOCK_R": rows, "BLOCK_B": blocks, "LANE_SUM": ggml_type in qm.LANE_SUM_TYPES,
              "SPECIAL": special, "MAGIC": ggml_type in qm.MAGIC_TYPES, "HAS_BIAS": False,
-             "Q8X": x == "int8", "ASM": True, "PDL": False}
+             "Q8X": x == "int8", "NORM": norm, "NQ8": norm, "BLOCK_N": 2048 if norm else 1,
+             "ASM": True, "PDL": False}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(7)}  # the pointers
     src = ASTSource(fn=qm._gemv_kernel, signature=sig, constexprs=const, attrs=aligned)
@@ -231,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert", choices=("glu", "down"), default=None,
                     help="the routed-expert GEMV on int8 x (kernels/gemv_q8.py)")
     ap.add_argument("--norm", action="store_true",
-                    help="--expert down with the next layer's add-and-norm in it")
+                    help="with the next add-and-norm in it (--expert down, or the GGUF-order "
+                    "GEMV), the whole kernel counted")
     ap.add_argument("--rope-store", action="store_true", help="decode's RoPE + cache store")
     ap.add_argument("--qk-norm", action="store_true", help="--rope-store with the q/k norms")
     ap.add_argument("--config", default=None,
@@ -286,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {args.type}'s GEMV reads no int8 x (add --body row for a body on "
                   "trial)", file=sys.stderr)
             return 2
-        kernel = compile_gemv(t, cfg, args.x, args.body)
+        kernel = compile_gemv(t, cfg, args.x, args.body, args.norm)
+        if args.norm:
+            return _report(kernel, args, qt.type_name(t), {"config": cfg, "norm": True},
+                           whole=True)
         per = values_per_step(t, cfg)
     counts = sass_counts(kernel.asm["cubin"]) if args.sass else loop_counts(kernel.asm["ptx"])
     n = sum(counts.values())

@@ -382,7 +382,8 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
         COMBINE=fused, ACCUM=accumulate, TYPE=ggml_type, QK=Q8_BLOCK[ggml_type], BLOCK_R=br,
         BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[ggml_type])),
         NORM=norm is not None, NQ8=norm is not None and norm[4] is not None,
-        BLOCK_N=triton.next_power_of_2(n), ASM=down.is_cuda, num_warps=warps,
+        BLOCK_N=triton.next_power_of_2(n) if norm is not None else 1, ASM=down.is_cuda,
+        num_warps=warps,
         **pdl.opts(rows_out, use_pdl))
     if not fused:
         combine(rows_out, None, weights, out, accumulate)

@@ -72,6 +72,9 @@ def activation_buffers(
         # per kv head: split-K programs done, so that the last one merges (kept at zero);
         # one 256-byte line per counter, so that the heads' atomics do not share a line
         BufferSpec("attn_count", (hp.n_head_kv, 64), "i32"),
+        # decode's GEMV that also norms (attn_output with the FFN's add-and-norm, on trial):
+        # its row tiles done, so that the last one norms (kept at zero)
+        BufferSpec("norm_count", (64,), "i32"),
     ]
     # T-layout decode GEMVs (kernels/gemv_t.py), up to 8 rows: the float32 sums of programs
     # that split a row's blocks, one row per split, and a counter per row tile (left zero),

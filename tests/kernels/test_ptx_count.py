@@ -72,13 +72,13 @@ def test_expert_int8_bodies_assemble_to_dp4a_machine_code(ggml_type, part, ops):
     assert got["per_value"] < 6, got
 
 
-def test_down_with_the_next_layers_norm_compiles():
-    # CARVE_TRIAL=down_norm: the norm's square root and its int8 copy's rounding join the
-    # down GEMV's machine code
-    plain = _count("Q6_K", "--expert", "down", "--sass")
-    normed = _count("Q6_K", "--expert", "down", "--norm", "--sass")
-    assert "MUFU" in normed["counts"] and {"IDP", "ATOMG"} <= set(normed["counts"])
-    assert normed["loop"] > plain["loop"]
+@pytest.mark.parametrize("what", [("Q6_K", "--expert", "down"), ("Q4_K",)],
+                         ids=["moe-down", "attn-output"])
+def test_gemvs_with_the_next_norm_compile(what):
+    # CARVE_TRIAL=down_norm / attn_out_norm: the norm's square root and the counter's atomic
+    # join the GEMV's machine code (decode's int8-x expert down; the GGUF-order GEMV)
+    normed = _count(*what, "--norm", "--sass")
+    assert {"MUFU", "ATOMG"} <= set(normed["counts"]), sorted(normed["counts"])
 
 
 def test_rope_store_with_the_q_k_norms_compiles():

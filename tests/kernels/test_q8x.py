@@ -215,3 +215,37 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed):
         torch.testing.assert_close(res, want_res, rtol=0, atol=0)
         assert nerr(normed, want) < 1e-5
         _same_q8(nq, normed[0])
+
+
+@pytest.mark.parametrize("ggml_type", [qt.Q4_K, qt.Q6_K, qt.Q8_0, qt.MXFP4],
+                         ids=lambda t: qt.type_name(t))
+def test_gemv_with_the_next_norm_matches_gemv_then_rmsnorm(ggml_type, seed):
+    # CARVE_TRIAL=attn_out_norm: decode's GGUF-order GEMV (attn_output) whose last row tile to
+    # finish adds y to the residual stream and norms it (the FFN's norm and its int8 copy),
+    # against the GEMV and norm.rmsnorm's reference one after the other
+    g = generator(seed)
+    rows, cols = 32 * _rand(g, 2, 5), 256 * _rand(g, 1, 3)
+    w = random_weight(ggml_type, rows, cols, DEVICE, g)
+    x = torch.randn(1, cols, generator=g, device=DEVICE)
+    hidden = torch.randn(1, rows, generator=g, device=DEVICE)
+    nw = torch.rand(rows, generator=g, device=DEVICE) + 0.5
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for q8 in (True, False):
+        y, res = torch.full((1, rows), float("nan"), device=DEVICE), hidden.clone()
+        normed, nq = torch.full_like(hidden, float("nan")), _bufs(rows)
+        # 8 rows a program: the last of several programs norms
+        quant_matmul.gemv(w, ggml_type, x, out=y, config=(8, 2, 1), counter=counter,
+                          norm=(res, nw, 1e-6, normed, nq if q8 else None))
+        assert not counter.any()
+        want_y = quant_matmul.gemv(w, ggml_type, x, config=(8, 2, 1))
+        torch.testing.assert_close(y, want_y, rtol=0, atol=0)
+        want_res = hidden.clone()
+        want = norm.rmsnorm_ref(y.clone(), nw, 1e-6, residual=want_res)
+        torch.testing.assert_close(res, want_res, rtol=0, atol=0)
+        assert nerr(normed, want) < 1e-5
+        if q8:
+            _same_q8(nq, normed[0])
+        else:
+            assert (nq[0] == -1).all()  # no copy asked for, none written
+    with pytest.raises(ValueError, match="gemv's norm"):
+        quant_matmul.gemv(w, ggml_type, x, out=y, norm=(res, nw, 1e-6, normed, None))

@@ -83,6 +83,9 @@ class Attention:
     sinks: torch.Tensor | None  # gpt-oss: attn_sinks [n_head], one more logit per head
     output: Matrix  # attn_output
     post_norm: torch.Tensor | None  # gemma3's sandwich norm of the output, before its add
+    # decode's attn_output GEMV also does the FFN's add-and-norm: (the FFN norm's weight, the
+    # int8 copy it writes or None); on trial (RunnerOptions.trials attn_out_norm)
+    then_norm: tuple | None = None
 
 
 @dataclass(slots=True)
@@ -243,7 +246,12 @@ class LayerBuilder:
     # --- layers --------------------------------------------------------------------------
     def layer(self, i: int) -> Layer:
         moe = getattr(self.hp, "is_moe_layer", None)
-        return Layer(i, self.attention(i), self.experts(i) if moe and moe(i) else self.ffn(i))
+        attn, ffn = self.attention(i), self.experts(i) if moe and moe(i) else self.ffn(i)
+        if ("attn_out_norm" in self.options.trials and attn.output.t_bytes is None
+                and attn.post_norm is None):
+            # decode's attn_output GEMV (GGUF order) also does the FFN's add-and-norm
+            attn.then_norm = (ffn.norm, ffn.xq)
+        return Layer(i, attn, ffn)
 
     def attention(self, i: int) -> Attention:
         hp, p = self.hp, f"blk.{i}."

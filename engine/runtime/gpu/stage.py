@@ -175,6 +175,8 @@ class GpuStage(MoeLayers, DecodeGraph):
             self.t_count.zero_()  # the T GEMVs leave their counters at zero after each use
         if "moe_count" in self.buf:
             self.buf["moe_count"].zero_()  # so do the MoE router and down GEMVs (stage_moe.py)
+        if "norm_count" in self.buf:
+            self.buf["norm_count"].zero_()  # and the GEMVs that norm after (attn_out_norm)
         # the IQ types' value tables, in the Layout (kernels/lowbit_blocks.py), and the flags of
         # the load's scan for non-finite scales
         lookup = self.buf.get("lookup")
@@ -336,19 +338,32 @@ class GpuStage(MoeLayers, DecodeGraph):
             self._attend_decode(att, a)
         else:
             self._attend_prefill(att, a, pos0)
-        self._linear(att.output, a.attn, a.proj)
+        if a.n == 1 and att.then_norm is not None:  # and the FFN's add-and-norm (on trial)
+            m, (w, xq) = att.output, att.then_norm
+            quant_matmul.gemv(m.packed, m.ggml_type, a.attn, out=a.proj, config=m.config,
+                              bias=m.bias, use_pdl=self.pdl, counter=self.buf["norm_count"],
+                              norm=(a.hidden, w, hp.rms_eps, a.normed, xq))
+        else:
+            self._linear(att.output, a.attn, a.proj)
 
     def _ffn(self, layer: Layer, a: Rows) -> None:
         """The FFN half of a layer: the pre-norm (adding attention's output to hidden first),
         act(gate) * up, and down into proj."""
         f = layer.ffn
         xq = f.xq if a.n == 1 else None
-        self._add_norm(a, layer.attn.post_norm, f.norm, xq)
+        self._ffn_norm(layer, a)
         if isinstance(f, Experts):
             self._experts(f, a)
             return
         aq = self._glu(f, a, xq)
         self._linear(f.down, a.ffn_act, a.proj, xq=aq)
+
+    def _ffn_norm(self, layer: Layer, a: Rows) -> None:
+        """The FFN's pre-norm, adding attention's output to hidden first (unless attn_output's
+        GEMV did both: RunnerOptions.trials attn_out_norm)."""
+        if not (a.n == 1 and layer.attn.then_norm is not None):
+            self._add_norm(a, layer.attn.post_norm, layer.ffn.norm,
+                           layer.ffn.xq if a.n == 1 else None)
 
     def _add_norm(self, a: Rows, post: torch.Tensor | None, w: torch.Tensor, q8) -> None:
         """hidden += proj (gemma3: rmsnorm(proj) * post first), then normed = rmsnorm(hidden) *
