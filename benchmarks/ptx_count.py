@@ -11,7 +11,8 @@ the machine code, disassembled by the wheel's nvdisasm), per value and by opcode
 
 ``--expert``: decode's routed-expert GEMV on int8 x (kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4;
 ``--norm``: down with the next layer's add-and-norm, its whole kernel counted; without
-``--expert``, the GGUF-order GEMV with the FFN's add-and-norm).
+``--expert``, the GGUF-order GEMV with the FFN's add-and-norm, or with ``--t`` the T-layout
+one with the next layer's).
 ``--rope-store``: decode's RoPE + cache store (``--qk-norm``: with qwen3's q/k norms in it),
 its whole kernel counted.
 
@@ -76,9 +77,10 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16"):
+def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", norm: bool = False):
     """The compiled T-layout GEMV of ``ggml_type`` (kernels/gemv_t.py), ``rows`` rows a
-    program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy)."""
+    program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy); ``norm``:
+    with the next add-and-norm of a 2048-wide row in it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -88,10 +90,13 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16"):
     sig = {"wt_ptr": "*i32", "wh_ptr": "*fp16", "tab_ptr": "*i8",
            "x_ptr": "*fp32" if x == "f32" else "*bf16", "xq_ptr": "*i32", "xd_ptr": "*fp32",
            "xs_ptr": "*fp32", "y_ptr": "*fp32", "b_ptr": "*fp32", "part_ptr": "*fp32",
-           "cnt_ptr": "*i32", "N": "i32", "NB": "i32", "BPS": "i32", "stride_xm": "i32",
-           "stride_ym": "i32"}
+           "cnt_ptr": "*i32", "ncnt_ptr": "*i32", "res_ptr": "*bf16", "nw_ptr": "*fp32",
+           "ny_ptr": "*bf16", "nq_ptr": "*i32", "nd_ptr": "*fp32", "ns_ptr": "*fp32",
+           "N": "i32", "NB": "i32", "BPS": "i32", "stride_xm": "i32", "stride_ym": "i32",
+           "eps": "fp32"}
     const = {"BLOCK_N": rows, "SPLIT": 4, "XV": x == "bf16", "HAS_BIAS": False,
-             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": True, "PDL": False}
+             "TYPE": ggml_type, "Q8X": x == "int8", "NORM": norm, "NQ8": norm,
+             "BLOCK_E": 2048 if norm else 1, "ASM": True, "PDL": False}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(11)}  # the pointers
     src = ASTSource(fn=gemv_t._gemv_t_kernel, signature=sig, constexprs=const, attrs=aligned)
@@ -282,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         rows, warps = (tuple(int(v) for v in args.config.split(",")) if args.config
                        else launch.t_config(t)[:2])
         cfg = (rows, warps)
-        kernel = compile_t(t, rows, warps, args.x)
+        kernel = compile_t(t, rows, warps, args.x, args.norm)
+        if args.norm:
+            return _report(kernel, args, qt.type_name(t), {"config": cfg, "t": True,
+                                                           "norm": True}, whole=True)
         per = rows // (32 * warps) * 128  # half a block of each of its rows a step
     else:
         cfg = (tuple(int(v) for v in args.config.split(",")) if args.config

@@ -14,7 +14,7 @@ from kernels import pdl, q8x
 from kernels.gemv_dot import row_dot
 from kernels.gemv_q8 import Q8_BLOCK, Q8_TYPES, q4k_q8_rows_dot, q8_rows_dot
 from kernels.moe import _ACTS, _act, _act_ref, _expert_ref, combine, expert_rows
-from kernels.norm import add_norm_row
+from kernels.norm import add_norm_row, after_args
 from kernels.quant_matmul import _launch_args, gemv_config, row_cols
 from spec import quant_types as qt
 
@@ -365,16 +365,9 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
     if fused and (counter.dtype != torch.int32 or counter.numel() < need
                   or out.numel() != n or not out.is_contiguous()):
         raise ValueError(f"counter must hold {need} int32 zeros and out one row of {n}")
-    if norm is not None:
-        if not fused:
-            raise ValueError("expert_down_q8's norm needs the counter (the in-kernel sums)")
-        res, nw, eps, ny, nq = norm
-        if (res.numel() != n or ny.numel() != n or nw.numel() != n or not res.is_contiguous()
-                or not ny.is_contiguous() or (nq is not None and (n % 32 or not q8x.fits(nq, n)))):
-            raise ValueError(f"expert_down_q8's norm takes rows of {n} (and an int8 copy of one)")
-    else:
-        res, nw, eps, ny, nq = out, out, 0.0, out, None
-    nq = nq if nq is not None else (out, out, out)
+    if norm is not None and not fused:
+        raise ValueError("expert_down_q8's norm needs the counter (the in-kernel sums)")
+    res, nw, eps, ny, nq = after_args(norm, out, n, "expert_down_q8")
     _expert_down_q8_kernel[(tiles, ku)](
         *_q8_views(down, ggml_type, "down"), bias if bias is not None else rows_out, *hq, ids,
         rows_out, weights, out, counter if fused else ids, res, nw, ny, *nq, n, k,

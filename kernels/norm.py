@@ -71,6 +71,20 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return y.view(x.shape) if out is None else out
 
 
+def after_args(norm: tuple | None, y: torch.Tensor, n: int, what: str):
+    """The kernel arguments of a GEMV's add-and-norm after it (``add_norm_row`` in its last
+    program) of one row of ``n``: ``norm`` is (residual, weight, eps, normed, q8 buffers or
+    None); None gives placeholders (``y``). Checked: a ValueError names ``what``."""
+    if norm is None:
+        return y, y, 0.0, y, (y, y, y)
+    res, w, eps, ny, q8 = norm
+    if (y.numel() != n or res.numel() != n or ny.numel() != n or w.numel() != n
+            or not res.is_contiguous() or not ny.is_contiguous()
+            or (q8 is not None and (n % 32 or not q8x.fits(q8, n)))):
+        raise ValueError(f"{what}'s norm takes one row of {n} (and an int8 copy of one)")
+    return res, w, eps, ny, q8 if q8 is not None else (y, y, y)
+
+
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                 residual: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:

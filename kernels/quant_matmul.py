@@ -18,7 +18,7 @@ from kernels import pdl, q8x
 from kernels.gemv_dot import row_dot
 from kernels.glu import glu_act
 from kernels.lowbit_blocks import LOWBIT_PLANS, lookup_table
-from kernels.norm import add_norm_row
+from kernels.norm import add_norm_row, after_args
 from kernels.quant_blocks import PLANS, dequant_part, plan
 from spec import quant_types as qt
 
@@ -307,15 +307,9 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     m = x2.shape[0]
     q, d, use = _q8_in(xq, ggml_type, x2)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
-    if norm is not None:
-        res, nw, eps, ny, nq = norm
-        if (m != 1 or counter is None or counter.dtype != torch.int32 or res.numel() != n
-                or ny.numel() != n or nw.numel() != n or not res.is_contiguous()
-                or not ny.is_contiguous() or (nq is not None and (n % 32 or not q8x.fits(nq, n)))):
-            raise ValueError(f"gemv's norm takes one row of {n}, a counter (and an int8 copy)")
-    else:
-        res, nw, eps, ny, nq = y, y, 0.0, y, None
-    nq = nq if nq is not None else (y, y, y)
+    if norm is not None and (counter is None or counter.dtype != torch.int32):
+        raise ValueError("gemv's norm needs an int32 counter")
+    res, nw, eps, ny, nq = after_args(norm, y, n, "gemv")
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
     _gemv_kernel[grid](*ptrs, x2, q, d, y, bias if bias is not None else y,
                        counter if counter is not None else y, res, nw, ny, *nq, n, k,

@@ -72,8 +72,9 @@ def activation_buffers(
         # per kv head: split-K programs done, so that the last one merges (kept at zero);
         # one 256-byte line per counter, so that the heads' atomics do not share a line
         BufferSpec("attn_count", (hp.n_head_kv, 64), "i32"),
-        # decode's GEMV that also norms (attn_output with the FFN's add-and-norm, on trial):
-        # its row tiles done, so that the last one norms (kept at zero)
+        # decode's GEMVs that also norm after them (on trial): their row tiles done, so that
+        # the last one norms (kept at zero); [0] attn_output's (the FFN's norm), [32] a dense
+        # layer's T-layout down (the next layer's)
         BufferSpec("norm_count", (64,), "i32"),
     ]
     # T-layout decode GEMVs (kernels/gemv_t.py), up to 8 rows: the float32 sums of programs

@@ -18,7 +18,8 @@ TRIALS = {
     "mxfp4_experts": "MXFP4 routed experts on the int8 copies (kernels/gemv_q8.py)",
     "qk_norm_rope": "qwen3's per-head q/k norms inside decode's RoPE + cache-store launch",
     "q6k_down16": "Q6_K down experts on int8 x in tiles of 16 rows x 2 warps",
-    "down_norm": "a MoE layer's int8-x down GEMV also does the next layer's add-and-norm",
+    "down_norm": "the down GEMV (a MoE layer's int8-x one, a dense layer's T-layout one) also "
+                 "does the next layer's add-and-norm",
     "attn_out_norm": "decode's attn_output GEMV (GGUF order) also does the FFN's add-and-norm",
 }
 

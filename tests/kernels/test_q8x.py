@@ -247,5 +247,38 @@ def test_gemv_with_the_next_norm_matches_gemv_then_rmsnorm(ggml_type, seed):
             _same_q8(nq, normed[0])
         else:
             assert (nq[0] == -1).all()  # no copy asked for, none written
-    with pytest.raises(ValueError, match="gemv's norm"):
+    with pytest.raises(ValueError, match="gemv.s norm needs"):
         quant_matmul.gemv(w, ggml_type, x, out=y, norm=(res, nw, 1e-6, normed, None))
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_gemv_t_with_the_next_norm_matches_gemv_t_then_rmsnorm(split, seed):
+    # CARVE_TRIAL=down_norm on a dense layer: the T-layout down GEMV's last row tile to finish
+    # (after its splits' in-order sums) adds y to the stream and runs the next layer's norm
+    g = generator(seed)
+    rows, nb = 32 * _rand(g, 2, 4), _rand(g, 1, 3)
+    w = gemv_t.repack(random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g), qt.Q4_K)
+    x = torch.randn(1, 256 * nb, generator=g, device=DEVICE)
+    xq, _ = q8x.copy_ref(x[0])
+    tiles = rows // 32
+    cfg = (32, 1, tiles * (nb if split else 1))
+    part = torch.full((nb * rows,), float("nan"), device=DEVICE)
+    counter, ncount = (torch.zeros(n, dtype=torch.int32, device=DEVICE) for n in (tiles, 1))
+    hidden = torch.randn(1, rows, generator=g, device=DEVICE)
+    nw = torch.rand(rows, generator=g, device=DEVICE) + 0.5
+    y, res = torch.full((1, rows), float("nan"), device=DEVICE), hidden.clone()
+    normed, nq = torch.full_like(hidden, float("nan")), _bufs(rows)
+    gemv_t.gemv_t(w, qt.Q4_K, rows, x, y, part, counter, config=cfg, xq=xq,
+                  norm=(res, nw, 1e-6, normed, nq), norm_counter=ncount)
+    assert not counter.any() and not ncount.any()
+    want_y = torch.empty_like(y)
+    gemv_t.gemv_t(w, qt.Q4_K, rows, x, want_y, part, counter, config=cfg, xq=xq)
+    torch.testing.assert_close(y, want_y, rtol=0, atol=0)
+    want_res = hidden.clone()
+    want = norm.rmsnorm_ref(y.clone(), nw, 1e-6, residual=want_res)
+    torch.testing.assert_close(res, want_res, rtol=0, atol=0)
+    assert nerr(normed, want) < 1e-5
+    _same_q8(nq, normed[0])
+    with pytest.raises(ValueError, match="gemv_t's norm needs"):
+        gemv_t.gemv_t(w, qt.Q4_K, rows, x, y, part, counter, config=cfg, xq=xq,
+                      norm=(res, nw, 1e-6, normed, nq))

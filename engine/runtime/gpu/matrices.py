@@ -101,6 +101,9 @@ class Ffn:
     fused_config: Any
     xq_down: tuple | None  # decode's int8 copy of the GLU output (T ffn_down on int8 x)
     post_norm: torch.Tensor | None  # gemma3's sandwich norm of the output, before its add
+    # decode's T-layout down GEMV also does the next layer's add-and-norm: (its norm weight,
+    # its int8 copy or None); on trial (RunnerOptions.trials down_norm, GpuStage sets it)
+    then_norm: tuple | None = None
 
 
 @dataclass(slots=True)

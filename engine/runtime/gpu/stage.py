@@ -144,17 +144,20 @@ class GpuStage(MoeLayers, DecodeGraph):
         self.output_norm, self.output, self.xq_out = build.head() if self.last else (None,) * 3
 
     def _down_norms(self) -> None:
-        # decode's int8-x down GEMV of a MoE layer whose experts are on the GPU also adds its
-        # output to the stream and norms it for the next layer of the stage (stage_moe.py)
+        # decode's down GEMV also adds its output to the stream and norms it for the next
+        # layer of the stage: a MoE layer's int8-x one whose experts are on the GPU
+        # (stage_moe.py), a dense layer's T-layout one
         for layer, nxt in zip(self.layers, self.layers[1:]):
             f = layer.ffn
-            if (isinstance(f, Experts) and f.xq_h is not None and f.host is None
-                    and nxt.attn.post_norm is None and f.post_norm is None):
+            if nxt.attn.post_norm is not None or f.post_norm is not None:
+                continue
+            if (f.xq_h is not None and f.host is None if isinstance(f, Experts)
+                    else f.down.t_bytes is not None):
                 f.then_norm = (nxt.attn.norm, nxt.attn.xq)
 
     def _fused_norm(self, prev: Ffn | Experts | None, a: Rows) -> bool:
         """Did ``prev`` (the layer before) add its output to hidden and norm it already?"""
-        return isinstance(prev, Experts) and prev.then_norm is not None and a.n == 1
+        return prev is not None and prev.then_norm is not None and a.n == 1
 
     def _buffers(self, spans: dict[str, torch.Tensor]) -> None:
         self.buf = {n[4:]: t for n, t in spans.items() if n.startswith("buf.")}
@@ -356,7 +359,14 @@ class GpuStage(MoeLayers, DecodeGraph):
             self._experts(f, a)
             return
         aq = self._glu(f, a, xq)
-        self._linear(f.down, a.ffn_act, a.proj, xq=aq)
+        if a.n == 1 and f.then_norm is not None:  # and the next layer's add-and-norm (trial)
+            m, (w, nq) = f.down, f.then_norm
+            gemv_t.gemv_t(m.t_bytes, m.ggml_type, m.rows, a.ffn_act, a.proj, self.t_part,
+                          self.t_count, bias=m.bias, config=m.config, xq=aq, use_pdl=self.pdl,
+                          norm=(a.hidden, w, self.hp.rms_eps, a.normed, nq),
+                          norm_counter=self.buf["norm_count"][32:33])
+        else:
+            self._linear(f.down, a.ffn_act, a.proj, xq=aq)
 
     def _ffn_norm(self, layer: Layer, a: Rows) -> None:
         """The FFN's pre-norm, adding attention's output to hidden first (unless attn_output's
