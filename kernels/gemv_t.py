@@ -375,7 +375,6 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
     return out
 
 
-
 def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
                x: torch.Tensor, out: torch.Tensor, part: torch.Tensor, counter: torch.Tensor,
                act: str = "silu", config: tuple[int, int, int] | None = None,

@@ -173,9 +173,10 @@ def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type:
                   limit: float = 0.0, out_q=None, config: tuple[int, int, int] | None = None,
                   use_pdl: bool = True) -> torch.Tensor:
     """``expert_glu`` for one row of x given as its int8 copy ``xq`` (q words, d, s of
-    kernels/q8x.py), gate and up Q4_K, Q6_K or MXFP4: ``out[j] = act(x @ gate_e^T) * (x @ up_e^T)``,
-    e = ids[0, j]. ``out_q``: (q, d, s) buffers for the int8 copy of ``out`` ([k * rows]
-    values), the input of ``expert_down_q8``."""
+    kernels/q8x.py), gate and up Q4_K, Q6_K or MXFP4:
+    ``out[j] = act(x @ gate_e^T) * (x @ up_e^T)``, e = ids[0, j]. ``out_q``: (q, d, s)
+    buffers for the int8 copy of ``out`` ([k * rows] values), the input of
+    ``expert_down_q8``."""
     n, k = expert_rows(gate, n_expert), row_cols(gate, gate_type)
     if up.shape[0] != gate.shape[0] or row_cols(up, up_type) != k:
         raise ValueError("gate and up experts differ in shape")
@@ -196,8 +197,7 @@ def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type:
         os_, n, k // Q8_BLOCK[gate_type], gate.shape[1], up.shape[1], float(limit), KU=ku,
         TG=gate_type, TU=up_type, HAS_BIAS=bias, ACT=_ACTS[act], QOUT=out_q is not None,
         BLOCK_R=br, BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[gate_type])),
-        ASM=gate.is_cuda, num_warps=warps,
-        **pdl.opts(out, use_pdl))
+        ASM=gate.is_cuda, num_warps=warps, **pdl.opts(out, use_pdl))
     return out
 
 
@@ -344,12 +344,13 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
                    config: tuple[int, int, int] | None = None, use_pdl: bool = True,
                    counter: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
     """``expert_down`` (with ``rows_out``) for one row whose k GLU outputs come as their int8
-    copy ``hq`` (q words, d, s; ``expert_glu_q8``'s ``out_q``), down Q4_K, Q6_K or MXFP4: the k experts'
-    rows in parallel programs into ``rows_out``, then summed in order onto ``out``: by each
-    row tile's last program with ``counter`` (int32 zeros, one per tile of the config's rows,
-    left zero), else by ``combine`` (a second launch). ``norm`` (with ``counter``, which
-    then holds one more zero): (residual, weight, eps, normed, q8 or None): then, in the same
-    launch, ``norm.rmsnorm(out, weight, eps, residual=residual, out=normed, q8=q8)``."""
+    copy ``hq`` (q words, d, s; ``expert_glu_q8``'s ``out_q``), down Q4_K, Q6_K or MXFP4: the
+    k experts' rows in parallel programs into ``rows_out``, then summed in order onto ``out``:
+    by each row tile's last program with ``counter`` (int32 zeros, one per tile of the
+    config's rows, left zero), else by ``combine`` (a second launch). ``norm`` (with
+    ``counter``, which then holds one more zero): (residual, weight, eps, normed, q8 or
+    None): then, in the same launch, ``norm.rmsnorm(out, weight, eps, residual=residual,
+    out=normed, q8=q8)``."""
     n, k = expert_rows(down, n_expert), row_cols(down, ggml_type)
     ku = ids.shape[1]
     if not q8_able(ggml_type, k, True):
@@ -376,8 +377,7 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
         BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[ggml_type])),
         NORM=norm is not None, NQ8=norm is not None and norm[4] is not None,
         BLOCK_N=triton.next_power_of_2(n) if norm is not None else 1, ASM=down.is_cuda,
-        num_warps=warps,
-        **pdl.opts(rows_out, use_pdl))
+        num_warps=warps, **pdl.opts(rows_out, use_pdl))
     if not fused:
         combine(rows_out, None, weights, out, accumulate)
     return out

@@ -179,7 +179,7 @@ class GpuStage(MoeLayers, DecodeGraph):
         if "moe_count" in self.buf:
             self.buf["moe_count"].zero_()  # so do the MoE router and down GEMVs (stage_moe.py)
         if "norm_count" in self.buf:
-            self.buf["norm_count"].zero_()  # and the GEMVs that norm after (attn_out_norm)
+            self.buf["norm_count"].zero_()  # and the GEMVs that norm after them (on trial)
         # the IQ types' value tables, in the Layout (kernels/lowbit_blocks.py), and the flags of
         # the load's scan for non-finite scales
         lookup = self.buf.get("lookup")
@@ -342,10 +342,10 @@ class GpuStage(MoeLayers, DecodeGraph):
         else:
             self._attend_prefill(att, a, pos0)
         if a.n == 1 and att.then_norm is not None:  # and the FFN's add-and-norm (on trial)
-            m, (w, xq) = att.output, att.then_norm
+            m, (w, fq) = att.output, att.then_norm
             quant_matmul.gemv(m.packed, m.ggml_type, a.attn, out=a.proj, config=m.config,
                               bias=m.bias, use_pdl=self.pdl, counter=self.buf["norm_count"],
-                              norm=(a.hidden, w, hp.rms_eps, a.normed, xq))
+                              norm=(a.hidden, w, hp.rms_eps, a.normed, fq))
         else:
             self._linear(att.output, a.attn, a.proj)
 
