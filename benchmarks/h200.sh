@@ -169,8 +169,10 @@ for f in sorted(glob.glob(sys.argv[1] + "/bench-*.json")):
     o = json.load(open(f))
     for r in o.get("runs", []):
         same = all(d["priced"] == d["reserved"] for d in r["devices"])
+        trials = ",".join(o.get("trials", []))
         print(f"{o['model'].rsplit('/', 1)[-1]:28s} {r['gpus']:6d} {r['tg']['tps']:8.1f} "
-              f"{r['pp']['tps']:9.0f} {r['load_gbps']:9.1f} {same!s:>16s}  {r['greedy64_sha256']}")
+              f"{r['pp']['tps']:9.0f} {r['load_gbps']:9.1f} {same!s:>16s}  {r['greedy64_sha256']}"
+              + (f"  trials {trials}" if trials else ""))
         if "experts" in r:
             e, tg, hit = r["experts"], r["tg"], r["tg"]["cache_hit_rate"]
             print(f"{'':28s} experts resident {e['resident'] or 'all'}, host ones on the "

@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     try:
-        # the kernels' switches (CARVE_Q8X, CARVE_T_LAYOUT, CARVE_PDL); bench runs Triton
+        # the kernels' switches (CARVE_Q8X, CARVE_T_LAYOUT, CARVE_PDL, CARVE_TRIAL); bench
+        # runs Triton
         options = RunnerOptions.from_env(os.environ)
         options.apply()
         if not torch.cuda.is_available():
@@ -246,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             raise CarveError("carve bench: give a MODEL path or --synth SHAPE")
         depths = [int(x) for x in args.depths.split(",") if x]
         ctx = args.ctx or (max(depths) + 512 if depths else 4096)
-        out: dict = {"model": path}
+        out: dict = {"model": path, "trials": sorted(options.trials)}
+        if options.trials:  # kernels on trial (CARVE_TRIAL): say so beside every figure
+            print(f"# kernels on trial: {', '.join(sorted(options.trials))}", flush=True)
         from engine.hardware.rigs import parse_rig
 
         n_gpus = len(parse_rig(args.gpus)) if args.gpus else 1
