@@ -21,6 +21,7 @@ TRIALS = {
     "down_norm": "the down GEMV (a MoE layer's int8-x one, a dense layer's T-layout one) also "
                  "does the next layer's add-and-norm",
     "attn_out_norm": "decode's attn_output GEMV (GGUF order) also does the FFN's add-and-norm",
+    "router_route": "decode's MoE router in one-warp programs, the last of which routes",
 }
 
 

@@ -114,8 +114,8 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
 
 @pytest.mark.parametrize("arch,trials", [
     ("qwen3moe", ()),
-    ("qwen3moe", ("down_norm", "qk_norm_rope", "q6k_down16", "attn_out_norm")),
-    ("gpt-oss", ("mxfp4_experts", "down_norm", "attn_out_norm")),
+    ("qwen3moe", ("down_norm", "qk_norm_rope", "q6k_down16", "attn_out_norm", "router_route")),
+    ("gpt-oss", ("mxfp4_experts", "down_norm", "attn_out_norm", "router_route")),
 ], ids=["qwen3moe", "qwen3moe-trials", "gpt-oss-trials"])
 def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, trials, tmp_path,
                                                           monkeypatch) -> None:
@@ -124,7 +124,7 @@ def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, trials, tmp_path
     the int8 copies of the normed row and of the routed GLU outputs (kernels/gemv_q8.py) and
     still match the CPU engine, greedy ids included; with the trials on decode too (the next
     layer's add-and-norm inside down, the FFN's inside attn_output, the q/k norms inside
-    RoPE, 16-row Q6_K down tiles)."""
+    RoPE, 16-row Q6_K down tiles, the route inside the router)."""
     if arch == "gpt-oss":
         shape, mix = SHAPES["gpt-oss"], None
     else:
@@ -146,6 +146,7 @@ def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, trials, tmp_path
             [("down_norm" in trials)] * (len(layers) - 1) + [False]
         assert all((layer.attn.then_norm is not None) == ("attn_out_norm" in trials)
                    for layer in layers)
+        assert g.pipe.stages[0].router_route == ("router_route" in trials)
 
     # the int8 rounding of x and of the GLU outputs is the whole error (the kernels match the
     # reference on the rounded input to 1e-5, tests/kernels/test_q8x.py); on random rows it
