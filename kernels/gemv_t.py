@@ -42,7 +42,7 @@ from kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
 from kernels.gemv_t_low import iq2xxs_t_dot, iq3s_t_dot, iq4xs_t_dot, q2k_t_dot
 from kernels.glu import glu_act
 from kernels.lowbit_blocks import lookup_table
-from kernels.norm import add_norm_row, after_args
+from kernels.norm import after_args, norm_after
 from spec import launch
 from spec import quant_types as qt
 from spec.launch import T_CONFIG
@@ -194,13 +194,8 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr
             acc += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
         if NORM:  # one row: the last row tile to finish adds y to the stream and norms it
-            tl.debug_barrier()  # every thread's stores issued before the counter's release
-            if tl.atomic_add(ncnt_ptr, 1) == tl.num_programs(0) - 1:
-                c = tl.arange(0, BLOCK_E)
-                w = tl.load(nw_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-                add_norm_row(y_ptr, res_ptr, w, ny_ptr, nq_ptr, nd_ptr, ns_ptr, N, eps, True,
-                             BLOCK_E, NQ8, ".cg")
-                tl.atomic_xchg(ncnt_ptr, 0)  # zero again for the next call
+            norm_after(ncnt_ptr, tl.num_programs(0), y_ptr, res_ptr, nw_ptr, ny_ptr, nq_ptr,
+                       nd_ptr, ns_ptr, N, eps, BLOCK_E, NQ8)
 
 
 @triton.jit

@@ -14,7 +14,7 @@ from kernels import pdl, q8x
 from kernels.gemv_dot import row_dot
 from kernels.gemv_q8 import Q8_BLOCK, Q8_TYPES, q4k_q8_rows_dot, q8_rows_dot
 from kernels.moe import _ACTS, _act, _act_ref, _expert_ref, combine, expert_rows
-from kernels.norm import add_norm_row, after_args
+from kernels.norm import after_args, norm_after
 from kernels.quant_matmul import _launch_args, gemv_config, row_cols
 from spec import quant_types as qt
 
@@ -329,13 +329,8 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
             tl.atomic_xchg(cnt_ptr + pid, 0)  # zero again for the next call
             if NORM:  # counter NT (past the tiles') counts the row tiles summed
                 nt = tl.num_programs(0)
-                tl.debug_barrier()
-                if tl.atomic_add(cnt_ptr + nt, 1) == nt - 1:
-                    c = tl.arange(0, BLOCK_N)
-                    w = tl.load(nw_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-                    add_norm_row(out_ptr, res_ptr, w, ny_ptr, nq_ptr, nd_ptr, ns_ptr, N, eps,
-                                 True, BLOCK_N, NQ8, ".cg")
-                    tl.atomic_xchg(cnt_ptr + nt, 0)
+                norm_after(cnt_ptr + nt, nt, out_ptr, res_ptr, nw_ptr, ny_ptr, nq_ptr, nd_ptr,
+                           ns_ptr, N, eps, BLOCK_N, NQ8)
 
 
 def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: torch.Tensor,

@@ -71,6 +71,21 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return y.view(x.shape) if out is None else out
 
 
+@triton.jit
+def norm_after(cnt_ptr, n_prog, y_ptr, res_ptr, w_ptr, ny_ptr, q_ptr, d_ptr, s_ptr, N, eps,
+               BLOCK: tl.constexpr, Q8: tl.constexpr):
+    """A GEMV's add-and-norm after it: each of its ``n_prog`` programs (those that write the
+    row y [N]) calls this once its part is stored; the last to arrive adds y to the stream
+    ``res`` and norms it (``add_norm_row``, reading y at L2) and sets the counter back to 0."""
+    tl.debug_barrier()  # every thread's stores issued before the counter's release
+    if tl.atomic_add(cnt_ptr, 1) == n_prog - 1:
+        c = tl.arange(0, BLOCK)
+        w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+        add_norm_row(y_ptr, res_ptr, w, ny_ptr, q_ptr, d_ptr, s_ptr, N, eps, True, BLOCK, Q8,
+                     ".cg")
+        tl.atomic_xchg(cnt_ptr, 0)  # zero again for the next call
+
+
 def after_args(norm: tuple | None, y: torch.Tensor, n: int, what: str):
     """The kernel arguments of a GEMV's add-and-norm after it (``add_norm_row`` in its last
     program) of one row of ``n``: ``norm`` is (residual, weight, eps, normed, q8 buffers or

@@ -18,7 +18,7 @@ from kernels import pdl, q8x
 from kernels.gemv_dot import row_dot
 from kernels.glu import glu_act
 from kernels.lowbit_blocks import LOWBIT_PLANS, lookup_table
-from kernels.norm import add_norm_row, after_args
+from kernels.norm import after_args, norm_after
 from kernels.quant_blocks import PLANS, dequant_part, plan
 from spec import quant_types as qt
 
@@ -109,13 +109,8 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, cnt
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty),
              mask=rows < N)
     if NORM:  # one row: the last program to finish adds y to the stream and norms it
-        tl.debug_barrier()  # every thread's stores issued before the counter's release
-        if tl.atomic_add(cnt_ptr, 1) == tl.num_programs(0) - 1:
-            c = tl.arange(0, BLOCK_N)
-            w = tl.load(nw_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-            add_norm_row(y_ptr, res_ptr, w, ny_ptr, nq_ptr, nd_ptr, ns_ptr, N, eps, True,
-                         BLOCK_N, NQ8, ".cg")
-            tl.atomic_xchg(cnt_ptr, 0)  # zero again for the next call
+        norm_after(cnt_ptr, tl.num_programs(0), y_ptr, res_ptr, nw_ptr, ny_ptr, nq_ptr, nd_ptr,
+                   ns_ptr, N, eps, BLOCK_N, NQ8)
 
 
 @triton.jit
