@@ -25,7 +25,6 @@ from engine.planning.host import CPU_PREFIX
 from engine.runtime.gpu.host import host_experts, host_layers
 from engine.runtime.gpu.matrices import (
     GEMV_ROWS,
-    Attention,
     Experts,
     Ffn,
     Layer,
@@ -34,21 +33,19 @@ from engine.runtime.gpu.matrices import (
 )
 from engine.runtime.gpu.matrices import packed as packed_matrix
 from engine.runtime.gpu.rows import Rows
+from engine.runtime.gpu.stage_attn import AttentionLayers
 from engine.runtime.gpu.stage_graph import DecodeGraph
 from engine.runtime.gpu.stage_moe import MoeLayers
 from engine.runtime.models import FAMILIES
 from engine.runtime.models.layers import _linear_scale, yarn_freqs
 from engine.runtime.options import RunnerOptions
 from kernels import (
-    attention,
     gemv_t,
     glu,
-    kv_cache,
     lowbit_blocks,
     norm,
     q8x,
     quant_matmul,
-    rope,
     scale_scan,
 )
 from spec import quant_types as qt
@@ -88,7 +85,7 @@ def allocate(dl: Any, device: torch.device | str, arenas: list[torch.Tensor] | N
     return arenas, spans
 
 
-class GpuStage(MoeLayers, DecodeGraph):
+class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
     def __init__(self, hp: Any, model: Any, dl: Any, spans: dict[str, torch.Tensor],
                  device: torch.device | str, ctx: int, chunk: int,
                  options: RunnerOptions = RunnerOptions(), host_compute: str = "gpu",
@@ -325,32 +322,6 @@ class GpuStage(MoeLayers, DecodeGraph):
         if self.hp.embed_scale != 1.0:
             a.hidden.mul_(self.hp.embed_scale)  # gemma3: sqrt(n_embd)
 
-    def _attention(self, att: Attention, a: Rows, pos0: int | None, prev: Ffn | None) -> None:
-        """The attention half of a layer: the pre-norm (adding the previous layer's output to
-        hidden first), q/k/v, the q/k norms, RoPE and the KV cache, attention, and its output
-        projection into proj."""
-        hp = self.hp
-        xq = att.xq if a.n == 1 else None
-        if prev is None:
-            norm.rmsnorm(a.hidden, att.norm, hp.rms_eps, out=a.normed, q8=xq, use_pdl=self.pdl)
-        elif not self._fused_norm(prev, a):
-            self._add_norm(a, prev.post_norm, att.norm, xq)
-        self._qkv(att, a.normed, a.qkv, xq)
-        if hp.qk_norm and not (pos0 is None and att.qk_norm_in_rope):
-            norm.rmsnorm_heads(a.qk3, att.q_norm, att.k_norm, hp.n_head, hp.rms_eps,
-                               use_pdl=self.pdl)
-        if pos0 is None:
-            self._attend_decode(att, a)
-        else:
-            self._attend_prefill(att, a, pos0)
-        if a.n == 1 and att.then_norm is not None:  # and the FFN's add-and-norm (on trial)
-            m, (w, fq) = att.output, att.then_norm
-            quant_matmul.gemv(m.packed, m.ggml_type, a.attn, out=a.proj, config=m.config,
-                              bias=m.bias, use_pdl=self.pdl, counter=self.buf["norm_count"],
-                              norm=(a.hidden, w, hp.rms_eps, a.normed, fq))
-        else:
-            self._linear(att.output, a.attn, a.proj)
-
     def _ffn(self, layer: Layer, a: Rows) -> None:
         """The FFN half of a layer: the pre-norm (adding attention's output to hidden first),
         act(gate) * up, and down into proj."""
@@ -361,14 +332,8 @@ class GpuStage(MoeLayers, DecodeGraph):
             self._experts(f, a)
             return
         aq = self._glu(f, a, xq)
-        if a.n == 1 and f.then_norm is not None:  # and the next layer's add-and-norm (trial)
-            m, (w, nq) = f.down, f.then_norm
-            gemv_t.gemv_t(m.t_bytes, m.ggml_type, m.rows, a.ffn_act, a.proj, self.t_part,
-                          self.t_count, bias=m.bias, config=m.config, xq=aq, use_pdl=self.pdl,
-                          norm=(a.hidden, w, self.hp.rms_eps, a.normed, nq),
-                          norm_counter=self.buf["norm_count"][32:33])
-        else:
-            self._linear(f.down, a.ffn_act, a.proj, xq=aq)
+        # then_norm (on trial): the next layer's add-and-norm in the same launch
+        self._linear(f.down, a.ffn_act, a.proj, xq=aq, norm=self._norm_after(a, f.then_norm))
 
     def _ffn_norm(self, layer: Layer, a: Rows) -> None:
         """The FFN's pre-norm, adding attention's output to hidden first (unless attn_output's
@@ -400,63 +365,6 @@ class GpuStage(MoeLayers, DecodeGraph):
             norm.rmsnorm(a.proj, last.norm, self.hp.rms_eps, residual=a.hidden, out=a.normed,
                          use_pdl=self.pdl)
 
-    # --- attention -----------------------------------------------------------------------
-    def _qkv(self, att: Attention, x: torch.Tensor, out: torch.Tensor, xq) -> None:
-        """q, k, v side by side in ``out``; decode runs the three GEMVs (and biases) in one
-        launch where the load decided so."""
-        gemv = x.shape[0] <= GEMV_ROWS
-        if gemv and att.fused == "t3":
-            gemv_t.gemv_t3(att.fused_mats, x, out, self.t_part, self.t_count, att.fused_biases,
-                           config=att.fused_config, xq=xq, use_pdl=self.pdl)
-        elif gemv and att.fused == "gemv3":
-            quant_matmul.gemv3(att.fused_mats, x, out, att.fused_biases, att.fused_config,
-                               use_pdl=self.pdl, xq=xq)
-        else:
-            o = 0
-            for m in att.qkv:
-                self._linear(m, x, out[:, o:o + m.rows], xq=xq)
-                o += m.rows
-
-    def _attend_decode(self, att: Attention, a: Rows) -> None:
-        # one token at the position in buf.positions (the captured graph reads it there)
-        hp = self.hp
-        if att.rope_store:  # rotation and the cache store of k and v in one launch
-            rope.rope_store(a.qk3, a.v3, a.pos, att.rope_base, self.neox, att.rope_scale,
-                            hp.n_head, att.k_cache, att.v_cache, att.cells, use_pdl=self.pdl,
-                            freqs=att.rope_freqs, mscale=att.rope_mscale,
-                            qk_norm=(att.q_norm, att.k_norm, hp.rms_eps)
-                            if att.qk_norm_in_rope else None)
-        else:
-            rope.rope(self._rotated(att, a), a.pos, att.rope_base, self.neox, att.rope_scale,
-                      use_pdl=self.pdl, freqs=att.rope_freqs, mscale=att.rope_mscale)
-            kv_cache.kv_store(a.k3, att.k_cache, a.pos, att.cells, a.v3, att.v_cache,
-                              use_pdl=self.pdl)
-        attention.attn_decode(a.q3[0], att.k_cache, att.v_cache, a.pos, hp.n_head_kv, att.cells,
-                              att.window, hp.attn_scale, out=a.o3[0], workspace=self.attn_ws,
-                              counter=self.attn_count, use_pdl=self.pdl, sinks=att.sinks)
-
-    def _rotated(self, att: Attention, a: Rows) -> torch.Tensor:
-        # the q and k dims RoPE rotates: whole heads, or (partial RoPE) each head's first
-        # rope_dim dims, whose angles then step by rope_dim, as ggml's n_dims
-        return a.qk3 if att.rope_dim == self.hp.head_dim else a.qk3[..., :att.rope_dim]
-
-    def _attend_prefill(self, att: Attention, a: Rows, pos0: int) -> None:
-        rope.rope(self._rotated(att, a), a.pos, att.rope_base, self.neox, att.rope_scale,
-                  use_pdl=self.pdl, freqs=att.rope_freqs, mscale=att.rope_mscale)
-        if att.kv_q8:
-            # q8_0: the chunk attends its own keys/values as the cache gives them back (the CPU
-            # engine and llama.cpp do); the store below re-quantizes them
-            kv_cache.q8_roundtrip_(a.k3, use_pdl=self.pdl)
-            kv_cache.q8_roundtrip_(a.v3, use_pdl=self.pdl)
-        attention.attn_prefill(a.q3, a.k3, a.v3, att.k_cache, att.v_cache, pos0, att.cells,
-                               att.window, self.hp.attn_scale, out=a.o3, use_pdl=self.pdl,
-                               sinks=att.sinks)
-        # a ring keeps only the chunk's last `cells` rows: store only those, so that no two
-        # programs write one cell
-        s0 = max(0, a.n - att.cells)
-        kv_cache.kv_store(a.k3[s0:], att.k_cache, a.pos[s0:], att.cells, a.v3[s0:], att.v_cache,
-                          use_pdl=self.pdl)
-
     # --- FFN -----------------------------------------------------------------------------
     def _glu(self, f: Ffn, a: Rows, xq):
         """act(gate) * up of normed into ffn_act; decode runs both GEMVs and the GLU in one
@@ -482,17 +390,28 @@ class GpuStage(MoeLayers, DecodeGraph):
         return None
 
     # --- matrices ------------------------------------------------------------------------
-    def _linear(self, m: Matrix, x: torch.Tensor, out: torch.Tensor, xq=None) -> None:
+    def _linear(self, m: Matrix, x: torch.Tensor, out: torch.Tensor, xq=None,
+                norm: tuple | None = None) -> None:
         """out = x @ m^T (+ m's bias, in the same launch): its GEMV up to GEMV_ROWS rows (``xq``:
-        x's int8 copy, for a T matrix or a grid IQ type's), else a GEMM."""
+        x's int8 copy, for a T matrix or a grid IQ type's), else a GEMM. ``norm``: the
+        add-and-norm after it, in the GEMV's launch (``_norm_after``; one row)."""
         if x.shape[0] > GEMV_ROWS:
             self._gemm(m, x, out)
         elif m.t_bytes is not None:
             gemv_t.gemv_t(m.t_bytes, m.ggml_type, m.rows, x, out, self.t_part, self.t_count,
-                          bias=m.bias, config=m.config, xq=xq, use_pdl=self.pdl)
+                          bias=m.bias, config=m.config, xq=xq, use_pdl=self.pdl, norm=norm,
+                          norm_counter=self.buf["norm_count"][32:33])
         else:
             quant_matmul.gemv(m.packed, m.ggml_type, x, out=out, bias=m.bias, config=m.config,
-                              use_pdl=self.pdl, xq=xq)
+                              use_pdl=self.pdl, xq=xq, norm=norm,
+                              counter=self.buf["norm_count"][:1])
+
+    def _norm_after(self, a: Rows, then: tuple | None) -> tuple | None:
+        """The kernels' ``norm`` for a GEMV that also does the add-and-norm after it (``then``:
+        the norm's weight and int8 copy; on trial, decode's one row only), else None."""
+        if then is None or a.n != 1:
+            return None
+        return (a.hidden, then[0], self.hp.rms_eps, a.normed, then[1])
 
     def _gemm(self, m: Matrix, x: torch.Tensor, out: torch.Tensor) -> None:
         # prefill only (never in the captured decode step): one GEMM on the dequant cache's

@@ -1,0 +1,94 @@
+"""The attention half of a GPU stage's layers (``GpuStage`` mixes it in): the pre-norm, q/k/v
+(one launch where the load decided so), the q/k norms, RoPE and the KV cache, attention (decode
+split-K, prefill over the chunk and the cache) and the output projection.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.runtime.gpu.matrices import GEMV_ROWS, Attention, Ffn
+from engine.runtime.gpu.rows import Rows
+from kernels import attention, gemv_t, kv_cache, norm, quant_matmul, rope
+
+
+class AttentionLayers:
+    """GpuStage's attention steps (they read the stage's hp, buf, pdl, neox, t_part, t_count,
+    attn_ws, attn_count and its ``_linear``, ``_add_norm``, ``_fused_norm``, ``_norm_after``)."""
+
+    def _attention(self, att: Attention, a: Rows, pos0: int | None, prev: Ffn | None) -> None:
+        """The attention half of a layer: the pre-norm (adding the previous layer's output to
+        hidden first), q/k/v, the q/k norms, RoPE and the KV cache, attention, and its output
+        projection into proj."""
+        hp = self.hp
+        xq = att.xq if a.n == 1 else None
+        if prev is None:
+            norm.rmsnorm(a.hidden, att.norm, hp.rms_eps, out=a.normed, q8=xq, use_pdl=self.pdl)
+        elif not self._fused_norm(prev, a):
+            self._add_norm(a, prev.post_norm, att.norm, xq)
+        self._qkv(att, a.normed, a.qkv, xq)
+        if hp.qk_norm and not (pos0 is None and att.qk_norm_in_rope):
+            norm.rmsnorm_heads(a.qk3, att.q_norm, att.k_norm, hp.n_head, hp.rms_eps,
+                               use_pdl=self.pdl)
+        if pos0 is None:
+            self._attend_decode(att, a)
+        else:
+            self._attend_prefill(att, a, pos0)
+        # then_norm (on trial): the FFN's add-and-norm in the same launch
+        self._linear(att.output, a.attn, a.proj, norm=self._norm_after(a, att.then_norm))
+
+    def _qkv(self, att: Attention, x: torch.Tensor, out: torch.Tensor, xq) -> None:
+        """q, k, v side by side in ``out``; decode runs the three GEMVs (and biases) in one
+        launch where the load decided so."""
+        gemv = x.shape[0] <= GEMV_ROWS
+        if gemv and att.fused == "t3":
+            gemv_t.gemv_t3(att.fused_mats, x, out, self.t_part, self.t_count, att.fused_biases,
+                           config=att.fused_config, xq=xq, use_pdl=self.pdl)
+        elif gemv and att.fused == "gemv3":
+            quant_matmul.gemv3(att.fused_mats, x, out, att.fused_biases, att.fused_config,
+                               use_pdl=self.pdl, xq=xq)
+        else:
+            o = 0
+            for m in att.qkv:
+                self._linear(m, x, out[:, o:o + m.rows], xq=xq)
+                o += m.rows
+
+    def _attend_decode(self, att: Attention, a: Rows) -> None:
+        # one token at the position in buf.positions (the captured graph reads it there)
+        hp = self.hp
+        if att.rope_store:  # rotation and the cache store of k and v in one launch
+            rope.rope_store(a.qk3, a.v3, a.pos, att.rope_base, self.neox, att.rope_scale,
+                            hp.n_head, att.k_cache, att.v_cache, att.cells, use_pdl=self.pdl,
+                            freqs=att.rope_freqs, mscale=att.rope_mscale,
+                            qk_norm=(att.q_norm, att.k_norm, hp.rms_eps)
+                            if att.qk_norm_in_rope else None)
+        else:
+            rope.rope(self._rotated(att, a), a.pos, att.rope_base, self.neox, att.rope_scale,
+                      use_pdl=self.pdl, freqs=att.rope_freqs, mscale=att.rope_mscale)
+            kv_cache.kv_store(a.k3, att.k_cache, a.pos, att.cells, a.v3, att.v_cache,
+                              use_pdl=self.pdl)
+        attention.attn_decode(a.q3[0], att.k_cache, att.v_cache, a.pos, hp.n_head_kv, att.cells,
+                              att.window, hp.attn_scale, out=a.o3[0], workspace=self.attn_ws,
+                              counter=self.attn_count, use_pdl=self.pdl, sinks=att.sinks)
+
+    def _rotated(self, att: Attention, a: Rows) -> torch.Tensor:
+        # the q and k dims RoPE rotates: whole heads, or (partial RoPE) each head's first
+        # rope_dim dims, whose angles then step by rope_dim, as ggml's n_dims
+        return a.qk3 if att.rope_dim == self.hp.head_dim else a.qk3[..., :att.rope_dim]
+
+    def _attend_prefill(self, att: Attention, a: Rows, pos0: int) -> None:
+        rope.rope(self._rotated(att, a), a.pos, att.rope_base, self.neox, att.rope_scale,
+                  use_pdl=self.pdl, freqs=att.rope_freqs, mscale=att.rope_mscale)
+        if att.kv_q8:
+            # q8_0: the chunk attends its own keys/values as the cache gives them back (the CPU
+            # engine and llama.cpp do); the store below re-quantizes them
+            kv_cache.q8_roundtrip_(a.k3, use_pdl=self.pdl)
+            kv_cache.q8_roundtrip_(a.v3, use_pdl=self.pdl)
+        attention.attn_prefill(a.q3, a.k3, a.v3, att.k_cache, att.v_cache, pos0, att.cells,
+                               att.window, self.hp.attn_scale, out=a.o3, use_pdl=self.pdl,
+                               sinks=att.sinks)
+        # a ring keeps only the chunk's last `cells` rows: store only those, so that no two
+        # programs write one cell
+        s0 = max(0, a.n - att.cells)
+        kv_cache.kv_store(a.k3[s0:], att.k_cache, a.pos[s0:], att.cells, a.v3[s0:], att.v_cache,
+                          use_pdl=self.pdl)
