@@ -73,6 +73,15 @@ def seed(request: pytest.FixtureRequest) -> int:
     return value
 
 
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    """Under CI (CARVE_CI_TRACE=FILE) the test now starting, so that a run killed from outside
+    (SIGKILL, the OOM killer) can say which test it was in."""
+    trace = os.environ.get("CARVE_CI_TRACE")
+    if trace:
+        with open(trace, "w", encoding="utf-8") as f:
+            f.write(nodeid + "\n")
+
+
 def pytest_report_header() -> str:
     return f"random inputs: CARVE_TEST_SEED={SESSION_SEED}"
 

@@ -164,6 +164,17 @@ def _check_shapes(model: GGUFModel, expect: dict[str, tuple[int, ...]]) -> None:
                              f"the metadata implies {list(shape)}; the file is inconsistent")
 
 
+def _blocks_held(model: GGUFModel) -> int:
+    """How many layers the file's tensors reach: one more than the highest ``blk.N.`` index."""
+    top = -1
+    for t in model.tensors:
+        if t.name.startswith("blk."):
+            index = t.name[4:].split(".", 1)[0]
+            if index.isdigit():
+                top = max(top, int(index))
+    return top + 1
+
+
 def _read(model: GGUFModel) -> HParams:
     arch = model.arch
     if arch not in SUPPORTED:
@@ -178,6 +189,10 @@ def _read(model: GGUFModel) -> HParams:
     if min(n_layer, n_embd, n_head, n_head_kv, n_ff) <= 0 or n_head % n_head_kv:
         raise CarveError(f"{model.paths[0]}: impossible shape ({n_layer} layers, {n_embd} "
                          f"hidden, {n_head} heads, {n_head_kv} KV heads, FFN {n_ff})")
+    held = _blocks_held(model)
+    if n_layer > held:  # before anything is sized per layer: a count of 2**60 is one field
+        raise CarveError(f"{model.paths[0]}: {arch}.block_count is {n_layer} but the file "
+                         f"holds tensors of {held} layers; the file is inconsistent")
     head_dim = m.int_("attention.key_length", n_embd // n_head)
     head_dim_v = m.int_("attention.value_length", head_dim)
 
@@ -188,16 +203,16 @@ def _read(model: GGUFModel) -> HParams:
     tied = not any(t.name == "output.weight" for t in model.tensors)
     moe = _read_moe(model, m, n_layer, n_embd) if arch in MOE_ARCHS else {}
     n_run = moe.get("n_layer_run", n_layer)
-    dense = [i for i in range(n_run) if i < moe.get("n_layer_dense_lead", n_run)]
+    n_dense = min(n_run, moe.get("n_layer_dense_lead", n_run))  # layers 0 .. n_dense-1
     expect = {
         "token_embd.weight": (n_embd, n_vocab),
         "blk.0.attn_q.weight": (n_embd, n_head * head_dim),
         "blk.0.attn_k.weight": (n_embd, n_head_kv * head_dim),
         "blk.0.attn_v.weight": (n_embd, n_head_kv * head_dim_v),
     }
-    if dense:
-        expect[f"blk.{dense[0]}.ffn_up.weight"] = (n_embd, n_ff)
-        expect[f"blk.{dense[-1]}.ffn_down.weight"] = (n_ff, n_embd)
+    if n_dense:
+        expect["blk.0.ffn_up.weight"] = (n_embd, n_ff)
+        expect[f"blk.{n_dense - 1}.ffn_down.weight"] = (n_ff, n_embd)
     _check_shapes(model, expect)
 
     rope_base = m.float_("rope.freq_base", 10000.0)

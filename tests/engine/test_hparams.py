@@ -10,7 +10,7 @@ import pytest
 
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import GGUFModel
-from engine.gguf.writer import F32, STR, U32
+from engine.gguf.writer import F32, STR, U32, U64
 from engine.synth.gen import SHAPES, write_model
 from spec.errors import CarveError
 
@@ -141,7 +141,11 @@ def test_mistral_style_head_dim(tmp_path):
     (_set("llama.embedding_length", STR, "big"), "llama.embedding_length is 'big'"),
     (_set("llama.attention.head_count_kv", U32, 1),
      r"attn_k.weight has shape \[256, 128\] but the metadata implies \[256, 64\]"),
-    (_set("llama.block_count", U32, 5), "blk.4.ffn_down.weight is missing"),
+    (_set("llama.block_count", U32, 5),
+     "llama.block_count is 5 but the file holds tensors of 4 layers"),
+    # a count no file can hold is refused before anything is sized per layer
+    (_set("llama.block_count", U32, 2**32 - 1), "block_count is 4294967295 but the file holds"),
+    (_set("llama.block_count", U64, 2**60), f"block_count is {2**60} but the file holds"),
     (_set("llama.feed_forward_length", U32, 1024), "ffn_up.weight has shape"),
 ])
 def test_bad_models(tmp_path, edit, message):
