@@ -141,6 +141,7 @@ def build_plan(path: Path, gpus: str, ctx: int | None, kv: str, logits_rows: int
     from engine.planning.defaults import default_plan
     from engine.planning.price import price
 
+    path = Path(path)
     model = GGUFModel.open(path)
     devices = pick_devices(gpus)
     experts = expert_settings(args) if args is not None else {}

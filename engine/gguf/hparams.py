@@ -164,6 +164,13 @@ def _check_shapes(model: GGUFModel, expect: dict[str, tuple[int, ...]]) -> None:
                              f"the metadata implies {list(shape)}; the file is inconsistent")
 
 
+def _within(model: GGUFModel, key: str, value: float, ok: bool, rule: str) -> None:
+    """A number the engine computes with must be finite and in its domain: a NaN base or a
+    negative window would load, then give NaN logits or fail deep in a kernel."""
+    if not (math.isfinite(value) and ok):
+        raise CarveError(f"{model.paths[0]}: {model.arch}.{key} is {value!r}; it must be {rule}")
+
+
 def _blocks_held(model: GGUFModel) -> int:
     """How many layers the file's tensors reach: one more than the highest ``blk.N.`` index."""
     top = -1
@@ -215,18 +222,27 @@ def _read(model: GGUFModel) -> HParams:
         expect[f"blk.{n_dense - 1}.ffn_down.weight"] = (n_ff, n_embd)
     _check_shapes(model, expect)
 
+    gemma, oss = arch == "gemma3", arch == "gpt-oss"
+    n_ctx_train = m.int_("context_length", 0, required=True)
+    _within(model, "context_length", n_ctx_train, n_ctx_train >= 0, "a token count")
     rope_base = m.float_("rope.freq_base", 10000.0)
+    _within(model, "rope.freq_base", rope_base, rope_base > 1, "a number above 1")
+    rms_eps = m.float_("attention.layer_norm_rms_epsilon", 1e-6 if gemma else 1e-5)
+    _within(model, "attention.layer_norm_rms_epsilon", rms_eps, 0 <= rms_eps < 1,
+            "at least 0 and below 1")
     scaling = m.str_("rope.scaling.type")
     scale = m.float_("rope.scaling.factor", 0.0)
+    _within(model, "rope.scaling.factor", scale, scale >= 0, "above 0 (or absent)")
     if not scale:
         linear = m.float_("rope.scale_linear", 0.0)  # pre-2024 converters
+        _within(model, "rope.scale_linear", linear, linear >= 0, "above 0 (or absent)")
         if linear:
             scaling, scale = scaling or "linear", linear
     if scaling == "none":
         scaling = None
 
-    gemma, oss = arch == "gemma3", arch == "gpt-oss"
     window = m.int_("attention.sliding_window", _GEMMA3_DEFAULT_WINDOW if gemma else 0)
+    _within(model, "attention.sliding_window", window, window >= 0, "a token count")
     if gemma and window:
         swa = _swa_layers(m, n_layer)
     elif oss and window:
@@ -241,6 +257,9 @@ def _read(model: GGUFModel) -> HParams:
         moe["rope_scaling_orig_ctx"] = m.int_("rope.scaling.original_context_length", 0)
         moe["rope_yarn_beta_fast"] = m.float_("rope.scaling.yarn_beta_fast", 32.0)
         moe["rope_yarn_beta_slow"] = m.float_("rope.scaling.yarn_beta_slow", 1.0)
+        for beta in ("fast", "slow"):
+            v = moe[f"rope_yarn_beta_{beta}"]
+            _within(model, f"rope.scaling.yarn_beta_{beta}", v, v > 0, "above 0")
         moe["rope_yarn_truncate"] = not oss
         if moe["rope_scaling_orig_ctx"] <= 0 or scale <= 1.0:
             raise CarveError(f"{model.paths[0]}: YaRN RoPE needs {arch}.rope.scaling.factor > 1 "
@@ -248,6 +267,8 @@ def _read(model: GGUFModel) -> HParams:
     qk_norm = arch in ("qwen3", "gemma3", "qwen3moe") or (
         arch == "glm4moe" and any(t.name == "blk.0.attn_q_norm.weight" for t in model.tensors))
     query_pre = m.float_("attention.query_pre_attn_scalar", 0.0)
+    _within(model, "attention.query_pre_attn_scalar", query_pre, query_pre >= 0,
+            "above 0 (or absent)")
     if query_pre:
         default_scale = query_pre**-0.5
     elif gemma and n_layer == 62:
@@ -257,12 +278,12 @@ def _read(model: GGUFModel) -> HParams:
     else:
         default_scale = head_dim**-0.5
     attn_scale = m.float_("attention.scale", default_scale)
+    _within(model, "attention.scale", attn_scale, attn_scale > 0, "above 0")
 
     return HParams(
         arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim, head_dim_v=head_dim_v, n_ff=n_ff, n_vocab=n_vocab,
-        n_ctx_train=m.int_("context_length", 0, required=True),
-        rms_eps=m.float_("attention.layer_norm_rms_epsilon", 1e-6 if gemma else 1e-5),
+        n_ctx_train=n_ctx_train, rms_eps=rms_eps,
         rope_base=rope_base,
         rope_base_swa=_GEMMA3_ROPE_BASE_SWA if gemma else rope_base,
         rope_style=_ROPE_STYLE[arch], rope_scaling=scaling, rope_scale=scale or 1.0,
@@ -305,11 +326,14 @@ def _read_moe(model: GGUFModel, m: _Meta, n_layer: int, n_embd: int) -> dict[str
     gate0 = shapes.get(f"blk.{lead}.ffn_gate_exps.weight")
     n_ff_exp = m.int_("expert_feed_forward_length", gate0[1] if gate0 and len(gate0) == 3 else 0)
     n_shared = m.int_("expert_shared_count", 0) if arch == "glm4moe" else 0
+    _within(model, "expert_shared_count", n_shared, n_shared >= 0, "a count")
     shexp = shapes.get(f"blk.{lead}.ffn_gate_shexp.weight")
     n_ff_shexp = shexp[1] if n_shared and shexp and len(shexp) == 2 else 0
     if n_shared and not n_ff_shexp:
         raise CarveError(f"{path}: tensor blk.{lead}.ffn_gate_shexp.weight is missing; "
                          f"{arch}.expert_shared_count says {n_shared} shared experts")
+    if f"{arch}.expert_feed_forward_length" in m.md:
+        _within(model, "expert_feed_forward_length", n_ff_exp, n_ff_exp > 0, "a width above 0")
     if n_ff_exp <= 0:
         raise CarveError(f"{path}: tensor blk.{lead}.ffn_gate_exps.weight is missing and "
                          f"{arch}.expert_feed_forward_length is not set; not a complete model")
@@ -352,10 +376,12 @@ def _read_moe(model: GGUFModel, m: _Meta, n_layer: int, n_embd: int) -> dict[str
     # qwen3moe renormalises its top-k weights whatever the file says (llama.cpp's graph does)
     norm = True if arch == "qwen3moe" else arch == "glm4moe" and bool(
         m.md.get(f"{arch}.expert_weights_norm", False))
+    weights_scale = m.float_("expert_weights_scale", 1.0) if arch == "glm4moe" else 1.0
+    _within(model, "expert_weights_scale", weights_scale, weights_scale > 0, "above 0")
     return dict(
         n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp, n_expert_shared=n_shared,
         n_ff_shexp=n_ff_shexp, n_layer_dense_lead=lead, expert_gating=gating,
         expert_weights_norm=norm,
-        expert_weights_scale=m.float_("expert_weights_scale", 1.0) if arch == "glm4moe" else 1.0,
+        expert_weights_scale=weights_scale,
         n_layer_run=n_run,
     )

@@ -10,7 +10,7 @@ import pytest
 
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import GGUFModel
-from engine.gguf.writer import F32, STR, U32, U64
+from engine.gguf.writer import F32, I32, STR, U32, U64
 from engine.synth.gen import SHAPES, write_model
 from spec.errors import CarveError
 
@@ -147,9 +147,37 @@ def test_mistral_style_head_dim(tmp_path):
     (_set("llama.block_count", U32, 2**32 - 1), "block_count is 4294967295 but the file holds"),
     (_set("llama.block_count", U64, 2**60), f"block_count is {2**60} but the file holds"),
     (_set("llama.feed_forward_length", U32, 1024), "ffn_up.weight has shape"),
+    # numbers the engine computes with: finite and in their domain, or one sentence
+    (_set("llama.rope.freq_base", F32, math.nan), r"llama.rope.freq_base is nan; it must be"),
+    (_set("llama.rope.freq_base", F32, 0.0), r"llama.rope.freq_base is 0.0; it must be a "
+     "number above 1"),
+    (_set("llama.attention.layer_norm_rms_epsilon", F32, math.inf), "epsilon is inf"),
+    (_set("llama.attention.layer_norm_rms_epsilon", F32, -1.0), "epsilon is -1.0"),
+    (_set("llama.context_length", I32, -1), "llama.context_length is -1; it must be a token"),
+    (_set("llama.attention.sliding_window", I32, -1), "sliding_window is -1"),
+    (_set("llama.attention.scale", F32, 0.0), "llama.attention.scale is 0.0"),
+    (_set("llama.attention.query_pre_attn_scalar", F32, math.nan), "query_pre_attn_scalar is nan"),
+    (_set("llama.rope.scaling.factor", F32, -2.0), "llama.rope.scaling.factor is -2.0"),
 ])
 def test_bad_models(tmp_path, edit, message):
     m = _edited(tmp_path, "llama-tiny", edit)
     with pytest.raises(CarveError, match=message) as err:
         HParams.from_model(m)
     assert str(m.paths[0]) in str(err.value)
+
+
+@pytest.mark.parametrize(("shape", "key", "value", "message"), [
+    ("gpt-oss-tiny", "gpt-oss.rope.scaling.yarn_beta_fast", 0.0, "yarn_beta_fast is 0.0"),
+    ("gpt-oss-tiny", "gpt-oss.rope.scaling.yarn_beta_slow", math.inf, "yarn_beta_slow is inf"),
+    ("glm4moe-tiny", "glm4moe.expert_weights_scale", math.nan, "expert_weights_scale is nan"),
+    ("qwen3moe-tiny", "qwen3moe.expert_feed_forward_length", -1,
+     "qwen3moe.expert_feed_forward_length is -1; it must be a width above 0"),
+])
+def test_bad_numbers_of_the_moe_families(tmp_path, shape, key, value, message):
+    """The YaRN and routing numbers once loaded and then failed in the RoPE tables (math
+    domain error, division by zero) or gave NaN weights."""
+    kind = F32 if isinstance(value, float) else I32
+    m = _edited(tmp_path, shape, _set(key, kind, value))
+    with pytest.raises(CarveError, match=message) as err:
+        HParams.from_model(m)
+    assert str(err.value).startswith(str(m.paths[0]))
