@@ -164,10 +164,13 @@ def _check_shapes(model: GGUFModel, expect: dict[str, tuple[int, ...]]) -> None:
                              f"the metadata implies {list(shape)}; the file is inconsistent")
 
 
+_FLOAT32_MAX = 3.4028234663852886e38  # the engine computes in float32 at most: beyond is inf
+
+
 def _within(model: GGUFModel, key: str, value: float, ok: bool, rule: str) -> None:
     """A number the engine computes with must be finite and in its domain: a NaN base or a
     negative window would load, then give NaN logits or fail deep in a kernel."""
-    if not (math.isfinite(value) and ok):
+    if not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX and ok):
         raise CarveError(f"{model.paths[0]}: {model.arch}.{key} is {value!r}; it must be {rule}")
 
 

@@ -109,7 +109,16 @@ class Tokenizer:
             pre_tokenizer_for(_pre(meta), where)  # unknown pre: fail before any work
             if not meta.get("tokenizer.ggml.merges"):
                 raise CarveError(f"{where}: a 'gpt2' tokenizer without tokenizer.ggml.merges")
-        return cls(_build(meta, where), meta, where)
+        _check_arrays(meta, where)
+        try:
+            hf = _build(meta, where)
+        except CarveError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the tokenizer library's own refusal
+            reason = " ".join(str(err).split())
+            raise CarveError(f"{where}: the tokenizer cannot be built from the file's "
+                             f"vocabulary ({reason}); the file is inconsistent") from None
+        return cls(hf, meta, where)
 
     # ---- encoding -----------------------------------------------------------------------
 
@@ -205,6 +214,22 @@ class StreamDecoder:
 
 
 # ---- metadata helpers ----------------------------------------------------------------------
+
+
+_ARRAYS = (("tokens", str, "strings"), ("merges", str, "strings"),
+           ("token_type", int, "whole numbers"), ("scores", (int, float), "numbers"))
+
+
+def _check_arrays(meta: dict[str, Any], where: str) -> None:
+    """The vocabulary arrays hold what their keys say (a GGUF array may hold any one type)."""
+    for key, kind, what in _ARRAYS:
+        values = meta.get(f"tokenizer.ggml.{key}")
+        if values is None:
+            continue
+        if not isinstance(values, (list, tuple)) or any(
+                not isinstance(v, kind) or isinstance(v, bool) for v in values):
+            raise CarveError(f"{where}: tokenizer.ggml.{key} must be an array of {what}; "
+                             "the file is inconsistent")
 
 
 def _pre(meta: dict[str, Any]) -> str:

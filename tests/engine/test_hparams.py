@@ -10,7 +10,7 @@ import pytest
 
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import GGUFModel
-from engine.gguf.writer import F32, I32, STR, U32, U64
+from engine.gguf.writer import F32, F64, I32, STR, U32, U64
 from engine.synth.gen import SHAPES, write_model
 from spec.errors import CarveError
 
@@ -156,6 +156,7 @@ def test_mistral_style_head_dim(tmp_path):
     (_set("llama.context_length", I32, -1), "llama.context_length is -1; it must be a token"),
     (_set("llama.attention.sliding_window", I32, -1), "sliding_window is -1"),
     (_set("llama.attention.scale", F32, 0.0), "llama.attention.scale is 0.0"),
+    (_set("llama.attention.scale", F64, 1e300), "llama.attention.scale is 1e[+]300"),  # inf in f32
     (_set("llama.attention.query_pre_attn_scalar", F32, math.nan), "query_pre_attn_scalar is nan"),
     (_set("llama.rope.scaling.factor", F32, -2.0), "llama.rope.scaling.factor is -2.0"),
 ])

@@ -225,3 +225,29 @@ def test_decode_out_of_range_id():
     tok = Tokenizer.from_model(FakeModel(bpe_meta()))
     with pytest.raises(CarveError, match="outside the vocabulary"):
         tok.decode([10**6])
+
+
+@pytest.mark.parametrize(("meta", "says"), [
+    (lambda m: {"tokenizer.ggml.tokens": list(range(len(m["tokenizer.ggml.tokens"])))},
+     "tokenizer.ggml.tokens must be an array of strings"),
+    (lambda m: {"tokenizer.ggml.merges": [1, 2]}, "tokenizer.ggml.merges must be an array of"),
+    (lambda m: {"tokenizer.ggml.token_type": ["x"] * len(m["tokenizer.ggml.tokens"])},
+     "tokenizer.ggml.token_type must be an array of whole numbers"),
+    # merges naming a piece the vocabulary lacks: the tokenizer library refuses, in a sentence
+    (lambda m: {"tokenizer.ggml.merges": ["zz qq", *m["tokenizer.ggml.merges"]]},
+     r"the tokenizer cannot be built .*Token `zz` out of vocabulary.*inconsistent"),
+    (lambda m: {"tokenizer.ggml.tokens": ["a"] * len(m["tokenizer.ggml.tokens"])},
+     "the tokenizer cannot be built"),
+])
+def test_inconsistent_vocabularies_are_one_sentence(meta, says):
+    """Arrays of the wrong type, merges of pieces the vocabulary lacks: once a ValueError,
+    TypeError or the library's bare Exception out of the engine's load."""
+    base = bpe_meta()
+    with pytest.raises(CarveError, match=says) as err:
+        Tokenizer.from_model(FakeModel({**base, **meta(base)}))
+    assert str(err.value).startswith("tiny.gguf: ") and "\n" not in str(err.value)
+
+
+def test_spm_scores_must_be_numbers():
+    with pytest.raises(CarveError, match="tokenizer.ggml.scores must be an array of numbers"):
+        Tokenizer.from_model(FakeModel(spm_meta(**{"tokenizer.ggml.scores": ["high"] * 284})))
