@@ -185,6 +185,21 @@ def _blocks_held(model: GGUFModel) -> int:
     return top + 1
 
 
+def _check_layers_alike(model: GGUFModel, n_run: int) -> None:
+    """Every run layer's tensor of a role has the shape the first layer holding that role
+    gave it: the families here have no per-layer widths, and a later layer's transposed or
+    resized matrix would otherwise load and fail mid-reply (or, on the GPU, read past it)."""
+    first: dict[str, tuple[int, tuple[int, ...]]] = {}
+    for t in model.tensors:
+        if t.layer is None or not 0 <= t.layer < n_run:
+            continue
+        role = t.name.split(".", 2)[2]
+        layer, shape = first.setdefault(role, (t.layer, t.shape))
+        if t.shape != shape:
+            raise CarveError(f"{model.paths[0]}: tensor {t.name} has shape {list(t.shape)} but "
+                             f"blk.{layer}.{role} has {list(shape)}; the file is inconsistent")
+
+
 def _read(model: GGUFModel) -> HParams:
     arch = model.arch
     if arch not in SUPPORTED:
@@ -224,6 +239,17 @@ def _read(model: GGUFModel) -> HParams:
         expect["blk.0.ffn_up.weight"] = (n_embd, n_ff)
         expect[f"blk.{n_dense - 1}.ffn_down.weight"] = (n_ff, n_embd)
     _check_shapes(model, expect)
+    optional = {  # where the file has them
+        "blk.0.attn_output.weight": (n_head * head_dim_v, n_embd),
+        "blk.0.attn_norm.weight": (n_embd,),
+        "output.weight": (n_embd, n_vocab),
+        "output_norm.weight": (n_embd,),
+    }
+    if n_dense:
+        optional["blk.0.ffn_gate.weight"] = (n_embd, n_ff)
+    _check_shapes(model, {k: v for k, v in optional.items()
+                          if any(t.name == k for t in model.tensors)})
+    _check_layers_alike(model, n_run)
 
     gemma, oss = arch == "gemma3", arch == "gpt-oss"
     n_ctx_train = m.int_("context_length", 0, required=True)

@@ -182,3 +182,34 @@ def test_bad_numbers_of_the_moe_families(tmp_path, shape, key, value, message):
     with pytest.raises(CarveError, match=message) as err:
         HParams.from_model(m)
     assert str(err.value).startswith(str(m.paths[0]))
+
+
+@pytest.mark.parametrize(("shape", "name"), [
+    ("llama-tiny", "blk.2.ffn_down.weight"),
+    ("llama-tiny", "blk.3.attn_k.weight"),
+    ("qwen3moe-tiny", "blk.1.ffn_down_exps.weight"),
+    ("qwen3moe-tiny", "blk.2.attn_v.weight"),
+    ("llama-tiny", "output.weight"),
+])
+def test_a_later_layers_transposed_matrix_is_refused_at_open(tmp_path, shape, name):
+    """Only layer 0's matrices were checked against the metadata: a later layer's tensor with
+    its dimensions swapped (same bytes) planned, loaded, then failed mid-reply in a matmul."""
+    import numpy as np
+
+    from engine.gguf.writer import GGUFSink
+    from engine.synth.gen import metadata, tensor_table, tensor_types
+
+    sh = SHAPES[shape]
+    types = tensor_types(sh, "q8_0")
+    def swap(d):  # a matrix's two dims; an expert tensor's width and expert count
+        return (d[1], d[0]) if len(d) == 2 else (d[0], d[2], d[1])
+
+    table = [(n, swap(d) if n == name else d) for n, d in tensor_table(sh)]
+    assert any(n == name for n, _ in table)
+    path = tmp_path / "swapped.gguf"
+    rng = np.random.default_rng(0)
+    sink = GGUFSink(metadata(sh, "q8_0"), [(n, d, types[n]) for n, d in table], [path])
+    sink.write(lambda n, t, nbytes: [rng.integers(0, 255, nbytes, dtype=np.uint8).tobytes()])
+    says = rf"tensor {name} (has shape \[.*\] but|holds \d+ experts but) .*inconsistent"
+    with pytest.raises(CarveError, match=says):
+        HParams.from_model(GGUFModel.open(path))
