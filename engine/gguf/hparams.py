@@ -215,7 +215,11 @@ def _read(model: GGUFModel) -> HParams:
         raise CarveError(f"{model.paths[0]}: impossible shape ({n_layer} layers, {n_embd} "
                          f"hidden, {n_head} heads, {n_head_kv} KV heads, FFN {n_ff})")
     held = _blocks_held(model)
-    if n_layer > held:  # before anything is sized per layer: a count of 2**60 is one field
+    # before anything is sized per layer (a count of 2**60 is one field); a GLM file may leave
+    # out the next-token-prediction layers it declares, which are never run
+    nextn = m.md.get(f"{arch}.nextn_predict_layers", 0) if arch == "glm4moe" else 0
+    nextn = nextn if isinstance(nextn, int) and 0 <= nextn < n_layer else 0
+    if n_layer - nextn > held:
         raise CarveError(f"{model.paths[0]}: {arch}.block_count is {n_layer} but the file "
                          f"holds tensors of {held} layers; the file is inconsistent")
     head_dim = m.int_("attention.key_length", n_embd // n_head)

@@ -213,3 +213,31 @@ def test_a_later_layers_transposed_matrix_is_refused_at_open(tmp_path, shape, na
     says = rf"tensor {name} (has shape \[.*\] but|holds \d+ experts but) .*inconsistent"
     with pytest.raises(CarveError, match=says):
         HParams.from_model(GGUFModel.open(path))
+
+
+def test_a_glm_file_without_its_next_token_layer_opens(tmp_path):
+    """block_count counts GLM's next-token-prediction layer, which is never run: a file that
+    leaves that layer's tensors out is not short of layers."""
+    import numpy as np
+
+    from engine.gguf.writer import GGUFSink
+    from engine.synth.gen import metadata, tensor_table, tensor_types
+
+    sh = SHAPES["glm4moe-tiny"]
+    meta = metadata(sh, "q8_0")
+    n_layer = next(v for k, _, v in meta if k == "glm4moe.block_count")
+    types = tensor_types(sh, "q8_0")
+    kept = [(n, d) for n, d in tensor_table(sh) if not n.startswith(f"blk.{n_layer - 1}.")]
+    path = tmp_path / "no-nextn.gguf"
+    rng = np.random.default_rng(0)
+    GGUFSink(meta, [(n, d, types[n]) for n, d in kept], [path]).write(
+        lambda n, t, nbytes: [rng.integers(0, 255, nbytes, dtype=np.uint8).tobytes()])
+    hp = HParams.from_model(GGUFModel.open(path))
+    assert (hp.n_layer, hp.n_layer_run) == (n_layer, n_layer - 1)
+    # without the nextn key the same file is short of a layer
+    GGUFSink([kv for kv in meta if kv[0] != "glm4moe.nextn_predict_layers"],
+             [(n, d, types[n]) for n, d in kept], [tmp_path / "short.gguf"]).write(
+        lambda n, t, nbytes: [rng.integers(0, 255, nbytes, dtype=np.uint8).tobytes()])
+    with pytest.raises(CarveError, match=f"block_count is {n_layer} but the file holds tensors "
+                                         f"of {n_layer - 1} layers"):
+        HParams.from_model(GGUFModel.open(tmp_path / "short.gguf"))
