@@ -359,14 +359,12 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
     y = out.view(x2.shape[0], rows)
     if norm is not None and (norm_counter is None or norm_counter.dtype != torch.int32):
         raise ValueError("gemv_t's norm needs an int32 counter")
-    res, nw, eps, ny, nq = after_args(norm, y, rows, "gemv_t")
+    (res, nw, eps, ny, nq), norm_meta = after_args(norm, y, rows, "gemv_t", "BLOCK_E")
     _gemv_t_kernel[grid](*ptrs, x2, q, d, s, y, bias if bias is not None else y, part, counter,
                          norm_counter if norm is not None else counter, res, nw, ny, *nq,
                          rows, nb, bps, x2.stride(0), y.stride(0), float(eps),
-                         HAS_BIAS=bias is not None, Q8X=use, NORM=norm is not None,
-                         NQ8=norm is not None and norm[4] is not None,
-                         BLOCK_E=triton.next_power_of_2(rows) if norm is not None else 1,
-                         ASM=wt.is_cuda, **meta, num_warps=warps)
+                         HAS_BIAS=bias is not None, Q8X=use, **norm_meta, ASM=wt.is_cuda,
+                         **meta, num_warps=warps)
     return out
 
 

@@ -363,16 +363,14 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
         raise ValueError(f"counter must hold {need} int32 zeros and out one row of {n}")
     if norm is not None and not fused:
         raise ValueError("expert_down_q8's norm needs the counter (the in-kernel sums)")
-    res, nw, eps, ny, nq = after_args(norm, out, n, "expert_down_q8")
+    (res, nw, eps, ny, nq), norm_meta = after_args(norm, out, n, "expert_down_q8")
     _expert_down_q8_kernel[(tiles, ku)](
         *_q8_views(down, ggml_type, "down"), bias if bias is not None else rows_out, *hq, ids,
         rows_out, weights, out, counter if fused else ids, res, nw, ny, *nq, n, k,
         down.shape[1], rows_out.stride(0), float(eps), KU=ku, HAS_BIAS=bias is not None,
         COMBINE=fused, ACCUM=accumulate, TYPE=ggml_type, QK=Q8_BLOCK[ggml_type], BLOCK_R=br,
-        BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[ggml_type])),
-        NORM=norm is not None, NQ8=norm is not None and norm[4] is not None,
-        BLOCK_N=triton.next_power_of_2(n) if norm is not None else 1, ASM=down.is_cuda,
-        num_warps=warps, **pdl.opts(rows_out, use_pdl))
+        BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[ggml_type])), **norm_meta,
+        ASM=down.is_cuda, num_warps=warps, **pdl.opts(rows_out, use_pdl))
     if not fused:
         combine(rows_out, None, weights, out, accumulate)
     return out

@@ -86,18 +86,23 @@ def norm_after(cnt_ptr, n_prog, y_ptr, res_ptr, w_ptr, ny_ptr, q_ptr, d_ptr, s_p
         tl.atomic_xchg(cnt_ptr, 0)  # zero again for the next call
 
 
-def after_args(norm: tuple | None, y: torch.Tensor, n: int, what: str):
+def after_args(norm: tuple | None, y: torch.Tensor, n: int, what: str,
+               block: str = "BLOCK_N"):
     """The kernel arguments of a GEMV's add-and-norm after it (``add_norm_row`` in its last
     program) of one row of ``n``: ``norm`` is (residual, weight, eps, normed, q8 buffers or
-    None); None gives placeholders (``y``). Checked: a ValueError names ``what``."""
+    None); None gives placeholders (``y``). Returns ((residual, weight, eps, normed, q8
+    buffers), the constexprs NORM, NQ8 and ``block``, the row's power-of-two width). Checked:
+    a ValueError names ``what``."""
+    meta = {"NORM": norm is not None, "NQ8": norm is not None and norm[4] is not None,
+            block: triton.next_power_of_2(n) if norm is not None else 1}
     if norm is None:
-        return y, y, 0.0, y, (y, y, y)
+        return (y, y, 0.0, y, (y, y, y)), meta
     res, w, eps, ny, q8 = norm
     if (y.numel() != n or res.numel() != n or ny.numel() != n or w.numel() != n
             or not res.is_contiguous() or not ny.is_contiguous()
             or (q8 is not None and (n % 32 or not q8x.fits(q8, n)))):
         raise ValueError(f"{what}'s norm takes one row of {n} (and an int8 copy of one)")
-    return res, w, eps, ny, q8 if q8 is not None else (y, y, y)
+    return (res, w, eps, ny, q8 if q8 is not None else (y, y, y)), meta
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,

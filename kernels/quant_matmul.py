@@ -304,15 +304,12 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     if norm is not None and (counter is None or counter.dtype != torch.int32):
         raise ValueError("gemv's norm needs an int32 counter")
-    res, nw, eps, ny, nq = after_args(norm, y, n, "gemv")
+    (res, nw, eps, ny, nq), norm_meta = after_args(norm, y, n, "gemv")
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
     _gemv_kernel[grid](*ptrs, x2, q, d, y, bias if bias is not None else y,
                        counter if counter is not None else y, res, nw, ny, *nq, n, k,
                        w.shape[1], x2.stride(0), y.stride(0), float(eps),
-                       HAS_BIAS=bias is not None, Q8X=use, NORM=norm is not None,
-                       NQ8=norm is not None and norm[4] is not None,
-                       BLOCK_N=triton.next_power_of_2(n) if norm is not None else 1,
-                       ASM=w.is_cuda, **meta,
+                       HAS_BIAS=bias is not None, Q8X=use, **norm_meta, ASM=w.is_cuda, **meta,
                        **_opts(warps, stages), **pdl.opts(y, use_pdl))
     return y.view(*x.shape[:-1], n) if out is None else out
 
