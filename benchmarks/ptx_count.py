@@ -332,19 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             return _report(kernel, args, qt.type_name(t), {"config": cfg, "norm": True},
                            whole=True)
         per = values_per_step(t, cfg)
-    counts = sass_counts(kernel.asm["cubin"]) if args.sass else loop_counts(kernel.asm["ptx"])
-    n = sum(counts.values())
-    code = "SASS" if args.sass else "PTX"
-    if args.json:
-        print(json.dumps({"type": qt.type_name(t), "config": cfg, "x": args.x,
-                          "body": "t" if args.t else args.body, "code": code, "loop": n,
-                          "per_value": n / per, "counts": dict(counts)}))
-        return 0
-    print(f"{qt.type_name(t)} {'T ' if args.t else ''}tile {cfg} x {args.x} body "
-          f"{'t' if args.t else args.body or 'default'}: {n} {code} instructions a loop step, "
-          f"{per} values a thread, {n / per:.2f} per value")
-    print("  " + ", ".join(f"{op} {c}" for op, c in counts.most_common(16)))
-    return 0
+    return _report(kernel, args, qt.type_name(t),
+                   {"config": cfg, "x": args.x, "body": "t" if args.t else args.body}, per)
 
 
 def _report(kernel, args, name: str, what: dict, per: int = 0, whole: bool = False) -> int:
@@ -360,7 +349,9 @@ def _report(kernel, args, name: str, what: dict, per: int = 0, whole: bool = Fal
         print(json.dumps({"type": name, **what, "code": code, "loop": n,
                           "per_value": n / per if per else None, "counts": dict(counts)}))
         return 0
-    print(f"{name} {what}: {n} {code} instructions" + (f", {n / per:.2f} per value" if per else ""))
+    print(f"{name} {what}: {n} {code} instructions "
+          + ("in the kernel" if whole else "a loop step")
+          + (f", {per} values a thread, {n / per:.2f} per value" if per else ""))
     print("  " + ", ".join(f"{op} {c}" for op, c in counts.most_common(16)))
     return 0
 
