@@ -151,11 +151,15 @@ def _swa_layers(meta: _Meta, n_layer: int) -> tuple[bool, ...]:
     return tuple((i + 1) % pattern != 0 for i in range(n_layer))
 
 
-def _check_shapes(model: GGUFModel, expect: dict[str, tuple[int, ...]]) -> None:
-    # metadata that disagrees with the tensors would misprice every KV cache and buffer
+def _check_shapes(model: GGUFModel, expect: dict[str, tuple[int, ...]],
+                  required: bool = True) -> None:
+    # metadata that disagrees with the tensors would misprice every KV cache and buffer;
+    # ``required`` False: a tensor the file lacks is not checked
     by_name = {t.name: t for t in model.tensors if t.name in expect}
     for name, shape in expect.items():
         t = by_name.get(name)
+        if t is None and not required:
+            continue
         if t is None:
             raise CarveError(f"{model.paths[0]}: tensor {name} is missing; the metadata "
                              "describes more layers or parts than the file holds")
@@ -251,8 +255,7 @@ def _read(model: GGUFModel) -> HParams:
     }
     if n_dense:
         optional["blk.0.ffn_gate.weight"] = (n_embd, n_ff)
-    _check_shapes(model, {k: v for k, v in optional.items()
-                          if any(t.name == k for t in model.tensors)})
+    _check_shapes(model, optional, required=False)
     _check_layers_alike(model, n_run)
 
     gemma, oss = arch == "gemma3", arch == "gpt-oss"
