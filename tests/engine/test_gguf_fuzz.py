@@ -6,7 +6,6 @@ in bounded time and memory."""
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import struct
 import time
@@ -19,6 +18,7 @@ from hypothesis import strategies as st
 
 from engine.gguf.reader import GGUFModel
 from spec.errors import CarveError
+from tests.engine.capped import address_space_capped
 
 FUZZ = settings(max_examples=25, deadline=None, derandomize=False,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -28,18 +28,8 @@ HUGE = [2**32 - 1, 2**40, 2**60, 2**63 - 1, 2**64 - 1]
 
 @pytest.fixture(autouse=True)
 def _address_space_capped():
-    """A hostile header that makes a reader or loader allocate without bound fails its test
-    with MemoryError here, naming the input, instead of growing until the OOM killer ends the
-    whole run (a block_count of 1.5e9 once did, at 24 GiB)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = psutil.Process().memory_info().vms + (3 << 30)
-    if hard != resource.RLIM_INFINITY:
-        cap = min(cap, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    try:
+    with address_space_capped():
         yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def header_end(path: Path) -> int:

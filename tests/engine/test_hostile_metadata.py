@@ -7,15 +7,14 @@ in some configurations (YaRN's betas, GLM's routing) are planted too: a file may
 from __future__ import annotations
 
 import math
-import resource
 
-import psutil
 import pytest
 import torch
 
 from engine.gguf.writer import F32, F64, I32, I64, U32, U64
 from engine.synth.gen import write_model
 from spec.errors import CarveError
+from tests.engine.capped import address_space_capped
 
 INTS = [(U32, 0), (U32, 2**32 - 1), (U64, 2**60), (I32, -1), (I64, -(2**62))]
 FLOATS = [(F32, math.nan), (F32, math.inf), (F32, -1.0), (F32, 0.0), (F64, 1e300)]
@@ -58,16 +57,13 @@ def test_hostile_numbers_load_finite_or_are_one_sentence(shape, tmp_path):
         for vtype, value in FLOATS if kind in (F32, F64) else INTS:
             path = write_model(tmp_path / "x.gguf", shape, "q8_0", edit=lambda m: [
                 kv for kv in m if kv[0] != key] + [(key, vtype, value)])[0]
-            soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-            cap = psutil.Process().memory_info().vms + (3 << 30)
-            resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY
-                                                    else min(cap, hard), hard))
             try:
-                session = Session.load(build_plan(path, "cpu", 64, "f16"))
-                try:
-                    logits = session.forward([1, 2, 3], 0, rows="all")
-                finally:
-                    session.close()
+                with address_space_capped():
+                    session = Session.load(build_plan(path, "cpu", 64, "f16"))
+                    try:
+                        logits = session.forward([1, 2, 3], 0, rows="all")
+                    finally:
+                        session.close()
                 if not bool(torch.isfinite(logits).all()):
                     wrong.append(f"{key}={value!r}: non-finite logits")
             except CarveError as err:
@@ -76,6 +72,4 @@ def test_hostile_numbers_load_finite_or_are_one_sentence(shape, tmp_path):
                     wrong.append(f"{key}={value!r}: {text!r}")
             except Exception as err:  # noqa: BLE001 - what this test exists to catch
                 wrong.append(f"{key}={value!r}: {type(err).__name__}: {err}")
-            finally:
-                resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     assert not wrong, "\n".join(wrong)

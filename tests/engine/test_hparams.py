@@ -184,6 +184,18 @@ def test_bad_numbers_of_the_moe_families(tmp_path, shape, key, value, message):
     assert str(err.value).startswith(str(m.paths[0]))
 
 
+def _written(path, meta, table, types) -> GGUFModel:
+    """A GGUF of ``table`` (name, dims) with random bytes for data (only headers are read)."""
+    import numpy as np
+
+    from engine.gguf.writer import GGUFSink
+
+    rng = np.random.default_rng(0)
+    GGUFSink(meta, [(n, d, types[n]) for n, d in table], [path]).write(
+        lambda n, t, nbytes: [rng.integers(0, 255, nbytes, dtype=np.uint8).tobytes()])
+    return GGUFModel.open(path)
+
+
 @pytest.mark.parametrize(("shape", "name"), [
     ("llama-tiny", "blk.2.ffn_down.weight"),
     ("llama-tiny", "blk.3.attn_k.weight"),
@@ -194,33 +206,23 @@ def test_bad_numbers_of_the_moe_families(tmp_path, shape, key, value, message):
 def test_a_later_layers_transposed_matrix_is_refused_at_open(tmp_path, shape, name):
     """Only layer 0's matrices were checked against the metadata: a later layer's tensor with
     its dimensions swapped (same bytes) planned, loaded, then failed mid-reply in a matmul."""
-    import numpy as np
-
-    from engine.gguf.writer import GGUFSink
     from engine.synth.gen import metadata, tensor_table, tensor_types
 
-    sh = SHAPES[shape]
-    types = tensor_types(sh, "q8_0")
     def swap(d):  # a matrix's two dims; an expert tensor's width and expert count
         return (d[1], d[0]) if len(d) == 2 else (d[0], d[2], d[1])
 
+    sh = SHAPES[shape]
     table = [(n, swap(d) if n == name else d) for n, d in tensor_table(sh)]
     assert any(n == name for n, _ in table)
-    path = tmp_path / "swapped.gguf"
-    rng = np.random.default_rng(0)
-    sink = GGUFSink(metadata(sh, "q8_0"), [(n, d, types[n]) for n, d in table], [path])
-    sink.write(lambda n, t, nbytes: [rng.integers(0, 255, nbytes, dtype=np.uint8).tobytes()])
     says = rf"tensor {name} (has shape \[.*\] but|holds \d+ experts but) .*inconsistent"
     with pytest.raises(CarveError, match=says):
-        HParams.from_model(GGUFModel.open(path))
+        HParams.from_model(_written(tmp_path / "swapped.gguf", metadata(sh, "q8_0"), table,
+                                    tensor_types(sh, "q8_0")))
 
 
 def test_a_glm_file_without_its_next_token_layer_opens(tmp_path):
     """block_count counts GLM's next-token-prediction layer, which is never run: a file that
     leaves that layer's tensors out is not short of layers."""
-    import numpy as np
-
-    from engine.gguf.writer import GGUFSink
     from engine.synth.gen import metadata, tensor_table, tensor_types
 
     sh = SHAPES["glm4moe-tiny"]
@@ -228,16 +230,10 @@ def test_a_glm_file_without_its_next_token_layer_opens(tmp_path):
     n_layer = next(v for k, _, v in meta if k == "glm4moe.block_count")
     types = tensor_types(sh, "q8_0")
     kept = [(n, d) for n, d in tensor_table(sh) if not n.startswith(f"blk.{n_layer - 1}.")]
-    path = tmp_path / "no-nextn.gguf"
-    rng = np.random.default_rng(0)
-    GGUFSink(meta, [(n, d, types[n]) for n, d in kept], [path]).write(
-        lambda n, t, nbytes: [rng.integers(0, 255, nbytes, dtype=np.uint8).tobytes()])
-    hp = HParams.from_model(GGUFModel.open(path))
+    hp = HParams.from_model(_written(tmp_path / "no-nextn.gguf", meta, kept, types))
     assert (hp.n_layer, hp.n_layer_run) == (n_layer, n_layer - 1)
     # without the nextn key the same file is short of a layer
-    GGUFSink([kv for kv in meta if kv[0] != "glm4moe.nextn_predict_layers"],
-             [(n, d, types[n]) for n, d in kept], [tmp_path / "short.gguf"]).write(
-        lambda n, t, nbytes: [rng.integers(0, 255, nbytes, dtype=np.uint8).tobytes()])
+    short = [kv for kv in meta if kv[0] != "glm4moe.nextn_predict_layers"]
     with pytest.raises(CarveError, match=f"block_count is {n_layer} but the file holds tensors "
                                          f"of {n_layer - 1} layers"):
-        HParams.from_model(GGUFModel.open(tmp_path / "short.gguf"))
+        HParams.from_model(_written(tmp_path / "short.gguf", short, kept, types))
