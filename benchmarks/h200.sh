@@ -75,7 +75,7 @@ if [ -n "${LLAMA:-}" ]; then  # built in the background while the GPU benches ru
     ( mkdir -p /tmp/llama && tar xzf .whl/llama.cpp.tar.gz -C /tmp/llama \
       && cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
          -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-         -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null \
+         -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null \
       && cmake --build build --target llama-bench -j "$(nproc)" >/dev/null ) \
         >"$out/llama-build.log" 2>&1 &
     llama_build=$!

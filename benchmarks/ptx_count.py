@@ -8,14 +8,13 @@ the machine code, disassembled by the wheel's nvdisasm), per value and by opcode
     python -m benchmarks.ptx_count TYPE --expert glu|down [--norm] [--config R,B,W] [--sass]
         [--json]
     python -m benchmarks.ptx_count --rope-store [--qk-norm] [--sass] [--json]
-    python -m benchmarks.ptx_count --router [--route] [--sass] [--json]
 
 ``--expert``: decode's routed-expert GEMV on int8 x (kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4;
 ``--norm``: down with the next layer's add-and-norm, its whole kernel counted; without
 ``--expert``, the GGUF-order GEMV with the FFN's add-and-norm, or with ``--t`` the T-layout
 one with the next layer's).
 ``--rope-store``: decode's RoPE + cache store (``--qk-norm``: with qwen3's q/k norms in it),
-its whole kernel counted; ``--router``: decode's MoE router (``--route``: routing too).
+its whole kernel counted.
 
 A GEMV of the low-bit types in GGUF order was instruction-bound long before it was
 memory-bound, then bound by its L1 traffic (kernels/NOTES.md): the count per value is the first
@@ -171,27 +170,6 @@ def compile_rope_store(qk_norm: bool, q8_cache: bool = False):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
-def compile_router(route: bool):
-    """The compiled decode MoE router GEMV (kernels/moe.py) of 128 experts x 2048, softmax
-    gating, top 8: ``route``: in programs of one warp, the last of which routes."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from kernels import moe
-
-    sig = {"w_ptr": "*fp32", "x_ptr": "*bf16", "b_ptr": "*fp32", "y_ptr": "*fp32",
-           "cnt_ptr": "*i32", "sb_ptr": "*fp32", "ids_ptr": "*i32", "rw_ptr": "*fp32",
-           "E": "i32", "K": "i32", "stride_xm": "i32", "scale": "fp32"}
-    const = {"HAS_BIAS": False, "BLOCK_E": 2, "BLOCK_K": 512, "ROUTE": route, "GATING": 0,
-             "KU": 8 if route else 1, "KP": 8 if route else 1, "NORM": route,
-             "HAS_SB": False, "BLOCK_R": 128 if route else 1, "PDL": True}
-    sig.update({k: "constexpr" for k in const})
-    src = ASTSource(fn=moe._router_kernel, signature=sig, constexprs=const)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 1 if route else 4})
-
-
 def sass_counts(cubin: bytes, whole: bool = False) -> Counter:
     """Opcodes of the largest basic block of the machine code (nvdisasm of the Triton wheel);
     ``whole``: of every block."""
@@ -265,9 +243,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="with the next add-and-norm in it (--expert down, or the GGUF-order "
                     "GEMV), the whole kernel counted")
     ap.add_argument("--rope-store", action="store_true", help="decode's RoPE + cache store")
-    ap.add_argument("--router", action="store_true", help="decode's MoE router GEMV")
-    ap.add_argument("--route", action="store_true",
-                    help="--router in one-warp programs, the last of which routes")
     ap.add_argument("--qk-norm", action="store_true", help="--rope-store with the q/k norms")
     ap.add_argument("--config", default=None,
                     help="rows,blocks,warps (--t: rows,warps; default: the type's launch)")
@@ -281,9 +256,6 @@ def main(argv: list[str] | None = None) -> int:
         print("error: unset TRITON_INTERPRET: the interpreter compiles nothing",
               file=sys.stderr)
         return 2
-    if args.router:
-        return _report(compile_router(args.route), args, "router", {"route": args.route},
-                       whole=True)
     if args.rope_store:
         return _report(compile_rope_store(args.qk_norm), args, "rope_store",
                        {"qk_norm": args.qk_norm}, whole=True)

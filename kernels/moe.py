@@ -48,13 +48,8 @@ OAI_ALPHA = 1.702  # gpt-oss's clamped SwiGLU: g * sigmoid(1.702 g) * (u + 1)
 
 # --- the router and the routing -----------------------------------------------------------
 @triton.jit
-def _router_kernel(w_ptr, x_ptr, b_ptr, y_ptr, cnt_ptr, sb_ptr, ids_ptr, rw_ptr, E, K,
-                   stride_xm, scale, HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr,
-                   BLOCK_K: tl.constexpr, ROUTE: tl.constexpr, GATING: tl.constexpr,
-                   KU: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
-                   HAS_SB: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-    # ROUTE (one row, programs of one warp): the last program to finish routes the row (the
-    # route kernel's work, its reductions within the warp), no launch of its own
+def _router_kernel(w_ptr, x_ptr, b_ptr, y_ptr, E, K, stride_xm, HAS_BIAS: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
@@ -72,12 +67,6 @@ def _router_kernel(w_ptr, x_ptr, b_ptr, y_ptr, cnt_ptr, sb_ptr, ids_ptr, rw_ptr,
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rmask, other=0.0)
     tl.store(y_ptr + m * E + rows, y, mask=rmask)
-    if ROUTE:
-        tl.debug_barrier()  # every thread's stores issued before the counter's release
-        if tl.atomic_add(cnt_ptr, 1) == tl.num_programs(0) - 1:
-            _route_row(y_ptr, sb_ptr, ids_ptr, rw_ptr, m, E, scale, GATING, KU, KP, NORM,
-                       HAS_SB, BLOCK_R, ".cg")
-            tl.atomic_xchg(cnt_ptr, 0)  # zero again for the next call
 
 
 @triton.jit
@@ -108,30 +97,15 @@ ROUTER_GEMV_ROWS = 8  # up to this many rows the router runs as a GEMV (decode)
 
 
 def router(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, use_pdl: bool = True,
-           route_to: tuple | None = None, counter: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, use_pdl: bool = True) -> torch.Tensor:
     """Router logits [M, E] float32 = x [M, K] @ w^T (+ bias); ``w`` float32 [E, K] (the file
     keeps routers in F32). Up to ROUTER_GEMV_ROWS rows a GEMV, else a tiled float32 GEMM.
-    ``route_to`` (one row, with ``counter``: an int32 zero, left zero): ``route``'s arguments
-    after the logits, (k, gating, norm, scale, sel_bias, ids, weights): the GEMV's last
-    program routes the row too, in programs of one warp."""
+    The route runs as a launch of its own (``route``): the router's last program routing the
+    row was measured twice and lost both times (kernels/NOTES.md, Tried and rejected)."""
     e, k = w.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     out = torch.empty(m, e, dtype=torch.float32, device=x.device) if out is None else out
-    if route_to is not None:
-        if m != 1 or counter is None or counter.dtype != torch.int32:
-            raise ValueError("router's route takes one row and an int32 counter")
-        ku, gating, norm, scale, sel_bias, ids, weights = route_to
-        # 2 experts a program (under the interpreter too: the last-program logic runs there)
-        _router_kernel[(triton.cdiv(e, 2), 1)](
-            w, x2, bias if bias is not None else w, out, counter,
-            sel_bias if sel_bias is not None else out, ids, weights, e, k, x2.stride(0),
-            float(scale), HAS_BIAS=bias is not None, BLOCK_E=2,
-            BLOCK_K=512 if x.is_cuda else triton.next_power_of_2(k), ROUTE=True,
-            **_route_meta(e, ku, gating, norm, sel_bias), num_warps=1,
-            **pdl.opts(out, use_pdl))
-        return out
     if m > ROUTER_GEMV_ROWS:
         # tiles of 16 rows x 32 experts: 128 programs at 512 rows x 128 experts (tiles of 32 x
         # 64 gave 32 programs on 132 SMs: 157 us on an H200 for 0.27 GFLOP)
@@ -144,18 +118,10 @@ def router(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
     block_e = 2 if x.is_cuda else triton.next_power_of_2(e)
     block_k = 512 if x.is_cuda else triton.next_power_of_2(k)
     _router_kernel[(triton.cdiv(e, block_e), m)](
-        w, x2, bias if bias is not None else w, out, out, out, out, out, e, k, x2.stride(0),
-        1.0, HAS_BIAS=bias is not None, BLOCK_E=block_e, BLOCK_K=block_k, ROUTE=False,
-        GATING=0, KU=1, KP=1, NORM=False, HAS_SB=False, BLOCK_R=1, num_warps=4,
+        w, x2, bias if bias is not None else w, out, e, k, x2.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
         **pdl.opts(out, use_pdl))
     return out
-
-
-def _route_meta(e: int, k: int, gating: str, norm: bool, sel_bias) -> dict:
-    if gating not in GATINGS:
-        raise ValueError(f"unknown expert gating {gating!r}")
-    return {"GATING": GATINGS[gating], "KU": k, "KP": triton.next_power_of_2(k), "NORM": norm,
-            "HAS_SB": sel_bias is not None, "BLOCK_R": triton.next_power_of_2(e)}
 
 
 def router_ref(w, x, bias=None, out=None, use_pdl=True):
@@ -170,19 +136,10 @@ def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, GATING: tl.constexpr,
                   KU: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HAS_SB: tl.constexpr,
                   BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
-    _route_row(l_ptr, sb_ptr, ids_ptr, w_ptr, tl.program_id(0).to(tl.int64), E, scale, GATING,
-               KU, KP, NORM, HAS_SB, BLOCK_E, "")
-
-
-@triton.jit
-def _route_row(l_ptr, sb_ptr, ids_ptr, w_ptr, m, E, scale, GATING: tl.constexpr,
-               KU: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HAS_SB: tl.constexpr,
-               BLOCK_E: tl.constexpr, CACHE: tl.constexpr):
-    # row m's top-k ids and weights; CACHE: the logits' load cache modifier (".cg" where other
-    # programs of the same launch wrote them)
+    m = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     emask = e < E
-    logit = tl.load(l_ptr + m * E + e, mask=emask, other=-float("inf"), cache_modifier=CACHE)
+    logit = tl.load(l_ptr + m * E + e, mask=emask, other=-float("inf"))
     if GATING == 0:  # softmax over all experts; select and weigh by probability
         p = tl.exp(logit - tl.max(logit, axis=0))
         val = p / tl.sum(p, axis=0)
@@ -226,12 +183,15 @@ def route(logits: torch.Tensor, k: int, gating: str, norm: bool = False, scale: 
     float32) by the ``gating`` rule, then ``norm`` and ``scale``; ``sel_bias`` [E]: glm4moe's
     selection bias (sigmoid gating only). One program per row; nothing leaves the device."""
     m, e = logits.shape
-    meta = _route_meta(e, k, gating, norm, sel_bias)
+    if gating not in GATINGS:
+        raise ValueError(f"unknown expert gating {gating!r}")
     ids = torch.empty(m, k, dtype=torch.int32, device=logits.device) if ids is None else ids
     weights = (torch.empty(m, k, dtype=torch.float32, device=logits.device)
                if weights is None else weights)
     _route_kernel[(m,)](logits, sel_bias if sel_bias is not None else logits, ids, weights, e,
-                        float(scale), BLOCK_E=meta.pop("BLOCK_R"), **meta, num_warps=1,
+                        float(scale), GATING=GATINGS[gating], KU=k,
+                        KP=triton.next_power_of_2(k), NORM=norm, HAS_SB=sel_bias is not None,
+                        BLOCK_E=triton.next_power_of_2(e), num_warps=1,
                         **pdl.opts(weights, use_pdl))
     return ids, weights
 

@@ -104,13 +104,12 @@ def expert_glu(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: in
 # group), blocks per step, warps; `python -m benchmarks.device_check --moe` sweeps them
 EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     (qt.Q4_K, "glu"): (32, 4, 4), (qt.Q6_K, "glu"): (32, 1, 4),
-    (qt.Q4_K, "down"): (64, 4, 8), (qt.Q6_K, "down"): (32, 1, 4),
-    # not yet timed on a GPU: blocks of 32 values, 16 a step read about the bytes of Q4_K's 2
-    (qt.MXFP4, "glu"): (32, 16, 4), (qt.MXFP4, "down"): (32, 16, 4),
+    # Q6_K down at 16 rows x 1 block x 2 warps: 12.9 against 14.3 us at 32 x 1 x 4 (30B-A3B,
+    # device_check --moe), 30B-A3B tg128 396.0 against 391.0 t/s in the step (2026-12-03)
+    (qt.Q4_K, "down"): (64, 4, 8), (qt.Q6_K, "down"): (16, 1, 2),
+    # on trial (Q8_EXPERT_TRIAL below): the sweep's best at gpt-oss-20b's shape (2026-12-03)
+    (qt.MXFP4, "glu"): (32, 16, 4), (qt.MXFP4, "down"): (32, 32, 4),
 }
-# tiles on trial (CARVE_TRIAL=q6k_down16 puts them in EXPERT_Q8_CONFIG): the device_check
-# sweep's best for 30B-A3B's Q6_K down (12.8 against 14.2 us), not yet timed in the step
-EXPERT_Q8_TRIAL_CONFIG = {(qt.Q6_K, "down"): (16, 1, 2)}
 # the types whose int8-x expert bodies decode runs; the trial ones are written and checked
 # against the reference but not yet measured in the step (CARVE_TRIAL=mxfp4_experts adds them)
 Q8_EXPERT_TYPES = frozenset({qt.Q4_K, qt.Q6_K})

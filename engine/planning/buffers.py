@@ -74,8 +74,7 @@ def activation_buffers(
         BufferSpec("attn_count", (hp.n_head_kv, 64), "i32"),
         # decode's GEMVs that also norm after them (on trial): their row tiles done, so that
         # the last one norms (kept at zero); [0] attn_output's (the FFN's norm), [32] a dense
-        # layer's T-layout down (the next layer's); [16] the MoE router's, whose last program
-        # routes
+        # layer's T-layout down (the next layer's)
         BufferSpec("norm_count", (64,), "i32"),
     ]
     # T-layout decode GEMVs (kernels/gemv_t.py), up to 8 rows: the float32 sums of programs

@@ -16,12 +16,9 @@ SWITCH = {"1": True, "0": False}
 TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (kernels/gemv_lowbit.py)",
     "mxfp4_experts": "MXFP4 routed experts on the int8 copies (kernels/gemv_q8.py)",
-    "qk_norm_rope": "qwen3's per-head q/k norms inside decode's RoPE + cache-store launch",
-    "q6k_down16": "Q6_K down experts on int8 x in tiles of 16 rows x 2 warps",
     "down_norm": "the down GEMV (a MoE layer's int8-x one, a dense layer's T-layout one) also "
                  "does the next layer's add-and-norm",
     "attn_out_norm": "decode's attn_output GEMV (GGUF order) also does the FFN's add-and-norm",
-    "router_route": "decode's MoE router in one-warp programs, the last of which routes",
 }
 
 
@@ -86,11 +83,6 @@ class RunnerOptions:
             from kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | quant_matmul.ROW_BODY_TRIAL
-        if "q6k_down16" in self.trials:
-            from kernels import moe_decode
-
-            moe_decode.EXPERT_Q8_CONFIG = {**moe_decode.EXPERT_Q8_CONFIG,
-                                           **moe_decode.EXPERT_Q8_TRIAL_CONFIG}
 
 
 def _trials(environ: Mapping[str, str]) -> frozenset[str]:

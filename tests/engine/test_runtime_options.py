@@ -34,8 +34,8 @@ def test_defaults_when_nothing_is_set() -> None:
     ({"CARVE_Q8X": "1", "CARVE_T_LAYOUT": "1", "CARVE_PDL": "1"}, RunnerOptions()),
     ({"CARVE_Q8X": "0", "CARVE_PDL": "0", "OTHER": "x"}, RunnerOptions(q8x=False, pdl=False)),
     ({"CARVE_TRIAL": "q2k_rows"}, RunnerOptions(trials=frozenset({"q2k_rows"}))),
-    ({"CARVE_TRIAL": " qk_norm_rope, q6k_down16 "},
-     RunnerOptions(trials=frozenset({"qk_norm_rope", "q6k_down16"}))),
+    ({"CARVE_TRIAL": " down_norm, attn_out_norm "},
+     RunnerOptions(trials=frozenset({"down_norm", "attn_out_norm"}))),
     ({"CARVE_TRIAL": "all"}, RunnerOptions(trials=frozenset(TRIALS))),
     ({"CARVE_TRIAL": ""}, RunnerOptions()),
 ])
@@ -49,9 +49,9 @@ def test_each_variable_sets_its_option(env, want) -> None:
     ({"CARVE_T_LAYOUT": "false"}, "CARVE_T_LAYOUT=false: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_PDL": "2"}, "CARVE_PDL=2: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_EXPERT_Q8": "no"}, "CARVE_EXPERT_Q8=no: use 1 (on, the default) or 0 (off)"),
-    ({"CARVE_TRIAL": "qk_norm_rope,q6k"},
-     "CARVE_TRIAL=qk_norm_rope,q6k: use all or a comma-separated list of q2k_rows, "
-     "mxfp4_experts, qk_norm_rope, q6k_down16, down_norm, attn_out_norm, router_route"),
+    ({"CARVE_TRIAL": "down_norm,q6k"},
+     "CARVE_TRIAL=down_norm,q6k: use all or a comma-separated list of q2k_rows, "
+     "mxfp4_experts, down_norm, attn_out_norm"),
 ])
 def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) -> None:
     with pytest.raises(CarveError) as e:
@@ -70,8 +70,6 @@ def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> No
     RunnerOptions(trials=frozenset({"q2k_rows"})).apply()
     assert quant_matmul.ROW_BODY_TYPES == base | quant_matmul.ROW_BODY_TRIAL > base
     assert moe_decode.EXPERT_Q8_CONFIG == tiles
-    RunnerOptions(trials=frozenset({"q6k_down16"})).apply()
-    assert moe_decode.EXPERT_Q8_CONFIG == {**tiles, **moe_decode.EXPERT_Q8_TRIAL_CONFIG} != tiles
 
 
 def test_options_are_frozen_and_checked() -> None:

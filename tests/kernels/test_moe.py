@@ -74,31 +74,6 @@ def test_route_matches_reference(gating, seed):
         assert nerr(wts, plain) < 1e-6
 
 
-@pytest.mark.parametrize("gating", ["softmax", "softmax_topk", "sigmoid"])
-def test_router_that_routes_matches_router_then_route(gating, seed):
-    # CARVE_TRIAL=router_route: decode's router GEMV in programs of one warp, the last of
-    # which routes the row: the same logits, ids and weights as the two launches
-    g = generator(seed)
-    e, k = 12, 3
-    w = torch.randn(e, 96, generator=g, device=DEVICE)
-    b = torch.randn(e, generator=g, device=DEVICE) if gating == "softmax_topk" else None
-    sb = torch.randn(e, generator=g, device=DEVICE) if gating == "sigmoid" else None
-    x = torch.randn(1, 96, generator=g, device=DEVICE)
-    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    for norm, scale in ((False, 1.0), (True, 2.5)):
-        out, ids, wts = poison((1, e)), torch.full((1, k), -7, dtype=torch.int32,
-                                                   device=DEVICE), poison((1, k))
-        moe.router(w, x, b, out=out, route_to=(k, gating, norm, scale, sb, ids, wts),
-                   counter=counter)
-        assert not counter.any()
-        want = moe.router(w, x, b)
-        assert torch.equal(out, want)
-        rid, rw = moe.route(want, k, gating, norm, scale, sb)
-        assert torch.equal(ids, rid) and torch.equal(wts, rw)
-    with pytest.raises(ValueError, match="one row and an int32 counter"):
-        moe.router(w, x, b, out=out, route_to=(k, gating, False, 1.0, sb, ids, wts))
-
-
 def test_route_ties_pick_the_lower_id():
     logits = torch.zeros(1, 8, device=DEVICE)
     logits[0, [2, 5, 6]] = 1.0

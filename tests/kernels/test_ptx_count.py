@@ -83,18 +83,9 @@ def test_gemvs_with_the_next_norm_compile(what):
     assert {"MUFU", "ATOMG"} <= set(normed["counts"]), sorted(normed["counts"])
 
 
-def test_router_that_routes_compiles():
-    # CARVE_TRIAL=router_route: one-warp programs whose last routes the row: the counter's
-    # atomic and the top-k's warp reductions (REDUX, SHFL) join the router's machine code
-    plain = _count("--router", "--sass")
-    routed = _count("--router", "--route", "--sass")
-    assert {"ATOMG", "REDUX", "SHFL"} <= set(routed["counts"]), routed["counts"]
-    assert "ATOMG" not in plain["counts"] and routed["loop"] > plain["loop"]
-
-
 def test_rope_store_with_the_q_k_norms_compiles():
-    # the norms inside decode's RoPE + cache-store launch (CARVE_TRIAL=qk_norm_rope): a square
-    # root and the head sums' shuffles that the plain launch does not have
+    # the norms inside decode's RoPE + cache-store launch (qwen3's q/k norms): a square root
+    # and the head sums' shuffles that the plain launch does not have
     plain = _count("--rope-store")
     normed = _count("--rope-store", "--qk-norm")
     assert "sqrt" in normed["counts"] and "sqrt" not in plain["counts"]

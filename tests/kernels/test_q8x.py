@@ -183,7 +183,7 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed):
     prior = torch.randn(1, cols, generator=g, device=DEVICE)
     counter = torch.zeros(cols // 16, dtype=torch.int32, device=DEVICE)
     # the k rows summed by combine, or by each row tile's last program (counter; tiles of 32
-    # rows, and of 16 as CARVE_TRIAL=q6k_down16 runs them)
+    # rows, and of 16 as Q6_K's down runs them)
     for accumulate, fused, tile in ((False, False, 32), (True, False, 32), (False, True, 16),
                                     (True, True, 32)):
         out = prior.clone() if accumulate else torch.full((1, cols), float("nan"), device=DEVICE)

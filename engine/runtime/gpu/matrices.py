@@ -74,8 +74,7 @@ class Attention:
     rope_base: float
     rope_scale: float
     rope_store: bool  # decode rotates k and stores k and v in one launch
-    # ... and norms q and k per head first (qwen3's q/k norms; on trial: RunnerOptions.trials
-    # qk_norm_rope)
+    # ... and norms q and k per head first (qwen3's q/k norms: one launch a layer less)
     qk_norm_in_rope: bool
     rope_dim: int  # leading dims of each head RoPE rotates (glm4moe: part of head_dim)
     rope_freqs: torch.Tensor | None  # YaRN's frequency per pair (buf.yarn_freqs), every layer
@@ -276,7 +275,7 @@ class LayerBuilder:
             rope_base=hp.rope_base_swa if swa else hp.rope_base,
             rope_scale=1.0 if swa else self.rope_scale,
             rope_store=rope_store,
-            qk_norm_in_rope=rope_store and hp.qk_norm and "qk_norm_rope" in self.options.trials,
+            qk_norm_in_rope=rope_store and hp.qk_norm,
             rope_dim=self.rope_dim, rope_freqs=self.yarn[0], rope_mscale=self.yarn[1],
             sinks=self.vec(p + "attn_sinks.weight") if getattr(hp, "attn_sinks", False) else None,
             output=self.matrix(p + "attn_output.weight", p + "attn_output.bias"),

@@ -108,8 +108,6 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"  # else the CPU under TRITON_INTERPRET=1
         self.pdl = options.pdl  # every launch passes it to the kernel (kernels/pdl.py)
-        # decode's MoE router in one-warp programs, the last of which routes (on trial)
-        self.router_route = "router_route" in options.trials
         self.neox = hp.rope_style == "neox"
         self.lb, self.le = dl.layers
         self.first, self.last = dl.first, dl.last

@@ -33,14 +33,10 @@ class MoeLayers:
         """Router logits and top-k routing into buf.moe_ids / moe_w (on the device), and the
         shared expert (glm4moe) into proj."""
         hp, b, n, x, pdl = self.hp, self.buf, a.n, a.normed, self.pdl
-        how = (hp.n_expert_used, hp.expert_gating, hp.expert_weights_norm,
-               hp.expert_weights_scale, f.sel_bias, b["moe_ids"][:n], b["moe_w"][:n])
-        if n == 1 and self.router_route:  # the router's last program routes (on trial)
-            moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl,
-                       route_to=how, counter=b["norm_count"][16:17])
-        else:
-            moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl)
-            moe.route(b["moe_logits"][:n], *how, use_pdl=pdl)
+        moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl)
+        moe.route(b["moe_logits"][:n], hp.n_expert_used, hp.expert_gating,
+                  hp.expert_weights_norm, hp.expert_weights_scale, f.sel_bias,
+                  b["moe_ids"][:n], b["moe_w"][:n], use_pdl=pdl)
         if f.shared is not None:
             self._shared_expert(f.shared, a)
 
