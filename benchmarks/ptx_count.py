@@ -4,15 +4,12 @@ the ptxas that ships in the Triton wheel and count the PTX of the loop over bloc
 the machine code, disassembled by the wheel's nvdisasm), per value and by opcode.
 
     python -m benchmarks.ptx_count TYPE [--config R,B,W | --t --config ROWS,WARPS]
-        [--x bf16|f32|int8] [--body row|generic] [--norm] [--sass] [--json]
-    python -m benchmarks.ptx_count TYPE --expert glu|down [--norm] [--config R,B,W] [--sass]
+        [--x bf16|f32|int8] [--body row|generic] [--sass] [--json]
+    python -m benchmarks.ptx_count TYPE --expert glu|down [--config R,B,W] [--sass]
         [--json]
     python -m benchmarks.ptx_count --rope-store [--qk-norm] [--sass] [--json]
 
-``--expert``: decode's routed-expert GEMV on int8 x (kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4;
-``--norm``: down with the next layer's add-and-norm, its whole kernel counted; without
-``--expert``, the GGUF-order GEMV with the FFN's add-and-norm, or with ``--t`` the T-layout
-one with the next layer's).
+``--expert``: decode's routed-expert GEMV on int8 x (kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4).
 ``--rope-store``: decode's RoPE + cache store (``--qk-norm``: with qwen3's q/k norms in it),
 its whole kernel counted.
 
@@ -41,11 +38,11 @@ _SKIP = ("//", ".", "{", "}", "$", ")", "ret")
 
 
 def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
-                 body: str | None = None, norm: bool = False):
+                 body: str | None = None):
     """The compiled decode GEMV (``.asm["ptx"]``, ``.asm["cubin"]``) of ``ggml_type`` at tile
     ``config`` on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy) with the row body
     (``body="row"``), the generic walk (``"generic"``) or whatever the type runs today
-    (None); ``norm``: with the next add-and-norm of a 2048-wide row in it."""
+    (None)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -62,25 +59,21 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
     # types their value table (int8)
     wi = "*i32" if special and ggml_type in qm.SPECIAL_ALIGN else "*i8"
     sig = {"w_ptr": "*u8", "wh_ptr": "*fp16", "wi_ptr": wi, "x_ptr": xt, "xq_ptr": "*i8",
-           "xd_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16", "cnt_ptr": "*i32",
-           "res_ptr": "*bf16", "nw_ptr": "*fp32", "ny_ptr": "*bf16", "nq_ptr": "*i32",
-           "nd_ptr": "*fp32", "ns_ptr": "*fp32", "N": "i32", "K": "i32", "row_bytes": "i32",
-           "stride_xm": "i32", "stride_ym": "i32", "eps": "fp32"}
+           "xd_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16", "N": "i32", "K": "i32",
+           "row_bytes": "i32", "stride_xm": "i32", "stride_ym": "i32"}
     const = {"TYPE": ggml_type, "BS": p.block, "TS": p.nbytes, "NPART": p.parts, "L": p.lanes,
              "BLOCK_R": rows, "BLOCK_B": blocks, "LANE_SUM": ggml_type in qm.LANE_SUM_TYPES,
              "SPECIAL": special, "MAGIC": ggml_type in qm.MAGIC_TYPES, "HAS_BIAS": False,
-             "Q8X": x == "int8", "NORM": norm, "NQ8": norm, "BLOCK_N": 2048 if norm else 1,
-             "ASM": True, "PDL": False}
+             "Q8X": x == "int8", "ASM": True, "PDL": False}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(7)}  # the pointers
     src = ASTSource(fn=qm._gemv_kernel, signature=sig, constexprs=const, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", norm: bool = False):
+def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16"):
     """The compiled T-layout GEMV of ``ggml_type`` (kernels/gemv_t.py), ``rows`` rows a
-    program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy); ``norm``:
-    with the next add-and-norm of a 2048-wide row in it."""
+    program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -90,25 +83,21 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", norm: bool
     sig = {"wt_ptr": "*i32", "wh_ptr": "*fp16", "tab_ptr": "*i8",
            "x_ptr": "*fp32" if x == "f32" else "*bf16", "xq_ptr": "*i32", "xd_ptr": "*fp32",
            "xs_ptr": "*fp32", "y_ptr": "*fp32", "b_ptr": "*fp32", "part_ptr": "*fp32",
-           "cnt_ptr": "*i32", "ncnt_ptr": "*i32", "res_ptr": "*bf16", "nw_ptr": "*fp32",
-           "ny_ptr": "*bf16", "nq_ptr": "*i32", "nd_ptr": "*fp32", "ns_ptr": "*fp32",
-           "N": "i32", "NB": "i32", "BPS": "i32", "stride_xm": "i32", "stride_ym": "i32",
-           "eps": "fp32"}
+           "cnt_ptr": "*i32", "N": "i32", "NB": "i32", "BPS": "i32", "stride_xm": "i32",
+           "stride_ym": "i32"}
     const = {"BLOCK_N": rows, "SPLIT": 4, "XV": x == "bf16", "HAS_BIAS": False,
-             "TYPE": ggml_type, "Q8X": x == "int8", "NORM": norm, "NQ8": norm,
-             "BLOCK_E": 2048 if norm else 1, "ASM": True, "PDL": False}
+             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": True, "PDL": False}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(11)}  # the pointers
     src = ASTSource(fn=gemv_t._gemv_t_kernel, signature=sig, constexprs=const, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int], norm: bool = False):
+def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int]):
     """The compiled decode expert GEMV on int8 x (kernels/moe_decode.py, kernels/gemv_q8.py) of
     ``ggml_type``: ``part`` "glu" (gate and up of that type, gpt-oss's clamped SwiGLU with
     biases for MXFP4, writing the int8 copy of its outputs) or "down" (the in-kernel sum of
-    the k rows; ``norm``: then the next layer's add-and-norm of a 2048-wide row), tile
-    ``config`` (rows, blocks, warps)."""
+    the k rows), tile ``config`` (rows, blocks, warps)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -132,13 +121,10 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int], norm
         fn = md._expert_down_q8_kernel
         sig = {"w_ptr": "*u8", "wh_ptr": wh, "wi_ptr": wi, "b_ptr": "*fp32", "hq_ptr": "*i8",
                "hd_ptr": "*fp32", "hs_ptr": "*fp32", "ids_ptr": "*i32", "y_ptr": "*fp32",
-               "rw_ptr": "*fp32", "out_ptr": "*bf16", "cnt_ptr": "*i32", "res_ptr": "*bf16",
-               "nw_ptr": "*fp32", "ny_ptr": "*bf16", "nq_ptr": "*i32", "nd_ptr": "*fp32",
-               "ns_ptr": "*fp32", "N": "i32", "K": "i32", "row_bytes": "i32",
-               "stride_ym": "i32", "eps": "fp32"}
+               "rw_ptr": "*fp32", "out_ptr": "*bf16", "cnt_ptr": "*i32", "N": "i32",
+               "K": "i32", "row_bytes": "i32", "stride_ym": "i32"}
         const = {"KU": 8, "HAS_BIAS": ggml_type == qt.MXFP4, "COMBINE": True, "ACCUM": False,
-                 "TYPE": ggml_type, "QK": md.Q8_BLOCK[ggml_type], "NORM": norm, "NQ8": norm,
-                 "BLOCK_N": 2048}
+                 "TYPE": ggml_type, "QK": md.Q8_BLOCK[ggml_type]}
     const.update({"BLOCK_R": rows, "BLOCK_B": blocks, "ASM": True, "PDL": True})
     sig.update({k: "constexpr" for k in const})
     n_ptr = sum(v.startswith("*") for v in sig.values())
@@ -239,9 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("type", nargs="?", help="a GGML type name (IQ2_XXS, Q2_K, ...)")
     ap.add_argument("--expert", choices=("glu", "down"), default=None,
                     help="the routed-expert GEMV on int8 x (kernels/gemv_q8.py)")
-    ap.add_argument("--norm", action="store_true",
-                    help="with the next add-and-norm in it (--expert down, or the GGUF-order "
-                    "GEMV), the whole kernel counted")
     ap.add_argument("--rope-store", action="store_true", help="decode's RoPE + cache store")
     ap.add_argument("--qk-norm", action="store_true", help="--rope-store with the q/k norms")
     ap.add_argument("--config", default=None,
@@ -271,9 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         rows, blocks, warps = cfg
         per = rows * blocks * moe_decode.Q8_BLOCK[t] * (2 if args.expert == "glu" else 1) \
             // (32 * warps)
-        return _report(compile_expert(t, args.expert, cfg, args.norm), args, qt.type_name(t),
-                       {"config": cfg, "part": args.expert, "norm": args.norm},
-                       0 if args.norm else per, whole=args.norm)
+        return _report(compile_expert(t, args.expert, cfg), args, qt.type_name(t),
+                       {"config": cfg, "part": args.expert}, per)
     if t is None or t not in qm.GEMV_CONFIG:
         print(f"error: no GPU GEMV for type {args.type!r}", file=sys.stderr)
         return 2
@@ -287,10 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         rows, warps = (tuple(int(v) for v in args.config.split(",")) if args.config
                        else launch.t_config(t)[:2])
         cfg = (rows, warps)
-        kernel = compile_t(t, rows, warps, args.x, args.norm)
-        if args.norm:
-            return _report(kernel, args, qt.type_name(t), {"config": cfg, "t": True,
-                                                           "norm": True}, whole=True)
+        kernel = compile_t(t, rows, warps, args.x)
         per = rows // (32 * warps) * 128  # half a block of each of its rows a step
     else:
         cfg = (tuple(int(v) for v in args.config.split(",")) if args.config
@@ -299,10 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {args.type}'s GEMV reads no int8 x (add --body row for a body on "
                   "trial)", file=sys.stderr)
             return 2
-        kernel = compile_gemv(t, cfg, args.x, args.body, args.norm)
-        if args.norm:
-            return _report(kernel, args, qt.type_name(t), {"config": cfg, "norm": True},
-                           whole=True)
+        kernel = compile_gemv(t, cfg, args.x, args.body)
         per = values_per_step(t, cfg)
     return _report(kernel, args, qt.type_name(t),
                    {"config": cfg, "x": args.x, "body": "t" if args.t else args.body}, per)

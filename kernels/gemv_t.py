@@ -42,7 +42,6 @@ from kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
 from kernels.gemv_t_low import iq2xxs_t_dot, iq3s_t_dot, iq4xs_t_dot, q2k_t_dot
 from kernels.glu import glu_act
 from kernels.lowbit_blocks import lookup_table
-from kernels.norm import after_args, norm_after
 from spec import launch
 from spec import quant_types as qt
 from spec.launch import T_CONFIG
@@ -175,12 +174,9 @@ def _t_split_done(prow, acc, rows, rmask, N, cnt, SPLIT: tl.constexpr, BLOCK_N: 
 
 @triton.jit
 def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, b_ptr,
-                   part_ptr, cnt_ptr, ncnt_ptr, res_ptr, nw_ptr, ny_ptr, nq_ptr, nd_ptr, ns_ptr,
-                   N, NB, BPS, stride_xm, stride_ym, eps, BLOCK_N: tl.constexpr,
+                   part_ptr, cnt_ptr, N, NB, BPS, stride_xm, stride_ym, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, XV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   TYPE: tl.constexpr, Q8X: tl.constexpr, NORM: tl.constexpr,
-                   NQ8: tl.constexpr, BLOCK_E: tl.constexpr, ASM: tl.constexpr,
-                   PDL: tl.constexpr):
+                   TYPE: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
     pdl.start(PDL)
     acc = t_body(wt_ptr, wh_ptr, tab_ptr, x_ptr + m * stride_xm, xq_ptr, xd_ptr, xs_ptr, rows,
@@ -193,9 +189,6 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr
         if HAS_BIAS:
             acc += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
-        if NORM:  # one row: the last row tile to finish adds y to the stream and norms it
-            norm_after(ncnt_ptr, tl.num_programs(0), y_ptr, res_ptr, nw_ptr, ny_ptr, nq_ptr,
-                       nd_ptr, ns_ptr, N, eps, BLOCK_E, NQ8)
 
 
 @triton.jit
@@ -343,28 +336,19 @@ def _q8_in(xq, ggml_type: int, x2: torch.Tensor):
 def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: torch.Tensor,
            part: torch.Tensor, counter: torch.Tensor, bias: torch.Tensor | None = None,
            config: tuple[int, int, int] | None = None, xq=None,
-           use_pdl: bool = True, norm: tuple | None = None,
-           norm_counter: torch.Tensor | None = None) -> torch.Tensor:
+           use_pdl: bool = True) -> torch.Tensor:
     """y[M, rows] = x[M, cols] @ W^T (+ bias) for W in the T layout ``wt`` (from ``repack``).
     ``part``: float32 scratch (>= M x splits x rows, spec/launch.py ``scratch``);
     ``counter``: int32 zeros (>= M x row tiles), left zero. No allocation. ``xq``: x's int8
     copy (q, d, s of kernels/q8x.py), which the matrix multiplies by dp4a when M = 1.
-    ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py). ``norm`` (M = 1,
-    with ``norm_counter``: an int32 zero, left zero): (residual, weight, eps, normed, q8 or
-    None): then, in the same launch, ``norm.rmsnorm(y, weight, eps, residual=residual,
-    out=normed, q8=q8)``."""
+    ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py)."""
     grid, ptrs, x2, (nb, bps), meta, warps = _t_launch(wt, ggml_type, rows, x, config, 1, part,
                                                        counter, use_pdl)
     q, d, s, use = _q8_in(xq, ggml_type, x2)
     y = out.view(x2.shape[0], rows)
-    if norm is not None and (norm_counter is None or norm_counter.dtype != torch.int32):
-        raise ValueError("gemv_t's norm needs an int32 counter")
-    (res, nw, eps, ny, nq), norm_meta = after_args(norm, y, rows, "gemv_t", "BLOCK_E")
     _gemv_t_kernel[grid](*ptrs, x2, q, d, s, y, bias if bias is not None else y, part, counter,
-                         norm_counter if norm is not None else counter, res, nw, ny, *nq,
-                         rows, nb, bps, x2.stride(0), y.stride(0), float(eps),
-                         HAS_BIAS=bias is not None, Q8X=use, **norm_meta, ASM=wt.is_cuda,
-                         **meta, num_warps=warps)
+                         rows, nb, bps, x2.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+                         Q8X=use, ASM=wt.is_cuda, **meta, num_warps=warps)
     return out
 
 

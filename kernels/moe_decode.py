@@ -14,7 +14,6 @@ from kernels import pdl, q8x
 from kernels.gemv_dot import row_dot
 from kernels.gemv_q8 import Q8_BLOCK, Q8_TYPES, q4k_q8_rows_dot, q8_rows_dot
 from kernels.moe import _ACTS, _act, _act_ref, _expert_ref, combine, expert_rows
-from kernels.norm import after_args, norm_after
 from kernels.quant_matmul import _launch_args, gemv_config, row_cols
 from spec import quant_types as qt
 
@@ -291,18 +290,14 @@ def expert_down(down: torch.Tensor, ggml_type: int, n_expert: int, h: torch.Tens
 
 @triton.jit
 def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr, ids_ptr, y_ptr,
-                           rw_ptr, out_ptr, cnt_ptr, res_ptr, nw_ptr, ny_ptr, nq_ptr, nd_ptr,
-                           ns_ptr, N, K, row_bytes, stride_ym, eps,
+                           rw_ptr, out_ptr, cnt_ptr, N, K, row_bytes, stride_ym,
                            KU: tl.constexpr, HAS_BIAS: tl.constexpr, COMBINE: tl.constexpr,
                            ACCUM: tl.constexpr, TYPE: tl.constexpr, QK: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, NORM: tl.constexpr,
-                           NQ8: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr,
                            PDL: tl.constexpr):
     # one expert per program: its rows (+ bias), unweighted, into y's routed row; COMBINE: the
     # row tile's last expert program to finish adds the k rows in order with their weights
-    # onto out (the same sum as ``combine``, whatever order the programs ran in); NORM: then
-    # the last row tile's summing program to finish adds out to the residual stream and norms
-    # it (norm.rmsnorm with a residual: the next layer's attention norm, no launch of its own)
+    # onto out (the same sum as ``combine``, whatever order the programs ran in)
     pdl.start(PDL)
     pid = tl.program_id(0)
     slot = tl.program_id(1)
@@ -326,25 +321,18 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
                 acc += tl.load(out_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
             tl.atomic_xchg(cnt_ptr + pid, 0)  # zero again for the next call
-            if NORM:  # counter NT (past the tiles') counts the row tiles summed
-                nt = tl.num_programs(0)
-                norm_after(cnt_ptr + nt, nt, out_ptr, res_ptr, nw_ptr, ny_ptr, nq_ptr, nd_ptr,
-                           ns_ptr, N, eps, BLOCK_N, NQ8)
 
 
 def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: torch.Tensor,
                    weights: torch.Tensor, out: torch.Tensor, rows_out: torch.Tensor,
                    bias: torch.Tensor | None = None, accumulate: bool = False,
                    config: tuple[int, int, int] | None = None, use_pdl: bool = True,
-                   counter: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
+                   counter: torch.Tensor | None = None) -> torch.Tensor:
     """``expert_down`` (with ``rows_out``) for one row whose k GLU outputs come as their int8
     copy ``hq`` (q words, d, s; ``expert_glu_q8``'s ``out_q``), down Q4_K, Q6_K or MXFP4: the
     k experts' rows in parallel programs into ``rows_out``, then summed in order onto ``out``:
     by each row tile's last program with ``counter`` (int32 zeros, one per tile of the
-    config's rows, left zero), else by ``combine`` (a second launch). ``norm`` (with
-    ``counter``, which then holds one more zero): (residual, weight, eps, normed, q8 or
-    None): then, in the same launch, ``norm.rmsnorm(out, weight, eps, residual=residual,
-    out=normed, q8=q8)``."""
+    config's rows, left zero), else by ``combine`` (a second launch)."""
     n, k = expert_rows(down, n_expert), row_cols(down, ggml_type)
     ku = ids.shape[1]
     if not q8_able(ggml_type, k, True):
@@ -356,20 +344,16 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
     br, bb, warps = config or EXPERT_Q8_CONFIG[(ggml_type, "down")]
     tiles = triton.cdiv(n, br)
     fused = counter is not None
-    need = tiles + (norm is not None)
-    if fused and (counter.dtype != torch.int32 or counter.numel() < need
+    if fused and (counter.dtype != torch.int32 or counter.numel() < tiles
                   or out.numel() != n or not out.is_contiguous()):
-        raise ValueError(f"counter must hold {need} int32 zeros and out one row of {n}")
-    if norm is not None and not fused:
-        raise ValueError("expert_down_q8's norm needs the counter (the in-kernel sums)")
-    (res, nw, eps, ny, nq), norm_meta = after_args(norm, out, n, "expert_down_q8")
+        raise ValueError(f"counter must hold {tiles} int32 zeros and out one row of {n}")
     _expert_down_q8_kernel[(tiles, ku)](
         *_q8_views(down, ggml_type, "down"), bias if bias is not None else rows_out, *hq, ids,
-        rows_out, weights, out, counter if fused else ids, res, nw, ny, *nq, n, k,
-        down.shape[1], rows_out.stride(0), float(eps), KU=ku, HAS_BIAS=bias is not None,
-        COMBINE=fused, ACCUM=accumulate, TYPE=ggml_type, QK=Q8_BLOCK[ggml_type], BLOCK_R=br,
-        BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[ggml_type])), **norm_meta,
-        ASM=down.is_cuda, num_warps=warps, **pdl.opts(rows_out, use_pdl))
+        rows_out, weights, out, counter if fused else ids, n, k, down.shape[1],
+        rows_out.stride(0), KU=ku, HAS_BIAS=bias is not None, COMBINE=fused, ACCUM=accumulate,
+        TYPE=ggml_type, QK=Q8_BLOCK[ggml_type], BLOCK_R=br,
+        BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[ggml_type])), ASM=down.is_cuda,
+        num_warps=warps, **pdl.opts(rows_out, use_pdl))
     if not fused:
         combine(rows_out, None, weights, out, accumulate)
     return out

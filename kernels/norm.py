@@ -19,29 +19,17 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, s
     # the norm's weights are no kernel's output: read them while the one before finishes
     w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
     pdl.start(PDL)
-    add_norm_row(x_ptr + row * stride_x, res_ptr + row * stride_r, w, y_ptr + row * stride_y,
-                 q_ptr, d_ptr, s_ptr, H, eps, HAS_RES, BLOCK, Q8, "")
-
-
-@triton.jit
-def add_norm_row(x_ptr, res_ptr, w, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, HAS_RES: tl.constexpr,
-                 BLOCK: tl.constexpr, Q8: tl.constexpr, CACHE: tl.constexpr):
-    """One row of ``rmsnorm``: y = rmsnorm(x (+ res, written back to res)) * w (w: the
-    weights, loaded, [BLOCK]); Q8: y's int8 copy too. CACHE: x's load cache modifier (".cg"
-    where other programs of the same launch wrote x)."""
-    c = tl.arange(0, BLOCK)
-    mask = c < H
-    h = tl.load(x_ptr + c, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    h = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        h += tl.load(res_ptr + c, mask=mask, other=0.0).to(tl.float32)
+        h += tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
         # the norm reads the stream as stored (bf16 rounds here): a stage boundary, where the
         # next stage's first norm reads the stored stream, then changes no bit
         h = h.to(res_ptr.dtype.element_ty)
-        tl.store(res_ptr + c, h, mask=mask)
+        tl.store(res_ptr + row * stride_r + c, h, mask=mask)
         h = h.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
     y = h * inv * w
-    tl.store(y_ptr + c, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=mask)
     if Q8:  # one row: its int8 copy for the dp4a GEMVs (kernels/q8x.py)
         q8x.store_q8(y, c, mask, q_ptr, d_ptr, s_ptr, BLOCK)
 
@@ -69,40 +57,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                    num_warps=8 if block >= 4096 else 4,
                                    **pdl.opts(y, use_pdl))
     return y.view(x.shape) if out is None else out
-
-
-@triton.jit
-def norm_after(cnt_ptr, n_prog, y_ptr, res_ptr, w_ptr, ny_ptr, q_ptr, d_ptr, s_ptr, N, eps,
-               BLOCK: tl.constexpr, Q8: tl.constexpr):
-    """A GEMV's add-and-norm after it: each of its ``n_prog`` programs (those that write the
-    row y [N]) calls this once its part is stored; the last to arrive adds y to the stream
-    ``res`` and norms it (``add_norm_row``, reading y at L2) and sets the counter back to 0."""
-    tl.debug_barrier()  # every thread's stores issued before the counter's release
-    if tl.atomic_add(cnt_ptr, 1) == n_prog - 1:
-        c = tl.arange(0, BLOCK)
-        w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-        add_norm_row(y_ptr, res_ptr, w, ny_ptr, q_ptr, d_ptr, s_ptr, N, eps, True, BLOCK, Q8,
-                     ".cg")
-        tl.atomic_xchg(cnt_ptr, 0)  # zero again for the next call
-
-
-def after_args(norm: tuple | None, y: torch.Tensor, n: int, what: str,
-               block: str = "BLOCK_N"):
-    """The kernel arguments of a GEMV's add-and-norm after it (``add_norm_row`` in its last
-    program) of one row of ``n``: ``norm`` is (residual, weight, eps, normed, q8 buffers or
-    None); None gives placeholders (``y``). Returns ((residual, weight, eps, normed, q8
-    buffers), the constexprs NORM, NQ8 and ``block``, the row's power-of-two width). Checked:
-    a ValueError names ``what``."""
-    meta = {"NORM": norm is not None, "NQ8": norm is not None and norm[4] is not None,
-            block: triton.next_power_of_2(n) if norm is not None else 1}
-    if norm is None:
-        return (y, y, 0.0, y, (y, y, y)), meta
-    res, w, eps, ny, q8 = norm
-    if (y.numel() != n or res.numel() != n or ny.numel() != n or w.numel() != n
-            or not res.is_contiguous() or not ny.is_contiguous()
-            or (q8 is not None and (n % 32 or not q8x.fits(q8, n)))):
-        raise ValueError(f"{what}'s norm takes one row of {n} (and an int8 copy of one)")
-    return (res, w, eps, ny, q8 if q8 is not None else (y, y, y)), meta
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -18,7 +18,6 @@ from kernels import pdl, q8x
 from kernels.gemv_dot import row_dot
 from kernels.glu import glu_act
 from kernels.lowbit_blocks import LOWBIT_PLANS, lookup_table
-from kernels.norm import after_args, norm_after
 from kernels.quant_blocks import PLANS, dequant_part, plan
 from spec import quant_types as qt
 
@@ -85,13 +84,11 @@ def gemv_config(ggml_type: int, rows: int, cols: int) -> tuple[int, ...]:
 
 
 @triton.jit
-def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, cnt_ptr, res_ptr,
-                 nw_ptr, ny_ptr, nq_ptr, nd_ptr, ns_ptr, N, K, row_bytes, stride_xm, stride_ym,
-                 eps, TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, N, K, row_bytes,
+                 stride_xm, stride_ym, TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
                  NPART: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr, SPECIAL: tl.constexpr,
                  MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr, Q8X: tl.constexpr,
-                 NORM: tl.constexpr, NQ8: tl.constexpr, BLOCK_N: tl.constexpr,
                  ASM: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     # rows on axis 0: a 152064-row output matrix in 2-row programs passes the 65535 limit of
@@ -108,9 +105,6 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, cnt
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty),
              mask=rows < N)
-    if NORM:  # one row: the last program to finish adds y to the stream and norms it
-        norm_after(cnt_ptr, tl.num_programs(0), y_ptr, res_ptr, nw_ptr, ny_ptr, nq_ptr, nd_ptr,
-                   ns_ptr, N, eps, BLOCK_N, NQ8)
 
 
 @triton.jit
@@ -285,32 +279,24 @@ def _opts(warps: int, stages: int | None) -> dict:
 
 def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | None = None,
          config: tuple[int, ...] | None = None, bias: torch.Tensor | None = None,
-         use_pdl: bool = True, xq=None, norm: tuple | None = None,
-         counter: torch.Tensor | None = None) -> torch.Tensor:
+         use_pdl: bool = True, xq=None) -> torch.Tensor:
     """y[M, rows] = x[M, cols] @ W^T (+ bias), dequantizing W on the fly; M small (decode,
     M <= 8). x is float32/bf16/f16; y has x's dtype unless ``out`` is given. No allocation
     with ``out``. ``config`` overrides the tile (rows per program, blocks per step, warps[,
     stages]); the body and the accumulation follow from the type, the weight's alignment and
     x's dtype. ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py). ``xq``: x's
     int8 copy (q, d, s of kernels/q8x.py), which a grid IQ type multiplies by dp4a when M = 1;
-    ignored by the other types. ``norm`` (one row, with ``counter``: an int32 zero, left
-    zero): (residual, weight, eps, normed, q8 or None): then, in the same launch,
-    ``norm.rmsnorm(y, weight, eps, residual=residual, out=normed, q8=q8)``."""
+    ignored by the other types."""
     ptrs, meta, warps, stages = _launch_args(w, ggml_type, config, x.dtype)
     n, k = w.shape[0], row_cols(w, ggml_type)
     x2 = _x2(x, k)
     m = x2.shape[0]
     q, d, use = _q8_in(xq, ggml_type, x2)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
-    if norm is not None and (counter is None or counter.dtype != torch.int32):
-        raise ValueError("gemv's norm needs an int32 counter")
-    (res, nw, eps, ny, nq), norm_meta = after_args(norm, y, n, "gemv")
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
-    _gemv_kernel[grid](*ptrs, x2, q, d, y, bias if bias is not None else y,
-                       counter if counter is not None else y, res, nw, ny, *nq, n, k,
-                       w.shape[1], x2.stride(0), y.stride(0), float(eps),
-                       HAS_BIAS=bias is not None, Q8X=use, **norm_meta, ASM=w.is_cuda, **meta,
-                       **_opts(warps, stages), **pdl.opts(y, use_pdl))
+    _gemv_kernel[grid](*ptrs, x2, q, d, y, bias if bias is not None else y, n, k, w.shape[1],
+                       x2.stride(0), y.stride(0), HAS_BIAS=bias is not None, Q8X=use,
+                       ASM=w.is_cuda, **meta, **_opts(warps, stages), **pdl.opts(y, use_pdl))
     return y.view(*x.shape[:-1], n) if out is None else out
 
 

@@ -72,10 +72,6 @@ def activation_buffers(
         # per kv head: split-K programs done, so that the last one merges (kept at zero);
         # one 256-byte line per counter, so that the heads' atomics do not share a line
         BufferSpec("attn_count", (hp.n_head_kv, 64), "i32"),
-        # decode's GEMVs that also norm after them (on trial): their row tiles done, so that
-        # the last one norms (kept at zero); [0] attn_output's (the FFN's norm), [32] a dense
-        # layer's T-layout down (the next layer's)
-        BufferSpec("norm_count", (64,), "i32"),
     ]
     # T-layout decode GEMVs (kernels/gemv_t.py), up to 8 rows: the float32 sums of programs
     # that split a row's blocks, one row per split, and a counter per row tile (left zero),
@@ -141,8 +137,7 @@ def moe_buffers(hp: Any, chunk: int, act_dtype: str) -> list[BufferSpec]:
         BufferSpec("moe_tiles", (3, launch.moe_tiles(routed, n_expert)), "i32"),
         BufferSpec("moe_out", (routed, hp.n_embd), "f32"),  # [routed, n_embd]
         # decode's counters, kept at zero between launches, one per 16 output rows (down's
-        # smallest tile): down's last expert program of a row tile adds the k rows; and one
-        # more line: the count of row tiles summed, when the last then norms the row (whole
+        # smallest tile): down's last expert program of a row tile adds the k rows (whole
         # 256-byte lines)
-        BufferSpec("moe_count", (-(-hp.n_embd // 1024) * 64 + 64,), "i32"),
+        BufferSpec("moe_count", (-(-hp.n_embd // 1024) * 64,), "i32"),
     ]

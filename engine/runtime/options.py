@@ -16,9 +16,6 @@ SWITCH = {"1": True, "0": False}
 TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (kernels/gemv_lowbit.py)",
     "mxfp4_experts": "MXFP4 routed experts on the int8 copies (kernels/gemv_q8.py)",
-    "down_norm": "the down GEMV (a MoE layer's int8-x one, a dense layer's T-layout one) also "
-                 "does the next layer's add-and-norm",
-    "attn_out_norm": "decode's attn_output GEMV (GGUF order) also does the FFN's add-and-norm",
 }
 
 

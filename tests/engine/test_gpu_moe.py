@@ -114,15 +114,13 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
 
 @pytest.mark.parametrize("arch,trials", [
     ("qwen3moe", ()),
-    ("qwen3moe", ("down_norm", "attn_out_norm")),
-    ("gpt-oss", ("mxfp4_experts", "down_norm", "attn_out_norm")),
-], ids=["qwen3moe", "qwen3moe-trials", "gpt-oss-trials"])
+    ("gpt-oss", ("mxfp4_experts",)),
+], ids=["qwen3moe", "gpt-oss-trial"])
 def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, trials, tmp_path) -> None:
     """Experts of a type with an int8-x body (Q4_K gate/up and Q6_K or Q4_K down; gpt-oss's
     MXFP4, on trial, with RunnerOptions.trials mxfp4_experts): decode's expert GEMVs multiply
     the int8 copies of the normed row and of the routed GLU outputs (kernels/gemv_q8.py) and
-    still match the CPU engine, greedy ids included; with the trials on decode too (the next
-    layer's add-and-norm inside down, the FFN's inside attn_output)."""
+    still match the CPU engine, greedy ids included."""
     if arch == "gpt-oss":
         shape, mix = SHAPES["gpt-oss"], None
     else:
@@ -135,11 +133,6 @@ def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, trials, tmp_path
         layers = g.pipe.stages[0].layers
         for layer in layers:
             assert layer.ffn.xq is not None and layer.ffn.xq_h is not None
-        # the stage's last layer has no next layer to norm for
-        assert [layer.ffn.then_norm is not None for layer in layers] == \
-            [("down_norm" in trials)] * (len(layers) - 1) + [False]
-        assert all((layer.attn.then_norm is not None) == ("attn_out_norm" in trials)
-                   for layer in layers)
 
     # the int8 rounding of x and of the GLU outputs is the whole error (the kernels match the
     # reference on the rounded input to 1e-5, tests/kernels/test_q8x.py); on random rows it

@@ -212,26 +212,6 @@ def test_int8_x_decode_matches_the_cpu_engine(wide, wide_q4k, all_t, monkeypatch
         assert ("glu", True, True) in used and ("one", True) in used and ("qkv", True) in used
 
 
-def test_the_norms_fused_on_trial_decode_as_the_separate_launches(wide_q4k, all_t) -> None:
-    # CARVE_TRIAL=down_norm on a dense model: layer 0's T-layout down GEMV also adds its
-    # output to the stream and runs layer 1's attention norm (and its int8 copy); the same
-    # values, so decode gives the separate launches' logits to the bit
-    pl = plan(wide_q4k, act_dtype="bf16", logits_rows=12)
-    g0 = load(pl)
-    g1 = load(pl, options=RunnerOptions(trials=frozenset({"down_norm"})))
-    try:
-        (s0,), (s1,) = g0.pipe.stages, g1.pipe.stages
-        assert [ly.ffn.then_norm is not None for ly in s1.layers] == [True, False]
-        assert all(ly.ffn.then_norm is None for ly in s0.layers)
-        prompt = ids(12)
-        assert torch.equal(g1.logits(prompt), g0.logits(prompt))  # prefill: not fused
-        errs, last = decode_errors(g1, g0, ids(3, 1))
-        assert max(errs) == 0.0 and torch.isfinite(last).all()
-    finally:
-        g1.close()
-        g0.close()
-
-
 @pytest.mark.parametrize(("mix", "t_type"), [("q2_k", qt.Q2_K), ("iq2_xxs", qt.IQ2_XXS)])
 def test_low_bit_t_matrices_decode_as_the_cpu_engine(tmp_path, all_t, mix, t_type) -> None:
     # the low-bit types' T bodies (kernels/gemv_t_low.py) through the runner on decode's int8

@@ -72,17 +72,6 @@ def test_expert_int8_bodies_assemble_to_dp4a_machine_code(ggml_type, part, ops):
     assert got["per_value"] < 6, got
 
 
-@pytest.mark.parametrize("what", [("Q6_K", "--expert", "down"), ("Q4_K",),
-                                  ("Q4_K", "--t", "--x", "int8")],
-                         ids=["moe-down", "attn-output", "t-down"])
-def test_gemvs_with_the_next_norm_compile(what):
-    # CARVE_TRIAL=down_norm / attn_out_norm: the norm's square root and the counter's atomic
-    # join the GEMV's machine code (decode's int8-x expert down; the GGUF-order GEMV; the
-    # T-layout GEMV on int8 x)
-    normed = _count(*what, "--norm", "--sass")
-    assert {"MUFU", "ATOMG"} <= set(normed["counts"]), sorted(normed["counts"])
-
-
 def test_rope_store_with_the_q_k_norms_compiles():
     # the norms inside decode's RoPE + cache-store launch (qwen3's q/k norms): a square root
     # and the head sums' shuffles that the plain launch does not have

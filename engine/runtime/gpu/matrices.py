@@ -82,9 +82,6 @@ class Attention:
     sinks: torch.Tensor | None  # gpt-oss: attn_sinks [n_head], one more logit per head
     output: Matrix  # attn_output
     post_norm: torch.Tensor | None  # gemma3's sandwich norm of the output, before its add
-    # decode's attn_output GEMV also does the FFN's add-and-norm: (the FFN norm's weight, the
-    # int8 copy it writes or None); on trial (RunnerOptions.trials attn_out_norm)
-    then_norm: tuple | None = None
 
 
 @dataclass(slots=True)
@@ -100,9 +97,6 @@ class Ffn:
     fused_config: Any
     xq_down: tuple | None  # decode's int8 copy of the GLU output (T ffn_down on int8 x)
     post_norm: torch.Tensor | None  # gemma3's sandwich norm of the output, before its add
-    # decode's T-layout down GEMV also does the next layer's add-and-norm: (its norm weight,
-    # its int8 copy or None); on trial (RunnerOptions.trials down_norm, GpuStage sets it)
-    then_norm: tuple | None = None
 
 
 @dataclass(slots=True)
@@ -131,9 +125,6 @@ class Experts:
     post_norm: torch.Tensor | None = None
     # the layer's experts live in host memory: the CPU runs them (engine/runtime/gpu/host.py)
     host: Any = None
-    # decode's down GEMV also does the next layer's attention add-and-norm: (its norm weight,
-    # its int8 copy or None); on trial (RunnerOptions.trials down_norm, GpuStage sets it)
-    then_norm: tuple | None = None
 
 
 @dataclass(slots=True)
@@ -248,12 +239,7 @@ class LayerBuilder:
     # --- layers --------------------------------------------------------------------------
     def layer(self, i: int) -> Layer:
         moe = getattr(self.hp, "is_moe_layer", None)
-        attn, ffn = self.attention(i), self.experts(i) if moe and moe(i) else self.ffn(i)
-        if ("attn_out_norm" in self.options.trials and attn.output.t_bytes is None
-                and attn.post_norm is None):
-            # decode's attn_output GEMV (GGUF order) also does the FFN's add-and-norm
-            attn.then_norm = (ffn.norm, ffn.xq)
-        return Layer(i, attn, ffn)
+        return Layer(i, self.attention(i), self.experts(i) if moe and moe(i) else self.ffn(i))
 
     def attention(self, i: int) -> Attention:
         hp, p = self.hp, f"blk.{i}."

@@ -134,27 +134,9 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         for layer in self.layers:
             if layer.index in hosts:
                 layer.ffn.host = hosts[layer.index]
-        if "down_norm" in options.trials:
-            self._down_norms()
         # the embedding (first stage); the output norm, projection and its int8 x (last stage)
         self.token_embd = packed_matrix(model, spans, "token_embd.weight") if self.first else None
         self.output_norm, self.output, self.xq_out = build.head() if self.last else (None,) * 3
-
-    def _down_norms(self) -> None:
-        # decode's down GEMV also adds its output to the stream and norms it for the next
-        # layer of the stage: a MoE layer's int8-x one whose experts are on the GPU
-        # (stage_moe.py), a dense layer's T-layout one
-        for layer, nxt in zip(self.layers, self.layers[1:]):
-            f = layer.ffn
-            if nxt.attn.post_norm is not None or f.post_norm is not None:
-                continue
-            if (f.xq_h is not None and f.host is None if isinstance(f, Experts)
-                    else f.down.t_bytes is not None):
-                f.then_norm = (nxt.attn.norm, nxt.attn.xq)
-
-    def _fused_norm(self, prev: Ffn | Experts | None, a: Rows) -> bool:
-        """Did ``prev`` (the layer before) add its output to hidden and norm it already?"""
-        return prev is not None and prev.then_norm is not None and a.n == 1
 
     def _buffers(self, spans: dict[str, torch.Tensor]) -> None:
         self.buf = {n[4:]: t for n, t in spans.items() if n.startswith("buf.")}
@@ -174,9 +156,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         if self.t_count is not None:
             self.t_count.zero_()  # the T GEMVs leave their counters at zero after each use
         if "moe_count" in self.buf:
-            self.buf["moe_count"].zero_()  # so do the MoE router and down GEMVs (stage_moe.py)
-        if "norm_count" in self.buf:
-            self.buf["norm_count"].zero_()  # and the GEMVs that norm after them (on trial)
+            self.buf["moe_count"].zero_()  # so do the MoE down GEMVs (stage_moe.py)
         # the IQ types' value tables, in the Layout (kernels/lowbit_blocks.py), and the flags of
         # the load's scan for non-finite scales
         lookup = self.buf.get("lookup")
@@ -288,13 +268,8 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
             self._ffn(layer, a)
             prev = layer.ffn
             if check is not None:  # the residual stream after the layer (allocates: fine here)
-                if self._fused_norm(prev, a):  # added already (the next layer's norm ran)
-                    check(layer.index, a.hidden.clone())
-                else:
-                    check(layer.index, a.hidden + (a.proj if prev.post_norm is None
-                                                   else norm.rmsnorm(a.proj, prev.post_norm,
-                                                                     self.hp.rms_eps,
-                                                                     use_pdl=self.pdl)))
+                check(layer.index, a.hidden + (a.proj if prev.post_norm is None else norm.rmsnorm(
+                    a.proj, prev.post_norm, self.hp.rms_eps, use_pdl=self.pdl)))
         if prev is not None:
             self._add_output(a, prev)
         if self.last and head:
@@ -325,20 +300,12 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         act(gate) * up, and down into proj."""
         f = layer.ffn
         xq = f.xq if a.n == 1 else None
-        self._ffn_norm(layer, a)
+        self._add_norm(a, layer.attn.post_norm, f.norm, xq)
         if isinstance(f, Experts):
             self._experts(f, a)
             return
         aq = self._glu(f, a, xq)
-        # then_norm (on trial): the next layer's add-and-norm in the same launch
-        self._linear(f.down, a.ffn_act, a.proj, xq=aq, norm=self._norm_after(a, f.then_norm))
-
-    def _ffn_norm(self, layer: Layer, a: Rows) -> None:
-        """The FFN's pre-norm, adding attention's output to hidden first (unless attn_output's
-        GEMV did both: RunnerOptions.trials attn_out_norm)."""
-        if not (a.n == 1 and layer.attn.then_norm is not None):
-            self._add_norm(a, layer.attn.post_norm, layer.ffn.norm,
-                           layer.ffn.xq if a.n == 1 else None)
+        self._linear(f.down, a.ffn_act, a.proj, xq=aq)
 
     def _add_norm(self, a: Rows, post: torch.Tensor | None, w: torch.Tensor, q8) -> None:
         """hidden += proj (gemma3: rmsnorm(proj) * post first), then normed = rmsnorm(hidden) *
@@ -388,28 +355,17 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         return None
 
     # --- matrices ------------------------------------------------------------------------
-    def _linear(self, m: Matrix, x: torch.Tensor, out: torch.Tensor, xq=None,
-                norm: tuple | None = None) -> None:
+    def _linear(self, m: Matrix, x: torch.Tensor, out: torch.Tensor, xq=None) -> None:
         """out = x @ m^T (+ m's bias, in the same launch): its GEMV up to GEMV_ROWS rows (``xq``:
-        x's int8 copy, for a T matrix or a grid IQ type's), else a GEMM. ``norm``: the
-        add-and-norm after it, in the GEMV's launch (``_norm_after``; one row)."""
+        x's int8 copy, for a T matrix or a grid IQ type's), else a GEMM."""
         if x.shape[0] > GEMV_ROWS:
             self._gemm(m, x, out)
         elif m.t_bytes is not None:
             gemv_t.gemv_t(m.t_bytes, m.ggml_type, m.rows, x, out, self.t_part, self.t_count,
-                          bias=m.bias, config=m.config, xq=xq, use_pdl=self.pdl, norm=norm,
-                          norm_counter=self.buf["norm_count"][32:33])
+                          bias=m.bias, config=m.config, xq=xq, use_pdl=self.pdl)
         else:
             quant_matmul.gemv(m.packed, m.ggml_type, x, out=out, bias=m.bias, config=m.config,
-                              use_pdl=self.pdl, xq=xq, norm=norm,
-                              counter=self.buf["norm_count"][:1])
-
-    def _norm_after(self, a: Rows, then: tuple | None) -> tuple | None:
-        """The kernels' ``norm`` for a GEMV that also does the add-and-norm after it (``then``:
-        the norm's weight and int8 copy; on trial, decode's one row only), else None."""
-        if then is None or a.n != 1:
-            return None
-        return (a.hidden, then[0], self.hp.rms_eps, a.normed, then[1])
+                              use_pdl=self.pdl, xq=xq)
 
     def _gemm(self, m: Matrix, x: torch.Tensor, out: torch.Tensor) -> None:
         # prefill only (never in the captured decode step): one GEMM on the dequant cache's

@@ -14,7 +14,7 @@ from kernels import attention, gemv_t, kv_cache, norm, quant_matmul, rope
 
 class AttentionLayers:
     """GpuStage's attention steps (they read the stage's hp, buf, pdl, neox, t_part, t_count,
-    attn_ws, attn_count and its ``_linear``, ``_add_norm``, ``_fused_norm``, ``_norm_after``)."""
+    attn_ws, attn_count and its ``_linear``, ``_add_norm``)."""
 
     def _attention(self, att: Attention, a: Rows, pos0: int | None, prev: Ffn | None) -> None:
         """The attention half of a layer: the pre-norm (adding the previous layer's output to
@@ -24,7 +24,7 @@ class AttentionLayers:
         xq = att.xq if a.n == 1 else None
         if prev is None:
             norm.rmsnorm(a.hidden, att.norm, hp.rms_eps, out=a.normed, q8=xq, use_pdl=self.pdl)
-        elif not self._fused_norm(prev, a):
+        else:
             self._add_norm(a, prev.post_norm, att.norm, xq)
         self._qkv(att, a.normed, a.qkv, xq)
         if hp.qk_norm and not (pos0 is None and att.qk_norm_in_rope):
@@ -34,8 +34,7 @@ class AttentionLayers:
             self._attend_decode(att, a)
         else:
             self._attend_prefill(att, a, pos0)
-        # then_norm (on trial): the FFN's add-and-norm in the same launch
-        self._linear(att.output, a.attn, a.proj, norm=self._norm_after(a, att.then_norm))
+        self._linear(att.output, a.attn, a.proj)
 
     def _qkv(self, att: Attention, x: torch.Tensor, out: torch.Tensor, xq) -> None:
         """q, k, v side by side in ``out``; decode runs the three GEMVs (and biases) in one

@@ -116,7 +116,7 @@ class DecodeGraph:
         if route:
             layer = self.layers[e]
             self._attention(layer.attn, a, None, prev)
-            self._ffn_norm(layer, a)
+            self._add_norm(a, layer.attn.post_norm, layer.ffn.norm, layer.ffn.xq)
             self._route(layer.ffn, a)
             return
         if prev is not None:

@@ -18,7 +18,7 @@ from kernels import glu, moe, moe_decode, moe_prefill, quant_matmul
 
 class MoeLayers:
     """GpuStage's mixture-of-experts steps (they read the stage's hp, buf, pdl, layers and
-    its ``_linear``, ``_norm_after``)."""
+    its ``_linear``)."""
 
     def _experts(self, f: Experts, a: Rows) -> None:
         """A mixture-of-experts FFN on normed into proj: router logits, top-k routing (ids and
@@ -88,11 +88,9 @@ class MoeLayers:
             if f.xq_h is not None:
                 # launched without PDL: with it the step ran 337.6 against 390.9 t/s (H200,
                 # Qwen3-30B-A3B Q4_K_M, same run; the GLU's PDL makes no difference)
-                # then_norm: the next layer's add-and-norm in the same launch (on trial)
                 moe_decode.expert_down_q8(dp, d.ggml_type, ne, f.xq_h, ids, w, a.proj, rows_out,
                                           db, accumulate=f.shared is not None, use_pdl=False,
-                                          counter=b["moe_count"],
-                                          norm=self._norm_after(a, f.then_norm))
+                                          counter=b["moe_count"])
             else:
                 moe_decode.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, db,
                                        accumulate=f.shared is not None, config=f.down_config,
