@@ -17,6 +17,11 @@ else
     export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
+python3 -c 'import gguf' 2>/dev/null || {
+    echo "h200.sh: no gguf module here: put its wheel in .whl/ and carry .whl with the call" \
+        "(benchmarks/README.md)"
+    exit 2
+}
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 echo "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)," \
     "$(awk '/MemTotal/ {printf "%.0f GiB", $2 / 2^20}' /proc/meminfo)"
