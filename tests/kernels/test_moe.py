@@ -82,7 +82,8 @@ def test_route_ties_pick_the_lower_id():
     assert torch.allclose(w.cpu(), torch.tensor([[0.5, 0.5]]))
 
 
-@pytest.mark.parametrize("ggml_type", [qt.Q4_K, qt.Q8_0, qt.MXFP4, qt.BF16],
+# Q2_K and Q3_K: the experts of the 2- and 3-bit K mixes (GLM-4.5-Air's Q2_K / Q3_K_M files)
+@pytest.mark.parametrize("ggml_type", [qt.Q4_K, qt.Q8_0, qt.MXFP4, qt.BF16, qt.Q2_K, qt.Q3_K],
                          ids=qt.type_name)
 def test_expert_glu_and_down_match_reference(ggml_type, seed):
     g = generator(seed)
@@ -196,7 +197,7 @@ def test_sort_routes_groups_rows_by_expert(seed):
 
 
 @pytest.mark.parametrize("types", [(qt.Q4_K, qt.Q6_K), (qt.MXFP4, qt.MXFP4), (qt.Q8_0, qt.Q4_0),
-                                   (qt.IQ4_XS, qt.IQ2_XXS)],
+                                   (qt.IQ4_XS, qt.IQ2_XXS), (qt.Q2_K, qt.Q3_K)],
                          ids=lambda t: "-".join(qt.type_name(x) for x in t))
 def test_prefill_grouped_path_matches_decode_reference(types, seed):
     # sort -> grouped gate/up -> grouped down -> combine gives, for every token, what the
