@@ -219,10 +219,13 @@ def _read(model: GGUFModel) -> HParams:
         raise CarveError(f"{model.paths[0]}: impossible shape ({n_layer} layers, {n_embd} "
                          f"hidden, {n_head} heads, {n_head_kv} KV heads, FFN {n_ff})")
     held = _blocks_held(model)
+    # GLM's next-token-prediction layers: declared in block_count, never run
+    nextn = m.int_("nextn_predict_layers", 0) if arch == "glm4moe" else 0
+    if not 0 <= nextn < n_layer:
+        raise CarveError(f"{model.paths[0]}: {arch}.nextn_predict_layers {nextn} leaves no "
+                         f"layer to run of {n_layer}")
     # before anything is sized per layer (a count of 2**60 is one field); a GLM file may leave
-    # out the next-token-prediction layers it declares, which are never run
-    nextn = m.md.get(f"{arch}.nextn_predict_layers", 0) if arch == "glm4moe" else 0
-    nextn = nextn if isinstance(nextn, int) and 0 <= nextn < n_layer else 0
+    # out the layers it does not run
     if n_layer - nextn > held:
         raise CarveError(f"{model.paths[0]}: {arch}.block_count is {n_layer} but the file "
                          f"holds tensors of {held} layers; the file is inconsistent")
@@ -234,7 +237,7 @@ def _read(model: GGUFModel) -> HParams:
         raise CarveError(f"{model.paths[0]}: no token_embd.weight matrix; not a complete model")
     n_vocab = embd.shape[1]
     tied = not any(t.name == "output.weight" for t in model.tensors)
-    moe = _read_moe(model, m, n_layer, n_embd) if arch in MOE_ARCHS else {}
+    moe = _read_moe(model, m, n_layer - nextn, n_embd) if arch in MOE_ARCHS else {}
     n_run = moe.get("n_layer_run", n_layer)
     n_dense = min(n_run, moe.get("n_layer_dense_lead", n_run))  # layers 0 .. n_dense-1
     expect = {
@@ -336,10 +339,11 @@ def _tensor_shapes(model: GGUFModel) -> dict[str, tuple[int, ...]]:
     return {t.name: tuple(t.shape) for t in model.tensors}
 
 
-def _read_moe(model: GGUFModel, m: _Meta, n_layer: int, n_embd: int) -> dict[str, Any]:
-    """The expert fields of a MoE architecture, checked against every run layer's router and
-    expert tensors (GGUF shapes: router [n_embd, n_expert], gate/up experts [n_embd, n_ff_exp,
-    n_expert], down experts [n_ff_exp, n_embd, n_expert])."""
+def _read_moe(model: GGUFModel, m: _Meta, n_run: int, n_embd: int) -> dict[str, Any]:
+    """The expert fields of a MoE architecture (``n_run``: the layers the model runs), checked
+    against every run layer's router and expert tensors (GGUF shapes: router [n_embd,
+    n_expert], gate/up experts [n_embd, n_ff_exp, n_expert], down experts [n_ff_exp, n_embd,
+    n_expert])."""
     path, arch = model.paths[0], model.arch
     n_expert = m.int_("expert_count", required=True)
     n_used = m.int_("expert_used_count", required=True)
@@ -349,11 +353,6 @@ def _read_moe(model: GGUFModel, m: _Meta, n_layer: int, n_embd: int) -> dict[str
     if not 0 < n_used <= n_expert:
         raise CarveError(f"{path}: {arch}.expert_used_count is {n_used} but the file has "
                          f"{n_expert} experts ({arch}.expert_count); it must be 1..{n_expert}")
-    nextn = m.int_("nextn_predict_layers", 0) if arch == "glm4moe" else 0
-    n_run = n_layer - nextn
-    if not 0 < n_run <= n_layer:
-        raise CarveError(f"{path}: {arch}.nextn_predict_layers {nextn} leaves no layer to run "
-                         f"of {n_layer}")
     lead = m.int_("leading_dense_block_count", 0) if arch == "glm4moe" else 0
     if not 0 <= lead < n_run:
         raise CarveError(f"{path}: {arch}.leading_dense_block_count {lead} leaves no expert "
