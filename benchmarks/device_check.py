@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.device
                          "place, against the host-to-GPU copy rate (30B-A3B shape)")
     ap.add_argument("--json", metavar="FILE", default=None, help="also write the rows to FILE")
     ap.add_argument("--types", metavar="LIST", default=None,
-                    help="GEMV/dequantize types only: comma-separated names, or lowbit")
+                    help="GEMV/dequantize types only: comma-separated names, or lowbit (with "
+                         "--moe: the expert shapes whose gate/up type is one of them)")
     args = ap.parse_args(argv)
     try:
         types = _types(args.types)
@@ -139,7 +140,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.device
         # they import this module's helpers
         from benchmarks.device_check_moe import host_section, moe_section
 
-        (host_section if args.moe_host else moe_section)(g, copy_bw, mm_rate, row)
+        if args.moe_host:
+            host_section(g, copy_bw, mm_rate, row)
+        else:
+            moe_section(g, copy_bw, mm_rate, row, types)
         _table(rows, best_cfg, args, copy_bw, mm_rate)
         return 0
     if args.attn:

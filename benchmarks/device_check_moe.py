@@ -33,15 +33,18 @@ MOE_SHAPES = [  # (label, n_expert, k, n_embd, n_ff_exp, gate/up type, down type
 ]
 
 
-def moe_section(g, copy_bw, mm_rate, row):
+def moe_section(g, copy_bw, mm_rate, row, types=None):
     """Each MoE kernel against the bytes it must move (decode: the k routed experts' rows only;
     prefill 512 tokens: every expert's bytes once, or its FLOPs). Decode calls in one graph
-    draw different experts (8 id sets), so the 8 calls do not hit L2 for each other."""
+    draw different experts (8 id sets), so the 8 calls do not hit L2 for each other.
+    ``types``: only the shapes whose gate/up type is one of these."""
     from kernels import moe, moe_decode, moe_prefill
     from spec.launch import moe_tiles
 
     swept: set = set()
     for label, ne, k, e, f, gt, dt in MOE_SHAPES:
+        if types and gt not in types:
+            continue
         tag = f"{label} {qt.type_name(gt)}/{qt.type_name(dt)}"
         gate = random_weight(gt, ne * f, e, "cuda", g)
         up = random_weight(gt, ne * f, e, "cuda", g)
@@ -309,9 +312,11 @@ Q8_TILES = [(32, 2, 4), (32, 4, 4), (32, 8, 4), (32, 4, 2), (64, 4, 4), (64, 4, 
 # down's: any rows (the row tile's counters: one per 16 rows here)
 Q8_DOWN_TILES = [(16, 1, 2), (16, 4, 4), (32, 1, 4), (32, 4, 4), (64, 1, 4), (64, 4, 8),
                  (128, 4, 8)]
-# the same for 32-value blocks (MXFP4: 17 bytes a block, 4 lanes)
-Q8_TILES_32 = [(32, 8, 4), (32, 16, 4), (32, 32, 4), (32, 16, 8), (64, 16, 8), (64, 32, 8)]
-Q8_DOWN_TILES_32 = [(16, 16, 2), (32, 8, 4), (32, 16, 4), (32, 32, 4), (64, 16, 8), (64, 32, 8)]
+# the same for 32-value blocks (MXFP4: 17 bytes a block, a thread each)
+Q8_TILES_32 = [(32, 8, 4), (32, 16, 4), (32, 32, 4), (32, 16, 8), (32, 32, 8), (64, 8, 4),
+               (64, 16, 8), (64, 32, 8)]
+Q8_DOWN_TILES_32 = [(16, 16, 2), (16, 32, 4), (32, 8, 4), (32, 16, 4), (32, 32, 4), (32, 32, 8),
+                    (64, 16, 8), (64, 32, 8)]
 
 
 def _expert_sweep(name, fn, floor, row, tiles=None):

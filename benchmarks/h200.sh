@@ -38,7 +38,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #   KERNELS="lowbit"             benchmarks.device_check --types (each type's GEMV against
 #                                its byte floor at 7B sizes), run before the benches
 #   MOE=1                        benchmarks.device_check --moe (the mixture-of-experts
-#                                kernels against their byte floors), run before the benches
+#                                kernels against their byte floors), run before the benches;
+#                                MOE=MXFP4: only the shapes of those gate/up types
 #   PLACE="--vram 12 --experts-resident auto;CARVE_HOST_READ=direct --vram 12 --experts-resident auto"
 #                                more `carve bench` runs of the first BENCH shape's file, one per
 #                                ';'-separated argument set (expert placements at a VRAM budget;
@@ -93,8 +94,10 @@ if [ "${MOE_HOST:-0}" = 1 ]; then
     timeout "$step" python3 -m benchmarks.device_check --moe-host \
         --json "$out/device-check-moe-host.json" 2>&1 | tee "$out/device-check-moe-host.log"
 fi
-if [ "${MOE:-0}" = 1 ]; then
-    timeout "$step" python3 -m benchmarks.device_check --moe \
+if [ "${MOE:-0}" != 0 ]; then
+    moe_types=()
+    [ "$MOE" != 1 ] && moe_types=(--types "$MOE")
+    timeout "$step" python3 -m benchmarks.device_check --moe "${moe_types[@]}" \
         --json "$out/device-check-moe.json" 2>&1 | tee "$out/device-check-moe.log"
 fi
 for s in ${LAUNCH:-}; do

@@ -22,10 +22,12 @@ k = 0..3 of l = 4t .. 4t + 3 (a's low nibbles, b's low, a's high, b's high; qh b
 the signed bytes q - 32 into a signed ``dp4a``; scale ``sc[8n + 2k + t // 4]``, x group
 ``8b + 4n + k``. A lane takes t = 4s .. 4s + 3 (16 values of l, one scale per quarter).
 
-MXFP4 (17-byte blocks of 32 values: one x group each): a lane per 4 qs bytes, whose low
-nibbles are values 4t..4t+3 (x's word 8b + t) and high ones 16 + 4t.. (word 8b + 4 + t); the
-nibbles become the signed bytes of the doubled e2m1 values by byte permutes, and the block's
-E8M0 scale 2^(e - 128) undoes the doubling.
+MXFP4 (17-byte blocks of 32 values: one x group each): a thread per block, which loads the 5
+aligned words that hold it and cuts its scale byte and 4 qs words out of them with funnel
+shifts (byte loads, 5 a word, were the alternative); qs word t's low nibbles are values
+4t..4t+3 (x's word 8b + t), its high ones 16 + 4t.. (word 8b + 4 + t); the nibbles become the
+signed bytes of the doubled e2m1 values by byte permutes, and the block's E8M0 scale
+2^(e - 128) undoes the doubling.
 """
 
 from __future__ import annotations
@@ -217,34 +219,64 @@ def _mxfp4_s8(q, ASM: tl.constexpr):
 
 
 @triton.jit
+def _funnel(lo, hi, s, ASM: tl.constexpr):
+    # the 32 bits at bit s (0..32) of the 64-bit word hi:lo: bytes of an unaligned word from the
+    # two aligned words around it (ASM: one funnel shift)
+    if ASM:
+        return tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r",
+                                         [lo, hi, s], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        v = (lo.to(tl.int64) & 0xFFFFFFFF) | (hi.to(tl.int64) << 32)
+        return (v >> s.to(tl.int64)).to(tl.int32)
+
+
+@triton.jit
+def _mxfp4_word(q, xq, blk, bm, i, J: tl.constexpr, ASM: tl.constexpr):
+    # qs word J of the blocks (values 4J..4J+3 low nibbles, 16+4J.. high) against x's words
+    # 8b + J and 8b + 4 + J (broadcast to the rows)
+    lo, hi = _mxfp4_s8(q, ASM)
+    xl = tl.load(xq + blk * 8 + J, mask=bm, other=0)[None, :]
+    xh = tl.load(xq + blk * 8 + 4 + J, mask=bm, other=0)[None, :]
+    i = _dp4a(lo, tl.broadcast_to(xl, lo.shape), i, ASM, True)
+    return _dp4a(hi, tl.broadcast_to(xh, hi.shape), i, ASM, True)
+
+
+@triton.jit
 def mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R: tl.constexpr,
                       BLOCK_B: tl.constexpr, ASM: tl.constexpr):
     """[BLOCK_R] float32 dot products of MXFP4 rows ``rows_c`` (clamped in range) with x's int8
     copy (``xq_ptr`` int8 values, 4-byte aligned; ``xd_ptr`` scales per 32). A block (17
-    bytes: E8M0 e, then qs) is one x group; a lane per 4 qs bytes (8 values), read byte by
-    byte (the blocks leave rows and words 1-byte aligned):
+    bytes: E8M0 e, then qs) is one x group and one thread's: the 5 aligned int32 words that
+    hold its bytes (``w_ptr`` 4-byte aligned; the last word may reach 3 bytes past the
+    tensor, never past a 4-byte boundary), its e and 4 qs words cut out of them by funnel
+    shifts (the blocks leave rows and words 1-byte aligned):
 
         sum W x = 2^(e - 128) d_x (dp4a of the doubled values and q_x)"""
-    t = tl.arange(0, 4)[None, None, :]  # the lane's qs word within the block
+    wi = w_ptr.to(tl.pointer_type(tl.int32))
     xq = xq_ptr.to(tl.pointer_type(tl.int32))
     row_b = rows_c.to(tl.int64) * row_bytes
-    shape: tl.constexpr = (BLOCK_R, BLOCK_B, 4)
-    acc = tl.zeros(shape, dtype=tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):
         blk = b0 + tl.arange(0, BLOCK_B)
-        bm = tl.broadcast_to((blk < nblk)[None, :, None], shape)
-        base = row_b[:, None] + (tl.minimum(blk, nblk - 1) * 17)[None, :]  # [R, B]
-        qp = w_ptr + base[:, :, None] + 1 + 4 * t
-        q = tl.load(qp).to(tl.int32) | (tl.load(qp + 1).to(tl.int32) << 8) \
-            | (tl.load(qp + 2).to(tl.int32) << 16) | (tl.load(qp + 3).to(tl.int32) << 24)
-        lo, hi = _mxfp4_s8(q, ASM)
-        xp = tl.broadcast_to(xq + (blk * 8)[None, :, None] + t, shape)
-        i = _dp4a(lo, tl.load(xp, mask=bm, other=0), tl.zeros(shape, dtype=tl.int32), ASM, True)
-        i = _dp4a(hi, tl.load(xp + 4, mask=bm, other=0), i, ASM, True)
-        e = tl.load(w_ptr + base).to(tl.int32)
-        dx = tl.load(xd_ptr + blk, mask=blk < nblk, other=0.0)
-        acc += (_e8m0_half(e) * dx[None, :])[:, :, None] * i.to(tl.float32)
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
+        bm = blk < nblk
+        base = row_b[:, None] + (tl.minimum(blk, nblk - 1) * 17)[None, :]  # [R, B] bytes
+        wp = wi + (base >> 2)
+        c = (base & 3).to(tl.int32)
+        w0 = tl.load(wp)
+        w1 = tl.load(wp + 1)
+        w2 = tl.load(wp + 2)
+        w3 = tl.load(wp + 3)
+        w4 = tl.load(wp + 4)
+        e = (w0 >> (8 * c)) & 0xFF
+        s = 8 * c + 8  # qs word j: the bytes at bit s of words j, j + 1
+        i = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.int32)
+        i = _mxfp4_word(_funnel(w0, w1, s, ASM), xq, blk, bm, i, 0, ASM)
+        i = _mxfp4_word(_funnel(w1, w2, s, ASM), xq, blk, bm, i, 1, ASM)
+        i = _mxfp4_word(_funnel(w2, w3, s, ASM), xq, blk, bm, i, 2, ASM)
+        i = _mxfp4_word(_funnel(w3, w4, s, ASM), xq, blk, bm, i, 3, ASM)
+        dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
+        acc += _e8m0_half(e) * dx[None, :] * i.to(tl.float32)
+    return tl.sum(acc, axis=1)
 
 
 # the types with a body here, and the values of a block each

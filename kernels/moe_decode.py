@@ -126,8 +126,11 @@ def _q8_views(w: torch.Tensor, ggml_type: int, what: str):
     if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous():
         raise ValueError(f"{what} must be contiguous uint8 [rows, row_bytes]")
     # Q4_K reads int32 words (its 144-byte blocks keep rows 4-byte aligned), Q6_K 16-bit ones,
-    # MXFP4 bytes (its 17-byte blocks keep nothing aligned)
+    # MXFP4 the aligned int32 words around its 17-byte blocks (the tensor 4-byte aligned)
     if ggml_type == qt.MXFP4:
+        if w.data_ptr() % 4:
+            raise ValueError(f"{what}: MXFP4 experts must start 4-byte aligned for the int8-x "
+                             "body")
         return w, w, w
     wi = w.view(torch.int32) if ggml_type == qt.Q4_K else w
     return w, w.view(torch.float16), wi

@@ -132,6 +132,16 @@ def test_int8_x_is_refused_where_it_cannot_go():
         norm.rmsnorm(x, torch.ones(64, device=DEVICE), 1e-6, q8=_bufs(64))  # two rows
     with pytest.raises(ValueError, match="whole groups"):
         q8x.buffers(torch.zeros(8, dtype=torch.int32), torch.zeros(2, 4), 40)
+    # MXFP4's body reads the aligned words around its 17-byte blocks: a tensor starting off a
+    # 4-byte boundary is refused before anything is read
+    g = generator(0)
+    raw = random_weight(qt.MXFP4, 2 * 32 + 1, 64, DEVICE, g).reshape(-1)
+    gate = raw[34:34 + 2 * 32 * 34].view(2 * 32, 34)  # 34 bytes in: 2-byte aligned
+    xq, _ = q8x.copy_ref(torch.randn(64, device=DEVICE))
+    ids = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        moe_decode.expert_glu_q8(gate, qt.MXFP4, gate, qt.MXFP4, 2, xq, ids,
+                                 torch.empty(1, 32, device=DEVICE))
 
 
 @pytest.mark.parametrize("gate_type,down_type", [(qt.Q4_K, qt.Q6_K), (qt.Q4_K, qt.Q4_K),
