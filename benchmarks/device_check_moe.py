@@ -90,8 +90,8 @@ def moe_section(g, copy_bw, mm_rate, row, types=None):
         moe_decode.expert_down(down, dt, ne, h, sets[0], wts, y, config=cd, rows_out=yr)
         row(f"moe expert down split {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref),
             f"cfg={cd} DOWN_SPLIT={moe_decode.DOWN_SPLIT}")
-        # the int8-x bodies, the trial ones (not yet adopted: MXFP4) too
-        if moe_decode.q8_able(gt, e, True) and moe_decode.q8_able(dt, f, True):
+        # the int8-x bodies
+        if moe_decode.q8_able(gt, e) and moe_decode.q8_able(dt, f):
             _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr,
                      2 * k * per_g / copy_bw, k * per_d / copy_bw, tag, row,
                      (label, gt) not in swept)

@@ -106,20 +106,17 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     # Q6_K down at 16 rows x 1 block x 2 warps: 12.9 against 14.3 us at 32 x 1 x 4 (30B-A3B,
     # device_check --moe), 30B-A3B tg128 396.0 against 391.0 t/s in the step (2026-12-03)
     (qt.Q4_K, "down"): (64, 4, 8), (qt.Q6_K, "down"): (16, 1, 2),
-    # on trial (Q8_EXPERT_TRIAL below): the sweep's best at gpt-oss-20b's shape (2026-12-03)
-    (qt.MXFP4, "glu"): (32, 16, 4), (qt.MXFP4, "down"): (32, 32, 4),
+    # MXFP4 (a thread per 17-byte block): the sweep's best at gpt-oss-20b's shape, gate/up
+    # 27.5 us, down 17.6 (device_check --moe, H200, 2026-12-03)
+    (qt.MXFP4, "glu"): (32, 16, 8), (qt.MXFP4, "down"): (16, 32, 4),
 }
-# the types whose int8-x expert bodies decode runs; the trial ones are written and checked
-# against the reference but not yet measured in the step (CARVE_TRIAL=mxfp4_experts adds them)
-Q8_EXPERT_TYPES = frozenset({qt.Q4_K, qt.Q6_K})
-Q8_EXPERT_TRIAL = frozenset(Q8_TYPES) - Q8_EXPERT_TYPES
+# the types whose int8-x expert bodies decode runs
+Q8_EXPERT_TYPES = frozenset(Q8_TYPES)
 
 
-def q8_able(ggml_type: int, cols: int, trial: bool = False) -> bool:
-    """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy
-    (``trial``: also with the bodies not yet adopted, which the kernels themselves accept)."""
-    types = Q8_EXPERT_TYPES | Q8_EXPERT_TRIAL if trial else Q8_EXPERT_TYPES
-    return ggml_type in types and cols % Q8_BLOCK[ggml_type] == 0
+def q8_able(ggml_type: int, cols: int) -> bool:
+    """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy."""
+    return ggml_type in Q8_EXPERT_TYPES and cols % Q8_BLOCK[ggml_type] == 0
 
 
 def _q8_views(w: torch.Tensor, ggml_type: int, what: str):
@@ -181,7 +178,7 @@ def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type:
     n, k = expert_rows(gate, n_expert), row_cols(gate, gate_type)
     if up.shape[0] != gate.shape[0] or row_cols(up, up_type) != k:
         raise ValueError("gate and up experts differ in shape")
-    if not (q8_able(gate_type, k, True) and q8_able(up_type, k, True)):
+    if not (q8_able(gate_type, k) and q8_able(up_type, k)):
         raise ValueError(f"no int8-x expert GEMV for {qt.type_name(gate_type)}/"
                          f"{qt.type_name(up_type)} rows of {k}")
     if ids.shape[0] != 1 or not q8x.fits(xq, k):
@@ -338,7 +335,7 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
     config's rows, left zero), else by ``combine`` (a second launch)."""
     n, k = expert_rows(down, n_expert), row_cols(down, ggml_type)
     ku = ids.shape[1]
-    if not q8_able(ggml_type, k, True):
+    if not q8_able(ggml_type, k):
         raise ValueError(f"no int8-x expert GEMV for {qt.type_name(ggml_type)} rows of {k}")
     if ids.shape[0] != 1 or not q8x.fits(hq, ku * k):
         raise ValueError("expert_down_q8 takes one row's k expert inputs as their int8 copy")

@@ -15,7 +15,6 @@ SWITCH = {"1": True, "0": False}
 # kernels on trial (CARVE_TRIAL): written and checked, not yet measured to win on a GPU
 TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (kernels/gemv_lowbit.py)",
-    "mxfp4_experts": "MXFP4 routed experts on the int8 copies (kernels/gemv_q8.py)",
 }
 
 

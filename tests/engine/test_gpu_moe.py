@@ -112,22 +112,18 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
                        ids(6, 3) if "qwen3moe" in model else None, 5e-3, model)
 
 
-@pytest.mark.parametrize("arch,trials", [
-    ("qwen3moe", ()),
-    ("gpt-oss", ("mxfp4_experts",)),
-], ids=["qwen3moe", "gpt-oss-trial"])
-def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, trials, tmp_path) -> None:
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, tmp_path) -> None:
     """Experts of a type with an int8-x body (Q4_K gate/up and Q6_K or Q4_K down; gpt-oss's
-    MXFP4, on trial, with RunnerOptions.trials mxfp4_experts): decode's expert GEMVs multiply
-    the int8 copies of the normed row and of the routed GLU outputs (kernels/gemv_q8.py) and
-    still match the CPU engine, greedy ids included."""
+    MXFP4): decode's expert GEMVs multiply the int8 copies of the normed row and of the routed
+    GLU outputs (kernels/gemv_q8.py) and still match the CPU engine, greedy ids included;
+    with RunnerOptions.expert_q8 off they read bf16 x."""
     if arch == "gpt-oss":
         shape, mix = SHAPES["gpt-oss"], None
     else:
         shape, mix = Shape("qwen3moe", 2, 256, 4, 2, 256, 320, head_dim=64, n_ctx=512,
                            n_expert=4, n_expert_used=2, n_ff_exp=256), "q4_k_m"
     (out,) = write_model(tmp_path / "q8.gguf", shape, mix)
-    trial = RunnerOptions(trials=frozenset(trials))
 
     def on_int8(g) -> None:
         layers = g.pipe.stages[0].layers
@@ -140,9 +136,10 @@ def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, trials, tmp_path
     # more of it on to the logits (9.6e-3 measured, 1.3e-4 on bf16 x) than qwen3moe's (4.9e-4)
     bound = 2e-2 if arch == "gpt-oss" else 5e-3
     against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), bound, str(out),
-                       on_int8, trial)
-    if arch == "gpt-oss":  # not adopted yet: without the trial option the experts read bf16 x
-        g = GpuSession.load(plan(str(out)), devices=[DEV], remember=False)
+                       on_int8)
+    if arch == "gpt-oss":  # CARVE_EXPERT_Q8=0: the experts read bf16 x
+        g = GpuSession.load(plan(str(out)), devices=[DEV], remember=False,
+                            options=RunnerOptions(expert_q8=False))
         try:
             assert all(layer.ffn.xq is None for layer in g.pipe.stages[0].layers)
         finally:

@@ -326,15 +326,14 @@ class LayerBuilder:
 
     def _expert_int8_x(self, mats: list[Matrix]) -> dict:
         """The routed experts' int8 copies (Experts.xq, xq_h) where their types have a GGUF-order
-        int8-x body (kernels/gemv_q8.py; MXFP4's, on trial, with RunnerOptions.trials
-        mxfp4_experts): gate and up both, then down too."""
-        hp, trial = self.hp, "mxfp4_experts" in self.options.trials
+        int8-x body (kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4): gate and up both, then down too."""
+        hp = self.hp
         g, u, d = mats
         if (self.xq is None or not self.options.expert_q8
-                or not all(moe_decode.q8_able(m.ggml_type, hp.n_embd, trial) for m in (g, u))):
+                or not all(moe_decode.q8_able(m.ggml_type, hp.n_embd) for m in (g, u))):
             return {}
         routed = self.xq[2]
-        able = routed is not None and moe_decode.q8_able(d.ggml_type, hp.n_ff_exp, trial)
+        able = routed is not None and moe_decode.q8_able(d.ggml_type, hp.n_ff_exp)
         return {"xq": self.xq[0], "xq_h": routed if able and hp.n_ff_exp % 32 == 0 else None}
 
     def _expert_matrix(self, stem: str, meta: bool = False) -> Matrix:
