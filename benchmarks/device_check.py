@@ -47,6 +47,10 @@ B_CONFIGS = [(4, 32, 4), (8, 16, 4), (4, 16, 2), (8, 32, 8)]
 # the grid IQ types' row body (a lane per group of 32 values: 8 lanes per block); a sweep of
 # ten tiles on an H200 (2026-12-02) put these first, the best at (4, 4, 4) or (8, 8, 4)
 ROW_CONFIGS = [(4, 4, 4), (8, 8, 4), (4, 8, 4), (2, 8, 4), (8, 4, 4)]
+# the row bodies of a thread per 32-value block (Q8_0: kernels/gemv_dot.py q80_rows_dot), 1 to
+# 4 blocks a thread; not swept yet
+BLOCK_ROW_CONFIGS = {qt.Q8_0: [(8, 32, 4), (4, 32, 4), (16, 32, 4), (8, 16, 4), (16, 16, 4),
+                               (4, 64, 4)]}
 # (rows per program, warps, target programs): the rule's two, then more rows a thread or fewer
 # programs
 T_CONFIGS = [launch.T_CONFIG, launch.T_CONFIG_LOWBIT, (256, 2, 2112), (512, 4, 2112),
@@ -275,7 +279,7 @@ def _gemv_section(t, args, g, copy_bw, row, best_cfg):
     ws = {s: [random_weight(t, s[0], s[1], "cuda", g) for _ in range(ROTATE)] for s in shapes}
     cfgs = K_CONFIGS if quant_matmul.plan(t).block == 256 else B_CONFIGS
     if t in quant_matmul.ROW_BODY_TYPES:
-        cfgs = ROW_CONFIGS
+        cfgs = BLOCK_ROW_CONFIGS.get(t, ROW_CONFIGS)
     if args.quick:
         cfgs = [quant_matmul.GEMV_CONFIG[t]]
     # correctness at M=1 and M=4 on the real shape, default config
@@ -300,16 +304,19 @@ def _gemv_section(t, args, g, copy_bw, row, best_cfg):
     err = nerr(out, quant_matmul.gemv_ref(w, t, x))
     row(f"gemv {name} up+down M=1", total, nbytes / copy_bw, err,
         f"cfg={cfg} {nbytes / total / 1e9:.0f} GB/s")
-    if t in quant_matmul.ROW_BODY_TYPES:  # the same tile on the generic per-part walk
+    if t in quant_matmul.ROW_BODY_TYPES:  # the same tile on the generic per-part walk (and
+        # the walk's own tile where it has one: Q8_0's)
         body = quant_matmul.ROW_BODY_TYPES
         quant_matmul.ROW_BODY_TYPES = body - {t}
+        own = quant_matmul.GEMV_CONFIG_GENERIC.get(t)
         try:
-            generic = _sweep(f"{name} generic walk", t, ws, shapes, [cfg], xy)
+            generic = _sweep(f"{name} generic walk", t, ws, shapes,
+                             [cfg] + ([own] if own and own != cfg else []), xy)
         finally:
             quant_matmul.ROW_BODY_TYPES = body
         if generic is not None:
             row(f"gemv {name} up+down M=1 generic walk", generic[0], nbytes / copy_bw, None,
-                f"cfg={cfg}")
+                f"cfg={generic[1]}")
         _int8_row(name, t, ws, shapes, cfgs, g, copy_bw, row, best_cfg)
     if t in quant_matmul.ROW_BODY_TRIAL:
         _trial_rows(name, t, ws, shapes, g, copy_bw, row, best_cfg)

@@ -8,9 +8,22 @@ multiply a sum over the sub-block rather than every element:
 
     sum_e x_e (d sc_s q_e - dmin mn_s) = d sc_s sum_e x_e q_e - dmin mn_s sum_e x_e
 
-The other types go through the generic per-part walk of ``kernels.quant_blocks.dequant_part``.
-(A Q6_K body of the same kind is slower on the H200: its 210-byte blocks allow only 2-byte
-loads. So are Q4_K bodies that load int32 words or prefetch the next step.)
+Q8_0 (``q80_rows_dot``) has a row body too, on the MXFP4 expert body's pattern
+(kernels/gemv_q8.py): a thread per 34-byte block, which loads the 9 aligned int32 words that
+hold it (rows of 34-byte blocks are only 2-byte aligned, so the generic walk loads bytes) and
+cuts its f16 scale and 8 qs words out of them with funnel shifts; on decode's int8 copy of x
+by ``dp4a``, one x group a block:
+
+    sum W x = d d_x (dp4a of qs and q_x)
+
+or on float32 / 16-bit x in 64-bit words. It needs the weight's start 4-byte aligned
+(``quant_matmul.ROW_BODY_ALIGN``); an unaligned Q8_0 weight takes the generic walk.
+
+The grid IQ types and IQ4_XS have row bodies of their own (kernels/gemv_iq.py,
+kernels/gemv_lowbit.py; ``quant_matmul.ROW_BODY_TYPES``). The other types go through the
+generic per-part walk of ``kernels.quant_blocks.dequant_part``. (A Q6_K body of the same kind
+as Q4_K's is slower on the H200: its 210-byte blocks allow only 2-byte loads. So are Q4_K
+bodies that load int32 words or prefetch the next step.)
 """
 
 from __future__ import annotations
@@ -18,8 +31,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gemv_iq import iq_rows_dot
+from kernels.gemv_iq import _word_dot, iq_rows_dot
 from kernels.gemv_lowbit import iq4xs_rows_dot, q2k_rows_dot
+from kernels.gemv_t_dot import _dp4a, _funnel
 from kernels.quant_blocks import dequant_part
 
 
@@ -118,6 +132,65 @@ def _generic_dot(w_ptr, wh_ptr, g_ptr, xrow, rows_c, nblk, row_bytes,
 
 
 @triton.jit
+def q80_rows_dot(w_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R: tl.constexpr,
+                 BLOCK_B: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_R] float32 dot products of Q8_0 rows ``rows_c`` (clamped in range) with the
+    activation row at ``xrow``: float32, bf16 or f16 (its start 8-byte aligned, read in 64-bit
+    words as ``iq4xs_rows_dot`` does), or int8, decode's int8 copy of x (its scales per 32
+    values at ``xd_ptr``). A block (34 bytes: f16 d, then 32 int8 qs) is one thread's and one
+    group of x: ``w_ptr``'s start must be 4-byte aligned, and a block at the (even) byte
+    ``base`` lies in the 9 aligned int32 words from word ``base >> 2`` (the last may reach 2
+    bytes past the block, never past a 4-byte boundary); with c = base & 3 (0 or 2), d is the
+    16 bits at bit 8c of word 0 and qs word j the 32 bits at bit 8c + 16 of words j, j + 1 (a
+    funnel shift; at c = 2 simply word j + 1). int8 x:
+
+        sum W x = d d_x (dp4a of qs and q_x)"""
+    XQ: tl.constexpr = xrow.dtype.element_ty == tl.int8
+    X16: tl.constexpr = xrow.dtype.element_ty == tl.bfloat16 or (
+        xrow.dtype.element_ty == tl.float16)
+    BF16: tl.constexpr = xrow.dtype.element_ty == tl.bfloat16
+    wi = w_ptr.to(tl.pointer_type(tl.int32))
+    if XQ:
+        xw = xrow.to(tl.pointer_type(tl.int32))
+    else:
+        xw = xrow.to(tl.pointer_type(tl.int64))
+    row_b = rows_c.to(tl.int64)[:, None] * row_bytes
+    acc = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.float32)
+    for b0 in range(0, nblk, BLOCK_B):
+        blk = b0 + tl.arange(0, BLOCK_B)
+        base = row_b + (tl.minimum(blk, nblk - 1) * 34)[None, :]  # [R, B] bytes, even
+        wp = wi + (base >> 2)
+        c8 = 8 * (base & 3).to(tl.int32)  # 0 or 16
+        s = c8 + 16
+        # x's group as full tiles in the weights' register layout (no layout conversion);
+        # blocks past the row end (a clamped copy of the last) read x as 0
+        xb = tl.broadcast_to(blk[None, :], (BLOCK_R, BLOCK_B))
+        xm = tl.broadcast_to((blk < nblk)[None, :], (BLOCK_R, BLOCK_B))
+        lo = tl.load(wp)
+        d = ((lo >> c8) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        isum = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.int32)
+        fsum = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.float32)
+        for j in tl.static_range(8):
+            hi = tl.load(wp + j + 1)
+            q = _funnel(lo, hi, s, ASM)  # qs values 4j..4j+3
+            if XQ:
+                isum = _dp4a(q, tl.load(xw + xb * 8 + j, mask=xm, other=0), isum, ASM, True)
+            elif X16:
+                xa = tl.load(xw + xb * 8 + j, mask=xm, other=0)
+                fsum += _word_dot(q, xa, xa, True, BF16)
+            else:
+                xa = tl.load(xw + xb * 16 + 2 * j, mask=xm, other=0)
+                xc = tl.load(xw + xb * 16 + 2 * j + 1, mask=xm, other=0)
+                fsum += _word_dot(q, xa, xc, False, BF16)
+            lo = hi
+        if XQ:
+            acc += d * tl.load(xd_ptr + xb, mask=xm, other=0.0) * isum.to(tl.float32)
+        else:
+            acc += d * fsum
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
             TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
             L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -127,9 +200,11 @@ def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
     activation row at ``xrow``. ``w_ptr``/``wh_ptr``/``wi_ptr``: the weight's bytes as uint8,
     16-bit floats and int32 (for the types that read a value table, the IQ family, ``wi_ptr``
     is that table: kernels.lowbit_blocks.lookup_table). SPECIAL picks the Q4_K storage-order
-    body or the grid IQ types' row body (kernels/gemv_iq.py), MAGIC the 2^23 integer-to-float of
-    the generic walk. An int8 ``xrow`` is decode's int8 copy of x, its scales at ``xd_ptr``
-    (the grid IQ types' body only); ASM: dp4a as the GPU's instruction."""
+    body or the type's row body (``quant_matmul.ROW_BODY_TYPES``: the grid IQ types',
+    kernels/gemv_iq.py; IQ4_XS's and Q2_K's, kernels/gemv_lowbit.py; Q8_0's here, which reads
+    ``w_ptr`` as int32 words: its start 4-byte aligned), MAGIC the 2^23 integer-to-float of the
+    generic walk. An int8 ``xrow`` is decode's int8 copy of x, its scales at ``xd_ptr`` (the
+    row bodies only); ASM: dp4a and funnel shifts as the GPU's instructions."""
     nblk = K // BS
     if SPECIAL and TYPE == 12:
         y = _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B)
@@ -139,6 +214,8 @@ def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
     elif SPECIAL and TYPE == 10:  # Q2_K: a lane per 32 values, dp4a on int8 x
         y = q2k_rows_dot(w_ptr, wh_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, TS, BLOCK_R,
                          BLOCK_B, ASM)
+    elif SPECIAL and TYPE == 8:  # Q8_0: a thread per block, its words cut by funnel shifts
+        y = q80_rows_dot(w_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B, ASM)
     elif SPECIAL and TYPE == 23:  # IQ4_XS: the 16-value table through byte permutes
         y = iq4xs_rows_dot(w_ptr, wh_ptr, wi_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, TS,
                            BLOCK_R, BLOCK_B, ASM)

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemv_dot import _k4_scale
-from kernels.gemv_t_dot import _dp4a, _q6_s8
+from kernels.gemv_t_dot import _dp4a, _funnel, _q6_s8
 from kernels.quant_blocks import _e8m0_half, _mxfp4_int
 
 
@@ -216,18 +216,6 @@ def _mxfp4_s8(q, ASM: tl.constexpr):
             lo |= (_mxfp4_int((q >> (8 * k)) & 15) & 0xFF) << (8 * k)
             hi |= (_mxfp4_int((q >> (8 * k + 4)) & 15) & 0xFF) << (8 * k)
         return lo, hi
-
-
-@triton.jit
-def _funnel(lo, hi, s, ASM: tl.constexpr):
-    # the 32 bits at bit s (0..32) of the 64-bit word hi:lo: bytes of an unaligned word from the
-    # two aligned words around it (ASM: one funnel shift)
-    if ASM:
-        return tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r",
-                                         [lo, hi, s], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        v = (lo.to(tl.int64) & 0xFFFFFFFF) | (hi.to(tl.int64) << 32)
-        return (v >> s.to(tl.int64)).to(tl.int32)
 
 
 @triton.jit

@@ -158,6 +158,19 @@ def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
 
 
 @triton.jit
+def _funnel(lo, hi, s, ASM: tl.constexpr):
+    # the 32 bits at bit s (0..32) of the 64-bit word hi:lo: bytes of an unaligned word from the
+    # two aligned words around it (ASM: one funnel shift; s = 32 gives hi). Used by the
+    # MXFP4 (kernels/gemv_q8.py) and Q8_0 (kernels/gemv_dot.py) bodies
+    if ASM:
+        return tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r",
+                                         [lo, hi, s], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        v = (lo.to(tl.int64) & 0xFFFFFFFF) | (hi.to(tl.int64) << 32)
+        return (v >> s.to(tl.int64)).to(tl.int32)
+
+
+@triton.jit
 def _q8_word(w, v, xl, J: tl.constexpr, il, ih, jl, jh, ASM: tl.constexpr, PAIR: tl.constexpr):
     # word J of a chunk: its low nibbles are values 4J..4J+3 of the low sub-block, the high
     # ones of the high sub-block, against x's int8 words J of both (xl: the low sub-block's

@@ -30,7 +30,9 @@ GEMV_CONFIG: dict[int, tuple[int, ...]] = {
     qt.BF16: (4, 16, 4),
     qt.Q4_0: (4, 32, 4),
     qt.Q5_0: (4, 16, 4),
-    qt.Q8_0: (4, 16, 4),
+    # Q8_0's row body (kernels/gemv_dot.py q80_rows_dot: a thread per 32-value block), two
+    # blocks a thread; not swept yet. Its generic walk: GEMV_CONFIG_GENERIC
+    qt.Q8_0: (8, 32, 4),
     qt.Q4_K: (4, 16, 4),
     qt.Q5_K: (4, 16, 4),
     qt.Q6_K: (2, 16, 4),
@@ -51,6 +53,9 @@ GEMV_CONFIG_WIDE: dict[int, tuple[int, ...]] = {qt.Q4_K: (8, 8, 4)}
 # and for long rows (cols >= 4 x rows), where the grid is small and each program long
 GEMV_CONFIG_LONG: dict[int, tuple[int, ...]] = {qt.Q6_K: (4, 16, 8)}
 WIDE_PROGRAMS = 2048
+# the generic walk's tile for a type whose GEMV_CONFIG is its row body's, where the body cannot
+# run (a Q8_0 weight off a 4-byte boundary)
+GEMV_CONFIG_GENERIC: dict[int, tuple[int, ...]] = {qt.Q8_0: (4, 16, 4)}
 # types whose parts are summed over their lanes at once (LANE_SUM; faster for these on the H200)
 LANE_SUM_TYPES = frozenset({qt.Q5_0, qt.Q8_0})
 # types whose generic walk turns integers to floats through the mantissa of 2^23 (faster than
@@ -59,12 +64,17 @@ MAGIC_TYPES = frozenset({qt.Q6_K})
 # types with a storage-order body in kernels/gemv_dot.py, and the byte alignment of the
 # weight's start (and of its rows) that the body's 16-byte loads assume
 SPECIAL_ALIGN = {qt.Q4_K: 16}
-# types with a body of their own that needs no alignment: the grid IQ types
-# (kernels/gemv_iq.py, a group of 32 values per lane, reading their table, 8-byte aligned, a row
-# per word) and IQ4_XS (kernels/gemv_lowbit.py; on an H200 1.9x the generic walk on int8 x,
-# 1.7x on bf16 x, 2026-12-02)
+# types with a row body of their own (row_dot with SPECIAL, on float32, 16-bit or decode's
+# int8 x): the grid IQ types (kernels/gemv_iq.py, a group of 32 values per lane, reading their
+# table, 8-byte aligned, a row per word), IQ4_XS (kernels/gemv_lowbit.py; on an H200 1.9x the
+# generic walk on int8 x, 1.7x on bf16 x, 2026-12-02), which need no alignment, and Q8_0
+# (kernels/gemv_dot.py q80_rows_dot, a thread per block read as aligned int32 words: only
+# where the weight's start is ROW_BODY_ALIGN-aligned, else the generic walk; not yet timed on
+# a GPU)
 ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
-                            qt.IQ1_M, qt.IQ4_XS})
+                            qt.IQ1_M, qt.IQ4_XS, qt.Q8_0})
+# the byte alignment of the weight's start that a row body's word loads assume (the others: 1)
+ROW_BODY_ALIGN = {qt.Q8_0: 4}
 # bodies of their own not switched on: Q2_K (kernels/gemv_lowbit.py q2k_rows_dot) measured
 # 1.14x the generic walk on int8 x but 0.85x on bf16 x (H200, 2026-12-02), and its big matrices
 # go to the T layout (kernels/gemv_t_low.py); it runs only where a caller adds it to
@@ -97,7 +107,7 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, N, 
     m = tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rows_c = tl.minimum(rows, N - 1)  # clamp instead of masking every weight load
-    # Q8X: x's int8 copy (one row; the grid IQ types' body)
+    # Q8X: x's int8 copy (one row; the row bodies, ROW_BODY_TYPES)
     xrow = xq_ptr if Q8X else x_ptr + m.to(tl.int64) * stride_xm
     y = row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
                 BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, ASM)
@@ -248,7 +258,9 @@ def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None
                and x_dtype != torch.float32)
     # the storage-order body's 16-byte loads; the IQ types' value table in its place
     wi = w.view(torch.int32) if special else _table(w, ggml_type)
-    special = special or ggml_type in ROW_BODY_TYPES
+    special = special or row_body(w, ggml_type)
+    if config is None and not special and ggml_type in GEMV_CONFIG_GENERIC:
+        config = GEMV_CONFIG_GENERIC[ggml_type]
     br, bb, warps, *rest = config or gemv_config(ggml_type, w.shape[0], k)
     bb = min(bb, triton.next_power_of_2(k // p.block))  # short rows: no all-masked blocks
     meta = {"TYPE": ggml_type, "BS": p.block, "TS": p.nbytes, "NPART": p.parts, "L": p.lanes,
@@ -257,11 +269,18 @@ def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None
     return (w, wh, wi), meta, warps, (rest[0] if rest else None)
 
 
-def _q8_in(xq, ggml_type: int, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def row_body(w: torch.Tensor, ggml_type: int) -> bool:
+    """Whether this weight's GEMV runs its type's row body (ROW_BODY_TYPES, its start aligned
+    as ROW_BODY_ALIGN asks; a Q8_0 view off a 4-byte boundary takes the generic walk)."""
+    return ggml_type in ROW_BODY_TYPES and w.data_ptr() % ROW_BODY_ALIGN.get(ggml_type, 1) == 0
+
+
+def _q8_in(xq, ggml_type: int, x2: torch.Tensor,
+           special: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(int8 values, scales, use): decode's int8 copy of x (kernels/q8x.py: q as int32 words,
-    d, s) where the kernel multiplies with it (a grid IQ type, one row of x), else x twice and
-    False."""
-    if ggml_type not in ROW_BODY_TYPES or not q8x.usable(xq, x2):
+    d, s) where the kernel multiplies with it (a row body runs: ``special`` and a
+    ROW_BODY_TYPES type; one row of x), else x twice and False."""
+    if not special or ggml_type not in ROW_BODY_TYPES or not q8x.usable(xq, x2):
         return x2, x2, False
     return xq[0].view(torch.int8), xq[1], True
 
@@ -285,13 +304,14 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     with ``out``. ``config`` overrides the tile (rows per program, blocks per step, warps[,
     stages]); the body and the accumulation follow from the type, the weight's alignment and
     x's dtype. ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py). ``xq``: x's
-    int8 copy (q, d, s of kernels/q8x.py), which a grid IQ type multiplies by dp4a when M = 1;
-    ignored by the other types."""
+    int8 copy (q, d, s of kernels/q8x.py), which a row body (ROW_BODY_TYPES: the grid IQ
+    types, IQ4_XS, Q8_0 on a 4-byte aligned weight) multiplies by dp4a when M = 1; ignored
+    otherwise."""
     ptrs, meta, warps, stages = _launch_args(w, ggml_type, config, x.dtype)
     n, k = w.shape[0], row_cols(w, ggml_type)
     x2 = _x2(x, k)
     m = x2.shape[0]
-    q, d, use = _q8_in(xq, ggml_type, x2)
+    q, d, use = _q8_in(xq, ggml_type, x2, meta["SPECIAL"])
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
     _gemv_kernel[grid](*ptrs, x2, q, d, y, bias if bias is not None else y, n, k, w.shape[1],
@@ -322,7 +342,7 @@ def gemv_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, x: torch.Tens
     n, k = gate.shape[0], row_cols(gate, ggml_type)
     x2 = _x2(x, k)
     m = x2.shape[0]
-    q, d, use = _q8_in(xq, ggml_type, x2) if meta["SPECIAL"] else (x2, x2, False)
+    q, d, use = _q8_in(xq, ggml_type, x2, meta["SPECIAL"])
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
     _gemv_glu_kernel[grid](*gp, *up_ptrs, x2, q, d, y, n, k, gate.shape[1], x2.stride(0),
@@ -341,7 +361,7 @@ def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tens
           use_pdl: bool = True, xq=None) -> torch.Tensor:
     """Three GEMVs of the same x in one launch (q, k, v), outputs side by side in ``out``
     [M, n1 + n2 + n3] (rows may be strided); each matrix keeps its own type and tile.
-    ``use_pdl``, ``xq`` as in ``gemv`` (each matrix of a grid IQ type reads the int8 copy)."""
+    ``use_pdl``, ``xq`` as in ``gemv`` (each matrix that runs a row body reads the int8 copy)."""
     if len(mats) != 3:
         raise ValueError("gemv3 takes three matrices")
     k = row_cols(*mats[0])
@@ -361,7 +381,7 @@ def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tens
         b = biases[i - 1] if biases is not None else y
         args += [*ptrs, b, w.shape[0], w.shape[1]]
         consts.update({f"{_SUFFIX[key]}{i}": v for key, v in meta.items()})
-        qi, di, consts[f"Q8X{i}"] = _q8_in(xq, t, x2)
+        qi, di, consts[f"Q8X{i}"] = _q8_in(xq, t, x2, meta["SPECIAL"])
         if consts[f"Q8X{i}"]:
             q, d = qi, di
         progs.append(progs[-1] + triton.cdiv(w.shape[0], meta["BLOCK_R"]))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr, poison
 
-from kernels import attention, glu, kv_cache, norm, quant_matmul, rope
+from kernels import attention, glu, kv_cache, norm, q8x, quant_matmul, rope
 from kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
@@ -40,10 +40,11 @@ def test_gemv_matches_reference(ggml_type, m, seed):
     assert nerr(out, ref, gemv_scale(w, ggml_type, x)) < 1e-5
 
 
-@pytest.mark.parametrize("ggml_type", [qt.Q6_K, qt.Q8_0], ids=qt.type_name)
+@pytest.mark.parametrize("ggml_type", [qt.Q6_K, qt.Q5_0, qt.Q8_0], ids=qt.type_name)
 def test_gemv_bias_and_both_accumulations(ggml_type, seed):
-    # Q6_K accumulates per element, Q8_0 sums each part over its lanes at once (LANE_SUM_TYPES)
-    assert (ggml_type in quant_matmul.LANE_SUM_TYPES) == (ggml_type == qt.Q8_0)
+    # Q6_K's generic walk accumulates per element, Q5_0's sums each part over its lanes at once
+    # (LANE_SUM_TYPES); Q8_0 runs its row body (kernels/gemv_dot.py q80_rows_dot)
+    assert (ggml_type in quant_matmul.LANE_SUM_TYPES) == (ggml_type != qt.Q6_K)
     g = generator(seed)
     w = random_weight(ggml_type, 9, 512, DEVICE, g)
     x = torch.randn(2, 512, generator=g, device=DEVICE)
@@ -105,6 +106,71 @@ def test_gemv_unaligned_weight_falls_back_to_the_generic_walk(seed):
     out = poison((1, 5))
     quant_matmul.gemv(w, qt.Q4_K, x, out=out)
     assert nerr(out, quant_matmul.gemv_ref(raw, qt.Q4_K, x), gemv_scale(raw, qt.Q4_K, x)) < 1e-5
+
+
+@pytest.mark.parametrize("x", ["f32", "bf16", "int8"])
+def test_q8_0_row_body_matches_reference(x, seed):
+    # Q8_0's row body (a thread per 34-byte block, read as the 9 aligned int32 words around it)
+    # on float32, bf16 and decode's int8 x: 11 blocks a row (row_bytes 374, 2 mod 4: blocks
+    # start at both halves of a word), 7 rows in tiles of 2 and steps of 4 blocks (both last
+    # ones partial), and the default tile
+    g = generator(seed)
+    rows, cols = 7, 32 * 11
+    w = random_weight(qt.Q8_0, rows, cols, DEVICE, g)
+    xb = torch.randn(1, cols, generator=g, device=DEVICE)
+    xq = None
+    if x == "int8":
+        xq, xr = q8x.copy_ref(xb[0].to(torch.bfloat16))
+        xb = xb.to(torch.bfloat16)
+    else:
+        xb = xb.to(torch.float32 if x == "f32" else torch.bfloat16)
+        xr = xb.float()
+    assert quant_matmul._launch_args(w, qt.Q8_0, x_dtype=xb.dtype)[1]["SPECIAL"]
+    ref = quant_matmul.gemv_ref(w, qt.Q8_0, xr)
+    for config in ((2, 4, 4), None):
+        out = poison((1, rows))
+        quant_matmul.gemv(w, qt.Q8_0, xb, out=out, config=config, xq=xq)
+        assert nerr(out, ref, gemv_scale(w, qt.Q8_0, xr)) < 1e-5
+
+
+def test_q8_0_unaligned_weight_takes_the_generic_walk_on_x(seed):
+    # a Q8_0 view 2 bytes off a 4-byte boundary: the generic walk (the body's word loads need
+    # the alignment), which multiplies x itself, never the int8 copy it is handed (here one of
+    # -x: reading it would flip the signs), in gemv, gemv_glu and gemv3
+    g = generator(seed)
+    rows, cols = 5, 32 * 7
+    raw = [random_weight(qt.Q8_0, rows, cols, DEVICE, g) for _ in range(2)]
+    buf = torch.empty(2, raw[0].numel() + 2, dtype=torch.uint8, device=DEVICE)
+    w, up = (buf[i, 2:].view(rows, -1) for i in range(2))
+    w.copy_(raw[0])
+    up.copy_(raw[1])
+    assert w.data_ptr() % 4 == 2 and not quant_matmul._launch_args(w, qt.Q8_0)[1]["SPECIAL"]
+    assert quant_matmul._launch_args(raw[0], qt.Q8_0)[1]["SPECIAL"]
+    x = torch.randn(1, cols, generator=g, device=DEVICE).to(torch.bfloat16)
+    other, _ = q8x.copy_ref(-x[0])
+    xf = x.float()
+    out = poison((1, rows))
+    quant_matmul.gemv(w, qt.Q8_0, x, out=out, xq=other)
+    ref = quant_matmul.gemv_ref(raw[0], qt.Q8_0, xf)
+    assert nerr(out, ref, gemv_scale(raw[0], qt.Q8_0, xf)) < 1e-5
+    out = poison((1, rows))
+    quant_matmul.gemv_glu(raw[0], up, qt.Q8_0, x, "silu", out=out, xq=other)
+    g_ref = ref
+    u_ref = quant_matmul.gemv_ref(raw[1], qt.Q8_0, xf)
+    scale = glu_scale(g_ref, u_ref, "silu", gemv_scale(raw[0], qt.Q8_0, xf),
+                      gemv_scale(raw[1], qt.Q8_0, xf))
+    assert nerr(out, glu.glu_ref(g_ref.double(), u_ref.double(), "silu"), scale) < 1e-5
+    # q, k, v: the aligned matrix reads the int8 copy (of x here), the unaligned one x
+    xq, xr = q8x.copy_ref(x[0])
+    mats = [(raw[1], qt.Q8_0), (w, qt.Q8_0), (up, qt.Q8_0)]
+    out = poison((1, 3 * rows))
+    quant_matmul.gemv3(mats, x, out, xq=xq)
+    ref = torch.cat([quant_matmul.gemv_ref(raw[1], qt.Q8_0, xr),
+                     quant_matmul.gemv_ref(raw[0], qt.Q8_0, xf),
+                     quant_matmul.gemv_ref(raw[1], qt.Q8_0, xf)], dim=1)
+    scale = torch.cat([gemv_scale(raw[1], qt.Q8_0, xr), gemv_scale(raw[0], qt.Q8_0, xf),
+                       gemv_scale(raw[1], qt.Q8_0, xf)], dim=1)
+    assert nerr(out, ref, scale) < 1e-5
 
 
 @pytest.mark.parametrize("ggml_type", [qt.Q4_K, qt.Q6_K, qt.Q8_0], ids=qt.type_name)

@@ -113,18 +113,28 @@ def test_gemv3_of_three_table_types(seed):
 ROW_BODIES = sorted(quant_matmul.ROW_BODY_TYPES | quant_matmul.ROW_BODY_TRIAL)
 
 
+def _row_cols(ggml_type: int, g: torch.Generator, lo: int, hi: int) -> int:
+    # values per row of the row-body tests: lo..hi-1 blocks of 256 values; for Q8_0 (32-value
+    # blocks of 34 bytes) an odd number of blocks, 9..15, so that its blocks start at both
+    # halves of an int32 word (c = 0 and 2) and rows are not whole words
+    if qt.quant(ggml_type).block_size == 32:
+        return 32 * (2 * int(torch.randint(4, 8, (1,), generator=g, device=DEVICE)) + 1)
+    return 256 * int(torch.randint(lo, hi, (1,), generator=g, device=DEVICE))
+
+
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("ggml_type", ROW_BODIES, ids=qt.type_name)
 def test_row_body_matches_reference(ggml_type, xdtype, seed, monkeypatch):
-    # kernels/gemv_iq.py (a group of 32 values per lane) on float32 or 16-bit x (read in
-    # 64-bit words), rows that are not a multiple of the tile, several steps of blocks and a
-    # partial last one; the bodies still on trial too
+    # kernels/gemv_iq.py (a group of 32 values per lane; kernels/gemv_lowbit.py's bodies and
+    # Q8_0's, a thread per block, alike) on float32 or 16-bit x (read in 64-bit words), rows
+    # that are not a multiple of the tile, several steps of blocks and a partial last one; the
+    # bodies still on trial too
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES",
                         quant_matmul.ROW_BODY_TYPES | {ggml_type})
     g = generator(seed)
     rows = int(torch.randint(1, 11, (1,), generator=g, device=DEVICE))
-    cols = 256 * int(torch.randint(3, 6, (1,), generator=g, device=DEVICE))
+    cols = _row_cols(ggml_type, g, 3, 6)
     w = random_weight(ggml_type, rows, cols, DEVICE, g)
     assert quant_matmul._launch_args(w, ggml_type, x_dtype=xdtype)[1]["SPECIAL"]
     x = torch.randn(2, cols, generator=g, device=DEVICE).to(xdtype)
@@ -137,14 +147,14 @@ def test_row_body_matches_reference(ggml_type, xdtype, seed, monkeypatch):
 
 @pytest.mark.parametrize("ggml_type", ROW_BODIES, ids=qt.type_name)
 def test_row_body_on_int8_x(ggml_type, seed, monkeypatch):
-    # decode's int8 copy of x (kernels/q8x.py): the grid IQ types (and the bodies on trial)
+    # decode's int8 copy of x (kernels/q8x.py): the row bodies (and the bodies on trial)
     # multiply it by dp4a (integer ops under the interpreter); the reference multiplies the
     # values the copy stands for
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES",
                         quant_matmul.ROW_BODY_TYPES | {ggml_type})
     g = generator(seed)
     rows = int(torch.randint(1, 11, (1,), generator=g, device=DEVICE))
-    cols = 256 * int(torch.randint(2, 5, (1,), generator=g, device=DEVICE))
+    cols = _row_cols(ggml_type, g, 2, 5)
     w = random_weight(ggml_type, rows, cols, DEVICE, g)
     up = random_weight(ggml_type, rows, cols, DEVICE, g)
     x = torch.randn(1, cols, generator=g, device=DEVICE).to(torch.bfloat16)

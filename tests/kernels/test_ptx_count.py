@@ -1,9 +1,10 @@
 """The decode GEMV bodies compile for sm_90 without a GPU (benchmarks/ptx_count.py: Triton's
 compiler and the ptxas of its wheel, in a process of its own since the tests run the kernels
 under the interpreter), with the instructions they were written for: dp4a on decode's int8
-copy of x, popc for the IQ2 sign parity, prmt for IQ4_XS's table. The interpreter runs no inline
-assembly, so this is where CI sees it assembled at all; and each body's loop stays well under
-the generic walk's instructions per value (a codegen property, not a timing)."""
+copy of x, popc for the IQ2 sign parity, prmt for IQ4_XS's table, funnel shifts for Q8_0's
+words. The interpreter runs no inline assembly, so this is where CI sees it assembled at all;
+and each body's loop stays well under the generic walk's instructions per value (a codegen
+property, not a timing)."""
 
 from __future__ import annotations
 
@@ -27,18 +28,20 @@ def _count(*args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("ggml_type, ops", [
-    (qt.IQ2_XXS, {"dp4a", "popc"}),
-    (qt.IQ3_S, {"dp4a"}),
-    (qt.IQ4_XS, {"dp4a", "prmt"}),
-    (qt.Q2_K, {"dp4a"}),
+@pytest.mark.parametrize("ggml_type, ops, tiles", [
+    (qt.IQ2_XXS, {"dp4a", "popc"}, ("4,4,4", "4,8,4")),
+    (qt.IQ3_S, {"dp4a"}, ("4,4,4", "4,8,4")),
+    (qt.IQ4_XS, {"dp4a", "prmt"}, ("4,4,4", "4,8,4")),
+    (qt.Q2_K, {"dp4a"}, ("4,4,4", "4,8,4")),
+    # Q8_0: a thread per block (its words cut by funnel shifts); each at its launch tile
+    (qt.Q8_0, {"dp4a", "shf"}, ("8,32,4", "4,16,4")),
 ], ids=lambda v: qt.type_name(v) if isinstance(v, int) else "")
-def test_int8_bodies_assemble_with_their_instructions(ggml_type, ops):
+def test_int8_bodies_assemble_with_their_instructions(ggml_type, ops, tiles):
     name = qt.type_name(ggml_type)
     body = ["--body", "row"] if ggml_type in quant_matmul.ROW_BODY_TRIAL else []
-    row = _count(name, "--x", "int8", "--config", "4,4,4", *body)
+    row = _count(name, "--x", "int8", "--config", tiles[0], *body)
     assert ops <= set(row["counts"]), sorted(row["counts"])
-    generic = _count(name, "--config", "4,8,4", "--body", "generic")
+    generic = _count(name, "--config", tiles[1], "--body", "generic")
     assert row["per_value"] < 0.5 * generic["per_value"], (row, generic)
 
 

@@ -357,7 +357,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
     # --- matrices ------------------------------------------------------------------------
     def _linear(self, m: Matrix, x: torch.Tensor, out: torch.Tensor, xq=None) -> None:
         """out = x @ m^T (+ m's bias, in the same launch): its GEMV up to GEMV_ROWS rows (``xq``:
-        x's int8 copy, for a T matrix or a grid IQ type's), else a GEMM."""
+        x's int8 copy, for a T matrix or a row-body type's), else a GEMM."""
         if x.shape[0] > GEMV_ROWS:
             self._gemm(m, x, out)
         elif m.t_bytes is not None:
