@@ -67,20 +67,21 @@ SPECIAL_ALIGN = {qt.Q4_K: 16}
 # types with a row body of their own (row_dot with SPECIAL, on float32, 16-bit or decode's
 # int8 x): the grid IQ types (kernels/gemv_iq.py, a group of 32 values per lane, reading their
 # table, 8-byte aligned, a row per word), IQ4_XS (kernels/gemv_lowbit.py; on an H200 1.9x the
-# generic walk on int8 x, 1.7x on bf16 x, 2026-12-02), which need no alignment, and Q8_0
-# (kernels/gemv_dot.py q80_rows_dot, a thread per block read as aligned int32 words: only
-# where the weight's start is ROW_BODY_ALIGN-aligned, else the generic walk; not yet timed on
-# a GPU)
+# generic walk on int8 x, 1.7x on bf16 x, 2026-12-02), which need no alignment; Q8_0's (on
+# trial, ROW_BODY_TRIAL) only where the weight's start is ROW_BODY_ALIGN-aligned, else the
+# generic walk
 ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
-                            qt.IQ1_M, qt.IQ4_XS, qt.Q8_0})
+                            qt.IQ1_M, qt.IQ4_XS})
 # the byte alignment of the weight's start that a row body's word loads assume (the others: 1)
 ROW_BODY_ALIGN = {qt.Q8_0: 4}
 # bodies of their own not switched on: Q2_K (kernels/gemv_lowbit.py q2k_rows_dot) measured
 # 1.14x the generic walk on int8 x but 0.85x on bf16 x (H200, 2026-12-02), and its big matrices
 # go to the T layout (kernels/gemv_t_low.py); it runs only where a caller adds it to
 # ROW_BODY_TYPES (the tests; benchmarks/device_check.py --types, which times it beside the
-# generic walk; CARVE_TRIAL=q2k_rows)
-ROW_BODY_TRIAL = frozenset({qt.Q2_K})
+# generic walk; CARVE_TRIAL=q2k_rows). Q8_0 (kernels/gemv_dot.py q80_rows_dot, a thread per
+# block read as aligned int32 words; decode's int8 copy of x reaches its q/k/v, gate/up and
+# head): written 2026-12-03, not yet timed on a GPU (CARVE_TRIAL=q8_0_rows)
+ROW_BODY_TRIAL = frozenset({qt.Q2_K, qt.Q8_0})
 
 
 def gemv_config(ggml_type: int, rows: int, cols: int) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from spec import quant_types as qt
 from spec.errors import CarveError
 
 RUNNERS = ("auto", "torch")
@@ -15,7 +16,10 @@ SWITCH = {"1": True, "0": False}
 # kernels on trial (CARVE_TRIAL): written and checked, not yet measured to win on a GPU
 TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (kernels/gemv_lowbit.py)",
+    "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x (kernels/gemv_dot.py)",
 }
+# the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
+ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +79,11 @@ class RunnerOptions:
     def apply(self) -> None:
         """Set what these options switch for the whole process (the entry points call it once,
         after reading them): the trials that are module tables of the kernels."""
-        if "q2k_rows" in self.trials:
+        bodies = {t for name, t in ROW_TRIALS.items() if name in self.trials}
+        if bodies:
             from kernels import quant_matmul
 
-            quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | quant_matmul.ROW_BODY_TRIAL
+            quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
 
 
 def _trials(environ: Mapping[str, str]) -> frozenset[str]:

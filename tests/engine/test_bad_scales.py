@@ -15,7 +15,6 @@ from engine.hardware.devices import DeviceSpec
 from engine.planning.plan import Plan
 from engine.runtime.gpu import stage as gpu_stage
 from engine.runtime.gpu.session import GpuSession
-from engine.runtime.options import RunnerOptions
 from engine.runtime.session import Session
 from engine.synth.gen import tensor_types, write_model
 from engine.synth.shapes import Shape
@@ -79,13 +78,12 @@ def test_both_runners_name_the_tensor_at_load(tmp_path, monkeypatch, name, field
 def test_an_undamaged_low_bit_file_runs_as_on_the_cpu_engine(tmp_path) -> None:
     # the GPU runner's GEMVs (GGUF order: prefill chunks of up to 8 rows and decode) on IQ
     # and Q2_K matrices, their tables read from the priced lookup buffer, against the CPU
-    # engine on the same file; f32 activations, nothing cached, decode's int8 copies of x off
-    # (RunnerOptions.q8x: the Q8_0 head's and the row-body types' GEMVs would multiply them)
+    # engine on the same file; f32 activations, nothing cached
     path = str(write_model(tmp_path / "ok.gguf", TINY, MIX)[0])
     assert len(set(tensor_types(TINY, MIX).values())) >= 4
     prompt = torch.randint(3, 300, (3,), generator=torch.Generator().manual_seed(1)).tolist()
     pl = _plan(path, cache_reserve=NO_CACHE)
-    g = GpuSession.load(pl, devices=[DEV], remember=False, options=RunnerOptions(q8x=False))
+    g = GpuSession.load(pl, devices=[DEV], remember=False)
     c = Session.load(pl)
     try:
         lg, lc = g.logits(prompt), c.logits(prompt)

@@ -22,7 +22,6 @@ from engine.gguf.writer import F32, STR, U32
 from engine.hardware.devices import DeviceSpec
 from engine.planning.plan import Plan
 from engine.runtime.gpu.session import GpuSession, why_not
-from engine.runtime.options import RunnerOptions
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
 from engine.synth.gen import write_model
@@ -128,10 +127,9 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
 
     # f32 activations, but prefill attention rounds q, k, v to f16 (as on qwen2): measured
     # <= 1e-3; a norm weight read from the wrong tensor or a RoPE scale on the wrong layers
-    # gives 0.3-0.6. Decode's int8 copies of x off (RunnerOptions.q8x: the Q8_0 matrices' row
-    # body would multiply them, 7e-3 of rounding on qwen3's)
+    # gives 0.3-0.6
     against_cpu_engine(plan(model), DEV, ids(12), ids(3, 1), ids(6, 3), 5e-3, model,
-                       q_k_norms_in_rope, RunnerOptions(q8x=False))
+                       q_k_norms_in_rope)
 
 
 def test_the_runner_is_chosen_for_qwen3_and_gemma3(model, monkeypatch) -> None:

@@ -144,21 +144,20 @@ def test_prefill_all_rows_and_decode_match_the_cpu_engine(cached) -> None:
 
 
 def test_q8_0_kv_prefill_and_decode_match_the_cpu_engine(tiny) -> None:
-    # f32 activations, nothing cached, decode's int8 copies of x off (RunnerOptions.q8x; the
-    # Q8_0 head's row body would multiply one): the only difference left is the q8_0 cache,
-    # which a prefill chunk must see for its own keys as the cache gives them back (as the CPU
-    # engine does); 20 tokens in chunks of 8 read earlier chunks back from the cache too
+    # f32 activations, nothing cached: the only difference left is the q8_0 cache, which a
+    # prefill chunk must see for its own keys as the cache gives them back (as the CPU engine
+    # does); 20 tokens in chunks of 8 read earlier chunks back from the cache too
     kw = {"prefill_chunk": 8, "cache_reserve": NO_CACHE, "kv_type": "q8_0"}
-    with beside_cpu(plan(tiny, **kw), plan(tiny, **kw),
-                    options=RunnerOptions(q8x=False)) as (g, c):
+    with beside_cpu(plan(tiny, **kw), plan(tiny, **kw)) as (g, c):
         assert_agree(g, c, ids(20), 2e-3)
 
 
 def test_q8_0_matrices_decode_on_int8_x_as_the_cpu_engine(tiny, monkeypatch) -> None:
-    # the default (RunnerOptions.q8x): TINY's Q8_0 head runs its row body (kernels/gemv_dot.py
-    # q80_rows_dot) on decode's int8 copy of the normed row (dp4a's integer twin under the
-    # interpreter), prefill rows on x itself; f32 activations, nothing cached. The int8
-    # rounding of x is the error (decode measured 6.6e-3 here, 9e-5 with q8x off)
+    # with Q8_0's row body (on trial: CARVE_TRIAL=q8_0_rows) TINY's Q8_0 head runs it
+    # (kernels/gemv_dot.py q80_rows_dot) on decode's int8 copy of the normed row (dp4a's
+    # integer twin under the interpreter), prefill rows on x itself; f32 activations, nothing
+    # cached. The int8 rounding of x is the error (decode measured 6.6e-3 here, 9e-5 on x)
+    monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", quant_matmul.ROW_BODY_TYPES | {qt.Q8_0})
     calls: list[tuple[int, bool]] = []
     gemv = quant_matmul.gemv
 

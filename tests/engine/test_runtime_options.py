@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.runtime.options import TRIALS, RunnerOptions
+from spec import quant_types as qt
 from spec.errors import CarveError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +50,8 @@ def test_each_variable_sets_its_option(env, want) -> None:
     ({"CARVE_PDL": "2"}, "CARVE_PDL=2: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_EXPERT_Q8": "no"}, "CARVE_EXPERT_Q8=no: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_TRIAL": "q2k_rows,down_norm"},
-     "CARVE_TRIAL=q2k_rows,down_norm: use all or a comma-separated list of q2k_rows"),
+     "CARVE_TRIAL=q2k_rows,down_norm: use all or a comma-separated list of q2k_rows, "
+     "q8_0_rows"),
 ])
 def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) -> None:
     with pytest.raises(CarveError) as e:
@@ -66,6 +68,9 @@ def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> No
     RunnerOptions().apply()
     assert quant_matmul.ROW_BODY_TYPES == base and moe_decode.EXPERT_Q8_CONFIG == tiles
     RunnerOptions(trials=frozenset({"q2k_rows"})).apply()
+    assert quant_matmul.ROW_BODY_TYPES == base | {qt.Q2_K} > base
+    monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", base)
+    RunnerOptions(trials=frozenset(TRIALS)).apply()
     assert quant_matmul.ROW_BODY_TYPES == base | quant_matmul.ROW_BODY_TRIAL > base
     assert moe_decode.EXPERT_Q8_CONFIG == tiles
 

@@ -108,8 +108,14 @@ def test_gemv_unaligned_weight_falls_back_to_the_generic_walk(seed):
     assert nerr(out, quant_matmul.gemv_ref(raw, qt.Q4_K, x), gemv_scale(raw, qt.Q4_K, x)) < 1e-5
 
 
+@pytest.fixture
+def q8_0_body(monkeypatch):
+    # Q8_0's row body is on trial (quant_matmul.ROW_BODY_TRIAL, CARVE_TRIAL=q8_0_rows)
+    monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", quant_matmul.ROW_BODY_TYPES | {qt.Q8_0})
+
+
 @pytest.mark.parametrize("x", ["f32", "bf16", "int8"])
-def test_q8_0_row_body_matches_reference(x, seed):
+def test_q8_0_row_body_matches_reference(x, seed, q8_0_body):
     # Q8_0's row body (a thread per 34-byte block, read as the 9 aligned int32 words around it)
     # on float32, bf16 and decode's int8 x: 11 blocks a row (row_bytes 374, 2 mod 4: blocks
     # start at both halves of a word), 7 rows in tiles of 2 and steps of 4 blocks (both last
@@ -133,7 +139,7 @@ def test_q8_0_row_body_matches_reference(x, seed):
         assert nerr(out, ref, gemv_scale(w, qt.Q8_0, xr)) < 1e-5
 
 
-def test_q8_0_unaligned_weight_takes_the_generic_walk_on_x(seed):
+def test_q8_0_unaligned_weight_takes_the_generic_walk_on_x(seed, q8_0_body):
     # a Q8_0 view 2 bytes off a 4-byte boundary: the generic walk (the body's word loads need
     # the alignment), which multiplies x itself, never the int8 copy it is handed (here one of
     # -x: reading it would flip the signs), in gemv, gemv_glu and gemv3
