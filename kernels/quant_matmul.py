@@ -30,8 +30,10 @@ GEMV_CONFIG: dict[int, tuple[int, ...]] = {
     qt.BF16: (4, 16, 4),
     qt.Q4_0: (4, 32, 4),
     qt.Q5_0: (4, 16, 4),
-    # Q8_0's row body (kernels/gemv_dot.py q80_rows_dot: a thread per 32-value block), two
-    # blocks a thread; not swept yet. Its generic walk: GEMV_CONFIG_GENERIC
+    # Q8_0's row body (on trial; kernels/gemv_dot.py q80_rows_dot: a thread per 32-value
+    # block), two blocks a thread: in the step (H200, 2026-12-03) gpt-oss-20b 437.8 t/s at
+    # (8, 32, 4), 403.4 at (8, 16, 4), 369.1 at (8, 8, 4); Qwen2-7B Q8_0 162.0, 168.0, 147.2.
+    # Its generic walk (the default): GEMV_CONFIG_GENERIC
     qt.Q8_0: (8, 32, 4),
     qt.Q4_K: (4, 16, 4),
     qt.Q5_K: (4, 16, 4),
@@ -53,9 +55,11 @@ GEMV_CONFIG_WIDE: dict[int, tuple[int, ...]] = {qt.Q4_K: (8, 8, 4)}
 # and for long rows (cols >= 4 x rows), where the grid is small and each program long
 GEMV_CONFIG_LONG: dict[int, tuple[int, ...]] = {qt.Q6_K: (4, 16, 8)}
 WIDE_PROGRAMS = 2048
-# the generic walk's tile for a type whose GEMV_CONFIG is its row body's, where the body cannot
-# run (a Q8_0 weight off a 4-byte boundary)
-GEMV_CONFIG_GENERIC: dict[int, tuple[int, ...]] = {qt.Q8_0: (4, 16, 4)}
+# the generic walk's tile for a type whose GEMV_CONFIG is its row body's, where the body does
+# not run (off trial, or a Q8_0 weight off a 4-byte boundary). Q8_0 at 32 blocks a step: in
+# the step (H200, 2026-12-03) Qwen2-7B Q8_0 231.4 / 231.2 t/s against 223.8 at (4, 16, 4),
+# gpt-oss-20b 414.6 / 414.9 against 405.4
+GEMV_CONFIG_GENERIC: dict[int, tuple[int, ...]] = {qt.Q8_0: (4, 32, 4)}
 # types whose parts are summed over their lanes at once (LANE_SUM; faster for these on the H200)
 LANE_SUM_TYPES = frozenset({qt.Q5_0, qt.Q8_0})
 # types whose generic walk turns integers to floats through the mantissa of 2^23 (faster than

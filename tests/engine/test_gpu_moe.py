@@ -107,9 +107,13 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
     """f32 activations: prefill of 20 rows over two chunks (16 rows through the grouped GEMMs,
     4 through the expert GEMVs), decode steps, then (qwen3moe) greedy ids from a fresh cache."""
     # as the dense families: f32 activations, prefill attention rounds q, k, v to f16; the
-    # greedy loop is the same code for every family: qwen3moe's is enough here
+    # greedy loop is the same code for every family: qwen3moe's is enough here. gpt-oss's
+    # decode experts on x itself (RunnerOptions.expert_q8 off): the int8 copies' rounding
+    # reaches ~1e-2 of its logits, checked at that bound by the test below
+    options = RunnerOptions(expert_q8=False) if "gpt-oss" in model else None
     against_cpu_engine(plan(model), DEV, ids(20), ids(2, 1),
-                       ids(6, 3) if "qwen3moe" in model else None, 5e-3, model)
+                       ids(6, 3) if "qwen3moe" in model else None, 5e-3, model,
+                       options=options)
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
