@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gemv_iq import _word_dot, iq_rows_dot
+from kernels.gemv_iq import _word_dot, _x_words, iq_rows_dot
 from kernels.gemv_lowbit import iq4xs_rows_dot, q2k_rows_dot
 from kernels.gemv_t_dot import _dp4a, _funnel
 from kernels.quant_blocks import dequant_part
@@ -150,10 +150,7 @@ def q80_rows_dot(w_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R: tl.const
         xrow.dtype.element_ty == tl.float16)
     BF16: tl.constexpr = xrow.dtype.element_ty == tl.bfloat16
     wi = w_ptr.to(tl.pointer_type(tl.int32))
-    if XQ:
-        xw = xrow.to(tl.pointer_type(tl.int32))
-    else:
-        xw = xrow.to(tl.pointer_type(tl.int64))
+    xw = _x_words(xrow)
     row_b = rows_c.to(tl.int64)[:, None] * row_bytes
     acc = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):

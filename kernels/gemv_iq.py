@@ -180,6 +180,17 @@ def _half(w, K: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
+def _x_words(xrow):
+    # x as the bodies of a 4-value word read it (kernels/gemv_lowbit.py, gemv_dot.py's Q8_0):
+    # decode's int8 copy in int32 words, 16-bit or float32 x in 64-bit words (4 or 2 values)
+    XQ: tl.constexpr = xrow.dtype.element_ty == tl.int8
+    if XQ:
+        return xrow.to(tl.pointer_type(tl.int32))
+    else:
+        return xrow.to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
 def _word_dot(w, xa, xb, X16: tl.constexpr, BF16: tl.constexpr):
     # sum over the 4 signed bytes k of grid word w of byte k times x value k: of the 64-bit x
     # word xa (four 16-bit values), or of xa then xb (two float32 each)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gemv_iq import _h, _step, _word_dot
+from kernels.gemv_iq import _h, _step, _word_dot, _x_words
 from kernels.gemv_t_dot import _dp4a
 from kernels.gemv_t_low import _iq4_table, _iq4_values
 
@@ -34,10 +34,7 @@ def iq4xs_rows_dot(w_ptr, wh_ptr, g_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes,
     BF16: tl.constexpr = xrow.dtype.element_ty == tl.bfloat16
     t0, t1, t2, t3 = _iq4_table(g_ptr)
     ww = w_ptr.to(tl.pointer_type(tl.int32))
-    if XQ:
-        xw = xrow.to(tl.pointer_type(tl.int32))
-    else:
-        xw = xrow.to(tl.pointer_type(tl.int64))
+    xw = _x_words(xrow)
     tb = tl.arange(0, BLOCK_B)
     g = tl.arange(0, 8)[None, None, :]  # the lane's sub-block
     row_half = rows_c.to(tl.int64)[:, None, None] * (row_bytes // 2)
@@ -90,10 +87,7 @@ def q2k_rows_dot(w_ptr, wh_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, TS: tl.co
         xrow.dtype.element_ty == tl.float16)
     BF16: tl.constexpr = xrow.dtype.element_ty == tl.bfloat16
     ww = w_ptr.to(tl.pointer_type(tl.int32))
-    if XQ:
-        xw = xrow.to(tl.pointer_type(tl.int32))
-    else:
-        xw = xrow.to(tl.pointer_type(tl.int64))
+    xw = _x_words(xrow)
     tb = tl.arange(0, BLOCK_B)
     g = tl.arange(0, 8)[None, None, :]
     n2 = g // 4

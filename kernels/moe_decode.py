@@ -110,13 +110,12 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     # 27.5 us, down 17.6 (device_check --moe, H200, 2026-12-03)
     (qt.MXFP4, "glu"): (32, 16, 8), (qt.MXFP4, "down"): (16, 32, 4),
 }
-# the types whose int8-x expert bodies decode runs
-Q8_EXPERT_TYPES = frozenset(Q8_TYPES)
 
 
 def q8_able(ggml_type: int, cols: int) -> bool:
-    """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy."""
-    return ggml_type in Q8_EXPERT_TYPES and cols % Q8_BLOCK[ggml_type] == 0
+    """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy (the
+    types with a body in kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4)."""
+    return ggml_type in Q8_TYPES and cols % Q8_BLOCK[ggml_type] == 0
 
 
 def _q8_views(w: torch.Tensor, ggml_type: int, what: str):

@@ -196,8 +196,9 @@ class LayerBuilder:
     def _int8_x(self, name: str, slot: int) -> tuple | None:
         """The int8 copy decode gives matrix ``name`` (slot 0: a normed row, 1: the GLU
         output): a T matrix and a row-body type's (``quant_matmul.ROW_BODY_TYPES``: the grid IQ
-        types, IQ4_XS, Q8_0) multiply int8 x; a GEMV whose body does not run (a Q8_0 weight
-        off a 4-byte boundary) ignores the copy and reads x, which the norm writes too."""
+        types, IQ4_XS; Q2_K and Q8_0 with their trials) multiply int8 x; a GEMV whose body
+        does not run (a Q8_0 weight off a 4-byte boundary) ignores the copy and reads x, which
+        the norm writes too."""
         if self.xq is None or name not in self.spans:
             return None
         if (name in self.tmats
