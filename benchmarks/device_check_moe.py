@@ -237,11 +237,7 @@ def host_section(g, copy_bw, mm_rate, row):
     for w, s_, n in zip(dev, staged, per, strict=True):  # the last replay's experts, bytewise
         for ex in sets[7].view(-1).tolist():
             assert torch.equal(one(w, ex, n), one(s_, ex, n))
-    row(f"moe gather of {k} experts {tag}", t, layer_bytes / h2d, note="1 launch")
-    t = graph_time(lambda i=0: [moe_decode.gather_experts([s_], [d_], ne, sets[i])
-                                for s_, d_ in zip(host, staged, strict=True)])
-    row(f"moe gather of {k} experts {tag}, a launch a tensor", t, layer_bytes / h2d,
-        note="3 launches")
+    row(f"moe gather of {k} experts {tag}", t, layer_bytes / h2d, note="3 launches")
 
     def gathered(i=0):
         moe_decode.gather_experts(host, staged, ne, sets[i])

@@ -378,34 +378,15 @@ def expert_down_ref(down, ggml_type, n_expert, h, ids, weights, out, bias=None,
 GATHER_BLOCK = 4096  # words a gather program copies (16 KiB of int32)
 
 
-GATHER_SLOTS = 3  # expert tensors one gather launch copies (a layer's gate, up and down)
-
-
 @triton.jit
-def _copy_expert(src_ptr, dst_ptr, per, e, c, BLOCK: tl.constexpr):
+def _gather_kernel(src_ptr, dst_ptr, ids_ptr, per, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)  # the ids are the routing kernel's
+    c = tl.program_id(0)
+    e = tl.load(ids_ptr + tl.program_id(1)).to(tl.int64)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     mask = offs < per
     v = tl.load(src_ptr + e * per + offs, mask=mask)
     tl.store(dst_ptr + e * per + offs, v, mask=mask)
-
-
-@triton.jit
-def _gather_kernel(s0, d0, p0, c0, s1, d1, p1, c1, s2, d2, p2, ids_ptr,
-                   NT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    # programs [0, c0) copy slot 0's expert, [c0, c0 + c1) slot 1's, the rest slot 2's: one
-    # launch keeps PCIe busy across a layer's tensors (a launch each drains it between them)
-    pdl.start(PDL)  # the ids are the routing kernel's
-    c = tl.program_id(0)
-    e = tl.load(ids_ptr + tl.program_id(1)).to(tl.int64)
-    if c < c0:
-        _copy_expert(s0, d0, p0, e, c, BLOCK)
-    else:
-        if NT > 1:
-            if c < c0 + c1:
-                _copy_expert(s1, d1, p1, e, c - c0, BLOCK)
-            else:
-                if NT > 2:
-                    _copy_expert(s2, d2, p2, e, c - c0 - c1, BLOCK)
 
 
 def gather_experts(srcs: list[torch.Tensor], dsts: list[torch.Tensor], n_expert: int,
@@ -414,9 +395,9 @@ def gather_experts(srcs: list[torch.Tensor], dsts: list[torch.Tensor], n_expert:
     ``srcs`` (in host memory the GPU can read: pinned and mapped) to the same place of its
     twin in ``dsts`` (device memory of the same size): expert e's bytes at e * (bytes /
     n_expert). Wide sequential reads, so the bytes cross PCIe near the copy engines' rate,
-    with the ids read on the device (no host sync: a decode graph holds it); GATHER_SLOTS
-    tensors a launch. An expert chosen by two rows is copied twice to the same place."""
-    slots = []
+    with the ids read on the device (no host sync: a decode graph holds it). An expert
+    chosen by two rows is copied twice to the same place."""
+    n = ids.numel()
     for src, dst in zip(srcs, dsts, strict=True):
         s, d = src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
         if s.numel() != d.numel() or s.numel() % n_expert:
@@ -424,12 +405,5 @@ def gather_experts(srcs: list[torch.Tensor], dsts: list[torch.Tensor], n_expert:
         per = s.numel() // n_expert  # bytes an expert
         if per % 4 == 0 and s.data_ptr() % 4 == 0 and d.data_ptr() % 4 == 0:
             s, d, per = s.view(torch.int32), d.view(torch.int32), per // 4
-        slots.append((s, d, per, triton.cdiv(per, GATHER_BLOCK)))
-    for i in range(0, len(slots), GATHER_SLOTS):
-        part = slots[i:i + GATHER_SLOTS]
-        nt = len(part)
-        part += [part[0]] * (GATHER_SLOTS - nt)  # unused slots (NT says how many are real)
-        (s0, d0, p0, c0), (s1, d1, p1, c1), (s2, d2, p2, c2) = part
-        grid = (c0 + (c1 if nt > 1 else 0) + (c2 if nt > 2 else 0), ids.numel())
-        _gather_kernel[grid](s0, d0, p0, c0, s1, d1, p1, c1, s2, d2, p2, ids, NT=nt,
-                             BLOCK=GATHER_BLOCK, **pdl.opts(d0, use_pdl))
+        grid = (triton.cdiv(per, GATHER_BLOCK), n)
+        _gather_kernel[grid](s, d, ids, per, BLOCK=GATHER_BLOCK, **pdl.opts(d, use_pdl))

@@ -145,15 +145,11 @@ def test_expert_glu_gpt_oss_biases_and_clamped_swiglu(seed):
 def test_gather_experts_copies_only_the_routed_experts_to_their_places(seed):
     """Decode's gather of host experts: each routed expert's bytes of every tensor (words,
     and a tensor whose experts are not whole words) land at that expert's place in the
-    twin; no other byte of the twin is written. Four tensors: a launch copies three, the
-    fourth takes a second one. From pinned host memory on a GPU."""
+    twin; no other byte of the twin is written. From pinned host memory on a GPU."""
     g = generator(seed)
     n_expert = 6
     pin = str(DEVICE).startswith("cuda")
     srcs = [torch.randint(0, 256, (n_expert * 40, 36), dtype=torch.uint8, generator=g),
-            # an expert over two programs' words
-            torch.randint(0, 256, (n_expert * 4 * (moe_decode.GATHER_BLOCK + 5),), dtype=torch.uint8,
-                          generator=g),
             torch.randint(0, 256, (n_expert * 3,), dtype=torch.uint8, generator=g),
             torch.randn(n_expert * 8, generator=g)]  # float32 biases
     srcs = [t.pin_memory() if pin else t for t in srcs]
