@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from typing import Any, NoReturn
 
 from engine.planning.host import PCIE_SHARE
@@ -307,6 +308,7 @@ def host_lines(layout: Layout, model: Any) -> list[str]:
 
     out = []
     plan = layout.plan
+    from engine.planning.defaults import resident_without_reserve
     from engine.planning.stage import decode_pcie_bytes, stage_key
 
     idx = model_index(model)
@@ -321,9 +323,18 @@ def host_lines(layout: Layout, model: Any) -> list[str]:
             f"{human(d.terms.get('host_buffers', 0))} of transfer buffers), "
             + HOST_RUN[plan.host_compute]
         )
-        line = pcie_line(d.device, decode_pcie_bytes(idx, stage_key(plan, i)))
+        k = stage_key(plan, i)
+        line = pcie_line(d.device, decode_pcie_bytes(idx, k))
         if line:
             out.append(line)
+        more = resident_without_reserve(model, plan, i) if plan.cache_reserve else kept
+        if more > kept:  # the reserve kept free costs this GPU resident layers: say how many
+            less = decode_pcie_bytes(idx, k) - decode_pcie_bytes(idx, replace(k, resident=more))
+            out.append(
+                f"{d.device.label}: the cache reserve ({human(plan.cache_reserve)} kept free) "
+                f"holds {more - kept} MoE layers' experts out of VRAM: --cache-reserve 0 would "
+                f"keep {more} of {moe} there"
+                + (f", {human(less)} less over PCIe per token" if less else ""))
     dev = host.device
     avail = "stated" if dev.simulated else "available now"
     out.append(

@@ -116,6 +116,20 @@ def place_experts(plan: Plan, model: Any) -> Plan:
     return replace(plan, experts_resident=tuple(counts))
 
 
+def resident_without_reserve(model: Any, plan: Plan, i: int) -> int:
+    """How many of GPU ``i``'s MoE layers could keep their experts in VRAM if the plan kept
+    no cache reserve free, where the reserve is what limits the count it keeps now (the most
+    that leave the reserve free, as Auto keeps); else the count it keeps now. What the reserve
+    costs a stage whose experts overflow into host memory."""
+    idx = model_index(model)
+    k = stage_key(plan, i)
+    moe = len(idx.moe_layers(k.lo, k.hi))
+    now = min(plan.resident(i), moe)
+    if now == moe or now != _most_resident(idx, k, moe, k.cache_reserve):
+        return now
+    return max(now, _most_resident(idx, k, moe, 0) or 0)
+
+
 def _most_resident(idx: Any, k: StageKey, moe: int, keep: int) -> int | None:
     """The most of the stage's ``moe`` MoE layers that keep their experts in VRAM with
     ``keep`` bytes left free; None when even none does (the need grows with the count)."""

@@ -17,7 +17,7 @@ from engine.planning.arena import align_up
 from engine.planning.carve import is_expert, model_index
 from engine.planning.defaults import default_plan
 from engine.planning.host import HOST_PURPOSES, host_moe_buffers
-from engine.planning.layout import PURPOSES, TERMS, Layout
+from engine.planning.layout import PURPOSES, TERMS, Layout, human
 from engine.planning.plan import Plan
 from engine.planning.price import price
 from engine.planning.rules import Verdict
@@ -220,6 +220,31 @@ def test_auto_places_experts_on_the_host_when_vram_does_not_hold_them() -> None:
     # host RAM that cannot take them: the plan stays as asked and the bill says why
     tiny = DeviceSpec(-1, "host", 4 * GIB, 4 * GIB, simulated=True)
     assert default_plan(model, [card], host=tiny).experts_resident == ()
+
+
+def test_the_plan_says_what_the_cache_reserve_costs_in_resident_layers() -> None:
+    """Auto on a 16 GiB card keeps the most layers' experts that leave the cache reserve free;
+    the host lines say how many more would stay in VRAM with no reserve, and the PCIe bytes a
+    token saves. No such line when the count was asked for, or when nothing is reserved."""
+    from app.cli_plan import host_lines
+    from engine.planning.stage import decode_pcie_bytes
+
+    model = HeaderModel(QWEN30)
+    card = DeviceSpec(0, "16 GiB (simulated)", 16 * GIB, 16 * GIB - 615 * MIB, simulated=True)
+    plan = default_plan(model, [card], host=HOST)
+    (r,) = plan.experts_resident
+    idx = model_index(model)
+    free = card.free - card.reserve
+    most = max(n for n in range(49) if stage_need(idx, stage_key(plan, 0, resident=n)) <= free)
+    assert r < most < 48
+    saved = (decode_pcie_bytes(idx, stage_key(plan, 0))
+             - decode_pcie_bytes(idx, stage_key(plan, 0, resident=most)))
+    lines = host_lines(price(plan, model), model)
+    (note,) = [x for x in lines if "cache reserve" in x]
+    assert f"holds {most - r} MoE layers' experts out of VRAM: --cache-reserve 0 would keep " \
+        f"{most} of 48 there, {human(saved)} less over PCIe per token" in note
+    for other in (replace(plan, experts_resident=(r - 1,)), replace(plan, cache_reserve=0)):
+        assert not [x for x in host_lines(price(other, model), model) if "cache reserve" in x]
 
 
 def test_carve_plan_json_and_text_show_the_host_line_and_cache(synth_model, capsys) -> None:
