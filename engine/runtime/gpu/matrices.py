@@ -6,6 +6,7 @@ GEMM reads it). `GpuStage.forward` follows these decisions and makes none of its
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,18 @@ class Matrix:
     @property
     def rows(self) -> int:
         return self.packed.shape[0]
+
+
+def gemv_rows(n: int, mats: Sequence[Matrix], out: torch.Tensor) -> bool:
+    """Whether ``n`` rows of x run ``mats`` as GEMVs on their packed bytes (else one GEMM
+    each on the dequant-cache copy, or on the matrix dequantized at the call): one row always;
+    a short chunk (up to GEMV_ROWS) only where a matrix has no cache copy in ``out``'s dtype
+    (a GEMM on the copy reads 16 bits a weight once for all the rows, and needs no kernel of
+    its own: a GEMV on 16-bit x compiles a variant of each GEMV, 5-10 s each on a cold
+    launch, for chunks that are rare, and reads its weights once a row); more rows never."""
+    if n <= 1 or n > GEMV_ROWS:
+        return n <= 1
+    return not all(m.dq is not None and m.dq.dtype == out.dtype for m in mats)
 
 
 @dataclass(slots=True)

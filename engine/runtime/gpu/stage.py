@@ -30,6 +30,7 @@ from engine.runtime.gpu.matrices import (
     Layer,
     LayerBuilder,
     Matrix,
+    gemv_rows,
 )
 from engine.runtime.gpu.matrices import packed as packed_matrix
 from engine.runtime.gpu.rows import Rows
@@ -336,7 +337,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         launch where the load decided so. ``xq``: normed's int8 copy; returns the int8 copy of
         ffn_act if one was written (the input of ffn_down's GEMV)."""
         x = a.normed
-        gemv = a.n <= GEMV_ROWS
+        gemv = gemv_rows(a.n, (f.gate, f.up), a.ffn_act)
         if gemv and f.fused == "t_glu":
             oq = f.xq_down if a.n == 1 else None
             gemv_t.gemv_t_glu(f.gate.t_bytes, f.up.t_bytes, f.gate.ggml_type, f.gate.rows, x,
@@ -356,9 +357,9 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
 
     # --- matrices ------------------------------------------------------------------------
     def _linear(self, m: Matrix, x: torch.Tensor, out: torch.Tensor, xq=None) -> None:
-        """out = x @ m^T (+ m's bias, in the same launch): its GEMV up to GEMV_ROWS rows (``xq``:
-        x's int8 copy, for a T matrix or a row-body type's), else a GEMM."""
-        if x.shape[0] > GEMV_ROWS:
+        """out = x @ m^T (+ m's bias, in the same launch): its GEMV where ``gemv_rows`` says
+        (``xq``: x's int8 copy, for a T matrix or a row-body type's), else a GEMM."""
+        if not gemv_rows(x.shape[0], (m,), out):
             self._gemm(m, x, out)
         elif m.t_bytes is not None:
             gemv_t.gemv_t(m.t_bytes, m.ggml_type, m.rows, x, out, self.t_part, self.t_count,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.runtime.gpu.matrices import GEMV_ROWS, Attention, Ffn
+from engine.runtime.gpu.matrices import Attention, Ffn, gemv_rows
 from engine.runtime.gpu.rows import Rows
 from kernels import attention, gemv_t, kv_cache, norm, quant_matmul, rope
 
@@ -39,7 +39,7 @@ class AttentionLayers:
     def _qkv(self, att: Attention, x: torch.Tensor, out: torch.Tensor, xq) -> None:
         """q, k, v side by side in ``out``; decode runs the three GEMVs (and biases) in one
         launch where the load decided so."""
-        gemv = x.shape[0] <= GEMV_ROWS
+        gemv = gemv_rows(x.shape[0], att.qkv, out)
         if gemv and att.fused == "t3":
             gemv_t.gemv_t3(att.fused_mats, x, out, self.t_part, self.t_count, att.fused_biases,
                            config=att.fused_config, xq=xq, use_pdl=self.pdl)
