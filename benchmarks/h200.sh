@@ -63,9 +63,11 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #                                LAUNCH_SERIAL=0 leaves that out)
 #   SOAK="qwen2-0.5b"            benchmarks.soak through the engine process on the GPU
 #   STEP_S=240                   the most seconds any one step may take
+#   SYNTH_DIR=/dev/shm           where the synthetic files go (default /tmp: the disk; a file
+#                                larger than the disk's free space fits in memory's tmpfs)
 step=${STEP_S:-240}
 synth() {  # the synthetic file of shape $1 (SHAPE or SHAPE@MIX), written once per machine
-    local f=/tmp/carve-bench-${1//@/-}.gguf mix=()
+    local f=${SYNTH_DIR:-/tmp}/carve-bench-${1//@/-}.gguf mix=()
     [[ "$1" == *@* ]] && mix=(--mix "${1#*@}")
     if [ ! -s "$f" ]; then
         python3 -m engine.synth.gen --shape "${1%@*}" "${mix[@]}" -o "$f.part" >/dev/null \
