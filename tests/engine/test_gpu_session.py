@@ -646,6 +646,29 @@ def test_cuda_greedy_ids_match_cpu_and_split(tiny, calibration_home) -> None:
     assert runs[0] == runs[1] == runs[2]
 
 
+@pytest.mark.gpu
+@gpu
+def test_cuda_short_chunks_on_the_cache_copies_match_the_cpu_engine(tiny,
+                                                                   calibration_home) -> None:
+    """Prefill chunks of 2-8 rows with every matrix in the dequant cache run one GEMM each on
+    the copies (no GEMV on 16-bit x): their logits as the CPU engine's, and as the same
+    chunks' GEMVs on the packed bytes (no cache)."""
+    prompt = ids(13, 4)  # chunks of 8 and 5 rows
+    logits = []
+    for reserve in (0, NO_CACHE):
+        g = GpuSession.load(cuda_plan(tiny, 1, prefill_chunk=8, cache_reserve=reserve,
+                                      logits_rows=1))
+        cached = [m.dq is not None for st in g.pipe.stages for lay in st.layers
+                  for m in lay.attn.qkv]
+        assert all(cached) if reserve == 0 else not any(cached)
+        logits.append(g.logits(prompt).float().cpu())
+        g.close()
+    c = Session.load(plan(tiny, prefill_chunk=8, logits_rows=1))
+    ref = c.logits(prompt).float()
+    c.close()
+    assert rel(logits[0], ref) < 3e-2 and rel(logits[1], ref) < 3e-2
+
+
 def dataclass_replace(obj, **kw):
     import dataclasses
 
