@@ -25,7 +25,7 @@ GIB = 1 << 30
 CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
 DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 TINY = Shape("qwen2", 2, 256, 2, 1, 256, 320, n_ctx=512)
-NO_CACHE = 64 * GIB  # a cache reserve beyond the device: nothing cached, f32 activations
+NO_CACHE = 1 << 50  # a cache reserve beyond the device: nothing cached, f32 activations
 MIX = "iq2_xxs-q8attn"  # IQ2_XXS FFN, Q2_K ffn_down (two f16 fields), Q8_0 attention
 
 

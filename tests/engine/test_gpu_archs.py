@@ -31,7 +31,7 @@ GIB = 1 << 30
 CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
 ON_GPU = torch.cuda.is_available()
 DEV = torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
-NO_CACHE = 64 * GIB  # nothing in the dequant cache: prefill GEMMs in f32, as the CPU engine's
+NO_CACHE = 1 << 50  # nothing in the dequant cache: prefill GEMMs in f32, as the CPU engine's
 WINDOW = 4  # gemma3's local layers: shorter than a prefill chunk (8), so the ring wraps inside it
 
 # 4 query / 2 KV heads of 64 (q width 256 != n_embd 128: head_dim is read, not derived)

@@ -31,7 +31,7 @@ GIB = 1 << 30
 CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
 ON_GPU = torch.cuda.is_available()
 DEV = torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
-NO_CACHE = 64 * GIB
+NO_CACHE = 1 << 50  # a cache reserve beyond any device: nothing cached
 # 2 layers run, 4 experts of 256 with 2 used: gate/up experts have 128-value rows (a 32-block
 # type in the q4_k_m mix), down experts 256-value rows (a K type). glm4moe: a dense first layer,
 # a shared expert, sigmoid routing with its selection bias and a routed scale, RoPE on half of

@@ -44,7 +44,7 @@ SIM = tuple(DeviceSpec(index=i, name="sim", total=8 * GIB, free=8 * GIB, simulat
 # hidden 128, 2 layers, vocab 320: q4_k_m falls back to Q5_0 / Q8_0 on the 128-wide rows, and
 # ffn_down (256-wide rows) keeps Q4_K / Q6_K
 TINY = Shape("qwen2", 2, 128, 2, 1, 256, 320, n_ctx=512)
-NO_CACHE = 64 * GIB  # a cache reserve beyond the device: nothing cached, prefill rows in f32
+NO_CACHE = 1 << 50  # a cache reserve beyond the device: nothing cached, prefill rows in f32
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=4)
 ON_GPU = torch.cuda.is_available()
 # where the "interpreter" tests run their stages: the CPU in CI, the GPU where there is one
