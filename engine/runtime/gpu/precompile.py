@@ -231,7 +231,12 @@ class Compiler:
             return "kernels precompiled (none to compile)"
         how = f"{self.n} worker processes" if r.get("workers") else f"{self.n} threads"
         slow = r.get("slowest")
-        return (f"kernels precompiled ({r['compiled']} of {r['variants']} variants, {how}"
+        # where the step's time went: the dry pass (the workers compile meanwhile; in it, the
+        # first variant compiled on the spot, which pays Triton's start), then the wait for
+        # the last variant and the C launchers
+        return (f"kernels precompiled ({r['compiled']} of {r['variants']} variants, {how}, "
+                f"dry pass {r.get('dry_s', 0.0):.1f} s (first compile "
+                f"{r.get('first_s', 0.0):.1f} s), wait {r.get('wait_s', 0.0):.1f} s"
                 + (f", slowest {slow[0][0]} {slow[0][1]:.1f} s" if slow else "")
                 + (f", {r['rebuilt']} compiled again here" if r.get("rebuilt") else "") + ")")
 
@@ -329,6 +334,7 @@ class Compiler:
             except RuntimeError as exc:  # a broken pool: the first launches build them
                 log.debug("compile workers: %s", exc)
         self._side_jobs.clear()
+        t1 = time.perf_counter()
         errors = self._finish(self._round)
         r = self.report
         r["rounds"] = r.get("rounds", 0) + 1
@@ -340,6 +346,7 @@ class Compiler:
         r["warm"] = bool(self.warm)
         r["first_s"] = round(self.first_s or 0.0, 3)
         r["dry_s"] = round(r.get("dry_s", 0.0) + dry, 3)
+        r["wait_s"] = round(r.get("wait_s", 0.0) + time.perf_counter() - t1, 3)
         r["s"] = round(r.get("s", 0.0) + time.perf_counter() - t0, 3)
         if self._times:
             r["slowest"] = [[name, round(sec, 2)] for sec, name in sorted(self._times)[-3:][::-1]]
