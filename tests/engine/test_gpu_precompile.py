@@ -295,3 +295,48 @@ def test_a_worker_process_compiles_a_variant_into_the_cache_folder(tmp_path, mon
     missing = in_worker("kernels.scale_scan", "_no_such_kernel",
                         data.replace("_scan_kernel", "_no_such_kernel"), target)
     assert "_no_such_kernel" in missing
+
+
+def test_a_dry_pass_runs_each_kind_of_layer_once(tmp_path, monkeypatch) -> None:
+    """A precompile's dry pass runs a layer only where its tensor types and attention, with
+    its predecessor's, have not run yet (and the stage's last layer): the layers it skips
+    would launch variants already recorded. gemma3-tiny's six layers (local and global
+    attention, two tensor mixes) run five. Under the interpreter, on the CPU."""
+    from engine.hardware.devices import DeviceSpec
+    from engine.planning.plan import Plan
+    from engine.runtime.gpu.matrices import dry_pass_layers
+    from engine.runtime.gpu.session import GpuSession
+
+    path = str(write_model(tmp_path / "g.gguf", "gemma3-tiny")[0])
+    cpu = DeviceSpec(index=-1, name="cpu", total=8 << 30, free=8 << 30)
+    plan = Plan(model=path, devices=(cpu,), split=(0, 6), ctx=64, prefill_chunk=16,
+                cache_reserve=0, logits_rows=4)
+    sess = GpuSession.load(plan, devices=[torch.device("cpu")], remember=False)
+    try:
+        (st,) = sess.pipe.stages
+        model = st.model
+
+        def kind(i: int) -> tuple:
+            layer = st.layers[i]
+            types = tuple(sorted((t.name.split(".", 2)[2], t.ggml_type) for t in model.tensors
+                                 if t.name.startswith(f"blk.{layer.index}.")))
+            return types, layer.attn.window
+
+        seen, expected = set(), []
+        for i in range(len(st.layers)):
+            pair = (kind(i - 1) if i else None, kind(i))
+            expected.append(pair not in seen or i == len(st.layers) - 1)
+            seen.add(pair)
+        runs = dry_pass_layers(st.layers)
+        assert runs == expected and runs.count(False) == 1
+        ran: list[int] = []
+        attend = st._attention
+        index = {id(layer.attn): layer.index for layer in st.layers}
+        monkeypatch.setattr(st, "_attention", lambda att, *a: ran.append(index[id(att)])
+                            or attend(att, *a))
+        with sess.pipe.dry_pass():
+            st.forward(3, 0)
+        assert ran == [layer.index for layer, r in zip(st.layers, runs, strict=True) if r]
+        assert st.dry_runs is None  # outside a dry pass every layer runs
+    finally:
+        sess.close()

@@ -7,7 +7,7 @@ GEMM reads it). `GpuStage.forward` follows these decisions and makes none of its
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -145,6 +145,39 @@ class Layer:
     index: int
     attn: Attention
     ffn: Ffn | Experts
+
+
+def launch_signature(v: Any) -> Any:
+    """What of ``v`` (a Layer, or any part of one) the kernels' compiled variants can depend
+    on: its fields' values (not its layer's index or its tensors' names), and each tensor's
+    dtype, shape, strides and 16-byte alignment (not where it lies); an object of another
+    kind (a layer's host experts) is itself. Two layers of one signature launch the same
+    variants."""
+    if isinstance(v, torch.Tensor):
+        return ("tensor", v.dtype, v.device.type, tuple(v.shape), tuple(v.stride()),
+                v.data_ptr() % 16 == 0)
+    if isinstance(v, (Layer, Attention, Ffn, Experts, Matrix)):
+        return (type(v).__name__, *(launch_signature(getattr(v, f.name)) for f in fields(v)
+                                    if f.name not in ("index", "name")))
+    if isinstance(v, (list, tuple)):
+        return tuple(launch_signature(x) for x in v)
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return ("object", id(v))
+
+
+def dry_pass_layers(layers: Sequence[Layer]) -> list[bool]:
+    """Which of ``layers`` a precompile's dry pass runs (the rest launch nothing new): each
+    layer whose signature, with its predecessor's, has not run yet (a layer's launches read
+    the previous layer's FFN: its output is added and normed first), and the last (the
+    stage's end reads it)."""
+    seen, out, prev = set(), [], None
+    for i, layer in enumerate(layers):
+        sig = launch_signature(layer)
+        out.append((prev, sig) not in seen or i == len(layers) - 1)
+        seen.add((prev, sig))
+        prev = sig
+    return out
 
 
 def packed(model: Any, spans: dict[str, torch.Tensor], name: str, meta: bool = False

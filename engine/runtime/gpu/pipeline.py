@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from engine.runtime.gpu import host as gpu_host
 from engine.runtime.gpu import memory as gpu_memory
 from engine.runtime.gpu import precompile
 from engine.runtime.gpu.load import load_tensors
+from engine.runtime.gpu.matrices import dry_pass_layers
 from engine.runtime.gpu.stage import DTYPES, GpuStage, allocate
 from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
@@ -151,6 +152,18 @@ class GpuPipeline:
             "host_allocated": sum(b.numel() for b, _ in self.host_arenas[host:]),
             "host_pinned": sum(b.numel() for b, p in self.host_arenas[host:] if p)})
 
+    @contextlib.contextmanager
+    def dry_pass(self) -> Iterator[None]:
+        """A precompile's dry pass: forward runs only the layers whose launches no earlier
+        layer of the stage made (`matrices.dry_pass_layers`); the variants are the same."""
+        for st in self.stages:
+            st.dry_runs = dry_pass_layers(st.layers)
+        try:
+            yield
+        finally:
+            for st in self.stages:
+                st.dry_runs = None
+
     def fill_steps(self) -> list[Callable[[], None]]:
         """Each stage's dequant-cache fill as a dry pass runs it (`GpuStage.fill_dequant_cache`
         with ``dry``: the same launches, no byte into a weight span)."""
@@ -170,7 +183,8 @@ class GpuPipeline:
             if cancelled is not None and cancelled():
                 raise CarveError("load cancelled")
             if not precompiled and self.compiler is not None and self.compiler.active:
-                self.compiler.round([step], sync=lambda d=dev: sync(d))
+                with self.dry_pass():
+                    self.compiler.round([step], sync=lambda d=dev: sync(d))
                 timeline.mark(f"{dev}: {self.compiler.summary()}")
             t0 = time.perf_counter()
             if on_progress is not None:

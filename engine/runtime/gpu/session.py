@@ -175,7 +175,8 @@ class GpuSession(ChunkedSession):
         def precompile(work: list[Callable[[], None]]) -> None:
             if on_progress is not None:
                 on_progress(WARM_UP, 0, total, 0.0)
-            compiler.round(work, pipe.clear_buffers, pipe.sync)
+            with pipe.dry_pass():
+                compiler.round(work, pipe.clear_buffers, pipe.sync)
             timeline.mark(compiler.summary())
 
         # the decode step's fused GEMVs are the slowest to compile (up to ~7 s each, most of

@@ -31,6 +31,7 @@ from engine.runtime.gpu.matrices import (
     LayerBuilder,
     Matrix,
     gemv_rows,
+    launch_signature,
 )
 from engine.runtime.gpu.matrices import packed as packed_matrix
 from engine.runtime.gpu.rows import Rows
@@ -127,6 +128,8 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
                              frozenset(self.host_layers if host_compute == "cpu" else ()))
         self.tmats = build.tmats  # the matrices in the T layout (fill_dequant_cache repacks)
         self.layers: list[Layer] = [build.layer(i) for i in range(self.lb, self.le)]
+        # during a precompile's dry pass (GpuPipeline.dry_pass): which layers forward runs
+        self.dry_runs: list[bool] | None = None
         # host_pinned: the host arenas are registered with the driver, so decode's kernels can
         # read a host layer's experts where they lie (host_compute "gpu", no cache slots);
         # under the interpreter they read host memory anyway
@@ -197,11 +200,18 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         does run writes only the dq spans and a scratch buffer, which the real fill rewrites."""
         self.check_scales()
         n = 0
+        seen = set()  # a dry pass: the launches of each kind of matrix once
         for name, dst in self.spans.items():
             if not name.startswith("dq."):
                 continue
             w, t = packed_matrix(self.model, self.spans, name[3:])
             rows = w.shape[0]
+            if dry:
+                kind = (name.rsplit(".", 2)[-2], name[3:] in self.tmats, t,
+                        launch_signature(w), launch_signature(dst))
+                if kind in seen:
+                    continue
+                seen.add(kind)
             if name[3:] in self.tmats:
                 if not dry:
                     g = dst.view(torch.uint8).reshape(-1)[: w.numel()].view(w.shape)
@@ -264,7 +274,11 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         if self.first:
             self._embed(a)
         prev: Ffn | None = None  # the FFN whose output sits in proj, not yet added to hidden
-        for layer in self.layers:
+        runs = self.dry_runs
+        for i, layer in enumerate(self.layers):
+            if runs is not None and not runs[i]:  # a dry pass: its variants run elsewhere
+                prev = layer.ffn
+                continue
             self._attention(layer.attn, a, pos0, prev)
             self._ffn(layer, a)
             prev = layer.ffn
