@@ -301,7 +301,8 @@ def test_a_dry_pass_runs_each_kind_of_layer_once(tmp_path, monkeypatch) -> None:
     """A precompile's dry pass runs a layer only where its tensor types and attention, with
     its predecessor's, have not run yet (and the stage's last layer): the layers it skips
     would launch variants already recorded. gemma3-tiny's six layers (local and global
-    attention, two tensor mixes) run five. Under the interpreter, on the CPU."""
+    attention, two tensor mixes) run five. On the GPU where there is one, else under the
+    interpreter."""
     from engine.hardware.devices import DeviceSpec
     from engine.planning.plan import Plan
     from engine.runtime.gpu.matrices import dry_pass_layers
@@ -311,7 +312,8 @@ def test_a_dry_pass_runs_each_kind_of_layer_once(tmp_path, monkeypatch) -> None:
     cpu = DeviceSpec(index=-1, name="cpu", total=8 << 30, free=8 << 30)
     plan = Plan(model=path, devices=(cpu,), split=(0, 6), ctx=64, prefill_chunk=16,
                 cache_reserve=0, logits_rows=4)
-    sess = GpuSession.load(plan, devices=[torch.device("cpu")], remember=False)
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    sess = GpuSession.load(plan, devices=[dev], remember=False)
     try:
         (st,) = sess.pipe.stages
         model = st.model
