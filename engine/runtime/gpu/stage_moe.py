@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.runtime.gpu.matrices import GEMV_ROWS, Experts, Ffn
+from engine.runtime.gpu.matrices import GEMV_ROWS, Experts, Ffn, gemv_rows
 from engine.runtime.gpu.rows import Rows
 from kernels import glu, moe, moe_decode, moe_prefill, quant_matmul
 
@@ -118,7 +118,7 @@ class MoeLayers:
         # (n_ff_shexp, not the dense layers' n_ff)
         n, nf, x = a.n, f.gate.rows, a.normed
         act = self.buf["ffn_act"].view(-1)[: n * nf].view(n, nf)
-        if n <= GEMV_ROWS and f.fused == "gemv_glu":
+        if gemv_rows(n, (f.gate, f.up), act) and f.fused == "gemv_glu":
             quant_matmul.gemv_glu(f.gate.packed, f.up.packed, f.gate.ggml_type, x, self.hp.act,
                                   out=act, config=f.fused_config, use_pdl=self.pdl)
         else:
