@@ -327,7 +327,7 @@ def host_lines(layout: Layout, model: Any) -> list[str]:
         line = pcie_line(d.device, decode_pcie_bytes(idx, k))
         if line:
             out.append(line)
-        more = resident_without_reserve(model, plan, i) if plan.cache_reserve else kept
+        more = resident_without_reserve(model, plan, i)
         if more > kept:  # the reserve kept free costs this GPU resident layers: say how many
             less = decode_pcie_bytes(idx, k) - decode_pcie_bytes(idx, replace(k, resident=more))
             out.append(

@@ -207,8 +207,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
             w, t = packed_matrix(self.model, self.spans, name[3:])
             rows = w.shape[0]
             if dry:
-                kind = (name.rsplit(".", 2)[-2], name[3:] in self.tmats, t,
-                        launch_signature(w), launch_signature(dst))
+                kind = (name[3:] in self.tmats, t, launch_signature(w), launch_signature(dst))
                 if kind in seen:
                     continue
                 seen.add(kind)
