@@ -5,7 +5,8 @@ program.
 
 GGUF stores a matrix row by row, block by block. The T layout keeps every byte and only
 reorders them: W words of each block go to word planes, the rest of the block (the tail) to a
-plane after them (Q4_K: 144 bytes = 36 words, no tail; Q6_K: 210 bytes = 52 words and its
+plane after them (Q4_K: 144 bytes = 36 words, no tail; Q5_K 176 bytes = 44 words; Q3_K 110
+bytes = 27 words and its 2-byte d; Q6_K: 210 bytes = 52 words and its
 2-byte d; Q2_K 21 words, IQ4_XS 34, no tail; IQ2_XXS and IQ3_S: the 2-byte d at the block's
 start, then 16 / 27 words):
 
@@ -19,9 +20,9 @@ layout conversion, no shuffle), and each thread keeps its rows' sums in register
 Programs that split a row's blocks store their sums in their own row of a float32 ``part``
 buffer; the last one of a row tile to finish (an atomic counter, acq_rel) adds those rows in
 split order (deterministic: spec/launch.py) and writes y. The per-step dot products are in
-kernels/gemv_t_dot.py (Q4_K, Q6_K) and kernels/gemv_t_low.py (the low-bit types): x as float,
+kernels/gemv_t_dot.py (Q4_K, Q5_K, Q6_K) and kernels/gemv_t_low.py (the low-bit types): x as float,
 or (``xq=``) its int8 copy (kernels/q8x.py) through dp4a; the gate/up launch reads both
-matrices' Q4_K words in one step.
+matrices' Q4_K (Q5_K) words in one step.
 
 Same results as ``quant_matmul.gemv`` on the GGUF layout (the torch twin is ``gemv_t_ref``).
 On the H200 1.1-1.3x the GGUF-order GEMV for Q4_K matrices of 12 MB and more, 1.5-2.4x for
@@ -39,7 +40,7 @@ import triton.language as tl
 
 from kernels import pdl, q8x
 from kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
-from kernels.gemv_t_low import iq2xxs_t_dot, iq3s_t_dot, iq4xs_t_dot, q2k_t_dot
+from kernels.gemv_t_low import iq2xxs_t_dot, iq3s_t_dot, iq4xs_t_dot, q2k_t_dot, q3k_t_dot
 from kernels.glu import glu_act
 from kernels.lowbit_blocks import lookup_table
 from spec import launch
@@ -49,10 +50,12 @@ from spec.launch import T_CONFIG
 # words (4 bytes) per block that go to the word planes, and tail bytes per block that go to a
 # plane of their own after them (Q6_K's f16 d: its 210-byte block is 52 words and 2 bytes; the
 # grid IQ types' f16 d, at the start of their blocks: HEAD)
-WORDS = {qt.Q4_K: 36, qt.Q6_K: 52, qt.Q2_K: 21, qt.IQ4_XS: 34, qt.IQ2_XXS: 16, qt.IQ3_S: 27}
-TAIL = {qt.Q4_K: 0, qt.Q6_K: 2, qt.Q2_K: 0, qt.IQ4_XS: 0, qt.IQ2_XXS: 2, qt.IQ3_S: 2}
-BLOCK_BYTES = {qt.Q4_K: 144, qt.Q6_K: 210, qt.Q2_K: 84, qt.IQ4_XS: 136, qt.IQ2_XXS: 66,
+WORDS = {qt.Q4_K: 36, qt.Q5_K: 44, qt.Q6_K: 52, qt.Q2_K: 21, qt.Q3_K: 27, qt.IQ4_XS: 34, qt.IQ2_XXS: 16, qt.IQ3_S: 27}
+TAIL = {qt.Q4_K: 0, qt.Q5_K: 0, qt.Q6_K: 2, qt.Q2_K: 0, qt.Q3_K: 2, qt.IQ4_XS: 0, qt.IQ2_XXS: 2, qt.IQ3_S: 2}
+BLOCK_BYTES = {qt.Q4_K: 144, qt.Q5_K: 176, qt.Q6_K: 210, qt.Q2_K: 84, qt.Q3_K: 110, qt.IQ4_XS: 136, qt.IQ2_XXS: 66,
                qt.IQ3_S: 110}
+# types whose gate/up launch reads both matrices' words in the same step
+PAIRED = frozenset({qt.Q4_K, qt.Q5_K})
 # types whose tail is at the start of the block (the grid IQ types' f16 d): the words are the
 # bytes after it
 HEAD = {qt.IQ2_XXS: 2, qt.IQ3_S: 2}
@@ -119,6 +122,9 @@ def t_body(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N
     if TYPE == 10:
         acc = q2k_t_dot(wt_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV,
                         Q8X, ASM)
+    elif TYPE == 11:
+        acc = q3k_t_dot(wt_ptr, wh_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
+                        BLOCK_N, XV, Q8X, ASM)
     elif TYPE == 23:
         acc = iq4xs_t_dot(wt_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi,
                           BLOCK_N, XV, Q8X, ASM)
@@ -131,9 +137,9 @@ def t_body(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N
     elif TYPE == 14:
         acc = _q6k_t_dot(wt_ptr, wh_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
                          BLOCK_N, XV, Q8X, ASM)
-    else:
+    else:  # Q4_K, Q5_K
         acc, _ = q4k_t_dot_half(wt_ptr, wt_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
-                                 b_lo, b_hi, BLOCK_N, XV, False, Q8X, ASM)
+                                b_lo, b_hi, BLOCK_N, XV, False, Q8X, ASM, TYPE == 13)
     return acc
 
 
@@ -204,9 +210,9 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
     pdl.start(PDL)
     xrow = x_ptr + m * stride_xm
-    if PAIR:  # Q4_K: gate and up words in one step, each x value converted once for both
+    if PAIR:  # Q4_K, Q5_K: gate and up words in one step, each x value converted once
         g, u = q4k_t_dot_half(g_ptr, u_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
-                               b_lo, b_hi, BLOCK_N, XV, True, Q8X, ASM)
+                              b_lo, b_hi, BLOCK_N, XV, True, Q8X, ASM, TYPE == 13)
     else:
         g = t_body(g_ptr, gh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB,
                    b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
@@ -375,7 +381,7 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
     y = out.view(x2.shape[0], rows)
     _gemv_t_glu_kernel[grid](*gp, *up_p, x2, q, d, s, y, oq, od, os_, part, counter, rows, nb,
                              bps, x2.stride(0), y.stride(0), GELU=act == "gelu",
-                             PAIR=paired and ggml_type == qt.Q4_K, Q8X=use,
+                             PAIR=paired and ggml_type in PAIRED, Q8X=use,
                              QOUT=out_q is not None, ASM=gate.is_cuda, **meta, num_warps=warps)
     return out
 

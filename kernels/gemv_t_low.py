@@ -1,4 +1,4 @@
-"""T-layout step bodies (kernels/gemv_t.py) of the low-bit K and IQ types: Q2_K, IQ4_XS,
+"""T-layout step bodies (kernels/gemv_t.py) of the low-bit K and IQ types: Q2_K, Q3_K, IQ4_XS,
 IQ2_XXS and IQ3_S.
 
 As for Q4_K and Q6_K (kernels/gemv_t_dot.py) each thread owns whole rows, reads the same word
@@ -8,7 +8,8 @@ scalars (broadcast loads) and whatever depends on x alone (Q2_K's sums of x per 
 worked out once per thread, whatever its number of rows.
 
 On decode's int8 copy of x (kernels/q8x.py) the values multiply by ``dp4a``: Q2_K's 2-bit
-values as bytes ``(w >> 2j) & 0x03030303``, IQ4_XS's nibbles turned into their table values
+values as bytes ``(w >> 2j) & 0x03030303`` (Q3_K's with their hmask bit at bit 2, less 4 times
+the sum of x per 16), IQ4_XS's nibbles turned into their table values
 by byte permutes (``_iq4_values``), IQ2_XXS's and IQ3_S's grid rows gathered from the table
 (one 8- or 4-byte word a row) with their signs put into the bytes as integers
 (kernels/gemv_iq.py ``_signed``). On float x (bf16 as 64-bit words of four, or float32 or f16
@@ -202,6 +203,127 @@ def q2k_t_dot(wt_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N
                                  BLOCK_N, XV)
             acc += _q2_quarter_f(a0, a1, a2, a3, a4, a5, a6, a7, sw1, d, dmin, xb + 96, 3,
                                  BLOCK_N, XV)
+    return acc
+
+
+# --- Q3_K -------------------------------------------------------------------------------------
+@triton.jit
+def _q3_bytes(w, h, J: tl.constexpr, HB):
+    # Q3_K's 3-bit values (0..7, the value plus 4) of qs word w: its 2-bit fields at bit 2J
+    # of each byte with bit HB of the same bytes of hmask word h at bit 2
+    return ((w >> (2 * J)) & 0x03030303) | (((h >> HB) & 0x01010101) << 2)
+
+
+@triton.jit
+def _q3_scale(s0, s1, s2, n, IS: tl.constexpr):
+    # scale 8n + IS (IS 0..7) of the 12 scale bytes in words s0..s2, minus 32: its low 4 bits
+    # are the nibble 4n of byte IS, its high 2 bits bits 2(2n + IS // 4) of byte 8 + IS % 4
+    B: tl.constexpr = IS % 4
+    if IS < 4:
+        lw = s0
+    else:
+        lw = s1
+    low = (lw >> (8 * B + 4 * n)) & 15
+    high = (s2 >> (8 * B + 2 * (2 * n + IS // 4))) & 3
+    return (low | (high << 4)) - 32
+
+
+@triton.jit
+def _q3_quarter_q8(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, h4, h5, h6, h7, n, s0, s1,
+                   s2, d, xq_ptr, xd_ptr, xi, J: tl.constexpr, ASM: tl.constexpr):
+    # values 32J..32J+31 of half block n (bits 2J of its 8 qs words, bit 4n + J of the 8
+    # hmask words), two sub-blocks of 16 with their own scales, on int8 x words xi..xi+7 and
+    # x scale xd_ptr: sum (v - 4) x = dp4a(v, x) - 4 sum x, x's sums per 16 by a dp4a of ones
+    z = a0 * 0
+    i0 = z
+    i1 = z
+    hb = 4 * n + J
+    for k in tl.static_range(0, 8, 2):
+        va = _q3_bytes(_pick8(a0, a1, a2, a3, a4, a5, a6, a7, k),
+                       _pick8(h0, h1, h2, h3, h4, h5, h6, h7, k), J, hb)
+        vb = _q3_bytes(_pick8(a0, a1, a2, a3, a4, a5, a6, a7, k + 1),
+                       _pick8(h0, h1, h2, h3, h4, h5, h6, h7, k + 1), J, hb)
+        xa, xb = _x64(xq_ptr, xi + k)
+        if k == 0:  # x's sums per 16 values: scalars, once per thread whatever its rows
+            ones = xa * 0 + 0x01010101
+            t0 = xa * 0
+            t1 = t0
+        if k < 4:
+            i0 = _dp4a(vb, xb, _dp4a(va, xa, i0, ASM, True), ASM, True)
+            t0 = _dp4a(ones, xb, _dp4a(ones, xa, t0, ASM, True), ASM, True)
+        else:
+            i1 = _dp4a(vb, xb, _dp4a(va, xa, i1, ASM, True), ASM, True)
+            t1 = _dp4a(ones, xb, _dp4a(ones, xa, t1, ASM, True), ASM, True)
+    isum = _q3_scale(s0, s1, s2, n, 2 * J) * (i0 - 4 * t0) \
+        + _q3_scale(s0, s1, s2, n, 2 * J + 1) * (i1 - 4 * t1)
+    return tl.load(xd_ptr) * d * isum.to(tl.float32)
+
+
+@triton.jit
+def _q3_quarter_f(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, h4, h5, h6, h7, n, s0, s1,
+                  s2, d, xp, J: tl.constexpr, BLOCK_N: tl.constexpr, XV: tl.constexpr):
+    # _q3_quarter_q8 on float x (xp points at x[32 J] of the half block): each value as the
+    # float 1 + v/8 (v into the top of the mantissa of 1.0), so sum v x = 8 (sum - sum x)
+    z = tl.zeros([BLOCK_N], dtype=tl.float32)
+    f0 = z
+    f1 = z
+    x0 = 0.0
+    x1 = 0.0
+    hb = 4 * n + J
+    for k in tl.static_range(8):
+        v = _q3_bytes(_pick8(a0, a1, a2, a3, a4, a5, a6, a7, k),
+                      _pick8(h0, h1, h2, h3, h4, h5, h6, h7, k), J, hb)
+        if XV:
+            xv = tl.load((xp + 4 * k).to(tl.pointer_type(tl.int64)))
+        else:
+            xv = xp + 4 * k
+        for m in tl.static_range(4):
+            xm = _x4(xv, m, XV)
+            fv = (_bits(v, 8 * m, 7, 20) | 0x3F800000).to(tl.float32, bitcast=True)
+            if k < 4:
+                f0 += fv * xm
+                x0 += xm
+            else:
+                f1 += fv * xm
+                x1 += xm
+    q0 = 8.0 * (f0 - x0) - 4.0 * x0
+    q1 = 8.0 * (f1 - x1) - 4.0 * x1
+    return d * (_q3_scale(s0, s1, s2, n, 2 * J).to(tl.float32) * q0
+                + _q3_scale(s0, s1, s2, n, 2 * J + 1).to(tl.float32) * q1)
+
+
+@triton.jit
+def q3k_t_dot(wt_ptr, wh_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
+              BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
+    # Q3_K: words 0-7 hmask (bit 4n + J of byte l: value l of quarter J of half n has its
+    # third bit), 8-23 qs (8 a half block), 24-26 the 16 six-bit scales; its f16 d in the
+    # tail plane. Half a block (128 values: 8 qs, 8 hmask, 3 scale words) per step
+    dp = wh_ptr + NB * 54 * N + rows
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for hb in range(2 * b_lo, 2 * b_hi):
+        b = hb // 2
+        n = hb % 2
+        base = wt_ptr + b * 27 * N + rows
+        a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(base + (8 + 8 * n) * N, N, rmask)
+        h0, h1, h2, h3, h4, h5, h6, h7 = _ld8(base, N, rmask)
+        s0 = tl.load(base + 24 * N, mask=rmask, other=0)
+        s1 = tl.load(base + 25 * N, mask=rmask, other=0)
+        s2 = tl.load(base + 26 * N, mask=rmask, other=0)
+        d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
+        t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ h0 ^ h1 ^ h2 ^ h3 ^ h4 ^ h5 ^ h6 ^ h7 ^ s0 ^ s1 ^ s2
+        a0 = a0 + (t & (N >> 31))  # the step's loads issued together (kernels/gemv_t_dot.py)
+        if Q8X:  # x words b * 64 + 32 n + 8 j + k, scales b * 8 + 4 n + j
+            xi = b * 64 + 32 * n
+            xd = xd_ptr + b * 8 + 4 * n
+            for j in tl.static_range(4):
+                acc += _q3_quarter_q8(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, h4, h5,
+                                      h6, h7, n, s0, s1, s2, d, xq_ptr, xd + j, xi + 8 * j, j,
+                                      ASM)
+        else:
+            xb = x_ptr + b * 256 + 128 * n
+            for j in tl.static_range(4):
+                acc += _q3_quarter_f(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, h4, h5,
+                                     h6, h7, n, s0, s1, s2, d, xb + 32 * j, j, BLOCK_N, XV)
     return acc
 
 

@@ -39,7 +39,7 @@ from spec.quant_types import (
 
 __all__ = ["MIXES", "SHAPES", "Shape", "main", "tensor_types", "write_model"]
 
-MIXES = ("q4_k_m", "mxfp4_moe", *FILE_TYPES, *sorted(BY_NAME), *(f"pure-{t}" for t in FILE_TYPES
+MIXES = ("q4_k_m", "q5_k_m", "mxfp4_moe", *FILE_TYPES, *sorted(BY_NAME), *(f"pure-{t}" for t in FILE_TYPES
                                                                     if t in BY_NAME))
 
 # llama.cpp's fallback when a row length is not a multiple of 256 (llama_tensor_get_type):
@@ -74,7 +74,7 @@ def _stays_float(name: str, dims: Sequence[int]) -> bool:
 
 def tensor_types(shape: Shape, mix: str, layer_order: Sequence[int] | None = None,
                  ) -> dict[str, int]:
-    """GGML type per tensor name for a mix: "q4_k_m" (llama.cpp's rule), "mxfp4_moe" (MXFP4
+    """GGML type per tensor name for a mix: "q4_k_m" or "q5_k_m" (llama.cpp's rules), "mxfp4_moe" (MXFP4
     experts, Q8_0 elsewhere), one of llama.cpp's low-bit file types ("q2_k", "iq2_xxs", ...:
     engine/synth/file_types.py) or one type for all matrices (any other type name, or
     "pure-<type>" for a type whose name is also a file type's). Norms, biases and routers are
@@ -87,9 +87,9 @@ def tensor_types(shape: Shape, mix: str, layer_order: Sequence[int] | None = Non
     alike), over every declared layer (NextN included)."""
     mix = mix.lower()
     pure = BY_NAME.get(mix.removeprefix("pure-")) if mix.startswith("pure-") else None
-    if mix not in ("q4_k_m", "mxfp4_moe") and mix not in BY_NAME and mix not in FILE_TYPES \
+    if mix not in ("q4_k_m", "q5_k_m", "mxfp4_moe") and mix not in BY_NAME and mix not in FILE_TYPES \
             and pure is None:
-        raise CarveError(f"unknown --mix {mix!r}: choose q4_k_m, mxfp4_moe, a llama.cpp file "
+        raise CarveError(f"unknown --mix {mix!r}: choose q4_k_m, q5_k_m, mxfp4_moe, a llama.cpp file "
                          f"type ({', '.join(FILE_TYPES)}) or a tensor type "
                          "such as q8_0")
     out: dict[str, int] = {}
@@ -112,23 +112,24 @@ def tensor_types(shape: Shape, mix: str, layer_order: Sequence[int] | None = Non
             t = by_file_type[name]
         elif mix == "mxfp4_moe":
             t = MXFP4 if len(dims) == 3 and dims[2] > 1 and not head else Q8_0
-        elif mix != "q4_k_m":
+        elif mix not in ("q4_k_m", "q5_k_m"):
             t = BY_NAME[mix]
         elif head:
             # llama.cpp gives the output projection Q6_K, and with tied embeddings the
             # token embedding *is* the output projection
             t = Q6_K
         else:
-            t = _q4_k_m(shape, name, rank, n, eight)
+            t = _k_m(shape, name, rank, n, eight, Q4_K if mix == "q4_k_m" else Q5_K)
         out[name] = _fit(t, dims[0])
     return out
 
 
-def _q4_k_m(shape: Shape, name: str, rank: dict[int, int], n: int, eight: bool) -> int:
-    """llama.cpp's Q4_K_M choice for one layer matrix (llama_tensor_get_type)."""
+def _k_m(shape: Shape, name: str, rank: dict[int, int], n: int, eight: bool, base: int) -> int:
+    """llama.cpp's Q4_K_M (``base`` Q4_K) or Q5_K_M (Q5_K) choice for one layer matrix
+    (llama_tensor_get_type: the two share their attn_v and ffn_down rules)."""
     layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
     if name.endswith("attn_v.weight"):
-        t = Q6_K if _use_more_bits(rank[layer], n) else Q4_K
+        t = Q6_K if _use_more_bits(rank[layer], n) else base
         if t == Q4_K and shape.arch == "llama" and shape.n_layer == 80:
             # llama.cpp: a 70B's 8 KV heads make attn_v 8x smaller than attn_q, so it
             # gets Q5_K for almost no size (LLM_TYPE_70B branch of llama_tensor_get_type)
@@ -140,8 +141,8 @@ def _q4_k_m(shape: Shape, name: str, rank: dict[int, int], n: int, eight: bool) 
         return Q5_K
     if "ffn_down" in name:
         i = layer if shape.n_expert > 1 else rank[layer]
-        return Q6_K if _use_more_bits(i, n) else Q4_K
-    return Q4_K
+        return Q6_K if _use_more_bits(i, n) else base
+    return base
 
 
 _POOL_BYTES = 16 << 20
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.synth.gen"
         "well-formed quantized blocks.")
     ap.add_argument("--shape", help="one of: " + ", ".join(SHAPES))
     ap.add_argument("--list", action="store_true", help="print the shapes and their sizes")
-    ap.add_argument("--mix", help="q4_k_m, mxfp4_moe, a llama.cpp low-bit file type (q2_k, "
+    ap.add_argument("--mix", help="q4_k_m, q5_k_m, mxfp4_moe, a llama.cpp low-bit file type (q2_k, "
                     "q3_k_m, iq2_xxs, iq2_m, iq3_xxs, iq3_s, iq3_m, iq4_xs, iq2_xxs-q8attn, "
                     "iq3_s-bumped) or one tensor type (q8_0, f16, pure-iq2_xxs, ...); "
                     "default: the mix the shape's published files use")

@@ -206,7 +206,8 @@ def vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
 
 # general.file_type: llama.cpp's llama_ftype for the mix (a single K type is its _S variant)
 _FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9,
-              "q2_k": 10, "q3_k": 11, "q4_k": 14, "q4_k_m": 15, "q5_k": 16, "q6_k": 18,
+              "q2_k": 10, "q3_k": 11, "q4_k": 14, "q4_k_m": 15, "q5_k": 16, "q5_k_m": 17,
+              "q6_k": 18,
               "iq2_xxs": 19, "iq2_xs": 20, "iq3_xxs": 23, "iq1_s": 24, "iq4_nl": 25,
               "iq3_s": 26, "iq2_s": 28, "iq4_xs": 30, "iq1_m": 31, "bf16": 32, "tq1_0": 36,
               "tq2_0": 37, "mxfp4_moe": 38, "q3_k_m": 12, "iq3_m": 27, "iq2_m": 29,

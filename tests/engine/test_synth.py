@@ -82,6 +82,17 @@ def test_q4_k_m_rule_on_the_7b_shape():
     assert types["blk.3.attn_q.bias"] == 0
 
 
+def test_q5_k_m_rule_on_the_7b_shape():
+    # llama.cpp's Q5_K_M: Q4_K_M's attn_v / ffn_down rule on a Q5_K base, output Q6_K
+    types = tensor_types(SHAPES["qwen2-7b"], "q5_k_m")
+    more = [i for i in range(28) if types[f"blk.{i}.attn_v.weight"] == 14]
+    assert more == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27]
+    assert more == [i for i in range(28) if types[f"blk.{i}.ffn_down.weight"] == 14]
+    assert types["blk.3.attn_v.weight"] == types["blk.3.ffn_down.weight"] == 13
+    assert types["token_embd.weight"] == 13 and types["output.weight"] == 14
+    assert types["blk.3.attn_q.weight"] == types["blk.3.ffn_up.weight"] == 13
+
+
 _FLOATS = ("F32", "F16", "BF16", "F64")
 _TYPES = [q.name.lower() for q in QUANT.values() if q.block_size > 1 or q.name in _FLOATS]
 

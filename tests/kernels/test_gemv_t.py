@@ -20,7 +20,7 @@ def _rand(g, lo, hi):
     return int(torch.randint(lo, hi, (1,), generator=g, device=DEVICE))
 
 
-TYPES = [qt.Q4_K, qt.Q6_K, qt.Q2_K, qt.IQ4_XS, qt.IQ2_XXS, qt.IQ3_S]
+TYPES = [qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q2_K, qt.Q3_K, qt.IQ4_XS, qt.IQ2_XXS, qt.IQ3_S]
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
@@ -88,10 +88,10 @@ def test_split_count_covers_the_blocks():
 
 
 # (type, paired, act): Q4_K's gate and up read in the same steps (bf16 x) or one after the
-# other (f32 x), under both activations; the other types always run one after the other, here
-# on bf16 x (the activation is the epilogue's, the same for every type)
+# other (f32 x), under both activations, Q5_K's both ways too; the other types always run one
+# after the other, here on bf16 x (the activation is the epilogue's, the same for every type)
 GLU_CASES = ([(qt.Q4_K, p, a) for p in (True, False) for a in ("silu", "gelu")]
-             + [(t, True, "silu") for t in TYPES[1:]])
+             + [(qt.Q5_K, False, "silu")] + [(t, True, "silu") for t in TYPES[1:]])
 
 
 @pytest.mark.parametrize(("ggml_type", "paired", "act"), GLU_CASES,

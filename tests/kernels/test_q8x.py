@@ -52,7 +52,7 @@ def test_rmsnorm_writes_the_int8_copy(residual, seed):
     _same_q8(bufs, out[0])
 
 
-TYPES = [qt.Q4_K, qt.Q6_K, qt.Q2_K, qt.IQ4_XS, qt.IQ2_XXS, qt.IQ3_S]
+TYPES = [qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q2_K, qt.Q3_K, qt.IQ4_XS, qt.IQ2_XXS, qt.IQ3_S]
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)
@@ -75,7 +75,7 @@ def test_gemv_t_on_int8_x_matches_reference(ggml_type, split, seed):
 
 
 @pytest.mark.parametrize("ggml_type,paired", [(qt.Q4_K, True), (qt.Q4_K, False),
-                                              (qt.Q6_K, False), (qt.Q2_K, False),
+                                              (qt.Q5_K, True), (qt.Q6_K, False), (qt.Q2_K, False), (qt.Q3_K, False),
                                               (qt.IQ4_XS, False), (qt.IQ2_XXS, False),
                                               (qt.IQ3_S, False)])
 @pytest.mark.parametrize("split", [True, False])
