@@ -148,11 +148,14 @@ def _k4_mix(h0, h1, h2, h3, c, sl, sh, xsl, xsh, Q5: tl.constexpr):
 @triton.jit
 def _words(a0, a1, a2, a3, a4, a5, a6, a7, q, c, Q5: tl.constexpr):
     # a chunk's 8 qs words as the values _word takes (Q5: with their 8 qh words q)
+    # (one return: the compiler checks every return's type, even in a branch it drops)
     if Q5:
-        return (_q5_bytes(a0, q[0], c), _q5_bytes(a1, q[1], c), _q5_bytes(a2, q[2], c),
-                _q5_bytes(a3, q[3], c), _q5_bytes(a4, q[4], c), _q5_bytes(a5, q[5], c),
-                _q5_bytes(a6, q[6], c), _q5_bytes(a7, q[7], c))
-    return a0, a1, a2, a3, a4, a5, a6, a7
+        r = (_q5_bytes(a0, q[0], c), _q5_bytes(a1, q[1], c), _q5_bytes(a2, q[2], c),
+             _q5_bytes(a3, q[3], c), _q5_bytes(a4, q[4], c), _q5_bytes(a5, q[5], c),
+             _q5_bytes(a6, q[6], c), _q5_bytes(a7, q[7], c))
+    else:
+        r = (a0, a1, a2, a3, a4, a5, a6, a7)
+    return r
 
 
 @triton.jit
