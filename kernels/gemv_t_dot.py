@@ -232,20 +232,25 @@ def _q8_word(w, v, xl, J: tl.constexpr, il, ih, jl, jh, qa, qb, c, ASM: tl.const
     z = w * 0
     xlo = tl.load(xl + J) + z
     xhi = tl.load(xl + 8 + J) + z
-    if Q5:
-        wl, wh = _q5_bytes(w, qa, c)
-    else:
-        wl, wh = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F
+    wl, wh = _value_bytes(w, qa, c, Q5)
     il = _dp4a(wl, xlo, il, ASM)
     ih = _dp4a(wh, xhi, ih, ASM)
     if PAIR:
-        if Q5:
-            vl, vh = _q5_bytes(v, qb, c)
-        else:
-            vl, vh = v & 0x0F0F0F0F, (v >> 4) & 0x0F0F0F0F
+        vl, vh = _value_bytes(v, qb, c, Q5)
         jl = _dp4a(vl, xlo, jl, ASM)
         jh = _dp4a(vh, xhi, jh, ASM)
     return il, ih, jl, jh
+
+
+@triton.jit
+def _value_bytes(w, qh, c, Q5: tl.constexpr):
+    # qs word w as (low values, high values), a value a byte: Q4_K's nibbles, or (Q5) Q5_K's
+    # 5-bit values with their qh word (one return: see _words)
+    if Q5:
+        r = _q5_bytes(w, qh, c)
+    else:
+        r = (w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F)
+    return r
 
 
 @triton.jit
