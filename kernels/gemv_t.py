@@ -40,7 +40,7 @@ import triton.language as tl
 
 from kernels import pdl, q8x
 from kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
-from kernels.gemv_t_low import iq2xxs_t_dot, iq3s_t_dot, iq4xs_t_dot, q2k_t_dot, q3k_t_dot
+from kernels.gemv_t_low import iq2xxs_t_dot, iq3s_t_dot, iq4xs_t_dot, q2k_t_dot, q3k_t_dot, q80_t_dot
 from kernels.glu import glu_act
 from kernels.lowbit_blocks import lookup_table
 from spec import launch
@@ -50,15 +50,17 @@ from spec.launch import T_CONFIG
 # words (4 bytes) per block that go to the word planes, and tail bytes per block that go to a
 # plane of their own after them (Q6_K's f16 d: its 210-byte block is 52 words and 2 bytes; the
 # grid IQ types' f16 d, at the start of their blocks: HEAD)
-WORDS = {qt.Q4_K: 36, qt.Q5_K: 44, qt.Q6_K: 52, qt.Q2_K: 21, qt.Q3_K: 27, qt.IQ4_XS: 34, qt.IQ2_XXS: 16, qt.IQ3_S: 27}
-TAIL = {qt.Q4_K: 0, qt.Q5_K: 0, qt.Q6_K: 2, qt.Q2_K: 0, qt.Q3_K: 2, qt.IQ4_XS: 0, qt.IQ2_XXS: 2, qt.IQ3_S: 2}
-BLOCK_BYTES = {qt.Q4_K: 144, qt.Q5_K: 176, qt.Q6_K: 210, qt.Q2_K: 84, qt.Q3_K: 110, qt.IQ4_XS: 136, qt.IQ2_XXS: 66,
+WORDS = {qt.Q4_K: 36, qt.Q5_K: 44, qt.Q6_K: 52, qt.Q2_K: 21, qt.Q3_K: 27, qt.Q8_0: 8, qt.IQ4_XS: 34, qt.IQ2_XXS: 16, qt.IQ3_S: 27}
+TAIL = {qt.Q4_K: 0, qt.Q5_K: 0, qt.Q6_K: 2, qt.Q2_K: 0, qt.Q3_K: 2, qt.Q8_0: 2, qt.IQ4_XS: 0, qt.IQ2_XXS: 2, qt.IQ3_S: 2}
+BLOCK_BYTES = {qt.Q4_K: 144, qt.Q5_K: 176, qt.Q6_K: 210, qt.Q2_K: 84, qt.Q3_K: 110, qt.Q8_0: 34, qt.IQ4_XS: 136, qt.IQ2_XXS: 66,
                qt.IQ3_S: 110}
 # types whose gate/up launch reads both matrices' words in the same step
 PAIRED = frozenset({qt.Q4_K, qt.Q5_K})
 # types whose tail is at the start of the block (the grid IQ types' f16 d): the words are the
 # bytes after it
-HEAD = {qt.IQ2_XXS: 2, qt.IQ3_S: 2}
+HEAD = {qt.IQ2_XXS: 2, qt.IQ3_S: 2, qt.Q8_0: 2}
+# values per block where not 256
+BLOCK_VALUES = {qt.Q8_0: 32}
 
 
 def _cut(ggml_type: int) -> tuple[slice, slice]:
@@ -122,6 +124,9 @@ def t_body(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N
     if TYPE == 10:
         acc = q2k_t_dot(wt_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV,
                         Q8X, ASM)
+    elif TYPE == 8:
+        acc = q80_t_dot(wt_ptr, wh_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
+                        BLOCK_N, XV, Q8X, ASM)
     elif TYPE == 11:
         acc = q3k_t_dot(wt_ptr, wh_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
                         BLOCK_N, XV, Q8X, ASM)
@@ -302,16 +307,21 @@ def _t_words(wt: torch.Tensor, ggml_type: int, rows: int) -> tuple[int, tuple]:
 
 
 def _t_grid(rows: list[int], nb: int, x: torch.Tensor, config: tuple[int, int, int] | None,
-            parts: int, part: torch.Tensor, counter: torch.Tensor, use_pdl: bool = True):
+            parts: int, part: torch.Tensor, counter: torch.Tensor, use_pdl: bool = True,
+            block_values: int = 256):
     """(grid, x rows, blocks per split, constexprs, warps) of a T launch over the row tiles
-    of ``rows`` (one matrix, or q, k, v one after the other)."""
+    of ``rows`` (one matrix, or q, k, v one after the other), blocks of ``block_values``. The
+    splits are those of the same columns in blocks of 256 (spec/launch.py ``scratch``, what
+    pricing reserves), each holding whole blocks."""
     block_n, warps, target = config or T_CONFIG
-    x2 = x.reshape(-1, nb * 256)
+    x2 = x.reshape(-1, nb * block_values)
     if x2.stride(1) != 1:
         raise ValueError("x rows must be contiguous")
     mm = x2.shape[0]
     tiles = launch.tiles(rows, block_n)
-    split, bps = launch.split(tiles, nb, target)
+    most, _ = launch.split(tiles, max(1, nb * block_values // 256), target)
+    bps = -(-nb // most)
+    split = -(-nb // bps)
     if split > 1 and (part.numel() < mm * parts * split * sum(rows)
                       or counter.numel() < mm * tiles):
         raise ValueError("part/counter buffers too small for this GEMV")
@@ -327,7 +337,8 @@ def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
     """(grid, word view, 16-bit view, x rows, common args, constexprs, warps) of a T GEMV."""
     nb, ptrs = _t_words(wt, ggml_type, rows)
     config = config or launch.t_config(ggml_type)
-    grid, x2, bps, meta, warps = _t_grid([rows], nb, x, config, parts, part, counter, use_pdl)
+    grid, x2, bps, meta, warps = _t_grid([rows], nb, x, config, parts, part, counter, use_pdl,
+                                         BLOCK_VALUES.get(ggml_type, 256))
     return grid, ptrs, x2, (nb, bps), {**meta, "TYPE": ggml_type}, warps
 
 
@@ -397,11 +408,12 @@ def gemv_t3(mats: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, out: tor
     if len(mats) != 3 or (biases is not None and len(biases) != 3):
         raise ValueError("gemv_t3 takes three matrices (and three biases or none)")
     words = [_t_words(wt, t, r) for wt, t, r in mats]
-    nb = words[0][0]
-    if any(w[0] != nb for w in words):
-        raise ValueError("gemv_t3's matrices must have the same number of columns")
+    nb, values = words[0][0], BLOCK_VALUES.get(mats[0][1], 256)
+    if any(w[0] != nb or BLOCK_VALUES.get(t, 256) != values
+           for w, (_, t, _) in zip(words, mats)):
+        raise ValueError("gemv_t3's matrices must have the same columns in blocks of one size")
     rows = [r for _, _, r in mats]
-    grid, x2, bps, meta, warps = _t_grid(rows, nb, x, config, 1, part, counter, use_pdl)
+    grid, x2, bps, meta, warps = _t_grid(rows, nb, x, config, 1, part, counter, use_pdl, values)
     y = out if out.dim() == 2 else out.view(x2.shape[0], -1)
     if y.shape != (x2.shape[0], sum(rows)) or y.stride(1) != 1:
         raise ValueError("out must hold the three outputs side by side")

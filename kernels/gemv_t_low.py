@@ -1,5 +1,5 @@
 """T-layout step bodies (kernels/gemv_t.py) of the low-bit K and IQ types: Q2_K, Q3_K, IQ4_XS,
-IQ2_XXS and IQ3_S.
+IQ2_XXS and IQ3_S; and of Q8_0 (on trial: ``CARVE_TRIAL=q8_0_t``).
 
 As for Q4_K and Q6_K (kernels/gemv_t_dot.py) each thread owns whole rows, reads the same word
 of neighbouring rows beside its neighbours (one 128-byte line a warp a word), issues a step's
@@ -324,6 +324,59 @@ def q3k_t_dot(wt_ptr, wh_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b
             for j in tl.static_range(4):
                 acc += _q3_quarter_f(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, h4, h5,
                                      h6, h7, n, s0, s1, s2, d, xb + 32 * j, j, BLOCK_N, XV)
+    return acc
+
+
+# --- Q8_0 -------------------------------------------------------------------------------------
+@triton.jit
+def _q80_block(a0, a1, a2, a3, a4, a5, a6, a7, d, xq_ptr, xd_ptr, x_ptr, bx,
+               BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr,
+               ASM: tl.constexpr):
+    # one block of 32 signed bytes (words a0..a7) with its scale d against x's block bx: on
+    # int8 x eight dp4a and x's scale, on float x the bytes converted and multiplied
+    if Q8X:
+        isum = a0 * 0
+        for k in tl.static_range(0, 8, 2):
+            xa, xb = _x64(xq_ptr, bx * 8 + k)
+            isum = _dp4a(_pick8(a0, a1, a2, a3, a4, a5, a6, a7, k + 1), xb,
+                         _dp4a(_pick8(a0, a1, a2, a3, a4, a5, a6, a7, k), xa, isum, ASM, True),
+                         ASM, True)
+        r = d * tl.load(xd_ptr + bx) * isum.to(tl.float32)
+    else:
+        s = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in tl.static_range(8):
+            w = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, k)
+            if XV:
+                xv = tl.load((x_ptr + bx * 32 + 4 * k).to(tl.pointer_type(tl.int64)))
+            else:
+                xv = x_ptr + bx * 32 + 4 * k
+            for m in tl.static_range(4):
+                s += _sc8(w, m) * _x4(xv, m, XV)
+        r = d * s
+    return r
+
+
+@triton.jit
+def q80_t_dot(wt_ptr, wh_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
+              BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
+    # Q8_0: blocks of 32 values, 8 words of signed bytes after the f16 d (to the tail plane,
+    # as the grid IQ types' HEAD). Two blocks (18 loads) per step; the second of an odd range
+    # masked, its x read at the last block of the range (d = 0 makes it add nothing)
+    dp = wh_ptr + NB * 16 * N + rows
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for b in range(b_lo, b_hi, 2):
+        b1 = tl.minimum(b + 1, b_hi - 1)
+        m1 = rmask & ((rows * 0 + b + 1) < b_hi)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(wt_ptr + b * 8 * N + rows, N, rmask)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _ld8(wt_ptr + (b + 1) * 8 * N + rows, N, m1)
+        d0 = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
+        d1 = tl.load(dp + (b + 1) * N, mask=m1, other=0.0).to(tl.float32)
+        t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ e0 ^ e1 ^ e2 ^ e3 ^ e4 ^ e5 ^ e6 ^ e7
+        a0 = a0 + (t & (N >> 31))  # the step's loads issued together (kernels/gemv_t_dot.py)
+        acc += _q80_block(a0, a1, a2, a3, a4, a5, a6, a7, d0, xq_ptr, xd_ptr, x_ptr, b,
+                          BLOCK_N, XV, Q8X, ASM)
+        acc += _q80_block(e0, e1, e2, e3, e4, e5, e6, e7, d1, xq_ptr, xd_ptr, x_ptr, b1,
+                          BLOCK_N, XV, Q8X, ASM)
     return acc
 
 

@@ -17,7 +17,10 @@ SWITCH = {"1": True, "0": False}
 TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (kernels/gemv_lowbit.py)",
     "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x (kernels/gemv_dot.py)",
+    "q8_0_t": "Q8_0 matrices in the T layout (kernels/gemv_t_low.py q80_t_dot)",
 }
+# the trials that let a type's matrices go to the T layout (engine/runtime/gpu/matrices.py)
+T_TRIALS = {"q8_0_t": qt.Q8_0}
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}
 
@@ -56,6 +59,11 @@ class RunnerOptions:
     t_layout: bool = True  # CARVE_T_LAYOUT
     pdl: bool = True  # CARVE_PDL
     trials: frozenset[str] = frozenset()  # CARVE_TRIAL
+
+    @property
+    def t_types_off(self) -> frozenset[int]:
+        """Types with a T body that stays off: those whose trial is not switched on."""
+        return frozenset(t for name, t in T_TRIALS.items() if name not in self.trials)
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:

@@ -234,22 +234,25 @@ def test_int8_x_decode_matches_the_cpu_engine(wide, wide_q4k, all_t, monkeypatch
         assert ("glu", True, True) in used and ("one", True) in used and ("qkv", True) in used
 
 
-@pytest.mark.parametrize(("mix", "t_type"), [("q2_k", qt.Q2_K), ("iq2_xxs", qt.IQ2_XXS)])
+@pytest.mark.parametrize(("mix", "t_type"), [("q2_k", qt.Q2_K), ("iq2_xxs", qt.IQ2_XXS),
+                                             ("q5_k_m", qt.Q5_K), ("q8_0", qt.Q8_0)])
 def test_low_bit_t_matrices_decode_as_the_cpu_engine(tmp_path, all_t, mix, t_type) -> None:
-    # the low-bit types' T bodies (kernels/gemv_t_low.py) through the runner on decode's int8
-    # copies: the Q2_K mix's gate/up in one T launch beside its Q3_K ffn_down and attn_v in
-    # GGUF order; the IQ2_XXS mix's gate/up, down (the GLU's int8 copy) and q/k/v (IQ2_XXS
-    # q and k beside a Q2_K v). (IQ4_XS's T body is slow under the interpreter:
-    # tests/kernels/test_gemv_t.py and test_q8x.py check it.)
+    # the T bodies of gemv_t_low.py (and Q5_K's) through the runner on decode's int8 copies:
+    # the Q2_K mix's gate/up in one T launch beside its Q3_K ffn_down and attn_v; the
+    # IQ2_XXS mix's gate/up, down (the GLU's int8 copy) and q/k/v (IQ2_XXS q and k beside a
+    # Q2_K v); the Q5_K_M mix's Q5_K gate/up read in the same steps; Q8_0 everywhere, with
+    # its trial on (CARVE_TRIAL=q8_0_t: off, Q8_0 stays in GGUF order). (IQ4_XS's T body is
+    # slow under the interpreter: tests/kernels/test_gemv_t.py and test_q8x.py check it.)
     path = str(write_model(tmp_path / f"{mix}.gguf", WIDE, mix)[0])
+    trials = frozenset({"q8_0_t"}) if t_type == qt.Q8_0 else frozenset()
     with beside_cpu(plan(path, act_dtype="bf16", logits_rows=12),
-                    plan(path, logits_rows=12)) as (g, c):
+                    plan(path, logits_rows=12), options=RunnerOptions(trials=trials)) as (g, c):
         (st,) = g.pipe.stages
         assert st.xq is not None
         assert all(ly.ffn.gate.ggml_type == t_type and ly.ffn.gate.t_bytes is not None
                    and ly.ffn.up.t_bytes is not None and ly.ffn.fused == "t_glu"
                    for ly in st.layers)
-        if t_type == qt.IQ2_XXS:
+        if t_type in (qt.IQ2_XXS, qt.Q8_0):
             assert all(ly.ffn.down.t_bytes is not None and ly.attn.fused == "t3"
                        for ly in st.layers)
         assert_agree(g, c, ids(12), 3e-2)

@@ -80,6 +80,36 @@ def test_gemv_t_matches_reference(ggml_type, split, xdtype, seed):
     assert nerr(twin, ref, scale) < 1e-6
 
 
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("xkind", ["bf16", "f32", "int8"])
+def test_q8_0_in_t_layout_at_any_block_count(split, xkind, seed):
+    # Q8_0 (on trial) has blocks of 32: rows of an odd number of blocks leave each split's
+    # last step half full; the splits are those pricing reserves for the same columns
+    g = generator(seed)
+    rows, nb = _rand(g, 1, 70), 2 * _rand(g, 0, 12) + 1
+    cols = 32 * nb
+    w = random_weight(qt.Q8_0, rows, cols, DEVICE, g)
+    wt = gemv_t.repack(w, qt.Q8_0)
+    assert torch.equal(gemv_t.unpack(wt, qt.Q8_0, rows), w)
+    x = torch.randn(1, cols, generator=g, device=DEVICE)
+    xq, xref = None, x
+    if xkind == "int8":
+        xq, xref = q8x.copy_ref(x[0])
+    elif xkind == "bf16":
+        x = x.to(torch.bfloat16)
+        xref = x.float()
+    tiles = -(-rows // 32)
+    config = (32, 1, tiles * (nb if split else 1))
+    most, _ = launch.split(tiles, max(1, cols // 256), config[2])
+    part = torch.full((most * rows,), float("nan"), device=DEVICE)  # what pricing reserves
+    counter = torch.zeros(tiles, dtype=torch.int32, device=DEVICE)
+    out = torch.full((1, rows), float("nan"), device=DEVICE)
+    gemv_t.gemv_t(wt, qt.Q8_0, rows, x, out, part, counter, config=config, xq=xq)
+    ref = quant_matmul.gemv_ref(w, qt.Q8_0, xref)
+    assert nerr(out, ref, gemv_scale(w, qt.Q8_0, xref)) < 1e-5
+    assert not counter.any()
+
+
 def test_split_count_covers_the_blocks():
     for rows, nb, block_n, target in ((18944, 14, 256, 1056), (3584, 74, 256, 1056),
                                       (7, 3, 32, 1), (100, 1, 32, 1000)):
@@ -91,7 +121,8 @@ def test_split_count_covers_the_blocks():
 # other (f32 x), under both activations, Q5_K's both ways too; the other types always run one
 # after the other, here on bf16 x (the activation is the epilogue's, the same for every type)
 GLU_CASES = ([(qt.Q4_K, p, a) for p in (True, False) for a in ("silu", "gelu")]
-             + [(qt.Q5_K, False, "silu")] + [(t, True, "silu") for t in TYPES[1:]])
+             + [(qt.Q5_K, False, "silu")] + [(t, True, "silu") for t in TYPES[1:]]
+             + [(qt.Q8_0, True, "silu")])
 
 
 @pytest.mark.parametrize(("ggml_type", "paired", "act"), GLU_CASES,

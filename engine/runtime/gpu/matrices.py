@@ -228,16 +228,20 @@ class LayerBuilder:
         path); q, k and v all three or none. Never with the T layout off (RunnerOptions)."""
         if not self.options.t_layout or "buf.t_part" not in self.spans:
             return False
-        if name.endswith(QKV):
+        if name.endswith(QKV):  # one launch: blocks of one size
             p = name.rsplit("attn_", 1)[0]
-            return all(self._t_able(p + s) for s in QKV)
+            sizes = {gemv_t.BLOCK_VALUES.get(self.model.tensor(p + s).ggml_type, 256)
+                     for s in QKV if p + s in self.spans}
+            return all(self._t_able(p + s) for s in QKV) and len(sizes) == 1
         info = self.model.tensor(name)
         return (self._t_able(name) and (name == "output.weight" or name.endswith(T_MATRICES))
                 and (info.nbytes >= T_MIN_BYTES or not self.on_cuda))
 
     def _t_able(self, name: str) -> bool:
         # a T type with a dequant-cache copy (the part of the rule that is not size or role)
-        return "dq." + name in self.spans and self.model.tensor(name).ggml_type in gemv_t.WORDS
+        t = self.model.tensor(name).ggml_type
+        return ("dq." + name in self.spans and t in gemv_t.WORDS
+                and t not in self.options.t_types_off)
 
     def _int8_x(self, name: str, slot: int) -> tuple | None:
         """The int8 copy decode gives matrix ``name`` (slot 0: a normed row, 1: the GLU
