@@ -40,7 +40,14 @@ import triton.language as tl
 
 from kernels import pdl, q8x
 from kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
-from kernels.gemv_t_low import iq2xxs_t_dot, iq3s_t_dot, iq4xs_t_dot, q2k_t_dot, q3k_t_dot, q80_t_dot
+from kernels.gemv_t_low import (
+    iq2xxs_t_dot,
+    iq3s_t_dot,
+    iq4xs_t_dot,
+    q2k_t_dot,
+    q3k_t_dot,
+    q80_t_dot,
+)
 from kernels.glu import glu_act
 from kernels.lowbit_blocks import lookup_table
 from spec import launch
