@@ -57,10 +57,12 @@ from spec.launch import T_CONFIG
 # words (4 bytes) per block that go to the word planes, and tail bytes per block that go to a
 # plane of their own after them (Q6_K's f16 d: its 210-byte block is 52 words and 2 bytes; the
 # grid IQ types' f16 d, at the start of their blocks: HEAD)
-WORDS = {qt.Q4_K: 36, qt.Q5_K: 44, qt.Q6_K: 52, qt.Q2_K: 21, qt.Q3_K: 27, qt.Q8_0: 8, qt.IQ4_XS: 34, qt.IQ2_XXS: 16, qt.IQ3_S: 27}
-TAIL = {qt.Q4_K: 0, qt.Q5_K: 0, qt.Q6_K: 2, qt.Q2_K: 0, qt.Q3_K: 2, qt.Q8_0: 2, qt.IQ4_XS: 0, qt.IQ2_XXS: 2, qt.IQ3_S: 2}
-BLOCK_BYTES = {qt.Q4_K: 144, qt.Q5_K: 176, qt.Q6_K: 210, qt.Q2_K: 84, qt.Q3_K: 110, qt.Q8_0: 34, qt.IQ4_XS: 136, qt.IQ2_XXS: 66,
-               qt.IQ3_S: 110}
+WORDS = {qt.Q4_K: 36, qt.Q5_K: 44, qt.Q6_K: 52, qt.Q2_K: 21, qt.Q3_K: 27, qt.Q8_0: 8,
+         qt.IQ4_XS: 34, qt.IQ2_XXS: 16, qt.IQ3_S: 27}
+TAIL = {qt.Q4_K: 0, qt.Q5_K: 0, qt.Q6_K: 2, qt.Q2_K: 0, qt.Q3_K: 2, qt.Q8_0: 2, qt.IQ4_XS: 0,
+        qt.IQ2_XXS: 2, qt.IQ3_S: 2}
+BLOCK_BYTES = {qt.Q4_K: 144, qt.Q5_K: 176, qt.Q6_K: 210, qt.Q2_K: 84, qt.Q3_K: 110, qt.Q8_0: 34,
+               qt.IQ4_XS: 136, qt.IQ2_XXS: 66, qt.IQ3_S: 110}
 # types whose gate/up launch reads both matrices' words in the same step
 PAIRED = frozenset({qt.Q4_K, qt.Q5_K})
 # types whose tail is at the start of the block (the grid IQ types' f16 d): the words are the
