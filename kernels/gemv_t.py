@@ -420,7 +420,8 @@ def gemv_t3(mats: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, out: tor
     nb, values = words[0][0], BLOCK_VALUES.get(mats[0][1], 256)
     if any(w[0] != nb or BLOCK_VALUES.get(t, 256) != values
            for w, (_, t, _) in zip(words, mats)):
-        raise ValueError("gemv_t3's matrices must have the same columns in blocks of one size")
+        raise ValueError("gemv_t3's matrices must have the same number of columns, in blocks "
+                         "of one size")
     rows = [r for _, _, r in mats]
     grid, x2, bps, meta, warps = _t_grid(rows, nb, x, config, 1, part, counter, use_pdl, values)
     y = out if out.dim() == 2 else out.view(x2.shape[0], -1)

@@ -270,7 +270,7 @@ def test_bad_buffers_and_types_are_refused(seed):
     with pytest.raises(ValueError, match="too small"):
         gemv_t.gemv_t(t, qt.Q4_K, 64, x, out, small, cnt, config=(32, 1, 4))
     with pytest.raises(ValueError, match="no T layout"):
-        gemv_t.gemv_t(t, qt.Q8_0, 64, x, out, small, cnt)
+        gemv_t.gemv_t(t, qt.Q4_0, 64, x, out, small, cnt)
     with pytest.raises(ValueError, match="whole blocks"):
         gemv_t.gemv_t(t[:-4], qt.Q4_K, 64, x, out, small, cnt)
     t2 = gemv_t.repack(random_weight(qt.Q4_K, 64, 256, DEVICE, g), qt.Q4_K)
