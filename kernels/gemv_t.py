@@ -7,8 +7,8 @@ GGUF stores a matrix row by row, block by block. The T layout keeps every byte a
 reorders them: W words of each block go to word planes, the rest of the block (the tail) to a
 plane after them (Q4_K: 144 bytes = 36 words, no tail; Q5_K 176 bytes = 44 words; Q3_K 110
 bytes = 27 words and its 2-byte d; Q6_K: 210 bytes = 52 words and its
-2-byte d; Q2_K 21 words, IQ4_XS 34, no tail; IQ2_XXS and IQ3_S: the 2-byte d at the block's
-start, then 16 / 27 words):
+2-byte d; Q2_K 21 words, IQ4_XS 34, no tail; IQ2_XXS, IQ3_S and Q8_0 (on trial): the 2-byte d
+at the block's start, then 16 / 27 / 8 words):
 
     T[b, u, n] = word u of block b of row n      (word planes [blocks per row, W, rows])
     D[b, n]    = tail of block b of row n        (then the tail plane [blocks per row, rows])
@@ -20,7 +20,8 @@ layout conversion, no shuffle), and each thread keeps its rows' sums in register
 Programs that split a row's blocks store their sums in their own row of a float32 ``part``
 buffer; the last one of a row tile to finish (an atomic counter, acq_rel) adds those rows in
 split order (deterministic: spec/launch.py) and writes y. The per-step dot products are in
-kernels/gemv_t_dot.py (Q4_K, Q5_K, Q6_K) and kernels/gemv_t_low.py (the low-bit types): x as float,
+kernels/gemv_t_dot.py (Q4_K, Q5_K, Q6_K) and kernels/gemv_t_low.py (the low-bit types and
+Q8_0, whose blocks of 32 split a row as 256-value blocks would): x as float,
 or (``xq=``) its int8 copy (kernels/q8x.py) through dp4a; the gate/up launch reads both
 matrices' Q4_K (Q5_K) words in one step.
 
