@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from kernels.dequant import SUPPORTED_TYPES, dequantize_to
+from carve_kernels.dequant import SUPPORTED_TYPES, dequantize_to
 from spec import quant_types as qt
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}

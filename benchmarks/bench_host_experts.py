@@ -25,11 +25,11 @@ import time
 
 import torch
 
+from carve_kernels.random_blocks import random_weight
 from engine.planning.host import cpu_bytes, cpu_layout
 from engine.runtime.models import cpu_experts, ops
 from engine.runtime.models.cpu_experts import PackedExperts, half_dtype
 from engine.synth.shapes import SHAPES
-from kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
 ROUNDS = 5  # interleaved rounds of the one-tensor timings (this machine's noise is large)

@@ -32,8 +32,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from kernels import attention, gemv_t, glu, kv_cache, norm, q8x, quant_matmul, rope
-from kernels.random_blocks import random_weight
+from carve_kernels import attention, gemv_t, glu, kv_cache, norm, q8x, quant_matmul, rope
+from carve_kernels.random_blocks import random_weight
 from spec import launch
 from spec import quant_types as qt
 from spec.errors import CarveError
@@ -47,7 +47,7 @@ B_CONFIGS = [(4, 32, 4), (8, 16, 4), (4, 16, 2), (8, 32, 8)]
 # the grid IQ types' row body (a lane per group of 32 values: 8 lanes per block); a sweep of
 # ten tiles on an H200 (2026-12-02) put these first, the best at (4, 4, 4) or (8, 8, 4)
 ROW_CONFIGS = [(4, 4, 4), (8, 8, 4), (4, 8, 4), (2, 8, 4), (8, 4, 4)]
-# the row bodies of a thread per 32-value block (Q8_0: kernels/gemv_dot.py q80_rows_dot), 1 to
+# the row bodies of a thread per 32-value block (Q8_0: carve_kernels/gemv_dot.py q80_rows_dot), 1 to
 # 4 blocks a thread; not swept yet
 BLOCK_ROW_CONFIGS = {qt.Q8_0: [(8, 32, 4), (4, 32, 4), (16, 32, 4), (8, 16, 4), (16, 16, 4),
                                (4, 64, 4)]}
@@ -241,7 +241,7 @@ def _trial_rows(name, t, ws, shapes, g, copy_bw, row, best_cfg):
 
 
 def _t_rows(t, ws, shapes, g, copy_bw, row, best_cfg) -> None:
-    """The T layout (kernels/gemv_t.py) of the GGUF-order matrices ``ws[shape]`` (ROTATE
+    """The T layout (carve_kernels/gemv_t.py) of the GGUF-order matrices ``ws[shape]`` (ROTATE
     copies each) on bf16 x and on decode's int8 copy of x, at the launch rule's tiles and a few
     others: each x kind's best, with its error against the reference."""
     name = qt.type_name(t)

@@ -1,4 +1,4 @@
-"""The mixture-of-experts kernels (kernels/moe.py, moe_decode.py, moe_prefill.py) on a GPU
+"""The mixture-of-experts kernels (carve_kernels/moe.py, moe_decode.py, moe_prefill.py) on a GPU
 against their torch twins, each timed against the bytes it must move or its FLOPs, and the
 sweeps of the decode expert tiles and the grouped GEMM tiles, at Qwen3-30B-A3B and gpt-oss-20b
 expert shapes:
@@ -20,8 +20,8 @@ import sys
 import torch
 
 from benchmarks.device_check import graph_time, nerr
-from kernels import quant_matmul
-from kernels.random_blocks import random_weight
+from carve_kernels import quant_matmul
+from carve_kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
 # mixture of experts at Qwen3-30B-A3B (Q4_K_M: gate/up Q4_K, down Q6_K)
@@ -38,7 +38,7 @@ def moe_section(g, copy_bw, mm_rate, row, types=None):
     prefill 512 tokens: every expert's bytes once, or its FLOPs). Decode calls in one graph
     draw different experts (8 id sets), so the 8 calls do not hit L2 for each other.
     ``types``: only the shapes whose gate/up type is one of these."""
-    from kernels import moe, moe_decode, moe_prefill
+    from carve_kernels import moe, moe_decode, moe_prefill
     from spec.launch import moe_tiles
 
     swept: set = set()
@@ -165,8 +165,8 @@ def host_section(g, copy_bw, mm_rate, row):
     arenas are), each against the bytes it reads over the measured host-to-GPU copy rate;
     beside them the way a host layer ran before: the chosen experts copied into device
     memory, then the kernels there. Every tile of EXPERT_TILES for the host reads."""
+    from carve_kernels import moe_decode
     from engine.runtime.gpu.host import new_host_arena, unpin
-    from kernels import moe_decode
 
     label, ne, k, e, f, gt, dt = MOE_SHAPES[0]
     tag = f"{label} {qt.type_name(gt)}/{qt.type_name(dt)}"
@@ -261,11 +261,11 @@ def host_section(g, copy_bw, mm_rate, row):
 
 def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, floor_glu,
              floor_down, tag, row, sweep_glu):
-    """Decode's expert GEMVs on the int8 copies (kernels/gemv_q8.py): gate/up+GLU on x's copy
+    """Decode's expert GEMVs on the int8 copies (carve_kernels/gemv_q8.py): gate/up+GLU on x's copy
     writing the copy of its outputs, down on that copy (its k rows summed by combine, or by
     each row tile's last program as the stage runs it), each checked against the reference on
     the dequantized int8 input, then their tiles swept (gate/up with ``sweep_glu``)."""
-    from kernels import q8x
+    from carve_kernels import q8x
 
     f, e = h.shape[1], x.shape[1]
     (q, d, s), xd = q8x.copy_ref(x[0].float())

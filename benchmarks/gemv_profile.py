@@ -6,7 +6,7 @@ With no option: the Q4_K storage-order body (bf16 x) over a sweep of tiles again
 walk (float32 x), Q6_K over its tiles, then the fused launches (gate/up + GLU, q/k/v) against the
 separate ones. ``--probes``: where the Q4_K GEMV's time goes (its loads alone, x in float32);
 ``--ncu``: a short run for the profiler; ``--tlayout``: the T-layout gate/up launch over its
-tiles, then the T-layout GEMV (kernels/gemv_t.py) against the GGUF-layout one at 7B, 32B and head
+tiles, then the T-layout GEMV (carve_kernels/gemv_t.py) against the GGUF-layout one at 7B, 32B and head
 shapes (``--glu``: the gate/up launch only; ``--quick``: the default T tile only); ``--q8x``: the
 T GEMVs on float x against int8 x; ``--qkv``: q/k/v in one launch, GGUF order against T.
 
@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from benchmarks.device_check import ROTATE, graph_time, nerr, require_cuda
-from kernels import glu, quant_matmul
-from kernels.random_blocks import random_weight
+from carve_kernels import glu, quant_matmul
+from carve_kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
 PART = 4 << 20  # floats: the T GEMVs' split sums (spec/launch.py), any shape here
@@ -168,8 +168,8 @@ T_SHAPES = [(qt.Q4_K, s) for s in (*SHAPES, (27648, 5120), (5120, 27648), (3584,
 
 
 def _tlayout(g: torch.Generator, quick: bool) -> None:
-    """The T-layout GEMV (kernels/gemv_t.py) against the GGUF-layout one, same data."""
-    from kernels import gemv_t
+    """The T-layout GEMV (carve_kernels/gemv_t.py) against the GGUF-layout one, same data."""
+    from carve_kernels import gemv_t
 
     for t, s in T_SHAPES:
         ws = [random_weight(t, s[0], s[1], "cuda", g) for _ in range(ROTATE)]
@@ -202,7 +202,7 @@ def _tlayout(g: torch.Generator, quick: bool) -> None:
 
 def _tglu(g: torch.Generator) -> None:
     """The T-layout gate/up + GLU launch at 7B and 32B shapes over T_CONFIGS."""
-    from kernels import gemv_t
+    from carve_kernels import gemv_t
 
     for t, s in ((qt.Q4_K, (18944, 3584)), (qt.Q4_K, (27648, 5120))):
         ws = [[gemv_t.repack(random_weight(t, s[0], s[1], "cuda", g), t) for _ in range(2)]
@@ -225,7 +225,7 @@ def _tglu(g: torch.Generator) -> None:
 
 def _q8x(g: torch.Generator) -> None:
     """The Q4_K T GEMVs on float x against the same on x's int8 copy (dp4a), same weights."""
-    from kernels import gemv_t, q8x
+    from carve_kernels import gemv_t, q8x
 
     for s in ((18944, 3584), (3584, 18944), (27648, 5120), (5120, 27648)):
         ws = [gemv_t.repack(random_weight(qt.Q4_K, s[0], s[1], "cuda", g), qt.Q4_K)
@@ -262,7 +262,7 @@ def _qkv(g: torch.Generator) -> None:
     """q, k, v in one launch: the GGUF-order gemv3 against gemv_t3 on float x and on x's int8
     copy (Q4_K q and k, v Q4_K or Q6_K as Q4_K_M gives it); then single small matrices,
     GGUF order against T on int8 x (where T_MIN_BYTES sits once x is int8)."""
-    from kernels import gemv_t, q8x
+    from carve_kernels import gemv_t, q8x
 
     for label, e, nq, nkv in QKV_SHAPES:
         for tv in (qt.Q4_K, qt.Q6_K):

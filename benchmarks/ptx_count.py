@@ -9,12 +9,12 @@ the machine code, disassembled by the wheel's nvdisasm), per value and by opcode
         [--json]
     python -m benchmarks.ptx_count --rope-store [--qk-norm] [--sass] [--json]
 
-``--expert``: decode's routed-expert GEMV on int8 x (kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4).
+``--expert``: decode's routed-expert GEMV on int8 x (carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4).
 ``--rope-store``: decode's RoPE + cache store (``--qk-norm``: with qwen3's q/k norms in it),
 its whole kernel counted.
 
 A GEMV of the low-bit types in GGUF order was instruction-bound long before it was
-memory-bound, then bound by its L1 traffic (kernels/NOTES.md): the count per value is the first
+memory-bound, then bound by its L1 traffic (carve_kernels/NOTES.md): the count per value is the first
 thing to move when a body changes; the time on a GPU (`benchmarks.device_check --types`) is the
 figure that counts. ``--body row`` puts TYPE in ``quant_matmul.ROW_BODY_TYPES`` (the bodies on
 trial too), ``generic`` takes it out.
@@ -30,8 +30,8 @@ import subprocess
 import sys
 from collections import Counter
 
-from kernels import quant_matmul as qm
-from kernels.quant_blocks import plan
+from carve_kernels import quant_matmul as qm
+from carve_kernels.quant_blocks import plan
 from spec import quant_types as qt
 
 _SKIP = ("//", ".", "{", "}", "$", ")", "ret")
@@ -72,13 +72,13 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
 
 
 def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16"):
-    """The compiled T-layout GEMV of ``ggml_type`` (kernels/gemv_t.py), ``rows`` rows a
+    """The compiled T-layout GEMV of ``ggml_type`` (carve_kernels/gemv_t.py), ``rows`` rows a
     program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import gemv_t
+    from carve_kernels import gemv_t
 
     sig = {"wt_ptr": "*i32", "wh_ptr": "*fp16", "tab_ptr": "*i8",
            "x_ptr": "*fp32" if x == "f32" else "*bf16", "xq_ptr": "*i32", "xd_ptr": "*fp32",
@@ -94,7 +94,7 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16"):
 
 
 def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int]):
-    """The compiled decode expert GEMV on int8 x (kernels/moe_decode.py, kernels/gemv_q8.py) of
+    """The compiled decode expert GEMV on int8 x (carve_kernels/moe_decode.py, carve_kernels/gemv_q8.py) of
     ``ggml_type``: ``part`` "glu" (gate and up of that type, gpt-oss's clamped SwiGLU with
     biases for MXFP4, writing the int8 copy of its outputs) or "down" (the in-kernel sum of
     the k rows), tile ``config`` (rows, blocks, warps)."""
@@ -102,7 +102,7 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int]):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import moe_decode as md
+    from carve_kernels import moe_decode as md
 
     rows, blocks, warps = config
     wi = "*i32" if ggml_type == qt.Q4_K else "*u8"
@@ -134,13 +134,13 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int]):
 
 
 def compile_rope_store(qk_norm: bool, q8_cache: bool = False):
-    """The compiled decode RoPE + cache store (kernels/rope.py) for 128-dim neox heads, with
+    """The compiled decode RoPE + cache store (carve_kernels/rope.py) for 128-dim neox heads, with
     qwen3's per-head q/k norms in it (``qk_norm``) or not, into an f16 or q8_0 cache."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import rope
+    from carve_kernels import rope
 
     cache = ("*u8", "*i8", "*fp16") if q8_cache else ("*fp16",) * 3
     sig = {"x_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i32", "kc": cache[0],
@@ -224,14 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ptx_count", description=__doc__)
     ap.add_argument("type", nargs="?", help="a GGML type name (IQ2_XXS, Q2_K, ...)")
     ap.add_argument("--expert", choices=("glu", "down"), default=None,
-                    help="the routed-expert GEMV on int8 x (kernels/gemv_q8.py)")
+                    help="the routed-expert GEMV on int8 x (carve_kernels/gemv_q8.py)")
     ap.add_argument("--rope-store", action="store_true", help="decode's RoPE + cache store")
     ap.add_argument("--qk-norm", action="store_true", help="--rope-store with the q/k norms")
     ap.add_argument("--config", default=None,
                     help="rows,blocks,warps (--t: rows,warps; default: the type's launch)")
     ap.add_argument("--x", choices=("bf16", "f32", "int8"), default="bf16")
     ap.add_argument("--body", choices=("row", "generic"), default=None)
-    ap.add_argument("--t", action="store_true", help="the T-layout GEMV (kernels/gemv_t.py)")
+    ap.add_argument("--t", action="store_true", help="the T-layout GEMV (carve_kernels/gemv_t.py)")
     ap.add_argument("--sass", action="store_true", help="count the machine code, not the PTX")
     ap.add_argument("--json", action="store_true", help="one JSON line instead")
     args = ap.parse_args(argv)
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                        {"qk_norm": args.qk_norm}, whole=True)
     t = qt.BY_NAME.get((args.type or "").lower())
     if args.expert:
-        from kernels import moe_decode
+        from carve_kernels import moe_decode
 
         if t not in moe_decode.Q8_BLOCK:
             print(f"error: no int8-x expert GEMV for type {args.type!r}", file=sys.stderr)
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no GPU GEMV for type {args.type!r}", file=sys.stderr)
         return 2
     if args.t:
-        from kernels import gemv_t
+        from carve_kernels import gemv_t
         from spec import launch
 
         if t not in gemv_t.WORDS:

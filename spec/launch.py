@@ -1,8 +1,8 @@
 """The launch shapes of the decode kernels that pricing must reserve buffers for.
 
 Split-K decode attention cuts the KV range into at most ``ATTN_SPLITS`` pieces
-(kernels/attention.py; buf.attn_partial / buf.attn_lse). A T-layout decode GEMV
-(kernels/gemv_t.py) cuts its launch into programs: row tiles, times splits of each row's blocks.
+(carve_kernels/attention.py; buf.attn_partial / buf.attn_lse). A T-layout decode GEMV
+(carve_kernels/gemv_t.py) cuts its launch into programs: row tiles, times splits of each row's blocks.
 Pricing (engine/planning/buffers.py) sizes the buffer of the splits' partial sums by the rule
 the launches follow.
 
@@ -27,7 +27,7 @@ T_CONFIG = (128, 4, 2112)
 # the gate/up launch: 128 rows per program, each Q4_K step reading both matrices' words (H200:
 # 7B 50.1 -> 47.0 us, 32B 88.6 -> 83.0 us against one matrix after the other at 256 rows)
 T_GLU_CONFIG = (128, 4, 2112)
-# the low-bit types' T bodies (kernels/gemv_t_low.py), alone or as the gate/up pair: two rows a
+# the low-bit types' T bodies (carve_kernels/gemv_t_low.py), alone or as the gate/up pair: two rows a
 # thread share each x value's loads and x-only work (H200, 7B ffn_up + ffn_down, 2026-12-02:
 # 256 rows won the sweep of five configs for Q2_K and IQ4_XS, on bf16 and int8 x; IQ2_XXS's
 # configs were within 5 % of each other)
@@ -73,7 +73,7 @@ def scratch(rows: Sequence[int], cols: int, config: tuple[int, int, int],
     return (parts * s * sum(rows), t) if s > 1 else (0, 0)
 
 
-# The GPU sampler (kernels/sample.py): the top-k it serves (1..SAMPLE_TOP_K), the repetition
+# The GPU sampler (carve_kernels/sample.py): the top-k it serves (1..SAMPLE_TOP_K), the repetition
 # penalty's window (up to SAMPLE_LAST_N tokens), the programs of its first pass (each keeps its
 # slice's best SAMPLE_TOP_K) and the ring of sampled ids the host reads back. Its state: 16
 # settings slots, the penalty's history ring, the ring of ids (int32).
@@ -84,12 +84,12 @@ SAMPLE_RING = 64
 SAMPLE_STATE = 16 + SAMPLE_LAST_N + SAMPLE_RING
 
 # The GPU runner's lookup buffer (buf.lookup, one per stage): the IQ types' value tables
-# (kernels/lowbit_blocks.py lays them out in whole 256-byte lines) and, in its last line, the
-# int32 flags of the load's scan for non-finite block scales (kernels/scale_scan.py).
+# (carve_kernels/lowbit_blocks.py lays them out in whole 256-byte lines) and, in its last line, the
+# int32 flags of the load's scan for non-finite block scales (carve_kernels/scale_scan.py).
 LOOKUP_BYTES = 34304
 LOOKUP_FLAGS = 64
 
-# Mixture-of-experts prefill (kernels/moe_prefill.py): the routed rows (tokens x experts used) sorted
+# Mixture-of-experts prefill (carve_kernels/moe_prefill.py): the routed rows (tokens x experts used) sorted
 # by expert, cut into tiles of MOE_TILE_ROWS rows of one expert each; every expert's last tile
 # may be partial, so a chunk needs at most this many tiles (the priced buf.moe_tiles).
 MOE_TILE_ROWS = 32

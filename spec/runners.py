@@ -3,8 +3,8 @@ dequantize, and the architectures the engine runs. Planning reads this to refuse
 is allocated, a plan whose runner lacks a type of the file.
 
 A literal table, since spec imports nothing of ours: tests/engine/test_capability.py holds it
-equal to what the kernels run (``kernels.quant_blocks.PLANS`` for the GPU runner,
-``kernels.dequant.SUPPORTED_TYPES`` for the torch engine) and to the engine's model families.
+equal to what the kernels run (``carve_kernels.quant_blocks.PLANS`` for the GPU runner,
+``carve_kernels.dequant.SUPPORTED_TYPES`` for the torch engine) and to the engine's model families.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Runner(NamedTuple):
 
 
 # The Triton GPU runner (engine/runtime/gpu/): its weight matrices go through the quantized
-# kernels (kernels/quant_blocks.py), so a matrix must be of one of these types; its vectors
+# kernels (carve_kernels/quant_blocks.py), so a matrix must be of one of these types; its vectors
 # (norms, biases) are read as F32.
 TRITON = Runner(
     "triton",
@@ -39,12 +39,12 @@ TRITON = Runner(
     "run every layer on GPUs (the GPU runner runs it)",
     frozenset({qt.F16, qt.BF16, qt.Q4_0, qt.Q5_0, qt.Q8_0, qt.Q4_K, qt.Q5_K, qt.Q6_K,
                qt.MXFP4,
-               # kernels/lowbit_blocks.py
+               # carve_kernels/lowbit_blocks.py
                qt.Q4_1, qt.Q5_1, qt.Q2_K, qt.Q3_K, qt.IQ1_S, qt.IQ1_M, qt.IQ2_XXS, qt.IQ2_XS,
                qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ4_NL, qt.IQ4_XS}),
 )
 # The torch engine (engine/runtime/models/, on the CPU or CUDA): every tensor is dequantized by
-# kernels/dequant.py.
+# carve_kernels/dequant.py.
 TORCH = Runner(
     "torch",
     "has no dequantizer in the CPU engine",

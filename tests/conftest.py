@@ -21,7 +21,7 @@ inputs.
 
 Where there is no GPU the Triton kernels run under the interpreter: Triton decides interpreter
 vs compiler when a kernel is decorated (module import), so TRITON_INTERPRET is set here, before
-any test module imports kernels/.
+any test module imports carve_kernels/.
 """
 
 from __future__ import annotations

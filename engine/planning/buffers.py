@@ -73,7 +73,7 @@ def activation_buffers(
         # one 256-byte line per counter, so that the heads' atomics do not share a line
         BufferSpec("attn_count", (hp.n_head_kv, 64), "i32"),
     ]
-    # T-layout decode GEMVs (kernels/gemv_t.py), up to 8 rows: the float32 sums of programs
+    # T-layout decode GEMVs (carve_kernels/gemv_t.py), up to 8 rows: the float32 sums of programs
     # that split a row's blocks, one row per split, and a counter per row tile (left zero),
     # for the largest of the launches decode can make (spec/launch.py, the same rule)
     kv_k = hp.n_head_kv * hp.head_dim
@@ -90,7 +90,7 @@ def activation_buffers(
             launches.append(launch.scratch([hp.n_vocab], e, one))  # the head
     part, count = (-(-max(1, *v) // 64) * 64 for v in zip(*launches))  # whole 256-byte lines
     out += [BufferSpec("t_part", (8, part), "f32"), BufferSpec("t_count", (8, count), "i32")]
-    # decode's int8 copies of the T GEMVs' inputs (kernels/q8x.py): the normed row (n_embd)
+    # decode's int8 copies of the T GEMVs' inputs (carve_kernels/q8x.py): the normed row (n_embd)
     # and the GLU output (n_ff; a MoE layer's k routed GLU outputs, k x n_ff_exp, where wider)
     # side by side, each as int8 words plus a scale and a sum per 32 (rounded to 1024 values:
     # both spans whole 256-byte arena slots)
@@ -101,7 +101,7 @@ def activation_buffers(
     out.append(BufferSpec("lookup", (launch.LOOKUP_BYTES,), "uint8"))
     if n_vocab_rows > 0:
         out.append(BufferSpec("logits", (n_vocab_rows, hp.n_vocab), "f32"))  # [rows, n_vocab]
-        # the GPU sampler (kernels/sample.py): each first-pass program's best candidates as
+        # the GPU sampler (carve_kernels/sample.py): each first-pass program's best candidates as
         # (value, id) keys, and its settings, history ring and ring of sampled ids
         out.append(BufferSpec("samp_keys", (launch.SAMPLE_PARTS * launch.SAMPLE_TOP_K,), "i64"))
         out.append(BufferSpec("samp_state", (-(-launch.SAMPLE_STATE // 64) * 64,), "i32"))  # whole 256-byte lines
@@ -116,7 +116,7 @@ def activation_buffers(
 
 
 def moe_buffers(hp: Any, chunk: int, act_dtype: str) -> list[BufferSpec]:
-    """The routed-expert buffers of a mixture-of-experts stage (kernels/moe.py), sized for the
+    """The routed-expert buffers of a mixture-of-experts stage (carve_kernels/moe.py), sized for the
     chunk's ``chunk * n_expert_used`` routed rows; none for a dense model. Experts are read in
     their GGUF bytes in decode and prefill alike: no dequantized copy, no scratch."""
     n_expert = getattr(hp, "n_expert", 0)

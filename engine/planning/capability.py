@@ -47,7 +47,7 @@ def runner_for(plan: Plan, idx: ModelIndex) -> Runner:
 
 def _runs(runner: Runner, t: Any) -> bool:
     # the GPU runner multiplies matrices with its kernels and reads vectors as F32, and expert
-    # routers and per-expert biases as F32 (kernels/moe.py)
+    # routers and per-expert biases as F32 (carve_kernels/moe.py)
     if runner is TRITON and (len(t.shape) < 2 or (t.name.endswith(F32_MATRICES)
                                                   and t.ggml_type == F32)):
         return True

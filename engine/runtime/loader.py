@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from carve_kernels.dequant import dequantize_to
+from carve_kernels.scale_scan import first_bad_block
 from engine.runtime.models.ops import QExperts, QWeight
-from kernels.dequant import dequantize_to
-from kernels.scale_scan import first_bad_block
 from spec import quant_types as qt
 from spec.errors import CarveError
 
@@ -207,7 +207,7 @@ def _bind_tensors(st: LoadedStage, model: Any) -> None:
         else:
             # Norm weights and biases are F32 in every converter's output; a rare F16 one costs
             # a few KiB outside the arenas.
-            from kernels.dequant import dequantize
+            from carve_kernels.dequant import dequantize
 
             st.tensors[name] = dequantize(view, info.ggml_type, shape).reshape(-1)
 

@@ -15,12 +15,9 @@ RUNNERS = ("auto", "torch")
 SWITCH = {"1": True, "0": False}
 # kernels on trial (CARVE_TRIAL): written and checked, not yet measured to win on a GPU
 TRIALS = {
-    "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (kernels/gemv_lowbit.py)",
-    "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x (kernels/gemv_dot.py)",
-    "q8_0_t": "Q8_0 matrices in the T layout (kernels/gemv_t_low.py q80_t_dot)",
+    "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (carve_kernels/gemv_lowbit.py)",
+    "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x (carve_kernels/gemv_dot.py)",
 }
-# the trials that let a type's matrices go to the T layout (engine/runtime/gpu/matrices.py)
-T_TRIALS = {"q8_0_t": qt.Q8_0}
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}
 
@@ -39,13 +36,13 @@ class RunnerOptions:
         of their input (written by the norm or the GLU before them) with integer dot products,
         as llama.cpp rounds activations; off, they read the bf16 activations (slower).
     ``CARVE_EXPERT_Q8``: ``1`` (default) or ``0``. On (with ``CARVE_Q8X``), decode's routed
-        experts of the types kernels/gemv_q8.py has a body for multiply the int8 copies of the
+        experts of the types carve_kernels/gemv_q8.py has a body for multiply the int8 copies of the
         normed row and of their GLU outputs; off, they read the bf16 activations (to compare).
     ``CARVE_T_LAYOUT``: ``1`` (default) or ``0``. On, the load repacks the large quantized
-        matrices (kernels/gemv_t.py decides which types) into the T layout that decode's
-        GEMVs read fastest; off, every matrix stays in GGUF order (kernels/quant_matmul.py).
+        matrices (carve_kernels/gemv_t.py decides which types) into the T layout that decode's
+        GEMVs read fastest; off, every matrix stays in GGUF order (carve_kernels/quant_matmul.py).
     ``CARVE_PDL``: ``1`` (default) or ``0``. On, the kernels launch with programmatic
-        dependent launch on GPUs of compute capability 9.0 and later (kernels/pdl.py), so that
+        dependent launch on GPUs of compute capability 9.0 and later (carve_kernels/pdl.py), so that
         each may start while the one before it finishes; off, each waits for the one before.
     ``CARVE_TRIAL``: empty (default), ``all``, or a comma-separated list of the names in
         ``TRIALS``: kernels written and checked against references but not yet adopted (not
@@ -59,11 +56,6 @@ class RunnerOptions:
     t_layout: bool = True  # CARVE_T_LAYOUT
     pdl: bool = True  # CARVE_PDL
     trials: frozenset[str] = frozenset()  # CARVE_TRIAL
-
-    @property
-    def t_types_off(self) -> frozenset[int]:
-        """Types with a T body that stays off: those whose trial is not switched on."""
-        return frozenset(t for name, t in T_TRIALS.items() if name not in self.trials)
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -89,7 +81,7 @@ class RunnerOptions:
         after reading them): the trials that are module tables of the kernels."""
         bodies = {t for name, t in ROW_TRIALS.items() if name in self.trials}
         if bodies:
-            from kernels import quant_matmul
+            from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
 

@@ -3,7 +3,7 @@
 Order as llama.cpp's `common_sampler` default chain: repetition penalty, top-k, top-p, min-p,
 temperature, then one draw. top-p and min-p look at the distribution *before* temperature (as
 there). temperature == 0 is greedy: the argmax of the penalized logits, which is what
-llama.cpp's chain yields with temp <= 0. The chain and its draw are kernels/sample.py's
+llama.cpp's chain yields with temp <= 0. The chain and its draw are carve_kernels/sample.py's
 reference twin, so the host and the GPU sampler pick the same ids from the same logits and seed.
 """
 
@@ -13,8 +13,8 @@ import random
 
 import torch
 
+from carve_kernels.sample import apply_repeat_penalty, sample_ref
 from engine.process.sampling_params import SamplingParams
-from kernels.sample import apply_repeat_penalty, sample_ref
 
 __all__ = ["Sampler", "SamplingParams", "apply_repeat_penalty", "new_seed"]
 

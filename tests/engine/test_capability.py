@@ -57,9 +57,9 @@ def write_with(path: Path, odd: dict[str, int], shape: str = "qwen2-tiny",
 
 
 def test_the_tables_are_what_the_kernels_run() -> None:
+    from carve_kernels.dequant import SUPPORTED_TYPES
+    from carve_kernels.quant_blocks import PLANS
     from engine.runtime.models import FAMILIES
-    from kernels.dequant import SUPPORTED_TYPES
-    from kernels.quant_blocks import PLANS
 
     assert set(PLANS) == TRITON.types
     assert set(SUPPORTED_TYPES) == TORCH.types

@@ -12,10 +12,10 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from carve_kernels.random_blocks import random_weight
 from engine.planning.host import cpu_bytes, cpu_layout
 from engine.runtime.models import cpu_experts, ops
 from engine.runtime.models.cpu_experts import PackedExperts, int4_parts, load_packed
-from kernels.random_blocks import random_weight
 from spec import quant_types as qt
 from spec.errors import CarveError
 

@@ -1,6 +1,6 @@
-"""kernels.dequant against gguf.quants.dequantize (numpy, written by the gguf authors).
+"""carve_kernels.dequant against gguf.quants.dequantize (numpy, written by the gguf authors).
 
-Error bound: **bit-equal** in float32 for every type. kernels.dequant does the same float32 ops in
+Error bound: **bit-equal** in float32 for every type. carve_kernels.dequant does the same float32 ops in
 the same order as the reference (d*scale first, then *q, then -min), and every integer step is
 exact, so there is no rounding difference to allow for. bf16/f16 output is the float32 result
 rounded once, so it must equal the reference cast to that dtype (again exact equality).
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.dequant import SUPPORTED_TYPES, dequantize, dequantize_to
+from carve_kernels.dequant import SUPPORTED_TYPES, dequantize, dequantize_to
 from spec import quant_types as qt
 from spec.errors import CarveError
 
@@ -239,7 +239,7 @@ def test_demo_model_tensors_match_gguf(demo_model_path) -> None:
 _PEAK_SCRIPT = textwrap.dedent(
     """
     import resource, sys, torch
-    from kernels.dequant import dequantize_to
+    from carve_kernels.dequant import dequantize_to
     rows, cols = 151936, 896  # the demo model's token_embd / output
     raw = torch.randint(0, 256, (rows * cols // 32, 34), dtype=torch.uint8)
     raw[:, 0:2] = torch.full((rows * cols // 32,), 0.01, dtype=torch.float16).view(-1, 1).view(torch.uint8)

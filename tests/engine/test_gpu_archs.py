@@ -83,10 +83,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_norm_kernels_match_their_references(dtype) -> None:
-    """The two kernels this runner adds (kernels/norm.py), on the rows and head views the stage
+    """The two kernels this runner adds (carve_kernels/norm.py), on the rows and head views the stage
     hands them: per-head q/k norm in place on a strided slice of a wider qkv row, and the
     sandwich norm fused with the next pre-norm."""
-    from kernels import norm
+    from carve_kernels import norm
 
     g = torch.Generator().manual_seed(0)
 
@@ -120,7 +120,7 @@ def test_the_file_is_what_the_test_means(model) -> None:
 def test_logits_and_decode_match_the_cpu_engine(model) -> None:
     """f32 activations: prefill of every row over two chunks (positions past the window), then
     decode steps on both, then greedy ids from a fresh cache. Decode norms q and k per head
-    inside the rotation and cache-store launch (kernels/rope.py rope_store), the CPU engine
+    inside the rotation and cache-store launch (carve_kernels/rope.py rope_store), the CPU engine
     in launches of their own."""
     def q_k_norms_in_rope(g) -> None:
         assert all(layer.attn.qk_norm_in_rope for layer in g.pipe.stages[0].layers)

@@ -1,4 +1,4 @@
-"""The Triton GPU runner on mixture-of-experts models (kernels/moe.py through
+"""The Triton GPU runner on mixture-of-experts models (carve_kernels/moe.py through
 engine/runtime/gpu/) against the CPU engine (engine/runtime/models/moe.py) on the same file:
 prefill over chunks (the sorted, grouped path), decode steps (the expert GEMVs the captured
 step holds) and greedy ids; and on a GPU, two stages on one device giving one stage's ids.
@@ -120,7 +120,7 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
 def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, tmp_path) -> None:
     """Experts of a type with an int8-x body (Q4_K gate/up and Q6_K or Q4_K down; gpt-oss's
     MXFP4): decode's expert GEMVs multiply the int8 copies of the normed row and of the routed
-    GLU outputs (kernels/gemv_q8.py) and still match the CPU engine, greedy ids included;
+    GLU outputs (carve_kernels/gemv_q8.py) and still match the CPU engine, greedy ids included;
     with RunnerOptions.expert_q8 off they read bf16 x."""
     if arch == "gpt-oss":
         shape, mix = SHAPES["gpt-oss"], None
@@ -227,7 +227,7 @@ def test_cuda_moe_priced_equals_reserved_and_nothing_more_per_token(model, tmp_p
 def test_published_moe_shapes_plan_onto_the_gpu_runner(shape) -> None:
     """The issue's shapes on a simulated H200: the GPU runner is the one chosen, every tensor
     type has a kernel, the plan fits, and the routed-row buffers are priced at the chunk's
-    size (what kernels/moe.py writes: chunk x k rows)."""
+    size (what carve_kernels/moe.py writes: chunk x k rows)."""
     from engine.planning.capability import runner_for
     from engine.planning.carve import model_index
     from engine.planning.price import price

@@ -274,7 +274,7 @@ def test_a_worker_process_compiles_a_variant_into_the_cache_folder(tmp_path, mon
         "attrs_keys": [[0], [2]],
         "attrs_vals": [[["tt.divisibility", 16]], [["tt.divisibility", 16]]],
         "options": options, "key": "test"}, default=list)
-    job = ("kernels.scale_scan", "_scan_kernel", data, target)
+    job = ("carve_kernels.scale_scan", "_scan_kernel", data, target)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the engine compiles, never interprets
 
     def in_worker(*job) -> str | None:
@@ -292,7 +292,7 @@ def test_a_worker_process_compiles_a_variant_into_the_cache_folder(tmp_path, mon
     assert in_worker(*job) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == written
     # a kernel the worker cannot find by name: the error's text, for the threads to compile it
-    missing = in_worker("kernels.scale_scan", "_no_such_kernel",
+    missing = in_worker("carve_kernels.scale_scan", "_no_such_kernel",
                         data.replace("_scan_kernel", "_no_such_kernel"), target)
     assert "_no_such_kernel" in missing
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from gpu_compare import decode_errors, rel
 
+from carve_kernels import attention, gemv_t, glu, kv_cache, norm, pdl, quant_matmul, rope
 from engine.hardware.devices import DeviceSpec
 from engine.planning.plan import Plan
 from engine.process import protocol as p
@@ -32,7 +33,6 @@ from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
 from engine.synth.gen import write_model
 from engine.synth.shapes import Shape
-from kernels import attention, gemv_t, glu, kv_cache, norm, pdl, quant_matmul, rope
 from spec import quant_types as qt
 from spec.errors import CarveError
 
@@ -154,7 +154,7 @@ def test_q8_0_kv_prefill_and_decode_match_the_cpu_engine(tiny) -> None:
 
 def test_q8_0_matrices_decode_on_int8_x_as_the_cpu_engine(tiny, monkeypatch) -> None:
     # with Q8_0's row body (on trial: CARVE_TRIAL=q8_0_rows) TINY's Q8_0 head runs it
-    # (kernels/gemv_dot.py q80_rows_dot) on decode's int8 copy of the normed row (dp4a's
+    # (carve_kernels/gemv_dot.py q80_rows_dot) on decode's int8 copy of the normed row (dp4a's
     # integer twin under the interpreter), prefill rows on x itself; f32 activations, nothing
     # cached. The int8 rounding of x is the error (decode measured 6.6e-3 here, 9e-5 on x)
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", quant_matmul.ROW_BODY_TYPES | {qt.Q8_0})
@@ -240,13 +240,12 @@ def test_low_bit_t_matrices_decode_as_the_cpu_engine(tmp_path, all_t, mix, t_typ
     # the T bodies of gemv_t_low.py (and Q5_K's) through the runner on decode's int8 copies:
     # the Q2_K mix's gate/up in one T launch beside its Q3_K ffn_down and attn_v; the
     # IQ2_XXS mix's gate/up, down (the GLU's int8 copy) and q/k/v (IQ2_XXS q and k beside a
-    # Q2_K v); the Q5_K_M mix's Q5_K gate/up read in the same steps; Q8_0 everywhere, with
-    # its trial on (CARVE_TRIAL=q8_0_t: off, Q8_0 stays in GGUF order). (IQ4_XS's T body is
+    # Q2_K v); the Q5_K_M mix's Q5_K gate/up read in the same steps; Q8_0 everywhere, its
+    # blocks of 32 split as 256-value blocks would. (IQ4_XS's T body is
     # slow under the interpreter: tests/kernels/test_gemv_t.py and test_q8x.py check it.)
     path = str(write_model(tmp_path / f"{mix}.gguf", WIDE, mix)[0])
-    trials = frozenset({"q8_0_t"}) if t_type == qt.Q8_0 else frozenset()
     with beside_cpu(plan(path, act_dtype="bf16", logits_rows=12),
-                    plan(path, logits_rows=12), options=RunnerOptions(trials=trials)) as (g, c):
+                    plan(path, logits_rows=12)) as (g, c):
         (st,) = g.pipe.stages
         assert st.xq is not None
         assert all(ly.ffn.gate.ggml_type == t_type and ly.ffn.gate.t_bytes is not None
@@ -290,7 +289,7 @@ KERNEL_MODULES = (attention, gemv_t, glu, kv_cache, norm, quant_matmul, rope)
 
 
 def kernel_inputs(monkeypatch) -> list[torch.Tensor]:
-    """Every tensor handed to a kernel wrapper of kernels/ from now on (lists and tuples of
+    """Every tensor handed to a kernel wrapper of carve_kernels/ from now on (lists and tuples of
     arguments opened)."""
     seen: list[torch.Tensor] = []
 

@@ -338,8 +338,8 @@ def test_a_damaged_host_expert_is_named(files) -> None:
     device memory): a block whose scale is inf is refused naming the file and tensor."""
     import numpy as np
 
+    from carve_kernels.scale_scan import _fields
     from engine.runtime.gpu import host
-    from kernels.scale_scan import _fields
     from spec import quant_types as qt
 
     model = GGUFModel.open(files["qwen3moe"])

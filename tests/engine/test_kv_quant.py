@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from carve_kernels.dequant import dequantize
 from engine.runtime.kv_quant import dequantize_q8_0, q8_0_nbytes, quantize_q8_0
-from kernels.dequant import dequantize
 from spec import quant_types as qt
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

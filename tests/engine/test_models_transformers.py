@@ -92,9 +92,9 @@ def _exact(sess: Session) -> Session:
     """Test-only: give the session float32 copies of every matrix and a float32 KV cache, so
     what remains is the model maths itself (the product rounds the cache to bf16 and the KV to
     f16; those are measured separately below)."""
+    from carve_kernels.dequant import dequantize
     from engine.runtime.kv_cache import KVCache
     from engine.runtime.models.ops import QWeight
-    from kernels.dequant import dequantize
 
     for st in sess.loaded:
         for w in st.tensors.values():

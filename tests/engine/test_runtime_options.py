@@ -51,7 +51,7 @@ def test_each_variable_sets_its_option(env, want) -> None:
     ({"CARVE_EXPERT_Q8": "no"}, "CARVE_EXPERT_Q8=no: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_TRIAL": "q2k_rows,down_norm"},
      "CARVE_TRIAL=q2k_rows,down_norm: use all or a comma-separated list of q2k_rows, "
-     "q8_0_rows, q8_0_t"),
+     "q8_0_rows"),
 ])
 def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) -> None:
     with pytest.raises(CarveError) as e:
@@ -60,7 +60,7 @@ def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) ->
 
 
 def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> None:
-    from kernels import moe_decode, quant_matmul
+    from carve_kernels import moe_decode, quant_matmul
 
     base, tiles = quant_matmul.ROW_BODY_TYPES, moe_decode.EXPERT_Q8_CONFIG
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", base)
@@ -92,11 +92,3 @@ def test_the_engine_process_exits_2_with_one_line_on_a_bad_value() -> None:
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.strip().splitlines() == [
         "carve-engine: CARVE_Q8X=yes: use 1 (on, the default) or 0 (off)"]
-
-
-def test_a_t_trial_keeps_its_type_in_gguf_order_until_switched_on() -> None:
-    # Q8_0 has a T body on trial (CARVE_TRIAL=q8_0_t): the runner repacks no Q8_0 matrix
-    # without it (engine/runtime/gpu/matrices.py asks t_types_off)
-    assert qt.Q8_0 in RunnerOptions().t_types_off
-    assert qt.Q8_0 not in RunnerOptions(trials=frozenset({"q8_0_t"})).t_types_off
-    assert not RunnerOptions(trials=frozenset(TRIALS)).t_types_off

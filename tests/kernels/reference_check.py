@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import glu, quant_matmul
+from carve_kernels import glu, quant_matmul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,4 +1,4 @@
-"""The T-layout GEMV (kernels/gemv_t.py) against the torch reference on the GGUF bytes it was
+"""The T-layout GEMV (carve_kernels/gemv_t.py) against the torch reference on the GGUF bytes it was
 repacked from: fresh random shapes and inputs each run (the seed is printed on failure), errors
 against the products' magnitudes (reference_check.py), outputs poisoned with NaN, split and
 unsplit rows, both bodies; the splits' sums buffer poisoned too (read only where written),
@@ -10,8 +10,8 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr
 
-from kernels import gemv_t, glu, q8x, quant_matmul
-from kernels.random_blocks import random_weight
+from carve_kernels import gemv_t, glu, q8x, quant_matmul
+from carve_kernels.random_blocks import random_weight
 from spec import launch
 from spec import quant_types as qt
 

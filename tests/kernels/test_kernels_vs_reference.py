@@ -12,8 +12,8 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr, poison
 
-from kernels import attention, glu, kv_cache, norm, q8x, quant_matmul, rope
-from kernels.random_blocks import random_weight
+from carve_kernels import attention, glu, kv_cache, norm, q8x, quant_matmul, rope
+from carve_kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
 TYPES = [qt.F16, qt.BF16, qt.Q4_0, qt.Q5_0, qt.Q8_0, qt.Q4_K, qt.Q5_K, qt.Q6_K]
@@ -43,7 +43,7 @@ def test_gemv_matches_reference(ggml_type, m, seed):
 @pytest.mark.parametrize("ggml_type", [qt.Q6_K, qt.Q5_0, qt.Q8_0], ids=qt.type_name)
 def test_gemv_bias_and_both_accumulations(ggml_type, seed):
     # Q6_K's generic walk accumulates per element, Q5_0's sums each part over its lanes at once
-    # (LANE_SUM_TYPES); Q8_0 runs its row body (kernels/gemv_dot.py q80_rows_dot)
+    # (LANE_SUM_TYPES); Q8_0 runs its row body (carve_kernels/gemv_dot.py q80_rows_dot)
     assert (ggml_type in quant_matmul.LANE_SUM_TYPES) == (ggml_type != qt.Q6_K)
     g = generator(seed)
     w = random_weight(ggml_type, 9, 512, DEVICE, g)

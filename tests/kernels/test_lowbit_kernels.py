@@ -1,5 +1,5 @@
 """The GPU kernels of the low-bit types (Q4_1, Q5_1, Q2_K, Q3_K and the IQ family,
-kernels/lowbit_blocks.py) against the CPU dequantizer, itself bit-equal to
+carve_kernels/lowbit_blocks.py) against the CPU dequantizer, itself bit-equal to
 gguf.quants.dequantize: fresh random well-formed blocks each run, outputs poisoned with NaN.
 
 Under TRITON_INTERPRET=1 without a GPU (tests/conftest.py), at tiny shapes.
@@ -11,10 +11,10 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr, poison
 
-from kernels import glu, q8x, quant_matmul
-from kernels.lowbit_blocks import LOWBIT_PLANS, TABLE_TYPES, lookup_table
-from kernels.quant_blocks import PLANS
-from kernels.random_blocks import random_weight
+from carve_kernels import glu, q8x, quant_matmul
+from carve_kernels.lowbit_blocks import LOWBIT_PLANS, TABLE_TYPES, lookup_table
+from carve_kernels.quant_blocks import PLANS
+from carve_kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
 TYPES = list(LOWBIT_PLANS)
@@ -126,7 +126,7 @@ def _row_cols(ggml_type: int, g: torch.Generator, lo: int, hi: int) -> int:
                          ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("ggml_type", ROW_BODIES, ids=qt.type_name)
 def test_row_body_matches_reference(ggml_type, xdtype, seed, monkeypatch):
-    # kernels/gemv_iq.py (a group of 32 values per lane; kernels/gemv_lowbit.py's bodies and
+    # carve_kernels/gemv_iq.py (a group of 32 values per lane; carve_kernels/gemv_lowbit.py's bodies and
     # Q8_0's, a thread per block, alike) on float32 or 16-bit x (read in 64-bit words), rows
     # that are not a multiple of the tile, several steps of blocks and a partial last one; the
     # bodies still on trial too
@@ -147,7 +147,7 @@ def test_row_body_matches_reference(ggml_type, xdtype, seed, monkeypatch):
 
 @pytest.mark.parametrize("ggml_type", ROW_BODIES, ids=qt.type_name)
 def test_row_body_on_int8_x(ggml_type, seed, monkeypatch):
-    # decode's int8 copy of x (kernels/q8x.py): the row bodies (and the bodies on trial)
+    # decode's int8 copy of x (carve_kernels/q8x.py): the row bodies (and the bodies on trial)
     # multiply it by dp4a (integer ops under the interpreter); the reference multiplies the
     # values the copy stands for
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES",

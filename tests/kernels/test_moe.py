@@ -1,4 +1,4 @@
-"""The mixture-of-experts kernels (kernels/moe.py, moe_decode.py, moe_prefill.py) against their
+"""The mixture-of-experts kernels (carve_kernels/moe.py, moe_decode.py, moe_prefill.py) against their
 plain-torch twins: router, routing under each gating rule, decode's expert GEMVs (every GPU
 type, MXFP4 included, gpt-oss's biases and clamped SwiGLU), prefill's sort by expert, grouped
 GEMMs and combine. Fresh random inputs each run, outputs poisoned first; tiny shapes under the
@@ -12,9 +12,9 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, nerr, poison
 
-from kernels import moe, moe_decode, moe_prefill, quant_matmul
-from kernels.quant_blocks import PLANS
-from kernels.random_blocks import random_weight
+from carve_kernels import moe, moe_decode, moe_prefill, quant_matmul
+from carve_kernels.quant_blocks import PLANS
+from carve_kernels.random_blocks import random_weight
 from spec import quant_types as qt
 from spec.launch import MOE_TILE_ROWS, moe_tiles
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from reference_check import DEVICE, generator, nerr, poison
 
-from kernels import attention, kv_cache, rope
+from carve_kernels import attention, kv_cache, rope
 
 
 def _cache(cells: int, kvh: int, d: int, g) -> torch.Tensor:

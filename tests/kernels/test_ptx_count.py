@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from benchmarks import ptx_count
-from kernels import quant_matmul
+from carve_kernels import quant_matmul
 from spec import quant_types as qt
 
 
@@ -50,7 +50,7 @@ def test_int8_bodies_assemble_with_their_instructions(ggml_type, ops, tiles):
     (qt.IQ4_XS, {"IDP", "PRMT"}),
 ], ids=lambda v: qt.type_name(v) if isinstance(v, int) else "")
 def test_t_bodies_assemble_to_dp4a_machine_code(ggml_type, ops):
-    # the T-layout bodies (kernels/gemv_t_low.py) on int8 x, in sm_90 machine code (IDP is
+    # the T-layout bodies (carve_kernels/gemv_t_low.py) on int8 x, in sm_90 machine code (IDP is
     # dp4a): fewer instructions per value at two rows a thread than at one (x's loads and
     # x-only work shared)
     two = _count(qt.type_name(ggml_type), "--t", "--x", "int8", "--sass", "--config", "256,4")
@@ -66,7 +66,7 @@ def test_t_bodies_assemble_to_dp4a_machine_code(ggml_type, ops):
     (qt.Q6_K, "down", {"IDP"}),
 ], ids=lambda v: qt.type_name(v) if isinstance(v, int) else "")
 def test_expert_int8_bodies_assemble_to_dp4a_machine_code(ggml_type, part, ops):
-    # decode's routed experts on int8 x (kernels/gemv_q8.py), at their launch tiles: MXFP4's
+    # decode's routed experts on int8 x (carve_kernels/gemv_q8.py), at their launch tiles: MXFP4's
     # nibbles become values through byte permutes (its inline assembly is only assembled
     # here); each loop step stays within a few instructions a value (measured: MXFP4 gate/up
     # 2.2, down 5.0; Q4_K gate/up 2.3; Q6_K down 3.6)

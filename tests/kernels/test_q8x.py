@@ -1,5 +1,5 @@
-"""The int8-x decode path (kernels/q8x.py): RMSNorm and the GLU epilogue write x's int8 copy
-as the reference quantizes it, and the T-layout GEMVs (every type of kernels/gemv_t.py WORDS)
+"""The int8-x decode path (carve_kernels/q8x.py): RMSNorm and the GLU epilogue write x's int8 copy
+as the reference quantizes it, and the T-layout GEMVs (every type of carve_kernels/gemv_t.py WORDS)
 multiply it (dp4a, emulated under the interpreter) to the reference GEMV on the dequantized
 int8 x. Fresh random inputs each run (the seed is printed on failure), errors against the
 products' magnitudes (reference_check.py), outputs and split buffers poisoned with NaN,
@@ -11,8 +11,8 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr
 
-from kernels import gemv_q8, gemv_t, glu, moe_decode, norm, q8x, quant_matmul
-from kernels.random_blocks import random_weight
+from carve_kernels import gemv_q8, gemv_t, glu, moe_decode, norm, q8x, quant_matmul
+from carve_kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
 
@@ -148,7 +148,7 @@ def test_int8_x_is_refused_where_it_cannot_go():
                                                  (qt.Q6_K, qt.Q6_K), (qt.MXFP4, qt.MXFP4)],
                          ids=lambda t: qt.type_name(t))
 def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed):
-    # decode's routed experts in GGUF order on the int8 copies (kernels/gemv_q8.py): gate/up
+    # decode's routed experts in GGUF order on the int8 copies (carve_kernels/gemv_q8.py): gate/up
     # of the chosen experts on x's copy writing the int8 copy of their GLU outputs, then down
     # on that copy, each against the reference GEMV on the dequantized int8 input; MXFP4 as
     # gpt-oss runs it (biases, the clamped SwiGLU, an odd number of 32-value blocks a row)

@@ -1,4 +1,4 @@
-"""kernels/sample.py, the GPU sampler, against its host twin (``sample_ref``, the chain the CPU
+"""carve_kernels/sample.py, the GPU sampler, against its host twin (``sample_ref``, the chain the CPU
 engine samples with): the same ids from the same logits, settings, history and seed, draw after
 draw, with the output and the scratch poisoned before each run."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from reference_check import DEVICE, generator
 
+from carve_kernels import sample
 from engine.process.sampling_params import SamplingParams
-from kernels import sample
 from spec.launch import SAMPLE_LAST_N, SAMPLE_PARTS, SAMPLE_STATE, SAMPLE_TOP_K
 
 

@@ -1,4 +1,4 @@
-"""The scan for blocks whose scale is not finite (kernels/scale_scan.py): the kernel and its torch
+"""The scan for blocks whose scale is not finite (carve_kernels/scale_scan.py): the kernel and its torch
 twin find an inf or NaN d (or dmin) in any block of random well-formed weights, and nothing in
 finite ones, however large; the lookup buffer holds every IQ table the kernels read."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from reference_check import DEVICE, generator
 
-from kernels import lowbit_blocks, quant_matmul, scale_scan
-from kernels.random_blocks import random_weight
+from carve_kernels import lowbit_blocks, quant_matmul, scale_scan
+from carve_kernels.random_blocks import random_weight
 from spec import launch
 from spec import quant_types as qt
 

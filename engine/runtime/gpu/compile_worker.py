@@ -120,7 +120,7 @@ def _preload() -> list[str]:
     main = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
     return ["torch", "triton", "triton.compiler.compiler", "triton.backends.nvidia.compiler",
             "triton.backends.nvidia.driver",
-            *sorted(n for n in list(sys.modules) if n.startswith("kernels.")),
+            *sorted(n for n in list(sys.modules) if n.startswith("carve_kernels.")),
             *([main] if main and not main.endswith("__main__") else [])]
 
 

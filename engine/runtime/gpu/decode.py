@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from carve_kernels import sample
 from engine.runtime.generate import GenerationStats, start
 from engine.runtime.gpu.pipeline import on
 from engine.runtime.sampling import new_seed
-from kernels import sample
 from spec.launch import SAMPLE_RING
 
 DEPTH = 2  # decode steps queued ahead of the id the host reads

@@ -103,7 +103,7 @@ def check_scales(model: Any, names: list[str], spans: dict[str, torch.Tensor]) -
     """CarveError naming a host expert tensor with a block whose scale is inf or NaN (a
     damaged file), read by the CPU where it lies (the stage's device scan reads only its own
     memory)."""
-    from kernels.scale_scan import first_bad_block
+    from carve_kernels.scale_scan import first_bad_block
 
     for name in names:
         info = model.tensor(name)
@@ -129,7 +129,7 @@ def load_cpu_layouts(model: Any, names: list[str], spans: dict[str, torch.Tensor
     block's scale on the way; returns (the names to load as the file has them, file bytes
     read). Spans "cpu.<name>" (host_compute "both") are left out: `fill_cpu_copies` makes
     them from the file's bytes once those are loaded."""
-    from kernels.scale_scan import first_bad_block
+    from carve_kernels.scale_scan import first_bad_block
 
     plain, done = [], 0
     for name in names:

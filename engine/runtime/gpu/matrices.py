@@ -13,22 +13,22 @@ from typing import Any
 import torch
 import triton
 
+from carve_kernels import gemv_t, moe_decode, quant_matmul, rope
 from engine.runtime.options import RunnerOptions
-from kernels import gemv_t, moe_decode, quant_matmul, rope
 from spec import quant_types as qt
 from spec.errors import CarveError
 
 # up to this many rows (decode, a short chunk) a matrix runs as a GEMV on its packed bytes;
 # more rows run one GEMM on its dequantized copy
 GEMV_ROWS = 8
-# matrices the stage repacks into the T layout (kernels/gemv_t.py) for their decode GEMVs: the
+# matrices the stage repacks into the T layout (carve_kernels/gemv_t.py) for their decode GEMVs: the
 # big single ones and the FFN pair (q, k and v follow their own rule: QKV below)
 T_MATRICES = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_output.weight")
 # on a GPU only matrices of at least this many bytes: below it the split rows' atomics cost more
 # than the layout saves (H200, bf16 x: Qwen2-7B's 7.2 MB attn_output 8.4 -> 9.8 us in T,
 # 0.5B's 2.4 MB ffn_down 5.8 -> 7.8 us; 32B's 14.7 MB attn_output 18.3 -> 14.3 us)
 T_MIN_BYTES = 12 << 20
-# q, k and v go to the T layout together (one launch, kernels/gemv_t.py gemv_t3) when all three
+# q, k and v go to the T layout together (one launch, carve_kernels/gemv_t.py gemv_t3) when all three
 # can, whatever their size (on int8 x the one launch beats GGUF order's gemv3 even at 7B's 9.7
 # MB: 9.1 against ~11.6 us on an H200)
 QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
@@ -37,8 +37,8 @@ QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
 @dataclass(slots=True)
 class Matrix:
     """A weight matrix and its kernels. Up to GEMV_ROWS rows of x: a GEMV on its packed bytes,
-    kernels/gemv_t.py's on ``t_bytes`` when the load repacks it into the T layout, else
-    kernels/quant_matmul.py's on ``packed``. More rows: a GEMM on ``dq``, its dequant-cache
+    carve_kernels/gemv_t.py's on ``t_bytes`` when the load repacks it into the T layout, else
+    carve_kernels/quant_matmul.py's on ``packed``. More rows: a GEMM on ``dq``, its dequant-cache
     copy, or (no copy) on the matrix dequantized into buf.dequant at each call."""
 
     name: str
@@ -119,7 +119,7 @@ class Experts:
     routed tensor is a Matrix whose ``packed`` holds all experts, [n_expert * rows, bytes per
     row] (expert e's rows a contiguous slice, GGUF order); ``bias``: gpt-oss's per-expert
     biases [n_expert * rows]. Decode and prefill both read the quantized bytes
-    (kernels/moe.py)."""
+    (carve_kernels/moe.py)."""
 
     norm: torch.Tensor  # ffn_norm [n_embd]
     router: torch.Tensor  # ffn_gate_inp [n_expert, n_embd] f32
@@ -131,7 +131,7 @@ class Experts:
     config: tuple[int, ...] | None  # the decode gate/up GEMVs' tile (None: tuned per type)
     down_config: tuple[int, ...] | None
     shared: Ffn | None  # glm4moe's shared expert
-    # decode's int8 copies (kernels/gemv_q8.py): the normed row for gate/up, the k routed GLU
+    # decode's int8 copies (carve_kernels/gemv_q8.py): the normed row for gate/up, the k routed GLU
     # outputs for down; None: that GEMV runs on float x
     xq: tuple | None = None
     xq_h: tuple | None = None
@@ -200,7 +200,7 @@ def packed(model: Any, spans: dict[str, torch.Tensor], name: str, meta: bool = F
 
 class LayerBuilder:
     """Resolves a stage's tensors in its spans and decides each matrix's kernels.
-    ``xq``: the stage's two int8 copies of decode's x (kernels/q8x.py: a normed row, the GLU
+    ``xq``: the stage's two int8 copies of decode's x (carve_kernels/q8x.py: a normed row, the GLU
     output), or None where decode stays on float x."""
 
     def __init__(self, hp: Any, model: Any, spans: dict[str, torch.Tensor], ctx: int,
@@ -240,8 +240,7 @@ class LayerBuilder:
     def _t_able(self, name: str) -> bool:
         # a T type with a dequant-cache copy (the part of the rule that is not size or role)
         t = self.model.tensor(name).ggml_type
-        return ("dq." + name in self.spans and t in gemv_t.WORDS
-                and t not in self.options.t_types_off)
+        return "dq." + name in self.spans and t in gemv_t.WORDS
 
     def _int8_x(self, name: str, slot: int) -> tuple | None:
         """The int8 copy decode gives matrix ``name`` (slot 0: a normed row, 1: the GLU
@@ -379,7 +378,7 @@ class LayerBuilder:
 
     def _expert_int8_x(self, mats: list[Matrix]) -> dict:
         """The routed experts' int8 copies (Experts.xq, xq_h) where their types have a GGUF-order
-        int8-x body (kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4): gate and up both, then down too."""
+        int8-x body (carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4): gate and up both, then down too."""
         hp = self.hp
         g, u, d = mats
         if (self.xq is None or not self.options.expert_q8

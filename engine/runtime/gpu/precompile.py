@@ -167,7 +167,7 @@ def job(variant: Variant) -> tuple[str, str, str, tuple] | None:
 
 
 def fresh() -> bool:
-    """No kernel of ``kernels/`` is compiled in this process yet, so none would launch during a
+    """No kernel of ``carve_kernels/`` is compiled in this process yet, so none would launch during a
     dry pass (the first load of an engine process): the dequant-cache fill's and the warm-up's
     dry passes can then run as one round before either runs for real, whose kernels would
     otherwise read weights not yet filled or repacked."""
@@ -176,7 +176,7 @@ def fresh() -> bool:
     except ImportError:
         return False
     for name, module in list(sys.modules.items()):
-        if not name.startswith("kernels."):
+        if not name.startswith("carve_kernels."):
             continue
         for obj in list(vars(module).values()):
             while not isinstance(obj, JITFunction) and isinstance(getattr(obj, "fn", None),

@@ -1,5 +1,5 @@
 """A GPU stage: layers [lb, le) of a model on one device, run with the Triton kernels of
-``kernels/`` on the allocations of its DeviceLayout and nothing else. The llama family (llama,
+``carve_kernels/`` on the allocations of its DeviceLayout and nothing else. The llama family (llama,
 mistral, qwen2 with q/k/v biases, qwen3 with per-head q/k RMSNorm) and gemma3 (embeddings
 scaled by sqrt(n_embd), q/k norms, sandwich norms, GeGLU, sliding-window layers with their own
 RoPE base) follow engine/runtime/models/ step for step.
@@ -20,6 +20,15 @@ from typing import Any
 
 import torch
 
+from carve_kernels import (
+    gemv_t,
+    glu,
+    lowbit_blocks,
+    norm,
+    q8x,
+    quant_matmul,
+    scale_scan,
+)
 from engine.planning.carve import is_expert
 from engine.planning.host import CPU_PREFIX
 from engine.runtime.gpu.host import host_experts, host_layers
@@ -41,15 +50,6 @@ from engine.runtime.gpu.stage_moe import MoeLayers
 from engine.runtime.models import FAMILIES
 from engine.runtime.models.layers import _linear_scale, yarn_freqs
 from engine.runtime.options import RunnerOptions
-from kernels import (
-    gemv_t,
-    glu,
-    lowbit_blocks,
-    norm,
-    q8x,
-    quant_matmul,
-    scale_scan,
-)
 from spec import quant_types as qt
 from spec.errors import CarveError
 
@@ -109,7 +109,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         self.hp, self.model, self.spans = hp, model, spans
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"  # else the CPU under TRITON_INTERPRET=1
-        self.pdl = options.pdl  # every launch passes it to the kernel (kernels/pdl.py)
+        self.pdl = options.pdl  # every launch passes it to the kernel (carve_kernels/pdl.py)
         self.neox = hp.rope_style == "neox"
         self.lb, self.le = dl.layers
         self.first, self.last = dl.first, dl.last
@@ -161,7 +161,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
             self.t_count.zero_()  # the T GEMVs leave their counters at zero after each use
         if "moe_count" in self.buf:
             self.buf["moe_count"].zero_()  # so do the MoE down GEMVs (stage_moe.py)
-        # the IQ types' value tables, in the Layout (kernels/lowbit_blocks.py), and the flags of
+        # the IQ types' value tables, in the Layout (carve_kernels/lowbit_blocks.py), and the flags of
         # the load's scan for non-finite scales
         lookup = self.buf.get("lookup")
         self.scan_flags = None if lookup is None else lowbit_blocks.install_tables(lookup)
@@ -225,7 +225,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
     def check_scales(self) -> None:
         """CarveError naming a quantized tensor of this stage with a block whose scale is
         inf or NaN (a damaged file): every block's scale fields are read once, on the device,
-        into buf.lookup's flags (kernels/scale_scan.py), and one flag comes back."""
+        into buf.lookup's flags (carve_kernels/scale_scan.py), and one flag comes back."""
         if self.scan_flags is None:
             return
         flag = self.scan_flags[:1]

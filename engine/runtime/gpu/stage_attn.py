@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from carve_kernels import attention, gemv_t, kv_cache, norm, quant_matmul, rope
 from engine.runtime.gpu.matrices import Attention, Ffn, gemv_rows
 from engine.runtime.gpu.rows import Rows
-from kernels import attention, gemv_t, kv_cache, norm, quant_matmul, rope
 
 
 class AttentionLayers:

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from carve_kernels import sample
 from engine.runtime.gpu.matrices import Experts, Ffn
-from kernels import sample
 
 
 class DecodeGraph:
@@ -46,7 +46,7 @@ class DecodeGraph:
             run()
 
     def sample_next(self) -> None:
-        """Draw the next id from buf.logits[0] into ``next_id`` (kernels/sample.py); one stage
+        """Draw the next id from buf.logits[0] into ``next_id`` (carve_kernels/sample.py); one stage
         feeds it back as the next input without leaving the graph."""
         sample.sample(self.buf["logits"][0], self.samp_state, self.samp_keys, self.next_id)
         if self.first:

@@ -1,7 +1,7 @@
 """The mixture-of-experts FFN of a GPU stage's layers (``GpuStage`` mixes it in): router
 logits and top-k routing on the device, glm4moe's shared expert, and the routed experts as
-decode's expert GEMVs (kernels/moe_decode.py) or prefill's sort by expert and grouped GEMMs
-(kernels/moe_prefill.py), run from the layer's own tensors or, for experts in host memory,
+decode's expert GEMVs (carve_kernels/moe_decode.py) or prefill's sort by expert and grouped GEMMs
+(carve_kernels/moe_prefill.py), run from the layer's own tensors or, for experts in host memory,
 through engine/runtime/gpu/host.py.
 """
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from carve_kernels import glu, moe, moe_decode, moe_prefill, quant_matmul
 from engine.runtime.gpu.matrices import GEMV_ROWS, Experts, Ffn, gemv_rows
 from engine.runtime.gpu.rows import Rows
-from kernels import glu, moe, moe_decode, moe_prefill, quant_matmul
 
 
 class MoeLayers:
@@ -25,7 +25,7 @@ class MoeLayers:
         weights stay on the device), the shared expert (glm4moe) into proj, then the routed
         experts added onto it with their weights. Up to GEMV_ROWS rows: the expert GEMVs (the
         decode step's graph holds them); more: the rows sorted by expert and one grouped GEMM
-        per expert (kernels/moe_decode.py, moe_prefill.py)."""
+        per expert (carve_kernels/moe_decode.py, moe_prefill.py)."""
         self._route(f, a)
         self._experts_out(f, a)
 
@@ -81,7 +81,7 @@ class MoeLayers:
         gb, ub, db = biases or (g.bias, u.bias, d.bias)
         gp, up, dp = mats
         h = b["moe_h"][:n * k]
-        if n == 1 and f.xq is not None:  # decode on the int8 copies (kernels/gemv_q8.py)
+        if n == 1 and f.xq is not None:  # decode on the int8 copies (carve_kernels/gemv_q8.py)
             rows_out = b["moe_out"][:k]
             moe_decode.expert_glu_q8(gp, g.ggml_type, up, u.ggml_type, ne, f.xq, ids, h, act, gb,
                                      ub, hp.swiglu_limit, f.xq_h, use_pdl=pdl)

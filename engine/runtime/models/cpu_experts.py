@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from carve_kernels.dequant import dequantize_to
 from engine.planning.host import CPU_GROUP, tensor_cpu_layout
 from engine.runtime.models import ops
-from kernels.dequant import dequantize_to
 from spec import quant_types as qt
 from spec.errors import CarveError
 

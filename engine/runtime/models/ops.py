@@ -1,7 +1,7 @@
 """The op table every model forward goes through: plain-torch implementations.
 
 A model never calls torch for the heavy steps directly; it calls `ops.<name>` on the table it
-was built with. The GPU path swaps this table for the Triton one in `kernels/` (same names, same
+was built with. The GPU path swaps this table for the Triton one in `carve_kernels/` (same names, same
 signatures), so devices and kernels change without touching a model definition.
 
 Shapes: T tokens, H query heads, K key/value heads, D head dim, S key positions.
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.dequant import dequantize_to
+from carve_kernels.dequant import dequantize_to
 
 
 @dataclass(slots=True)

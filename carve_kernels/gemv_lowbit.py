@@ -1,8 +1,8 @@
 """Decode GEMV bodies of the low-bit types that are not grid types, on the pattern of
-kernels/gemv_iq.py (a lane per 32 values, x as 64-bit words or decode's int8 copy by dp4a):
+carve_kernels/gemv_iq.py (a lane per 32 values, x as 64-bit words or decode's int8 copy by dp4a):
 IQ4_XS (its 16-value table through ``prmt`` byte permutes) and Q2_K (2-bit values, a scale
 and a min per 16). Both are on trial (``quant_matmul.ROW_BODY_TRIAL``) until a GPU times them
-against the generic walk (kernels/NOTES.md).
+against the generic walk (carve_kernels/NOTES.md).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gemv_iq import _h, _step, _word_dot, _x_words
-from kernels.gemv_t_dot import _dp4a
-from kernels.gemv_t_low import _iq4_table, _iq4_values
+from carve_kernels.gemv_iq import _h, _step, _word_dot, _x_words
+from carve_kernels.gemv_t_dot import _dp4a
+from carve_kernels.gemv_t_low import _iq4_table, _iq4_values
 
 
 # --- IQ4_XS: nibbles into the 16-value table by byte permutes (gemv_t_low._iq4_values) ----

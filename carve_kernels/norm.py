@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, q8x
+from carve_kernels import pdl, q8x
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, s
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
     y = h * inv * w
     tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=mask)
-    if Q8:  # one row: its int8 copy for the dp4a GEMVs (kernels/q8x.py)
+    if Q8:  # one row: its int8 copy for the dp4a GEMVs (carve_kernels/q8x.py)
         q8x.store_q8(y, c, mask, q_ptr, d_ptr, s_ptr, BLOCK)
 
 
@@ -41,8 +41,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     x + residual is also written back into ``residual`` (the residual stream moves on), and y
     is the norm of the sum as written there (rounded to residual's dtype), so that a norm
     reading a stored stream (a stage's first) gives the bits a fused one does.
-    ``q8``: (q, d, s) buffers (kernels/q8x.py) that also get y's int8 copy (one row, H a
-    multiple of 32). ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py)."""
+    ``q8``: (q, d, s) buffers (carve_kernels/q8x.py) that also get y's int8 copy (one row, H a
+    multiple of 32). ``use_pdl``: launch with PDL where the GPU has it (carve_kernels/pdl.py)."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
     y = torch.empty_like(x2) if out is None else out.view(-1, h)

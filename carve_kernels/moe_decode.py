@@ -1,4 +1,4 @@
-"""Mixture-of-experts decode: the routed experts' GEMVs (kernels/moe.py has the routing and the
+"""Mixture-of-experts decode: the routed experts' GEMVs (carve_kernels/moe.py has the routing and the
 layout of expert tensors). Each program reads its expert id from the device and walks only that
 expert's rows with ``gemv_dot.row_dot``, so every GPU type serves experts; gate and up in one
 launch with the activation, down with the routing weights (in order, no atomics).
@@ -10,11 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, q8x
-from kernels.gemv_dot import row_dot
-from kernels.gemv_q8 import Q8_BLOCK, Q8_TYPES, q4k_q8_rows_dot, q8_rows_dot
-from kernels.moe import _ACTS, _act, _act_ref, _expert_ref, combine, expert_rows
-from kernels.quant_matmul import _launch_args, gemv_config, row_cols
+from carve_kernels import pdl, q8x
+from carve_kernels.gemv_dot import row_dot
+from carve_kernels.gemv_q8 import Q8_BLOCK, Q8_TYPES, q4k_q8_rows_dot, q8_rows_dot
+from carve_kernels.moe import _ACTS, _act, _act_ref, _expert_ref, combine, expert_rows
+from carve_kernels.quant_matmul import _launch_args, gemv_config, row_cols
 from spec import quant_types as qt
 
 
@@ -98,7 +98,7 @@ def expert_glu(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: in
     return out
 
 
-# decode expert GEMVs on x's int8 copy (kernels/gemv_q8.py, one row of x), tiles by (type,
+# decode expert GEMVs on x's int8 copy (carve_kernels/gemv_q8.py, one row of x), tiles by (type,
 # part): rows per program (a multiple of 32: the GLU writes its output's int8 copy 32 values a
 # group), blocks per step, warps; `python -m benchmarks.device_check --moe` sweeps them
 EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
@@ -114,7 +114,7 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
 
 def q8_able(ggml_type: int, cols: int) -> bool:
     """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy (the
-    types with a body in kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4)."""
+    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4)."""
     return ggml_type in Q8_TYPES and cols % Q8_BLOCK[ggml_type] == 0
 
 
@@ -170,7 +170,7 @@ def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type:
                   limit: float = 0.0, out_q=None, config: tuple[int, int, int] | None = None,
                   use_pdl: bool = True) -> torch.Tensor:
     """``expert_glu`` for one row of x given as its int8 copy ``xq`` (q words, d, s of
-    kernels/q8x.py), gate and up Q4_K, Q6_K or MXFP4:
+    carve_kernels/q8x.py), gate and up Q4_K, Q6_K or MXFP4:
     ``out[j] = act(x @ gate_e^T) * (x @ up_e^T)``, e = ids[0, j]. ``out_q``: (q, d, s)
     buffers for the int8 copy of ``out`` ([k * rows] values), the input of
     ``expert_down_q8``."""

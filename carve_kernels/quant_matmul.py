@@ -4,7 +4,7 @@ GEMMs and the dequant cache), and embedding gather with dequantize.
 A weight is its GGUF bytes as a uint8 tensor ``[rows, row_bytes]`` (torch shape of a GGUF
 ``[ne0=cols, ne1=rows]`` matrix), so ``y = W @ x`` with ``x`` of ``cols`` values.
 Each function has a plain-torch twin ``*_ref`` of the same signature built on
-``kernels.dequant`` (itself held bit-equal to ``gguf.quants.dequantize``).
+``carve_kernels.dequant`` (itself held bit-equal to ``gguf.quants.dequantize``).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import dequant as _dq
-from kernels import pdl, q8x
-from kernels.gemv_dot import row_dot
-from kernels.glu import glu_act
-from kernels.lowbit_blocks import LOWBIT_PLANS, lookup_table
-from kernels.quant_blocks import PLANS, dequant_part, plan
+from carve_kernels import dequant as _dq
+from carve_kernels import pdl, q8x
+from carve_kernels.gemv_dot import row_dot
+from carve_kernels.glu import glu_act
+from carve_kernels.lowbit_blocks import LOWBIT_PLANS, lookup_table
+from carve_kernels.quant_blocks import PLANS, dequant_part, plan
 from spec import quant_types as qt
 
 # (rows per program, blocks per step, warps[, pipeline stages]) per type, for M<=8 decode GEMV;
@@ -30,7 +30,7 @@ GEMV_CONFIG: dict[int, tuple[int, ...]] = {
     qt.BF16: (4, 16, 4),
     qt.Q4_0: (4, 32, 4),
     qt.Q5_0: (4, 16, 4),
-    # Q8_0's row body (on trial; kernels/gemv_dot.py q80_rows_dot: a thread per 32-value
+    # Q8_0's row body (on trial; carve_kernels/gemv_dot.py q80_rows_dot: a thread per 32-value
     # block), two blocks a thread: in the step (H200, 2026-12-03) gpt-oss-20b 437.8 t/s at
     # (8, 32, 4), 403.4 at (8, 16, 4), 369.1 at (8, 8, 4); Qwen2-7B Q8_0 162.0, 168.0, 147.2.
     # Its generic walk (the default): GEMV_CONFIG_GENERIC
@@ -39,13 +39,13 @@ GEMV_CONFIG: dict[int, tuple[int, ...]] = {
     qt.Q5_K: (4, 16, 4),
     qt.Q6_K: (2, 16, 4),
     qt.MXFP4: (4, 16, 4),  # not swept yet
-    # Q4_1, Q5_1, Q2_K, Q3_K, IQ4_NL and IQ4_XS (kernels/lowbit_blocks.py): not swept yet
+    # Q4_1, Q5_1, Q2_K, Q3_K, IQ4_NL and IQ4_XS (carve_kernels/lowbit_blocks.py): not swept yet
     **{t: (4, 16, 4) if PLANS[t].block == 32 else (4, 8, 4) for t in LOWBIT_PLANS},
-    # the grid IQ types' body (kernels/gemv_iq.py: tiles of groups of 32 values), from
+    # the grid IQ types' body (carve_kernels/gemv_iq.py: tiles of groups of 32 values), from
     # device_check sweeps on an H200 (2026-12-02, bf16 and int8 x)
     qt.IQ2_XXS: (8, 8, 4), qt.IQ2_S: (8, 8, 4), qt.IQ1_M: (8, 8, 4),
     qt.IQ2_XS: (4, 4, 4), qt.IQ3_XXS: (4, 4, 4), qt.IQ3_S: (4, 4, 4), qt.IQ1_S: (4, 4, 4),
-    # IQ4_XS's body (kernels/gemv_lowbit.py), the same sweep: int8 x best at (8, 8, 4), bf16
+    # IQ4_XS's body (carve_kernels/gemv_lowbit.py), the same sweep: int8 x best at (8, 8, 4), bf16
     # x at (8, 4, 4), within 4 % of it here
     qt.IQ4_XS: (8, 8, 4),
 }
@@ -65,12 +65,12 @@ LANE_SUM_TYPES = frozenset({qt.Q5_0, qt.Q8_0})
 # types whose generic walk turns integers to floats through the mantissa of 2^23 (faster than
 # I2F for these on the H200; slower for Q4_K's generic walk)
 MAGIC_TYPES = frozenset({qt.Q6_K})
-# types with a storage-order body in kernels/gemv_dot.py, and the byte alignment of the
+# types with a storage-order body in carve_kernels/gemv_dot.py, and the byte alignment of the
 # weight's start (and of its rows) that the body's 16-byte loads assume
 SPECIAL_ALIGN = {qt.Q4_K: 16}
 # types with a row body of their own (row_dot with SPECIAL, on float32, 16-bit or decode's
-# int8 x): the grid IQ types (kernels/gemv_iq.py, a group of 32 values per lane, reading their
-# table, 8-byte aligned, a row per word), IQ4_XS (kernels/gemv_lowbit.py; on an H200 1.9x the
+# int8 x): the grid IQ types (carve_kernels/gemv_iq.py, a group of 32 values per lane, reading their
+# table, 8-byte aligned, a row per word), IQ4_XS (carve_kernels/gemv_lowbit.py; on an H200 1.9x the
 # generic walk on int8 x, 1.7x on bf16 x, 2026-12-02), which need no alignment; Q8_0's (on
 # trial, ROW_BODY_TRIAL) only where the weight's start is ROW_BODY_ALIGN-aligned, else the
 # generic walk
@@ -78,11 +78,11 @@ ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_
                             qt.IQ1_M, qt.IQ4_XS})
 # the byte alignment of the weight's start that a row body's word loads assume (the others: 1)
 ROW_BODY_ALIGN = {qt.Q8_0: 4}
-# bodies of their own not switched on: Q2_K (kernels/gemv_lowbit.py q2k_rows_dot) measured
+# bodies of their own not switched on: Q2_K (carve_kernels/gemv_lowbit.py q2k_rows_dot) measured
 # 1.14x the generic walk on int8 x but 0.85x on bf16 x (H200, 2026-12-02), and its big matrices
-# go to the T layout (kernels/gemv_t_low.py); it runs only where a caller adds it to
+# go to the T layout (carve_kernels/gemv_t_low.py); it runs only where a caller adds it to
 # ROW_BODY_TYPES (the tests; benchmarks/device_check.py --types, which times it beside the
-# generic walk; CARVE_TRIAL=q2k_rows). Q8_0 (kernels/gemv_dot.py q80_rows_dot, a thread per
+# generic walk; CARVE_TRIAL=q2k_rows). Q8_0 (carve_kernels/gemv_dot.py q80_rows_dot, a thread per
 # block read as aligned int32 words; decode's int8 copy of x reaches its q/k/v, gate/up and
 # head): written 2026-12-03, not yet timed on a GPU (CARVE_TRIAL=q8_0_rows)
 ROW_BODY_TRIAL = frozenset({qt.Q2_K, qt.Q8_0})
@@ -240,7 +240,7 @@ def row_cols(w: torch.Tensor, ggml_type: int) -> int:
 
 
 def _table(w: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    # the value table of an IQ type (kernels/lowbit_blocks.py); the weight itself, unread,
+    # the value table of an IQ type (carve_kernels/lowbit_blocks.py); the weight itself, unread,
     # for the types that have none
     dev = w.device
     if not w.is_cuda and w.is_pinned():  # pinned host memory a GPU kernel reads in place
@@ -282,7 +282,7 @@ def row_body(w: torch.Tensor, ggml_type: int) -> bool:
 
 def _q8_in(xq, ggml_type: int, x2: torch.Tensor,
            special: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(int8 values, scales, use): decode's int8 copy of x (kernels/q8x.py: q as int32 words,
+    """(int8 values, scales, use): decode's int8 copy of x (carve_kernels/q8x.py: q as int32 words,
     d, s) where the kernel multiplies with it (a row body runs: ``special`` and a
     ROW_BODY_TYPES type; one row of x), else x twice and False."""
     if not special or ggml_type not in ROW_BODY_TYPES or not q8x.usable(xq, x2):
@@ -308,8 +308,8 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     M <= 8). x is float32/bf16/f16; y has x's dtype unless ``out`` is given. No allocation
     with ``out``. ``config`` overrides the tile (rows per program, blocks per step, warps[,
     stages]); the body and the accumulation follow from the type, the weight's alignment and
-    x's dtype. ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py). ``xq``: x's
-    int8 copy (q, d, s of kernels/q8x.py), which a row body (ROW_BODY_TYPES: the grid IQ
+    x's dtype. ``use_pdl``: launch with PDL where the GPU has it (carve_kernels/pdl.py). ``xq``: x's
+    int8 copy (q, d, s of carve_kernels/q8x.py), which a row body (ROW_BODY_TYPES: the grid IQ
     types, IQ4_XS, Q8_0 on a 4-byte aligned weight) multiplies by dp4a when M = 1; ignored
     otherwise."""
     ptrs, meta, warps, stages = _launch_args(w, ggml_type, config, x.dtype)
@@ -437,7 +437,7 @@ def dequantize(w: torch.Tensor, ggml_type: int, dtype: torch.dtype = torch.float
 def dequantize_ref(w: torch.Tensor, ggml_type: int, dtype: torch.dtype = torch.float16,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     n, k = w.shape[0], row_cols(w, ggml_type)
-    # kernels.dequant allocates its scratch on the CPU, so the reference runs there
+    # carve_kernels.dequant allocates its scratch on the CPU, so the reference runs there
     y = _dq.dequantize_to(w.reshape(-1).cpu(), ggml_type, (k, n), torch.float32)
     y = y.to(device=w.device, dtype=dtype)
     return y if out is None else out.copy_(y)

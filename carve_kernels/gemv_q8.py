@@ -1,4 +1,4 @@
-"""GGUF-order row dot products of Q4_K, Q6_K and MXFP4 against x's int8 copy (kernels/q8x.py), through
+"""GGUF-order row dot products of Q4_K, Q6_K and MXFP4 against x's int8 copy (carve_kernels/q8x.py), through
 ``dp4a``: the decode GEMVs of matrices that stay in GGUF order because something else reads them
 as the file has them (the routed experts, which prefill's grouped GEMMs dequantize block by
 block, and which host memory holds as the file has them).
@@ -35,9 +35,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gemv_dot import _k4_scale
-from kernels.gemv_t_dot import _dp4a, _funnel, _q6_s8
-from kernels.quant_blocks import _e8m0_half, _mxfp4_int
+from carve_kernels.gemv_dot import _k4_scale
+from carve_kernels.gemv_t_dot import _dp4a, _funnel, _q6_s8
+from carve_kernels.quant_blocks import _e8m0_half, _mxfp4_int
 
 
 @triton.jit

@@ -6,8 +6,8 @@ experts]`` whose expert e is a contiguous slice, held as uint8 ``[experts * rows
 (global row ``e * rows + r`` is expert e's row r). Expert ids and weights stay on the device:
 decode reads them inside its kernels (so the step stays one captured graph, no host sync), and
 prefill sorts the routed rows by expert on the device too. This module holds the router, the
-routing, ``combine`` and what the expert kernels share; kernels/moe_decode.py the expert GEMVs of
-decode, kernels/moe_prefill.py the sort and the grouped GEMMs of prefill.
+routing, ``combine`` and what the expert kernels share; carve_kernels/moe_decode.py the expert GEMVs of
+decode, carve_kernels/moe_prefill.py the sort and the grouped GEMMs of prefill.
 
     router(w, x, bias, out)                 # logits [M, E] = x @ w^T (+ bias), float32
     route(logits, k, gating, ...)           # ids [M, k] int32, weights [M, k] float32
@@ -26,7 +26,7 @@ clamps it) and multiplied by a scale. Ties pick the lower expert id.
 The decode down kernel sums a row's k experts in order inside one program (no atomics): the
 output bits do not depend on launch order, so a split over stages gives the same greedy ids.
 Prefill's grouped GEMMs dequantize the expert's blocks into registers tile by tile and
-multiply with ``tl.dot``: no dequantized copy of any expert exists anywhere (kernels/NOTES.md).
+multiply with ``tl.dot``: no dequantized copy of any expert exists anywhere (carve_kernels/NOTES.md).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.glu import glu_act
-from kernels.quant_matmul import dequantize_ref
+from carve_kernels import pdl
+from carve_kernels.glu import glu_act
+from carve_kernels.quant_matmul import dequantize_ref
 
 GATINGS = {"softmax": 0, "softmax_topk": 1, "sigmoid": 2}
 
@@ -101,7 +101,7 @@ def router(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
     """Router logits [M, E] float32 = x [M, K] @ w^T (+ bias); ``w`` float32 [E, K] (the file
     keeps routers in F32). Up to ROUTER_GEMV_ROWS rows a GEMV, else a tiled float32 GEMM.
     The route runs as a launch of its own (``route``): the router's last program routing the
-    row was measured twice and lost both times (kernels/NOTES.md, Tried and rejected)."""
+    row was measured twice and lost both times (carve_kernels/NOTES.md, Tried and rejected)."""
     e, k = w.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]

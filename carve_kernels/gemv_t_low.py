@@ -1,18 +1,18 @@
-"""T-layout step bodies (kernels/gemv_t.py) of the low-bit K and IQ types: Q2_K, Q3_K, IQ4_XS,
-IQ2_XXS and IQ3_S; and of Q8_0 (on trial: ``CARVE_TRIAL=q8_0_t``).
+"""T-layout step bodies (carve_kernels/gemv_t.py) of the low-bit K and IQ types: Q2_K, Q3_K, IQ4_XS,
+IQ2_XXS and IQ3_S; and of Q8_0.
 
-As for Q4_K and Q6_K (kernels/gemv_t_dot.py) each thread owns whole rows, reads the same word
+As for Q4_K and Q6_K (carve_kernels/gemv_t_dot.py) each thread owns whole rows, reads the same word
 of neighbouring rows beside its neighbours (one 128-byte line a warp a word), issues a step's
 loads together and keeps its rows' sums in registers; x, the same for every row, is read as
 scalars (broadcast loads) and whatever depends on x alone (Q2_K's sums of x per 16 values) is
 worked out once per thread, whatever its number of rows.
 
-On decode's int8 copy of x (kernels/q8x.py) the values multiply by ``dp4a``: Q2_K's 2-bit
+On decode's int8 copy of x (carve_kernels/q8x.py) the values multiply by ``dp4a``: Q2_K's 2-bit
 values as bytes ``(w >> 2j) & 0x03030303`` (Q3_K's with their hmask bit at bit 2, less 4 times
 the sum of x per 16), IQ4_XS's nibbles turned into their table values
 by byte permutes (``_iq4_values``), IQ2_XXS's and IQ3_S's grid rows gathered from the table
 (one 8- or 4-byte word a row) with their signs put into the bytes as integers
-(kernels/gemv_iq.py ``_signed``). On float x (bf16 as 64-bit words of four, or float32 or f16
+(carve_kernels/gemv_iq.py ``_signed``). On float x (bf16 as 64-bit words of four, or float32 or f16
 one value a load) Q2_K's values become floats through the mantissa of 1.0 (1 + q/4, the 1
 taken back out with the sum of x) and the others' signed bytes by a convert.
 
@@ -32,8 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gemv_iq import _ksigns, _signed
-from kernels.gemv_t_dot import _bits, _dp4a, _ld8, _pick4, _pick8, _sc8, _x4
+from carve_kernels.gemv_iq import _ksigns, _signed
+from carve_kernels.gemv_t_dot import _bits, _dp4a, _ld8, _pick4, _pick8, _sc8, _x4
 
 
 @triton.jit
@@ -179,7 +179,7 @@ def q2k_t_dot(wt_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N
         sw1 = tl.load(base + (2 * n + 1) * N, mask=rmask, other=0)
         dw = tl.load(base + 20 * N, mask=rmask, other=0)
         t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ sw0 ^ sw1 ^ dw
-        a0 = a0 + (t & (N >> 31))  # the step's loads issued together (kernels/gemv_t_dot.py)
+        a0 = a0 + (t & (N >> 31))  # the step's loads issued together (carve_kernels/gemv_t_dot.py)
         d = _f16(dw, False)
         dmin = _f16(dw, True)
         if Q8X:  # x words b * 64 + 32 n + 8 j + k, scales b * 8 + 4 n + j
@@ -311,7 +311,7 @@ def q3k_t_dot(wt_ptr, wh_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b
         s2 = tl.load(base + 26 * N, mask=rmask, other=0)
         d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
         t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ h0 ^ h1 ^ h2 ^ h3 ^ h4 ^ h5 ^ h6 ^ h7 ^ s0 ^ s1 ^ s2
-        a0 = a0 + (t & (N >> 31))  # the step's loads issued together (kernels/gemv_t_dot.py)
+        a0 = a0 + (t & (N >> 31))  # the step's loads issued together (carve_kernels/gemv_t_dot.py)
         if Q8X:  # x words b * 64 + 32 n + 8 j + k, scales b * 8 + 4 n + j
             xi = b * 64 + 32 * n
             xd = xd_ptr + b * 8 + 4 * n
@@ -372,7 +372,7 @@ def q80_t_dot(wt_ptr, wh_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b
         d0 = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
         d1 = tl.load(dp + (b + 1) * N, mask=m1, other=0.0).to(tl.float32)
         t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ e0 ^ e1 ^ e2 ^ e3 ^ e4 ^ e5 ^ e6 ^ e7
-        a0 = a0 + (t & (N >> 31))  # the step's loads issued together (kernels/gemv_t_dot.py)
+        a0 = a0 + (t & (N >> 31))  # the step's loads issued together (carve_kernels/gemv_t_dot.py)
         acc += _q80_block(a0, a1, a2, a3, a4, a5, a6, a7, d0, xq_ptr, xd_ptr, x_ptr, b,
                           BLOCK_N, XV, Q8X, ASM)
         acc += _q80_block(e0, e1, e2, e3, e4, e5, e6, e7, d1, xq_ptr, xd_ptr, x_ptr, b1,
@@ -414,7 +414,7 @@ def iq4xs_t_dot(wt_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_
                 BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr,
                 ASM: tl.constexpr):
     # half a block (4 sub-blocks: 16 qs words, and the d/scales_h and scales_l words) per
-    # step; tab_ptr: the 16 int8 values (kernels/lowbit_blocks.lookup_table), 4-byte aligned
+    # step; tab_ptr: the 16 int8 values (carve_kernels/lowbit_blocks.lookup_table), 4-byte aligned
     t0, t1, t2, t3 = _iq4_table(tab_ptr)
     xw = xq_ptr.to(tl.pointer_type(tl.int32))
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)

@@ -1,5 +1,5 @@
 """int8 copies of one activation row for the decode GEMVs that multiply with ``dp4a``
-(kernels/gemv_t.py, ``xq=``): llama.cpp quantizes x the same way (q8_1) for its decode.
+(carve_kernels/gemv_t.py, ``xq=``): llama.cpp quantizes x the same way (q8_1) for its decode.
 
 A row of K values (K a multiple of 32) is three arrays: ``q`` K int8 (the GEMV reads them as
 int32 words of four), ``d`` K/32 float32 scales (amax / 127, IEEE division) and ``s`` K/32

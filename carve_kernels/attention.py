@@ -2,7 +2,7 @@
 
 Both handle GQA (n_head = G * n_kv_heads), sliding windows (a key at position p is seen from
 query position i when i - p < window, llama.cpp's rule) and f16 or q8_0 caches. A cache of
-``cells`` cells is a ring: position p lives in cell p % cells (kernels/kv_cache.py).
+``cells`` cells is a ring: position p lives in cell p % cells (carve_kernels/kv_cache.py).
 
 Decode reads the query position from a device tensor, so a CUDA graph captured once replays at
 every depth: its grid covers all cells and splits past the current length exit at once.
@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.kv_cache import kv_load_ref
+from carve_kernels import pdl
+from carve_kernels.kv_cache import kv_load_ref
 from spec.launch import ATTN_SPLITS
 
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": masked scores use -inf, running maxima start here
@@ -176,7 +176,7 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     each softmax and adds no value.
     ``counter``: int32 zeros [n_kv_heads] or [n_kv_heads, k] (left zero); with it the splits
     are merged by the last program of each kv head instead of a second launch. ``use_pdl``:
-    launch with PDL where the GPU has it (kernels/pdl.py)."""
+    launch with PDL where the GPU has it (carve_kernels/pdl.py)."""
     nh, d = q.shape
     g = nh // n_kv_heads
     if workspace is None:

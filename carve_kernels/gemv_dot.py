@@ -9,7 +9,7 @@ multiply a sum over the sub-block rather than every element:
     sum_e x_e (d sc_s q_e - dmin mn_s) = d sc_s sum_e x_e q_e - dmin mn_s sum_e x_e
 
 Q8_0 (``q80_rows_dot``) has a row body too, on the MXFP4 expert body's pattern
-(kernels/gemv_q8.py): a thread per 34-byte block, which loads the 9 aligned int32 words that
+(carve_kernels/gemv_q8.py): a thread per 34-byte block, which loads the 9 aligned int32 words that
 hold it (rows of 34-byte blocks are only 2-byte aligned, so the generic walk loads bytes) and
 cuts its f16 scale and 8 qs words out of them with funnel shifts; on decode's int8 copy of x
 by ``dp4a``, one x group a block:
@@ -19,9 +19,9 @@ by ``dp4a``, one x group a block:
 or on float32 / 16-bit x in 64-bit words. It needs the weight's start 4-byte aligned
 (``quant_matmul.ROW_BODY_ALIGN``); an unaligned Q8_0 weight takes the generic walk.
 
-The grid IQ types and IQ4_XS have row bodies of their own (kernels/gemv_iq.py,
-kernels/gemv_lowbit.py; ``quant_matmul.ROW_BODY_TYPES``). The other types go through the
-generic per-part walk of ``kernels.quant_blocks.dequant_part``. (A Q6_K body of the same kind
+The grid IQ types and IQ4_XS have row bodies of their own (carve_kernels/gemv_iq.py,
+carve_kernels/gemv_lowbit.py; ``quant_matmul.ROW_BODY_TYPES``). The other types go through the
+generic per-part walk of ``carve_kernels.quant_blocks.dequant_part``. (A Q6_K body of the same kind
 as Q4_K's is slower on the H200: its 210-byte blocks allow only 2-byte loads. So are Q4_K
 bodies that load int32 words or prefetch the next step.)
 """
@@ -31,10 +31,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gemv_iq import _word_dot, _x_words, iq_rows_dot
-from kernels.gemv_lowbit import iq4xs_rows_dot, q2k_rows_dot
-from kernels.gemv_t_dot import _dp4a, _funnel
-from kernels.quant_blocks import dequant_part
+from carve_kernels.gemv_iq import _word_dot, _x_words, iq_rows_dot
+from carve_kernels.gemv_lowbit import iq4xs_rows_dot, q2k_rows_dot
+from carve_kernels.gemv_t_dot import _dp4a, _funnel
+from carve_kernels.quant_blocks import dequant_part
 
 
 @triton.jit
@@ -196,9 +196,9 @@ def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
     """[BLOCK_R] float32 dot products of weight rows ``rows_c`` (clamped in range) with the
     activation row at ``xrow``. ``w_ptr``/``wh_ptr``/``wi_ptr``: the weight's bytes as uint8,
     16-bit floats and int32 (for the types that read a value table, the IQ family, ``wi_ptr``
-    is that table: kernels.lowbit_blocks.lookup_table). SPECIAL picks the Q4_K storage-order
+    is that table: carve_kernels.lowbit_blocks.lookup_table). SPECIAL picks the Q4_K storage-order
     body or the type's row body (``quant_matmul.ROW_BODY_TYPES``: the grid IQ types',
-    kernels/gemv_iq.py; IQ4_XS's and Q2_K's, kernels/gemv_lowbit.py; Q8_0's here, which reads
+    carve_kernels/gemv_iq.py; IQ4_XS's and Q2_K's, carve_kernels/gemv_lowbit.py; Q8_0's here, which reads
     ``w_ptr`` as int32 words: its start 4-byte aligned), MAGIC the 2^23 integer-to-float of the
     generic walk. An int8 ``xrow`` is decode's int8 copy of x, its scales at ``xd_ptr`` (the
     row bodies only); ASM: dp4a and funnel shifts as the GPU's instructions."""

@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, q8x
-from kernels.kv_cache import _kv_store_one, _views
+from carve_kernels import pdl, q8x
+from carve_kernels.kv_cache import _kv_store_one, _views
 
 
 @triton.jit
@@ -118,7 +118,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float, neox: bool,
          mscale: float = 1.0) -> torch.Tensor:
     """Rotate x [T, n_heads, head_dim] in place by positions [T] (int32, on x's device, so a
     captured decode graph reads the new position each step). ``use_pdl``: launch with PDL
-    where the GPU has it (kernels/pdl.py). ``freqs``: float32 [head_dim / 2], each pair's
+    where the GPU has it (carve_kernels/pdl.py). ``freqs``: float32 [head_dim / 2], each pair's
     frequency (YaRN), in place of ``base`` and ``freq_scale``; cos and sin times ``mscale``."""
     t, nh, d = x.shape
     if x.stride(2) != 1:
@@ -144,7 +144,7 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, base:
                qk_norm: tuple | None = None) -> None:
     """Decode's rotation and cache store in one launch: qk [T, n_q + n_kv, head_dim] (q heads
     then k heads) rotated in place, the rotated keys and v [T, n_kv, head_dim] stored at cells
-    positions % cells of the caches (as kernels.kv_cache.kv_store lays them out). ``use_pdl``
+    positions % cells of the caches (as carve_kernels.kv_cache.kv_store lays them out). ``use_pdl``
     as in ``rope``. ``qk_norm``: (q_weight, k_weight, eps), the per-head RMSNorm of
     ``norm.rmsnorm_heads`` before the rotation, in the same launch."""
     t, nh, d = qk.shape

@@ -7,7 +7,7 @@ block. Splitting a block into parts whose scale is a per-block scalar keeps the 
 out of the per-element work (one FMA per element for the scale, one for the product).
 
 Block layouts are ggml's ``ggml-common.h``; the arithmetic mirrors ``dequantize_row_*`` of
-``ggml-quants.c`` (the torch twin is ``kernels.dequant``).
+``ggml-quants.c`` (the torch twin is ``carve_kernels.dequant``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from kernels.lowbit_blocks import LOWBIT_PLANS, lowbit_part
+from carve_kernels.lowbit_blocks import LOWBIT_PLANS, lowbit_part
 from spec import quant_types as qt
 
 
@@ -39,7 +39,7 @@ PLANS: dict[int, BlockPlan] = {
     qt.Q5_K: BlockPlan(256, 176, 8, 32),
     qt.Q6_K: BlockPlan(256, 210, 16, 16),
     qt.MXFP4: BlockPlan(32, 17, 2, 16),
-    # Q4_1, Q5_1, Q2_K, Q3_K and the IQ family: kernels/lowbit_blocks.py
+    # Q4_1, Q5_1, Q2_K, Q3_K and the IQ family: carve_kernels/lowbit_blocks.py
     **{t: BlockPlan(*p) for t, p in LOWBIT_PLANS.items()},
 }
 
@@ -108,7 +108,7 @@ def dequant_part(w_ptr, wh_ptr, base, lane, TYPE: tl.constexpr, P: tl.constexpr,
 
     ``w_ptr`` is the tensor's bytes, ``wh_ptr`` the same memory as 16-bit floats (f16, or bf16
     for a BF16 tensor) so that scale fields load as one access. ``g_ptr``: the type's value
-    table (kernels.lowbit_blocks.lookup_table) for the IQ types.
+    table (carve_kernels.lowbit_blocks.lookup_table) for the IQ types.
     """
     if TYPE == 1 or TYPE == 30:  # F16 / BF16
         e = lane

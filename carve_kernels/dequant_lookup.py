@@ -1,5 +1,5 @@
 """CPU dequantization of the lookup types: IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
-IQ3_S, IQ1_S, IQ1_M and MXFP4, as kinds for kernels/dequant.py's table (which runs them chunk by
+IQ3_S, IQ1_S, IQ1_M and MXFP4, as kinds for carve_kernels/dequant.py's table (which runs them chunk by
 chunk through its scratch). Bit-equal to `gguf.quants.dequantize`, as the other types are."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from kernels.dequant_scratch import Kind, Scratch, f16_field, split_bits
+from carve_kernels.dequant_scratch import Kind, Scratch, f16_field, split_bits
 from spec import quant_types as qt
 
 _I8 = torch.int8

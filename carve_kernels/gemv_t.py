@@ -7,7 +7,7 @@ GGUF stores a matrix row by row, block by block. The T layout keeps every byte a
 reorders them: W words of each block go to word planes, the rest of the block (the tail) to a
 plane after them (Q4_K: 144 bytes = 36 words, no tail; Q5_K 176 bytes = 44 words; Q3_K 110
 bytes = 27 words and its 2-byte d; Q6_K: 210 bytes = 52 words and its
-2-byte d; Q2_K 21 words, IQ4_XS 34, no tail; IQ2_XXS, IQ3_S and Q8_0 (on trial): the 2-byte d
+2-byte d; Q2_K 21 words, IQ4_XS 34, no tail; IQ2_XXS, IQ3_S and Q8_0: the 2-byte d
 at the block's start, then 16 / 27 / 8 words):
 
     T[b, u, n] = word u of block b of row n      (word planes [blocks per row, W, rows])
@@ -20,15 +20,15 @@ layout conversion, no shuffle), and each thread keeps its rows' sums in register
 Programs that split a row's blocks store their sums in their own row of a float32 ``part``
 buffer; the last one of a row tile to finish (an atomic counter, acq_rel) adds those rows in
 split order (deterministic: spec/launch.py) and writes y. The per-step dot products are in
-kernels/gemv_t_dot.py (Q4_K, Q5_K, Q6_K) and kernels/gemv_t_low.py (the low-bit types and
+carve_kernels/gemv_t_dot.py (Q4_K, Q5_K, Q6_K) and carve_kernels/gemv_t_low.py (the low-bit types and
 Q8_0, whose blocks of 32 split a row as 256-value blocks would): x as float,
-or (``xq=``) its int8 copy (kernels/q8x.py) through dp4a; the gate/up launch reads both
+or (``xq=``) its int8 copy (carve_kernels/q8x.py) through dp4a; the gate/up launch reads both
 matrices' Q4_K (Q5_K) words in one step.
 
 Same results as ``quant_matmul.gemv`` on the GGUF layout (the torch twin is ``gemv_t_ref``).
 On the H200 1.1-1.3x the GGUF-order GEMV for Q4_K matrices of 12 MB and more, 1.5-2.4x for
 Q6_K, slower below ~8 MB (bf16 x); 2.5x for Q2_K and 1.6x for IQ4_XS on int8 x
-(kernels/NOTES.md). The GPU runner repacks
+(carve_kernels/NOTES.md). The GPU runner repacks
 its big decode matrices at load time (engine/runtime/gpu/stage.py); prefill reads their
 dequant-cache copies, so nothing dequantizes from this layout except ``unpack_rows``.
 """
@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, q8x
-from kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
-from kernels.gemv_t_low import (
+from carve_kernels import pdl, q8x
+from carve_kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
+from carve_kernels.gemv_t_low import (
     iq2xxs_t_dot,
     iq3s_t_dot,
     iq4xs_t_dot,
@@ -49,8 +49,8 @@ from kernels.gemv_t_low import (
     q3k_t_dot,
     q80_t_dot,
 )
-from kernels.glu import glu_act
-from kernels.lowbit_blocks import lookup_table
+from carve_kernels.glu import glu_act
+from carve_kernels.lowbit_blocks import lookup_table
 from spec import launch
 from spec import quant_types as qt
 from spec.launch import T_CONFIG
@@ -128,8 +128,8 @@ def unpack(t: torch.Tensor, ggml_type: int, rows: int) -> torch.Tensor:
 def t_body(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_lo,
            b_hi, BLOCK_N: tl.constexpr, XV: tl.constexpr, TYPE: tl.constexpr,
            Q8X: tl.constexpr, ASM: tl.constexpr):
-    # a program's sums over blocks [b_lo, b_hi) of its rows, by type (kernels/gemv_t_dot.py,
-    # kernels/gemv_t_low.py); rows masked, not clamped: a clamp hides their contiguity and the
+    # a program's sums over blocks [b_lo, b_hi) of its rows, by type (carve_kernels/gemv_t_dot.py,
+    # carve_kernels/gemv_t_low.py); rows masked, not clamped: a clamp hides their contiguity and the
     # loads go 4 bytes wide. tab_ptr: the type's value table (lowbit_blocks.lookup_table)
     if TYPE == 10:
         acc = q2k_t_dot(wt_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV,
@@ -221,7 +221,7 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
                        ASM: tl.constexpr, PDL: tl.constexpr):
     # gate and up rows of the same outputs in one program (x read once for both); with a
     # split, part holds [M, 2, SPLIT, N] and the last program of a row tile applies the GLU.
-    # QOUT: the last program also writes the int8 copy of its y (kernels/q8x.py, M = 1)
+    # QOUT: the last program also writes the int8 copy of its y (carve_kernels/q8x.py, M = 1)
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
     pdl.start(PDL)
     xrow = x_ptr + m * stride_xm
@@ -353,7 +353,7 @@ def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
 
 
 def _q8_in(xq, ggml_type: int, x2: torch.Tensor):
-    """(q, d, s, use): the int8 copy of x (kernels/q8x.py) where the kernel can use it (a
+    """(q, d, s, use): the int8 copy of x (carve_kernels/q8x.py) where the kernel can use it (a
     T matrix, one row of x), else x's own pointers and False."""
     if ggml_type not in WORDS or not q8x.usable(xq, x2):
         return x2, x2, x2, False
@@ -367,8 +367,8 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
     """y[M, rows] = x[M, cols] @ W^T (+ bias) for W in the T layout ``wt`` (from ``repack``).
     ``part``: float32 scratch (>= M x splits x rows, spec/launch.py ``scratch``);
     ``counter``: int32 zeros (>= M x row tiles), left zero. No allocation. ``xq``: x's int8
-    copy (q, d, s of kernels/q8x.py), which the matrix multiplies by dp4a when M = 1.
-    ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py)."""
+    copy (q, d, s of carve_kernels/q8x.py), which the matrix multiplies by dp4a when M = 1.
+    ``use_pdl``: launch with PDL where the GPU has it (carve_kernels/pdl.py)."""
     grid, ptrs, x2, (nb, bps), meta, warps = _t_launch(wt, ggml_type, rows, x, config, 1, part,
                                                        counter, use_pdl)
     q, d, s, use = _q8_in(xq, ggml_type, x2)
@@ -455,6 +455,6 @@ def unpack_rows(t: torch.Tensor, ggml_type: int, rows: int, r0: int, r1: int,
 def gemv_t_ref(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
                out: torch.Tensor, part: torch.Tensor, counter: torch.Tensor,
                bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
-    from kernels.quant_matmul import gemv_ref
+    from carve_kernels.quant_matmul import gemv_ref
 
     return gemv_ref(unpack(wt, ggml_type, rows), ggml_type, x, out=out, bias=bias)

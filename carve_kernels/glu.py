@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from carve_kernels import pdl
 
 
 @triton.jit
@@ -37,7 +37,7 @@ def _glu_kernel(g_ptr, u_ptr, y_ptr, n, F, stride_g, stride_u, stride_y,
 def glu(gate: torch.Tensor, up: torch.Tensor, act: str = "silu",
         out: torch.Tensor | None = None, use_pdl: bool = True) -> torch.Tensor:
     """act(gate) * up for gate, up [T, F] (rows may be views of a fused [T, 2F] tensor).
-    ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py)."""
+    ``use_pdl``: launch with PDL where the GPU has it (carve_kernels/pdl.py)."""
     f = gate.shape[-1]
     g2, u2 = gate.reshape(-1, f), up.reshape(-1, f)
     y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device) if out is None \

@@ -1,6 +1,6 @@
 """Mixture-of-experts prefill: the routed rows sorted by expert on the device, then one grouped
 GEMM per expert tile over its rows, dequantizing each block into registers and multiplying with
-``tl.dot`` (no dequantized copy of any expert exists); kernels/moe.py's ``combine`` sums each
+``tl.dot`` (no dequantized copy of any expert exists); carve_kernels/moe.py's ``combine`` sums each
 token's k rows after.
 """
 
@@ -10,10 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe import _ACTS, _act, _expert_ref, expert_rows
-from kernels.moe_decode import expert_glu_ref
-from kernels.quant_blocks import dequant_part, plan
-from kernels.quant_matmul import _launch_args, row_cols
+from carve_kernels.moe import _ACTS, _act, _expert_ref, expert_rows
+from carve_kernels.moe_decode import expert_glu_ref
+from carve_kernels.quant_blocks import dequant_part, plan
+from carve_kernels.quant_matmul import _launch_args, row_cols
 from spec.launch import MOE_TILE_ROWS, moe_tiles
 
 # --- prefill: routed rows sorted by expert, one GEMM per expert -----------------------------

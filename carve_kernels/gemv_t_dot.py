@@ -1,6 +1,6 @@
-"""The per-block dot products of the T-layout GEMVs (kernels/gemv_t.py): for Q4_K, Q5_K and Q6_K,
+"""The per-block dot products of the T-layout GEMVs (carve_kernels/gemv_t.py): for Q4_K, Q5_K and Q6_K,
 one step of a program's row tile against x as float (bf16 four values to an 8-byte load, or
-float32) or as its int8 copy (kernels/q8x.py) through ``dp4a``. Every step issues all of its
+float32) or as its int8 copy (carve_kernels/q8x.py) through ``dp4a``. Every step issues all of its
 weight loads before its math (see ``q4k_t_dot_half``); each thread keeps its rows' sums in
 registers. Nibbles become floats as 1 + q/16 (Q6_K: 1 + q/64) through the mantissa of 1.0.
 """
@@ -213,7 +213,7 @@ def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
 def _funnel(lo, hi, s, ASM: tl.constexpr):
     # the 32 bits at bit s (0..32) of the 64-bit word hi:lo: bytes of an unaligned word from the
     # two aligned words around it (ASM: one funnel shift; s = 32 gives hi). Used by the
-    # MXFP4 (kernels/gemv_q8.py) and Q8_0 (kernels/gemv_dot.py) bodies
+    # MXFP4 (carve_kernels/gemv_q8.py) and Q8_0 (carve_kernels/gemv_dot.py) bodies
     if ASM:
         return tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r",
                                          [lo, hi, s], dtype=tl.int32, is_pure=True, pack=1)
@@ -332,7 +332,7 @@ def q4k_t_dot_half(wt_ptr, ut_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N
     # half a block (2 chunks, 16 words per row) per step, every load of the step issued before
     # its math: ptxas keeps loads at the top of the body they are used in. PAIR: the same
     # half block of ut (up beside gate) in the same step, on the same x values. Q8X: x is the
-    # int8 copy (kernels/q8x.py) and the nibbles multiply by dp4a. Q5: Q5_K, whose fifth bits
+    # int8 copy (carve_kernels/q8x.py) and the nibbles multiply by dp4a. Q5: Q5_K, whose fifth bits
     # (the block's 8 qh words, read by both half steps) join the nibbles as 5-bit bytes
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)

@@ -1,10 +1,10 @@
 """The parts of the low-bit types inside a Triton program: Q4_1, Q5_1, Q2_K, Q3_K and the IQ
 family (IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M).
 
-``lowbit_part`` is ``kernels.quant_blocks.dequant_part`` for these types: part P of a tile of
+``lowbit_part`` is ``carve_kernels.quant_blocks.dequant_part`` for these types: part P of a tile of
 blocks as float32 values ``[R, B, L]`` and the element index of each lane, every part one scale
 per block. Block layouts are ggml's ``ggml-common.h``, the arithmetic that of
-``dequantize_row_*`` in ``ggml-quants.c`` (the torch twin is ``kernels.dequant``).
+``dequantize_row_*`` in ``ggml-quants.c`` (the torch twin is ``carve_kernels.dequant``).
 
 The IQ types read values from tables of the format (a 16-value list, or grids of 4 or 8 values
 per row). They come from the installed gguf package, the reference itself, on first use, and
@@ -27,7 +27,7 @@ import triton.language as tl
 from spec import launch
 from spec import quant_types as qt
 
-# (block elements, bytes, parts, lanes) as kernels.quant_blocks.BlockPlan
+# (block elements, bytes, parts, lanes) as carve_kernels.quant_blocks.BlockPlan
 LOWBIT_PLANS: dict[int, tuple[int, int, int, int]] = {
     qt.Q4_1: (32, 20, 2, 16),
     qt.Q5_1: (32, 24, 2, 16),
@@ -97,7 +97,7 @@ def lookup_table(ggml_type: int, device: torch.device | str) -> torch.Tensor | N
 def install_tables(buf: torch.Tensor) -> torch.Tensor:
     """Write every table into ``buf`` (uint8 [LOOKUP_BYTES] on a device: a stage's
     buf.lookup) and serve its views from ``lookup_table`` on that device; returns the int32
-    flags of its last 256-byte line (kernels/scale_scan.py). Nothing is allocated on the
+    flags of its last 256-byte line (carve_kernels/scale_scan.py). Nothing is allocated on the
     device: the host tables are copied straight into ``buf``."""
     if buf.dtype != torch.uint8 or buf.numel() != launch.LOOKUP_BYTES:
         raise ValueError(f"the lookup buffer is uint8 [{launch.LOOKUP_BYTES}]")

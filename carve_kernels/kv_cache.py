@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import dequant as _dq
-from kernels import pdl, q8x
+from carve_kernels import dequant as _dq
+from carve_kernels import pdl, q8x
 from spec import quant_types as qt
 
 
@@ -71,7 +71,7 @@ def _q8_roundtrip_kernel(x_ptr, stride_t, stride_h, D: tl.constexpr,
 def q8_roundtrip_(x: torch.Tensor, use_pdl: bool = True) -> torch.Tensor:
     """x [T, heads, head_dim] in place: the values a q8_0 cache gives back for it (a prefill
     chunk attends its own keys as the cache holds them, like the CPU engine and llama.cpp).
-    ``use_pdl``: launch with PDL where the GPU has it (kernels/pdl.py)."""
+    ``use_pdl``: launch with PDL where the GPU has it (carve_kernels/pdl.py)."""
     t, h, d = x.shape
     if x.stride(2) != 1 or d % 32:
         raise ValueError("q8_roundtrip_ needs contiguous head dims of whole 32-value blocks")
@@ -138,6 +138,6 @@ def kv_load_ref(cache: torch.Tensor, cells: int, n_kv_heads: int, head_dim: int)
     if cache.dtype != torch.uint8:
         return cache.view(cells, n_kv_heads, head_dim).to(torch.float32)
     n = cells * n_kv_heads * head_dim
-    # kernels.dequant allocates its scratch on the CPU, so the reference runs there
+    # carve_kernels.dequant allocates its scratch on the CPU, so the reference runs there
     y = _dq.dequantize_to(cache.reshape(-1).cpu(), qt.Q8_0, (n,), torch.float32)
     return y.to(cache.device).view(cells, n_kv_heads, head_dim)

@@ -1,7 +1,7 @@
 """A body of their own for the grid IQ types' decode GEMVs (``gemv_dot.row_dot`` with SPECIAL):
 IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M (grid rows of 8 values) and IQ3_XXS, IQ3_S (rows of 4).
 
-The generic walk (kernels/lowbit_blocks.py) gives every lane one value: per value it loads a
+The generic walk (carve_kernels/lowbit_blocks.py) gives every lane one value: per value it loads a
 grid index, gathers one grid byte and works out its sign. Here each lane holds a group of 32
 values of a block (4 grid rows of 8, or 8 of 4): it reads the group's fields once, in 16-bit
 loads (every grid type's block is a whole number of 16-bit words), then per grid row works out
@@ -12,11 +12,11 @@ word of four at a time) and multiplies:
     sum_j x_j * db * v_j = db * sum_j x_j * v_j,   v_j = +-grid_j (IQ1: 8 grid_j +- 1)
 
 x is read in 64-bit words (four 16-bit values, or two float32, a load). With ``xq`` (decode's
-int8 copy of x, kernels/q8x.py) the signed grid bytes multiply x's int8 values with ``dp4a``,
+int8 copy of x, carve_kernels/q8x.py) the signed grid bytes multiply x's int8 values with ``dp4a``,
 four a instruction, and each group's integer sum is scaled once by the group's x scale (x's
 groups of 32 are the lane's group).
 
-Block layouts as in kernels/lowbit_blocks.py.
+Block layouts as in carve_kernels/lowbit_blocks.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.gemv_t_dot import _dp4a, _pick4
+from carve_kernels.gemv_t_dot import _dp4a, _pick4
 
 
 @triton.jit
@@ -181,7 +181,7 @@ def _half(w, K: tl.constexpr, BF16: tl.constexpr):
 
 @triton.jit
 def _x_words(xrow):
-    # x as the bodies of a 4-value word read it (kernels/gemv_lowbit.py, gemv_dot.py's Q8_0):
+    # x as the bodies of a 4-value word read it (carve_kernels/gemv_lowbit.py, gemv_dot.py's Q8_0):
     # decode's int8 copy in int32 words, 16-bit or float32 x in 64-bit words (4 or 2 values)
     XQ: tl.constexpr = xrow.dtype.element_ty == tl.int8
     if XQ:
@@ -215,7 +215,7 @@ def _add_bytes(w, v):
 @triton.jit
 def _step(row_half, blk, nblk, g, TS: tl.constexpr, BLOCK_R: tl.constexpr,
           BLOCK_B: tl.constexpr):
-    """One step of the lane-per-32-values bodies (this module's and kernels/gemv_lowbit.py's)
+    """One step of the lane-per-32-values bodies (this module's and carve_kernels/gemv_lowbit.py's)
     over blocks ``blk`` [B] of rows at 16-bit offsets ``row_half`` [R, 1, 1]: (each block's
     16-bit offset [R, B, 1], past the last block the last one's; each lane's 32-value group
     of x, as a full [R, B, 8] tile in the weights' register layout (no conversion); its
@@ -234,7 +234,7 @@ def iq_rows_dot(w_ptr, wh_ptr, g_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes,
     grid row) with the activation row at ``xrow`` (float32, bf16 or f16, its start 8-byte
     aligned; or int8: decode's int8 copy of x, its scales per 32 values at ``xd_ptr``);
     ``wh_ptr``: the weight as 16-bit words; ``g_ptr``: the type's grid
-    (kernels.lowbit_blocks.lookup_table, its start 8-byte aligned), read a row per word.
+    (carve_kernels.lowbit_blocks.lookup_table, its start 8-byte aligned), read a row per word.
     ASM: dp4a as the GPU's instruction (else integer ops: the interpreter)."""
     NR: tl.constexpr = 32 // W  # grid rows per group of 32 values
     # one scale for the whole group (the others: one per 16 values)
