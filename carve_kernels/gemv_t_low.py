@@ -95,30 +95,45 @@ def _x64(xq_ptr, i):
 
 # --- Q2_K -------------------------------------------------------------------------------------
 @triton.jit
-def _q2_quarter_q8(a0, a1, a2, a3, a4, a5, a6, a7, sw, d, dmin, xq_ptr, xd_ptr, xi,
-                   J: tl.constexpr, ASM: tl.constexpr):
-    # values 32J..32J+31 of a half block (bits 2J of its 8 qs words), two sub-blocks of 16
-    # with their scale and min bytes in sw (bytes 2(J % 2) and 2(J % 2) + 1), on int8 x words
-    # xi..xi+7 and x scale xd_ptr
+def _quarter_sums_q8(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, h4, h5, h6, h7, hb, xq_ptr,
+                     xi, J: tl.constexpr, HMASK: tl.constexpr, ASM: tl.constexpr):
+    # values 32J..32J+31 of a half block on int8 x words xi..xi+7, as two sub-blocks of 16:
+    # (sum v x of each, sum x of each). v: the 2-bit fields at bit 2J of the 8 qs words a0..a7
+    # (Q2_K), with bit hb of the same bytes of hmask words h0..h7 at bit 2 (HMASK: Q3_K)
     z = a0 * 0
     i0 = z
     i1 = z
     for k in tl.static_range(0, 8, 2):
         wa = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, k)
         wb = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, k + 1)
+        if HMASK:
+            va = _q3_bytes(wa, _pick8(h0, h1, h2, h3, h4, h5, h6, h7, k), J, hb)
+            vb = _q3_bytes(wb, _pick8(h0, h1, h2, h3, h4, h5, h6, h7, k + 1), J, hb)
+        else:
+            va = (wa >> (2 * J)) & 0x03030303
+            vb = (wb >> (2 * J)) & 0x03030303
         xa, xb = _x64(xq_ptr, xi + k)
         if k == 0:  # x's sums per 16 values: scalars, once per thread whatever its rows
             ones = xa * 0 + 0x01010101
             s0 = xa * 0
             s1 = s0
-        va = (wa >> (2 * J)) & 0x03030303
-        vb = (wb >> (2 * J)) & 0x03030303
         if k < 4:
             i0 = _dp4a(vb, xb, _dp4a(va, xa, i0, ASM, True), ASM, True)
             s0 = _dp4a(ones, xb, _dp4a(ones, xa, s0, ASM, True), ASM, True)
         else:
             i1 = _dp4a(vb, xb, _dp4a(va, xa, i1, ASM, True), ASM, True)
             s1 = _dp4a(ones, xb, _dp4a(ones, xa, s1, ASM, True), ASM, True)
+    return i0, i1, s0, s1
+
+
+@triton.jit
+def _q2_quarter_q8(a0, a1, a2, a3, a4, a5, a6, a7, sw, d, dmin, xq_ptr, xd_ptr, xi,
+                   J: tl.constexpr, ASM: tl.constexpr):
+    # values 32J..32J+31 of a half block (bits 2J of its 8 qs words), two sub-blocks of 16
+    # with their scale and min bytes in sw (bytes 2(J % 2) and 2(J % 2) + 1), on int8 x words
+    # xi..xi+7 and x scale xd_ptr
+    i0, i1, s0, s1 = _quarter_sums_q8(a0, a1, a2, a3, a4, a5, a6, a7, a0, a1, a2, a3, a4, a5,
+                                      a6, a7, 0, xq_ptr, xi, J, False, ASM)
     SH: tl.constexpr = 16 * (J % 2)
     isc = ((sw >> SH) & 15) * i0 + ((sw >> (SH + 8)) & 15) * i1
     imn = ((sw >> (SH + 4)) & 15) * s0 + ((sw >> (SH + 12)) & 15) * s1
@@ -233,27 +248,9 @@ def _q3_quarter_q8(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, h4, h5, h6, h
                    s2, d, xq_ptr, xd_ptr, xi, J: tl.constexpr, ASM: tl.constexpr):
     # values 32J..32J+31 of half block n (bits 2J of its 8 qs words, bit 4n + J of the 8
     # hmask words), two sub-blocks of 16 with their own scales, on int8 x words xi..xi+7 and
-    # x scale xd_ptr: sum (v - 4) x = dp4a(v, x) - 4 sum x, x's sums per 16 by a dp4a of ones
-    z = a0 * 0
-    i0 = z
-    i1 = z
-    hb = 4 * n + J
-    for k in tl.static_range(0, 8, 2):
-        va = _q3_bytes(_pick8(a0, a1, a2, a3, a4, a5, a6, a7, k),
-                       _pick8(h0, h1, h2, h3, h4, h5, h6, h7, k), J, hb)
-        vb = _q3_bytes(_pick8(a0, a1, a2, a3, a4, a5, a6, a7, k + 1),
-                       _pick8(h0, h1, h2, h3, h4, h5, h6, h7, k + 1), J, hb)
-        xa, xb = _x64(xq_ptr, xi + k)
-        if k == 0:  # x's sums per 16 values: scalars, once per thread whatever its rows
-            ones = xa * 0 + 0x01010101
-            t0 = xa * 0
-            t1 = t0
-        if k < 4:
-            i0 = _dp4a(vb, xb, _dp4a(va, xa, i0, ASM, True), ASM, True)
-            t0 = _dp4a(ones, xb, _dp4a(ones, xa, t0, ASM, True), ASM, True)
-        else:
-            i1 = _dp4a(vb, xb, _dp4a(va, xa, i1, ASM, True), ASM, True)
-            t1 = _dp4a(ones, xb, _dp4a(ones, xa, t1, ASM, True), ASM, True)
+    # x scale xd_ptr: sum (v - 4) x = dp4a(v, x) - 4 sum x
+    i0, i1, t0, t1 = _quarter_sums_q8(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, h4, h5,
+                                      h6, h7, 4 * n + J, xq_ptr, xi, J, True, ASM)
     isum = _q3_scale(s0, s1, s2, n, 2 * J) * (i0 - 4 * t0) \
         + _q3_scale(s0, s1, s2, n, 2 * J + 1) * (i1 - 4 * t1)
     return tl.load(xd_ptr) * d * isum.to(tl.float32)
