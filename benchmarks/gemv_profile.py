@@ -6,9 +6,9 @@ With no option: the Q4_K storage-order body (bf16 x) over a sweep of tiles again
 walk (float32 x), Q6_K over its tiles, then the fused launches (gate/up + GLU, q/k/v) against the
 separate ones. ``--probes``: where the Q4_K GEMV's time goes (its loads alone, x in float32);
 ``--ncu``: a short run for the profiler; ``--tlayout``: the T-layout gate/up launch over its
-tiles, then the T-layout GEMV (carve_kernels/gemv_t.py) against the GGUF-layout one at 7B, 32B and head
-shapes (``--glu``: the gate/up launch only; ``--quick``: the default T tile only); ``--q8x``: the
-T GEMVs on float x against int8 x; ``--qkv``: q/k/v in one launch, GGUF order against T.
+tiles, then the T-layout GEMV (carve_kernels/gemv_t.py) against the GGUF-layout one at 7B, 32B and
+head shapes (``--glu``: the gate/up launch only; ``--quick``: the default T tile only); ``--q8x``:
+the T GEMVs on float x against int8 x; ``--qkv``: q/k/v in one launch, GGUF order against T.
 
 Prints one line per variant: microseconds per call, GB/s of weight bytes read and the normalized
 error against the reference. Times are replays of a CUDA graph of 8 calls with four weight copies

@@ -14,9 +14,9 @@ the machine code, disassembled by the wheel's nvdisasm), per value and by opcode
 its whole kernel counted.
 
 A GEMV of the low-bit types in GGUF order was instruction-bound long before it was
-memory-bound, then bound by its L1 traffic (carve_kernels/NOTES.md): the count per value is the first
-thing to move when a body changes; the time on a GPU (`benchmarks.device_check --types`) is the
-figure that counts. ``--body row`` puts TYPE in ``quant_matmul.ROW_BODY_TYPES`` (the bodies on
+memory-bound, then bound by its L1 traffic (carve_kernels/NOTES.md): the count per value is the
+first thing to move when a body changes; the time on a GPU (`benchmarks.device_check --types`) is
+the figure that counts. ``--body row`` puts TYPE in ``quant_matmul.ROW_BODY_TYPES`` (the bodies on
 trial too), ``generic`` takes it out.
 """
 
@@ -94,10 +94,10 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16"):
 
 
 def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int]):
-    """The compiled decode expert GEMV on int8 x (carve_kernels/moe_decode.py, carve_kernels/gemv_q8.py) of
-    ``ggml_type``: ``part`` "glu" (gate and up of that type, gpt-oss's clamped SwiGLU with
-    biases for MXFP4, writing the int8 copy of its outputs) or "down" (the in-kernel sum of
-    the k rows), tile ``config`` (rows, blocks, warps)."""
+    """The compiled decode expert GEMV on int8 x (carve_kernels/moe_decode.py,
+    carve_kernels/gemv_q8.py) of ``ggml_type``: ``part`` "glu" (gate and up of that type,
+    gpt-oss's clamped SwiGLU with biases for MXFP4, writing the int8 copy of its outputs) or
+    "down" (the in-kernel sum of the k rows), tile ``config`` (rows, blocks, warps)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -4,8 +4,8 @@ Block layouts follow ggml's `ggml-common.h` and the arithmetic follows `ggml-qua
 (`dequantize_row_*`). The reference is `gguf.quants.dequantize`; every float op here is done in
 float32 in the same order as there (d * scale first, then * q, then - min), and every integer step
 is exact, so results are bit-equal to it (tests/engine/test_dequant.py). The lookup types (IQ
-family, MXFP4) are in carve_kernels/dequant_lookup.py, the scratch and field readers every type uses in
-carve_kernels/dequant_scratch.py; this module holds the legacy and K types and runs them all.
+family, MXFP4) are in carve_kernels/dequant_lookup.py, the scratch and field readers every type uses
+in carve_kernels/dequant_scratch.py; this module holds the legacy and K types and runs them all.
 
 How it is fast enough in plain torch on a CPU: each block's quants are assembled as exact
 integers in uint8 scratch (shifts and masks on whole chunks, read as int8), and one mixed-dtype

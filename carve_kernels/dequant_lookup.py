@@ -1,6 +1,6 @@
 """CPU dequantization of the lookup types: IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
-IQ3_S, IQ1_S, IQ1_M and MXFP4, as kinds for carve_kernels/dequant.py's table (which runs them chunk by
-chunk through its scratch). Bit-equal to `gguf.quants.dequantize`, as the other types are."""
+IQ3_S, IQ1_S, IQ1_M and MXFP4, as kinds for carve_kernels/dequant.py's table (which runs them chunk
+by chunk through its scratch). Bit-equal to `gguf.quants.dequantize`, as the other types are."""
 
 from __future__ import annotations
 

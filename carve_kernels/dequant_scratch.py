@@ -1,6 +1,7 @@
 """Scratch buffers, block-field readers and bit unpacking shared by the CPU dequantizers:
-carve_kernels/dequant.py (legacy and K types, and the public API) and carve_kernels/dequant_lookup.py (IQ
-family, MXFP4). All of it works on uint8 blocks [n_blocks, type_size] in torch."""
+carve_kernels/dequant.py (legacy and K types, and the public API) and
+carve_kernels/dequant_lookup.py (IQ family, MXFP4). All of it works on uint8 blocks [n_blocks,
+type_size] in torch."""
 
 from __future__ import annotations
 

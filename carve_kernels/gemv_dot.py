@@ -198,10 +198,11 @@ def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
     16-bit floats and int32 (for the types that read a value table, the IQ family, ``wi_ptr``
     is that table: carve_kernels.lowbit_blocks.lookup_table). SPECIAL picks the Q4_K storage-order
     body or the type's row body (``quant_matmul.ROW_BODY_TYPES``: the grid IQ types',
-    carve_kernels/gemv_iq.py; IQ4_XS's and Q2_K's, carve_kernels/gemv_lowbit.py; Q8_0's here, which reads
-    ``w_ptr`` as int32 words: its start 4-byte aligned), MAGIC the 2^23 integer-to-float of the
-    generic walk. An int8 ``xrow`` is decode's int8 copy of x, its scales at ``xd_ptr`` (the
-    row bodies only); ASM: dp4a and funnel shifts as the GPU's instructions."""
+    carve_kernels/gemv_iq.py; IQ4_XS's and Q2_K's, carve_kernels/gemv_lowbit.py; Q8_0's here,
+    which reads ``w_ptr`` as int32 words: its start 4-byte aligned), MAGIC the 2^23
+    integer-to-float of the generic walk. An int8 ``xrow`` is decode's int8 copy of x, its scales
+    at ``xd_ptr`` (the row bodies only); ASM: dp4a and funnel shifts as the GPU's
+    instructions."""
     nblk = K // BS
     if SPECIAL and TYPE == 12:
         y = _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B)

@@ -1,7 +1,7 @@
-"""GGUF-order row dot products of Q4_K, Q6_K and MXFP4 against x's int8 copy (carve_kernels/q8x.py), through
-``dp4a``: the decode GEMVs of matrices that stay in GGUF order because something else reads them
-as the file has them (the routed experts, which prefill's grouped GEMMs dequantize block by
-block, and which host memory holds as the file has them).
+"""GGUF-order row dot products of Q4_K, Q6_K and MXFP4 against x's int8 copy
+(carve_kernels/q8x.py), through ``dp4a``: the decode GEMVs of matrices that stay in GGUF order
+because something else reads them as the file has them (the routed experts, which prefill's
+grouped GEMMs dequantize block by block, and which host memory holds as the file has them).
 
 Lanes run along a block's words, not along rows: the threads of a program that share a row read
 its block's consecutive words (Q4_K: 16 bytes a thread, a block's 128 quant bytes in 8 threads),

@@ -20,8 +20,8 @@ layout conversion, no shuffle), and each thread keeps its rows' sums in register
 Programs that split a row's blocks store their sums in their own row of a float32 ``part``
 buffer; the last one of a row tile to finish (an atomic counter, acq_rel) adds those rows in
 split order (deterministic: spec/launch.py) and writes y. The per-step dot products are in
-carve_kernels/gemv_t_dot.py (Q4_K, Q5_K, Q6_K) and carve_kernels/gemv_t_low.py (the low-bit types and
-Q8_0, whose blocks of 32 split a row as 256-value blocks would): x as float,
+carve_kernels/gemv_t_dot.py (Q4_K, Q5_K, Q6_K) and carve_kernels/gemv_t_low.py (the low-bit types
+and Q8_0, whose blocks of 32 split a row as 256-value blocks would): x as float,
 or (``xq=``) its int8 copy (carve_kernels/q8x.py) through dp4a; the gate/up launch reads both
 matrices' Q4_K (Q5_K) words in one step.
 

@@ -1,5 +1,5 @@
-"""The per-block dot products of the T-layout GEMVs (carve_kernels/gemv_t.py): for Q4_K, Q5_K and Q6_K,
-one step of a program's row tile against x as float (bf16 four values to an 8-byte load, or
+"""The per-block dot products of the T-layout GEMVs (carve_kernels/gemv_t.py): for Q4_K, Q5_K and
+Q6_K, one step of a program's row tile against x as float (bf16 four values to an 8-byte load, or
 float32) or as its int8 copy (carve_kernels/q8x.py) through ``dp4a``. Every step issues all of its
 weight loads before its math (see ``q4k_t_dot_half``); each thread keeps its rows' sums in
 registers. Nibbles become floats as 1 + q/16 (Q6_K: 1 + q/64) through the mantissa of 1.0.

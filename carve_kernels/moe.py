@@ -6,8 +6,8 @@ experts]`` whose expert e is a contiguous slice, held as uint8 ``[experts * rows
 (global row ``e * rows + r`` is expert e's row r). Expert ids and weights stay on the device:
 decode reads them inside its kernels (so the step stays one captured graph, no host sync), and
 prefill sorts the routed rows by expert on the device too. This module holds the router, the
-routing, ``combine`` and what the expert kernels share; carve_kernels/moe_decode.py the expert GEMVs of
-decode, carve_kernels/moe_prefill.py the sort and the grouped GEMMs of prefill.
+routing, ``combine`` and what the expert kernels share; carve_kernels/moe_decode.py the expert GEMVs
+of decode, carve_kernels/moe_prefill.py the sort and the grouped GEMMs of prefill.
 
     router(w, x, bias, out)                 # logits [M, E] = x @ w^T (+ bias), float32
     route(logits, k, gating, ...)           # ids [M, k] int32, weights [M, k] float32
@@ -26,7 +26,8 @@ clamps it) and multiplied by a scale. Ties pick the lower expert id.
 The decode down kernel sums a row's k experts in order inside one program (no atomics): the
 output bits do not depend on launch order, so a split over stages gives the same greedy ids.
 Prefill's grouped GEMMs dequantize the expert's blocks into registers tile by tile and
-multiply with ``tl.dot``: no dequantized copy of any expert exists anywhere (carve_kernels/NOTES.md).
+multiply with ``tl.dot``: no dequantized copy of any expert exists anywhere
+(carve_kernels/NOTES.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Mixture-of-experts decode: the routed experts' GEMVs (carve_kernels/moe.py has the routing and the
-layout of expert tensors). Each program reads its expert id from the device and walks only that
+"""Mixture-of-experts decode: the routed experts' GEMVs (carve_kernels/moe.py has the routing and
+the layout of expert tensors). Each program reads its expert id from the device and walks only that
 expert's rows with ``gemv_dot.row_dot``, so every GPU type serves experts; gate and up in one
 launch with the activation, down with the routing weights (in order, no atomics).
 """

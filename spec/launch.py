@@ -2,9 +2,9 @@
 
 Split-K decode attention cuts the KV range into at most ``ATTN_SPLITS`` pieces
 (carve_kernels/attention.py; buf.attn_partial / buf.attn_lse). A T-layout decode GEMV
-(carve_kernels/gemv_t.py) cuts its launch into programs: row tiles, times splits of each row's blocks.
-Pricing (engine/planning/buffers.py) sizes the buffer of the splits' partial sums by the rule
-the launches follow.
+(carve_kernels/gemv_t.py) cuts its launch into programs: row tiles, times splits of each row's
+blocks. Pricing (engine/planning/buffers.py) sizes the buffer of the splits' partial sums by the
+rule the launches follow.
 
 A split row tile writes one row of partial sums per split into ``part`` [parts, split, rows]
 and the last of its programs to finish adds them in split order: the same sums, so the same
@@ -27,8 +27,8 @@ T_CONFIG = (128, 4, 2112)
 # the gate/up launch: 128 rows per program, each Q4_K step reading both matrices' words (H200:
 # 7B 50.1 -> 47.0 us, 32B 88.6 -> 83.0 us against one matrix after the other at 256 rows)
 T_GLU_CONFIG = (128, 4, 2112)
-# the low-bit types' T bodies (carve_kernels/gemv_t_low.py), alone or as the gate/up pair: two rows a
-# thread share each x value's loads and x-only work (H200, 7B ffn_up + ffn_down, 2026-12-02:
+# the low-bit types' T bodies (carve_kernels/gemv_t_low.py), alone or as the gate/up pair: two rows
+# a thread share each x value's loads and x-only work (H200, 7B ffn_up + ffn_down, 2026-12-02:
 # 256 rows won the sweep of five configs for Q2_K and IQ4_XS, on bf16 and int8 x; IQ2_XXS's
 # configs were within 5 % of each other)
 T_LOWBIT_TYPES = frozenset({qt.Q2_K, qt.Q3_K, qt.IQ4_XS, qt.IQ2_XXS, qt.IQ3_S})
@@ -89,9 +89,9 @@ SAMPLE_STATE = 16 + SAMPLE_LAST_N + SAMPLE_RING
 LOOKUP_BYTES = 34304
 LOOKUP_FLAGS = 64
 
-# Mixture-of-experts prefill (carve_kernels/moe_prefill.py): the routed rows (tokens x experts used) sorted
-# by expert, cut into tiles of MOE_TILE_ROWS rows of one expert each; every expert's last tile
-# may be partial, so a chunk needs at most this many tiles (the priced buf.moe_tiles).
+# Mixture-of-experts prefill (carve_kernels/moe_prefill.py): the routed rows (tokens x experts used)
+# sorted by expert, cut into tiles of MOE_TILE_ROWS rows of one expert each; every expert's last
+# tile may be partial, so a chunk needs at most this many tiles (the priced buf.moe_tiles).
 MOE_TILE_ROWS = 32
 
 

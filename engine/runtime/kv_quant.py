@@ -1,8 +1,8 @@
 """q8_0 for the KV cache: ggml's block layout (f16 d, then 32 int8) built and read in torch.
 
 The bytes are exactly what ggml's `quantize_row_q8_0_ref` writes, so a cache span priced at
-34 bytes per 32 values holds them as they are, and `carve_kernels.dequant` reads them back bit-equal to
-`gguf.quants.dequantize`.
+34 bytes per 32 values holds them as they are, and `carve_kernels.dequant` reads them back bit-equal
+to `gguf.quants.dequantize`.
 """
 
 from __future__ import annotations

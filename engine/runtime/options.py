@@ -16,7 +16,8 @@ SWITCH = {"1": True, "0": False}
 # kernels on trial (CARVE_TRIAL): written and checked, not yet measured to win on a GPU
 TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (carve_kernels/gemv_lowbit.py)",
-    "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x (carve_kernels/gemv_dot.py)",
+    "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x "
+                 "(carve_kernels/gemv_dot.py)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}

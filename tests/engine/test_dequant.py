@@ -1,8 +1,8 @@
 """carve_kernels.dequant against gguf.quants.dequantize (numpy, written by the gguf authors).
 
-Error bound: **bit-equal** in float32 for every type. carve_kernels.dequant does the same float32 ops in
-the same order as the reference (d*scale first, then *q, then -min), and every integer step is
-exact, so there is no rounding difference to allow for. bf16/f16 output is the float32 result
+Error bound: **bit-equal** in float32 for every type. carve_kernels.dequant does the same float32
+ops in the same order as the reference (d*scale first, then *q, then -min), and every integer step
+is exact, so there is no rounding difference to allow for. bf16/f16 output is the float32 result
 rounded once, so it must equal the reference cast to that dtype (again exact equality).
 
 Inputs are fresh random blocks each run (the `seed` fixture, printed with every failure): raw

@@ -83,8 +83,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_norm_kernels_match_their_references(dtype) -> None:
-    """The two kernels this runner adds (carve_kernels/norm.py), on the rows and head views the stage
-    hands them: per-head q/k norm in place on a strided slice of a wider qkv row, and the
+    """The two kernels this runner adds (carve_kernels/norm.py), on the rows and head views the
+    stage hands them: per-head q/k norm in place on a strided slice of a wider qkv row, and the
     sandwich norm fused with the next pre-norm."""
     from carve_kernels import norm
 

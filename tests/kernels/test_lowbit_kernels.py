@@ -126,8 +126,8 @@ def _row_cols(ggml_type: int, g: torch.Generator, lo: int, hi: int) -> int:
                          ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("ggml_type", ROW_BODIES, ids=qt.type_name)
 def test_row_body_matches_reference(ggml_type, xdtype, seed, monkeypatch):
-    # carve_kernels/gemv_iq.py (a group of 32 values per lane; carve_kernels/gemv_lowbit.py's bodies and
-    # Q8_0's, a thread per block, alike) on float32 or 16-bit x (read in 64-bit words), rows
+    # carve_kernels/gemv_iq.py (a group of 32 values per lane; carve_kernels/gemv_lowbit.py's bodies
+    # and Q8_0's, a thread per block, alike) on float32 or 16-bit x (read in 64-bit words), rows
     # that are not a multiple of the tile, several steps of blocks and a partial last one; the
     # bodies still on trial too
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES",

@@ -1,5 +1,5 @@
-"""The mixture-of-experts kernels (carve_kernels/moe.py, moe_decode.py, moe_prefill.py) against their
-plain-torch twins: router, routing under each gating rule, decode's expert GEMVs (every GPU
+"""The mixture-of-experts kernels (carve_kernels/moe.py, moe_decode.py, moe_prefill.py) against
+their plain-torch twins: router, routing under each gating rule, decode's expert GEMVs (every GPU
 type, MXFP4 included, gpt-oss's biases and clamped SwiGLU), prefill's sort by expert, grouped
 GEMMs and combine. Fresh random inputs each run, outputs poisoned first; tiny shapes under the
 interpreter without a GPU."""

@@ -1,5 +1,5 @@
-"""carve_kernels/sample.py, the GPU sampler, against its host twin (``sample_ref``, the chain the CPU
-engine samples with): the same ids from the same logits, settings, history and seed, draw after
+"""carve_kernels/sample.py, the GPU sampler, against its host twin (``sample_ref``, the chain the
+CPU engine samples with): the same ids from the same logits, settings, history and seed, draw after
 draw, with the output and the scratch poisoned before each run."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The scan for blocks whose scale is not finite (carve_kernels/scale_scan.py): the kernel and its torch
-twin find an inf or NaN d (or dmin) in any block of random well-formed weights, and nothing in
+"""The scan for blocks whose scale is not finite (carve_kernels/scale_scan.py): the kernel and its
+torch twin find an inf or NaN d (or dmin) in any block of random well-formed weights, and nothing in
 finite ones, however large; the lookup buffer holds every IQ table the kernels read."""
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ T_MATRICES = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_outpu
 # than the layout saves (H200, bf16 x: Qwen2-7B's 7.2 MB attn_output 8.4 -> 9.8 us in T,
 # 0.5B's 2.4 MB ffn_down 5.8 -> 7.8 us; 32B's 14.7 MB attn_output 18.3 -> 14.3 us)
 T_MIN_BYTES = 12 << 20
-# q, k and v go to the T layout together (one launch, carve_kernels/gemv_t.py gemv_t3) when all three
-# can, whatever their size (on int8 x the one launch beats GGUF order's gemv3 even at 7B's 9.7
+# q, k and v go to the T layout together (one launch, carve_kernels/gemv_t.py gemv_t3) when all
+# three can, whatever their size (on int8 x the one launch beats GGUF order's gemv3 even at 7B's 9.7
 # MB: 9.1 against ~11.6 us on an H200)
 QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
 
@@ -378,7 +378,8 @@ class LayerBuilder:
 
     def _expert_int8_x(self, mats: list[Matrix]) -> dict:
         """The routed experts' int8 copies (Experts.xq, xq_h) where their types have a GGUF-order
-        int8-x body (carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4): gate and up both, then down too."""
+        int8-x body (carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4): gate and up both, then down
+        too."""
         hp = self.hp
         g, u, d = mats
         if (self.xq is None or not self.options.expert_q8

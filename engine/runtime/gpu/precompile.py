@@ -167,8 +167,8 @@ def job(variant: Variant) -> tuple[str, str, str, tuple] | None:
 
 
 def fresh() -> bool:
-    """No kernel of ``carve_kernels/`` is compiled in this process yet, so none would launch during a
-    dry pass (the first load of an engine process): the dequant-cache fill's and the warm-up's
+    """No kernel of ``carve_kernels/`` is compiled in this process yet, so none would launch during
+    a dry pass (the first load of an engine process): the dequant-cache fill's and the warm-up's
     dry passes can then run as one round before either runs for real, whose kernels would
     otherwise read weights not yet filled or repacked."""
     try:

@@ -161,8 +161,8 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
             self.t_count.zero_()  # the T GEMVs leave their counters at zero after each use
         if "moe_count" in self.buf:
             self.buf["moe_count"].zero_()  # so do the MoE down GEMVs (stage_moe.py)
-        # the IQ types' value tables, in the Layout (carve_kernels/lowbit_blocks.py), and the flags of
-        # the load's scan for non-finite scales
+        # the IQ types' value tables, in the Layout (carve_kernels/lowbit_blocks.py), and the flags
+        # of the load's scan for non-finite scales
         lookup = self.buf.get("lookup")
         self.scan_flags = None if lookup is None else lowbit_blocks.install_tables(lookup)
 

@@ -1,8 +1,8 @@
 """The op table every model forward goes through: plain-torch implementations.
 
 A model never calls torch for the heavy steps directly; it calls `ops.<name>` on the table it
-was built with. The GPU path swaps this table for the Triton one in `carve_kernels/` (same names, same
-signatures), so devices and kernels change without touching a model definition.
+was built with. The GPU path swaps this table for the Triton one in `carve_kernels/` (same names,
+same signatures), so devices and kernels change without touching a model definition.
 
 Shapes: T tokens, H query heads, K key/value heads, D head dim, S key positions.
 """
