@@ -8,7 +8,7 @@ along the way and the slope of each printed: a leak shows as a slope above noise
 
 Each generate cycle asks for up to --max-tokens tokens and sends stop after a random number of them
 (0..max-1), as a user pressing Stop does; each load cycle unloads and loads the plan again.
-Prints one line per sample (phase, cycle, RSS MiB, GPU MiB) and per phase the least-squares
+Prints one line per sample (phase, cycle, RSS MiB, GPU MiB) and per phase the Theil-Sen
 slope in KiB per cycle over the second half of the phase (the first half is warm-up: caches,
 allocator pools and lazily built kernels grow there legitimately).
 """
@@ -56,15 +56,17 @@ def file_holds(pid: int, path: str) -> int:
 
 
 def slope(points: list[tuple[int, float]]) -> float:
-    """Least-squares slope of y on x over the second half of the points (y units per x)."""
+    """Theil-Sen slope of y on x over the second half of the points (y units per x): the median
+    of the slopes between every pair of samples. A leak raises every pair, so it shows; one
+    sample the allocator happened to catch high or low moves a least-squares fit of a dozen
+    points by several KiB a cycle, and this one not at all."""
     pts = points[len(points) // 2:]
-    if len(pts) < 2:
+    pairs = sorted((y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(pts)
+                   for x2, y2 in pts[i + 1:] if x2 != x1)
+    if not pairs:
         return 0.0
-    n = len(pts)
-    mx = sum(x for x, _ in pts) / n
-    my = sum(y for _, y in pts) / n
-    den = sum((x - mx) ** 2 for x, _ in pts)
-    return sum((x - mx) * (y - my) for x, y in pts) / den if den else 0.0
+    mid = len(pairs) // 2
+    return pairs[mid] if len(pairs) % 2 else (pairs[mid - 1] + pairs[mid]) / 2
 
 
 class Soak:
