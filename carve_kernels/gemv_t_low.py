@@ -141,16 +141,12 @@ def _q2_quarter_q8(a0, a1, a2, a3, a4, a5, a6, a7, sw, d, dmin, xq_ptr, xd_ptr, 
 
 
 @triton.jit
-def _q2_val(w, S: tl.constexpr):
-    # the 2-bit value at bit S of each word as the float 1 + q/4 (q into the top of the
-    # mantissa of 1.0)
-    return (_bits(w, S, 3, 21) | 0x3F800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _q2_quarter_f(a0, a1, a2, a3, a4, a5, a6, a7, sw, d, dmin, xp, J: tl.constexpr,
-                  BLOCK_N: tl.constexpr, XV: tl.constexpr):
-    # _q2_quarter_q8 on float x: xp points at x[32 J] of the half block
+def _quarter_sums_f(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, h4, h5, h6, h7, hb, xp,
+                    J: tl.constexpr, HMASK: tl.constexpr, BLOCK_N: tl.constexpr,
+                    XV: tl.constexpr):
+    # _quarter_sums_q8 on float x (xp points at x[32 J] of the half block): each value v as the
+    # float 1 + v/8 (v into the top of the mantissa of 1.0), so sum v x = 8 (sum - sum x);
+    # returns (that sum, sum x) of each sub-block of 16
     z = tl.zeros([BLOCK_N], dtype=tl.float32)
     f0 = z
     f1 = z
@@ -158,22 +154,34 @@ def _q2_quarter_f(a0, a1, a2, a3, a4, a5, a6, a7, sw, d, dmin, xp, J: tl.constex
     x1 = 0.0
     for k in tl.static_range(8):
         w = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, k)
+        if HMASK:
+            w = _q3_bytes(w, _pick8(h0, h1, h2, h3, h4, h5, h6, h7, k), J, hb)
         if XV:
             xv = tl.load((xp + 4 * k).to(tl.pointer_type(tl.int64)))
         else:
             xv = xp + 4 * k
         for m in tl.static_range(4):
             xm = _x4(xv, m, XV)
+            if HMASK:  # the 3-bit value at bit 8m of the assembled bytes
+                fv = (_bits(w, 8 * m, 7, 20) | 0x3F800000).to(tl.float32, bitcast=True)
+            else:  # the 2-bit field at bit 8m + 2J of the qs word itself
+                fv = (_bits(w, 8 * m + 2 * J, 3, 20) | 0x3F800000).to(tl.float32, bitcast=True)
             if k < 4:
-                f0 += _q2_val(w, 8 * m + 2 * J) * xm
+                f0 += fv * xm
                 x0 += xm
             else:
-                f1 += _q2_val(w, 8 * m + 2 * J) * xm
+                f1 += fv * xm
                 x1 += xm
-    # sum x q = 4 (sum x (1 + q/4) - sum x)
+    return 8.0 * (f0 - x0), 8.0 * (f1 - x1), x0, x1
+
+
+@triton.jit
+def _q2_quarter_f(a0, a1, a2, a3, a4, a5, a6, a7, sw, d, dmin, xp, J: tl.constexpr,
+                  BLOCK_N: tl.constexpr, XV: tl.constexpr):
+    # _q2_quarter_q8 on float x: xp points at x[32 J] of the half block
+    q0, q1, x0, x1 = _quarter_sums_f(a0, a1, a2, a3, a4, a5, a6, a7, a0, a1, a2, a3, a4, a5, a6,
+                                     a7, 0, xp, J, False, BLOCK_N, XV)
     SH: tl.constexpr = 16 * (J % 2)
-    q0 = 4.0 * (f0 - x0)
-    q1 = 4.0 * (f1 - x1)
     return d * (((sw >> SH) & 15).to(tl.float32) * q0
                 + ((sw >> (SH + 8)) & 15).to(tl.float32) * q1) \
         - dmin * (((sw >> (SH + 4)) & 15).to(tl.float32) * x0
@@ -259,34 +267,11 @@ def _q3_quarter_q8(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, h4, h5, h6, h
 @triton.jit
 def _q3_quarter_f(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, h4, h5, h6, h7, n, s0, s1,
                   s2, d, xp, J: tl.constexpr, BLOCK_N: tl.constexpr, XV: tl.constexpr):
-    # _q3_quarter_q8 on float x (xp points at x[32 J] of the half block): each value as the
-    # float 1 + v/8 (v into the top of the mantissa of 1.0), so sum v x = 8 (sum - sum x)
-    z = tl.zeros([BLOCK_N], dtype=tl.float32)
-    f0 = z
-    f1 = z
-    x0 = 0.0
-    x1 = 0.0
-    hb = 4 * n + J
-    for k in tl.static_range(8):
-        v = _q3_bytes(_pick8(a0, a1, a2, a3, a4, a5, a6, a7, k),
-                      _pick8(h0, h1, h2, h3, h4, h5, h6, h7, k), J, hb)
-        if XV:
-            xv = tl.load((xp + 4 * k).to(tl.pointer_type(tl.int64)))
-        else:
-            xv = xp + 4 * k
-        for m in tl.static_range(4):
-            xm = _x4(xv, m, XV)
-            fv = (_bits(v, 8 * m, 7, 20) | 0x3F800000).to(tl.float32, bitcast=True)
-            if k < 4:
-                f0 += fv * xm
-                x0 += xm
-            else:
-                f1 += fv * xm
-                x1 += xm
-    q0 = 8.0 * (f0 - x0) - 4.0 * x0
-    q1 = 8.0 * (f1 - x1) - 4.0 * x1
-    return d * (_q3_scale(s0, s1, s2, n, 2 * J).to(tl.float32) * q0
-                + _q3_scale(s0, s1, s2, n, 2 * J + 1).to(tl.float32) * q1)
+    # _q3_quarter_q8 on float x (xp points at x[32 J] of the half block): sum (v - 4) x
+    q0, q1, x0, x1 = _quarter_sums_f(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, h4, h5, h6,
+                                     h7, 4 * n + J, xp, J, True, BLOCK_N, XV)
+    return d * (_q3_scale(s0, s1, s2, n, 2 * J).to(tl.float32) * (q0 - 4.0 * x0)
+                + _q3_scale(s0, s1, s2, n, 2 * J + 1).to(tl.float32) * (q1 - 4.0 * x1))
 
 
 @triton.jit
