@@ -246,22 +246,29 @@ def auto_split(
     def plan_for(devs: list[DeviceSpec]) -> tuple[int, Plan]:
         # Search with packed costs (prefix sums: thousands of lookups are cheap); for the other
         # modes, charge each device the rounding its stage showed in that mode and search
-        # again — twice, since the stages move.
+        # again, until a split comes back (at most 4 times). The charge follows the stages, so
+        # the searches can swing between two splits: each one is scored in the plan's own mode
+        # and the best kept (ties: the later, searched with the better-informed charges).
         packed = settings | {"arena": "packed"}
+        exact = _Search(idx, devs, settings)
+        last = len(devs) - 1
         search = _Search(idx, devs, packed)
         bounds = search.best()[1]
-        if settings["arena"] != "packed":
-            for _ in range(2):
-                exact = _Search(idx, devs, settings)
-                excess = [
-                    search.slack(d, bounds[d], bounds[d + 1], d == 0, d == len(devs) - 1)
-                    + search.excess[d]
-                    - exact.slack(d, bounds[d], bounds[d + 1], d == 0, d == len(devs) - 1)
-                    for d in range(len(devs))
-                ]
-                search = _Search(idx, devs, packed, excess, search.needs)
-                bounds = search.best()[1]
-        t = _Search(idx, devs, settings).min_slack(bounds)  # exact, in the plan's own mode
+        seen = [bounds]
+        for _ in range(4 if settings["arena"] != "packed" else 0):
+            excess = [
+                search.slack(d, bounds[d], bounds[d + 1], d == 0, d == last)
+                + search.excess[d]
+                - exact.slack(d, bounds[d], bounds[d + 1], d == 0, d == last)
+                for d in range(len(devs))
+            ]
+            search = _Search(idx, devs, packed, excess, search.needs)
+            bounds = search.best()[1]
+            if bounds in seen:
+                break
+            seen.append(bounds)
+        scored = [(exact.min_slack(b), i, b) for i, b in enumerate(seen)]
+        t, _, bounds = max(scored)
         return t, Plan(path, tuple(devs), tuple(bounds), **plan_kw)
 
     by_size = _largest_first(devices)

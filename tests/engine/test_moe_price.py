@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from app.cli_plan import main as plan_main
@@ -203,6 +203,10 @@ def test_moe_layers_outweigh_the_dense_ones():
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.integers(700, 2600), min_size=1, max_size=4),
        st.sampled_from([GLM, QWEN]), st.sampled_from(["packed", "per-tensor", "chunked:16"]))
+# rigs where the rounding charged per device swung the search between two splits and it kept
+# the worse (72 and 69 MiB below the best), once in ~3,000 draws
+@example([876, 700, 919], GLM, "chunked:16")
+@example([1023, 750, 977], GLM, "chunked:16")
 def test_spread_on_moe_shapes_is_the_brute_force_max_min(rig: list[int], model: Any,
                                                          arena: str) -> None:
     devices = tuple(gpu(i, f) for i, f in enumerate(rig))
