@@ -41,6 +41,14 @@ if not torch.cuda.is_available():
 TINY = {"llama": "llama-tiny", "qwen2": "qwen2-tiny", "qwen3": "qwen3-tiny",
         "gemma3": "gemma3-tiny"}
 SESSION_SEED = int(os.environ.get("CARVE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+# `-n auto` (pytest-xdist) starts its workers from this process's environment: one seed a run
+os.environ["CARVE_TEST_SEED"] = str(SESSION_SEED)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the workers share the cores: each of them, and each engine process a test starts, runs
+    # torch on one thread (two threads a process on two busy cores wait on each other's
+    # parallel regions: the demo model's perplexity took 58 s instead of 11)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 _SEED = pytest.StashKey[int]()
 
 
@@ -73,12 +81,24 @@ def seed(request: pytest.FixtureRequest) -> int:
     return value
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (README, .ci/run): two workers where there is no CUDA GPU and two cores or
+    more (what CI has; the tests' peak memory is measured for two); none, every test in this
+    process, where there is a GPU: tests there measure the device's memory and must not share it."""
+    if torch.cuda.is_available():
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return 2 if (cores or 1) >= 2 else 0
+
+
 def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
-    """Under CI (CARVE_CI_TRACE=FILE) the test now starting, so that a run killed from outside
-    (SIGKILL, the OOM killer) can say which test it was in."""
+    """Under CI (CARVE_CI_TRACE=FILE) the test now starting (FILE.gw0, FILE.gw1 from xdist's
+    workers), so that a run killed from outside (SIGKILL, the OOM killer) can say which test
+    it was in."""
     trace = os.environ.get("CARVE_CI_TRACE")
     if trace:
-        with open(trace, "w", encoding="utf-8") as f:
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        with open(f"{trace}.{worker}" if worker else trace, "w", encoding="utf-8") as f:
             f.write(nodeid + "\n")
 
 
