@@ -159,7 +159,10 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed):
     cols = qk * nb
     gate = random_weight(gate_type, n_expert * n_ff, cols, DEVICE, g)
     up = random_weight(gate_type, n_expert * n_ff, cols, DEVICE, g)
-    down = random_weight(down_type, n_expert * cols, n_ff * 8, DEVICE, g)  # n_ff * 8 values
+    # down's input: the GLU output's width where its type has blocks of 32 (gpt-oss: 1..3 a
+    # row here), else n_ff * 8, rows of whole 256-value blocks
+    k2 = n_ff * 8 if gemv_q8.Q8_BLOCK[down_type] == 256 else n_ff
+    down = random_weight(down_type, n_expert * cols, k2, DEVICE, g)
     oai = gate_type == qt.MXFP4
     act, limit = ("swiglu_oai", 7.0) if oai else ("silu", 0.0)
     gb, ub, db = (torch.randn(n_expert * r, generator=g, device=DEVICE) * 0.1 if oai else None
@@ -178,8 +181,6 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed):
     for j in range(k):
         grp = slice(j * n_ff // 32, (j + 1) * n_ff // 32)
         _same_q8((hq[0][j * n_ff // 4:(j + 1) * n_ff // 4], hq[1][grp], hq[2][grp]), h[j])
-    # down needs rows of whole blocks (256 values): its input is n_ff * 8 wide
-    k2 = n_ff * 8
     hx = torch.randn(k, k2, generator=g, device=DEVICE)
     hq2, hd = _bufs(k * k2), []
     for j in range(k):
