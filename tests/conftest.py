@@ -135,6 +135,7 @@ def seed(request: pytest.FixtureRequest) -> int:
     return value
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown where it is absent
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto` (README, .ci/run): two workers where there is no CUDA GPU and two cores or
     more (what CI has; the tests' peak memory is measured for two); none, every test in this
