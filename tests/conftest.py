@@ -138,8 +138,9 @@ def seed(request: pytest.FixtureRequest) -> int:
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown where it is absent
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto` (README, .ci/run): two workers where there is no CUDA GPU and two cores or
-    more (what CI has; the tests' peak memory is measured for two); none, every test in this
-    process, where there is a GPU: tests there measure the device's memory and must not share it."""
+    more (CI's two cores; more workers have not been tried, each holds its own copies of the
+    real models); none, every test in this process, where there is a GPU: tests there measure
+    the device's memory and must not share it."""
     if torch.cuda.is_available():
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
