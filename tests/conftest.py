@@ -138,9 +138,10 @@ def seed(request: pytest.FixtureRequest) -> int:
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown where it is absent
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto` (README, .ci/run): two workers where there is no CUDA GPU and two cores or
-    more (CI's two cores; more workers have not been tried, each holds its own copies of the
-    real models); none, every test in this process, where there is a GPU: tests there measure
-    the device's memory and must not share it."""
+    more (CI's two cores and 24 GiB: 13.6 GiB used at the peak of a run with two; more workers
+    have not been tried, each holds its own copies of the real models); none, every test in
+    this process, where there is a GPU: tests there measure the device's memory and must not
+    share it."""
     if torch.cuda.is_available():
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
