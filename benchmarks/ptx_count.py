@@ -143,14 +143,14 @@ def compile_rope_store(qk_norm: bool, q8_cache: bool = False):
     from carve_kernels import rope
 
     cache = ("*u8", "*i8", "*fp16") if q8_cache else ("*fp16",) * 3
-    sig = {"x_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i32", "kc": cache[0],
+    sig = {"x_ptr": "*bf16", "v_ptr": "*bf16", "stride_t": "i32", "stride_h": "i32",
+           "v_stride_t": "i32", "v_stride_h": "i32", "pos_ptr": "*i32", "kc": cache[0],
            "kc8": cache[1], "kch": cache[2], "vc": cache[0], "vc8": cache[1], "vch": cache[2],
-           "cells": "i32", "n_q": "i32", "KVH": "i32", "stride_t": "i32", "stride_h": "i32",
-           "v_stride_t": "i32", "v_stride_h": "i32", "log2_base": "fp32", "freq_scale": "fp32",
+           "cells": "i32", "n_q": "i32", "KVH": "i32", "log2_base": "fp32", "freq_scale": "fp32",
            "f_ptr": "*fp32", "mscale": "fp32", "wq_ptr": "*fp32", "wk_ptr": "*fp32",
            "eps": "fp32"}
-    const = {"D": 128, "HALF": 64, "NEOX": True, "BLOCK_H": 16, "Q8": q8_cache, "FREQS": False,
-             "QK_NORM": qk_norm, "PDL": True}
+    const = {"D": 128, "HALF": 64, "NEOX": True, "Q8": q8_cache, "FREQS": False,
+             "QK_NORM": qk_norm, "BLOCK_H": 16, "PDL": True}
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(fn=rope._rope_store_kernel, signature=sig, constexprs=const)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from carve_kernels import pdl, q8x
+from carve_kernels import rope as rope_mod
 from carve_kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
 from carve_kernels.gemv_t_low import (
     iq2xxs_t_dot,
@@ -50,6 +51,7 @@ from carve_kernels.gemv_t_low import (
     q80_t_dot,
 )
 from carve_kernels.glu import glu_act
+from carve_kernels.kv_cache import _kv_store_one
 from carve_kernels.lowbit_blocks import lookup_table
 from spec import launch
 from spec import quant_types as qt
@@ -251,11 +253,18 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
 @triton.jit
 def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_ptr, xd_ptr,
                     xs_ptr, y_ptr, part_ptr, cnt_ptr, N1, N2, N3, NB, BPS, stride_xm, stride_ym,
+                    pos_ptr, kc, kc8, kch, vc, vc8, vch, cells, n_q, KVH, log2_base,
+                    freq_scale, f_ptr, mscale, wq_ptr, wk_ptr, eps,
                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, XV: tl.constexpr,
                     HAS_BIAS: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
-                    T3: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                    T3: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr, ROPE: tl.constexpr,
+                    D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, Q8: tl.constexpr,
+                    FREQS: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
     # three matrices of the same x (q, k, v) as one grid: row tiles [0, P1) are the first's,
-    # [P1, P2) the second's, the rest the third's; each keeps its own type, outputs side by side
+    # [P1, P2) the second's, the rest the third's; each keeps its own type, outputs side by side.
+    # ROPE (decode): the program that writes a tile's rows then rotates its heads (whole heads:
+    # BLOCK_N a multiple of D) and stores its k and v heads into the cache, as
+    # carve_kernels/rope.py rope_store does (pos_ptr .. eps: its arguments); no launch of its own
     pid = tl.program_id(0)
     p1 = tl.cdiv(N1, BLOCK_N)
     p2 = p1 + tl.cdiv(N2, BLOCK_N)
@@ -264,8 +273,8 @@ def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_pt
     m = tl.program_id(2).to(tl.int64)
     off = tl.where(pid < p1, 0, tl.where(pid < p2, N1, N1 + N2))  # its first output column
     n = tl.where(pid < p1, N1, tl.where(pid < p2, N2, N3))
-    rows = (pid - tl.where(pid < p1, 0, tl.where(pid < p2, p1, p2))) * BLOCK_N \
-        + tl.arange(0, BLOCK_N)
+    r0 = (pid - tl.where(pid < p1, 0, tl.where(pid < p2, p1, p2))) * BLOCK_N  # in its matrix
+    rows = r0 + tl.arange(0, BLOCK_N)
     rmask = rows < n
     pdl.start(PDL)
     xrow = x_ptr + m * stride_xm
@@ -301,6 +310,21 @@ def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_pt
             else:
                 acc += tl.load(b3 + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * stride_ym + off + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
+        if ROPE:
+            # the rows just stored, read back by heads: every thread's stores first
+            tl.debug_barrier()
+            h0 = (off + r0) // D  # the tile's first head (q heads, then k, then v)
+            if pid < p2:
+                rope_mod.rope_store_heads(y_ptr, pos_ptr, kc, kc8, kch, cells, n_q, KVH,
+                                          stride_ym, D, log2_base, freq_scale, f_ptr, mscale,
+                                          wq_ptr, wk_ptr, eps, m, h0, (off + n) // D, D, HALF,
+                                          NEOX, BLOCK_N // D, Q8, FREQS, QK_NORM)
+            else:
+                for j in tl.static_range(BLOCK_N // D):
+                    h = h0 - n_q - KVH + j  # a value head
+                    if h < KVH:
+                        _kv_store_one(y_ptr + N1 + N2, pos_ptr, vc, vc8, vch, cells, KVH,
+                                      stride_ym, D, m, h, D, Q8)
 
 
 def _t_words(wt: torch.Tensor, ggml_type: int, rows: int) -> tuple[int, tuple]:
@@ -407,14 +431,26 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
     return out
 
 
+def rope_fits(rows: list[int], head_dim: int, config: tuple[int, int, int] | None) -> bool:
+    """Whether ``gemv_t3`` of q, k, v with ``rows`` rows can rotate and store in its epilogue
+    (``rope=``): whole heads of a power-of-two head_dim in every row tile of ``config``, and as
+    many value heads as key heads."""
+    block_n = (config or T_CONFIG)[0]
+    d = head_dim
+    return (d > 1 and not d & (d - 1) and block_n % d == 0 and rows[0] % d == 0
+            and rows[1] == rows[2] and rows[1] % d == 0)
+
+
 def gemv_t3(mats: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, out: torch.Tensor,
             part: torch.Tensor, counter: torch.Tensor, biases: list[torch.Tensor] | None = None,
-            config: tuple[int, int, int] | None = None, xq=None,
+            config: tuple[int, int, int] | None = None, xq=None, rope: dict | None = None,
             use_pdl: bool = True) -> torch.Tensor:
     """Three GEMVs of the same x (q, k, v) in one launch, outputs side by side in ``out``
     [M, n1 + n2 + n3]: ``mats`` is three (T weight, type, rows), each its own type. ``part``
     >= M x splits x (n1 + n2 + n3) floats; ``counter``, ``biases``, ``xq``, ``use_pdl`` as in
-    ``gemv_t``."""
+    ``gemv_t``. ``rope``: decode's rotation and cache store in the same launch, the keyword
+    arguments of carve_kernels/rope.py ``store_args`` but n_q and n_kv (from the rows and
+    ``head_dim``); M rows are M tokens at positions[:M]; needs ``rope_fits``."""
     if len(mats) != 3 or (biases is not None and len(biases) != 3):
         raise ValueError("gemv_t3 takes three matrices (and three biases or none)")
     words = [_t_words(wt, t, r) for wt, t, r in mats]
@@ -430,10 +466,20 @@ def gemv_t3(mats: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, out: tor
         raise ValueError("out must hold the three outputs side by side")
     q, d, s, use = _q8_in(xq, mats[0][1], x2)
     b = biases if biases is not None else [y, y, y]
+    if rope is None:
+        r_args, r_meta = (y,) * 7 + (1,) * 3 + (0.0,) * 2 + (y, 0.0, y, y, 0.0), {
+            "D": 1, "HALF": 1, "NEOX": False, "Q8": False, "FREQS": False, "QK_NORM": False}
+    else:
+        hd = rope["head_dim"]
+        if not rope_fits(rows, hd, config):
+            raise ValueError(f"gemv_t3 cannot rotate heads of {hd} in row tiles of "
+                             f"{(config or T_CONFIG)[0]} (rows {rows})")
+        r_args, r_meta = rope_mod.store_args(n_q=rows[0] // hd, n_kv=rows[1] // hd, **rope)
     _gemv_t3_kernel[grid](*words[0][1], *words[1][1], *words[2][1], *b, x2, q, d, s, y, part,
-                          counter, *rows, nb, bps, x2.stride(0), y.stride(0),
+                          counter, *rows, nb, bps, x2.stride(0), y.stride(0), *r_args,
                           HAS_BIAS=biases is not None, T1=mats[0][1], T2=mats[1][1],
-                          T3=mats[2][1], Q8X=use, ASM=x2.is_cuda, **meta, num_warps=warps)
+                          T3=mats[2][1], Q8X=use, ASM=x2.is_cuda, ROPE=rope is not None,
+                          **r_meta, **meta, num_warps=warps)
     return out
 
 

@@ -18,21 +18,21 @@ def _rope_kernel(x_ptr, pos_ptr, f_ptr, stride_t, stride_h, n_heads, log2_base, 
                  mscale, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
                  BLOCK_H: tl.constexpr, FREQS: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
-    _rope_heads(x_ptr, pos_ptr, f_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale,
-                mscale, tl.program_id(0), tl.program_id(1), D, HALF, NEOX, BLOCK_H, FREQS,
-                x_ptr, x_ptr, 0, 0.0, False)
+    _rope_heads(x_ptr, pos_ptr, f_ptr, stride_t, stride_h, tl.program_id(1) * BLOCK_H,
+                n_heads, log2_base, freq_scale, mscale, tl.program_id(0), D, HALF, NEOX,
+                BLOCK_H, FREQS, x_ptr, x_ptr, 0, 0.0, False)
 
 
 @triton.jit
-def _rope_heads(x_ptr, pos_ptr, f_ptr, stride_t, stride_h, n_heads, log2_base, freq_scale,
-                mscale, t, hb, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
+def _rope_heads(x_ptr, pos_ptr, f_ptr, stride_t, stride_h, h0, h_end, log2_base, freq_scale,
+                mscale, t, D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
                 BLOCK_H: tl.constexpr, FREQS: tl.constexpr, wq_ptr, wk_ptr, n_q, eps,
                 QK_NORM: tl.constexpr):
-    # rotate heads [hb * BLOCK_H, ...) of token t in place; returns them (two halves, float32).
-    # QK_NORM: each head RMS-normed first (heads below n_q by wq, the rest by wk) and rounded
-    # to x's dtype, the values norm.rmsnorm_heads would have stored
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < n_heads
+    # rotate heads [h0, min(h0 + BLOCK_H, h_end)) of token t in place; returns them (two
+    # halves, float32). QK_NORM: each head RMS-normed first (heads below n_q by wq, the rest
+    # by wk) and rounded to x's dtype, the values norm.rmsnorm_heads would have stored
+    heads = h0 + tl.arange(0, BLOCK_H)
+    hmask = heads < h_end
     i = tl.arange(0, HALF)
     if FREQS:  # a frequency per pair (YaRN's ramp), angles and cos/sin scaled as the CPU's
         theta = tl.load(pos_ptr + t).to(tl.float32) * tl.load(f_ptr + i)
@@ -81,11 +81,36 @@ def _q8_rows(c8_ptr, ch_ptr, blk0, y, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
 
 
 @triton.jit
-def _rope_store_kernel(x_ptr, v_ptr, pos_ptr, kc, kc8, kch, vc, vc8, vch, cells, n_q, KVH,
-                       stride_t, stride_h, v_stride_t, v_stride_h, log2_base, freq_scale,
-                       f_ptr, mscale, wq_ptr, wk_ptr, eps, D: tl.constexpr, HALF: tl.constexpr,
-                       NEOX: tl.constexpr, BLOCK_H: tl.constexpr, Q8: tl.constexpr,
-                       FREQS: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+def rope_store_heads(x_ptr, pos_ptr, kc, kc8, kch, cells, n_q, KVH, stride_t, stride_h,
+                     log2_base, freq_scale, f_ptr, mscale, wq_ptr, wk_ptr, eps, t, h0, h_end,
+                     D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
+                     BLOCK_H: tl.constexpr, Q8: tl.constexpr, FREQS: tl.constexpr,
+                     QK_NORM: tl.constexpr):
+    # heads [h0, min(h0 + BLOCK_H, h_end)) of token t's q heads then k heads rotated in place,
+    # the k heads among them (from n_q on) also stored into the cache; also the epilogue of
+    # q/k/v's T GEMV (carve_kernels/gemv_t.py gemv_t3 with ``rope=``)
+    heads, i1, i2, y1, y2 = _rope_heads(x_ptr, pos_ptr, f_ptr, stride_t, stride_h, h0, h_end,
+                                        log2_base, freq_scale, mscale, t, D, HALF, NEOX,
+                                        BLOCK_H, FREQS, wq_ptr, wk_ptr, n_q, eps, QK_NORM)
+    kh = heads - n_q
+    km = (kh >= 0) & (heads < h_end)
+    cell = (tl.load(pos_ptr + t) % cells).to(tl.int64)
+    row = cell * KVH + tl.maximum(kh, 0)
+    if Q8:  # neox only: each half is whole 32-element blocks
+        _q8_rows(kc8, kch, row * (D // 32), y1, BLOCK_H, HALF, km)
+        _q8_rows(kc8, kch, row * (D // 32) + HALF // 32, y2, BLOCK_H, HALF, km)
+    else:
+        base = kc + row[:, None] * D
+        tl.store(base + i1[None, :], y1.to(kc.dtype.element_ty), mask=km[:, None])
+        tl.store(base + i2[None, :], y2.to(kc.dtype.element_ty), mask=km[:, None])
+
+
+@triton.jit
+def _rope_store_kernel(x_ptr, v_ptr, stride_t, stride_h, v_stride_t, v_stride_h, pos_ptr, kc,
+                       kc8, kch, vc, vc8, vch, cells, n_q, KVH, log2_base, freq_scale, f_ptr,
+                       mscale, wq_ptr, wk_ptr, eps, D: tl.constexpr, HALF: tl.constexpr,
+                       NEOX: tl.constexpr, Q8: tl.constexpr, FREQS: tl.constexpr,
+                       QK_NORM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     # programs [0, NB) rotate q and k heads (k heads also go into the cache), the rest store
     # one value head each
@@ -93,21 +118,9 @@ def _rope_store_kernel(x_ptr, v_ptr, pos_ptr, kc, kc8, kch, vc, vc8, vch, cells,
     hb = tl.program_id(1)
     nb = tl.cdiv(n_q + KVH, BLOCK_H)
     if hb < nb:
-        heads, i1, i2, y1, y2 = _rope_heads(x_ptr, pos_ptr, f_ptr, stride_t, stride_h,
-                                            n_q + KVH, log2_base, freq_scale, mscale, t, hb, D,
-                                            HALF, NEOX, BLOCK_H, FREQS, wq_ptr, wk_ptr, n_q, eps,
-                                            QK_NORM)
-        kh = heads - n_q
-        km = (kh >= 0) & (heads < n_q + KVH)
-        cell = (tl.load(pos_ptr + t) % cells).to(tl.int64)
-        row = cell * KVH + tl.maximum(kh, 0)
-        if Q8:  # neox only: each half is whole 32-element blocks
-            _q8_rows(kc8, kch, row * (D // 32), y1, BLOCK_H, HALF, km)
-            _q8_rows(kc8, kch, row * (D // 32) + HALF // 32, y2, BLOCK_H, HALF, km)
-        else:
-            base = kc + row[:, None] * D
-            tl.store(base + i1[None, :], y1.to(kc.dtype.element_ty), mask=km[:, None])
-            tl.store(base + i2[None, :], y2.to(kc.dtype.element_ty), mask=km[:, None])
+        rope_store_heads(x_ptr, pos_ptr, kc, kc8, kch, cells, n_q, KVH, stride_t, stride_h,
+                         log2_base, freq_scale, f_ptr, mscale, wq_ptr, wk_ptr, eps, t,
+                         hb * BLOCK_H, n_q + KVH, D, HALF, NEOX, BLOCK_H, Q8, FREQS, QK_NORM)
     else:
         _kv_store_one(v_ptr, pos_ptr, vc, vc8, vch, cells, KVH, v_stride_t, v_stride_h, t,
                       hb - nb, D, Q8)
@@ -137,6 +150,29 @@ def can_fuse_store(neox: bool, k_cache: torch.Tensor, head_dim: int) -> bool:
     return k_cache.dtype != torch.uint8 or (neox and head_dim % 64 == 0)
 
 
+def store_args(positions: torch.Tensor, base: float, neox: bool, freq_scale: float, n_q: int,
+               n_kv: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               cells: int, freqs: torch.Tensor | None = None, mscale: float = 1.0,
+               qk_norm: tuple | None = None) -> tuple[tuple, dict]:
+    """(arguments, constexprs) of decode's rotation and cache store (``rope_store_heads`` and
+    ``_kv_store_one``): what ``rope_store`` and the q/k/v GEMV that rotates in its epilogue
+    (carve_kernels/gemv_t.py gemv_t3 ``rope=``) pass; arguments from ``pos_ptr`` to ``eps``,
+    constexprs D, HALF, NEOX, Q8, FREQS, QK_NORM. Checked as ``rope_store`` documents."""
+    d = head_dim
+    if not can_fuse_store(neox, k_cache, d) or d & (d - 1):
+        raise ValueError("rope_store needs a power-of-two head dim and an f16 or neox q8_0 "
+                         "cache")
+    wq, wk, eps = qk_norm if qk_norm is not None else (positions, positions, 0.0)
+    if qk_norm is not None and (wq.numel() != d or wk.numel() != d):
+        raise ValueError(f"rope_store's q/k norm weights must hold head_dim ({d}) values")
+    args = (positions, *_views(k_cache), *_views(v_cache), cells, n_q, n_kv, math.log2(base),
+            freq_scale, freqs if freqs is not None else positions, float(mscale), wq, wk,
+            float(eps))
+    meta = {"D": d, "HALF": d // 2, "NEOX": neox, "Q8": k_cache.dtype == torch.uint8,
+            "FREQS": freqs is not None, "QK_NORM": qk_norm is not None}
+    return args, meta
+
+
 def rope_store(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, base: float,
                neox: bool, freq_scale: float, n_q: int, k_cache: torch.Tensor,
                v_cache: torch.Tensor, cells: int, use_pdl: bool = True,
@@ -149,20 +185,14 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, base:
     ``norm.rmsnorm_heads`` before the rotation, in the same launch."""
     t, nh, d = qk.shape
     kvh = nh - n_q
-    if qk.stride(2) != 1 or v.stride(2) != 1 or not can_fuse_store(neox, k_cache, d):
-        raise ValueError("rope_store needs contiguous head dims and an f16 or neox q8_0 cache")
-    wq, wk, eps = qk_norm if qk_norm is not None else (qk, qk, 0.0)
-    if qk_norm is not None and (wq.numel() != d or wk.numel() != d):
-        raise ValueError(f"rope_store's q/k norm weights must hold head_dim ({d}) values")
+    if qk.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("rope_store needs contiguous head dims")
+    args, meta = store_args(positions, base, neox, freq_scale, n_q, kvh, d, k_cache, v_cache,
+                            cells, freqs, mscale, qk_norm)
     bh = min(16, triton.next_power_of_2(nh))
     grid = (t, triton.cdiv(nh, bh) + kvh)
-    _rope_store_kernel[grid](qk, v, positions, *_views(k_cache), *_views(v_cache), cells, n_q,
-                             kvh, qk.stride(0), qk.stride(1), v.stride(0), v.stride(1),
-                             math.log2(base), freq_scale, freqs if freqs is not None else qk,
-                             float(mscale), wq, wk, float(eps), D=d, HALF=d // 2, NEOX=neox,
-                             BLOCK_H=bh, Q8=k_cache.dtype == torch.uint8,
-                             FREQS=freqs is not None, QK_NORM=qk_norm is not None, num_warps=4,
-                             **pdl.opts(k_cache, use_pdl))
+    _rope_store_kernel[grid](qk, v, qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), *args,
+                             **meta, BLOCK_H=bh, num_warps=4, **pdl.opts(k_cache, use_pdl))
 
 
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, base: float, neox: bool,

@@ -190,6 +190,66 @@ def test_gemv_t3_matches_three_reference_gemvs(split, int8_x, qk_same, seed):
     assert not counter.any()
 
 
+@pytest.mark.parametrize("kv_type,neox,qk_norm", [("f16", True, False), ("f16", False, True),
+                                                   ("q8_0", True, True)])
+@pytest.mark.parametrize("split", [True, False])
+def test_gemv_t3_rotates_and_stores_as_rope_store(kv_type, neox, qk_norm, split, seed):
+    # q/k/v with decode's RoPE and cache store in the epilogue (``rope=``) gives the bits of
+    # the plain launch followed by rope.rope_store: rotated q and k in out, v unchanged, the
+    # same cache cells. Row tiles of 64 hold two heads of 32 (one of 64 for q8_0), and q's
+    # last tile only one; M tokens at their own positions
+    from carve_kernels import rope
+
+    g = generator(seed)
+    d = 64 if kv_type == "q8_0" else 32
+    nq, kvh, cells, nb = 3, _rand(g, 1, 3), 8, _rand(g, 1, 3)
+    m = _rand(g, 1, 3)
+    rows = [nq * d, kvh * d, kvh * d]
+    mats = [(gemv_t.repack(random_weight(qt.Q4_K, r, 256 * nb, DEVICE, g), qt.Q4_K), qt.Q4_K, r)
+            for r in rows]
+    x = torch.randn(m, 256 * nb, generator=g, device=DEVICE).to(torch.bfloat16)
+    biases = [torch.randn(r, generator=g, device=DEVICE) for r in rows]
+    pos = torch.randperm(40, generator=g, device=DEVICE)[:m].to(torch.int32)
+    w_norm = [torch.rand(d, generator=g, device=DEVICE) + 0.5 for _ in range(2)]
+    tiles = sum(-(-r // 64) for r in rows)
+    config = (64, 1, tiles * (nb if split else 1))
+
+    def cache():
+        if kv_type == "f16":
+            return torch.zeros(cells, kvh, d, dtype=torch.float16, device=DEVICE)
+        return torch.zeros(cells * kvh * d // 32 * 34, dtype=torch.uint8, device=DEVICE)
+
+    outs, caches = [], []
+    for fused in (True, False):
+        part = torch.full((m * nb * sum(rows),), float("nan"), device=DEVICE)
+        counter = torch.zeros(m, tiles, dtype=torch.int32, device=DEVICE)
+        out = torch.full((m, sum(rows)), float("nan"), device=DEVICE).to(torch.bfloat16)
+        kc, vc = cache(), cache()
+        args = dict(positions=pos, base=10000.0, neox=neox, freq_scale=1.0, k_cache=kc,
+                    v_cache=vc, cells=cells, qk_norm=(*w_norm, 1e-6) if qk_norm else None)
+        assert gemv_t.rope_fits(rows, d, config)
+        gemv_t.gemv_t3(mats, x, out, part, counter, biases, config=config,
+                       rope={**args, "head_dim": d} if fused else None)
+        if not fused:
+            qk = out[:, :rows[0] + rows[1]].view(m, nq + kvh, d)
+            rope.rope_store(qk, out[:, rows[0] + rows[1]:].view(m, kvh, d), pos, 10000.0, neox,
+                            1.0, nq, kc, vc, cells, qk_norm=args["qk_norm"])
+        assert not counter.any()
+        outs.append(out)
+        caches.append((kc, vc))
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(*caches):
+        assert torch.equal(a, b)
+    assert caches[0][0].any() and caches[0][1].any()  # both caches were written
+
+
+def test_gemv_t3_refuses_heads_across_tiles():
+    assert not gemv_t.rope_fits([96, 32, 32], 64, (32, 1, 1))  # a head over two tiles
+    assert not gemv_t.rope_fits([160, 80, 80], 80, (128, 4, 1))  # head_dim not a power of two
+    assert not gemv_t.rope_fits([128, 64, 32], 32, (64, 1, 1))  # fewer value heads than keys
+    assert gemv_t.rope_fits([3584, 512, 512], 128, None)
+
+
 def test_split_sums_repeat_bit_for_bit(seed):
     # the splits' sums are added in split order, not in the order the programs finish: the
     # same input gives the same bits every call (greedy decoding repeats, split or not). On a

@@ -89,6 +89,8 @@ class Attention:
     rope_store: bool  # decode rotates k and stores k and v in one launch
     # ... and norms q and k per head first (qwen3's q/k norms: one launch a layer less)
     qk_norm_in_rope: bool
+    # ... and that launch is the epilogue of decode's q/k/v T GEMV (gemv_t.gemv_t3 ``rope=``)
+    rope_in_qkv: bool
     rope_dim: int  # leading dims of each head RoPE rotates (glm4moe: part of head_dim)
     rope_freqs: torch.Tensor | None  # YaRN's frequency per pair (buf.yarn_freqs), every layer
     rope_mscale: float  # YaRN's cos/sin scale (1.0 without YaRN)
@@ -314,6 +316,8 @@ class LayerBuilder:
             rope_scale=1.0 if swa else self.rope_scale,
             rope_store=rope_store,
             qk_norm_in_rope=rope_store and hp.qk_norm,
+            rope_in_qkv=(rope_store and fused == "t3" and "rope_in_qkv" in self.options.trials
+                         and gemv_t.rope_fits([m.rows for m in qkv], hp.head_dim, config)),
             rope_dim=self.rope_dim, rope_freqs=self.yarn[0], rope_mscale=self.yarn[1],
             sinks=self.vec(p + "attn_sinks.weight") if getattr(hp, "attn_sinks", False) else None,
             output=self.matrix(p + "attn_output.weight", p + "attn_output.bias"),

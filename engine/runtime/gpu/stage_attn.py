@@ -26,7 +26,7 @@ class AttentionLayers:
             norm.rmsnorm(a.hidden, att.norm, hp.rms_eps, out=a.normed, q8=xq, use_pdl=self.pdl)
         else:
             self._add_norm(a, prev.post_norm, att.norm, xq)
-        self._qkv(att, a.normed, a.qkv, xq)
+        self._qkv(att, a.normed, a.qkv, xq, pos0 is None and att.rope_in_qkv, a)
         if hp.qk_norm and not (pos0 is None and att.qk_norm_in_rope):
             norm.rmsnorm_heads(a.qk3, att.q_norm, att.k_norm, hp.n_head, hp.rms_eps,
                                use_pdl=self.pdl)
@@ -36,13 +36,16 @@ class AttentionLayers:
             self._attend_prefill(att, a, pos0)
         self._linear(att.output, a.attn, a.proj)
 
-    def _qkv(self, att: Attention, x: torch.Tensor, out: torch.Tensor, xq) -> None:
+    def _qkv(self, att: Attention, x: torch.Tensor, out: torch.Tensor, xq,
+             rotate: bool = False, a: Rows | None = None) -> None:
         """q, k, v side by side in ``out``; decode runs the three GEMVs (and biases) in one
-        launch where the load decided so."""
+        launch where the load decided so, and with ``rotate`` (decode, ``att.rope_in_qkv``)
+        the rotation and cache store of ``a``'s rows in that launch too."""
         gemv = gemv_rows(x.shape[0], att.qkv, out)
         if gemv and att.fused == "t3":
+            r = {**self._rope_args(att, a), "head_dim": self.hp.head_dim} if rotate else None
             gemv_t.gemv_t3(att.fused_mats, x, out, self.t_part, self.t_count, att.fused_biases,
-                           config=att.fused_config, xq=xq, use_pdl=self.pdl)
+                           config=att.fused_config, xq=xq, rope=r, use_pdl=self.pdl)
         elif gemv and att.fused == "gemv3":
             quant_matmul.gemv3(att.fused_mats, x, out, att.fused_biases, att.fused_config,
                                use_pdl=self.pdl, xq=xq)
@@ -52,15 +55,22 @@ class AttentionLayers:
                 self._linear(m, x, out[:, o:o + m.rows], xq=xq)
                 o += m.rows
 
+    def _rope_args(self, att: Attention, a: Rows) -> dict:
+        # decode's rotation and cache store (rope.rope_store's arguments but the heads)
+        return dict(positions=a.pos, base=att.rope_base, neox=self.neox,
+                    freq_scale=att.rope_scale, k_cache=att.k_cache, v_cache=att.v_cache,
+                    cells=att.cells, freqs=att.rope_freqs, mscale=att.rope_mscale,
+                    qk_norm=(att.q_norm, att.k_norm, self.hp.rms_eps)
+                    if att.qk_norm_in_rope else None)
+
     def _attend_decode(self, att: Attention, a: Rows) -> None:
         # one token at the position in buf.positions (the captured graph reads it there)
         hp = self.hp
-        if att.rope_store:  # rotation and the cache store of k and v in one launch
-            rope.rope_store(a.qk3, a.v3, a.pos, att.rope_base, self.neox, att.rope_scale,
-                            hp.n_head, att.k_cache, att.v_cache, att.cells, use_pdl=self.pdl,
-                            freqs=att.rope_freqs, mscale=att.rope_mscale,
-                            qk_norm=(att.q_norm, att.k_norm, hp.rms_eps)
-                            if att.qk_norm_in_rope else None)
+        if att.rope_in_qkv:  # rotated and stored by the q/k/v launch
+            pass
+        elif att.rope_store:  # rotation and the cache store of k and v in one launch
+            rope.rope_store(a.qk3, a.v3, n_q=hp.n_head, use_pdl=self.pdl,
+                            **self._rope_args(att, a))
         else:
             rope.rope(self._rotated(att, a), a.pos, att.rope_base, self.neox, att.rope_scale,
                       use_pdl=self.pdl, freqs=att.rope_freqs, mscale=att.rope_mscale)
