@@ -18,8 +18,8 @@ TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (carve_kernels/gemv_lowbit.py)",
     "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x "
                  "(carve_kernels/gemv_dot.py)",
-    "rope_in_qkv": "decode's RoPE and KV-cache store in the epilogue of the q/k/v T GEMV "
-                   "(carve_kernels/gemv_t.py gemv_t3 rope=), no launch of its own",
+    "attn_out_q8": "attn_output in the T layout on decode's int8 copy of the attention output "
+                   "(written by the attention kernel's merging programs), whatever its size",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}

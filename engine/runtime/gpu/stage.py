@@ -185,10 +185,14 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
             return None
         # a MoE layer's k routed GLU outputs (the routed experts' down GEMVs, gpu/stage_moe.py)
         routed = hp.n_expert_used * hp.n_ff_exp if hp.n_expert else 0
+        # the attention output (attn_output's GEMV, with the attn_out_q8 trial), written by the
+        # attention kernel a head at a time after q/k/v read the normed row's copy
+        att = hp.n_head * hp.head_dim_v
         return (q8x.buffers(b["xq"], b["xq_ds"], hp.n_embd),
                 q8x.buffers(b["xq"], b["xq_ds"], hp.n_ff, hp.n_embd),
                 q8x.buffers(b["xq"], b["xq_ds"], routed, hp.n_embd)
-                if routed and routed % 32 == 0 else None)
+                if routed and routed % 32 == 0 else None,
+                q8x.buffers(b["xq"], b["xq_ds"], att) if hp.head_dim_v % 32 == 0 else None)
 
     def fill_dequant_cache(self, dry: bool = False) -> int:
         """Dequantize every matrix that has a ``dq.`` span into it, and repack the T-layout
