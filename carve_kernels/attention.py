@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from carve_kernels import pdl, q8x
+from carve_kernels import pdl
 from carve_kernels.kv_cache import kv_load_ref
 from spec.launch import ATTN_SPLITS
 
@@ -43,12 +43,12 @@ def _load_kv(c_ptr, c8_ptr, ch_ptr, cell, kvh, KVH, dd, cmask, D: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["cells", "window"])
 def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_ptr, pml_ptr,
-                           cnt_ptr, o_ptr, sink_ptr, oq_ptr, od_ptr, os_ptr, cells, window,
-                           scale, KVH, NS, stride_qh, stride_oh, CNT_STRIDE,
+                           cnt_ptr, o_ptr, sink_ptr, cells, window, scale, KVH, NS, stride_qh,
+                           stride_oh, CNT_STRIDE,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr,
                            FUSED: tl.constexpr, NSP: tl.constexpr, MERGE: tl.constexpr,
-                           SINK: tl.constexpr, QOUT: tl.constexpr, PDL: tl.constexpr):
+                           SINK: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     kvh = tl.program_id(0)
     s = tl.program_id(1)
@@ -119,14 +119,8 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
                     den += w
             if SINK:  # gpt-oss: one more logit per head, in the denominator only
                 den += tl.exp(tl.load(sink_ptr + heads, mask=gmask, other=_NEG) - mx)
-            y = num / den[:, None]
             tl.store(o_ptr + heads[:, None] * stride_oh + dd[None, :],
-                     y.to(o_ptr.dtype.element_ty), mask=gmask[:, None])
-            if QOUT:  # the int8 copy of these heads' outputs, for attn_output's dp4a GEMV
-                at = heads[:, None] * D + dd[None, :]
-                q8x.store_q8(tl.reshape(y, [GP * D]), tl.reshape(at, [GP * D]),
-                             tl.reshape(gmask[:, None] & (dd[None, :] < D), [GP * D]), oq_ptr,
-                             od_ptr, os_ptr, GP * D)
+                     (num / den[:, None]).to(o_ptr.dtype.element_ty), mask=gmask[:, None])
             tl.atomic_xchg(cnt_ptr + kvh * CNT_STRIDE, 0)
 
 
@@ -175,16 +169,14 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 out: torch.Tensor | None = None,
                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
                 counter: torch.Tensor | None = None, use_pdl: bool = True,
-                sinks: torch.Tensor | None = None, out_q=None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token q [n_head, head_dim] at position positions[0] (the key/value of that
     position already stored) -> [n_head, head_dim]. No allocation given out and workspace.
     ``sinks``: float32 [n_head] (gpt-oss), one more logit per head that takes its share of
     each softmax and adds no value.
     ``counter``: int32 zeros [n_kv_heads] or [n_kv_heads, k] (left zero); with it the splits
     are merged by the last program of each kv head instead of a second launch. ``use_pdl``:
-    launch with PDL where the GPU has it (carve_kernels/pdl.py). ``out_q``: (q, d, s)
-    buffers (carve_kernels/q8x.py) that also get the int8 copy of the output row, by the
-    merging programs (needs ``counter`` and head_dim a multiple of 32)."""
+    launch with PDL where the GPU has it (carve_kernels/pdl.py)."""
     nh, d = q.shape
     g = nh // n_kv_heads
     if workspace is None:
@@ -199,17 +191,13 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cv, cv8, cvh, _ = _views(v_cache)
     gp = max(16, triton.next_power_of_2(g))
     fused = counter is not None
-    if out_q is not None and (not fused or d % 32 or not q8x.fits(out_q, nh * d)):
-        raise ValueError(f"no int8 copy of {nh} heads of {d} here (needs the counter, heads "
-                         "of whole 32-value groups and buffers that hold them)")
-    oq, od, os_ = out_q if out_q is not None else (pml, pml, pml)
     _decode_partial_kernel[(n_kv_heads, ns)](
         q, ck, ck8, ckh, cv, cv8, cvh, positions, po, pml, counter if fused else pml, out,
-        sinks if sinks is not None else pml, oq, od, os_, cells, window, scale, n_kv_heads, ns,
-        q.stride(0), out.stride(0), counter.stride(0) if fused else 0, G=g, GP=gp, D=d,
+        sinks if sinks is not None else pml, cells, window, scale, n_kv_heads, ns, q.stride(0),
+        out.stride(0), counter.stride(0) if fused else 0, G=g, GP=gp, D=d,
         SPLIT=split, BLOCK_N=64, Q8=q8, FUSED=fused, NSP=triton.next_power_of_2(ns),
-        MERGE=max(1, 8192 // (gp * d)), SINK=sinks is not None, QOUT=out_q is not None,
-        num_warps=4, **pdl.opts(out, use_pdl))
+        MERGE=max(1, 8192 // (gp * d)), SINK=sinks is not None, num_warps=4,
+        **pdl.opts(out, use_pdl))
     if not fused:
         _decode_reduce_kernel[(nh,)](po, pml, out, sinks if sinks is not None else pml, ns,
                                      out.stride(0), D=d, NSP=triton.next_power_of_2(ns),

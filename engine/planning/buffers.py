@@ -92,12 +92,10 @@ def activation_buffers(
     out += [BufferSpec("t_part", (8, part), "f32"), BufferSpec("t_count", (8, count), "i32")]
     # decode's int8 copies of the T GEMVs' inputs (carve_kernels/q8x.py): the normed row (n_embd)
     # and the GLU output (n_ff; a MoE layer's k routed GLU outputs, k x n_ff_exp, where wider)
-    # side by side, or the attention output from the start (n_head x head_dim_v, written after
-    # q/k/v read the normed row's), each as int8 words plus a scale and a sum per 32 (rounded
-    # to 1024 values: both spans whole 256-byte arena slots)
+    # side by side, each as int8 words plus a scale and a sum per 32 (rounded to 1024 values:
+    # both spans whole 256-byte arena slots)
     glu_w = max(f, getattr(hp, "n_expert_used", 0) * getattr(hp, "n_ff_exp", 0))
-    q8 = max(-(-e // 32) * 32 + -(-glu_w // 32) * 32, -(-hp.n_head * hp.head_dim_v // 32) * 32)
-    q8 = -(-q8 // 1024) * 1024
+    q8 = -(-(-(-e // 32) * 32 + -(-glu_w // 32) * 32) // 1024) * 1024
     out += [BufferSpec("xq", (q8 // 4,), "i32"), BufferSpec("xq_ds", (2, q8 // 32), "f32")]
     # the IQ types' value tables and the load's scale-scan flags (spec/launch.py LOOKUP_BYTES)
     out.append(BufferSpec("lookup", (launch.LOOKUP_BYTES,), "uint8"))

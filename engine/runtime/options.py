@@ -18,8 +18,8 @@ TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (carve_kernels/gemv_lowbit.py)",
     "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x "
                  "(carve_kernels/gemv_dot.py)",
-    "attn_out_q8": "attn_output in the T layout on decode's int8 copy of the attention output "
-                   "(written by the attention kernel's merging programs), whatever its size",
+    "down_pdl": "decode's routed experts' int8-x down GEMV launched with PDL, as every other "
+                "kernel of the step (engine/runtime/gpu/stage_moe.py)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}

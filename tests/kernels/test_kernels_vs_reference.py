@@ -387,33 +387,6 @@ def test_attn_decode_matches_reference(kv_type, pos, cells, window, fused, seed)
         assert not counter.any()
 
 
-@pytest.mark.parametrize("nh,kvh,d", [(6, 2, 32), (4, 4, 64)])
-def test_attn_decode_writes_the_int8_copy_of_its_output(nh, kvh, d, seed):
-    # the merging programs quantize the heads they wrote (q8x's rounding, the input of
-    # attn_output's dp4a GEMV): what q8x.quantize_ref makes of the float32 output, exactly,
-    # and nothing outside the row's groups
-    g = generator(seed)
-    cells, pos = 64, 40
-    k = _filled_cache("f16", cells, kvh, d, g)
-    v = _filled_cache("f16", cells, kvh, d, g)
-    q = torch.randn(nh, d, generator=g, device=DEVICE)
-    positions = torch.tensor([pos], dtype=torch.int32, device=DEVICE)
-    out = poison((nh, d))
-    counter = torch.zeros(kvh, 64, dtype=torch.int32, device=DEVICE)
-    words = torch.full((nh * d // 4 + 8,), -1, dtype=torch.int32, device=DEVICE)
-    ds = torch.full((2, nh * d // 32 + 2), float("nan"), device=DEVICE)
-    bufs = q8x.buffers(words, ds, nh * d)
-    attention.attn_decode(q, k, v, positions, kvh, cells, 0, d**-0.5, out=out,
-                          counter=counter, out_q=bufs)
-    want_q, want_d, want_s = q8x.quantize_ref(out.reshape(-1))
-    assert torch.equal(bufs[0].view(torch.int8), want_q)
-    assert torch.equal(bufs[1], want_d) and torch.equal(bufs[2], want_s)
-    assert (words[nh * d // 4:] == -1).all() and ds[:, nh * d // 32:].isnan().all()
-    with pytest.raises(ValueError, match="int8 copy"):
-        attention.attn_decode(q, k, v, positions, kvh, cells, 0, d**-0.5, out=out,
-                              out_q=bufs)  # no counter: no merging program to write it
-
-
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("t,pos0,cells,window", [(70, 0, 128, 0), (20, 50, 128, 0),
                                                  (40, 70, 48, 48), (33, 10, 64, 16)])

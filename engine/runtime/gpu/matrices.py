@@ -96,7 +96,6 @@ class Attention:
     rope_mscale: float  # YaRN's cos/sin scale (1.0 without YaRN)
     sinks: torch.Tensor | None  # gpt-oss: attn_sinks [n_head], one more logit per head
     output: Matrix  # attn_output
-    xq_out: tuple | None  # decode's int8 copy of the attention output (attn_out_q8), else None
     post_norm: torch.Tensor | None  # gemma3's sandwich norm of the output, before its add
 
 
@@ -204,8 +203,7 @@ def packed(model: Any, spans: dict[str, torch.Tensor], name: str, meta: bool = F
 class LayerBuilder:
     """Resolves a stage's tensors in its spans and decides each matrix's kernels.
     ``xq``: the stage's int8 copies of decode's x (carve_kernels/q8x.py: a normed row, the GLU
-    output, a MoE layer's routed GLU outputs, the attention output), or None where decode
-    stays on float x."""
+    output, a MoE layer's routed GLU outputs), or None where decode stays on float x."""
 
     def __init__(self, hp: Any, model: Any, spans: dict[str, torch.Tensor], ctx: int,
                  on_cuda: bool, options: RunnerOptions, xq: tuple | None,
@@ -229,8 +227,7 @@ class LayerBuilder:
         """Repack into the T layout: a T type with a dequant-cache copy (prefill reads that,
         never the packed bytes) that decode reads through one GEMV or the FFN pair, on a GPU
         at least T_MIN_BYTES (under the interpreter every such matrix, so that CI runs the
-        path; attn_output whatever its size with the attn_out_q8 trial); q, k and v all three
-        or none. Never with the T layout off (RunnerOptions)."""
+        path); q, k and v all three or none. Never with the T layout off (RunnerOptions)."""
         if not self.options.t_layout or "buf.t_part" not in self.spans:
             return False
         if name.endswith(QKV):  # one launch: blocks of one size
@@ -240,13 +237,7 @@ class LayerBuilder:
             return all(self._t_able(p + s) for s in QKV) and len(sizes) == 1
         info = self.model.tensor(name)
         return (self._t_able(name) and (name == "output.weight" or name.endswith(T_MATRICES))
-                and (info.nbytes >= T_MIN_BYTES or not self.on_cuda
-                     or (name.endswith("attn_output.weight") and self._attn_out_q8())))
-
-    def _attn_out_q8(self) -> bool:
-        # the attn_out_q8 trial: attn_output on decode's int8 copy of the attention output
-        return ("attn_out_q8" in self.options.trials and self.xq is not None
-                and self.xq[3] is not None and "buf.attn_count" in self.spans)
+                and (info.nbytes >= T_MIN_BYTES or not self.on_cuda))
 
     def _t_able(self, name: str) -> bool:
         # a T type with a dequant-cache copy (the part of the rule that is not size or role)
@@ -330,7 +321,6 @@ class LayerBuilder:
             rope_dim=self.rope_dim, rope_freqs=self.yarn[0], rope_mscale=self.yarn[1],
             sinks=self.vec(p + "attn_sinks.weight") if getattr(hp, "attn_sinks", False) else None,
             output=self.matrix(p + "attn_output.weight", p + "attn_output.bias"),
-            xq_out=self._int8_x(p + "attn_output.weight", 3) if self._attn_out_q8() else None,
             post_norm=self.vec(p + "post_attention_norm.weight") if hp.sandwich_norm else None)
 
     def _qkv_int8_x(self, p: str) -> tuple | None:

@@ -110,6 +110,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"  # else the CPU under TRITON_INTERPRET=1
         self.pdl = options.pdl  # every launch passes it to the kernel (carve_kernels/pdl.py)
+        self.trials = options.trials  # kernels on trial (CARVE_TRIAL) the stage switches
         self.neox = hp.rope_style == "neox"
         self.lb, self.le = dl.layers
         self.first, self.last = dl.first, dl.last
@@ -185,14 +186,10 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
             return None
         # a MoE layer's k routed GLU outputs (the routed experts' down GEMVs, gpu/stage_moe.py)
         routed = hp.n_expert_used * hp.n_ff_exp if hp.n_expert else 0
-        # the attention output (attn_output's GEMV, with the attn_out_q8 trial), written by the
-        # attention kernel a head at a time after q/k/v read the normed row's copy
-        att = hp.n_head * hp.head_dim_v
         return (q8x.buffers(b["xq"], b["xq_ds"], hp.n_embd),
                 q8x.buffers(b["xq"], b["xq_ds"], hp.n_ff, hp.n_embd),
                 q8x.buffers(b["xq"], b["xq_ds"], routed, hp.n_embd)
-                if routed and routed % 32 == 0 else None,
-                q8x.buffers(b["xq"], b["xq_ds"], att) if hp.head_dim_v % 32 == 0 else None)
+                if routed and routed % 32 == 0 else None)
 
     def fill_dequant_cache(self, dry: bool = False) -> int:
         """Dequantize every matrix that has a ``dq.`` span into it, and repack the T-layout

@@ -87,9 +87,11 @@ class MoeLayers:
                                      ub, hp.swiglu_limit, f.xq_h, use_pdl=pdl)
             if f.xq_h is not None:
                 # launched without PDL: with it the step ran 337.6 against 390.9 t/s (H200,
-                # Qwen3-30B-A3B Q4_K_M, same run; the GLU's PDL makes no difference)
+                # Qwen3-30B-A3B Q4_K_M, same run; the GLU's PDL makes no difference); the
+                # down_pdl trial measures it again
                 moe_decode.expert_down_q8(dp, d.ggml_type, ne, f.xq_h, ids, w, a.proj, rows_out,
-                                          db, accumulate=f.shared is not None, use_pdl=False,
+                                          db, accumulate=f.shared is not None,
+                                          use_pdl=pdl and "down_pdl" in self.trials,
                                           counter=b["moe_count"])
             else:
                 moe_decode.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, db,
