@@ -98,11 +98,14 @@ ROUTER_GEMV_ROWS = 8  # up to this many rows the router runs as a GEMV (decode)
 
 
 def router(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, use_pdl: bool = True) -> torch.Tensor:
+           out: torch.Tensor | None = None, use_pdl: bool = True,
+           whole_rows: int = 0) -> torch.Tensor:
     """Router logits [M, E] float32 = x [M, K] @ w^T (+ bias); ``w`` float32 [E, K] (the file
     keeps routers in F32). Up to ROUTER_GEMV_ROWS rows a GEMV, else a tiled float32 GEMM.
     The route runs as a launch of its own (``route``): the router's last program routing the
-    row was measured twice and lost both times (carve_kernels/NOTES.md, Tried and rejected)."""
+    row was measured twice and lost both times (carve_kernels/NOTES.md, Tried and rejected).
+    ``whole_rows``: the GEMV's programs take that many experts each over the whole row (up to
+    4096 columns a step) instead of 2 in steps of 512 (on trial)."""
     e, k = w.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -118,6 +121,8 @@ def router(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
         return out
     block_e = 2 if x.is_cuda else triton.next_power_of_2(e)
     block_k = 512 if x.is_cuda else triton.next_power_of_2(k)
+    if whole_rows:
+        block_e, block_k = whole_rows, min(4096, triton.next_power_of_2(k))
     _router_kernel[(triton.cdiv(e, block_e), m)](
         w, x2, bias if bias is not None else w, out, e, k, x2.stride(0),
         HAS_BIAS=bias is not None, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,

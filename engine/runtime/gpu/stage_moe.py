@@ -33,7 +33,9 @@ class MoeLayers:
         """Router logits and top-k routing into buf.moe_ids / moe_w (on the device), and the
         shared expert (glm4moe) into proj."""
         hp, b, n, x, pdl = self.hp, self.buf, a.n, a.normed, self.pdl
-        moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl)
+        wide = next((e for t, e in (("router_k1", 1), ("router_k2", 2)) if t in self.trials), 0)
+        moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl,
+                   whole_rows=wide)
         moe.route(b["moe_logits"][:n], hp.n_expert_used, hp.expert_gating,
                   hp.expert_weights_norm, hp.expert_weights_scale, f.sel_bias,
                   b["moe_ids"][:n], b["moe_w"][:n], use_pdl=pdl)
@@ -87,11 +89,10 @@ class MoeLayers:
                                      ub, hp.swiglu_limit, f.xq_h, use_pdl=pdl)
             if f.xq_h is not None:
                 # launched without PDL: with it the step ran 337.6 against 390.9 t/s (H200,
-                # Qwen3-30B-A3B Q4_K_M, same run; the GLU's PDL makes no difference); the
-                # down_pdl trial measures it again
+                # Qwen3-30B-A3B Q4_K_M, same run; the GLU's PDL makes no difference), and again
+                # 360.6 against 410.3 on 2026-12-04
                 moe_decode.expert_down_q8(dp, d.ggml_type, ne, f.xq_h, ids, w, a.proj, rows_out,
-                                          db, accumulate=f.shared is not None,
-                                          use_pdl=pdl and "down_pdl" in self.trials,
+                                          db, accumulate=f.shared is not None, use_pdl=False,
                                           counter=b["moe_count"])
             else:
                 moe_decode.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, db,
