@@ -18,9 +18,6 @@ TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (carve_kernels/gemv_lowbit.py)",
     "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x "
                  "(carve_kernels/gemv_dot.py)",
-    "router_k1": "decode's router GEMV a program per expert over the whole row "
-                 "(carve_kernels/moe.py router config)",
-    "router_k2": "decode's router GEMV a program per two experts over the whole row",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}

@@ -110,7 +110,6 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"  # else the CPU under TRITON_INTERPRET=1
         self.pdl = options.pdl  # every launch passes it to the kernel (carve_kernels/pdl.py)
-        self.trials = options.trials  # kernels on trial (CARVE_TRIAL) the stage switches
         self.neox = hp.rope_style == "neox"
         self.lb, self.le = dl.layers
         self.first, self.last = dl.first, dl.last

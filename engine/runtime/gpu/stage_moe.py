@@ -33,9 +33,7 @@ class MoeLayers:
         """Router logits and top-k routing into buf.moe_ids / moe_w (on the device), and the
         shared expert (glm4moe) into proj."""
         hp, b, n, x, pdl = self.hp, self.buf, a.n, a.normed, self.pdl
-        wide = next((e for t, e in (("router_k1", 1), ("router_k2", 2)) if t in self.trials), 0)
-        moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl,
-                   whole_rows=wide)
+        moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl)
         moe.route(b["moe_logits"][:n], hp.n_expert_used, hp.expert_gating,
                   hp.expert_weights_norm, hp.expert_weights_scale, f.sel_bias,
                   b["moe_ids"][:n], b["moe_w"][:n], use_pdl=pdl)
