@@ -8,6 +8,9 @@ import triton.language as tl
 
 from carve_kernels import pdl, q8x
 
+# warps of a row's program: rows of 4096 values and more, and narrower ones
+WARPS = {"wide": 8, "narrow": 4}
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, stride_x,
@@ -54,7 +57,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rmsnorm_kernel[(x2.shape[0],)](x2, r, weight, y, q, d, s, h, eps, x2.stride(0),
                                    r.stride(0), y.stride(0), HAS_RES=residual is not None,
                                    BLOCK=block, Q8=q8 is not None,
-                                   num_warps=8 if block >= 4096 else 4,
+                                   num_warps=WARPS["wide" if block >= 4096 else "narrow"],
                                    **pdl.opts(y, use_pdl))
     return y.view(x.shape) if out is None else out
 
@@ -102,7 +105,7 @@ def rmsnorm_post(x: torch.Tensor, post_weight: torch.Tensor, weight: torch.Tenso
     block = triton.next_power_of_2(h)
     _post_rmsnorm_kernel[(x2.shape[0],)](x2, r, post_weight, weight, y, h, eps, x2.stride(0),
                                         r.stride(0), y.stride(0), BLOCK=block,
-                                        num_warps=8 if block >= 4096 else 4,
+                                        num_warps=WARPS["wide" if block >= 4096 else "narrow"],
                                         **pdl.opts(y, use_pdl))
     return out
 
