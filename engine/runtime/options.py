@@ -18,8 +18,6 @@ TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (carve_kernels/gemv_lowbit.py)",
     "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x "
                  "(carve_kernels/gemv_dot.py)",
-    "norm_warps_up": "RMSNorm rows on twice the warps (carve_kernels/norm.py WARPS)",
-    "norm_warps_down": "RMSNorm rows on half the warps",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}
@@ -87,11 +85,6 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
-        for name, scale in (("norm_warps_up", 2.0), ("norm_warps_down", 0.5)):
-            if name in self.trials:
-                from carve_kernels import norm
-
-                norm.WARPS = {k: max(1, int(w * scale)) for k, w in norm.WARPS.items()}
 
 
 def _trials(environ: Mapping[str, str]) -> frozenset[str]:

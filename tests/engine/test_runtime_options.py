@@ -51,7 +51,7 @@ def test_each_variable_sets_its_option(env, want) -> None:
     ({"CARVE_EXPERT_Q8": "no"}, "CARVE_EXPERT_Q8=no: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_TRIAL": "q2k_rows,down_norm"},
      "CARVE_TRIAL=q2k_rows,down_norm: use all or a comma-separated list of q2k_rows, "
-     "q8_0_rows, norm_warps_up, norm_warps_down"),
+     "q8_0_rows"),
 ])
 def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) -> None:
     with pytest.raises(CarveError) as e:
@@ -60,14 +60,11 @@ def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) ->
 
 
 def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> None:
-    from carve_kernels import moe_decode, norm, quant_matmul
+    from carve_kernels import moe_decode, quant_matmul
 
     base, tiles = quant_matmul.ROW_BODY_TYPES, moe_decode.EXPERT_Q8_CONFIG
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", base)
     monkeypatch.setattr(moe_decode, "EXPERT_Q8_CONFIG", tiles)
-    monkeypatch.setattr(norm, "WARPS", {"wide": 8, "narrow": 4})
-    RunnerOptions(trials=frozenset({"norm_warps_up"})).apply()
-    assert norm.WARPS == {"wide": 16, "narrow": 8}
     RunnerOptions().apply()
     assert quant_matmul.ROW_BODY_TYPES == base and moe_decode.EXPERT_Q8_CONFIG == tiles
     RunnerOptions(trials=frozenset({"q2k_rows"})).apply()
