@@ -10,7 +10,7 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr
 
-from carve_kernels import gemv_t, glu, q8x, quant_matmul
+from carve_kernels import gemv_t, glu, q8x, quant_matmul, rope
 from carve_kernels.random_blocks import random_weight
 from spec import launch
 from spec import quant_types as qt
@@ -198,8 +198,6 @@ def test_gemv_t3_rotates_and_stores_as_rope_store(kv_type, neox, qk_norm, split,
     # the plain launch followed by rope.rope_store: rotated q and k in out, v unchanged, the
     # same cache cells. Row tiles of 64 hold two heads of 32 (one of 64 for q8_0), and q's
     # last tile only one; M tokens at their own positions
-    from carve_kernels import rope
-
     g = generator(seed)
     d = 64 if kv_type == "q8_0" else 32
     nq, kvh, cells, nb = 3, _rand(g, 1, 3), 8, _rand(g, 1, 3)
