@@ -66,12 +66,11 @@ class AttentionLayers:
     def _attend_decode(self, att: Attention, a: Rows) -> None:
         # one token at the position in buf.positions (the captured graph reads it there)
         hp = self.hp
-        if att.rope_in_qkv:  # rotated and stored by the q/k/v launch
-            pass
-        elif att.rope_store:  # rotation and the cache store of k and v in one launch
+        # rope_in_qkv: the q/k/v launch has rotated and stored them
+        if att.rope_store and not att.rope_in_qkv:  # rotation and the cache store in one launch
             rope.rope_store(a.qk3, a.v3, n_q=hp.n_head, use_pdl=self.pdl,
                             **self._rope_args(att, a))
-        else:
+        elif not att.rope_store:
             rope.rope(self._rotated(att, a), a.pos, att.rope_base, self.neox, att.rope_scale,
                       use_pdl=self.pdl, freqs=att.rope_freqs, mscale=att.rope_mscale)
             kv_cache.kv_store(a.k3, att.k_cache, a.pos, att.cells, a.v3, att.v_cache,
