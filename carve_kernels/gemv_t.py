@@ -467,8 +467,7 @@ def gemv_t3(mats: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, out: tor
     q, d, s, use = _q8_in(xq, mats[0][1], x2)
     b = biases if biases is not None else [y, y, y]
     if rope is None:
-        r_args, r_meta = (y,) * 7 + (1,) * 3 + (0.0,) * 2 + (y, 0.0, y, y, 0.0), {
-            "D": 1, "HALF": 1, "NEOX": False, "Q8": False, "FREQS": False, "QK_NORM": False}
+        r_args, r_meta = rope_mod.no_store_args(y)
     else:
         hd = rope["head_dim"]
         if not rope_fits(rows, hd, config):

@@ -173,6 +173,14 @@ def store_args(positions: torch.Tensor, base: float, neox: bool, freq_scale: flo
     return args, meta
 
 
+def no_store_args(like: torch.Tensor) -> tuple[tuple, dict]:
+    """``store_args``' shape with placeholders (``like`` for every pointer), for a kernel that
+    takes those arguments and leaves its rotation off."""
+    args = (like,) * 7 + (1, 1, 1, 0.0, 0.0, like, 0.0, like, like, 0.0)
+    meta = {"D": 1, "HALF": 1, "NEOX": False, "Q8": False, "FREQS": False, "QK_NORM": False}
+    return args, meta
+
+
 def rope_store(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, base: float,
                neox: bool, freq_scale: float, n_q: int, k_cache: torch.Tensor,
                v_cache: torch.Tensor, cells: int, use_pdl: bool = True,

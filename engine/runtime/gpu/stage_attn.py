@@ -26,7 +26,7 @@ class AttentionLayers:
             norm.rmsnorm(a.hidden, att.norm, hp.rms_eps, out=a.normed, q8=xq, use_pdl=self.pdl)
         else:
             self._add_norm(a, prev.post_norm, att.norm, xq)
-        self._qkv(att, a.normed, a.qkv, xq, pos0 is None and att.rope_in_qkv, a)
+        self._qkv(att, a.normed, a.qkv, xq, a if pos0 is None and att.rope_in_qkv else None)
         if hp.qk_norm and not (pos0 is None and att.qk_norm_in_rope):
             norm.rmsnorm_heads(a.qk3, att.q_norm, att.k_norm, hp.n_head, hp.rms_eps,
                                use_pdl=self.pdl)
@@ -37,13 +37,14 @@ class AttentionLayers:
         self._linear(att.output, a.attn, a.proj)
 
     def _qkv(self, att: Attention, x: torch.Tensor, out: torch.Tensor, xq,
-             rotate: bool = False, a: Rows | None = None) -> None:
+             rotate: Rows | None = None) -> None:
         """q, k, v side by side in ``out``; decode runs the three GEMVs (and biases) in one
-        launch where the load decided so, and with ``rotate`` (decode, ``att.rope_in_qkv``)
-        the rotation and cache store of ``a``'s rows in that launch too."""
+        launch where the load decided so, and with ``rotate`` (decode's rows, where
+        ``att.rope_in_qkv``) their rotation and cache store in that launch too."""
         gemv = gemv_rows(x.shape[0], att.qkv, out)
         if gemv and att.fused == "t3":
-            r = {**self._rope_args(att, a), "head_dim": self.hp.head_dim} if rotate else None
+            r = (None if rotate is None
+                 else {**self._rope_args(att, rotate), "head_dim": self.hp.head_dim})
             gemv_t.gemv_t3(att.fused_mats, x, out, self.t_part, self.t_count, att.fused_biases,
                            config=att.fused_config, xq=xq, rope=r, use_pdl=self.pdl)
         elif gemv and att.fused == "gemv3":
