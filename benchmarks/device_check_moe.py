@@ -121,6 +121,17 @@ def moe_section(g, copy_bw, mm_rate, row, types=None):
         t = graph_time(lambda i=0: moe.router(router_w, xp, out=lg), calls=2)
         row(f"moe router {label} T=512", t, 2 * m * e * ne / mm_rate,
             nerr(lg, moe.router_ref(router_w, xp)))
+        default_rc = moe.ROUTER_MM_CONFIG
+        for rc in ROUTER_TILES:  # the tiles moe.ROUTER_MM_CONFIG may take
+            moe.ROUTER_MM_CONFIG = rc
+            try:
+                t = graph_time(lambda i=0: moe.router(router_w, xp, out=lg), calls=2)
+                print(f"  router {label} T=512 cfg {rc}: {t * 1e6:.1f} us (err "
+                      f"{nerr(lg, moe.router_ref(router_w, xp)):.1e})", flush=True)
+            except Exception as exc:
+                print(f"  router {label} cfg {rc}: {type(exc).__name__}: {str(exc)[:100]}")
+        moe.ROUTER_MM_CONFIG = default_rc
+        moe.router(router_w, xp, out=lg)
         moe.route(lg, k, "softmax", True, 1.0, None, ids_p, w_p)
         t = graph_time(lambda i=0: moe_prefill.sort_routes(ids_p, ne, rows_, pos, tiles,
                                                            lg.view(torch.int32)), calls=2)
@@ -133,25 +144,38 @@ def moe_section(g, copy_bw, mm_rate, row, types=None):
         ex_of = ids_p.reshape(-1)[rows_.long()].long()  # expert of each sorted row
         tok_of = rows_.long() // k  # token of each sorted row
         gd = _per_expert(gate, gt, ne, xp.float()[tok_of], ex_of)
-        ud = _per_expert(up, gt, ne, xp.float()[tok_of], ex_of)
+        h_ref = torch.nn.functional.silu(gd) * _per_expert(up, gt, ne, xp.float()[tok_of], ex_of)
+        gd = None
         row(f"moe grouped gate/up {tag} T=512", t,
-            max(2 * gate.numel() / copy_bw, 2 * flops / mm_rate),
-            nerr(hp_, torch.nn.functional.silu(gd) * ud))
-        gd = ud = None
-        t = graph_time(lambda i=0: moe_prefill.grouped_down(down, dt, ne, hp_, tiles, out_rows), calls=2)
+            max(2 * gate.numel() / copy_bw, 2 * flops / mm_rate), nerr(hp_, h_ref))
+        h0 = hp_.clone()  # down's input for every variant below
+        y_ref = _per_expert(down, dt, ne, h0.float(), ex_of)
+        t = graph_time(lambda i=0: moe_prefill.grouped_down(down, dt, ne, h0, tiles, out_rows), calls=2)
         row(f"moe grouped down {tag} T=512", t, max(down.numel() / copy_bw, flops / mm_rate),
-            nerr(out_rows, _per_expert(down, dt, ne, hp_.float(), ex_of)))
-        for c in GROUPED_TILES:  # the tiles moe_prefill.GROUPED_CONFIG may take
-            try:
-                tg = graph_time(lambda i=0, c=c: moe_prefill.grouped_glu(
-                    gate, gt, up, gt, ne, xp, ids_p, rows_, tiles, hp_, config=c), calls=2)
-                td = graph_time(lambda i=0, c=c: moe_prefill.grouped_down(
-                    down, dt, ne, hp_, tiles, out_rows, config=c), calls=2)
-            except Exception as exc:  # a tile can exceed registers or shared memory
-                print(f"  grouped {tag} {c}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
-                continue
-            print(f"  grouped {tag} cfg {c}: gate/up {tg * 1e6:.1f} us, down {td * 1e6:.1f} us",
-                  flush=True)
+            nerr(out_rows, y_ref))
+        # the tiles moe_prefill.GROUPED_CONFIG may take, on tiles of 32 sorted rows of one
+        # expert and of 64 (spec.launch.MOE_TILE_ROWS)
+        default_rows = moe_prefill.MOE_TILE_ROWS
+        for tile_rows in (32, 64):
+            moe_prefill.MOE_TILE_ROWS = tile_rows
+            tiles_r = torch.empty_like(tiles)
+            moe_prefill.sort_routes(ids_p, ne, rows_, pos, tiles_r, lg.view(torch.int32))
+            for c in GROUPED_TILES:
+                try:
+                    tg = graph_time(lambda i=0, c=c: moe_prefill.grouped_glu(
+                        gate, gt, up, gt, ne, xp, ids_p, rows_, tiles_r, hp_, config=c), calls=2)
+                    eg = nerr(hp_, h_ref)
+                    td = graph_time(lambda i=0, c=c: moe_prefill.grouped_down(
+                        down, dt, ne, h0, tiles_r, out_rows, config=c), calls=2)
+                    ed = nerr(out_rows, y_ref)
+                except Exception as exc:  # a tile can exceed registers or shared memory
+                    print(f"  grouped {tag} {c} tile rows {tile_rows}: {type(exc).__name__}: "
+                          f"{str(exc)[:100]}", flush=True)
+                    continue
+                print(f"  grouped {tag} cfg {c} tile rows {tile_rows}: gate/up {tg * 1e6:.1f} "
+                      f"us (err {eg:.1e}), down {td * 1e6:.1f} us (err {ed:.1e})", flush=True)
+        moe_prefill.MOE_TILE_ROWS = default_rows
+        h_ref = y_ref = h0 = None
         t = graph_time(lambda i=0: moe.combine(out_rows, pos, w_p, yp), calls=2)
         row(f"moe combine {label} T=512", t, (out_rows.numel() * 4 + yp.numel() * 2) / copy_bw,
             nerr(yp, moe.combine_ref(out_rows, pos, w_p, torch.empty(m, e, device="cuda"))))
@@ -305,7 +329,10 @@ def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, 
 
 
 # the sweeps' candidates, few enough that --moe stays within a few minutes of compiles
-GROUPED_TILES = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
+GROUPED_TILES = [(64, 4), (64, 4, 2), (128, 4, 2), (64, 8), (128, 8), (32, 4),
+                 (32, 8)]  # (columns, warps[, stages])
+ROUTER_TILES = [(16, 32, 64, 4), (32, 32, 64, 4), (16, 64, 64, 4), (16, 32, 32, 4),
+                (16, 32, 64, 2), (16, 32, 128, 4), (16, 32, 64, 8), (16, 16, 64, 4)]  # (rows, experts, K, warps)
 EXPERT_TILES = [(1, 16, 1), (2, 16, 2), (4, 16, 4), (8, 16, 4), (16, 16, 8), (32, 16, 8)]
 # the int8-x bodies' (rows a multiple of 32: the GLU writes its output's copy per 32 values)
 Q8_TILES = [(32, 2, 4), (32, 4, 4), (32, 8, 4), (32, 4, 2), (64, 4, 4), (64, 4, 8)]

@@ -72,10 +72,12 @@ def _router_kernel(w_ptr, x_ptr, b_ptr, y_ptr, E, K, stride_xm, HAS_BIAS: tl.con
 
 @triton.jit
 def _router_mm_kernel(w_ptr, x_ptr, b_ptr, y_ptr, M, E, K, stride_xm, HAS_BIAS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PRECISION: tl.constexpr):
     # prefill: a tile of rows times a tile of experts, so that the router's weights are read
-    # once per BLOCK_M rows, not once per row; float32 products (a tf32 rounding could change
-    # which experts a near tie picks)
+    # once per BLOCK_M rows, not once per row. PRECISION "tf32x3": three tensor-core products of
+    # each operand's tf32 high part and remainder, float32's accuracy (a single tf32 rounding
+    # could change which experts a near tie picks); "ieee" under the interpreter
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     ex = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     rm, em = rows < M, ex < E
@@ -85,13 +87,17 @@ def _router_mm_kernel(w_ptr, x_ptr, b_ptr, y_ptr, M, E, K, stride_xm, HAS_BIAS: 
         cm = c < K
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + c[None, :],
                     mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + ex.to(tl.int64)[None, :] * K + c[:, None],
-                    mask=em[None, :] & cm[:, None], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision="ieee")
+        w = tl.load(w_ptr + ex.to(tl.int64)[:, None] * K + c[None, :],
+                    mask=em[:, None] & cm[None, :], other=0.0)  # rows of w, read along K
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + ex, mask=em, other=0.0)[None, :]
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * E + ex[None, :], acc,
              mask=rm[:, None] & em[None, :])
+
+
+# prefill's router tile on a GPU: (rows, experts, columns a step, warps)
+ROUTER_MM_CONFIG = (16, 32, 128, 4)
 
 
 ROUTER_GEMV_ROWS = 8  # up to this many rows the router runs as a GEMV (decode)
@@ -108,13 +114,16 @@ def router(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
     m = x2.shape[0]
     out = torch.empty(m, e, dtype=torch.float32, device=x.device) if out is None else out
     if m > ROUTER_GEMV_ROWS:
-        # tiles of 16 rows x 32 experts: 128 programs at 512 rows x 128 experts (tiles of 32 x
-        # 64 gave 32 programs on 132 SMs: 157 us on an H200 for 0.27 GFLOP)
-        be = min(32, max(16, triton.next_power_of_2(e))) if x.is_cuda else max(
-            16, triton.next_power_of_2(e))
-        _router_mm_kernel[(triton.cdiv(e, be), triton.cdiv(m, 16))](
+        if x.is_cuda:
+            bm, be, bk, warps = ROUTER_MM_CONFIG
+            precision = "tf32x3"
+        else:
+            bm, be, bk, warps = 16, max(16, triton.next_power_of_2(e)), 64, 4
+            precision = "ieee"
+        _router_mm_kernel[(triton.cdiv(e, be), triton.cdiv(m, bm))](
             w, x2, bias if bias is not None else w, out, m, e, k, x2.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_E=be, BLOCK_K=64, num_warps=4)
+            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_E=be, BLOCK_K=bk, PRECISION=precision,
+            num_warps=warps)
         return out
     # a program per expert over the whole row (up to 4096 columns a step: one round trip to
     # memory): H200 tg128 Qwen3-30B-A3B 412.1 against 409.1 t/s, gpt-oss-20b 456.4 against

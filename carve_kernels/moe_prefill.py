@@ -14,6 +14,7 @@ from carve_kernels.moe import _ACTS, _act, _expert_ref, expert_rows
 from carve_kernels.moe_decode import expert_glu_ref
 from carve_kernels.quant_blocks import dequant_part, plan
 from carve_kernels.quant_matmul import _launch_args, row_cols
+from spec import quant_types as qt
 from spec.launch import MOE_TILE_ROWS, moe_tiles
 
 # --- prefill: routed rows sorted by expert, one GEMM per expert -----------------------------
@@ -187,38 +188,47 @@ def _gemm_meta(w: torch.Tensor, t: int, tag: str) -> tuple[tuple, dict]:
                      f"BB{tag}": max(1, 64 // p.block)}  # 16-64 values per tl.dot step
 
 
-# prefill's grouped GEMM tile on a GPU: (columns per program, warps); a program's rows are one
-# tile of MOE_TILE_ROWS sorted rows. `python -m benchmarks.device_check --moe` sweeps it
-GROUPED_CONFIG = (64, 4)
+# prefill's grouped GEMM tiles on a GPU, per launch and matrix type: (columns per program, warps,
+# pipeline stages); a program's rows are one tile of MOE_TILE_ROWS sorted rows. The H200's best
+# at 64-row tiles (2026-12-04, `python -m benchmarks.device_check --moe` sweeps them): gate/up
+# Q4_K 418.5 us and MXFP4 1,372 at (128, 4, 2); down Q6_K 339.5 at (64, 4, 2), Q4_K 196.6 and
+# MXFP4 595.5 at (128, 4, 2)
+GROUPED_CONFIG: dict[tuple[str, int], tuple[int, ...]] = {("down", qt.Q6_K): (64, 4, 2)}
+GROUPED_DEFAULT: tuple[int, ...] = (128, 4, 2)
 
 
-def _grouped_tile(n: int, on_gpu: bool, config: tuple[int, int] | None) -> tuple[int, int]:
-    if config is not None:
-        return config
-    return GROUPED_CONFIG if on_gpu else (max(16, min(256, triton.next_power_of_2(n))), 4)
+def _grouped_tile(kind: str, ggml_type: int, n: int, on_gpu: bool,
+                  config: tuple[int, ...] | None) -> tuple[int, int, dict]:
+    # (columns per program, warps, launch options: num_stages where the config gives one)
+    if config is None:
+        config = (GROUPED_CONFIG.get((kind, ggml_type), GROUPED_DEFAULT) if on_gpu
+                  else (max(16, min(256, triton.next_power_of_2(n))), 4))
+    bn, warps, *stages = config
+    return bn, warps, ({"num_stages": stages[0]} if stages else {})
 
 
 def grouped_glu(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: int,
                 n_expert: int, x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
                 tiles: torch.Tensor, out: torch.Tensor, act: str = "silu",
                 gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
-                limit: float = 0.0, config: tuple[int, int] | None = None) -> torch.Tensor:
+                limit: float = 0.0, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """Prefill's routed gate/up over the rows ``sort_routes`` grouped: ``out[s] = act(x[m] @
     gate_e^T) * (x[m] @ up_e^T)`` for the routed row a = rows[s] = m * k + j of expert e; one
-    launch, a program per (tile, column block). ``config``: (columns per program, warps)."""
+    launch, a program per (tile, column block). ``config``: (columns per program, warps[,
+    pipeline stages]); default GROUPED_CONFIG's for the gate's type."""
     n, k = expert_rows(gate, n_expert), row_cols(gate, gate_type)
     m, ku = ids.shape
     x2 = x.reshape(m, k)
     gp, gmeta = _gemm_meta(gate, gate_type, "G")
     upp, umeta = _gemm_meta(up, up_type, "U")
-    bn, warps = _grouped_tile(n, x.is_cuda, config)
+    bn, warps, opts = _grouped_tile("glu", gate_type, n, x.is_cuda, config)
     t = tiles.shape[1]
     _grouped_glu_kernel[(t, triton.cdiv(n, bn))](
         *gp, *upp, gate_bias if gate_bias is not None else x2,
         up_bias if up_bias is not None else x2, x2, rows, tiles, out, n, k, gate.shape[1],
         up.shape[1], x2.stride(0), t, float(limit), KU=ku, HAS_BIAS=gate_bias is not None,
         ACT=_ACTS[act], **gmeta, **umeta, BLOCK_M=MOE_TILE_ROWS, BLOCK_N=bn,
-        DOT_F32=x.dtype == torch.float32, num_warps=warps)
+        DOT_F32=x.dtype == torch.float32, num_warps=warps, **opts)
     return out
 
 
@@ -257,18 +267,18 @@ def _grouped_down_kernel(w_ptr, wh_ptr, wg_ptr, b_ptr, h_ptr, tiles_ptr, y_ptr, 
 def grouped_down(down: torch.Tensor, ggml_type: int, n_expert: int, h: torch.Tensor,
                  tiles: torch.Tensor, out: torch.Tensor,
                  bias: torch.Tensor | None = None,
-                 config: tuple[int, int] | None = None) -> torch.Tensor:
+                 config: tuple[int, ...] | None = None) -> torch.Tensor:
     """Prefill's routed down projection, row by sorted row: ``out[s] = h[s] @ down_e^T (+
     bias_e)`` for the expert e of the tile holding s (weights applied by ``combine``);
     ``config`` as in ``grouped_glu``."""
     n, k = expert_rows(down, n_expert), row_cols(down, ggml_type)
     ptrs, meta = _gemm_meta(down, ggml_type, "D")
-    bn, warps = _grouped_tile(n, h.is_cuda, config)
+    bn, warps, opts = _grouped_tile("down", ggml_type, n, h.is_cuda, config)
     t = tiles.shape[1]
     _grouped_down_kernel[(t, triton.cdiv(n, bn))](
         *ptrs, bias if bias is not None else h, h, tiles, out, n, k, down.shape[1], t,
         HAS_BIAS=bias is not None, **meta, BLOCK_M=MOE_TILE_ROWS, BLOCK_N=bn,
-        DOT_F32=h.dtype == torch.float32, num_warps=warps)
+        DOT_F32=h.dtype == torch.float32, num_warps=warps, **opts)
     return out
 
 

@@ -92,7 +92,10 @@ LOOKUP_FLAGS = 64
 # Mixture-of-experts prefill (carve_kernels/moe_prefill.py): the routed rows (tokens x experts used)
 # sorted by expert, cut into tiles of MOE_TILE_ROWS rows of one expert each; every expert's last
 # tile may be partial, so a chunk needs at most this many tiles (the priced buf.moe_tiles).
-MOE_TILE_ROWS = 32
+# 64 rows: each tile dequantizes its expert's blocks once for twice the rows of 32 (H200,
+# 2026-12-04, 512 tokens: Qwen3-30B-A3B gate/up + Q6_K down 758 against 852 us, gpt-oss-20b
+# 1,967 against 2,382 us, each at its best tile; carve_kernels/NOTES.md)
+MOE_TILE_ROWS = 64
 
 
 def moe_tiles(routed_rows: int, n_expert: int) -> int:

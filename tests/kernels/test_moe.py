@@ -146,7 +146,7 @@ def test_gather_experts_copies_only_the_routed_experts_to_their_places(seed):
     """Decode's gather of host experts: each routed expert's bytes of every tensor (words,
     and a tensor whose experts are not whole words) land at that expert's place in the
     twin; no other byte of the twin is written. From pinned host memory on a GPU."""
-    g = generator(seed)
+    g = torch.Generator().manual_seed(seed)  # the sources are host tensors
     n_expert = 6
     pin = str(DEVICE).startswith("cuda")
     srcs = [torch.randint(0, 256, (n_expert * 40, 36), dtype=torch.uint8, generator=g),
