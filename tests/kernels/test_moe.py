@@ -199,12 +199,12 @@ def test_sort_routes_groups_rows_by_expert(seed):
 @pytest.mark.parametrize("types", [(qt.Q4_K, qt.Q6_K), (qt.MXFP4, qt.MXFP4), (qt.Q8_0, qt.Q4_0),
                                    (qt.IQ4_XS, qt.IQ2_XXS), (qt.Q2_K, qt.Q3_K)],
                          ids=lambda t: "-".join(qt.type_name(x) for x in t))
-def test_prefill_grouped_path_matches_decode_reference(types, seed):
+def test_prefill_grouped_path_matches_decode_reference(types, seed, shape=(4, 2, 21)):
     # sort -> grouped gate/up -> grouped down -> combine gives, for every token, what the
     # decode composition of the references gives
     gu_type, d_type = types
     g = generator(seed)
-    n_expert, k, m = 4, 2, 21
+    n_expert, k, m = shape
     cols = max(_block(gu_type), _block(d_type))
     ff_cols = _block(d_type)
     gate = _experts(gu_type, n_expert, ff_cols, cols, g)
@@ -239,3 +239,10 @@ def test_prefill_grouped_path_matches_decode_reference(types, seed):
     want = moe_decode.expert_down_ref(down, d_type, n_expert, h_tok, ids, wts, prior.clone(),
                                       accumulate=True)
     assert nerr(out, want) < 1e-5
+
+
+def test_prefill_grouped_path_runs_experts_of_several_tiles(seed):
+    # 2 experts x 2 used of 97 tokens: each expert holds more rows than one tile
+    # (spec.launch.MOE_TILE_ROWS), its last tile partial
+    assert 97 > MOE_TILE_ROWS
+    test_prefill_grouped_path_matches_decode_reference((qt.Q4_K, qt.Q6_K), seed, (2, 2, 97))
