@@ -331,8 +331,9 @@ def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, 
 # the sweeps' candidates, few enough that --moe stays within a few minutes of compiles
 GROUPED_TILES = [(64, 4), (64, 4, 2), (128, 4, 2), (64, 8), (128, 8), (32, 4),
                  (32, 8)]  # (columns, warps[, stages])
+# (rows, experts, columns a step, warps)
 ROUTER_TILES = [(16, 32, 64, 4), (32, 32, 64, 4), (16, 64, 64, 4), (16, 32, 32, 4),
-                (16, 32, 64, 2), (16, 32, 128, 4), (16, 32, 64, 8), (16, 16, 64, 4)]  # (rows, experts, K, warps)
+                (16, 32, 64, 2), (16, 32, 128, 4), (16, 32, 64, 8), (16, 16, 64, 4)]
 EXPERT_TILES = [(1, 16, 1), (2, 16, 2), (4, 16, 4), (8, 16, 4), (16, 16, 8), (32, 16, 8)]
 # the int8-x bodies' (rows a multiple of 32: the GLU writes its output's copy per 32 values)
 Q8_TILES = [(32, 2, 4), (32, 4, 4), (32, 8, 4), (32, 4, 2), (64, 4, 4), (64, 4, 8)]

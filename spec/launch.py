@@ -94,7 +94,7 @@ LOOKUP_FLAGS = 64
 # tile may be partial, so a chunk needs at most this many tiles (the priced buf.moe_tiles).
 # 64 rows: each tile dequantizes its expert's blocks once for twice the rows of 32 (H200,
 # 2026-12-04, 512 tokens: Qwen3-30B-A3B gate/up + Q6_K down 758 against 852 us, gpt-oss-20b
-# 1,967 against 2,382 us, each at its best tile; carve_kernels/NOTES.md)
+# 1,967 against 2,370 us, each at its best tile; carve_kernels/NOTES.md)
 MOE_TILE_ROWS = 64
 
 
