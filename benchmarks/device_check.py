@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.device
     ap.add_argument("--moe-host", action="store_true",
                     help="decode's expert kernels reading experts in pinned host memory in "
                          "place, against the host-to-GPU copy rate (30B-A3B shape)")
+    ap.add_argument("--no-prefill", action="store_true",
+                    help="with --moe: decode's kernels only (no prefill router, sort or grouped "
+                         "GEMM sweeps)")
     ap.add_argument("--json", metavar="FILE", default=None, help="also write the rows to FILE")
     ap.add_argument("--types", metavar="LIST", default=None,
                     help="GEMV/dequantize types only: comma-separated names, or lowbit (with "
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.device
         if args.moe_host:
             host_section(g, copy_bw, mm_rate, row)
         else:
-            moe_section(g, copy_bw, mm_rate, row, types)
+            moe_section(g, copy_bw, mm_rate, row, types, prefill=not args.no_prefill)
         _table(rows, best_cfg, args, copy_bw, mm_rate)
         return 0
     if args.attn:

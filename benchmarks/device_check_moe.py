@@ -33,11 +33,12 @@ MOE_SHAPES = [  # (label, n_expert, k, n_embd, n_ff_exp, gate/up type, down type
 ]
 
 
-def moe_section(g, copy_bw, mm_rate, row, types=None):
+def moe_section(g, copy_bw, mm_rate, row, types=None, prefill=True):
     """Each MoE kernel against the bytes it must move (decode: the k routed experts' rows only;
     prefill 512 tokens: every expert's bytes once, or its FLOPs). Decode calls in one graph
     draw different experts (8 id sets), so the 8 calls do not hit L2 for each other.
-    ``types``: only the shapes whose gate/up type is one of these."""
+    ``types``: only the shapes whose gate/up type is one of these; ``prefill`` False: decode's
+    kernels only."""
     from carve_kernels import moe, moe_decode, moe_prefill
     from spec.launch import moe_tiles
 
@@ -107,6 +108,8 @@ def moe_section(g, copy_bw, mm_rate, row, types=None):
             _expert_sweep(f"down split {tag}", lambda c, i: moe_decode.expert_down(
                 down, dt, ne, h, sets[i], wts, y, config=c, rows_out=yr), k * per_d / copy_bw,
                 row)
+        if not prefill:
+            continue
         # prefill: 512 tokens routed by random logits
         m = 512
         xp = torch.randn(m, e, device="cuda", generator=g).to(torch.bfloat16)
@@ -326,6 +329,18 @@ def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, 
             Q8_TILES_32 if small else Q8_TILES))
     for name, fn, floor, tiles in sweeps:
         _expert_sweep(f"{name} {tag}", fn, floor, row, tiles)
+    if dt == qt.Q6_K:  # Q6_K's lanes a half block (gemv_q8.Q6K_LANES): the other layout too
+        from carve_kernels import gemv_q8
+
+        default = gemv_q8.Q6K_LANES
+        try:
+            for lanes in (2, 8):
+                if lanes != default:
+                    gemv_q8.Q6K_LANES = lanes
+                    _expert_sweep(f"down int8 x Q6_K lanes={lanes} {tag}", sweeps[0][1],
+                                  floor_down, row, Q8_DOWN_TILES)
+        finally:
+            gemv_q8.Q6K_LANES = default
 
 
 # the sweeps' candidates, few enough that --moe stays within a few minutes of compiles
@@ -336,10 +351,13 @@ ROUTER_TILES = [(16, 32, 64, 4), (32, 32, 64, 4), (16, 64, 64, 4), (16, 32, 32, 
                 (16, 32, 64, 2), (16, 32, 128, 4), (16, 32, 64, 8), (16, 16, 64, 4)]
 EXPERT_TILES = [(1, 16, 1), (2, 16, 2), (4, 16, 4), (8, 16, 4), (16, 16, 8), (32, 16, 8)]
 # the int8-x bodies' (rows a multiple of 32: the GLU writes its output's copy per 32 values)
-Q8_TILES = [(32, 2, 4), (32, 4, 4), (32, 8, 4), (32, 4, 2), (64, 4, 4), (64, 4, 8)]
+# (32, 4, 4) runs 232 registers a thread, so at most 2 programs (8 warps) share an SM: the
+# more-warps tiles give each warp fewer rows' dependent instructions
+Q8_TILES = [(32, 2, 4), (32, 4, 4), (32, 8, 4), (64, 4, 8), (32, 4, 8), (32, 2, 8), (32, 1, 8),
+            (32, 8, 8), (32, 4, 16), (32, 2, 16), (64, 2, 16)]
 # down's: any rows (the row tile's counters: one per 16 rows here)
 Q8_DOWN_TILES = [(16, 1, 2), (16, 4, 4), (32, 1, 4), (32, 4, 4), (64, 1, 4), (64, 4, 8),
-                 (128, 4, 8)]
+                 (128, 4, 8), (16, 1, 4), (16, 2, 4), (32, 1, 8), (32, 2, 8), (16, 4, 8)]
 # the same for 32-value blocks (MXFP4: 17 bytes a block, a thread each)
 Q8_TILES_32 = [(32, 8, 4), (32, 16, 4), (32, 32, 4), (32, 16, 8), (32, 32, 8), (64, 8, 4),
                (64, 16, 8), (64, 32, 8)]

@@ -39,7 +39,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #                                its byte floor at 7B sizes), run before the benches
 #   MOE=1                        benchmarks.device_check --moe (the mixture-of-experts
 #                                kernels against their byte floors), run before the benches;
-#                                MOE=MXFP4: only the shapes of those gate/up types
+#                                MOE=MXFP4: only the shapes of those gate/up types;
+#                                MOE_PREFILL=0: decode's kernels only
 #   PLACE="--vram 12 --experts-resident auto;CARVE_HOST_READ=direct --vram 12 --experts-resident auto"
 #                                more `carve bench` runs of the first BENCH shape's file, one per
 #                                ';'-separated argument set (expert placements at a VRAM budget;
@@ -99,6 +100,7 @@ fi
 if [ "${MOE:-0}" != 0 ]; then
     moe_types=()
     [ "$MOE" != 1 ] && moe_types=(--types "$MOE")
+    [ "${MOE_PREFILL:-1}" = 0 ] && moe_types+=(--no-prefill)
     timeout "$step" python3 -m benchmarks.device_check --moe "${moe_types[@]}" \
         --json "$out/device-check-moe.json" 2>&1 | tee "$out/device-check-moe.log"
 fi

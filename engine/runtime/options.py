@@ -49,6 +49,11 @@ class RunnerOptions:
         ``TRIALS``: kernels written and checked against references but not yet adopted (not
         yet measured to win on a GPU), switched on for measuring them through the engine
         and ``carve bench`` before they are.
+    ``CARVE_EXPERT_TILES``: empty (default) or ``TYPE/PART=ROWS,BLOCKS,WARPS`` entries
+        separated by ``;`` (``Q4_K/glu=32,4,8;Q6_K/down=16,1,2``): decode's int8-x expert
+        GEMV tiles (carve_kernels/moe_decode.py ``EXPERT_Q8_CONFIG``) for a type (Q4_K, Q6_K,
+        MXFP4) and part (glu: gate/up, down), so that a tile a kernel sweep found
+        (``benchmarks.device_check --moe``) is measured in the step before it is adopted.
     """
 
     runner: str = "auto"  # CARVE_RUNNER
@@ -57,6 +62,7 @@ class RunnerOptions:
     t_layout: bool = True  # CARVE_T_LAYOUT
     pdl: bool = True  # CARVE_PDL
     trials: frozenset[str] = frozenset()  # CARVE_TRIAL
+    expert_tiles: tuple[tuple[int, str, tuple[int, int, int]], ...] = ()  # CARVE_EXPERT_TILES
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -75,7 +81,7 @@ class RunnerOptions:
         return cls(runner=runner, q8x=_switch(environ, "CARVE_Q8X"),
                    expert_q8=_switch(environ, "CARVE_EXPERT_Q8"),
                    t_layout=_switch(environ, "CARVE_T_LAYOUT"), pdl=_switch(environ, "CARVE_PDL"),
-                   trials=_trials(environ))
+                   trials=_trials(environ), expert_tiles=_expert_tiles(environ))
 
     def apply(self) -> None:
         """Set what these options switch for the whole process (the entry points call it once,
@@ -85,6 +91,12 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
+        if self.expert_tiles:
+            from carve_kernels import moe_decode
+
+            moe_decode.EXPERT_Q8_CONFIG = {**moe_decode.EXPERT_Q8_CONFIG,
+                                           **{(t, part): cfg
+                                              for t, part, cfg in self.expert_tiles}}
 
 
 def _trials(environ: Mapping[str, str]) -> frozenset[str]:
@@ -97,6 +109,35 @@ def _trials(environ: Mapping[str, str]) -> frozenset[str]:
         raise CarveError(f"CARVE_TRIAL={value}: use all or a comma-separated list of "
                          f"{', '.join(TRIALS)}")
     return names
+
+
+# the types and parts decode's int8-x expert GEMVs have tiles for (carve_kernels/gemv_q8.py)
+TILE_TYPES = {"Q4_K": qt.Q4_K, "Q6_K": qt.Q6_K, "MXFP4": qt.MXFP4}
+TILE_PARTS = ("glu", "down")
+
+
+def _expert_tiles(environ: Mapping[str, str]) -> tuple:
+    value = environ.get("CARVE_EXPERT_TILES", "").strip()
+    out = []
+    for entry in (e.strip() for e in value.split(";")):
+        if not entry:
+            continue
+        what, _, cfg = entry.partition("=")
+        name, _, part = what.strip().partition("/")
+        try:
+            r, b, w = (int(v) for v in cfg.split(","))
+        except ValueError:
+            r = b = w = 0
+        ok = (name.strip() in TILE_TYPES and part.strip() in TILE_PARTS
+              and all(v > 0 and v & (v - 1) == 0 for v in (r, b, w)) and w <= 16
+              and r >= (32 if part.strip() == "glu" else 16))
+        if not ok:
+            raise CarveError(
+                f"CARVE_EXPERT_TILES entry {entry!r}: use TYPE/PART=ROWS,BLOCKS,WARPS with TYPE "
+                f"one of {', '.join(TILE_TYPES)}, PART glu or down, powers of two (warps at "
+                "most 16, rows at least 32 for glu and 16 for down)")
+        out.append((TILE_TYPES[name.strip()], part.strip(), (r, b, w)))
+    return tuple(out)
 
 
 def _switch(environ: Mapping[str, str], name: str) -> bool:

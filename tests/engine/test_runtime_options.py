@@ -38,6 +38,9 @@ def test_defaults_when_nothing_is_set() -> None:
     ({"CARVE_TRIAL": " q2k_rows, "}, RunnerOptions(trials=frozenset({"q2k_rows"}))),
     ({"CARVE_TRIAL": "all"}, RunnerOptions(trials=frozenset(TRIALS))),
     ({"CARVE_TRIAL": ""}, RunnerOptions()),
+    ({"CARVE_EXPERT_TILES": "Q4_K/glu=32,4,8; Q6_K/down=16,1,2;"},
+     RunnerOptions(expert_tiles=((qt.Q4_K, "glu", (32, 4, 8)), (qt.Q6_K, "down", (16, 1, 2))))),
+    ({"CARVE_EXPERT_TILES": " "}, RunnerOptions()),
 ])
 def test_each_variable_sets_its_option(env, want) -> None:
     assert RunnerOptions.from_env(env) == want
@@ -52,6 +55,10 @@ def test_each_variable_sets_its_option(env, want) -> None:
     ({"CARVE_TRIAL": "q2k_rows,down_norm"},
      "CARVE_TRIAL=q2k_rows,down_norm: use all or a comma-separated list of q2k_rows, "
      "q8_0_rows"),
+    ({"CARVE_EXPERT_TILES": "Q4_K/glu=16,4,8"},
+     "CARVE_EXPERT_TILES entry 'Q4_K/glu=16,4,8': use TYPE/PART=ROWS,BLOCKS,WARPS with TYPE "
+     "one of Q4_K, Q6_K, MXFP4, PART glu or down, powers of two (warps at most 16, rows at "
+     "least 32 for glu and 16 for down)"),
 ])
 def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) -> None:
     with pytest.raises(CarveError) as e:
@@ -73,6 +80,24 @@ def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> No
     RunnerOptions(trials=frozenset(TRIALS)).apply()
     assert quant_matmul.ROW_BODY_TYPES == base | quant_matmul.ROW_BODY_TRIAL > base
     assert moe_decode.EXPERT_Q8_CONFIG == tiles
+
+
+@pytest.mark.parametrize("entry", ["Q5_K/glu=32,4,4", "Q4_K/gate=32,4,4", "Q4_K/glu=32,3,4",
+                                   "Q4_K/glu=32,4,32", "Q6_K/down=8,1,2", "Q4_K/glu=32,4",
+                                   "Q4_K/glu", "Q4_K/down=a,b,c", "MXFP4/down=16,0,4"])
+def test_a_bad_expert_tile_is_refused(entry) -> None:
+    with pytest.raises(CarveError, match="CARVE_EXPERT_TILES entry"):
+        RunnerOptions.from_env({"CARVE_EXPERT_TILES": f"Q4_K/glu=32,4,4;{entry}"})
+
+
+def test_expert_tiles_set_the_expert_gemvs_table_for_the_process(monkeypatch) -> None:
+    from carve_kernels import moe_decode
+
+    tiles = dict(moe_decode.EXPERT_Q8_CONFIG)
+    monkeypatch.setattr(moe_decode, "EXPERT_Q8_CONFIG", tiles)
+    RunnerOptions.from_env({"CARVE_EXPERT_TILES": "Q4_K/glu=64,2,8"}).apply()
+    assert moe_decode.EXPERT_Q8_CONFIG == {**tiles, (qt.Q4_K, "glu"): (64, 2, 8)}
+    assert tiles[(qt.Q4_K, "glu")] != (64, 2, 8)  # the module's own table is not changed
 
 
 def test_options_are_frozen_and_checked() -> None:
