@@ -329,18 +329,6 @@ def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, 
             Q8_TILES_32 if small else Q8_TILES))
     for name, fn, floor, tiles in sweeps:
         _expert_sweep(f"{name} {tag}", fn, floor, row, tiles)
-    if dt == qt.Q6_K:  # Q6_K's lanes a half block (gemv_q8.Q6K_LANES): the other layout too
-        from carve_kernels import gemv_q8
-
-        default = gemv_q8.Q6K_LANES
-        try:
-            for lanes in (2, 8):
-                if lanes != default:
-                    gemv_q8.Q6K_LANES = lanes
-                    _expert_sweep(f"down int8 x Q6_K lanes={lanes} {tag}", sweeps[0][1],
-                                  floor_down, row, Q8_DOWN_TILES)
-        finally:
-            gemv_q8.Q6K_LANES = default
 
 
 # the sweeps' candidates, few enough that --moe stays within a few minutes of compiles

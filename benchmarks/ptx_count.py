@@ -102,7 +102,6 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int]):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from carve_kernels import gemv_q8 as gq
     from carve_kernels import moe_decode as md
 
     rows, blocks, warps = config
@@ -126,8 +125,7 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int]):
                "K": "i32", "row_bytes": "i32", "stride_ym": "i32"}
         const = {"KU": 8, "HAS_BIAS": ggml_type == qt.MXFP4, "COMBINE": True, "ACCUM": False,
                  "TYPE": ggml_type, "QK": md.Q8_BLOCK[ggml_type]}
-    const.update({"BLOCK_R": rows, "BLOCK_B": blocks, "ASM": True, "Q6L": gq.Q6K_LANES,
-                  "PDL": True})
+    const.update({"BLOCK_R": rows, "BLOCK_B": blocks, "ASM": True, "PDL": True})
     sig.update({k: "constexpr" for k in const})
     n_ptr = sum(v.startswith("*") for v in sig.values())
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(n_ptr)}  # the pointers

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from carve_kernels import gemv_q8, pdl, q8x
+from carve_kernels import pdl, q8x
 from carve_kernels.gemv_dot import row_dot
 from carve_kernels.gemv_q8 import Q8_BLOCK, Q8_TYPES, q4k_q8_rows_dot, q8_rows_dot
 from carve_kernels.moe import _ACTS, _act, _act_ref, _expert_ref, combine, expert_rows
@@ -138,7 +138,7 @@ def _expert_glu_q8_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, 
                           u_rb, limit, KU: tl.constexpr, TG: tl.constexpr, TU: tl.constexpr,
                           HAS_BIAS: tl.constexpr, ACT: tl.constexpr, QOUT: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr,
-                          Q6L: tl.constexpr, PDL: tl.constexpr):
+                          PDL: tl.constexpr):
     pdl.start(PDL)
     pid = tl.program_id(0)
     slot = tl.program_id(1)  # one row of x: slot j is its j-th expert
@@ -151,9 +151,9 @@ def _expert_glu_q8_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, 
                                BLOCK_R, BLOCK_B, True, ASM)
     else:
         g = q8_rows_dot(g_ptr, gh_ptr, gi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, NB, g_rb, TG,
-                        BLOCK_R, BLOCK_B, ASM, Q6L)
+                        BLOCK_R, BLOCK_B, ASM)
         u = q8_rows_dot(u_ptr, uh_ptr, ui_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, NB, u_rb, TU,
-                        BLOCK_R, BLOCK_B, ASM, Q6L)
+                        BLOCK_R, BLOCK_B, ASM)
     if HAS_BIAS:
         g += tl.load(gb_ptr + rows_c).to(tl.float32)
         u += tl.load(ub_ptr + rows_c).to(tl.float32)
@@ -194,7 +194,7 @@ def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type:
         os_, n, k // Q8_BLOCK[gate_type], gate.shape[1], up.shape[1], float(limit), KU=ku,
         TG=gate_type, TU=up_type, HAS_BIAS=bias, ACT=_ACTS[act], QOUT=out_q is not None,
         BLOCK_R=br, BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[gate_type])),
-        ASM=gate.is_cuda, Q6L=gemv_q8.Q6K_LANES, num_warps=warps, **pdl.opts(out, use_pdl))
+        ASM=gate.is_cuda, num_warps=warps, **pdl.opts(out, use_pdl))
     return out
 
 
@@ -293,7 +293,7 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
                            KU: tl.constexpr, HAS_BIAS: tl.constexpr, COMBINE: tl.constexpr,
                            ACCUM: tl.constexpr, TYPE: tl.constexpr, QK: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr,
-                           Q6L: tl.constexpr, PDL: tl.constexpr):
+                           PDL: tl.constexpr):
     # one expert per program: its rows (+ bias), unweighted, into y's routed row; COMBINE: the
     # row tile's last expert program to finish adds the k rows in order with their weights
     # onto out (the same sum as ``combine``, whatever order the programs ran in)
@@ -305,7 +305,7 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
     rows_c = tl.load(ids_ptr + slot) * N + tl.minimum(rows, N - 1)
     g = slot * (K // 32)
     y = q8_rows_dot(w_ptr, wh_ptr, wi_ptr, hq_ptr + slot * (K // 4), hd_ptr + g, hs_ptr + g,
-                    rows_c, K // QK, row_bytes, TYPE, BLOCK_R, BLOCK_B, ASM, Q6L)
+                    rows_c, K // QK, row_bytes, TYPE, BLOCK_R, BLOCK_B, ASM)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows_c).to(tl.float32)
     tl.store(y_ptr + slot.to(tl.int64) * stride_ym + rows, y, mask=rmask)
@@ -352,7 +352,7 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
         rows_out.stride(0), KU=ku, HAS_BIAS=bias is not None, COMBINE=fused, ACCUM=accumulate,
         TYPE=ggml_type, QK=Q8_BLOCK[ggml_type], BLOCK_R=br,
         BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[ggml_type])), ASM=down.is_cuda,
-        Q6L=gemv_q8.Q6K_LANES, num_warps=warps, **pdl.opts(rows_out, use_pdl))
+        num_warps=warps, **pdl.opts(rows_out, use_pdl))
     if not fused:
         combine(rows_out, None, weights, out, accumulate)
     return out
