@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from carve_kernels import pdl
+from carve_kernels import pdl, q8x
 from carve_kernels.glu import glu_act
 from carve_kernels.quant_matmul import dequantize_ref
 
@@ -136,6 +136,80 @@ def router(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
         HAS_BIAS=bias is not None, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
         **pdl.opts(out, use_pdl))
     return out
+
+
+@triton.jit
+def _norm_router_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, q_ptr, d_ptr, s_ptr,
+                        l_ptr, cnt_ptr, E, H, eps, HAS_BIAS: tl.constexpr, Q8: tl.constexpr,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # a program per expert: the fused add-and-norm of one row (as norm._rmsnorm_kernel), each
+    # program on its own copy, then the expert's logit of the stored normed row (as the
+    # router's GEMV reads it). Program 0 writes the normed row and its int8 copy; the residual
+    # stream is written back by the last program to finish (a counter, left zero), after
+    # every program has read it
+    e = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    mask = c < H
+    # the norm's and the router's weights are no kernel's output: read them before the wait
+    nw = tl.load(nw_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + e.to(tl.int64) * H + c, mask=mask, other=0.0).to(tl.float32)
+    pdl.start(PDL)
+    h = tl.load(x_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    h += tl.load(res_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    hs = h.to(res_ptr.dtype.element_ty)  # the stream as stored
+    h = hs.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
+    y = h * inv * nw
+    ys = y.to(y_ptr.dtype.element_ty)
+    logit = tl.sum(w * ys.to(tl.float32), axis=0)
+    if HAS_BIAS:
+        logit += tl.load(b_ptr + e)
+    tl.store(l_ptr + e, logit)
+    if e == 0:
+        tl.store(y_ptr + c, ys, mask=mask)
+        if Q8:
+            q8x.store_q8(y, c, mask, q_ptr, d_ptr, s_ptr, BLOCK)
+    tl.debug_barrier()  # every thread's reads of the stream done before the counter
+    if tl.atomic_add(cnt_ptr, 1) == E - 1:
+        tl.store(res_ptr + c, hs, mask=mask)
+        tl.atomic_xchg(cnt_ptr, 0)  # zero again for the next call
+
+
+def norm_router(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                w: torch.Tensor, bias: torch.Tensor | None, normed: torch.Tensor,
+                logits: torch.Tensor, counter: torch.Tensor, q8=None,
+                use_pdl: bool = True) -> torch.Tensor:
+    """Decode's FFN norm and the router in one launch, for one row: ``residual += x``, then
+    ``normed = rmsnorm(residual) * norm_w`` (and its int8 copy into ``q8``: (q, d, s), as
+    norm.rmsnorm writes them) and ``logits = normed @ w^T (+ bias)`` (float32 [1, E]),
+    the same values as norm.rmsnorm then ``router``. ``counter``: one int32 zero (left zero)."""
+    h = x.shape[-1]
+    e = w.shape[0]
+    if (x.numel() != h or residual.numel() != h or normed.numel() != h or w.shape[1] != h
+            or logits.numel() < e):
+        raise ValueError(f"norm_router takes one row of {h}: x, residual, normed, logits [1, "
+                         f"{e}] and a router of {h} columns")
+    if counter.dtype != torch.int32 or counter.numel() < 1:
+        raise ValueError("norm_router: counter must be an int32 zero")
+    block = triton.next_power_of_2(h)
+    if q8 is not None and (h % 32 or not q8x.fits(q8, h)):
+        raise ValueError(f"no int8 copy of a row of {h} in these buffers")
+    q, d, s = q8 if q8 is not None else (normed, normed, normed)
+    _norm_router_kernel[(e,)](x, residual, norm_w, w, bias if bias is not None else w, normed,
+                              q, d, s, logits, counter, e, h, eps, HAS_BIAS=bias is not None,
+                              Q8=q8 is not None, BLOCK=block,
+                              num_warps=16 if block >= 4096 else 8 if block >= 2048 else 4,
+                              **pdl.opts(logits, use_pdl))
+    return logits
+
+
+def norm_router_ref(x, residual, norm_w, eps, w, bias, normed, logits, counter, q8=None,
+                    use_pdl=True):
+    from carve_kernels.norm import rmsnorm_ref
+
+    rmsnorm_ref(x.view(1, -1), norm_w, eps, residual=residual.view(1, -1),
+                out=normed.view(1, -1))
+    return router_ref(w, normed, bias, out=logits.view(1, -1))
 
 
 def router_ref(w, x, bias=None, out=None, use_pdl=True):

@@ -136,8 +136,9 @@ def moe_buffers(hp: Any, chunk: int, act_dtype: str) -> list[BufferSpec]:
         BufferSpec("moe_pos", (routed,), "i32"),
         BufferSpec("moe_tiles", (3, launch.moe_tiles(routed, n_expert)), "i32"),
         BufferSpec("moe_out", (routed, hp.n_embd), "f32"),  # [routed, n_embd]
-        # decode's counters, kept at zero between launches, one per 16 output rows (down's
-        # smallest tile): down's last expert program of a row tile adds the k rows (whole
-        # 256-byte lines)
-        BufferSpec("moe_count", (-(-hp.n_embd // 1024) * 64,), "i32"),
+        # decode's counters, kept at zero between launches (whole 256-byte lines): one per 16
+        # output rows (down's smallest tile), down's last expert program of a row tile adding
+        # the k rows; then 64 more, the last of them the fused FFN norm and router's
+        # (moe.norm_router: its last program writes the residual stream back)
+        BufferSpec("moe_count", (-(-hp.n_embd // 1024) * 64 + 64,), "i32"),
     ]

@@ -55,6 +55,42 @@ def test_router_matches_reference(seed):
             assert nerr(out, moe.router_ref(w, x, bias), mag) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_norm_router_is_the_norm_then_the_router(dtype, seed):
+    # decode's FFN norm and router in one launch (a program per expert, each on its own copy of
+    # the row): the stream written back as the norm writes it, the normed row and its int8 copy
+    # as the norm writes them, the logits of the stored normed row; the counter left zero
+    from carve_kernels import norm, q8x
+
+    g = generator(seed)
+    h, e = 32 * int(torch.randint(2, 7, (1,), generator=g)), 11
+    x = torch.randn(1, h, generator=g, device=DEVICE).to(dtype)
+    res = torch.randn(1, h, generator=g, device=DEVICE).to(dtype)
+    nw = torch.randn(h, generator=g, device=DEVICE).to(dtype)
+    w = torch.randn(e, h, generator=g, device=DEVICE)
+    b = torch.randn(e, generator=g, device=DEVICE)
+    want_res, want_y = res.clone(), torch.empty_like(x)
+    qw = (torch.zeros(h // 4, dtype=torch.int32, device=DEVICE),
+          *torch.zeros(2, h // 32, device=DEVICE))
+    norm.rmsnorm(x, nw, 1e-6, residual=want_res, out=want_y, q8=qw)
+    counter = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    for bias in (None, b):
+        r, y, lg = res.clone(), poison((1, h)).to(dtype), poison((1, e))
+        q = (torch.zeros(h // 4, dtype=torch.int32, device=DEVICE),
+             *torch.zeros(2, h // 32, device=DEVICE))
+        moe.norm_router(x, r, nw, 1e-6, w, bias, y, lg, counter, q8=q)
+        assert torch.equal(r, want_res)  # the stream moved on once, rounded as stored
+        assert nerr(y, want_y) < 1e-6
+        assert nerr(q8x.dequantize_ref(q[0].view(torch.int8), q[1]),
+                    q8x.dequantize_ref(qw[0].view(torch.int8), qw[1])) < 1e-2
+        ref = moe.router_ref(w, want_y, bias)
+        mag = want_y.float().abs() @ w.abs().T + (0 if bias is None else bias.abs())
+        assert nerr(lg, ref, mag) < 1e-6
+        assert int(counter.abs().sum()) == 0
+    with pytest.raises(ValueError, match="one row"):
+        moe.norm_router(torch.zeros(2, h, device=DEVICE), r, nw, 1e-6, w, None, y, lg, counter)
+
+
 @pytest.mark.parametrize("gating", ["softmax", "softmax_topk", "sigmoid"])
 def test_route_matches_reference(gating, seed):
     g = generator(seed)

@@ -24,6 +24,7 @@ from carve_kernels import (
     gemv_t,
     glu,
     lowbit_blocks,
+    moe,
     norm,
     q8x,
     quant_matmul,
@@ -110,6 +111,8 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"  # else the CPU under TRITON_INTERPRET=1
         self.pdl = options.pdl  # every launch passes it to the kernel (carve_kernels/pdl.py)
+        # decode's FFN norm and router in one launch (on trial: CARVE_TRIAL=norm_router)
+        self.norm_router = "norm_router" in options.trials
         self.neox = hp.rope_style == "neox"
         self.lb, self.le = dl.layers
         self.first, self.last = dl.first, dl.last
@@ -314,6 +317,14 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         act(gate) * up, and down into proj."""
         f = layer.ffn
         xq = f.xq if a.n == 1 else None
+        if (isinstance(f, Experts) and self.norm_router and a.n == 1
+                and layer.attn.post_norm is None):
+            moe.norm_router(a.proj, a.hidden, f.norm, self.hp.rms_eps, f.router, f.router_bias,
+                            a.normed, self.buf["moe_logits"][:1], self.buf["moe_count"][-1:],
+                            q8=xq, use_pdl=self.pdl)
+            self._route(f, a, logits=True)
+            self._experts_out(f, a)
+            return
         self._add_norm(a, layer.attn.post_norm, f.norm, xq)
         if isinstance(f, Experts):
             self._experts(f, a)

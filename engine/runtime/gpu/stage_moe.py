@@ -29,11 +29,12 @@ class MoeLayers:
         self._route(f, a)
         self._experts_out(f, a)
 
-    def _route(self, f: Experts, a: Rows) -> None:
-        """Router logits and top-k routing into buf.moe_ids / moe_w (on the device), and the
-        shared expert (glm4moe) into proj."""
+    def _route(self, f: Experts, a: Rows, logits: bool = False) -> None:
+        """Router logits (``logits``: already in buf.moe_logits) and top-k routing into
+        buf.moe_ids / moe_w (on the device), and the shared expert (glm4moe) into proj."""
         hp, b, n, x, pdl = self.hp, self.buf, a.n, a.normed, self.pdl
-        moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl)
+        if not logits:
+            moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl)
         moe.route(b["moe_logits"][:n], hp.n_expert_used, hp.expert_gating,
                   hp.expert_weights_norm, hp.expert_weights_scale, f.sel_bias,
                   b["moe_ids"][:n], b["moe_w"][:n], use_pdl=pdl)
