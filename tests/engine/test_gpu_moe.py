@@ -116,16 +116,15 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
                        options=options)
 
 
-def test_the_fused_ffn_norm_and_router_match_the_cpu_engine(model, monkeypatch) -> None:
-    """CARVE_TRIAL=norm_router: decode's FFN norm and router in one launch (moe.norm_router)
-    give what the two launches give, the residual stream included (the next layers read it)."""
+def test_the_fused_ffn_norm_and_router_run_in_decode(model, monkeypatch) -> None:
+    """Decode's FFN norm and router run in one launch (moe.norm_router) and give what the CPU
+    engine gives, the residual stream included (the next layers read it)."""
     from carve_kernels import moe
 
     calls: list[int] = []
     fused = moe.norm_router
     monkeypatch.setattr(moe, "norm_router", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    options = RunnerOptions(expert_q8="gpt-oss" not in model,
-                            trials=frozenset({"norm_router"}))
+    options = RunnerOptions(expert_q8="gpt-oss" not in model)
     against_cpu_engine(plan(model), DEV, ids(20), ids(2, 1), None, 5e-3, model, options=options)
     assert calls
 
