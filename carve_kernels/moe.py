@@ -263,71 +263,6 @@ def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, GATING: tl.constexpr,
     tl.store(w_ptr + m * KU + j, wts, mask=kmask)
 
 
-@triton.jit
-def _gate(logit, e, emask, sb_ptr, mx, sm, GATING: tl.constexpr, HAS_SB: tl.constexpr):
-    # (selection score, weight value) of logits at experts e by the gating rule (softmax: the
-    # row's max and sum of exponentials mx, sm); NaN and padding select last
-    if GATING == 0:
-        val = tl.exp(logit - mx) / sm
-        sel = val
-    elif GATING == 1:
-        val = logit
-        sel = logit
-    else:
-        val = 1.0 / (1.0 + tl.exp(-logit))
-        sel = val
-        if HAS_SB:
-            sel = val + tl.load(sb_ptr + e, mask=emask, other=0.0)
-    return tl.where(emask & (sel == sel), sel, -float("inf")), val
-
-
-@triton.jit
-def _route_rank_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, GATING: tl.constexpr,
-                       KU: tl.constexpr, NORM: tl.constexpr, HAS_SB: tl.constexpr,
-                       BLOCK_E: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr):
-    # the top-k by rank: expert i's place is the number of experts that select before it (a
-    # higher score, or the same score and a lower id), counted against CH experts at a time;
-    # the experts of places below k write their id and weight at their place. A handful of
-    # reductions, where picking the best k times takes 3k in a row
-    pdl.start(PDL)
-    m = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    emask = e < E
-    row = l_ptr + m * E
-    logit = tl.load(row + e, mask=emask, other=-float("inf"))
-    mx = 0.0
-    sm = 1.0
-    if GATING == 0:
-        mx = tl.max(logit, axis=0)
-        sm = tl.sum(tl.where(emask, tl.exp(logit - mx), 0.0), axis=0)
-    sel, val = _gate(logit, e, emask, sb_ptr, mx, sm, GATING, HAS_SB)
-    rank = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for j0 in tl.static_range(0, BLOCK_E, CH):
-        j = j0 + tl.arange(0, CH)
-        jm = j < E
-        sj, _ = _gate(tl.load(row + j, mask=jm, other=-float("inf")), j, jm, sb_ptr, mx, sm,
-                      GATING, HAS_SB)
-        ahead = (sj[None, :] > sel[:, None]) | ((sj[None, :] == sel[:, None])
-                                                 & (j[None, :] < e[:, None]))
-        rank += tl.sum(ahead.to(tl.int32), axis=1)
-    chosen = emask & (rank < KU)
-    w = val
-    if GATING == 1:  # softmax over the chosen k
-        z = tl.where(chosen, tl.exp(val - tl.max(tl.where(chosen, val, -float("inf")), axis=0)),
-                     0.0)
-        w = z / tl.sum(z, axis=0)
-    if NORM:
-        w = w / tl.maximum(tl.sum(tl.where(chosen, w, 0.0), axis=0), 6.103515625e-5)
-    w = w * scale
-    tl.store(ids_ptr + m * KU + rank, e, mask=chosen)
-    tl.store(w_ptr + m * KU + rank, w, mask=chosen)
-
-
-# the top-k by rank (_route_rank_kernel) instead of k rounds of picking the best; on trial
-# (CARVE_TRIAL=route_rank)
-ROUTE_RANK = False
-
-
 def route(logits: torch.Tensor, k: int, gating: str, norm: bool = False, scale: float = 1.0,
           sel_bias: torch.Tensor | None = None, ids: torch.Tensor | None = None,
           weights: torch.Tensor | None = None,
@@ -341,13 +276,6 @@ def route(logits: torch.Tensor, k: int, gating: str, norm: bool = False, scale: 
     ids = torch.empty(m, k, dtype=torch.int32, device=logits.device) if ids is None else ids
     weights = (torch.empty(m, k, dtype=torch.float32, device=logits.device)
                if weights is None else weights)
-    if ROUTE_RANK:
-        be = triton.next_power_of_2(e)
-        _route_rank_kernel[(m,)](logits, sel_bias if sel_bias is not None else logits, ids,
-                                 weights, e, float(scale), GATING=GATINGS[gating], KU=k,
-                                 NORM=norm, HAS_SB=sel_bias is not None, BLOCK_E=be,
-                                 CH=min(32, be), num_warps=4, **pdl.opts(weights, use_pdl))
-        return ids, weights
     _route_kernel[(m,)](logits, sel_bias if sel_bias is not None else logits, ids, weights, e,
                         float(scale), GATING=GATINGS[gating], KU=k,
                         KP=triton.next_power_of_2(k), NORM=norm, HAS_SB=sel_bias is not None,

@@ -18,7 +18,6 @@ TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (carve_kernels/gemv_lowbit.py)",
     "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x "
                  "(carve_kernels/gemv_dot.py)",
-    "route_rank": "the MoE routing's top-k by rank (carve_kernels/moe.py _route_rank_kernel)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}
@@ -92,10 +91,6 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
-        if "route_rank" in self.trials:
-            from carve_kernels import moe
-
-            moe.ROUTE_RANK = True
         if self.expert_tiles:
             from carve_kernels import moe_decode
 
