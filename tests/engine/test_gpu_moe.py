@@ -129,6 +129,34 @@ def test_the_fused_ffn_norm_and_router_run_in_decode(model, monkeypatch) -> None
     assert calls
 
 
+def test_bf16_two_stages_give_the_decode_logits_of_one_to_the_bit(model, monkeypatch) -> None:
+    """bf16: a split between the layers moves the stream as stored, and decode's fused FFN norm
+    and router (which writes the stream back from its last program) normalizes that stored
+    value too, so two stages give one stage's prefill and decode logits to the bit."""
+    from carve_kernels import moe
+
+    calls: list[int] = []
+    fused = moe.norm_router
+    monkeypatch.setattr(moe, "norm_router", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    sim = tuple(DeviceSpec(index=i, name="sim", total=8 * GIB, free=8 * GIB, simulated=True)
+                for i in range(2))
+    prompt = ids(12, 3)
+    got = []
+    for devices, split in ((sim[:1], (0, 2)), (sim, (0, 1, 2))):
+        g = GpuSession.load(plan(model, devices, split, prefill_chunk=8, logits_rows=1,
+                                 act_dtype="bf16"), devices=[DEV] * len(devices),
+                            remember=False)
+        try:
+            g.forward(prompt[:8], 0, "none")
+            rows = [g.forward(prompt[8:], 8, "last").clone()]
+            rows += [g.forward([t], 12 + i, "last").clone() for i, t in enumerate((5, 9))]
+            got.append(torch.stack([r[-1] for r in rows]))
+        finally:
+            g.close()
+    assert torch.isfinite(got[0]).all() and torch.equal(got[0], got[1])
+    assert calls  # decode's rows went through the fused launch
+
+
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
 def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, tmp_path) -> None:
     """Experts of a type with an int8-x body (Q4_K gate/up and Q6_K or Q4_K down; gpt-oss's
