@@ -255,12 +255,14 @@ def _online(q, k, v, ok, m_i, l_i, acc):
 
 @triton.jit(do_not_specialize=["T", "pos0", "cells", "window"])
 def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, o_ptr, sink_ptr,
-                    T, pos0, cells, window, scale, KVH, stride_qt, stride_qh, stride_kt,
-                    stride_kh, stride_ot, stride_oh,
+                    pos_ptr, T, pos0, cells, window, scale, KVH, stride_qt, stride_qh,
+                    stride_kt, stride_kh, stride_ot, stride_oh,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, Q8: tl.constexpr, SINK: tl.constexpr,
-                    PDL: tl.constexpr):
+                    POS_DEV: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
+    if POS_DEV:  # the chunk's first position, read on the device (a captured chunk replays
+        pos0 = tl.load(pos_ptr).to(tl.int32)  # at any position)
     mb = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // G
@@ -305,12 +307,14 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, o_p
 
 
 def attn_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, cells: int,
-                 window: int, scale: float, out: torch.Tensor | None = None,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int | torch.Tensor,
+                 cells: int, window: int, scale: float, out: torch.Tensor | None = None,
                  use_pdl: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a chunk q [T, n_head, D] at positions pos0.. over the cache's
     earlier positions plus the chunk's own k_new/v_new [T, n_kv_heads, D] -> [T, n_head, D].
-    ``use_pdl`` and ``sinks`` as in ``attn_decode``."""
+    ``pos0``: the first position, a host int or an int32/int64 tensor on the device whose
+    first element it is (the chunk's positions: the kernel reads it there, so that nothing of the
+    launch depends on the position). ``use_pdl`` and ``sinks`` as in ``attn_decode``."""
     t, nh, d = q.shape
     kvh = k_new.shape[1]
     if out is None:
@@ -319,11 +323,17 @@ def attn_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     cv, cv8, cvh, _ = _views(v_cache)
     bm, bn = (64, 64) if d <= 128 else (32, 32)
     grid = (triton.cdiv(t, bm), nh)
+    dev = isinstance(pos0, torch.Tensor)
+    if dev and (pos0.dtype not in (torch.int32, torch.int64) or pos0.numel() < 1
+                or pos0.device != q.device):
+        raise ValueError("attn_prefill: pos0 must be an int, or an int32 or int64 tensor on "
+                         "q's device")
     _prefill_kernel[grid](q, k_new, v_new, ck, ck8, ckh, cv, cv8, cvh, out,
-                          sinks if sinks is not None else out, t, pos0, cells,
-                          window, scale, kvh, q.stride(0), q.stride(1), k_new.stride(0),
-                          k_new.stride(1), out.stride(0), out.stride(1), G=nh // kvh, D=d,
-                          BLOCK_M=bm, BLOCK_N=bn, Q8=q8, SINK=sinks is not None, num_warps=4,
+                          sinks if sinks is not None else out, pos0 if dev else out, t,
+                          0 if dev else pos0, cells, window, scale, kvh, q.stride(0),
+                          q.stride(1), k_new.stride(0), k_new.stride(1), out.stride(0),
+                          out.stride(1), G=nh // kvh, D=d, BLOCK_M=bm, BLOCK_N=bn, Q8=q8,
+                          SINK=sinks is not None, POS_DEV=dev, num_warps=4,
                           **pdl.opts(out, use_pdl))
     return out
 
@@ -334,6 +344,7 @@ def attn_prefill_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      use_pdl=True, sinks=None) -> torch.Tensor:
     t, nh, d = q.shape
     kvh = k_new.shape[1]
+    pos0 = int(pos0.reshape(-1)[0]) if isinstance(pos0, torch.Tensor) else pos0
     lo = max(0, pos0 - cells)
     kpos_old = torch.arange(lo, pos0, device=q.device)
     kc = kv_load_ref(k_cache, cells, kvh, d)[kpos_old % cells]

@@ -398,7 +398,10 @@ def test_attn_prefill_matches_reference(kv_type, t, pos0, cells, window, seed):
     q = torch.randn(t, nh, d, generator=g, device=DEVICE)
     kn = torch.randn(t, kvh, d, generator=g, device=DEVICE)
     vn = torch.randn(t, kvh, d, generator=g, device=DEVICE)
-    out = poison((t, nh, d))
-    attention.attn_prefill(q, kn, vn, k, v, pos0, cells, window, d**-0.5, out=out)
     ref = attention.attn_prefill_ref(q, kn, vn, k, v, pos0, cells, window, d**-0.5)
-    assert nerr(out, ref) < 5e-3
+    # the first position as a host int, or read on the device from the chunk's positions
+    positions = torch.arange(pos0, pos0 + t, device=DEVICE)  # int64, as buf.positions
+    for p0 in (pos0, positions, positions.to(torch.int32)):
+        out = poison((t, nh, d))
+        attention.attn_prefill(q, kn, vn, k, v, p0, cells, window, d**-0.5, out=out)
+        assert nerr(out, ref) < 5e-3

@@ -33,7 +33,7 @@ class AttentionLayers:
         if pos0 is None:
             self._attend_decode(att, a)
         else:
-            self._attend_prefill(att, a, pos0)
+            self._attend_prefill(att, a)
         self._linear(att.output, a.attn, a.proj)
 
     def _qkv(self, att: Attention, x: torch.Tensor, out: torch.Tensor, xq,
@@ -85,7 +85,7 @@ class AttentionLayers:
         # rope_dim dims, whose angles then step by rope_dim, as ggml's n_dims
         return a.qk3 if att.rope_dim == self.hp.head_dim else a.qk3[..., :att.rope_dim]
 
-    def _attend_prefill(self, att: Attention, a: Rows, pos0: int) -> None:
+    def _attend_prefill(self, att: Attention, a: Rows) -> None:
         rope.rope(self._rotated(att, a), a.pos, att.rope_base, self.neox, att.rope_scale,
                   use_pdl=self.pdl, freqs=att.rope_freqs, mscale=att.rope_mscale)
         if att.kv_q8:
@@ -93,7 +93,9 @@ class AttentionLayers:
             # engine and llama.cpp do); the store below re-quantizes them
             kv_cache.q8_roundtrip_(a.k3, use_pdl=self.pdl)
             kv_cache.q8_roundtrip_(a.v3, use_pdl=self.pdl)
-        attention.attn_prefill(a.q3, a.k3, a.v3, att.k_cache, att.v_cache, pos0, att.cells,
+        # the first position read on the device from the chunk's positions: nothing of the
+        # chunk's launches depends on where it starts (what capturing a chunk needs)
+        attention.attn_prefill(a.q3, a.k3, a.v3, att.k_cache, att.v_cache, a.pos, att.cells,
                                att.window, self.hp.attn_scale, out=a.o3, use_pdl=self.pdl,
                                sinks=att.sinks)
         # a ring keeps only the chunk's last `cells` rows: store only those, so that no two
