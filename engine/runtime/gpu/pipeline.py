@@ -246,7 +246,7 @@ class GpuPipeline:
             if i:
                 self._send(i, n)
             with on(st.device):
-                st.forward(n, pos0, head=head, check=check)
+                st.forward_chunk(n, pos0, head=head, check=check)
 
     def prefill(self, ids: list[int], pos0: int = 0) -> int:
         """Run ids at positions pos0.. in chunks; returns the greedy next id."""

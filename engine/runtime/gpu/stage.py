@@ -120,6 +120,11 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         self.pieces: list[Callable[[], None]] = []
         self._graphs: list[torch.cuda.CUDAGraph] = []
         self.in_place_hosts: list = []  # host layers decode reads in place (set by capture)
+        # prefill chunks of the plan's length through a CUDA graph (the head outside it)
+        # (on trial: CARVE_TRIAL=prefill_graph; stage_graph.py forward_chunk)
+        self.prefill_graph = "prefill_graph" in options.trials
+        self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._prefill_stream: torch.cuda.Stream | None = None
         self._buffers(spans)
         self.xq = self._int8_x(options)
         # the layers whose experts the plan keeps in host memory (engine/runtime/gpu/host.py)
@@ -289,8 +294,12 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         if prev is not None:
             self._add_output(a, prev)
         if self.last and head:
-            rows = self.buf["logits"].shape[0]
-            self.head(max(0, n - rows), min(n, rows))
+            self.head_last(n)
+
+    def head_last(self, n: int) -> None:
+        """The head of the last rows of n (as many as buf.logits holds)."""
+        rows = self.buf["logits"].shape[0]
+        self.head(max(0, n - rows), min(n, rows))
 
     def _rows(self, n: int) -> Rows:
         b, hp, d = self.buf, self.hp, self.hp.head_dim
@@ -430,6 +439,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         the arenas frees the memory."""
         self.graph = None
         self.pieces, self._graphs, self.in_place_hosts = [], [], []
+        self._prefill_graphs, self._prefill_stream = {}, None
         if self.buf.get("lookup") is not None:
             lowbit_blocks.uninstall_tables(self.buf["lookup"])
         self.scan_flags = None

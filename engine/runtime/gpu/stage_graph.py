@@ -86,6 +86,38 @@ class DecodeGraph:
                 run = g.replay
             self.pieces.append(run)
 
+    def forward_chunk(self, n: int, pos0: int, head: bool = True,
+                      check: Callable[[int, torch.Tensor], None] | None = None) -> None:
+        """A prefill chunk: ``forward(n, pos0, head, check)``. With the prefill graphs on
+        (``RunnerOptions`` trial ``prefill_graph``), a chunk of the plan's full length on a GPU
+        runs its layers through a CUDA graph, the head (the last chunk's) after it: the first
+        such chunk (the load's warm-up) runs eagerly, which compiles its kernels and is its
+        result, and is then captured (capturing runs nothing); later ones replay the capture.
+        Every launch of a chunk reads its tokens and positions on the device (prefill
+        attention its first position too), so one capture serves a chunk at any position.
+        Shorter chunks, the NaN hunt (``check``), precompile's dry pass and stages with host
+        layers (their experts wait on the host) run eagerly."""
+        if (not self.prefill_graph or not self.on_cuda or check is not None
+                or n != self.buf["positions"].shape[0] or self.dry_runs is not None
+                or self._hosts()):
+            self.forward(n, pos0, head=head, check=check)
+            return
+        g = self._prefill_graphs.get(n)
+        if g is not None:
+            g.replay()
+        else:
+            self.forward(n, pos0, head=False)
+            if self._prefill_stream is None:
+                # one capture stream for every chunk graph: a stream's first GEMM makes its
+                # cuBLAS workspace, once
+                self._prefill_stream = torch.cuda.Stream(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=self._prefill_stream):
+                self.forward(n, pos0, head=False)
+            self._prefill_graphs[n] = g
+        if self.last and head:
+            self.head_last(n)
+
     def _decode_pieces(self) -> list[tuple[bool, Callable[[], None]]]:
         """decode_step as pieces run in order, each (graphable, run): the stretch up to each
         host layer's routing, that layer's experts (eager: they wait on the host), and the
