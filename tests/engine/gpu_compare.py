@@ -28,6 +28,19 @@ def decode_errors(g, c, toks: list[int]) -> tuple[list[float], torch.Tensor]:
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=4)
 
 
+def chunk_and_decode_rows(g, prompt: list[int]) -> torch.Tensor:
+    """The last logits row of a session after the second of two prefill chunks of ``prompt``
+    (8 rows, then the rest) and after each of two decode steps, stacked, then ``g`` closed:
+    what a split must not change."""
+    try:
+        g.forward(prompt[:8], 0, "none")
+        rows = [g.forward(prompt[8:], 8, "last").clone()]
+        rows += [g.forward([t], len(prompt) + i, "last").clone() for i, t in enumerate((5, 9))]
+        return torch.stack([r[-1] for r in rows])
+    finally:
+        g.close()
+
+
 def against_cpu_engine(plan, device: torch.device, prompt: list[int], steps: list[int],
                        greedy_prompt: list[int] | None, bound: float, label: str,
                        check=None, options=None) -> None:

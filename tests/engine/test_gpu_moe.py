@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gpu_compare import GREEDY, against_cpu_engine, decode_errors, rel
+from gpu_compare import GREEDY, against_cpu_engine, chunk_and_decode_rows, decode_errors, rel
 
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import GGUFModel
@@ -140,19 +140,10 @@ def test_bf16_two_stages_give_the_decode_logits_of_one_to_the_bit(model, monkeyp
     monkeypatch.setattr(moe, "norm_router", lambda *a, **k: calls.append(1) or fused(*a, **k))
     sim = tuple(DeviceSpec(index=i, name="sim", total=8 * GIB, free=8 * GIB, simulated=True)
                 for i in range(2))
-    prompt = ids(12, 3)
-    got = []
-    for devices, split in ((sim[:1], (0, 2)), (sim, (0, 1, 2))):
-        g = GpuSession.load(plan(model, devices, split, prefill_chunk=8, logits_rows=1,
-                                 act_dtype="bf16"), devices=[DEV] * len(devices),
-                            remember=False)
-        try:
-            g.forward(prompt[:8], 0, "none")
-            rows = [g.forward(prompt[8:], 8, "last").clone()]
-            rows += [g.forward([t], 12 + i, "last").clone() for i, t in enumerate((5, 9))]
-            got.append(torch.stack([r[-1] for r in rows]))
-        finally:
-            g.close()
+    got = [chunk_and_decode_rows(GpuSession.load(
+        plan(model, devices, split, prefill_chunk=8, logits_rows=1, act_dtype="bf16"),
+        devices=[DEV] * len(devices), remember=False), ids(12, 3))
+        for devices, split in ((sim[:1], (0, 2)), (sim, (0, 1, 2)))]
     assert torch.isfinite(got[0]).all() and torch.equal(got[0], got[1])
     assert calls  # decode's rows went through the fused launch
 

@@ -17,7 +17,7 @@ import weakref
 
 import pytest
 import torch
-from gpu_compare import decode_errors, rel
+from gpu_compare import chunk_and_decode_rows, decode_errors, rel
 
 from carve_kernels import attention, gemv_t, glu, kv_cache, norm, pdl, quant_matmul, rope
 from engine.hardware.devices import DeviceSpec
@@ -393,18 +393,10 @@ def test_bf16_two_stages_give_the_logits_of_one_to_the_bit(tiny) -> None:
     """bf16 activations: the stream crosses a stage boundary as stored (bf16), and a fused
     add-and-norm inside a stage normalizes that stored value too, so a split changes no bit of
     prefill's or decode's logits (it did: ~4e-3 apart, which flipped a near tie of greedy ids)."""
-    prompt = ids(12, 3)
-    got = []
-    for devices, split in ((SIM[:1], (0, 2)), (SIM, (0, 1, 2))):
-        g = load(plan(tiny, devices, split, prefill_chunk=8, cache_reserve=NO_CACHE,
-                      logits_rows=1, act_dtype="bf16"))
-        try:
-            g.forward(prompt[:8], 0, "none")
-            rows = [g.forward(prompt[8:], 8, "last").clone()]
-            rows += [g.forward([t], 12 + i, "last").clone() for i, t in enumerate((5, 9))]
-            got.append(torch.stack([r[-1] for r in rows]))
-        finally:
-            g.close()
+    got = [chunk_and_decode_rows(load(plan(tiny, devices, split, prefill_chunk=8,
+                                           cache_reserve=NO_CACHE, logits_rows=1,
+                                           act_dtype="bf16")), ids(12, 3))
+           for devices, split in ((SIM[:1], (0, 2)), (SIM, (0, 1, 2)))]
     assert torch.equal(got[0], got[1])
 
 
