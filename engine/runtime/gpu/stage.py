@@ -273,8 +273,8 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         """Run layers on buf.hidden[:n] (first stage: embeds buf.tokens[:n] first). Positions
         are buf.positions[:n], read on the device by every kernel, prefill's attention too;
         ``pos0`` (the chunk's first position on the host) says prefill, None decode (the
-        graph-captured path). ``head``: the last
-        stage projects the last rows of buf.logits' height (see `head` for other rows).
+        graph-captured path). ``head``: the last stage projects the last rows of buf.logits'
+        height (see `head` for other rows).
         ``check(layer, hidden)``: called after every layer (the NaN hunt; not on the hot path)."""
         a = self._rows(n)
         if self.first:
