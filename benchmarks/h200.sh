@@ -33,6 +33,9 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #   BENCH_ARGS="--kernels"       more `carve bench` arguments for every BENCH shape
 #   SPLIT="qwen2-7b"             shapes also run as two stages (--compare-split)
 #   TESTS="tests/engine/test_gpu_session.py ..."  pytest paths, run after the benches
+#   TESTS_K="cuda or norm_router"  pytest's -k expression for TESTS (spaces kept)
+#   TESTS_S=480                  the most seconds the tests may take (they compile their
+#                                kernels on a fresh machine: longer than a bench step)
 #   SERVE="qwen2-7b"             benchmarks.bench_serve on these synthetic shapes (carve
 #                                serve through HTTP; needs starlette, uvicorn, httpx wheels)
 #   KERNELS="lowbit"             benchmarks.device_check --types (each type's GEMV against
@@ -169,8 +172,10 @@ for s in ${SERVE:-}; do
     timeout "$step" python3 -m benchmarks.bench_serve --synth "$s" 2>&1 | tee "$out/serve-$s.log"
 done
 if [ -n "${TESTS:-}" ]; then
+    kexpr=()
+    [ -n "${TESTS_K:-}" ] && kexpr=(-k "$TESTS_K")
     # shellcheck disable=SC2086
-    timeout "$step" python3 -m pytest -q -p no:cacheprovider -x $TESTS 2>&1 \
+    timeout "${TESTS_S:-480}" python3 -m pytest -q -p no:cacheprovider -x "${kexpr[@]}" $TESTS 2>&1 \
         | tee "$out/gpu-tests.log" | tail -15
 fi
 python3 - "$out" <<'PY'
