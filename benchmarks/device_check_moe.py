@@ -31,6 +31,10 @@ MOE_SHAPES = [  # (label, n_expert, k, n_embd, n_ff_exp, gate/up type, down type
     ("30B-A3B", 128, 8, 2048, 768, qt.Q4_K, qt.Q4_K),
     ("gpt-oss-20b", 32, 4, 2880, 2880, qt.MXFP4, qt.MXFP4),
 ]
+# run only when --types names their gate/up type: GLM-4.5-Air's Q3_K_M experts (gate/up Q3_K;
+# down Q5_0, llama.cpp's fallback for Q4_K on its 1408-value rows), which decode multiplies on
+# bf16 x (no int8-x body for either type yet)
+MOE_SHAPES_BY_TYPE = [("glm4.5-air", 128, 8, 4096, 1408, qt.Q3_K, qt.Q5_0)]
 
 
 def moe_section(g, copy_bw, mm_rate, row, types=None, prefill=True):
@@ -43,7 +47,7 @@ def moe_section(g, copy_bw, mm_rate, row, types=None, prefill=True):
     from spec.launch import moe_tiles
 
     swept: set = set()
-    for label, ne, k, e, f, gt, dt in MOE_SHAPES:
+    for label, ne, k, e, f, gt, dt in MOE_SHAPES + (MOE_SHAPES_BY_TYPE if types else []):
         if types and gt not in types:
             continue
         tag = f"{label} {qt.type_name(gt)}/{qt.type_name(dt)}"
