@@ -176,6 +176,78 @@ def q6k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
 
 
 @triton.jit
+def _q3_s8(q, nh, J: tl.constexpr):
+    # quarter J's 4 three-bit values of qs word q (2 bits at 2J of each byte) and the inverted
+    # hmask word nh (bit 4n + J of each byte, pre-shifted by 4n), as signed bytes: a clear
+    # hmask bit is the sign bit of a 3-bit two's complement (q - 4), spread over bits 3-7
+    v = ((q >> (2 * J)) & 0x03030303) | (((nh >> J) & 0x01010101) << 2)
+    return v | ((v & 0x04040404) * 0x3E)
+
+
+@triton.jit
+def _q3_scale(sb, n, s, J: tl.constexpr):
+    # the signed 6-bit scale of sub-block 8n + 2J + s (sb: the bytes at scales[0] of the rows'
+    # blocks): low 4 bits from scales[(2J + s) % 8] (its high nibble for n = 1), high 2 bits
+    # from scales[8 + (2J + s) % 4] at bit 2 (2n + J // 2)
+    lo = (tl.load(sb + 2 * J + s).to(tl.int32) >> (4 * n)) & 0x0F
+    hi = (tl.load(sb + 8 + (2 * J + s) % 4).to(tl.int32) >> (2 * (2 * n + J // 2))) & 0x03
+    return ((lo | (hi << 4)) - 32).to(tl.float32)
+
+
+@triton.jit
+def q3k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
+                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_R] float32 dot products of Q3_K rows ``rows_c`` (clamped in range) with x's int8
+    copy (``xq_ptr`` int8 values, 4-byte aligned; ``xd_ptr`` scales per 32). ``w_ptr``: the
+    weight as bytes, ``wh_ptr`` as 16-bit words (110-byte blocks: rows 2-byte aligned).
+
+    A block: hmask (words 0-7), qs (8-23: 8 words a half n), 12 bytes of scales, f16 d. Word
+    t of half n's qs holds values 4t .. 4t + 3 of its 4 quarters (2 bits at 2J), hmask word t
+    their third bits (bit 4n + J); a value is the 3-bit two's complement whose sign is the
+    clear hmask bit (q - 4). A lane takes half n, words 4s .. 4s + 3 (one scale a quarter,
+    sub-block 8n + 2J + s), as q6k_q8_rows_dot's lanes do:
+
+        sum W x = d sum_J (scale_J - 32) d_x(4n + J) (dp4a of the signed values and q_x)"""
+    n = tl.arange(0, 2)[:, None]  # the block's half
+    s = tl.arange(0, 2)[None, :]  # the lane's 16 values of each quarter (l // 16)
+    qq = (16 + 16 * n + 8 * s)[None, None]  # 16-bit offset of the lane's first qs word
+    hm = (0 * n + 8 * s)[None, None]  # and of its first hmask word
+    xo = (32 * n + 4 * s)[None, None]  # x's int8 word of quarter 0, the lane's first word
+    xg = (4 * n + 0 * s)[None, None]  # x's group of quarter 0
+    nn = (n + 0 * s)[None, None]
+    ss = (0 * n + s)[None, None]
+    xq = xq_ptr.to(tl.pointer_type(tl.int32))
+    row_h = rows_c.to(tl.int64) * (row_bytes // 2)
+    shape: tl.constexpr = (BLOCK_R, BLOCK_B, 2, 2)
+    acc = tl.zeros(shape, dtype=tl.float32)
+    for b0 in range(0, nblk, BLOCK_B):
+        blk = b0 + tl.arange(0, BLOCK_B)
+        bm = tl.broadcast_to((blk < nblk)[None, :, None, None], shape)
+        bh = (row_h[:, None] + (tl.minimum(blk, nblk - 1) * 55)[None, :])[:, :, None, None]
+        xp = tl.broadcast_to(xq + (blk * 64)[None, :, None, None] + xo, shape)
+        i0 = tl.zeros(shape, dtype=tl.int32)
+        i1 = i0
+        i2 = i0
+        i3 = i0
+        for t in tl.static_range(4):
+            q = _w16(wh_ptr, bh + qq + 2 * t)
+            nh = ~_w16(wh_ptr, bh + hm + 2 * t) >> (4 * nn)
+            i0 = _dp4a(_q3_s8(q, nh, 0), tl.load(xp + t, mask=bm, other=0), i0, ASM, True)
+            i1 = _dp4a(_q3_s8(q, nh, 1), tl.load(xp + 8 + t, mask=bm, other=0), i1, ASM, True)
+            i2 = _dp4a(_q3_s8(q, nh, 2), tl.load(xp + 16 + t, mask=bm, other=0), i2, ASM, True)
+            i3 = _dp4a(_q3_s8(q, nh, 3), tl.load(xp + 24 + t, mask=bm, other=0), i3, ASM, True)
+        d = tl.load(wh_ptr + bh + 54).to(tl.float32)
+        gp = tl.broadcast_to(xd_ptr + (blk * 8)[None, :, None, None] + xg, shape)
+        sb = w_ptr + (bh * 2 + 96)
+        v = _q3_scale(sb, nn, ss, 0) * tl.load(gp, mask=bm, other=0.0) * i0.to(tl.float32)
+        v += _q3_scale(sb, nn, ss, 1) * tl.load(gp + 1, mask=bm, other=0.0) * i1.to(tl.float32)
+        v += _q3_scale(sb, nn, ss, 2) * tl.load(gp + 2, mask=bm, other=0.0) * i2.to(tl.float32)
+        v += _q3_scale(sb, nn, ss, 3) * tl.load(gp + 3, mask=bm, other=0.0) * i3.to(tl.float32)
+        acc += d * v
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+
+
+@triton.jit
 def _mxfp4_s8(q, ASM: tl.constexpr):
     # the 8 nibbles of q (bytes j..j+3 of a block's qs: values j..j+3 low, j+16..j+19 high) as
     # two words of 4 signed bytes, the doubled e2m1 values 0 1 2 3 4 6 8 12 (bit 3 the sign):
@@ -269,19 +341,25 @@ def mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R: t
 
 # the types with a body here, and the values of a block each
 Q8_TYPES = (12, 14, 39)  # Q4_K, Q6_K, MXFP4
-Q8_BLOCK = {12: 256, 14: 256, 39: 32}
+# bodies written and checked here, not yet timed on a GPU: decode's experts take them only on
+# trial (CARVE_TRIAL=q3k_experts: moe_decode.Q8_ON_TRIAL)
+Q8_TRIAL_TYPES = (11,)  # Q3_K
+Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256}
 
 
 @triton.jit
 def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
                 TYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
                 ASM: tl.constexpr):
-    """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K, Q6_K or MXFP4 weight (its
+    """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K, Q6_K, MXFP4 or Q3_K weight (its
     bytes, 16-bit words and int32 words; ``nblk`` blocks of ``Q8_BLOCK[TYPE]`` values a row)
     with x's int8 copy (values, scales, sums)."""
     if TYPE == 12:
         y, _ = q4k_q8_rows_dot(wi_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
                                BLOCK_R, BLOCK_B, False, ASM)
+    elif TYPE == 11:
+        y = q3k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
+                            BLOCK_B, ASM)
     elif TYPE == 39:
         y = mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B,
                               ASM)

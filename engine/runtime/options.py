@@ -20,6 +20,8 @@ TRIALS = {
                  "(carve_kernels/gemv_dot.py)",
     "prefill_graph": "prefill chunks of the plan's length through CUDA graphs "
                      "(engine/runtime/gpu/stage_graph.py forward_chunk); not yet run on a GPU",
+    "q3k_experts": "decode's Q3_K experts on int8 x (carve_kernels/gemv_q8.py "
+                   "q3k_q8_rows_dot); not yet timed on a GPU",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}
@@ -93,6 +95,10 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
+        if "q3k_experts" in self.trials:
+            from carve_kernels import gemv_q8, moe_decode
+
+            moe_decode.Q8_ON_TRIAL = frozenset(gemv_q8.Q8_TRIAL_TYPES)
         if self.expert_tiles:
             from carve_kernels import moe_decode
 

@@ -25,6 +25,7 @@ from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
 from engine.synth.gen import write_model
 from engine.synth.shapes import Shape
+from spec import quant_types as qt
 from spec.launch import moe_tiles
 
 GIB = 1 << 30
@@ -180,6 +181,35 @@ def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, tmp_path) -> Non
             assert all(layer.ffn.xq is None for layer in g.pipe.stages[0].layers)
         finally:
             g.close()
+
+
+def test_q3k_experts_on_trial_decode_on_int8_x_as_the_cpu_engine(tmp_path) -> None:
+    """CARVE_TRIAL=q3k_experts: Q3_K gate/up experts (GLM-4.5-Air's Q3_K_M) multiply the int8
+    copy of the normed row (gemv_q8.q3k_q8_rows_dot), down Q4_K the GLU outputs' copy, and
+    still match the CPU engine; without the trial they read bf16 x."""
+    shape = Shape("qwen3moe", 2, 256, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
+                  n_expert_used=2, n_ff_exp=256)
+    (out,) = write_model(tmp_path / "q3.gguf", shape, "q3_k_m")
+
+    def on_int8(g) -> None:
+        for layer in g.pipe.stages[0].layers:
+            assert layer.ffn.gate.ggml_type == qt.Q3_K and layer.ffn.xq is not None
+
+    trial = RunnerOptions(trials=frozenset({"q3k_experts"}))
+    from carve_kernels import moe_decode
+
+    keep = moe_decode.Q8_ON_TRIAL
+    try:
+        trial.apply()
+        against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), 5e-3, str(out),
+                           on_int8, options=trial)
+    finally:
+        moe_decode.Q8_ON_TRIAL = keep
+    g = GpuSession.load(plan(str(out)), devices=[DEV], remember=False)
+    try:
+        assert all(layer.ffn.xq is None for layer in g.pipe.stages[0].layers)
+    finally:
+        g.close()
 
 
 # ------------------------------------------------------------------ on a real GPU
