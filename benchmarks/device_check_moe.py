@@ -32,8 +32,8 @@ MOE_SHAPES = [  # (label, n_expert, k, n_embd, n_ff_exp, gate/up type, down type
     ("gpt-oss-20b", 32, 4, 2880, 2880, qt.MXFP4, qt.MXFP4),
 ]
 # run only when --types names their gate/up type: GLM-4.5-Air's Q3_K_M experts (gate/up Q3_K;
-# down Q5_0, llama.cpp's fallback for Q4_K on its 1408-value rows), which decode multiplies on
-# bf16 x (no int8-x body for either type yet)
+# down Q5_0, llama.cpp's fallback for Q4_K on its 1408-value rows), whose int8-x bodies are on
+# trial (CARVE_TRIAL=q3k_experts)
 MOE_SHAPES_BY_TYPE = [("glm4.5-air", 128, 8, 4096, 1408, qt.Q3_K, qt.Q5_0),
                       # Q3_K's int8-x body on trial (CARVE_TRIAL=q3k_experts), down Q3_K too
                       ("glm4.5-air 1536", 128, 8, 4096, 1536, qt.Q3_K, qt.Q3_K)]

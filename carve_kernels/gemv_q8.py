@@ -248,6 +248,69 @@ def q3k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
 
 
 @triton.jit
+def _q5_s8(q, qh, T: tl.constexpr):
+    # values 4T .. 4T + 3 of a Q5_0 block (low nibbles of qs word T for T < 4, else the high
+    # nibbles of word T - 4) with their fifth bits (qh bits 4T .. 4T + 3, spread one to a byte
+    # by a multiply: 4 copies at 7-bit steps, no carries), as the signed bytes q - 16: bit 4
+    # flipped is the 5-bit two's complement, its sign spread over bits 5-7
+    nib = (q >> (4 * (T // 4))) & 0x0F0F0F0F
+    hb = (((qh >> (4 * T)) & 0xF) * 0x00204081) & 0x01010101
+    w = (nib | (hb << 4)) ^ 0x10101010
+    return w | ((w & 0x10101010) * 0x0E)
+
+
+@triton.jit
+def q50_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
+                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_R] float32 dot products of Q5_0 rows ``rows_c`` (clamped in range) with x's int8
+    copy (``xq_ptr`` int8 values, 4-byte aligned; ``xd_ptr`` scales per 32). A block (22
+    bytes: f16 d, qh, 16 bytes of qs) is one x group and one thread's, as MXFP4's: its d a
+    16-bit load (``wh_ptr``: the weight as 16-bit words), its qh and qs (4-byte aligned when
+    the block is 2 past a word) cut out of the aligned int32 words around them by funnel
+    shifts (``w_ptr`` 4-byte aligned; the sixth word, read only when the block starts on a
+    word, reaches at most 2 bytes past the block, never past a 4-byte boundary):
+
+        sum W x = d d_x (dp4a of the signed values q - 16 and q_x)"""
+    wi = w_ptr.to(tl.pointer_type(tl.int32))
+    xq = xq_ptr.to(tl.pointer_type(tl.int32))
+    row_b = rows_c.to(tl.int64) * row_bytes
+    acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
+    for b0 in range(0, nblk, BLOCK_B):
+        blk = b0 + tl.arange(0, BLOCK_B)
+        bm = blk < nblk
+        base = row_b[:, None] + (tl.minimum(blk, nblk - 1) * 22)[None, :]  # [R, B] bytes
+        d = tl.load(wh_ptr + (base >> 1)).to(tl.float32)
+        wp = wi + ((base + 2) >> 2)
+        sh = (((base + 2) & 3) * 8).to(tl.int32)  # 0 or 16
+        w0 = tl.load(wp)
+        w1 = tl.load(wp + 1)
+        w2 = tl.load(wp + 2)
+        w3 = tl.load(wp + 3)
+        w4 = tl.load(wp + 4)
+        w5 = tl.load(wp + 5, mask=sh != 0, other=0)
+        qh = _funnel(w0, w1, sh, ASM)
+        q0 = _funnel(w1, w2, sh, ASM)
+        q1 = _funnel(w2, w3, sh, ASM)
+        q2 = _funnel(w3, w4, sh, ASM)
+        q3 = _funnel(w4, w5, sh, ASM)
+        i = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.int32)
+        for T in tl.static_range(8):
+            if T % 4 == 0:
+                q = q0
+            elif T % 4 == 1:
+                q = q1
+            elif T % 4 == 2:
+                q = q2
+            else:
+                q = q3
+            xw = tl.load(xq + blk * 8 + T, mask=bm, other=0)[None, :]
+            i = _dp4a(_q5_s8(q, qh, T), tl.broadcast_to(xw, q.shape), i, ASM, True)
+        dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
+        acc += d * dx[None, :] * i.to(tl.float32)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _mxfp4_s8(q, ASM: tl.constexpr):
     # the 8 nibbles of q (bytes j..j+3 of a block's qs: values j..j+3 low, j+16..j+19 high) as
     # two words of 4 signed bytes, the doubled e2m1 values 0 1 2 3 4 6 8 12 (bit 3 the sign):
@@ -343,15 +406,15 @@ def mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R: t
 Q8_TYPES = (12, 14, 39)  # Q4_K, Q6_K, MXFP4
 # bodies written and checked here, not yet timed on a GPU: decode's experts take them only on
 # trial (CARVE_TRIAL=q3k_experts: moe_decode.Q8_ON_TRIAL)
-Q8_TRIAL_TYPES = (11,)  # Q3_K
-Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256}
+Q8_TRIAL_TYPES = (11, 6)  # Q3_K, Q5_0
+Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256, 6: 32}
 
 
 @triton.jit
 def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
                 TYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
                 ASM: tl.constexpr):
-    """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K, Q6_K, MXFP4 or Q3_K weight (its
+    """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K, Q6_K, MXFP4, Q3_K or Q5_0 weight (its
     bytes, 16-bit words and int32 words; ``nblk`` blocks of ``Q8_BLOCK[TYPE]`` values a row)
     with x's int8 copy (values, scales, sums)."""
     if TYPE == 12:
@@ -359,6 +422,9 @@ def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row
                                BLOCK_R, BLOCK_B, False, ASM)
     elif TYPE == 11:
         y = q3k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
+                            BLOCK_B, ASM)
+    elif TYPE == 6:
+        y = q50_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
                             BLOCK_B, ASM)
     elif TYPE == 39:
         y = mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B,

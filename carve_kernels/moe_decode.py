@@ -109,8 +109,10 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     # MXFP4 (a thread per 17-byte block): the sweep's best at gpt-oss-20b's shape, gate/up
     # 27.5 us, down 17.6 (device_check --moe, H200, 2026-12-03)
     (qt.MXFP4, "glu"): (32, 16, 8), (qt.MXFP4, "down"): (16, 32, 4),
-    # Q3_K (on trial, q3k_q8_rows_dot, lanes as Q6_K's): Q6_K's tiles until a sweep times it
+    # on trial, until a sweep times them: Q3_K (q3k_q8_rows_dot, lanes as Q6_K's) at Q6_K's
+    # tiles, Q5_0 (q50_q8_rows_dot, a thread a block as MXFP4's) at MXFP4's
     (qt.Q3_K, "glu"): (32, 1, 4), (qt.Q3_K, "down"): (16, 1, 2),
+    (qt.Q5_0, "glu"): (32, 16, 8), (qt.Q5_0, "down"): (16, 32, 4),
 }
 
 
@@ -121,7 +123,8 @@ Q8_ON_TRIAL: frozenset[int] = frozenset()
 
 def q8_able(ggml_type: int, cols: int) -> bool:
     """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy (the
-    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4; Q3_K on trial)."""
+    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4; Q3_K and Q5_0 on
+    trial)."""
     return ((ggml_type in Q8_TYPES or ggml_type in Q8_ON_TRIAL)
             and cols % Q8_BLOCK[ggml_type] == 0)
 
@@ -131,11 +134,11 @@ def _q8_views(w: torch.Tensor, ggml_type: int, what: str):
         raise ValueError(f"{what} must be contiguous uint8 [rows, row_bytes]")
     # Q4_K reads int32 words (its 144-byte blocks keep rows 4-byte aligned), Q6_K 16-bit ones,
     # MXFP4 the aligned int32 words around its 17-byte blocks (the tensor 4-byte aligned)
-    if ggml_type == qt.MXFP4:
+    if ggml_type in (qt.MXFP4, qt.Q5_0):
         if w.data_ptr() % 4:
-            raise ValueError(f"{what}: MXFP4 experts must start 4-byte aligned for the int8-x "
-                             "body")
-        return w, w, w
+            raise ValueError(f"{what}: {qt.type_name(ggml_type)} experts must start 4-byte "
+                             "aligned for the int8-x body")
+        return w, (w.view(torch.float16) if ggml_type == qt.Q5_0 else w), w
     wi = w.view(torch.int32) if ggml_type == qt.Q4_K else w
     return w, w.view(torch.float16), wi
 

@@ -20,8 +20,8 @@ TRIALS = {
                  "(carve_kernels/gemv_dot.py)",
     "prefill_graph": "prefill chunks of the plan's length through CUDA graphs "
                      "(engine/runtime/gpu/stage_graph.py forward_chunk); not yet run on a GPU",
-    "q3k_experts": "decode's Q3_K experts on int8 x (carve_kernels/gemv_q8.py "
-                   "q3k_q8_rows_dot); not yet timed on a GPU",
+    "q3k_experts": "decode's Q3_K and Q5_0 experts on int8 x (carve_kernels/gemv_q8.py "
+                   "q3k_q8_rows_dot, q50_q8_rows_dot); not yet timed on a GPU",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}
