@@ -48,6 +48,17 @@ UNBOUNDED = 1 << 30  # max_tokens when a request sets none
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}  # done.reason -> OpenAI's
 
 
+def _finish(stop: StopText, done: p.Done) -> str:
+    # a stop string ended the text: "stop", whatever the engine's Done says (it may have reached
+    # max_tokens before the stop request reached it)
+    return "stop" if stop.stopped else FINISH.get(done.reason, "stop")
+
+
+def _completion_tokens(stop: StopText, done: p.Done) -> int:
+    # the tokens up to the stop string, not the ones the engine made before it heard the stop
+    return min(stop.tokens, done.completion_tokens) if stop.stopped else done.completion_tokens
+
+
 def is_loopback(host: str) -> bool:
     return host in LOOPBACK or host.startswith("127.")
 
@@ -213,8 +224,8 @@ class Api:
             self.turns.abandon(turn)
             raise
         parts.append(stop.flush())
-        usage = Reply.usage(event.prompt_tokens, event.completion_tokens)
-        return JSONResponse(reply.whole("".join(parts), FINISH.get(event.reason, "stop"), usage))
+        usage = Reply.usage(event.prompt_tokens, _completion_tokens(stop, event))
+        return JSONResponse(reply.whole("".join(parts), _finish(stop, event), usage))
 
     async def _stream(self, turn: Turn, event: p.Event, job: Job,
                       reply: Reply) -> AsyncIterator[bytes]:  # fmt: skip
@@ -233,9 +244,9 @@ class Api:
                     tail = stop.flush()
                     if tail:
                         yield _sse(reply.chunk(tail))
-                    yield _sse(reply.chunk(None, FINISH.get(event.reason, "stop")))
+                    yield _sse(reply.chunk(None, _finish(stop, event)))
                     if job.include_usage:
-                        usage = Reply.usage(event.prompt_tokens, event.completion_tokens)
+                        usage = Reply.usage(event.prompt_tokens, _completion_tokens(stop, event))
                         yield _sse(reply.usage_chunk(usage))
                     break
                 elif isinstance(event, p.Error):

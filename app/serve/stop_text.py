@@ -13,11 +13,13 @@ class StopText:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(s for s in stops if s)
         self.stopped = False
+        self.tokens = 0  # the pieces pushed until the stop string (that one included)
         self._held = ""  # the tail that is a prefix of some stop string
 
     def push(self, text: str) -> str:
         if self.stopped:
             return ""
+        self.tokens += 1
         buf = self._held + text
         hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
         if hits:

@@ -45,6 +45,24 @@ def test_stop_text_holds_back_only_what_could_still_become_a_stop():
     assert scan.push("end> tail") == "" and scan.stopped
 
 
+def test_a_stop_string_makes_the_reply_stop_even_when_the_engine_ran_to_its_limit():
+    # the engine may reach max_tokens before the stop request reaches it: the reply still says
+    # "stop" and counts the tokens up to the stop string; without a stop, the engine's reason
+    from app.serve.http import _completion_tokens, _finish
+
+    scan = StopText(["</end>"])
+    for piece in ("a", "b", "</e", "nd>", "c", "d"):  # 6 tokens, the stop ends in the fourth
+        scan.push(piece)
+    ran_on = p.Done(reason="length", prompt_tokens=5, completion_tokens=6)
+    assert scan.stopped and scan.tokens == 4
+    assert (_finish(scan, ran_on), _completion_tokens(scan, ran_on)) == ("stop", 4)
+    heard = p.Done(reason="cancelled", prompt_tokens=5, completion_tokens=4)
+    assert (_finish(scan, heard), _completion_tokens(scan, heard)) == ("stop", 4)
+    plain = StopText(["zzz"])
+    plain.push("abc")
+    assert (_finish(plain, ran_on), _completion_tokens(plain, ran_on)) == ("length", 6)
+
+
 MSG = [{"role": "user", "content": "hi"}]
 
 
