@@ -186,9 +186,9 @@ def norm_router(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, e
     h = x.shape[-1]
     e = w.shape[0]
     if (x.numel() != h or residual.numel() != h or normed.numel() != h or w.shape[1] != h
-            or logits.numel() < e):
+            or logits.numel() < e or not w.is_contiguous()):
         raise ValueError(f"norm_router takes one row of {h}: x, residual, normed, logits [1, "
-                         f"{e}] and a router of {h} columns")
+                         f"{e}] and a contiguous router of {h} columns")
     if counter.dtype != torch.int32 or counter.numel() < 1:
         raise ValueError("norm_router: counter must be an int32 zero")
     block = triton.next_power_of_2(h)
