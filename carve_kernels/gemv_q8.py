@@ -414,9 +414,9 @@ Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256, 6: 32}
 def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
                 TYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
                 ASM: tl.constexpr):
-    """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K, Q6_K, MXFP4, Q3_K or Q5_0 weight (its
-    bytes, 16-bit words and int32 words; ``nblk`` blocks of ``Q8_BLOCK[TYPE]`` values a row)
-    with x's int8 copy (values, scales, sums)."""
+    """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K, Q6_K, MXFP4, Q3_K or Q5_0
+    weight (its bytes, 16-bit words and int32 words; ``nblk`` blocks of ``Q8_BLOCK[TYPE]``
+    values a row) with x's int8 copy (values, scales, sums)."""
     if TYPE == 12:
         y, _ = q4k_q8_rows_dot(wi_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
                                BLOCK_R, BLOCK_B, False, ASM)

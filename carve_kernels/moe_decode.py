@@ -132,8 +132,9 @@ def q8_able(ggml_type: int, cols: int) -> bool:
 def _q8_views(w: torch.Tensor, ggml_type: int, what: str):
     if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous():
         raise ValueError(f"{what} must be contiguous uint8 [rows, row_bytes]")
-    # Q4_K reads int32 words (its 144-byte blocks keep rows 4-byte aligned), Q6_K 16-bit ones,
-    # MXFP4 the aligned int32 words around its 17-byte blocks (the tensor 4-byte aligned)
+    # Q4_K reads int32 words (its 144-byte blocks keep rows 4-byte aligned), Q6_K and Q3_K
+    # 16-bit ones, MXFP4 and Q5_0 the aligned int32 words around their 17- and 22-byte blocks
+    # (the tensor 4-byte aligned; Q5_0's d a 16-bit load)
     if ggml_type in (qt.MXFP4, qt.Q5_0):
         if w.data_ptr() % 4:
             raise ValueError(f"{what}: {qt.type_name(ggml_type)} experts must start 4-byte "

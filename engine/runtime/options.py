@@ -56,7 +56,7 @@ class RunnerOptions:
     ``CARVE_EXPERT_TILES``: empty (default) or ``TYPE/PART=ROWS,BLOCKS,WARPS`` entries
         separated by ``;`` (``Q4_K/glu=32,4,8;Q6_K/down=16,1,2``): decode's int8-x expert
         GEMV tiles (carve_kernels/moe_decode.py ``EXPERT_Q8_CONFIG``) for a type (Q4_K, Q6_K,
-        MXFP4) and part (glu: gate/up, down), so that a tile a kernel sweep found
+        MXFP4; Q3_K, Q5_0 with the q3k_experts trial) and part (glu: gate/up, down), so that a tile a kernel sweep found
         (``benchmarks.device_check --moe``) is measured in the step before it is adopted.
     """
 
@@ -120,7 +120,8 @@ def _trials(environ: Mapping[str, str]) -> frozenset[str]:
 
 
 # the types and parts decode's int8-x expert GEMVs have tiles for (carve_kernels/gemv_q8.py)
-TILE_TYPES = {"Q4_K": qt.Q4_K, "Q6_K": qt.Q6_K, "MXFP4": qt.MXFP4}
+TILE_TYPES = {"Q4_K": qt.Q4_K, "Q6_K": qt.Q6_K, "MXFP4": qt.MXFP4, "Q3_K": qt.Q3_K,
+              "Q5_0": qt.Q5_0}  # the last two on trial (q3k_experts)
 TILE_PARTS = ("glu", "down")
 
 

@@ -57,7 +57,8 @@ def test_each_variable_sets_its_option(env, want) -> None:
      "q8_0_rows, prefill_graph, q3k_experts"),
     ({"CARVE_EXPERT_TILES": "Q4_K/glu=16,4,8"},
      "CARVE_EXPERT_TILES entry 'Q4_K/glu=16,4,8': use TYPE/PART=ROWS,BLOCKS,WARPS with TYPE "
-     "one of Q4_K, Q6_K, MXFP4, PART glu or down, powers of two (warps at most 16, rows at "
+     "one of Q4_K, Q6_K, MXFP4, Q3_K, Q5_0, PART glu or down, powers of two (warps at most "
+     "16, rows at "
      "least 32 for glu and 16 for down)"),
 ])
 def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) -> None:
@@ -85,7 +86,7 @@ def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> No
     assert moe_decode.q8_able(qt.Q3_K, 256)  # q3k_experts
 
 
-@pytest.mark.parametrize("entry", ["Q5_K/glu=32,4,4", "Q4_K/gate=32,4,4", "Q4_K/glu=32,3,4",
+@pytest.mark.parametrize("entry", ["Q5_1/glu=32,4,4", "Q4_K/gate=32,4,4", "Q4_K/glu=32,3,4",
                                    "Q4_K/glu=32,4,32", "Q6_K/down=8,1,2", "Q4_K/glu=32,4",
                                    "Q4_K/glu", "Q4_K/down=a,b,c", "MXFP4/down=16,0,4"])
 def test_a_bad_expert_tile_is_refused(entry) -> None:
