@@ -123,56 +123,33 @@ def _w16(wh_ptr, off):
 
 
 @triton.jit
-def q6k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
-                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
-    """[BLOCK_R] float32 dot products of Q6_K rows ``rows_c`` (clamped in range) with x's int8
-    copy (``xq_ptr`` int8 values, 4-byte aligned; ``xd_ptr`` scales per 32). ``w_ptr``: the
-    weight as bytes, ``wh_ptr`` as 16-bit words (its rows are 2-byte aligned). A lane per 16
-    values of l (one scale of each quarter): 4 l-words each of a, b and h in registers of
-    their own, so that a lane's x scales and weight scales serve 4 words (lanes of one word
-    each ran 15.6 against 14.2 us on an H200 for 30B-A3B's 8 routed down experts)."""
-    n = tl.arange(0, 2)[:, None]  # the block's half
-    s = tl.arange(0, 2)[None, :]  # its scale within the half (l // 16)
-    qa = (32 * n + 8 * s)[None, None]  # [1, 1, 2, 2] 16-bit offset of the lane's first a word
-    qh = (64 + 16 * n + 8 * s)[None, None]
-    sc = (192 + 8 * n + s)[None, None]  # byte of sc[8n + s] (quarter 0; quarter k 2k further)
-    xo = (32 * n + 4 * s)[None, None]  # x's int8 word of quarter 0, word 0
-    xg = (4 * n + 0 * s)[None, None]  # x's group of quarter 0
-    xq = xq_ptr.to(tl.pointer_type(tl.int32))
-    row_h = rows_c.to(tl.int64) * (row_bytes // 2)
-    shape: tl.constexpr = (BLOCK_R, BLOCK_B, 2, 2)
-    acc = tl.zeros(shape, dtype=tl.float32)
-    for b0 in range(0, nblk, BLOCK_B):
-        blk = b0 + tl.arange(0, BLOCK_B)
-        bm = tl.broadcast_to((blk < nblk)[None, :, None, None], shape)
-        bh = (row_h[:, None] + (tl.minimum(blk, nblk - 1) * 105)[None, :])[:, :, None, None]
-        xp = tl.broadcast_to(xq + (blk * 64)[None, :, None, None] + xo, shape)
-        i0 = tl.zeros(shape, dtype=tl.int32)
-        i1 = i0
-        i2 = i0
-        i3 = i0
-        for t in tl.static_range(4):
-            a = _w16(wh_ptr, bh + qa + 2 * t)
-            b = _w16(wh_ptr, bh + qa + 16 + 2 * t)
-            h = _w16(wh_ptr, bh + qh + 2 * t)
-            i0 = _dp4a(_q6_s8(a, h << 4), tl.load(xp + t, mask=bm, other=0), i0, ASM, True)
-            i1 = _dp4a(_q6_s8(b, h << 2), tl.load(xp + 8 + t, mask=bm, other=0), i1, ASM, True)
-            i2 = _dp4a(_q6_s8(a >> 4, h), tl.load(xp + 16 + t, mask=bm, other=0), i2, ASM, True)
-            i3 = _dp4a(_q6_s8(b >> 4, h >> 2), tl.load(xp + 24 + t, mask=bm, other=0), i3, ASM,
-                       True)
-        d = tl.load(wh_ptr + bh + 104).to(tl.float32)
-        gp = tl.broadcast_to(xd_ptr + (blk * 8)[None, :, None, None] + xg, shape)
-        sb = w_ptr + (bh * 2 + sc)
-        v = tl.load(sb).to(tl.int8, bitcast=True).to(tl.float32) \
-            * tl.load(gp, mask=bm, other=0.0) * i0.to(tl.float32)
-        v += tl.load(sb + 2).to(tl.int8, bitcast=True).to(tl.float32) \
-            * tl.load(gp + 1, mask=bm, other=0.0) * i1.to(tl.float32)
-        v += tl.load(sb + 4).to(tl.int8, bitcast=True).to(tl.float32) \
-            * tl.load(gp + 2, mask=bm, other=0.0) * i2.to(tl.float32)
-        v += tl.load(sb + 6).to(tl.int8, bitcast=True).to(tl.float32) \
-            * tl.load(gp + 3, mask=bm, other=0.0) * i3.to(tl.float32)
-        acc += d * v
-    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+def _quarter_step(row_h, b0, nblk, xq_ptr, xd_ptr, HALFWORDS: tl.constexpr,
+                  BLOCK_B: tl.constexpr, shape: tl.constexpr):
+    # a step of BLOCK_B blocks of HALFWORDS 16-bit words for the lanes (row, block, half n,
+    # s: 16 values of each quarter) of the 256-value types on 2-byte aligned rows (Q6_K,
+    # Q3_K): the blocks' mask, their 16-bit offsets, the lanes' x int8 word (4s of half n)
+    # and x scale pointers of quarter 0, and int32 zeros of the lanes' shape
+    n = tl.arange(0, 2)[:, None]
+    s = tl.arange(0, 2)[None, :]
+    blk = b0 + tl.arange(0, BLOCK_B)
+    bm = tl.broadcast_to((blk < nblk)[None, :, None, None], shape)
+    bh = (row_h[:, None] + (tl.minimum(blk, nblk - 1) * HALFWORDS)[None, :])[:, :, None, None]
+    xo = (32 * n + 4 * s)[None, None]
+    xg = (4 * n + 0 * s)[None, None]
+    xp = tl.broadcast_to(xq_ptr.to(tl.pointer_type(tl.int32)) + (blk * 64)[None, :, None, None]
+                         + xo, shape)
+    gp = tl.broadcast_to(xd_ptr + (blk * 8)[None, :, None, None] + xg, shape)
+    return bm, bh, xp, gp, tl.zeros(shape, dtype=tl.int32)
+
+
+@triton.jit
+def _quarters(s0, s1, s2, s3, gp, bm, i0, i1, i2, i3):
+    # the 4 quarters' integer dots times their weight scales and x's scales per 32
+    v = s0 * tl.load(gp, mask=bm, other=0.0) * i0.to(tl.float32)
+    v += s1 * tl.load(gp + 1, mask=bm, other=0.0) * i1.to(tl.float32)
+    v += s2 * tl.load(gp + 2, mask=bm, other=0.0) * i2.to(tl.float32)
+    v += s3 * tl.load(gp + 3, mask=bm, other=0.0) * i3.to(tl.float32)
+    return v
 
 
 @triton.jit
@@ -195,56 +172,88 @@ def _q3_scale(sb, n, s, J: tl.constexpr):
 
 
 @triton.jit
-def q3k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
-                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
-    """[BLOCK_R] float32 dot products of Q3_K rows ``rows_c`` (clamped in range) with x's int8
-    copy (``xq_ptr`` int8 values, 4-byte aligned; ``xd_ptr`` scales per 32). ``w_ptr``: the
-    weight as bytes, ``wh_ptr`` as 16-bit words (110-byte blocks: rows 2-byte aligned).
+def quarter_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
+                        TYPE: tl.constexpr, HALFWORDS: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_B: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_R] float32 dot products of Q6_K (``TYPE`` 14, 210-byte blocks) or Q3_K (11,
+    110-byte blocks) rows ``rows_c`` (clamped in range) with x's int8 copy (``xq_ptr`` int8
+    values, 4-byte aligned; ``xd_ptr`` scales per 32). ``w_ptr``: the weight as bytes,
+    ``wh_ptr`` as 16-bit words (``HALFWORDS`` a block; rows 2-byte aligned; the block's f16 d
+    its last). Both types keep a block as 2 halves n of 4 quarters J, word t (4 values l) of
+    a half's runs feeding all 4 quarters; a lane takes half n and words 4s .. 4s + 3 (16
+    values of each quarter: one scale a quarter), 4 words of each run in registers of their
+    own, so that a lane's x scales and weight scales serve 4 words (lanes of one word each
+    ran Q6_K's down at 15.6 against 14.2 us on an H200, 30B-A3B's 8 routed experts):
 
-    A block: hmask (words 0-7), qs (8-23: 8 words a half n), 12 bytes of scales, f16 d. Word
-    t of half n's qs holds values 4t .. 4t + 3 of its 4 quarters (2 bits at 2J), hmask word t
-    their third bits (bit 4n + J); a value is the 3-bit two's complement whose sign is the
-    clear hmask bit (q - 4). A lane takes half n, words 4s .. 4s + 3 (one scale a quarter,
-    sub-block 8n + 2J + s), as q6k_q8_rows_dot's lanes do:
+        sum W x = d sum_J scale_J d_x(4n + J) (dp4a of the quarter's signed values and q_x)
 
-        sum W x = d sum_J (scale_J - 32) d_x(4n + J) (dp4a of the signed values and q_x)"""
+    Q6_K: ql word 64n + 4t (a) and 64n + 32 + 4t (b) and qh word 32n + 4t (h) give quarters
+    0..3 (a's low nibbles, b's low, a's high, b's high; qh bits 2J), as the signed bytes
+    q - 32; its scales int8 sc[8n + 2J + s]. Q3_K: hmask (words 0-7), qs (8-23: 8 words a
+    half), 12 bytes of scales; qs word t of half n holds its 4 quarters (2 bits at 2J),
+    hmask word t their third bits (bit 4n + J), a value the 3-bit two's complement whose
+    sign is the clear hmask bit (q - 4); its scales 6-bit, 32 off (``_q3_scale``)."""
     n = tl.arange(0, 2)[:, None]  # the block's half
     s = tl.arange(0, 2)[None, :]  # the lane's 16 values of each quarter (l // 16)
-    qq = (16 + 16 * n + 8 * s)[None, None]  # 16-bit offset of the lane's first qs word
-    hm = (0 * n + 8 * s)[None, None]  # and of its first hmask word
-    xo = (32 * n + 4 * s)[None, None]  # x's int8 word of quarter 0, the lane's first word
-    xg = (4 * n + 0 * s)[None, None]  # x's group of quarter 0
+    if TYPE == 14:
+        qa = (32 * n + 8 * s)[None, None]  # 16-bit offset of the lane's first a word
+        qh = (64 + 16 * n + 8 * s)[None, None]
+        sc = (192 + 8 * n + s)[None, None]  # byte of sc[8n + s] (quarter J 2J further)
+    else:
+        qa = (16 + 16 * n + 8 * s)[None, None]  # 16-bit offset of the lane's first qs word
+        qh = (0 * n + 8 * s)[None, None]  # and of its first hmask word
+        sc = 96 + (0 * n + 0 * s)[None, None]  # the scales' first byte
     nn = (n + 0 * s)[None, None]
     ss = (0 * n + s)[None, None]
-    xq = xq_ptr.to(tl.pointer_type(tl.int32))
     row_h = rows_c.to(tl.int64) * (row_bytes // 2)
     shape: tl.constexpr = (BLOCK_R, BLOCK_B, 2, 2)
     acc = tl.zeros(shape, dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):
-        blk = b0 + tl.arange(0, BLOCK_B)
-        bm = tl.broadcast_to((blk < nblk)[None, :, None, None], shape)
-        bh = (row_h[:, None] + (tl.minimum(blk, nblk - 1) * 55)[None, :])[:, :, None, None]
-        xp = tl.broadcast_to(xq + (blk * 64)[None, :, None, None] + xo, shape)
-        i0 = tl.zeros(shape, dtype=tl.int32)
-        i1 = i0
-        i2 = i0
-        i3 = i0
+        bm, bh, xp, gp, i0 = _quarter_step(row_h, b0, nblk, xq_ptr, xd_ptr, HALFWORDS, BLOCK_B,
+                                           shape)
+        i1, i2, i3 = i0, i0, i0
         for t in tl.static_range(4):
-            q = _w16(wh_ptr, bh + qq + 2 * t)
-            nh = ~_w16(wh_ptr, bh + hm + 2 * t) >> (4 * nn)
-            i0 = _dp4a(_q3_s8(q, nh, 0), tl.load(xp + t, mask=bm, other=0), i0, ASM, True)
-            i1 = _dp4a(_q3_s8(q, nh, 1), tl.load(xp + 8 + t, mask=bm, other=0), i1, ASM, True)
-            i2 = _dp4a(_q3_s8(q, nh, 2), tl.load(xp + 16 + t, mask=bm, other=0), i2, ASM, True)
-            i3 = _dp4a(_q3_s8(q, nh, 3), tl.load(xp + 24 + t, mask=bm, other=0), i3, ASM, True)
-        d = tl.load(wh_ptr + bh + 54).to(tl.float32)
-        gp = tl.broadcast_to(xd_ptr + (blk * 8)[None, :, None, None] + xg, shape)
-        sb = w_ptr + (bh * 2 + 96)
-        v = _q3_scale(sb, nn, ss, 0) * tl.load(gp, mask=bm, other=0.0) * i0.to(tl.float32)
-        v += _q3_scale(sb, nn, ss, 1) * tl.load(gp + 1, mask=bm, other=0.0) * i1.to(tl.float32)
-        v += _q3_scale(sb, nn, ss, 2) * tl.load(gp + 2, mask=bm, other=0.0) * i2.to(tl.float32)
-        v += _q3_scale(sb, nn, ss, 3) * tl.load(gp + 3, mask=bm, other=0.0) * i3.to(tl.float32)
-        acc += d * v
+            x0 = tl.load(xp + t, mask=bm, other=0)
+            x1 = tl.load(xp + 8 + t, mask=bm, other=0)
+            x2 = tl.load(xp + 16 + t, mask=bm, other=0)
+            x3 = tl.load(xp + 24 + t, mask=bm, other=0)
+            if TYPE == 14:
+                a = _w16(wh_ptr, bh + qa + 2 * t)
+                b = _w16(wh_ptr, bh + qa + 16 + 2 * t)
+                h = _w16(wh_ptr, bh + qh + 2 * t)
+                i0 = _dp4a(_q6_s8(a, h << 4), x0, i0, ASM, True)
+                i1 = _dp4a(_q6_s8(b, h << 2), x1, i1, ASM, True)
+                i2 = _dp4a(_q6_s8(a >> 4, h), x2, i2, ASM, True)
+                i3 = _dp4a(_q6_s8(b >> 4, h >> 2), x3, i3, ASM, True)
+            else:
+                q = _w16(wh_ptr, bh + qa + 2 * t)
+                nh = ~_w16(wh_ptr, bh + qh + 2 * t) >> (4 * nn)
+                i0 = _dp4a(_q3_s8(q, nh, 0), x0, i0, ASM, True)
+                i1 = _dp4a(_q3_s8(q, nh, 1), x1, i1, ASM, True)
+                i2 = _dp4a(_q3_s8(q, nh, 2), x2, i2, ASM, True)
+                i3 = _dp4a(_q3_s8(q, nh, 3), x3, i3, ASM, True)
+        d = tl.load(wh_ptr + bh + (HALFWORDS - 1)).to(tl.float32)
+        sb = w_ptr + (bh * 2 + sc)
+        if TYPE == 14:
+            s0 = tl.load(sb).to(tl.int8, bitcast=True).to(tl.float32)
+            s1 = tl.load(sb + 2).to(tl.int8, bitcast=True).to(tl.float32)
+            s2 = tl.load(sb + 4).to(tl.int8, bitcast=True).to(tl.float32)
+            s3 = tl.load(sb + 6).to(tl.int8, bitcast=True).to(tl.float32)
+        else:
+            s0 = _q3_scale(sb, nn, ss, 0)
+            s1 = _q3_scale(sb, nn, ss, 1)
+            s2 = _q3_scale(sb, nn, ss, 2)
+            s3 = _q3_scale(sb, nn, ss, 3)
+        acc += d * _quarters(s0, s1, s2, s3, gp, bm, i0, i1, i2, i3)
     return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+
+
+@triton.jit
+def _block_step(row_b, b0, nblk, BYTES: tl.constexpr, BLOCK_B: tl.constexpr):
+    # a step of BLOCK_B blocks of BYTES bytes, a thread each (MXFP4, Q5_0): their ids, mask
+    # and [R, B] byte offsets
+    blk = b0 + tl.arange(0, BLOCK_B)
+    return blk, blk < nblk, row_b[:, None] + (tl.minimum(blk, nblk - 1) * BYTES)[None, :]
 
 
 @triton.jit
@@ -276,9 +285,7 @@ def q50_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
     row_b = rows_c.to(tl.int64) * row_bytes
     acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):
-        blk = b0 + tl.arange(0, BLOCK_B)
-        bm = blk < nblk
-        base = row_b[:, None] + (tl.minimum(blk, nblk - 1) * 22)[None, :]  # [R, B] bytes
+        blk, bm, base = _block_step(row_b, b0, nblk, 22, BLOCK_B)
         d = tl.load(wh_ptr + (base >> 1)).to(tl.float32)
         wp = wi + ((base + 2) >> 2)
         sh = (((base + 2) & 3) * 8).to(tl.int32)  # 0 or 16
@@ -380,9 +387,7 @@ def mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R: t
     row_b = rows_c.to(tl.int64) * row_bytes
     acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):
-        blk = b0 + tl.arange(0, BLOCK_B)
-        bm = blk < nblk
-        base = row_b[:, None] + (tl.minimum(blk, nblk - 1) * 17)[None, :]  # [R, B] bytes
+        blk, bm, base = _block_step(row_b, b0, nblk, 17, BLOCK_B)
         wp = wi + (base >> 2)
         c = (base & 3).to(tl.int32)
         w0 = tl.load(wp)
@@ -421,8 +426,8 @@ def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row
         y, _ = q4k_q8_rows_dot(wi_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
                                BLOCK_R, BLOCK_B, False, ASM)
     elif TYPE == 11:
-        y = q3k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
-                            BLOCK_B, ASM)
+        y = quarter_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, 11, 55,
+                                BLOCK_R, BLOCK_B, ASM)
     elif TYPE == 6:
         y = q50_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
                             BLOCK_B, ASM)
@@ -430,6 +435,6 @@ def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row
         y = mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B,
                               ASM)
     else:
-        y = q6k_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
-                            BLOCK_B, ASM)
+        y = quarter_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, 14, 105,
+                                BLOCK_R, BLOCK_B, ASM)
     return y

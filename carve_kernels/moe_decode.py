@@ -109,7 +109,7 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     # MXFP4 (a thread per 17-byte block): the sweep's best at gpt-oss-20b's shape, gate/up
     # 27.5 us, down 17.6 (device_check --moe, H200, 2026-12-03)
     (qt.MXFP4, "glu"): (32, 16, 8), (qt.MXFP4, "down"): (16, 32, 4),
-    # on trial, until a sweep times them: Q3_K (q3k_q8_rows_dot, lanes as Q6_K's) at Q6_K's
+    # on trial, until a sweep times them: Q3_K (quarter_q8_rows_dot, Q6_K's body) at Q6_K's
     # tiles, Q5_0 (q50_q8_rows_dot, a thread a block as MXFP4's) at MXFP4's
     (qt.Q3_K, "glu"): (32, 1, 4), (qt.Q3_K, "down"): (16, 1, 2),
     (qt.Q5_0, "glu"): (32, 16, 8), (qt.Q5_0, "down"): (16, 32, 4),

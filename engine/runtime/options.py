@@ -21,7 +21,7 @@ TRIALS = {
     "prefill_graph": "prefill chunks of the plan's length through CUDA graphs "
                      "(engine/runtime/gpu/stage_graph.py forward_chunk); not yet run on a GPU",
     "q3k_experts": "decode's Q3_K and Q5_0 experts on int8 x (carve_kernels/gemv_q8.py "
-                   "q3k_q8_rows_dot, q50_q8_rows_dot); not yet timed on a GPU",
+                   "quarter_q8_rows_dot, q50_q8_rows_dot); not yet timed on a GPU",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}
@@ -56,8 +56,9 @@ class RunnerOptions:
     ``CARVE_EXPERT_TILES``: empty (default) or ``TYPE/PART=ROWS,BLOCKS,WARPS`` entries
         separated by ``;`` (``Q4_K/glu=32,4,8;Q6_K/down=16,1,2``): decode's int8-x expert
         GEMV tiles (carve_kernels/moe_decode.py ``EXPERT_Q8_CONFIG``) for a type (Q4_K, Q6_K,
-        MXFP4; Q3_K, Q5_0 with the q3k_experts trial) and part (glu: gate/up, down), so that a tile a kernel sweep found
-        (``benchmarks.device_check --moe``) is measured in the step before it is adopted.
+        MXFP4; Q3_K, Q5_0 with the q3k_experts trial) and part (glu: gate/up, down), so
+        that a tile a kernel sweep found (``benchmarks.device_check --moe``) is measured in
+        the step before it is adopted.
     """
 
     runner: str = "auto"  # CARVE_RUNNER

@@ -186,8 +186,9 @@ def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, tmp_path) -> Non
 def test_glm_q3k_m_experts_on_trial_decode_on_int8_x_as_the_cpu_engine(tmp_path) -> None:
     """CARVE_TRIAL=q3k_experts: GLM-4.5-Air's Q3_K_M experts, Q3_K gate/up and Q5_0 down (the
     fallback for Q4_K on rows that are no whole 256-value blocks, 224 here as 1408 there),
-    multiply the int8 copies of the normed row and of the GLU outputs (gemv_q8.q3k_q8_rows_dot,
-    q50_q8_rows_dot) and still match the CPU engine; without the trial they read bf16 x."""
+    multiply the int8 copies of the normed row and of the GLU outputs (gemv_q8's
+    quarter_q8_rows_dot, q50_q8_rows_dot) and still match the CPU engine; without the trial
+    they read bf16 x."""
     shape = Shape("qwen3moe", 2, 256, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
                   n_expert_used=2, n_ff_exp=224)
     (out,) = write_model(tmp_path / "q3.gguf", shape, "q3_k_m")
