@@ -38,6 +38,7 @@ import triton.language as tl
 
 from carve_kernels import pdl, q8x
 from carve_kernels.glu import glu_act
+from carve_kernels.norm import rmsnorm_ref, row_warps
 from carve_kernels.quant_matmul import dequantize_ref
 
 GATINGS = {"softmax": 0, "softmax_topk": 1, "sigmoid": 2}
@@ -197,16 +198,13 @@ def norm_router(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, e
     q, d, s = q8 if q8 is not None else (normed, normed, normed)
     _norm_router_kernel[(e,)](x, residual, norm_w, w, bias if bias is not None else w, normed,
                               q, d, s, logits, counter, e, h, eps, HAS_BIAS=bias is not None,
-                              Q8=q8 is not None, BLOCK=block,
-                              num_warps=16 if block >= 4096 else 8 if block >= 2048 else 4,
+                              Q8=q8 is not None, BLOCK=block, num_warps=row_warps(block),
                               **pdl.opts(logits, use_pdl))
     return logits
 
 
 def norm_router_ref(x, residual, norm_w, eps, w, bias, normed, logits, counter, q8=None,
                     use_pdl=True):
-    from carve_kernels.norm import rmsnorm_ref
-
     rmsnorm_ref(x.view(1, -1), norm_w, eps, residual=residual.view(1, -1),
                 out=normed.view(1, -1))
     return router_ref(w, normed, bias, out=logits.view(1, -1))

@@ -9,7 +9,7 @@ import triton.language as tl
 from carve_kernels import pdl, q8x
 
 
-def _warps(block: int) -> int:
+def row_warps(block: int) -> int:
     # warps of a row's program: 16 from 4096 values (padded), 8 from 2048, else 4. H200 tg128,
     # one call each (2026-12-04): Qwen3-30B-A3B (2048) 415.4-415.6 against 412.5-412.6 t/s
     # with 4 (397 with 2), Qwen2-7B (3584) 457.0 against 456.2 with 8 (450.8 with 4),
@@ -62,7 +62,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rmsnorm_kernel[(x2.shape[0],)](x2, r, weight, y, q, d, s, h, eps, x2.stride(0),
                                    r.stride(0), y.stride(0), HAS_RES=residual is not None,
                                    BLOCK=block, Q8=q8 is not None,
-                                   num_warps=_warps(block),
+                                   num_warps=row_warps(block),
                                    **pdl.opts(y, use_pdl))
     return y.view(x.shape) if out is None else out
 
@@ -110,7 +110,7 @@ def rmsnorm_post(x: torch.Tensor, post_weight: torch.Tensor, weight: torch.Tenso
     block = triton.next_power_of_2(h)
     _post_rmsnorm_kernel[(x2.shape[0],)](x2, r, post_weight, weight, y, h, eps, x2.stride(0),
                                         r.stride(0), y.stride(0), BLOCK=block,
-                                        num_warps=_warps(block),
+                                        num_warps=row_warps(block),
                                         **pdl.opts(y, use_pdl))
     return out
 
