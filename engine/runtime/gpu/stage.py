@@ -331,8 +331,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
             moe.norm_router(a.proj, a.hidden, f.norm, self.hp.rms_eps, f.router, f.router_bias,
                             a.normed, self.buf["moe_logits"][:1], self.buf["moe_count"][-1:],
                             q8=xq, use_pdl=self.pdl)
-            self._route(f, a, logits=True)
-            self._experts_out(f, a)
+            self._experts(f, a, logits=True)
             return
         self._add_norm(a, layer.attn.post_norm, f.norm, xq)
         if isinstance(f, Experts):

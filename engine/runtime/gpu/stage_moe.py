@@ -20,13 +20,14 @@ class MoeLayers:
     """GpuStage's mixture-of-experts steps (they read the stage's hp, buf, pdl, layers and
     its ``_linear``)."""
 
-    def _experts(self, f: Experts, a: Rows) -> None:
+    def _experts(self, f: Experts, a: Rows, logits: bool = False) -> None:
         """A mixture-of-experts FFN on normed into proj: router logits, top-k routing (ids and
         weights stay on the device), the shared expert (glm4moe) into proj, then the routed
         experts added onto it with their weights. Up to GEMV_ROWS rows: the expert GEMVs (the
         decode step's graph holds them); more: the rows sorted by expert and one grouped GEMM
-        per expert (carve_kernels/moe_decode.py, moe_prefill.py)."""
-        self._route(f, a)
+        per expert (carve_kernels/moe_decode.py, moe_prefill.py). ``logits``: the router's
+        logits are in buf.moe_logits already (decode's fused norm and router)."""
+        self._route(f, a, logits)
         self._experts_out(f, a)
 
     def _route(self, f: Experts, a: Rows, logits: bool = False) -> None:
