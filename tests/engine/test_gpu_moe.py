@@ -117,28 +117,30 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
                        options=options)
 
 
-def test_the_fused_ffn_norm_and_router_run_in_decode(model, monkeypatch) -> None:
-    """Decode's FFN norm and router run in one launch (moe.norm_router) and give what the CPU
-    engine gives, the residual stream included (the next layers read it)."""
+@pytest.fixture
+def norm_router_calls(monkeypatch) -> list[int]:
+    """moe.norm_router's launches (one entry each) while the test runs."""
     from carve_kernels import moe
 
     calls: list[int] = []
     fused = moe.norm_router
     monkeypatch.setattr(moe, "norm_router", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    return calls
+
+
+def test_the_fused_ffn_norm_and_router_run_in_decode(model, norm_router_calls) -> None:
+    """Decode's FFN norm and router run in one launch (moe.norm_router) and give what the CPU
+    engine gives, the residual stream included (the next layers read it)."""
     options = RunnerOptions(expert_q8="gpt-oss" not in model)
     against_cpu_engine(plan(model), DEV, ids(20), ids(2, 1), None, 5e-3, model, options=options)
-    assert calls
+    assert norm_router_calls
 
 
-def test_bf16_two_stages_give_the_decode_logits_of_one_to_the_bit(model, monkeypatch) -> None:
+def test_bf16_two_stages_give_the_decode_logits_of_one_to_the_bit(model,
+                                                                  norm_router_calls) -> None:
     """bf16: a split between the layers moves the stream as stored, and decode's fused FFN norm
     and router (which writes the stream back from its last program) normalizes that stored
     value too, so two stages give one stage's prefill and decode logits to the bit."""
-    from carve_kernels import moe
-
-    calls: list[int] = []
-    fused = moe.norm_router
-    monkeypatch.setattr(moe, "norm_router", lambda *a, **k: calls.append(1) or fused(*a, **k))
     sim = tuple(DeviceSpec(index=i, name="sim", total=8 * GIB, free=8 * GIB, simulated=True)
                 for i in range(2))
     got = [chunk_and_decode_rows(GpuSession.load(
@@ -146,7 +148,7 @@ def test_bf16_two_stages_give_the_decode_logits_of_one_to_the_bit(model, monkeyp
         devices=[DEV] * len(devices), remember=False), ids(12, 3))
         for devices, split in ((sim[:1], (0, 2)), (sim, (0, 1, 2)))]
     assert torch.isfinite(got[0]).all() and torch.equal(got[0], got[1])
-    assert calls  # decode's rows went through the fused launch
+    assert norm_router_calls  # decode's rows went through the fused launch
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
@@ -183,7 +185,8 @@ def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, tmp_path) -> Non
             g.close()
 
 
-def test_glm_q3k_m_experts_on_trial_decode_on_int8_x_as_the_cpu_engine(tmp_path) -> None:
+def test_glm_q3k_m_experts_on_trial_decode_on_int8_x_as_the_cpu_engine(tmp_path,
+                                                                       monkeypatch) -> None:
     """CARVE_TRIAL=q3k_experts: GLM-4.5-Air's Q3_K_M experts, Q3_K gate/up and Q5_0 down (the
     fallback for Q4_K on rows that are no whole 256-value blocks, 224 here as 1408 there),
     multiply the int8 copies of the normed row and of the GLU outputs (gemv_q8's
@@ -199,16 +202,14 @@ def test_glm_q3k_m_experts_on_trial_decode_on_int8_x_as_the_cpu_engine(tmp_path)
             assert (f.gate.ggml_type, f.down.ggml_type) == (qt.Q3_K, qt.Q5_0)
             assert f.xq is not None and f.xq_h is not None
 
-    trial = RunnerOptions(trials=frozenset({"q3k_experts"}))
     from carve_kernels import moe_decode
 
-    keep = moe_decode.Q8_ON_TRIAL
-    try:
-        trial.apply()
-        against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), 5e-3, str(out),
-                           on_int8, options=trial)
-    finally:
-        moe_decode.Q8_ON_TRIAL = keep
+    trial = RunnerOptions(trials=frozenset({"q3k_experts"}))
+    monkeypatch.setattr(moe_decode, "Q8_ON_TRIAL", moe_decode.Q8_ON_TRIAL)  # restored after
+    trial.apply()
+    against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), 5e-3, str(out),
+                       on_int8, options=trial)
+    monkeypatch.undo()  # the trial off: bf16 x
     g = GpuSession.load(plan(str(out)), devices=[DEV], remember=False)
     try:
         assert all(layer.ffn.xq is None for layer in g.pipe.stages[0].layers)
