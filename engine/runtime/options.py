@@ -18,8 +18,6 @@ TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (carve_kernels/gemv_lowbit.py)",
     "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x "
                  "(carve_kernels/gemv_dot.py)",
-    "prefill_graph": "prefill chunks of the plan's length through CUDA graphs "
-                     "(engine/runtime/gpu/stage_graph.py forward_chunk); not yet run on a GPU",
     "q3k_experts": "decode's Q3_K and Q5_0 experts on int8 x (carve_kernels/gemv_q8.py "
                    "quarter_q8_rows_dot, q50_q8_rows_dot); not yet timed on a GPU",
 }
@@ -49,6 +47,10 @@ class RunnerOptions:
     ``CARVE_PDL``: ``1`` (default) or ``0``. On, the kernels launch with programmatic
         dependent launch on GPUs of compute capability 9.0 and later (carve_kernels/pdl.py), so that
         each may start while the one before it finishes; off, each waits for the one before.
+    ``CARVE_PREFILL_GRAPH``: ``1`` (default) or ``0``. On, a prefill chunk of the plan's full
+        length runs its layers by replaying a CUDA graph per stage, captured at the load's
+        warm-up (engine/runtime/gpu/stage_graph.py ``forward_chunk``); off, every chunk
+        launches its kernels from Python.
     ``CARVE_TRIAL``: empty (default), ``all``, or a comma-separated list of the names in
         ``TRIALS``: kernels written and checked against references but not yet adopted (not
         yet measured to win on a GPU), switched on for measuring them through the engine
@@ -66,6 +68,7 @@ class RunnerOptions:
     expert_q8: bool = True  # CARVE_EXPERT_Q8
     t_layout: bool = True  # CARVE_T_LAYOUT
     pdl: bool = True  # CARVE_PDL
+    prefill_graph: bool = True  # CARVE_PREFILL_GRAPH
     trials: frozenset[str] = frozenset()  # CARVE_TRIAL
     expert_tiles: tuple[tuple[int, str, tuple[int, int, int]], ...] = ()  # CARVE_EXPERT_TILES
 
@@ -86,6 +89,7 @@ class RunnerOptions:
         return cls(runner=runner, q8x=_switch(environ, "CARVE_Q8X"),
                    expert_q8=_switch(environ, "CARVE_EXPERT_Q8"),
                    t_layout=_switch(environ, "CARVE_T_LAYOUT"), pdl=_switch(environ, "CARVE_PDL"),
+                   prefill_graph=_switch(environ, "CARVE_PREFILL_GRAPH"),
                    trials=_trials(environ), expert_tiles=_expert_tiles(environ))
 
     def apply(self) -> None:

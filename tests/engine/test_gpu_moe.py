@@ -253,6 +253,32 @@ def test_cuda_two_stages_give_the_greedy_ids_of_one(model, tmp_path, monkeypatch
 
 @pytest.mark.gpu
 @gpu
+def test_cuda_moe_prefill_graphs_give_the_eager_logits_and_ids(model, tmp_path,
+                                                               monkeypatch) -> None:
+    """Full chunks of a MoE model (device-side sort, grouped GEMMs, combine) replay the graph
+    each stage captured at the load's warm-up, at any position: the eager chunks' logits to the
+    bit and their greedy ids, over two stages; the shorter last chunk stays eager."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    prompt = ids(37, 6)  # full chunks at 0 and 16, then 5 rows eagerly
+    got = []
+    for on in (False, True):
+        g = GpuSession.load(cuda_plan(model, (0, 1, 2), 2, prefill_chunk=16, logits_rows=4),
+                            options=RunnerOptions(prefill_graph=on))
+        try:
+            assert [set(st._prefill_graphs) for st in g.pipe.stages] == [{16} if on else set()] * 2
+            logits = g.logits(prompt).clone()
+            out: list[int] = []
+            g.generate(prompt, SamplingParams(temperature=0.0, repeat_penalty=1.0,
+                                              max_tokens=12), set(), out.append)
+            got.append((logits, out))
+        finally:
+            g.close()
+            torch.cuda.empty_cache()
+    assert torch.equal(got[0][0], got[1][0]) and got[0][1] == got[1][1]
+
+
+@pytest.mark.gpu
+@gpu
 def test_cuda_bf16_moe_logits_near_the_cpu_engine(model, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     g = GpuSession.load(cuda_plan(model, (0, 2), prefill_chunk=16, logits_rows=16, ctx=64))

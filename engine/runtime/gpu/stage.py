@@ -120,9 +120,9 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         self.pieces: list[Callable[[], None]] = []
         self._graphs: list[torch.cuda.CUDAGraph] = []
         self.in_place_hosts: list = []  # host layers decode reads in place (set by capture)
-        # prefill chunks of the plan's length through a CUDA graph (the head outside it)
-        # (on trial: CARVE_TRIAL=prefill_graph; stage_graph.py forward_chunk)
-        self.prefill_graph = "prefill_graph" in options.trials
+        # prefill chunks of the plan's length through a CUDA graph, the head outside it
+        # (CARVE_PREFILL_GRAPH; stage_graph.py forward_chunk)
+        self.prefill_graph = options.prefill_graph
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._prefill_stream: torch.cuda.Stream | None = None
         self._buffers(spans)

@@ -89,7 +89,7 @@ class DecodeGraph:
     def forward_chunk(self, n: int, pos0: int, head: bool = True,
                       check: Callable[[int, torch.Tensor], None] | None = None) -> None:
         """A prefill chunk: ``forward(n, pos0, head, check)``. With the prefill graphs on
-        (``RunnerOptions`` trial ``prefill_graph``), a chunk of the plan's full length on a GPU
+        (``RunnerOptions.prefill_graph``, the default), a chunk of the plan's full length on a GPU
         runs its layers through a CUDA graph, the head (the last chunk's) after it: the first
         such chunk (the load's warm-up) runs eagerly, which compiles its kernels and is its
         result, and is then captured (capturing runs nothing); later ones replay the capture.
