@@ -32,10 +32,9 @@ MOE_SHAPES = [  # (label, n_expert, k, n_embd, n_ff_exp, gate/up type, down type
     ("gpt-oss-20b", 32, 4, 2880, 2880, qt.MXFP4, qt.MXFP4),
 ]
 # run only when --types names their gate/up type: GLM-4.5-Air's Q3_K_M experts (gate/up Q3_K;
-# down Q5_0, llama.cpp's fallback for Q4_K on its 1408-value rows), whose int8-x bodies are on
-# trial (CARVE_TRIAL=q3k_experts)
+# down Q5_0, llama.cpp's fallback for Q4_K on its 1408-value rows)
 MOE_SHAPES_BY_TYPE = [("glm4.5-air", 128, 8, 4096, 1408, qt.Q3_K, qt.Q5_0),
-                      # Q3_K's int8-x body on trial (CARVE_TRIAL=q3k_experts), down Q3_K too
+                      # down Q3_K too
                       ("glm4.5-air 1536", 128, 8, 4096, 1536, qt.Q3_K, qt.Q3_K)]
 
 
@@ -45,11 +44,8 @@ def moe_section(g, copy_bw, mm_rate, row, types=None, prefill=True):
     draw different experts (8 id sets), so the 8 calls do not hit L2 for each other.
     ``types``: only the shapes whose gate/up type is one of these; ``prefill`` False: decode's
     kernels only."""
-    from carve_kernels import gemv_q8, moe, moe_decode, moe_prefill
+    from carve_kernels import moe, moe_decode, moe_prefill
     from spec.launch import moe_tiles
-
-    # the int8-x bodies on trial are timed here too (the engine takes them with CARVE_TRIAL)
-    moe_decode.Q8_ON_TRIAL = frozenset(gemv_q8.Q8_TRIAL_TYPES)
 
     swept: set = set()
     for label, ne, k, e, f, gt, dt in MOE_SHAPES + (MOE_SHAPES_BY_TYPE if types else []):

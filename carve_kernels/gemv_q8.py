@@ -408,10 +408,7 @@ def mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R: t
 
 
 # the types with a body here, and the values of a block each
-Q8_TYPES = (12, 14, 39)  # Q4_K, Q6_K, MXFP4
-# bodies written and checked here, not yet timed on a GPU: decode's experts take them only on
-# trial (CARVE_TRIAL=q3k_experts: moe_decode.Q8_ON_TRIAL)
-Q8_TRIAL_TYPES = (11, 6)  # Q3_K, Q5_0
+Q8_TYPES = (12, 14, 39, 11, 6)  # Q4_K, Q6_K, MXFP4, Q3_K, Q5_0
 Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256, 6: 32}
 
 

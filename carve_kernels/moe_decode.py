@@ -109,24 +109,20 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     # MXFP4 (a thread per 17-byte block): the sweep's best at gpt-oss-20b's shape, gate/up
     # 27.5 us, down 17.6 (device_check --moe, H200, 2026-12-03)
     (qt.MXFP4, "glu"): (32, 16, 8), (qt.MXFP4, "down"): (16, 32, 4),
-    # on trial, until a sweep times them: Q3_K (quarter_q8_rows_dot, Q6_K's body) at Q6_K's
-    # tiles, Q5_0 (q50_q8_rows_dot, a thread a block as MXFP4's) at MXFP4's
+    # Q3_K (quarter_q8_rows_dot, Q6_K's body) at Q6_K's tiles, Q5_0 (q50_q8_rows_dot, a
+    # thread a block as MXFP4's) at MXFP4's: GLM-4.5-Air Q3_K_M tg64 155.8 against 148.7 t/s
+    # on bf16 x (H200, 2026-12-04); its gate/up tile made no difference in the step (32x1x4,
+    # 32x8x8, 32x16x8, 32x16x16: 155.7-155.9 t/s)
     (qt.Q3_K, "glu"): (32, 1, 4), (qt.Q3_K, "down"): (16, 1, 2),
     (qt.Q5_0, "glu"): (32, 16, 8), (qt.Q5_0, "down"): (16, 32, 4),
 }
 
 
-# the int8-x bodies on trial that decode's experts take (gemv_q8.Q8_TRIAL_TYPES; set by
-# RunnerOptions.apply for CARVE_TRIAL=q3k_experts)
-Q8_ON_TRIAL: frozenset[int] = frozenset()
-
 
 def q8_able(ggml_type: int, cols: int) -> bool:
     """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy (the
-    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4; Q3_K and Q5_0 on
-    trial)."""
-    return ((ggml_type in Q8_TYPES or ggml_type in Q8_ON_TRIAL)
-            and cols % Q8_BLOCK[ggml_type] == 0)
+    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4, Q3_K, Q5_0)."""
+    return ggml_type in Q8_TYPES and cols % Q8_BLOCK[ggml_type] == 0
 
 
 def _q8_views(w: torch.Tensor, ggml_type: int, what: str):

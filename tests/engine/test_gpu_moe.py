@@ -185,13 +185,12 @@ def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, tmp_path) -> Non
             g.close()
 
 
-def test_glm_q3k_m_experts_on_trial_decode_on_int8_x_as_the_cpu_engine(tmp_path,
-                                                                       monkeypatch) -> None:
-    """CARVE_TRIAL=q3k_experts: GLM-4.5-Air's Q3_K_M experts, Q3_K gate/up and Q5_0 down (the
-    fallback for Q4_K on rows that are no whole 256-value blocks, 224 here as 1408 there),
-    multiply the int8 copies of the normed row and of the GLU outputs (gemv_q8's
-    quarter_q8_rows_dot, q50_q8_rows_dot) and still match the CPU engine; without the trial
-    they read bf16 x."""
+def test_glm_q3k_m_experts_decode_on_int8_x_as_the_cpu_engine(tmp_path) -> None:
+    """GLM-4.5-Air's Q3_K_M experts, Q3_K gate/up and Q5_0 down (the fallback for Q4_K on
+    rows that are no whole 256-value blocks, 224 here as 1408 there), multiply the int8
+    copies of the normed row and of the GLU outputs (gemv_q8's quarter_q8_rows_dot,
+    q50_q8_rows_dot) and still match the CPU engine; with CARVE_EXPERT_Q8=0 they read bf16
+    x."""
     shape = Shape("qwen3moe", 2, 256, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
                   n_expert_used=2, n_ff_exp=224)
     (out,) = write_model(tmp_path / "q3.gguf", shape, "q3_k_m")
@@ -202,15 +201,10 @@ def test_glm_q3k_m_experts_on_trial_decode_on_int8_x_as_the_cpu_engine(tmp_path,
             assert (f.gate.ggml_type, f.down.ggml_type) == (qt.Q3_K, qt.Q5_0)
             assert f.xq is not None and f.xq_h is not None
 
-    from carve_kernels import moe_decode
-
-    trial = RunnerOptions(trials=frozenset({"q3k_experts"}))
-    monkeypatch.setattr(moe_decode, "Q8_ON_TRIAL", moe_decode.Q8_ON_TRIAL)  # restored after
-    trial.apply()
     against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), 5e-3, str(out),
-                       on_int8, options=trial)
-    monkeypatch.undo()  # the trial off: bf16 x
-    g = GpuSession.load(plan(str(out)), devices=[DEV], remember=False)
+                       on_int8)
+    g = GpuSession.load(plan(str(out)), devices=[DEV], remember=False,
+                        options=RunnerOptions(expert_q8=False))
     try:
         assert all(layer.ffn.xq is None for layer in g.pipe.stages[0].layers)
     finally:
