@@ -2,6 +2,10 @@
 ``quantize_row_q8_0_ref``: d = amax/127, q = roundf(x/d)), at cell = position % cells so that a
 sliding-window layer's min(ctx, window) cells form a ring.
 
+A chunk of several rows stores only the rows that are their position's first occurrence and
+among its last ``cells`` positions: a ring keeps one row a cell, and a chunk padded to a
+graph's length (the padding repeats the last row's position) leaves nothing of its padding.
+
 Cache layouts (the priced KV spans, docs/DESIGN.md): f16 ``[cells, n_kv_heads, head_dim]``;
 q8_0 raw blocks ``[cells * n_kv_heads * head_dim // 32 * 34]`` uint8 in the same element order.
 """
@@ -20,12 +24,18 @@ from spec import quant_types as qt
 @triton.jit
 def _kv_store_kernel(src_ptr, pos_ptr, c_ptr, c8_ptr, ch_ptr, src2_ptr, c2_ptr, c82_ptr, ch2_ptr,
                      cells, KVH, stride_t, stride_h, stride2_t, stride2_h,
-                     D: tl.constexpr, Q8: tl.constexpr,
+                     D: tl.constexpr, Q8: tl.constexpr, CHUNK: tl.constexpr,
                      PDL: tl.constexpr):
     pdl.start(PDL)
     # program_id(2) picks the pair: 0 = keys, 1 = values (one launch stores both)
     t = tl.program_id(0)
     h = tl.program_id(1)
+    if CHUNK:  # a row repeating the one before (padding), or older than the last `cells`
+        p = tl.load(pos_ptr + t)
+        last = tl.load(pos_ptr + tl.num_programs(0) - 1)
+        before = tl.load(pos_ptr + tl.maximum(t - 1, 0))
+        if (t > 0 and before == p) or p <= last - cells:
+            return
     if tl.program_id(2) == 0:
         _kv_store_one(src_ptr, pos_ptr, c_ptr, c8_ptr, ch_ptr, cells, KVH, stride_t, stride_h,
                       t, h, D, Q8)
@@ -99,7 +109,9 @@ def kv_store(src: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, ce
              use_pdl: bool = True) -> None:
     """Store src [T, n_kv_heads, head_dim] at cells positions % cells of ``cache`` (f16
     [cells, n_kv_heads, head_dim], or uint8 q8_0 blocks); with src2/cache2 (the values) too,
-    in the same launch. ``use_pdl`` as in ``q8_roundtrip_``."""
+    in the same launch. Of T > 1 rows only each position's first row among the last ``cells``
+    positions (``positions`` non-decreasing: a padded chunk repeats its last one). ``use_pdl``
+    as in ``q8_roundtrip_``."""
     t, kvh, d = src.shape
     q8 = cache.dtype == torch.uint8
     pair = src2 is not None
@@ -107,16 +119,20 @@ def kv_store(src: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, ce
     c2 = cache2 if pair else cache
     _kv_store_kernel[(t, kvh, 2 if pair else 1)](
         src, positions, *_views(cache), s2, *_views(c2), cells, kvh, src.stride(0),
-        src.stride(1), s2.stride(0), s2.stride(1), D=d, Q8=q8, num_warps=1 if d <= 128 else 2,
-        **pdl.opts(cache, use_pdl))
+        src.stride(1), s2.stride(0), s2.stride(1), D=d, Q8=q8, CHUNK=t > 1,
+        num_warps=1 if d <= 128 else 2, **pdl.opts(cache, use_pdl))
 
 
 def kv_store_ref(src: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, cells: int,
                  src2: torch.Tensor | None = None, cache2: torch.Tensor | None = None) -> None:
     if src2 is not None:
         kv_store_ref(src2, cache2, positions, cells)
+    pos = positions.long()
+    keep = pos > pos[-1] - cells
+    keep[1:] &= pos[1:] != pos[:-1]  # a row repeating the one before: padding
+    src, pos = src[keep], pos[keep]
     t, kvh, d = src.shape
-    cell = (positions.long() % cells)
+    cell = pos % cells
     if cache.dtype != torch.uint8:
         cache.view(cells, kvh, d)[cell] = src.to(cache.dtype)
         return

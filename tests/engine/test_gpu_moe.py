@@ -117,6 +117,29 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
                        options=options)
 
 
+def test_chunks_padded_to_a_graphs_length_match_the_cpu_engine(model, monkeypatch) -> None:
+    """Prefill chunks padded as the prefill graphs run them on a GPU (stage_graph.graph_rows,
+    forced here on the interpreter, where no graph runs): the padding repeats the last token
+    at its position, and neither the KV cache (gpt-oss's ring of 8 cells too) nor the logits
+    keep anything of it; decode and greedy ids after it as the CPU engine's."""
+    from engine.runtime.gpu.pipeline import GpuPipeline
+    from engine.runtime.gpu.stage_graph import graph_rows
+
+    pads: list[int] = []
+
+    def padded(self, n: int, check=None) -> int:
+        rows = n if check is not None else graph_rows(n, self.stages[0].buf["positions"].shape[0])
+        pads.append(rows - n)
+        return rows
+
+    monkeypatch.setattr(GpuPipeline, "chunk_rows", padded)
+    options = RunnerOptions(expert_q8=False) if "gpt-oss" in model else None
+    # 16 rows, then 5 padded to 8; the greedy prompt's 6 rows padded to 8
+    against_cpu_engine(plan(model), DEV, ids(21), ids(2, 1), ids(6, 3), 5e-3, model,
+                       options=options)
+    assert 3 in pads and 2 in pads
+
+
 @pytest.fixture
 def norm_router_calls(monkeypatch) -> list[int]:
     """moe.norm_router's launches (one entry each) while the test runs."""
@@ -249,9 +272,10 @@ def test_cuda_two_stages_give_the_greedy_ids_of_one(model, tmp_path, monkeypatch
 @gpu
 def test_cuda_moe_prefill_graphs_give_the_eager_logits_and_ids(model, tmp_path,
                                                                monkeypatch) -> None:
-    """Full chunks of a MoE model (device-side sort, grouped GEMMs, combine) replay the graph
-    each stage captured at the load's warm-up, at any position: the eager chunks' logits to the
-    bit and their greedy ids, over two stages; the shorter last chunk stays eager."""
+    """Chunks of a MoE model (device-side sort, grouped GEMMs, combine; the expert GEMVs up to
+    8 rows) replay the graphs each stage captured at the load's warm-up, at any position, the
+    last chunk's 5 rows padded to 8: the eager chunks' logits to the bit and their greedy ids,
+    over two stages."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     prompt = ids(37, 6)  # full chunks at 0 and 16, then 5 rows eagerly
     got = []
@@ -259,7 +283,8 @@ def test_cuda_moe_prefill_graphs_give_the_eager_logits_and_ids(model, tmp_path,
         g = GpuSession.load(cuda_plan(model, (0, 1, 2), 2, prefill_chunk=16, logits_rows=4),
                             options=RunnerOptions(prefill_graph=on))
         try:
-            assert [set(st._prefill_graphs) for st in g.pipe.stages] == [{16} if on else set()] * 2
+            assert ([set(st._prefill_graphs) for st in g.pipe.stages]
+                    == [{8, 16} if on else set()] * 2)
             logits = g.logits(prompt).clone()
             out: list[int] = []
             g.generate(prompt, SamplingParams(temperature=0.0, repeat_penalty=1.0,

@@ -646,17 +646,18 @@ def test_cuda_greedy_ids_match_cpu_and_split(tiny, calibration_home) -> None:
 @pytest.mark.gpu
 @gpu
 def test_cuda_prefill_graphs_give_the_eager_logits_and_ids(tiny, calibration_home) -> None:
-    """CARVE_PREFILL_GRAPH (on by default): full chunks replay a graph captured at the load's warm-up,
-    at any position (the chunk reads its positions on the device), with the eager chunks'
-    logits and greedy ids; shorter chunks stay eager; nothing is allocated per chunk."""
-    kw = {"prefill_chunk": 8, "cache_reserve": NO_CACHE, "logits_rows": 4}
-    prompt = ids(21, 3)  # two full chunks (at 0 and 8), then 5 rows eagerly
+    """CARVE_PREFILL_GRAPH (on by default): chunks replay the graphs of their padded length
+    (8, 16 or 32 rows) captured at the load's warm-up, at any position (the chunk reads its
+    positions on the device), with the eager chunks' logits and greedy ids; nothing is
+    allocated per chunk."""
+    kw = {"ctx": 128, "prefill_chunk": 32, "cache_reserve": NO_CACHE, "logits_rows": 4}
+    prompt = ids(53, 3)  # a full chunk at 0, then 21 rows padded to 32
     got = []
     for on in (False, True):
         g = GpuSession.load(cuda_plan(tiny, 1, **kw), options=RunnerOptions(prefill_graph=on))
         try:
             st = g.pipe.stages[0]
-            assert set(st._prefill_graphs) == ({8} if on else set())  # at the warm-up
+            assert set(st._prefill_graphs) == ({8, 16, 32} if on else set())  # at the warm-up
             logits = g.logits(prompt).clone()
             before = torch.cuda.memory_reserved(0)
             out: list[int] = []

@@ -300,20 +300,33 @@ def _cache(kv_type: str, cells: int, kvh: int, d: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
-def test_kv_store_matches_reference(kv_type, seed):
+@pytest.mark.parametrize(("positions", "kept"), [
+    ([3, 4, 9, 10, 13], [2, 3, 4]),  # a ring of 8 keeps the last 8 positions' rows (9-13)
+    ([5, 6, 7, 7, 7], [0, 1, 2]),  # padded to a graph's length: the repeats are not stored
+    ([1, 2, 3, 4, 5, 5], [1, 2, 3, 4]),  # both: a ring of 4 (below) keeps 2-5
+    ([6], [0])])  # a decode row
+def test_kv_store_matches_reference(kv_type, positions, kept, seed):
     g = generator(seed)
-    cells, kvh, d = 8, 2, 64
-    src = torch.randn(5, kvh, d, generator=g, device=DEVICE)
-    pos = torch.tensor([3, 4, 9, 10, 13], dtype=torch.int32, device=DEVICE)
-    src2 = torch.randn(5, kvh, d, generator=g, device=DEVICE)
+    cells, kvh, d, t = (4 if positions[0] == 1 else 8), 2, 64, len(positions)
+    src = torch.randn(t, kvh, d, generator=g, device=DEVICE)
+    pos = torch.tensor(positions, dtype=torch.int32, device=DEVICE)
+    src2 = torch.randn(t, kvh, d, generator=g, device=DEVICE)
     a, b = _cache(kv_type, cells, kvh, d), _cache(kv_type, cells, kvh, d)
     a2, b2 = _cache(kv_type, cells, kvh, d), _cache(kv_type, cells, kvh, d)
+    empty = kv_cache.kv_load_ref(a, cells, kvh, d)
     kv_cache.kv_store(src, a, pos, cells, src2, a2)  # keys and values in one launch
     kv_cache.kv_store_ref(src, b, pos, cells, src2, b2)
-    for x, y in ((a, b), (a2, b2)):
-        got = kv_cache.kv_load_ref(x, cells, kvh, d)[pos.long() % cells]
-        want = kv_cache.kv_load_ref(y, cells, kvh, d)[pos.long() % cells]
-        assert torch.equal(got, want)
+    cell = pos.long() % cells
+    written = cell[kept]
+    others = torch.ones(cells, dtype=torch.bool, device=DEVICE)
+    others[written] = False
+    for x, y, s in ((a, b, src), (a2, b2, src2)):
+        got, want = kv_cache.kv_load_ref(x, cells, kvh, d), kv_cache.kv_load_ref(y, cells, kvh, d)
+        assert torch.equal(got[written], want[written])
+        # the kept rows are where they belong, and nothing else was written
+        assert nerr(got[written], s[kept]) < (1e-2 if kv_type == "q8_0" else 1e-3)
+        assert torch.equal(got[others].isnan(), empty[others].isnan())
+        assert torch.equal(got[others].nan_to_num(), empty[others].nan_to_num())
 
 
 @pytest.mark.parametrize("kv_type,neox,qk_norm", [("f16", True, False), ("f16", False, False),
@@ -336,7 +349,8 @@ def test_rope_store_matches_rope_then_kv_store(kv_type, neox, qk_norm, seed):
     a2, b2 = _cache(kv_type, cells, kvh, d), _cache(kv_type, cells, kvh, d)
     rope.rope_store(qk, v, pos, 10000.0, neox, 1.0, nq, a, a2, cells,
                     qk_norm=(wq, wk, 1e-6) if qk_norm else None)
-    kv_cache.kv_store_ref(qk[:, nq:], b, pos, cells, v, b2)  # keys as the kernel rotated them
+    for r in range(t):  # decode rows, one at a time; keys as the kernel rotated them
+        kv_cache.kv_store_ref(qk[r:r + 1, nq:], b, pos[r:r + 1], cells, v[r:r + 1], b2)
     assert nerr(qk, ref_qk) < 1e-2  # bf16 rounding of the rotated values
     for x, y in ((a, b), (a2, b2)):
         got = kv_cache.kv_load_ref(x, cells, kvh, d)[pos.long() % cells]

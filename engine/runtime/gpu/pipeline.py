@@ -26,6 +26,7 @@ from engine.runtime.gpu import precompile
 from engine.runtime.gpu.load import load_tensors
 from engine.runtime.gpu.matrices import dry_pass_layers
 from engine.runtime.gpu.stage import DTYPES, GpuStage, allocate
+from engine.runtime.gpu.stage_graph import graph_rows
 from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
 
@@ -234,19 +235,31 @@ class GpuPipeline:
         b.buf["hidden"][:n].copy_(a.buf["hidden"][:n], non_blocking=True)
         b.buf["positions"][:n].copy_(a.buf["positions"][:n], non_blocking=True)
 
+    def chunk_rows(self, n: int, check: Callable | None = None) -> int:
+        """The rows a prefill chunk of n runs as: with every stage on prefill graphs (and no
+        NaN hunt), n padded to the next graph's length (stage_graph.graph_rows); else n."""
+        if check is not None or not all(st.graphs_chunks() for st in self.stages):
+            return n
+        return graph_rows(n, self.stages[0].buf["positions"].shape[0])
+
     def run_chunk(self, ids: list[int], pos0: int, head: bool = True,
                   check: Callable[[int, torch.Tensor], None] | None = None) -> None:
         """One prefill chunk (len(ids) <= the priced chunk) at positions pos0.. through every
-        stage; the last stage heads the last rows unless ``head`` is False."""
+        stage; the last stage heads the last rows unless ``head`` is False. Padded to
+        ``chunk_rows``: the padding rows repeat the last token at the last position, which the
+        KV store recognizes and skips (carve_kernels/kv_cache.py), so nothing of them stays."""
         first = self.stages[0]
         n = len(ids)
-        first.buf["tokens"][:n].copy_(torch.tensor(ids, dtype=torch.int64))
-        first.buf["positions"][:n].copy_(torch.arange(pos0, pos0 + n, dtype=torch.int64))
+        rows = self.chunk_rows(n, check)
+        first.buf["tokens"][:rows].copy_(torch.tensor(ids + ids[-1:] * (rows - n),
+                                                      dtype=torch.int64))
+        first.buf["positions"][:rows].copy_(
+            torch.arange(pos0, pos0 + rows, dtype=torch.int64).clamp_(max=pos0 + n - 1))
         for i, st in enumerate(self.stages):
             if i:
-                self._send(i, n)
+                self._send(i, rows)
             with on(st.device):
-                st.forward_chunk(n, pos0, head=head, check=check)
+                st.forward_chunk(rows, pos0, head=head, check=check, real=n)
 
     def prefill(self, ids: list[int], pos0: int = 0) -> int:
         """Run ids at positions pos0.. in chunks; returns the greedy next id."""

@@ -208,8 +208,9 @@ class GpuSession(ChunkedSession):
 
     def _warm_up_steps(self) -> list[Callable[[], None]]:
         """A whole chunk, then odd lengths from about the chunk down to a few rows (each new
-        GEMM height may load another cuBLAS kernel; the last ones take the GEMV path), once at
-        a later position, and the sampler."""
+        GEMM height may load another cuBLAS kernel; the last ones take the GEMV path; with the
+        prefill graphs each is padded to a graph's length, whose graph it captures), once at a
+        later position, and the sampler."""
         chunk, ctx = self.plan.prefill_chunk, self.plan.ctx
         n = min(chunk, ctx)
         pipe = self.pipe

@@ -98,8 +98,8 @@ class AttentionLayers:
         attention.attn_prefill(a.q3, a.k3, a.v3, att.k_cache, att.v_cache, a.pos, att.cells,
                                att.window, self.hp.attn_scale, out=a.o3, use_pdl=self.pdl,
                                sinks=att.sinks)
-        # a ring keeps only the chunk's last `cells` rows: store only those, so that no two
-        # programs write one cell
-        s0 = max(0, a.n - att.cells)
-        kv_cache.kv_store(a.k3[s0:], att.k_cache, a.pos[s0:], att.cells, a.v3[s0:], att.v_cache,
+        # a ring keeps only the chunk's last `cells` positions, and a padded chunk none of its
+        # padding: the store skips the other rows on the device (so no two programs write one
+        # cell, and the launch does not depend on how many rows are the prompt's)
+        kv_cache.kv_store(a.k3, att.k_cache, a.pos, att.cells, a.v3, att.v_cache,
                           use_pdl=self.pdl)

@@ -11,7 +11,17 @@ from collections.abc import Callable
 import torch
 
 from carve_kernels import sample
-from engine.runtime.gpu.matrices import Experts, Ffn
+from engine.runtime.gpu.matrices import GEMV_ROWS, Experts, Ffn
+
+
+def graph_rows(n: int, full: int) -> int:
+    """The rows a prefill chunk of n runs as through the prefill graphs: the next power of two
+    from GEMV_ROWS (chunks up to it take the GEMV path), at most the plan's full chunk. A
+    chunk of any length then replays one of a few graphs, all captured at the load's
+    warm-up."""
+    if n >= full:
+        return full
+    return min(full, max(GEMV_ROWS, 1 << (n - 1).bit_length()))
 
 
 class DecodeGraph:
@@ -86,21 +96,32 @@ class DecodeGraph:
                 run = g.replay
             self.pieces.append(run)
 
+    def graphs_chunks(self) -> bool:
+        """Whether this stage runs prefill chunks through CUDA graphs (``RunnerOptions.
+        prefill_graph``, the default, on a GPU, with no host layers: their experts wait on
+        the host); the pipeline then pads each chunk to ``graph_rows``."""
+        return self.prefill_graph and self.on_cuda and not self._hosts()
+
     def forward_chunk(self, n: int, pos0: int, head: bool = True,
-                      check: Callable[[int, torch.Tensor], None] | None = None) -> None:
-        """A prefill chunk: ``forward(n, pos0, head, check)``. With the prefill graphs on
-        (``RunnerOptions.prefill_graph``, the default), a chunk of the plan's full length on a GPU
-        runs its layers through a CUDA graph, the head (the last chunk's) after it: the first
-        such chunk (the load's warm-up) runs eagerly, which compiles its kernels and is its
-        result, and is then captured (capturing runs nothing); later ones replay the capture.
-        Every launch of a chunk reads its tokens and positions on the device (prefill
-        attention its first position too), so one capture serves a chunk at any position.
-        Shorter chunks, the NaN hunt (``check``), precompile's dry pass and stages with host
-        layers (their experts wait on the host) run eagerly."""
-        if (not self.prefill_graph or not self.on_cuda or check is not None
-                or n != self.buf["positions"].shape[0] or self.dry_runs is not None
-                or self._hosts()):
-            self.forward(n, pos0, head=head, check=check)
+                      check: Callable[[int, torch.Tensor], None] | None = None,
+                      real: int | None = None) -> None:
+        """A prefill chunk of n rows, the first ``real`` of them the prompt's (all of them
+        unless given; the rest padding that repeats the last row's token at its position:
+        the KV store keeps none of it): ``forward(n, pos0, check=check)``, then the head of
+        the last real rows. With the prefill graphs on (``graphs_chunks``) a chunk of
+        ``graph_rows`` rows runs its layers through a CUDA graph of its length, the head
+        after it: the first such chunk (the load's warm-up runs each length) runs eagerly,
+        which compiles its kernels and is its result, and is then captured (capturing runs
+        nothing); later ones replay the capture. Every launch of a chunk reads its tokens and
+        positions on the device (prefill attention its first position too), so one capture
+        serves a chunk at any position. The NaN hunt (``check``), precompile's dry pass and
+        stages with host layers run eagerly."""
+        real = n if real is None else real
+        if (not self.graphs_chunks() or check is not None or self.dry_runs is not None
+                or n != graph_rows(n, self.buf["positions"].shape[0])):
+            self.forward(n, pos0, head=head and real == n, check=check)
+            if self.last and head and real != n:
+                self.head_last(real)
             return
         g = self._prefill_graphs.get(n)
         if g is not None:
@@ -116,7 +137,7 @@ class DecodeGraph:
                 self.forward(n, pos0, head=False)
             self._prefill_graphs[n] = g
         if self.last and head:
-            self.head_last(n)
+            self.head_last(real)
 
     def _decode_pieces(self) -> list[tuple[bool, Callable[[], None]]]:
         """decode_step as pieces run in order, each (graphable, run): the stretch up to each
