@@ -280,6 +280,18 @@ class GpuPipeline:
         # the eager warm-up advanced positions and wrote one KV row: callers prefill or
         # set_position next
 
+    def first_replays(self) -> None:
+        """Replay once every CUDA graph the load captured and has not replayed (each stage's
+        prefill graphs, then a decode step): a graph's first launch uploads it to the GPU,
+        several ms that the first reply would otherwise pay. Their results are the warm-up's,
+        thrown away as it is (callers prefill or set_position next)."""
+        if not all(st.on_cuda for st in self.stages):
+            return
+        for st in self.stages:
+            with on(st.device):
+                st.replay_prefill_graphs()
+        self.step()
+
     def clear_buffers(self) -> None:
         """Zero every stage's working buffers (GpuStage.clear_buffers)."""
         for st in self.stages:

@@ -200,6 +200,7 @@ class GpuSession(ChunkedSession):
         if on_progress is not None:
             on_progress(WARM_UP, total - 1, total, 0.0)
         self.pipe.capture()  # on the CPU no graphs: replay runs eagerly
+        self.pipe.first_replays()
         self.pipe.sync()
         timeline.mark("graphs captured")
         self.reset()

@@ -139,6 +139,12 @@ class DecodeGraph:
         if self.last and head:
             self.head_last(real)
 
+    def replay_prefill_graphs(self) -> None:
+        """Replay each prefill graph once on what its buffers hold (the load's last replays:
+        a graph's first launch uploads it)."""
+        for g in self._prefill_graphs.values():
+            g.replay()
+
     def _decode_pieces(self) -> list[tuple[bool, Callable[[], None]]]:
         """decode_step as pieces run in order, each (graphable, run): the stretch up to each
         host layer's routing, that layer's experts (eager: they wait on the host), and the
