@@ -5,12 +5,14 @@ CUDA graph pools, Triton modules) at start and calls `remember`; pricing reads t
 the same (GPU name, driver, torch version). Records live in `calibration.json` in Carve's
 config folder (`config_dir`, which the window's presets share).
 
-Default without a record: what a launch took on an H200 (torch 2.11, driver 580, 2026-12-01),
-the same 782 MiB for the Qwen2 0.5B and 7B and the Qwen3-30B-A3B shapes, split by the load
-timeline's NVML marks (`carve bench --engine`): the CUDA context as the fit check creates it
-524 MiB, kernel modules loaded on first use while the weights load and the stage is built
-(torch's and Triton's) 162 MiB, the warm-up's cuBLAS handle, workspace and GEMM kernels 94 MiB,
-the decode graphs 2 MiB.
+Default without a record: what a launch took on an H200 (torch 2.11, driver 580), split by the
+load timeline's NVML marks (`carve bench --engine`): the CUDA context as the fit check creates
+it 524 MiB, kernel modules loaded on first use while the weights load and the stage is built
+(torch's and Triton's) 162 MiB, the warm-up's cuBLAS handle, workspace and GEMM kernels 94 MiB
+(those three the same for the Qwen2 0.5B and 7B and the Qwen3-30B-A3B shapes on 2026-12-01),
+and the CUDA graphs: decode's 2 MiB then; with the prefill graphs (2026-12-04: one per chunk
+length, and their capture stream) the whole overhead measured 820, 824 and 830 MiB on those
+three shapes, so the graphs' part is taken as the largest, 50 MiB.
 The CPU device has no such overhead: 0.
 """
 
@@ -28,7 +30,7 @@ from engine.hardware.devices import DeviceSpec, driver_version
 
 MIB = 1 << 20
 DEFAULT_PARTS = {"cuda_context": 524 * MIB, "kernel_modules": 162 * MIB, "cublas": 94 * MIB,
-                 "cuda_graphs": 2 * MIB}
+                 "cuda_graphs": 50 * MIB}
 DEFAULT_OVERHEAD = sum(DEFAULT_PARTS.values())
 DEFAULT_SOURCE = (f"default ({DEFAULT_OVERHEAD // MIB} MiB measured on an H200: " + " + ".join(
     f"{k.replace('_', ' ')} {v // MIB}" for k, v in DEFAULT_PARTS.items()) + ")")
