@@ -125,7 +125,8 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int]):
                "K": "i32", "row_bytes": "i32", "stride_ym": "i32"}
         const = {"KU": 8, "HAS_BIAS": ggml_type == qt.MXFP4, "COMBINE": True, "ACCUM": False,
                  "TYPE": ggml_type, "QK": md.Q8_BLOCK[ggml_type]}
-    const.update({"BLOCK_R": rows, "BLOCK_B": blocks, "ASM": True, "PDL": True})
+    const.update({"BLOCK_R": rows, "BLOCK_B": blocks, "ASM": True, "PDL": True,
+                  **(md._lut(ggml_type) or dict.fromkeys(("L0", "L1", "L2", "L3"), 0))})
     sig.update({k: "constexpr" for k in const})
     n_ptr = sum(v.startswith("*") for v in sig.values())
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(n_ptr)}  # the pointers

@@ -28,9 +28,16 @@ shifts (byte loads, 5 a word, were the alternative); qs word t's low nibbles are
 4t..4t+3 (x's word 8b + t), its high ones 16 + 4t.. (word 8b + 4 + t); the nibbles become the
 signed bytes of the doubled e2m1 values by byte permutes, and the block's E8M0 scale
 2^(e - 128) undoes the doubling.
+
+IQ4_NL (18-byte blocks of 32: f16 d, 16 bytes of qs, as Q4_0 but each nibble an index into
+the format's 16 signed values): a thread per block as Q5_0's, the nibbles turned into those
+values by the same byte permutes as MXFP4's, from the table's 4 words (``lut_words``, read
+from the gguf package: kernel constants, not memory).
 """
 
 from __future__ import annotations
+
+import functools
 
 import triton
 import triton.language as tl
@@ -361,6 +368,114 @@ def _mxfp4_s8(q, ASM: tl.constexpr):
 
 
 @triton.jit
+def _lut16_s8(q, L0: tl.constexpr, L1: tl.constexpr, L2: tl.constexpr, L3: tl.constexpr,
+              ASM: tl.constexpr):
+    # the 8 nibbles of q (bytes j..j+3 of a block's qs: values j..j+3 low, j+16..j+19 high) as
+    # two words of 4 signed bytes, entry n of the 16-byte table in words L0..L3 (little
+    # endian) for nibble n: (values j..j+3, values j+16..j+19). ASM: byte permutes as
+    # _mxfp4_s8's, the table in registers
+    if ASM:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 s, g, p, n, r0, r1;
+            and.b32 s, $2, 0x7777;
+            and.b32 g, $2, 0x8888;
+            shr.b32 g, g, 1;
+            or.b32 g, g, 0x3210;
+            prmt.b32 p, $3, $4, s;
+            prmt.b32 n, $5, $6, s;
+            prmt.b32 r0, p, n, g;
+            shr.b32 s, $2, 16;
+            and.b32 g, s, 0x8888;
+            and.b32 s, s, 0x7777;
+            shr.b32 g, g, 1;
+            or.b32 g, g, 0x3210;
+            prmt.b32 p, $3, $4, s;
+            prmt.b32 n, $5, $6, s;
+            prmt.b32 r1, p, n, g;
+            prmt.b32 $0, r0, r1, 0x6420;
+            prmt.b32 $1, r0, r1, 0x7531;
+            }""",
+            "=r,=r,r,r,r,r,r",
+            [q, tl.full(q.shape, L0, tl.int32), tl.full(q.shape, L1, tl.int32),
+             tl.full(q.shape, L2, tl.int32), tl.full(q.shape, L3, tl.int32)],
+            dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        lo = q * 0
+        hi = q * 0
+        for k in tl.static_range(8):
+            n = (q >> (4 * k)) & 15
+            w = tl.where(n < 4, L0, tl.where(n < 8, L1, tl.where(n < 12, L2, L3)))
+            v = (w >> (8 * (n & 3))) & 0xFF
+            if k % 2 == 0:
+                lo |= v << (8 * (k // 2))
+            else:
+                hi |= v << (8 * (k // 2))
+        return lo, hi
+
+
+@functools.cache
+def lut_words(ggml_type: int) -> tuple[int, int, int, int]:
+    """The 4 signed int32 words (little endian) of a type's 16-entry value table, as
+    ``_lut16_s8`` takes them: IQ4_NL's from the gguf package; zeros for the other types."""
+    if ggml_type != 20:
+        return (0, 0, 0, 0)
+    import numpy as np
+    from gguf.quants import IQ4_NL  # numpy-heavy: imported only for the type that needs it
+
+    words = np.asarray(IQ4_NL.kvalues, dtype=np.int8).view("<i4")
+    return tuple(int(w) for w in words)
+
+
+@triton.jit
+def iq4nl_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
+                      L0: tl.constexpr, L1: tl.constexpr, L2: tl.constexpr, L3: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_R] float32 dot products of IQ4_NL rows ``rows_c`` (clamped in range) with x's
+    int8 copy (``xq_ptr`` int8 values, 4-byte aligned; ``xd_ptr`` scales per 32). A block (18
+    bytes: f16 d, 16 bytes of qs) is one x group and one thread's, as Q5_0's: its d a 16-bit
+    load (``wh_ptr``), its qs cut out of the aligned int32 words around them by funnel shifts
+    (aligned when the block is 2 past a word; the fifth word, read only when it starts on a
+    word, reaches 2 bytes past the block, never past a 4-byte boundary); the nibbles become
+    the table's values (L0..L3, ``lut_words``) by byte permutes:
+
+        sum W x = d d_x (dp4a of the values and q_x)"""
+    wi = w_ptr.to(tl.pointer_type(tl.int32))
+    xq = xq_ptr.to(tl.pointer_type(tl.int32))
+    row_b = rows_c.to(tl.int64) * row_bytes
+    acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
+    for b0 in range(0, nblk, BLOCK_B):
+        blk, bm, base = _block_step(row_b, b0, nblk, 18, BLOCK_B)
+        d = tl.load(wh_ptr + (base >> 1)).to(tl.float32)
+        wp = wi + ((base + 2) >> 2)
+        sh = (((base + 2) & 3) * 8).to(tl.int32)  # 0 or 16
+        w0 = tl.load(wp)
+        w1 = tl.load(wp + 1)
+        w2 = tl.load(wp + 2)
+        w3 = tl.load(wp + 3)
+        w4 = tl.load(wp + 4, mask=sh != 0, other=0)
+        i = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.int32)
+        i = _lut16_word(_funnel(w0, w1, sh, ASM), xq, blk, bm, i, 0, L0, L1, L2, L3, ASM)
+        i = _lut16_word(_funnel(w1, w2, sh, ASM), xq, blk, bm, i, 1, L0, L1, L2, L3, ASM)
+        i = _lut16_word(_funnel(w2, w3, sh, ASM), xq, blk, bm, i, 2, L0, L1, L2, L3, ASM)
+        i = _lut16_word(_funnel(w3, w4, sh, ASM), xq, blk, bm, i, 3, L0, L1, L2, L3, ASM)
+        dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
+        acc += d * dx[None, :] * i.to(tl.float32)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _lut16_word(q, xq, blk, bm, i, J: tl.constexpr, L0: tl.constexpr, L1: tl.constexpr,
+                L2: tl.constexpr, L3: tl.constexpr, ASM: tl.constexpr):
+    # _mxfp4_word for a table's values: qs word J against x's words 8b + J and 8b + 4 + J
+    lo, hi = _lut16_s8(q, L0, L1, L2, L3, ASM)
+    xl = tl.load(xq + blk * 8 + J, mask=bm, other=0)[None, :]
+    xh = tl.load(xq + blk * 8 + 4 + J, mask=bm, other=0)[None, :]
+    i = _dp4a(lo, tl.broadcast_to(xl, lo.shape), i, ASM, True)
+    return _dp4a(hi, tl.broadcast_to(xh, hi.shape), i, ASM, True)
+
+
+@triton.jit
 def _mxfp4_word(q, xq, blk, bm, i, J: tl.constexpr, ASM: tl.constexpr):
     # qs word J of the blocks (values 4J..4J+3 low nibbles, 16+4J.. high) against x's words
     # 8b + J and 8b + 4 + J (broadcast to the rows)
@@ -409,16 +524,21 @@ def mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R: t
 
 # the types with a body here, and the values of a block each
 Q8_TYPES = (12, 14, 39, 11, 6)  # Q4_K, Q6_K, MXFP4, Q3_K, Q5_0
-Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256, 6: 32}
+# bodies written and checked here, not yet measured on a GPU: decode's experts take them only
+# on trial (CARVE_TRIAL=iq4nl_experts: moe_decode.Q8_ON_TRIAL)
+Q8_TRIAL_TYPES = (20,)  # IQ4_NL
+Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256, 6: 32, 20: 32}
 
 
 @triton.jit
 def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
                 TYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
-                ASM: tl.constexpr):
-    """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K, Q6_K, MXFP4, Q3_K or Q5_0
-    weight (its bytes, 16-bit words and int32 words; ``nblk`` blocks of ``Q8_BLOCK[TYPE]``
-    values a row) with x's int8 copy (values, scales, sums)."""
+                ASM: tl.constexpr, L0: tl.constexpr = 0, L1: tl.constexpr = 0,
+                L2: tl.constexpr = 0, L3: tl.constexpr = 0):
+    """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K, Q6_K, MXFP4, Q3_K, Q5_0 or
+    IQ4_NL weight (its bytes, 16-bit words and int32 words; ``nblk`` blocks of
+    ``Q8_BLOCK[TYPE]`` values a row) with x's int8 copy (values, scales, sums); L0..L3:
+    IQ4_NL's table (``lut_words``)."""
     if TYPE == 12:
         y, _ = q4k_q8_rows_dot(wi_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
                                BLOCK_R, BLOCK_B, False, ASM)
@@ -428,6 +548,9 @@ def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row
     elif TYPE == 6:
         y = q50_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
                             BLOCK_B, ASM)
+    elif TYPE == 20:
+        y = iq4nl_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, L0, L1,
+                              L2, L3, BLOCK_R, BLOCK_B, ASM)
     elif TYPE == 39:
         y = mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B,
                               ASM)

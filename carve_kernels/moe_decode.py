@@ -12,7 +12,7 @@ import triton.language as tl
 
 from carve_kernels import pdl, q8x
 from carve_kernels.gemv_dot import row_dot
-from carve_kernels.gemv_q8 import Q8_BLOCK, Q8_TYPES, q4k_q8_rows_dot, q8_rows_dot
+from carve_kernels.gemv_q8 import Q8_BLOCK, Q8_TYPES, lut_words, q4k_q8_rows_dot, q8_rows_dot
 from carve_kernels.moe import _ACTS, _act, _act_ref, _expert_ref, combine, expert_rows
 from carve_kernels.quant_matmul import _launch_args, gemv_config, row_cols
 from spec import quant_types as qt
@@ -115,27 +115,43 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     # 32x8x8, 32x16x8, 32x16x16: 155.7-155.9 t/s)
     (qt.Q3_K, "glu"): (32, 1, 4), (qt.Q3_K, "down"): (16, 1, 2),
     (qt.Q5_0, "glu"): (32, 16, 8), (qt.Q5_0, "down"): (16, 32, 4),
+    # on trial (iq4nl_experts): Q5_0's tiles (a thread a block too)
+    (qt.IQ4_NL, "glu"): (32, 16, 8), (qt.IQ4_NL, "down"): (16, 32, 4),
 }
 
+# the int8-x bodies on trial that decode's experts take (gemv_q8.Q8_TRIAL_TYPES; set by
+# RunnerOptions.apply for CARVE_TRIAL=iq4nl_experts)
+Q8_ON_TRIAL: frozenset[int] = frozenset()
+
+
+
+def _lut(*types: int) -> dict:
+    # IQ4_NL's value table as the kernels' constants L0..L3 (none for the other types, so
+    # their variants are as before)
+    if qt.IQ4_NL not in types:
+        return {}
+    return dict(zip(("L0", "L1", "L2", "L3"), lut_words(qt.IQ4_NL), strict=True))
 
 
 def q8_able(ggml_type: int, cols: int) -> bool:
     """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy (the
-    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4, Q3_K, Q5_0)."""
-    return ggml_type in Q8_TYPES and cols % Q8_BLOCK[ggml_type] == 0
+    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4, Q3_K, Q5_0; IQ4_NL on
+    trial)."""
+    return ((ggml_type in Q8_TYPES or ggml_type in Q8_ON_TRIAL)
+            and cols % Q8_BLOCK[ggml_type] == 0)
 
 
 def _q8_views(w: torch.Tensor, ggml_type: int, what: str):
     if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous():
         raise ValueError(f"{what} must be contiguous uint8 [rows, row_bytes]")
     # Q4_K reads int32 words (its 144-byte blocks keep rows 4-byte aligned), Q6_K and Q3_K
-    # 16-bit ones, MXFP4 and Q5_0 the aligned int32 words around their 17- and 22-byte blocks
-    # (the tensor 4-byte aligned; Q5_0's d a 16-bit load)
-    if ggml_type in (qt.MXFP4, qt.Q5_0):
+    # 16-bit ones, MXFP4, Q5_0 and IQ4_NL the aligned int32 words around their 17-, 22- and
+    # 18-byte blocks (the tensor 4-byte aligned; Q5_0's and IQ4_NL's d a 16-bit load)
+    if ggml_type in (qt.MXFP4, qt.Q5_0, qt.IQ4_NL):
         if w.data_ptr() % 4:
             raise ValueError(f"{what}: {qt.type_name(ggml_type)} experts must start 4-byte "
                              "aligned for the int8-x body")
-        return w, (w.view(torch.float16) if ggml_type == qt.Q5_0 else w), w
+        return w, (w if ggml_type == qt.MXFP4 else w.view(torch.float16)), w
     wi = w.view(torch.int32) if ggml_type == qt.Q4_K else w
     return w, w.view(torch.float16), wi
 
@@ -146,7 +162,8 @@ def _expert_glu_q8_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, 
                           u_rb, limit, KU: tl.constexpr, TG: tl.constexpr, TU: tl.constexpr,
                           HAS_BIAS: tl.constexpr, ACT: tl.constexpr, QOUT: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr, L0: tl.constexpr = 0, L1: tl.constexpr = 0,
+                          L2: tl.constexpr = 0, L3: tl.constexpr = 0):
     pdl.start(PDL)
     pid = tl.program_id(0)
     slot = tl.program_id(1)  # one row of x: slot j is its j-th expert
@@ -159,9 +176,9 @@ def _expert_glu_q8_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, 
                                BLOCK_R, BLOCK_B, True, ASM)
     else:
         g = q8_rows_dot(g_ptr, gh_ptr, gi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, NB, g_rb, TG,
-                        BLOCK_R, BLOCK_B, ASM)
+                        BLOCK_R, BLOCK_B, ASM, L0, L1, L2, L3)
         u = q8_rows_dot(u_ptr, uh_ptr, ui_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, NB, u_rb, TU,
-                        BLOCK_R, BLOCK_B, ASM)
+                        BLOCK_R, BLOCK_B, ASM, L0, L1, L2, L3)
     if HAS_BIAS:
         g += tl.load(gb_ptr + rows_c).to(tl.float32)
         u += tl.load(ub_ptr + rows_c).to(tl.float32)
@@ -202,7 +219,7 @@ def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type:
         os_, n, k // Q8_BLOCK[gate_type], gate.shape[1], up.shape[1], float(limit), KU=ku,
         TG=gate_type, TU=up_type, HAS_BIAS=bias, ACT=_ACTS[act], QOUT=out_q is not None,
         BLOCK_R=br, BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[gate_type])),
-        ASM=gate.is_cuda, num_warps=warps, **pdl.opts(out, use_pdl))
+        ASM=gate.is_cuda, num_warps=warps, **_lut(gate_type, up_type), **pdl.opts(out, use_pdl))
     return out
 
 
@@ -301,7 +318,8 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
                            KU: tl.constexpr, HAS_BIAS: tl.constexpr, COMBINE: tl.constexpr,
                            ACCUM: tl.constexpr, TYPE: tl.constexpr, QK: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PDL: tl.constexpr, L0: tl.constexpr = 0, L1: tl.constexpr = 0,
+                           L2: tl.constexpr = 0, L3: tl.constexpr = 0):
     # one expert per program: its rows (+ bias), unweighted, into y's routed row; COMBINE: the
     # row tile's last expert program to finish adds the k rows in order with their weights
     # onto out (the same sum as ``combine``, whatever order the programs ran in)
@@ -313,7 +331,7 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
     rows_c = tl.load(ids_ptr + slot) * N + tl.minimum(rows, N - 1)
     g = slot * (K // 32)
     y = q8_rows_dot(w_ptr, wh_ptr, wi_ptr, hq_ptr + slot * (K // 4), hd_ptr + g, hs_ptr + g,
-                    rows_c, K // QK, row_bytes, TYPE, BLOCK_R, BLOCK_B, ASM)
+                    rows_c, K // QK, row_bytes, TYPE, BLOCK_R, BLOCK_B, ASM, L0, L1, L2, L3)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows_c).to(tl.float32)
     tl.store(y_ptr + slot.to(tl.int64) * stride_ym + rows, y, mask=rmask)
@@ -360,7 +378,7 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
         rows_out.stride(0), KU=ku, HAS_BIAS=bias is not None, COMBINE=fused, ACCUM=accumulate,
         TYPE=ggml_type, QK=Q8_BLOCK[ggml_type], BLOCK_R=br,
         BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[ggml_type])), ASM=down.is_cuda,
-        num_warps=warps, **pdl.opts(rows_out, use_pdl))
+        num_warps=warps, **_lut(ggml_type), **pdl.opts(rows_out, use_pdl))
     if not fused:
         combine(rows_out, None, weights, out, accumulate)
     return out

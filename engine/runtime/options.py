@@ -18,6 +18,8 @@ TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (carve_kernels/gemv_lowbit.py)",
     "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x "
                  "(carve_kernels/gemv_dot.py)",
+    "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8.py "
+                     "iq4nl_q8_rows_dot): GLM-4.5-Air Q3_K_M's down experts on 1408-value rows",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}
@@ -56,7 +58,7 @@ class RunnerOptions:
     ``CARVE_EXPERT_TILES``: empty (default) or ``TYPE/PART=ROWS,BLOCKS,WARPS`` entries
         separated by ``;`` (``Q4_K/glu=32,4,8;Q6_K/down=16,1,2``): decode's int8-x expert
         GEMV tiles (carve_kernels/moe_decode.py ``EXPERT_Q8_CONFIG``) for a type (Q4_K, Q6_K,
-        MXFP4, Q3_K, Q5_0) and part (glu: gate/up, down), so
+        MXFP4, Q3_K, Q5_0; IQ4_NL with the iq4nl_experts trial) and part (glu: gate/up, down), so
         that a tile a kernel sweep found (``benchmarks.device_check --moe``) is measured in
         the step before it is adopted.
     """
@@ -98,6 +100,10 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
+        if "iq4nl_experts" in self.trials:
+            from carve_kernels import gemv_q8, moe_decode
+
+            moe_decode.Q8_ON_TRIAL = frozenset(gemv_q8.Q8_TRIAL_TYPES)
         if self.expert_tiles:
             from carve_kernels import moe_decode
 
@@ -120,7 +126,7 @@ def _trials(environ: Mapping[str, str]) -> frozenset[str]:
 
 # the types and parts decode's int8-x expert GEMVs have tiles for (carve_kernels/gemv_q8.py)
 TILE_TYPES = {"Q4_K": qt.Q4_K, "Q6_K": qt.Q6_K, "MXFP4": qt.MXFP4, "Q3_K": qt.Q3_K,
-              "Q5_0": qt.Q5_0}
+              "Q5_0": qt.Q5_0, "IQ4_NL": qt.IQ4_NL}  # the last with the iq4nl_experts trial
 TILE_PARTS = ("glu", "down")
 
 
