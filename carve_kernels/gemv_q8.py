@@ -42,7 +42,7 @@ import functools
 import triton
 import triton.language as tl
 
-from carve_kernels.gemv_dot import _k4_scale
+from carve_kernels.gemv_dot import _k4_scale, q80_rows_dot
 from carve_kernels.gemv_t_dot import _dp4a, _funnel, _q6_s8
 from carve_kernels.quant_blocks import _e8m0_half, _mxfp4_int
 
@@ -523,11 +523,11 @@ def mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R: t
 
 
 # the types with a body here, and the values of a block each
-Q8_TYPES = (12, 14, 39, 11, 6)  # Q4_K, Q6_K, MXFP4, Q3_K, Q5_0
-# bodies written and checked here, not yet measured on a GPU: decode's experts take them only
-# on trial (CARVE_TRIAL=iq4nl_experts: moe_decode.Q8_ON_TRIAL)
-Q8_TRIAL_TYPES = (20,)  # IQ4_NL
-Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256, 6: 32, 20: 32}
+Q8_TYPES = (12, 14, 39, 6)  # Q4_K, Q6_K, MXFP4, Q5_0
+# bodies written and checked here, not yet measured in a decode step: decode's experts take
+# them only on trial (CARVE_TRIAL names them: moe_decode.Q8_ON_TRIAL), by trial name
+Q8_TRIAL_TYPES = {"q3k_experts": (11,), "iq4nl_experts": (20,), "q80_experts": (8,)}
+Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256, 6: 32, 20: 32, 8: 32}
 
 
 @triton.jit
@@ -535,10 +535,10 @@ def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row
                 TYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
                 ASM: tl.constexpr, L0: tl.constexpr = 0, L1: tl.constexpr = 0,
                 L2: tl.constexpr = 0, L3: tl.constexpr = 0):
-    """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K, Q6_K, MXFP4, Q3_K, Q5_0 or
-    IQ4_NL weight (its bytes, 16-bit words and int32 words; ``nblk`` blocks of
-    ``Q8_BLOCK[TYPE]`` values a row) with x's int8 copy (values, scales, sums); L0..L3:
-    IQ4_NL's table (``lut_words``)."""
+    """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K, Q6_K, MXFP4, Q3_K, Q5_0,
+    IQ4_NL or Q8_0 (carve_kernels/gemv_dot.py ``q80_rows_dot``) weight (its bytes, 16-bit
+    words and int32 words; ``nblk`` blocks of ``Q8_BLOCK[TYPE]`` values a row) with x's int8
+    copy (values, scales, sums); L0..L3: IQ4_NL's table (``lut_words``)."""
     if TYPE == 12:
         y, _ = q4k_q8_rows_dot(wi_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
                                BLOCK_R, BLOCK_B, False, ASM)
@@ -548,6 +548,10 @@ def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row
     elif TYPE == 6:
         y = q50_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
                             BLOCK_B, ASM)
+    elif TYPE == 8:
+        # x's int8 values as bytes (q80_rows_dot tells int8 x from float x by the pointer)
+        y = q80_rows_dot(w_ptr, xq_ptr.to(tl.pointer_type(tl.int8)), xd_ptr, rows_c, nblk,
+                         row_bytes, BLOCK_R, BLOCK_B, ASM)
     elif TYPE == 20:
         y = iq4nl_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, L0, L1,
                               L2, L3, BLOCK_R, BLOCK_B, ASM)

@@ -109,18 +109,21 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     # MXFP4 (a thread per 17-byte block): the sweep's best at gpt-oss-20b's shape, gate/up
     # 27.5 us, down 17.6 (device_check --moe, H200, 2026-12-03)
     (qt.MXFP4, "glu"): (32, 16, 8), (qt.MXFP4, "down"): (16, 32, 4),
-    # Q3_K (quarter_q8_rows_dot, Q6_K's body) at Q6_K's tiles, Q5_0 (q50_q8_rows_dot, a
-    # thread a block as MXFP4's) at MXFP4's: GLM-4.5-Air Q3_K_M tg64 155.8 against 148.7 t/s
-    # on bf16 x (H200, 2026-12-04); its gate/up tile made no difference in the step (32x1x4,
-    # 32x8x8, 32x16x8, 32x16x16: 155.7-155.9 t/s)
-    (qt.Q3_K, "glu"): (32, 1, 4), (qt.Q3_K, "down"): (16, 1, 2),
+    # Q5_0 (q50_q8_rows_dot, a thread a block as MXFP4's) at MXFP4's: GLM-4.5-Air Q4_K_M
+    # (24 of its 45 routed downs Q5_0, the fallback for Q4_K on 1408-value rows) tg64 155.8
+    # against 148.7 t/s on bf16 x (H200, 2026-12-04, same greedy ids)
     (qt.Q5_0, "glu"): (32, 16, 8), (qt.Q5_0, "down"): (16, 32, 4),
-    # on trial (iq4nl_experts): Q5_0's tiles (a thread a block too)
+    # on trial (q3k_experts): device_check --moe --types Q3_K's best at GLM-4.5-Air's shape
+    # (2026-12-04): gate/up 47.6 us (bf16 x 50.3; 79.5 at 32x1x4), down 4096 x 1536 32.7 us
+    # with the in-kernel sum (bf16 x, split 40.6; 41.9 at 16x1x2)
+    (qt.Q3_K, "glu"): (32, 8, 8), (qt.Q3_K, "down"): (128, 4, 8),
+    # on trial (iq4nl_experts, q80_experts): Q5_0's tiles (a thread a block too)
     (qt.IQ4_NL, "glu"): (32, 16, 8), (qt.IQ4_NL, "down"): (16, 32, 4),
+    (qt.Q8_0, "glu"): (32, 16, 8), (qt.Q8_0, "down"): (16, 32, 4),
 }
 
 # the int8-x bodies on trial that decode's experts take (gemv_q8.Q8_TRIAL_TYPES; set by
-# RunnerOptions.apply for CARVE_TRIAL=iq4nl_experts)
+# RunnerOptions.apply for the trials CARVE_TRIAL names)
 Q8_ON_TRIAL: frozenset[int] = frozenset()
 
 
@@ -135,8 +138,8 @@ def _lut(*types: int) -> dict:
 
 def q8_able(ggml_type: int, cols: int) -> bool:
     """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy (the
-    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4, Q3_K, Q5_0; IQ4_NL on
-    trial)."""
+    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4, Q5_0; Q3_K, IQ4_NL and
+    Q8_0 on trial)."""
     return ((ggml_type in Q8_TYPES or ggml_type in Q8_ON_TRIAL)
             and cols % Q8_BLOCK[ggml_type] == 0)
 
@@ -145,9 +148,10 @@ def _q8_views(w: torch.Tensor, ggml_type: int, what: str):
     if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous():
         raise ValueError(f"{what} must be contiguous uint8 [rows, row_bytes]")
     # Q4_K reads int32 words (its 144-byte blocks keep rows 4-byte aligned), Q6_K and Q3_K
-    # 16-bit ones, MXFP4, Q5_0 and IQ4_NL the aligned int32 words around their 17-, 22- and
-    # 18-byte blocks (the tensor 4-byte aligned; Q5_0's and IQ4_NL's d a 16-bit load)
-    if ggml_type in (qt.MXFP4, qt.Q5_0, qt.IQ4_NL):
+    # 16-bit ones, MXFP4, Q5_0, IQ4_NL and Q8_0 the aligned int32 words around their 17-,
+    # 22-, 18- and 34-byte blocks (the tensor 4-byte aligned; Q5_0's and IQ4_NL's d a 16-bit
+    # load)
+    if ggml_type in (qt.MXFP4, qt.Q5_0, qt.IQ4_NL, qt.Q8_0):
         if w.data_ptr() % 4:
             raise ValueError(f"{what}: {qt.type_name(ggml_type)} experts must start 4-byte "
                              "aligned for the int8-x body")

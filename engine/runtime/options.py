@@ -18,8 +18,13 @@ TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (carve_kernels/gemv_lowbit.py)",
     "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x "
                  "(carve_kernels/gemv_dot.py)",
+    "q3k_experts": "decode's Q3_K experts on int8 x (carve_kernels/gemv_q8.py "
+                   "quarter_q8_rows_dot): the Q3_K_M files' gate/up experts",
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8.py "
-                     "iq4nl_q8_rows_dot): GLM-4.5-Air Q3_K_M's down experts on 1408-value rows",
+                     "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
+                     "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
+    "q80_experts": "decode's Q8_0 experts on int8 x (carve_kernels/gemv_dot.py q80_rows_dot): "
+                   "Q6_K's fallback on such rows (GLM-4.5-Air Q4_K_M's bumped down experts)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}
@@ -58,7 +63,7 @@ class RunnerOptions:
     ``CARVE_EXPERT_TILES``: empty (default) or ``TYPE/PART=ROWS,BLOCKS,WARPS`` entries
         separated by ``;`` (``Q4_K/glu=32,4,8;Q6_K/down=16,1,2``): decode's int8-x expert
         GEMV tiles (carve_kernels/moe_decode.py ``EXPERT_Q8_CONFIG``) for a type (Q4_K, Q6_K,
-        MXFP4, Q3_K, Q5_0; IQ4_NL with the iq4nl_experts trial) and part (glu: gate/up, down), so
+        MXFP4, Q5_0; Q3_K, IQ4_NL, Q8_0 with their trials) and part (glu: gate/up, down), so
         that a tile a kernel sweep found (``benchmarks.device_check --moe``) is measured in
         the step before it is adopted.
     """
@@ -100,10 +105,13 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
-        if "iq4nl_experts" in self.trials:
+        if self.trials:
             from carve_kernels import gemv_q8, moe_decode
 
-            moe_decode.Q8_ON_TRIAL = frozenset(gemv_q8.Q8_TRIAL_TYPES)
+            experts = {t for name, types in gemv_q8.Q8_TRIAL_TYPES.items()
+                       if name in self.trials for t in types}
+            if experts:
+                moe_decode.Q8_ON_TRIAL = frozenset(experts)
         if self.expert_tiles:
             from carve_kernels import moe_decode
 
@@ -126,7 +134,7 @@ def _trials(environ: Mapping[str, str]) -> frozenset[str]:
 
 # the types and parts decode's int8-x expert GEMVs have tiles for (carve_kernels/gemv_q8.py)
 TILE_TYPES = {"Q4_K": qt.Q4_K, "Q6_K": qt.Q6_K, "MXFP4": qt.MXFP4, "Q3_K": qt.Q3_K,
-              "Q5_0": qt.Q5_0, "IQ4_NL": qt.IQ4_NL}  # the last with the iq4nl_experts trial
+              "Q5_0": qt.Q5_0, "IQ4_NL": qt.IQ4_NL, "Q8_0": qt.Q8_0}  # Q3_K, IQ4_NL, Q8_0: trials
 TILE_PARTS = ("glu", "down")
 
 

@@ -208,28 +208,46 @@ def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, tmp_path) -> Non
             g.close()
 
 
-def test_glm_q3k_m_experts_decode_on_int8_x_as_the_cpu_engine(tmp_path) -> None:
-    """GLM-4.5-Air's Q3_K_M experts, Q3_K gate/up and Q5_0 down (the fallback for Q4_K on
-    rows that are no whole 256-value blocks, 224 here as 1408 there), multiply the int8
-    copies of the normed row and of the GLU outputs (gemv_q8's quarter_q8_rows_dot,
-    q50_q8_rows_dot) and still match the CPU engine; with CARVE_EXPERT_Q8=0 they read bf16
-    x."""
+@pytest.mark.parametrize(("mix", "trial", "types"), [
+    # GLM-4.5-Air's Q3_K_M experts: Q3_K gate/up, Q5_0 down (Q4_K's fallback on rows that are
+    # no whole 256-value blocks, 224 here as 1408 there)
+    ("q3_k_m", "q3k_experts", {(qt.Q3_K, qt.Q5_0)}),
+    # its Q4_K_M experts: the bumped layer's down Q6_K, whose fallback is Q8_0
+    ("q4_k_m", "q80_experts", {(qt.Q4_K, qt.Q5_0), (qt.Q4_K, qt.Q8_0)}),
+    ("iq4_nl", "iq4nl_experts", {(qt.IQ4_NL, qt.IQ4_NL)})])
+def test_glm_shaped_experts_on_trial_decode_on_int8_x_as_the_cpu_engine(mix, trial, types,
+                                                                        tmp_path,
+                                                                        monkeypatch) -> None:
+    """The int8-x expert bodies on trial (gemv_q8's quarter_q8_rows_dot for Q3_K,
+    iq4nl_q8_rows_dot, and gemv_dot's q80_rows_dot for Q8_0) multiply the int8 copies of the
+    normed row and of the GLU outputs in every layer and still match the CPU engine; without
+    the trial a layer with such experts reads bf16 x for them."""
+    from carve_kernels import gemv_q8, moe_decode
+
     shape = Shape("qwen3moe", 2, 256, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
                   n_expert_used=2, n_ff_exp=224)
-    (out,) = write_model(tmp_path / "q3.gguf", shape, "q3_k_m")
+    (out,) = write_model(tmp_path / f"{mix}.gguf", shape, mix)
+    on_trial = set(gemv_q8.Q8_TRIAL_TYPES[trial])
 
     def on_int8(g) -> None:
+        ffns = [layer.ffn for layer in g.pipe.stages[0].layers]
+        assert {(f.gate.ggml_type, f.down.ggml_type) for f in ffns} == types
+        assert all(f.xq is not None and f.xq_h is not None for f in ffns)
+
+    options = RunnerOptions(trials=frozenset({trial}))
+    monkeypatch.setattr(moe_decode, "Q8_ON_TRIAL", moe_decode.Q8_ON_TRIAL)  # restored after
+    options.apply()
+    against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), 5e-3, str(out),
+                       on_int8, options=options)
+    monkeypatch.undo()  # the trial off
+    g = GpuSession.load(plan(str(out)), devices=[DEV], remember=False)
+    try:
         for layer in g.pipe.stages[0].layers:
             f = layer.ffn
-            assert (f.gate.ggml_type, f.down.ggml_type) == (qt.Q3_K, qt.Q5_0)
-            assert f.xq is not None and f.xq_h is not None
-
-    against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), 5e-3, str(out),
-                       on_int8)
-    g = GpuSession.load(plan(str(out)), devices=[DEV], remember=False,
-                        options=RunnerOptions(expert_q8=False))
-    try:
-        assert all(layer.ffn.xq is None for layer in g.pipe.stages[0].layers)
+            if f.gate.ggml_type in on_trial:
+                assert f.xq is None
+            elif f.down.ggml_type in on_trial:
+                assert f.xq is not None and f.xq_h is None
     finally:
         g.close()
 
