@@ -32,10 +32,13 @@ MOE_SHAPES = [  # (label, n_expert, k, n_embd, n_ff_exp, gate/up type, down type
     ("gpt-oss-20b", 32, 4, 2880, 2880, qt.MXFP4, qt.MXFP4),
 ]
 # run only when --types names their gate/up type: GLM-4.5-Air's Q3_K_M experts (gate/up Q3_K;
-# down Q5_0, llama.cpp's fallback for Q4_K on its 1408-value rows)
+# down Q5_0, llama.cpp's fallback for Q4_K on its 1408-value rows), its Q4_K_M file's bumped
+# downs (Q8_0, Q6_K's fallback), and pure IQ4_NL experts
 MOE_SHAPES_BY_TYPE = [("glm4.5-air", 128, 8, 4096, 1408, qt.Q3_K, qt.Q5_0),
                       # down Q3_K too
-                      ("glm4.5-air 1536", 128, 8, 4096, 1536, qt.Q3_K, qt.Q3_K)]
+                      ("glm4.5-air 1536", 128, 8, 4096, 1536, qt.Q3_K, qt.Q3_K),
+                      ("glm4.5-air", 128, 8, 4096, 1408, qt.Q4_K, qt.Q8_0),
+                      ("glm4.5-air", 128, 8, 4096, 1408, qt.IQ4_NL, qt.IQ4_NL)]
 
 
 def moe_section(g, copy_bw, mm_rate, row, types=None, prefill=True):
@@ -44,8 +47,11 @@ def moe_section(g, copy_bw, mm_rate, row, types=None, prefill=True):
     draw different experts (8 id sets), so the 8 calls do not hit L2 for each other.
     ``types``: only the shapes whose gate/up type is one of these; ``prefill`` False: decode's
     kernels only."""
-    from carve_kernels import moe, moe_decode, moe_prefill
+    from carve_kernels import gemv_q8, moe, moe_decode, moe_prefill
     from spec.launch import moe_tiles
+
+    # the int8-x bodies on trial are timed here too (the engine takes them with CARVE_TRIAL)
+    moe_decode.Q8_ON_TRIAL = frozenset(t for ts in gemv_q8.Q8_TRIAL_TYPES.values() for t in ts)
 
     swept: set = set()
     for label, ne, k, e, f, gt, dt in MOE_SHAPES + (MOE_SHAPES_BY_TYPE if types else []):
