@@ -264,6 +264,14 @@ def _block_step(row_b, b0, nblk, BYTES: tl.constexpr, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
+def _d_then_words(wh_ptr, wi, base):
+    # a block of an f16 d and then its words (Q5_0, IQ4_NL) at even byte offsets ``base``: d,
+    # the aligned int32 word its words start in, and their bit offset in it (0 or 16)
+    d = tl.load(wh_ptr + (base >> 1)).to(tl.float32)
+    return d, wi + ((base + 2) >> 2), (((base + 2) & 3) * 8).to(tl.int32)
+
+
+@triton.jit
 def _q5_s8(q, qh, T: tl.constexpr):
     # values 4T .. 4T + 3 of a Q5_0 block (low nibbles of qs word T for T < 4, else the high
     # nibbles of word T - 4) with their fifth bits (qh bits 4T .. 4T + 3, spread one to a byte
@@ -293,9 +301,7 @@ def q50_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
     acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):
         blk, bm, base = _block_step(row_b, b0, nblk, 22, BLOCK_B)
-        d = tl.load(wh_ptr + (base >> 1)).to(tl.float32)
-        wp = wi + ((base + 2) >> 2)
-        sh = (((base + 2) & 3) * 8).to(tl.int32)  # 0 or 16
+        d, wp, sh = _d_then_words(wh_ptr, wi, base)
         w0 = tl.load(wp)
         w1 = tl.load(wp + 1)
         w2 = tl.load(wp + 2)
@@ -446,9 +452,7 @@ def iq4nl_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
     acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):
         blk, bm, base = _block_step(row_b, b0, nblk, 18, BLOCK_B)
-        d = tl.load(wh_ptr + (base >> 1)).to(tl.float32)
-        wp = wi + ((base + 2) >> 2)
-        sh = (((base + 2) & 3) * 8).to(tl.int32)  # 0 or 16
+        d, wp, sh = _d_then_words(wh_ptr, wi, base)
         w0 = tl.load(wp)
         w1 = tl.load(wp + 1)
         w2 = tl.load(wp + 2)
