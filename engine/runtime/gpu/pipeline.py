@@ -238,7 +238,7 @@ class GpuPipeline:
     def chunk_rows(self, n: int, check: Callable | None = None) -> int:
         """The rows a prefill chunk of n runs as: with every stage on prefill graphs (and no
         NaN hunt), n padded to the next graph's length (stage_graph.graph_rows); else n."""
-        if check is not None or not all(st.graphs_chunks() for st in self.stages):
+        if n < 1 or check is not None or not all(st.graphs_chunks() for st in self.stages):
             return n
         return graph_rows(n, self.stages[0].buf["positions"].shape[0])
 
