@@ -44,7 +44,7 @@ import triton.language as tl
 
 from carve_kernels.gemv_dot import _k4_scale, q80_rows_dot
 from carve_kernels.gemv_t_dot import _dp4a, _funnel, _q6_s8
-from carve_kernels.quant_blocks import _e8m0_half, _mxfp4_int
+from carve_kernels.quant_blocks import _e8m0_half
 
 
 @triton.jit
@@ -330,47 +330,12 @@ def q50_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
     return tl.sum(acc, axis=1)
 
 
-@triton.jit
-def _mxfp4_s8(q, ASM: tl.constexpr):
-    # the 8 nibbles of q (bytes j..j+3 of a block's qs: values j..j+3 low, j+16..j+19 high) as
-    # two words of 4 signed bytes, the doubled e2m1 values 0 1 2 3 4 6 8 12 (bit 3 the sign):
-    # (values j..j+3, values j+16..j+19). ASM: byte permutes from the 16-entry table (per half
-    # of q: the positive and negative entries by each nibble's low 3 bits, then one or the
-    # other by its sign bit; then the low and the high nibbles' bytes gathered)
-    if ASM:
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t0, t1, t2, t3, s, g, p, n, r0, r1;
-            mov.b32 t0, 0x03020100;
-            mov.b32 t1, 0x0C080604;
-            mov.b32 t2, 0xFDFEFF00;
-            mov.b32 t3, 0xF4F8FAFC;
-            and.b32 s, $2, 0x7777;
-            and.b32 g, $2, 0x8888;
-            shr.b32 g, g, 1;
-            or.b32 g, g, 0x3210;
-            prmt.b32 p, t0, t1, s;
-            prmt.b32 n, t2, t3, s;
-            prmt.b32 r0, p, n, g;
-            shr.b32 s, $2, 16;
-            and.b32 g, s, 0x8888;
-            and.b32 s, s, 0x7777;
-            shr.b32 g, g, 1;
-            or.b32 g, g, 0x3210;
-            prmt.b32 p, t0, t1, s;
-            prmt.b32 n, t2, t3, s;
-            prmt.b32 r1, p, n, g;
-            prmt.b32 $0, r0, r1, 0x6420;
-            prmt.b32 $1, r0, r1, 0x7531;
-            }""",
-            "=r,=r,r", [q], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-    else:
-        lo = q * 0
-        hi = q * 0
-        for k in tl.static_range(4):
-            lo |= (_mxfp4_int((q >> (8 * k)) & 15) & 0xFF) << (8 * k)
-            hi |= (_mxfp4_int((q >> (8 * k + 4)) & 15) & 0xFF) << (8 * k)
-        return lo, hi
+# MXFP4's doubled e2m1 values 0 1 2 3 4 6 8 12 and their negatives (bit 3 the sign) as the 4
+# signed words of a 16-entry table (``_lut16_s8``)
+MXFP4_LUT0 = tl.constexpr(0x03020100)
+MXFP4_LUT1 = tl.constexpr(0x0C080604)
+MXFP4_LUT2 = tl.constexpr(-0x02010100)  # 0xFDFEFF00
+MXFP4_LUT3 = tl.constexpr(-0x0B070504)  # 0xF4F8FAFC
 
 
 @triton.jit
@@ -378,8 +343,9 @@ def _lut16_s8(q, L0: tl.constexpr, L1: tl.constexpr, L2: tl.constexpr, L3: tl.co
               ASM: tl.constexpr):
     # the 8 nibbles of q (bytes j..j+3 of a block's qs: values j..j+3 low, j+16..j+19 high) as
     # two words of 4 signed bytes, entry n of the 16-byte table in words L0..L3 (little
-    # endian) for nibble n: (values j..j+3, values j+16..j+19). ASM: byte permutes as
-    # _mxfp4_s8's, the table in registers
+    # endian) for nibble n: (values j..j+3, values j+16..j+19). ASM: byte permutes (per half
+    # of q: entries 0-7 and 8-15 by each nibble's low 3 bits, then one or the other by its
+    # bit 3; then the low and the high nibbles' bytes gathered)
     if ASM:
         return tl.inline_asm_elementwise(
             """{
@@ -471,19 +437,9 @@ def iq4nl_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
 @triton.jit
 def _lut16_word(q, xq, blk, bm, i, J: tl.constexpr, L0: tl.constexpr, L1: tl.constexpr,
                 L2: tl.constexpr, L3: tl.constexpr, ASM: tl.constexpr):
-    # _mxfp4_word for a table's values: qs word J against x's words 8b + J and 8b + 4 + J
+    # qs word J of the blocks (values 4J..4J+3 low nibbles, 16+4J.. high) as the table's
+    # values against x's words 8b + J and 8b + 4 + J (broadcast to the rows)
     lo, hi = _lut16_s8(q, L0, L1, L2, L3, ASM)
-    xl = tl.load(xq + blk * 8 + J, mask=bm, other=0)[None, :]
-    xh = tl.load(xq + blk * 8 + 4 + J, mask=bm, other=0)[None, :]
-    i = _dp4a(lo, tl.broadcast_to(xl, lo.shape), i, ASM, True)
-    return _dp4a(hi, tl.broadcast_to(xh, hi.shape), i, ASM, True)
-
-
-@triton.jit
-def _mxfp4_word(q, xq, blk, bm, i, J: tl.constexpr, ASM: tl.constexpr):
-    # qs word J of the blocks (values 4J..4J+3 low nibbles, 16+4J.. high) against x's words
-    # 8b + J and 8b + 4 + J (broadcast to the rows)
-    lo, hi = _mxfp4_s8(q, ASM)
     xl = tl.load(xq + blk * 8 + J, mask=bm, other=0)[None, :]
     xh = tl.load(xq + blk * 8 + 4 + J, mask=bm, other=0)[None, :]
     i = _dp4a(lo, tl.broadcast_to(xl, lo.shape), i, ASM, True)
@@ -517,10 +473,14 @@ def mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R: t
         e = (w0 >> (8 * c)) & 0xFF
         s = 8 * c + 8  # qs word j: the bytes at bit s of words j, j + 1
         i = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.int32)
-        i = _mxfp4_word(_funnel(w0, w1, s, ASM), xq, blk, bm, i, 0, ASM)
-        i = _mxfp4_word(_funnel(w1, w2, s, ASM), xq, blk, bm, i, 1, ASM)
-        i = _mxfp4_word(_funnel(w2, w3, s, ASM), xq, blk, bm, i, 2, ASM)
-        i = _mxfp4_word(_funnel(w3, w4, s, ASM), xq, blk, bm, i, 3, ASM)
+        i = _lut16_word(_funnel(w0, w1, s, ASM), xq, blk, bm, i, 0, MXFP4_LUT0, MXFP4_LUT1,
+                        MXFP4_LUT2, MXFP4_LUT3, ASM)
+        i = _lut16_word(_funnel(w1, w2, s, ASM), xq, blk, bm, i, 1, MXFP4_LUT0, MXFP4_LUT1,
+                        MXFP4_LUT2, MXFP4_LUT3, ASM)
+        i = _lut16_word(_funnel(w2, w3, s, ASM), xq, blk, bm, i, 2, MXFP4_LUT0, MXFP4_LUT1,
+                        MXFP4_LUT2, MXFP4_LUT3, ASM)
+        i = _lut16_word(_funnel(w3, w4, s, ASM), xq, blk, bm, i, 3, MXFP4_LUT0, MXFP4_LUT1,
+                        MXFP4_LUT2, MXFP4_LUT3, ASM)
         dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
         acc += _e8m0_half(e) * dx[None, :] * i.to(tl.float32)
     return tl.sum(acc, axis=1)
