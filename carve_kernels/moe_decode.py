@@ -127,7 +127,6 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
 Q8_ON_TRIAL: frozenset[int] = frozenset()
 
 
-
 def _lut(*types: int) -> dict:
     # IQ4_NL's value table as the kernels' constants L0..L3 (none for the other types, so
     # their variants are as before)

@@ -52,10 +52,11 @@ class RunnerOptions:
     ``CARVE_PDL``: ``1`` (default) or ``0``. On, the kernels launch with programmatic
         dependent launch on GPUs of compute capability 9.0 and later (carve_kernels/pdl.py), so that
         each may start while the one before it finishes; off, each waits for the one before.
-    ``CARVE_PREFILL_GRAPH``: ``1`` (default) or ``0``. On, a prefill chunk of the plan's full
-        length runs its layers by replaying a CUDA graph per stage, captured at the load's
-        warm-up (engine/runtime/gpu/stage_graph.py ``forward_chunk``); off, every chunk
-        launches its kernels from Python.
+    ``CARVE_PREFILL_GRAPH``: ``1`` (default) or ``0``. On, a prefill chunk, padded to the next
+        power of two from 8 rows (at most the plan's chunk), runs its layers by replaying that
+        length's CUDA graph per stage, captured at the load's warm-up
+        (engine/runtime/gpu/stage_graph.py ``forward_chunk``); off, every chunk launches its
+        kernels from Python at its own length.
     ``CARVE_TRIAL``: empty (default), ``all``, or a comma-separated list of the names in
         ``TRIALS``: kernels written and checked against references but not yet adopted (not
         yet measured to win on a GPU), switched on for measuring them through the engine

@@ -120,7 +120,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         self.pieces: list[Callable[[], None]] = []
         self._graphs: list[torch.cuda.CUDAGraph] = []
         self.in_place_hosts: list = []  # host layers decode reads in place (set by capture)
-        # prefill chunks of the plan's length through a CUDA graph, the head outside it
+        # prefill chunks through a CUDA graph of each padded length, the head outside them
         # (CARVE_PREFILL_GRAPH; stage_graph.py forward_chunk)
         self.prefill_graph = options.prefill_graph
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}

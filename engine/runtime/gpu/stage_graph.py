@@ -119,14 +119,10 @@ class DecodeGraph:
         real = n if real is None else real
         if (not self.graphs_chunks() or check is not None or self.dry_runs is not None
                 or n != graph_rows(n, self.buf["positions"].shape[0])):
-            self.forward(n, pos0, head=head and real == n, check=check)
-            if self.last and head and real != n:
-                self.head_last(real)
-            return
-        g = self._prefill_graphs.get(n)
-        if g is not None:
+            self.forward(n, pos0, head=False, check=check)
+        elif (g := self._prefill_graphs.get(n)) is not None:
             g.replay()
-        else:
+        else:  # the first chunk of this length: eagerly (its result), then captured
             self.forward(n, pos0, head=False)
             if self._prefill_stream is None:
                 # one capture stream for every chunk graph: a stream's first GEMM makes its
