@@ -1,6 +1,7 @@
 """Every kernel on a GPU against its torch twin at real (Qwen2-7B) shapes, timed against its floor.
 
-    python -m benchmarks.device_check [--quick | --attn | --moe | --moe-host] [--types LIST]
+    python -m benchmarks.device_check [--quick | --attn | --moe | --moe-host | --sample]
+        [--types LIST]
         [--json FILE]
 
 Prints the measured copy rate and bf16 matmul rate, then one line per kernel (GEMV per type and
@@ -109,6 +110,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.device
     ap.add_argument("--moe-host", action="store_true",
                     help="decode's expert kernels reading experts in pinned host memory in "
                          "place, against the host-to-GPU copy rate (30B-A3B shape)")
+    ap.add_argument("--sample", action="store_true",
+                    help="the GPU sampler only: greedy and default sampling at real vocabulary "
+                         "sizes, each first-pass variant against the host chain")
     ap.add_argument("--no-prefill", action="store_true",
                     help="with --moe: decode's kernels only (no prefill router, sort or grouped "
                          "GEMM sweeps)")
@@ -151,6 +155,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.device
             host_section(g, copy_bw, mm_rate, row)
         else:
             moe_section(g, copy_bw, mm_rate, row, types, prefill=not args.no_prefill)
+        _table(rows, best_cfg, args, copy_bw, mm_rate)
+        return 0
+    if args.sample:
+        _sample_section(g, copy_bw, row)
         _table(rows, best_cfg, args, copy_bw, mm_rate)
         return 0
     if args.attn:
@@ -375,6 +383,40 @@ def _other_section(g, copy_bw, mm_rate, row):
         row(f"rope neox T={t_}", tr, 2 * q.numel() * 4 / copy_bw, err)
 
     _attn_section(g, copy_bw, mm_rate, row)
+
+
+def _sample_section(g, copy_bw, row):
+    """carve_kernels/sample.py at Qwen2's, gpt-oss's and a 32k vocabulary: greedy and the
+    default chain (top-k 40, top-p 0.95, min-p 0.05, penalty 1.1 over 64), each first-pass
+    variant (its programs, the best ids each keeps: keeping 64 is the earlier sampler, rounds of
+    block maxima over every part's best) checked draw by draw against sample_ref, then timed
+    from a graph; the floor is one read of the logits."""
+    from carve_kernels import sample
+    from engine.process.sampling_params import SamplingParams
+
+    variants = [(f"parts {p} keep {k}", p, k) for p, k in
+                ((128, 64), (128, sample.FIRST), (128, 4), (128, 16), (64, sample.FIRST))]
+    for n_vocab in (151936, 201088, 32000):
+        logits = torch.randn(n_vocab, device="cuda", generator=g) * 3.0
+        hist = torch.randint(0, n_vocab, (64,), device="cuda", generator=g).tolist()
+        for label, params in (("greedy", SamplingParams(temperature=0.0)),
+                              ("default", SamplingParams())):
+            for name, parts, first in variants:
+                state = torch.zeros(launch.SAMPLE_STATE, dtype=torch.int32, device="cuda")
+                keys = torch.zeros(launch.SAMPLE_KEYS, dtype=torch.int64, device="cuda")
+                out = torch.zeros(1, dtype=torch.int64, device="cuda")
+                sample.write_settings(state, params, 12345, hist)
+                h, bad = list(hist), 0
+                for d in range(16):
+                    sample.sample(logits.clone(), state, keys, out, parts=parts, first=first)
+                    want = sample.sample_ref(logits, params, 12345, h, d)
+                    bad += int(out) != want
+                    h.append(want)
+                work = logits.clone()
+                t = graph_time(lambda i=0: sample.sample(work, state, keys, out, parts=parts,
+                                                         first=first))
+                row(f"sample {label} V={n_vocab} {name}", t, 4 * n_vocab / copy_bw,
+                    None, f"{bad} of 16 draws differ")
 
 
 def _attn_section(g, copy_bw, mm_rate, row):

@@ -53,6 +53,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #   BENCH_PLAIN=0                leave out the BENCH shapes' own runs (PLACE's only)
 #   HOST_EXPERTS=1               benchmarks.bench_host_experts on this machine's cores, run first
 #                                (before anything else loads the CPU)
+#   SAMPLE=1                     benchmarks.device_check --sample (the GPU sampler's variants,
+#                                greedy and default sampling, at real vocabularies)
 #   MOE_HOST=1                   benchmarks.device_check --moe-host (decode's expert kernels
 #                                reading pinned host memory in place), run before the benches
 #   LLAMA="qwen3moe-30b-a3b"     llama-bench built from .whl/llama.cpp.tar.gz (CUDA, sm_90) on
@@ -95,6 +97,10 @@ fi
 if [ -n "${KERNELS:-}" ]; then
     timeout "$step" python3 -m benchmarks.device_check --types "$KERNELS" \
         --json "$out/device-check.json" 2>&1 | tee "$out/device-check.log"
+fi
+if [ "${SAMPLE:-0}" = 1 ]; then
+    timeout "$step" python3 -m benchmarks.device_check --sample \
+        --json "$out/device-check-sample.json" 2>&1 | tee "$out/device-check-sample.log"
 fi
 if [ "${MOE_HOST:-0}" = 1 ]; then
     timeout "$step" python3 -m benchmarks.device_check --moe-host \

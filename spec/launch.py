@@ -74,12 +74,15 @@ def scratch(rows: Sequence[int], cols: int, config: tuple[int, int, int],
 
 
 # The GPU sampler (carve_kernels/sample.py): the top-k it serves (1..SAMPLE_TOP_K), the repetition
-# penalty's window (up to SAMPLE_LAST_N tokens), the programs of its first pass (each keeps its
-# slice's best SAMPLE_TOP_K) and the ring of sampled ids the host reads back. Its state: 16
-# settings slots, the penalty's history ring, the ring of ids (int32).
+# penalty's window (up to SAMPLE_LAST_N tokens), the programs of its first pass (each keeps up to
+# SAMPLE_TOP_K of its slice's best), the candidates its pick ranks at once and the ring of sampled
+# ids the host reads back. Its keys (int64): SAMPLE_TOP_K per part, then SAMPLE_MERGE. Its state:
+# 16 settings slots, the penalty's history ring, the ring of ids (int32).
 SAMPLE_TOP_K = 64
 SAMPLE_LAST_N = 256
 SAMPLE_PARTS = 128
+SAMPLE_MERGE = 256
+SAMPLE_KEYS = SAMPLE_PARTS * SAMPLE_TOP_K + SAMPLE_MERGE
 SAMPLE_RING = 64
 SAMPLE_STATE = 16 + SAMPLE_LAST_N + SAMPLE_RING
 

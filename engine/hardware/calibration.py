@@ -12,7 +12,8 @@ it 524 MiB, kernel modules loaded on first use while the weights load and the st
 (those three the same for the Qwen2 0.5B and 7B and the Qwen3-30B-A3B shapes on 2026-12-01),
 and the CUDA graphs: decode's 2 MiB then; with the prefill graphs (2026-12-04: one per chunk
 length, and their capture stream) the whole overhead measured 820, 824 and 830 MiB on those
-three shapes, so the graphs' part is taken as the largest, 50 MiB.
+three shapes (820 and 824 again on 0.5B and 7B the same week), so the graphs' part is taken as
+45 MiB: the whole within 5 MiB of each of the three.
 The CPU device has no such overhead: 0.
 """
 
@@ -30,7 +31,7 @@ from engine.hardware.devices import DeviceSpec, driver_version
 
 MIB = 1 << 20
 DEFAULT_PARTS = {"cuda_context": 524 * MIB, "kernel_modules": 162 * MIB, "cublas": 94 * MIB,
-                 "cuda_graphs": 50 * MIB}
+                 "cuda_graphs": 45 * MIB}
 DEFAULT_OVERHEAD = sum(DEFAULT_PARTS.values())
 DEFAULT_SOURCE = (f"default ({DEFAULT_OVERHEAD // MIB} MiB measured on an H200: " + " + ".join(
     f"{k.replace('_', ' ')} {v // MIB}" for k, v in DEFAULT_PARTS.items()) + ")")

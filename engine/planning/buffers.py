@@ -103,7 +103,7 @@ def activation_buffers(
         out.append(BufferSpec("logits", (n_vocab_rows, hp.n_vocab), "f32"))  # [rows, n_vocab]
         # the GPU sampler (carve_kernels/sample.py): each first-pass program's best candidates as
         # (value, id) keys, and its settings, history ring and ring of sampled ids
-        out.append(BufferSpec("samp_keys", (launch.SAMPLE_PARTS * launch.SAMPLE_TOP_K,), "i64"))
+        out.append(BufferSpec("samp_keys", (launch.SAMPLE_KEYS,), "i64"))
         out.append(BufferSpec("samp_state", (-(-launch.SAMPLE_STATE // 64) * 64,), "i32"))  # whole 256-byte lines
     if dequant_scratch > 0:
         # [elements] one matrix dequantized for a prefill GEMM, reused matrix after matrix

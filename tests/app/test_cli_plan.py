@@ -102,7 +102,7 @@ def test_auto_split_and_fewest(tiny: str, capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_does_not_fit_exits_1_with_advice(tiny: str) -> None:
-    # a 1 GiB card keeps 409 MiB after the driver: less than the 830 MiB runtime overhead
+    # a 1 GiB card keeps 409 MiB after the driver: less than the 825 MiB runtime overhead
     r = run(tiny, "--gpus", "1GiB", "--ctx", "512")
     assert r.returncode == 1, r.stderr
     assert "does not fit" in r.stdout

@@ -274,7 +274,7 @@ def test_nothing_helps_says_so() -> None:
     model = HeaderModel(MID)
     d = price(Plan("m", (gpu(850 * MIB),), (0, 8), ctx=4096), model).devices[0]
     assert d.verdict == "does not fit" and "no single change fits it" in d.advice
-    assert ": weights (" in d.advice  # the 830 MiB overhead comes first, the weights overflow
+    assert ": weights (" in d.advice  # the 825 MiB overhead comes first, the weights overflow
 
 
 def test_errors_that_need_the_model(synth_model: Any) -> None:
@@ -304,13 +304,13 @@ def test_overhead_comes_from_a_calibration_record(synth_model: Any) -> None:
     dev = gpu(2 * GIB, name="NVIDIA Test Card")
     plan = Plan(str(path), (dev,), (0, 4), ctx=256)
     assert (
-        price(plan, model).devices[0].terms["overhead"] == calibration.DEFAULT_OVERHEAD == 830 * MIB
+        price(plan, model).devices[0].terms["overhead"] == calibration.DEFAULT_OVERHEAD == 825 * MIB
     )
     calibration.remember("NVIDIA Test Card", "580.1", calibration.torch_version(), 555 * MIB)
     d = price(plan, model).devices[0]
     assert d.terms["overhead"] == 555 * MIB and d.overhead_source.startswith("calibrated")
     other = price(Plan(str(path), (gpu(2 * GIB, name="Other"),), (0, 4), ctx=256), model).devices[0]
-    assert other.terms["overhead"] == 830 * MIB
+    assert other.terms["overhead"] == 825 * MIB
     assert (
         price(Plan(str(path), (cpu(),), (0, 4), ctx=256), model).devices[0].terms["overhead"] == 0
     )

@@ -12,12 +12,12 @@ from reference_check import DEVICE, generator
 
 from carve_kernels import sample
 from engine.process.sampling_params import SamplingParams
-from spec.launch import SAMPLE_LAST_N, SAMPLE_PARTS, SAMPLE_STATE, SAMPLE_TOP_K
+from spec.launch import SAMPLE_KEYS, SAMPLE_LAST_N, SAMPLE_STATE, SAMPLE_TOP_K
 
 
 def _buffers(g: torch.Generator):
     state = torch.randint(-9, 9, (SAMPLE_STATE,), dtype=torch.int32, generator=g, device=DEVICE)
-    keys = torch.randint(-2**62, 2**62, (SAMPLE_PARTS * SAMPLE_TOP_K,), dtype=torch.int64,
+    keys = torch.randint(-2**62, 2**62, (SAMPLE_KEYS,), dtype=torch.int64,
                          generator=g, device=DEVICE)
     return state, keys
 
@@ -63,6 +63,37 @@ def test_gpu_sampler_draws_the_ids_of_the_host_chain(n_vocab, settings, seed) ->
     history = [rng.randrange(n_vocab) for _ in range(rng.randrange(0, 80))]
     history += history[:5]  # repeated ids: the penalty applies once
     got, want = _draws(logits, params, rng.getrandbits(64), history, 6, g)
+    assert got == want
+
+
+@pytest.mark.parametrize("layout", ["rising", "equal", "one slice", "bands", "spread"])
+def test_the_best_are_found_however_they_lie(layout, seed) -> None:
+    """The best SAMPLE_TOP_K ids crowded into few first-pass parts (logits rising with the id;
+    all equal, so the lowest ids win; one part far above the rest), or every part keeping more
+    than the pick ranks at once (bands: part j's ids above part j-1's), or spread over 64 parts
+    (the pick's one-shot ranking alone): the same ids as the host chain."""
+    g = generator(seed)
+    rng = random.Random(seed)
+    n_vocab = {"bands": 131072, "spread": 65536}.get(layout, 3000)
+    parts, per = sample.partition(n_vocab)
+    logits = torch.randn(n_vocab, generator=g, device=DEVICE)
+    if layout == "rising":
+        logits = torch.linspace(-4.0, 4.0, n_vocab, device=DEVICE)
+    elif layout == "equal":
+        logits = torch.zeros(n_vocab, device=DEVICE)
+    elif layout == "one slice":
+        logits[1000:2000] += 30.0
+    elif layout == "bands":  # part j's first eight ids (a run of GROUP) in [10 + j, 10.5 + j]
+        run = torch.arange(parts, device=DEVICE) * sample.GROUP
+        ids = run[:, None] + torch.arange(8, device=DEVICE)[None, :]
+        logits[ids] = 10.0 + torch.arange(parts, device=DEVICE)[:, None] + torch.rand(
+            parts, 8, generator=g, device=DEVICE) * 0.5
+    params = SamplingParams(temperature=50.0, top_k=SAMPLE_TOP_K, top_p=1.0, min_p=0.0,
+                            repeat_penalty=1.0)
+    if layout == "spread":
+        params = SamplingParams(temperature=1.0, top_k=40, top_p=1.0, min_p=0.0)
+    assert parts * per >= n_vocab
+    got, want = _draws(logits.float(), params, rng.getrandbits(64), [], 3, g)
     assert got == want
 
 
