@@ -50,8 +50,8 @@ B_CONFIGS = [(4, 32, 4), (8, 16, 4), (4, 16, 2), (8, 32, 8)]
 ROW_CONFIGS = [(4, 4, 4), (8, 8, 4), (4, 8, 4), (2, 8, 4), (8, 4, 4)]
 # the row bodies of a thread per 32-value block (Q8_0: carve_kernels/gemv_dot.py q80_rows_dot), 1 to
 # 4 blocks a thread; not swept yet
-BLOCK_ROW_CONFIGS = {qt.Q8_0: [(8, 32, 4), (4, 32, 4), (16, 32, 4), (8, 16, 4), (16, 16, 4),
-                               (4, 64, 4)]}
+BLOCK_ROW_CONFIGS = {t: [(8, 32, 4), (4, 32, 4), (16, 32, 4), (8, 16, 4), (16, 16, 4),
+                         (4, 64, 4)] for t in (qt.Q8_0, qt.Q5_0)}
 # (rows per program, warps, target programs): the rule's two, then more rows a thread or fewer
 # programs
 T_CONFIGS = [launch.T_CONFIG, launch.T_CONFIG_LOWBIT, (256, 2, 2112), (512, 4, 2112),
@@ -238,7 +238,9 @@ def _trial_rows(name, t, ws, shapes, g, copy_bw, row, best_cfg):
     try:
         xy = {s: (torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16),
                   torch.empty(1, s[0], device="cuda")) for s in shapes}
-        best = _sweep(f"{name} row body", t, ws, shapes, ROW_CONFIGS, xy)
+        best = None
+        if t not in quant_matmul.INT8_BODY_TYPES:  # a body on bf16 x too
+            best = _sweep(f"{name} row body", t, ws, shapes, ROW_CONFIGS, xy)
         if best is not None:
             x = torch.randn(1, shapes[0][1], device="cuda", generator=g)
             out = torch.full((1, shapes[0][0]), float("nan"), device="cuda")
@@ -246,7 +248,8 @@ def _trial_rows(name, t, ws, shapes, g, copy_bw, row, best_cfg):
             nbytes = sum(w[0].numel() for w in ws.values())
             row(f"gemv {name} up+down M=1 row body (trial)", best[0], nbytes / copy_bw,
                 nerr(out, quant_matmul.gemv_ref(ws[shapes[0]][0], t, x)), f"cfg={best[1]}")
-        _int8_row(name, t, ws, shapes, ROW_CONFIGS, g, copy_bw, row, best_cfg, " (trial)")
+        _int8_row(name, t, ws, shapes, BLOCK_ROW_CONFIGS.get(t, ROW_CONFIGS), g, copy_bw, row,
+                  best_cfg, " (trial)")
     finally:
         quant_matmul.ROW_BODY_TYPES = body
 

@@ -16,6 +16,7 @@ import triton.language as tl
 from carve_kernels import dequant as _dq
 from carve_kernels import pdl, q8x
 from carve_kernels.gemv_dot import row_dot
+from carve_kernels.gemv_q8 import q50_q8_rows_dot
 from carve_kernels.glu import glu_act
 from carve_kernels.lowbit_blocks import LOWBIT_PLANS, lookup_table
 from carve_kernels.quant_blocks import PLANS, dequant_part, plan
@@ -77,15 +78,23 @@ SPECIAL_ALIGN = {qt.Q4_K: 16}
 ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
                             qt.IQ1_M, qt.IQ4_XS})
 # the byte alignment of the weight's start that a row body's word loads assume (the others: 1)
-ROW_BODY_ALIGN = {qt.Q8_0: 4}
+ROW_BODY_ALIGN = {qt.Q8_0: 4, qt.Q5_0: 4}
+# row bodies on decode's int8 copy of x alone (carve_kernels/gemv_q8.py, the expert GEMVs'
+# bodies): other x (more than one row, or a matrix the copy does not reach) takes the generic
+# walk at its own tile; GEMV_CONFIG_BODY is the body's tile
+INT8_BODY_TYPES = frozenset({qt.Q5_0})
+GEMV_CONFIG_BODY: dict[int, tuple[int, ...]] = {qt.Q5_0: (8, 32, 4)}
 # bodies of their own not switched on: Q2_K (carve_kernels/gemv_lowbit.py q2k_rows_dot) measured
 # 1.14x the generic walk on int8 x but 0.85x on bf16 x (H200, 2026-12-02), and its big matrices
 # go to the T layout (carve_kernels/gemv_t_low.py); it runs only where a caller adds it to
 # ROW_BODY_TYPES (the tests; benchmarks/device_check.py --types, which times it beside the
 # generic walk; CARVE_TRIAL=q2k_rows). Q8_0 (carve_kernels/gemv_dot.py q80_rows_dot, a thread per
 # block read as aligned int32 words; decode's int8 copy of x reaches its q/k/v, gate/up and
-# head): written 2026-12-03, not yet timed on a GPU (CARVE_TRIAL=q8_0_rows)
-ROW_BODY_TRIAL = frozenset({qt.Q2_K, qt.Q8_0})
+# head): written 2026-12-03, not yet timed on a GPU (CARVE_TRIAL=q8_0_rows). Q5_0 (the expert
+# GEMVs' q50_q8_rows_dot, a thread per 22-byte block; int8 x only): written 2026-12-04 for the
+# small models whose rows are not whole 256-value blocks (Qwen2-0.5B's q, k, o, gate and up)
+# (CARVE_TRIAL=q5_0_rows)
+ROW_BODY_TRIAL = frozenset({qt.Q2_K, qt.Q8_0, qt.Q5_0})
 
 
 def gemv_config(ggml_type: int, rows: int, cols: int) -> tuple[int, ...]:
@@ -96,6 +105,22 @@ def gemv_config(ggml_type: int, rows: int, cols: int) -> tuple[int, ...]:
     if ggml_type in GEMV_CONFIG_LONG and cols >= 4 * rows:
         return GEMV_CONFIG_LONG[ggml_type]
     return cfg
+
+
+@triton.jit
+def _dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE: tl.constexpr,
+         BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr, L: tl.constexpr,
+         BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr,
+         SPECIAL: tl.constexpr, MAGIC: tl.constexpr, xd_ptr, Q8X: tl.constexpr,
+         ASM: tl.constexpr):
+    # row_dot, and the bodies that read decode's int8 x alone (INT8_BODY_TYPES)
+    if SPECIAL and Q8X and TYPE == 6:  # Q5_0: a thread per 22-byte block
+        y = q50_q8_rows_dot(w_ptr, wh_ptr, xrow, xd_ptr, rows_c, K // BS, row_bytes, BLOCK_R,
+                            BLOCK_B, ASM)
+    else:
+        y = row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
+                    BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, ASM)
+    return y
 
 
 @triton.jit
@@ -114,8 +139,8 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, N, 
     rows_c = tl.minimum(rows, N - 1)  # clamp instead of masking every weight load
     # Q8X: x's int8 copy (one row; the row bodies, ROW_BODY_TYPES)
     xrow = xq_ptr if Q8X else x_ptr + m.to(tl.int64) * stride_xm
-    y = row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
-                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, ASM)
+    y = _dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
+             BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, Q8X, ASM)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty),
@@ -137,10 +162,10 @@ def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, xq_ptr
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rows_c = tl.minimum(rows, N - 1)
     xrow = xq_ptr if Q8X else x_ptr + m.to(tl.int64) * stride_xm
-    g = row_dot(g_ptr, gh_ptr, gi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
-                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, ASM)
-    u = row_dot(u_ptr, uh_ptr, ui_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
-                BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, ASM)
+    g = _dot(g_ptr, gh_ptr, gi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
+             BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, Q8X, ASM)
+    u = _dot(u_ptr, uh_ptr, ui_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
+             BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, Q8X, ASM)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows,
              glu_act(g, u, GELU).to(y_ptr.dtype.element_ty), mask=rows < N)
 
@@ -154,8 +179,8 @@ def _seg(pid, P0, w_ptr, wh_ptr, wi_ptr, b_ptr, xrow, xq_ptr, xd_ptr, yrow, N, K
     rows = (pid - P0) * BLOCK_R + tl.arange(0, BLOCK_R)
     if Q8X:
         xrow = xq_ptr
-    y = row_dot(w_ptr, wh_ptr, wi_ptr, xrow, tl.minimum(rows, N - 1), K, row_bytes, TYPE, BS,
-                TS, NPART, L, BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, ASM)
+    y = _dot(w_ptr, wh_ptr, wi_ptr, xrow, tl.minimum(rows, N - 1), K, row_bytes, TYPE, BS,
+             TS, NPART, L, BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, Q8X, ASM)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(yrow + rows, y.to(yrow.dtype.element_ty), mask=rows < N)
@@ -250,9 +275,9 @@ def _table(w: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
 
 def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None = None,
-                 x_dtype: torch.dtype = torch.bfloat16):
+                 x_dtype: torch.dtype = torch.bfloat16, int8_x: bool = False):
     """(pointer views (bytes, 16-bit, int32 or the type's value table), the body's constexprs,
-    warps, stages) of one weight's GEMV."""
+    warps, stages) of one weight's GEMV; ``int8_x``: it multiplies decode's int8 copy of x."""
     w, wh = _views(w, ggml_type)
     p = plan(ggml_type)
     k = row_cols(w, ggml_type)
@@ -263,9 +288,12 @@ def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None
                and x_dtype != torch.float32)
     # the storage-order body's 16-byte loads; the IQ types' value table in its place
     wi = w.view(torch.int32) if special else _table(w, ggml_type)
-    special = special or row_body(w, ggml_type)
+    body = row_body(w, ggml_type) and (int8_x or ggml_type not in INT8_BODY_TYPES)
+    special = special or body
     if config is None and not special and ggml_type in GEMV_CONFIG_GENERIC:
         config = GEMV_CONFIG_GENERIC[ggml_type]
+    if config is None and body and ggml_type in GEMV_CONFIG_BODY:
+        config = GEMV_CONFIG_BODY[ggml_type]
     br, bb, warps, *rest = config or gemv_config(ggml_type, w.shape[0], k)
     bb = min(bb, triton.next_power_of_2(k // p.block))  # short rows: no all-masked blocks
     meta = {"TYPE": ggml_type, "BS": p.block, "TS": p.nbytes, "NPART": p.parts, "L": p.lanes,
@@ -312,10 +340,10 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     int8 copy (q, d, s of carve_kernels/q8x.py), which a row body (ROW_BODY_TYPES: the grid IQ
     types, IQ4_XS, Q8_0 on a 4-byte aligned weight) multiplies by dp4a when M = 1; ignored
     otherwise."""
-    ptrs, meta, warps, stages = _launch_args(w, ggml_type, config, x.dtype)
     n, k = w.shape[0], row_cols(w, ggml_type)
     x2 = _x2(x, k)
     m = x2.shape[0]
+    ptrs, meta, warps, stages = _launch_args(w, ggml_type, config, x.dtype, q8x.usable(xq, x2))
     q, d, use = _q8_in(xq, ggml_type, x2, meta["SPECIAL"])
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
@@ -338,15 +366,16 @@ def gemv_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, x: torch.Tens
     as in ``gemv``."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-    gp, meta, warps, stages = _launch_args(gate, ggml_type, config, x_dtype=x.dtype)
-    up_ptrs, meta_u, _, _ = _launch_args(up, ggml_type, config, x_dtype=x.dtype)
+    n, k = gate.shape[0], row_cols(gate, ggml_type)
+    x2 = _x2(x, k)
+    m = x2.shape[0]
+    int8_x = q8x.usable(xq, x2)
+    gp, meta, warps, stages = _launch_args(gate, ggml_type, config, x.dtype, int8_x)
+    up_ptrs, meta_u, _, _ = _launch_args(up, ggml_type, config, x.dtype, int8_x)
     meta["SPECIAL"] = meta["SPECIAL"] and meta_u["SPECIAL"]
     if not meta["SPECIAL"]:
         gp = (gate, gp[1], _table(gate, ggml_type))
         up_ptrs = (up, up_ptrs[1], _table(up, ggml_type))
-    n, k = gate.shape[0], row_cols(gate, ggml_type)
-    x2 = _x2(x, k)
-    m = x2.shape[0]
     q, d, use = _q8_in(xq, ggml_type, x2, meta["SPECIAL"])
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
@@ -377,11 +406,12 @@ def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tens
         raise ValueError("out must hold the three outputs side by side")
     args, consts, progs, warps = [], {}, [0], 4
     q, d = x2, x2
+    int8_x = q8x.usable(xq, x2)
     for i, (w, t) in enumerate(mats, 1):
         if row_cols(w, t) != k:
             raise ValueError("gemv3's matrices must have the same number of columns")
         ptrs, meta, wp, _ = _launch_args(w, t, configs[i - 1] if configs else None,
-                                         x_dtype=x.dtype)
+                                         x_dtype=x.dtype, int8_x=int8_x)
         warps = wp if i == 1 else warps
         b = biases[i - 1] if biases is not None else y
         args += [*ptrs, b, w.shape[0], w.shape[1]]
