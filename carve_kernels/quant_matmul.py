@@ -74,27 +74,28 @@ SPECIAL_ALIGN = {qt.Q4_K: 16}
 # table, 8-byte aligned, a row per word), IQ4_XS (carve_kernels/gemv_lowbit.py; on an H200 1.9x the
 # generic walk on int8 x, 1.7x on bf16 x, 2026-12-02), which need no alignment; Q8_0's (on
 # trial, ROW_BODY_TRIAL) only where the weight's start is ROW_BODY_ALIGN-aligned, else the
-# generic walk
+# generic walk; Q5_0's on decode's int8 x alone (INT8_BODY_TYPES), 4-byte aligned too
 ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
-                            qt.IQ1_M, qt.IQ4_XS})
+                            qt.IQ1_M, qt.IQ4_XS, qt.Q5_0})
 # the byte alignment of the weight's start that a row body's word loads assume (the others: 1)
 ROW_BODY_ALIGN = {qt.Q8_0: 4, qt.Q5_0: 4}
 # row bodies on decode's int8 copy of x alone (carve_kernels/gemv_q8.py, the expert GEMVs'
 # bodies): other x (more than one row, or a matrix the copy does not reach) takes the generic
-# walk at its own tile; GEMV_CONFIG_BODY is the body's tile
+# walk at its own tile; GEMV_CONFIG_BODY is the body's tile. Q5_0 (a thread per 22-byte
+# block), for the small models whose rows are not whole 256-value blocks (Qwen2-0.5B's q, k,
+# gate and up): H200, 2026-12-04, 7B ffn_up + ffn_down 41.0 us (54 % of the floor) at (4, 32,
+# 4) against 106.9 on the generic walk (58.0 at (8, 32, 4)); Qwen2-0.5B tg128 1,343.9 against
+# 1,234.6 t/s at (8, 32, 4), the same greedy ids
 INT8_BODY_TYPES = frozenset({qt.Q5_0})
-GEMV_CONFIG_BODY: dict[int, tuple[int, ...]] = {qt.Q5_0: (8, 32, 4)}
+GEMV_CONFIG_BODY: dict[int, tuple[int, ...]] = {qt.Q5_0: (4, 32, 4)}
 # bodies of their own not switched on: Q2_K (carve_kernels/gemv_lowbit.py q2k_rows_dot) measured
 # 1.14x the generic walk on int8 x but 0.85x on bf16 x (H200, 2026-12-02), and its big matrices
 # go to the T layout (carve_kernels/gemv_t_low.py); it runs only where a caller adds it to
 # ROW_BODY_TYPES (the tests; benchmarks/device_check.py --types, which times it beside the
 # generic walk; CARVE_TRIAL=q2k_rows). Q8_0 (carve_kernels/gemv_dot.py q80_rows_dot, a thread per
 # block read as aligned int32 words; decode's int8 copy of x reaches its q/k/v, gate/up and
-# head): written 2026-12-03, not yet timed on a GPU (CARVE_TRIAL=q8_0_rows). Q5_0 (the expert
-# GEMVs' q50_q8_rows_dot, a thread per 22-byte block; int8 x only): written 2026-12-04 for the
-# small models whose rows are not whole 256-value blocks (Qwen2-0.5B's q, k, o, gate and up)
-# (CARVE_TRIAL=q5_0_rows)
-ROW_BODY_TRIAL = frozenset({qt.Q2_K, qt.Q8_0, qt.Q5_0})
+# head): written 2026-12-03, not yet timed on a GPU (CARVE_TRIAL=q8_0_rows)
+ROW_BODY_TRIAL = frozenset({qt.Q2_K, qt.Q8_0})
 
 
 def gemv_config(ggml_type: int, rows: int, cols: int) -> tuple[int, ...]:

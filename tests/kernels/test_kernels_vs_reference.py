@@ -139,13 +139,12 @@ def test_q8_0_row_body_matches_reference(x, seed, q8_0_body):
         assert nerr(out, ref, gemv_scale(w, qt.Q8_0, xr)) < 1e-5
 
 
-def test_q5_0_row_body_on_int8_x_matches_reference(seed, monkeypatch) -> None:
-    # Q5_0's body (on trial: CARVE_TRIAL=q5_0_rows) on decode's int8 x in gemv, gemv_glu and
+def test_q5_0_row_body_on_int8_x_matches_reference(seed) -> None:
+    # Q5_0's body on decode's int8 x in gemv, gemv_glu and
     # gemv3 (beside a Q8_0 matrix on the generic walk): 7 blocks a row (row_bytes 154, 2 mod 4:
     # blocks start at both halves of a word), 9 rows in tiles of 4 and steps of 4 blocks (both
     # last ones partial), and the default tile; on bf16 x (no copy, or more than one row) the
     # generic walk at its own tile
-    monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", quant_matmul.ROW_BODY_TYPES | {qt.Q5_0})
     g = generator(seed)
     rows, cols = 9, 32 * 7
     w, up = (random_weight(qt.Q5_0, rows, cols, DEVICE, g) for _ in range(2))
