@@ -487,10 +487,10 @@ def mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R: t
 
 
 # the types with a body here, and the values of a block each
-Q8_TYPES = (12, 14, 39, 6)  # Q4_K, Q6_K, MXFP4, Q5_0
+Q8_TYPES = (12, 14, 39, 6, 11, 8)  # Q4_K, Q6_K, MXFP4, Q5_0, Q3_K, Q8_0
 # bodies written and checked here, not yet measured in a decode step: decode's experts take
 # them only on trial (CARVE_TRIAL names them: moe_decode.Q8_ON_TRIAL), by trial name
-Q8_TRIAL_TYPES = {"q3k_experts": (11,), "iq4nl_experts": (20,), "q80_experts": (8,)}
+Q8_TRIAL_TYPES = {"iq4nl_experts": (20,)}
 Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256, 6: 32, 20: 32, 8: 32}
 
 

@@ -113,11 +113,15 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     # (24 of its 45 routed downs Q5_0, the fallback for Q4_K on 1408-value rows) tg64 155.8
     # against 148.7 t/s on bf16 x (H200, 2026-12-04, same greedy ids)
     (qt.Q5_0, "glu"): (32, 16, 8), (qt.Q5_0, "down"): (16, 32, 4),
-    # on trial (q3k_experts): device_check --moe --types Q3_K's best at GLM-4.5-Air's shape
-    # (2026-12-04): gate/up 47.6 us (bf16 x 50.3; 79.5 at 32x1x4), down 4096 x 1536 32.7 us
-    # with the in-kernel sum (bf16 x, split 40.6; 41.9 at 16x1x2)
+    # Q3_K: device_check --moe --types Q3_K's best at GLM-4.5-Air's shape (2026-12-04): gate/up
+    # 47.6 us (bf16 x 50.3; 79.5 at 32x1x4), down 4096 x 1536 32.7 us with the in-kernel sum
+    # (bf16 x, split 40.6; 41.9 at 16x1x2); GLM-4.5-Air Q3_K_M (its gate/up experts Q3_K) tg64
+    # 146.5 against 135.9 t/s on bf16 x (H200, 2026-12-04, same greedy ids)
     (qt.Q3_K, "glu"): (32, 8, 8), (qt.Q3_K, "down"): (128, 4, 8),
-    # on trial (iq4nl_experts, q80_experts): Q5_0's tiles (a thread a block too)
+    # Q8_0 (gemv_dot's q80_rows_dot) at Q5_0's tiles (a thread a block too): GLM-4.5-Air Q4_K_M
+    # (22 of its routed downs Q8_0, Q6_K's fallback on 1408-value rows) tg64 168.5 against 155.9
+    # t/s on the generic bf16-x walk (H200, 2026-12-04, same greedy ids); IQ4_NL on trial
+    # (iq4nl_experts) at the same tiles
     (qt.IQ4_NL, "glu"): (32, 16, 8), (qt.IQ4_NL, "down"): (16, 32, 4),
     (qt.Q8_0, "glu"): (32, 16, 8), (qt.Q8_0, "down"): (16, 32, 4),
 }
@@ -137,8 +141,8 @@ def _lut(*types: int) -> dict:
 
 def q8_able(ggml_type: int, cols: int) -> bool:
     """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy (the
-    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4, Q5_0; Q3_K, IQ4_NL and
-    Q8_0 on trial)."""
+    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4, Q5_0, Q3_K, Q8_0; IQ4_NL
+    on trial)."""
     return ((ggml_type in Q8_TYPES or ggml_type in Q8_ON_TRIAL)
             and cols % Q8_BLOCK[ggml_type] == 0)
 

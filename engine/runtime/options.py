@@ -18,13 +18,9 @@ TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (carve_kernels/gemv_lowbit.py)",
     "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x "
                  "(carve_kernels/gemv_dot.py)",
-    "q3k_experts": "decode's Q3_K experts on int8 x (carve_kernels/gemv_q8.py "
-                   "quarter_q8_rows_dot): the Q3_K_M files' gate/up experts",
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
-    "q80_experts": "decode's Q8_0 experts on int8 x (carve_kernels/gemv_dot.py q80_rows_dot): "
-                   "Q6_K's fallback on such rows (GLM-4.5-Air Q4_K_M's bumped down experts)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}

@@ -134,8 +134,9 @@ def test_chunks_padded_to_a_graphs_length_match_the_cpu_engine(model, monkeypatc
 
     monkeypatch.setattr(GpuPipeline, "chunk_rows", padded)
     options = RunnerOptions(expert_q8=False) if "gpt-oss" in model else None
-    # 16 rows, then 5 padded to 8; the greedy prompt's 6 rows padded to 8
-    against_cpu_engine(plan(model), DEV, ids(21), ids(2, 1), ids(6, 3), 5e-3, model,
+    # 16 rows, then 5 padded to 8; the greedy prompt's 6 rows padded to 8. Decode's int8 x
+    # (its Q5_0 q/k/gate/up and experts) leaves up to 5e-3; padding kept in the cache 2e-2 to 9e-2
+    against_cpu_engine(plan(model), DEV, ids(21), ids(2, 1), ids(6, 3), 1e-2, model,
                        options=options)
     assert 3 in pads and 2 in pads
 
@@ -211,34 +212,35 @@ def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, tmp_path) -> Non
 @pytest.mark.parametrize(("mix", "trial", "types"), [
     # GLM-4.5-Air's Q3_K_M experts: Q3_K gate/up, Q5_0 down (Q4_K's fallback on rows that are
     # no whole 256-value blocks, 224 here as 1408 there)
-    ("q3_k_m", "q3k_experts", {(qt.Q3_K, qt.Q5_0)}),
+    ("q3_k_m", None, {(qt.Q3_K, qt.Q5_0)}),
     # its Q4_K_M experts: the bumped layer's down Q6_K, whose fallback is Q8_0
-    ("q4_k_m", "q80_experts", {(qt.Q4_K, qt.Q5_0), (qt.Q4_K, qt.Q8_0)}),
+    ("q4_k_m", None, {(qt.Q4_K, qt.Q5_0), (qt.Q4_K, qt.Q8_0)}),
     ("iq4_nl", "iq4nl_experts", {(qt.IQ4_NL, qt.IQ4_NL)})])
-def test_glm_shaped_experts_on_trial_decode_on_int8_x_as_the_cpu_engine(mix, trial, types,
-                                                                        tmp_path,
-                                                                        monkeypatch) -> None:
-    """The int8-x expert bodies on trial (gemv_q8's quarter_q8_rows_dot for Q3_K,
-    iq4nl_q8_rows_dot, and gemv_dot's q80_rows_dot for Q8_0) multiply the int8 copies of the
-    normed row and of the GLU outputs in every layer and still match the CPU engine; without
-    the trial a layer with such experts reads bf16 x for them."""
+def test_glm_shaped_experts_decode_on_int8_x_as_the_cpu_engine(mix, trial, types, tmp_path,
+                                                               monkeypatch) -> None:
+    """The int8-x expert bodies (gemv_q8's quarter_q8_rows_dot for Q3_K and gemv_dot's
+    q80_rows_dot for Q8_0; iq4nl_q8_rows_dot on trial) multiply the int8 copies of the normed
+    row and of the GLU outputs in every layer and still match the CPU engine; without its
+    trial a layer with IQ4_NL experts reads bf16 x for them."""
     from carve_kernels import gemv_q8, moe_decode
 
     shape = Shape("qwen3moe", 2, 256, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
                   n_expert_used=2, n_ff_exp=224)
     (out,) = write_model(tmp_path / f"{mix}.gguf", shape, mix)
-    on_trial = set(gemv_q8.Q8_TRIAL_TYPES[trial])
+    on_trial = set(gemv_q8.Q8_TRIAL_TYPES[trial]) if trial else set()
 
     def on_int8(g) -> None:
         ffns = [layer.ffn for layer in g.pipe.stages[0].layers]
         assert {(f.gate.ggml_type, f.down.ggml_type) for f in ffns} == types
         assert all(f.xq is not None and f.xq_h is not None for f in ffns)
 
-    options = RunnerOptions(trials=frozenset({trial}))
+    options = RunnerOptions(trials=frozenset({trial} if trial else ()))
     monkeypatch.setattr(moe_decode, "Q8_ON_TRIAL", moe_decode.Q8_ON_TRIAL)  # restored after
     options.apply()
     against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), 5e-3, str(out),
                        on_int8, options=options)
+    if not trial:
+        return
     monkeypatch.undo()  # the trial off
     g = GpuSession.load(plan(str(out)), devices=[DEV], remember=False)
     try:
