@@ -51,7 +51,7 @@ ROW_CONFIGS = [(4, 4, 4), (8, 8, 4), (4, 8, 4), (2, 8, 4), (8, 4, 4)]
 # the row bodies of a thread per 32-value block (Q8_0: carve_kernels/gemv_dot.py q80_rows_dot), 1 to
 # 4 blocks a thread; not swept yet
 BLOCK_ROW_CONFIGS = {t: [(8, 32, 4), (4, 32, 4), (16, 32, 4), (8, 16, 4), (16, 16, 4),
-                         (4, 64, 4)] for t in (qt.Q8_0, qt.Q5_0)}
+                         (4, 64, 4)] for t in (qt.Q8_0, qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1)}
 # (rows per program, warps, target programs): the rule's two, then more rows a thread or fewer
 # programs
 T_CONFIGS = [launch.T_CONFIG, launch.T_CONFIG_LOWBIT, (256, 2, 2112), (512, 4, 2112),
@@ -322,7 +322,8 @@ def _gemv_section(t, args, g, copy_bw, row, best_cfg):
         # the walk's own tile where it has one: Q8_0's)
         body = quant_matmul.ROW_BODY_TYPES
         quant_matmul.ROW_BODY_TYPES = body - {t}
-        own = quant_matmul.GEMV_CONFIG_GENERIC.get(t)
+        own = quant_matmul.GEMV_CONFIG_GENERIC.get(t) or (
+            quant_matmul.GEMV_CONFIG[t] if t in quant_matmul.INT8_BODY_TYPES else None)
         try:
             generic = _sweep(f"{name} generic walk", t, ws, shapes,
                              [cfg] + ([own] if own and own != cfg else []), xy)

@@ -339,6 +339,105 @@ MXFP4_LUT3 = tl.constexpr(-0x0B070504)  # 0xF4F8FAFC
 
 
 @triton.jit
+def _nibbles(q, qh, T: tl.constexpr, HIGH: tl.constexpr):
+    # values 4T .. 4T + 3 of a 32-value block of 4-bit quants as unsigned bytes: the low
+    # nibbles of qs word T for T < 4, else the high nibbles of word T - 4; HIGH: with their
+    # fifth bits (qh bits 4T .. 4T + 3, spread one to a byte by a multiply, as _q5_s8)
+    nib = (q >> (4 * (T // 4))) & 0x0F0F0F0F
+    if HIGH:
+        nib = nib | (((((qh >> (4 * T)) & 0xF) * 0x00204081) & 0x01010101) << 4)
+    return nib
+
+
+@triton.jit
+def _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, HIGH: tl.constexpr, CENTRED: tl.constexpr,
+                  ASM: tl.constexpr):
+    # one block's dp4a sums against x's int8 words: (sum q q_x, sum q_x); CENTRED: Q4_0's
+    # signed values q - 8 (the nibble with bit 3 flipped is the 4-bit two's complement, its
+    # sign spread over bits 4-7), else the unsigned values and x's sum for the min term
+    i = tl.zeros(q0.shape, dtype=tl.int32)
+    sx = tl.zeros(q0.shape, dtype=tl.int32)
+    for T in tl.static_range(8):
+        if T % 4 == 0:
+            q = q0
+        elif T % 4 == 1:
+            q = q1
+        elif T % 4 == 2:
+            q = q2
+        else:
+            q = q3
+        v = _nibbles(q, qh, T, HIGH)
+        xw = tl.broadcast_to(tl.load(xq + blk * 8 + T, mask=bm, other=0)[None, :], q.shape)
+        if CENTRED:
+            v = v ^ 0x08080808
+            i = _dp4a(v | ((v & 0x08080808) * 0x1E), xw, i, ASM, True)
+        else:
+            i = _dp4a(v, xw, i, ASM)
+            sx = _dp4a(tl.full(q.shape, 0x01010101, tl.int32), xw, sx, ASM)
+    return i, sx
+
+
+@triton.jit
+def q40_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
+                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_R] float32 dot products of Q4_0 rows ``rows_c`` with x's int8 copy, as
+    ``q50_q8_rows_dot`` (18-byte blocks: f16 d, 16 bytes of qs, cut out of the 5 aligned words
+    around them when they start 2 past a word):
+
+        sum W x = d d_x (dp4a of the signed values q - 8 and q_x)"""
+    wi = w_ptr.to(tl.pointer_type(tl.int32))
+    xq = xq_ptr.to(tl.pointer_type(tl.int32))
+    row_b = rows_c.to(tl.int64) * row_bytes
+    acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
+    for b0 in range(0, nblk, BLOCK_B):
+        blk, bm, base = _block_step(row_b, b0, nblk, 18, BLOCK_B)
+        d, wp, sh = _d_then_words(wh_ptr, wi, base)
+        w0 = tl.load(wp)
+        w1 = tl.load(wp + 1)
+        w2 = tl.load(wp + 2)
+        w3 = tl.load(wp + 3)
+        w4 = tl.load(wp + 4, mask=sh != 0, other=0)
+        i, _ = _nibble_block(_funnel(w0, w1, sh, ASM), _funnel(w1, w2, sh, ASM),
+                             _funnel(w2, w3, sh, ASM), _funnel(w3, w4, sh, ASM), 0, xq, blk, bm,
+                             False, True, ASM)
+        dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
+        acc += d * dx[None, :] * i.to(tl.float32)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def q41_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
+                    TYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+                    ASM: tl.constexpr):
+    """[BLOCK_R] float32 dot products of Q4_1 (TYPE 3: 20-byte blocks of f16 d, f16 m and 16
+    bytes of qs) or Q5_1 (TYPE 7: 24 bytes, qh's 4 bytes before qs) rows ``rows_c`` with x's
+    int8 copy; a thread per block, whose words are aligned (blocks of a multiple of 4 bytes,
+    the weight 4-byte aligned). With W = d q + m:
+
+        sum W x = d_x (d dp4a(q, q_x) + m dp4a(1, q_x))"""
+    HIGH: tl.constexpr = TYPE == 7
+    TS: tl.constexpr = 24 if HIGH else 20
+    wi = w_ptr.to(tl.pointer_type(tl.int32))
+    xq = xq_ptr.to(tl.pointer_type(tl.int32))
+    row_b = rows_c.to(tl.int64) * row_bytes
+    acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
+    for b0 in range(0, nblk, BLOCK_B):
+        blk, bm, base = _block_step(row_b, b0, nblk, TS, BLOCK_B)
+        d = tl.load(wh_ptr + (base >> 1)).to(tl.float32)
+        m = tl.load(wh_ptr + (base >> 1) + 1).to(tl.float32)
+        wp = wi + (base >> 2) + 1
+        qh = 0
+        if HIGH:
+            qh = tl.load(wp)
+            wp = wp + 1
+        i, sx = _nibble_block(tl.load(wp), tl.load(wp + 1), tl.load(wp + 2), tl.load(wp + 3),
+                              qh, xq, blk, bm, HIGH, False, ASM)
+        dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
+        acc += dx[None, :] * (d * i.to(tl.float32) + m * sx.to(tl.float32))
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _lut16_s8(q, L0: tl.constexpr, L1: tl.constexpr, L2: tl.constexpr, L3: tl.constexpr,
               ASM: tl.constexpr):
     # the 8 nibbles of q (bytes j..j+3 of a block's qs: values j..j+3 low, j+16..j+19 high) as

@@ -16,7 +16,7 @@ import triton.language as tl
 from carve_kernels import dequant as _dq
 from carve_kernels import pdl, q8x
 from carve_kernels.gemv_dot import row_dot
-from carve_kernels.gemv_q8 import q50_q8_rows_dot
+from carve_kernels.gemv_q8 import q40_q8_rows_dot, q41_q8_rows_dot, q50_q8_rows_dot
 from carve_kernels.glu import glu_act
 from carve_kernels.lowbit_blocks import LOWBIT_PLANS, lookup_table
 from carve_kernels.quant_blocks import PLANS, dequant_part, plan
@@ -74,11 +74,12 @@ SPECIAL_ALIGN = {qt.Q4_K: 16}
 # table, 8-byte aligned, a row per word), IQ4_XS (carve_kernels/gemv_lowbit.py; on an H200 1.9x the
 # generic walk on int8 x, 1.7x on bf16 x, 2026-12-02), which need no alignment; Q8_0's (on
 # trial, ROW_BODY_TRIAL) only where the weight's start is ROW_BODY_ALIGN-aligned, else the
-# generic walk; Q5_0's on decode's int8 x alone (INT8_BODY_TYPES), 4-byte aligned too
+# generic walk; Q5_0's, Q4_0's, Q4_1's and Q5_1's on decode's int8 x alone (INT8_BODY_TYPES),
+# 4-byte aligned too
 ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
-                            qt.IQ1_M, qt.IQ4_XS, qt.Q5_0})
+                            qt.IQ1_M, qt.IQ4_XS, qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1})
 # the byte alignment of the weight's start that a row body's word loads assume (the others: 1)
-ROW_BODY_ALIGN = {qt.Q8_0: 4, qt.Q5_0: 4}
+ROW_BODY_ALIGN = {qt.Q8_0: 4, qt.Q5_0: 4, qt.Q4_0: 4, qt.Q4_1: 4, qt.Q5_1: 4}
 # row bodies on decode's int8 copy of x alone (carve_kernels/gemv_q8.py, the expert GEMVs'
 # bodies): other x (more than one row, or a matrix the copy does not reach) takes the generic
 # walk at its own tile; GEMV_CONFIG_BODY is the body's tile. Q5_0 (a thread per 22-byte
@@ -86,8 +87,10 @@ ROW_BODY_ALIGN = {qt.Q8_0: 4, qt.Q5_0: 4}
 # gate and up): H200, 2026-12-04, 7B ffn_up + ffn_down 41.0 us (54 % of the floor) at (4, 32,
 # 4) against 106.9 on the generic walk (58.0 at (8, 32, 4)); Qwen2-0.5B tg128 1,343.9 against
 # 1,234.6 t/s at (8, 32, 4), the same greedy ids
-INT8_BODY_TYPES = frozenset({qt.Q5_0})
-GEMV_CONFIG_BODY: dict[int, tuple[int, ...]] = {qt.Q5_0: (4, 32, 4)}
+# Q4_0, Q4_1 and Q5_1 (carve_kernels/gemv_q8.py: a thread per block as Q5_0's; Q4_1's and
+# Q5_1's min term by a dp4a of x's words with ones) at Q5_0's tile
+INT8_BODY_TYPES = frozenset({qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1})
+GEMV_CONFIG_BODY: dict[int, tuple[int, ...]] = {t: (4, 32, 4) for t in INT8_BODY_TYPES}
 # bodies of their own not switched on: Q2_K (carve_kernels/gemv_lowbit.py q2k_rows_dot) measured
 # 1.14x the generic walk on int8 x but 0.85x on bf16 x (H200, 2026-12-02), and its big matrices
 # go to the T layout (carve_kernels/gemv_t_low.py); it runs only where a caller adds it to
@@ -118,6 +121,12 @@ def _dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE: tl.constexpr,
     if SPECIAL and Q8X and TYPE == 6:  # Q5_0: a thread per 22-byte block
         y = q50_q8_rows_dot(w_ptr, wh_ptr, xrow, xd_ptr, rows_c, K // BS, row_bytes, BLOCK_R,
                             BLOCK_B, ASM)
+    elif SPECIAL and Q8X and TYPE == 2:  # Q4_0: 18-byte blocks, as Q5_0's
+        y = q40_q8_rows_dot(w_ptr, wh_ptr, xrow, xd_ptr, rows_c, K // BS, row_bytes, BLOCK_R,
+                            BLOCK_B, ASM)
+    elif SPECIAL and Q8X and (TYPE == 3 or TYPE == 7):  # Q4_1, Q5_1: aligned words
+        y = q41_q8_rows_dot(w_ptr, wh_ptr, xrow, xd_ptr, rows_c, K // BS, row_bytes, TYPE,
+                            BLOCK_R, BLOCK_B, ASM)
     else:
         y = row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
                     BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, ASM)

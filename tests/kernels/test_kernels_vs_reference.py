@@ -139,41 +139,42 @@ def test_q8_0_row_body_matches_reference(x, seed, q8_0_body):
         assert nerr(out, ref, gemv_scale(w, qt.Q8_0, xr)) < 1e-5
 
 
-def test_q5_0_row_body_on_int8_x_matches_reference(seed) -> None:
-    # Q5_0's body on decode's int8 x in gemv, gemv_glu and
-    # gemv3 (beside a Q8_0 matrix on the generic walk): 7 blocks a row (row_bytes 154, 2 mod 4:
-    # blocks start at both halves of a word), 9 rows in tiles of 4 and steps of 4 blocks (both
-    # last ones partial), and the default tile; on bf16 x (no copy, or more than one row) the
-    # generic walk at its own tile
+@pytest.mark.parametrize("t", sorted(quant_matmul.INT8_BODY_TYPES), ids=qt.type_name)
+def test_int8_row_bodies_match_reference(t, seed) -> None:
+    # the bodies on decode's int8 x alone (Q4_0, Q4_1, Q5_0, Q5_1) in gemv, gemv_glu and gemv3
+    # (beside a Q8_0 matrix on the generic walk): 7 blocks a row (Q4_0's and Q5_0's rows of
+    # 126 and 154 bytes, 2 mod 4: blocks start at both halves of a word), 9 rows in tiles of 4
+    # and steps of 4 blocks (both last ones partial), and the default tile; on bf16 x (no
+    # copy, or more than one row) the generic walk at its own tile
     g = generator(seed)
     rows, cols = 9, 32 * 7
-    w, up = (random_weight(qt.Q5_0, rows, cols, DEVICE, g) for _ in range(2))
+    w, up = (random_weight(t, rows, cols, DEVICE, g) for _ in range(2))
     x = torch.randn(1, cols, generator=g, device=DEVICE).to(torch.bfloat16)
     xq, xr = q8x.copy_ref(x[0])
-    assert quant_matmul._launch_args(w, qt.Q5_0, int8_x=True)[1]["SPECIAL"]
-    assert not quant_matmul._launch_args(w, qt.Q5_0)[1]["SPECIAL"]
-    ref = quant_matmul.gemv_ref(w, qt.Q5_0, xr)
+    assert quant_matmul._launch_args(w, t, int8_x=True)[1]["SPECIAL"]
+    assert not quant_matmul._launch_args(w, t)[1]["SPECIAL"]
+    ref = quant_matmul.gemv_ref(w, t, xr)
     for config in ((4, 4, 4), None):
         out = poison((1, rows))
-        quant_matmul.gemv(w, qt.Q5_0, x, out=out, config=config, xq=xq)
-        assert nerr(out, ref, gemv_scale(w, qt.Q5_0, xr)) < 1e-5
-    u_ref = quant_matmul.gemv_ref(up, qt.Q5_0, xr)
+        quant_matmul.gemv(w, t, x, out=out, config=config, xq=xq)
+        assert nerr(out, ref, gemv_scale(w, t, xr)) < 1e-5
+    u_ref = quant_matmul.gemv_ref(up, t, xr)
     out = poison((1, rows))
-    quant_matmul.gemv_glu(w, up, qt.Q5_0, x, "silu", out=out, xq=xq)
-    scale = glu_scale(ref, u_ref, "silu", gemv_scale(w, qt.Q5_0, xr),
-                      gemv_scale(up, qt.Q5_0, xr))
+    quant_matmul.gemv_glu(w, up, t, x, "silu", out=out, xq=xq)
+    scale = glu_scale(ref, u_ref, "silu", gemv_scale(w, t, xr),
+                      gemv_scale(up, t, xr))
     assert nerr(out, glu.glu_ref(ref.double(), u_ref.double(), "silu"), scale) < 1e-5
     v = random_weight(qt.Q8_0, 3, cols, DEVICE, g)
     out = poison((1, 2 * rows + 3))
-    quant_matmul.gemv3([(w, qt.Q5_0), (v, qt.Q8_0), (up, qt.Q5_0)], x, out, xq=xq)
+    quant_matmul.gemv3([(w, t), (v, qt.Q8_0), (up, t)], x, out, xq=xq)
     want = torch.cat([ref, quant_matmul.gemv_ref(v, qt.Q8_0, x.float()), u_ref], dim=1)
     assert nerr(out, want, want.abs().max()) < 1e-5
     # two rows of x: the generic walk on x, never the copy
     x2 = torch.randn(2, cols, generator=g, device=DEVICE).to(torch.bfloat16)
     out = poison((2, rows))
-    quant_matmul.gemv(w, qt.Q5_0, x2, out=out, xq=xq)
-    ref2 = quant_matmul.gemv_ref(w, qt.Q5_0, x2.float())
-    assert nerr(out, ref2, gemv_scale(w, qt.Q5_0, x2.float())) < 1e-5
+    quant_matmul.gemv(w, t, x2, out=out, xq=xq)
+    ref2 = quant_matmul.gemv_ref(w, t, x2.float())
+    assert nerr(out, ref2, gemv_scale(w, t, x2.float())) < 1e-5
 
 
 def test_q8_0_unaligned_weight_takes_the_generic_walk_on_x(seed, q8_0_body):
