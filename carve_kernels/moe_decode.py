@@ -121,9 +121,12 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     # Q8_0 (gemv_dot's q80_rows_dot) at Q5_0's tiles (a thread a block too): GLM-4.5-Air Q4_K_M
     # (22 of its routed downs Q8_0, Q6_K's fallback on 1408-value rows) tg64 168.5 against 155.9
     # t/s on the generic bf16-x walk (H200, 2026-12-04, same greedy ids); IQ4_NL on trial
-    # (iq4nl_experts) at the same tiles
+    # (iq4nl_experts) and Q4_0, Q4_1, Q5_1 (the dense GEMVs' bodies, a thread a block too) at
+    # the same tiles
     (qt.IQ4_NL, "glu"): (32, 16, 8), (qt.IQ4_NL, "down"): (16, 32, 4),
     (qt.Q8_0, "glu"): (32, 16, 8), (qt.Q8_0, "down"): (16, 32, 4),
+    **{(t, part): cfg for t in (qt.Q4_0, qt.Q4_1, qt.Q5_1)
+       for part, cfg in (("glu", (32, 16, 8)), ("down", (16, 32, 4)))},
 }
 
 # the int8-x bodies on trial that decode's experts take (gemv_q8.Q8_TRIAL_TYPES; set by
@@ -141,8 +144,8 @@ def _lut(*types: int) -> dict:
 
 def q8_able(ggml_type: int, cols: int) -> bool:
     """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy (the
-    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4, Q5_0, Q3_K, Q8_0; IQ4_NL
-    on trial)."""
+    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4, Q5_0, Q3_K, Q8_0, Q4_0,
+    Q4_1, Q5_1; IQ4_NL on trial)."""
     return ((ggml_type in Q8_TYPES or ggml_type in Q8_ON_TRIAL)
             and cols % Q8_BLOCK[ggml_type] == 0)
 
@@ -151,10 +154,10 @@ def _q8_views(w: torch.Tensor, ggml_type: int, what: str):
     if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous():
         raise ValueError(f"{what} must be contiguous uint8 [rows, row_bytes]")
     # Q4_K reads int32 words (its 144-byte blocks keep rows 4-byte aligned), Q6_K and Q3_K
-    # 16-bit ones, MXFP4, Q5_0, IQ4_NL and Q8_0 the aligned int32 words around their 17-,
-    # 22-, 18- and 34-byte blocks (the tensor 4-byte aligned; Q5_0's and IQ4_NL's d a 16-bit
-    # load)
-    if ggml_type in (qt.MXFP4, qt.Q5_0, qt.IQ4_NL, qt.Q8_0):
+    # 16-bit ones, MXFP4, Q5_0, IQ4_NL, Q8_0, Q4_0, Q4_1 and Q5_1 the aligned int32 words
+    # around their 17-, 22-, 18-, 34-, 18-, 20- and 24-byte blocks (the tensor 4-byte aligned;
+    # their d (and m) 16-bit loads)
+    if ggml_type in (qt.MXFP4, qt.Q5_0, qt.IQ4_NL, qt.Q8_0, qt.Q4_0, qt.Q4_1, qt.Q5_1):
         if w.data_ptr() % 4:
             raise ValueError(f"{what}: {qt.type_name(ggml_type)} experts must start 4-byte "
                              "aligned for the int8-x body")

@@ -149,7 +149,8 @@ def test_int8_x_is_refused_where_it_cannot_go():
                                                  (qt.Q3_K, qt.Q3_K), (qt.Q5_0, qt.Q5_0),
                                                  (qt.Q3_K, qt.Q5_0), (qt.IQ4_NL, qt.IQ4_NL),
                                                  (qt.Q3_K, qt.IQ4_NL), (qt.Q8_0, qt.Q8_0),
-                                                 (qt.Q4_K, qt.Q8_0)],
+                                                 (qt.Q4_K, qt.Q8_0), (qt.Q4_0, qt.Q4_0),
+                                                 (qt.Q4_1, qt.Q5_1), (qt.Q5_1, qt.Q4_1)],
                          ids=lambda t: qt.type_name(t))
 def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed, monkeypatch):
     # decode's routed experts in GGUF order on the int8 copies (carve_kernels/gemv_q8.py): gate/up
