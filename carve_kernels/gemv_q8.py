@@ -336,6 +336,11 @@ MXFP4_LUT0 = tl.constexpr(0x03020100)
 MXFP4_LUT1 = tl.constexpr(0x0C080604)
 MXFP4_LUT2 = tl.constexpr(-0x02010100)  # 0xFDFEFF00
 MXFP4_LUT3 = tl.constexpr(-0x0B070504)  # 0xF4F8FAFC
+# Q4_0's values q - 8 as the same kind of table: -8 .. 7
+Q40_LUT0 = tl.constexpr(-0x04050608)  # 0xFBFAF9F8
+Q40_LUT1 = tl.constexpr(-0x00010204)  # 0xFFFEFDFC
+Q40_LUT2 = tl.constexpr(0x03020100)
+Q40_LUT3 = tl.constexpr(0x07060504)
 
 
 @triton.jit
@@ -350,11 +355,9 @@ def _nibbles(q, qh, T: tl.constexpr, HIGH: tl.constexpr):
 
 
 @triton.jit
-def _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, HIGH: tl.constexpr, CENTRED: tl.constexpr,
-                  ASM: tl.constexpr):
-    # one block's dp4a sums against x's int8 words: (sum q q_x, sum q_x); CENTRED: Q4_0's
-    # signed values q - 8 (the nibble with bit 3 flipped is the 4-bit two's complement, its
-    # sign spread over bits 4-7), else the unsigned values and x's sum for the min term
+def _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, HIGH: tl.constexpr, ASM: tl.constexpr):
+    # one block's dp4a sums against x's int8 words of its unsigned values: (sum q q_x, sum
+    # q_x), the second for the min term
     i = tl.zeros(q0.shape, dtype=tl.int32)
     sx = tl.zeros(q0.shape, dtype=tl.int32)
     for T in tl.static_range(8):
@@ -366,43 +369,10 @@ def _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, HIGH: tl.constexpr, CENTRED: 
             q = q2
         else:
             q = q3
-        v = _nibbles(q, qh, T, HIGH)
         xw = tl.broadcast_to(tl.load(xq + blk * 8 + T, mask=bm, other=0)[None, :], q.shape)
-        if CENTRED:
-            v = v ^ 0x08080808
-            i = _dp4a(v | ((v & 0x08080808) * 0x1E), xw, i, ASM, True)
-        else:
-            i = _dp4a(v, xw, i, ASM)
-            sx = _dp4a(tl.full(q.shape, 0x01010101, tl.int32), xw, sx, ASM)
+        i = _dp4a(_nibbles(q, qh, T, HIGH), xw, i, ASM)
+        sx = _dp4a(tl.full(q.shape, 0x01010101, tl.int32), xw, sx, ASM)
     return i, sx
-
-
-@triton.jit
-def q40_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
-                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
-    """[BLOCK_R] float32 dot products of Q4_0 rows ``rows_c`` with x's int8 copy, as
-    ``q50_q8_rows_dot`` (18-byte blocks: f16 d, 16 bytes of qs, cut out of the 5 aligned words
-    around them when they start 2 past a word):
-
-        sum W x = d d_x (dp4a of the signed values q - 8 and q_x)"""
-    wi = w_ptr.to(tl.pointer_type(tl.int32))
-    xq = xq_ptr.to(tl.pointer_type(tl.int32))
-    row_b = rows_c.to(tl.int64) * row_bytes
-    acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
-    for b0 in range(0, nblk, BLOCK_B):
-        blk, bm, base = _block_step(row_b, b0, nblk, 18, BLOCK_B)
-        d, wp, sh = _d_then_words(wh_ptr, wi, base)
-        w0 = tl.load(wp)
-        w1 = tl.load(wp + 1)
-        w2 = tl.load(wp + 2)
-        w3 = tl.load(wp + 3)
-        w4 = tl.load(wp + 4, mask=sh != 0, other=0)
-        i, _ = _nibble_block(_funnel(w0, w1, sh, ASM), _funnel(w1, w2, sh, ASM),
-                             _funnel(w2, w3, sh, ASM), _funnel(w3, w4, sh, ASM), 0, xq, blk, bm,
-                             False, True, ASM)
-        dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
-        acc += d * dx[None, :] * i.to(tl.float32)
-    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -431,7 +401,7 @@ def q41_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
             qh = tl.load(wp)
             wp = wp + 1
         i, sx = _nibble_block(tl.load(wp), tl.load(wp + 1), tl.load(wp + 2), tl.load(wp + 3),
-                              qh, xq, blk, bm, HIGH, False, ASM)
+                              qh, xq, blk, bm, HIGH, ASM)
         dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
         acc += dx[None, :] * (d * i.to(tl.float32) + m * sx.to(tl.float32))
     return tl.sum(acc, axis=1)
@@ -531,6 +501,15 @@ def iq4nl_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
         dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
         acc += d * dx[None, :] * i.to(tl.float32)
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def q40_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
+                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
+    """Q4_0 rows (18-byte blocks as IQ4_NL's) with x's int8 copy: IQ4_NL's body on the table
+    of Q4_0's values q - 8."""
+    return iq4nl_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, Q40_LUT0,
+                             Q40_LUT1, Q40_LUT2, Q40_LUT3, BLOCK_R, BLOCK_B, ASM)
 
 
 @triton.jit

@@ -16,7 +16,13 @@ import triton.language as tl
 from carve_kernels import dequant as _dq
 from carve_kernels import pdl, q8x
 from carve_kernels.gemv_dot import row_dot
-from carve_kernels.gemv_q8 import q40_q8_rows_dot, q41_q8_rows_dot, q50_q8_rows_dot
+from carve_kernels.gemv_q8 import (
+    iq4nl_q8_rows_dot,
+    lut_words,
+    q40_q8_rows_dot,
+    q41_q8_rows_dot,
+    q50_q8_rows_dot,
+)
 from carve_kernels.glu import glu_act
 from carve_kernels.lowbit_blocks import LOWBIT_PLANS, lookup_table
 from carve_kernels.quant_blocks import PLANS, dequant_part, plan
@@ -77,9 +83,10 @@ SPECIAL_ALIGN = {qt.Q4_K: 16}
 # generic walk; Q5_0's, Q4_0's, Q4_1's and Q5_1's on decode's int8 x alone (INT8_BODY_TYPES),
 # 4-byte aligned too
 ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
-                            qt.IQ1_M, qt.IQ4_XS, qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1})
+                            qt.IQ1_M, qt.IQ4_XS, qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1,
+                            qt.IQ4_NL})
 # the byte alignment of the weight's start that a row body's word loads assume (the others: 1)
-ROW_BODY_ALIGN = {qt.Q8_0: 4, qt.Q5_0: 4, qt.Q4_0: 4, qt.Q4_1: 4, qt.Q5_1: 4}
+ROW_BODY_ALIGN = {qt.Q8_0: 4, qt.Q5_0: 4, qt.Q4_0: 4, qt.Q4_1: 4, qt.Q5_1: 4, qt.IQ4_NL: 4}
 # row bodies on decode's int8 copy of x alone (carve_kernels/gemv_q8.py, the expert GEMVs'
 # bodies): other x (more than one row, or a matrix the copy does not reach) takes the generic
 # walk at its own tile; GEMV_CONFIG_BODY is the body's tile. Q5_0 (a thread per 22-byte
@@ -87,12 +94,13 @@ ROW_BODY_ALIGN = {qt.Q8_0: 4, qt.Q5_0: 4, qt.Q4_0: 4, qt.Q4_1: 4, qt.Q5_1: 4}
 # gate and up): H200, 2026-12-04, 7B ffn_up + ffn_down 41.0 us (54 % of the floor) at (4, 32,
 # 4) against 106.9 on the generic walk (58.0 at (8, 32, 4)); Qwen2-0.5B tg128 1,343.9 against
 # 1,234.6 t/s at (8, 32, 4), the same greedy ids
-# Q4_0, Q4_1 and Q5_1 (carve_kernels/gemv_q8.py: a thread per block as Q5_0's; Q4_1's and
-# Q5_1's min term by a dp4a of x's words with ones) at Q5_0's tile: 7B ffn_up + ffn_down 35.8
-# / 34.5 / 41.8 us (50 / 58 / 58 % of the floor) against 70.4 / 63.3 / 116.6 on the generic
-# walk; Qwen2-7B all Q4_0 tg128 342.4 against 265.7 t/s, all Q4_1 305.6 against 282.7 (int8 x
+# Q4_0, Q4_1, Q5_1 and IQ4_NL (carve_kernels/gemv_q8.py: a thread per block as Q5_0's; Q4_1's
+# and Q5_1's min term by a dp4a of x's words with ones; IQ4_NL's 16-value table by byte
+# permutes, Q4_0 the same body on its values -8..7; gemv3 leaves IQ4_NL to the generic walk)
+# at Q5_0's tile: 7B ffn_up + ffn_down Q4_1 34.5, Q5_1 41.8 us (58 % of the floor) against
+# 63.3 / 116.6 on the generic walk; Qwen2-7B all Q4_1 tg128 305.6 against 282.7 t/s (int8 x
 # off, same call, same greedy ids; H200, 2026-12-04)
-INT8_BODY_TYPES = frozenset({qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1})
+INT8_BODY_TYPES = frozenset({qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1, qt.IQ4_NL})
 GEMV_CONFIG_BODY: dict[int, tuple[int, ...]] = {t: (4, 32, 4) for t in INT8_BODY_TYPES}
 # bodies of their own not switched on: Q2_K (carve_kernels/gemv_lowbit.py q2k_rows_dot) measured
 # 1.14x the generic walk on int8 x but 0.85x on bf16 x (H200, 2026-12-02), and its big matrices
@@ -119,14 +127,19 @@ def _dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE: tl.constexpr,
          BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr, L: tl.constexpr,
          BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr,
          SPECIAL: tl.constexpr, MAGIC: tl.constexpr, xd_ptr, Q8X: tl.constexpr,
-         ASM: tl.constexpr):
-    # row_dot, and the bodies that read decode's int8 x alone (INT8_BODY_TYPES)
+         ASM: tl.constexpr, LUT0: tl.constexpr = 0, LUT1: tl.constexpr = 0,
+         LUT2: tl.constexpr = 0, LUT3: tl.constexpr = 0):
+    # row_dot, and the bodies that read decode's int8 x alone (INT8_BODY_TYPES); LUT0..LUT3:
+    # IQ4_NL's table (gemv_q8.lut_words)
     if SPECIAL and Q8X and TYPE == 6:  # Q5_0: a thread per 22-byte block
         y = q50_q8_rows_dot(w_ptr, wh_ptr, xrow, xd_ptr, rows_c, K // BS, row_bytes, BLOCK_R,
                             BLOCK_B, ASM)
     elif SPECIAL and Q8X and TYPE == 2:  # Q4_0: 18-byte blocks, as Q5_0's
         y = q40_q8_rows_dot(w_ptr, wh_ptr, xrow, xd_ptr, rows_c, K // BS, row_bytes, BLOCK_R,
                             BLOCK_B, ASM)
+    elif SPECIAL and Q8X and TYPE == 20:  # IQ4_NL: Q4_0's blocks, the table's values
+        y = iq4nl_q8_rows_dot(w_ptr, wh_ptr, xrow, xd_ptr, rows_c, K // BS, row_bytes, LUT0,
+                              LUT1, LUT2, LUT3, BLOCK_R, BLOCK_B, ASM)
     elif SPECIAL and Q8X and (TYPE == 3 or TYPE == 7):  # Q4_1, Q5_1: aligned words
         y = q41_q8_rows_dot(w_ptr, wh_ptr, xrow, xd_ptr, rows_c, K // BS, row_bytes, TYPE,
                             BLOCK_R, BLOCK_B, ASM)
@@ -142,7 +155,8 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, N, 
                  NPART: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr, SPECIAL: tl.constexpr,
                  MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr, Q8X: tl.constexpr,
-                 ASM: tl.constexpr, PDL: tl.constexpr):
+                 ASM: tl.constexpr, PDL: tl.constexpr, LUT0: tl.constexpr = 0,
+                 LUT1: tl.constexpr = 0, LUT2: tl.constexpr = 0, LUT3: tl.constexpr = 0):
     pdl.start(PDL)
     # rows on axis 0: a 152064-row output matrix in 2-row programs passes the 65535 limit of
     # grid axes 1 and 2
@@ -153,7 +167,8 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, N, 
     # Q8X: x's int8 copy (one row; the row bodies, ROW_BODY_TYPES)
     xrow = xq_ptr if Q8X else x_ptr + m.to(tl.int64) * stride_xm
     y = _dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
-             BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, Q8X, ASM)
+             BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, Q8X, ASM, LUT0, LUT1, LUT2,
+             LUT3)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty),
@@ -166,7 +181,9 @@ def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, xq_ptr
                      BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr, L: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr,
                      SPECIAL: tl.constexpr, MAGIC: tl.constexpr, GELU: tl.constexpr,
-                     Q8X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                     Q8X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                     LUT0: tl.constexpr = 0, LUT1: tl.constexpr = 0, LUT2: tl.constexpr = 0,
+                     LUT3: tl.constexpr = 0):
     pdl.start(PDL)
     # gate and up rows of the same outputs in one program: x is read once for both, and the
     # GLU needs no launch and no [T, 2F] buffer of its own
@@ -176,9 +193,11 @@ def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, xq_ptr
     rows_c = tl.minimum(rows, N - 1)
     xrow = xq_ptr if Q8X else x_ptr + m.to(tl.int64) * stride_xm
     g = _dot(g_ptr, gh_ptr, gi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
-             BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, Q8X, ASM)
+             BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, Q8X, ASM, LUT0, LUT1, LUT2,
+             LUT3)
     u = _dot(u_ptr, uh_ptr, ui_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
-             BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, Q8X, ASM)
+             BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, Q8X, ASM, LUT0, LUT1, LUT2,
+             LUT3)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows,
              glu_act(g, u, GELU).to(y_ptr.dtype.element_ty), mask=rows < N)
 
@@ -312,6 +331,8 @@ def _launch_args(w: torch.Tensor, ggml_type: int, config: tuple[int, ...] | None
     meta = {"TYPE": ggml_type, "BS": p.block, "TS": p.nbytes, "NPART": p.parts, "L": p.lanes,
             "BLOCK_R": br, "BLOCK_B": bb, "LANE_SUM": ggml_type in LANE_SUM_TYPES,
             "SPECIAL": special, "MAGIC": ggml_type in MAGIC_TYPES}
+    if body and ggml_type == qt.IQ4_NL:  # its table as the body's constants
+        meta.update(zip(("LUT0", "LUT1", "LUT2", "LUT3"), lut_words(ggml_type), strict=True))
     return (w, wh, wi), meta, warps, (rest[0] if rest else None)
 
 
@@ -423,8 +444,9 @@ def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tens
     for i, (w, t) in enumerate(mats, 1):
         if row_cols(w, t) != k:
             raise ValueError("gemv3's matrices must have the same number of columns")
+        # (IQ4_NL's body takes its table as constants gemv3 has no room for: generic walk)
         ptrs, meta, wp, _ = _launch_args(w, t, configs[i - 1] if configs else None,
-                                         x_dtype=x.dtype, int8_x=int8_x)
+                                         x_dtype=x.dtype, int8_x=int8_x and t != qt.IQ4_NL)
         warps = wp if i == 1 else warps
         b = biases[i - 1] if biases is not None else y
         args += [*ptrs, b, w.shape[0], w.shape[1]]
