@@ -272,6 +272,22 @@ def _d_then_words(wh_ptr, wi, base):
 
 
 @triton.jit
+def _d_then_qs(wh_ptr, wi, base, ASM: tl.constexpr):
+    # an 18-byte block of an f16 d and 16 bytes of qs (Q4_0, IQ4_NL) at even byte offsets
+    # ``base``: d and its 4 qs words, cut out of the 5 aligned words around them (aligned when
+    # the block is 2 past a word; the fifth, read only when it starts on a word, reaches 2
+    # bytes past the block, never past a 4-byte boundary)
+    d, wp, sh = _d_then_words(wh_ptr, wi, base)
+    w0 = tl.load(wp)
+    w1 = tl.load(wp + 1)
+    w2 = tl.load(wp + 2)
+    w3 = tl.load(wp + 3)
+    w4 = tl.load(wp + 4, mask=sh != 0, other=0)
+    return (d, _funnel(w0, w1, sh, ASM), _funnel(w1, w2, sh, ASM), _funnel(w2, w3, sh, ASM),
+            _funnel(w3, w4, sh, ASM))
+
+
+@triton.jit
 def _q5_s8(q, qh, T: tl.constexpr):
     # values 4T .. 4T + 3 of a Q5_0 block (low nibbles of qs word T for T < 4, else the high
     # nibbles of word T - 4) with their fifth bits (qh bits 4T .. 4T + 3, spread one to a byte
@@ -336,11 +352,6 @@ MXFP4_LUT0 = tl.constexpr(0x03020100)
 MXFP4_LUT1 = tl.constexpr(0x0C080604)
 MXFP4_LUT2 = tl.constexpr(-0x02010100)  # 0xFDFEFF00
 MXFP4_LUT3 = tl.constexpr(-0x0B070504)  # 0xF4F8FAFC
-# Q4_0's values q - 8 as the same kind of table: -8 .. 7
-Q40_LUT0 = tl.constexpr(-0x04050608)  # 0xFBFAF9F8
-Q40_LUT1 = tl.constexpr(-0x00010204)  # 0xFFFEFDFC
-Q40_LUT2 = tl.constexpr(0x03020100)
-Q40_LUT3 = tl.constexpr(0x07060504)
 
 
 @triton.jit
@@ -355,9 +366,11 @@ def _nibbles(q, qh, T: tl.constexpr, HIGH: tl.constexpr):
 
 
 @triton.jit
-def _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, HIGH: tl.constexpr, ASM: tl.constexpr):
-    # one block's dp4a sums against x's int8 words of its unsigned values: (sum q q_x, sum
-    # q_x), the second for the min term
+def _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, HIGH: tl.constexpr, CENTRED: tl.constexpr,
+                  ASM: tl.constexpr):
+    # one block's dp4a sums against x's int8 words: (sum q q_x, sum q_x); CENTRED: Q4_0's
+    # signed values q - 8 (the nibble with bit 3 flipped is the 4-bit two's complement, its
+    # sign spread over bits 4-7), else the unsigned values and x's sum for the min term
     i = tl.zeros(q0.shape, dtype=tl.int32)
     sx = tl.zeros(q0.shape, dtype=tl.int32)
     for T in tl.static_range(8):
@@ -369,10 +382,35 @@ def _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, HIGH: tl.constexpr, ASM: tl.c
             q = q2
         else:
             q = q3
+        v = _nibbles(q, qh, T, HIGH)
         xw = tl.broadcast_to(tl.load(xq + blk * 8 + T, mask=bm, other=0)[None, :], q.shape)
-        i = _dp4a(_nibbles(q, qh, T, HIGH), xw, i, ASM)
-        sx = _dp4a(tl.full(q.shape, 0x01010101, tl.int32), xw, sx, ASM)
+        if CENTRED:
+            v = v ^ 0x08080808
+            i = _dp4a(v | ((v & 0x08080808) * 0x1E), xw, i, ASM, True)
+        else:
+            i = _dp4a(v, xw, i, ASM)
+            sx = _dp4a(tl.full(q.shape, 0x01010101, tl.int32), xw, sx, ASM)
     return i, sx
+
+
+@triton.jit
+def q40_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
+                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_R] float32 dot products of Q4_0 rows ``rows_c`` with x's int8 copy, a thread per
+    18-byte block as IQ4_NL's (f16 d, 16 bytes of qs: ``_d_then_qs``):
+
+        sum W x = d d_x (dp4a of the signed values q - 8 and q_x)"""
+    wi = w_ptr.to(tl.pointer_type(tl.int32))
+    xq = xq_ptr.to(tl.pointer_type(tl.int32))
+    row_b = rows_c.to(tl.int64) * row_bytes
+    acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
+    for b0 in range(0, nblk, BLOCK_B):
+        blk, bm, base = _block_step(row_b, b0, nblk, 18, BLOCK_B)
+        d, q0, q1, q2, q3 = _d_then_qs(wh_ptr, wi, base, ASM)
+        i, _ = _nibble_block(q0, q1, q2, q3, 0, xq, blk, bm, False, True, ASM)
+        dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
+        acc += d * dx[None, :] * i.to(tl.float32)
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -401,7 +439,7 @@ def q41_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
             qh = tl.load(wp)
             wp = wp + 1
         i, sx = _nibble_block(tl.load(wp), tl.load(wp + 1), tl.load(wp + 2), tl.load(wp + 3),
-                              qh, xq, blk, bm, HIGH, ASM)
+                              qh, xq, blk, bm, HIGH, False, ASM)
         dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
         acc += dx[None, :] * (d * i.to(tl.float32) + m * sx.to(tl.float32))
     return tl.sum(acc, axis=1)
@@ -487,29 +525,15 @@ def iq4nl_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
     acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):
         blk, bm, base = _block_step(row_b, b0, nblk, 18, BLOCK_B)
-        d, wp, sh = _d_then_words(wh_ptr, wi, base)
-        w0 = tl.load(wp)
-        w1 = tl.load(wp + 1)
-        w2 = tl.load(wp + 2)
-        w3 = tl.load(wp + 3)
-        w4 = tl.load(wp + 4, mask=sh != 0, other=0)
+        d, q0, q1, q2, q3 = _d_then_qs(wh_ptr, wi, base, ASM)
         i = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.int32)
-        i = _lut16_word(_funnel(w0, w1, sh, ASM), xq, blk, bm, i, 0, L0, L1, L2, L3, ASM)
-        i = _lut16_word(_funnel(w1, w2, sh, ASM), xq, blk, bm, i, 1, L0, L1, L2, L3, ASM)
-        i = _lut16_word(_funnel(w2, w3, sh, ASM), xq, blk, bm, i, 2, L0, L1, L2, L3, ASM)
-        i = _lut16_word(_funnel(w3, w4, sh, ASM), xq, blk, bm, i, 3, L0, L1, L2, L3, ASM)
+        i = _lut16_word(q0, xq, blk, bm, i, 0, L0, L1, L2, L3, ASM)
+        i = _lut16_word(q1, xq, blk, bm, i, 1, L0, L1, L2, L3, ASM)
+        i = _lut16_word(q2, xq, blk, bm, i, 2, L0, L1, L2, L3, ASM)
+        i = _lut16_word(q3, xq, blk, bm, i, 3, L0, L1, L2, L3, ASM)
         dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
         acc += d * dx[None, :] * i.to(tl.float32)
     return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def q40_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
-                    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
-    """Q4_0 rows (18-byte blocks as IQ4_NL's) with x's int8 copy: IQ4_NL's body on the table
-    of Q4_0's values q - 8."""
-    return iq4nl_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, Q40_LUT0,
-                             Q40_LUT1, Q40_LUT2, Q40_LUT3, BLOCK_R, BLOCK_B, ASM)
 
 
 @triton.jit
@@ -565,10 +589,10 @@ def mxfp4_q8_rows_dot(w_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R: t
 
 
 # the types with a body here, and the values of a block each
-Q8_TYPES = (12, 14, 39, 6, 11, 8, 2, 3, 7)  # Q4_K, Q6_K, MXFP4, Q5_0, Q3_K, Q8_0, Q4_0, Q4_1, Q5_1
+Q8_TYPES = (12, 14, 39, 6, 11, 8)  # Q4_K, Q6_K, MXFP4, Q5_0, Q3_K, Q8_0
 # bodies written and checked here, not yet measured in a decode step: decode's experts take
 # them only on trial (CARVE_TRIAL names them: moe_decode.Q8_ON_TRIAL), by trial name
-Q8_TRIAL_TYPES = {"iq4nl_experts": (20,)}
+Q8_TRIAL_TYPES = {"iq4nl_experts": (20,), "legacy_experts": (2, 3, 7)}
 Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256, 6: 32, 20: 32, 8: 32, 2: 32, 3: 32, 7: 32}
 
 

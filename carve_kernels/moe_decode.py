@@ -120,9 +120,9 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     (qt.Q3_K, "glu"): (32, 8, 8), (qt.Q3_K, "down"): (128, 4, 8),
     # Q8_0 (gemv_dot's q80_rows_dot) at Q5_0's tiles (a thread a block too): GLM-4.5-Air Q4_K_M
     # (22 of its routed downs Q8_0, Q6_K's fallback on 1408-value rows) tg64 168.5 against 155.9
-    # t/s on the generic bf16-x walk (H200, 2026-12-04, same greedy ids); IQ4_NL on trial
-    # (iq4nl_experts) and Q4_0, Q4_1, Q5_1 (the dense GEMVs' bodies, a thread a block too) at
-    # the same tiles
+    # t/s on the generic bf16-x walk (H200, 2026-12-04, same greedy ids); on trial at the same
+    # tiles: IQ4_NL (iq4nl_experts) and Q4_0, Q4_1, Q5_1 (legacy_experts: the dense GEMVs'
+    # bodies, a thread a block too)
     (qt.IQ4_NL, "glu"): (32, 16, 8), (qt.IQ4_NL, "down"): (16, 32, 4),
     (qt.Q8_0, "glu"): (32, 16, 8), (qt.Q8_0, "down"): (16, 32, 4),
     **{(t, part): cfg for t in (qt.Q4_0, qt.Q4_1, qt.Q5_1)
@@ -144,8 +144,8 @@ def _lut(*types: int) -> dict:
 
 def q8_able(ggml_type: int, cols: int) -> bool:
     """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy (the
-    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4, Q5_0, Q3_K, Q8_0, Q4_0,
-    Q4_1, Q5_1; IQ4_NL on trial)."""
+    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4, Q5_0, Q3_K, Q8_0; IQ4_NL,
+    Q4_0, Q4_1 and Q5_1 on trial)."""
     return ((ggml_type in Q8_TYPES or ggml_type in Q8_ON_TRIAL)
             and cols % Q8_BLOCK[ggml_type] == 0)
 

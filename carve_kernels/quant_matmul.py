@@ -83,8 +83,7 @@ SPECIAL_ALIGN = {qt.Q4_K: 16}
 # generic walk; Q5_0's, Q4_0's, Q4_1's and Q5_1's on decode's int8 x alone (INT8_BODY_TYPES),
 # 4-byte aligned too
 ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
-                            qt.IQ1_M, qt.IQ4_XS, qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1,
-                            qt.IQ4_NL})
+                            qt.IQ1_M, qt.IQ4_XS, qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1})
 # the byte alignment of the weight's start that a row body's word loads assume (the others: 1)
 ROW_BODY_ALIGN = {qt.Q8_0: 4, qt.Q5_0: 4, qt.Q4_0: 4, qt.Q4_1: 4, qt.Q5_1: 4, qt.IQ4_NL: 4}
 # row bodies on decode's int8 copy of x alone (carve_kernels/gemv_q8.py, the expert GEMVs'
@@ -94,12 +93,12 @@ ROW_BODY_ALIGN = {qt.Q8_0: 4, qt.Q5_0: 4, qt.Q4_0: 4, qt.Q4_1: 4, qt.Q5_1: 4, qt
 # gate and up): H200, 2026-12-04, 7B ffn_up + ffn_down 41.0 us (54 % of the floor) at (4, 32,
 # 4) against 106.9 on the generic walk (58.0 at (8, 32, 4)); Qwen2-0.5B tg128 1,343.9 against
 # 1,234.6 t/s at (8, 32, 4), the same greedy ids
-# Q4_0, Q4_1, Q5_1 and IQ4_NL (carve_kernels/gemv_q8.py: a thread per block as Q5_0's; Q4_1's
-# and Q5_1's min term by a dp4a of x's words with ones; IQ4_NL's 16-value table by byte
-# permutes, Q4_0 the same body on its values -8..7; gemv3 leaves IQ4_NL to the generic walk)
-# at Q5_0's tile: 7B ffn_up + ffn_down Q4_1 34.5, Q5_1 41.8 us (58 % of the floor) against
-# 63.3 / 116.6 on the generic walk; Qwen2-7B all Q4_1 tg128 305.6 against 282.7 t/s (int8 x
-# off, same call, same greedy ids; H200, 2026-12-04)
+# Q4_0, Q4_1 and Q5_1 (carve_kernels/gemv_q8.py: a thread per block as Q5_0's; Q4_1's and
+# Q5_1's min term by a dp4a of x's words with ones) at Q5_0's tile: 7B ffn_up + ffn_down 35.8
+# / 34.5 / 41.8 us (50 / 58 / 58 % of the floor) against 70.4 / 63.3 / 116.6 on the generic
+# walk; Qwen2-7B all Q4_0 tg128 342.4 against 265.7 t/s, all Q4_1 305.6 against 282.7 (int8 x
+# off, same call, same greedy ids; H200, 2026-12-04). IQ4_NL's (its table as the kernels'
+# constants; gemv3 leaves it to the generic walk) is on trial (ROW_BODY_TRIAL)
 INT8_BODY_TYPES = frozenset({qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1, qt.IQ4_NL})
 GEMV_CONFIG_BODY: dict[int, tuple[int, ...]] = {t: (4, 32, 4) for t in INT8_BODY_TYPES}
 # bodies of their own not switched on: Q2_K (carve_kernels/gemv_lowbit.py q2k_rows_dot) measured
@@ -108,8 +107,10 @@ GEMV_CONFIG_BODY: dict[int, tuple[int, ...]] = {t: (4, 32, 4) for t in INT8_BODY
 # ROW_BODY_TYPES (the tests; benchmarks/device_check.py --types, which times it beside the
 # generic walk; CARVE_TRIAL=q2k_rows). Q8_0 (carve_kernels/gemv_dot.py q80_rows_dot, a thread per
 # block read as aligned int32 words; decode's int8 copy of x reaches its q/k/v, gate/up and
-# head): written 2026-12-03, not yet timed on a GPU (CARVE_TRIAL=q8_0_rows)
-ROW_BODY_TRIAL = frozenset({qt.Q2_K, qt.Q8_0})
+# head): written 2026-12-03, not yet timed on a GPU (CARVE_TRIAL=q8_0_rows). IQ4_NL (the expert
+# GEMVs' iq4nl_q8_rows_dot on int8 x; CARVE_TRIAL=iq4nl_rows): written 2026-12-04, checked
+# under the interpreter, not yet timed on a GPU
+ROW_BODY_TRIAL = frozenset({qt.Q2_K, qt.Q8_0, qt.IQ4_NL})
 
 
 def gemv_config(ggml_type: int, rows: int, cols: int) -> tuple[int, ...]:

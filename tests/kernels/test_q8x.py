@@ -157,7 +157,8 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed, monk
     # of the chosen experts on x's copy writing the int8 copy of their GLU outputs, then down
     # on that copy, each against the reference GEMV on the dequantized int8 input; MXFP4 as
     # gpt-oss runs it (biases, the clamped SwiGLU, an odd number of 32-value blocks a row);
-    # IQ4_NL's body is on trial (CARVE_TRIAL=iq4nl_experts)
+    # IQ4_NL's, Q4_0's, Q4_1's and Q5_1's are on trial (CARVE_TRIAL=iq4nl_experts,
+    # legacy_experts)
     monkeypatch.setattr(moe_decode, "Q8_ON_TRIAL",
                         frozenset(t for ts in gemv_q8.Q8_TRIAL_TYPES.values() for t in ts))
     g = generator(seed)
