@@ -288,18 +288,6 @@ def _d_then_qs(wh_ptr, wi, base, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q5_s8(q, qh, T: tl.constexpr):
-    # values 4T .. 4T + 3 of a Q5_0 block (low nibbles of qs word T for T < 4, else the high
-    # nibbles of word T - 4) with their fifth bits (qh bits 4T .. 4T + 3, spread one to a byte
-    # by a multiply: 4 copies at 7-bit steps, no carries), as the signed bytes q - 16: bit 4
-    # flipped is the 5-bit two's complement, its sign spread over bits 5-7
-    nib = (q >> (4 * (T // 4))) & 0x0F0F0F0F
-    hb = (((qh >> (4 * T)) & 0xF) * 0x00204081) & 0x01010101
-    w = (nib | (hb << 4)) ^ 0x10101010
-    return w | ((w & 0x10101010) * 0x0E)
-
-
-@triton.jit
 def q50_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
                     BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
     """[BLOCK_R] float32 dot products of Q5_0 rows ``rows_c`` (clamped in range) with x's int8
@@ -329,18 +317,7 @@ def q50_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
         q1 = _funnel(w2, w3, sh, ASM)
         q2 = _funnel(w3, w4, sh, ASM)
         q3 = _funnel(w4, w5, sh, ASM)
-        i = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.int32)
-        for T in tl.static_range(8):
-            if T % 4 == 0:
-                q = q0
-            elif T % 4 == 1:
-                q = q1
-            elif T % 4 == 2:
-                q = q2
-            else:
-                q = q3
-            xw = tl.load(xq + blk * 8 + T, mask=bm, other=0)[None, :]
-            i = _dp4a(_q5_s8(q, qh, T), tl.broadcast_to(xw, q.shape), i, ASM, True)
+        i, _ = _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, True, 16, ASM)
         dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
         acc += d * dx[None, :] * i.to(tl.float32)
     return tl.sum(acc, axis=1)
@@ -358,7 +335,8 @@ MXFP4_LUT3 = tl.constexpr(-0x0B070504)  # 0xF4F8FAFC
 def _nibbles(q, qh, T: tl.constexpr, HIGH: tl.constexpr):
     # values 4T .. 4T + 3 of a 32-value block of 4-bit quants as unsigned bytes: the low
     # nibbles of qs word T for T < 4, else the high nibbles of word T - 4; HIGH: with their
-    # fifth bits (qh bits 4T .. 4T + 3, spread one to a byte by a multiply, as _q5_s8)
+    # fifth bits (qh bits 4T .. 4T + 3, spread one to a byte by a multiply: 4 copies at 7-bit
+    # steps, no carries)
     nib = (q >> (4 * (T // 4))) & 0x0F0F0F0F
     if HIGH:
         nib = nib | (((((qh >> (4 * T)) & 0xF) * 0x00204081) & 0x01010101) << 4)
@@ -366,11 +344,12 @@ def _nibbles(q, qh, T: tl.constexpr, HIGH: tl.constexpr):
 
 
 @triton.jit
-def _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, HIGH: tl.constexpr, CENTRED: tl.constexpr,
+def _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, HIGH: tl.constexpr, CENTRE: tl.constexpr,
                   ASM: tl.constexpr):
-    # one block's dp4a sums against x's int8 words: (sum q q_x, sum q_x); CENTRED: Q4_0's
-    # signed values q - 8 (the nibble with bit 3 flipped is the 4-bit two's complement, its
-    # sign spread over bits 4-7), else the unsigned values and x's sum for the min term
+    # one block's dp4a sums against x's int8 words: (sum q q_x, sum q_x); CENTRE 8 or 16: the
+    # signed values q - CENTRE of Q4_0 and Q5_0 (the top bit flipped is the 4- or 5-bit two's
+    # complement, its sign spread over the byte's upper bits by a multiply), else (0) the
+    # unsigned values and x's sum for the min term
     i = tl.zeros(q0.shape, dtype=tl.int32)
     sx = tl.zeros(q0.shape, dtype=tl.int32)
     for T in tl.static_range(8):
@@ -384,9 +363,9 @@ def _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, HIGH: tl.constexpr, CENTRED: 
             q = q3
         v = _nibbles(q, qh, T, HIGH)
         xw = tl.broadcast_to(tl.load(xq + blk * 8 + T, mask=bm, other=0)[None, :], q.shape)
-        if CENTRED:
-            v = v ^ 0x08080808
-            i = _dp4a(v | ((v & 0x08080808) * 0x1E), xw, i, ASM, True)
+        if CENTRE > 0:
+            v = v ^ (CENTRE * 0x01010101)
+            i = _dp4a(v | ((v & (CENTRE * 0x01010101)) * (256 // CENTRE - 2)), xw, i, ASM, True)
         else:
             i = _dp4a(v, xw, i, ASM)
             sx = _dp4a(tl.full(q.shape, 0x01010101, tl.int32), xw, sx, ASM)
@@ -407,7 +386,7 @@ def q40_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
     for b0 in range(0, nblk, BLOCK_B):
         blk, bm, base = _block_step(row_b, b0, nblk, 18, BLOCK_B)
         d, q0, q1, q2, q3 = _d_then_qs(wh_ptr, wi, base, ASM)
-        i, _ = _nibble_block(q0, q1, q2, q3, 0, xq, blk, bm, False, True, ASM)
+        i, _ = _nibble_block(q0, q1, q2, q3, 0, xq, blk, bm, False, 8, ASM)
         dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
         acc += d * dx[None, :] * i.to(tl.float32)
     return tl.sum(acc, axis=1)
@@ -439,7 +418,7 @@ def q41_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
             qh = tl.load(wp)
             wp = wp + 1
         i, sx = _nibble_block(tl.load(wp), tl.load(wp + 1), tl.load(wp + 2), tl.load(wp + 3),
-                              qh, xq, blk, bm, HIGH, False, ASM)
+                              qh, xq, blk, bm, HIGH, 0, ASM)
         dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
         acc += dx[None, :] * (d * i.to(tl.float32) + m * sx.to(tl.float32))
     return tl.sum(acc, axis=1)
