@@ -299,25 +299,38 @@ def q50_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
     word, reaches at most 2 bytes past the block, never past a 4-byte boundary):
 
         sum W x = d d_x (dp4a of the signed values q - 16 and q_x)"""
+    return _signed_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, True,
+                            BLOCK_R, BLOCK_B, ASM)
+
+
+@triton.jit
+def _signed_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, FIVE: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr):
+    # Q5_0 (FIVE: 22-byte blocks, qh before qs, values q - 16) or Q4_0 (18 bytes, q - 8)
     wi = w_ptr.to(tl.pointer_type(tl.int32))
     xq = xq_ptr.to(tl.pointer_type(tl.int32))
     row_b = rows_c.to(tl.int64) * row_bytes
     acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):
-        blk, bm, base = _block_step(row_b, b0, nblk, 22, BLOCK_B)
-        d, wp, sh = _d_then_words(wh_ptr, wi, base)
-        w0 = tl.load(wp)
-        w1 = tl.load(wp + 1)
-        w2 = tl.load(wp + 2)
-        w3 = tl.load(wp + 3)
-        w4 = tl.load(wp + 4)
-        w5 = tl.load(wp + 5, mask=sh != 0, other=0)
-        qh = _funnel(w0, w1, sh, ASM)
-        q0 = _funnel(w1, w2, sh, ASM)
-        q1 = _funnel(w2, w3, sh, ASM)
-        q2 = _funnel(w3, w4, sh, ASM)
-        q3 = _funnel(w4, w5, sh, ASM)
-        i, _ = _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, True, 16, ASM)
+        if FIVE:
+            blk, bm, base = _block_step(row_b, b0, nblk, 22, BLOCK_B)
+            d, wp, sh = _d_then_words(wh_ptr, wi, base)
+            w0 = tl.load(wp)
+            w1 = tl.load(wp + 1)
+            w2 = tl.load(wp + 2)
+            w3 = tl.load(wp + 3)
+            w4 = tl.load(wp + 4)
+            w5 = tl.load(wp + 5, mask=sh != 0, other=0)
+            qh = _funnel(w0, w1, sh, ASM)
+            q0 = _funnel(w1, w2, sh, ASM)
+            q1 = _funnel(w2, w3, sh, ASM)
+            q2 = _funnel(w3, w4, sh, ASM)
+            q3 = _funnel(w4, w5, sh, ASM)
+            i, _ = _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, True, 16, ASM)
+        else:
+            blk, bm, base = _block_step(row_b, b0, nblk, 18, BLOCK_B)
+            d, q0, q1, q2, q3 = _d_then_qs(wh_ptr, wi, base, ASM)
+            i, _ = _nibble_block(q0, q1, q2, q3, 0, xq, blk, bm, False, 8, ASM)
         dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
         acc += d * dx[None, :] * i.to(tl.float32)
     return tl.sum(acc, axis=1)
@@ -379,17 +392,8 @@ def q40_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
     18-byte block as IQ4_NL's (f16 d, 16 bytes of qs: ``_d_then_qs``):
 
         sum W x = d d_x (dp4a of the signed values q - 8 and q_x)"""
-    wi = w_ptr.to(tl.pointer_type(tl.int32))
-    xq = xq_ptr.to(tl.pointer_type(tl.int32))
-    row_b = rows_c.to(tl.int64) * row_bytes
-    acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
-    for b0 in range(0, nblk, BLOCK_B):
-        blk, bm, base = _block_step(row_b, b0, nblk, 18, BLOCK_B)
-        d, q0, q1, q2, q3 = _d_then_qs(wh_ptr, wi, base, ASM)
-        i, _ = _nibble_block(q0, q1, q2, q3, 0, xq, blk, bm, False, 8, ASM)
-        dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
-        acc += d * dx[None, :] * i.to(tl.float32)
-    return tl.sum(acc, axis=1)
+    return _signed_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, False,
+                            BLOCK_R, BLOCK_B, ASM)
 
 
 @triton.jit
