@@ -51,7 +51,8 @@ ROW_CONFIGS = [(4, 4, 4), (8, 8, 4), (4, 8, 4), (2, 8, 4), (8, 4, 4)]
 # the row bodies of a thread per 32-value block (Q8_0: carve_kernels/gemv_dot.py q80_rows_dot), 1 to
 # 4 blocks a thread; not swept yet
 BLOCK_ROW_CONFIGS = {t: [(8, 32, 4), (4, 32, 4), (16, 32, 4), (8, 16, 4), (16, 16, 4),
-                         (4, 64, 4)] for t in (qt.Q8_0, qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1)}
+                         (4, 64, 4)] for t in (qt.Q8_0, qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1,
+                                               qt.IQ4_NL)}
 # (rows per program, warps, target programs): the rule's two, then more rows a thread or fewer
 # programs
 T_CONFIGS = [launch.T_CONFIG, launch.T_CONFIG_LOWBIT, (256, 2, 2112), (512, 4, 2112),
