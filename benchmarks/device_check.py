@@ -49,8 +49,8 @@ B_CONFIGS = [(4, 32, 4), (8, 16, 4), (4, 16, 2), (8, 32, 8)]
 # ten tiles on an H200 (2026-12-02) put these first, the best at (4, 4, 4) or (8, 8, 4)
 ROW_CONFIGS = [(4, 4, 4), (8, 8, 4), (4, 8, 4), (2, 8, 4), (8, 4, 4)]
 # the row bodies of a thread per 32-value block (Q8_0: carve_kernels/gemv_dot.py q80_rows_dot; Q4_0,
-# Q4_1, Q5_0, Q5_1, IQ4_NL: carve_kernels/gemv_q8.py), 1 to 4 blocks a thread (the 32-value
-# Q5_0's best at 7B on an H200, 2026-12-04: (4, 32, 4))
+# Q4_1, Q5_0, Q5_1, IQ4_NL: carve_kernels/gemv_q8.py), 1 to 4 blocks a thread (Q5_0's best at
+# 7B on an H200, 2026-12-04: (4, 32, 4))
 BLOCK_ROW_CONFIGS = {t: [(8, 32, 4), (4, 32, 4), (16, 32, 4), (8, 16, 4), (16, 16, 4),
                          (4, 64, 4)] for t in (qt.Q8_0, qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1,
                                                qt.IQ4_NL)}
