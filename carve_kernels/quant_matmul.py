@@ -95,10 +95,11 @@ ROW_BODY_ALIGN = {qt.Q8_0: 4, qt.Q5_0: 4, qt.Q4_0: 4, qt.Q4_1: 4, qt.Q5_1: 4, qt
 # 1,234.6 t/s at (8, 32, 4), the same greedy ids
 # Q4_0, Q4_1 and Q5_1 (carve_kernels/gemv_q8.py: a thread per block as Q5_0's; Q4_1's and
 # Q5_1's min term by a dp4a of x's words with ones) at Q5_0's tile: 7B ffn_up + ffn_down 35.8
-# / 34.5 / 41.8 us (50 / 58 / 58 % of the floor) against 70.4 / 63.3 / 116.6 on the generic
-# walk; Qwen2-7B all Q4_0 tg128 342.4 against 265.7 t/s, all Q4_1 305.6 against 282.7 (int8 x
-# off, same call, same greedy ids; H200, 2026-12-04). IQ4_NL's (its table as the kernels'
-# constants; gemv3 leaves it to the generic walk) is on trial (ROW_BODY_TRIAL)
+# / 34.5 / 41.8 us (50 / 58 / 58 % of the floor; the best of device_check's six tiles) against
+# 70.4 / 63.3 / 116.6 on the generic walk; Qwen2-7B all Q4_0 tg128 342.4 against 265.7 t/s,
+# all Q4_1 305.6 against 282.7 (int8 x off, same call, same greedy ids; H200, 2026-12-04).
+# IQ4_NL's (its table as the kernels' constants; gemv3 leaves it to the generic walk) is on
+# trial (ROW_BODY_TRIAL)
 INT8_BODY_TYPES = frozenset({qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1, qt.IQ4_NL})
 GEMV_CONFIG_BODY: dict[int, tuple[int, ...]] = {t: (4, 32, 4) for t in INT8_BODY_TYPES}
 # bodies of their own not switched on: Q2_K (carve_kernels/gemv_lowbit.py q2k_rows_dot) measured
