@@ -31,6 +31,7 @@ import sys
 from collections import Counter
 
 from carve_kernels import quant_matmul as qm
+from carve_kernels.gemv_q8 import lut_words
 from carve_kernels.quant_blocks import plan
 from spec import quant_types as qt
 
@@ -64,7 +65,8 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
     const = {"TYPE": ggml_type, "BS": p.block, "TS": p.nbytes, "NPART": p.parts, "L": p.lanes,
              "BLOCK_R": rows, "BLOCK_B": blocks, "LANE_SUM": ggml_type in qm.LANE_SUM_TYPES,
              "SPECIAL": special, "MAGIC": ggml_type in qm.MAGIC_TYPES, "HAS_BIAS": False,
-             "Q8X": x == "int8", "ASM": True, "PDL": False}
+             "Q8X": x == "int8", "ASM": True, "PDL": False,
+             **dict(zip(("LUT0", "LUT1", "LUT2", "LUT3"), lut_words(ggml_type), strict=True))}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(7)}  # the pointers
     src = ASTSource(fn=qm._gemv_kernel, signature=sig, constexprs=const, attrs=aligned)
