@@ -344,12 +344,13 @@ def row_body(w: torch.Tensor, ggml_type: int) -> bool:
     return ggml_type in ROW_BODY_TYPES and w.data_ptr() % ROW_BODY_ALIGN.get(ggml_type, 1) == 0
 
 
-def _q8_in(xq, ggml_type: int, x2: torch.Tensor,
-           special: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def _q8_in(xq, ggml_type: int, x2: torch.Tensor, special: bool,
+           int8_x: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(int8 values, scales, use): decode's int8 copy of x (carve_kernels/q8x.py: q as int32 words,
     d, s) where the kernel multiplies with it (a row body runs: ``special`` and a
-    ROW_BODY_TYPES type; one row of x), else x twice and False."""
-    if not special or ggml_type not in ROW_BODY_TYPES or not q8x.usable(xq, x2):
+    ROW_BODY_TYPES type; ``int8_x``: the copy is usable for x2, ``q8x.usable``), else x twice
+    and False."""
+    if not special or ggml_type not in ROW_BODY_TYPES or not int8_x:
         return x2, x2, False
     return xq[0].view(torch.int8), xq[1], True
 
@@ -379,8 +380,9 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     n, k = w.shape[0], row_cols(w, ggml_type)
     x2 = _x2(x, k)
     m = x2.shape[0]
-    ptrs, meta, warps, stages = _launch_args(w, ggml_type, config, x.dtype, q8x.usable(xq, x2))
-    q, d, use = _q8_in(xq, ggml_type, x2, meta["SPECIAL"])
+    int8_x = q8x.usable(xq, x2)
+    ptrs, meta, warps, stages = _launch_args(w, ggml_type, config, x.dtype, int8_x)
+    q, d, use = _q8_in(xq, ggml_type, x2, meta["SPECIAL"], int8_x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
     _gemv_kernel[grid](*ptrs, x2, q, d, y, bias if bias is not None else y, n, k, w.shape[1],
@@ -412,7 +414,7 @@ def gemv_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, x: torch.Tens
     if not meta["SPECIAL"]:
         gp = (gate, gp[1], _table(gate, ggml_type))
         up_ptrs = (up, up_ptrs[1], _table(up, ggml_type))
-    q, d, use = _q8_in(xq, ggml_type, x2, meta["SPECIAL"])
+    q, d, use = _q8_in(xq, ggml_type, x2, meta["SPECIAL"], int8_x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
     _gemv_glu_kernel[grid](*gp, *up_ptrs, x2, q, d, y, n, k, gate.shape[1], x2.stride(0),
@@ -453,7 +455,7 @@ def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tens
         b = biases[i - 1] if biases is not None else y
         args += [*ptrs, b, w.shape[0], w.shape[1]]
         consts.update({f"{_SUFFIX[key]}{i}": v for key, v in meta.items()})
-        qi, di, consts[f"Q8X{i}"] = _q8_in(xq, t, x2, meta["SPECIAL"])
+        qi, di, consts[f"Q8X{i}"] = _q8_in(xq, t, x2, meta["SPECIAL"], int8_x)
         if consts[f"Q8X{i}"]:
             q, d = qi, di
         progs.append(progs[-1] + triton.cdiv(w.shape[0], meta["BLOCK_R"]))
