@@ -100,33 +100,31 @@ def expert_glu(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: in
 
 # decode expert GEMVs on x's int8 copy (carve_kernels/gemv_q8.py, one row of x), tiles by (type,
 # part): rows per program (a multiple of 32: the GLU writes its output's int8 copy 32 values a
-# group), blocks per step, warps; `python -m benchmarks.device_check --moe` sweeps them
+# group), blocks per step, warps; `python -m benchmarks.device_check --moe` sweeps them.
+# The bodies of a thread per 32-value block share MXFP4's tiles (BLOCK_TILES):
+# - MXFP4 (17-byte blocks): the sweep's best at gpt-oss-20b's shape, gate/up 27.5 us, down 17.6
+#   (device_check --moe, H200, 2026-12-03);
+# - Q5_0 (q50_q8_rows_dot): GLM-4.5-Air Q4_K_M (24 of its 45 routed downs Q5_0, the fallback
+#   for Q4_K on 1408-value rows) tg64 155.8 against 148.7 t/s on bf16 x (H200, 2026-12-04, same
+#   greedy ids);
+# - Q8_0 (gemv_dot's q80_rows_dot): GLM-4.5-Air Q4_K_M (22 of its routed downs Q8_0, Q6_K's
+#   fallback on 1408-value rows) tg64 168.5 against 155.9 t/s on the generic bf16-x walk (H200,
+#   2026-12-04, same greedy ids);
+# - on trial: IQ4_NL (iq4nl_experts) and Q4_0, Q4_1, Q5_1 (legacy_experts: the dense GEMVs'
+#   bodies).
+BLOCK_TILES = {"glu": (32, 16, 8), "down": (16, 32, 4)}
 EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     (qt.Q4_K, "glu"): (32, 4, 4), (qt.Q6_K, "glu"): (32, 1, 4),
     # Q6_K down at 16 rows x 1 block x 2 warps: 12.9 against 14.3 us at 32 x 1 x 4 (30B-A3B,
     # device_check --moe), 30B-A3B tg128 396.0 against 391.0 t/s in the step (2026-12-03)
     (qt.Q4_K, "down"): (64, 4, 8), (qt.Q6_K, "down"): (16, 1, 2),
-    # MXFP4 (a thread per 17-byte block): the sweep's best at gpt-oss-20b's shape, gate/up
-    # 27.5 us, down 17.6 (device_check --moe, H200, 2026-12-03)
-    (qt.MXFP4, "glu"): (32, 16, 8), (qt.MXFP4, "down"): (16, 32, 4),
-    # Q5_0 (q50_q8_rows_dot, a thread a block as MXFP4's) at MXFP4's: GLM-4.5-Air Q4_K_M
-    # (24 of its 45 routed downs Q5_0, the fallback for Q4_K on 1408-value rows) tg64 155.8
-    # against 148.7 t/s on bf16 x (H200, 2026-12-04, same greedy ids)
-    (qt.Q5_0, "glu"): (32, 16, 8), (qt.Q5_0, "down"): (16, 32, 4),
     # Q3_K: device_check --moe --types Q3_K's best at GLM-4.5-Air's shape (2026-12-04): gate/up
     # 47.6 us (bf16 x 50.3; 79.5 at 32x1x4), down 4096 x 1536 32.7 us with the in-kernel sum
     # (bf16 x, split 40.6; 41.9 at 16x1x2); GLM-4.5-Air Q3_K_M (its gate/up experts Q3_K) tg64
     # 146.5 against 135.9 t/s on bf16 x (H200, 2026-12-04, same greedy ids)
     (qt.Q3_K, "glu"): (32, 8, 8), (qt.Q3_K, "down"): (128, 4, 8),
-    # Q8_0 (gemv_dot's q80_rows_dot) at Q5_0's tiles (a thread a block too): GLM-4.5-Air Q4_K_M
-    # (22 of its routed downs Q8_0, Q6_K's fallback on 1408-value rows) tg64 168.5 against 155.9
-    # t/s on the generic bf16-x walk (H200, 2026-12-04, same greedy ids); on trial at the same
-    # tiles: IQ4_NL (iq4nl_experts) and Q4_0, Q4_1, Q5_1 (legacy_experts: the dense GEMVs'
-    # bodies, a thread a block too)
-    (qt.IQ4_NL, "glu"): (32, 16, 8), (qt.IQ4_NL, "down"): (16, 32, 4),
-    (qt.Q8_0, "glu"): (32, 16, 8), (qt.Q8_0, "down"): (16, 32, 4),
-    **{(t, part): cfg for t in (qt.Q4_0, qt.Q4_1, qt.Q5_1)
-       for part, cfg in (("glu", (32, 16, 8)), ("down", (16, 32, 4)))},
+    **{(t, part): cfg for t in (qt.MXFP4, qt.Q5_0, qt.Q8_0, qt.IQ4_NL, qt.Q4_0, qt.Q4_1, qt.Q5_1)
+       for part, cfg in BLOCK_TILES.items()},
 }
 
 # the int8-x bodies on trial that decode's experts take (gemv_q8.Q8_TRIAL_TYPES; set by
