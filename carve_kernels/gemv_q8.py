@@ -272,18 +272,26 @@ def _d_then_words(wh_ptr, wi, base):
 
 
 @triton.jit
-def _d_then_qs(wh_ptr, wi, base, ASM: tl.constexpr):
-    # an 18-byte block of an f16 d and 16 bytes of qs (Q4_0, IQ4_NL) at even byte offsets
-    # ``base``: d and its 4 qs words, cut out of the 5 aligned words around them (aligned when
-    # the block is 2 past a word; the fifth, read only when it starts on a word, reaches 2
-    # bytes past the block, never past a 4-byte boundary)
+def _d_then_qs(wh_ptr, wi, base, QH: tl.constexpr, ASM: tl.constexpr):
+    # a block of an f16 d, (QH: Q5_0's 4 bytes of qh,) then 16 bytes of qs (Q4_0, IQ4_NL: 18
+    # bytes; Q5_0: 22) at even byte offsets ``base``: d, qh (0 without) and the 4 qs words, cut
+    # out of the aligned words around them (aligned when the block is 2 past a word; the last,
+    # read only when it starts on a word, reaches 2 bytes past the block, never past a 4-byte
+    # boundary)
     d, wp, sh = _d_then_words(wh_ptr, wi, base)
-    w0 = tl.load(wp)
+    qh = 0
+    if QH:
+        w = tl.load(wp)
+        wp = wp + 1
+        w0 = tl.load(wp)
+        qh = _funnel(w, w0, sh, ASM)
+    else:
+        w0 = tl.load(wp)
     w1 = tl.load(wp + 1)
     w2 = tl.load(wp + 2)
     w3 = tl.load(wp + 3)
     w4 = tl.load(wp + 4, mask=sh != 0, other=0)
-    return (d, _funnel(w0, w1, sh, ASM), _funnel(w1, w2, sh, ASM), _funnel(w2, w3, sh, ASM),
+    return (d, qh, _funnel(w0, w1, sh, ASM), _funnel(w1, w2, sh, ASM), _funnel(w2, w3, sh, ASM),
             _funnel(w3, w4, sh, ASM))
 
 
@@ -312,25 +320,9 @@ def _signed_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, FIV
     row_b = rows_c.to(tl.int64) * row_bytes
     acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):
-        if FIVE:
-            blk, bm, base = _block_step(row_b, b0, nblk, 22, BLOCK_B)
-            d, wp, sh = _d_then_words(wh_ptr, wi, base)
-            w0 = tl.load(wp)
-            w1 = tl.load(wp + 1)
-            w2 = tl.load(wp + 2)
-            w3 = tl.load(wp + 3)
-            w4 = tl.load(wp + 4)
-            w5 = tl.load(wp + 5, mask=sh != 0, other=0)
-            qh = _funnel(w0, w1, sh, ASM)
-            q0 = _funnel(w1, w2, sh, ASM)
-            q1 = _funnel(w2, w3, sh, ASM)
-            q2 = _funnel(w3, w4, sh, ASM)
-            q3 = _funnel(w4, w5, sh, ASM)
-            i, _ = _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, True, 16, ASM)
-        else:
-            blk, bm, base = _block_step(row_b, b0, nblk, 18, BLOCK_B)
-            d, q0, q1, q2, q3 = _d_then_qs(wh_ptr, wi, base, ASM)
-            i, _ = _nibble_block(q0, q1, q2, q3, 0, xq, blk, bm, False, 8, ASM)
+        blk, bm, base = _block_step(row_b, b0, nblk, 22 if FIVE else 18, BLOCK_B)
+        d, qh, q0, q1, q2, q3 = _d_then_qs(wh_ptr, wi, base, FIVE, ASM)
+        i, _ = _nibble_block(q0, q1, q2, q3, qh, xq, blk, bm, FIVE, 16 if FIVE else 8, ASM)
         dx = tl.load(xd_ptr + blk, mask=bm, other=0.0)
         acc += d * dx[None, :] * i.to(tl.float32)
     return tl.sum(acc, axis=1)
@@ -508,7 +500,7 @@ def iq4nl_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
     acc = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.float32)
     for b0 in range(0, nblk, BLOCK_B):
         blk, bm, base = _block_step(row_b, b0, nblk, 18, BLOCK_B)
-        d, q0, q1, q2, q3 = _d_then_qs(wh_ptr, wi, base, ASM)
+        d, _, q0, q1, q2, q3 = _d_then_qs(wh_ptr, wi, base, False, ASM)
         i = tl.zeros((BLOCK_R, BLOCK_B), dtype=tl.int32)
         i = _lut16_word(q0, xq, blk, bm, i, 0, L0, L1, L2, L3, ASM)
         i = _lut16_word(q1, xq, blk, bm, i, 1, L0, L1, L2, L3, ASM)
@@ -585,8 +577,8 @@ def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row
                 ASM: tl.constexpr, L0: tl.constexpr = 0, L1: tl.constexpr = 0,
                 L2: tl.constexpr = 0, L3: tl.constexpr = 0):
     """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K, Q6_K, MXFP4, Q3_K, Q5_0,
-    Q4_0, Q4_1, Q5_1, IQ4_NL or Q8_0 (carve_kernels/gemv_dot.py ``q80_rows_dot``) weight (its bytes, 16-bit
-    words and int32 words; ``nblk`` blocks of ``Q8_BLOCK[TYPE]`` values a row) with x's int8
+    Q4_0, Q4_1, Q5_1, IQ4_NL or Q8_0 (carve_kernels/gemv_dot.py ``q80_rows_dot``) weight (its
+    bytes, 16-bit words and int32 words; ``nblk`` blocks of ``Q8_BLOCK[TYPE]`` values a row) with x's int8
     copy (values, scales, sums); L0..L3: IQ4_NL's table (``lut_words``)."""
     if TYPE == 12:
         y, _ = q4k_q8_rows_dot(wi_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
