@@ -165,25 +165,24 @@ def _slice_keys(logits_ptr, pid, P, V, BS: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _best(key, n, out_ptr):
-    """The best ``n`` of ``key`` (any shape) to out_ptr[0..n), best first: rounds of maxima."""
-    for i in range(n):
-        best = tl.max(tl.reshape(key, [key.numel]), axis=0)
-        tl.store(out_ptr + i, best)
-        key = tl.where(key == best, MIN_KEY, key)  # keys are unique: the id is in them
-
-
-@triton.jit
 def _top(key, n, K: tl.constexpr):
-    """The best ``n`` of ``key`` (any shape) as a [K] vector, best first (MIN_KEY after n)."""
+    """The best ``n`` (at most K) of ``key`` (any shape) as a [K] vector, best first (MIN_KEY
+    after n): rounds of maxima."""
     key = tl.reshape(key, [key.numel])
     r = tl.arange(0, K)
     top = tl.full([K], MIN_KEY, tl.int64)
     for i in range(n):
         best = tl.max(key, axis=0)
         top = tl.where(r == i, best, top)
-        key = tl.where(key == best, MIN_KEY, key)
+        key = tl.where(key == best, MIN_KEY, key)  # keys are unique: the id is in them
     return top
+
+
+@triton.jit
+def _best(key, n, out_ptr, K: tl.constexpr):
+    """The best ``n`` (at most K) of ``key`` to out_ptr[0..n), best first."""
+    r = tl.arange(0, K)
+    tl.store(out_ptr + r, _top(key, n, K), mask=r < n)
 
 
 @triton.jit
@@ -203,7 +202,7 @@ def _topk_part_kernel(logits_ptr, keys_ptr, state_ptr, V, P, BS: tl.constexpr, G
     # this part's best min(rounds, FIRST) keys, best first
     pid = tl.program_id(0)
     key = _slice_keys(logits_ptr, pid, P, V, BS, G)
-    _best(key, tl.minimum(_rounds(state_ptr, K), FIRST), keys_ptr + pid * K)
+    _best(key, tl.minimum(_rounds(state_ptr, K), FIRST), keys_ptr + pid * K, FIRST)
 
 
 @triton.jit
@@ -248,7 +247,7 @@ def _pick_kernel(logits_ptr, keys_ptr, state_ptr, out_ptr, V, P, BS: tl.constexp
         if tl.sum(again.to(tl.int32), axis=0) > 0:
             p = tl.min(tl.where(again, pp, PB), axis=0)
             while p < P:
-                _best(_slice_keys(logits_ptr, p, P, V, BS, G), rounds, keys_ptr + p * K)
+                _best(_slice_keys(logits_ptr, p, P, V, BS, G), rounds, keys_ptr + p * K, K)
                 p = tl.min(tl.where(again & (pp > p), pp, PB), axis=0)
             tl.debug_barrier()
             cnt = tl.where(again, rounds, first)
