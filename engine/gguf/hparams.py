@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.gguf.reader import GGUFModel
 from spec.errors import CarveError
+from spec.quant_types import BF16, F16, F32, type_name
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe")
 MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe")
@@ -83,6 +84,9 @@ class HParams:
     # round the YaRN ramp's ends to whole dims (llama.cpp does for every model; gpt-oss's own
     # config says truncate = false, as its reference implementation and transformers run it)
     rope_yarn_truncate: bool = True
+    # the file's per-pair RoPE frequency factors (rope_freqs.weight, [rope_dim/2]: llama-3.1
+    # and later), dividing the global layers' frequencies
+    rope_factors: bool = False
 
     def __post_init__(self) -> None:
         if not self.n_layer_run:
@@ -303,6 +307,16 @@ def _read(model: GGUFModel) -> HParams:
         if moe["rope_scaling_orig_ctx"] <= 0 or scale <= 1.0:
             raise CarveError(f"{model.paths[0]}: YaRN RoPE needs {arch}.rope.scaling.factor > 1 "
                              f"and {arch}.rope.scaling.original_context_length; the file lacks one")
+    factors = next((t for t in model.tensors if t.name == "rope_freqs.weight"), None)
+    if factors is not None:
+        if factors.shape != (rope_dim // 2,):
+            raise CarveError(f"{model.paths[0]}: tensor rope_freqs.weight has shape "
+                             f"{list(factors.shape)} but a head rotates {rope_dim // 2} pairs "
+                             f"({arch}.rope.dimension_count {rope_dim}); the file is inconsistent")
+        if factors.ggml_type not in (F32, F16, BF16):
+            raise CarveError(f"{model.paths[0]}: tensor rope_freqs.weight is "
+                             f"{type_name(factors.ggml_type)}; RoPE factors are read as F32, "
+                             "F16 or BF16 (re-convert the file)")
     qk_norm = arch in ("qwen3", "gemma3", "qwen3moe") or (
         arch == "glm4moe" and any(t.name == "blk.0.attn_q_norm.weight" for t in model.tensors))
     query_pre = m.float_("attention.query_pre_attn_scalar", 0.0)
@@ -331,7 +345,7 @@ def _read(model: GGUFModel) -> HParams:
         embed_scale=math.sqrt(n_embd) if gemma else 1.0, act="gelu" if gemma else "silu",
         attn_scale=attn_scale, rope_dim=rope_dim,
         swiglu_limit=_GPT_OSS_SWIGLU_LIMIT if oss else 0.0, attn_sinks=oss,
-        **moe,
+        rope_factors=factors is not None, **moe,
     )
 
 

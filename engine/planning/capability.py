@@ -24,25 +24,22 @@ from engine.planning.rules import Verdict
 from spec.quant_types import F32, type_name
 from spec.runners import RUNNERS, TORCH, TRITON, TRITON_ARCHS, Runner
 
-ROPE_FACTORS = "rope_freqs.weight"
 F32_MATRICES = ("ffn_gate_inp.weight", "_exps.bias")  # routers, gpt-oss's expert biases
 
 
-def gpu_why_not(plan: Plan, hp: Any, model: Any) -> str | None:
+def gpu_why_not(plan: Plan, hp: Any) -> str | None:
     """None when the GPU runner runs `plan` (as far as a plan can tell), else why the torch
-    engine does. `model`: anything with `.tensors` (their names are read)."""
+    engine does."""
     if any(d.is_cpu for d in plan.devices):
         return "the plan places layers on the CPU"
     if hp.arch not in TRITON_ARCHS:
         return f"the Triton runner runs {'/'.join(TRITON_ARCHS)} models, not {hp.arch}"
-    if hp.arch == "llama" and any(t.name == ROPE_FACTORS for t in model.tensors):
-        return "the Triton RoPE has no per-pair frequency factors (rope_freqs.weight) yet"
     return None
 
 
 def runner_for(plan: Plan, idx: ModelIndex) -> Runner:
     """The runner that will execute `plan`."""
-    return TRITON if gpu_why_not(plan, idx.hp, idx.model) is None else TORCH
+    return TRITON if gpu_why_not(plan, idx.hp) is None else TORCH
 
 
 def _runs(runner: Runner, t: Any) -> bool:

@@ -71,7 +71,7 @@ class Session(ChunkedSession):
 
         model = GGUFModel.open(plan.model)
         hp = HParams.from_model(model)
-        why = why_not(plan, hp, options, model)
+        why = why_not(plan, hp, options)
         timeline.mark("model opened")
         devices = ", ".join(d.label for d in plan.devices)
         if why is None:

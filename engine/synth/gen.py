@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.gguf.writer import GGUFSink, MetaItem, split_names, tensor_bytes
 from engine.synth.file_types import FILE_TYPES, file_type_types
-from engine.synth.shapes import SHAPES, Shape, metadata, tensor_table
+from engine.synth.shapes import SHAPES, Shape, llama3_factors, metadata, tensor_table
 from spec.errors import CarveError
 from spec.quant_types import (
     BY_NAME,
@@ -243,6 +243,10 @@ def write_model(path: str | Path, shape: str | Shape, mix: str | None = None, sp
         largest[key] = max(largest.get(key, 0), tensor_bytes(types[name], dims))
 
     def payload(name: str, ggml_type: int, nbytes: int):
+        if name == "rope_freqs.weight":  # the factors themselves, not random values
+            yield np.asarray(llama3_factors(sh.hd, sh.rope_base, *sh.llama3_rope),
+                             np.float32).tobytes()
+            return
         key = (ggml_type, _kind(name))
         if key not in pools:
             pools[key] = _block_pool(ggml_type, key[1], rng, largest[key])

@@ -6,6 +6,7 @@ and tiny ones (every matrix row a multiple of 256, so every quant type fits) for
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.gguf.writer import ARR, BOOL, F32, I32, STR, U32, MetaItem
@@ -37,6 +38,9 @@ class Shape:
     qk_norm: bool = False  # per-head q/k RMSNorm where the arch makes it optional (glm4moe)
     expert_weights_scale: float = 1.0  # glm4moe routed_scaling_factor
     yarn: tuple[float, int] = (0.0, 0)  # YaRN RoPE (factor, original context); gpt-oss
+    # llama-3.1's RoPE (factor, low-frequency factor, high-frequency factor, original context):
+    # the converter writes it as per-pair factors, rope_freqs.weight (`llama3_factors`)
+    llama3_rope: tuple[float, float, float, int] = (0.0, 0.0, 0.0, 0)
     mix: str = "q4_k_m"  # the mix the published files use (`carve gen` default)
 
     @property
@@ -60,12 +64,18 @@ SHAPES: dict[str, Shape] = {
     "qwen2-7b": Shape("qwen2", 28, 3584, 28, 4, 18944, 152064),
     "llama3-8b": Shape("llama", 32, 4096, 32, 8, 14336, 128256, n_ctx=8192, rope_base=5e5,
                        rms_eps=1e-5),
+    # Llama 3.1 8B: 3-8B's shape, a 128k context and its RoPE factors
+    "llama3.1-8b": Shape("llama", 32, 4096, 32, 8, 14336, 128256, n_ctx=131072, rope_base=5e5,
+                         rms_eps=1e-5, llama3_rope=(8.0, 1.0, 4.0, 8192)),
     "qwen2-32b": Shape("qwen2", 64, 5120, 40, 8, 27648, 152064),
     "llama-70b": Shape("llama", 80, 8192, 64, 8, 28672, 128256, n_ctx=8192, rope_base=5e5,
                        rms_eps=1e-5),
     # tiny test shapes: small, but 256-aligned rows so K-types fit every matrix
     "llama-tiny": Shape("llama", 4, 256, 4, 2, 512, 512, n_ctx=2048, rope_base=1e4,
                         rms_eps=1e-5),
+    # an original context of 64, so that the factors differ within a test's few positions
+    "llama3.1-tiny": Shape("llama", 4, 256, 4, 2, 512, 512, n_ctx=2048, rope_base=1e4,
+                           rms_eps=1e-5, llama3_rope=(8.0, 1.0, 4.0, 64)),
     "qwen2-tiny": Shape("qwen2", 4, 256, 4, 2, 512, 512, tied_embeddings=True, n_ctx=2048),
     "qwen3-tiny": Shape("qwen3", 4, 256, 4, 2, 512, 512, head_dim=128, n_ctx=2048),
     "gemma3-tiny": Shape("gemma3", 6, 256, 2, 1, 512, 512, head_dim=128, tied_embeddings=True,
@@ -149,10 +159,31 @@ def _ffn(s: Shape, i: int) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def llama3_factors(head_dim: int, base: float, factor: float, low: float, high: float,
+                   orig_ctx: int) -> list[float]:
+    """llama-3.1's RoPE scaling as per-pair frequency factors (rope_freqs.weight), the way the
+    converter computes them from the config: pairs whose wavelength is below orig_ctx / high
+    keep their frequency (1), those above orig_ctx / low are divided by ``factor``, and those
+    between by a factor that moves smoothly from one to the other."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * base ** (i / head_dim)
+        if wavelength < orig_ctx / high:
+            out.append(1.0)
+        elif wavelength > orig_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (orig_ctx / wavelength - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
 def tensor_table(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     """(name, GGUF dims with ne0 first) in the order llama.cpp's converter writes them. A
     NextN layer (glm4moe) is a whole MoE layer plus its own projection and norms."""
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s.n_embd, s.n_vocab))]
+    if s.llama3_rope[0]:
+        out.append(("rope_freqs.weight", (s.hd // 2,)))
     for i in range(s.n_block):
         layer = _attention(s) + _ffn(s, i) + _attention_extras(s)
         if s.arch == "gemma3":

@@ -138,7 +138,7 @@ def test_the_runner_rule_is_the_engines(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     plain = write_with(tmp_path / "plain.gguf", {}, "llama-tiny")
-    # llama-3.1-style RoPE factors: the GPU runner's RoPE has none, the torch engine runs it
+    # llama-3.1-style RoPE factors: the GPU runner runs them too (test_rope_factors.py)
     factors = write_with(tmp_path / "rope.gguf", {}, "llama-tiny", (("rope_freqs.weight", (32,)),))
     seen = set()
     for path in (plain, factors):
@@ -149,7 +149,7 @@ def test_the_runner_rule_is_the_engines(tmp_path, monkeypatch) -> None:
             expected = TRITON if why_not(plan, hp) is None else TORCH
             assert runner_for(plan, model_index(m)) is expected
             seen.add((path, len(devices), expected))
-    assert (factors, 1, TORCH) in seen and (plain, 1, TRITON) in seen
+    assert (factors, 1, TRITON) in seen and (plain, 1, TRITON) in seen
 
 
 def test_the_engine_refuses_before_allocating(tmp_path, monkeypatch) -> None:

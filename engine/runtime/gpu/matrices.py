@@ -92,7 +92,7 @@ class Attention:
     # ... and that launch is the epilogue of decode's q/k/v T GEMV (gemv_t.gemv_t3 ``rope=``)
     rope_in_qkv: bool
     rope_dim: int  # leading dims of each head RoPE rotates (glm4moe: part of head_dim)
-    rope_freqs: torch.Tensor | None  # YaRN's frequency per pair (buf.yarn_freqs), every layer
+    rope_freqs: torch.Tensor | None  # the frequency per pair (buf.rope_freqs) or None
     rope_mscale: float  # YaRN's cos/sin scale (1.0 without YaRN)
     sinks: torch.Tensor | None  # gpt-oss: attn_sinks [n_head], one more logit per head
     output: Matrix  # attn_output
@@ -215,7 +215,8 @@ class LayerBuilder:
         self.cpu_layers = cpu_layers
         self.on_cuda, self.options, self.xq, self.rope_scale = on_cuda, options, xq, rope_scale
         self.rope_dim = getattr(hp, "rope_dim", 0) or hp.head_dim
-        self.yarn = yarn  # (frequencies in buf.yarn_freqs, cos/sin scale) or (None, 1.0)
+        # (the global layers' frequencies in buf.rope_freqs, cos/sin scale) or (None, 1.0)
+        self.yarn = yarn
         # gpt-oss and glm4moe name their pre-FFN norm post_attention_norm (llama.cpp's names)
         self.ffn_norm = ("post_attention_norm.weight" if hp.arch in ("gpt-oss", "glm4moe")
                          else "ffn_norm.weight")
@@ -318,7 +319,10 @@ class LayerBuilder:
             qk_norm_in_rope=rope_store and hp.qk_norm,
             rope_in_qkv=(rope_store and fused == "t3"
                          and gemv_t.rope_fits([m.rows for m in qkv], hp.head_dim, config)),
-            rope_dim=self.rope_dim, rope_freqs=self.yarn[0], rope_mscale=self.yarn[1],
+            # YaRN's frequencies serve every layer (gpt-oss); the file's factors the global ones
+            rope_dim=self.rope_dim,
+            rope_freqs=self.yarn[0] if hp.rope_scaling == "yarn" or not swa else None,
+            rope_mscale=self.yarn[1] if hp.rope_scaling == "yarn" or not swa else 1.0,
             sinks=self.vec(p + "attn_sinks.weight") if getattr(hp, "attn_sinks", False) else None,
             output=self.matrix(p + "attn_output.weight", p + "attn_output.bias"),
             post_norm=self.vec(p + "post_attention_norm.weight") if hp.sandwich_norm else None)

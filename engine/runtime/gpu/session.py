@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -35,33 +34,20 @@ from spec.runners import TRITON
 log = logging.getLogger("carve.engine")
 
 
-def why_not(plan: Any, hp: Any, options: RunnerOptions = RunnerOptions(),
-            model: Any = None) -> str | None:
+def why_not(plan: Any, hp: Any, options: RunnerOptions = RunnerOptions()) -> str | None:
     """None when the GPU runner runs this plan, else why the torch engine does: the options,
     then the rule a plan can tell (engine.planning.capability.gpu_why_not, which pricing
-    shares), then whether this process sees CUDA. ``model``: the opened file (else read from
-    the plan's path)."""
+    shares), then whether this process sees CUDA."""
     from engine.planning.capability import gpu_why_not
 
     if options.runner == "torch":
         return "CARVE_RUNNER=torch"
-    why = gpu_why_not(plan, hp, _tensors_of(plan.model) if model is None else model)
+    why = gpu_why_not(plan, hp)
     if why is not None:
         return why
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
     return None
-
-
-def _tensors_of(path: str) -> Any:
-    """The file's tensor list (a header read); none when it cannot be read (the load names
-    what is wrong with the file)."""
-    from engine.gguf.reader import GGUFModel
-
-    try:
-        return GGUFModel.open(path)
-    except (CarveError, OSError):
-        return SimpleNamespace(tensors=())
 
 
 def refuse(layout: Any) -> None:

@@ -49,10 +49,12 @@ from engine.runtime.gpu.stage_attn import AttentionLayers
 from engine.runtime.gpu.stage_graph import DecodeGraph
 from engine.runtime.gpu.stage_moe import MoeLayers
 from engine.runtime.models import FAMILIES
-from engine.runtime.models.layers import _linear_scale, yarn_freqs
+from engine.runtime.models.layers import ROPE_FACTORS, _linear_scale, global_freqs
 from engine.runtime.options import RunnerOptions
 from spec import quant_types as qt
 from spec.errors import CarveError
+
+_FLOATS = {qt.F32: torch.float32, qt.F16: torch.float16, qt.BF16: torch.bfloat16}
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "i64": torch.int64, "i32": torch.int32, "uint8": torch.uint8}
@@ -100,13 +102,11 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
             raise CarveError(f"the GPU stage runs the mixture-of-experts models "
                              f"{', '.join(MOE_ARCHS)}; {hp.arch} runs on the torch engine "
                              f"(CARVE_RUNNER=torch) for now")
-        if "rope_freqs.weight" in spans:  # gpu_session.why_not sends these to the torch engine
-            raise CarveError("rope_freqs.weight (llama-3.1 RoPE factors) is not supported by "
-                             "the Triton runner yet; run with CARVE_RUNNER=torch")
-        # linear scaling of the global layers' RoPE, YaRN's frequencies (buf.yarn_freqs, every
-        # layer), or the CPU engine's error for other kinds
-        yarn = hp.rope_scaling == "yarn"
-        self.rope_scale = 1.0 if yarn else 1.0 / _linear_scale(hp)
+        # the global layers' RoPE: a frequency per pair in buf.rope_freqs (YaRN's, every layer;
+        # the file's rope_freqs factors applied, with any linear scale), or the base and the
+        # linear scale; the CPU engine's error for other kinds
+        freqs = hp.rope_scaling == "yarn" or hp.rope_factors
+        self.rope_scale = 1.0 if freqs else 1.0 / _linear_scale(hp)
         self.hp, self.model, self.spans = hp, model, spans
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"  # else the CPU under TRITON_INTERPRET=1
@@ -130,7 +130,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         # the layers whose experts the plan keeps in host memory (engine/runtime/gpu/host.py)
         self.host_layers = host_layers(dl)
         build = LayerBuilder(hp, model, spans, ctx, self.on_cuda, options, self.xq,
-                             self.rope_scale, self._yarn() if yarn else (None, 1.0),
+                             self.rope_scale, self._freqs() if freqs else (None, 1.0),
                              frozenset(self.host_layers if host_compute == "cpu" else ()))
         self.tmats = build.tmats  # the matrices in the T layout (fill_dequant_cache repacks)
         self.layers: list[Layer] = [build.layer(i) for i in range(self.lb, self.le)]
@@ -172,11 +172,17 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         lookup = self.buf.get("lookup")
         self.scan_flags = None if lookup is None else lowbit_blocks.install_tables(lookup)
 
-    def _yarn(self) -> tuple[torch.Tensor, float]:
-        # the CPU engine's YaRN frequencies (engine/runtime/models/layers.py), written once
-        # into their priced buffer, and its cos/sin scale
-        f, mscale = yarn_freqs(self.hp, truncate=self.hp.rope_yarn_truncate)
-        dst = self.buf["yarn_freqs"]
+    def _freqs(self) -> tuple[torch.Tensor, float]:
+        # the CPU engine's frequencies of the global layers (engine/runtime/models/layers.py),
+        # from the file's rope_freqs factors where it has them (read back from their span: a
+        # few hundred bytes), written once into their priced buffer, and the cos/sin scale
+        factors = None
+        if self.hp.rope_factors and self.hp.rope_scaling != "yarn":
+            t = self.model.tensor(ROPE_FACTORS)
+            raw = self.spans[ROPE_FACTORS].reshape(-1)[:t.nbytes].cpu()
+            factors = raw.view(_FLOATS[t.ggml_type])
+        f, mscale = global_freqs(self.hp, factors)
+        dst = self.buf["rope_freqs"]
         dst.copy_(f)  # straight from the host: no device temporary outside the Layout
         return dst, mscale
 

@@ -40,7 +40,7 @@ class DecodeGraph:
 
     # buffers written once at load (the YaRN frequencies, the IQ types' value tables and the
     # scan's flags): `clear_buffers` leaves them as they are
-    LOADED_BUFFERS = frozenset({"yarn_freqs", "lookup"})
+    LOADED_BUFFERS = frozenset({"rope_freqs", "lookup"})
 
     def clear_buffers(self) -> None:
         """Zero the working buffers (ids, counts, sort places, activations, sampler state): in

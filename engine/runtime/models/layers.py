@@ -44,6 +44,29 @@ def inv_freq(head_dim: int, base: float, scale: float, factors: torch.Tensor | N
     return f
 
 
+ROPE_FACTORS = "rope_freqs.weight"
+
+
+def global_freqs(hp: Any, factors: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+    """The float32 [rope_dim/2] frequencies of the layers that are not sliding-window ones, and
+    their cos/sin multiplier: YaRN's (every layer, ``factors`` unused), else the plain ones
+    with the linear scale and the file's per-pair ``rope_freqs`` factors (llama-3.1 and later:
+    llama.cpp's ``freq_factors``) dividing them. A factor that is not finite and above 0 is a
+    load error naming the tensor."""
+    if hp.rope_scaling == "yarn":
+        return yarn_freqs(hp, truncate=hp.rope_yarn_truncate)
+    d = getattr(hp, "rope_dim", 0) or hp.head_dim  # partial RoPE (glm4moe) rotates fewer
+    if factors is not None:
+        factors = factors.float().reshape(-1)
+        bad = ~(torch.isfinite(factors) & (factors > 0))
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            raise CarveError(f"tensor {ROPE_FACTORS} holds {factors[i].item()!r} for rotated "
+                             f"pair {i}; RoPE frequency factors must be finite and above 0 "
+                             "(the file is damaged: re-download or re-convert it)")
+    return inv_freq(d, hp.rope_base, _linear_scale(hp), factors), 1.0
+
+
 def yarn_freqs(hp: Any, truncate: bool) -> tuple[torch.Tensor, float]:
     """YaRN's float32 [rope_dim/2] frequencies and its cos/sin multiplier, as transformers
     computes them: dims rotating fewer than beta_slow times over the original context are
@@ -111,14 +134,12 @@ class Stage:
         self.ops = ops
         self.device = torch.device(device)
         self._fused: dict[int, QWeight | None] = {}
-        factors = tensors.get("rope_freqs.weight")
         d = getattr(hp, "rope_dim", 0) or hp.head_dim  # partial RoPE (glm4moe) rotates fewer
-        self.mscale = 1.0
+        f, self.mscale = global_freqs(hp, tensors.get(ROPE_FACTORS))
+        self.freqs = f.to(self.device)
         if hp.rope_scaling == "yarn":  # every layer, windowed or not (gpt-oss)
-            f, self.mscale = yarn_freqs(hp, truncate=hp.rope_yarn_truncate)
-            self.freqs = self.freqs_swa = f.to(self.device)
-        else:
-            self.freqs = inv_freq(d, hp.rope_base, _linear_scale(hp), factors).to(self.device)
+            self.freqs_swa = self.freqs
+        else:  # sliding-window layers: their own base, neither scaled nor factored
             self.freqs_swa = inv_freq(d, hp.rope_base_swa, 1.0, None).to(self.device)
         # layers the model runs: a file's next-token-prediction layers (glm4moe) are not
         self.n_run = getattr(hp, "n_layer_run", 0) or hp.n_layer

@@ -1,0 +1,254 @@
+"""llama-3.1's RoPE: the per-pair frequency factors a GGUF carries as rope_freqs.weight.
+
+The CPU engine against transformers (a tiny random LlamaForCausalLM whose config asks for the
+"llama3" RoPE, written to GGUF as llama.cpp's converter writes it: q/k rows permuted for the
+adjacent-pair rotation, the factors as rope_freqs.weight); the Triton runner against the CPU
+engine on `carve gen`'s llama3.1-tiny (the rotated keys each writes into its cache, prefill and
+decode, then logits and greedy ids); and the file's factors checked before they are used.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gpu_compare import against_cpu_engine, decode_errors, rel
+
+from engine.gguf.hparams import HParams
+from engine.gguf.reader import GGUFModel
+from engine.gguf.writer import ARR, BOOL, F32, I32, STR, U32, GGUFSink
+from engine.hardware.devices import DeviceSpec
+from engine.planning.plan import Plan
+from engine.runtime.sampling import SamplingParams
+from engine.runtime.session import Session
+from engine.synth.gen import write_model
+from engine.synth.shapes import CHATML, llama3_factors, vocab
+from spec.errors import CarveError
+
+GIB = 1 << 30
+CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
+ON_GPU = torch.cuda.is_available()
+DEV = torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
+N_VOCAB = 512
+# an original context of 64 and a base of 10,000 over heads of 32: of the 16 pairs, 2 keep their
+# frequency, 11 are divided by 8 and 3 lie on the smooth stretch between
+ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _hf_llama():
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=N_VOCAB, hidden_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                         num_hidden_layers=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, rope_parameters=dict(ROPE))
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    m = tf.LlamaForCausalLM(cfg).float().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            # large q/k weights: peaked attention, so that a wrong rotation shows in the logits
+            p.copy_(1 + 0.1 * r if "norm" in name else (0.3 if "_proj" in name and
+                                                        ("q_proj" in name or "k_proj" in name)
+                                                        else 0.08) * r)
+    return m
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # transformers rotates the halves of a head, llama.cpp's llama adjacent pairs: the converter
+    # interleaves each head's rows so that both rotate the same pairs
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _write_llama3(m, path) -> None:
+    c = m.config
+    sd = {k: v.detach().float().numpy() for k, v in m.state_dict().items()}
+    factors = np.asarray(llama3_factors(c.head_dim, ROPE["rope_theta"], ROPE["factor"],
+                                        ROPE["low_freq_factor"], ROPE["high_freq_factor"],
+                                        ROPE["original_max_position_embeddings"]), np.float32)
+    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "rope_freqs.weight": factors}
+    for i in range(c.num_hidden_layers):
+        h, b = f"model.layers.{i}.", f"blk.{i}."
+        tensors[b + "attn_norm.weight"] = sd[h + "input_layernorm.weight"]
+        tensors[b + "attn_q.weight"] = _permute(sd[h + "self_attn.q_proj.weight"],
+                                                c.num_attention_heads)
+        tensors[b + "attn_k.weight"] = _permute(sd[h + "self_attn.k_proj.weight"],
+                                                c.num_key_value_heads)
+        tensors[b + "attn_v.weight"] = sd[h + "self_attn.v_proj.weight"]
+        tensors[b + "attn_output.weight"] = sd[h + "self_attn.o_proj.weight"]
+        tensors[b + "ffn_norm.weight"] = sd[h + "post_attention_layernorm.weight"]
+        for n in ("gate", "up", "down"):
+            tensors[f"{b}ffn_{n}.weight"] = sd[f"{h}mlp.{n}_proj.weight"]
+    tensors["output_norm.weight"] = sd["model.norm.weight"]
+    tensors["output.weight"] = sd["lm_head.weight"]
+    tokens, types, merges = vocab(N_VOCAB)
+    a = "llama"
+    meta = [("general.architecture", STR, a), (f"{a}.block_count", U32, c.num_hidden_layers),
+            (f"{a}.context_length", U32, c.max_position_embeddings),
+            (f"{a}.embedding_length", U32, c.hidden_size),
+            (f"{a}.feed_forward_length", U32, c.intermediate_size),
+            (f"{a}.attention.head_count", U32, c.num_attention_heads),
+            (f"{a}.attention.head_count_kv", U32, c.num_key_value_heads),
+            (f"{a}.attention.key_length", U32, c.head_dim),
+            (f"{a}.attention.value_length", U32, c.head_dim),
+            (f"{a}.rope.dimension_count", U32, c.head_dim),
+            (f"{a}.rope.freq_base", F32, ROPE["rope_theta"]),
+            (f"{a}.attention.layer_norm_rms_epsilon", F32, c.rms_norm_eps),
+            ("tokenizer.ggml.model", STR, "gpt2"), ("tokenizer.ggml.pre", STR, "qwen2"),
+            ("tokenizer.ggml.tokens", ARR, (STR, tokens)),
+            ("tokenizer.ggml.token_type", ARR, (I32, types)),
+            ("tokenizer.ggml.merges", ARR, (STR, merges)),
+            ("tokenizer.ggml.bos_token_id", U32, N_VOCAB - 3),
+            ("tokenizer.ggml.eos_token_id", U32, N_VOCAB - 1),
+            ("tokenizer.ggml.add_bos_token", BOOL, False),
+            ("tokenizer.chat_template", STR, CHATML)]
+    table = [(n, tuple(reversed(t.shape)), 0) for n, t in tensors.items()]  # all F32
+
+    def payload(name: str, ggml_type: int, nbytes: int):
+        yield np.ascontiguousarray(tensors[name], np.float32).tobytes()
+
+    GGUFSink(meta, table, [path]).write(payload)
+
+
+def _session(path, chunk: int = 32) -> Session:
+    hp = HParams.from_model(GGUFModel.open(path))
+    plan = Plan(model=str(path), devices=(CPU,), split=(0, hp.n_layer), ctx=256,
+                prefill_chunk=chunk, cache_reserve=16 * GIB, logits_rows=chunk)
+    sess = Session.load(plan)
+    from engine.runtime.kv_cache import KVCache  # a float32 cache: only the maths remains
+
+    spans = {}
+    for i in range(hp.n_layer):
+        spans[f"kv.{i}.k"] = torch.zeros(plan.ctx, hp.n_head_kv, hp.head_dim)
+        spans[f"kv.{i}.v"] = torch.zeros(plan.ctx, hp.n_head_kv, hp.head_dim_v)
+    sess.kv = KVCache.from_spans(spans, hp, range(hp.n_layer), plan.ctx)
+    return sess
+
+
+def test_the_factors_are_transformers_llama3_frequencies() -> None:
+    hf = _hf_llama()
+    d = hf.config.head_dim
+    plain = 1.0 / ROPE["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
+    f = torch.tensor(llama3_factors(d, ROPE["rope_theta"], ROPE["factor"], 1.0, 4.0, 64))
+    torch.testing.assert_close(plain / f, hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    assert (f == 1).sum() == 2 and (f == 8).sum() == 11  # and 3 between: all three kinds
+
+
+def test_the_cpu_engine_matches_transformers(tmp_path) -> None:
+    hf = _hf_llama()
+    path = tmp_path / "llama3.gguf"
+    _write_llama3(hf, path)
+    assert HParams.from_model(GGUFModel.open(path)).rope_factors
+    ids = torch.randint(3, 500, (90,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = hf(ids.unsqueeze(0)).logits[0]
+    sess = _session(path)
+    got = sess.logits(ids.tolist())
+    err = rel(got, ref)
+    # measured 3.9e-6; the same file read without its factors: 1.2
+    assert err < 1e-4, f"logits differ by {err:.2e} of their range"
+    prompt = ids[:12].tolist()
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    out: list[int] = []
+    sess.generate(prompt, SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=32),
+                  set(), out.append)
+    sess.close()
+    assert out == want
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    (path,) = write_model(tmp_path_factory.mktemp("rope") / "llama3.1-tiny.gguf", "llama3.1-tiny",
+                          "q4_k_m")
+    return str(path)
+
+
+def _plan(path: str) -> Plan:
+    return Plan(model=path, devices=(CPU,), split=(0, 4), ctx=128, prefill_chunk=8,
+                cache_reserve=1 << 50, logits_rows=8)
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_the_triton_runner_rotates_as_the_cpu_engine(tiny) -> None:
+    """The keys each engine rotated into its cache, prefill (40 positions in chunks of 8) and
+    then decode: the synthetic model's attention is too flat for a wrong rotation to show much
+    in its logits (measured 1.4e-3 with the factors left out), its keys are not (1.1)."""
+    from engine.runtime.gpu.session import GpuSession
+    from engine.runtime.options import RunnerOptions
+
+    g = GpuSession.load(_plan(tiny), devices=[DEV], remember=False, options=RunnerOptions())
+    c = Session.load(_plan(tiny))
+    try:
+        assert g.pipe.stages[0].buf["rope_freqs"].shape == (32,)
+        g.logits(_ids(40))
+        c.logits(_ids(40))
+        decode_errors(g, c, _ids(3, 1))  # the decode step's fused rotation and store
+        for i in range(4):
+            k = g.pipe.stages[0].layers[i].attn.k_cache[:43]
+            err = rel(k, c.kv.layers[i].k[:43])
+            assert err < 5e-3, f"layer {i}: rotated keys differ by {err:.2e}"  # measured 2.5e-4
+    finally:
+        g.close()
+        c.close()
+    against_cpu_engine(_plan(tiny), DEV, _ids(12), _ids(3, 1), _ids(6, 3), 5e-3, tiny)
+
+
+def _with_factors(tmp_path, values: np.ndarray) -> str:
+    (path,) = write_model(tmp_path / "f.gguf", "llama3.1-tiny", "q8_0")
+    t = GGUFModel.open(path).tensor("rope_freqs.weight")
+    with open(path, "r+b") as f:
+        f.seek(t.offset)
+        f.write(np.asarray(values, np.float32).tobytes())
+    return str(path)
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("nan"), float("inf")])
+def test_a_factor_that_is_not_finite_and_positive_is_named(tmp_path, bad) -> None:
+    values = np.ones(32, np.float32)
+    values[5] = bad
+    path = _with_factors(tmp_path, values)
+    with pytest.raises(CarveError) as e:
+        Session.load(_plan(path)).close()
+    msg = str(e.value)
+    assert "rope_freqs.weight" in msg and "pair 5" in msg and "\n" not in msg
+
+
+def test_factors_that_disagree_with_the_rotation_are_refused_at_open(tmp_path) -> None:
+    def half_rotated(meta):  # the metadata rotates 32 dims a head (16 pairs), the file has 32
+        return [(k, t, 32 if k == "llama.rope.dimension_count" else v) for k, t, v in meta]
+
+    (path,) = write_model(tmp_path / "odd.gguf", "llama3.1-tiny", "q8_0", edit=half_rotated)
+    with pytest.raises(CarveError) as e:
+        HParams.from_model(GGUFModel.open(path))
+    assert str(e.value) == (f"{path}: tensor rope_freqs.weight has shape [32] but a head rotates "
+                            "16 pairs (llama.rope.dimension_count 32); the file is inconsistent")
+
+
+def test_two_stages_rotate_as_one(tiny) -> None:
+    """Each stage holds the factors and its own frequencies: a split between the layers gives
+    one stage's prefill and decode logits to the bit (bf16 activations)."""
+    from gpu_compare import chunk_and_decode_rows
+
+    from engine.runtime.gpu.session import GpuSession
+
+    sim = tuple(DeviceSpec(index=i, name="sim", total=8 * GIB, free=8 * GIB, simulated=True)
+                for i in range(2))
+    got = []
+    for devices, split in ((sim[:1], (0, 4)), (sim, (0, 2, 4))):
+        plan = Plan(model=tiny, devices=devices, split=split, ctx=128, prefill_chunk=8,
+                    cache_reserve=1 << 50, logits_rows=1, act_dtype="bf16")
+        g = GpuSession.load(plan, devices=[DEV] * len(devices), remember=False)
+        assert all("rope_freqs" in st.buf for st in g.pipe.stages)
+        got.append(chunk_and_decode_rows(g, _ids(12, 3)))
+    assert torch.isfinite(got[0]).all() and torch.equal(got[0], got[1])
