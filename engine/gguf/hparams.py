@@ -17,12 +17,15 @@ from spec.quant_types import BF16, F16, F32, type_name
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe")
 MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe")
+# architectures whose files may route through experts: llama with {arch}.expert_count > 0 is
+# Mixtral's (llama.cpp builds it as llama's block with a softmax-routed, renormalised MoE FFN)
+_MAYBE_MOE = ("llama",)
 _ROPE_STYLE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
                "qwen3moe": "neox", "gpt-oss": "neox", "glm4moe": "neox"}
 # {arch}.expert_gating_func values (gguf ExpertGatingFuncType); gpt-oss has no key: llama.cpp
 # always takes the softmax over the chosen k logits for it
 _GATING = {1: "softmax", 2: "sigmoid"}
-_GATING_DEFAULT = {"qwen3moe": "softmax", "glm4moe": "sigmoid"}
+_GATING_DEFAULT = {"qwen3moe": "softmax", "glm4moe": "sigmoid", "llama": "softmax"}
 # gpt-oss's clamped SwiGLU limit and sliding-window period (llama.cpp hard-codes both:
 # swiglu_oai(limit = 7.0), set_swa_pattern(2) = even layers use the window)
 _GPT_OSS_SWIGLU_LIMIT = 7.0
@@ -241,7 +244,8 @@ def _read(model: GGUFModel) -> HParams:
         raise CarveError(f"{model.paths[0]}: no token_embd.weight matrix; not a complete model")
     n_vocab = embd.shape[1]
     tied = not any(t.name == "output.weight" for t in model.tensors)
-    moe = _read_moe(model, m, n_layer - nextn, n_embd) if arch in MOE_ARCHS else {}
+    routed = arch in MOE_ARCHS or (arch in _MAYBE_MOE and m.int_("expert_count", 0) > 0)
+    moe = _read_moe(model, m, n_layer - nextn, n_embd) if routed else {}
     n_run = moe.get("n_layer_run", n_layer)
     n_dense = min(n_run, moe.get("n_layer_dense_lead", n_run))  # layers 0 .. n_dense-1
     expect = {
@@ -404,6 +408,11 @@ def _read_moe(model: GGUFModel, m: _Meta, n_run: int, n_embd: int) -> dict[str, 
             want[p + "ffn_down_shexp.weight"] = (n_ff_shexp, n_embd)
         for name, shape in want.items():
             got = shapes.get(name)
+            if got is None and "_exps." in name and name.replace("_exps.", ".0.") in shapes:
+                raise CarveError(f"{path}: layer {i} stores each expert as a tensor of its own "
+                                 f"({name.replace('_exps.', '.0.')}...), as converters did "
+                                 "before 2024; Carve reads the experts stacked in one tensor "
+                                 f"({name}): re-convert the model with a current llama.cpp")
             if got is None:
                 raise CarveError(f"{path}: tensor {name} is missing; layer {i} routes through "
                                  "experts and needs it")
@@ -422,8 +431,9 @@ def _read_moe(model: GGUFModel, m: _Meta, n_run: int, n_embd: int) -> dict[str, 
             raise CarveError(f"{path}: {arch}.expert_gating_func {code} is not one the engine "
                              f"runs ({', '.join(f'{k} = {v}' for k, v in _GATING.items())})")
         gating = _GATING.get(code, _GATING_DEFAULT[arch])
-    # qwen3moe renormalises its top-k weights whatever the file says (llama.cpp's graph does)
-    norm = True if arch == "qwen3moe" else arch == "glm4moe" and bool(
+    # qwen3moe and Mixtral (llama) renormalise their top-k weights whatever the file says
+    # (llama.cpp's graphs do)
+    norm = True if arch in ("qwen3moe", "llama") else arch == "glm4moe" and bool(
         m.md.get(f"{arch}.expert_weights_norm", False))
     weights_scale = m.float_("expert_weights_scale", 1.0) if arch == "glm4moe" else 1.0
     _within(model, "expert_weights_scale", weights_scale, weights_scale > 0, "above 0")

@@ -67,6 +67,10 @@ SHAPES: dict[str, Shape] = {
     # Llama 3.1 8B: 3-8B's shape, a 128k context and its RoPE factors
     "llama3.1-8b": Shape("llama", 32, 4096, 32, 8, 14336, 128256, n_ctx=131072, rope_base=5e5,
                          rms_eps=1e-5, llama3_rope=(8.0, 1.0, 4.0, 8192)),
+    # Mixtral 8x7B: a llama file with 8 experts of 14336, 2 used (the converter writes no
+    # expert_feed_forward_length: the width is feed_forward_length, and the tensors')
+    "mixtral-8x7b": Shape("llama", 32, 4096, 32, 8, 14336, 32000, n_ctx=32768, rope_base=1e6,
+                          rms_eps=1e-5, n_expert=8, n_expert_used=2, n_ff_exp=14336),
     "qwen2-32b": Shape("qwen2", 64, 5120, 40, 8, 27648, 152064),
     "llama-70b": Shape("llama", 80, 8192, 64, 8, 28672, 128256, n_ctx=8192, rope_base=5e5,
                        rms_eps=1e-5),
@@ -76,6 +80,8 @@ SHAPES: dict[str, Shape] = {
     # an original context of 64, so that the factors differ within a test's few positions
     "llama3.1-tiny": Shape("llama", 4, 256, 4, 2, 512, 512, n_ctx=2048, rope_base=1e4,
                            rms_eps=1e-5, llama3_rope=(8.0, 1.0, 4.0, 64)),
+    "mixtral-tiny": Shape("llama", 4, 256, 4, 2, 256, 512, n_ctx=2048, rope_base=1e4,
+                          rms_eps=1e-5, n_expert=8, n_expert_used=2, n_ff_exp=256),
     "qwen2-tiny": Shape("qwen2", 4, 256, 4, 2, 512, 512, tied_embeddings=True, n_ctx=2048),
     "qwen3-tiny": Shape("qwen3", 4, 256, 4, 2, 512, 512, head_dim=128, n_ctx=2048),
     "gemma3-tiny": Shape("gemma3", 6, 256, 2, 1, 512, 512, head_dim=128, tied_embeddings=True,
@@ -276,8 +282,9 @@ def metadata(s: Shape, mix: str) -> list[MetaItem]:
                  (f"{a}.rope.scaling.original_context_length", U32, s.yarn[1])]
     if s.n_expert:
         meta += [(f"{a}.expert_count", U32, s.n_expert),
-                 (f"{a}.expert_used_count", U32, s.n_expert_used),
-                 (f"{a}.expert_feed_forward_length", U32, s.n_ff_exp)]
+                 (f"{a}.expert_used_count", U32, s.n_expert_used)]
+        if a != "llama":
+            meta.append((f"{a}.expert_feed_forward_length", U32, s.n_ff_exp))
     if a == "glm4moe":  # as llama.cpp's Glm4MoeModel converter writes them
         meta += [(f"{a}.expert_shared_count", U32, s.n_expert_shared),
                  (f"{a}.leading_dense_block_count", U32, s.n_layer_dense_lead),

@@ -1,5 +1,6 @@
-"""Tiny random mixture-of-experts models: a transformers model built from a config, and the same
-weights written to a GGUF with llama.cpp's tensor names and metadata keys.
+"""Tiny random mixture-of-experts models (qwen3moe, gpt-oss, glm4moe, Mixtral): a transformers
+model built from a config, and the same weights written to a GGUF with llama.cpp's tensor names,
+metadata keys and (Mixtral, a llama file) q/k row order.
 
 Quantized files round-trip the weights through ``gguf.quants`` and load the dequantized values
 back into the transformers model, so the reference runs exactly the weights the file holds.
@@ -21,7 +22,17 @@ N_VOCAB = 512  # the synthetic byte-level vocabulary needs ~300 tokens
 COMMON = dict(vocab_size=N_VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
               head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
               tie_word_embeddings=False)
-GGUF_ARCH = {"qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "glm4moe": "glm4moe"}
+GGUF_ARCH = {"qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "glm4moe": "glm4moe", "mixtral": "llama"}
+
+
+def permute(w: np.ndarray, n_head: int, back: bool = False) -> np.ndarray:
+    """llama's q/k rows as the converter writes them: transformers rotates the halves of a head,
+    llama.cpp's llama graph adjacent pairs, so each head's rows are interleaved (``back``: the
+    inverse)."""
+    half = w.shape[0] // n_head // 2
+    if back:
+        return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
@@ -38,6 +49,10 @@ def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
         cfg = tf.GptOssConfig(**COMMON, num_hidden_layers=2, intermediate_size=32,
                               num_local_experts=8, num_experts_per_tok=2, sliding_window=16)
         cls = tf.GptOssForCausalLM
+    elif arch == "mixtral":
+        cfg = tf.MixtralConfig(**COMMON, num_hidden_layers=2, intermediate_size=32,
+                               num_local_experts=8, num_experts_per_tok=2)
+        cls = tf.MixtralForCausalLM
     elif arch == "glm4moe":
         cfg = tf.Glm4MoeConfig(**COMMON, num_hidden_layers=3, intermediate_size=96,
                                moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
@@ -73,7 +88,7 @@ def _gguf_tensors(arch: str, m: torch.nn.Module) -> dict[str, np.ndarray]:
     cfg = m.config
     out = {"token_embd.weight": sd["model.embed_tokens.weight"],
            "output_norm.weight": sd["model.norm.weight"], "output.weight": sd["lm_head.weight"]}
-    ffn_norm = "ffn_norm" if arch == "qwen3moe" else "post_attention_norm"
+    ffn_norm = "ffn_norm" if arch in ("qwen3moe", "mixtral") else "post_attention_norm"
     for i in range(cfg.num_hidden_layers):
         h, b = f"model.layers.{i}.", f"blk.{i}."
         out[b + "attn_norm.weight"] = sd[h + "input_layernorm.weight"]
@@ -83,6 +98,9 @@ def _gguf_tensors(arch: str, m: torch.nn.Module) -> dict[str, np.ndarray]:
                 key = f"{h}self_attn.{theirs}_proj.{kind}"
                 if key in sd:
                     out[f"{b}attn_{ours}.{kind}"] = sd[key]
+        if arch == "mixtral":
+            out[b + "attn_q.weight"] = permute(out[b + "attn_q.weight"], cfg.num_attention_heads)
+            out[b + "attn_k.weight"] = permute(out[b + "attn_k.weight"], cfg.num_key_value_heads)
         for n in ("q", "k"):
             if f"{h}self_attn.{n}_norm.weight" in sd:
                 out[f"{b}attn_{n}_norm.weight"] = sd[f"{h}self_attn.{n}_norm.weight"]
@@ -148,7 +166,10 @@ def _metadata(arch: str, m: torch.nn.Module, n_block: int) -> list[MetaItem]:
         (f"{a}.attention.layer_norm_rms_epsilon", F32, c.rms_norm_eps),
         (f"{a}.expert_used_count", U32, c.num_experts_per_tok),
     ]
-    if arch == "qwen3moe":
+    if arch == "mixtral":  # the converter writes no expert_feed_forward_length for it
+        meta += [(f"{a}.expert_count", U32, c.num_local_experts),
+                 (f"{a}.rope.dimension_count", U32, c.head_dim)]
+    elif arch == "qwen3moe":
         meta += [(f"{a}.expert_count", U32, c.num_experts),
                  (f"{a}.expert_feed_forward_length", U32, c.moe_intermediate_size)]
     elif arch == "gpt-oss":
@@ -224,7 +245,7 @@ def write_pair(arch: str, quant: str, path: Path, seed: int = 0,
         _load_back(arch, m, tensors)
 
     def payload(name: str, ggml_type: int, nbytes: int):
-        b = raw[name]
+        b = raw.get(name, b"")  # a tensor an edit added: zeros
         yield b[:nbytes] + b"\0" * max(0, nbytes - len(b))
 
     GGUFSink(meta, table, [path]).write(payload)
@@ -240,6 +261,11 @@ def _load_back(arch: str, m: torch.nn.Module, tensors: dict[str, np.ndarray]) ->
         h, b = f"model.layers.{i}.", f"blk.{i}."
         for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")):
             back[f"{h}self_attn.{theirs}_proj.weight"] = tensors[f"{b}attn_{ours}.weight"]
+        if arch == "mixtral":
+            c = m.config
+            for n, heads in (("q", c.num_attention_heads), ("k", c.num_key_value_heads)):
+                back[f"{h}self_attn.{n}_proj.weight"] = permute(tensors[f"{b}attn_{n}.weight"],
+                                                               heads, back=True)
         if b + "ffn_gate.weight" in tensors:
             for n in ("gate", "up", "down"):
                 back[f"{h}mlp.{n}_proj.weight"] = tensors[f"{b}ffn_{n}.weight"]

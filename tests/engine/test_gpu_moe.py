@@ -48,6 +48,9 @@ SHAPES = {
     "gpt-oss": Shape("gpt-oss", 2, 128, 4, 2, 256, 320, head_dim=64, n_ctx=512,
                      rope_base=150000.0, rms_eps=1e-5, sliding_window=8, n_expert=4,
                      n_expert_used=2, n_ff_exp=256, yarn=(4.0, 64), mix="mxfp4_moe"),
+    # Mixtral: a llama file with experts (adjacent-pair RoPE, softmax routing renormalised)
+    "mixtral": Shape("llama", 2, 128, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
+                     n_expert_used=2, n_ff_exp=256),
 }
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -46,6 +46,23 @@ def test_fields_match_the_transformers_configs(tmp_path) -> None:
     assert (g.n_expert_shared, g.n_ff_shexp, g.rope_dim, g.head_dim) == (1, 32, 16, 32)
     assert not g.qk_norm
 
+    m = _hp(tmp_path, "mixtral")  # a llama file with experts
+    assert m.arch == "llama" and m.rope_style == "normal" and not m.qk_norm
+    assert (m.n_expert, m.n_expert_used, m.n_ff_exp) == (8, 2, 32)  # the width from the tensors
+    assert m.expert_gating == "softmax" and m.expert_weights_norm and m.expert_weights_scale == 1
+    assert all(m.is_moe_layer(i) for i in range(2)) and m.n_expert_shared == 0
+
+
+def _one_tensor_per_expert(meta, table):
+    """Layer 1's gate experts as pre-2024 converters wrote them: blk.1.ffn_gate.E.weight."""
+    out = []
+    for name, dims, t in table:
+        if name == "blk.1.ffn_gate_exps.weight":
+            out += [(f"blk.1.ffn_gate.{e}.weight", dims[:2], t) for e in range(dims[2])]
+        else:
+            out.append((name, dims, t))
+    return meta, out
+
 
 def _set(key: str, value: int):
     def edit(meta, table):
@@ -68,6 +85,10 @@ def _drop(name: str):
      ["qwen3moe.expert_used_count is 9", "8 experts"]),
     ("gpt-oss", _set("gpt-oss.expert_used_count", 0), ["gpt-oss.expert_used_count is 0"]),
     ("glm4moe", _drop("blk.2.ffn_up_shexp.weight"), ["tensor blk.2.ffn_up_shexp.weight"]),
+    ("mixtral", _one_tensor_per_expert,
+     ["layer 1 stores each expert as a tensor of its own (blk.1.ffn_gate.0.weight...)",
+      "re-convert"]),
+    ("mixtral", _set("llama.expert_used_count", 9), ["llama.expert_used_count is 9", "8 experts"]),
 ])
 def test_broken_moe_files_are_refused_in_one_sentence(tmp_path, arch, edit, words) -> None:
     with pytest.raises(CarveError) as err:

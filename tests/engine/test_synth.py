@@ -288,6 +288,7 @@ def test_gpt_oss_mix_as_published():
 
 @pytest.mark.parametrize(("shape", "mix"), [
     ("qwen3moe-tiny", "q4_k_m"), ("gpt-oss-tiny", "mxfp4_moe"), ("glm4moe-tiny", "q4_k_m"),
+    ("mixtral-tiny", "q4_k_m"),
 ])
 def test_moe_files_read_back_with_well_formed_experts(synth_model, shape, mix):
     sh = SHAPES[shape]

@@ -10,7 +10,7 @@ import torch
 from engine.runtime.models.gemma3 import Gemma3Stage
 from engine.runtime.models.layers import Stage, Tensors
 from engine.runtime.models.llama import LlamaStage
-from engine.runtime.models.moe import Glm4MoEStage, GptOssStage, Qwen3MoEStage
+from engine.runtime.models.moe import Glm4MoEStage, GptOssStage, MixtralStage, Qwen3MoEStage
 from engine.runtime.models.ops import TORCH_OPS
 from spec.errors import CarveError
 
@@ -24,6 +24,8 @@ FAMILIES: dict[str, type[Stage]] = {
     "gpt-oss": GptOssStage,
     "glm4moe": Glm4MoEStage,
 }
+# the files of a dense family whose metadata declares experts (HParams.n_expert > 0)
+ROUTED_FAMILIES: dict[str, type[Stage]] = {"llama": MixtralStage}
 
 
 def build_stage(
@@ -37,7 +39,8 @@ def build_stage(
 ) -> Stage:
     """The stage of ``hp.arch`` running ``layers`` = [lb, le) on ``device``."""
     try:
-        cls = FAMILIES[hp.arch]
+        cls = ROUTED_FAMILIES.get(hp.arch) if getattr(hp, "n_expert", 0) else None
+        cls = cls or FAMILIES[hp.arch]
     except KeyError:
         raise CarveError(
             f"unsupported architecture {hp.arch!r}; the engine runs {', '.join(sorted(FAMILIES))}"
