@@ -3,7 +3,8 @@ gemv_t3 ``rope=``, the default where its row tiles hold whole heads) against sep
 launches, through a whole GPU stage whose every layer takes the path: decode logits (so greedy
 ids) do not change by a bit. The kernel's own test (tests/kernels/test_gemv_t.py) covers rings,
 tiles of two heads and splits. qwen2 (q/k/v biases, f16 cache), qwen3 (per-head q/k norms
-inside the rotation, q8_0 cache). Tiny synthetic files; under TRITON_INTERPRET=1 without a
+inside the rotation, q8_0 cache), llama-3.1 (adjacent pairs, the frequencies of its RoPE
+factors). Tiny synthetic files; under TRITON_INTERPRET=1 without a
 GPU."""
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cp
 SHAPES = {  # rows of 256 (K-quant blocks); heads of 32 (qwen2, gemma3) or 64 (qwen3)
     "qwen2": Shape("qwen2", 2, 256, 8, 2, 512, 320, n_ctx=512),
     "qwen3": Shape("qwen3", 2, 256, 4, 2, 512, 320, head_dim=64, n_ctx=512),
+    # llama-3.1's RoPE factors: a frequency per pair from buf.rope_freqs, adjacent pairs
+    "llama3.1": Shape("llama", 2, 256, 8, 2, 512, 320, n_ctx=512,
+                      llama3_rope=(8.0, 1.0, 4.0, 64)),
 }
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -53,7 +57,8 @@ def _plan(tmp_path, arch: str, kv: KvType) -> Plan:
                 prefill_chunk=8, cache_reserve=0)
 
 
-@pytest.mark.parametrize("arch,kv", [("qwen2", KvType.F16), ("qwen3", KvType.Q8_0)])
+@pytest.mark.parametrize("arch,kv", [("qwen2", KvType.F16), ("qwen3", KvType.Q8_0),
+                                     ("llama3.1", KvType.F16)])
 def test_rope_in_the_qkv_launch_changes_no_bit(arch, kv, tmp_path, monkeypatch) -> None:
     plan = _plan(tmp_path, arch, kv)
     a = _decode(plan, True)
