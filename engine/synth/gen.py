@@ -25,6 +25,7 @@ from engine.synth.shapes import SHAPES, Shape, llama3_factors, metadata, tensor_
 from spec.errors import CarveError
 from spec.quant_types import (
     BY_NAME,
+    F16,
     F32,
     MXFP4,
     Q4_K,
@@ -245,7 +246,7 @@ def write_model(path: str | Path, shape: str | Shape, mix: str | None = None, sp
     def payload(name: str, ggml_type: int, nbytes: int):
         if name == "rope_freqs.weight":  # the factors themselves, not random values
             yield np.asarray(llama3_factors(sh.hd, sh.rope_base, *sh.llama3_rope),
-                             np.float32).tobytes()
+                             np.float16 if ggml_type == F16 else np.float32).tobytes()
             return
         key = (ggml_type, _kind(name))
         if key not in pools:

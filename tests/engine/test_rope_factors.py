@@ -252,3 +252,33 @@ def test_two_stages_rotate_as_one(tiny) -> None:
         assert all("rope_freqs" in st.buf for st in g.pipe.stages)
         got.append(chunk_and_decode_rows(g, _ids(12, 3)))
     assert torch.isfinite(got[0]).all() and torch.equal(got[0], got[1])
+
+
+def test_f16_factors_load_on_both_runners(tmp_path, monkeypatch) -> None:
+    """A converter may write the factors as F16: the file opens, and both engines read them as
+    the F32 file's (the factors are small dyadic-ish numbers; f16 rounds them by <= 5e-4)."""
+    import engine.synth.gen as gen
+    from engine.runtime.gpu.session import GpuSession
+    from spec.quant_types import F16
+
+    types = gen.tensor_types
+    with monkeypatch.context() as mp:
+        mp.setattr(gen, "tensor_types", lambda *a, **k: {**types(*a, **k),
+                                                           "rope_freqs.weight": F16})
+        (path,) = write_model(tmp_path / "f16.gguf", "llama3.1-tiny", "q4_k_m")
+    m = GGUFModel.open(path)
+    assert m.tensor("rope_freqs.weight").ggml_type == F16 and HParams.from_model(m).rope_factors
+    g = GpuSession.load(_plan(str(path)), devices=[DEV], remember=False)
+    c = Session.load(_plan(str(path)))
+    try:
+        want = torch.tensor(llama3_factors(64, 1e4, 8.0, 1.0, 4.0, 64))
+        plain = 1.0 / 1e4 ** (torch.arange(0, 64, 2).float() / 64)
+        got = g.pipe.stages[0].buf["rope_freqs"].cpu()
+        assert rel(got, plain / want) < 1e-3
+        g.logits(_ids(20))
+        c.logits(_ids(20))
+        err = rel(g.pipe.stages[0].layers[0].attn.k_cache[:20], c.kv.layers[0].k[:20])
+        assert err < 5e-3
+    finally:
+        g.close()
+        c.close()
