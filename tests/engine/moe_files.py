@@ -1,6 +1,7 @@
-"""Tiny random mixture-of-experts models (qwen3moe, gpt-oss, glm4moe, Mixtral): a transformers
-model built from a config, and the same weights written to a GGUF with llama.cpp's tensor names,
-metadata keys and (Mixtral, a llama file) q/k row order.
+"""Tiny random models: the mixture-of-experts families (qwen3moe, gpt-oss, glm4moe, Mixtral) and a
+dense llama-3.1 (its RoPE factors): a transformers model built from a config, and the same
+weights written to a GGUF with llama.cpp's tensor names, metadata keys and (llama files) q/k row
+order.
 
 Quantized files round-trip the weights through ``gguf.quants`` and load the dequantized values
 back into the transformers model, so the reference runs exactly the weights the file holds.
@@ -16,13 +17,19 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from engine.gguf.writer import ARR, BOOL, F32, I32, STR, U32, GGUFSink, MetaItem
-from engine.synth.shapes import CHATML, vocab
+from engine.synth.shapes import CHATML, llama3_factors, vocab
 
 N_VOCAB = 512  # the synthetic byte-level vocabulary needs ~300 tokens
 COMMON = dict(vocab_size=N_VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
               head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
               tie_word_embeddings=False)
-GGUF_ARCH = {"qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "glm4moe": "glm4moe", "mixtral": "llama"}
+GGUF_ARCH = {"qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "glm4moe": "glm4moe", "mixtral": "llama",
+             "llama3": "llama"}
+LLAMA_ARCHS = ("mixtral", "llama3")  # llama files: q/k rows permuted, llama.* keys
+# llama3: llama-3.1's RoPE over an original context of 64 (so that, with a base of 10,000 and
+# heads of 32, 2 pairs keep their frequency, 11 are divided by 8 and 3 lie between)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
 def permute(w: np.ndarray, n_head: int, back: bool = False) -> np.ndarray:
@@ -49,6 +56,10 @@ def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
         cfg = tf.GptOssConfig(**COMMON, num_hidden_layers=2, intermediate_size=32,
                               num_local_experts=8, num_experts_per_tok=2, sliding_window=16)
         cls = tf.GptOssForCausalLM
+    elif arch == "llama3":  # dense
+        cfg = tf.LlamaConfig(**COMMON, num_hidden_layers=2, intermediate_size=96,
+                             rope_parameters=dict(LLAMA3_ROPE))
+        cls = tf.LlamaForCausalLM
     elif arch == "mixtral":
         cfg = tf.MixtralConfig(**COMMON, num_hidden_layers=2, intermediate_size=32,
                                num_local_experts=8, num_experts_per_tok=2)
@@ -74,6 +85,8 @@ def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
                 p.copy_(1 + 0.1 * r)
             elif p.ndim == 1 or name.endswith("_bias"):  # biases, sinks
                 p.copy_(0.5 * r)
+            elif arch == "llama3" and ("q_proj" in name or "k_proj" in name):
+                p.copy_(0.3 * r)  # peaked attention: a wrong rotation shows in the logits
             else:
                 p.copy_(0.08 * r)
         for name, b in m.named_buffers():
@@ -88,7 +101,12 @@ def _gguf_tensors(arch: str, m: torch.nn.Module) -> dict[str, np.ndarray]:
     cfg = m.config
     out = {"token_embd.weight": sd["model.embed_tokens.weight"],
            "output_norm.weight": sd["model.norm.weight"], "output.weight": sd["lm_head.weight"]}
-    ffn_norm = "ffn_norm" if arch in ("qwen3moe", "mixtral") else "post_attention_norm"
+    ffn_norm = "ffn_norm" if arch in ("qwen3moe", *LLAMA_ARCHS) else "post_attention_norm"
+    if arch == "llama3":  # the converter's factors (engine.synth.shapes.llama3_factors)
+        r = LLAMA3_ROPE
+        out["rope_freqs.weight"] = np.asarray(llama3_factors(
+            cfg.head_dim, r["rope_theta"], r["factor"], r["low_freq_factor"],
+            r["high_freq_factor"], r["original_max_position_embeddings"]), np.float32)
     for i in range(cfg.num_hidden_layers):
         h, b = f"model.layers.{i}.", f"blk.{i}."
         out[b + "attn_norm.weight"] = sd[h + "input_layernorm.weight"]
@@ -98,7 +116,7 @@ def _gguf_tensors(arch: str, m: torch.nn.Module) -> dict[str, np.ndarray]:
                 key = f"{h}self_attn.{theirs}_proj.{kind}"
                 if key in sd:
                     out[f"{b}attn_{ours}.{kind}"] = sd[key]
-        if arch == "mixtral":
+        if arch in LLAMA_ARCHS:
             out[b + "attn_q.weight"] = permute(out[b + "attn_q.weight"], cfg.num_attention_heads)
             out[b + "attn_k.weight"] = permute(out[b + "attn_k.weight"], cfg.num_key_value_heads)
         for n in ("q", "k"):
@@ -164,11 +182,15 @@ def _metadata(arch: str, m: torch.nn.Module, n_block: int) -> list[MetaItem]:
         (f"{a}.attention.value_length", U32, c.head_dim),
         (f"{a}.rope.freq_base", F32, float(c.rope_parameters["rope_theta"])),
         (f"{a}.attention.layer_norm_rms_epsilon", F32, c.rms_norm_eps),
-        (f"{a}.expert_used_count", U32, c.num_experts_per_tok),
     ]
-    if arch == "mixtral":  # the converter writes no expert_feed_forward_length for it
-        meta += [(f"{a}.expert_count", U32, c.num_local_experts),
-                 (f"{a}.rope.dimension_count", U32, c.head_dim)]
+    if arch in LLAMA_ARCHS:
+        meta.append((f"{a}.rope.dimension_count", U32, c.head_dim))
+    if arch != "llama3":
+        meta.append((f"{a}.expert_used_count", U32, c.num_experts_per_tok))
+    if arch == "llama3":  # dense: the factors are a tensor (rope_freqs.weight), not metadata
+        pass
+    elif arch == "mixtral":  # the converter writes no expert_feed_forward_length for it
+        meta.append((f"{a}.expert_count", U32, c.num_local_experts))
     elif arch == "qwen3moe":
         meta += [(f"{a}.expert_count", U32, c.num_experts),
                  (f"{a}.expert_feed_forward_length", U32, c.moe_intermediate_size)]
@@ -261,7 +283,7 @@ def _load_back(arch: str, m: torch.nn.Module, tensors: dict[str, np.ndarray]) ->
         h, b = f"model.layers.{i}.", f"blk.{i}."
         for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")):
             back[f"{h}self_attn.{theirs}_proj.weight"] = tensors[f"{b}attn_{ours}.weight"]
-        if arch == "mixtral":
+        if arch in LLAMA_ARCHS:
             c = m.config
             for n, heads in (("q", c.num_attention_heads), ("k", c.num_key_value_heads)):
                 back[f"{h}self_attn.{n}_proj.weight"] = permute(tensors[f"{b}attn_{n}.weight"],

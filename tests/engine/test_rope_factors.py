@@ -13,107 +13,25 @@ import numpy as np
 import pytest
 import torch
 from gpu_compare import against_cpu_engine, decode_errors, rel
+from moe_files import LLAMA3_ROPE as ROPE
+from moe_files import hf_model, write_pair
 
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import GGUFModel
-from engine.gguf.writer import ARR, BOOL, F32, I32, STR, U32, GGUFSink
 from engine.hardware.devices import DeviceSpec
 from engine.planning.plan import Plan
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
 from engine.synth.gen import write_model
-from engine.synth.shapes import CHATML, llama3_factors, vocab
+from engine.synth.shapes import llama3_factors
 from spec.errors import CarveError
 
 GIB = 1 << 30
 CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
 ON_GPU = torch.cuda.is_available()
 DEV = torch.device("cuda", 0) if ON_GPU else torch.device("cpu")
-N_VOCAB = 512
-# an original context of 64 and a base of 10,000 over heads of 32: of the 16 pairs, 2 keep their
-# frequency, 11 are divided by 8 and 3 lie on the smooth stretch between
-ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _hf_llama():
-    import transformers as tf
-
-    cfg = tf.LlamaConfig(vocab_size=N_VOCAB, hidden_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, intermediate_size=96,
-                         num_hidden_layers=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                         tie_word_embeddings=False, rope_parameters=dict(ROPE))
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    m = tf.LlamaForCausalLM(cfg).float().eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            # large q/k weights: peaked attention, so that a wrong rotation shows in the logits
-            p.copy_(1 + 0.1 * r if "norm" in name else (0.3 if "_proj" in name and
-                                                        ("q_proj" in name or "k_proj" in name)
-                                                        else 0.08) * r)
-    return m
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # transformers rotates the halves of a head, llama.cpp's llama adjacent pairs: the converter
-    # interleaves each head's rows so that both rotate the same pairs
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
-
-
-def _write_llama3(m, path) -> None:
-    c = m.config
-    sd = {k: v.detach().float().numpy() for k, v in m.state_dict().items()}
-    factors = np.asarray(llama3_factors(c.head_dim, ROPE["rope_theta"], ROPE["factor"],
-                                        ROPE["low_freq_factor"], ROPE["high_freq_factor"],
-                                        ROPE["original_max_position_embeddings"]), np.float32)
-    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "rope_freqs.weight": factors}
-    for i in range(c.num_hidden_layers):
-        h, b = f"model.layers.{i}.", f"blk.{i}."
-        tensors[b + "attn_norm.weight"] = sd[h + "input_layernorm.weight"]
-        tensors[b + "attn_q.weight"] = _permute(sd[h + "self_attn.q_proj.weight"],
-                                                c.num_attention_heads)
-        tensors[b + "attn_k.weight"] = _permute(sd[h + "self_attn.k_proj.weight"],
-                                                c.num_key_value_heads)
-        tensors[b + "attn_v.weight"] = sd[h + "self_attn.v_proj.weight"]
-        tensors[b + "attn_output.weight"] = sd[h + "self_attn.o_proj.weight"]
-        tensors[b + "ffn_norm.weight"] = sd[h + "post_attention_layernorm.weight"]
-        for n in ("gate", "up", "down"):
-            tensors[f"{b}ffn_{n}.weight"] = sd[f"{h}mlp.{n}_proj.weight"]
-    tensors["output_norm.weight"] = sd["model.norm.weight"]
-    tensors["output.weight"] = sd["lm_head.weight"]
-    tokens, types, merges = vocab(N_VOCAB)
-    a = "llama"
-    meta = [("general.architecture", STR, a), (f"{a}.block_count", U32, c.num_hidden_layers),
-            (f"{a}.context_length", U32, c.max_position_embeddings),
-            (f"{a}.embedding_length", U32, c.hidden_size),
-            (f"{a}.feed_forward_length", U32, c.intermediate_size),
-            (f"{a}.attention.head_count", U32, c.num_attention_heads),
-            (f"{a}.attention.head_count_kv", U32, c.num_key_value_heads),
-            (f"{a}.attention.key_length", U32, c.head_dim),
-            (f"{a}.attention.value_length", U32, c.head_dim),
-            (f"{a}.rope.dimension_count", U32, c.head_dim),
-            (f"{a}.rope.freq_base", F32, ROPE["rope_theta"]),
-            (f"{a}.attention.layer_norm_rms_epsilon", F32, c.rms_norm_eps),
-            ("tokenizer.ggml.model", STR, "gpt2"), ("tokenizer.ggml.pre", STR, "qwen2"),
-            ("tokenizer.ggml.tokens", ARR, (STR, tokens)),
-            ("tokenizer.ggml.token_type", ARR, (I32, types)),
-            ("tokenizer.ggml.merges", ARR, (STR, merges)),
-            ("tokenizer.ggml.bos_token_id", U32, N_VOCAB - 3),
-            ("tokenizer.ggml.eos_token_id", U32, N_VOCAB - 1),
-            ("tokenizer.ggml.add_bos_token", BOOL, False),
-            ("tokenizer.chat_template", STR, CHATML)]
-    table = [(n, tuple(reversed(t.shape)), 0) for n, t in tensors.items()]  # all F32
-
-    def payload(name: str, ggml_type: int, nbytes: int):
-        yield np.ascontiguousarray(tensors[name], np.float32).tobytes()
-
-    GGUFSink(meta, table, [path]).write(payload)
 
 
 def _session(path, chunk: int = 32) -> Session:
@@ -132,7 +50,7 @@ def _session(path, chunk: int = 32) -> Session:
 
 
 def test_the_factors_are_transformers_llama3_frequencies() -> None:
-    hf = _hf_llama()
+    hf = hf_model("llama3")
     d = hf.config.head_dim
     plain = 1.0 / ROPE["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
     f = torch.tensor(llama3_factors(d, ROPE["rope_theta"], ROPE["factor"], 1.0, 4.0, 64))
@@ -141,9 +59,7 @@ def test_the_factors_are_transformers_llama3_frequencies() -> None:
 
 
 def test_the_cpu_engine_matches_transformers(tmp_path) -> None:
-    hf = _hf_llama()
-    path = tmp_path / "llama3.gguf"
-    _write_llama3(hf, path)
+    hf, path = write_pair("llama3", "f32", tmp_path / "llama3.gguf")
     assert HParams.from_model(GGUFModel.open(path)).rope_factors
     ids = torch.randint(3, 500, (90,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
