@@ -15,13 +15,15 @@ from engine.gguf.reader import GGUFModel
 from spec.errors import CarveError
 from spec.quant_types import BF16, F16, F32, type_name
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "gpt-oss", "glm4moe")
 MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe")
 # architectures whose files may route through experts: llama with {arch}.expert_count > 0 is
 # Mixtral's (llama.cpp builds it as llama's block with a softmax-routed, renormalised MoE FFN)
 _MAYBE_MOE = ("llama",)
 _ROPE_STYLE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
-               "qwen3moe": "neox", "gpt-oss": "neox", "glm4moe": "neox"}
+               "phi3": "neox", "qwen3moe": "neox", "gpt-oss": "neox", "glm4moe": "neox"}
+# LongRoPE's two sets of per-pair factors (phi3): the long ones for contexts beyond the original
+ROPE_LONG, ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
 # {arch}.expert_gating_func values (gguf ExpertGatingFuncType); gpt-oss has no key: llama.cpp
 # always takes the softmax over the chosen k logits for it
 _GATING = {1: "softmax", 2: "sigmoid"}
@@ -90,6 +92,13 @@ class HParams:
     # the file's per-pair RoPE frequency factors (rope_freqs.weight, [rope_dim/2]: llama-3.1
     # and later), dividing the global layers' frequencies
     rope_factors: bool = False
+    # LongRoPE (rope_scaling == "longrope", phi3): rope_factors_long / _short by the context
+    # (long beyond rope_scaling_orig_ctx, as llama.cpp chooses), cos and sin times this factor
+    rope_attn_factor: float = 1.0
+    # phi3's fused matrices: q, k and v as the rows of one attn_qkv; gate and up as the two
+    # halves of ffn_up's rows (gate first)
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
 
     def __post_init__(self) -> None:
         if not self.n_layer_run:
@@ -211,6 +220,25 @@ def _check_layers_alike(model: GGUFModel, n_run: int) -> None:
                              f"blk.{layer}.{role} has {list(shape)}; the file is inconsistent")
 
 
+def _check_layers_complete(model: GGUFModel, n_run: int, n_dense: int) -> None:
+    """Every run layer holds the attention and norm tensors layer 0 holds, and every dense one
+    the FFN tensors of layer 0 (the experts are checked by `_read_moe`): a file missing one
+    would load and fail at its first token."""
+    roles: dict[int, set[str]] = {}
+    for t in model.tensors:
+        if t.layer is not None and 0 <= t.layer < n_run:
+            roles.setdefault(t.layer, set()).add(t.name.split(".", 2)[2])
+    first = roles.get(0, set())
+    every = {r for r in first if r.startswith("attn_") or "norm" in r}
+    dense = {r for r in first if r.startswith("ffn_") and "norm" not in r} if n_dense else set()
+    for i in range(n_run):
+        want = every | (dense if i < n_dense else set())
+        missing = sorted(want - roles.get(i, set()))
+        if missing:
+            raise CarveError(f"{model.paths[0]}: tensor blk.{i}.{missing[0]} is missing (layer 0 "
+                             "has it); the file is incomplete")
+
+
 def _read(model: GGUFModel) -> HParams:
     arch = model.arch
     if arch not in SUPPORTED:
@@ -248,14 +276,19 @@ def _read(model: GGUFModel) -> HParams:
     moe = _read_moe(model, m, n_layer - nextn, n_embd) if routed else {}
     n_run = moe.get("n_layer_run", n_layer)
     n_dense = min(n_run, moe.get("n_layer_dense_lead", n_run))  # layers 0 .. n_dense-1
-    expect = {
-        "token_embd.weight": (n_embd, n_vocab),
-        "blk.0.attn_q.weight": (n_embd, n_head * head_dim),
-        "blk.0.attn_k.weight": (n_embd, n_head_kv * head_dim),
-        "blk.0.attn_v.weight": (n_embd, n_head_kv * head_dim_v),
-    }
+    names = {t.name for t in model.tensors}
+    fused_qkv = "blk.0.attn_qkv.weight" in names
+    fused_gate_up = arch == "phi3" and bool(n_dense) and "blk.0.ffn_gate.weight" not in names
+    expect = {"token_embd.weight": (n_embd, n_vocab)}
+    if fused_qkv:
+        expect["blk.0.attn_qkv.weight"] = (n_embd, (n_head + n_head_kv) * head_dim
+                                           + n_head_kv * head_dim_v)
+    else:
+        expect["blk.0.attn_q.weight"] = (n_embd, n_head * head_dim)
+        expect["blk.0.attn_k.weight"] = (n_embd, n_head_kv * head_dim)
+        expect["blk.0.attn_v.weight"] = (n_embd, n_head_kv * head_dim_v)
     if n_dense:
-        expect["blk.0.ffn_up.weight"] = (n_embd, n_ff)
+        expect["blk.0.ffn_up.weight"] = (n_embd, (2 if fused_gate_up else 1) * n_ff)
         expect[f"blk.{n_dense - 1}.ffn_down.weight"] = (n_ff, n_embd)
     _check_shapes(model, expect)
     optional = {  # where the file has them
@@ -268,6 +301,7 @@ def _read(model: GGUFModel) -> HParams:
         optional["blk.0.ffn_gate.weight"] = (n_embd, n_ff)
     _check_shapes(model, optional, required=False)
     _check_layers_alike(model, n_run)
+    _check_layers_complete(model, n_run, n_dense)
 
     gemma, oss = arch == "gemma3", arch == "gpt-oss"
     n_ctx_train = m.int_("context_length", 0, required=True)
@@ -311,16 +345,33 @@ def _read(model: GGUFModel) -> HParams:
         if moe["rope_scaling_orig_ctx"] <= 0 or scale <= 1.0:
             raise CarveError(f"{model.paths[0]}: YaRN RoPE needs {arch}.rope.scaling.factor > 1 "
                              f"and {arch}.rope.scaling.original_context_length; the file lacks one")
-    factors = next((t for t in model.tensors if t.name == "rope_freqs.weight"), None)
-    if factors is not None:
-        if factors.shape != (rope_dim // 2,):
-            raise CarveError(f"{model.paths[0]}: tensor rope_freqs.weight has shape "
-                             f"{list(factors.shape)} but a head rotates {rope_dim // 2} pairs "
-                             f"({arch}.rope.dimension_count {rope_dim}); the file is inconsistent")
-        if factors.ggml_type not in (F32, F16, BF16):
-            raise CarveError(f"{model.paths[0]}: tensor rope_freqs.weight is "
-                             f"{type_name(factors.ggml_type)}; RoPE factors are read as F32, "
-                             "F16 or BF16 (re-convert the file)")
+    by_name = {t.name: t for t in model.tensors}
+    for name in ("rope_freqs.weight", ROPE_LONG, ROPE_SHORT):
+        t = by_name.get(name)
+        if t is None:
+            continue
+        if t.shape != (rope_dim // 2,):
+            raise CarveError(f"{model.paths[0]}: tensor {name} has shape {list(t.shape)} but a "
+                             f"head rotates {rope_dim // 2} pairs ({arch}.rope.dimension_count "
+                             f"{rope_dim}); the file is inconsistent")
+        if t.ggml_type not in (F32, F16, BF16):
+            raise CarveError(f"{model.paths[0]}: tensor {name} is {type_name(t.ggml_type)}; "
+                             "RoPE factors are read as F32, F16 or BF16 (re-convert the file)")
+    factors = by_name.get("rope_freqs.weight")
+    if (ROPE_LONG in by_name) != (ROPE_SHORT in by_name):
+        missing = ROPE_SHORT if ROPE_LONG in by_name else ROPE_LONG
+        raise CarveError(f"{model.paths[0]}: tensor {missing} is missing; LongRoPE needs both "
+                         "factor sets (the file is incomplete)")
+    if ROPE_LONG in by_name and factors is None and scaling in (None, "longrope", "su"):
+        scaling = "longrope"
+        moe["rope_scaling_orig_ctx"] = m.int_("rope.scaling.original_context_length", 0)
+        moe["rope_attn_factor"] = m.float_("rope.scaling.attn_factor", 1.0)
+        _within(model, "rope.scaling.attn_factor", moe["rope_attn_factor"],
+                moe["rope_attn_factor"] > 0, "above 0")
+        if moe["rope_scaling_orig_ctx"] <= 0:
+            raise CarveError(f"{model.paths[0]}: LongRoPE needs "
+                             f"{arch}.rope.scaling.original_context_length (the context its "
+                             "short factors serve); the file lacks it")
     qk_norm = arch in ("qwen3", "gemma3", "qwen3moe") or (
         arch == "glm4moe" and any(t.name == "blk.0.attn_q_norm.weight" for t in model.tensors))
     query_pre = m.float_("attention.query_pre_attn_scalar", 0.0)
@@ -349,7 +400,8 @@ def _read(model: GGUFModel) -> HParams:
         embed_scale=math.sqrt(n_embd) if gemma else 1.0, act="gelu" if gemma else "silu",
         attn_scale=attn_scale, rope_dim=rope_dim,
         swiglu_limit=_GPT_OSS_SWIGLU_LIMIT if oss else 0.0, attn_sinks=oss,
-        rope_factors=factors is not None, **moe,
+        rope_factors=factors is not None, fused_qkv=fused_qkv, fused_gate_up=fused_gate_up,
+        **moe,
     )
 
 

@@ -44,7 +44,7 @@ class Session(ChunkedSession):
         self.allocator = allocator
         self.loaded = loaded
         self.stages: list[Stage] = [
-            build_stage(hp, st.tensors, st.layers, st.first, st.last, ops, st.device)
+            build_stage(hp, st.tensors, st.layers, st.first, st.last, ops, st.device, plan.ctx)
             for st in loaded
         ]
         kv_spans = {k: v for st in loaded for k, v in st.spans.items() if k.startswith("kv.")}

@@ -9,6 +9,7 @@ back into the transformers model, so the reference runs exactly the weights the 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +25,12 @@ COMMON = dict(vocab_size=N_VOCAB, hidden_size=64, num_attention_heads=4, num_key
               head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
               tie_word_embeddings=False)
 GGUF_ARCH = {"qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "glm4moe": "glm4moe", "mixtral": "llama",
-             "llama3": "llama"}
+             "llama3": "llama", "phi3": "phi3"}
 LLAMA_ARCHS = ("mixtral", "llama3")  # llama files: q/k rows permuted, llama.* keys
+# phi3: LongRoPE over an original context of 32 (heads of 16, 12 dims rotated: 6 pairs)
+PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+             "long_factor": [1.5, 2.5, 4.0, 6.0, 9.0, 13.0]}
 # llama3: llama-3.1's RoPE over an original context of 64 (so that, with a base of 10,000 and
 # heads of 32, 2 pairs keep their frequency, 11 are divided by 8 and 3 lie between)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -60,6 +65,13 @@ def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
         cfg = tf.LlamaConfig(**COMMON, num_hidden_layers=2, intermediate_size=96,
                              rope_parameters=dict(LLAMA3_ROPE))
         cls = tf.LlamaForCausalLM
+    elif arch == "phi3":  # dense, fused q/k/v and gate/up, LongRoPE on 3/4 of each head
+        cfg = tf.Phi3Config(**{k: v for k, v in COMMON.items()
+                               if k not in ("head_dim", "max_position_embeddings")},
+                            num_hidden_layers=2, intermediate_size=96, pad_token_id=0,
+                            max_position_embeddings=256, original_max_position_embeddings=32,
+                            partial_rotary_factor=0.75, rope_parameters=dict(PHI3_ROPE))
+        cls = tf.Phi3ForCausalLM
     elif arch == "mixtral":
         cfg = tf.MixtralConfig(**COMMON, num_hidden_layers=2, intermediate_size=32,
                                num_local_experts=8, num_experts_per_tok=2)
@@ -99,6 +111,8 @@ def _gguf_tensors(arch: str, m: torch.nn.Module) -> dict[str, np.ndarray]:
     """GGUF name -> float32 array in torch order ([rows, cols], experts [E, rows, cols])."""
     sd = {k: v.detach().float().numpy() for k, v in m.state_dict().items()}
     cfg = m.config
+    if arch == "phi3":
+        return _phi3_tensors(sd, cfg)
     out = {"token_embd.weight": sd["model.embed_tokens.weight"],
            "output_norm.weight": sd["model.norm.weight"], "output.weight": sd["lm_head.weight"]}
     ffn_norm = "ffn_norm" if arch in ("qwen3moe", *LLAMA_ARCHS) else "post_attention_norm"
@@ -155,6 +169,24 @@ def _gguf_tensors(arch: str, m: torch.nn.Module) -> dict[str, np.ndarray]:
     return out
 
 
+def _phi3_tensors(sd: dict[str, np.ndarray], cfg) -> dict[str, np.ndarray]:
+    # phi3's converter keeps the fused matrices: qkv_proj -> attn_qkv, gate_up_proj -> ffn_up
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"],
+           "rope_factors_long.weight": np.asarray(PHI3_ROPE["long_factor"], np.float32),
+           "rope_factors_short.weight": np.asarray(PHI3_ROPE["short_factor"], np.float32)}
+    for i in range(cfg.num_hidden_layers):
+        h, b = f"model.layers.{i}.", f"blk.{i}."
+        out[b + "attn_norm.weight"] = sd[h + "input_layernorm.weight"]
+        out[b + "attn_qkv.weight"] = sd[h + "self_attn.qkv_proj.weight"]
+        out[b + "attn_output.weight"] = sd[h + "self_attn.o_proj.weight"]
+        out[b + "ffn_norm.weight"] = sd[h + "post_attention_layernorm.weight"]
+        out[b + "ffn_up.weight"] = sd[h + "mlp.gate_up_proj.weight"]
+        out[b + "ffn_down.weight"] = sd[h + "mlp.down_proj.weight"]
+    out["output_norm.weight"] = sd["model.norm.weight"]
+    out["output.weight"] = sd["lm_head.weight"]
+    return out
+
+
 def _nextn_layer(tensors: dict[str, np.ndarray], n: int, rng: np.random.Generator) -> None:
     """GLM's next-token-prediction block blk.n, as the converter writes it: a full MoE layer plus
     the nextn.* tensors. Random: the model does not run it."""
@@ -170,6 +202,7 @@ def _nextn_layer(tensors: dict[str, np.ndarray], n: int, rng: np.random.Generato
 
 def _metadata(arch: str, m: torch.nn.Module, n_block: int) -> list[MetaItem]:
     c, a = m.config, GGUF_ARCH[arch]
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     meta: list[MetaItem] = [
         ("general.architecture", STR, a),
         (f"{a}.block_count", U32, n_block),
@@ -178,16 +211,23 @@ def _metadata(arch: str, m: torch.nn.Module, n_block: int) -> list[MetaItem]:
         (f"{a}.feed_forward_length", U32, c.intermediate_size),
         (f"{a}.attention.head_count", U32, c.num_attention_heads),
         (f"{a}.attention.head_count_kv", U32, c.num_key_value_heads),
-        (f"{a}.attention.key_length", U32, c.head_dim),
-        (f"{a}.attention.value_length", U32, c.head_dim),
+        (f"{a}.attention.key_length", U32, head_dim),
+        (f"{a}.attention.value_length", U32, head_dim),
         (f"{a}.rope.freq_base", F32, float(c.rope_parameters["rope_theta"])),
         (f"{a}.attention.layer_norm_rms_epsilon", F32, c.rms_norm_eps),
     ]
     if arch in LLAMA_ARCHS:
         meta.append((f"{a}.rope.dimension_count", U32, c.head_dim))
-    if arch != "llama3":
+    if arch == "phi3":  # as the converter writes LongRoPE
+        orig = PHI3_ROPE["original_max_position_embeddings"]
+        scale = c.max_position_embeddings / orig
+        meta += [(f"{a}.rope.dimension_count", U32, int(head_dim * c.partial_rotary_factor)),
+                 (f"{a}.rope.scaling.original_context_length", U32, orig),
+                 (f"{a}.rope.scaling.attn_factor", F32,
+                  math.sqrt(1 + math.log(scale) / math.log(orig)))]
+    if arch not in ("llama3", "phi3"):
         meta.append((f"{a}.expert_used_count", U32, c.num_experts_per_tok))
-    if arch == "llama3":  # dense: the factors are a tensor (rope_freqs.weight), not metadata
+    if arch in ("llama3", "phi3"):  # dense: the factors are tensors, not metadata
         pass
     elif arch == "mixtral":  # the converter writes no expert_feed_forward_length for it
         meta.append((f"{a}.expert_count", U32, c.num_local_experts))

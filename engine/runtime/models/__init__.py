@@ -20,6 +20,7 @@ FAMILIES: dict[str, type[Stage]] = {
     "qwen2": LlamaStage,
     "qwen3": LlamaStage,
     "gemma3": Gemma3Stage,
+    "phi3": LlamaStage,  # its fused q/k/v and gate/up matrices: HParams.fused_qkv / fused_gate_up
     "qwen3moe": Qwen3MoEStage,
     "gpt-oss": GptOssStage,
     "glm4moe": Glm4MoEStage,
@@ -36,8 +37,10 @@ def build_stage(
     last: bool,
     ops: SimpleNamespace = TORCH_OPS,
     device: torch.device | str = "cpu",
+    ctx: int = 0,
 ) -> Stage:
-    """The stage of ``hp.arch`` running ``layers`` = [lb, le) on ``device``."""
+    """The stage of ``hp.arch`` running ``layers`` = [lb, le) on ``device`` for a context of
+    ``ctx`` tokens."""
     try:
         cls = ROUTED_FAMILIES.get(hp.arch) if getattr(hp, "n_expert", 0) else None
         cls = cls or FAMILIES[hp.arch]
@@ -45,4 +48,4 @@ def build_stage(
         raise CarveError(
             f"unsupported architecture {hp.arch!r}; the engine runs {', '.join(sorted(FAMILIES))}"
         ) from None
-    return cls(hp, tensors, layers, first, last, ops, device)
+    return cls(hp, tensors, layers, first, last, ops, device, ctx)

@@ -45,14 +45,26 @@ def inv_freq(head_dim: int, base: float, scale: float, factors: torch.Tensor | N
 
 
 ROPE_FACTORS = "rope_freqs.weight"
+ROPE_LONG, ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
 
 
-def global_freqs(hp: Any, factors: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+def factors_name(hp: Any, ctx: int) -> str | None:
+    """The tensor of per-pair RoPE factors a context of ``ctx`` uses, or None: llama-3.1's
+    rope_freqs, or LongRoPE's long factors beyond the original context and its short ones
+    within it (llama.cpp chooses by the context, as here, not by each sequence's length)."""
+    if getattr(hp, "rope_scaling", None) == "longrope":
+        return ROPE_LONG if ctx > hp.rope_scaling_orig_ctx else ROPE_SHORT
+    return ROPE_FACTORS if getattr(hp, "rope_factors", False) else None
+
+
+def global_freqs(hp: Any, factors: torch.Tensor | None,
+                 name: str = ROPE_FACTORS) -> tuple[torch.Tensor, float]:
     """The float32 [rope_dim/2] frequencies of the layers that are not sliding-window ones, and
     their cos/sin multiplier: YaRN's (every layer, ``factors`` unused), else the plain ones
-    with the linear scale and the file's per-pair ``rope_freqs`` factors (llama-3.1 and later:
-    llama.cpp's ``freq_factors``) dividing them. A factor that is not finite and above 0 is a
-    load error naming the tensor."""
+    with the linear scale and the file's per-pair ``factors`` (tensor ``name``: llama-3.1's
+    rope_freqs, llama.cpp's ``freq_factors``; or one of LongRoPE's sets, whose cos and sin
+    are then times its attention factor) dividing them. A factor that is not finite and
+    above 0 is a load error naming the tensor."""
     if hp.rope_scaling == "yarn":
         return yarn_freqs(hp, truncate=hp.rope_yarn_truncate)
     d = getattr(hp, "rope_dim", 0) or hp.head_dim  # partial RoPE (glm4moe) rotates fewer
@@ -61,9 +73,11 @@ def global_freqs(hp: Any, factors: torch.Tensor | None) -> tuple[torch.Tensor, f
         bad = ~(torch.isfinite(factors) & (factors > 0))
         if bad.any():
             i = int(bad.nonzero()[0])
-            raise CarveError(f"tensor {ROPE_FACTORS} holds {factors[i].item()!r} for rotated "
+            raise CarveError(f"tensor {name} holds {factors[i].item()!r} for rotated "
                              f"pair {i}; RoPE frequency factors must be finite and above 0 "
                              "(the file is damaged: re-download or re-convert it)")
+    if hp.rope_scaling == "longrope":
+        return inv_freq(d, hp.rope_base, 1.0, factors), hp.rope_attn_factor
     return inv_freq(d, hp.rope_base, _linear_scale(hp), factors), 1.0
 
 
@@ -126,7 +140,9 @@ class Stage:
         last: bool,
         ops: SimpleNamespace,
         device: torch.device | str = "cpu",
+        ctx: int = 0,
     ) -> None:
+        # ctx: the plan's context (LongRoPE's factor set depends on it)
         self.hp = hp
         self.t = tensors
         self.lb, self.le = layers
@@ -135,7 +151,8 @@ class Stage:
         self.device = torch.device(device)
         self._fused: dict[int, QWeight | None] = {}
         d = getattr(hp, "rope_dim", 0) or hp.head_dim  # partial RoPE (glm4moe) rotates fewer
-        f, self.mscale = global_freqs(hp, tensors.get(ROPE_FACTORS))
+        name = factors_name(hp, ctx)
+        f, self.mscale = global_freqs(hp, None if name is None else weight(tensors, name), name)
         self.freqs = f.to(self.device)
         if hp.rope_scaling == "yarn":  # every layer, windowed or not (gpt-oss)
             self.freqs_swa = self.freqs
@@ -193,9 +210,16 @@ class Stage:
         """Self-attention of layer i on normed input x [T, n_embd] -> [T, n_embd]."""
         hp, ops, p = self.hp, self.ops, f"blk.{i}."
         t = x.shape[0]
-        q = self.proj(x, p + "attn_q").view(t, hp.n_head, hp.head_dim)
-        k = self.proj(x, p + "attn_k").view(t, hp.n_head_kv, hp.head_dim)
-        v = self.proj(x, p + "attn_v").view(t, hp.n_head_kv, hp.head_dim_v)
+        if getattr(hp, "fused_qkv", False):  # phi3: q, k and v are the rows of one matrix
+            q, k, v = self.proj(x, p + "attn_qkv").split(
+                (hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim,
+                 hp.n_head_kv * hp.head_dim_v), dim=-1)
+            q, k, v = (q.reshape(t, hp.n_head, hp.head_dim), k.reshape(t, hp.n_head_kv, hp.head_dim),
+                       v.reshape(t, hp.n_head_kv, hp.head_dim_v))
+        else:
+            q = self.proj(x, p + "attn_q").view(t, hp.n_head, hp.head_dim)
+            k = self.proj(x, p + "attn_k").view(t, hp.n_head_kv, hp.head_dim)
+            v = self.proj(x, p + "attn_v").view(t, hp.n_head_kv, hp.head_dim_v)
         if q_norm is not None:
             q = ops.rmsnorm(q, q_norm, hp.rms_eps)
             k = ops.rmsnorm(k, k_norm, hp.rms_eps)
@@ -225,6 +249,9 @@ class Stage:
         """Gated FFN of layer i: down(act(gate x) * up x)."""
         p = f"blk.{i}."
         ops = self.ops
+        if getattr(self.hp, "fused_gate_up", False):  # phi3: gate and up are ffn_up's halves
+            g, u = ops.linear(x, weight(self.t, p + "ffn_up.weight")).chunk(2, dim=-1)
+            return ops.linear(ops.glu(g, u, self.hp.act), weight(self.t, p + "ffn_down.weight"))
         gate, up = weight(self.t, p + "ffn_gate.weight"), weight(self.t, p + "ffn_up.weight")
         fused = self._gate_up(i, gate, up)
         if fused is not None:  # one matrix-vector product instead of two
