@@ -17,9 +17,9 @@ from spec import quant_types as qt
 ARCHS: tuple[str, ...] = (
     "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "gpt-oss", "glm4moe",
 )
-# those the Triton GPU runner runs too
+# those the Triton GPU runner runs too (every one)
 TRITON_ARCHS: tuple[str, ...] = (
-    "llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe", "gpt-oss",
+    "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "glm4moe", "gpt-oss",
 )
 
 

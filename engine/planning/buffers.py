@@ -108,9 +108,10 @@ def activation_buffers(
     if dequant_scratch > 0:
         # [elements] one matrix dequantized for a prefill GEMM, reused matrix after matrix
         out.append(BufferSpec("dequant", (dequant_scratch,), a))
-    if getattr(hp, "rope_scaling", None) == "yarn" or getattr(hp, "rope_factors", False):
+    if (getattr(hp, "rope_scaling", None) in ("yarn", "longrope")
+            or getattr(hp, "rope_factors", False)):
         # the frequency per rotated pair, written once at load: YaRN's (gpt-oss), or the
-        # file's rope_freqs factors applied (llama-3.1)
+        # file's factors applied (llama-3.1's rope_freqs, phi3's LongRoPE)
         out.append(BufferSpec("rope_freqs", ((getattr(hp, "rope_dim", 0) or hp.head_dim) // 2,),
                               "f32"))
     return out + moe_buffers(hp, chunk, act_dtype)

@@ -34,6 +34,11 @@ def gpu_why_not(plan: Plan, hp: Any) -> str | None:
         return "the plan places layers on the CPU"
     if hp.arch not in TRITON_ARCHS:
         return f"the Triton runner runs {'/'.join(TRITON_ARCHS)} models, not {hp.arch}"
+    dims = (hp.head_dim, hp.head_dim_v, getattr(hp, "rope_dim", 0) or hp.head_dim)
+    odd = next((d for d in dims if d & (d - 1)), None)
+    if odd is not None:  # Phi-3.5-mini's heads of 96, Phi-4-mini's 96 rotated dims
+        return (f"the Triton attention and RoPE kernels take power-of-two head dims, and this "
+                f"model's heads have {odd}")
     return None
 
 

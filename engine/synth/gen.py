@@ -21,7 +21,14 @@ import numpy as np
 
 from engine.gguf.writer import GGUFSink, MetaItem, split_names, tensor_bytes
 from engine.synth.file_types import FILE_TYPES, file_type_types
-from engine.synth.shapes import SHAPES, Shape, llama3_factors, metadata, tensor_table
+from engine.synth.shapes import (
+    SHAPES,
+    Shape,
+    llama3_factors,
+    longrope_factors,
+    metadata,
+    tensor_table,
+)
 from spec.errors import CarveError
 from spec.quant_types import (
     BY_NAME,
@@ -136,6 +143,8 @@ def _k_m(shape: Shape, name: str, rank: dict[int, int], n: int, eight: bool, bas
             # gets Q5_K for almost no size (LLM_TYPE_70B branch of llama_tensor_get_type)
             t = Q5_K
         return Q8_0 if eight else t
+    if name.endswith("attn_qkv.weight"):  # phi3's fused q/k/v: one step up (llama.cpp)
+        return Q5_K if base == Q4_K else Q6_K
     if name.endswith("attn_k.weight") and eight:
         return Q8_0
     if name.endswith("attn_output.weight") and eight:
@@ -244,9 +253,12 @@ def write_model(path: str | Path, shape: str | Shape, mix: str | None = None, sp
         largest[key] = max(largest.get(key, 0), tensor_bytes(types[name], dims))
 
     def payload(name: str, ggml_type: int, nbytes: int):
-        if name == "rope_freqs.weight":  # the factors themselves, not random values
-            yield np.asarray(llama3_factors(sh.hd, sh.rope_base, *sh.llama3_rope),
-                             np.float16 if ggml_type == F16 else np.float32).tobytes()
+        if name in ("rope_freqs.weight", "rope_factors_long.weight",
+                    "rope_factors_short.weight"):  # the factors themselves, not random values
+            values = (llama3_factors(sh.hd, sh.rope_base, *sh.llama3_rope)
+                      if name == "rope_freqs.weight"
+                      else longrope_factors(sh)[0 if "long" in name else 1])
+            yield np.asarray(values, np.float16 if ggml_type == F16 else np.float32).tobytes()
             return
         key = (ggml_type, _kind(name))
         if key not in pools:

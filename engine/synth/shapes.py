@@ -41,6 +41,9 @@ class Shape:
     # llama-3.1's RoPE (factor, low-frequency factor, high-frequency factor, original context):
     # the converter writes it as per-pair factors, rope_freqs.weight (`llama3_factors`)
     llama3_rope: tuple[float, float, float, int] = (0.0, 0.0, 0.0, 0)
+    # phi3's LongRoPE (its original context, its largest long factor): rope_factors_long /
+    # _short as `longrope_factors` makes them, and the attention factor the converter computes
+    longrope: tuple[int, float] = (0, 0.0)
     mix: str = "q4_k_m"  # the mix the published files use (`carve gen` default)
 
     @property
@@ -71,6 +74,9 @@ SHAPES: dict[str, Shape] = {
     # expert_feed_forward_length: the width is feed_forward_length, and the tensors')
     "mixtral-8x7b": Shape("llama", 32, 4096, 32, 8, 14336, 32000, n_ctx=32768, rope_base=1e6,
                           rms_eps=1e-5, n_expert=8, n_expert_used=2, n_ff_exp=14336),
+    # Phi-4 (14B): phi3's fused attn_qkv and gate|up ffn_up, no LongRoPE
+    "phi4": Shape("phi3", 40, 5120, 40, 10, 17920, 100352, n_ctx=16384, rope_base=250000.0,
+                  rms_eps=1e-5),
     "qwen2-32b": Shape("qwen2", 64, 5120, 40, 8, 27648, 152064),
     "llama-70b": Shape("llama", 80, 8192, 64, 8, 28672, 128256, n_ctx=8192, rope_base=5e5,
                        rms_eps=1e-5),
@@ -82,6 +88,9 @@ SHAPES: dict[str, Shape] = {
                            rms_eps=1e-5, llama3_rope=(8.0, 1.0, 4.0, 64)),
     "mixtral-tiny": Shape("llama", 4, 256, 4, 2, 256, 512, n_ctx=2048, rope_base=1e4,
                           rms_eps=1e-5, n_expert=8, n_expert_used=2, n_ff_exp=256),
+    # phi3 with LongRoPE on 32 of 64 dims a head; an original context of 64
+    "phi3-tiny": Shape("phi3", 4, 256, 4, 2, 512, 512, n_ctx=2048, rope_base=1e4, rms_eps=1e-5,
+                       rope_dim=32, longrope=(64, 6.0)),
     "qwen2-tiny": Shape("qwen2", 4, 256, 4, 2, 512, 512, tied_embeddings=True, n_ctx=2048),
     "qwen3-tiny": Shape("qwen3", 4, 256, 4, 2, 512, 512, head_dim=128, n_ctx=2048),
     "gemma3-tiny": Shape("gemma3", 6, 256, 2, 1, 512, 512, head_dim=128, tied_embeddings=True,
@@ -116,8 +125,20 @@ _QK_NORM = ("qwen3", "gemma3", "qwen3moe")
 _POST_ATTN_FFN_NORM = ("gpt-oss", "glm4moe")  # the FFN's pre-norm is named post_attention_norm
 
 
+def longrope_factors(s: Shape) -> tuple[list[float], list[float]]:
+    """Synthetic LongRoPE factor sets (long, short) for ``s``: rising from 1 over the rotated
+    pairs to the shape's largest long factor, the short ones a quarter of the way."""
+    n = (s.rope_dim or s.hd) // 2
+    top = s.longrope[1]
+    long = [1.0 + (top - 1.0) * i / max(1, n - 1) for i in range(n)]
+    return long, [1.0 + (f - 1.0) / 4 for f in long]
+
+
 def _attention(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     q, kv = s.n_head * s.hd, s.n_head_kv * s.hd
+    if s.arch == "phi3":  # q, k and v as the rows of one matrix
+        return [("attn_norm.weight", (s.n_embd,)), ("attn_qkv.weight", (s.n_embd, q + 2 * kv)),
+                ("attn_output.weight", (q, s.n_embd))]
     return [
         ("attn_norm.weight", (s.n_embd,)),
         ("attn_q.weight", (s.n_embd, q)),
@@ -143,6 +164,8 @@ def _ffn(s: Shape, i: int) -> list[tuple[str, tuple[int, ...]]]:
     e = s.n_embd
     norm = "post_attention_norm" if s.arch in _POST_ATTN_FFN_NORM else "ffn_norm"
     out: list[tuple[str, tuple[int, ...]]] = [(f"{norm}.weight", (e,))]
+    if s.arch == "phi3":  # gate and up as the two halves of ffn_up's rows
+        return out + [("ffn_up.weight", (e, 2 * s.n_ff)), ("ffn_down.weight", (s.n_ff, e))]
     if not s.is_moe_layer(i):
         return out + [("ffn_gate.weight", (e, s.n_ff)), ("ffn_up.weight", (e, s.n_ff)),
                       ("ffn_down.weight", (s.n_ff, e))]
@@ -190,6 +213,9 @@ def tensor_table(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (s.n_embd, s.n_vocab))]
     if s.llama3_rope[0]:
         out.append(("rope_freqs.weight", (s.hd // 2,)))
+    if s.longrope[0]:
+        out += [("rope_factors_long.weight", ((s.rope_dim or s.hd) // 2,)),
+                ("rope_factors_short.weight", ((s.rope_dim or s.hd) // 2,))]
     for i in range(s.n_block):
         layer = _attention(s) + _ffn(s, i) + _attention_extras(s)
         if s.arch == "gemma3":
@@ -276,6 +302,11 @@ def metadata(s: Shape, mix: str) -> list[MetaItem]:
         meta.append((f"{a}.attention.sliding_window", U32, s.sliding_window))
     if s.rope_dim:
         meta.append((f"{a}.rope.dimension_count", U32, s.rope_dim))
+    if s.longrope[0]:  # as the converter writes LongRoPE
+        orig = s.longrope[0]
+        meta += [(f"{a}.rope.scaling.original_context_length", U32, orig),
+                 (f"{a}.rope.scaling.attn_factor", F32,
+                  math.sqrt(1 + math.log(s.n_ctx / orig) / math.log(orig)))]
     if s.yarn[0]:
         meta += [(f"{a}.rope.scaling.type", STR, "yarn"),
                  (f"{a}.rope.scaling.factor", F32, s.yarn[0]),

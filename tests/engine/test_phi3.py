@@ -4,14 +4,16 @@ chooses, cos and sin times the file's attention factor) on part of each head.
 
 The CPU engine against transformers' Phi3ForCausalLM (tiny, random, LongRoPE on 12 of 16 dims)
 written to GGUF as llama.cpp's converter writes it, within the original context (the short
-factors) and beyond it (the long ones); the file's LongRoPE metadata checked when it opens.
+factors) and beyond it (the long ones); the Triton runner (under TRITON_INTERPRET=1 without a
+GPU) against the CPU engine on `carve gen`'s phi3-tiny; heads the Triton kernels cannot take
+sent to the torch engine at plan time; the file's LongRoPE metadata checked when it opens.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from gpu_compare import rel
+from gpu_compare import against_cpu_engine, decode_errors, rel
 from moe_files import write_pair
 
 from engine.gguf.hparams import HParams
@@ -21,10 +23,12 @@ from engine.planning.plan import Plan
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
+from engine.synth.gen import write_model
 from spec.errors import CarveError
 
 GIB = 1 << 30
 CPU = DeviceSpec(index=-1, name="cpu", total=8 * GIB, free=8 * GIB)
+DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -87,14 +91,59 @@ def test_the_cpu_engine_matches_transformers(pair, ctx: int, n: int) -> None:
     assert out == want
 
 
-def test_a_gpu_plan_runs_on_the_torch_engine(pair) -> None:
+def test_heads_the_triton_kernels_cannot_take_run_on_the_torch_engine(pair, tiny) -> None:
+    """The transformers pair rotates 12 of 16 dims (Phi-3.5-mini's heads are 96 wide): the
+    plan says the torch engine runs it and why; carve gen's phi3-tiny (32 of 64) runs on
+    Triton."""
     from engine.planning.capability import gpu_why_not
 
-    _, path = pair
-    hp = HParams.from_model(GGUFModel.open(path))
     gpu = DeviceSpec(index=0, name="sim", total=8 * GIB, free=8 * GIB, simulated=True)
-    plan = Plan(model=str(path), devices=(gpu,), split=(0, 2), ctx=64)
-    assert "not phi3" in gpu_why_not(plan, hp)
+    for path, why in ((pair[1], "power-of-two head dims, and this model's heads have 12"),
+                      (tiny, None)):
+        hp = HParams.from_model(GGUFModel.open(path))
+        got = gpu_why_not(Plan(model=str(path), devices=(gpu,), split=(0, hp.n_layer), ctx=64), hp)
+        assert got == why or why in got
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    (path,) = write_model(tmp_path_factory.mktemp("phi3") / "phi3-tiny.gguf", "phi3-tiny",
+                          "q4_k_m")
+    return str(path)
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("ctx", [128, 48])
+def test_the_triton_runner_matches_the_cpu_engine(tiny, ctx: int) -> None:
+    """phi3-tiny (LongRoPE on 32 of 64 dims, an original context of 64): ctx 128 takes the
+    long factors, ctx 48 the short ones, on both engines. The keys each rotated into its cache
+    (prefill, then decode steps), then logits and greedy ids: q/k/v and gate/up as row ranges
+    of the fused matrices, GGUF order (ctx 48: with every other matrix in the dequant cache
+    and the T layout too)."""
+    from engine.runtime.gpu.session import GpuSession
+
+    reserve = 1 << 50 if ctx == 128 else 0
+    plan = Plan(model=tiny, devices=(CPU,), split=(0, 4), ctx=ctx, prefill_chunk=8,
+                cache_reserve=reserve, logits_rows=8)
+    g = GpuSession.load(plan, devices=[DEV], remember=False)
+    c = Session.load(plan)
+    try:
+        st = g.pipe.stages[0]
+        assert st.layers[0].ffn.fused == "gemv_glu" and st.layers[0].attn.fused == "gemv3"
+        g.logits(_ids(30))
+        c.logits(_ids(30))
+        decode_errors(g, c, _ids(3, 1))
+        for i in range(4):
+            err = rel(st.layers[i].attn.k_cache[:33], c.kv.layers[i].k[:33])
+            assert err < 5e-3, f"layer {i}: rotated keys differ by {err:.2e}"
+    finally:
+        g.close()
+        c.close()
+    against_cpu_engine(plan, DEV, _ids(12), _ids(3, 1), _ids(6, 3),
+                       5e-3 if ctx == 128 else 1e-2, f"phi3-tiny ctx {ctx}")
 
 
 def _drop(name: str):

@@ -236,6 +236,8 @@ class LayerBuilder:
             sizes = {gemv_t.BLOCK_VALUES.get(self.model.tensor(p + s).ggml_type, 256)
                      for s in QKV if p + s in self.spans}
             return all(self._t_able(p + s) for s in QKV) and len(sizes) == 1
+        if getattr(self.hp, "fused_gate_up", False) and name.endswith("ffn_up.weight"):
+            return False  # gate|up in one tensor: GGUF order, cut into two row ranges
         info = self.model.tensor(name)
         return (self._t_able(name) and (name == "output.weight" or name.endswith(T_MATRICES))
                 and (info.nbytes >= T_MIN_BYTES or not self.on_cuda))
@@ -268,6 +270,25 @@ class LayerBuilder:
             raise CarveError(f"{name}: expected F32, the file has {qt.type_name(info.ggml_type)}")
         return raw.view(torch.float32)
 
+    def rows_of(self, name: str, sizes: Sequence[int], bias: str | None = None
+                ) -> tuple[Matrix, ...]:
+        """Matrix ``name`` cut into consecutive row ranges of ``sizes`` (phi3's fused q/k/v and
+        gate/up): views of its packed bytes and dequant-cache copy (such a matrix stays in GGUF
+        order), each a Matrix of its own under the fused tensor's name."""
+        w, t = packed(self.model, self.spans, name)
+        dq = self.spans.get("dq." + name)
+        dq = None if dq is None else dq.view(w.shape[0], -1)
+        b = self.vec(bias) if bias else None
+        out, r0 = [], 0
+        for n in sizes:
+            rows = w[r0:r0 + n]
+            out.append(Matrix(name, t, rows, None, None if dq is None else dq[r0:r0 + n],
+                              None if b is None else b[r0:r0 + n], self._config(rows)))
+            r0 += n
+        if r0 != w.shape[0]:
+            raise CarveError(f"tensor {name} has {w.shape[0]} rows, not the {r0} its parts need")
+        return tuple(out)
+
     def matrix(self, name: str, bias: str | None = None) -> Matrix:
         w, t = packed(self.model, self.spans, name)
         dq = self.spans.get("dq." + name)
@@ -298,7 +319,13 @@ class LayerBuilder:
 
     def attention(self, i: int) -> Attention:
         hp, p = self.hp, f"blk.{i}."
-        qkv = tuple(self.matrix(p + n, p + n.replace(".weight", ".bias")) for n in QKV)
+        if getattr(hp, "fused_qkv", False):  # phi3: q, k and v are row ranges of attn_qkv
+            qkv = self.rows_of(p + "attn_qkv.weight", (hp.n_head * hp.head_dim,
+                                                       hp.n_head_kv * hp.head_dim,
+                                                       hp.n_head_kv * hp.head_dim_v),
+                               p + "attn_qkv.bias")
+        else:
+            qkv = tuple(self.matrix(p + n, p + n.replace(".weight", ".bias")) for n in QKV)
         fused, mats, biases, config = self._qkv_launch(qkv)
         k, v = self.spans[f"kv.{i}.k"], self.spans[f"kv.{i}.v"]
         swa = bool(hp.swa_layers[i]) if hp.swa_layers else False
@@ -328,8 +355,9 @@ class LayerBuilder:
             post_norm=self.vec(p + "post_attention_norm.weight") if hp.sandwich_norm else None)
 
     def _qkv_int8_x(self, p: str) -> tuple | None:
-        # the normed row's int8 copy when any of q, k, v multiplies it
-        return next((x for x in (self._int8_x(p + n, 0) for n in QKV) if x is not None), None)
+        # the normed row's int8 copy when any of q, k, v (or phi3's attn_qkv) multiplies it
+        return next((x for x in (self._int8_x(p + n, 0) for n in (*QKV, "attn_qkv.weight"))
+                     if x is not None), None)
 
     def _qkv_launch(self, qkv: tuple[Matrix, Matrix, Matrix]) -> tuple[str, list, Any, Any]:
         """Decode's q/k/v in one launch when the three have biases or none have: T when they
@@ -345,7 +373,10 @@ class LayerBuilder:
 
     def ffn(self, i: int) -> Ffn:
         hp, p = self.hp, f"blk.{i}."
-        gate, up = self.matrix(p + "ffn_gate.weight"), self.matrix(p + "ffn_up.weight")
+        if getattr(hp, "fused_gate_up", False):  # phi3: gate and up are ffn_up's two halves
+            gate, up = self.rows_of(p + "ffn_up.weight", (hp.n_ff, hp.n_ff))
+        else:
+            gate, up = self.matrix(p + "ffn_gate.weight"), self.matrix(p + "ffn_up.weight")
         fused, config = self._ffn_launch(gate, up)
         return Ffn(norm=self.vec(p + self.ffn_norm), xq=self._int8_x(gate.name, 0),
                    gate=gate, up=up, down=self.matrix(p + "ffn_down.weight"), fused=fused,

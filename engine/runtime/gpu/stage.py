@@ -49,7 +49,7 @@ from engine.runtime.gpu.stage_attn import AttentionLayers
 from engine.runtime.gpu.stage_graph import DecodeGraph
 from engine.runtime.gpu.stage_moe import MoeLayers
 from engine.runtime.models import FAMILIES
-from engine.runtime.models.layers import ROPE_FACTORS, _linear_scale, global_freqs
+from engine.runtime.models.layers import _linear_scale, factors_name, global_freqs
 from engine.runtime.options import RunnerOptions
 from spec import quant_types as qt
 from spec.errors import CarveError
@@ -105,7 +105,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         # the global layers' RoPE: a frequency per pair in buf.rope_freqs (YaRN's, every layer;
         # the file's rope_freqs factors applied, with any linear scale), or the base and the
         # linear scale; the CPU engine's error for other kinds
-        freqs = hp.rope_scaling == "yarn" or hp.rope_factors
+        freqs = hp.rope_scaling in ("yarn", "longrope") or hp.rope_factors
         self.rope_scale = 1.0 if freqs else 1.0 / _linear_scale(hp)
         self.hp, self.model, self.spans = hp, model, spans
         self.device = torch.device(device)
@@ -174,14 +174,15 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
 
     def _freqs(self) -> tuple[torch.Tensor, float]:
         # the CPU engine's frequencies of the global layers (engine/runtime/models/layers.py),
-        # from the file's rope_freqs factors where it has them (read back from their span: a
-        # few hundred bytes), written once into their priced buffer, and the cos/sin scale
-        factors = None
-        if self.hp.rope_factors and self.hp.rope_scaling != "yarn":
-            t = self.model.tensor(ROPE_FACTORS)
-            raw = self.spans[ROPE_FACTORS].reshape(-1)[:t.nbytes].cpu()
+        # from the file's factors where it has them (llama-3.1's rope_freqs, or LongRoPE's set
+        # for this context; read back from their span: a few hundred bytes), written once
+        # into their priced buffer, and the cos/sin scale
+        factors, name = None, factors_name(self.hp, self.ctx)
+        if name is not None and self.hp.rope_scaling != "yarn":
+            t = self.model.tensor(name)
+            raw = self.spans[name].reshape(-1)[:t.nbytes].cpu()
             factors = raw.view(_FLOATS[t.ggml_type])
-        f, mscale = global_freqs(self.hp, factors)
+        f, mscale = global_freqs(self.hp, factors, name or "")
         dst = self.buf["rope_freqs"]
         dst.copy_(f)  # straight from the host: no device temporary outside the Layout
         return dst, mscale
