@@ -47,11 +47,21 @@ def runner_for(plan: Plan, idx: ModelIndex) -> Runner:
     return TRITON if gpu_why_not(plan, idx.hp) is None else TORCH
 
 
+ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight",
+                       "rope_factors_short.weight")  # read on the host, as F32, F16 or BF16
+
+
+def _f32_only(runner: Runner, t: Any) -> bool:
+    # the GPU runner reads vectors (norms, biases, sinks) and expert routers and per-expert
+    # biases (carve_kernels/moe.py) as F32 where they lie; RoPE factors it reads on the host
+    return runner is TRITON and (len(t.shape) < 2 or t.name.endswith(F32_MATRICES)) and (
+        t.name not in ROPE_FACTOR_TENSORS)
+
+
 def _runs(runner: Runner, t: Any) -> bool:
-    # the GPU runner multiplies matrices with its kernels and reads vectors as F32, and expert
-    # routers and per-expert biases as F32 (carve_kernels/moe.py)
-    if runner is TRITON and (len(t.shape) < 2 or (t.name.endswith(F32_MATRICES)
-                                                  and t.ggml_type == F32)):
+    if _f32_only(runner, t):
+        return t.ggml_type == F32
+    if runner is TRITON and t.name in ROPE_FACTOR_TENSORS:
         return True
     return t.ggml_type in runner.types
 
@@ -78,11 +88,11 @@ def _missing(idx: ModelIndex, runner: Runner) -> tuple[tuple[tuple[Any, ...], ..
 def reason(runner: Runner, tensors: Sequence[Any]) -> str:
     """ "IQ4_XS (blk.0.ffn_down.weight and 27 more) has no GPU kernel: run on the CPU engine
     (--gpus cpu) or use a file without it", a clause per type, in file order."""
-    by_type: dict[int, list[str]] = {}
+    by_type: dict[tuple[int, bool], list[str]] = {}
     for t in tensors:
-        by_type.setdefault(t.ggml_type, []).append(t.name)
+        by_type.setdefault((t.ggml_type, _f32_only(runner, t)), []).append(t.name)
     clauses = []
-    for tid, names in by_type.items():
+    for (tid, f32_only), names in by_type.items():
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
         others = [r for r in RUNNERS.values() if r is not runner and tid in r.types]
         fix = (
@@ -90,7 +100,9 @@ def reason(runner: Runner, tensors: Sequence[Any]) -> str:
             if others
             else "no runner of this Carve runs it; use a file without it"
         )
-        clauses.append(f"{type_name(tid)} ({names[0]}{more}) {runner.lacks}: {fix}")
+        lacks = ("where the GPU runner reads F32 (norms, biases, routers)" if f32_only
+                 else runner.lacks)
+        clauses.append(f"{type_name(tid)} ({names[0]}{more}) {lacks}: {fix}")
     return "; ".join(clauses)
 
 

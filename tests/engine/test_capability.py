@@ -132,6 +132,30 @@ def test_a_type_no_runner_runs_and_several_types_in_one_reason(tmp_path) -> None
         g.advice)
 
 
+def test_vectors_and_routers_the_gpu_reads_as_f32_are_checked_at_plan_time(tmp_path) -> None:
+    """The Triton runner reads norms, biases and expert routers as F32 where they lie: an F16
+    router (an older Mixtral conversion) or norm is a plan-time verdict naming them, not a
+    load error after "fits"; the CPU engine runs them. RoPE factors it reads on the host."""
+    odd = {"blk.0.ffn_gate_inp.weight": qt.F16, "blk.1.ffn_gate_inp.weight": qt.F16,
+           "blk.2.attn_norm.weight": qt.BF16, "rope_freqs.weight": qt.F16}
+    sh = SHAPES["mixtral-tiny"]
+    types = {**tensor_types(sh, "q8_0"), **odd}
+    table = tensor_table(sh) + [("rope_freqs.weight", (sh.hd // 2,))]
+    path = tmp_path / "f16-router.gguf"
+    rng = np.random.default_rng(0)
+    GGUFSink(metadata(sh, "q8_0"), [(n, d, types[n]) for n, d in table], [path]).write(
+        lambda name, t, nbytes: [rng.integers(0, 255, nbytes, dtype=np.uint8).tobytes()])
+    m = GGUFModel.open(path)
+    devices = price(default_plan(m, [gpu(0), gpu(1)], split=(0, 1, 4)), m).devices
+    assert [d.verdict for d in devices] == [Verdict.DOES_NOT_RUN] * 2
+    assert devices[0].advice == (
+        "F16 (blk.0.ffn_gate_inp.weight) where the GPU runner reads F32 (norms, biases, "
+        "routers): run on the CPU engine (--gpus cpu) or use a file without it")
+    assert devices[1].advice.startswith("F16 (blk.1.ffn_gate_inp.weight) where the GPU")
+    assert "; BF16 (blk.2.attn_norm.weight) where the GPU runner reads F32" in devices[1].advice
+    assert price(default_plan(m, [cpu()]), m).fits
+
+
 def test_the_runner_rule_is_the_engines(tmp_path, monkeypatch) -> None:
     from engine.gguf.hparams import HParams
     from engine.runtime.gpu.session import why_not
