@@ -77,6 +77,9 @@ SHAPES: dict[str, Shape] = {
     # Phi-4 (14B): phi3's fused attn_qkv and gate|up ffn_up, no LongRoPE
     "phi4": Shape("phi3", 40, 5120, 40, 10, 17920, 100352, n_ctx=16384, rope_base=250000.0,
                   rms_eps=1e-5),
+    # Mixtral 8x22B (v0.3's vocabulary): 141 B parameters, a multi-GPU and host-memory case
+    "mixtral-8x22b": Shape("llama", 56, 6144, 48, 8, 16384, 32768, n_ctx=65536, rope_base=1e6,
+                           rms_eps=1e-5, n_expert=8, n_expert_used=2, n_ff_exp=16384),
     "qwen2-32b": Shape("qwen2", 64, 5120, 40, 8, 27648, 152064),
     "llama-70b": Shape("llama", 80, 8192, 64, 8, 28672, 128256, n_ctx=8192, rope_base=5e5,
                        rms_eps=1e-5),

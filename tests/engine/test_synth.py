@@ -233,6 +233,8 @@ def test_gen_never_imports_torch(tmp_path):
     # the Qwen3-30B-A3B Q4_K_M reference file; gpt-oss as ggml-org publishes it (12.1 GB,
     # 63.4 GB: MXFP4 experts, Q8_0 elsewhere)
     ("qwen3moe-30b-a3b", "17.28 GiB"), ("gpt-oss-20b", "11.27 GiB"), ("gpt-oss-120b", "59.02 GiB"),
+    # Mixtral 8x22B's published Q4_K_M files: 85.6 GB
+    ("mixtral-8x22b", "79.72 GiB"),
 ])
 def test_moe_shape_sizes_without_writing(shape, expect, capsys):
     from engine.synth.gen import model_bytes
