@@ -22,8 +22,11 @@ MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe")
 _MAYBE_MOE = ("llama",)
 _ROPE_STYLE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
                "phi3": "neox", "qwen3moe": "neox", "gpt-oss": "neox", "glm4moe": "neox"}
-# LongRoPE's two sets of per-pair factors (phi3): the long ones for contexts beyond the original
+# per-pair RoPE frequency factors: llama-3.1's, and LongRoPE's two sets (phi3: the long ones for
+# contexts beyond the original)
+ROPE_FACTORS = "rope_freqs.weight"
 ROPE_LONG, ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
+FACTOR_TENSORS = (ROPE_FACTORS, ROPE_LONG, ROPE_SHORT)
 # {arch}.expert_gating_func values (gguf ExpertGatingFuncType); gpt-oss has no key: llama.cpp
 # always takes the softmax over the chosen k logits for it
 _GATING = {1: "softmax", 2: "sigmoid"}
@@ -276,9 +279,9 @@ def _read(model: GGUFModel) -> HParams:
     moe = _read_moe(model, m, n_layer - nextn, n_embd) if routed else {}
     n_run = moe.get("n_layer_run", n_layer)
     n_dense = min(n_run, moe.get("n_layer_dense_lead", n_run))  # layers 0 .. n_dense-1
-    names = {t.name for t in model.tensors}
-    fused_qkv = "blk.0.attn_qkv.weight" in names
-    fused_gate_up = arch == "phi3" and bool(n_dense) and "blk.0.ffn_gate.weight" not in names
+    by_name = {t.name: t for t in model.tensors}
+    fused_qkv = "blk.0.attn_qkv.weight" in by_name
+    fused_gate_up = arch == "phi3" and bool(n_dense) and "blk.0.ffn_gate.weight" not in by_name
     expect = {"token_embd.weight": (n_embd, n_vocab)}
     if fused_qkv:
         expect["blk.0.attn_qkv.weight"] = (n_embd, (n_head + n_head_kv) * head_dim
@@ -345,8 +348,7 @@ def _read(model: GGUFModel) -> HParams:
         if moe["rope_scaling_orig_ctx"] <= 0 or scale <= 1.0:
             raise CarveError(f"{model.paths[0]}: YaRN RoPE needs {arch}.rope.scaling.factor > 1 "
                              f"and {arch}.rope.scaling.original_context_length; the file lacks one")
-    by_name = {t.name: t for t in model.tensors}
-    for name in ("rope_freqs.weight", ROPE_LONG, ROPE_SHORT):
+    for name in FACTOR_TENSORS:
         t = by_name.get(name)
         if t is None:
             continue
@@ -357,7 +359,7 @@ def _read(model: GGUFModel) -> HParams:
         if t.ggml_type not in (F32, F16, BF16):
             raise CarveError(f"{model.paths[0]}: tensor {name} is {type_name(t.ggml_type)}; "
                              "RoPE factors are read as F32, F16 or BF16 (re-convert the file)")
-    factors = by_name.get("rope_freqs.weight")
+    factors = by_name.get(ROPE_FACTORS)
     if (ROPE_LONG in by_name) != (ROPE_SHORT in by_name):
         missing = ROPE_SHORT if ROPE_LONG in by_name else ROPE_LONG
         raise CarveError(f"{model.paths[0]}: tensor {missing} is missing; LongRoPE needs both "

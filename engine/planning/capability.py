@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from engine.gguf.hparams import FACTOR_TENSORS
 from engine.planning.carve import ModelIndex
 from engine.planning.layout import DeviceLayout
 from engine.planning.plan import Plan
@@ -47,21 +48,18 @@ def runner_for(plan: Plan, idx: ModelIndex) -> Runner:
     return TRITON if gpu_why_not(plan, idx.hp) is None else TORCH
 
 
-ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight",
-                       "rope_factors_short.weight")  # read on the host, as F32, F16 or BF16
-
-
 def _f32_only(runner: Runner, t: Any) -> bool:
     # the GPU runner reads vectors (norms, biases, sinks) and expert routers and per-expert
-    # biases (carve_kernels/moe.py) as F32 where they lie; RoPE factors it reads on the host
+    # biases (carve_kernels/moe.py) as F32 where they lie; RoPE factors it reads on the host,
+    # as F32, F16 or BF16
     return runner is TRITON and (len(t.shape) < 2 or t.name.endswith(F32_MATRICES)) and (
-        t.name not in ROPE_FACTOR_TENSORS)
+        t.name not in FACTOR_TENSORS)
 
 
 def _runs(runner: Runner, t: Any) -> bool:
     if _f32_only(runner, t):
         return t.ggml_type == F32
-    if runner is TRITON and t.name in ROPE_FACTOR_TENSORS:
+    if runner is TRITON and t.name in FACTOR_TENSORS:
         return True
     return t.ggml_type in runner.types
 

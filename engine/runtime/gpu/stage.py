@@ -30,6 +30,7 @@ from carve_kernels import (
     quant_matmul,
     scale_scan,
 )
+from carve_kernels.dequant import dequantize
 from engine.planning.carve import is_expert
 from engine.planning.host import CPU_PREFIX
 from engine.runtime.gpu.host import host_experts, host_layers
@@ -53,8 +54,6 @@ from engine.runtime.models.layers import _linear_scale, factors_name, global_fre
 from engine.runtime.options import RunnerOptions
 from spec import quant_types as qt
 from spec.errors import CarveError
-
-_FLOATS = {qt.F32: torch.float32, qt.F16: torch.float16, qt.BF16: torch.bfloat16}
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "i64": torch.int64, "i32": torch.int32, "uint8": torch.uint8}
@@ -180,8 +179,8 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         factors, name = None, factors_name(self.hp, self.ctx)
         if name is not None and self.hp.rope_scaling != "yarn":
             t = self.model.tensor(name)
-            raw = self.spans[name].reshape(-1)[:t.nbytes].cpu()
-            factors = raw.view(_FLOATS[t.ggml_type])
+            factors = dequantize(self.spans[name].reshape(-1)[:t.nbytes].cpu(), t.ggml_type,
+                                 t.shape)
         f, mscale = global_freqs(self.hp, factors, name or "")
         dst = self.buf["rope_freqs"]
         dst.copy_(f)  # straight from the host: no device temporary outside the Layout

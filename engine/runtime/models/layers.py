@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.gguf.hparams import ROPE_FACTORS, ROPE_LONG, ROPE_SHORT
 from engine.runtime.models.ops import QWeight
 from spec.errors import CarveError
 
@@ -42,10 +43,6 @@ def inv_freq(head_dim: int, base: float, scale: float, factors: torch.Tensor | N
     if factors is not None:
         f = f / factors.float()
     return f
-
-
-ROPE_FACTORS = "rope_freqs.weight"
-ROPE_LONG, ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
 
 
 def factors_name(hp: Any, ctx: int) -> str | None:
