@@ -56,26 +56,33 @@ PROMPTS = {
 }
 
 
+def f32_kv(sess: Session) -> Session:
+    """Test-only: a float32 KV cache in place of the priced f16 one (every run layer, its
+    cells as priced)."""
+    from engine.runtime.kv_cache import KVCache
+
+    hp, ctx = sess.hp, sess.plan.ctx
+    spans = {}
+    for i in range(hp.n_layer_run):
+        cells = hp.kv_cells(i, ctx)
+        spans[f"kv.{i}.k"] = torch.zeros(cells, hp.n_head_kv, hp.head_dim)
+        spans[f"kv.{i}.v"] = torch.zeros(cells, hp.n_head_kv, hp.head_dim_v)
+    sess.kv = KVCache.from_spans(spans, hp, range(hp.n_layer_run), ctx)
+    return sess
+
+
 def exact_session(sess: Session) -> Session:
     """Test-only: give the session float32 copies of every matrix and a float32 KV cache, so
     what remains is the model maths itself (the product rounds the cache to bf16 and the KV to
     f16; those are measured separately: check_real)."""
     from carve_kernels.dequant import dequantize
-    from engine.runtime.kv_cache import KVCache
     from engine.runtime.models.ops import QWeight
 
     for st in sess.loaded:
         for w in st.tensors.values():
             if isinstance(w, QWeight):
                 w.cached = dequantize(w.raw, w.ggml_type, w.gguf_shape)
-    hp, ctx = sess.hp, sess.plan.ctx
-    spans = {}
-    for i in range(hp.n_layer):
-        cells = hp.kv_cells(i, ctx)
-        spans[f"kv.{i}.k"] = torch.zeros(cells, hp.n_head_kv, hp.head_dim)
-        spans[f"kv.{i}.v"] = torch.zeros(cells, hp.n_head_kv, hp.head_dim_v)
-    sess.kv = KVCache.from_spans(spans, hp, range(hp.n_layer), ctx)
-    return sess
+    return f32_kv(sess)
 
 
 def real_models(model_path, key):

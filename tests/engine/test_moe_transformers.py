@@ -20,6 +20,7 @@ from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
 
 sys.path.insert(0, str(Path(__file__).parent))
+from hf_compare import f32_kv  # noqa: E402
 from moe_files import write_pair  # noqa: E402
 
 GIB = 1 << 30
@@ -52,19 +53,6 @@ def _session(path: Path, cached: bool, chunk: int = 32) -> Session:
     return Session.load(plan)
 
 
-def _f32_kv(sess: Session) -> Session:
-    """Test-only: a float32 KV cache in place of the priced f16 one."""
-    from engine.runtime.kv_cache import KVCache
-
-    hp, ctx = sess.hp, sess.plan.ctx
-    spans = {}
-    for i in range(hp.n_layer_run):
-        spans[f"kv.{i}.k"] = torch.zeros(hp.kv_cells(i, ctx), hp.n_head_kv, hp.head_dim)
-        spans[f"kv.{i}.v"] = torch.zeros(hp.kv_cells(i, ctx), hp.n_head_kv, hp.head_dim_v)
-    sess.kv = KVCache.from_spans(spans, hp, range(hp.n_layer_run), ctx)
-    return sess
-
-
 def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
 
@@ -85,7 +73,7 @@ def test_logits_and_greedy_match_transformers(pairs, arch: str, quant: str) -> N
     assert rel < 2e-3, f"{arch} {quant}: logits differ by {rel:.2e} of their range"  # f16 KV
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
     # float32 KV cache, no dequant cache: only the model's maths remains; greedy ids are equal
-    exact = _f32_kv(_session(path, cached=False))
+    exact = f32_kv(_session(path, cached=False))
     rel = _rel(exact.logits(ids.tolist()), ref)
     assert rel < 1e-4, f"{arch} {quant} f32 KV: logits differ by {rel:.2e} of their range"
     prompt = ids[:12].tolist()

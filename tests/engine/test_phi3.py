@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 from gpu_compare import against_cpu_engine, decode_errors, rel
+from hf_compare import f32_kv
 from moe_files import write_pair
 
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import GGUFModel
 from engine.hardware.devices import DeviceSpec
 from engine.planning.plan import Plan
-from engine.runtime.kv_cache import KVCache
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
 from engine.synth.gen import write_model
@@ -43,13 +43,7 @@ def _session(path, ctx: int) -> Session:
     hp = HParams.from_model(GGUFModel.open(path))
     plan = Plan(model=str(path), devices=(CPU,), split=(0, hp.n_layer), ctx=ctx,
                 prefill_chunk=16, cache_reserve=16 * GIB, logits_rows=16)
-    sess = Session.load(plan)
-    spans = {}
-    for i in range(hp.n_layer):
-        spans[f"kv.{i}.k"] = torch.zeros(ctx, hp.n_head_kv, hp.head_dim)
-        spans[f"kv.{i}.v"] = torch.zeros(ctx, hp.n_head_kv, hp.head_dim_v)
-    sess.kv = KVCache.from_spans(spans, hp, range(hp.n_layer), ctx)
-    return sess
+    return f32_kv(Session.load(plan))
 
 
 def test_the_file_is_what_the_test_means(pair) -> None:

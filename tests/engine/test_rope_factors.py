@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gpu_compare import against_cpu_engine, decode_errors, rel
+from hf_compare import f32_kv
 from moe_files import LLAMA3_ROPE as ROPE
 from moe_files import hf_model, write_pair
 
@@ -38,15 +39,7 @@ def _session(path, chunk: int = 32) -> Session:
     hp = HParams.from_model(GGUFModel.open(path))
     plan = Plan(model=str(path), devices=(CPU,), split=(0, hp.n_layer), ctx=256,
                 prefill_chunk=chunk, cache_reserve=16 * GIB, logits_rows=chunk)
-    sess = Session.load(plan)
-    from engine.runtime.kv_cache import KVCache  # a float32 cache: only the maths remains
-
-    spans = {}
-    for i in range(hp.n_layer):
-        spans[f"kv.{i}.k"] = torch.zeros(plan.ctx, hp.n_head_kv, hp.head_dim)
-        spans[f"kv.{i}.v"] = torch.zeros(plan.ctx, hp.n_head_kv, hp.head_dim_v)
-    sess.kv = KVCache.from_spans(spans, hp, range(hp.n_layer), plan.ctx)
-    return sess
+    return f32_kv(Session.load(plan))  # a float32 cache: only the maths remains
 
 
 def test_the_factors_are_transformers_llama3_frequencies() -> None:
