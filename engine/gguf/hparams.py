@@ -170,6 +170,14 @@ def _swa_layers(meta: _Meta, n_layer: int) -> tuple[bool, ...]:
     return tuple((i + 1) % pattern != 0 for i in range(n_layer))
 
 
+def rope_per_pair(hp: Any) -> bool:
+    """Whether the global layers' RoPE takes a frequency per rotated pair (YaRN's, LongRoPE's,
+    or llama-3.1's rope_freqs factors applied) rather than the base and a linear scale: the
+    GPU stage writes them once into buf.rope_freqs, which pricing reserves."""
+    return (getattr(hp, "rope_scaling", None) in ("yarn", "longrope")
+            or bool(getattr(hp, "rope_factors", False)))
+
+
 def _check_shapes(model: GGUFModel, expect: dict[str, tuple[int, ...]],
                   required: bool = True) -> None:
     # metadata that disagrees with the tensors would misprice every KV cache and buffer;

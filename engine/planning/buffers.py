@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
+from engine.gguf.hparams import rope_per_pair
 from spec import launch
 from spec.launch import ATTN_SPLITS
 
@@ -108,8 +109,7 @@ def activation_buffers(
     if dequant_scratch > 0:
         # [elements] one matrix dequantized for a prefill GEMM, reused matrix after matrix
         out.append(BufferSpec("dequant", (dequant_scratch,), a))
-    if (getattr(hp, "rope_scaling", None) in ("yarn", "longrope")
-            or getattr(hp, "rope_factors", False)):
+    if rope_per_pair(hp):
         # the frequency per rotated pair, written once at load: YaRN's (gpt-oss), or the
         # file's factors applied (llama-3.1's rope_freqs, phi3's LongRoPE)
         out.append(BufferSpec("rope_freqs", ((getattr(hp, "rope_dim", 0) or hp.head_dim) // 2,),

@@ -31,6 +31,7 @@ from carve_kernels import (
     scale_scan,
 )
 from carve_kernels.dequant import dequantize
+from engine.gguf.hparams import rope_per_pair
 from engine.planning.carve import is_expert
 from engine.planning.host import CPU_PREFIX
 from engine.runtime.gpu.host import host_experts, host_layers
@@ -104,7 +105,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         # the global layers' RoPE: a frequency per pair in buf.rope_freqs (YaRN's, every layer;
         # the file's rope_freqs factors applied, with any linear scale), or the base and the
         # linear scale; the CPU engine's error for other kinds
-        freqs = hp.rope_scaling in ("yarn", "longrope") or hp.rope_factors
+        freqs = rope_per_pair(hp)
         self.rope_scale = 1.0 if freqs else 1.0 / _linear_scale(hp)
         self.hp, self.model, self.spans = hp, model, spans
         self.device = torch.device(device)
