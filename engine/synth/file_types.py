@@ -29,7 +29,13 @@ FILE_TYPES: dict[str, int] = {
 }
 _IQ2_FAMILY = ("iq2_xxs", "iq2_m")  # the IQ1/IQ2 branch of llama_tensor_get_type
 _ATTN = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_kv", "attn_q_a", "attn_q_b",
-         "attn_k_b", "attn_v_b")
+         "attn_k_b", "attn_v_b", "attn_kv_a_mqa", "attn_kv_b")
+# llama.cpp's attn_v rule (and its counter) covers deepseek2's legacy attn_kv_b too
+_ATTN_V = ("attn_v.weight", "attn_kv_b.weight")
+
+
+def _is_attn_v(name: str) -> bool:
+    return any(v in name for v in _ATTN_V)
 
 
 def _use_more_bits(i: int, n: int) -> bool:
@@ -51,7 +57,7 @@ def file_type_types(shape, mix: str, names: Sequence[str], rank: dict[int, int],
     # llama.cpp counts attn_v and ffn_down tensors in its order of the file's tensors (by
     # layer number, then name)
     order = sorted(names, key=lambda s: rank.get(_layer(s), -1))
-    wv = [s for s in order if "attn_v.weight" in s]
+    wv = [s for s in order if _is_attn_v(s)]
     down = [s for s in order if "ffn_down" in s]
     i_wv = {s: i for i, s in enumerate(wv)}
     i_down = {s: i for i, s in enumerate(down)}
@@ -73,7 +79,7 @@ def file_type_types(shape, mix: str, names: Sequence[str], rank: dict[int, int],
             # llama.cpp counts ffn_down tensors (experts and shared experts each) against
             # n_layer / 8 (its n_ffn_down is the layer count)
             t = _iq2_family(mix, name, t, gqa, n_exp, i_down.get(name, 0), n)
-        elif "attn_v.weight" in name:
+        elif _is_attn_v(name):
             t = _attn_v(mix, t, gqa, i_wv[name])
             if shape.arch == "llama" and shape.n_layer == 80 and t in (qt.Q3_K, qt.Q4_K):
                 t = qt.Q5_K  # LLM_TYPE_70B: attn_v is 8x smaller than attn_q
@@ -97,7 +103,7 @@ def file_type_types(shape, mix: str, names: Sequence[str], rank: dict[int, int],
 
 def _iq2_family(mix: str, name: str, t: int, gqa: int, n_exp: int, i_down: int,
                 n_down: int) -> int:
-    if "attn_v.weight" in name:
+    if _is_attn_v(name):
         if gqa >= 4 or n_exp >= 4:
             return qt.Q4_K
         return qt.IQ3_S if mix == "iq2_m" else qt.Q2_K

@@ -136,7 +136,9 @@ def _k_m(shape: Shape, name: str, rank: dict[int, int], n: int, eight: bool, bas
     """llama.cpp's Q4_K_M (``base`` Q4_K) or Q5_K_M (Q5_K) choice for one layer matrix
     (llama_tensor_get_type: the two share their attn_v and ffn_down rules)."""
     layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
-    if name.endswith("attn_v.weight"):
+    # deepseek2's legacy attn_kv_b (values and the no-RoPE keys) takes attn_v's rule, as
+    # llama.cpp counts and treats it (its split attn_k_b / attn_v_b take the base type)
+    if name.endswith(("attn_v.weight", "attn_kv_b.weight")):
         t = Q6_K if _use_more_bits(rank[layer], n) else base
         if t == Q4_K and shape.arch == "llama" and shape.n_layer == 80:
             # llama.cpp: a 70B's 8 KV heads make attn_v 8x smaller than attn_q, so it

@@ -1,7 +1,8 @@
 """Model shapes for synthetic GGUFs: tensor tables and metadata as llama.cpp's converter writes.
 
-Real shapes (qwen2-0.5b, qwen2-7b, llama3-8b, qwen2-32b, llama-70b) for speed and memory work,
-and tiny ones (every matrix row a multiple of 256, so every quant type fits) for tests.
+Real shapes (qwen2-0.5b, qwen2-7b, llama3-8b, qwen2-32b, llama-70b; the MoE ones, DeepSeek-class
+deepseek2 included) for speed and memory work, and tiny ones (every matrix row a multiple of
+256 where the shape allows it, so every quant type fits) for tests.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from engine.gguf.writer import ARR, BOOL, F32, I32, STR, U32, MetaItem
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    arch: str  # llama | qwen2 | qwen3 | gemma3
+    arch: str  # llama | qwen2 | qwen3 | gemma3 | phi3 | qwen3moe | gpt-oss | glm4moe | deepseek2
     n_layer: int
     n_embd: int
     n_head: int
@@ -44,6 +45,19 @@ class Shape:
     # phi3's LongRoPE (its original context, its largest long factor): rope_factors_long /
     # _short as `longrope_factors` makes them, and the attention factor the converter computes
     longrope: tuple[int, float] = (0, 0.0)
+    # --- deepseek2 (DeepSeek-V2/V3, Kimi K2): multi-head latent attention (MLA) ---
+    q_lora_rank: int = 0  # 0: q is one matrix (attn_q), else attn_q_a -> norm -> attn_q_b
+    kv_lora_rank: int = 0  # the compressed KV width (the cache holds it and the rope part)
+    qk_nope_dim: int = 0  # per head: q/k dims without RoPE
+    qk_rope_dim: int = 0  # per head: q/k dims with RoPE (k's are shared by all heads)
+    v_head_dim: int = 0
+    # the pre-2025 converter's layout: one attn_kv_b, head_count_kv = head_count, key/value
+    # lengths per head; the current one splits it into attn_k_b / attn_v_b (MLA, head_count_kv 1)
+    mla_legacy: bool = False
+    expert_gating: int = 0  # deepseek2: 1 softmax, 2 sigmoid (with exp_probs_b)
+    expert_weights_norm: bool = False  # deepseek2: norm_topk_prob
+    expert_groups: tuple[int, int] = (0, 0)  # (n_group, topk_group); (0, 0): no group keys
+    mscale_all_dim: float = 0.0  # YaRN's; the file's yarn_log_multiplier is 0.1 times it
     mix: str = "q4_k_m"  # the mix the published files use (`carve gen` default)
 
     @property
@@ -54,6 +68,11 @@ class Shape:
     def n_block(self) -> int:
         """Layers the file declares (block_count): the run layers and the NextN ones."""
         return self.n_layer + self.n_nextn
+
+    @property
+    def mla(self) -> bool:
+        """deepseek2's attention (latent KV)."""
+        return self.arch == "deepseek2"
 
     def is_moe_layer(self, i: int) -> bool:
         return self.n_expert > 0 and i >= self.n_layer_dense_lead
@@ -122,6 +141,39 @@ SHAPES: dict[str, Shape] = {
                           rms_eps=1e-5, n_expert=4, n_expert_used=2, n_ff_exp=256,
                           n_expert_shared=1, n_layer_dense_lead=1, n_nextn=1, rope_dim=32,
                           expert_weights_scale=2.5),
+    # DeepSeek-class (deepseek2): MLA attention, shared experts, leading dense layers, YaRN.
+    # head_count_kv is 1 in the MLA layout (the converter's MQA view of the latent KV)
+    "deepseek-v2-lite": Shape("deepseek2", 27, 2048, 16, 1, 10944, 102400, n_ctx=163840,
+                              rope_base=10000.0, n_expert=64, n_expert_used=6, n_ff_exp=1408,
+                              n_expert_shared=2, n_layer_dense_lead=1, kv_lora_rank=512,
+                              qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
+                              expert_gating=1, yarn=(40.0, 4096), mscale_all_dim=0.707),
+    "deepseek-v3": Shape("deepseek2", 61, 7168, 128, 1, 18432, 129280, n_ctx=163840,
+                         rope_base=10000.0, n_expert=256, n_expert_used=8, n_ff_exp=2048,
+                         n_expert_shared=1, n_layer_dense_lead=3, q_lora_rank=1536,
+                         kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
+                         expert_gating=2, expert_weights_norm=True, expert_weights_scale=2.5,
+                         expert_groups=(8, 4), yarn=(40.0, 4096), mscale_all_dim=1.0),
+    "kimi-k2": Shape("deepseek2", 61, 7168, 64, 1, 18432, 163840, n_ctx=131072,
+                     rope_base=50000.0, n_expert=384, n_expert_used=8, n_ff_exp=2048,
+                     n_expert_shared=1, n_layer_dense_lead=1, q_lora_rank=1536, kv_lora_rank=512,
+                     qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, expert_gating=2,
+                     expert_weights_norm=True, expert_weights_scale=2.827, yarn=(32.0, 4096),
+                     mscale_all_dim=1.0),
+    # tiny deepseek2 shapes (16 experts: llama.cpp's 8-expert rules stay out of the way; the
+    # 64-wide attn_k_b rows take the row-length fallback, as every real deepseek2 file's do)
+    "deepseek2-tiny": Shape("deepseek2", 4, 256, 4, 1, 512, 512, n_ctx=2048, rope_base=1e4,
+                            n_expert=16, n_expert_used=2, n_ff_exp=256, n_expert_shared=1,
+                            n_layer_dense_lead=1, q_lora_rank=256, kv_lora_rank=256,
+                            qk_nope_dim=64, qk_rope_dim=32, v_head_dim=64, expert_gating=2,
+                            expert_weights_norm=True, expert_weights_scale=2.5,
+                            expert_groups=(4, 2), yarn=(4.0, 512), mscale_all_dim=1.0),
+    # DeepSeek-V2-Lite's kind (no q_lora, softmax, 2 shared experts) in the legacy attn_kv_b layout
+    "deepseek2-lite-tiny": Shape("deepseek2", 4, 256, 4, 4, 512, 512, n_ctx=2048, rope_base=1e4,
+                                 n_expert=16, n_expert_used=2, n_ff_exp=256, n_expert_shared=2,
+                                 n_layer_dense_lead=1, kv_lora_rank=256, qk_nope_dim=64,
+                                 qk_rope_dim=32, v_head_dim=64, mla_legacy=True,
+                                 expert_gating=1, yarn=(4.0, 512), mscale_all_dim=0.707),
 }
 
 _QK_NORM = ("qwen3", "gemma3", "qwen3moe")
@@ -137,7 +189,31 @@ def longrope_factors(s: Shape) -> tuple[list[float], list[float]]:
     return long, [1.0 + (f - 1.0) / 4 for f in long]
 
 
+def _mla_attention(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """deepseek2's attention as the converter writes it: q (whole, or through its low-rank
+    pair), the latent KV projection and its norm, its decompression (attn_kv_b, or split and
+    k transposed: attn_k_b / attn_v_b, one sheet a head), the output projection."""
+    e, h, nope, rope, v = s.n_embd, s.n_head, s.qk_nope_dim, s.qk_rope_dim, s.v_head_dim
+    out: list[tuple[str, tuple[int, ...]]] = [("attn_norm.weight", (e,))]
+    if s.q_lora_rank:
+        out += [("attn_q_a.weight", (e, s.q_lora_rank)),
+                ("attn_q_a_norm.weight", (s.q_lora_rank,)),
+                ("attn_q_b.weight", (s.q_lora_rank, h * (nope + rope)))]
+    else:
+        out.append(("attn_q.weight", (e, h * (nope + rope))))
+    out += [("attn_kv_a_mqa.weight", (e, s.kv_lora_rank + rope)),
+            ("attn_kv_a_norm.weight", (s.kv_lora_rank,))]
+    if s.mla_legacy:
+        out.append(("attn_kv_b.weight", (s.kv_lora_rank, h * (nope + v))))
+    else:
+        out += [("attn_k_b.weight", (nope, s.kv_lora_rank, h)),
+                ("attn_v_b.weight", (s.kv_lora_rank, v, h))]
+    return out + [("attn_output.weight", (h * v, e))]
+
+
 def _attention(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    if s.mla:
+        return _mla_attention(s)
     q, kv = s.n_head * s.hd, s.n_head_kv * s.hd
     if s.arch == "phi3":  # q, k and v as the rows of one matrix
         return [("attn_norm.weight", (s.n_embd,)), ("attn_qkv.weight", (s.n_embd, q + 2 * kv)),
@@ -176,7 +252,7 @@ def _ffn(s: Shape, i: int) -> list[tuple[str, tuple[int, ...]]]:
     out.append(("ffn_gate_inp.weight", (e, n)))  # the router
     if s.arch == "gpt-oss":
         out.append(("ffn_gate_inp.bias", (n,)))
-    if s.arch == "glm4moe":
+    if s.arch == "glm4moe" or (s.mla and s.expert_gating == 2):
         out.append(("exp_probs_b.bias", (n,)))  # selection bias (e_score_correction_bias)
     # the converters stack each projection's experts into one 3-D tensor: down, gate, up
     out += [("ffn_down_exps.weight", (f, e, n)), ("ffn_gate_exps.weight", (e, f, n)),
@@ -280,6 +356,36 @@ _FILE_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q
               "iq2_xxs-q8attn": 19, "iq3_s-bumped": 26}
 
 
+def _deepseek2_metadata(s: Shape) -> list[MetaItem]:
+    """The keys llama.cpp's DeepseekV2Model converter adds (the common ones, the YaRN type,
+    factor and original context and the expert counts are written with every arch's)."""
+    a, nope, rope = s.arch, s.qk_nope_dim, s.qk_rope_dim
+    meta: list[MetaItem] = [(f"{a}.leading_dense_block_count", U32, s.n_layer_dense_lead),
+                            (f"{a}.vocab_size", U32, s.n_vocab)]
+    if s.q_lora_rank:
+        meta.append((f"{a}.attention.q_lora_rank", U32, s.q_lora_rank))
+    meta.append((f"{a}.attention.kv_lora_rank", U32, s.kv_lora_rank))
+    if s.mla_legacy:  # per-head keys and values (the pre-2025 converter)
+        meta += [(f"{a}.attention.key_length", U32, nope + rope),
+                 (f"{a}.attention.value_length", U32, s.v_head_dim)]
+    else:  # one latent "head" (MQA) of kv_lora (+ rope for keys); the per-head sizes as _mla
+        meta += [(f"{a}.attention.key_length", U32, s.kv_lora_rank + rope),
+                 (f"{a}.attention.value_length", U32, s.kv_lora_rank),
+                 (f"{a}.attention.key_length_mla", U32, nope + rope),
+                 (f"{a}.attention.value_length_mla", U32, s.v_head_dim)]
+    meta += [(f"{a}.expert_shared_count", U32, s.n_expert_shared),
+             (f"{a}.expert_weights_scale", F32, s.expert_weights_scale),
+             (f"{a}.expert_weights_norm", BOOL, s.expert_weights_norm),
+             (f"{a}.expert_gating_func", U32, s.expert_gating)]
+    if s.expert_groups[0]:
+        meta += [(f"{a}.expert_group_count", U32, s.expert_groups[0]),
+                 (f"{a}.expert_group_used_count", U32, s.expert_groups[1])]
+    meta.append((f"{a}.rope.dimension_count", U32, rope))
+    if s.yarn[0] and s.mscale_all_dim:  # the converter writes mscale_all_dim times 0.1
+        meta.append((f"{a}.rope.scaling.yarn_log_multiplier", F32, 0.1 * s.mscale_all_dim))
+    return meta
+
+
 def metadata(s: Shape, mix: str) -> list[MetaItem]:
     a = s.arch
     meta: list[MetaItem] = [
@@ -326,6 +432,8 @@ def metadata(s: Shape, mix: str) -> list[MetaItem]:
                  (f"{a}.expert_weights_scale", F32, s.expert_weights_scale),
                  (f"{a}.expert_weights_norm", BOOL, True),
                  (f"{a}.nextn_predict_layers", U32, s.n_nextn)]
+    if a == "deepseek2":
+        meta += _deepseek2_metadata(s)
     if mix.lower() in _FILE_TYPE:
         meta.append(("general.file_type", U32, _FILE_TYPE[mix.lower()]))
     tokens, types, merges = vocab(s.n_vocab)

@@ -342,3 +342,117 @@ def test_gen_writes_each_shapes_published_mix_by_default(tmp_path, capsys):
     assert model.tensor("blk.0.ffn_up_exps.weight").ggml_type == 39  # MXFP4
     assert model.metadata["general.file_type"] == 38  # LLAMA_FTYPE_MOSTLY_MXFP4_MOE
     assert model.metadata["gpt-oss.rope.scaling.type"] == "yarn"
+
+
+# --- deepseek2 (DeepSeek-V2/V3, Kimi K2: MLA attention) -------------------------------------
+
+@pytest.mark.parametrize(("shape", "expect"), [
+    # published Q4_K_M files: DeepSeek-V2-Lite about 10.4 GB, DeepSeek-V3 about 404 GB (377 GiB)
+    ("deepseek-v2-lite", "9.65 GiB"), ("deepseek-v3", "376.71 GiB"),
+])
+def test_deepseek2_shape_sizes_without_writing(shape, expect, capsys):
+    from engine.synth.gen import model_bytes
+
+    assert SHAPES[shape].mix == "q4_k_m"
+    assert f"{model_bytes(SHAPES[shape]) / 2**30:.2f} GiB" == expect
+    assert main(["--list"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(shape + " "))
+    assert line.endswith(expect) and f"{SHAPES[shape].n_expert} experts" in line
+
+
+def test_deepseek2_tables_as_the_converter_writes_them():
+    v3 = dict(tensor_table(SHAPES["deepseek-v3"]))
+    assert v3["blk.0.attn_q_a.weight"] == (7168, 1536) and v3["blk.0.attn_q_b.weight"] == (
+        1536, 128 * 192)
+    assert v3["blk.0.attn_kv_a_mqa.weight"] == (7168, 576)
+    assert v3["blk.0.attn_k_b.weight"] == (128, 512, 128)
+    assert v3["blk.0.attn_v_b.weight"] == (512, 128, 128)
+    assert v3["blk.0.attn_output.weight"] == (128 * 128, 7168)
+    assert "blk.2.ffn_down.weight" in v3 and "blk.3.ffn_down.weight" not in v3
+    assert v3["blk.3.ffn_down_exps.weight"] == (2048, 7168, 256)
+    assert v3["blk.3.ffn_gate_shexp.weight"] == (7168, 2048) and v3["blk.3.exp_probs_b.bias"] == (
+        256,)
+    assert "blk.61.attn_norm.weight" not in v3  # the MTP layer is not converted
+    lite = dict(tensor_table(SHAPES["deepseek-v2-lite"]))
+    assert lite["blk.0.attn_q.weight"] == (2048, 16 * 192) and "blk.0.attn_q_a.weight" not in lite
+    assert lite["blk.1.ffn_up_shexp.weight"] == (2048, 2 * 1408)
+    assert "blk.1.exp_probs_b.bias" not in lite  # softmax gating: no selection bias
+    kimi = SHAPES["kimi-k2"]
+    assert kimi.expert_groups == (0, 0) and dict(tensor_table(kimi))["blk.1.ffn_gate_inp.weight"] == (
+        7168, 384)
+
+
+def test_deepseek2_quant_rules():
+    from spec import quant_types as qt
+
+    t = tensor_types(SHAPES["deepseek-v3"], "q4_k_m")
+    # attn_k_b's rows are 128 long: no K block fits, llama.cpp's fallback Q4_K -> Q5_0
+    assert {t[f"blk.{i}.attn_k_b.weight"] for i in range(61)} == {qt.Q5_0}
+    assert t["blk.5.attn_v_b.weight"] == t["blk.5.attn_q_b.weight"] == qt.Q4_K
+    assert t["blk.5.attn_kv_a_mqa.weight"] == t["blk.5.attn_output.weight"] == qt.Q4_K
+    assert t["blk.5.attn_q_a_norm.weight"] == t["blk.5.attn_kv_a_norm.weight"] == qt.F32
+    assert t["blk.5.ffn_gate_inp.weight"] == t["blk.5.exp_probs_b.bias"] == qt.F32
+    # ffn_down: dense, routed and shared alike by the layer in the name (61 layers)
+    assert t["blk.0.ffn_down.weight"] == t["blk.3.ffn_down_exps.weight"] == qt.Q6_K
+    assert t["blk.3.ffn_down_shexp.weight"] == qt.Q6_K and t["blk.8.ffn_down_exps.weight"] == qt.Q4_K
+    # the legacy attn_kv_b takes attn_v's rule (llama.cpp counts and treats it so)
+    legacy = tensor_types(SHAPES["deepseek2-lite-tiny"], "q4_k_m")
+    assert [legacy[f"blk.{i}.attn_kv_b.weight"] for i in range(4)] == [qt.Q4_K, qt.Q4_K, qt.Q6_K,
+                                                                       qt.Q6_K]
+    q8 = tensor_types(SHAPES["deepseek-v3"], "iq2_xxs-q8attn")
+    assert q8["blk.4.attn_kv_a_mqa.weight"] == q8["blk.4.attn_v_b.weight"] == qt.Q8_0
+    assert q8["blk.4.attn_k_b.weight"] == q8["blk.4.attn_q_a.weight"] == qt.Q8_0
+    assert q8["blk.4.ffn_gate_exps.weight"] == qt.IQ2_XXS
+
+
+@pytest.mark.parametrize("shape", ["deepseek2-tiny", "deepseek2-lite-tiny"])
+def test_deepseek2_files_read_back(tmp_path, capsys, shape):
+    sh = SHAPES[shape]
+    out = tmp_path / f"{shape}.gguf"
+    assert carve_main(["gen", "--shape", shape, "-o", str(out)]) == 0
+    assert f"{shape} q4_k_m: 1 file(s)" in capsys.readouterr().out
+    model = GGUFModel.open(out)
+    md = model.metadata
+    a = "deepseek2."
+    assert model.arch == "deepseek2" and md[a + "block_count"] == 4
+    assert md[a + "attention.head_count"] == 4 and md[a + "rope.dimension_count"] == 32
+    assert md[a + "attention.kv_lora_rank"] == 256 and md[a + "leading_dense_block_count"] == 1
+    assert md[a + "expert_count"] == 16 and md[a + "expert_feed_forward_length"] == 256
+    assert md[a + "rope.scaling.type"] == "yarn" and md[a + "rope.scaling.factor"] == 4.0
+    assert md[a + "rope.scaling.original_context_length"] == 512
+    assert md[a + "rope.scaling.yarn_log_multiplier"] == pytest.approx(0.1 * sh.mscale_all_dim)
+    table = dict(tensor_table(sh))
+    types = tensor_types(sh, "q4_k_m")
+    assert {t.name for t in model.tensors} == set(table)
+    for t in model.tensors:
+        assert (t.shape, t.ggml_type) == (table[t.name], types[t.name]), t.name
+        if len(t.shape) < 2 or t.ggml_type == 0:
+            continue
+        w = dequantize(model.tensor_data(t), GGMLQuantizationType(t.ggml_type))
+        assert np.isfinite(w).all(), t.name
+    if not sh.mla_legacy:  # the current converter's MLA layout, V3-style routing
+        assert md[a + "attention.head_count_kv"] == 1 and md[a + "attention.q_lora_rank"] == 256
+        assert (md[a + "attention.key_length"], md[a + "attention.value_length"]) == (288, 256)
+        assert (md[a + "attention.key_length_mla"], md[a + "attention.value_length_mla"]) == (
+            96, 64)
+        assert md[a + "expert_gating_func"] == 2 and md[a + "expert_weights_norm"] is True
+        assert md[a + "expert_weights_scale"] == 2.5 and md[a + "expert_shared_count"] == 1
+        assert (md[a + "expert_group_count"], md[a + "expert_group_used_count"]) == (4, 2)
+        assert model.tensor("blk.1.attn_k_b.weight").shape == (64, 256, 4)
+        assert model.tensor("blk.1.attn_v_b.weight").shape == (256, 64, 4)
+        assert model.tensor("blk.1.attn_q_b.weight").shape == (256, 4 * 96)
+        assert model.tensor("blk.1.attn_k_b.weight").ggml_type == 6  # Q5_0: 64-long rows
+        assert model.tensor("blk.1.exp_probs_b.bias").shape == (16,)
+        assert "blk.1.attn_kv_b.weight" not in table
+    else:  # the pre-2025 layout: one attn_kv_b, per-head key and value lengths
+        assert md[a + "attention.head_count_kv"] == 4 and a + "attention.q_lora_rank" not in md
+        assert (md[a + "attention.key_length"], md[a + "attention.value_length"]) == (96, 64)
+        assert a + "attention.key_length_mla" not in md and a + "expert_group_count" not in md
+        assert md[a + "expert_gating_func"] == 1 and md[a + "expert_weights_norm"] is False
+        assert md[a + "expert_shared_count"] == 2
+        assert model.tensor("blk.1.attn_kv_b.weight").shape == (256, 4 * (64 + 64))
+        assert model.tensor("blk.1.attn_q.weight").shape == (256, 4 * 96)
+        assert model.tensor("blk.1.ffn_down_shexp.weight").shape == (512, 256)
+        assert "blk.1.exp_probs_b.bias" not in table and "blk.1.attn_k_b.weight" not in table
+    assert model.tensor("blk.0.ffn_gate.weight").shape == (256, 512)
+    assert model.tensor("blk.1.attn_kv_a_mqa.weight").shape == (256, 256 + 32)
