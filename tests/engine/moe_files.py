@@ -1,7 +1,12 @@
-"""Tiny random models: the mixture-of-experts families (qwen3moe, gpt-oss, glm4moe, Mixtral) and a
-dense llama-3.1 (its RoPE factors): a transformers model built from a config, and the same
-weights written to a GGUF with llama.cpp's tensor names, metadata keys and (llama files) q/k row
-order.
+"""Tiny random models: the mixture-of-experts families (qwen3moe, gpt-oss, glm4moe, Mixtral,
+DeepSeek-V2 and -V3) and a dense llama-3.1 (its RoPE factors): a transformers model built from a
+config, and the same weights written to a GGUF with llama.cpp's tensor names, metadata keys and
+(llama files) q/k row order.
+
+DeepSeek ("deepseek2": V2-Lite's shape, "deepseek3": V3's; GGUF arch deepseek2 for both) is
+written as llama.cpp's convert_hf_to_gguf.py DeepseekV2Model does, in either of its layouts:
+"mla" (the converter since April 2025: kv_b_proj split per head into attn_k_b, transposed, and
+attn_v_b; one KV head of kv_lora + rope) or "legacy" (before: one attn_kv_b, n_head KV heads).
 
 Quantized files round-trip the weights through ``gguf.quants`` and load the dequantized values
 back into the transformers model, so the reference runs exactly the weights the file holds.
@@ -25,7 +30,9 @@ COMMON = dict(vocab_size=N_VOCAB, hidden_size=64, num_attention_heads=4, num_key
               head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
               tie_word_embeddings=False)
 GGUF_ARCH = {"qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "glm4moe": "glm4moe", "mixtral": "llama",
-             "llama3": "llama", "phi3": "phi3"}
+             "llama3": "llama", "phi3": "phi3", "deepseek2": "deepseek2", "deepseek3": "deepseek2"}
+DEEPSEEK_ARCHS = ("deepseek2", "deepseek3")
+LAYOUTS = ("mla", "legacy")  # deepseek2 files: the converter's current layout, and its old one
 LLAMA_ARCHS = ("mixtral", "llama3")  # llama files: q/k rows permuted, llama.* keys
 # phi3: LongRoPE over an original context of 32 (heads of 16, 12 dims rotated: 6 pairs)
 PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
@@ -35,6 +42,21 @@ PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_posit
 # heads of 32, 2 pairs keep their frequency, 11 are divided by 8 and 3 lie between)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+# DeepSeek: multi-head latent attention (every quantized row a multiple of 32 long: attn_k_b's rows
+# are qk_nope_head_dim, attn_v_b's kv_lora_rank), 3 layers (the first dense), 8 routed experts
+DEEPSEEK_COMMON = dict(vocab_size=N_VOCAB, hidden_size=64, num_attention_heads=4,
+                       num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False, num_hidden_layers=3, intermediate_size=96,
+                       moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                       first_k_dense_replace=1, kv_lora_rank=64, qk_nope_head_dim=32,
+                       qk_rope_head_dim=16, v_head_dim=32)
+# YaRN over an original context of 64, factor 4 (V3: mscale = mscale_all_dim = 1; V2-Lite: 0.707)
+DEEPSEEK3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                  "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "mscale": 1.0, "mscale_all_dim": 1.0}
+DEEPSEEK2_ROPE = {**DEEPSEEK3_ROPE, "mscale": 0.707, "mscale_all_dim": 0.707}
+# config.json's scoring_func (transformers' configs have no such field): the gating function
+DEEPSEEK_SCORING = {"deepseek2": "softmax", "deepseek3": "sigmoid"}
 
 
 def permute(w: np.ndarray, n_head: int, back: bool = False) -> np.ndarray:
@@ -76,6 +98,18 @@ def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
         cfg = tf.MixtralConfig(**COMMON, num_hidden_layers=2, intermediate_size=32,
                                num_local_experts=8, num_experts_per_tok=2)
         cls = tf.MixtralForCausalLM
+    elif arch == "deepseek3":  # q through a low-rank q_a/q_b, sigmoid + bias, group-limited top-k
+        cfg = tf.DeepseekV3Config(**DEEPSEEK_COMMON, q_lora_rank=64, n_shared_experts=1, n_group=4,
+                                  topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                                  rope_interleave=True, num_mtp_layers=0,
+                                  rope_parameters=dict(DEEPSEEK3_ROPE))
+        cls = tf.DeepseekV3ForCausalLM
+    elif arch == "deepseek2":  # V2-Lite: plain q_proj, softmax greedy top-k, 2 shared experts
+        cfg = tf.DeepseekV2Config(**DEEPSEEK_COMMON, q_lora_rank=None, n_shared_experts=2,
+                                  n_group=1, topk_group=1, topk_method="greedy",
+                                  norm_topk_prob=False, routed_scaling_factor=1.0,
+                                  rope_parameters=dict(DEEPSEEK2_ROPE))
+        cls = tf.DeepseekV2ForCausalLM
     elif arch == "glm4moe":
         cfg = tf.Glm4MoeConfig(**COMMON, num_hidden_layers=3, intermediate_size=96,
                                moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
@@ -99,20 +133,26 @@ def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
                 p.copy_(0.5 * r)
             elif arch == "llama3" and ("q_proj" in name or "k_proj" in name):
                 p.copy_(0.3 * r)  # peaked attention: a wrong rotation shows in the logits
+            elif arch in DEEPSEEK_ARCHS and any(
+                    k in name for k in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa")):
+                p.copy_(0.3 * r)  # likewise (kv_a's rows past kv_lora are the shared rope key)
             else:
                 p.copy_(0.08 * r)
         for name, b in m.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                b.copy_(0.5 * torch.randn(b.shape, generator=g))
+                scale = 0.1 if arch == "deepseek3" else 0.5  # sigmoid scores lie in (0, 1)
+                b.copy_(scale * torch.randn(b.shape, generator=g))
     return m
 
 
-def _gguf_tensors(arch: str, m: torch.nn.Module) -> dict[str, np.ndarray]:
+def _gguf_tensors(arch: str, m: torch.nn.Module, layout: str = "mla") -> dict[str, np.ndarray]:
     """GGUF name -> float32 array in torch order ([rows, cols], experts [E, rows, cols])."""
     sd = {k: v.detach().float().numpy() for k, v in m.state_dict().items()}
     cfg = m.config
     if arch == "phi3":
         return _phi3_tensors(sd, cfg)
+    if arch in DEEPSEEK_ARCHS:
+        return _deepseek2_tensors(sd, cfg, layout)
     out = {"token_embd.weight": sd["model.embed_tokens.weight"],
            "output_norm.weight": sd["model.norm.weight"], "output.weight": sd["lm_head.weight"]}
     ffn_norm = "ffn_norm" if arch in ("qwen3moe", *LLAMA_ARCHS) else "post_attention_norm"
@@ -187,6 +227,116 @@ def _phi3_tensors(sd: dict[str, np.ndarray], cfg) -> dict[str, np.ndarray]:
     return out
 
 
+def split_kv_b(kv_b: np.ndarray, n_head: int, nope: int) -> tuple[np.ndarray, np.ndarray]:
+    """kv_b_proj.weight [n_head (nope + v), kv_lora] as the "mla" converter splits it: (k_b
+    [n_head, kv_lora, nope] (each head's block transposed), v_b [n_head, v, kv_lora])."""
+    kv = kv_b.reshape(n_head, -1, kv_b.shape[-1])
+    return kv[:, :nope].transpose(0, 2, 1).copy(), kv[:, nope:].copy()
+
+
+def join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """The inverse of ``split_kv_b``: kv_b_proj.weight [n_head (nope + v), kv_lora]."""
+    kv = np.concatenate((k_b.transpose(0, 2, 1), v_b), axis=1)
+    return kv.reshape(-1, kv.shape[-1])
+
+
+def _deepseek2_tensors(sd: dict[str, np.ndarray], cfg, layout: str) -> dict[str, np.ndarray]:
+    """As the converter's DeepseekV2Model writes them: no q/k row permutation (DeepSeek's rotary
+    dims already lie in adjacent pairs, which llama.cpp's NORM rope rotates)."""
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"]}
+    for i in range(cfg.num_hidden_layers):
+        h, b = f"model.layers.{i}.", f"blk.{i}."
+        a = h + "self_attn."
+        out[b + "attn_norm.weight"] = sd[h + "input_layernorm.weight"]
+        if cfg.q_lora_rank is None:
+            out[b + "attn_q.weight"] = sd[a + "q_proj.weight"]
+        else:
+            out[b + "attn_q_a.weight"] = sd[a + "q_a_proj.weight"]
+            out[b + "attn_q_a_norm.weight"] = sd[a + "q_a_layernorm.weight"]
+            out[b + "attn_q_b.weight"] = sd[a + "q_b_proj.weight"]
+        out[b + "attn_kv_a_mqa.weight"] = sd[a + "kv_a_proj_with_mqa.weight"]
+        out[b + "attn_kv_a_norm.weight"] = sd[a + "kv_a_layernorm.weight"]
+        if layout == "legacy":
+            out[b + "attn_kv_b.weight"] = sd[a + "kv_b_proj.weight"]
+        else:
+            out[b + "attn_k_b.weight"], out[b + "attn_v_b.weight"] = split_kv_b(
+                sd[a + "kv_b_proj.weight"], cfg.num_attention_heads, cfg.qk_nope_head_dim)
+        out[b + "attn_output.weight"] = sd[a + "o_proj.weight"]
+        out[b + "ffn_norm.weight"] = sd[h + "post_attention_layernorm.weight"]
+        if h + "mlp.gate_proj.weight" in sd:  # a dense layer
+            for n in ("gate", "up", "down"):
+                out[f"{b}ffn_{n}.weight"] = sd[f"{h}mlp.{n}_proj.weight"]
+            continue
+        out[b + "ffn_gate_inp.weight"] = sd[h + "mlp.gate.weight"]
+        if h + "mlp.gate.e_score_correction_bias" in sd:
+            out[b + "exp_probs_b.bias"] = sd[h + "mlp.gate.e_score_correction_bias"]
+        gu = sd[h + "mlp.experts.gate_up_proj"]  # [E, 2 n_ff, n_embd]: gate rows, then up
+        half = gu.shape[1] // 2
+        out[b + "ffn_gate_exps.weight"] = gu[:, :half].copy()
+        out[b + "ffn_up_exps.weight"] = gu[:, half:].copy()
+        out[b + "ffn_down_exps.weight"] = sd[h + "mlp.experts.down_proj"]
+        for n in ("gate", "up", "down"):
+            out[f"{b}ffn_{n}_shexp.weight"] = sd[f"{h}mlp.shared_experts.{n}_proj.weight"]
+    out["output_norm.weight"] = sd["model.norm.weight"]
+    out["output.weight"] = sd["lm_head.weight"]
+    return out
+
+
+def _deepseek2_metadata(arch: str, c, layout: str) -> list[MetaItem]:
+    """The converter's keys, in its order: TextModel's generic ones (num_key_value_heads forced
+    to 1 by the "mla" converter; the YaRN keys present in the rope parameters; the group counts
+    and the gating function whenever config.json has n_group / scoring_func), then
+    DeepseekV2Model's (expert_weights_norm only when true, as the converter writes it)."""
+    a, rp = "deepseek2", c.rope_parameters
+    nope, rope, v = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    mla = layout == "mla"
+    meta: list[MetaItem] = [
+        ("general.architecture", STR, a),
+        (f"{a}.block_count", U32, c.num_hidden_layers),
+        (f"{a}.context_length", U32, c.max_position_embeddings),
+        (f"{a}.embedding_length", U32, c.hidden_size),
+        (f"{a}.feed_forward_length", U32, c.intermediate_size),
+        (f"{a}.attention.head_count", U32, c.num_attention_heads),
+        (f"{a}.attention.head_count_kv", U32, 1 if mla else c.num_key_value_heads),
+        (f"{a}.rope.scaling.type", STR, "yarn"),
+        (f"{a}.rope.scaling.factor", F32, rp["factor"]),
+        (f"{a}.rope.scaling.original_context_length", U32, rp["original_max_position_embeddings"]),
+    ]
+    for k in ("beta_fast", "beta_slow"):
+        if rp.get(k) is not None:
+            meta.append((f"{a}.rope.scaling.yarn_{k}", F32, float(rp[k])))
+    meta += [(f"{a}.rope.freq_base", F32, float(rp["rope_theta"])),
+             (f"{a}.attention.layer_norm_rms_epsilon", F32, c.rms_norm_eps),
+             (f"{a}.expert_used_count", U32, c.num_experts_per_tok)]
+    if c.n_group is not None:
+        meta += [(f"{a}.expert_group_count", U32, c.n_group),
+                 (f"{a}.expert_group_used_count", U32, c.topk_group)]
+    meta += [(f"{a}.expert_gating_func", U32, {"softmax": 1, "sigmoid": 2}[DEEPSEEK_SCORING[arch]]),
+             (f"{a}.leading_dense_block_count", U32, c.first_k_dense_replace),
+             (f"{a}.vocab_size", U32, c.vocab_size)]
+    if c.q_lora_rank is not None:
+        meta.append((f"{a}.attention.q_lora_rank", U32, c.q_lora_rank))
+    meta.append((f"{a}.attention.kv_lora_rank", U32, c.kv_lora_rank))
+    if mla:  # MQA over the latent: one KV head of kv_lora + rope, decompressed per head
+        meta += [(f"{a}.attention.key_length", U32, c.kv_lora_rank + rope),
+                 (f"{a}.attention.value_length", U32, c.kv_lora_rank),
+                 (f"{a}.attention.key_length_mla", U32, nope + rope),
+                 (f"{a}.attention.value_length_mla", U32, v)]
+    else:
+        meta += [(f"{a}.attention.key_length", U32, nope + rope),
+                 (f"{a}.attention.value_length", U32, v)]
+    meta += [(f"{a}.expert_feed_forward_length", U32, c.moe_intermediate_size),
+             (f"{a}.expert_count", U32, c.n_routed_experts),
+             (f"{a}.expert_shared_count", U32, c.n_shared_experts),
+             (f"{a}.expert_weights_scale", F32, float(c.routed_scaling_factor))]
+    if c.norm_topk_prob:
+        meta.append((f"{a}.expert_weights_norm", BOOL, True))
+    meta.append((f"{a}.rope.dimension_count", U32, rope))
+    if rp.get("mscale_all_dim") is not None:  # the converter's 0.1 * mscale_all_dim
+        meta.append((f"{a}.rope.scaling.yarn_log_multiplier", F32, 0.1 * rp["mscale_all_dim"]))
+    return meta
+
+
 def _nextn_layer(tensors: dict[str, np.ndarray], n: int, rng: np.random.Generator) -> None:
     """GLM's next-token-prediction block blk.n, as the converter writes it: a full MoE layer plus
     the nextn.* tensors. Random: the model does not run it."""
@@ -200,8 +350,25 @@ def _nextn_layer(tensors: dict[str, np.ndarray], n: int, rng: np.random.Generato
         tensors[f"blk.{n}.nextn.{k}.weight"] = np.ones(e, np.float32)
 
 
-def _metadata(arch: str, m: torch.nn.Module, n_block: int) -> list[MetaItem]:
+def _tokenizer_metadata() -> list[MetaItem]:
+    tokens, types, merges = vocab(N_VOCAB)
+    return [
+        ("tokenizer.ggml.model", STR, "gpt2"),
+        ("tokenizer.ggml.pre", STR, "qwen2"),
+        ("tokenizer.ggml.tokens", ARR, (STR, tokens)),
+        ("tokenizer.ggml.token_type", ARR, (I32, types)),
+        ("tokenizer.ggml.merges", ARR, (STR, merges)),
+        ("tokenizer.ggml.bos_token_id", U32, N_VOCAB - 3),
+        ("tokenizer.ggml.eos_token_id", U32, N_VOCAB - 1),
+        ("tokenizer.ggml.add_bos_token", BOOL, False),
+        ("tokenizer.chat_template", STR, CHATML),
+    ]
+
+
+def _metadata(arch: str, m: torch.nn.Module, n_block: int, layout: str = "mla") -> list[MetaItem]:
     c, a = m.config, GGUF_ARCH[arch]
+    if arch in DEEPSEEK_ARCHS:
+        return _deepseek2_metadata(arch, c, layout) + _tokenizer_metadata()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     meta: list[MetaItem] = [
         ("general.architecture", STR, a),
@@ -254,19 +421,7 @@ def _metadata(arch: str, m: torch.nn.Module, n_block: int) -> list[MetaItem]:
                  (f"{a}.expert_weights_scale", F32, c.routed_scaling_factor),
                  (f"{a}.expert_weights_norm", BOOL, c.norm_topk_prob),
                  (f"{a}.nextn_predict_layers", U32, c.num_nextn_predict_layers)]
-    tokens, types, merges = vocab(N_VOCAB)
-    meta += [
-        ("tokenizer.ggml.model", STR, "gpt2"),
-        ("tokenizer.ggml.pre", STR, "qwen2"),
-        ("tokenizer.ggml.tokens", ARR, (STR, tokens)),
-        ("tokenizer.ggml.token_type", ARR, (I32, types)),
-        ("tokenizer.ggml.merges", ARR, (STR, merges)),
-        ("tokenizer.ggml.bos_token_id", U32, N_VOCAB - 3),
-        ("tokenizer.ggml.eos_token_id", U32, N_VOCAB - 1),
-        ("tokenizer.ggml.add_bos_token", BOOL, False),
-        ("tokenizer.chat_template", STR, CHATML),
-    ]
-    return meta
+    return meta + _tokenizer_metadata()
 
 
 def _type_of(name: str, a: np.ndarray, quant: str) -> Q:
@@ -279,17 +434,20 @@ def _type_of(name: str, a: np.ndarray, quant: str) -> Q:
     return Q.Q8_0
 
 
-def write_pair(arch: str, quant: str, path: Path, seed: int = 0,
-               edit=None) -> tuple[torch.nn.Module, Path]:
+def write_pair(arch: str, quant: str, path: Path, seed: int = 0, edit=None,
+               layout: str = "mla") -> tuple[torch.nn.Module, Path]:
     """(transformers model, GGUF path) holding the same weights. ``quant``: "f32", "q8_0" or
-    "mxfp4" (Q8_0 with MXFP4 experts). ``edit(meta, tensors)`` may break the file (tests)."""
+    "mxfp4" (Q8_0 with MXFP4 experts). ``edit(meta, tensors)`` may break the file (tests).
+    ``layout`` (deepseek2/deepseek3 only): "mla" (attn_k_b + attn_v_b) or "legacy" (attn_kv_b)."""
+    if layout not in LAYOUTS or (layout != "mla" and arch not in DEEPSEEK_ARCHS):
+        raise ValueError(f"layout {layout!r} for {arch}")
     m = hf_model(arch, seed)
-    tensors = _gguf_tensors(arch, m)
+    tensors = _gguf_tensors(arch, m, layout)
     n_block = m.config.num_hidden_layers
     if arch == "glm4moe":
         _nextn_layer(tensors, n_block, np.random.default_rng(seed))
         n_block += 1
-    meta = _metadata(arch, m, n_block)
+    meta = _metadata(arch, m, n_block, layout)
     raw: dict[str, bytes] = {}
     table = []
     for name, a in tensors.items():
@@ -316,6 +474,9 @@ def write_pair(arch: str, quant: str, path: Path, seed: int = 0,
 
 def _load_back(arch: str, m: torch.nn.Module, tensors: dict[str, np.ndarray]) -> None:
     """Give the transformers model the dequantized weights of the file."""
+    if arch in DEEPSEEK_ARCHS:
+        _copy_params(m, _deepseek2_back(m.config, tensors))
+        return
     back = {}
     back["model.embed_tokens.weight"] = tensors["token_embd.weight"]
     back["lm_head.weight"] = tensors["output.weight"]
@@ -345,6 +506,37 @@ def _load_back(arch: str, m: torch.nn.Module, tensors: dict[str, np.ndarray]) ->
         for n in ("gate", "up", "down"):
             if f"{b}ffn_{n}_shexp.weight" in tensors:
                 back[f"{h}mlp.shared_experts.{n}_proj.weight"] = tensors[f"{b}ffn_{n}_shexp.weight"]
+    _copy_params(m, back)
+
+
+def _deepseek2_back(cfg, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """transformers' parameter name -> the file's (dequantized) weight, for DeepSeek."""
+    back = {"model.embed_tokens.weight": tensors["token_embd.weight"],
+            "lm_head.weight": tensors["output.weight"]}
+    for i in range(cfg.num_hidden_layers):
+        h, b = f"model.layers.{i}.", f"blk.{i}."
+        a = h + "self_attn."
+        for ours, theirs in (("q", "q_proj"), ("q_a", "q_a_proj"), ("q_b", "q_b_proj"),
+                             ("kv_a_mqa", "kv_a_proj_with_mqa"), ("kv_b", "kv_b_proj"),
+                             ("output", "o_proj")):
+            if f"{b}attn_{ours}.weight" in tensors:
+                back[f"{a}{theirs}.weight"] = tensors[f"{b}attn_{ours}.weight"]
+        if b + "attn_k_b.weight" in tensors:
+            back[a + "kv_b_proj.weight"] = join_kv_b(tensors[b + "attn_k_b.weight"],
+                                                     tensors[b + "attn_v_b.weight"])
+        if b + "ffn_gate.weight" in tensors:
+            for n in ("gate", "up", "down"):
+                back[f"{h}mlp.{n}_proj.weight"] = tensors[f"{b}ffn_{n}.weight"]
+            continue
+        back[h + "mlp.experts.gate_up_proj"] = np.concatenate(
+            (tensors[b + "ffn_gate_exps.weight"], tensors[b + "ffn_up_exps.weight"]), axis=1)
+        back[h + "mlp.experts.down_proj"] = tensors[b + "ffn_down_exps.weight"]
+        for n in ("gate", "up", "down"):
+            back[f"{h}mlp.shared_experts.{n}_proj.weight"] = tensors[f"{b}ffn_{n}_shexp.weight"]
+    return back
+
+
+def _copy_params(m: torch.nn.Module, back: dict[str, np.ndarray]) -> None:
     params = dict(m.named_parameters())
     with torch.no_grad():
         for k, v in back.items():
