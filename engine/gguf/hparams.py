@@ -15,13 +15,15 @@ from engine.gguf.reader import GGUFModel
 from spec.errors import CarveError
 from spec.quant_types import BF16, F16, F32, type_name
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "gpt-oss", "glm4moe")
-MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "gpt-oss", "glm4moe",
+             "deepseek2")
+MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2")
 # architectures whose files may route through experts: llama with {arch}.expert_count > 0 is
 # Mixtral's (llama.cpp builds it as llama's block with a softmax-routed, renormalised MoE FFN)
 _MAYBE_MOE = ("llama",)
 _ROPE_STYLE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
-               "phi3": "neox", "qwen3moe": "neox", "gpt-oss": "neox", "glm4moe": "neox"}
+               "phi3": "neox", "qwen3moe": "neox", "gpt-oss": "neox", "glm4moe": "neox",
+               "deepseek2": "normal"}
 # per-pair RoPE frequency factors: llama-3.1's, and LongRoPE's two sets (phi3: the long ones for
 # contexts beyond the original)
 ROPE_FACTORS = "rope_freqs.weight"
@@ -30,7 +32,11 @@ FACTOR_TENSORS = (ROPE_FACTORS, ROPE_LONG, ROPE_SHORT)
 # {arch}.expert_gating_func values (gguf ExpertGatingFuncType); gpt-oss has no key: llama.cpp
 # always takes the softmax over the chosen k logits for it
 _GATING = {1: "softmax", 2: "sigmoid"}
-_GATING_DEFAULT = {"qwen3moe": "softmax", "glm4moe": "sigmoid", "llama": "softmax"}
+# deepseek2 files without the key are DeepSeek-V2/V2.5's: softmax (as llama.cpp defaults them)
+_GATING_DEFAULT = {"qwen3moe": "softmax", "glm4moe": "sigmoid", "llama": "softmax",
+                   "deepseek2": "softmax"}
+# architectures with leading dense layers, shared experts and file-set weight norm and scale
+_LEAD_SHARED = ("glm4moe", "deepseek2")
 # gpt-oss's clamped SwiGLU limit and sliding-window period (llama.cpp hard-codes both:
 # swiglu_oai(limit = 7.0), set_swa_pattern(2) = even layers use the window)
 _GPT_OSS_SWIGLU_LIMIT = 7.0
@@ -102,6 +108,21 @@ class HParams:
     # halves of ffn_up's rows (gate first)
     fused_qkv: bool = False
     fused_gate_up: bool = False
+    # DeepSeek's multi-head latent attention (deepseek2, kv_lora_rank > 0): each token's keys
+    # and values are one latent row of kv_lora_rank values (RMS-normed) plus rope_dim rotated
+    # key dims shared by every head; the KV cache holds that row, and each head's key and value
+    # are its products with attn_k_b / attn_v_b (or the legacy attn_kv_b's rows). head_dim is
+    # the query/key head (nope + rope dims), head_dim_v the value head.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # > 0: q = attn_q_b(norm(attn_q_a x)); 0: one attn_q
+    mla_legacy: bool = False  # one attn_kv_b [n_head (nope + v), kv_lora] (pre-2025 files)
+    # group-limited routing (DeepSeek-V3): only experts in the n_group_used groups of
+    # n_expert / n_expert_groups with the best sums of their top two selection scores
+    n_expert_groups: int = 0
+    n_group_used: int = 0
+    # YaRN's mscale_all_dim (deepseek2: rope.scaling.yarn_log_multiplier / 0.1): the attention
+    # scale is multiplied by (1 + 0.1 mscale_all_dim ln factor)^2 and cos/sin are not scaled
+    rope_yarn_log_mul: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.n_layer_run:
@@ -116,6 +137,17 @@ class HParams:
     @staticmethod
     def from_model(model: GGUFModel) -> HParams:
         return _read(model)
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def kv_rows(self) -> tuple[tuple[int, int], tuple[int, int] | None]:
+        """What one KV cache cell holds per layer: keys (heads, dims) and values (heads, dims),
+        or None where the values are the keys' leading kv_lora_rank dims (MLA's latent row)."""
+        if self.mla:
+            return (1, self.kv_lora_rank + self.rope_dim), None
+        return (self.n_head_kv, self.head_dim), (self.n_head_kv, self.head_dim_v)
 
     def kv_cells(self, layer: int, ctx: int) -> int:
         """KV cache cells layer ``layer`` needs for a context of ``ctx`` tokens."""
@@ -266,7 +298,7 @@ def _read(model: GGUFModel) -> HParams:
                          f"hidden, {n_head} heads, {n_head_kv} KV heads, FFN {n_ff})")
     held = _blocks_held(model)
     # GLM's next-token-prediction layers: declared in block_count, never run
-    nextn = m.int_("nextn_predict_layers", 0) if arch == "glm4moe" else 0
+    nextn = m.int_("nextn_predict_layers", 0) if arch in _LEAD_SHARED else 0
     if not 0 <= nextn < n_layer:
         raise CarveError(f"{model.paths[0]}: {arch}.nextn_predict_layers {nextn} leaves no "
                          f"layer to run of {n_layer}")
@@ -277,6 +309,10 @@ def _read(model: GGUFModel) -> HParams:
                          f"holds tensors of {held} layers; the file is inconsistent")
     head_dim = m.int_("attention.key_length", n_embd // n_head)
     head_dim_v = m.int_("attention.value_length", head_dim)
+    mla = _read_mla(model, m) if arch == "deepseek2" else {}
+    if mla and not mla["mla_legacy"]:  # key/value_length are the latent row's; these the heads'
+        head_dim = m.int_("attention.key_length_mla", required=True)
+        head_dim_v = m.int_("attention.value_length_mla", required=True)
 
     embd = next((t for t in model.tensors if t.name == "token_embd.weight"), None)
     if embd is None or len(embd.shape) != 2:
@@ -291,7 +327,9 @@ def _read(model: GGUFModel) -> HParams:
     fused_qkv = "blk.0.attn_qkv.weight" in by_name
     fused_gate_up = arch == "phi3" and bool(n_dense) and "blk.0.ffn_gate.weight" not in by_name
     expect = {"token_embd.weight": (n_embd, n_vocab)}
-    if fused_qkv:
+    if mla:
+        expect.update(_mla_shapes(m, mla, n_embd, n_head, head_dim, head_dim_v))
+    elif fused_qkv:
         expect["blk.0.attn_qkv.weight"] = (n_embd, (n_head + n_head_kv) * head_dim
                                            + n_head_kv * head_dim_v)
     else:
@@ -346,6 +384,11 @@ def _read(model: GGUFModel) -> HParams:
         raise CarveError(f"{model.paths[0]}: {arch}.rope.dimension_count {rope_dim} does not fit "
                          f"a head of {head_dim}; it must be even and at most the head dim")
     if scaling == "yarn":
+        if arch == "deepseek2":  # the converter writes 0.1 mscale_all_dim (llama.cpp undoes it)
+            log_mul = m.float_("rope.scaling.yarn_log_multiplier", 0.0)
+            _within(model, "rope.scaling.yarn_log_multiplier", log_mul, log_mul >= 0,
+                    "at least 0 (or absent)")
+            moe["rope_yarn_log_mul"] = log_mul / 0.1
         moe["rope_scaling_orig_ctx"] = m.int_("rope.scaling.original_context_length", 0)
         moe["rope_yarn_beta_fast"] = m.float_("rope.scaling.yarn_beta_fast", 32.0)
         moe["rope_yarn_beta_slow"] = m.float_("rope.scaling.yarn_beta_slow", 1.0)
@@ -395,6 +438,13 @@ def _read(model: GGUFModel) -> HParams:
         default_scale = (n_embd / n_head) ** -0.5
     else:
         default_scale = head_dim**-0.5
+    if mla and scaling == "yarn":
+        # llama.cpp's deepseek2 graph: q·k times mscale^2, mscale = (cos/sin's YaRN factor) *
+        # (1 + 0.1 mscale_all_dim ln factor); transformers' yarn_apply_mscale agrees when the
+        # file has mscale_all_dim, as every DeepSeek file does
+        log_mul = moe.get("rope_yarn_log_mul", 0.0)
+        rope_mult = 1.0 if log_mul else 0.1 * math.log(scale) + 1.0
+        default_scale *= (rope_mult * (1 + 0.1 * log_mul * math.log(scale))) ** 2
     attn_scale = m.float_("attention.scale", default_scale)
     _within(model, "attention.scale", attn_scale, attn_scale > 0, "above 0")
 
@@ -411,7 +461,7 @@ def _read(model: GGUFModel) -> HParams:
         attn_scale=attn_scale, rope_dim=rope_dim,
         swiglu_limit=_GPT_OSS_SWIGLU_LIMIT if oss else 0.0, attn_sinks=oss,
         rope_factors=factors is not None, fused_qkv=fused_qkv, fused_gate_up=fused_gate_up,
-        **moe,
+        **mla, **moe,
     )
 
 
@@ -433,14 +483,14 @@ def _read_moe(model: GGUFModel, m: _Meta, n_run: int, n_embd: int) -> dict[str, 
     if not 0 < n_used <= n_expert:
         raise CarveError(f"{path}: {arch}.expert_used_count is {n_used} but the file has "
                          f"{n_expert} experts ({arch}.expert_count); it must be 1..{n_expert}")
-    lead = m.int_("leading_dense_block_count", 0) if arch == "glm4moe" else 0
+    lead = m.int_("leading_dense_block_count", 0) if arch in _LEAD_SHARED else 0
     if not 0 <= lead < n_run:
         raise CarveError(f"{path}: {arch}.leading_dense_block_count {lead} leaves no expert "
                          f"layer of {n_run}")
     shapes = _tensor_shapes(model)
     gate0 = shapes.get(f"blk.{lead}.ffn_gate_exps.weight")
     n_ff_exp = m.int_("expert_feed_forward_length", gate0[1] if gate0 and len(gate0) == 3 else 0)
-    n_shared = m.int_("expert_shared_count", 0) if arch == "glm4moe" else 0
+    n_shared = m.int_("expert_shared_count", 0) if arch in _LEAD_SHARED else 0
     _within(model, "expert_shared_count", n_shared, n_shared >= 0, "a count")
     shexp = shapes.get(f"blk.{lead}.ffn_gate_shexp.weight")
     n_ff_shexp = shexp[1] if n_shared and shexp and len(shexp) == 2 else 0
@@ -495,14 +545,77 @@ def _read_moe(model: GGUFModel, m: _Meta, n_run: int, n_embd: int) -> dict[str, 
         gating = _GATING.get(code, _GATING_DEFAULT[arch])
     # qwen3moe and Mixtral (llama) renormalise their top-k weights whatever the file says
     # (llama.cpp's graphs do)
-    norm = True if arch in ("qwen3moe", "llama") else arch == "glm4moe" and bool(
+    norm = True if arch in ("qwen3moe", "llama") else arch in _LEAD_SHARED and bool(
         m.md.get(f"{arch}.expert_weights_norm", False))
-    weights_scale = m.float_("expert_weights_scale", 1.0) if arch == "glm4moe" else 1.0
+    weights_scale = m.float_("expert_weights_scale", 1.0) if arch in _LEAD_SHARED else 1.0
     _within(model, "expert_weights_scale", weights_scale, weights_scale > 0, "above 0")
+    groups, groups_used = (_read_groups(m, n_expert, n_used) if arch == "deepseek2"
+                           else (0, 0))
     return dict(
+        n_expert_groups=groups, n_group_used=groups_used,
         n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp, n_expert_shared=n_shared,
         n_ff_shexp=n_ff_shexp, n_layer_dense_lead=lead, expert_gating=gating,
         expert_weights_norm=norm,
         expert_weights_scale=weights_scale,
         n_layer_run=n_run,
     )
+
+
+def _read_mla(model: GGUFModel, m: _Meta) -> dict[str, Any]:
+    """deepseek2's latent-attention fields, and which of the converter's two layouts the file
+    has: attn_k_b / attn_v_b per head (llama.cpp since 2025) or one attn_kv_b (before)."""
+    path = model.paths[0]
+    kv_lora = m.int_("attention.kv_lora_rank", required=True)
+    q_lora = m.int_("attention.q_lora_rank", 0)
+    for key, v in (("attention.kv_lora_rank", kv_lora), ("attention.q_lora_rank", q_lora)):
+        if v < 0 or (key == "attention.kv_lora_rank" and v == 0):
+            raise CarveError(f"{path}: {m.arch}.{key} is {v}; it must be a rank above 0")
+    names = {t.name for t in model.tensors}
+    split = "blk.0.attn_k_b.weight" in names
+    if not split and "blk.0.attn_kv_b.weight" not in names:
+        raise CarveError(f"{path}: tensor blk.0.attn_k_b.weight is missing (nor is there a "
+                         "blk.0.attn_kv_b.weight); the file's latent attention is incomplete")
+    if split and f"{m.arch}.attention.key_length_mla" not in m.md:
+        raise CarveError(f"{path}: metadata key {m.arch}.attention.key_length_mla is missing; "
+                         "a file with attn_k_b tensors needs it (re-convert the model)")
+    return dict(kv_lora_rank=kv_lora, q_lora_rank=q_lora, mla_legacy=not split)
+
+
+def _mla_shapes(m: _Meta, mla: dict[str, Any], n_embd: int, n_head: int, head_dim: int,
+                head_dim_v: int) -> dict[str, tuple[int, ...]]:
+    """Layer 0's latent-attention tensors as the metadata implies them (GGUF dims)."""
+    kv_lora, q_lora = mla["kv_lora_rank"], mla["q_lora_rank"]
+    rope = m.int_("rope.dimension_count", 0)
+    nope = head_dim - rope
+    if rope <= 0 or nope <= 0 or rope % 2 or head_dim_v <= 0:
+        raise CarveError(f"{m.path}: {m.arch} heads of {head_dim} key dims ({rope} rotated, "
+                         f"{m.arch}.rope.dimension_count) and {head_dim_v} value dims are not a "
+                         "latent-attention shape; the file is inconsistent")
+    out = {"blk.0.attn_kv_a_mqa.weight": (n_embd, kv_lora + rope),
+           "blk.0.attn_kv_a_norm.weight": (kv_lora,)}
+    if q_lora:
+        out["blk.0.attn_q_a.weight"] = (n_embd, q_lora)
+        out["blk.0.attn_q_a_norm.weight"] = (q_lora,)
+        out["blk.0.attn_q_b.weight"] = (q_lora, n_head * head_dim)
+    else:
+        out["blk.0.attn_q.weight"] = (n_embd, n_head * head_dim)
+    if mla["mla_legacy"]:
+        out["blk.0.attn_kv_b.weight"] = (kv_lora, n_head * (nope + head_dim_v))
+    else:
+        out["blk.0.attn_k_b.weight"] = (nope, kv_lora, n_head)
+        out["blk.0.attn_v_b.weight"] = (kv_lora, head_dim_v, n_head)
+    return out
+
+
+def _read_groups(m: _Meta, n_expert: int, n_used: int) -> tuple[int, int]:
+    """(expert groups, groups each token may use) where the file limits routing to groups,
+    else (0, 0)."""
+    groups = m.int_("expert_group_count", 0)
+    used = m.int_("expert_group_used_count", 0)
+    if groups <= 1:
+        return 0, 0
+    if n_expert % groups or not 0 < used <= groups or n_used > used * (n_expert // groups):
+        raise CarveError(f"{m.path}: {m.arch}.expert_group_count {groups} with "
+                         f"expert_group_used_count {used} cannot route {n_used} of {n_expert} "
+                         "experts (the groups must divide the experts and hold the chosen ones)")
+    return (0, 0) if used == groups else (groups, used)

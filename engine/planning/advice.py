@@ -7,11 +7,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from engine.planning.capability import gpu_why_not
 from engine.planning.carve import ModelIndex
 from engine.planning.layout import DeviceLayout, human
 from engine.planning.plan import Plan
 from engine.planning.rules import KvType, Verdict
-from engine.planning.stage import fits, host_bytes, stage_key
+from engine.planning.stage import fits, host_bytes, kv_q8_0_fits, stage_key
 
 # The term named as overflowing is the one that crosses the free memory when terms are added in
 # this order: what the model and runtime impose first, the KV cache (sized by --ctx/--kv, the
@@ -59,7 +60,8 @@ def advise(
                     (mid, hi_c) if fits(idx, replace(k, ctx=mid * 256)) else (lo_c, mid - 1)
                 )
             tips.append(f"--ctx {lo_c * 256}")
-        if k.kv_type == KvType.F16 and fits(idx, replace(k, kv_type=KvType.Q8_0)):
+        if (k.kv_type == KvType.F16 and kv_q8_0_fits(idx.hp)
+                and fits(idx, replace(k, kv_type=KvType.Q8_0))):
             tips.append("--kv q8_0")
         move = _boundary_move(plan, idx, i)
         if move:
@@ -109,7 +111,7 @@ def _experts_to_host(
     """The most MoE layers' experts stage i can keep in VRAM and fit, when host RAM can take
     the others beside what the other stages pin there; "" when none can."""
     k = stage_key(plan, i)
-    if k.device.is_cpu:
+    if k.device.is_cpu or gpu_why_not(plan, idx.hp) is not None:  # the torch engine keeps them
         return ""
     moe = len(idx.moe_layers(k.lo, k.hi))
     room = host.free - host.reserve - sum(s.host for j, s in enumerate(stages) if j != i)

@@ -52,6 +52,15 @@ def activation_buffers(
     e, f = hp.n_embd, max(hp.n_ff, getattr(hp, "n_ff_shexp", 0))
     q_width = hp.n_head * hp.head_dim
     kv_width = hp.n_head_kv * hp.head_dim + hp.n_head_kv * hp.head_dim_v
+    kv_k = hp.n_head_kv * hp.head_dim
+    attn_width = hp.n_head * hp.head_dim_v
+    if getattr(hp, "kv_lora_rank", 0):
+        # latent attention (deepseek2): the queries carried into the latent space, the latent
+        # row each token writes, and the heads' attention-weighted latents are the widest
+        row = hp.kv_lora_rank + hp.rope_dim
+        q_width = hp.n_head * max(hp.head_dim, row)
+        kv_width = kv_k = row
+        attn_width = hp.n_head * max(hp.head_dim_v, hp.kv_lora_rank)
     out = [
         BufferSpec("tokens", (chunk,), "i64"),  # [chunk] token ids (first stage embeds them)
         BufferSpec("positions", (chunk,), "i64"),  # [chunk] absolute positions for RoPE / KV rows
@@ -60,7 +69,7 @@ def activation_buffers(
         ),  # [chunk, n_embd] residual stream; recv from prior stage
         BufferSpec("normed", (chunk, e), a),  # [chunk, n_embd] RMSNorm output, GEMM input
         BufferSpec("qkv", (chunk, q_width + kv_width), a),  # [chunk, q | k | v] projections
-        BufferSpec("attn", (chunk, hp.n_head * hp.head_dim_v), a),  # [chunk, n_head*head_dim_v]
+        BufferSpec("attn", (chunk, attn_width), a),  # [chunk, n_head*head_dim_v]
         BufferSpec(
             "proj", (chunk, e), a
         ),  # [chunk, n_embd] o-proj / ffn-down out, before residual add
@@ -77,7 +86,6 @@ def activation_buffers(
     # T-layout decode GEMVs (carve_kernels/gemv_t.py), up to 8 rows: the float32 sums of programs
     # that split a row's blocks, one row per split, and a counter per row tile (left zero),
     # for the largest of the launches decode can make (spec/launch.py, the same rule)
-    kv_k = hp.n_head_kv * hp.head_dim
     # (every config a type's launch may take: spec/launch.py t_config)
     launches = [launch.scratch([q_width, kv_k, kv_width - kv_k], e, launch.T_CONFIG)]  # q, k, v
     for glu, one in ((launch.T_GLU_CONFIG, launch.T_CONFIG),

@@ -104,12 +104,27 @@ def reason(runner: Runner, tensors: Sequence[Any]) -> str:
     return "; ".join(clauses)
 
 
+def _host_experts(plan: Plan, idx: ModelIndex, stages: Sequence[DeviceLayout],
+                  runner: Runner) -> list[DeviceLayout]:
+    """"Does not run here" on each stage that places experts in host memory when the plan runs
+    on the torch engine: only the Triton GPU runner computes or caches host experts."""
+    if runner is not TORCH or not any(s.host for s in stages):
+        return list(stages)
+    why = gpu_why_not(plan, idx.hp) or "the torch runner was asked for"
+    advice = (f"experts in host memory run on the Triton GPU runner, and this plan runs on the "
+              f"torch engine ({why}): keep every MoE layer's experts in VRAM "
+              "(--experts-resident at each GPU's MoE layer count, or leave it to Auto)")
+    return [replace(s, verdict=Verdict.DOES_NOT_RUN, advice=advice) if s.host else s
+            for s in stages]
+
+
 def check(
     plan: Plan, idx: ModelIndex, stages: Sequence[DeviceLayout], runner: Runner | None = None
 ) -> list[DeviceLayout]:
     """`stages` with "does not run here" and its reason on each device holding a tensor that
     `runner` (default: the one `runner_for` picks) cannot run."""
     runner = runner if runner is not None else runner_for(plan, idx)
+    stages = _host_experts(plan, idx, stages, runner)
     per, glob = _missing(idx, runner)
     if not glob and not any(per):
         return list(stages)

@@ -92,6 +92,10 @@ def place_experts(plan: Plan, model: Any) -> Plan:
     idx = model_index(model)
     if plan.devices[0].is_cpu or not any(idx.expert_slot):
         return plan
+    from engine.planning.capability import gpu_why_not
+
+    if gpu_why_not(plan, idx.hp) is not None:  # the torch engine keeps experts in VRAM
+        return plan
     keys = [stage_key(plan, i) for i in range(len(plan.devices))]
     if all(fits(idx, k) for k in keys):
         return plan

@@ -35,15 +35,18 @@ from spec.quant_types import type_id
 
 
 def kv_requests(hp: Any, lo: int, hi: int, ctx: int, kv_type: KvType) -> list[Request]:
+    """The KV cache spans of layers [lo, hi): ``kv.{layer}.k`` and ``kv.{layer}.v``, or only
+    ``.k`` where the values are the keys' leading dims (MLA's latent row, HParams.kv_rows)."""
     out: list[Request] = []
-    kvh, hd, hdv = hp.n_head_kv, hp.head_dim, hp.head_dim_v
+    keys, values = hp.kv_rows()
+    parts = [("k", *keys)] + ([("v", *values)] if values is not None else [])
     for layer in range(lo, hi):
         cells = hp.kv_cells(layer, ctx)
         if kv_type == KvType.F16:
-            out.append((f"kv.{layer}.k", cells * kvh * hd * 2, "f16", (cells, kvh, hd)))
-            out.append((f"kv.{layer}.v", cells * kvh * hdv * 2, "f16", (cells, kvh, hdv)))
-        else:  # q8_0: each cell's row of n_head_kv*head_dim values in 34-byte blocks of 32
-            for part, width in (("k", kvh * hd), ("v", kvh * hdv)):
+            for part, kvh, d in parts:
+                out.append((f"kv.{layer}.{part}", cells * kvh * d * 2, "f16", (cells, kvh, d)))
+        else:  # q8_0: each cell's row of heads x dims values in 34-byte blocks of 32
+            for part, width in ((p, kvh * d) for p, kvh, d in parts):
                 if width % 32:
                     raise CarveError(
                         f"--kv q8_0: a KV row of {width} values is not a multiple of 32; use --kv f16"
@@ -51,6 +54,11 @@ def kv_requests(hp: Any, lo: int, hi: int, ctx: int, kv_type: KvType) -> list[Re
                 nb = cells * width // 32 * 34
                 out.append((f"kv.{layer}.{part}", nb, "uint8", (nb,)))
     return out
+
+
+def kv_q8_0_fits(hp: Any) -> bool:
+    """Whether every KV cache row is whole q8_0 blocks of 32 (else --kv q8_0 is refused)."""
+    return all(v is None or v[0] * v[1] % 32 == 0 for v in hp.kv_rows())
 
 
 @dataclass(frozen=True, slots=True)

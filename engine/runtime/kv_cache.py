@@ -24,7 +24,7 @@ DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 @dataclass(slots=True)
 class LayerKV:
     k: torch.Tensor  # [cells, K, D] float, or uint8 q8_0 [cells, K*D/32*34]
-    v: torch.Tensor
+    v: torch.Tensor | None  # None: the values are the keys' leading dv dims (MLA's latent)
     cells: int
     ring: bool  # sliding-window layer with fewer cells than the context
     window: int  # 0: attends to every earlier position
@@ -47,20 +47,22 @@ class KVCache:
     ) -> KVCache:
         """Wrap the loaded ``kv.{i}.k|v`` span views (already typed by the loader) of ``layers``."""
         out = {}
+        (n_kv, dk), values = hp.kv_rows()
+        dv = values[1] if values is not None else hp.kv_lora_rank
         for i in layers:
-            k, v = spans[f"kv.{i}.k"], spans[f"kv.{i}.v"]
+            k, v = spans[f"kv.{i}.k"], spans.get(f"kv.{i}.v")
             swa = bool(hp.swa_layers[i]) if hp.swa_layers else False
             window = hp.sliding_window if swa else 0
             cells = k.shape[0] if k.dtype != torch.uint8 else hp.kv_cells(i, ctx)
             out[i] = LayerKV(
                 k=k.view(cells, -1) if k.dtype == torch.uint8 else k,
-                v=v.view(cells, -1) if v.dtype == torch.uint8 else v,
+                v=v.view(cells, -1) if v is not None and v.dtype == torch.uint8 else v,
                 cells=cells,
                 ring=bool(window) and cells < ctx,
                 window=window,
-                n_kv=hp.n_head_kv,
-                dk=hp.head_dim,
-                dv=hp.head_dim_v,
+                n_kv=n_kv,
+                dk=dk,
+                dv=dv,
             )
         return cls(out, ctx)
 
@@ -75,8 +77,10 @@ class KVCache:
 
     # --- what the models call ---------------------------------------------------------------
     def store_and_fetch(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, pos0: int
+        self, layer: int, k: torch.Tensor, v: torch.Tensor | None, pos0: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Write k [T, K, D] (and v [T, K, Dv]; None on a layer whose values are the keys'
+        leading dims) for positions pos0.. and return (keys, values, mask) to attend."""
         L = self.layers[layer]
         t = k.shape[0]
         end = pos0 + t
@@ -89,9 +93,10 @@ class KVCache:
         self._write(L, k, v, pos0)
         if L.ring:
             n = min(end, L.cells)  # t == 1 here: every live cell is within the window
-            return self._read(L.k, L, 0, n, L.dk), self._read(L.v, L, 0, n, L.dv), None
+            keys = self._read(L.k, L, 0, n, L.dk)
+            return keys, self._values(L, keys, lambda: self._read(L.v, L, 0, n, L.dv)), None
         keys = self._read(L.k, L, 0, end, L.dk)
-        values = self._read(L.v, L, 0, end, L.dv)
+        values = self._values(L, keys, lambda: self._read(L.v, L, 0, end, L.dv))
         if t == 1 and (not L.window or end <= L.window):
             return keys, values, None
         q_pos = torch.arange(pos0, end, device=k.device)
@@ -110,10 +115,9 @@ class KVCache:
         first = max(0, pos0 - L.cells + 1)
         past = torch.arange(first, pos0, device=dev)  # positions still needed from the ring
         cells = past % L.cells
-        pk = self._gather(L.k, L, cells, L.dk)
-        pv = self._gather(L.v, L, cells, L.dv)
-        keys = torch.cat((pk, self._roundtrip(L, k)))
-        values = torch.cat((pv, self._roundtrip(L, v)))
+        keys = torch.cat((self._gather(L.k, L, cells, L.dk), self._roundtrip(L, k)))
+        values = self._values(L, keys, lambda: torch.cat(
+            (self._gather(L.v, L, cells, L.dv), self._roundtrip(L, v))))
         q_pos = torch.arange(pos0, pos0 + t, device=dev)
         mask = _mask(q_pos, torch.cat((past, q_pos)), L.window)
         self._write(L, k, v, pos0)
@@ -122,13 +126,21 @@ class KVCache:
     def _write(self, L: LayerKV, k: torch.Tensor, v: torch.Tensor, pos0: int) -> None:
         t = k.shape[0]
         if t > L.cells:  # only the last `cells` positions of a long chunk survive in a ring
-            k, v, pos0, t = k[-L.cells :], v[-L.cells :], pos0 + t - L.cells, L.cells
+            k, pos0, t = k[-L.cells :], pos0 + t - L.cells, L.cells
+            v = None if v is None else v[-L.cells :]
         c0 = pos0 % L.cells if L.ring else pos0
         n1 = min(t, L.cells - c0)
         for dst, src in ((L.k, k), (L.v, v)):
+            if dst is None:  # values that are the keys' leading dims
+                continue
             self._store(dst, c0, src[:n1])
             if n1 < t:  # wrapped around the ring
                 self._store(dst, 0, src[n1:])
+
+    @staticmethod
+    def _values(L: LayerKV, keys: torch.Tensor, read) -> torch.Tensor:
+        """The values to attend: read from the layer's own span, or the keys' leading dims."""
+        return keys[..., : L.dv] if L.v is None else read()
 
     @staticmethod
     def _store(dst: torch.Tensor, c0: int, src: torch.Tensor) -> None:

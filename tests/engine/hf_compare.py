@@ -63,10 +63,12 @@ def f32_kv(sess: Session) -> Session:
 
     hp, ctx = sess.hp, sess.plan.ctx
     spans = {}
+    keys, values = hp.kv_rows()
     for i in range(hp.n_layer_run):
         cells = hp.kv_cells(i, ctx)
-        spans[f"kv.{i}.k"] = torch.zeros(cells, hp.n_head_kv, hp.head_dim)
-        spans[f"kv.{i}.v"] = torch.zeros(cells, hp.n_head_kv, hp.head_dim_v)
+        spans[f"kv.{i}.k"] = torch.zeros(cells, *keys)
+        if values is not None:  # else the values are the keys' leading dims (MLA)
+            spans[f"kv.{i}.v"] = torch.zeros(cells, *values)
     sess.kv = KVCache.from_spans(spans, hp, range(hp.n_layer_run), ctx)
     return sess
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from engine.runtime.models.deepseek2 import Deepseek2Stage
 from engine.runtime.models.gemma3 import Gemma3Stage
 from engine.runtime.models.layers import Stage, Tensors
 from engine.runtime.models.llama import LlamaStage
@@ -24,6 +25,7 @@ FAMILIES: dict[str, type[Stage]] = {
     "qwen3moe": Qwen3MoEStage,
     "gpt-oss": GptOssStage,
     "glm4moe": Glm4MoEStage,
+    "deepseek2": Deepseek2Stage,
 }
 # the files of a dense family whose metadata declares experts (HParams.n_expert > 0)
 ROUTED_FAMILIES: dict[str, type[Stage]] = {"llama": MixtralStage}

@@ -84,7 +84,8 @@ def yarn_freqs(hp: Any, truncate: bool) -> tuple[torch.Tensor, float]:
     interpolated (divided by the factor), those rotating more than beta_fast times kept, a
     linear ramp between; cos and sin scaled by 0.1 ln(factor) + 1. ``truncate`` rounds the
     ramp's ends outwards to whole dims (llama.cpp always does; gpt-oss's own config and
-    reference implementation do not)."""
+    reference implementation do not). A file with YaRN's mscale_all_dim (deepseek2) leaves
+    cos and sin unscaled: its attention scale carries the correction (HParams.attn_scale)."""
     d, base, factor = hp.rope_dim, hp.rope_base, hp.rope_scale
     orig = hp.rope_scaling_orig_ctx
 
@@ -101,7 +102,7 @@ def yarn_freqs(hp: Any, truncate: bool) -> tuple[torch.Tensor, float]:
     ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
     f = extrapolated / factor * (1 - keep) + extrapolated * keep
-    return f, 0.1 * math.log(factor) + 1.0
+    return f, 1.0 if getattr(hp, "rope_yarn_log_mul", 0.0) else 0.1 * math.log(factor) + 1.0
 
 
 def rope_angles(

@@ -46,7 +46,8 @@ class MoEStage(Stage):
         hp, ops, p, t = self.hp, self.ops, f"blk.{i}.", self.t
         logits = self.proj(x.float(), p + "ffn_gate_inp")  # [T, n_expert]
         ids, w = ops.route(logits, hp.n_expert_used, hp.expert_gating, hp.expert_weights_norm,
-                           hp.expert_weights_scale, t.get(p + "exp_probs_b.bias"))
+                           hp.expert_weights_scale, t.get(p + "exp_probs_b.bias"),
+                           groups=(hp.n_expert_groups, hp.n_group_used))
         biases = None
         if p + "ffn_gate_exps.bias" in t:
             biases = tuple(weight(t, p + f"ffn_{n}_exps.bias") for n in ("gate", "up", "down"))

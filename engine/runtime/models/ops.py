@@ -280,22 +280,25 @@ def route(
     norm: bool,
     scale: float,
     bias: torch.Tensor | None = None,
+    groups: tuple[int, int] = (0, 0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] (float32) -> expert ids [T, k] int64 and their weights [T, k]
     float32, by the family's gating (HParams.expert_gating):
-    "softmax": softmax over all E, the k largest; "softmax_topk": the k largest logits, softmax
-    over those k; "sigmoid": the k largest of sigmoid + ``bias`` (the selection bias), weighted
-    by the plain sigmoid values. ``norm`` divides the k weights by their sum; ``scale``
-    multiplies them."""
+    "softmax": the k largest of the softmax over all E; "softmax_topk": the k largest logits,
+    softmax over those k; "sigmoid": the k largest sigmoids. ``bias`` (the selection bias,
+    exp_probs_b) is added to the scores the experts are chosen by, never to their weights.
+    ``groups`` (n_groups, n_used) > 0 (DeepSeek-V3): the experts are n_groups equal groups,
+    and a token chooses only among those of the n_used groups whose two best selection scores
+    sum highest. ``norm`` divides the k weights by their sum; ``scale`` multiplies them."""
     logits = logits.float()
-    if gating == "softmax":
-        w, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
-    elif gating == "softmax_topk":
+    if gating == "softmax_topk":
         top, ids = torch.topk(logits, k, dim=-1)
         w = torch.softmax(top, dim=-1)
-    elif gating == "sigmoid":
-        probs = torch.sigmoid(logits)
+    elif gating in ("softmax", "sigmoid"):
+        probs = torch.softmax(logits, dim=-1) if gating == "softmax" else torch.sigmoid(logits)
         choice = probs if bias is None else probs + bias.float()
+        if groups[0]:
+            choice = _limit_groups(choice, *groups)
         ids = torch.topk(choice, k, dim=-1).indices
         w = probs.gather(-1, ids)
     else:
@@ -306,6 +309,17 @@ def route(
     if scale != 1.0:
         w = w * scale
     return ids, w
+
+
+def _limit_groups(choice: torch.Tensor, n_groups: int, n_used: int) -> torch.Tensor:
+    """Selection scores [T, E] with every expert outside each token's n_used best groups
+    (by the sum of a group's two highest scores) set to -inf."""
+    t, e = choice.shape
+    g = choice.view(t, n_groups, e // n_groups)
+    score = g.topk(min(2, g.shape[-1]), dim=-1).values.sum(-1)  # [T, n_groups]
+    keep = torch.zeros_like(score, dtype=torch.bool)
+    keep.scatter_(1, score.topk(n_used, dim=-1).indices, True)
+    return g.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
 
 
 def experts(

@@ -1,0 +1,106 @@
+"""DeepSeek-V2/V3 (GGUF arch deepseek2, also Kimi K2's files): multi-head latent attention
+(MLA) over a MoE block with leading dense layers and shared experts.
+
+Attention, as llama.cpp's deepseek2 graph runs it with the absorption trick, so the KV cache
+holds one latent row per token and layer (kv_lora_rank + rope_dim values, HParams.kv_rows)
+instead of every head's keys and values:
+
+- q = attn_q x, or attn_q_b(rmsnorm(attn_q_a x)); each head's first nope dims are its
+  position-free part, the last rope_dim rotated (adjacent pairs).
+- attn_kv_a_mqa x = [latent | k_pe]: the latent RMS-normed (attn_kv_a_norm), k_pe rotated;
+  the cache row is [latent | k_pe], shared by all heads.
+- Each head's position-free query is carried into the latent space by its attn_k_b matrix
+  (q_lat = k_b[h] q_nope), so q·k = [q_lat | q_pe] · row: one key head for all queries.
+- The attention-weighted latent o_lat is carried out by attn_v_b (o = v_b[h] o_lat), then
+  attn_output.
+- Older files hold both as one attn_kv_b [n_head (nope + v), kv_lora] whose per-head row
+  blocks are k_b[h]^T then v_b[h] (HParams.mla_legacy).
+
+The FFN is the MoE family's (engine/runtime/models/moe.py): softmax (V2) or sigmoid with the
+selection bias (V3) routing, optionally limited to groups, shared experts beside the routed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from carve_kernels.dequant import dequantize_to
+from engine.runtime.models.layers import KVStore, weight
+from engine.runtime.models.moe import MoEStage
+
+
+class Deepseek2Stage(MoEStage):
+    def attention(
+        self,
+        i: int,
+        x: torch.Tensor,
+        rope: dict,
+        pos0: int,
+        kv: KVStore,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hp, ops, p, t = self.hp, self.ops, f"blk.{i}.", self.t
+        n, h, c, rd = x.shape[0], hp.n_head, hp.kv_lora_rank, hp.rope_dim
+        nope = hp.head_dim - rd
+        if hp.q_lora_rank:
+            qa = ops.rmsnorm(self.proj(x, p + "attn_q_a"), weight(t, p + "attn_q_a_norm.weight"),
+                             hp.rms_eps)
+            q = self.proj(qa, p + "attn_q_b")
+        else:
+            q = self.proj(x, p + "attn_q")
+        q = q.view(n, h, hp.head_dim)
+        kv_a = self.proj(x, p + "attn_kv_a_mqa")  # [n, c + rd]
+        latent = ops.rmsnorm(kv_a[:, :c], weight(t, p + "attn_kv_a_norm.weight"), hp.rms_eps)
+        cos, sin = rope[False]
+        q_pe = ops.rope(q[..., nope:], cos, sin, hp.rope_style)
+        k_pe = ops.rope(kv_a[:, c:].reshape(n, 1, rd), cos, sin, hp.rope_style)
+        row = torch.cat((latent.view(n, 1, c), k_pe.to(latent.dtype)), dim=-1)
+        keys, values, mask = kv.store_and_fetch(i, row, None, pos0)  # [S, 1, c + rd], [S, 1, c]
+        k_b, legacy = self._k_b(i)  # [h, c, nope], or [h, nope, c] from attn_kv_b
+        qn = q[..., :nope].to(k_b.dtype)
+        q_lat = torch.einsum("thn,hnc->thc" if legacy else "thn,hcn->thc", qn, k_b)
+        del k_b
+        q_all = torch.cat((q_lat.float(), q_pe.float()), dim=-1).to(x.dtype)
+        o_lat = ops.attention(q_all, keys, values, mask, hp.attn_scale).view(n, h, c)
+        v_b = self._v_b(i)  # [h, v, c]
+        o = torch.einsum("thc,hvc->thv", o_lat.to(v_b.dtype), v_b)
+        return self.proj(o.reshape(n, h * hp.head_dim_v).to(x.dtype), p + "attn_output")
+
+    # --- the absorbed matrices ----------------------------------------------------------------
+    def _k_b(self, i: int) -> tuple[torch.Tensor, bool]:
+        p, hp = f"blk.{i}.", self.hp
+        if not hp.mla_legacy:
+            return _whole(weight(self.t, p + "attn_k_b.weight")), False
+        nope = hp.head_dim - hp.rope_dim
+        kv_b = _whole(weight(self.t, p + "attn_kv_b.weight"))
+        return kv_b.view(hp.n_head, nope + hp.head_dim_v, -1)[:, :nope], True
+
+    def _v_b(self, i: int) -> torch.Tensor:
+        p, hp = f"blk.{i}.", self.hp
+        if not hp.mla_legacy:
+            return _whole(weight(self.t, p + "attn_v_b.weight"))
+        nope = hp.head_dim - hp.rope_dim
+        kv_b = _whole(weight(self.t, p + "attn_kv_b.weight"))
+        return kv_b.view(hp.n_head, nope + hp.head_dim_v, -1)[:, nope:]
+
+
+def _whole(w: Any) -> torch.Tensor:
+    """A matrix (`QWeight`) or per-head matrices (`QExperts`, [n, rows, cols]) as one float
+    tensor: the dequant cache's copy (made float32 on the CPU), else dequantized into the
+    stage's priced scratch where it fits (float32 on the CPU, as every CPU product), else into a
+    temporary."""
+    n = getattr(w, "n_expert", 1)
+    shape = (n, w.rows, w.cols) if hasattr(w, "n_expert") else (w.rows, w.cols)
+    c = w.cached
+    cpu = w.raw.device.type == "cpu"
+    if c is not None:
+        return (c.float() if cpu else c).view(shape)
+    dtype = torch.float32 if cpu else torch.bfloat16
+    s, size = w.scratch, n * w.rows * w.cols
+    out = None
+    if s is not None and s.dtype == dtype and s.numel() >= size:
+        out = s[:size].view(n * w.rows, w.cols)
+    return dequantize_to(w.raw, w.ggml_type, (w.cols, n * w.rows), dtype, out=out).view(shape)

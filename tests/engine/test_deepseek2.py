@@ -1,0 +1,226 @@
+"""DeepSeek-V2/V3 (GGUF arch deepseek2) on the torch engine against transformers: tiny random
+DeepseekV3ForCausalLM (q LoRA, sigmoid routing with the selection bias limited to groups,
+YaRN) and DeepseekV2ForCausalLM (V2-Lite's plain q, softmax routing, two shared experts)
+written to GGUF in llama.cpp's current layout (attn_k_b / attn_v_b) and its legacy one
+(attn_kv_b); logits at every position and 32 greedy tokens compared. The KV cache holds MLA's
+latent row (priced as such), the group-limited router matches transformers', bad files are
+refused in one sentence, and a GPU plan of it runs on the torch engine with its experts in
+VRAM."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.gguf.hparams import HParams
+from engine.gguf.reader import GGUFModel
+from engine.hardware.devices import DeviceSpec
+from engine.planning.plan import Plan
+from engine.runtime.sampling import SamplingParams
+from engine.runtime.session import Session
+from spec.errors import CarveError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_compare import f32_kv  # noqa: E402
+from moe_files import write_pair  # noqa: E402
+
+GIB = 1 << 30
+CPU = DeviceSpec(index=-1, name="cpu", total=16 * GIB, free=16 * GIB)
+GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=32)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# (transformers class, layout, quant): every layout and family once, quantized and not
+CASES = [("deepseek3", "mla", "f32"), ("deepseek3", "mla", "q8_0"), ("deepseek3", "legacy", "q8_0"),
+         ("deepseek2", "mla", "q8_0"), ("deepseek2", "legacy", "f32")]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    cache: dict = {}
+
+    def get(arch: str, layout: str, quant: str):
+        key = arch, layout, quant
+        if key not in cache:
+            path = tmp_path_factory.mktemp("ds") / f"{arch}-{layout}-{quant}.gguf"
+            cache[key] = write_pair(arch, quant, path, layout=layout)
+        return cache[key]
+
+    return get
+
+
+def _session(path: Path, cached: bool, chunk: int = 32) -> Session:
+    hp = HParams.from_model(GGUFModel.open(path))
+    plan = Plan(model=str(path), devices=(CPU,), split=(0, hp.n_layer_run), ctx=256,
+                prefill_chunk=chunk, cache_reserve=0 if cached else 16 * GIB, logits_rows=chunk)
+    return Session.load(plan)
+
+
+def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("arch,layout,quant", CASES)
+def test_logits_and_greedy_match_transformers(pairs, arch: str, layout: str, quant: str) -> None:
+    hf, path = pairs(arch, layout, quant)
+    ids = torch.randint(3, 500, (90,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = hf(ids.unsqueeze(0)).logits[0]
+    # float32 KV cache: only the model's maths remains (three prefill chunks of 32)
+    exact = f32_kv(_session(path, cached=False))
+    rel = _rel(exact.logits(ids.tolist()), ref)
+    assert rel < 1e-4, f"{arch} {layout} {quant}: logits differ by {rel:.2e} of their range"
+    prompt = ids[:12].tolist()
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    out: list[int] = []
+    exact.generate(prompt, GREEDY, set(), out.append)
+    exact.close()
+    assert out == want, f"{arch} {layout} {quant}: greedy continuation differs"
+    # the priced f16 latent cache: rounding the latent moves a tie-close routing choice at
+    # most here and there (these models are made to route and attend sharply)
+    sess = _session(path, cached=False)
+    got = sess.logits(ids.tolist())
+    sess.close()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+
+
+def test_without_the_latent_attention_the_logits_are_wrong(pairs) -> None:
+    # the check above can fail: the same file read with each head's key and value matrices
+    # swapped between heads (a transposition of attn_k_b / attn_v_b) is far off
+    hf, path = pairs("deepseek3", "mla", "f32")
+    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        ref = hf(ids.unsqueeze(0)).logits[0]
+    sess = f32_kv(_session(path, cached=False))
+    for st in sess.loaded:
+        for name, w in st.tensors.items():
+            if name.endswith("attn_k_b.weight"):
+                per = w.raw.numel() // w.n_expert
+                w.raw.copy_(torch.cat([w.raw[(e - 1) * per:e * per] if e else w.raw[-per:]
+                                       for e in range(w.n_expert)]))
+    rel = _rel(sess.logits(ids.tolist()), ref)
+    sess.close()
+    assert rel > 1e-2
+
+
+def test_legacy_and_split_layouts_agree_through_the_dequant_cache(pairs) -> None:
+    # the product path: bf16 cache copies of attn_kv_b and of attn_k_b / attn_v_b give the
+    # same per-head matrices (to bf16), so both layouts' absorbed attention agree
+    from engine.runtime.models.deepseek2 import Deepseek2Stage
+    from engine.runtime.models.ops import QExperts, QWeight
+
+    _, split = pairs("deepseek3", "mla", "q8_0")
+    _, legacy = pairs("deepseek3", "legacy", "q8_0")
+    a, b = _session(split, cached=True), _session(legacy, cached=True)
+    sa, sb = a.stages[0], b.stages[0]
+    assert isinstance(sa, Deepseek2Stage)
+    kb = sa.t["blk.1.attn_k_b.weight"]
+    assert isinstance(kb, QExperts) and kb.cached is not None
+    assert isinstance(sb.t["blk.1.attn_kv_b.weight"], QWeight)
+    ka, _ = sa._k_b(1)  # [h, c, nope]
+    kl, legacy_form = sb._k_b(1)  # [h, nope, c]
+    assert legacy_form
+    torch.testing.assert_close(ka, kl.transpose(1, 2), rtol=2e-2, atol=2e-2)  # two Q8_0 roundings
+    torch.testing.assert_close(sa._v_b(1), sb._v_b(1), rtol=2e-2, atol=2e-2)
+    a.close()
+    b.close()
+
+
+def test_the_kv_cache_holds_one_latent_row_per_token(pairs) -> None:
+    from engine.planning.price import price
+
+    _, path = pairs("deepseek3", "mla", "q8_0")
+    hp = HParams.from_model(GGUFModel.open(path))
+    assert hp.mla and hp.kv_rows() == ((1, hp.kv_lora_rank + hp.rope_dim), None)
+    plan = Plan(model=str(path), devices=(CPU,), split=(0, hp.n_layer_run), ctx=256,
+                prefill_chunk=32)
+    spans = {s.name: s for d in price(plan).devices for a in d.arenas for s in a.spans}
+    kv = sorted(n for n in spans if n.startswith("kv."))
+    assert kv == [f"kv.{i}.k" for i in range(hp.n_layer_run)]  # no value span: the latent
+    assert all(spans[n].nbytes == 256 * (hp.kv_lora_rank + hp.rope_dim) * 2 for n in kv)
+    # a per-head cache would be n_head (head_dim + head_dim_v) wide
+    assert hp.kv_lora_rank + hp.rope_dim < hp.n_head * (hp.head_dim + hp.head_dim_v)
+
+
+def test_group_limited_routing_matches_transformers() -> None:
+    import transformers as tf
+
+    from engine.runtime.models.ops import route
+
+    cfg = tf.DeepseekV3Config(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4,
+                              n_group=4, topk_group=2, norm_topk_prob=True,
+                              routed_scaling_factor=2.5)
+    router = tf.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(cfg)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 16, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.3)
+        x = torch.randn(64, 16, generator=g)
+        logits, want_w, want_ids = router(x)
+    ids, w = route(logits, 4, "sigmoid", True, 2.5, router.e_score_correction_bias, (4, 2))
+    order, want_order = ids.argsort(-1), want_ids.argsort(-1)
+    assert torch.equal(ids.gather(-1, order), want_ids.gather(-1, want_order))
+    torch.testing.assert_close(w.gather(-1, order), want_w.gather(-1, want_order))
+    # the limit matters: without it some token chooses an expert of a third group
+    free, _ = route(logits, 4, "sigmoid", True, 2.5, router.e_score_correction_bias)
+    assert ((free // 4).unsqueeze(-1) != (free // 4).unsqueeze(-2)).any()
+    assert any(len(set((row // 4).tolist())) > 2 for row in free)
+    assert all(len(set((row // 4).tolist())) <= 2 for row in ids)
+
+
+def _edit_meta(key: str, value):
+    def edit(meta, table):
+        return [(k, t, value if k == key else v) for k, t, v in meta], table
+    return edit
+
+
+def _drop(name: str):
+    def edit(meta, table):
+        return meta, [row for row in table if row[0] != name]
+    return edit
+
+
+@pytest.mark.parametrize("layout,edit,expect", [
+    ("mla", _edit_meta("deepseek2.attention.kv_lora_rank", 0), "kv_lora_rank is 0"),
+    ("mla", _edit_meta("deepseek2.attention.kv_lora_rank", 32), "attn_kv_a_mqa.weight has shape"),
+    ("mla", _edit_meta("deepseek2.attention.key_length_mla", 40), "attn_q_b.weight has shape"),
+    ("mla", _drop("blk.2.attn_kv_a_norm.weight"), "blk.2.attn_kv_a_norm.weight is missing"),
+    ("mla", _drop("blk.0.attn_v_b.weight"), "blk.0.attn_v_b.weight is missing"),
+    ("legacy", _edit_meta("deepseek2.attention.value_length", 16), "attn_kv_b.weight has shape"),
+    ("mla", _edit_meta("deepseek2.expert_group_count", 3), "expert_group_count 3"),
+])
+def test_bad_files_are_refused_in_one_sentence(tmp_path, layout, edit, expect) -> None:
+    _, path = write_pair("deepseek3", "f32", tmp_path / "bad.gguf", layout=layout, edit=edit)
+    with pytest.raises(CarveError) as e:
+        HParams.from_model(GGUFModel.open(path))
+    msg = str(e.value)
+    assert expect in msg and str(path) in msg and "\n" not in msg, msg
+
+
+def test_a_gpu_plan_runs_on_the_torch_engine_with_its_experts_in_vram(pairs) -> None:
+    from dataclasses import replace
+
+    from engine.planning.capability import runner_for
+    from engine.planning.carve import model_index
+    from engine.planning.defaults import place_experts
+    from engine.planning.price import price
+    from engine.planning.rules import KvType, Verdict
+    from spec.runners import TORCH
+
+    _, path = pairs("deepseek3", "mla", "q8_0")
+    model = GGUFModel.open(path)
+    hp = HParams.from_model(model)
+    gpu = DeviceSpec(index=0, name="NVIDIA H200", total=GIB // 64, free=GIB // 64)  # 16 MiB
+    plan = Plan(model=str(path), devices=(gpu,), split=(0, hp.n_layer_run), ctx=256,
+                prefill_chunk=32, cache_reserve=0, kv_type=KvType.F16)
+    assert runner_for(plan, model_index(model)) is TORCH
+    assert place_experts(plan, model) == plan  # Auto never moves them to host memory here
+    layout = price(replace(plan, experts_resident=(0,)), model)
+    d = layout.devices[0]
+    assert d.verdict == Verdict.DOES_NOT_RUN
+    assert "torch engine" in d.advice and "--experts-resident" in d.advice
