@@ -267,6 +267,8 @@ def render(layout: Layout, model: Any, note: str) -> str:
         lines.append(layout.skipped_line())
     src = {d.overhead_source for d in devs}
     lines.append("overhead: " + "; ".join(sorted(src)))
+    if not any(d.device.is_cpu for d in devs):
+        lines.append(runner_line(plan, model))
     verdict = layout.verdict
     lines.append(
         f"fits, but tight (< {TIGHT // MIB} MiB headroom on a device)"
@@ -274,6 +276,16 @@ def render(layout: Layout, model: Any, note: str) -> str:
         else layout.bottleneck() or str(verdict)
     )
     return "\n".join(lines)
+
+
+def runner_line(plan: Any, model: Any) -> str:
+    """Which runner a GPU plan loads on, and why when it is not the Triton kernels."""
+    from engine.planning.capability import gpu_why_not
+    from engine.planning.carve import model_index
+
+    why = gpu_why_not(plan, model_index(model).hp)
+    return ("runner: Triton GPU kernels" if why is None
+            else f"runner: the torch engine, on the GPU ({why})")
 
 
 # how a placement line says where host experts run (Plan.host_compute)

@@ -175,3 +175,20 @@ def test_a_type_the_runner_has_no_kernel_for_does_not_run(synth_model: Any) -> N
     r = run(path, "--gpus", "cpu")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1] == "fits"
+
+
+def test_a_gpu_plan_names_its_runner(tiny: str, synth_model: Any) -> None:
+    # the Triton kernels run the llama file; deepseek2's latent attention runs on the torch
+    # engine, and the plan says so (and never offers to move its experts to host memory)
+    r = run(tiny, "--gpus", "1x4GiB", "--ctx", "1024")
+    assert r.returncode == 0, r.stderr
+    assert "runner: Triton GPU kernels" in r.stdout
+    ds = str(synth_model("deepseek2-tiny"))
+    r = run(ds, "--gpus", "1x4GiB", "--ctx", "1024")
+    assert r.returncode == 0, r.stderr
+    assert "deepseek2, 4 layers" in r.stdout
+    assert "runner: the torch engine, on the GPU (" in r.stdout and "not deepseek2" in r.stdout
+    assert "runner" not in run(ds, "--gpus", "cpu", "--ctx", "1024").stdout
+    r = run(ds, "--gpus", "1x4GiB", "--ctx", "1024", "--experts-resident", "0")
+    assert r.returncode == 2, r.stdout
+    assert "experts in host memory run on the Triton GPU runner" in r.stdout
