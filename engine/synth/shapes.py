@@ -440,7 +440,8 @@ def metadata(s: Shape, mix: str) -> list[MetaItem]:
     eos = s.n_vocab - 1  # <|im_end|>
     meta += [
         ("tokenizer.ggml.model", STR, "gpt2"),
-        ("tokenizer.ggml.pre", STR, "qwen2" if a.startswith("qwen") else "llama-bpe"),
+        ("tokenizer.ggml.pre", STR, "qwen2" if a.startswith("qwen")
+         else "deepseek-v3" if a == "deepseek2" else "llama-bpe"),
         ("tokenizer.ggml.tokens", ARR, (STR, tokens)),
         ("tokenizer.ggml.token_type", ARR, (I32, types)),
         ("tokenizer.ggml.merges", ARR, (STR, merges)),

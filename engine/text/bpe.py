@@ -37,6 +37,30 @@ _TEKKEN = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# DeepSeek's tokenizers (llama.cpp: LLAMA_VOCAB_PRE_TYPE_DEEPSEEK_LLM / _CODER / DEEPSEEK3_LLM),
+# each a sequence of passes: the V2 chat models ("deepseek-llm"), the coder models
+# ("deepseek-coder"), V2.5/V3/R1 ("deepseek-v3"). The Greek and letterlike symbols written as
+# escapes are ones Unicode normalisation would change (U+1F7D, U+1FBE, U+1FD3, U+1FDB, OHM SIGN,
+# KELVIN SIGN): the class means those code points, not their canonical equivalents
+_DEEPSEEK_LLM = (
+    r"[\r\n]",
+    r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-" "\u1f7d"
+    r"ᾀ-ᾴᾶ-ᾼ" "\u1fbe" r"ῂ-ῄῆ-ῌῐ-" "\u1fd3" r"ῖ-" "\u1fdb"
+    r"ῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ" "\u2126" r"ℨ" "\u212a"
+    r"-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ"
+    "\U00010400-\U0001044f𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    r"\s+$",
+    r"[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}+",
+)
+_DEEPSEEK_CODER = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}")
+_DEEPSEEK_V3 = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
 # llama.cpp's fallback for "default" (and a missing pre): four passes, oddly, but that is what
 # a "default" file gets there, so it is what it gets here.
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
@@ -75,6 +99,9 @@ PRE: dict[str, PreTok] = {
     "gpt-4o": PreTok([_GPT4O]),
     "llama4": PreTok([_GPT4O]),
     "tekken": PreTok([_TEKKEN], ignore_merges=True, add_bos=True),
+    "deepseek-llm": PreTok(_DEEPSEEK_LLM),
+    "deepseek-coder": PreTok(_DEEPSEEK_CODER),
+    "deepseek-v3": PreTok(_DEEPSEEK_V3),
 }
 
 

@@ -209,6 +209,61 @@ def test_pre_tokenizer_table(pre, pieces):
     assert got == pieces
 
 
+@pytest.mark.parametrize(
+    ("pre", "text", "pieces"),
+    [
+        # digits in threes, CJK and kana runs alone, a punctuation mark leading a word
+        ("deepseek-v3", "DeepSeek-V3 12345 是一个模型。カタカナ!",
+         ["DeepSeek", "-V", "3", " ", "123", "45", " ", "是一个模型", "。", "カタカナ", "!"]),
+        # DeepSeek LLM: letter runs (with a space before), then punctuation, then its fifth
+        # pass's U+0800..U+4E00 range takes the KELVIN SIGN out of " \u212a". Its letter class
+        # ends a range at the KELVIN SIGN itself: read as "K" (its canonical twin) that range
+        # would run from U+004B and make "_{}" letters, so "a_b{c}" would stay one piece
+        ("deepseek-llm", "\u1fbe\u1fbe \u212a a_b{c} 7,8\n\u4e16\u754c",
+         ["\u1fbe\u1fbe", " ", "\u212a", " a", "_", "b", "{", "c", "}", " ", "7", ",", "8", "\n",
+          "\u4e16\u754c"]),
+        ("deepseek-coder", "x1 = foo(2)\n", ["x", "1", " =", " foo", "(", "2", ")", "\n"]),
+    ],
+)
+def test_deepseek_pre_tokenizers(pre, text, pieces):
+    hf = build_bpe(["a"], [], PRE[pre])
+    got = [p for p, _ in hf.pre_tokenizer.pre_tokenize_str(text)]
+    byte_level = _bytes_to_unicode()
+    assert got == ["".join(byte_level[b] for b in p.encode()) for p in pieces]
+
+
+def test_deepseek_passes_split_as_llama_cpp_reads_them():
+    # llama.cpp applies each pass to the pieces the previous one left, keeping matched and
+    # unmatched parts: the same passes through the `regex` module agree with ours on mixed text
+    import regex
+    from tokenizers import Regex, pre_tokenizers
+
+    texts = ["Hello, world! 12345 foo_bar(x)=y;\n\n  indented\tTab",
+             "DeepSeek-V3 是一个模型。日本語のテキスト、カタカナ!",
+             "def f(a,b):\r\n    return a**2+b//3  # ok?", "Ünïcödé ΑΒΓ δ 𐐀𐐁 9876543210 ½ ٣",
+             "   trailing   ", "x.y.z 3.14159 $100 \u1f7d \u1fd3 \u1fdb \u2126 \u212a \u1fbe"]
+
+    def passes(regexes, text):
+        pieces = [text]
+        for r in regexes:
+            out = []
+            for p in pieces:
+                pos = 0
+                for m in regex.finditer(r, p):
+                    out += [p[pos:m.start()]] if m.start() > pos else []
+                    out += [m.group()] if m.end() > m.start() else []
+                    pos = m.end()
+                out += [p[pos:]] if pos < len(p) else []
+            pieces = out
+        return pieces
+
+    for pre in ("deepseek-llm", "deepseek-coder", "deepseek-v3"):
+        seq = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE[pre].regexes])
+        for text in texts:
+            assert [p for p, _ in seq.pre_tokenize_str(text)] == passes(PRE[pre].regexes, text)
+
+
 def test_unknown_pre_is_a_carve_error():
     with pytest.raises(CarveError, match=r"tiny.gguf.*tokenizer.ggml.pre 'mystery'"):
         Tokenizer.from_model(FakeModel(bpe_meta(pre="mystery")))
