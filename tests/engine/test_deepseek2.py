@@ -224,3 +224,30 @@ def test_a_gpu_plan_runs_on_the_torch_engine_with_its_experts_in_vram(pairs) -> 
     d = layout.devices[0]
     assert d.verdict == Verdict.DOES_NOT_RUN
     assert "torch engine" in d.advice and "--experts-resident" in d.advice
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_torch_engine_runs_it_as_priced(pairs, tmp_path, monkeypatch) -> None:
+    """A CUDA plan of deepseek2 loads on the torch engine (bf16 dequant cache and activations),
+    its load's allocation the priced one, its logits near the CPU engine's."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    _, path = pairs("deepseek3", "mla", "q8_0")
+    hp = HParams.from_model(GGUFModel.open(path))
+    free, total = torch.cuda.mem_get_info(0)
+    dev = DeviceSpec(index=0, name=torch.cuda.get_device_name(0), total=total, free=free)
+    plan = Plan(model=str(path), devices=(dev,), split=(0, hp.n_layer_run), ctx=128,
+                prefill_chunk=32, cache_reserve=0, logits_rows=1, act_dtype="bf16")
+    g = Session.load(plan)
+    c = _session(path, cached=False)
+    try:
+        assert type(g) is Session  # not the Triton runner's
+        (report,) = g.memory_report()  # the load allocated the priced arenas, nothing else
+        assert report["allocated"] == report["priced"]
+        ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+        rel = _rel(g.logits(ids).float().cpu(), c.logits(ids))
+        assert rel < 5e-2, f"bf16 on the GPU: logits differ by {rel:.2e} of their range"
+    finally:
+        g.close()
+        c.close()
+        torch.cuda.empty_cache()
