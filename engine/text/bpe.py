@@ -61,6 +61,16 @@ _DEEPSEEK_V3 = (
     r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
+# Kimi K2 (its tokenization_kimi.py pattern, which llama.cpp's "kimi-k2" reproduces): Han runs
+# on their own, and letters of other scripts as gpt-4o's cased words ("&&": class intersection)
+_KIMI_WORD = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_KIMI_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_KIMI_K2 = (
+    r"[\p{Han}]+"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_KIMI_WORD}*{_KIMI_LOWER}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_KIMI_WORD}+{_KIMI_LOWER}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # llama.cpp's fallback for "default" (and a missing pre): four passes, oddly, but that is what
 # a "default" file gets there, so it is what it gets here.
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
@@ -102,6 +112,7 @@ PRE: dict[str, PreTok] = {
     "deepseek-llm": PreTok(_DEEPSEEK_LLM),
     "deepseek-coder": PreTok(_DEEPSEEK_CODER),
     "deepseek-v3": PreTok(_DEEPSEEK_V3),
+    "kimi-k2": PreTok([_KIMI_K2]),
 }
 
 

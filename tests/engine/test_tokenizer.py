@@ -223,6 +223,9 @@ def test_pre_tokenizer_table(pre, pieces):
          ["\u1fbe\u1fbe", " ", "\u212a", " a", "_", "b", "{", "c", "}", " ", "7", ",", "8", "\n",
           "\u4e16\u754c"]),
         ("deepseek-coder", "x1 = foo(2)\n", ["x", "1", " =", " foo", "(", "2", ")", "\n"]),
+        # Kimi K2: Han runs alone (a space before one stays its own piece), cased words
+        ("kimi-k2", "mixed 中文 and CamelCase I'll 12345",
+         ["mixed", " ", "中文", " and", " Camel", "Case", " I'll", " ", "123", "45"]),
     ],
 )
 def test_deepseek_pre_tokenizers(pre, text, pieces):
@@ -241,7 +244,8 @@ def test_deepseek_passes_split_as_llama_cpp_reads_them():
     texts = ["Hello, world! 12345 foo_bar(x)=y;\n\n  indented\tTab",
              "DeepSeek-V3 是一个模型。日本語のテキスト、カタカナ!",
              "def f(a,b):\r\n    return a**2+b//3  # ok?", "Ünïcödé ΑΒΓ δ 𐐀𐐁 9876543210 ½ ٣",
-             "   trailing   ", "x.y.z 3.14159 $100 \u1f7d \u1fd3 \u1fdb \u2126 \u212a \u1fbe"]
+             "   trailing   ", "x.y.z 3.14159 $100 \u1f7d \u1fd3 \u1fdb \u2126 \u212a \u1fbe",
+             "mixed 中文 and English, I'll say they're right; CamelCaseIdentifier 你好，世界。"]
 
     def passes(regexes, text):
         pieces = [text]
@@ -249,7 +253,7 @@ def test_deepseek_passes_split_as_llama_cpp_reads_them():
             out = []
             for p in pieces:
                 pos = 0
-                for m in regex.finditer(r, p):
+                for m in regex.finditer(r, p, flags=regex.V1):  # V1: "&&" intersects classes
                     out += [p[pos:m.start()]] if m.start() > pos else []
                     out += [m.group()] if m.end() > m.start() else []
                     pos = m.end()
@@ -257,7 +261,7 @@ def test_deepseek_passes_split_as_llama_cpp_reads_them():
             pieces = out
         return pieces
 
-    for pre in ("deepseek-llm", "deepseek-coder", "deepseek-v3"):
+    for pre in ("deepseek-llm", "deepseek-coder", "deepseek-v3", "kimi-k2"):
         seq = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE[pre].regexes])
         for text in texts:
