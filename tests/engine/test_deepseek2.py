@@ -252,3 +252,20 @@ def test_on_a_gpu_the_torch_engine_runs_it_as_priced(pairs, tmp_path, monkeypatc
         g.close()
         c.close()
         torch.cuda.empty_cache()
+
+
+def test_latent_attention_in_blocks_is_the_plain_softmax(monkeypatch) -> None:
+    # the heads of a token are rows of one product over the single key head, in blocks of
+    # tokens; any block size gives the plain masked softmax
+    from engine.runtime.models import deepseek2
+
+    g = torch.Generator().manual_seed(7)
+    t, h, s, d, dv = 5, 3, 9, 24, 16
+    q, k, v = torch.randn(t, h, d, generator=g), torch.randn(s, d, generator=g), torch.randn(s, dv, generator=g)
+    mask = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]  # causal, the last t
+    scores = torch.einsum("thd,sd->ths", q, k) * 0.3
+    want = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), -1) @ v
+    for block in (1 << 24, h * s * 2, h * s):  # one block, blocks of 2 tokens, of 1
+        monkeypatch.setattr(deepseek2, "SCORES", block)
+        torch.testing.assert_close(deepseek2.latent_attention(q, k, v, mask, 0.3), want)
+    torch.testing.assert_close(deepseek2.latent_attention(q[-1:], k, v, None, 0.3), want[-1:])

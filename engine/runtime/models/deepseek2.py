@@ -64,7 +64,7 @@ class Deepseek2Stage(MoEStage):
         q_lat = torch.einsum("thn,hnc->thc" if legacy else "thn,hcn->thc", qn, k_b)
         del k_b
         q_all = torch.cat((q_lat.float(), q_pe.float()), dim=-1).to(x.dtype)
-        o_lat = ops.attention(q_all, keys, values, mask, hp.attn_scale).view(n, h, c)
+        o_lat = latent_attention(q_all, keys[:, 0], values[:, 0], mask, hp.attn_scale)
         v_b = self._v_b(i)  # [h, v, c]
         o = torch.einsum("thc,hvc->thv", o_lat.to(v_b.dtype), v_b)
         return self.proj(o.reshape(n, h * hp.head_dim_v).to(x.dtype), p + "attn_output")
@@ -85,6 +85,30 @@ class Deepseek2Stage(MoEStage):
         nope = hp.head_dim - hp.rope_dim
         kv_b = _whole(weight(self.t, p + "attn_kv_b.weight"))
         return kv_b.view(hp.n_head, nope + hp.head_dim_v, -1)[:, nope:]
+
+
+# scores a block of queries may hold at once: [rows x heads, keys] float32 (64 MiB)
+SCORES = 1 << 24
+
+
+def latent_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Softmax(q keys^T * scale) values for every head of q [T, H, D] over one key head:
+    keys [S, D], values [S, Dv], mask bool [T, S] (True = may attend) or None -> float32
+    [T, H, Dv]. The heads of a token share its keys, so they are rows of one product, in
+    blocks of tokens whose scores stay within SCORES (a grouped-query attention op would
+    repeat the keys for each of the H heads: 128 x the cache at DeepSeek-V3's)."""
+    t, h, d = q.shape
+    kf, vf = keys.float(), values.float()
+    out = torch.empty(t, h, vf.shape[-1], dtype=torch.float32, device=q.device)
+    step = max(1, SCORES // max(1, h * kf.shape[0]))
+    for t0 in range(0, t, step):
+        t1 = min(t, t0 + step)
+        s = q[t0:t1].float().reshape(-1, d) @ kf.T * scale  # [(t1 - t0) h, S]
+        if mask is not None:
+            s = s.view(t1 - t0, h, -1).masked_fill(~mask[t0:t1, None], float("-inf"))
+        out[t0:t1] = (torch.softmax(s.view(-1, kf.shape[0]), dim=-1) @ vf).view(t1 - t0, h, -1)
+    return out
 
 
 def _whole(w: Any) -> torch.Tensor:
