@@ -278,12 +278,20 @@ def render(layout: Layout, model: Any, note: str) -> str:
     return "\n".join(lines)
 
 
-def runner_line(plan: Any, model: Any) -> str:
-    """Which runner a GPU plan loads on, and why when it is not the Triton kernels."""
+def torch_on_gpu(plan: Any, model: Any) -> str | None:
+    """Why a plan whose layers are all on GPUs loads on the torch engine rather than the
+    Triton kernels, or None when it runs on them (or places layers on the CPU)."""
     from engine.planning.capability import gpu_why_not
     from engine.planning.carve import model_index
 
-    why = gpu_why_not(plan, model_index(model).hp)
+    if any(d.is_cpu for d in plan.devices):
+        return None
+    return gpu_why_not(plan, model_index(model).hp)
+
+
+def runner_line(plan: Any, model: Any) -> str:
+    """Which runner a GPU plan loads on, and why when it is not the Triton kernels."""
+    why = torch_on_gpu(plan, model)
     return ("runner: Triton GPU kernels" if why is None
             else f"runner: the torch engine, on the GPU ({why})")
 

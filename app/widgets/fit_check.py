@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.cli_plan import host_lines
+from app.cli_plan import host_lines, torch_on_gpu
 from app.models.device_board import short_gpu_name
 from app.models.model_summary import human_bytes
 from app.models.plan_model import PlanModel
@@ -166,6 +166,9 @@ class FitCheck(QWidget):
                  for d in rows if d.advice and d.verdict != Verdict.FITS]
         if layout is not None and layout.host is not None:  # experts in host memory
             notes += host_lines(layout, m.gguf)
+        why = torch_on_gpu(layout.plan, m.gguf) if layout is not None and m.gguf else None
+        if why:  # slower than the Triton kernels, and every expert stays in VRAM
+            notes.append(f"<b>Runs on the torch engine</b>, on the GPU: {why}")
         self.advice.setText("<br>".join(notes))
         self.advice.setVisible(bool(notes))
         self._fix_timer.start()

@@ -29,6 +29,8 @@ MIB = 1 << 20
     ("qwen3moe-30b-a3b", "128 experts, 8 active, ~3.3 B active parameters per token"),
     ("gpt-oss-20b", "32 experts, 4 active, ~4.1 B active parameters per token"),
     ("glm4.5-air", "128 experts + 1 shared, 8 active, ~13 B active parameters per token"),
+    # DeepSeek-V3's published 671 B / 37 B
+    ("deepseek-v3", "256 experts + 1 shared, 8 active, ~37 B active parameters per token"),
 ])
 def test_model_panel_shows_the_moe_line(qtbot, shape, line):
     model = HeaderModel(SHAPES[shape])
@@ -131,5 +133,24 @@ def test_a_moe_file_with_a_bad_expert_tensor_leaves_the_window_usable(qtbot, syn
         assert w.plan.layout is good and w.launch_bar.launch_button.isEnabled()
         assert w.open_model(str(synth_model("glm4moe-tiny")))  # and the next file opens
         assert w.plan.layout.skipped_layers == 1
+    finally:
+        w.close()
+
+
+def test_a_deepseek_plan_says_it_runs_on_the_torch_engine(qtbot, synth_model, monkeypatch):
+    # latent attention runs on the torch engine: the fit check says so beside the verdict,
+    # and a llama file on the same card says nothing of the kind
+    monkeypatch.setattr(devices, "snapshot", lambda: [_gpu(0)])
+    w = MainWindow(LIGHT, engine_program=[sys.executable, FAKE, "normal"], live_poll=False)
+    qtbot.addWidget(w)
+    w.restore(str(synth_model("deepseek2-tiny")), "auto")
+    w.show()
+    try:
+        assert w.plan.layout.verdict == "fits"
+        assert w.fit.advice.isVisibleTo(w.fit)
+        text = w.fit.advice.text()
+        assert "Runs on the torch engine" in text and "not deepseek2" in text
+        w.restore(str(synth_model("llama")), "auto")
+        assert "torch engine" not in w.fit.advice.text()
     finally:
         w.close()
