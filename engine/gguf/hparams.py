@@ -514,6 +514,9 @@ def _read_moe(model: GGUFModel, m: _Meta, n_run: int, n_embd: int) -> dict[str, 
             p + "ffn_up_exps.weight": (n_embd, n_ff_exp, n_expert),
             p + "ffn_down_exps.weight": (n_ff_exp, n_embd, n_expert),
         }
+        for vec in ("exp_probs_b.bias", "ffn_gate_inp.bias"):  # where the file has them
+            if p + vec in shapes:  # the selection bias (glm4moe, DeepSeek-V3), gpt-oss's router's
+                want[p + vec] = (n_expert,)
         if n_shared:
             want[p + "ffn_gate_shexp.weight"] = (n_embd, n_ff_shexp)
             want[p + "ffn_up_shexp.weight"] = (n_embd, n_ff_shexp)

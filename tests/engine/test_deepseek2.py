@@ -185,6 +185,12 @@ def _drop(name: str):
     return edit
 
 
+def _reshape(name: str, shape: tuple[int, ...]):
+    def edit(meta, table):
+        return meta, [(n, shape if n == name else d, t) for n, d, t in table]
+    return edit
+
+
 @pytest.mark.parametrize("layout,edit,expect", [
     ("mla", _edit_meta("deepseek2.attention.kv_lora_rank", 0), "kv_lora_rank is 0"),
     ("mla", _edit_meta("deepseek2.attention.kv_lora_rank", 32), "attn_kv_a_mqa.weight has shape"),
@@ -193,6 +199,7 @@ def _drop(name: str):
     ("mla", _drop("blk.0.attn_v_b.weight"), "blk.0.attn_v_b.weight is missing"),
     ("legacy", _edit_meta("deepseek2.attention.value_length", 16), "attn_kv_b.weight has shape"),
     ("mla", _edit_meta("deepseek2.expert_group_count", 3), "expert_group_count 3"),
+    ("mla", _reshape("blk.1.exp_probs_b.bias", (4,)), "blk.1.exp_probs_b.bias has shape [4]"),
 ])
 def test_bad_files_are_refused_in_one_sentence(tmp_path, layout, edit, expect) -> None:
     _, path = write_pair("deepseek3", "f32", tmp_path / "bad.gguf", layout=layout, edit=edit)
