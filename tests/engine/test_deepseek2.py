@@ -276,3 +276,23 @@ def test_latent_attention_in_blocks_is_the_plain_softmax(monkeypatch) -> None:
         monkeypatch.setattr(deepseek2, "SCORES", block)
         torch.testing.assert_close(deepseek2.latent_attention(q, k, v, mask, 0.3), want)
     torch.testing.assert_close(deepseek2.latent_attention(q[-1:], k, v, None, 0.3), want[-1:])
+
+
+def test_a_q8_0_latent_cache_reads_back_close_to_the_f16_one(synth_model) -> None:
+    # deepseek2-tiny's latent rows (256 + 32 values) are whole q8_0 blocks: the cache holds
+    # 34 bytes per 32 values of each row, and the logits stay near the f16 cache's
+    path = synth_model("deepseek2-tiny")
+    hp = HParams.from_model(GGUFModel.open(path))
+    got = {}
+    for kv in ("f16", "q8_0"):
+        plan = Plan(model=str(path), devices=(CPU,), split=(0, hp.n_layer_run), ctx=64,
+                    prefill_chunk=16, kv_type=kv, logits_rows=16)
+        s = Session.load(plan)
+        k0 = s.kv.layers[0].k
+        assert k0.dtype == (torch.uint8 if kv == "q8_0" else torch.float16)
+        assert k0.numel() * k0.element_size() == 64 * (hp.kv_lora_rank + hp.rope_dim) * (
+            34 / 32 if kv == "q8_0" else 2)
+        got[kv] = s.logits(list(range(5, 45)))
+        s.close()
+    assert _rel(got["q8_0"], got["f16"]) < 5e-2
+    assert (got["q8_0"].argmax(-1) == got["f16"].argmax(-1)).float().mean() > 0.9
