@@ -274,6 +274,18 @@ def main(argv: list[str] | None = None) -> int:
                 "host_compute": args.host_compute,
                 "cache_reserve": int(args.cache_reserve * (1 << 20)),
             }
+        why = _torch_runner(path, n_gpus, ctx, args.kv, args.arena, placement)
+        if why is not None:  # nothing of the Triton pipeline to measure: the engine process
+            if not args.engine:
+                raise CarveError(f"carve bench measures the Triton GPU runner, and this model "
+                                 f"runs on the torch engine ({why}); add --engine to measure "
+                                 "it through the engine process")
+            print(f"# the torch engine runs this model ({why}): engine process only",
+                  flush=True)
+            out["engine"] = _engine(path, ctx, args.kv, None)
+            if args.json:
+                Path(args.json).write_text(json.dumps(out, indent=1))
+            return 0
         ids1 = run(path, n_gpus, ctx, args.kv, args.arena, args.tokens, depths, args.pp, out,
                    args.kernels, options, placement)
         _print(out)
@@ -293,7 +305,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _engine(path: str, ctx: int, kv_type: str, pipeline_tps: float) -> dict:
+def _torch_runner(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str,
+                  placement: dict | None) -> str | None:
+    """Why the bench's plan of ``path`` would run on the torch engine, or None (Triton)."""
+    from engine.gguf.hparams import HParams
+    from engine.gguf.reader import GGUFModel
+    from engine.planning.capability import gpu_why_not
+
+    hp = HParams.from_model(GGUFModel.open(path))
+    ctx = min(ctx, hp.n_ctx_train) if hp.n_ctx_train else ctx
+    return gpu_why_not(_plan(path, n_gpus, hp.n_layer_run, ctx, kv_type, arena, placement), hp)
+
+
+def _engine(path: str, ctx: int, kv_type: str, pipeline_tps: float | None) -> dict:
     """The same file through `carve-engine` on the GPUs here, with the window's default plan."""
     from engine.gguf.reader import GGUFModel
     from engine.hardware.rigs import parse_rig
