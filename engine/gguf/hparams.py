@@ -123,6 +123,10 @@ class HParams:
     # YaRN's mscale_all_dim (deepseek2: rope.scaling.yarn_log_multiplier / 0.1): the attention
     # scale is multiplied by (1 + 0.1 mscale_all_dim ln factor)^2 and cos/sin are not scaled
     rope_yarn_log_mul: float = 0.0
+    # attention temperature (deepseek2 files of Mistral Large 3): each token's query times
+    # 1 + attn_temp_scale ln(floor(pos / attn_temp_length) + 1), as llama.cpp scales it
+    attn_temp_scale: float = 0.0
+    attn_temp_length: int = 0
 
     def __post_init__(self) -> None:
         if not self.n_layer_run:
@@ -545,7 +549,11 @@ def _read_moe(model: GGUFModel, m: _Meta, n_run: int, n_embd: int) -> dict[str, 
         if code and code not in _GATING:
             raise CarveError(f"{path}: {arch}.expert_gating_func {code} is not one the engine "
                              f"runs ({', '.join(f'{k} = {v}' for k, v in _GATING.items())})")
-        gating = _GATING.get(code, _GATING_DEFAULT[arch])
+        default = _GATING_DEFAULT[arch]
+        if arch == "deepseek2" and not code and m.int_("block_count") in (47, 48) and (
+                shapes.get("token_embd.weight", (0, 0))[1] == 154880):
+            default = "sigmoid"  # GLM-4.7 Lite's files, as llama.cpp tells them apart
+        gating = _GATING.get(code, default)
     # qwen3moe and Mixtral (llama) renormalise their top-k weights whatever the file says
     # (llama.cpp's graphs do)
     norm = True if arch in ("qwen3moe", "llama") else arch in _LEAD_SHARED and bool(
@@ -581,7 +589,15 @@ def _read_mla(model: GGUFModel, m: _Meta) -> dict[str, Any]:
     if split and f"{m.arch}.attention.key_length_mla" not in m.md:
         raise CarveError(f"{path}: metadata key {m.arch}.attention.key_length_mla is missing; "
                          "a file with attn_k_b tensors needs it (re-convert the model)")
-    return dict(kv_lora_rank=kv_lora, q_lora_rank=q_lora, mla_legacy=not split)
+    temp = m.float_("attention.temperature_scale", 0.0)
+    length = m.int_("attention.temperature_length", 0) if temp else 0
+    _within(model, "attention.temperature_scale", temp, temp >= 0, "at least 0 (or absent)")
+    if temp and length <= 0:
+        raise CarveError(f"{path}: {m.arch}.attention.temperature_scale is set but "
+                         f"{m.arch}.attention.temperature_length is {length}; the attention "
+                         "temperature needs a length above 0 (re-convert the model)")
+    return dict(kv_lora_rank=kv_lora, q_lora_rank=q_lora, mla_legacy=not split,
+                attn_temp_scale=temp, attn_temp_length=length)
 
 
 def _mla_shapes(m: _Meta, mla: dict[str, Any], n_embd: int, n_head: int, head_dim: int,

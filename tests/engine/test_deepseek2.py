@@ -9,6 +9,7 @@ VRAM."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import GGUFModel
+from engine.gguf.writer import F32, U32
 from engine.hardware.devices import DeviceSpec
 from engine.planning.plan import Plan
 from engine.runtime.sampling import SamplingParams
@@ -296,3 +298,55 @@ def test_a_q8_0_latent_cache_reads_back_close_to_the_f16_one(synth_model) -> Non
         s.close()
     assert _rel(got["q8_0"], got["f16"]) < 5e-2
     assert (got["q8_0"].argmax(-1) == got["f16"].argmax(-1)).float().mean() > 0.9
+
+
+def test_mistral_large_attention_temperature(tmp_path) -> None:
+    # a file with llama.cpp's attention temperature (length 32, scale 0.5): positions below
+    # 32 read exactly as the same file without it, later ones warmer by 1 + 0.5 ln(floor(p /
+    # 32) + 1)
+    from engine.runtime.models.deepseek2 import temperature
+
+    def with_temp(meta, table):
+        return meta + [("deepseek2.attention.temperature_scale", F32, 0.5),
+                       ("deepseek2.attention.temperature_length", U32, 32)], table
+
+    _, plain = write_pair("deepseek3", "f32", tmp_path / "plain.gguf")
+    _, warm = write_pair("deepseek3", "f32", tmp_path / "warm.gguf", edit=with_temp)
+    hp = HParams.from_model(GGUFModel.open(warm))
+    assert (hp.attn_temp_scale, hp.attn_temp_length) == (0.5, 32)
+    f = temperature(hp, 30, 36, torch.device("cpu"))
+    assert f[:2].tolist() == [1.0, 1.0]  # positions 30, 31
+    torch.testing.assert_close(f[2:34], torch.full((32,), 1 + 0.5 * math.log(2)))
+    torch.testing.assert_close(f[34:], torch.full((2,), 1 + 0.5 * math.log(3)))
+    ids = torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(8)).tolist()
+    a, b = f32_kv(_session(plain, cached=False)), f32_kv(_session(warm, cached=False))
+    la, lb = a.logits(ids), b.logits(ids)
+    a.close()
+    b.close()
+    assert torch.equal(la[:32], lb[:32])
+    assert _rel(lb[32:], la[32:]) > 1e-3
+
+
+@pytest.mark.parametrize("edit,expect", [
+    (lambda meta, table: (meta + [("deepseek2.attention.temperature_scale", F32, 0.5)], table),
+     "temperature_length is 0"),
+])
+def test_an_attention_temperature_without_its_length_is_refused(tmp_path, edit, expect) -> None:
+    _, path = write_pair("deepseek3", "f32", tmp_path / "bad.gguf", edit=edit)
+    with pytest.raises(CarveError, match=expect):
+        HParams.from_model(GGUFModel.open(path))
+
+
+@pytest.mark.parametrize("n_layer,n_vocab,gating", [
+    (27, 102400, "softmax"),  # DeepSeek-V2-Lite's shape without the key: V2's softmax
+    (47, 154880, "sigmoid"),  # GLM-4.7 Lite's, as llama.cpp tells its files apart
+    (47, 102400, "softmax"),
+])
+def test_routing_of_files_without_a_gating_key(n_layer, n_vocab, gating) -> None:
+    from dataclasses import replace
+
+    from engine.synth.header import HeaderModel
+    from engine.synth.shapes import SHAPES
+
+    shape = replace(SHAPES["deepseek-v2-lite"], n_layer=n_layer, n_vocab=n_vocab, expert_gating=0)
+    assert HParams.from_model(HeaderModel(shape)).expert_gating == gating

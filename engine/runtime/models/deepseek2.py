@@ -16,6 +16,9 @@ instead of every head's keys and values:
 - Older files hold both as one attn_kv_b [n_head (nope + v), kv_lora] whose per-head row
   blocks are k_b[h]^T then v_b[h] (HParams.mla_legacy).
 
+Mistral Large 3's files add an attention temperature (HParams.attn_temp_scale): each
+token's query is multiplied by 1 + scale ln(floor(pos / length) + 1).
+
 The FFN is the MoE family's (engine/runtime/models/moe.py): softmax (V2) or sigmoid with the
 selection bias (V3) routing, optionally limited to groups, shared experts beside the routed.
 """
@@ -63,7 +66,10 @@ class Deepseek2Stage(MoEStage):
         qn = q[..., :nope].to(k_b.dtype)
         q_lat = torch.einsum("thn,hnc->thc" if legacy else "thn,hcn->thc", qn, k_b)
         del k_b
-        q_all = torch.cat((q_lat.float(), q_pe.float()), dim=-1).to(x.dtype)
+        q_all = torch.cat((q_lat.float(), q_pe.float()), dim=-1)
+        if hp.attn_temp_scale:  # Mistral Large 3: queries warmer with distance
+            q_all = q_all * temperature(hp, pos0, n, q_all.device)[:, None, None]
+        q_all = q_all.to(x.dtype)
         o_lat = latent_attention(q_all, keys[:, 0], values[:, 0], mask, hp.attn_scale)
         v_b = self._v_b(i)  # [h, v, c]
         o = torch.einsum("thc,hvc->thv", o_lat.to(v_b.dtype), v_b)
@@ -85,6 +91,14 @@ class Deepseek2Stage(MoEStage):
         nope = hp.head_dim - hp.rope_dim
         kv_b = _whole(weight(self.t, p + "attn_kv_b.weight"))
         return kv_b.view(hp.n_head, nope + hp.head_dim_v, -1)[:, nope:]
+
+
+def temperature(hp: Any, pos0: int, n: int, device: torch.device) -> torch.Tensor:
+    """float32 [n]: the factor on the queries of positions pos0.. (llama.cpp's attention
+    temperature, offset 0 for deepseek2): 1 + scale ln(floor(pos / length) + 1)."""
+    pos = torch.arange(pos0, pos0 + n, device=device, dtype=torch.float64)
+    f = torch.log(torch.floor(pos / hp.attn_temp_length) + 1) * hp.attn_temp_scale + 1
+    return f.float()
 
 
 # scores a block of queries may hold at once: [rows x heads, keys] float32 (64 MiB)
