@@ -1,7 +1,7 @@
 """Model shapes for synthetic GGUFs: tensor tables and metadata as llama.cpp's converter writes.
 
 Real shapes (qwen2-0.5b, qwen2-7b, llama3-8b, qwen2-32b, llama-70b; the MoE ones, DeepSeek-class
-deepseek2 included) for speed and memory work, and tiny ones (every matrix row a multiple of
+deepseek2 and MiniMax-M2 included) for speed and memory work, and tiny ones (every matrix row a multiple of
 256 where the shape allows it, so every quant type fits) for tests.
 """
 
@@ -16,6 +16,7 @@ from engine.gguf.writer import ARR, BOOL, F32, I32, STR, U32, MetaItem
 @dataclass(frozen=True, slots=True)
 class Shape:
     arch: str  # llama | qwen2 | qwen3 | gemma3 | phi3 | qwen3moe | gpt-oss | glm4moe | deepseek2
+    #            | minimax-m2
     n_layer: int
     n_embd: int
     n_head: int
@@ -54,7 +55,7 @@ class Shape:
     # the pre-2025 converter's layout: one attn_kv_b, head_count_kv = head_count, key/value
     # lengths per head; the current one splits it into attn_k_b / attn_v_b (MLA, head_count_kv 1)
     mla_legacy: bool = False
-    expert_gating: int = 0  # deepseek2: 1 softmax, 2 sigmoid (with exp_probs_b)
+    expert_gating: int = 0  # deepseek2, minimax-m2: 1 softmax, 2 sigmoid (with exp_probs_b)
     expert_weights_norm: bool = False  # deepseek2: norm_topk_prob
     expert_groups: tuple[int, int] = (0, 0)  # (n_group, topk_group); (0, 0): no group keys
     mscale_all_dim: float = 0.0  # YaRN's; the file's yarn_log_multiplier is 0.1 times it
@@ -174,9 +175,22 @@ SHAPES: dict[str, Shape] = {
                                  n_layer_dense_lead=1, kv_lora_rank=256, qk_nope_dim=64,
                                  qk_rope_dim=32, v_head_dim=64, mla_legacy=True,
                                  expert_gating=1, yarn=(4.0, 512), mscale_all_dim=0.707),
+    # MiniMax-M2 (minimax-m2, MiniMaxAI/MiniMax-M2's config.json): every layer MoE, sigmoid
+    # routing with a selection bias, no shared experts; RoPE on 64 of each head's 128 dims; q/k
+    # RMSNorms over the whole projected q and k. feed_forward_length is the config's
+    # intermediate_size, the expert width
+    "minimax-m2": Shape("minimax-m2", 62, 3072, 48, 8, 1536, 200064, head_dim=128,
+                        n_ctx=196608, rope_base=5e6, n_expert=256, n_expert_used=8,
+                        n_ff_exp=1536, rope_dim=64, expert_gating=2),
+    # tiny (16 experts: llama.cpp's 8-expert rules stay out of the way)
+    "minimax-m2-tiny": Shape("minimax-m2", 4, 256, 4, 2, 256, 512, head_dim=64, n_ctx=2048,
+                             rope_base=1e4, n_expert=16, n_expert_used=2, n_ff_exp=256,
+                             rope_dim=32, expert_gating=2),
 }
 
 _QK_NORM = ("qwen3", "gemma3", "qwen3moe")
+# q/k RMSNorm weights over each token's whole projected q and k (all heads), not per head
+_QK_NORM_WHOLE = ("minimax-m2",)
 _POST_ATTN_FFN_NORM = ("gpt-oss", "glm4moe")  # the FFN's pre-norm is named post_attention_norm
 
 
@@ -234,7 +248,9 @@ def _attention_extras(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
         out += [("attn_q.bias", (q,)), ("attn_k.bias", (kv,)), ("attn_v.bias", (kv,))]
     if s.arch == "gpt-oss":
         out += [("attn_output.bias", (s.n_embd,)), ("attn_sinks.weight", (s.n_head,))]
-    if s.arch in _QK_NORM or s.qk_norm:
+    if s.arch in _QK_NORM_WHOLE:
+        out += [("attn_q_norm.weight", (q,)), ("attn_k_norm.weight", (kv,))]
+    elif s.arch in _QK_NORM or s.qk_norm:
         out += [("attn_q_norm.weight", (s.hd,)), ("attn_k_norm.weight", (s.hd,))]
     return out
 
@@ -252,7 +268,7 @@ def _ffn(s: Shape, i: int) -> list[tuple[str, tuple[int, ...]]]:
     out.append(("ffn_gate_inp.weight", (e, n)))  # the router
     if s.arch == "gpt-oss":
         out.append(("ffn_gate_inp.bias", (n,)))
-    if s.arch == "glm4moe" or (s.mla and s.expert_gating == 2):
+    if s.arch in ("glm4moe", "minimax-m2") or (s.mla and s.expert_gating == 2):
         out.append(("exp_probs_b.bias", (n,)))  # selection bias (e_score_correction_bias)
     # the converters stack each projection's experts into one 3-D tensor: down, gate, up
     out += [("ffn_down_exps.weight", (f, e, n)), ("ffn_gate_exps.weight", (e, f, n)),
@@ -434,14 +450,20 @@ def metadata(s: Shape, mix: str) -> list[MetaItem]:
                  (f"{a}.nextn_predict_layers", U32, s.n_nextn)]
     if a == "deepseek2":
         meta += _deepseek2_metadata(s)
+    if a == "minimax-m2":  # TextModel's gating and vocabulary keys (MiniMaxM2Model adds the rest)
+        meta += [(f"{a}.expert_gating_func", U32, s.expert_gating),
+                 (f"{a}.vocab_size", U32, s.n_vocab)]
     if mix.lower() in _FILE_TYPE:
         meta.append(("general.file_type", U32, _FILE_TYPE[mix.lower()]))
     tokens, types, merges = vocab(s.n_vocab)
     eos = s.n_vocab - 1  # <|im_end|>
     meta += [
         ("tokenizer.ggml.model", STR, "gpt2"),
+        # real minimax-m2 files say "minimax-m2", a pre-tokenizer engine/text does not know;
+        # the synthetic vocabulary is byte-level BPE either way, so they take gpt-4o's
         ("tokenizer.ggml.pre", STR, "qwen2" if a.startswith("qwen")
-         else "deepseek-v3" if a == "deepseek2" else "llama-bpe"),
+         else "deepseek-v3" if a == "deepseek2" else "gpt-4o" if a == "minimax-m2"
+         else "llama-bpe"),
         ("tokenizer.ggml.tokens", ARR, (STR, tokens)),
         ("tokenizer.ggml.token_type", ARR, (I32, types)),
         ("tokenizer.ggml.merges", ARR, (STR, merges)),

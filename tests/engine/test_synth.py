@@ -456,3 +456,71 @@ def test_deepseek2_files_read_back(tmp_path, capsys, shape):
         assert "blk.1.exp_probs_b.bias" not in table and "blk.1.attn_k_b.weight" not in table
     assert model.tensor("blk.0.ffn_gate.weight").shape == (256, 512)
     assert model.tensor("blk.1.attn_kv_a_mqa.weight").shape == (256, 256 + 32)
+
+
+# --- minimax-m2 (MiniMax-M2: all-MoE, sigmoid routing, whole-vector q/k norms) ---------------
+
+def test_minimax_m2_size_and_table_without_writing(capsys):
+    from engine.synth.gen import model_bytes
+
+    sh = SHAPES["minimax-m2"]
+    # published Q4_K_M files: about 138 GB
+    assert sh.mix == "q4_k_m" and f"{model_bytes(sh) / 2**30:.2f} GiB" == "128.83 GiB"
+    assert main(["--list"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("minimax-m2 "))
+    assert line.endswith("128.83 GiB") and "256 experts of 1536 (8 used)" in line
+    table = dict(tensor_table(sh))
+    assert table["blk.0.attn_q.weight"] == (3072, 48 * 128)
+    assert table["blk.0.attn_k.weight"] == table["blk.0.attn_v.weight"] == (3072, 8 * 128)
+    assert table["blk.0.attn_q_norm.weight"] == (48 * 128,)  # the whole q, not one head
+    assert table["blk.0.attn_k_norm.weight"] == (8 * 128,)
+    assert table["blk.61.ffn_down_exps.weight"] == (1536, 3072, 256)
+    assert table["blk.0.exp_probs_b.bias"] == (256,) and "blk.62.attn_q.weight" not in table
+    assert not any("shexp" in n or n.endswith("ffn_down.weight") for n in table)
+    assert table["output.weight"] == (3072, 200064)
+    types = tensor_types(sh, "q4_k_m")
+    more = [i for i in range(62) if types[f"blk.{i}.ffn_down_exps.weight"] == 14]  # Q6_K
+    assert more == [i for i in range(62) if types[f"blk.{i}.attn_v.weight"] == 14]
+    assert types["blk.5.attn_q_norm.weight"] == types["blk.5.exp_probs_b.bias"] == 0
+    assert types["blk.5.ffn_gate_inp.weight"] == 0 and types["blk.5.attn_k.weight"] == 12
+
+
+def test_minimax_m2_tiny_reads_back(tmp_path, capsys):
+    sh = SHAPES["minimax-m2-tiny"]
+    out = tmp_path / "mm2.gguf"
+    assert carve_main(["gen", "--shape", "minimax-m2-tiny", "-o", str(out)]) == 0
+    assert "minimax-m2-tiny q4_k_m: 1 file(s)" in capsys.readouterr().out
+    model = GGUFModel.open(out)
+    md = model.metadata
+    a = "minimax-m2."
+    assert model.arch == "minimax-m2"
+    assert (md[a + "block_count"], md[a + "context_length"], md[a + "embedding_length"]) == (
+        4, 2048, 256)
+    assert (md[a + "feed_forward_length"], md[a + "expert_feed_forward_length"]) == (256, 256)
+    assert (md[a + "attention.head_count"], md[a + "attention.head_count_kv"]) == (4, 2)
+    assert (md[a + "attention.key_length"], md[a + "attention.value_length"]) == (64, 64)
+    assert md[a + "rope.dimension_count"] == 32 and md[a + "rope.freq_base"] == 1e4
+    assert md[a + "attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
+    assert (md[a + "expert_count"], md[a + "expert_used_count"]) == (16, 2)
+    assert md[a + "expert_gating_func"] == 2 and md[a + "vocab_size"] == 512
+    assert a + "expert_shared_count" not in md and a + "leading_dense_block_count" not in md
+    assert md["tokenizer.ggml.pre"] == "gpt-4o"  # the real files' "minimax-m2" is unknown here
+    table = dict(tensor_table(sh))
+    types = tensor_types(sh, "q4_k_m")
+    assert {t.name for t in model.tensors} == set(table)
+    for t in model.tensors:
+        assert (t.shape, t.ggml_type) == (table[t.name], types[t.name]), t.name
+        if len(t.shape) < 2 or t.ggml_type == 0:
+            continue
+        w = dequantize(model.tensor_data(t), GGMLQuantizationType(t.ggml_type))
+        assert np.isfinite(w).all(), t.name
+    for i in range(4):  # every layer MoE; q/k norms over all heads' q and k; F32 bias
+        assert model.tensor(f"blk.{i}.attn_q_norm.weight").shape == (4 * 64,)
+        assert model.tensor(f"blk.{i}.attn_k_norm.weight").shape == (2 * 64,)
+        bias = model.tensor(f"blk.{i}.exp_probs_b.bias")
+        assert bias.shape == (16,) and bias.ggml_type == 0
+        assert model.tensor(f"blk.{i}.ffn_gate_inp.weight").shape == (256, 16)
+        assert model.tensor(f"blk.{i}.ffn_gate_exps.weight").shape == (256, 256, 16)
+    assert not any(t.name.endswith(".bias") and "exp_probs_b" not in t.name
+                   for t in model.tensors)
+    assert model.tensor("output.weight").shape == (256, 512)
