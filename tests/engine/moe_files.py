@@ -1,12 +1,17 @@
 """Tiny random models: the mixture-of-experts families (qwen3moe, gpt-oss, glm4moe, Mixtral,
-DeepSeek-V2 and -V3) and a dense llama-3.1 (its RoPE factors): a transformers model built from a
-config, and the same weights written to a GGUF with llama.cpp's tensor names, metadata keys and
-(llama files) q/k row order.
+DeepSeek-V2 and -V3, MiniMax-M2) and a dense llama-3.1 (its RoPE factors): a transformers model
+built from a config, and the same weights written to a GGUF with llama.cpp's tensor names,
+metadata keys and (llama files) q/k row order.
 
 DeepSeek ("deepseek2": V2-Lite's shape, "deepseek3": V3's; GGUF arch deepseek2 for both) is
 written as llama.cpp's convert_hf_to_gguf.py DeepseekV2Model does, in either of its layouts:
 "mla" (the converter since April 2025: kv_b_proj split per head into attn_k_b, transposed, and
 attn_v_b; one KV head of kv_lora + rope) or "legacy" (before: one attn_kv_b, n_head KV heads).
+
+MiniMax-M2 ("minimax-m2") is written as the converter's MiniMaxM2Model over the generic TextModel:
+q/k RMSNorms over the whole projected q and k (attn_q_norm [n_head * head_dim], attn_k_norm
+[n_kv * head_dim]), RoPE on the first rotary_dim of each head's dims, halves rotated (neox: no
+q/k row permutation), sigmoid routing with a selection bias (exp_probs_b), renormalised top-k.
 
 Quantized files round-trip the weights through ``gguf.quants`` and load the dequantized values
 back into the transformers model, so the reference runs exactly the weights the file holds.
@@ -30,7 +35,8 @@ COMMON = dict(vocab_size=N_VOCAB, hidden_size=64, num_attention_heads=4, num_key
               head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
               tie_word_embeddings=False)
 GGUF_ARCH = {"qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "glm4moe": "glm4moe", "mixtral": "llama",
-             "llama3": "llama", "phi3": "phi3", "deepseek2": "deepseek2", "deepseek3": "deepseek2"}
+             "llama3": "llama", "phi3": "phi3", "deepseek2": "deepseek2", "deepseek3": "deepseek2",
+             "minimax-m2": "minimax-m2"}
 DEEPSEEK_ARCHS = ("deepseek2", "deepseek3")
 LAYOUTS = ("mla", "legacy")  # deepseek2 files: the converter's current layout, and its old one
 LLAMA_ARCHS = ("mixtral", "llama3")  # llama files: q/k rows permuted, llama.* keys
@@ -55,6 +61,9 @@ DEEPSEEK3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                   "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
                   "mscale": 1.0, "mscale_all_dim": 1.0}
 DEEPSEEK2_ROPE = {**DEEPSEEK3_ROPE, "mscale": 0.707, "mscale_all_dim": 0.707}
+# MiniMax-M2: partial RoPE as the released config.json says it (rotary_dim, which the converter
+# writes as rope.dimension_count; transformers turns it into partial_rotary_factor 16 / 32)
+MINIMAX_ROTARY_DIM = 16
 # config.json's scoring_func (transformers' configs have no such field): the gating function
 DEEPSEEK_SCORING = {"deepseek2": "softmax", "deepseek3": "sigmoid"}
 
@@ -110,6 +119,13 @@ def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
                                   norm_topk_prob=False, routed_scaling_factor=1.0,
                                   rope_parameters=dict(DEEPSEEK2_ROPE))
         cls = tf.DeepseekV2ForCausalLM
+    elif arch == "minimax-m2":  # whole-vector q/k norms, partial RoPE, sigmoid + selection bias
+        cfg = tf.MiniMaxM2Config(**COMMON, num_hidden_layers=2, intermediate_size=32,
+                                 num_local_experts=8, num_experts_per_tok=2,
+                                 rotary_dim=MINIMAX_ROTARY_DIM,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                 bos_token_id=N_VOCAB - 3, eos_token_id=N_VOCAB - 1)
+        cls = tf.MiniMaxM2ForCausalLM
     elif arch == "glm4moe":
         cfg = tf.Glm4MoeConfig(**COMMON, num_hidden_layers=3, intermediate_size=96,
                                moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
@@ -140,7 +156,8 @@ def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
                 p.copy_(0.08 * r)
         for name, b in m.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                scale = 0.1 if arch == "deepseek3" else 0.5  # sigmoid scores lie in (0, 1)
+                # sigmoid scores lie in (0, 1)
+                scale = 0.1 if arch in ("deepseek3", "minimax-m2") else 0.5
                 b.copy_(scale * torch.randn(b.shape, generator=g))
     return m
 
@@ -155,7 +172,8 @@ def _gguf_tensors(arch: str, m: torch.nn.Module, layout: str = "mla") -> dict[st
         return _deepseek2_tensors(sd, cfg, layout)
     out = {"token_embd.weight": sd["model.embed_tokens.weight"],
            "output_norm.weight": sd["model.norm.weight"], "output.weight": sd["lm_head.weight"]}
-    ffn_norm = "ffn_norm" if arch in ("qwen3moe", *LLAMA_ARCHS) else "post_attention_norm"
+    ffn_norm = ("ffn_norm" if arch in ("qwen3moe", "minimax-m2", *LLAMA_ARCHS)
+                else "post_attention_norm")
     if arch == "llama3":  # the converter's factors (engine.synth.shapes.llama3_factors)
         r = LLAMA3_ROPE
         out["rope_freqs.weight"] = np.asarray(llama3_factors(
@@ -200,8 +218,9 @@ def _gguf_tensors(arch: str, m: torch.nn.Module, layout: str = "mla") -> dict[st
         out[b + "ffn_up_exps.weight"] = gu[:, half:].copy()
         out[b + "ffn_down_exps.weight"] = sd[h + "mlp.experts.down_proj"]
         out[b + "ffn_gate_inp.weight"] = sd[h + "mlp.gate.weight"]
-        if h + "mlp.gate.e_score_correction_bias" in sd:
-            out[b + "exp_probs_b.bias"] = sd[h + "mlp.gate.e_score_correction_bias"]
+        for key in ("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias"):  # minimax
+            if h + key in sd:
+                out[b + "exp_probs_b.bias"] = sd[h + key]
         for n in ("gate", "up", "down"):
             key = f"{h}mlp.shared_experts.{n}_proj.weight"
             if key in sd:
@@ -337,6 +356,34 @@ def _deepseek2_metadata(arch: str, c, layout: str) -> list[MetaItem]:
     return meta
 
 
+def _minimax_m2_metadata(c) -> list[MetaItem]:
+    """The converter's keys, in its order: TextModel's generic ones (no rope scaling keys for a
+    "default" rope; the gating function from config.json's scoring_func "sigmoid"), then
+    MiniMaxM2Model's expert_feed_forward_length (intermediate_size: every layer is MoE) and
+    rope.dimension_count (rotary_dim). vocab_size, which MiniMaxM2Model itself does not write, is
+    added last (llama.cpp reads it when present)."""
+    a = "minimax-m2"
+    return [
+        ("general.architecture", STR, a),
+        (f"{a}.block_count", U32, c.num_hidden_layers),
+        (f"{a}.context_length", U32, c.max_position_embeddings),
+        (f"{a}.embedding_length", U32, c.hidden_size),
+        (f"{a}.feed_forward_length", U32, c.intermediate_size),
+        (f"{a}.attention.head_count", U32, c.num_attention_heads),
+        (f"{a}.attention.head_count_kv", U32, c.num_key_value_heads),
+        (f"{a}.rope.freq_base", F32, float(c.rope_parameters["rope_theta"])),
+        (f"{a}.attention.layer_norm_rms_epsilon", F32, c.rms_norm_eps),
+        (f"{a}.expert_count", U32, c.num_local_experts),
+        (f"{a}.expert_used_count", U32, c.num_experts_per_tok),
+        (f"{a}.expert_gating_func", U32, 2),  # sigmoid
+        (f"{a}.attention.key_length", U32, c.head_dim),
+        (f"{a}.attention.value_length", U32, c.head_dim),
+        (f"{a}.expert_feed_forward_length", U32, c.intermediate_size),
+        (f"{a}.rope.dimension_count", U32, c.rotary_dim),
+        (f"{a}.vocab_size", U32, c.vocab_size),  # as the deepseek2 files have it (optional)
+    ]
+
+
 def _nextn_layer(tensors: dict[str, np.ndarray], n: int, rng: np.random.Generator) -> None:
     """GLM's next-token-prediction block blk.n, as the converter writes it: a full MoE layer plus
     the nextn.* tensors. Random: the model does not run it."""
@@ -369,6 +416,8 @@ def _metadata(arch: str, m: torch.nn.Module, n_block: int, layout: str = "mla") 
     c, a = m.config, GGUF_ARCH[arch]
     if arch in DEEPSEEK_ARCHS:
         return _deepseek2_metadata(arch, c, layout) + _tokenizer_metadata()
+    if arch == "minimax-m2":
+        return _minimax_m2_metadata(c) + _tokenizer_metadata()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     meta: list[MetaItem] = [
         ("general.architecture", STR, a),
