@@ -16,14 +16,14 @@ from spec.errors import CarveError
 from spec.quant_types import BF16, F16, F32, type_name
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "gpt-oss", "glm4moe",
-             "deepseek2")
-MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2")
+             "deepseek2", "minimax-m2")
+MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "minimax-m2")
 # architectures whose files may route through experts: llama with {arch}.expert_count > 0 is
 # Mixtral's (llama.cpp builds it as llama's block with a softmax-routed, renormalised MoE FFN)
 _MAYBE_MOE = ("llama",)
 _ROPE_STYLE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
                "phi3": "neox", "qwen3moe": "neox", "gpt-oss": "neox", "glm4moe": "neox",
-               "deepseek2": "normal"}
+               "deepseek2": "normal", "minimax-m2": "neox"}
 # per-pair RoPE frequency factors: llama-3.1's, and LongRoPE's two sets (phi3: the long ones for
 # contexts beyond the original)
 ROPE_FACTORS = "rope_freqs.weight"
@@ -34,7 +34,7 @@ FACTOR_TENSORS = (ROPE_FACTORS, ROPE_LONG, ROPE_SHORT)
 _GATING = {1: "softmax", 2: "sigmoid"}
 # deepseek2 files without the key are DeepSeek-V2/V2.5's: softmax (as llama.cpp defaults them)
 _GATING_DEFAULT = {"qwen3moe": "softmax", "glm4moe": "sigmoid", "llama": "softmax",
-                   "deepseek2": "softmax"}
+                   "deepseek2": "softmax", "minimax-m2": "sigmoid"}
 # architectures with leading dense layers, shared experts and file-set weight norm and scale
 _LEAD_SHARED = ("glm4moe", "deepseek2")
 # gpt-oss's clamped SwiGLU limit and sliding-window period (llama.cpp hard-codes both:
@@ -108,6 +108,9 @@ class HParams:
     # halves of ffn_up's rows (gate first)
     fused_qkv: bool = False
     fused_gate_up: bool = False
+    # the q/k RMSNorms over each token's whole projected q and k (minimax-m2: weights of
+    # n_head * head_dim and n_head_kv * head_dim), before the heads are split; else per head
+    qk_norm_whole: bool = False
     # DeepSeek's multi-head latent attention (deepseek2, kv_lora_rank > 0): each token's keys
     # and values are one latent row of kv_lora_rank values (RMS-normed) plus rope_dim rotated
     # key dims shared by every head; the KV cache holds that row, and each head's key and value
@@ -429,8 +432,13 @@ def _read(model: GGUFModel) -> HParams:
             raise CarveError(f"{model.paths[0]}: LongRoPE needs "
                              f"{arch}.rope.scaling.original_context_length (the context its "
                              "short factors serve); the file lacks it")
-    qk_norm = arch in ("qwen3", "gemma3", "qwen3moe") or (
+    qk_norm = arch in ("qwen3", "gemma3", "qwen3moe", "minimax-m2") or (
         arch == "glm4moe" and any(t.name == "blk.0.attn_q_norm.weight" for t in model.tensors))
+    qk_whole = arch == "minimax-m2"
+    if qk_norm:  # per head, or (minimax-m2) over the whole projections
+        _check_shapes(model, {
+            "blk.0.attn_q_norm.weight": (n_head * head_dim,) if qk_whole else (head_dim,),
+            "blk.0.attn_k_norm.weight": (n_head_kv * head_dim,) if qk_whole else (head_dim,)})
     query_pre = m.float_("attention.query_pre_attn_scalar", 0.0)
     _within(model, "attention.query_pre_attn_scalar", query_pre, query_pre >= 0,
             "above 0 (or absent)")
@@ -465,7 +473,7 @@ def _read(model: GGUFModel) -> HParams:
         attn_scale=attn_scale, rope_dim=rope_dim,
         swiglu_limit=_GPT_OSS_SWIGLU_LIMIT if oss else 0.0, attn_sinks=oss,
         rope_factors=factors is not None, fused_qkv=fused_qkv, fused_gate_up=fused_gate_up,
-        **mla, **moe,
+        qk_norm_whole=qk_whole, **mla, **moe,
     )
 
 
@@ -554,11 +562,12 @@ def _read_moe(model: GGUFModel, m: _Meta, n_run: int, n_embd: int) -> dict[str, 
                 shapes.get("token_embd.weight", (0, 0))[1] == 154880):
             default = "sigmoid"  # GLM-4.7 Lite's files, as llama.cpp tells them apart
         gating = _GATING.get(code, default)
-    # qwen3moe and Mixtral (llama) renormalise their top-k weights whatever the file says
-    # (llama.cpp's graphs do)
-    norm = True if arch in ("qwen3moe", "llama") else arch in _LEAD_SHARED and bool(
+    # qwen3moe, Mixtral (llama) and minimax-m2 renormalise their top-k weights whatever the
+    # file says (llama.cpp's graphs do)
+    norm = True if arch in ("qwen3moe", "llama", "minimax-m2") else arch in _LEAD_SHARED and bool(
         m.md.get(f"{arch}.expert_weights_norm", False))
-    weights_scale = m.float_("expert_weights_scale", 1.0) if arch in _LEAD_SHARED else 1.0
+    weights_scale = (m.float_("expert_weights_scale", 1.0)
+                     if arch in (*_LEAD_SHARED, "minimax-m2") else 1.0)
     _within(model, "expert_weights_scale", weights_scale, weights_scale > 0, "above 0")
     groups, groups_used = (_read_groups(m, n_expert, n_used) if arch == "deepseek2"
                            else (0, 0))

@@ -332,6 +332,7 @@ class LayerBuilder:
         # partial RoPE rotates a view of each head: the fused store writes whole heads
         rope_store = (rope.can_fuse_store(hp.rope_style == "neox", k, hp.head_dim)
                       and self.rope_dim == hp.head_dim)
+        whole = getattr(hp, "qk_norm_whole", False)
         return Attention(
             norm=self.vec(p + "attn_norm.weight"), xq=self._qkv_int8_x(p), qkv=qkv,
             fused=fused, fused_mats=mats, fused_biases=biases, fused_config=config,
@@ -343,8 +344,9 @@ class LayerBuilder:
             rope_base=hp.rope_base_swa if swa else hp.rope_base,
             rope_scale=1.0 if swa else self.rope_scale,
             rope_store=rope_store,
-            qk_norm_in_rope=rope_store and hp.qk_norm,
-            rope_in_qkv=(rope_store and fused == "t3"
+            # whole-vector q/k norms (minimax-m2) run between q/k/v and the rotation
+            qk_norm_in_rope=rope_store and hp.qk_norm and not whole,
+            rope_in_qkv=(rope_store and fused == "t3" and not whole
                          and gemv_t.rope_fits([m.rows for m in qkv], hp.head_dim, config)),
             # YaRN's frequencies serve every layer (gpt-oss); the file's factors the global ones
             rope_dim=self.rope_dim,

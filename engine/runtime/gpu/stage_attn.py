@@ -27,7 +27,13 @@ class AttentionLayers:
         else:
             self._add_norm(a, prev.post_norm, att.norm, xq)
         self._qkv(att, a.normed, a.qkv, xq, a if pos0 is None and att.rope_in_qkv else None)
-        if hp.qk_norm and not (pos0 is None and att.qk_norm_in_rope):
+        if hp.qk_norm and getattr(hp, "qk_norm_whole", False):
+            # minimax-m2: one RMSNorm over each token's whole q, one over its whole k, in place
+            nq, nk = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+            q, k = a.qkv[:, :nq], a.qkv[:, nq:nq + nk]
+            norm.rmsnorm(q, att.q_norm, hp.rms_eps, out=q, use_pdl=self.pdl)
+            norm.rmsnorm(k, att.k_norm, hp.rms_eps, out=k, use_pdl=self.pdl)
+        elif hp.qk_norm and not (pos0 is None and att.qk_norm_in_rope):
             norm.rmsnorm_heads(a.qk3, att.q_norm, att.k_norm, hp.n_head, hp.rms_eps,
                                use_pdl=self.pdl)
         if pos0 is None:

@@ -11,7 +11,13 @@ from engine.runtime.models.deepseek2 import Deepseek2Stage
 from engine.runtime.models.gemma3 import Gemma3Stage
 from engine.runtime.models.layers import Stage, Tensors
 from engine.runtime.models.llama import LlamaStage
-from engine.runtime.models.moe import Glm4MoEStage, GptOssStage, MixtralStage, Qwen3MoEStage
+from engine.runtime.models.moe import (
+    Glm4MoEStage,
+    GptOssStage,
+    MiniMaxM2Stage,
+    MixtralStage,
+    Qwen3MoEStage,
+)
 from engine.runtime.models.ops import TORCH_OPS
 from spec.errors import CarveError
 
@@ -26,6 +32,7 @@ FAMILIES: dict[str, type[Stage]] = {
     "gpt-oss": GptOssStage,
     "glm4moe": Glm4MoEStage,
     "deepseek2": Deepseek2Stage,
+    "minimax-m2": MiniMaxM2Stage,
 }
 # the files of a dense family whose metadata declares experts (HParams.n_expert > 0)
 ROUTED_FAMILIES: dict[str, type[Stage]] = {"llama": MixtralStage}

@@ -215,8 +215,13 @@ class Stage:
             q, k, v = (q.reshape(t, hp.n_head, hp.head_dim), k.reshape(t, hp.n_head_kv, hp.head_dim),
                        v.reshape(t, hp.n_head_kv, hp.head_dim_v))
         else:
-            q = self.proj(x, p + "attn_q").view(t, hp.n_head, hp.head_dim)
-            k = self.proj(x, p + "attn_k").view(t, hp.n_head_kv, hp.head_dim)
+            q, k = self.proj(x, p + "attn_q"), self.proj(x, p + "attn_k")
+            if q_norm is not None and getattr(hp, "qk_norm_whole", False):
+                # minimax-m2: one RMSNorm over each token's whole q and whole k
+                q, k = ops.rmsnorm(q, q_norm, hp.rms_eps), ops.rmsnorm(k, k_norm, hp.rms_eps)
+                q_norm = k_norm = None
+            q = q.view(t, hp.n_head, hp.head_dim)
+            k = k.view(t, hp.n_head_kv, hp.head_dim)
             v = self.proj(x, p + "attn_v").view(t, hp.n_head_kv, hp.head_dim_v)
         if q_norm is not None:
             q = ops.rmsnorm(q, q_norm, hp.rms_eps)

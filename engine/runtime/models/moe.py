@@ -1,4 +1,5 @@
-"""Mixture-of-experts families: qwen3moe, gpt-oss, glm4moe, and Mixtral (llama files with experts).
+"""Mixture-of-experts families: qwen3moe, gpt-oss, glm4moe, minimax-m2, and Mixtral (llama files
+with experts).
 
 Every MoE layer routes each token to ``n_expert_used`` of ``n_expert`` expert FFNs: the router
 ``ffn_gate_inp`` [n_expert, n_embd] (float32 in the files) scores the experts, ``ops.route``
@@ -15,6 +16,9 @@ experts' slices of the 3-D ``ffn_{gate,up,down}_exps`` tensors and sums them by 
   routed ones; sigmoid routing with the selection bias ``exp_probs_b``, the chosen weights
   the plain sigmoid values, normalised, times ``expert_weights_scale``; partial RoPE, q/k/v
   biases, optional q/k norm. Its NextN layers (blk.N, N >= n_layer_run) are not run.
+- minimax-m2: RMSNorms over each token's whole q and whole k (HParams.qk_norm_whole), RoPE on
+  the first rope_dim dims of each head (halves), every layer MoE with no shared expert;
+  sigmoid routing that selects by sigmoid + ``exp_probs_b``, weights normalised.
 - Mixtral: a "llama" file whose metadata declares experts: llama's block (adjacent-pair RoPE,
   no biases, no q/k norm), every layer MoE; softmax over all experts, top-k, weights
   renormalised (as qwen3moe).
@@ -74,6 +78,10 @@ class Qwen3MoEStage(MoEStage):
 
 
 class MixtralStage(MoEStage):
+    pass
+
+
+class MiniMaxM2Stage(MoEStage):
     pass
 
 
