@@ -459,10 +459,8 @@ def metadata(s: Shape, mix: str) -> list[MetaItem]:
     eos = s.n_vocab - 1  # <|im_end|>
     meta += [
         ("tokenizer.ggml.model", STR, "gpt2"),
-        # real minimax-m2 files say "minimax-m2", a pre-tokenizer engine/text does not know;
-        # the synthetic vocabulary is byte-level BPE either way, so they take gpt-4o's
         ("tokenizer.ggml.pre", STR, "qwen2" if a.startswith("qwen")
-         else "deepseek-v3" if a == "deepseek2" else "gpt-4o" if a == "minimax-m2"
+         else "deepseek-v3" if a == "deepseek2" else "minimax-m2" if a == "minimax-m2"
          else "llama-bpe"),
         ("tokenizer.ggml.tokens", ARR, (STR, tokens)),
         ("tokenizer.ggml.token_type", ARR, (I32, types)),

@@ -107,6 +107,7 @@ PRE: dict[str, PreTok] = {
     "chatglm-bpe": PreTok([_LLAMA3]),
     "glm4": PreTok([_LLAMA3]),
     "gpt-4o": PreTok([_GPT4O]),
+    "minimax-m2": PreTok([_GPT4O]),  # llama.cpp reads MiniMax-M2's as gpt-4o's
     "llama4": PreTok([_GPT4O]),
     "tekken": PreTok([_TEKKEN], ignore_merges=True, add_bos=True),
     "deepseek-llm": PreTok(_DEEPSEEK_LLM),
