@@ -352,3 +352,22 @@ def test_a_damaged_host_expert_is_named(files) -> None:
     with pytest.raises(CarveError, match=rf"qwen3moe.gguf: tensor {name} has a block whose "
                        rf"{qt.type_name(info.ggml_type)} scale is not finite"):
         host.check_scales(model, [name], {name: raw})
+
+
+@pytest.mark.parametrize("compute", ["gpu", "cpu"])
+def test_minimax_host_layers_give_the_logits_of_all_in_vram(files, compute) -> None:
+    """MiniMax-M2 (sigmoid routing by its selection bias, no shared expert): both layers'
+    experts in host memory, read by the GPU or computed by the CPU, against every expert in
+    VRAM over a prefill and two decode steps."""
+    path = files["minimax-m2"]
+    prompt, steps = ids(12), ids(2, 1)
+    ref = all_in_vram(path, prompt, steps)
+    g = GpuSession.load(plan(path, resident=(0,), host_compute=compute), devices=[DEV],
+                        remember=False)
+    try:
+        assert len(g.pipe.stages[0].host_layers) == 2
+        # the CPU's layouts round to bf16 (the glm4moe test above): its bound
+        assert_agree(run(g, prompt, steps), ref, f"minimax-m2 host experts ({compute})",
+                     BOUND if compute == "gpu" else max(BOUND, 1e-2))
+    finally:
+        g.close()
