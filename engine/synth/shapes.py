@@ -1,7 +1,7 @@
 """Model shapes for synthetic GGUFs: tensor tables and metadata as llama.cpp's converter writes.
 
 Real shapes (qwen2-0.5b, qwen2-7b, llama3-8b, qwen2-32b, llama-70b; the MoE ones, DeepSeek-class
-deepseek2 and MiniMax-M2 included) for speed and memory work, and tiny ones (every matrix row a multiple of
+deepseek2, MiniMax-M2 and dots.llm1 included) for speed and memory work, and tiny ones (every matrix row a multiple of
 256 where the shape allows it, so every quant type fits) for tests.
 """
 
@@ -16,7 +16,7 @@ from engine.gguf.writer import ARR, BOOL, F32, I32, STR, U32, MetaItem
 @dataclass(frozen=True, slots=True)
 class Shape:
     arch: str  # llama | qwen2 | qwen3 | gemma3 | phi3 | qwen3moe | gpt-oss | glm4moe | deepseek2
-    #            | minimax-m2
+    #            | minimax-m2 | dots1
     n_layer: int
     n_embd: int
     n_head: int
@@ -33,12 +33,12 @@ class Shape:
     n_expert: int = 0  # routed experts per MoE layer
     n_expert_used: int = 0
     n_ff_exp: int = 0  # one routed expert's FFN width
-    n_expert_shared: int = 0  # shared experts (glm4moe: 1), n_ff_exp wide each
-    n_layer_dense_lead: int = 0  # leading layers with a dense FFN of n_ff (glm4moe)
+    n_expert_shared: int = 0  # shared experts (glm4moe: 1, dots1: 2), n_ff_exp wide each
+    n_layer_dense_lead: int = 0  # leading layers with a dense FFN of n_ff (glm4moe, dots1)
     n_nextn: int = 0  # next-token-prediction layers declared after the n_layer run ones (glm4moe)
     rope_dim: int = 0  # partial RoPE: rotated dims per head (glm4moe: half); 0 = all
     qk_norm: bool = False  # per-head q/k RMSNorm where the arch makes it optional (glm4moe)
-    expert_weights_scale: float = 1.0  # glm4moe routed_scaling_factor
+    expert_weights_scale: float = 1.0  # glm4moe, dots1: routed_scaling_factor
     yarn: tuple[float, int] = (0.0, 0)  # YaRN RoPE (factor, original context); gpt-oss
     # llama-3.1's RoPE (factor, low-frequency factor, high-frequency factor, original context):
     # the converter writes it as per-pair factors, rope_freqs.weight (`llama3_factors`)
@@ -55,8 +55,8 @@ class Shape:
     # the pre-2025 converter's layout: one attn_kv_b, head_count_kv = head_count, key/value
     # lengths per head; the current one splits it into attn_k_b / attn_v_b (MLA, head_count_kv 1)
     mla_legacy: bool = False
-    expert_gating: int = 0  # deepseek2, minimax-m2: 1 softmax, 2 sigmoid (with exp_probs_b)
-    expert_weights_norm: bool = False  # deepseek2: norm_topk_prob
+    expert_gating: int = 0  # deepseek2, minimax-m2, dots1: 1 softmax, 2 sigmoid (with exp_probs_b)
+    expert_weights_norm: bool = False  # deepseek2, dots1: norm_topk_prob
     expert_groups: tuple[int, int] = (0, 0)  # (n_group, topk_group); (0, 0): no group keys
     mscale_all_dim: float = 0.0  # YaRN's; the file's yarn_log_multiplier is 0.1 times it
     mix: str = "q4_k_m"  # the mix the published files use (`carve gen` default)
@@ -186,9 +186,22 @@ SHAPES: dict[str, Shape] = {
     "minimax-m2-tiny": Shape("minimax-m2", 4, 256, 4, 2, 256, 512, head_dim=64, n_ctx=2048,
                              rope_base=1e4, n_expert=16, n_expert_used=2, n_ff_exp=256,
                              rope_dim=32, expert_gating=2),
+    # dots.llm1 (dots1, rednote-hilab/dots.llm1.inst's config.json): qwen3's attention (per-head
+    # q/k RMSNorms, no biases, RoPE on whole heads), the first layer a dense FFN of 10944, the
+    # rest MoE: 128 routed experts of 1408 (6 used) and 2 shared ones, sigmoid routing with a
+    # selection bias (exp_probs_b), the chosen weights normalised and scaled by 2.5
+    "dots1": Shape("dots1", 62, 4096, 32, 32, 10944, 152064, head_dim=128, n_ctx=32768,
+                   rope_base=1e7, rms_eps=1e-5, n_expert=128, n_expert_used=6, n_ff_exp=1408,
+                   n_expert_shared=2, n_layer_dense_lead=1, expert_gating=2,
+                   expert_weights_norm=True, expert_weights_scale=2.5),
+    # tiny (16 experts: llama.cpp's 8-expert rules stay out of the way)
+    "dots1-tiny": Shape("dots1", 4, 256, 4, 2, 512, 512, head_dim=64, n_ctx=2048, rope_base=1e4,
+                        rms_eps=1e-5, n_expert=16, n_expert_used=2, n_ff_exp=256,
+                        n_expert_shared=1, n_layer_dense_lead=1, expert_gating=2,
+                        expert_weights_norm=True, expert_weights_scale=2.5),
 }
 
-_QK_NORM = ("qwen3", "gemma3", "qwen3moe")
+_QK_NORM = ("qwen3", "gemma3", "qwen3moe", "dots1")
 # q/k RMSNorm weights over each token's whole projected q and k (all heads), not per head
 _QK_NORM_WHOLE = ("minimax-m2",)
 _POST_ATTN_FFN_NORM = ("gpt-oss", "glm4moe")  # the FFN's pre-norm is named post_attention_norm
@@ -268,7 +281,7 @@ def _ffn(s: Shape, i: int) -> list[tuple[str, tuple[int, ...]]]:
     out.append(("ffn_gate_inp.weight", (e, n)))  # the router
     if s.arch == "gpt-oss":
         out.append(("ffn_gate_inp.bias", (n,)))
-    if s.arch in ("glm4moe", "minimax-m2") or (s.mla and s.expert_gating == 2):
+    if s.arch in ("glm4moe", "minimax-m2", "dots1") or (s.mla and s.expert_gating == 2):
         out.append(("exp_probs_b.bias", (n,)))  # selection bias (e_score_correction_bias)
     # the converters stack each projection's experts into one 3-D tensor: down, gate, up
     out += [("ffn_down_exps.weight", (f, e, n)), ("ffn_gate_exps.weight", (e, f, n)),
@@ -453,13 +466,20 @@ def metadata(s: Shape, mix: str) -> list[MetaItem]:
     if a == "minimax-m2":  # TextModel's gating and vocabulary keys (MiniMaxM2Model adds the rest)
         meta += [(f"{a}.expert_gating_func", U32, s.expert_gating),
                  (f"{a}.vocab_size", U32, s.n_vocab)]
+    if a == "dots1":  # Dots1Model's keys (over Qwen2MoeModel's), then the vocabulary size
+        meta += [(f"{a}.leading_dense_block_count", U32, s.n_layer_dense_lead),
+                 (f"{a}.expert_shared_count", U32, s.n_expert_shared),
+                 (f"{a}.expert_weights_scale", F32, s.expert_weights_scale),
+                 (f"{a}.expert_weights_norm", BOOL, s.expert_weights_norm),
+                 (f"{a}.expert_gating_func", U32, s.expert_gating),
+                 (f"{a}.vocab_size", U32, s.n_vocab)]
     if mix.lower() in _FILE_TYPE:
         meta.append(("general.file_type", U32, _FILE_TYPE[mix.lower()]))
     tokens, types, merges = vocab(s.n_vocab)
     eos = s.n_vocab - 1  # <|im_end|>
     meta += [
         ("tokenizer.ggml.model", STR, "gpt2"),
-        ("tokenizer.ggml.pre", STR, "qwen2" if a.startswith("qwen")
+        ("tokenizer.ggml.pre", STR, "qwen2" if a.startswith("qwen") or a == "dots1"
          else "deepseek-v3" if a == "deepseek2" else "minimax-m2" if a == "minimax-m2"
          else "llama-bpe"),
         ("tokenizer.ggml.tokens", ARR, (STR, tokens)),

@@ -524,3 +524,80 @@ def test_minimax_m2_tiny_reads_back(tmp_path, capsys):
     assert not any(t.name.endswith(".bias") and "exp_probs_b" not in t.name
                    for t in model.tensors)
     assert model.tensor("output.weight").shape == (256, 512)
+
+
+# --- dots1 (dots.llm1: qwen3's attention, a leading dense layer, sigmoid MoE with shared experts)
+
+def test_dots1_size_and_table_without_writing(capsys):
+    from engine.synth.gen import model_bytes
+
+    sh = SHAPES["dots1"]
+    # 142.8 B parameters (14.0 B active); Q4_K_M: 94.5 GB
+    assert sh.mix == "q4_k_m" and f"{model_bytes(sh) / 2**30:.2f} GiB" == "87.99 GiB"
+    assert main(["--list"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("dots1 "))
+    assert line.endswith("87.99 GiB") and "128 experts of 1408 (6 used)" in line
+    table = dict(tensor_table(sh))
+    assert table["blk.0.attn_q.weight"] == table["blk.0.attn_k.weight"] == (4096, 32 * 128)
+    assert table["blk.0.attn_q_norm.weight"] == table["blk.0.attn_k_norm.weight"] == (128,)
+    assert table["blk.0.ffn_gate.weight"] == (4096, 10944)  # the leading dense layer
+    assert "blk.0.ffn_gate_inp.weight" not in table and "blk.0.exp_probs_b.bias" not in table
+    assert table["blk.1.ffn_gate_inp.weight"] == (4096, 128)
+    assert table["blk.61.exp_probs_b.bias"] == (128,)
+    assert table["blk.61.ffn_down_exps.weight"] == (1408, 4096, 128)
+    assert table["blk.1.ffn_gate_shexp.weight"] == (4096, 2 * 1408)
+    assert table["blk.1.ffn_down_shexp.weight"] == (2 * 1408, 4096)
+    assert "blk.62.attn_q.weight" not in table and "blk.1.ffn_gate.weight" not in table
+    assert not any(n.endswith(".bias") and "exp_probs_b" not in n for n in table)
+    assert table["output.weight"] == (4096, 152064)
+    types = tensor_types(sh, "q4_k_m")
+    # 1408-wide expert rows take llama.cpp's fallbacks (Q4_K -> Q5_0, Q6_K -> Q8_0); the
+    # shared experts' 2816 fit the K types
+    more = [i for i in range(1, 62) if types[f"blk.{i}.ffn_down_exps.weight"] == 8]
+    assert more == [i for i in range(1, 62) if types[f"blk.{i}.ffn_down_shexp.weight"] == 14]
+    assert {types[f"blk.{i}.ffn_down_exps.weight"] for i in range(1, 62)} == {6, 8}
+    assert types["blk.5.attn_q_norm.weight"] == types["blk.5.exp_probs_b.bias"] == 0
+    assert types["blk.5.ffn_gate_inp.weight"] == 0 and types["blk.5.ffn_up_exps.weight"] == 12
+
+
+def test_dots1_tiny_reads_back(tmp_path, capsys):
+    sh = SHAPES["dots1-tiny"]
+    out = tmp_path / "dots1.gguf"
+    assert carve_main(["gen", "--shape", "dots1-tiny", "-o", str(out)]) == 0
+    assert "dots1-tiny q4_k_m: 1 file(s)" in capsys.readouterr().out
+    model = GGUFModel.open(out)
+    md = model.metadata
+    a = "dots1."
+    assert model.arch == "dots1"
+    assert (md[a + "block_count"], md[a + "context_length"], md[a + "embedding_length"]) == (
+        4, 2048, 256)
+    assert (md[a + "feed_forward_length"], md[a + "expert_feed_forward_length"]) == (512, 256)
+    assert (md[a + "attention.head_count"], md[a + "attention.head_count_kv"]) == (4, 2)
+    assert (md[a + "attention.key_length"], md[a + "attention.value_length"]) == (64, 64)
+    assert md[a + "rope.freq_base"] == 1e4 and a + "rope.dimension_count" not in md
+    assert md[a + "attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    assert (md[a + "expert_count"], md[a + "expert_used_count"]) == (16, 2)
+    assert (md[a + "expert_shared_count"], md[a + "leading_dense_block_count"]) == (1, 1)
+    assert md[a + "expert_gating_func"] == 2 and md[a + "expert_weights_norm"] is True
+    assert md[a + "expert_weights_scale"] == 2.5 and md[a + "vocab_size"] == 512
+    assert md["tokenizer.ggml.pre"] == "qwen2"  # as the real files
+    table = dict(tensor_table(sh))
+    types = tensor_types(sh, "q4_k_m")
+    assert {t.name for t in model.tensors} == set(table)
+    for t in model.tensors:
+        assert (t.shape, t.ggml_type) == (table[t.name], types[t.name]), t.name
+        if len(t.shape) < 2 or t.ggml_type == 0:
+            continue
+        w = dequantize(model.tensor_data(t), GGMLQuantizationType(t.ggml_type))
+        assert np.isfinite(w).all(), t.name
+    for i in range(4):  # per-head q/k norms everywhere; layer 0 dense, the rest MoE
+        assert model.tensor(f"blk.{i}.attn_q_norm.weight").shape == (64,)
+        assert model.tensor(f"blk.{i}.attn_k_norm.weight").shape == (64,)
+    assert model.tensor("blk.0.ffn_down.weight").shape == (512, 256)
+    for i in range(1, 4):
+        bias = model.tensor(f"blk.{i}.exp_probs_b.bias")
+        assert bias.shape == (16,) and bias.ggml_type == 0
+        assert model.tensor(f"blk.{i}.ffn_gate_inp.weight").shape == (256, 16)
+        assert model.tensor(f"blk.{i}.ffn_gate_exps.weight").shape == (256, 256, 16)
+        assert model.tensor(f"blk.{i}.ffn_up_shexp.weight").shape == (256, 256)
+    assert model.tensor("output.weight").shape == (256, 512)
