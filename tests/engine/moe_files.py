@@ -1,5 +1,5 @@
 """Tiny random models: the mixture-of-experts families (qwen3moe, gpt-oss, glm4moe, Mixtral,
-DeepSeek-V2 and -V3, MiniMax-M2) and a dense llama-3.1 (its RoPE factors): a transformers model
+DeepSeek-V2 and -V3, MiniMax-M2, dots.llm1) and a dense llama-3.1 (its RoPE factors): a transformers model
 built from a config, and the same weights written to a GGUF with llama.cpp's tensor names,
 metadata keys and (llama files) q/k row order.
 
@@ -12,6 +12,13 @@ MiniMax-M2 ("minimax-m2") is written as the converter's MiniMaxM2Model over the 
 q/k RMSNorms over the whole projected q and k (attn_q_norm [n_head * head_dim], attn_k_norm
 [n_kv * head_dim]), RoPE on the first rotary_dim of each head's dims, halves rotated (neox: no
 q/k row permutation), sigmoid routing with a selection bias (exp_probs_b), renormalised top-k.
+
+dots.llm1 ("dots1") is written as the converter's Dots1Model (over Qwen2MoeModel): qwen3's
+attention (per-head attn_q_norm / attn_k_norm, no biases, RoPE on whole heads by halves: no q/k
+row permutation), the first first_k_dense_replace layers a dense FFN, the rest MoE with a router,
+a selection bias (exp_probs_b), stacked experts and shared experts (ffn_*_shexp, as one MLP of
+n_shared_experts * moe_intermediate_size); sigmoid routing, the chosen weights normalised and
+scaled by routed_scaling_factor.
 
 Quantized files round-trip the weights through ``gguf.quants`` and load the dequantized values
 back into the transformers model, so the reference runs exactly the weights the file holds.
@@ -36,7 +43,7 @@ COMMON = dict(vocab_size=N_VOCAB, hidden_size=64, num_attention_heads=4, num_key
               tie_word_embeddings=False)
 GGUF_ARCH = {"qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "glm4moe": "glm4moe", "mixtral": "llama",
              "llama3": "llama", "phi3": "phi3", "deepseek2": "deepseek2", "deepseek3": "deepseek2",
-             "minimax-m2": "minimax-m2"}
+             "minimax-m2": "minimax-m2", "dots1": "dots1"}
 DEEPSEEK_ARCHS = ("deepseek2", "deepseek3")
 LAYOUTS = ("mla", "legacy")  # deepseek2 files: the converter's current layout, and its old one
 LLAMA_ARCHS = ("mixtral", "llama3")  # llama files: q/k rows permuted, llama.* keys
@@ -126,6 +133,15 @@ def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                                  bos_token_id=N_VOCAB - 3, eos_token_id=N_VOCAB - 1)
         cls = tf.MiniMaxM2ForCausalLM
+    elif arch == "dots1":  # qwen3's attention, a dense first layer, sigmoid MoE + shared expert
+        cfg = tf.Dots1Config(**COMMON, num_hidden_layers=3, intermediate_size=96,
+                             moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                             n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                             topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                             sliding_window=None,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                             bos_token_id=N_VOCAB - 3, eos_token_id=N_VOCAB - 1)
+        cls = tf.Dots1ForCausalLM
     elif arch == "glm4moe":
         cfg = tf.Glm4MoeConfig(**COMMON, num_hidden_layers=3, intermediate_size=96,
                                moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
@@ -157,7 +173,7 @@ def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
         for name, b in m.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 # sigmoid scores lie in (0, 1)
-                scale = 0.1 if arch in ("deepseek3", "minimax-m2") else 0.5
+                scale = 0.1 if arch in ("deepseek3", "minimax-m2", "dots1") else 0.5
                 b.copy_(scale * torch.randn(b.shape, generator=g))
     return m
 
@@ -172,7 +188,7 @@ def _gguf_tensors(arch: str, m: torch.nn.Module, layout: str = "mla") -> dict[st
         return _deepseek2_tensors(sd, cfg, layout)
     out = {"token_embd.weight": sd["model.embed_tokens.weight"],
            "output_norm.weight": sd["model.norm.weight"], "output.weight": sd["lm_head.weight"]}
-    ffn_norm = ("ffn_norm" if arch in ("qwen3moe", "minimax-m2", *LLAMA_ARCHS)
+    ffn_norm = ("ffn_norm" if arch in ("qwen3moe", "minimax-m2", "dots1", *LLAMA_ARCHS)
                 else "post_attention_norm")
     if arch == "llama3":  # the converter's factors (engine.synth.shapes.llama3_factors)
         r = LLAMA3_ROPE
@@ -384,6 +400,38 @@ def _minimax_m2_metadata(c) -> list[MetaItem]:
     ]
 
 
+def _dots1_metadata(c) -> list[MetaItem]:
+    """The converter's keys, in its order: TextModel's generic ones (no rope scaling keys for a
+    "default" rope; key/value lengths from head_dim), Qwen2MoeModel's
+    expert_feed_forward_length, then Dots1Model's, the gating function last as the converter
+    that wrote the published files does (sigmoid, for config.json's scoring_func "noaux_tc";
+    it wrote no expert group counts). vocab_size, which Dots1Model does not write, is added last
+    (llama.cpp reads it when present)."""
+    a = "dots1"
+    return [
+        ("general.architecture", STR, a),
+        (f"{a}.block_count", U32, c.num_hidden_layers),
+        (f"{a}.context_length", U32, c.max_position_embeddings),
+        (f"{a}.embedding_length", U32, c.hidden_size),
+        (f"{a}.feed_forward_length", U32, c.intermediate_size),
+        (f"{a}.attention.head_count", U32, c.num_attention_heads),
+        (f"{a}.attention.head_count_kv", U32, c.num_key_value_heads),
+        (f"{a}.rope.freq_base", F32, float(c.rope_parameters["rope_theta"])),
+        (f"{a}.attention.layer_norm_rms_epsilon", F32, c.rms_norm_eps),
+        (f"{a}.expert_count", U32, c.n_routed_experts),
+        (f"{a}.expert_used_count", U32, c.num_experts_per_tok),
+        (f"{a}.attention.key_length", U32, c.head_dim),
+        (f"{a}.attention.value_length", U32, c.head_dim),
+        (f"{a}.expert_feed_forward_length", U32, c.moe_intermediate_size),
+        (f"{a}.leading_dense_block_count", U32, c.first_k_dense_replace),
+        (f"{a}.expert_shared_count", U32, c.n_shared_experts),
+        (f"{a}.expert_weights_scale", F32, float(c.routed_scaling_factor)),
+        (f"{a}.expert_weights_norm", BOOL, bool(c.norm_topk_prob)),
+        (f"{a}.expert_gating_func", U32, 2),  # sigmoid
+        (f"{a}.vocab_size", U32, c.vocab_size),
+    ]
+
+
 def _nextn_layer(tensors: dict[str, np.ndarray], n: int, rng: np.random.Generator) -> None:
     """GLM's next-token-prediction block blk.n, as the converter writes it: a full MoE layer plus
     the nextn.* tensors. Random: the model does not run it."""
@@ -418,6 +466,8 @@ def _metadata(arch: str, m: torch.nn.Module, n_block: int, layout: str = "mla") 
         return _deepseek2_metadata(arch, c, layout) + _tokenizer_metadata()
     if arch == "minimax-m2":
         return _minimax_m2_metadata(c) + _tokenizer_metadata()
+    if arch == "dots1":
+        return _dots1_metadata(c) + _tokenizer_metadata()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     meta: list[MetaItem] = [
         ("general.architecture", STR, a),
