@@ -16,14 +16,14 @@ from spec.errors import CarveError
 from spec.quant_types import BF16, F16, F32, type_name
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "gpt-oss", "glm4moe",
-             "deepseek2", "minimax-m2")
-MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "minimax-m2")
+             "deepseek2", "minimax-m2", "dots1")
+MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "minimax-m2", "dots1")
 # architectures whose files may route through experts: llama with {arch}.expert_count > 0 is
 # Mixtral's (llama.cpp builds it as llama's block with a softmax-routed, renormalised MoE FFN)
 _MAYBE_MOE = ("llama",)
 _ROPE_STYLE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
                "phi3": "neox", "qwen3moe": "neox", "gpt-oss": "neox", "glm4moe": "neox",
-               "deepseek2": "normal", "minimax-m2": "neox"}
+               "deepseek2": "normal", "minimax-m2": "neox", "dots1": "neox"}
 # per-pair RoPE frequency factors: llama-3.1's, and LongRoPE's two sets (phi3: the long ones for
 # contexts beyond the original)
 ROPE_FACTORS = "rope_freqs.weight"
@@ -34,9 +34,9 @@ FACTOR_TENSORS = (ROPE_FACTORS, ROPE_LONG, ROPE_SHORT)
 _GATING = {1: "softmax", 2: "sigmoid"}
 # deepseek2 files without the key are DeepSeek-V2/V2.5's: softmax (as llama.cpp defaults them)
 _GATING_DEFAULT = {"qwen3moe": "softmax", "glm4moe": "sigmoid", "llama": "softmax",
-                   "deepseek2": "softmax", "minimax-m2": "sigmoid"}
+                   "deepseek2": "softmax", "minimax-m2": "sigmoid", "dots1": "sigmoid"}
 # architectures with leading dense layers, shared experts and file-set weight norm and scale
-_LEAD_SHARED = ("glm4moe", "deepseek2")
+_LEAD_SHARED = ("glm4moe", "deepseek2", "dots1")
 # gpt-oss's clamped SwiGLU limit and sliding-window period (llama.cpp hard-codes both:
 # swiglu_oai(limit = 7.0), set_swa_pattern(2) = even layers use the window)
 _GPT_OSS_SWIGLU_LIMIT = 7.0
@@ -432,7 +432,7 @@ def _read(model: GGUFModel) -> HParams:
             raise CarveError(f"{model.paths[0]}: LongRoPE needs "
                              f"{arch}.rope.scaling.original_context_length (the context its "
                              "short factors serve); the file lacks it")
-    qk_norm = arch in ("qwen3", "gemma3", "qwen3moe", "minimax-m2") or (
+    qk_norm = arch in ("qwen3", "gemma3", "qwen3moe", "minimax-m2", "dots1") or (
         arch == "glm4moe" and any(t.name == "blk.0.attn_q_norm.weight" for t in model.tensors))
     qk_whole = arch == "minimax-m2"
     if qk_norm:  # per head, or (minimax-m2) over the whole projections

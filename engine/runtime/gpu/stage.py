@@ -60,7 +60,8 @@ DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "i64": torch.int64, "i32": torch.int32, "uint8": torch.uint8}
 ARCHS = tuple(FAMILIES)  # every family the CPU engine runs
 # the mixture-of-experts families the GPU stage runs (the others run on the torch engine)
-MOE_ARCHS = ("qwen3moe", "glm4moe", "gpt-oss", "llama", "minimax-m2")  # llama: Mixtral
+# llama: Mixtral
+MOE_ARCHS = ("qwen3moe", "glm4moe", "gpt-oss", "llama", "minimax-m2", "dots1")
 
 
 def new_arena(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -12,6 +12,7 @@ from engine.runtime.models.gemma3 import Gemma3Stage
 from engine.runtime.models.layers import Stage, Tensors
 from engine.runtime.models.llama import LlamaStage
 from engine.runtime.models.moe import (
+    Dots1Stage,
     Glm4MoEStage,
     GptOssStage,
     MiniMaxM2Stage,
@@ -33,6 +34,7 @@ FAMILIES: dict[str, type[Stage]] = {
     "glm4moe": Glm4MoEStage,
     "deepseek2": Deepseek2Stage,
     "minimax-m2": MiniMaxM2Stage,
+    "dots1": Dots1Stage,
 }
 # the files of a dense family whose metadata declares experts (HParams.n_expert > 0)
 ROUTED_FAMILIES: dict[str, type[Stage]] = {"llama": MixtralStage}

@@ -1,5 +1,5 @@
-"""Mixture-of-experts families: qwen3moe, gpt-oss, glm4moe, minimax-m2, and Mixtral (llama files
-with experts).
+"""Mixture-of-experts families: qwen3moe, gpt-oss, glm4moe, minimax-m2, dots1, and Mixtral (llama
+files with experts).
 
 Every MoE layer routes each token to ``n_expert_used`` of ``n_expert`` expert FFNs: the router
 ``ffn_gate_inp`` [n_expert, n_embd] (float32 in the files) scores the experts, ``ops.route``
@@ -19,6 +19,9 @@ experts' slices of the 3-D ``ffn_{gate,up,down}_exps`` tensors and sums them by 
 - minimax-m2: RMSNorms over each token's whole q and whole k (HParams.qk_norm_whole), RoPE on
   the first rope_dim dims of each head (halves), every layer MoE with no shared expert;
   sigmoid routing that selects by sigmoid + ``exp_probs_b``, weights normalised.
+- dots1 (dots.llm1): qwen3's attention (per-head q/k RMSNorm), then glm4moe's FFNs (leading
+  dense layers, shared experts, sigmoid routing by the selection bias, weights normalised
+  and scaled as the file says).
 - Mixtral: a "llama" file whose metadata declares experts: llama's block (adjacent-pair RoPE,
   no biases, no q/k norm), every layer MoE; softmax over all experts, top-k, weights
   renormalised (as qwen3moe).
@@ -82,6 +85,10 @@ class MixtralStage(MoEStage):
 
 
 class MiniMaxM2Stage(MoEStage):
+    pass
+
+
+class Dots1Stage(MoEStage):
     pass
 
 
