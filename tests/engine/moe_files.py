@@ -372,13 +372,8 @@ def _deepseek2_metadata(arch: str, c, layout: str) -> list[MetaItem]:
     return meta
 
 
-def _minimax_m2_metadata(c) -> list[MetaItem]:
-    """The converter's keys, in its order: TextModel's generic ones (no rope scaling keys for a
-    "default" rope; the gating function from config.json's scoring_func "sigmoid"), then
-    MiniMaxM2Model's expert_feed_forward_length (intermediate_size: every layer is MoE) and
-    rope.dimension_count (rotary_dim). vocab_size, which MiniMaxM2Model itself does not write, is
-    added last (llama.cpp reads it when present)."""
-    a = "minimax-m2"
+def _text_model_keys(a: str, c, n_expert: int) -> list[MetaItem]:
+    """The converter's generic TextModel keys, in its order, up to the expert counts."""
     return [
         ("general.architecture", STR, a),
         (f"{a}.block_count", U32, c.num_hidden_layers),
@@ -389,8 +384,19 @@ def _minimax_m2_metadata(c) -> list[MetaItem]:
         (f"{a}.attention.head_count_kv", U32, c.num_key_value_heads),
         (f"{a}.rope.freq_base", F32, float(c.rope_parameters["rope_theta"])),
         (f"{a}.attention.layer_norm_rms_epsilon", F32, c.rms_norm_eps),
-        (f"{a}.expert_count", U32, c.num_local_experts),
+        (f"{a}.expert_count", U32, n_expert),
         (f"{a}.expert_used_count", U32, c.num_experts_per_tok),
+    ]
+
+
+def _minimax_m2_metadata(c) -> list[MetaItem]:
+    """The converter's keys, in its order: TextModel's generic ones (no rope scaling keys for a
+    "default" rope; the gating function from config.json's scoring_func "sigmoid"), then
+    MiniMaxM2Model's expert_feed_forward_length (intermediate_size: every layer is MoE) and
+    rope.dimension_count (rotary_dim). vocab_size, which MiniMaxM2Model itself does not write, is
+    added last (llama.cpp reads it when present)."""
+    a = "minimax-m2"
+    return _text_model_keys(a, c, c.num_local_experts) + [
         (f"{a}.expert_gating_func", U32, 2),  # sigmoid
         (f"{a}.attention.key_length", U32, c.head_dim),
         (f"{a}.attention.value_length", U32, c.head_dim),
@@ -408,18 +414,7 @@ def _dots1_metadata(c) -> list[MetaItem]:
     it wrote no expert group counts). vocab_size, which Dots1Model does not write, is added last
     (llama.cpp reads it when present)."""
     a = "dots1"
-    return [
-        ("general.architecture", STR, a),
-        (f"{a}.block_count", U32, c.num_hidden_layers),
-        (f"{a}.context_length", U32, c.max_position_embeddings),
-        (f"{a}.embedding_length", U32, c.hidden_size),
-        (f"{a}.feed_forward_length", U32, c.intermediate_size),
-        (f"{a}.attention.head_count", U32, c.num_attention_heads),
-        (f"{a}.attention.head_count_kv", U32, c.num_key_value_heads),
-        (f"{a}.rope.freq_base", F32, float(c.rope_parameters["rope_theta"])),
-        (f"{a}.attention.layer_norm_rms_epsilon", F32, c.rms_norm_eps),
-        (f"{a}.expert_count", U32, c.n_routed_experts),
-        (f"{a}.expert_used_count", U32, c.num_experts_per_tok),
+    return _text_model_keys(a, c, c.n_routed_experts) + [
         (f"{a}.attention.key_length", U32, c.head_dim),
         (f"{a}.attention.value_length", U32, c.head_dim),
         (f"{a}.expert_feed_forward_length", U32, c.moe_intermediate_size),
