@@ -37,7 +37,7 @@ def hf_model(path):
 
 
 def session(path, cached: bool, ctx: int = 512, chunk: int = 64) -> Session:
-    n = HParams.from_model(GGUFModel.open(path)).n_layer
+    n = HParams.from_model(GGUFModel.open(path)).n_layer_run
     # no dequant cache -> every matrix is dequantized to float32 per use: the exact path
     plan = Plan(model=str(path), devices=(CPU,), split=(0, n), ctx=ctx, prefill_chunk=chunk,
                 cache_reserve=0 if cached else 16 * GIB, logits_rows=chunk)

@@ -13,15 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.gguf.hparams import HParams
-from engine.gguf.reader import GGUFModel
 from engine.hardware.devices import DeviceSpec
-from engine.planning.plan import Plan
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_compare import f32_kv  # noqa: E402
+from hf_compare import errors, f32_kv, session  # noqa: E402
 from moe_files import write_pair  # noqa: E402
 
 GIB = 1 << 30
@@ -48,15 +45,12 @@ def pairs(tmp_path_factory):
     return get
 
 
-def _session(path: Path, cached: bool, chunk: int = 32) -> Session:
-    hp = HParams.from_model(GGUFModel.open(path))
-    plan = Plan(model=str(path), devices=(CPU,), split=(0, hp.n_layer_run), ctx=256,
-                prefill_chunk=chunk, cache_reserve=0 if cached else 16 * GIB, logits_rows=chunk)
-    return Session.load(plan)
+def _session(path: Path, cached: bool) -> Session:
+    return session(path, cached, ctx=256, chunk=32)
 
 
 def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
+    return errors(ours, ref)[1]
 
 
 @pytest.mark.parametrize("arch,quant", CASES)
