@@ -304,7 +304,7 @@ def _read(model: GGUFModel) -> HParams:
         raise CarveError(f"{model.paths[0]}: impossible shape ({n_layer} layers, {n_embd} "
                          f"hidden, {n_head} heads, {n_head_kv} KV heads, FFN {n_ff})")
     held = _blocks_held(model)
-    # GLM's next-token-prediction layers: declared in block_count, never run
+    # next-token-prediction layers (GLM, DeepSeek-V3): declared in block_count, never run
     nextn = m.int_("nextn_predict_layers", 0) if arch in _LEAD_SHARED else 0
     if not 0 <= nextn < n_layer:
         raise CarveError(f"{model.paths[0]}: {arch}.nextn_predict_layers {nextn} leaves no "
