@@ -1,8 +1,9 @@
 """Model shapes for synthetic GGUFs: tensor tables and metadata as llama.cpp's converter writes.
 
 Real shapes (qwen2-0.5b, qwen2-7b, llama3-8b, qwen2-32b, llama-70b; the MoE ones, DeepSeek-class
-deepseek2, MiniMax-M2 and dots.llm1 included) for speed and memory work, and tiny ones (every matrix row a multiple of
-256 where the shape allows it, so every quant type fits) for tests.
+deepseek2, MiniMax-M2, dots.llm1 and ERNIE-4.5 MoE included) for speed and memory work, and
+tiny ones (every matrix row a multiple of 256 where the shape allows it, so every quant type fits)
+for tests.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from engine.gguf.writer import ARR, BOOL, F32, I32, STR, U32, MetaItem
 @dataclass(frozen=True, slots=True)
 class Shape:
     arch: str  # llama | qwen2 | qwen3 | gemma3 | phi3 | qwen3moe | gpt-oss | glm4moe | deepseek2
-    #            | minimax-m2 | dots1
+    #            | minimax-m2 | dots1 | ernie4_5-moe
     n_layer: int
     n_embd: int
     n_head: int
@@ -33,8 +34,8 @@ class Shape:
     n_expert: int = 0  # routed experts per MoE layer
     n_expert_used: int = 0
     n_ff_exp: int = 0  # one routed expert's FFN width
-    n_expert_shared: int = 0  # shared experts (glm4moe: 1, dots1: 2), n_ff_exp wide each
-    n_layer_dense_lead: int = 0  # leading layers with a dense FFN of n_ff (glm4moe, dots1)
+    n_expert_shared: int = 0  # shared experts (glm4moe: 1, dots1, ernie4_5-moe: 2), n_ff_exp wide each
+    n_layer_dense_lead: int = 0  # leading layers with a dense FFN of n_ff (glm4moe, dots1, ernie)
     n_nextn: int = 0  # next-token-prediction layers declared after the n_layer run ones (glm4moe)
     rope_dim: int = 0  # partial RoPE: rotated dims per head (glm4moe: half); 0 = all
     qk_norm: bool = False  # per-head q/k RMSNorm where the arch makes it optional (glm4moe)
@@ -199,6 +200,20 @@ SHAPES: dict[str, Shape] = {
                         rms_eps=1e-5, n_expert=16, n_expert_used=2, n_ff_exp=256,
                         n_expert_shared=1, n_layer_dense_lead=1, expert_gating=2,
                         expert_weights_norm=True, expert_weights_scale=2.5),
+    # ERNIE-4.5 MoE (ernie4_5-moe, baidu/ERNIE-4.5-21B-A3B-PT's config.json): llama-style
+    # attention (no biases, no q/k norms, RoPE on whole heads by adjacent pairs), the first layer a
+    # dense FFN of 12288, the rest MoE (moe_layer_interval 1): 64 routed experts of 1536 (6 used)
+    # and 2 shared ones; softmax routing with a selection bias (exp_probs_b) for the choice only,
+    # the chosen weights normalised, no scale; tied embeddings (no output.weight)
+    "ernie4.5-21b-a3b": Shape("ernie4_5-moe", 28, 2560, 20, 4, 12288, 103424, head_dim=128,
+                              n_ctx=131072, rope_base=5e5, rms_eps=1e-5, n_expert=64,
+                              n_expert_used=6, n_ff_exp=1536, n_expert_shared=2,
+                              n_layer_dense_lead=1, tied_embeddings=True),
+    # tiny (16 experts: llama.cpp's 8-expert rules stay out of the way); n_ff / n_head_kv is the
+    # shared experts' width, as the converter computes it
+    "ernie4.5-tiny": Shape("ernie4_5-moe", 4, 256, 4, 2, 512, 512, head_dim=64, n_ctx=2048,
+                           rope_base=1e4, rms_eps=1e-5, n_expert=16, n_expert_used=2,
+                           n_ff_exp=256, n_expert_shared=1, n_layer_dense_lead=1),
 }
 
 _QK_NORM = ("qwen3", "gemma3", "qwen3moe", "dots1")
@@ -281,7 +296,8 @@ def _ffn(s: Shape, i: int) -> list[tuple[str, tuple[int, ...]]]:
     out.append(("ffn_gate_inp.weight", (e, n)))  # the router
     if s.arch == "gpt-oss":
         out.append(("ffn_gate_inp.bias", (n,)))
-    if s.arch in ("glm4moe", "minimax-m2", "dots1") or (s.mla and s.expert_gating == 2):
+    if (s.arch in ("glm4moe", "minimax-m2", "dots1", "ernie4_5-moe")
+            or (s.mla and s.expert_gating == 2)):
         out.append(("exp_probs_b.bias", (n,)))  # selection bias (e_score_correction_bias)
     # the converters stack each projection's experts into one 3-D tensor: down, gate, up
     out += [("ffn_down_exps.weight", (f, e, n)), ("ffn_gate_exps.weight", (e, f, n)),
@@ -452,8 +468,17 @@ def metadata(s: Shape, mix: str) -> list[MetaItem]:
     if s.n_expert:
         meta += [(f"{a}.expert_count", U32, s.n_expert),
                  (f"{a}.expert_used_count", U32, s.n_expert_used)]
-        if a != "llama":
+        if a not in ("llama", "ernie4_5-moe"):
             meta.append((f"{a}.expert_feed_forward_length", U32, s.n_ff_exp))
+    if a == "ernie4_5-moe":  # Ernie4_5MoeModel's keys, in its order (moe_layer_interval 1 only)
+        meta += [(f"{a}.interleave_moe_layer_step", U32, 1),
+                 (f"{a}.leading_dense_block_count", U32, s.n_layer_dense_lead),
+                 (f"{a}.expert_feed_forward_length", U32, s.n_ff_exp),
+                 (f"{a}.expert_shared_count", U32, s.n_expert_shared)]
+        if s.n_expert_shared:  # the converter: intermediate_size // num_key_value_heads, which
+            # is the shared experts' width (n_ff_exp * n_shared) in the published models
+            meta.append((f"{a}.expert_shared_feed_forward_length", U32,
+                         s.n_ff_exp * s.n_expert_shared))
     if a == "glm4moe":  # as llama.cpp's Glm4MoeModel converter writes them
         meta += [(f"{a}.expert_shared_count", U32, s.n_expert_shared),
                  (f"{a}.leading_dense_block_count", U32, s.n_layer_dense_lead),

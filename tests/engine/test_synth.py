@@ -601,3 +601,82 @@ def test_dots1_tiny_reads_back(tmp_path, capsys):
         assert model.tensor(f"blk.{i}.ffn_gate_exps.weight").shape == (256, 256, 16)
         assert model.tensor(f"blk.{i}.ffn_up_shexp.weight").shape == (256, 256)
     assert model.tensor("output.weight").shape == (256, 512)
+
+
+# --- ernie4_5-moe (ERNIE-4.5 MoE: a leading dense layer, softmax MoE with a selection bias and
+# shared experts)
+
+def test_ernie45_size_and_table_without_writing(capsys):
+    from engine.synth.gen import model_bytes
+
+    sh = SHAPES["ernie4.5-21b-a3b"]
+    # 21.8 B parameters; Q4_K_M: 13.24 GB (the published files: about 13.3 GB)
+    assert sh.mix == "q4_k_m" and f"{model_bytes(sh) / 2**30:.2f} GiB" == "12.33 GiB"
+    assert main(["--list"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines()
+                if x.startswith("ernie4.5-21b-a3b "))
+    assert line.endswith("12.33 GiB") and "64 experts of 1536 (6 used)" in line
+    table = dict(tensor_table(sh))
+    assert table["blk.0.attn_q.weight"] == (2560, 20 * 128)
+    assert table["blk.0.attn_k.weight"] == table["blk.0.attn_v.weight"] == (2560, 4 * 128)
+    assert table["blk.0.ffn_gate.weight"] == (2560, 12288)  # the leading dense layer
+    assert "blk.0.ffn_gate_inp.weight" not in table and "blk.0.exp_probs_b.bias" not in table
+    assert table["blk.1.ffn_gate_inp.weight"] == (2560, 64)
+    assert table["blk.27.exp_probs_b.bias"] == (64,)
+    assert table["blk.27.ffn_down_exps.weight"] == (1536, 2560, 64)
+    assert table["blk.1.ffn_gate_shexp.weight"] == (2560, 2 * 1536)
+    assert table["blk.1.ffn_down_shexp.weight"] == (2 * 1536, 2560)
+    assert "blk.28.attn_q.weight" not in table and "blk.1.ffn_gate.weight" not in table
+    assert "blk.0.attn_q_norm.weight" not in table  # no q/k norms
+    assert not any(n.endswith(".bias") and "exp_probs_b" not in n for n in table)
+    assert "output.weight" not in table  # tied embeddings
+    # the converter's shared width, intermediate_size // num_key_value_heads, is n_ff_exp * 2
+    assert sh.n_ff // sh.n_head_kv == sh.n_ff_exp * sh.n_expert_shared
+    types = tensor_types(sh, "q4_k_m")
+    assert types["token_embd.weight"] == 14  # Q6_K: it is the output matrix too
+    assert {types[f"blk.{i}.ffn_down_exps.weight"] for i in range(1, 28)} == {12, 14}
+    assert types["blk.5.exp_probs_b.bias"] == types["blk.5.ffn_gate_inp.weight"] == 0
+    assert types["blk.5.ffn_up_exps.weight"] == 12
+
+
+def test_ernie45_tiny_reads_back(tmp_path, capsys):
+    sh = SHAPES["ernie4.5-tiny"]
+    out = tmp_path / "ernie.gguf"
+    assert carve_main(["gen", "--shape", "ernie4.5-tiny", "-o", str(out)]) == 0
+    assert "ernie4.5-tiny q4_k_m: 1 file(s)" in capsys.readouterr().out
+    model = GGUFModel.open(out)
+    md = model.metadata
+    a = "ernie4_5-moe."
+    assert model.arch == "ernie4_5-moe"
+    assert (md[a + "block_count"], md[a + "context_length"], md[a + "embedding_length"]) == (
+        4, 2048, 256)
+    assert (md[a + "feed_forward_length"], md[a + "expert_feed_forward_length"]) == (512, 256)
+    assert (md[a + "attention.head_count"], md[a + "attention.head_count_kv"]) == (4, 2)
+    assert (md[a + "attention.key_length"], md[a + "attention.value_length"]) == (64, 64)
+    assert md[a + "rope.freq_base"] == 1e4 and a + "rope.dimension_count" not in md
+    assert md[a + "attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    assert (md[a + "expert_count"], md[a + "expert_used_count"]) == (16, 2)
+    assert (md[a + "expert_shared_count"], md[a + "leading_dense_block_count"]) == (1, 1)
+    assert md[a + "interleave_moe_layer_step"] == 1
+    assert md[a + "expert_shared_feed_forward_length"] == 256 == sh.n_ff // sh.n_head_kv
+    for k in ("expert_gating_func", "expert_weights_norm", "expert_weights_scale"):
+        assert a + k not in md  # softmax, normalised, no scale: llama.cpp's defaults for it
+    assert md["tokenizer.ggml.pre"] == "llama-bpe"
+    table = dict(tensor_table(sh))
+    types = tensor_types(sh, "q4_k_m")
+    assert {t.name for t in model.tensors} == set(table)
+    for t in model.tensors:
+        assert (t.shape, t.ggml_type) == (table[t.name], types[t.name]), t.name
+        if len(t.shape) < 2 or t.ggml_type == 0:
+            continue
+        w = dequantize(model.tensor_data(t), GGMLQuantizationType(t.ggml_type))
+        assert np.isfinite(w).all(), t.name
+    assert not any("q_norm" in t.name or "k_norm" in t.name for t in model.tensors)
+    assert model.tensor("blk.0.ffn_down.weight").shape == (512, 256)
+    for i in range(1, 4):
+        bias = model.tensor(f"blk.{i}.exp_probs_b.bias")
+        assert bias.shape == (16,) and bias.ggml_type == 0
+        assert model.tensor(f"blk.{i}.ffn_gate_inp.weight").shape == (256, 16)
+        assert model.tensor(f"blk.{i}.ffn_gate_exps.weight").shape == (256, 256, 16)
+        assert model.tensor(f"blk.{i}.ffn_up_shexp.weight").shape == (256, 256)
+    assert model.tensor("output.weight").shape == (256, 512)
