@@ -1,7 +1,7 @@
 """Tiny random models: the mixture-of-experts families (qwen3moe, gpt-oss, glm4moe, Mixtral,
-DeepSeek-V2 and -V3, MiniMax-M2, dots.llm1) and a dense llama-3.1 (its RoPE factors): a transformers model
-built from a config, and the same weights written to a GGUF with llama.cpp's tensor names,
-metadata keys and (llama files) q/k row order.
+DeepSeek-V2 and -V3, MiniMax-M2, dots.llm1, ERNIE-4.5 MoE) and a dense llama-3.1 (its RoPE
+factors): a transformers model built from a config, and the same weights written to a GGUF with
+llama.cpp's tensor names, metadata keys and (llama files) q/k row order.
 
 DeepSeek ("deepseek2": V2-Lite's shape, "deepseek3": V3's; GGUF arch deepseek2 for both) is
 written as llama.cpp's convert_hf_to_gguf.py DeepseekV2Model does, in either of its layouts:
@@ -19,6 +19,15 @@ row permutation), the first first_k_dense_replace layers a dense FFN, the rest M
 a selection bias (exp_probs_b), stacked experts and shared experts (ffn_*_shexp, as one MLP of
 n_shared_experts * moe_intermediate_size); sigmoid routing, the chosen weights normalised and
 scaled by routed_scaling_factor.
+
+ERNIE-4.5 MoE ("ernie4_5-moe") is written as the converter's Ernie4_5MoeModel (over
+Ernie4_5Model and TextModel): llama-style attention (no biases, no q/k norms; RoPE on whole heads
+by adjacent pairs, llama.cpp's "normal" rope, which transformers' interleaved rotate_half is:
+no q/k row permutation), the first moe_layer_start_index layers a dense FFN, the rest MoE with a
+router, a selection bias (moe_statics.e_score_correction_bias, [1, n_expert] in transformers,
+exp_probs_b [n_expert] in the file), stacked experts and shared experts (ffn_*_shexp, one MLP of
+moe_num_shared_experts * moe_intermediate_size); softmax routing, the bias only for the choice,
+the chosen softmax values normalised, no scale.
 
 Quantized files round-trip the weights through ``gguf.quants`` and load the dequantized values
 back into the transformers model, so the reference runs exactly the weights the file holds.
@@ -43,7 +52,7 @@ COMMON = dict(vocab_size=N_VOCAB, hidden_size=64, num_attention_heads=4, num_key
               tie_word_embeddings=False)
 GGUF_ARCH = {"qwen3moe": "qwen3moe", "gpt-oss": "gpt-oss", "glm4moe": "glm4moe", "mixtral": "llama",
              "llama3": "llama", "phi3": "phi3", "deepseek2": "deepseek2", "deepseek3": "deepseek2",
-             "minimax-m2": "minimax-m2", "dots1": "dots1"}
+             "minimax-m2": "minimax-m2", "dots1": "dots1", "ernie4_5-moe": "ernie4_5-moe"}
 DEEPSEEK_ARCHS = ("deepseek2", "deepseek3")
 LAYOUTS = ("mla", "legacy")  # deepseek2 files: the converter's current layout, and its old one
 LLAMA_ARCHS = ("mixtral", "llama3")  # llama files: q/k rows permuted, llama.* keys
@@ -142,6 +151,15 @@ def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                              bos_token_id=N_VOCAB - 3, eos_token_id=N_VOCAB - 1)
         cls = tf.Dots1ForCausalLM
+    elif arch == "ernie4_5-moe":  # a dense first layer, softmax MoE + selection bias + shared
+        cfg = tf.Ernie4_5_MoeConfig(**COMMON, num_hidden_layers=3, intermediate_size=96,
+                                    moe_intermediate_size=32, moe_num_experts=8, moe_k=2,
+                                    moe_num_shared_experts=1, moe_layer_start_index=1,
+                                    moe_layer_interval=1, use_bias=False,
+                                    rope_parameters={"rope_type": "default",
+                                                     "rope_theta": 10000.0},
+                                    bos_token_id=N_VOCAB - 3, eos_token_id=N_VOCAB - 1)
+        cls = tf.Ernie4_5_MoeForCausalLM
     elif arch == "glm4moe":
         cfg = tf.Glm4MoeConfig(**COMMON, num_hidden_layers=3, intermediate_size=96,
                                moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
@@ -161,6 +179,8 @@ def hf_model(arch: str, seed: int = 0) -> torch.nn.Module:
             r = torch.randn(p.shape, generator=g)
             if "norm" in name:
                 p.copy_(1 + 0.1 * r)
+            elif arch == "ernie4_5-moe" and name.endswith("e_score_correction_bias"):
+                p.copy_(0.1 * r)  # a parameter here; softmax scores of 8 experts ~ 0.125
             elif p.ndim == 1 or name.endswith("_bias"):  # biases, sinks
                 p.copy_(0.5 * r)
             elif arch == "llama3" and ("q_proj" in name or "k_proj" in name):
@@ -188,7 +208,8 @@ def _gguf_tensors(arch: str, m: torch.nn.Module, layout: str = "mla") -> dict[st
         return _deepseek2_tensors(sd, cfg, layout)
     out = {"token_embd.weight": sd["model.embed_tokens.weight"],
            "output_norm.weight": sd["model.norm.weight"], "output.weight": sd["lm_head.weight"]}
-    ffn_norm = ("ffn_norm" if arch in ("qwen3moe", "minimax-m2", "dots1", *LLAMA_ARCHS)
+    ffn_norm = ("ffn_norm" if arch in ("qwen3moe", "minimax-m2", "dots1", "ernie4_5-moe",
+                                       *LLAMA_ARCHS)
                 else "post_attention_norm")
     if arch == "llama3":  # the converter's factors (engine.synth.shapes.llama3_factors)
         r = LLAMA3_ROPE
@@ -234,9 +255,10 @@ def _gguf_tensors(arch: str, m: torch.nn.Module, layout: str = "mla") -> dict[st
         out[b + "ffn_up_exps.weight"] = gu[:, half:].copy()
         out[b + "ffn_down_exps.weight"] = sd[h + "mlp.experts.down_proj"]
         out[b + "ffn_gate_inp.weight"] = sd[h + "mlp.gate.weight"]
-        for key in ("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias"):  # minimax
+        for key in ("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias",  # minimax
+                    "mlp.gate.moe_statics.e_score_correction_bias"):  # ernie: [1, n_expert]
             if h + key in sd:
-                out[b + "exp_probs_b.bias"] = sd[h + key]
+                out[b + "exp_probs_b.bias"] = sd[h + key].reshape(-1)
         for n in ("gate", "up", "down"):
             key = f"{h}mlp.shared_experts.{n}_proj.weight"
             if key in sd:
@@ -427,6 +449,28 @@ def _dots1_metadata(c) -> list[MetaItem]:
     ]
 
 
+def _ernie4_5_moe_metadata(c) -> list[MetaItem]:
+    """The converter's keys, in its order: TextModel's generic ones up to the norm epsilon (it
+    finds no expert counts under config.json's moe_* names), key/value lengths from head_dim,
+    then Ernie4_5MoeModel's. The shared experts' width: the converter writes intermediate_size //
+    num_key_value_heads, which is moe_num_shared_experts * moe_intermediate_size in the published
+    models (21B: 12288 // 4 = 2 * 1536) but not in this tiny one (96 // 2 = 48); llama.cpp
+    sizes ffn_*_shexp by this key, so the file holds the real width (32)."""
+    a = "ernie4_5-moe"
+    return _text_model_keys(a, c, c.moe_num_experts)[:9] + [
+        (f"{a}.attention.key_length", U32, c.head_dim),
+        (f"{a}.attention.value_length", U32, c.head_dim),
+        (f"{a}.expert_count", U32, c.moe_num_experts),
+        (f"{a}.expert_used_count", U32, c.moe_k),
+        (f"{a}.interleave_moe_layer_step", U32, c.moe_layer_interval),
+        (f"{a}.leading_dense_block_count", U32, c.moe_layer_start_index),
+        (f"{a}.expert_feed_forward_length", U32, c.moe_intermediate_size),
+        (f"{a}.expert_shared_count", U32, c.moe_num_shared_experts),
+        (f"{a}.expert_shared_feed_forward_length", U32,
+         c.moe_intermediate_size * c.moe_num_shared_experts),
+    ]
+
+
 def _nextn_layer(tensors: dict[str, np.ndarray], n: int, rng: np.random.Generator) -> None:
     """GLM's next-token-prediction block blk.n, as the converter writes it: a full MoE layer plus
     the nextn.* tensors. Random: the model does not run it."""
@@ -463,6 +507,8 @@ def _metadata(arch: str, m: torch.nn.Module, n_block: int, layout: str = "mla") 
         return _minimax_m2_metadata(c) + _tokenizer_metadata()
     if arch == "dots1":
         return _dots1_metadata(c) + _tokenizer_metadata()
+    if arch == "ernie4_5-moe":
+        return _ernie4_5_moe_metadata(c) + _tokenizer_metadata()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     meta: list[MetaItem] = [
         ("general.architecture", STR, a),
