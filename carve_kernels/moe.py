@@ -226,10 +226,12 @@ def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, GATING: tl.constexpr,
     e = tl.arange(0, BLOCK_E)
     emask = e < E
     logit = tl.load(l_ptr + m * E + e, mask=emask, other=-float("inf"))
-    if GATING == 0:  # softmax over all experts; select and weigh by probability
+    if GATING == 0:  # softmax over all experts; select (+ bias) and weigh by probability
         p = tl.exp(logit - tl.max(logit, axis=0))
         val = p / tl.sum(p, axis=0)
         sel = val
+        if HAS_SB:
+            sel = val + tl.load(sb_ptr + e, mask=emask, other=0.0)
     elif GATING == 1:  # select by logit, softmax over the chosen k below
         val = logit
         sel = logit
@@ -266,8 +268,9 @@ def route(logits: torch.Tensor, k: int, gating: str, norm: bool = False, scale: 
           weights: torch.Tensor | None = None,
           use_pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts of each row of ``logits`` [M, E]: (ids [M, k] int32, weights [M, k]
-    float32) by the ``gating`` rule, then ``norm`` and ``scale``; ``sel_bias`` [E]: glm4moe's
-    selection bias (sigmoid gating only). One program per row; nothing leaves the device."""
+    float32) by the ``gating`` rule, then ``norm`` and ``scale``; ``sel_bias`` [E]: the selection
+    bias (glm4moe's with sigmoid gating, ERNIE-4.5's with softmax), added to the scores the
+    experts are chosen by, never to their weights. One program per row; nothing leaves the device."""
     m, e = logits.shape
     if gating not in GATINGS:
         raise ValueError(f"unknown expert gating {gating!r}")
@@ -287,7 +290,7 @@ def route_ref(logits, k, gating, norm=False, scale=1.0, sel_bias=None, ids=None,
     lg = logits.float()
     if gating == "softmax":
         val = torch.softmax(lg, dim=-1)
-        sel = val
+        sel = val + sel_bias.float() if sel_bias is not None else val
     elif gating == "softmax_topk":
         val = sel = lg
     else:

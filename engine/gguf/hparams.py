@@ -16,14 +16,16 @@ from spec.errors import CarveError
 from spec.quant_types import BF16, F16, F32, type_name
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "gpt-oss", "glm4moe",
-             "deepseek2", "minimax-m2", "dots1")
-MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "minimax-m2", "dots1")
+             "deepseek2", "minimax-m2", "dots1", "ernie4_5-moe")
+MOE_ARCHS = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "minimax-m2", "dots1",
+             "ernie4_5-moe")
 # architectures whose files may route through experts: llama with {arch}.expert_count > 0 is
 # Mixtral's (llama.cpp builds it as llama's block with a softmax-routed, renormalised MoE FFN)
 _MAYBE_MOE = ("llama",)
 _ROPE_STYLE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "neox",
                "phi3": "neox", "qwen3moe": "neox", "gpt-oss": "neox", "glm4moe": "neox",
-               "deepseek2": "normal", "minimax-m2": "neox", "dots1": "neox"}
+               "deepseek2": "normal", "minimax-m2": "neox", "dots1": "neox",
+               "ernie4_5-moe": "normal"}
 # per-pair RoPE frequency factors: llama-3.1's, and LongRoPE's two sets (phi3: the long ones for
 # contexts beyond the original)
 ROPE_FACTORS = "rope_freqs.weight"
@@ -34,9 +36,10 @@ FACTOR_TENSORS = (ROPE_FACTORS, ROPE_LONG, ROPE_SHORT)
 _GATING = {1: "softmax", 2: "sigmoid"}
 # deepseek2 files without the key are DeepSeek-V2/V2.5's: softmax (as llama.cpp defaults them)
 _GATING_DEFAULT = {"qwen3moe": "softmax", "glm4moe": "sigmoid", "llama": "softmax",
-                   "deepseek2": "softmax", "minimax-m2": "sigmoid", "dots1": "sigmoid"}
+                   "deepseek2": "softmax", "minimax-m2": "sigmoid", "dots1": "sigmoid",
+                   "ernie4_5-moe": "softmax"}
 # architectures with leading dense layers, shared experts and file-set weight norm and scale
-_LEAD_SHARED = ("glm4moe", "deepseek2", "dots1")
+_LEAD_SHARED = ("glm4moe", "deepseek2", "dots1", "ernie4_5-moe")
 # gpt-oss's clamped SwiGLU limit and sliding-window period (llama.cpp hard-codes both:
 # swiglu_oai(limit = 7.0), set_swa_pattern(2) = even layers use the window)
 _GPT_OSS_SWIGLU_LIMIT = 7.0
@@ -496,6 +499,10 @@ def _read_moe(model: GGUFModel, m: _Meta, n_run: int, n_embd: int) -> dict[str, 
         raise CarveError(f"{path}: {arch}.expert_used_count is {n_used} but the file has "
                          f"{n_expert} experts ({arch}.expert_count); it must be 1..{n_expert}")
     lead = m.int_("leading_dense_block_count", 0) if arch in _LEAD_SHARED else 0
+    step = m.int_("interleave_moe_layer_step", 1)
+    if step != 1:  # ERNIE-4.5's published files route every layer after the dense ones
+        raise CarveError(f"{path}: {arch}.interleave_moe_layer_step is {step}; Carve runs models "
+                         "whose every layer after the leading dense ones routes through experts")
     if not 0 <= lead < n_run:
         raise CarveError(f"{path}: {arch}.leading_dense_block_count {lead} leaves no expert "
                          f"layer of {n_run}")
@@ -564,10 +571,11 @@ def _read_moe(model: GGUFModel, m: _Meta, n_run: int, n_embd: int) -> dict[str, 
         gating = _GATING.get(code, default)
     # qwen3moe, Mixtral (llama) and minimax-m2 renormalise their top-k weights whatever the
     # file says (llama.cpp's graphs do)
-    norm = True if arch in ("qwen3moe", "llama", "minimax-m2") else arch in _LEAD_SHARED and bool(
-        m.md.get(f"{arch}.expert_weights_norm", False))
+    norm = True if arch in ("qwen3moe", "llama", "minimax-m2", "ernie4_5-moe") else (
+        arch in _LEAD_SHARED and bool(m.md.get(f"{arch}.expert_weights_norm", False)))
+    # (ernie4_5-moe: llama.cpp's graph never scales its weights)
     weights_scale = (m.float_("expert_weights_scale", 1.0)
-                     if arch in (*_LEAD_SHARED, "minimax-m2") else 1.0)
+                     if arch in (*_LEAD_SHARED, "minimax-m2") and arch != "ernie4_5-moe" else 1.0)
     _within(model, "expert_weights_scale", weights_scale, weights_scale > 0, "above 0")
     groups, groups_used = (_read_groups(m, n_expert, n_used) if arch == "deepseek2"
                            else (0, 0))

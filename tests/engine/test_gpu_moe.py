@@ -61,6 +61,11 @@ SHAPES = {
     "dots1": Shape("dots1", 2, 128, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
                    n_expert_used=2, n_ff_exp=256, n_expert_shared=1, n_layer_dense_lead=1,
                    expert_weights_scale=2.5, expert_gating=2),
+    # ERNIE-4.5: adjacent-pair RoPE, a dense first layer, a shared expert, softmax routing
+    # that selects by softmax + its selection bias, weights normalised
+    "ernie4_5-moe": Shape("ernie4_5-moe", 2, 128, 4, 2, 256, 320, head_dim=64, n_ctx=512,
+                          n_expert=4, n_expert_used=2, n_ff_exp=256, n_expert_shared=1,
+                          n_layer_dense_lead=1),
 }
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -386,7 +391,7 @@ def test_cuda_moe_priced_equals_reserved_and_nothing_more_per_token(model, tmp_p
 
 
 @pytest.mark.parametrize("shape", ["qwen3moe-30b-a3b", "gpt-oss-20b", "glm4.5-air", "minimax-m2",
-                                   "dots1"])
+                                   "dots1", "ernie4.5-21b-a3b"])
 def test_published_moe_shapes_plan_onto_the_gpu_runner(shape) -> None:
     """The issue's shapes on a simulated H200: the GPU runner is the one chosen, every tensor
     type has a kernel, the plan fits, and the routed-row buffers are priced at the chunk's

@@ -1,6 +1,6 @@
 """The CPU engine's mixture-of-experts families against transformers: tiny random
 Qwen3MoeForCausalLM, GptOssForCausalLM, Glm4MoeForCausalLM, MixtralForCausalLM,
-MiniMaxM2ForCausalLM and Dots1ForCausalLM built from a
+MiniMaxM2ForCausalLM, Dots1ForCausalLM and Ernie4_5_MoeForCausalLM built from a
 config, written to GGUF (float32, and Q8_0 with gpt-oss's experts in MXFP4), logits at every position and 32 greedy
 tokens compared; the expert op touches only the routed experts; the engine process loads a tiny
 MoE file and streams a reply."""
@@ -29,7 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CASES = [("qwen3moe", "f32"), ("qwen3moe", "q8_0"), ("gpt-oss", "f32"), ("gpt-oss", "mxfp4"),
          ("glm4moe", "f32"), ("glm4moe", "q8_0"), ("mixtral", "f32"), ("mixtral", "q8_0"),
-         ("minimax-m2", "f32"), ("minimax-m2", "q8_0"), ("dots1", "f32"), ("dots1", "q8_0")]
+         ("minimax-m2", "f32"), ("minimax-m2", "q8_0"), ("dots1", "f32"), ("dots1", "q8_0"),
+         ("ernie4_5-moe", "f32"), ("ernie4_5-moe", "q8_0")]
 
 
 @pytest.fixture(scope="module")

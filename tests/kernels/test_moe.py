@@ -111,6 +111,27 @@ def test_route_matches_reference(gating, e, k, seed):
         assert nerr(wts, plain) < 1e-6
 
 
+def test_softmax_route_selects_by_its_bias(seed):
+    # ERNIE-4.5: the top k of softmax + selection bias, weighed by the plain softmax values
+    # (normalised); the bias moves the choice on some rows and never a weight's value
+    g = generator(seed)
+    m, e, k = 16, 12, 3
+    logits = torch.randn(m, e, generator=g, device=DEVICE)
+    sb = torch.randn(e, generator=g, device=DEVICE) * 0.1
+    ids = torch.full((m, k), -7, dtype=torch.int32, device=DEVICE)
+    wts = poison((m, k))
+    moe.route(logits, k, "softmax", True, 1.0, sb, ids, wts)
+    rid, rw = moe.route_ref(logits, k, "softmax", True, 1.0, sb)
+    assert torch.equal(ids, rid) and nerr(wts, rw) < 1e-6
+    probs = torch.softmax(logits.float(), -1)
+    want = torch.topk(probs + sb, k, dim=-1).indices
+    assert torch.equal(ids.long().sort(-1).values, want.sort(-1).values)
+    picked = probs.gather(1, ids.long())
+    assert nerr(wts, picked / picked.sum(-1, keepdim=True)) < 1e-6
+    plain, _ = moe.route(logits, k, "softmax", True)
+    assert not torch.equal(plain, ids)
+
+
 def test_route_ties_pick_the_lower_id():
     logits = torch.zeros(1, 8, device=DEVICE)
     logits[0, [2, 5, 6]] = 1.0

@@ -61,7 +61,7 @@ DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
 ARCHS = tuple(FAMILIES)  # every family the CPU engine runs
 # the mixture-of-experts families the GPU stage runs (the others run on the torch engine)
 # llama: Mixtral
-MOE_ARCHS = ("qwen3moe", "glm4moe", "gpt-oss", "llama", "minimax-m2", "dots1")
+MOE_ARCHS = ("qwen3moe", "glm4moe", "gpt-oss", "llama", "minimax-m2", "dots1", "ernie4_5-moe")
 
 
 def new_arena(nbytes: int, device: torch.device) -> torch.Tensor:

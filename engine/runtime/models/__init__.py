@@ -13,6 +13,7 @@ from engine.runtime.models.layers import Stage, Tensors
 from engine.runtime.models.llama import LlamaStage
 from engine.runtime.models.moe import (
     Dots1Stage,
+    Ernie45MoEStage,
     Glm4MoEStage,
     GptOssStage,
     MiniMaxM2Stage,
@@ -35,6 +36,7 @@ FAMILIES: dict[str, type[Stage]] = {
     "deepseek2": Deepseek2Stage,
     "minimax-m2": MiniMaxM2Stage,
     "dots1": Dots1Stage,
+    "ernie4_5-moe": Ernie45MoEStage,
 }
 # the files of a dense family whose metadata declares experts (HParams.n_expert > 0)
 ROUTED_FAMILIES: dict[str, type[Stage]] = {"llama": MixtralStage}

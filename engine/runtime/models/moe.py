@@ -1,5 +1,5 @@
-"""Mixture-of-experts families: qwen3moe, gpt-oss, glm4moe, minimax-m2, dots1, and Mixtral (llama
-files with experts).
+"""Mixture-of-experts families: qwen3moe, gpt-oss, glm4moe, minimax-m2, dots1, ernie4_5-moe, and
+Mixtral (llama files with experts).
 
 Every MoE layer routes each token to ``n_expert_used`` of ``n_expert`` expert FFNs: the router
 ``ffn_gate_inp`` [n_expert, n_embd] (float32 in the files) scores the experts, ``ops.route``
@@ -22,6 +22,9 @@ experts' slices of the 3-D ``ffn_{gate,up,down}_exps`` tensors and sums them by 
 - dots1 (dots.llm1): qwen3's attention (per-head q/k RMSNorm), then glm4moe's FFNs (leading
   dense layers, shared experts, sigmoid routing by the selection bias, weights normalised
   and scaled as the file says).
+- ernie4_5-moe (ERNIE-4.5 MoE): llama's attention (adjacent-pair RoPE, optional q/k/v
+  biases), leading dense layers, shared experts; softmax routing that selects by softmax +
+  ``exp_probs_b`` and weighs by the plain softmax, weights normalised.
 - Mixtral: a "llama" file whose metadata declares experts: llama's block (adjacent-pair RoPE,
   no biases, no q/k norm), every layer MoE; softmax over all experts, top-k, weights
   renormalised (as qwen3moe).
@@ -89,6 +92,10 @@ class MiniMaxM2Stage(MoEStage):
 
 
 class Dots1Stage(MoEStage):
+    pass
+
+
+class Ernie45MoEStage(MoEStage):
     pass
 
 
