@@ -134,3 +134,19 @@ def test_file_keys_names_shapes_and_weights(files, quant: str) -> None:
                                   sd["model.layers.0.mlp.up_proj.weight"])
     np.testing.assert_array_equal(_array(tensors["output.weight"]), sd["lm_head.weight"])
     assert 0.02 < np.abs(bias).mean() < 0.3  # of order 0.1: the selection bias matters
+
+
+def test_an_interleave_step_other_than_one_is_refused_at_open(tmp_path) -> None:
+    # llama.cpp would route every second layer; the published files route every one
+    from engine.gguf.hparams import HParams
+    from engine.gguf.reader import GGUFModel
+    from spec.errors import CarveError
+
+    def step_two(meta, table):
+        return [(k, t, 2 if k.endswith("interleave_moe_layer_step") else v)
+                for k, t, v in meta], table
+
+    _, path = write_pair(A, "f32", tmp_path / "step2.gguf", edit=step_two)
+    with pytest.raises(CarveError, match="interleave_moe_layer_step is 2") as e:
+        HParams.from_model(GGUFModel.open(path))
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
