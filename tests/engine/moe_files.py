@@ -681,3 +681,8 @@ def _copy_params(m: torch.nn.Module, back: dict[str, np.ndarray]) -> None:
     with torch.no_grad():
         for k, v in back.items():
             params[k].copy_(torch.from_numpy(np.ascontiguousarray(v)).reshape(params[k].shape))
+
+
+def file_array(t) -> np.ndarray:
+    """A tensor read back with gguf's GGUFReader, as float32 in torch order (dequantized)."""
+    return dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])

@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
-from gguf.quants import dequantize
 
 sys.path.insert(0, str(Path(__file__).parent))
-from moe_files import N_VOCAB, hf_model, write_pair  # noqa: E402
+from moe_files import N_VOCAB, file_array, hf_model, write_pair  # noqa: E402
 
 A = "ernie4_5-moe"
 KEYS = {"block_count": 3, "context_length": 4096, "embedding_length": 64,
@@ -42,10 +41,6 @@ GLOBAL = {"token_embd.weight": (N_VOCAB, 64), "output_norm.weight": (64,),
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("ernie")
     return {q: write_pair(A, q, d / f"{A}-{q}.gguf") for q in ("f32", "q8_0")}
-
-
-def _array(t) -> np.ndarray:
-    return dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
 
 
 def test_hf_model_routes_and_rotates_as_llama_cpp() -> None:
@@ -129,10 +124,10 @@ def test_file_keys_names_shapes_and_weights(files, quant: str) -> None:
              "ffn_up_shexp.weight": sd[h + "mlp.shared_experts.up_proj.weight"],
              "ffn_down_shexp.weight": sd[h + "mlp.shared_experts.down_proj.weight"]}
     for n, a in pairs.items():
-        np.testing.assert_array_equal(_array(tensors["blk.1." + n]), a, err_msg=n)
-    np.testing.assert_array_equal(_array(tensors["blk.0.ffn_up.weight"]),
+        np.testing.assert_array_equal(file_array(tensors["blk.1." + n]), a, err_msg=n)
+    np.testing.assert_array_equal(file_array(tensors["blk.0.ffn_up.weight"]),
                                   sd["model.layers.0.mlp.up_proj.weight"])
-    np.testing.assert_array_equal(_array(tensors["output.weight"]), sd["lm_head.weight"])
+    np.testing.assert_array_equal(file_array(tensors["output.weight"]), sd["lm_head.weight"])
     assert 0.02 < np.abs(bias).mean() < 0.3  # of order 0.1: the selection bias matters
 
 

@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFReader
-from gguf.quants import dequantize
 
 sys.path.insert(0, str(Path(__file__).parent))
-from moe_files import N_VOCAB, hf_model, write_pair  # noqa: E402
+from moe_files import N_VOCAB, file_array, hf_model, write_pair  # noqa: E402
 
 A = "minimax-m2"
 KEYS = {"block_count": 2, "context_length": 4096, "embedding_length": 64,
@@ -36,10 +35,6 @@ GLOBAL = {"token_embd.weight": (N_VOCAB, 64), "output_norm.weight": (64,),
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("minimax")
     return {q: write_pair(A, q, d / f"{A}-{q}.gguf") for q in ("f32", "q8_0")}
-
-
-def _array(t) -> np.ndarray:
-    return dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
 
 
 def test_hf_model_rotates_16_of_32_dims() -> None:
@@ -97,6 +92,6 @@ def test_file_keys_names_shapes_and_weights(files, quant: str) -> None:
              "ffn_gate_exps.weight": gu[:, :32], "ffn_up_exps.weight": gu[:, 32:],
              "ffn_down_exps.weight": sd[h + "mlp.experts.down_proj"]}
     for n, a in pairs.items():
-        np.testing.assert_array_equal(_array(tensors["blk.1." + n]), a, err_msg=n)
+        np.testing.assert_array_equal(file_array(tensors["blk.1." + n]), a, err_msg=n)
     bias = sd[h + "mlp.e_score_correction_bias"]
     assert 0.02 < np.abs(bias).mean() < 0.3  # of order 0.1: the selection bias matters
