@@ -23,7 +23,6 @@ from engine.runtime.models import build_stage
 from engine.runtime.models.layers import Stage
 from engine.runtime.models.ops import TORCH_OPS
 from engine.runtime.options import RunnerOptions
-from spec.errors import CarveError
 from spec.runners import TORCH
 
 __all__ = ["GenerationStats", "Session"]
@@ -80,12 +79,7 @@ class Session(ChunkedSession):
                                    options=options)
         print(f"carve-engine: runner torch on {devices} ({why})", file=sys.stderr, flush=True)
         layout = price(plan, model, TORCH)
-        refuse(layout)
-        if layout.host is not None:
-            raise CarveError(
-                f"experts in host memory run on the Triton GPU runner, and this plan runs on "
-                f"the torch engine ({why}); keep every MoE layer's experts in VRAM "
-                "(--experts-resident at each GPU's MoE layer count, or leave it to Auto)")
+        refuse(layout)  # host experts on this runner too: price() says "does not run here"
         allocator = RecordingAllocator()
         loaded = load_layout(layout, model, allocator, on_progress, cancelled)
         return cls(plan, model, hp, layout, allocator, loaded, ops)
