@@ -32,6 +32,7 @@ import torch
 from carve_kernels.dequant import dequantize_to
 from engine.runtime.models.layers import KVStore, weight
 from engine.runtime.models.moe import MoEStage
+from engine.runtime.models.ops import QExperts
 
 
 class Deepseek2Stage(MoEStage):
@@ -62,9 +63,8 @@ class Deepseek2Stage(MoEStage):
         k_pe = ops.rope(kv_a[:, c:].reshape(n, 1, rd), cos, sin, hp.rope_style)
         row = torch.cat((latent.view(n, 1, c), k_pe.to(latent.dtype)), dim=-1)
         keys, values, mask = kv.store_and_fetch(i, row, None, pos0)  # [S, 1, c + rd], [S, 1, c]
-        k_b, legacy = self._k_b(i)  # [h, c, nope], or [h, nope, c] from attn_kv_b
-        qn = q[..., :nope].to(k_b.dtype)
-        q_lat = torch.einsum("thn,hnc->thc" if legacy else "thn,hcn->thc", qn, k_b)
+        k_b = self._k_b(i)  # [h, c, nope]
+        q_lat = torch.einsum("thn,hcn->thc", q[..., :nope].to(k_b.dtype), k_b)
         del k_b
         q_all = torch.cat((q_lat.float(), q_pe.float()), dim=-1)
         if hp.attn_temp_scale:  # Mistral Large 3: queries warmer with distance
@@ -76,21 +76,29 @@ class Deepseek2Stage(MoEStage):
         return self.proj(o.reshape(n, h * hp.head_dim_v).to(x.dtype), p + "attn_output")
 
     # --- the absorbed matrices ----------------------------------------------------------------
-    def _k_b(self, i: int) -> tuple[torch.Tensor, bool]:
-        p, hp = f"blk.{i}.", self.hp
-        if not hp.mla_legacy:
-            return _whole(weight(self.t, p + "attn_k_b.weight")), False
-        nope = hp.head_dim - hp.rope_dim
-        kv_b = _whole(weight(self.t, p + "attn_kv_b.weight"))
-        return kv_b.view(hp.n_head, nope + hp.head_dim_v, -1)[:, :nope], True
+    # Each is dequantized where it is used (an uncached one lands in the stage's one scratch,
+    # so the two cannot be held at once); a legacy file's attn_kv_b is dequantized for each.
+    def _k_b(self, i: int) -> torch.Tensor:
+        """Layer i's [n_head, kv_lora, nope] matrices taking a head's query into the latent."""
+        if not self.hp.mla_legacy:
+            return _whole(weight(self.t, f"blk.{i}.attn_k_b.weight"))
+        return self._kv_b(i)[:, : self._nope].transpose(1, 2)
 
     def _v_b(self, i: int) -> torch.Tensor:
-        p, hp = f"blk.{i}.", self.hp
-        if not hp.mla_legacy:
-            return _whole(weight(self.t, p + "attn_v_b.weight"))
-        nope = hp.head_dim - hp.rope_dim
-        kv_b = _whole(weight(self.t, p + "attn_kv_b.weight"))
-        return kv_b.view(hp.n_head, nope + hp.head_dim_v, -1)[:, nope:]
+        """Layer i's [n_head, head_dim_v, kv_lora] matrices taking a head's latent out."""
+        if not self.hp.mla_legacy:
+            return _whole(weight(self.t, f"blk.{i}.attn_v_b.weight"))
+        return self._kv_b(i)[:, self._nope :]
+
+    @property
+    def _nope(self) -> int:
+        return self.hp.head_dim - self.hp.rope_dim
+
+    def _kv_b(self, i: int) -> torch.Tensor:
+        # a legacy file's attn_kv_b [n_head (nope + v), kv_lora] as [n_head, nope + v, kv_lora]
+        hp = self.hp
+        kv_b = _whole(weight(self.t, f"blk.{i}.attn_kv_b.weight"))
+        return kv_b.view(hp.n_head, self._nope + hp.head_dim_v, -1)
 
 
 def temperature(hp: Any, pos0: int, n: int, device: torch.device) -> torch.Tensor:
@@ -131,7 +139,7 @@ def _whole(w: Any) -> torch.Tensor:
     stage's priced scratch where it fits (float32 on the CPU, as every CPU product), else into a
     temporary."""
     n = getattr(w, "n_expert", 1)
-    shape = (n, w.rows, w.cols) if hasattr(w, "n_expert") else (w.rows, w.cols)
+    shape = (n, w.rows, w.cols) if isinstance(w, QExperts) else (w.rows, w.cols)
     c = w.cached
     cpu = w.raw.device.type == "cpu"
     if c is not None:
