@@ -50,18 +50,14 @@ from engine.runtime.gpu.rows import Rows
 from engine.runtime.gpu.stage_attn import AttentionLayers
 from engine.runtime.gpu.stage_graph import DecodeGraph
 from engine.runtime.gpu.stage_moe import MoeLayers
-from engine.runtime.models import FAMILIES
 from engine.runtime.models.layers import _linear_scale, factors_name, global_freqs
 from engine.runtime.options import RunnerOptions
 from spec import quant_types as qt
 from spec.errors import CarveError
+from spec.runners import TRITON_ARCHS
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
           "i64": torch.int64, "i32": torch.int32, "uint8": torch.uint8}
-ARCHS = tuple(FAMILIES)  # every family the CPU engine runs
-# the mixture-of-experts families the GPU stage runs (the others run on the torch engine)
-# llama: Mixtral
-MOE_ARCHS = ("qwen3moe", "glm4moe", "gpt-oss", "llama", "minimax-m2", "dots1", "ernie4_5-moe")
 
 
 def new_arena(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -96,13 +92,9 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
                  device: torch.device | str, ctx: int, chunk: int,
                  options: RunnerOptions = RunnerOptions(), host_compute: str = "gpu",
                  host_pinned: bool = False) -> None:
-        if hp.arch not in ARCHS:
-            raise CarveError(f"the GPU stage runs {', '.join(ARCHS)} models; {hp.arch} runs on "
-                             f"the CPU engine for now")
-        if getattr(hp, "n_expert", 0) and hp.arch not in MOE_ARCHS:
-            raise CarveError(f"the GPU stage runs the mixture-of-experts models "
-                             f"{', '.join(MOE_ARCHS)}; {hp.arch} runs on the torch engine "
-                             f"(CARVE_RUNNER=torch) for now")
+        if hp.arch not in TRITON_ARCHS:  # with their experts, where a file has them
+            raise CarveError(f"the GPU stage runs {', '.join(TRITON_ARCHS)} models; {hp.arch} "
+                             "runs on the torch engine (CARVE_RUNNER=torch)")
         # the global layers' RoPE: a frequency per pair in buf.rope_freqs (YaRN's, every layer;
         # the file's rope_freqs factors applied, with any linear scale), or the base and the
         # linear scale; the CPU engine's error for other kinds
