@@ -220,7 +220,8 @@ def router_ref(w, x, bias=None, out=None, use_pdl=True):
 @triton.jit
 def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, GATING: tl.constexpr,
                   KU: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HAS_SB: tl.constexpr,
-                  BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_E: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
+                  NGU: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     m = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
@@ -241,6 +242,25 @@ def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, GATING: tl.constexpr,
         if HAS_SB:
             sel = val + tl.load(sb_ptr + e, mask=emask, other=0.0)
     sel = tl.where(emask, sel, -float("inf"))
+    if NG > 1:  # DeepSeek-V3: only among the NGU groups whose two best scores sum highest
+        gs = E // NG
+        grp = e // gs
+        gi = tl.arange(0, NGP)
+        gscore = tl.full([NGP], -float("inf"), dtype=tl.float32)
+        for g in tl.static_range(NG):
+            s_g = tl.where(grp == g, sel, -float("inf"))
+            b1 = tl.max(s_g, axis=0)
+            p1 = tl.min(tl.where(s_g == b1, e, BLOCK_E), axis=0)
+            b2 = tl.max(tl.where(e == p1, -float("inf"), s_g), axis=0)
+            two = tl.where(gs > 1, b1 + b2, b1)
+            gscore = tl.where(gi == g, two, gscore)
+        keep = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for _ in tl.static_range(NGU):
+            best = tl.max(gscore, axis=0)
+            pick = tl.min(tl.where(gscore == best, gi, NGP), axis=0)
+            keep = tl.where(grp == pick, 1, keep)
+            gscore = tl.where(gi == pick, -float("inf"), gscore)
+        sel = tl.where(keep != 0, sel, -float("inf"))
     j = tl.arange(0, KP)
     ids = tl.zeros([KP], dtype=tl.int32)
     wts = tl.zeros([KP], dtype=tl.float32)
@@ -265,28 +285,36 @@ def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, GATING: tl.constexpr,
 
 def route(logits: torch.Tensor, k: int, gating: str, norm: bool = False, scale: float = 1.0,
           sel_bias: torch.Tensor | None = None, ids: torch.Tensor | None = None,
-          weights: torch.Tensor | None = None,
-          use_pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+          weights: torch.Tensor | None = None, use_pdl: bool = True,
+          groups: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts of each row of ``logits`` [M, E]: (ids [M, k] int32, weights [M, k]
     float32) by the ``gating`` rule, then ``norm`` and ``scale``; ``sel_bias`` [E]: the selection
     bias (glm4moe's with sigmoid gating, ERNIE-4.5's with softmax), added to the scores the
-    experts are chosen by, never to their weights. One program per row; nothing leaves the device."""
+    experts are chosen by, never to their weights. ``groups`` (n_groups, n_used), n_groups > 1
+    (DeepSeek-V3): the experts are n_groups equal groups, and each row chooses only among those
+    of its n_used groups whose two best selection scores sum highest (ties to the lower
+    group). One program per row; nothing leaves the device."""
     m, e = logits.shape
     if gating not in GATINGS:
         raise ValueError(f"unknown expert gating {gating!r}")
+    ng, ngu = groups
+    if ng > 1 and (e % ng or not 0 < ngu <= ng or ngu * (e // ng) < k):
+        raise ValueError(f"{e} experts in {ng} groups, {ngu} used, cannot give {k}")
     ids = torch.empty(m, k, dtype=torch.int32, device=logits.device) if ids is None else ids
     weights = (torch.empty(m, k, dtype=torch.float32, device=logits.device)
                if weights is None else weights)
     _route_kernel[(m,)](logits, sel_bias if sel_bias is not None else logits, ids, weights, e,
                         float(scale), GATING=GATINGS[gating], KU=k,
                         KP=triton.next_power_of_2(k), NORM=norm, HAS_SB=sel_bias is not None,
-                        BLOCK_E=triton.next_power_of_2(e), num_warps=1,
+                        BLOCK_E=triton.next_power_of_2(e), NG=ng if ng > 1 else 1,
+                        NGP=triton.next_power_of_2(max(ng, 1)), NGU=ngu if ng > 1 else 1,
+                        num_warps=1,
                         **pdl.opts(weights, use_pdl))
     return ids, weights
 
 
 def route_ref(logits, k, gating, norm=False, scale=1.0, sel_bias=None, ids=None, weights=None,
-              use_pdl=True):
+              use_pdl=True, groups=(0, 0)):
     lg = logits.float()
     if gating == "softmax":
         val = torch.softmax(lg, dim=-1)
@@ -296,6 +324,13 @@ def route_ref(logits, k, gating, norm=False, scale=1.0, sel_bias=None, ids=None,
     else:
         val = torch.sigmoid(lg)
         sel = val + sel_bias.float() if sel_bias is not None else val
+    ng, ngu = groups
+    if ng > 1:  # each row's ngu groups of the best two-score sums (ties to the lower group)
+        g = sel.view(sel.shape[0], ng, -1)
+        score = g.topk(min(2, g.shape[-1]), dim=-1).values.sum(-1)
+        best = torch.sort(-score, dim=-1, stable=True).indices[:, :ngu]
+        keep = torch.zeros_like(score, dtype=torch.bool).scatter_(1, best, True)
+        sel = g.masked_fill(~keep[..., None], float("-inf")).view(sel.shape)
     # ties to the lower id: a stable sort of the negated scores
     top = torch.sort(-sel, dim=-1, stable=True).indices[:, :k]
     w = val.gather(-1, top)

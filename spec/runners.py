@@ -18,11 +18,10 @@ ARCHS: tuple[str, ...] = (
     "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "gpt-oss", "glm4moe",
     "deepseek2", "minimax-m2", "dots1", "ernie4_5-moe",
 )
-# those the Triton GPU runner runs too (every one but deepseek2: its latent attention runs on
-# the torch engine)
+# those the Triton GPU runner runs too (all of them)
 TRITON_ARCHS: tuple[str, ...] = (
     "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "glm4moe", "gpt-oss",
-    "minimax-m2", "dots1", "ernie4_5-moe",
+    "deepseek2", "minimax-m2", "dots1", "ernie4_5-moe",
 )
 
 

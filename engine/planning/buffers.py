@@ -54,13 +54,19 @@ def activation_buffers(
     kv_width = hp.n_head_kv * hp.head_dim + hp.n_head_kv * hp.head_dim_v
     kv_k = hp.n_head_kv * hp.head_dim
     attn_width = hp.n_head * hp.head_dim_v
+    partial_width = hp.head_dim_v
     if getattr(hp, "kv_lora_rank", 0):
-        # latent attention (deepseek2): the queries carried into the latent space, the latent
-        # row each token writes, and the heads' attention-weighted latents are the widest
-        row = hp.kv_lora_rank + hp.rope_dim
-        q_width = hp.n_head * max(hp.head_dim, row)
+        # latent attention (deepseek2): buf.qkv holds each token's q (n_head x head_dim), its
+        # latent row (kv_lora + rope_dim), the queries carried into the latent space (n_head x
+        # kv_lora; later the heads' outputs) and attn_q_a's output (q_lora_rank); buf.attn
+        # the heads' attention-weighted latents; the split-K partials are latent-wide (a power
+        # of two: carve_kernels/latent.py workspace_width)
+        c = hp.kv_lora_rank
+        row = c + hp.rope_dim
+        q_width = hp.n_head * (hp.head_dim + c) + getattr(hp, "q_lora_rank", 0)
         kv_width = kv_k = row
-        attn_width = hp.n_head * max(hp.head_dim_v, hp.kv_lora_rank)
+        attn_width = hp.n_head * max(hp.head_dim_v, c)
+        partial_width = max(16, 1 << (c - 1).bit_length())
     out = [
         BufferSpec("tokens", (chunk,), "i64"),  # [chunk] token ids (first stage embeds them)
         BufferSpec("positions", (chunk,), "i64"),  # [chunk] absolute positions for RoPE / KV rows
@@ -76,7 +82,7 @@ def activation_buffers(
         BufferSpec("ffn_up", (chunk, 2 * f), a),  # [chunk, gate | up]
         BufferSpec("ffn_act", (chunk, f), a),  # [chunk, n_ff] act(gate) * up
         BufferSpec(
-            "attn_partial", (hp.n_head, ATTN_SPLITS, hp.head_dim_v), "f32"
+            "attn_partial", (hp.n_head, ATTN_SPLITS, partial_width), "f32"
         ),  # split-K decode
         BufferSpec("attn_lse", (hp.n_head, ATTN_SPLITS), "f32"),  # per split log-sum-exp
         # per kv head: split-K programs done, so that the last one merges (kept at zero);

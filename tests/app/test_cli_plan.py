@@ -178,17 +178,22 @@ def test_a_type_the_runner_has_no_kernel_for_does_not_run(synth_model: Any) -> N
 
 
 def test_a_gpu_plan_names_its_runner(tiny: str, synth_model: Any) -> None:
-    # the Triton kernels run the llama file; deepseek2's latent attention runs on the torch
-    # engine, and the plan says so (and never offers to move its experts to host memory)
+    # the Triton kernels run the llama file and deepseek2's latent attention on an f16 cache;
+    # with a q8_0 cache deepseek2 runs on the torch engine, and the plan says so (and refuses
+    # experts in host memory, which only the Triton runner computes)
     r = run(tiny, "--gpus", "1x4GiB", "--ctx", "1024")
     assert r.returncode == 0, r.stderr
     assert "runner: Triton GPU kernels" in r.stdout
     ds = str(synth_model("deepseek2-tiny"))
     r = run(ds, "--gpus", "1x4GiB", "--ctx", "1024")
     assert r.returncode == 0, r.stderr
-    assert "deepseek2, 4 layers" in r.stdout
-    assert "runner: the torch engine, on the GPU (" in r.stdout and "not deepseek2" in r.stdout
+    assert "deepseek2, 4 layers" in r.stdout and "runner: Triton GPU kernels" in r.stdout
+    r = run(ds, "--gpus", "1x4GiB", "--ctx", "1024", "--kv", "q8_0")
+    assert r.returncode == 0, r.stderr
+    assert "runner: the torch engine, on the GPU (" in r.stdout and "f16 KV cache" in r.stdout
     assert "runner" not in run(ds, "--gpus", "cpu", "--ctx", "1024").stdout
     r = run(ds, "--gpus", "1x4GiB", "--ctx", "1024", "--experts-resident", "0")
+    assert r.returncode == 0, r.stdout  # the Triton runner computes host experts
+    r = run(ds, "--gpus", "1x4GiB", "--ctx", "1024", "--experts-resident", "0", "--kv", "q8_0")
     assert r.returncode == 2, r.stdout
     assert "experts in host memory run on the Triton GPU runner" in r.stdout

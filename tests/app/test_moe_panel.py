@@ -137,9 +137,10 @@ def test_a_moe_file_with_a_bad_expert_tensor_leaves_the_window_usable(qtbot, syn
         w.close()
 
 
-def test_a_deepseek_plan_says_it_runs_on_the_torch_engine(qtbot, synth_model, monkeypatch):
-    # latent attention runs on the torch engine: the fit check says so beside the verdict,
-    # and a llama file on the same card says nothing of the kind
+def test_a_plan_on_the_torch_engine_says_so(qtbot, synth_model, monkeypatch):
+    # latent attention on a q8_0 KV cache runs on the torch engine: the fit check says so
+    # beside the verdict; on an f16 cache (the Triton runner), or for a llama file on the same
+    # card, it says nothing of the kind
     monkeypatch.setattr(devices, "snapshot", lambda: [_gpu(0)])
     w = MainWindow(LIGHT, engine_program=[sys.executable, FAKE, "normal"], live_poll=False)
     qtbot.addWidget(w)
@@ -147,9 +148,12 @@ def test_a_deepseek_plan_says_it_runs_on_the_torch_engine(qtbot, synth_model, mo
     w.show()
     try:
         assert w.plan.layout.verdict == "fits"
+        assert "torch engine" not in w.fit.advice.text()
+        w.plan.set_kv_type("q8_0")
+        assert w.plan.layout.verdict == "fits"
         assert w.fit.advice.isVisibleTo(w.fit)
         text = w.fit.advice.text()
-        assert "Runs on the torch engine" in text and "not deepseek2" in text
+        assert "Runs on the torch engine" in text and "f16 KV cache" in text
         w.restore(str(synth_model("llama")), "auto")
         assert "torch engine" not in w.fit.advice.text()
     finally:

@@ -4,8 +4,9 @@ YaRN) and DeepseekV2ForCausalLM (V2-Lite's plain q, softmax routing, two shared 
 written to GGUF in llama.cpp's current layout (attn_k_b / attn_v_b) and its legacy one
 (attn_kv_b); logits at every position and 32 greedy tokens compared. The KV cache holds MLA's
 latent row (priced as such), the group-limited router matches transformers', bad files are
-refused in one sentence, and a GPU plan of it runs on the torch engine with its experts in
-VRAM."""
+refused in one sentence. A GPU plan runs on the Triton runner (carve_kernels/latent.py), whose
+logits and greedy ids are the CPU engine's (under the interpreter without a GPU), and on the
+torch engine with a q8_0 cache."""
 
 from __future__ import annotations
 
@@ -206,7 +207,11 @@ def test_bad_files_are_refused_in_one_sentence(tmp_path, layout, edit, expect) -
     assert expect in msg and str(path) in msg and "\n" not in msg, msg
 
 
-def test_a_gpu_plan_runs_on_the_torch_engine_with_its_experts_in_vram(pairs) -> None:
+def test_a_gpu_plan_runs_on_the_triton_runner_and_on_the_torch_engine_with_a_q8_0_cache(
+        pairs, synth_model) -> None:
+    """A GPU plan runs on the Triton runner (latent attention on an f16 cache), experts in
+    host memory too; with a q8_0 cache on the torch engine, which keeps them in VRAM: a plan
+    with host experts is refused there, and Auto never makes one."""
     from dataclasses import replace
 
     from engine.planning.capability import runner_for
@@ -214,7 +219,7 @@ def test_a_gpu_plan_runs_on_the_torch_engine_with_its_experts_in_vram(pairs) -> 
     from engine.planning.defaults import place_experts
     from engine.planning.price import price
     from engine.planning.rules import KvType, Verdict
-    from spec.runners import TORCH
+    from spec.runners import TORCH, TRITON
 
     _, path = pairs("deepseek3", "mla", "q8_0")
     model = GGUFModel.open(path)
@@ -222,10 +227,17 @@ def test_a_gpu_plan_runs_on_the_torch_engine_with_its_experts_in_vram(pairs) -> 
     gpu = DeviceSpec(index=0, name="NVIDIA H200", total=GIB // 64, free=GIB // 64)  # 16 MiB
     plan = Plan(model=str(path), devices=(gpu,), split=(0, hp.n_layer_run), ctx=256,
                 prefill_chunk=32, cache_reserve=0, kv_type=KvType.F16)
-    assert runner_for(plan, model_index(model)) is TORCH
-    assert place_experts(plan, model) == plan  # Auto never moves them to host memory here
-    layout = price(replace(plan, experts_resident=(0,)), model)
-    d = layout.devices[0]
+    assert runner_for(plan, model_index(model)) is TRITON
+    # (16 MiB does not fit it, but nothing says it does not run)
+    assert price(replace(plan, experts_resident=(0,)), model).devices[0].verdict in (
+        Verdict.FITS, Verdict.DOES_NOT_FIT)
+    # deepseek2-tiny's latent rows (256 + 32 values) are whole q8_0 blocks
+    model = GGUFModel.open(synth_model("deepseek2-tiny"))
+    q8 = replace(plan, model=str(synth_model("deepseek2-tiny")), kv_type=KvType.Q8_0,
+                 split=(0, HParams.from_model(model).n_layer_run))
+    assert runner_for(q8, model_index(model)) is TORCH
+    assert place_experts(q8, model) == q8  # Auto never moves them to host memory here
+    d = price(replace(q8, experts_resident=(0,)), model).devices[0]
     assert d.verdict == Verdict.DOES_NOT_RUN
     assert "torch engine" in d.advice and "--experts-resident" in d.advice
 
@@ -233,8 +245,10 @@ def test_a_gpu_plan_runs_on_the_torch_engine_with_its_experts_in_vram(pairs) -> 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_torch_engine_runs_it_as_priced(pairs, tmp_path, monkeypatch) -> None:
-    """A CUDA plan of deepseek2 loads on the torch engine (bf16 dequant cache and activations),
-    its load's allocation the priced one, its logits near the CPU engine's."""
+    """A CUDA plan of deepseek2 loads on the torch engine where asked (bf16 dequant cache and
+    activations), its load's allocation the priced one, its logits near the CPU engine's."""
+    from engine.runtime.options import RunnerOptions
+
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     _, path = pairs("deepseek3", "mla", "q8_0")
     hp = HParams.from_model(GGUFModel.open(path))
@@ -242,7 +256,7 @@ def test_on_a_gpu_the_torch_engine_runs_it_as_priced(pairs, tmp_path, monkeypatc
     dev = DeviceSpec(index=0, name=torch.cuda.get_device_name(0), total=total, free=free)
     plan = Plan(model=str(path), devices=(dev,), split=(0, hp.n_layer_run), ctx=128,
                 prefill_chunk=32, cache_reserve=0, logits_rows=1, act_dtype="bf16")
-    g = Session.load(plan)
+    g = Session.load(plan, options=RunnerOptions(runner="torch"))
     c = _session(path, cached=True)  # the same bf16 copies of the matrices
     try:
         assert type(g) is Session  # not the Triton runner's
@@ -345,3 +359,34 @@ def test_routing_of_files_without_a_gating_key(n_layer, n_vocab, gating) -> None
 
     shape = replace(SHAPES["deepseek-v2-lite"], n_layer=n_layer, n_vocab=n_vocab, expert_gating=0)
     assert HParams.from_model(HeaderModel(shape)).expert_gating == gating
+
+
+@pytest.mark.parametrize("arch,layout,quant,temp", [
+    ("deepseek3", "mla", "q8_0", False), ("deepseek2", "legacy", "q8_0", False),
+    ("deepseek3", "legacy", "q8_0", True)])
+def test_the_triton_runner_gives_the_cpu_engines_logits(pairs, tmp_path, arch, layout, quant,
+                                                        temp) -> None:
+    """The Triton runner's latent attention (carve_kernels/latent.py: the absorbed per-head
+    matrices, the latent cache, split-K decode, Mistral Large 3's temperature past its
+    length) and group-limited routing on the transformers models' files: prefill over two
+    chunks, decode steps and greedy ids as the CPU engine's (float x in decode: the int8
+    copies' rounding is the dense families' own)."""
+    from gpu_compare import against_cpu_engine
+
+    from engine.runtime.options import RunnerOptions
+
+    if temp:
+        def with_temp(meta, table):
+            return meta + [("deepseek2.attention.temperature_scale", F32, 0.5),
+                           ("deepseek2.attention.temperature_length", U32, 8)], table
+
+        _, path = write_pair(arch, quant, tmp_path / "warm.gguf", layout=layout, edit=with_temp)
+    else:
+        _, path = pairs(arch, layout, quant)
+    hp = HParams.from_model(GGUFModel.open(path))
+    plan = Plan(model=str(path), devices=(CPU,), split=(0, hp.n_layer_run), ctx=64,
+                prefill_chunk=16, cache_reserve=1 << 50, logits_rows=16)
+    ids = torch.randint(3, 500, (30,), generator=torch.Generator().manual_seed(9)).tolist()
+    against_cpu_engine(plan, torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                       ids[:24], ids[24:27], ids[:6], 2e-4, f"{arch}-{layout}-{quant}",
+                       options=RunnerOptions(q8x=False))

@@ -61,6 +61,15 @@ SHAPES = {
     "dots1": Shape("dots1", 2, 128, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
                    n_expert_used=2, n_ff_exp=256, n_expert_shared=1, n_layer_dense_lead=1,
                    expert_weights_scale=2.5, expert_gating=2),
+    # DeepSeek-V3 (deepseek2): latent attention (a q LoRA, the latent row in the cache, the
+    # absorbed per-head matrices), YaRN, a dense first layer, a shared expert, sigmoid routing
+    # by its selection bias limited to the best of two groups, weights normalised and scaled
+    "deepseek2": Shape("deepseek2", 2, 128, 4, 1, 256, 320, n_ctx=512, rope_base=1e4,
+                       n_expert=4, n_expert_used=2, n_ff_exp=256, n_expert_shared=1,
+                       n_layer_dense_lead=1, q_lora_rank=64, kv_lora_rank=64, qk_nope_dim=32,
+                       qk_rope_dim=16, v_head_dim=32, expert_gating=2,
+                       expert_weights_norm=True, expert_weights_scale=2.5,
+                       expert_groups=(2, 1), yarn=(4.0, 64), mscale_all_dim=0.707),
     # ERNIE-4.5: adjacent-pair RoPE, a dense first layer, a shared expert, softmax routing
     # that selects by softmax + its selection bias, weights normalised
     "ernie4_5-moe": Shape("ernie4_5-moe", 2, 128, 4, 2, 256, 320, head_dim=64, n_ctx=512,
@@ -104,7 +113,8 @@ def test_moe_buffers_are_sized_for_the_routed_rows(model) -> None:
     glm = hp.arch == "glm4moe"
     assert hp.n_expert == 4 and hp.n_expert_used == 2
     assert hp.expert_gating == {"glm4moe": "sigmoid", "gpt-oss": "softmax_topk",
-                                "minimax-m2": "sigmoid", "dots1": "sigmoid"}.get(hp.arch,
+                                "minimax-m2": "sigmoid", "dots1": "sigmoid",
+                                "deepseek2": "sigmoid"}.get(hp.arch,
                                                                                  "softmax")
     if glm:
         assert hp.n_layer_run == 2 and hp.rope_dim == 32 and hp.n_ff_shexp == 256
@@ -131,7 +141,7 @@ def _options(model: str) -> RunnerOptions | None:
     7.3e-4); their int8 decode is held to the int8 test's bound below."""
     if "gpt-oss" in model:
         return RunnerOptions(expert_q8=False)
-    if "minimax" in model or "dots1" in model:
+    if "minimax" in model or "dots1" in model or "deepseek2" in model:
         return RunnerOptions(q8x=False)
     return None
 
@@ -391,6 +401,7 @@ def test_cuda_moe_priced_equals_reserved_and_nothing_more_per_token(model, tmp_p
 
 
 @pytest.mark.parametrize("shape", ["qwen3moe-30b-a3b", "gpt-oss-20b", "glm4.5-air", "minimax-m2",
+                                   "deepseek-v2-lite",
                                    "dots1", "ernie4.5-21b-a3b"])
 def test_published_moe_shapes_plan_onto_the_gpu_runner(shape) -> None:
     """The issue's shapes on a simulated H200: the GPU runner is the one chosen, every tensor

@@ -500,7 +500,7 @@ def test_the_runner_is_chosen_for_cuda_plans_of_supported_archs(tiny, monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     gpu = plan(tiny, SIM[:1], (0, 2))
     assert why_not(gpu, hp) is None
-    assert "not deepseek2" in why_not(gpu, type("H", (), {"arch": "deepseek2"})())
+    assert "not mamba" in why_not(gpu, type("H", (), {"arch": "mamba"})())
     assert why_not(gpu, hp, RunnerOptions(runner="torch")) == "CARVE_RUNNER=torch"
 
 

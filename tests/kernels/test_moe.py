@@ -309,3 +309,30 @@ def test_prefill_grouped_path_runs_experts_of_several_tiles(seed):
     # (spec.launch.MOE_TILE_ROWS), its last tile partial
     assert 97 > MOE_TILE_ROWS
     test_prefill_grouped_path_matches_decode_reference((qt.Q4_K, qt.Q6_K), seed, (2, 2, 97))
+
+
+@pytest.mark.parametrize("gating,e,ng,ngu,k", [("sigmoid", 64, 8, 3, 6), ("softmax", 48, 6, 2, 4),
+                                               ("sigmoid", 32, 4, 1, 8)])
+def test_route_limited_to_groups_matches_reference(gating, e, ng, ngu, k, seed):
+    """DeepSeek-V3's group-limited routing: each row chooses only among the experts of its ngu
+    groups whose two best selection scores (after the bias) sum highest; the torch engine's
+    rule (engine/runtime/models/ops.py) gives the same ids."""
+    from engine.runtime.models import ops
+
+    g = generator(seed)
+    m = 7
+    logits = torch.randn(m, e, generator=g, device=DEVICE) * 3
+    sb = torch.randn(e, generator=g, device=DEVICE) * 0.5
+    ids = torch.full((m, k), -7, dtype=torch.int32, device=DEVICE)
+    wts = poison((m, k))
+    moe.route(logits, k, gating, True, 2.5, sb, ids, wts, groups=(ng, ngu))
+    rid, rw = moe.route_ref(logits, k, gating, True, 2.5, sb, groups=(ng, ngu))
+    assert torch.equal(ids, rid)
+    assert nerr(wts, rw) < 1e-6
+    # every chosen expert lies in one of ngu groups
+    assert all(len({int(x) // (e // ng) for x in row}) <= ngu for row in ids.cpu())
+    # the torch engine's routing, sorted (it may order the chosen ids differently)
+    tid, _ = ops.route(logits.cpu(), k, gating, True, 2.5, sb.cpu(), groups=(ng, ngu))
+    assert torch.equal(ids.cpu().long().sort(-1).values, tid.long().sort(-1).values)
+    with pytest.raises(ValueError, match="groups"):
+        moe.route(logits, k, gating, groups=(ng, 0))

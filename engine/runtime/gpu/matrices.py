@@ -100,6 +100,34 @@ class Attention:
 
 
 @dataclass(slots=True)
+class Latent:
+    """The attention half of a deepseek2 layer, multi-head latent attention
+    (carve_kernels/latent.py): pre-norm; q (attn_q, or attn_q_b of the normed attn_q_a); the
+    latent row (attn_kv_a_mqa: the latent, normed, then the rotated key part) into the cache;
+    each head's position-free query into the latent space (attn_k_b), attention over the
+    cached rows, each head's weighted latent out of it (attn_v_b); the output projection."""
+
+    norm: torch.Tensor  # attn_norm [n_embd]
+    q: Matrix | None  # attn_q, or None with a q LoRA
+    q_a: Matrix | None  # attn_q_a [q_lora_rank, n_embd]
+    q_a_norm: torch.Tensor | None  # [q_lora_rank]
+    q_b: Matrix | None  # attn_q_b [n_head * head_dim, q_lora_rank]
+    kv_a: Matrix  # attn_kv_a_mqa [kv_lora + rope_dim, n_embd]
+    kv_norm: torch.Tensor  # attn_kv_a_norm [kv_lora]
+    k_b: Matrix  # attn_k_b (n_head x [kv_lora, nope] stacked), or a legacy file's attn_kv_b
+    v_b: Matrix | None  # attn_v_b (n_head x [head_dim_v, kv_lora]); None: in k_b (legacy)
+    cache: torch.Tensor  # kv.<i>.k [cells, 1, kv_lora + rope_dim] f16
+    cells: int
+    rope_base: float
+    rope_scale: float
+    rope_freqs: torch.Tensor | None  # YaRN's frequency per pair (buf.rope_freqs) or None
+    rope_mscale: float
+    temperature: tuple[float, int] | None  # Mistral Large 3's (scale, length)
+    output: Matrix  # attn_output
+    post_norm: None = None  # (no sandwich norm: the FFN's add reads it)
+
+
+@dataclass(slots=True)
 class Ffn:
     """The FFN half of a layer: pre-norm, act(gate) * up, down."""
 
@@ -145,7 +173,7 @@ class Experts:
 @dataclass(slots=True)
 class Layer:
     index: int
-    attn: Attention
+    attn: Attention | Latent
     ffn: Ffn | Experts
 
 
@@ -158,7 +186,7 @@ def launch_signature(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return ("tensor", v.dtype, v.device.type, tuple(v.shape), tuple(v.stride()),
                 v.data_ptr() % 16 == 0)
-    if isinstance(v, (Layer, Attention, Ffn, Experts, Matrix)):
+    if isinstance(v, (Layer, Attention, Latent, Ffn, Experts, Matrix)):
         return (type(v).__name__, *(launch_signature(getattr(v, f.name)) for f in fields(v)
                                     if f.name not in ("index", "name")))
     if isinstance(v, (list, tuple)):
@@ -317,8 +345,32 @@ class LayerBuilder:
         moe = getattr(self.hp, "is_moe_layer", None)
         return Layer(i, self.attention(i), self.experts(i) if moe and moe(i) else self.ffn(i))
 
-    def attention(self, i: int) -> Attention:
+    def latent(self, i: int) -> Latent:
+        """A deepseek2 layer's latent attention."""
         hp, p = self.hp, f"blk.{i}."
+        lora = bool(hp.q_lora_rank)
+        legacy = hp.mla_legacy
+        return Latent(
+            norm=self.vec(p + "attn_norm.weight"),
+            q=None if lora else self.matrix(p + "attn_q.weight"),
+            q_a=self.matrix(p + "attn_q_a.weight") if lora else None,
+            q_a_norm=self.vec(p + "attn_q_a_norm.weight") if lora else None,
+            q_b=self.matrix(p + "attn_q_b.weight") if lora else None,
+            kv_a=self.matrix(p + "attn_kv_a_mqa.weight"),
+            kv_norm=self.vec(p + "attn_kv_a_norm.weight"),
+            k_b=self.matrix(p + ("attn_kv_b.weight" if legacy else "attn_k_b.weight")),
+            v_b=None if legacy else self.matrix(p + "attn_v_b.weight"),
+            cache=self.spans[f"kv.{i}.k"], cells=hp.kv_cells(i, self.ctx),
+            rope_base=hp.rope_base, rope_scale=self.rope_scale,
+            rope_freqs=self.yarn[0], rope_mscale=self.yarn[1],
+            temperature=((hp.attn_temp_scale, hp.attn_temp_length) if hp.attn_temp_scale
+                         else None),
+            output=self.matrix(p + "attn_output.weight"))
+
+    def attention(self, i: int) -> Attention | Latent:
+        hp, p = self.hp, f"blk.{i}."
+        if getattr(hp, "kv_lora_rank", 0):
+            return self.latent(i)
         if getattr(hp, "fused_qkv", False):  # phi3: q, k and v are row ranges of attn_qkv
             qkv = self.rows_of(p + "attn_qkv.weight", (hp.n_head * hp.head_dim,
                                                        hp.n_head_kv * hp.head_dim,

@@ -305,6 +305,17 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         b, hp, d = self.buf, self.hp, self.hp.head_dim
         qkv, q_w, kv_w = b["qkv"][:n], self.q_w, self.kv_w
         attn = b["attn"][:n]
+        # the dense layers' FFN rows, n_ff wide (the buffers are as wide as the widest FFN, a
+        # shared expert's where that is wider: stage_moe.py takes its own views)
+        nf = hp.n_ff
+        ffn_up = b["ffn_up"].view(-1)[: n * 2 * nf].view(n, 2 * nf)
+        ffn_act = b["ffn_act"].view(-1)[: n * nf].view(n, nf)
+        if getattr(hp, "kv_lora_rank", 0):  # latent attention lays buf.qkv out itself
+            q3 = qkv[:, :q_w].unflatten(1, (hp.n_head, d))
+            return Rows(n=n, hidden=b["hidden"][:n], normed=b["normed"][:n], qkv=qkv, q3=q3,
+                        k3=q3, v3=q3, qk3=q3, attn=attn, o3=attn.view(n, hp.n_head, -1),
+                        proj=b["proj"][:n], ffn_up=ffn_up, ffn_act=ffn_act,
+                        pos=b["positions"][:n])
         return Rows(n=n, hidden=b["hidden"][:n], normed=b["normed"][:n],
                     qkv=qkv[:, :q_w + 2 * kv_w],
                     q3=qkv[:, :q_w].unflatten(1, (hp.n_head, d)),
@@ -312,7 +323,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
                     v3=qkv[:, q_w + kv_w:q_w + 2 * kv_w].unflatten(1, (hp.n_head_kv, d)),
                     qk3=qkv[:, :q_w + kv_w].unflatten(1, (hp.n_head + hp.n_head_kv, d)),
                     attn=attn, o3=attn.view(n, hp.n_head, d), proj=b["proj"][:n],
-                    ffn_up=b["ffn_up"][:n], ffn_act=b["ffn_act"][:n], pos=b["positions"][:n])
+                    ffn_up=ffn_up, ffn_act=ffn_act, pos=b["positions"][:n])
 
     def _embed(self, a: Rows) -> None:
         w, t = self.token_embd

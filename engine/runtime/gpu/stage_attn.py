@@ -7,19 +7,27 @@ from __future__ import annotations
 
 import torch
 
-from carve_kernels import attention, gemv_t, kv_cache, norm, quant_matmul, rope
-from engine.runtime.gpu.matrices import Attention, Ffn, gemv_rows
+from carve_kernels import attention, gemv_t, kv_cache, latent, norm, quant_matmul, rope
+from engine.runtime.gpu.matrices import Attention, Ffn, Latent, Matrix, gemv_rows
 from engine.runtime.gpu.rows import Rows
+from spec import quant_types as qt
+
+# file types a latent layer's per-head matrices are read in as they lie (else dequantized)
+_FLOAT = {qt.F32: torch.float32, qt.F16: torch.float16, qt.BF16: torch.bfloat16}
 
 
 class AttentionLayers:
     """GpuStage's attention steps (they read the stage's hp, buf, pdl, neox, t_part, t_count,
     attn_ws, attn_count and its ``_linear``, ``_add_norm``)."""
 
-    def _attention(self, att: Attention, a: Rows, pos0: int | None, prev: Ffn | None) -> None:
+    def _attention(self, att: Attention | Latent, a: Rows, pos0: int | None,
+                   prev: Ffn | None) -> None:
         """The attention half of a layer: the pre-norm (adding the previous layer's output to
         hidden first), q/k/v, the q/k norms, RoPE and the KV cache, attention, and its output
         projection into proj."""
+        if isinstance(att, Latent):
+            self._latent(att, a, pos0, prev)
+            return
         hp = self.hp
         xq = att.xq if a.n == 1 else None
         if prev is None:
@@ -109,3 +117,76 @@ class AttentionLayers:
         # cell, and the launch does not depend on how many rows are the prompt's)
         kv_cache.kv_store(a.k3, att.k_cache, a.pos, att.cells, a.v3, att.v_cache,
                           use_pdl=self.pdl)
+
+    # --- latent attention (deepseek2) ------------------------------------------------------
+    def _latent(self, att: Latent, a: Rows, pos0: int | None, prev: Ffn | None) -> None:
+        """A deepseek2 layer's attention half (carve_kernels/latent.py), on buf.qkv laid out as
+        [q | latent row | q in the latent space (then the heads' outputs) | attn_q_a's output]
+        (engine/planning/buffers.py) and the weighted latents in buf.attn."""
+        hp, pdl, eps = self.hp, self.pdl, self.hp.rms_eps
+        if prev is None:
+            norm.rmsnorm(a.hidden, att.norm, eps, out=a.normed, use_pdl=pdl)
+        else:
+            self._add_norm(a, prev.post_norm, att.norm, None)
+        n, h, c, r = a.n, hp.n_head, hp.kv_lora_rank, hp.rope_dim
+        hd, nope, vd = hp.head_dim, hp.head_dim - hp.rope_dim, hp.head_dim_v
+        qkv = self.buf["qkv"][:n]
+        o_row, o_lat = h * hd, h * hd + c + r
+        o_qa = o_lat + h * c
+        q3 = qkv[:, :o_row].unflatten(1, (h, hd))
+        row = qkv[:, o_row:o_lat]
+        q_lat = qkv[:, o_lat:o_qa].unflatten(1, (h, c))
+        if att.q_a is not None:
+            qa = qkv[:, o_qa:o_qa + hp.q_lora_rank]
+            self._linear(att.q_a, a.normed, qa)
+            norm.rmsnorm(qa, att.q_a_norm, eps, out=qa, use_pdl=pdl)
+            self._linear(att.q_b, qa, qkv[:, :o_row])
+        else:
+            self._linear(att.q, a.normed, qkv[:, :o_row])
+        self._linear(att.kv_a, a.normed, row)
+        norm.rmsnorm(row[:, :c], att.kv_norm, eps, out=row[:, :c], use_pdl=pdl)
+        for x in (q3[..., nope:], row[:, c:].unsqueeze(1)):
+            rope.rope(x, a.pos, att.rope_base, self.neox, att.rope_scale, use_pdl=pdl,
+                      freqs=att.rope_freqs, mscale=att.rope_mscale)
+        latent.latent_store(row, att.cache, a.pos, att.cells, use_pdl=pdl)
+        latent.head_matmul(q3[..., :nope], self._k_b(att), q_lat, use_pdl=pdl)
+        weighted = a.attn.view(n, h, -1)[..., :c]
+        latent.latent_attention(q_lat, q3[..., nope:], att.cache, a.pos, att.cells,
+                                hp.attn_scale, weighted,
+                                workspace=self.attn_ws if pos0 is None else None,
+                                temperature=att.temperature, use_pdl=pdl)
+        out = qkv[:, o_lat:o_lat + h * vd]  # q_lat's place, read by now
+        latent.head_matmul(weighted, self._v_b(att), out.unflatten(1, (h, vd)), use_pdl=pdl)
+        self._linear(att.output, out, a.proj)
+
+    def _k_b(self, att: Latent) -> torch.Tensor:
+        """[n_head, kv_lora, nope]: each head's matrix into the latent space."""
+        hp = self.hp
+        nope = hp.head_dim - hp.rope_dim
+        w = self._dense(att.k_b)
+        if att.v_b is None:  # a legacy attn_kv_b: per head [nope + v, kv_lora], k_b^T first
+            return w.view(hp.n_head, nope + hp.head_dim_v, -1)[:, :nope].transpose(1, 2)
+        return w.view(hp.n_head, hp.kv_lora_rank, nope)
+
+    def _v_b(self, att: Latent) -> torch.Tensor:
+        """[n_head, head_dim_v, kv_lora]: each head's matrix out of the latent space."""
+        hp = self.hp
+        if att.v_b is None:
+            nope = hp.head_dim - hp.rope_dim
+            w = self._dense(att.k_b)
+            return w.view(hp.n_head, nope + hp.head_dim_v, -1)[:, nope:]
+        return self._dense(att.v_b).view(hp.n_head, hp.head_dim_v, hp.kv_lora_rank)
+
+    def _dense(self, m: Matrix) -> torch.Tensor:
+        """Matrix m as floats [rows, cols]: its dequant-cache copy, the file's floats as they
+        lie, or dequantized into buf.dequant (what prefill's GEMMs use; read before the next
+        matrix is dequantized there)."""
+        if m.dq is not None:
+            return m.dq
+        dt = _FLOAT.get(m.ggml_type)
+        if dt is not None:
+            return m.packed.view(dt)
+        cols = quant_matmul.row_cols(m.packed, m.ggml_type)
+        c = self.buf["dequant"][: m.rows * cols].view(m.rows, cols)
+        quant_matmul.dequantize(m.packed, m.ggml_type, c.dtype, out=c, use_pdl=self.pdl)
+        return c

@@ -38,7 +38,8 @@ class MoeLayers:
             moe.router(f.router, x, f.router_bias, out=b["moe_logits"][:n], use_pdl=pdl)
         moe.route(b["moe_logits"][:n], hp.n_expert_used, hp.expert_gating,
                   hp.expert_weights_norm, hp.expert_weights_scale, f.sel_bias,
-                  b["moe_ids"][:n], b["moe_w"][:n], use_pdl=pdl)
+                  b["moe_ids"][:n], b["moe_w"][:n], use_pdl=pdl,
+                  groups=(hp.n_expert_groups, hp.n_group_used))
         if f.shared is not None:
             self._shared_expert(f.shared, a)
 
