@@ -355,19 +355,22 @@ def test_a_damaged_host_expert_is_named(files) -> None:
 
 
 @pytest.mark.parametrize("compute", ["gpu", "cpu"])
-def test_minimax_host_layers_give_the_logits_of_all_in_vram(files, compute) -> None:
-    """MiniMax-M2 (sigmoid routing by its selection bias, no shared expert): both layers'
-    experts in host memory, read by the GPU or computed by the CPU, against every expert in
-    VRAM over a prefill and two decode steps."""
-    path = files["minimax-m2"]
+@pytest.mark.parametrize("arch,layers", [("minimax-m2", 2), ("deepseek2", 1)])
+def test_host_layers_of_more_families_give_the_logits_of_all_in_vram(files, arch, layers,
+                                                                     compute) -> None:
+    """MiniMax-M2 (sigmoid routing by its selection bias, no shared expert; both layers MoE)
+    and DeepSeek-V3 (latent attention, a dense first layer, a shared expert, routing limited
+    to groups): every MoE layer's experts in host memory, read by the GPU or computed by the
+    CPU, against every expert in VRAM over a prefill and two decode steps."""
+    path = files[arch]
     prompt, steps = ids(12), ids(2, 1)
     ref = all_in_vram(path, prompt, steps)
     g = GpuSession.load(plan(path, resident=(0,), host_compute=compute), devices=[DEV],
                         remember=False)
     try:
-        assert len(g.pipe.stages[0].host_layers) == 2
+        assert len(g.pipe.stages[0].host_layers) == layers
         # the CPU's layouts round to bf16 (the glm4moe test above): its bound
-        assert_agree(run(g, prompt, steps), ref, f"minimax-m2 host experts ({compute})",
+        assert_agree(run(g, prompt, steps), ref, f"{arch} host experts ({compute})",
                      BOUND if compute == "gpu" else max(BOUND, 1e-2))
     finally:
         g.close()
