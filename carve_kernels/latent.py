@@ -13,8 +13,10 @@ the absorption trick: the KV cache holds one latent row per token, [latent (C) |
   token is its latent part [H, C] and its rotated part [H, R]; Mistral Large 3's attention
   temperature (1 + scale ln(floor(pos / length) + 1)) multiplies it on the way in.
 
-The cache is f16 [cells, C + R]; the chunk's rows are stored before its attention reads them
-(a latent model has no sliding window, so the cache never drops a position a query needs).
+The cache is f16 [cells, 1, C + R], or q8_0 (each row's C + R values in 34-byte blocks of 32,
+ggml's rounding, as carve_kernels/kv_cache.py quantizes); the chunk's rows are stored before its
+attention reads them (a latent model has no sliding window, so the cache never drops a position
+a query needs), so a chunk attends its own rows as the cache gives them back.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from carve_kernels import pdl
+from carve_kernels import pdl, q8x
+from carve_kernels.kv_cache import kv_load_ref
 
 _NEG = tl.constexpr(-1.0e30)
 
@@ -80,7 +83,8 @@ def head_matmul_ref(a, w, out, use_pdl=True):
 
 
 @triton.jit
-def _latent_store_kernel(src_ptr, pos_ptr, c_ptr, cells, stride_t, W, BLOCK: tl.constexpr,
+def _latent_store_kernel(src_ptr, pos_ptr, c_ptr, c8_ptr, ch_ptr, cells, stride_t, W,
+                         BLOCK: tl.constexpr, NBP: tl.constexpr, Q8: tl.constexpr,
                          PDL: tl.constexpr):
     pdl.start(PDL)
     t = tl.program_id(0)
@@ -88,31 +92,69 @@ def _latent_store_kernel(src_ptr, pos_ptr, c_ptr, cells, stride_t, W, BLOCK: tl.
     before = tl.load(pos_ptr + tl.maximum(t - 1, 0))
     if t > 0 and before == p:  # a padded chunk's repeated last row
         return
-    d = tl.arange(0, BLOCK)
-    m = d < W
-    x = tl.load(src_ptr + t.to(tl.int64) * stride_t + d, mask=m)
-    tl.store(c_ptr + (p % cells).to(tl.int64) * W + d, x.to(c_ptr.dtype.element_ty), mask=m)
+    cell = (p % cells).to(tl.int64)
+    src = src_ptr + t.to(tl.int64) * stride_t
+    if Q8:  # the row's W / 32 blocks: a half-float scale, then 32 int8 values each
+        b = tl.arange(0, NBP)
+        j = tl.arange(0, 32)
+        bm = b < W // 32
+        x = tl.load(src + b[:, None] * 32 + j[None, :], mask=bm[:, None], other=0.0)
+        d, q = q8x.quant32(x.to(tl.float32), 1)
+        blk = cell * (W // 32) + b
+        tl.store(ch_ptr + blk * 17, d.to(tl.float16), mask=bm)
+        tl.store(c8_ptr + blk[:, None] * 34 + 2 + j[None, :], q.to(tl.int8), mask=bm[:, None])
+    else:
+        d = tl.arange(0, BLOCK)
+        m = d < W
+        x = tl.load(src + d, mask=m)
+        tl.store(c_ptr + cell * W + d, x.to(c_ptr.dtype.element_ty), mask=m)
+
+
+def _views(cache: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(f16 rows, int8 bytes, f16 words, q8) of a latent cache: f16 [cells, 1, w], or q8_0
+    bytes (w a multiple of 32)."""
+    if cache.dtype == torch.uint8:
+        if w % 32 or cache.numel() % (w // 32 * 34):
+            raise ValueError(f"a q8_0 latent cache of {cache.numel()} bytes for rows of {w}")
+        return cache, cache.view(torch.int8), cache.view(torch.float16), True
+    if cache.dtype != torch.float16 or cache.shape[-1] != w:
+        raise ValueError(f"a {cache.dtype} latent cache of {tuple(cache.shape)} for rows of {w}")
+    return cache, cache, cache, False
 
 
 def latent_store(rows: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, cells: int,
                  use_pdl: bool = True) -> None:
-    """rows [T, W] (last dim contiguous) into cache [cells, 1, W] f16 at position % cells."""
+    """rows [T, W] (last dim contiguous) into cache (f16 [cells, 1, W] or q8_0 bytes) at
+    position % cells."""
     t, w = rows.shape
-    if rows.stride(1) != 1 or cache.shape[-1] != w or cache.dtype != torch.float16:
-        raise ValueError(f"latent_store: rows {tuple(rows.shape)} into a {cache.dtype} cache of "
-                         f"{tuple(cache.shape)}")
-    _latent_store_kernel[(t,)](rows, positions, cache, cells, rows.stride(0), w,
-                               BLOCK=triton.next_power_of_2(w), num_warps=4,
+    if rows.stride(1) != 1:
+        raise ValueError("latent_store: rows need their last dim contiguous")
+    c, c8, ch, q8 = _views(cache, w)
+    _latent_store_kernel[(t,)](rows, positions, c, c8, ch, cells, rows.stride(0), w,
+                               BLOCK=triton.next_power_of_2(w),
+                               NBP=triton.next_power_of_2(max(1, w // 32)), Q8=q8, num_warps=4,
                                **pdl.opts(cache, use_pdl))
 
 
+@triton.jit
+def _rows(c_ptr, c8_ptr, ch_ptr, cell, cols, mask, W, Q8: tl.constexpr):
+    # [N, cols] of the cached rows at cells ``cell`` as stored: f16, or q8_0 dequantized (f32)
+    if Q8:
+        blk = cell[:, None] * (W // 32) + cols[None, :] // 32
+        q = tl.load(c8_ptr + blk * 34 + 2 + cols[None, :] % 32, mask=mask, other=0)
+        d = tl.load(ch_ptr + blk * 17, mask=mask, other=0.0)
+        return q.to(tl.float32) * d.to(tl.float32)
+    return tl.load(c_ptr + cell[:, None] * W + cols[None, :], mask=mask, other=0.0)
+
+
 @triton.jit(do_not_specialize=["cells", "NS"])
-def _latent_attn_kernel(ql_ptr, qp_ptr, c_ptr, pos_ptr, o_ptr, po_ptr, pml_ptr, H, cells, NS,
+def _latent_attn_kernel(ql_ptr, qp_ptr, c_ptr, c8_ptr, ch_ptr, pos_ptr, o_ptr, po_ptr, pml_ptr,
+                        H, cells, NS,
                         scale, temp_scale, temp_len, sqt, sqh, spt, sph, sot, soh,
                         C: tl.constexpr, CP: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
                         SPLIT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                         PARTIAL: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr,
-                        PDL: tl.constexpr):
+                        Q8: tl.constexpr, PDL: tl.constexpr):
     pdl.start(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -145,9 +187,12 @@ def _latent_attn_kernel(ql_ptr, qp_ptr, c_ptr, pos_ptr, o_ptr, po_ptr, pml_ptr, 
     for n0 in range(start, end, BN):
         c = n0 + tl.arange(0, BN)
         ok = c < end
-        row = c.to(tl.int64)[:, None] * W
-        kl = tl.load(c_ptr + row + cc[None, :], mask=ok[:, None] & cm[None, :], other=0.0)
-        kp = tl.load(c_ptr + row + C + rr[None, :], mask=ok[:, None] & rm[None, :], other=0.0)
+        cell = c.to(tl.int64)
+        kl = _rows(c_ptr, c8_ptr, ch_ptr, cell, cc, ok[:, None] & cm[None, :], W, Q8)
+        kp = _rows(c_ptr, c8_ptr, ch_ptr, cell, C + rr, ok[:, None] & rm[None, :], W, Q8)
+        if not IEEE:
+            kl = kl.to(tl.float16)
+            kp = kp.to(tl.float16)
         if IEEE:
             kl = kl.to(tl.float32)
             sc = (tl.dot(ql, tl.trans(kl), input_precision="ieee")
@@ -208,18 +253,18 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
                      use_pdl: bool = True) -> torch.Tensor:
     """out [T, H, C] = softmax over each token's cached positions of ([q_lat | q_pe] . row *
     scale) times the rows' latents, for q_lat [T, H, C] and q_pe [T, H, R] (last dims
-    contiguous) at positions [T] (on the device) over cache [cells, 1, C + R] f16 (the
-    chunk's own rows already stored). ``workspace``: (partials [H, S, CP] f32, lse [H, S]
+    contiguous) at positions [T] (on the device) over cache [cells, 1, C + R] f16 or its q8_0
+    bytes (the chunk's own rows already stored). ``workspace``: (partials [H, S, CP] f32, lse [H, S]
     f32): one row (decode) splits its cells over up to S programs a head tile and merges them
     in a second launch; without it every token is one program per head tile. The products are
     f16 (the cache's type) for 16-bit queries, float32 for float32 ones.
     ``temperature``: (scale, length) of Mistral Large 3's attention temperature."""
     t, h, c = q_lat.shape
     r = q_pe.shape[2]
-    if (q_lat.stride(2) != 1 or q_pe.stride(2) != 1 or out.stride(2) != 1
-            or cache.shape[-1] != c + r or cache.dtype != torch.float16):
-        raise ValueError(f"latent_attention: q_lat {tuple(q_lat.shape)}, q_pe "
-                         f"{tuple(q_pe.shape)}, a {cache.dtype} cache of {tuple(cache.shape)}")
+    if q_lat.stride(2) != 1 or q_pe.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError(f"latent_attention: q_lat {tuple(q_lat.shape)} and q_pe "
+                         f"{tuple(q_pe.shape)} need their last dims contiguous")
+    cf, c8, ch, q8 = _views(cache, c + r)
     cp, rp = max(16, triton.next_power_of_2(c)), max(16, triton.next_power_of_2(r))
     bh = 16
     split_k = workspace is not None and t == 1
@@ -234,11 +279,11 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
         split, ns, po, pml = triton.cdiv(max(cells, 1), 64) * 64, 1, out, out
     ts, tl_ = temperature if temperature is not None else (0.0, 1)
     _latent_attn_kernel[(t, triton.cdiv(h, bh), ns)](
-        q_lat, q_pe, cache, positions, out, po, pml, h, cells, ns, float(scale), float(ts),
+        q_lat, q_pe, cf, c8, ch, positions, out, po, pml, h, cells, ns, float(scale), float(ts),
         int(tl_), q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         out.stride(0), out.stride(1), C=c, CP=cp, R=r, RP=rp, SPLIT=split, BH=bh, BN=32,
         PARTIAL=split_k, TEMP=temperature is not None, IEEE=q_lat.dtype == torch.float32,
-        num_warps=4, **pdl.opts(out, use_pdl))
+        Q8=q8, num_warps=4, **pdl.opts(out, use_pdl))
     if split_k:
         _latent_merge_kernel[(h,)](po, pml, out, ns, out.stride(1), C=c, CP=cp,
                                    NSP=triton.next_power_of_2(ns), num_warps=4,
@@ -249,8 +294,8 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
 def latent_attention_ref(q_lat, q_pe, cache, positions, cells, scale, out, workspace=None,
                          temperature=None, use_pdl=True):
     """The same in float32 torch (positions below cells: no ring)."""
-    c = q_lat.shape[2]
-    rows = cache.view(cache.shape[0], -1).float()
+    c, r = q_lat.shape[2], q_pe.shape[2]
+    rows = kv_load_ref(cache, cells, 1, c + r)[:, 0]
     q = torch.cat((q_lat.float(), q_pe.float()), dim=-1)  # [T, H, C + R]
     pos = positions.long()
     if temperature is not None:

@@ -21,7 +21,7 @@ from engine.gguf.hparams import FACTOR_TENSORS
 from engine.planning.carve import ModelIndex
 from engine.planning.layout import DeviceLayout
 from engine.planning.plan import Plan
-from engine.planning.rules import KvType, Verdict
+from engine.planning.rules import Verdict
 from spec.quant_types import F32, type_name
 from spec.runners import RUNNERS, TORCH, TRITON, TRITON_ARCHS, Runner
 
@@ -36,11 +36,7 @@ def gpu_why_not(plan: Plan, hp: Any) -> str | None:
     if hp.arch not in TRITON_ARCHS:
         return f"the Triton runner runs {'/'.join(TRITON_ARCHS)} models, not {hp.arch}"
     if getattr(hp, "kv_lora_rank", 0):
-        # latent attention (carve_kernels/latent.py): any head and latent widths, an f16 cache
-        if plan.kv_type != KvType.F16:
-            return (f"the Triton runner's latent attention reads an f16 KV cache, and this plan "
-                    f"asks for {plan.kv_type.value}")
-        dims = (hp.rope_dim,)
+        dims = (hp.rope_dim,)  # latent attention (carve_kernels/latent.py): any other width
     else:
         dims = (hp.head_dim, hp.head_dim_v, getattr(hp, "rope_dim", 0) or hp.head_dim)
     odd = next((d for d in dims if d & (d - 1)), None)

@@ -178,22 +178,22 @@ def test_a_type_the_runner_has_no_kernel_for_does_not_run(synth_model: Any) -> N
 
 
 def test_a_gpu_plan_names_its_runner(tiny: str, synth_model: Any) -> None:
-    # the Triton kernels run the llama file and deepseek2's latent attention on an f16 cache;
-    # with a q8_0 cache deepseek2 runs on the torch engine, and the plan says so (and refuses
-    # experts in host memory, which only the Triton runner computes)
+    # the Triton kernels run the llama file and deepseek2's latent attention (experts in host
+    # memory too); a MoE file with 48-wide heads runs on the torch engine, and the plan says so
+    # (and refuses experts in host memory, which only the Triton runner computes)
     r = run(tiny, "--gpus", "1x4GiB", "--ctx", "1024")
     assert r.returncode == 0, r.stderr
     assert "runner: Triton GPU kernels" in r.stdout
     ds = str(synth_model("deepseek2-tiny"))
-    r = run(ds, "--gpus", "1x4GiB", "--ctx", "1024")
+    for kv in ("f16", "q8_0"):
+        r = run(ds, "--gpus", "1x4GiB", "--ctx", "1024", "--kv", kv, "--experts-resident", "0")
+        assert r.returncode == 0, r.stdout
+        assert "deepseek2, 4 layers" in r.stdout and "runner: Triton GPU kernels" in r.stdout
+    odd = str(synth_model("qwen3moe-h48-tiny"))
+    r = run(odd, "--gpus", "1x4GiB", "--ctx", "1024")
     assert r.returncode == 0, r.stderr
-    assert "deepseek2, 4 layers" in r.stdout and "runner: Triton GPU kernels" in r.stdout
-    r = run(ds, "--gpus", "1x4GiB", "--ctx", "1024", "--kv", "q8_0")
-    assert r.returncode == 0, r.stderr
-    assert "runner: the torch engine, on the GPU (" in r.stdout and "f16 KV cache" in r.stdout
-    assert "runner" not in run(ds, "--gpus", "cpu", "--ctx", "1024").stdout
-    r = run(ds, "--gpus", "1x4GiB", "--ctx", "1024", "--experts-resident", "0")
-    assert r.returncode == 0, r.stdout  # the Triton runner computes host experts
-    r = run(ds, "--gpus", "1x4GiB", "--ctx", "1024", "--experts-resident", "0", "--kv", "q8_0")
+    assert "runner: the torch engine, on the GPU (" in r.stdout and "have 48" in r.stdout
+    assert "runner" not in run(odd, "--gpus", "cpu", "--ctx", "1024").stdout
+    r = run(odd, "--gpus", "1x4GiB", "--ctx", "1024", "--experts-resident", "0")
     assert r.returncode == 2, r.stdout
     assert "experts in host memory run on the Triton GPU runner" in r.stdout

@@ -138,22 +138,24 @@ def test_a_moe_file_with_a_bad_expert_tensor_leaves_the_window_usable(qtbot, syn
 
 
 def test_a_plan_on_the_torch_engine_says_so(qtbot, synth_model, monkeypatch):
-    # latent attention on a q8_0 KV cache runs on the torch engine: the fit check says so
-    # beside the verdict; on an f16 cache (the Triton runner), or for a llama file on the same
-    # card, it says nothing of the kind
+    # a MoE file with 48-wide heads runs on the torch engine: the fit check says so beside the
+    # verdict; deepseek2's latent attention (on either KV cache) and a llama file on the same
+    # card run on the Triton runner, and it says nothing of the kind
     monkeypatch.setattr(devices, "snapshot", lambda: [_gpu(0)])
     w = MainWindow(LIGHT, engine_program=[sys.executable, FAKE, "normal"], live_poll=False)
     qtbot.addWidget(w)
-    w.restore(str(synth_model("deepseek2-tiny")), "auto")
+    w.restore(str(synth_model("qwen3moe-h48-tiny")), "auto")
     w.show()
     try:
         assert w.plan.layout.verdict == "fits"
-        assert "torch engine" not in w.fit.advice.text()
-        w.plan.set_kv_type("q8_0")
-        assert w.plan.layout.verdict == "fits"
         assert w.fit.advice.isVisibleTo(w.fit)
         text = w.fit.advice.text()
-        assert "Runs on the torch engine" in text and "f16 KV cache" in text
+        assert "Runs on the torch engine" in text and "have 48" in text
+        w.restore(str(synth_model("deepseek2-tiny")), "auto")
+        assert w.plan.layout.verdict == "fits"
+        assert "torch engine" not in w.fit.advice.text()
+        w.plan.set_kv_type("q8_0")
+        assert "torch engine" not in w.fit.advice.text()
         w.restore(str(synth_model("llama")), "auto")
         assert "torch engine" not in w.fit.advice.text()
     finally:

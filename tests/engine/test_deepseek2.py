@@ -5,8 +5,8 @@ written to GGUF in llama.cpp's current layout (attn_k_b / attn_v_b) and its lega
 (attn_kv_b); logits at every position and 32 greedy tokens compared. The KV cache holds MLA's
 latent row (priced as such), the group-limited router matches transformers', bad files are
 refused in one sentence. A GPU plan runs on the Triton runner (carve_kernels/latent.py), whose
-logits and greedy ids are the CPU engine's (under the interpreter without a GPU), and on the
-torch engine with a q8_0 cache."""
+logits and greedy ids are the CPU engine's (under the interpreter without a GPU), on an f16 or
+a q8_0 KV cache."""
 
 from __future__ import annotations
 
@@ -207,39 +207,29 @@ def test_bad_files_are_refused_in_one_sentence(tmp_path, layout, edit, expect) -
     assert expect in msg and str(path) in msg and "\n" not in msg, msg
 
 
-def test_a_gpu_plan_runs_on_the_triton_runner_and_on_the_torch_engine_with_a_q8_0_cache(
-        pairs, synth_model) -> None:
-    """A GPU plan runs on the Triton runner (latent attention on an f16 cache), experts in
-    host memory too; with a q8_0 cache on the torch engine, which keeps them in VRAM: a plan
-    with host experts is refused there, and Auto never makes one."""
+def test_a_gpu_plan_runs_on_the_triton_runner_with_either_kv_cache(pairs, synth_model) -> None:
+    """A GPU plan runs on the Triton runner (latent attention on an f16 or a q8_0 cache), its
+    experts in host memory too (only the Triton runner computes those)."""
     from dataclasses import replace
 
     from engine.planning.capability import runner_for
     from engine.planning.carve import model_index
-    from engine.planning.defaults import place_experts
     from engine.planning.price import price
     from engine.planning.rules import KvType, Verdict
-    from spec.runners import TORCH, TRITON
+    from spec.runners import TRITON
 
-    _, path = pairs("deepseek3", "mla", "q8_0")
-    model = GGUFModel.open(path)
-    hp = HParams.from_model(model)
     gpu = DeviceSpec(index=0, name="NVIDIA H200", total=GIB // 64, free=GIB // 64)  # 16 MiB
-    plan = Plan(model=str(path), devices=(gpu,), split=(0, hp.n_layer_run), ctx=256,
-                prefill_chunk=32, cache_reserve=0, kv_type=KvType.F16)
-    assert runner_for(plan, model_index(model)) is TRITON
-    # (16 MiB does not fit it, but nothing says it does not run)
-    assert price(replace(plan, experts_resident=(0,)), model).devices[0].verdict in (
-        Verdict.FITS, Verdict.DOES_NOT_FIT)
     # deepseek2-tiny's latent rows (256 + 32 values) are whole q8_0 blocks
-    model = GGUFModel.open(synth_model("deepseek2-tiny"))
-    q8 = replace(plan, model=str(synth_model("deepseek2-tiny")), kv_type=KvType.Q8_0,
-                 split=(0, HParams.from_model(model).n_layer_run))
-    assert runner_for(q8, model_index(model)) is TORCH
-    assert place_experts(q8, model) == q8  # Auto never moves them to host memory here
-    d = price(replace(q8, experts_resident=(0,)), model).devices[0]
-    assert d.verdict == Verdict.DOES_NOT_RUN
-    assert "torch engine" in d.advice and "--experts-resident" in d.advice
+    for path, kv in ((pairs("deepseek3", "mla", "q8_0")[1], KvType.F16),
+                     (synth_model("deepseek2-tiny"), KvType.Q8_0)):
+        model = GGUFModel.open(path)
+        hp = HParams.from_model(model)
+        plan = Plan(model=str(path), devices=(gpu,), split=(0, hp.n_layer_run), ctx=256,
+                    prefill_chunk=32, cache_reserve=0, kv_type=kv)
+        assert runner_for(plan, model_index(model)) is TRITON
+        # (16 MiB does not fit it, but nothing says it does not run)
+        assert price(replace(plan, experts_resident=(0,)), model).devices[0].verdict in (
+            Verdict.FITS, Verdict.DOES_NOT_FIT)
 
 
 @pytest.mark.gpu
@@ -390,3 +380,26 @@ def test_the_triton_runner_gives_the_cpu_engines_logits(pairs, tmp_path, arch, l
     against_cpu_engine(plan, torch.device("cuda" if torch.cuda.is_available() else "cpu"),
                        ids[:24], ids[24:27], ids[:6], 2e-4, f"{arch}-{layout}-{quant}",
                        options=RunnerOptions(q8x=False))
+
+
+def test_the_triton_runner_on_a_q8_0_cache_gives_the_cpu_engines_logits(synth_model) -> None:
+    """deepseek2-tiny (q LoRA, group-limited sigmoid routing, YaRN; 288-value latent rows) on a
+    q8_0 KV cache: both engines quantize each row as ggml does and read it back, so prefill,
+    decode and greedy ids agree as on an f16 cache."""
+    from gpu_compare import against_cpu_engine
+
+    from engine.runtime.options import RunnerOptions
+
+    path = synth_model("deepseek2-tiny")
+    hp = HParams.from_model(GGUFModel.open(path))
+    plan = Plan(model=str(path), devices=(CPU,), split=(0, hp.n_layer_run), ctx=64,
+                prefill_chunk=16, cache_reserve=1 << 50, logits_rows=16, kv_type="q8_0")
+    ids = torch.randint(3, 500, (30,), generator=torch.Generator().manual_seed(10)).tolist()
+    against_cpu_engine(plan, torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                       ids[:24], ids[24:27], ids[:6], 2e-4, "deepseek2-tiny q8_0 cache",
+                       check=_q8_caches, options=RunnerOptions(q8x=False))
+
+
+def _q8_caches(g) -> None:
+    caches = [la.attn.cache for st in g.pipe.stages for la in st.layers]
+    assert caches and all(c.dtype == torch.uint8 for c in caches)

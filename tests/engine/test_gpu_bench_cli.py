@@ -27,7 +27,7 @@ def test_bench_without_gpu_says_so_and_exits_2():
 
 def test_bench_of_a_torch_engine_model_asks_for_the_engine_process(synth_model, monkeypatch,
                                                                     capsys):
-    # deepseek2 on a q8_0 KV cache runs on the torch engine: there is no Triton pipeline to
+    # a MoE file with 48-wide heads runs on the torch engine: there is no Triton pipeline to
     # measure, so without --engine the bench says so in one line (a GPU is faked: only the plan
     # is made)
     from engine.runtime import bench
@@ -36,6 +36,6 @@ def test_bench_of_a_torch_engine_model_asks_for_the_engine_process(synth_model, 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (80 << 30, 80 << 30))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
-    assert bench.main([str(synth_model("deepseek2-tiny")), "--depths", "", "--kv", "q8_0"]) == 2
+    assert bench.main([str(synth_model("qwen3moe-h48-tiny")), "--depths", ""]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "runs on the torch engine" in err[0] and "--engine" in err[0]

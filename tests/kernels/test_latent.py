@@ -1,7 +1,8 @@
 """The latent-attention kernels (carve_kernels/latent.py) against their plain-torch twins: the
 per-head matrices (attn_k_b / attn_v_b, and a legacy attn_kv_b's blocks read transposed), the
-cache store of a padded chunk, and attention over the latent rows in decode (split-K, then the
-merge) and prefill, with Mistral Large 3's temperature. Fresh random inputs each run, outputs
+cache store of a padded chunk (f16, and q8_0 to the byte of the KV cache's own quantization),
+and attention over the latent rows of either cache in decode (split-K, then the merge) and
+prefill, with Mistral Large 3's temperature. Fresh random inputs each run, outputs
 poisoned first; tiny shapes under the interpreter without a GPU."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 from reference_check import DEVICE, generator, nerr, poison
 
-from carve_kernels import latent
+from carve_kernels import kv_cache, latent
 
 
 @pytest.mark.parametrize("t", [1, 5, 37])
@@ -62,19 +63,37 @@ def test_latent_store_skips_a_padded_chunks_repeats(seed):
     assert torch.equal(cache[:, 0], want)
 
 
-def _case(seed, t, h, c, r, cells, dtype=torch.float32):
+def test_latent_store_q8_0_is_the_kv_caches_quantization(seed):
+    g = generator(seed)
+    cells, w = 16, 96 + 32  # 4 blocks of latent, 1 of rotated key
+    rows = torch.randn(5, w, generator=g, device=DEVICE) * 3
+    pos = torch.tensor([2, 3, 4, 9, 9], device=DEVICE)
+    cache = torch.full((cells * w // 32 * 34,), 7, dtype=torch.uint8, device=DEVICE)
+    want = cache.clone()
+    latent.latent_store(rows, cache, pos, cells)
+    kv_cache.kv_store_ref(rows.unsqueeze(1), want, pos, cells)
+    assert torch.equal(cache, want)
+    with pytest.raises(ValueError, match="q8_0 latent cache"):
+        latent.latent_store(rows[:, :40], cache, pos, cells)
+
+
+def _case(seed, t, h, c, r, cells, dtype=torch.float32, q8=False):
     g = generator(seed)
     q_all = torch.randn(t, h, 2 * (c + r), generator=g, device=DEVICE).to(dtype)
     q_lat, q_pe = q_all[..., :c], q_all[..., c + r:c + 2 * r]  # strided heads, as the stage's
-    cache = (torch.randn(cells, 1, c + r, generator=g, device=DEVICE) * 0.5).half()
+    rows = torch.randn(cells, c + r, generator=g, device=DEVICE) * 0.5
+    if not q8:
+        return q_lat, q_pe, rows.half().view(cells, 1, c + r)
+    cache = torch.zeros(cells * (c + r) // 32 * 34, dtype=torch.uint8, device=DEVICE)
+    kv_cache.kv_store_ref(rows.unsqueeze(1), cache, torch.arange(cells, device=DEVICE), cells)
     return q_lat, q_pe, cache
 
 
 @pytest.mark.parametrize("pos", [0, 40, 190])
-@pytest.mark.parametrize("h", [5, 16, 20])
-def test_latent_decode_matches_reference(pos, h, seed):
+@pytest.mark.parametrize("h,q8", [(5, False), (16, True), (20, False)])
+def test_latent_decode_matches_reference(pos, h, q8, seed):
     c, r, cells = 48, 16, 200
-    q_lat, q_pe, cache = _case(seed, 1, h, c, r, cells)
+    q_lat, q_pe, cache = _case(seed, 1, h, c, r, cells, q8=q8)
     positions = torch.tensor([pos], device=DEVICE)
     ws = (poison((h, 4, latent.workspace_width(c))), poison((h, 4)))
     out = poison((1, h, c))
@@ -84,10 +103,10 @@ def test_latent_decode_matches_reference(pos, h, seed):
     assert nerr(out, ref) < 2e-3  # f16 products, as the attention kernels'
 
 
-@pytest.mark.parametrize("temperature", [None, (0.5, 8)])
-def test_latent_prefill_matches_reference(temperature, seed):
-    h, c, r, cells, t = 6, 32, 16, 128, 21
-    q_lat, q_pe, cache = _case(seed, t, h, c, r, cells, torch.bfloat16)
+@pytest.mark.parametrize("temperature,q8", [(None, False), ((0.5, 8), False), (None, True)])
+def test_latent_prefill_matches_reference(temperature, q8, seed):
+    h, c, r, cells, t = 6, 48, 16, 128, 21
+    q_lat, q_pe, cache = _case(seed, t, h, c, r, cells, torch.bfloat16, q8)
     positions = torch.arange(30, 30 + t, device=DEVICE)
     out = poison((t, h, c), torch.bfloat16)
     latent.latent_attention(q_lat, q_pe, cache, positions, cells, 0.2, out,
