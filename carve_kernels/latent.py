@@ -143,8 +143,11 @@ def _rows(c_ptr, c8_ptr, ch_ptr, cell, cols, mask, W, Q8: tl.constexpr):
         blk = cell[:, None] * (W // 32) + cols[None, :] // 32
         q = tl.load(c8_ptr + blk * 34 + 2 + cols[None, :] % 32, mask=mask, other=0)
         d = tl.load(ch_ptr + blk * 17, mask=mask, other=0.0)
-        return q.to(tl.float32) * d.to(tl.float32)
-    return tl.load(c_ptr + cell[:, None] * W + cols[None, :], mask=mask, other=0.0)
+        v = q.to(tl.float32) * d.to(tl.float32)
+    else:
+        v = tl.load(c_ptr + cell[:, None] * W + cols[None, :], mask=mask, other=0.0)
+        v = v.to(tl.float32)
+    return v
 
 
 @triton.jit(do_not_specialize=["cells", "NS"])

@@ -261,6 +261,8 @@ class LayerBuilder:
             return False
         if name.endswith(QKV):  # one launch: blocks of one size
             p = name.rsplit("attn_", 1)[0]
+            if not all(p + s in self.spans for s in QKV):
+                return False  # deepseek2's attn_q beside its latent matrices: GGUF order
             sizes = {gemv_t.BLOCK_VALUES.get(self.model.tensor(p + s).ggml_type, 256)
                      for s in QKV if p + s in self.spans}
             return all(self._t_able(p + s) for s in QKV) and len(sizes) == 1
