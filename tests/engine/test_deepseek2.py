@@ -377,7 +377,7 @@ def test_the_triton_runner_gives_the_cpu_engines_logits(pairs, tmp_path, arch, l
     plan = Plan(model=str(path), devices=(CPU,), split=(0, hp.n_layer_run), ctx=64,
                 prefill_chunk=16, cache_reserve=1 << 50, logits_rows=16)
     ids = torch.randint(3, 500, (30,), generator=torch.Generator().manual_seed(9)).tolist()
-    against_cpu_engine(plan, torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+    against_cpu_engine(plan, torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"),
                        ids[:24], ids[24:27], ids[:6], 2e-4, f"{arch}-{layout}-{quant}",
                        options=RunnerOptions(q8x=False))
 
@@ -395,7 +395,7 @@ def test_the_triton_runner_on_a_q8_0_cache_gives_the_cpu_engines_logits(synth_mo
     plan = Plan(model=str(path), devices=(CPU,), split=(0, hp.n_layer_run), ctx=64,
                 prefill_chunk=16, cache_reserve=1 << 50, logits_rows=16, kv_type="q8_0")
     ids = torch.randint(3, 500, (30,), generator=torch.Generator().manual_seed(10)).tolist()
-    against_cpu_engine(plan, torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+    against_cpu_engine(plan, torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"),
                        ids[:24], ids[24:27], ids[:6], 2e-4, "deepseek2-tiny q8_0 cache",
                        check=_q8_caches, options=RunnerOptions(q8x=False))
 
