@@ -351,6 +351,11 @@ def test_routing_of_files_without_a_gating_key(n_layer, n_vocab, gating) -> None
     assert HParams.from_model(HeaderModel(shape)).expert_gating == gating
 
 
+# the Triton runner's f32 logits against the CPU engine's: 2-4e-5 under the interpreter, 3.3e-4
+# and 2.9e-4 on an H200 (its GEMVs' and cuBLAS's sums in other orders; 2026-12-05)
+BOUND = 2e-3 if torch.cuda.is_available() else 2e-4
+
+
 @pytest.mark.parametrize("arch,layout,quant,temp", [
     ("deepseek3", "mla", "q8_0", False), ("deepseek2", "legacy", "q8_0", False),
     ("deepseek3", "legacy", "q8_0", True)])
@@ -378,7 +383,7 @@ def test_the_triton_runner_gives_the_cpu_engines_logits(pairs, tmp_path, arch, l
                 prefill_chunk=16, cache_reserve=1 << 50, logits_rows=16)
     ids = torch.randint(3, 500, (30,), generator=torch.Generator().manual_seed(9)).tolist()
     against_cpu_engine(plan, torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"),
-                       ids[:24], ids[24:27], ids[:6], 2e-4, f"{arch}-{layout}-{quant}",
+                       ids[:24], ids[24:27], ids[:6], BOUND, f"{arch}-{layout}-{quant}",
                        options=RunnerOptions(q8x=False))
 
 
@@ -396,7 +401,7 @@ def test_the_triton_runner_on_a_q8_0_cache_gives_the_cpu_engines_logits(synth_mo
                 prefill_chunk=16, cache_reserve=1 << 50, logits_rows=16, kv_type="q8_0")
     ids = torch.randint(3, 500, (30,), generator=torch.Generator().manual_seed(10)).tolist()
     against_cpu_engine(plan, torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"),
-                       ids[:24], ids[24:27], ids[:6], 2e-4, "deepseek2-tiny q8_0 cache",
+                       ids[:24], ids[24:27], ids[:6], BOUND, "deepseek2-tiny q8_0 cache",
                        check=_q8_caches, options=RunnerOptions(q8x=False))
 
 
