@@ -116,7 +116,7 @@ class Latent:
     kv_norm: torch.Tensor  # attn_kv_a_norm [kv_lora]
     k_b: Matrix  # attn_k_b (n_head x [kv_lora, nope] stacked), or a legacy file's attn_kv_b
     v_b: Matrix | None  # attn_v_b (n_head x [head_dim_v, kv_lora]); None: in k_b (legacy)
-    cache: torch.Tensor  # kv.<i>.k [cells, 1, kv_lora + rope_dim] f16
+    cache: torch.Tensor  # kv.<i>.k [cells, 1, kv_lora + rope_dim] f16, or its q8_0 bytes
     cells: int
     rope_base: float
     rope_scale: float
