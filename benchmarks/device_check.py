@@ -6,8 +6,10 @@
 
 Prints the measured copy rate and bf16 matmul rate, then one line per kernel (GEMV per type and
 tile, dequantize, RMSNorm, SwiGLU, RoPE, attention decode and prefill over f16 and q8_0 KV
-caches; ``--moe``: the mixture-of-experts kernels alone, decode and prefill at Qwen3-30B-A3B
-and gpt-oss-20b expert shapes; ``--moe-host``: decode's expert kernels reading experts in
+caches, and DeepSeek's latent attention at V2-Lite's and V3's heads (carve_kernels/latent.py:
+decode and prefill over the latent cache, the per-head matrices); ``--moe``: the
+mixture-of-experts kernels alone, decode and prefill at Qwen3-30B-A3B and gpt-oss-20b expert
+shapes; ``--moe-host``: decode's expert kernels reading experts in
 pinned host memory where they lie, against the host-to-GPU copy rate): microseconds, its
 floor (bytes over the copy rate, or FLOPs over the matmul rate), the
 share of the floor reached and the normalized error against the reference; then the same as a
@@ -33,7 +35,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from carve_kernels import attention, gemv_t, glu, kv_cache, norm, q8x, quant_matmul, rope
+from carve_kernels import attention, gemv_t, glu, kv_cache, latent, norm, q8x, quant_matmul, rope
 from carve_kernels.random_blocks import random_weight
 from spec import launch
 from spec import quant_types as qt
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.device
         return 0
     if args.attn:
         _attn_section(g, copy_bw, mm_rate, row)
+        _latent_section(g, copy_bw, mm_rate, row)
         _table(rows, best_cfg, args, copy_bw, mm_rate)
         return 0
     # -- decode GEMV, Qwen2-7B ffn_up/gate [18944 x 3584] and ffn_down [3584 x 18944]
@@ -471,6 +474,65 @@ def _attn_section(g, copy_bw, mm_rate, row):
                 row(f"attn prefill {kv_type} 512@0", tp0, 4 * t_ * (t_ + 1) / 2 * d * nh / mm_rate)
             kc = vc = src = None  # free the cache before the next depth
             torch.cuda.empty_cache()
+
+
+def _latent_section(g, copy_bw, mm_rate, row, dev="cuda", timer=None, bench=None,
+                    heads=(16, 128), depths=(4096, 32768), chunk=512):
+    """DeepSeek's latent attention (carve_kernels/latent.py): V2-Lite's 16 heads and V3's 128,
+    a latent of 512 and 64 rotated dims. Decode over f16 and q8_0 caches at two depths (floor:
+    the cache read once), prefill of 512 rows at 3584 (floor: its products at the matmul
+    rate), and decode's per-head matrices attn_k_b and attn_v_b (floor: their bf16 bytes read
+    once). ``timer``/``bench``: graph_time and do_bench's median; the rest shrink the shapes
+    (a CPU smoke test under the interpreter passes its own)."""
+    timer = timer or graph_time
+    bench = bench or (lambda fn: do_bench(fn, warmup=20, rep=100, return_mode="median") / 1e3)
+    c, r, nope, vd = 512, 64, 128, 128
+    w = c + r
+    for h in heads:
+        q_all = torch.randn(chunk, h, nope + r, device=dev, generator=g, dtype=torch.bfloat16)
+        q_lat = torch.randn(chunk, h, c, device=dev, generator=g, dtype=torch.bfloat16)
+        k_b = torch.randn(h, c, nope, device=dev, generator=g, dtype=torch.bfloat16) * 0.05
+        v_b = torch.randn(h, vd, c, device=dev, generator=g, dtype=torch.bfloat16) * 0.05
+        o1 = torch.full((1, h, c), float("nan"), device=dev, dtype=torch.bfloat16)
+        latent.head_matmul(q_all[:1, :, :nope], k_b, o1)
+        err = nerr(o1, latent.head_matmul_ref(q_all[:1, :, :nope], k_b, o1.float().clone()))
+        row(f"latent k_b x{h} heads decode", timer(lambda: latent.head_matmul(
+            q_all[:1, :, :nope], k_b, o1)), 2 * k_b.numel() * 2 / copy_bw, err)
+        ov = torch.full((1, h, vd), float("nan"), device=dev, dtype=torch.bfloat16)
+        latent.head_matmul(q_lat[:1], v_b, ov)
+        err = nerr(ov, latent.head_matmul_ref(q_lat[:1], v_b, ov.float().clone()))
+        row(f"latent v_b x{h} heads decode", timer(lambda: latent.head_matmul(q_lat[:1], v_b, ov)),
+            2 * v_b.numel() * 2 / copy_bw, err)
+        ws = (torch.empty(h, launch.ATTN_SPLITS, latent.workspace_width(c), device=dev),
+              torch.empty(h, launch.ATTN_SPLITS, device=dev))
+        for kv_type in ("f16", "q8_0"):
+            for depth in depths:
+                rows = torch.randn(depth, w, device=dev, generator=g) * 0.5
+                if kv_type == "f16":
+                    cache = torch.empty(depth, 1, w, device=dev, dtype=torch.float16)
+                else:
+                    cache = torch.empty(depth * w // 32 * 34, device=dev, dtype=torch.uint8)
+                latent.latent_store(rows, cache, torch.arange(depth, device=dev), depth)
+                pos = torch.tensor([depth - 1], device=dev)
+                o = torch.full((1, h, c), float("nan"), device=dev, dtype=torch.bfloat16)
+                args = (q_lat[:1], q_all[:1, :, nope:], cache, pos, depth, 0.1, o)
+                latent.latent_attention(*args, workspace=ws)
+                err = nerr(o, latent.latent_attention_ref(*args[:6], o.float().clone()))
+                row(f"latent decode {kv_type} x{h} depth {depth}",
+                    timer(lambda: latent.latent_attention(*args, workspace=ws)),
+                    2 * cache.numel() * cache.element_size() / copy_bw, err)
+                if depth == depths[0]:  # a chunk at the end of the cache (512 at 3584)
+                    pp = torch.arange(depth - chunk, depth, device=dev)
+                    op = torch.full((chunk, h, c), float("nan"), device=dev, dtype=torch.bfloat16)
+                    pargs = (q_lat, q_all[..., nope:], cache, pp, depth, 0.1, op)
+                    latent.latent_attention(*pargs)
+                    err = nerr(op, latent.latent_attention_ref(*pargs[:6], op.float().clone()))
+                    keys = (depth - chunk) * chunk + chunk * (chunk + 1) / 2
+                    row(f"latent prefill {kv_type} x{h} {chunk}@{depth - chunk}",
+                        bench(lambda: latent.latent_attention(*pargs)),
+                        2 * keys * h * (w + c) / mm_rate, err)
+                cache = rows = None
+                torch.cuda.empty_cache()
 
 
 def _table(rows, best_cfg, args, copy_bw, mm_rate):
