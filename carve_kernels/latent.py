@@ -25,10 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from carve_kernels import pdl, q8x
+from carve_kernels import attention, pdl, q8x
+from carve_kernels.attention import _NEG  # the running maxima's finite start
 from carve_kernels.kv_cache import kv_load_ref
-
-_NEG = tl.constexpr(-1.0e30)
 
 
 @triton.jit(do_not_specialize=["T", "H", "J", "K"])
@@ -116,10 +115,9 @@ def _views(cache: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor, tor
     if cache.dtype == torch.uint8:
         if w % 32 or cache.numel() % (w // 32 * 34):
             raise ValueError(f"a q8_0 latent cache of {cache.numel()} bytes for rows of {w}")
-        return cache, cache.view(torch.int8), cache.view(torch.float16), True
-    if cache.dtype != torch.float16 or cache.shape[-1] != w:
+    elif cache.dtype != torch.float16 or cache.shape[-1] != w:
         raise ValueError(f"a {cache.dtype} latent cache of {tuple(cache.shape)} for rows of {w}")
-    return cache, cache, cache, False
+    return attention._views(cache)  # the views the attention kernels read a cache through
 
 
 def latent_store(rows: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, cells: int,
@@ -243,12 +241,6 @@ def workspace_width(kv_lora: int) -> int:
     return triton.next_power_of_2(kv_lora)
 
 
-def decode_split(cells: int, n_splits: int) -> int:
-    """Cells per split-K program: a multiple of 64 so that at most ``n_splits`` cover every
-    cell (as carve_kernels/attention.py's)."""
-    return max(64, triton.cdiv(triton.cdiv(cells, n_splits), 64) * 64)
-
-
 def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                      positions: torch.Tensor, cells: int, scale: float, out: torch.Tensor,
                      workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -273,7 +265,7 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     split_k = workspace is not None and t == 1
     if split_k:
         po, pml = workspace  # [H, S, >= CP] and [H, S], read as [H, ns, CP] and [H, ns]
-        split = decode_split(cells, pml.shape[1])
+        split = attention.decode_split(cells, pml.shape[1])
         ns = triton.cdiv(cells, split)
         if po.numel() < h * ns * cp or pml.numel() < h * ns:
             raise ValueError(f"latent_attention: a workspace of {tuple(po.shape)} for {h} "
