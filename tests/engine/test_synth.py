@@ -41,6 +41,27 @@ def _assert_same_table_and_types(model: GGUFModel, layer_order=None) -> None:
     assert wrong == []
 
 
+def _gen_read_back(tmp_path, capsys, shape: str) -> GGUFModel:
+    """`carve gen --shape SHAPE` (its default q4_k_m mix) into tmp_path, read back: every tensor
+    the shape's table names, with its shape and the mix's type, and each quantized one
+    dequantizing to finite values."""
+    sh = SHAPES[shape]
+    out = tmp_path / f"{shape}.gguf"
+    assert carve_main(["gen", "--shape", shape, "-o", str(out)]) == 0
+    assert f"{shape} q4_k_m: 1 file(s)" in capsys.readouterr().out
+    model = GGUFModel.open(out)
+    table = dict(tensor_table(sh))
+    types = tensor_types(sh, "q4_k_m")
+    assert {t.name for t in model.tensors} == set(table)
+    for t in model.tensors:
+        assert (t.shape, t.ggml_type) == (table[t.name], types[t.name]), t.name
+        if len(t.shape) < 2 or t.ggml_type == 0:
+            continue
+        w = dequantize(model.tensor_data(t), GGMLQuantizationType(t.ggml_type))
+        assert np.isfinite(w).all(), t.name
+    return model
+
+
 def test_q4_k_m_equals_llama_cpp_on_gemma(gemma_model_path):
     # a file llama.cpp quantized: every tensor's name, shape and type, fallbacks included
     # (640-wide rows cannot hold K blocks: Q4_K -> Q5_0, Q6_K -> Q8_0, as llama.cpp does)
@@ -408,10 +429,8 @@ def test_deepseek2_quant_rules():
 @pytest.mark.parametrize("shape", ["deepseek2-tiny", "deepseek2-lite-tiny"])
 def test_deepseek2_files_read_back(tmp_path, capsys, shape):
     sh = SHAPES[shape]
-    out = tmp_path / f"{shape}.gguf"
-    assert carve_main(["gen", "--shape", shape, "-o", str(out)]) == 0
-    assert f"{shape} q4_k_m: 1 file(s)" in capsys.readouterr().out
-    model = GGUFModel.open(out)
+    model = _gen_read_back(tmp_path, capsys, shape)
+    names = {t.name for t in model.tensors}  # the shape's table's (_gen_read_back)
     md = model.metadata
     a = "deepseek2."
     assert model.arch == "deepseek2" and md[a + "block_count"] == 4
@@ -421,15 +440,6 @@ def test_deepseek2_files_read_back(tmp_path, capsys, shape):
     assert md[a + "rope.scaling.type"] == "yarn" and md[a + "rope.scaling.factor"] == 4.0
     assert md[a + "rope.scaling.original_context_length"] == 512
     assert md[a + "rope.scaling.yarn_log_multiplier"] == pytest.approx(0.1 * sh.mscale_all_dim)
-    table = dict(tensor_table(sh))
-    types = tensor_types(sh, "q4_k_m")
-    assert {t.name for t in model.tensors} == set(table)
-    for t in model.tensors:
-        assert (t.shape, t.ggml_type) == (table[t.name], types[t.name]), t.name
-        if len(t.shape) < 2 or t.ggml_type == 0:
-            continue
-        w = dequantize(model.tensor_data(t), GGMLQuantizationType(t.ggml_type))
-        assert np.isfinite(w).all(), t.name
     if not sh.mla_legacy:  # the current converter's MLA layout, V3-style routing
         assert md[a + "attention.head_count_kv"] == 1 and md[a + "attention.q_lora_rank"] == 256
         assert (md[a + "attention.key_length"], md[a + "attention.value_length"]) == (288, 256)
@@ -443,7 +453,7 @@ def test_deepseek2_files_read_back(tmp_path, capsys, shape):
         assert model.tensor("blk.1.attn_q_b.weight").shape == (256, 4 * 96)
         assert model.tensor("blk.1.attn_k_b.weight").ggml_type == 6  # Q5_0: 64-long rows
         assert model.tensor("blk.1.exp_probs_b.bias").shape == (16,)
-        assert "blk.1.attn_kv_b.weight" not in table
+        assert "blk.1.attn_kv_b.weight" not in names
     else:  # the pre-2025 layout: one attn_kv_b, per-head key and value lengths
         assert md[a + "attention.head_count_kv"] == 4 and a + "attention.q_lora_rank" not in md
         assert (md[a + "attention.key_length"], md[a + "attention.value_length"]) == (96, 64)
@@ -453,7 +463,7 @@ def test_deepseek2_files_read_back(tmp_path, capsys, shape):
         assert model.tensor("blk.1.attn_kv_b.weight").shape == (256, 4 * (64 + 64))
         assert model.tensor("blk.1.attn_q.weight").shape == (256, 4 * 96)
         assert model.tensor("blk.1.ffn_down_shexp.weight").shape == (512, 256)
-        assert "blk.1.exp_probs_b.bias" not in table and "blk.1.attn_k_b.weight" not in table
+        assert "blk.1.exp_probs_b.bias" not in names and "blk.1.attn_k_b.weight" not in names
     assert model.tensor("blk.0.ffn_gate.weight").shape == (256, 512)
     assert model.tensor("blk.1.attn_kv_a_mqa.weight").shape == (256, 256 + 32)
 
@@ -486,11 +496,7 @@ def test_minimax_m2_size_and_table_without_writing(capsys):
 
 
 def test_minimax_m2_tiny_reads_back(tmp_path, capsys):
-    sh = SHAPES["minimax-m2-tiny"]
-    out = tmp_path / "mm2.gguf"
-    assert carve_main(["gen", "--shape", "minimax-m2-tiny", "-o", str(out)]) == 0
-    assert "minimax-m2-tiny q4_k_m: 1 file(s)" in capsys.readouterr().out
-    model = GGUFModel.open(out)
+    model = _gen_read_back(tmp_path, capsys, "minimax-m2-tiny")
     md = model.metadata
     a = "minimax-m2."
     assert model.arch == "minimax-m2"
@@ -505,15 +511,6 @@ def test_minimax_m2_tiny_reads_back(tmp_path, capsys):
     assert md[a + "expert_gating_func"] == 2 and md[a + "vocab_size"] == 512
     assert a + "expert_shared_count" not in md and a + "leading_dense_block_count" not in md
     assert md["tokenizer.ggml.pre"] == "minimax-m2"  # as the real files (gpt-4o's passes)
-    table = dict(tensor_table(sh))
-    types = tensor_types(sh, "q4_k_m")
-    assert {t.name for t in model.tensors} == set(table)
-    for t in model.tensors:
-        assert (t.shape, t.ggml_type) == (table[t.name], types[t.name]), t.name
-        if len(t.shape) < 2 or t.ggml_type == 0:
-            continue
-        w = dequantize(model.tensor_data(t), GGMLQuantizationType(t.ggml_type))
-        assert np.isfinite(w).all(), t.name
     for i in range(4):  # every layer MoE; q/k norms over all heads' q and k; F32 bias
         assert model.tensor(f"blk.{i}.attn_q_norm.weight").shape == (4 * 64,)
         assert model.tensor(f"blk.{i}.attn_k_norm.weight").shape == (2 * 64,)
@@ -561,11 +558,7 @@ def test_dots1_size_and_table_without_writing(capsys):
 
 
 def test_dots1_tiny_reads_back(tmp_path, capsys):
-    sh = SHAPES["dots1-tiny"]
-    out = tmp_path / "dots1.gguf"
-    assert carve_main(["gen", "--shape", "dots1-tiny", "-o", str(out)]) == 0
-    assert "dots1-tiny q4_k_m: 1 file(s)" in capsys.readouterr().out
-    model = GGUFModel.open(out)
+    model = _gen_read_back(tmp_path, capsys, "dots1-tiny")
     md = model.metadata
     a = "dots1."
     assert model.arch == "dots1"
@@ -581,15 +574,6 @@ def test_dots1_tiny_reads_back(tmp_path, capsys):
     assert md[a + "expert_gating_func"] == 2 and md[a + "expert_weights_norm"] is True
     assert md[a + "expert_weights_scale"] == 2.5 and md[a + "vocab_size"] == 512
     assert md["tokenizer.ggml.pre"] == "qwen2"  # as the real files
-    table = dict(tensor_table(sh))
-    types = tensor_types(sh, "q4_k_m")
-    assert {t.name for t in model.tensors} == set(table)
-    for t in model.tensors:
-        assert (t.shape, t.ggml_type) == (table[t.name], types[t.name]), t.name
-        if len(t.shape) < 2 or t.ggml_type == 0:
-            continue
-        w = dequantize(model.tensor_data(t), GGMLQuantizationType(t.ggml_type))
-        assert np.isfinite(w).all(), t.name
     for i in range(4):  # per-head q/k norms everywhere; layer 0 dense, the rest MoE
         assert model.tensor(f"blk.{i}.attn_q_norm.weight").shape == (64,)
         assert model.tensor(f"blk.{i}.attn_k_norm.weight").shape == (64,)
@@ -641,10 +625,7 @@ def test_ernie45_size_and_table_without_writing(capsys):
 
 def test_ernie45_tiny_reads_back(tmp_path, capsys):
     sh = SHAPES["ernie4.5-tiny"]
-    out = tmp_path / "ernie.gguf"
-    assert carve_main(["gen", "--shape", "ernie4.5-tiny", "-o", str(out)]) == 0
-    assert "ernie4.5-tiny q4_k_m: 1 file(s)" in capsys.readouterr().out
-    model = GGUFModel.open(out)
+    model = _gen_read_back(tmp_path, capsys, "ernie4.5-tiny")
     md = model.metadata
     a = "ernie4_5-moe."
     assert model.arch == "ernie4_5-moe"
@@ -662,15 +643,6 @@ def test_ernie45_tiny_reads_back(tmp_path, capsys):
     for k in ("expert_gating_func", "expert_weights_norm", "expert_weights_scale"):
         assert a + k not in md  # softmax, normalised, no scale: llama.cpp's defaults for it
     assert md["tokenizer.ggml.pre"] == "llama-bpe"
-    table = dict(tensor_table(sh))
-    types = tensor_types(sh, "q4_k_m")
-    assert {t.name for t in model.tensors} == set(table)
-    for t in model.tensors:
-        assert (t.shape, t.ggml_type) == (table[t.name], types[t.name]), t.name
-        if len(t.shape) < 2 or t.ggml_type == 0:
-            continue
-        w = dequantize(model.tensor_data(t), GGMLQuantizationType(t.ggml_type))
-        assert np.isfinite(w).all(), t.name
     assert not any("q_norm" in t.name or "k_norm" in t.name for t in model.tensors)
     assert model.tensor("blk.0.ffn_down.weight").shape == (512, 256)
     for i in range(1, 4):
