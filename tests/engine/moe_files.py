@@ -686,3 +686,27 @@ def _copy_params(m: torch.nn.Module, back: dict[str, np.ndarray]) -> None:
 def file_array(t) -> np.ndarray:
     """A tensor read back with gguf's GGUFReader, as float32 in torch order (dequantized)."""
     return dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
+
+
+def read_converter_file(path: Path, arch: str, keys: dict, shapes: dict, quant: str
+                        ) -> tuple[dict, dict]:
+    """The GGUF written by `write_pair` as llama.cpp's converter writes it (asserted): its
+    architecture, each of ``keys`` as ``arch.KEY`` (approximately), the norm epsilon 1e-6, the
+    vocabulary's N_VOCAB tokens, exactly the tensors of ``shapes`` (name -> torch-order shape),
+    F32 where ``quant`` is "f32" and for vectors and routers, else Q8_0. Returns the reader's
+    fields and its tensors by name."""
+    import pytest
+    from gguf import GGUFReader
+
+    r = GGUFReader(path)
+    assert r.fields["general.architecture"].contents() == arch
+    for k, v in keys.items():
+        assert r.fields[f"{arch}.{k}"].contents() == pytest.approx(v), k
+    assert r.fields[f"{arch}.attention.layer_norm_rms_epsilon"].contents() == pytest.approx(1e-6)
+    assert len(r.fields["tokenizer.ggml.tokens"].contents()) == N_VOCAB
+    tensors = {t.name: t for t in r.tensors}
+    assert {n: tuple(int(d) for d in reversed(t.shape)) for n, t in tensors.items()} == shapes
+    for n, t in tensors.items():
+        f32 = quant == "f32" or len(shapes[n]) == 1 or "ffn_gate_inp" in n
+        assert t.tensor_type.name == ("F32" if f32 else "Q8_0"), n
+    return r.fields, tensors
