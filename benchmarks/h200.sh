@@ -30,7 +30,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 # what to run, from the environment (the device command line is short):
 #   BENCH="qwen2-7b qwen2-0.5b"  synthetic shapes for `carve bench` (ENGINE=1 adds --engine);
 #                                SHAPE@MIX picks a `carve gen --mix` (qwen2-7b@iq2_xxs)
-#   BENCH_ARGS="--kernels"       more `carve bench` arguments for every BENCH shape
+#   BENCH_ARGS="--kernels"       more `carve bench` arguments for every BENCH shape (--trace:
+#                                the decode step's kernels stamped from inside its graph)
 #   SPLIT="qwen2-7b"             shapes also run as two stages (--compare-split)
 #   TESTS="tests/engine/test_gpu_session.py ..."  pytest paths, run after the benches
 #   TESTS_K="cuda or norm_router"  pytest's -k expression for TESTS (spaces kept)

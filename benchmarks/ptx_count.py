@@ -61,11 +61,11 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
     wi = "*i32" if special and ggml_type in qm.SPECIAL_ALIGN else "*i8"
     sig = {"w_ptr": "*u8", "wh_ptr": "*fp16", "wi_ptr": wi, "x_ptr": xt, "xq_ptr": "*i8",
            "xd_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16", "N": "i32", "K": "i32",
-           "row_bytes": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+           "row_bytes": "i32", "stride_xm": "i32", "stride_ym": "i32", "trace_ptr": "*i64"}
     const = {"TYPE": ggml_type, "BS": p.block, "TS": p.nbytes, "NPART": p.parts, "L": p.lanes,
              "BLOCK_R": rows, "BLOCK_B": blocks, "LANE_SUM": ggml_type in qm.LANE_SUM_TYPES,
              "SPECIAL": special, "MAGIC": ggml_type in qm.MAGIC_TYPES, "HAS_BIAS": False,
-             "Q8X": x == "int8", "ASM": True, "PDL": False,
+             "Q8X": x == "int8", "ASM": True, "PDL": False, "TRACE": False,
              **dict(zip(("LUT0", "LUT1", "LUT2", "LUT3"), lut_words(ggml_type), strict=True))}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(7)}  # the pointers
@@ -73,9 +73,10 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16"):
+def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bool = False):
     """The compiled T-layout GEMV of ``ggml_type`` (carve_kernels/gemv_t.py), ``rows`` rows a
-    program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy)."""
+    program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy); ``traced``:
+    with the stamps of carve_kernels/trace.py compiled in."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -86,20 +87,22 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16"):
            "x_ptr": "*fp32" if x == "f32" else "*bf16", "xq_ptr": "*i32", "xd_ptr": "*fp32",
            "xs_ptr": "*fp32", "y_ptr": "*fp32", "b_ptr": "*fp32", "part_ptr": "*fp32",
            "cnt_ptr": "*i32", "N": "i32", "NB": "i32", "BPS": "i32", "stride_xm": "i32",
-           "stride_ym": "i32"}
+           "stride_ym": "i32", "trace_ptr": "*i64"}
     const = {"BLOCK_N": rows, "SPLIT": 4, "XV": x == "bf16", "HAS_BIAS": False,
-             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": True, "PDL": False}
+             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": True, "PDL": False, "TRACE": traced}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(11)}  # the pointers
     src = ASTSource(fn=gemv_t._gemv_t_kernel, signature=sig, constexprs=const, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int]):
+def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
+                   traced: bool = False):
     """The compiled decode expert GEMV on int8 x (carve_kernels/moe_decode.py,
     carve_kernels/gemv_q8.py) of ``ggml_type``: ``part`` "glu" (gate and up of that type,
     gpt-oss's clamped SwiGLU with biases for MXFP4, writing the int8 copy of its outputs) or
-    "down" (the in-kernel sum of the k rows), tile ``config`` (rows, blocks, warps)."""
+    "down" (the in-kernel sum of the k rows), tile ``config`` (rows, blocks, warps);
+    ``traced``: with the stamps of carve_kernels/trace.py compiled in."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -115,7 +118,7 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int]):
                "ui_ptr": wi, "gb_ptr": "*fp32", "ub_ptr": "*fp32", "xq_ptr": "*i8",
                "xd_ptr": "*fp32", "xs_ptr": "*fp32", "ids_ptr": "*i32", "h_ptr": "*bf16",
                "oq_ptr": "*i8", "od_ptr": "*fp32", "os_ptr": "*fp32", "N": "i32", "NB": "i32",
-               "g_rb": "i32", "u_rb": "i32", "limit": "fp32"}
+               "g_rb": "i32", "u_rb": "i32", "limit": "fp32", "trace_ptr": "*i64"}
         oai = ggml_type == qt.MXFP4
         const = {"KU": 4 if oai else 8, "TG": ggml_type, "TU": ggml_type, "HAS_BIAS": oai,
                  "ACT": 2 if oai else 0, "QOUT": True}
@@ -124,11 +127,11 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int]):
         sig = {"w_ptr": "*u8", "wh_ptr": wh, "wi_ptr": wi, "b_ptr": "*fp32", "hq_ptr": "*i8",
                "hd_ptr": "*fp32", "hs_ptr": "*fp32", "ids_ptr": "*i32", "y_ptr": "*fp32",
                "rw_ptr": "*fp32", "out_ptr": "*bf16", "cnt_ptr": "*i32", "N": "i32",
-               "K": "i32", "row_bytes": "i32", "stride_ym": "i32"}
+               "K": "i32", "row_bytes": "i32", "stride_ym": "i32", "trace_ptr": "*i64"}
         const = {"KU": 8, "HAS_BIAS": ggml_type == qt.MXFP4, "COMBINE": True, "ACCUM": False,
                  "TYPE": ggml_type, "QK": md.Q8_BLOCK[ggml_type]}
     const.update({"BLOCK_R": rows, "BLOCK_B": blocks, "ASM": True, "PDL": True,
-                  **(md._lut(ggml_type) or dict.fromkeys(("L0", "L1", "L2", "L3"), 0))})
+                  "TRACE": traced, **(md._lut(ggml_type) or dict.fromkeys(("L0", "L1", "L2", "L3"), 0))})
     sig.update({k: "constexpr" for k in const})
     n_ptr = sum(v.startswith("*") for v in sig.values())
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(n_ptr)}  # the pointers

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from carve_kernels import pdl
+from carve_kernels import pdl, trace
 from carve_kernels.kv_cache import kv_load_ref
 from spec.launch import ATTN_SPLITS
 
@@ -44,12 +44,14 @@ def _load_kv(c_ptr, c8_ptr, ch_ptr, cell, kvh, KVH, dd, cmask, D: tl.constexpr, 
 @triton.jit(do_not_specialize=["cells", "window"])
 def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_ptr, pml_ptr,
                            cnt_ptr, o_ptr, sink_ptr, cells, window, scale, KVH, NS, stride_qh,
-                           stride_oh, CNT_STRIDE,
+                           stride_oh, CNT_STRIDE, trace_ptr,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr,
                            FUSED: tl.constexpr, NSP: tl.constexpr, MERGE: tl.constexpr,
-                           SINK: tl.constexpr, PDL: tl.constexpr):
+                           SINK: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+    trace.stamp(trace_ptr, 0, TRACE)
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     kvh = tl.program_id(0)
     s = tl.program_id(1)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -88,6 +90,7 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
     tl.store(po_ptr + out[:, None] * D + dd[None, :], acc / tl.maximum(l_i, 1e-30)[:, None],
              mask=gmask[:, None])
     tl.store(pml_ptr + out, lse, mask=gmask)
+    trace.stamp(trace_ptr, 2, TRACE)
     if FUSED:
         # the last of this kv head's NS programs to finish merges the active splits (no
         # reduce launch): the counter's acq_rel add orders the partials before it, and the
@@ -122,6 +125,7 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
             tl.store(o_ptr + heads[:, None] * stride_oh + dd[None, :],
                      (num / den[:, None]).to(o_ptr.dtype.element_ty), mask=gmask[:, None])
             tl.atomic_xchg(cnt_ptr + kvh * CNT_STRIDE, 0)
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 @triton.jit
@@ -194,7 +198,8 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _decode_partial_kernel[(n_kv_heads, ns)](
         q, ck, ck8, ckh, cv, cv8, cvh, positions, po, pml, counter if fused else pml, out,
         sinks if sinks is not None else pml, cells, window, scale, n_kv_heads, ns, q.stride(0),
-        out.stride(0), counter.stride(0) if fused else 0, G=g, GP=gp, D=d,
+        out.stride(0), counter.stride(0) if fused else 0,
+        **trace.args("attention_decode", (n_kv_heads, ns), out), G=g, GP=gp, D=d,
         SPLIT=split, BLOCK_N=64, Q8=q8, FUSED=fused, NSP=triton.next_power_of_2(ns),
         MERGE=max(1, 8192 // (gp * d)), SINK=sinks is not None, num_warps=4,
         **pdl.opts(out, use_pdl))

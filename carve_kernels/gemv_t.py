@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from carve_kernels import pdl, q8x
+from carve_kernels import pdl, q8x, trace
 from carve_kernels import rope as rope_mod
 from carve_kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
 from carve_kernels.gemv_t_low import (
@@ -197,13 +197,17 @@ def _t_split_done(prow, acc, rows, rmask, N, cnt, SPLIT: tl.constexpr, BLOCK_N: 
 
 @triton.jit
 def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, b_ptr,
-                   part_ptr, cnt_ptr, N, NB, BPS, stride_xm, stride_ym, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, XV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   TYPE: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                   part_ptr, cnt_ptr, N, NB, BPS, stride_xm, stride_ym, trace_ptr,
+                   BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, XV: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, TYPE: tl.constexpr, Q8X: tl.constexpr,
+                   ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+    trace.stamp(trace_ptr, 0, TRACE)
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     acc = t_body(wt_ptr, wh_ptr, tab_ptr, x_ptr + m * stride_xm, xq_ptr, xd_ptr, xs_ptr, rows,
                  rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
+    trace.stamp(trace_ptr, 2, TRACE)
     last = True
     if SPLIT > 1:
         last, acc = _t_split_done(part_ptr + m * SPLIT * N, acc, rows, rmask, N,
@@ -212,20 +216,24 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr
         if HAS_BIAS:
             acc += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * stride_ym + rows, acc.to(y_ptr.dtype.element_ty), mask=rmask)
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 @triton.jit
 def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, xq_ptr, xd_ptr,
                        xs_ptr, y_ptr, oq_ptr, od_ptr, os_ptr, part_ptr, cnt_ptr, N, NB, BPS,
-                       stride_xm, stride_ym, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       XV: tl.constexpr, TYPE: tl.constexpr, GELU: tl.constexpr,
-                       PAIR: tl.constexpr, Q8X: tl.constexpr, QOUT: tl.constexpr,
-                       ASM: tl.constexpr, PDL: tl.constexpr):
+                       stride_xm, stride_ym, trace_ptr, BLOCK_N: tl.constexpr,
+                       SPLIT: tl.constexpr, XV: tl.constexpr, TYPE: tl.constexpr,
+                       GELU: tl.constexpr, PAIR: tl.constexpr, Q8X: tl.constexpr,
+                       QOUT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                       TRACE: tl.constexpr):
     # gate and up rows of the same outputs in one program (x read once for both); with a
     # split, part holds [M, 2, SPLIT, N] and the last program of a row tile applies the GLU.
     # QOUT: the last program also writes the int8 copy of its y (carve_kernels/q8x.py, M = 1)
+    trace.stamp(trace_ptr, 0, TRACE)
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     xrow = x_ptr + m * stride_xm
     if PAIR:  # Q4_K, Q5_K: gate and up words in one step, each x value converted once
         g, u = q4k_t_dot_half(g_ptr, u_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
@@ -235,6 +243,7 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
                    b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
         u = t_body(u_ptr, uh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB,
                    b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
+    trace.stamp(trace_ptr, 2, TRACE)
     last = True
     if SPLIT > 1:
         prow = part_ptr + m * 2 * SPLIT * N  # [2, SPLIT, N]: gate's splits, then up's
@@ -248,23 +257,26 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
         tl.store(y_ptr + m * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
         if QOUT:
             q8x.store_q8(y, rows, rmask, oq_ptr, od_ptr, os_ptr, BLOCK_N)
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 @triton.jit
 def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_ptr, xd_ptr,
                     xs_ptr, y_ptr, part_ptr, cnt_ptr, N1, N2, N3, NB, BPS, stride_xm, stride_ym,
                     pos_ptr, kc, kc8, kch, vc, vc8, vch, cells, n_q, KVH, log2_base,
-                    freq_scale, f_ptr, mscale, wq_ptr, wk_ptr, eps,
+                    freq_scale, f_ptr, mscale, wq_ptr, wk_ptr, eps, trace_ptr,
                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, XV: tl.constexpr,
                     HAS_BIAS: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
                     T3: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr, ROPE: tl.constexpr,
                     D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, Q8: tl.constexpr,
-                    FREQS: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+                    FREQS: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
+                    TRACE: tl.constexpr):
     # three matrices of the same x (q, k, v) as one grid: row tiles [0, P1) are the first's,
     # [P1, P2) the second's, the rest the third's; each keeps its own type, outputs side by side.
     # ROPE (decode): the program that writes a tile's rows then rotates its heads (whole heads:
     # BLOCK_N a multiple of D) and stores its k and v heads into the cache, as
     # carve_kernels/rope.py rope_store does (pos_ptr .. eps: its arguments); no launch of its own
+    trace.stamp(trace_ptr, 0, TRACE)
     pid = tl.program_id(0)
     p1 = tl.cdiv(N1, BLOCK_N)
     p2 = p1 + tl.cdiv(N2, BLOCK_N)
@@ -277,6 +289,7 @@ def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_pt
     rows = r0 + tl.arange(0, BLOCK_N)
     rmask = rows < n
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     xrow = x_ptr + m * stride_xm
     if pid >= p2:
         acc = t_body(w3, h3, g3, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N3, NB, b_lo, b_hi,
@@ -295,6 +308,7 @@ def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_pt
     else:
         acc = t_body(w2, h2, g2, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N2, NB, b_lo, b_hi,
                      BLOCK_N, XV, T2, Q8X, ASM)
+    trace.stamp(trace_ptr, 2, TRACE)
     last = True
     if SPLIT > 1:
         # each matrix's [SPLIT, n] partial sums after the ones before it
@@ -325,6 +339,7 @@ def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_pt
                     if h < KVH:
                         _kv_store_one(y_ptr + N1 + N2, pos_ptr, vc, vc8, vch, cells, KVH,
                                       stride_ym, D, m, h, D, Q8)
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 def _t_words(wt: torch.Tensor, ggml_type: int, rows: int) -> tuple[int, tuple]:
@@ -398,7 +413,8 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
     q, d, s, use = _q8_in(xq, ggml_type, x2)
     y = out.view(x2.shape[0], rows)
     _gemv_t_kernel[grid](*ptrs, x2, q, d, s, y, bias if bias is not None else y, part, counter,
-                         rows, nb, bps, x2.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+                         rows, nb, bps, x2.stride(0), y.stride(0),
+                         **trace.args("gemv_t", grid, y), HAS_BIAS=bias is not None,
                          Q8X=use, ASM=wt.is_cuda, **meta, num_warps=warps)
     return out
 
@@ -425,7 +441,8 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
     oq, od, os_ = out_q if out_q is not None else (x2, x2, x2)
     y = out.view(x2.shape[0], rows)
     _gemv_t_glu_kernel[grid](*gp, *up_p, x2, q, d, s, y, oq, od, os_, part, counter, rows, nb,
-                             bps, x2.stride(0), y.stride(0), GELU=act == "gelu",
+                             bps, x2.stride(0), y.stride(0), **trace.args("gemv_t_glu", grid, y),
+                             GELU=act == "gelu",
                              PAIR=paired and ggml_type in PAIRED, Q8X=use,
                              QOUT=out_q is not None, ASM=gate.is_cuda, **meta, num_warps=warps)
     return out
@@ -476,7 +493,7 @@ def gemv_t3(mats: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, out: tor
         r_args, r_meta = rope_mod.store_args(n_q=rows[0] // hd, n_kv=rows[1] // hd, **rope)
     _gemv_t3_kernel[grid](*words[0][1], *words[1][1], *words[2][1], *b, x2, q, d, s, y, part,
                           counter, *rows, nb, bps, x2.stride(0), y.stride(0), *r_args,
-                          HAS_BIAS=biases is not None, T1=mats[0][1], T2=mats[1][1],
+                          **trace.args("gemv_t3", grid, y), HAS_BIAS=biases is not None, T1=mats[0][1], T2=mats[1][1],
                           T3=mats[2][1], Q8X=use, ASM=x2.is_cuda, ROPE=rope is not None,
                           **r_meta, **meta, num_warps=warps)
     return out

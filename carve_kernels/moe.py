@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from carve_kernels import pdl, q8x
+from carve_kernels import pdl, q8x, trace
 from carve_kernels.glu import glu_act
 from carve_kernels.norm import rmsnorm_ref, row_warps
 from carve_kernels.quant_matmul import dequantize_ref
@@ -141,13 +141,15 @@ def router(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None,
 
 @triton.jit
 def _norm_router_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, q_ptr, d_ptr, s_ptr,
-                        l_ptr, cnt_ptr, E, H, eps, HAS_BIAS: tl.constexpr, Q8: tl.constexpr,
-                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+                        l_ptr, cnt_ptr, E, H, eps, trace_ptr, HAS_BIAS: tl.constexpr,
+                        Q8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                        TRACE: tl.constexpr):
     # a program per expert: the fused add-and-norm of one row (as norm._rmsnorm_kernel), each
     # program on its own copy, then the expert's logit of the stored normed row (as the
     # router's GEMV reads it). Program 0 writes the normed row and its int8 copy; the residual
     # stream is written back by the last program to finish (a counter, left zero), after
     # every program has read it
+    trace.stamp(trace_ptr, 0, TRACE)
     e = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     mask = c < H
@@ -155,6 +157,7 @@ def _norm_router_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, q_ptr, d_pt
     nw = tl.load(nw_ptr + c, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + e.to(tl.int64) * H + c, mask=mask, other=0.0).to(tl.float32)
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     h = tl.load(x_ptr + c, mask=mask, other=0.0).to(tl.float32)
     h += tl.load(res_ptr + c, mask=mask, other=0.0).to(tl.float32)
     hs = h.to(res_ptr.dtype.element_ty)  # the stream as stored
@@ -165,6 +168,7 @@ def _norm_router_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, q_ptr, d_pt
     logit = tl.sum(w * ys.to(tl.float32), axis=0)
     if HAS_BIAS:
         logit += tl.load(b_ptr + e)
+    trace.stamp(trace_ptr, 2, TRACE)
     tl.store(l_ptr + e, logit)
     if e == 0:
         tl.store(y_ptr + c, ys, mask=mask)
@@ -174,6 +178,7 @@ def _norm_router_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, q_ptr, d_pt
     if tl.atomic_add(cnt_ptr, 1) == E - 1:
         tl.store(res_ptr + c, hs, mask=mask)
         tl.atomic_xchg(cnt_ptr, 0)  # zero again for the next call
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 def norm_router(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
@@ -197,9 +202,10 @@ def norm_router(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, e
         raise ValueError(f"no int8 copy of a row of {h} in these buffers")
     q, d, s = q8 if q8 is not None else (normed, normed, normed)
     _norm_router_kernel[(e,)](x, residual, norm_w, w, bias if bias is not None else w, normed,
-                              q, d, s, logits, counter, e, h, eps, HAS_BIAS=bias is not None,
-                              Q8=q8 is not None, BLOCK=block, num_warps=row_warps(block),
-                              **pdl.opts(logits, use_pdl))
+                              q, d, s, logits, counter, e, h, eps,
+                              **trace.args("norm_router", (e,), logits),
+                              HAS_BIAS=bias is not None, Q8=q8 is not None, BLOCK=block,
+                              num_warps=row_warps(block), **pdl.opts(logits, use_pdl))
     return logits
 
 
@@ -218,11 +224,13 @@ def router_ref(w, x, bias=None, out=None, use_pdl=True):
 
 
 @triton.jit
-def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, GATING: tl.constexpr,
+def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, trace_ptr, GATING: tl.constexpr,
                   KU: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HAS_SB: tl.constexpr,
                   BLOCK_E: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
-                  NGU: tl.constexpr, PDL: tl.constexpr):
+                  NGU: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+    trace.stamp(trace_ptr, 0, TRACE)
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     m = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     emask = e < E
@@ -279,8 +287,10 @@ def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, GATING: tl.constexpr,
     if NORM:
         wts = wts / tl.maximum(tl.sum(tl.where(kmask, wts, 0.0), axis=0), 6.103515625e-5)
     wts = wts * scale
+    trace.stamp(trace_ptr, 2, TRACE)
     tl.store(ids_ptr + m * KU + j, ids, mask=kmask)
     tl.store(w_ptr + m * KU + j, wts, mask=kmask)
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 def route(logits: torch.Tensor, k: int, gating: str, norm: bool = False, scale: float = 1.0,
@@ -304,7 +314,8 @@ def route(logits: torch.Tensor, k: int, gating: str, norm: bool = False, scale: 
     weights = (torch.empty(m, k, dtype=torch.float32, device=logits.device)
                if weights is None else weights)
     _route_kernel[(m,)](logits, sel_bias if sel_bias is not None else logits, ids, weights, e,
-                        float(scale), GATING=GATINGS[gating], KU=k,
+                        float(scale), **trace.args("route", (m,), weights),
+                        GATING=GATINGS[gating], KU=k,
                         KP=triton.next_power_of_2(k), NORM=norm, HAS_SB=sel_bias is not None,
                         BLOCK_E=triton.next_power_of_2(e), NG=ng if ng > 1 else 1,
                         NGP=triton.next_power_of_2(max(ng, 1)), NGU=ngu if ng > 1 else 1,

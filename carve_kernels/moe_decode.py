@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from carve_kernels import pdl, q8x
+from carve_kernels import pdl, q8x, trace
 from carve_kernels.gemv_dot import row_dot
 from carve_kernels.gemv_q8 import Q8_BLOCK, Q8_TYPES, lut_words, q4k_q8_rows_dot, q8_rows_dot
 from carve_kernels.moe import _ACTS, _act, _act_ref, _expert_ref, combine, expert_rows
@@ -167,12 +167,15 @@ def _q8_views(w: torch.Tensor, ggml_type: int, what: str):
 @triton.jit
 def _expert_glu_q8_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, ub_ptr, xq_ptr,
                           xd_ptr, xs_ptr, ids_ptr, h_ptr, oq_ptr, od_ptr, os_ptr, N, NB, g_rb,
-                          u_rb, limit, KU: tl.constexpr, TG: tl.constexpr, TU: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, ACT: tl.constexpr, QOUT: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr,
-                          PDL: tl.constexpr, L0: tl.constexpr = 0, L1: tl.constexpr = 0,
-                          L2: tl.constexpr = 0, L3: tl.constexpr = 0):
+                          u_rb, limit, trace_ptr, KU: tl.constexpr, TG: tl.constexpr,
+                          TU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                          QOUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+                          ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
+                          L0: tl.constexpr = 0, L1: tl.constexpr = 0, L2: tl.constexpr = 0,
+                          L3: tl.constexpr = 0):
+    trace.stamp(trace_ptr, 0, TRACE)
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     pid = tl.program_id(0)
     slot = tl.program_id(1)  # one row of x: slot j is its j-th expert
     eid = tl.load(ids_ptr + slot)
@@ -190,11 +193,13 @@ def _expert_glu_q8_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, 
     if HAS_BIAS:
         g += tl.load(gb_ptr + rows_c).to(tl.float32)
         u += tl.load(ub_ptr + rows_c).to(tl.float32)
+    trace.stamp(trace_ptr, 2, TRACE)
     h = _act(g, u, ACT, limit)
     offs = slot * N + rows
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=rmask)
     if QOUT:  # the int8 copy of h, the down GEMV's input
         q8x.store_q8(h, offs, rmask, oq_ptr, od_ptr, os_ptr, BLOCK_R)
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: int,
@@ -222,9 +227,11 @@ def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type:
     oq, od, os_ = out_q if out_q is not None else xq
     gp, upp = _q8_views(gate, gate_type, "gate"), _q8_views(up, up_type, "up")
     bias = gate_bias is not None
-    _expert_glu_q8_kernel[(triton.cdiv(n, br), ku)](
+    grid = (triton.cdiv(n, br), ku)
+    _expert_glu_q8_kernel[grid](
         *gp, *upp, gate_bias if bias else out, up_bias if bias else out, *xq, ids, out, oq, od,
-        os_, n, k // Q8_BLOCK[gate_type], gate.shape[1], up.shape[1], float(limit), KU=ku,
+        os_, n, k // Q8_BLOCK[gate_type], gate.shape[1], up.shape[1], float(limit),
+        **trace.args("expert_glu_q8", grid, out), KU=ku,
         TG=gate_type, TU=up_type, HAS_BIAS=bias, ACT=_ACTS[act], QOUT=out_q is not None,
         BLOCK_R=br, BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[gate_type])),
         ASM=gate.is_cuda, num_warps=warps, **_lut(gate_type, up_type), **pdl.opts(out, use_pdl))
@@ -322,16 +329,18 @@ def expert_down(down: torch.Tensor, ggml_type: int, n_expert: int, h: torch.Tens
 
 @triton.jit
 def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr, ids_ptr, y_ptr,
-                           rw_ptr, out_ptr, cnt_ptr, N, K, row_bytes, stride_ym,
+                           rw_ptr, out_ptr, cnt_ptr, N, K, row_bytes, stride_ym, trace_ptr,
                            KU: tl.constexpr, HAS_BIAS: tl.constexpr, COMBINE: tl.constexpr,
                            ACCUM: tl.constexpr, TYPE: tl.constexpr, QK: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr,
-                           PDL: tl.constexpr, L0: tl.constexpr = 0, L1: tl.constexpr = 0,
-                           L2: tl.constexpr = 0, L3: tl.constexpr = 0):
+                           PDL: tl.constexpr, TRACE: tl.constexpr, L0: tl.constexpr = 0,
+                           L1: tl.constexpr = 0, L2: tl.constexpr = 0, L3: tl.constexpr = 0):
     # one expert per program: its rows (+ bias), unweighted, into y's routed row; COMBINE: the
     # row tile's last expert program to finish adds the k rows in order with their weights
     # onto out (the same sum as ``combine``, whatever order the programs ran in)
+    trace.stamp(trace_ptr, 0, TRACE)
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     pid = tl.program_id(0)
     slot = tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -342,6 +351,7 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
                     rows_c, K // QK, row_bytes, TYPE, BLOCK_R, BLOCK_B, ASM, L0, L1, L2, L3)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows_c).to(tl.float32)
+    trace.stamp(trace_ptr, 2, TRACE)
     tl.store(y_ptr + slot.to(tl.int64) * stride_ym + rows, y, mask=rmask)
     if COMBINE:
         tl.debug_barrier()  # every thread's stores issued before the counter's release
@@ -354,6 +364,7 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
                 acc += tl.load(out_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
             tl.atomic_xchg(cnt_ptr + pid, 0)  # zero again for the next call
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: torch.Tensor,
@@ -383,8 +394,8 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
     _expert_down_q8_kernel[(tiles, ku)](
         *_q8_views(down, ggml_type, "down"), bias if bias is not None else rows_out, *hq, ids,
         rows_out, weights, out, counter if fused else ids, n, k, down.shape[1],
-        rows_out.stride(0), KU=ku, HAS_BIAS=bias is not None, COMBINE=fused, ACCUM=accumulate,
-        TYPE=ggml_type, QK=Q8_BLOCK[ggml_type], BLOCK_R=br,
+        rows_out.stride(0), **trace.args("expert_down_q8", (tiles, ku), rows_out), KU=ku,
+        HAS_BIAS=bias is not None, COMBINE=fused, ACCUM=accumulate, TYPE=ggml_type, QK=Q8_BLOCK[ggml_type], BLOCK_R=br,
         BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[ggml_type])), ASM=down.is_cuda,
         num_warps=warps, **_lut(ggml_type), **pdl.opts(rows_out, use_pdl))
     if not fused:

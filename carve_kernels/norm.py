@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from carve_kernels import pdl, q8x
+from carve_kernels import pdl, q8x, trace
 
 
 def row_warps(block: int) -> int:
@@ -19,14 +19,16 @@ def row_warps(block: int) -> int:
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, stride_x,
-                    stride_r, stride_y, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                    Q8: tl.constexpr, PDL: tl.constexpr):
+                    stride_r, stride_y, trace_ptr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                    Q8: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+    trace.stamp(trace_ptr, 0, TRACE)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < H
     # the norm's weights are no kernel's output: read them while the one before finishes
     w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     h = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         h += tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
@@ -37,9 +39,11 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, s
         h = h.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
     y = h * inv * w
+    trace.stamp(trace_ptr, 2, TRACE)
     tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=mask)
     if Q8:  # one row: its int8 copy for the dp4a GEMVs (carve_kernels/q8x.py)
         q8x.store_q8(y, c, mask, q_ptr, d_ptr, s_ptr, BLOCK)
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -60,7 +64,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         raise ValueError(f"no int8 copy of {x2.shape[0]} rows of {h} in these buffers")
     q, d, s = q8 if q8 is not None else (y, y, y)
     _rmsnorm_kernel[(x2.shape[0],)](x2, r, weight, y, q, d, s, h, eps, x2.stride(0),
-                                   r.stride(0), y.stride(0), HAS_RES=residual is not None,
+                                   r.stride(0), y.stride(0),
+                                   **trace.args("rmsnorm", (x2.shape[0],), y),
+                                   HAS_RES=residual is not None,
                                    BLOCK=block, Q8=q8 is not None,
                                    num_warps=row_warps(block),
                                    **pdl.opts(y, use_pdl))

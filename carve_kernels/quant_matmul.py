@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from carve_kernels import dequant as _dq
-from carve_kernels import pdl, q8x
+from carve_kernels import pdl, q8x, trace
 from carve_kernels.gemv_dot import row_dot
 from carve_kernels.gemv_q8 import (
     iq4nl_q8_rows_dot,
@@ -153,13 +153,16 @@ def _dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE: tl.constexpr,
 
 @triton.jit
 def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, N, K, row_bytes,
-                 stride_xm, stride_ym, TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
-                 NPART: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr,
+                 stride_xm, stride_ym, trace_ptr, TYPE: tl.constexpr, BS: tl.constexpr,
+                 TS: tl.constexpr, NPART: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr, SPECIAL: tl.constexpr,
                  MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr, Q8X: tl.constexpr,
-                 ASM: tl.constexpr, PDL: tl.constexpr, LUT0: tl.constexpr = 0,
-                 LUT1: tl.constexpr = 0, LUT2: tl.constexpr = 0, LUT3: tl.constexpr = 0):
+                 ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr = False,
+                 LUT0: tl.constexpr = 0, LUT1: tl.constexpr = 0, LUT2: tl.constexpr = 0,
+                 LUT3: tl.constexpr = 0):
+    trace.stamp(trace_ptr, 0, TRACE)
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     # rows on axis 0: a 152064-row output matrix in 2-row programs passes the 65535 limit of
     # grid axes 1 and 2
     pid = tl.program_id(0)
@@ -171,10 +174,12 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, N, 
     y = _dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
              BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, Q8X, ASM, LUT0, LUT1, LUT2,
              LUT3)
+    trace.stamp(trace_ptr, 2, TRACE)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty),
              mask=rows < N)
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 @triton.jit
@@ -386,7 +391,8 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
     _gemv_kernel[grid](*ptrs, x2, q, d, y, bias if bias is not None else y, n, k, w.shape[1],
-                       x2.stride(0), y.stride(0), HAS_BIAS=bias is not None, Q8X=use,
+                       x2.stride(0), y.stride(0), **trace.args("gemv", grid, y),
+                       HAS_BIAS=bias is not None, Q8X=use,
                        ASM=w.is_cuda, **meta, **_opts(warps, stages), **pdl.opts(y, use_pdl))
     return y.view(*x.shape[:-1], n) if out is None else out
 

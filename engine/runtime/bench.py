@@ -108,7 +108,8 @@ def _kernel_breakdown(pipe, steps: int = 4) -> list[dict]:
 
 def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
         depths: list[int], pp: int, out: dict, kernels: bool = False,
-        options: RunnerOptions = RunnerOptions(), placement: dict | None = None) -> list[int]:
+        options: RunnerOptions = RunnerOptions(), placement: dict | None = None,
+        trace: bool = False) -> list[int]:
     from engine.gguf.hparams import HParams
     from engine.gguf.reader import GGUFModel
     from engine.planning.price import price
@@ -181,6 +182,10 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
         rep["depth"].append({"depth": d, "tps": 32 / t})
     if kernels:
         rep["kernels"] = _kernel_breakdown(pipe)
+    if trace:
+        from engine.runtime.step_trace import trace_step
+
+        rep["trace"] = trace_step(pipe)
     out.setdefault("runs", []).append(rep)
     pipe = None  # free this run's arenas before the next
     torch.cuda.empty_cache()
@@ -217,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="2048,4096,8192,16384,32768")
     ap.add_argument("--kernels", action="store_true",
                     help="also list GPU time per kernel in a decode step (torch.profiler)")
+    ap.add_argument("--trace", action="store_true",
+                    help="also time a decode step's kernels from inside its CUDA graph: each "
+                         "launch's exposed time, gap and phases (engine/runtime/step_trace.py)")
     ap.add_argument("--engine", action="store_true",
                     help="also measure through the engine process, as the window drives it")
     ap.add_argument("--vram", type=float, default=0,
@@ -287,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.json).write_text(json.dumps(out, indent=1))
             return 0
         ids1 = run(path, n_gpus, ctx, args.kv, args.arena, args.tokens, depths, args.pp, out,
-                   args.kernels, options, placement)
+                   args.kernels, options, placement, args.trace)
         _print(out)
         if args.compare_split:
             ids2 = run(path, 2, ctx, args.kv, args.arena, args.tokens, [], args.pp, out,
@@ -373,6 +381,10 @@ def _print(out: dict) -> None:
         for k in r.get("kernels", []):
             print(f"   kernel {k['us_per_token']:8.1f} us/token {k['calls_per_token']:5.0f} "
                   f"calls  {k['name']}")
+        if "trace" in r:
+            from engine.runtime.step_trace import print_trace
+
+            print_trace(r["trace"])
     if "split_same_ids" in out:
         print(f"split vs one GPU, same greedy ids: {out['split_same_ids']}")
 
