@@ -11,6 +11,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine.gguf.hparams_moe import LEAD_SHARED, mla_shapes, read_mla, read_moe
+from engine.gguf.meta import (
+    Meta,
+    blocks_held,
+    check_layers_alike,
+    check_layers_complete,
+    check_shapes,
+    within,
+)
 from engine.gguf.reader import GGUFModel
 from spec.errors import CarveError
 from spec.quant_types import BF16, F16, F32, type_name
@@ -31,15 +40,6 @@ _ROPE_STYLE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "gemma3": "n
 ROPE_FACTORS = "rope_freqs.weight"
 ROPE_LONG, ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
 FACTOR_TENSORS = (ROPE_FACTORS, ROPE_LONG, ROPE_SHORT)
-# {arch}.expert_gating_func values (gguf ExpertGatingFuncType); gpt-oss has no key: llama.cpp
-# always takes the softmax over the chosen k logits for it
-_GATING = {1: "softmax", 2: "sigmoid"}
-# deepseek2 files without the key are DeepSeek-V2/V2.5's: softmax (as llama.cpp defaults them)
-_GATING_DEFAULT = {"qwen3moe": "softmax", "glm4moe": "sigmoid", "llama": "softmax",
-                   "deepseek2": "softmax", "minimax-m2": "sigmoid", "dots1": "sigmoid",
-                   "ernie4_5-moe": "softmax"}
-# architectures with leading dense layers, shared experts and file-set weight norm and scale
-_LEAD_SHARED = ("glm4moe", "deepseek2", "dots1", "ernie4_5-moe")
 # gpt-oss's clamped SwiGLU limit and sliding-window period (llama.cpp hard-codes both:
 # swiglu_oai(limit = 7.0), set_swa_pattern(2) = even layers use the window)
 _GPT_OSS_SWIGLU_LIMIT = 7.0
@@ -166,40 +166,7 @@ class HParams:
         return ctx
 
 
-class _Meta:
-    """Typed access to ``{arch}.*`` keys with errors that name the file and key."""
-
-    def __init__(self, model: GGUFModel) -> None:
-        self.md, self.arch, self.path = model.metadata, model.arch, model.paths[0]
-
-    def _get(self, key: str, default: Any, kind: type, required: bool) -> Any:
-        full = f"{self.arch}.{key}"
-        if full not in self.md:
-            if required:
-                raise CarveError(f"{self.path}: metadata key {full} is missing; the file is "
-                                 "incomplete or from an unsupported converter")
-            return default
-        v = self.md[full]
-        if isinstance(v, list) and v and all(x == v[0] for x in v):
-            v = v[0]  # a per-layer array with one value throughout is that value
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else \
-            isinstance(v, int) and not isinstance(v, bool) if kind is int else isinstance(v, kind)
-        if not ok:
-            raise CarveError(f"{self.path}: metadata key {full} is {v!r}, expected one "
-                             f"{kind.__name__}; per-layer values are not supported")
-        return kind(v)
-
-    def int_(self, key: str, default: int = 0, required: bool = False) -> int:
-        return self._get(key, default, int, required)
-
-    def float_(self, key: str, default: float = 0.0, required: bool = False) -> float:
-        return self._get(key, default, float, required)
-
-    def str_(self, key: str, default: str | None = None) -> str | None:
-        return self._get(key, default, str, False)
-
-
-def _swa_layers(meta: _Meta, n_layer: int) -> tuple[bool, ...]:
+def _swa_layers(meta: Meta, n_layer: int) -> tuple[bool, ...]:
     pattern = meta.md.get(f"{meta.arch}.attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN)
     if isinstance(pattern, list):
         if len(pattern) != n_layer:
@@ -220,84 +187,12 @@ def rope_per_pair(hp: Any) -> bool:
             or bool(getattr(hp, "rope_factors", False)))
 
 
-def _check_shapes(model: GGUFModel, expect: dict[str, tuple[int, ...]],
-                  required: bool = True) -> None:
-    # metadata that disagrees with the tensors would misprice every KV cache and buffer;
-    # ``required`` False: a tensor the file lacks is not checked
-    by_name = {t.name: t for t in model.tensors if t.name in expect}
-    for name, shape in expect.items():
-        t = by_name.get(name)
-        if t is None and not required:
-            continue
-        if t is None:
-            raise CarveError(f"{model.paths[0]}: tensor {name} is missing; the metadata "
-                             "describes more layers or parts than the file holds")
-        if t.shape != shape:
-            raise CarveError(f"{model.paths[0]}: tensor {name} has shape {list(t.shape)} but "
-                             f"the metadata implies {list(shape)}; the file is inconsistent")
-
-
-_FLOAT32_MAX = 3.4028234663852886e38  # the engine computes in float32 at most: beyond is inf
-
-
-def _within(model: GGUFModel, key: str, value: float, ok: bool, rule: str) -> None:
-    """A number the engine computes with must be finite and in its domain: a NaN base or a
-    negative window would load, then give NaN logits or fail deep in a kernel."""
-    if not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX and ok):
-        raise CarveError(f"{model.paths[0]}: {model.arch}.{key} is {value!r}; it must be {rule}")
-
-
-def _blocks_held(model: GGUFModel) -> int:
-    """How many layers the file's tensors reach: one more than the highest ``blk.N.`` index."""
-    top = -1
-    for t in model.tensors:
-        if t.name.startswith("blk."):
-            index = t.name[4:].split(".", 1)[0]
-            if index.isdigit():
-                top = max(top, int(index))
-    return top + 1
-
-
-def _check_layers_alike(model: GGUFModel, n_run: int) -> None:
-    """Every run layer's tensor of a role has the shape the first layer holding that role
-    gave it: the families here have no per-layer widths, and a later layer's transposed or
-    resized matrix would otherwise load and fail mid-reply (or, on the GPU, read past it)."""
-    first: dict[str, tuple[int, tuple[int, ...]]] = {}
-    for t in model.tensors:
-        if t.layer is None or not 0 <= t.layer < n_run:
-            continue
-        role = t.name.split(".", 2)[2]
-        layer, shape = first.setdefault(role, (t.layer, t.shape))
-        if t.shape != shape:
-            raise CarveError(f"{model.paths[0]}: tensor {t.name} has shape {list(t.shape)} but "
-                             f"blk.{layer}.{role} has {list(shape)}; the file is inconsistent")
-
-
-def _check_layers_complete(model: GGUFModel, n_run: int, n_dense: int) -> None:
-    """Every run layer holds the attention and norm tensors layer 0 holds, and every dense one
-    the FFN tensors of layer 0 (the experts are checked by `_read_moe`): a file missing one
-    would load and fail at its first token."""
-    roles: dict[int, set[str]] = {}
-    for t in model.tensors:
-        if t.layer is not None and 0 <= t.layer < n_run:
-            roles.setdefault(t.layer, set()).add(t.name.split(".", 2)[2])
-    first = roles.get(0, set())
-    every = {r for r in first if r.startswith("attn_") or "norm" in r}
-    dense = {r for r in first if r.startswith("ffn_") and "norm" not in r} if n_dense else set()
-    for i in range(n_run):
-        want = every | (dense if i < n_dense else set())
-        missing = sorted(want - roles.get(i, set()))
-        if missing:
-            raise CarveError(f"{model.paths[0]}: tensor blk.{i}.{missing[0]} is missing (layer 0 "
-                             "has it); the file is incomplete")
-
-
 def _read(model: GGUFModel) -> HParams:
     arch = model.arch
     if arch not in SUPPORTED:
         raise CarveError(f"{model.paths[0]}: unsupported architecture {arch!r}; Carve runs "
                          f"{', '.join(SUPPORTED)}")
-    m = _Meta(model)
+    m = Meta(model)
     n_layer = m.int_("block_count", required=True)
     n_embd = m.int_("embedding_length", required=True)
     n_head = m.int_("attention.head_count", required=True)
@@ -306,9 +201,9 @@ def _read(model: GGUFModel) -> HParams:
     if min(n_layer, n_embd, n_head, n_head_kv, n_ff) <= 0 or n_head % n_head_kv:
         raise CarveError(f"{model.paths[0]}: impossible shape ({n_layer} layers, {n_embd} "
                          f"hidden, {n_head} heads, {n_head_kv} KV heads, FFN {n_ff})")
-    held = _blocks_held(model)
+    held = blocks_held(model)
     # next-token-prediction layers (GLM, DeepSeek-V3): declared in block_count, never run
-    nextn = m.int_("nextn_predict_layers", 0) if arch in _LEAD_SHARED else 0
+    nextn = m.int_("nextn_predict_layers", 0) if arch in LEAD_SHARED else 0
     if not 0 <= nextn < n_layer:
         raise CarveError(f"{model.paths[0]}: {arch}.nextn_predict_layers {nextn} leaves no "
                          f"layer to run of {n_layer}")
@@ -319,7 +214,7 @@ def _read(model: GGUFModel) -> HParams:
                          f"holds tensors of {held} layers; the file is inconsistent")
     head_dim = m.int_("attention.key_length", n_embd // n_head)
     head_dim_v = m.int_("attention.value_length", head_dim)
-    mla = _read_mla(model, m) if arch == "deepseek2" else {}
+    mla = read_mla(model, m) if arch == "deepseek2" else {}
     if mla and not mla["mla_legacy"]:  # key/value_length are the latent row's; these the heads'
         head_dim = m.int_("attention.key_length_mla", required=True)
         head_dim_v = m.int_("attention.value_length_mla", required=True)
@@ -330,7 +225,7 @@ def _read(model: GGUFModel) -> HParams:
     n_vocab = embd.shape[1]
     tied = not any(t.name == "output.weight" for t in model.tensors)
     routed = arch in MOE_ARCHS or (arch in _MAYBE_MOE and m.int_("expert_count", 0) > 0)
-    moe = _read_moe(model, m, n_layer - nextn, n_embd) if routed else {}
+    moe = read_moe(model, m, n_layer - nextn, n_embd) if routed else {}
     n_run = moe.get("n_layer_run", n_layer)
     n_dense = min(n_run, moe.get("n_layer_dense_lead", n_run))  # layers 0 .. n_dense-1
     by_name = {t.name: t for t in model.tensors}
@@ -338,7 +233,7 @@ def _read(model: GGUFModel) -> HParams:
     fused_gate_up = arch == "phi3" and bool(n_dense) and "blk.0.ffn_gate.weight" not in by_name
     expect = {"token_embd.weight": (n_embd, n_vocab)}
     if mla:
-        expect.update(_mla_shapes(m, mla, n_embd, n_head, head_dim, head_dim_v))
+        expect.update(mla_shapes(m, mla, n_embd, n_head, head_dim, head_dim_v))
     elif fused_qkv:
         expect["blk.0.attn_qkv.weight"] = (n_embd, (n_head + n_head_kv) * head_dim
                                            + n_head_kv * head_dim_v)
@@ -349,7 +244,7 @@ def _read(model: GGUFModel) -> HParams:
     if n_dense:
         expect["blk.0.ffn_up.weight"] = (n_embd, (2 if fused_gate_up else 1) * n_ff)
         expect[f"blk.{n_dense - 1}.ffn_down.weight"] = (n_ff, n_embd)
-    _check_shapes(model, expect)
+    check_shapes(model, expect)
     optional = {  # where the file has them
         "blk.0.attn_output.weight": (n_head * head_dim_v, n_embd),
         "blk.0.attn_norm.weight": (n_embd,),
@@ -358,31 +253,31 @@ def _read(model: GGUFModel) -> HParams:
     }
     if n_dense:
         optional["blk.0.ffn_gate.weight"] = (n_embd, n_ff)
-    _check_shapes(model, optional, required=False)
-    _check_layers_alike(model, n_run)
-    _check_layers_complete(model, n_run, n_dense)
+    check_shapes(model, optional, required=False)
+    check_layers_alike(model, n_run)
+    check_layers_complete(model, n_run, n_dense)
 
     gemma, oss = arch == "gemma3", arch == "gpt-oss"
     n_ctx_train = m.int_("context_length", 0, required=True)
-    _within(model, "context_length", n_ctx_train, n_ctx_train >= 0, "a token count")
+    within(model, "context_length", n_ctx_train, n_ctx_train >= 0, "a token count")
     rope_base = m.float_("rope.freq_base", 10000.0)
-    _within(model, "rope.freq_base", rope_base, rope_base > 1, "a number above 1")
+    within(model, "rope.freq_base", rope_base, rope_base > 1, "a number above 1")
     rms_eps = m.float_("attention.layer_norm_rms_epsilon", 1e-6 if gemma else 1e-5)
-    _within(model, "attention.layer_norm_rms_epsilon", rms_eps, 0 <= rms_eps < 1,
+    within(model, "attention.layer_norm_rms_epsilon", rms_eps, 0 <= rms_eps < 1,
             "at least 0 and below 1")
     scaling = m.str_("rope.scaling.type")
     scale = m.float_("rope.scaling.factor", 0.0)
-    _within(model, "rope.scaling.factor", scale, scale >= 0, "above 0 (or absent)")
+    within(model, "rope.scaling.factor", scale, scale >= 0, "above 0 (or absent)")
     if not scale:
         linear = m.float_("rope.scale_linear", 0.0)  # pre-2024 converters
-        _within(model, "rope.scale_linear", linear, linear >= 0, "above 0 (or absent)")
+        within(model, "rope.scale_linear", linear, linear >= 0, "above 0 (or absent)")
         if linear:
             scaling, scale = scaling or "linear", linear
     if scaling == "none":
         scaling = None
 
     window = m.int_("attention.sliding_window", _GEMMA3_DEFAULT_WINDOW if gemma else 0)
-    _within(model, "attention.sliding_window", window, window >= 0, "a token count")
+    within(model, "attention.sliding_window", window, window >= 0, "a token count")
     if gemma and window:
         swa = _swa_layers(m, n_layer)
     elif oss and window:
@@ -396,7 +291,7 @@ def _read(model: GGUFModel) -> HParams:
     if scaling == "yarn":
         if arch == "deepseek2":  # the converter writes 0.1 mscale_all_dim (llama.cpp undoes it)
             log_mul = m.float_("rope.scaling.yarn_log_multiplier", 0.0)
-            _within(model, "rope.scaling.yarn_log_multiplier", log_mul, log_mul >= 0,
+            within(model, "rope.scaling.yarn_log_multiplier", log_mul, log_mul >= 0,
                     "at least 0 (or absent)")
             moe["rope_yarn_log_mul"] = log_mul / 0.1
         moe["rope_scaling_orig_ctx"] = m.int_("rope.scaling.original_context_length", 0)
@@ -404,7 +299,7 @@ def _read(model: GGUFModel) -> HParams:
         moe["rope_yarn_beta_slow"] = m.float_("rope.scaling.yarn_beta_slow", 1.0)
         for beta in ("fast", "slow"):
             v = moe[f"rope_yarn_beta_{beta}"]
-            _within(model, f"rope.scaling.yarn_beta_{beta}", v, v > 0, "above 0")
+            within(model, f"rope.scaling.yarn_beta_{beta}", v, v > 0, "above 0")
         moe["rope_yarn_truncate"] = not oss
         if moe["rope_scaling_orig_ctx"] <= 0 or scale <= 1.0:
             raise CarveError(f"{model.paths[0]}: YaRN RoPE needs {arch}.rope.scaling.factor > 1 "
@@ -429,7 +324,7 @@ def _read(model: GGUFModel) -> HParams:
         scaling = "longrope"
         moe["rope_scaling_orig_ctx"] = m.int_("rope.scaling.original_context_length", 0)
         moe["rope_attn_factor"] = m.float_("rope.scaling.attn_factor", 1.0)
-        _within(model, "rope.scaling.attn_factor", moe["rope_attn_factor"],
+        within(model, "rope.scaling.attn_factor", moe["rope_attn_factor"],
                 moe["rope_attn_factor"] > 0, "above 0")
         if moe["rope_scaling_orig_ctx"] <= 0:
             raise CarveError(f"{model.paths[0]}: LongRoPE needs "
@@ -439,11 +334,11 @@ def _read(model: GGUFModel) -> HParams:
         arch == "glm4moe" and any(t.name == "blk.0.attn_q_norm.weight" for t in model.tensors))
     qk_whole = arch == "minimax-m2"
     if qk_norm:  # per head, or (minimax-m2) over the whole projections
-        _check_shapes(model, {
+        check_shapes(model, {
             "blk.0.attn_q_norm.weight": (n_head * head_dim,) if qk_whole else (head_dim,),
             "blk.0.attn_k_norm.weight": (n_head_kv * head_dim,) if qk_whole else (head_dim,)})
     query_pre = m.float_("attention.query_pre_attn_scalar", 0.0)
-    _within(model, "attention.query_pre_attn_scalar", query_pre, query_pre >= 0,
+    within(model, "attention.query_pre_attn_scalar", query_pre, query_pre >= 0,
             "above 0 (or absent)")
     if query_pre:
         default_scale = query_pre**-0.5
@@ -461,7 +356,7 @@ def _read(model: GGUFModel) -> HParams:
         rope_mult = 1.0 if log_mul else 0.1 * math.log(scale) + 1.0
         default_scale *= (rope_mult * (1 + 0.1 * log_mul * math.log(scale))) ** 2
     attn_scale = m.float_("attention.scale", default_scale)
-    _within(model, "attention.scale", attn_scale, attn_scale > 0, "above 0")
+    within(model, "attention.scale", attn_scale, attn_scale > 0, "above 0")
 
     return HParams(
         arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
@@ -480,178 +375,3 @@ def _read(model: GGUFModel) -> HParams:
     )
 
 
-def _tensor_shapes(model: GGUFModel) -> dict[str, tuple[int, ...]]:
-    return {t.name: tuple(t.shape) for t in model.tensors}
-
-
-def _read_moe(model: GGUFModel, m: _Meta, n_run: int, n_embd: int) -> dict[str, Any]:
-    """The expert fields of a MoE architecture (``n_run``: the layers the model runs), checked
-    against every run layer's router and expert tensors (GGUF shapes: router [n_embd,
-    n_expert], gate/up experts [n_embd, n_ff_exp, n_expert], down experts [n_ff_exp, n_embd,
-    n_expert])."""
-    path, arch = model.paths[0], model.arch
-    n_expert = m.int_("expert_count", required=True)
-    n_used = m.int_("expert_used_count", required=True)
-    if n_expert <= 0:
-        raise CarveError(f"{path}: {arch}.expert_count is {n_expert}; a mixture-of-experts "
-                         "model needs at least one expert")
-    if not 0 < n_used <= n_expert:
-        raise CarveError(f"{path}: {arch}.expert_used_count is {n_used} but the file has "
-                         f"{n_expert} experts ({arch}.expert_count); it must be 1..{n_expert}")
-    lead = m.int_("leading_dense_block_count", 0) if arch in _LEAD_SHARED else 0
-    step = m.int_("interleave_moe_layer_step", 1)
-    if step != 1:  # ERNIE-4.5's published files route every layer after the dense ones
-        raise CarveError(f"{path}: {arch}.interleave_moe_layer_step is {step}; Carve runs models "
-                         "whose every layer after the leading dense ones routes through experts")
-    if not 0 <= lead < n_run:
-        raise CarveError(f"{path}: {arch}.leading_dense_block_count {lead} leaves no expert "
-                         f"layer of {n_run}")
-    shapes = _tensor_shapes(model)
-    gate0 = shapes.get(f"blk.{lead}.ffn_gate_exps.weight")
-    n_ff_exp = m.int_("expert_feed_forward_length", gate0[1] if gate0 and len(gate0) == 3 else 0)
-    n_shared = m.int_("expert_shared_count", 0) if arch in _LEAD_SHARED else 0
-    _within(model, "expert_shared_count", n_shared, n_shared >= 0, "a count")
-    shexp = shapes.get(f"blk.{lead}.ffn_gate_shexp.weight")
-    n_ff_shexp = shexp[1] if n_shared and shexp and len(shexp) == 2 else 0
-    if n_shared and not n_ff_shexp:
-        raise CarveError(f"{path}: tensor blk.{lead}.ffn_gate_shexp.weight is missing; "
-                         f"{arch}.expert_shared_count says {n_shared} shared experts")
-    if f"{arch}.expert_feed_forward_length" in m.md:
-        _within(model, "expert_feed_forward_length", n_ff_exp, n_ff_exp > 0, "a width above 0")
-    if n_ff_exp <= 0:
-        raise CarveError(f"{path}: tensor blk.{lead}.ffn_gate_exps.weight is missing and "
-                         f"{arch}.expert_feed_forward_length is not set; not a complete model")
-    for i in range(lead, n_run):
-        p = f"blk.{i}."
-        router = shapes.get(p + "ffn_gate_inp.weight")
-        if router is None:
-            raise CarveError(f"{path}: tensor {p}ffn_gate_inp.weight (the expert router of "
-                             f"layer {i}) is missing; the file is incomplete")
-        want = {
-            p + "ffn_gate_inp.weight": (n_embd, n_expert),
-            p + "ffn_gate_exps.weight": (n_embd, n_ff_exp, n_expert),
-            p + "ffn_up_exps.weight": (n_embd, n_ff_exp, n_expert),
-            p + "ffn_down_exps.weight": (n_ff_exp, n_embd, n_expert),
-        }
-        for vec in ("exp_probs_b.bias", "ffn_gate_inp.bias"):  # where the file has them
-            if p + vec in shapes:  # the selection bias (glm4moe, DeepSeek-V3), gpt-oss's router's
-                want[p + vec] = (n_expert,)
-        if n_shared:
-            want[p + "ffn_gate_shexp.weight"] = (n_embd, n_ff_shexp)
-            want[p + "ffn_up_shexp.weight"] = (n_embd, n_ff_shexp)
-            want[p + "ffn_down_shexp.weight"] = (n_ff_shexp, n_embd)
-        for name, shape in want.items():
-            got = shapes.get(name)
-            if got is None and "_exps." in name and name.replace("_exps.", ".0.") in shapes:
-                raise CarveError(f"{path}: layer {i} stores each expert as a tensor of its own "
-                                 f"({name.replace('_exps.', '.0.')}...), as converters did "
-                                 "before 2024; Carve reads the experts stacked in one tensor "
-                                 f"({name}): re-convert the model with a current llama.cpp")
-            if got is None:
-                raise CarveError(f"{path}: tensor {name} is missing; layer {i} routes through "
-                                 "experts and needs it")
-            if got != shape:
-                if len(got) == len(shape) and got[-1] != shape[-1] and "exps" in name:
-                    raise CarveError(f"{path}: tensor {name} holds {got[-1]} experts but "
-                                     f"{arch}.expert_count says {n_expert}; the file is "
-                                     "inconsistent")
-                raise CarveError(f"{path}: tensor {name} has shape {list(got)} but the "
-                                 f"metadata implies {list(shape)}; the file is inconsistent")
-    if arch == "gpt-oss":
-        gating = "softmax_topk"
-    else:
-        code = m.int_("expert_gating_func", 0)
-        if code and code not in _GATING:
-            raise CarveError(f"{path}: {arch}.expert_gating_func {code} is not one the engine "
-                             f"runs ({', '.join(f'{k} = {v}' for k, v in _GATING.items())})")
-        default = _GATING_DEFAULT[arch]
-        if arch == "deepseek2" and not code and m.int_("block_count") in (47, 48) and (
-                shapes.get("token_embd.weight", (0, 0))[1] == 154880):
-            default = "sigmoid"  # GLM-4.7 Lite's files, as llama.cpp tells them apart
-        gating = _GATING.get(code, default)
-    # qwen3moe, Mixtral (llama) and minimax-m2 renormalise their top-k weights whatever the
-    # file says (llama.cpp's graphs do)
-    norm = True if arch in ("qwen3moe", "llama", "minimax-m2", "ernie4_5-moe") else (
-        arch in _LEAD_SHARED and bool(m.md.get(f"{arch}.expert_weights_norm", False)))
-    # (ernie4_5-moe: llama.cpp's graph never scales its weights)
-    weights_scale = (m.float_("expert_weights_scale", 1.0)
-                     if arch in (*_LEAD_SHARED, "minimax-m2") and arch != "ernie4_5-moe" else 1.0)
-    _within(model, "expert_weights_scale", weights_scale, weights_scale > 0, "above 0")
-    groups, groups_used = (_read_groups(m, n_expert, n_used) if arch == "deepseek2"
-                           else (0, 0))
-    return dict(
-        n_expert_groups=groups, n_group_used=groups_used,
-        n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp, n_expert_shared=n_shared,
-        n_ff_shexp=n_ff_shexp, n_layer_dense_lead=lead, expert_gating=gating,
-        expert_weights_norm=norm,
-        expert_weights_scale=weights_scale,
-        n_layer_run=n_run,
-    )
-
-
-def _read_mla(model: GGUFModel, m: _Meta) -> dict[str, Any]:
-    """deepseek2's latent-attention fields, and which of the converter's two layouts the file
-    has: attn_k_b / attn_v_b per head (llama.cpp since 2025) or one attn_kv_b (before)."""
-    path = model.paths[0]
-    kv_lora = m.int_("attention.kv_lora_rank", required=True)
-    q_lora = m.int_("attention.q_lora_rank", 0)
-    for key, v in (("attention.kv_lora_rank", kv_lora), ("attention.q_lora_rank", q_lora)):
-        if v < 0 or (key == "attention.kv_lora_rank" and v == 0):
-            raise CarveError(f"{path}: {m.arch}.{key} is {v}; it must be a rank above 0")
-    names = {t.name for t in model.tensors}
-    split = "blk.0.attn_k_b.weight" in names
-    if not split and "blk.0.attn_kv_b.weight" not in names:
-        raise CarveError(f"{path}: tensor blk.0.attn_k_b.weight is missing (nor is there a "
-                         "blk.0.attn_kv_b.weight); the file's latent attention is incomplete")
-    if split and f"{m.arch}.attention.key_length_mla" not in m.md:
-        raise CarveError(f"{path}: metadata key {m.arch}.attention.key_length_mla is missing; "
-                         "a file with attn_k_b tensors needs it (re-convert the model)")
-    temp = m.float_("attention.temperature_scale", 0.0)
-    length = m.int_("attention.temperature_length", 0) if temp else 0
-    _within(model, "attention.temperature_scale", temp, temp >= 0, "at least 0 (or absent)")
-    if temp and length <= 0:
-        raise CarveError(f"{path}: {m.arch}.attention.temperature_scale is set but "
-                         f"{m.arch}.attention.temperature_length is {length}; the attention "
-                         "temperature needs a length above 0 (re-convert the model)")
-    return dict(kv_lora_rank=kv_lora, q_lora_rank=q_lora, mla_legacy=not split,
-                attn_temp_scale=temp, attn_temp_length=length)
-
-
-def _mla_shapes(m: _Meta, mla: dict[str, Any], n_embd: int, n_head: int, head_dim: int,
-                head_dim_v: int) -> dict[str, tuple[int, ...]]:
-    """Layer 0's latent-attention tensors as the metadata implies them (GGUF dims)."""
-    kv_lora, q_lora = mla["kv_lora_rank"], mla["q_lora_rank"]
-    rope = m.int_("rope.dimension_count", 0)
-    nope = head_dim - rope
-    if rope <= 0 or nope <= 0 or rope % 2 or head_dim_v <= 0:
-        raise CarveError(f"{m.path}: {m.arch} heads of {head_dim} key dims ({rope} rotated, "
-                         f"{m.arch}.rope.dimension_count) and {head_dim_v} value dims are not a "
-                         "latent-attention shape; the file is inconsistent")
-    out = {"blk.0.attn_kv_a_mqa.weight": (n_embd, kv_lora + rope),
-           "blk.0.attn_kv_a_norm.weight": (kv_lora,)}
-    if q_lora:
-        out["blk.0.attn_q_a.weight"] = (n_embd, q_lora)
-        out["blk.0.attn_q_a_norm.weight"] = (q_lora,)
-        out["blk.0.attn_q_b.weight"] = (q_lora, n_head * head_dim)
-    else:
-        out["blk.0.attn_q.weight"] = (n_embd, n_head * head_dim)
-    if mla["mla_legacy"]:
-        out["blk.0.attn_kv_b.weight"] = (kv_lora, n_head * (nope + head_dim_v))
-    else:
-        out["blk.0.attn_k_b.weight"] = (nope, kv_lora, n_head)
-        out["blk.0.attn_v_b.weight"] = (kv_lora, head_dim_v, n_head)
-    return out
-
-
-def _read_groups(m: _Meta, n_expert: int, n_used: int) -> tuple[int, int]:
-    """(expert groups, groups each token may use) where the file limits routing to groups,
-    else (0, 0)."""
-    groups = m.int_("expert_group_count", 0)
-    used = m.int_("expert_group_used_count", 0)
-    if groups <= 1:
-        return 0, 0
-    if n_expert % groups or not 0 < used <= groups or n_used > used * (n_expert // groups):
-        raise CarveError(f"{m.path}: {m.arch}.expert_group_count {groups} with "
-                         f"expert_group_used_count {used} cannot route {n_used} of {n_expert} "
-                         "experts (the groups must divide the experts and hold the chosen ones)")
-    return (0, 0) if used == groups else (groups, used)
