@@ -20,15 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from engine.gguf.writer import GGUFSink, MetaItem, split_names, tensor_bytes
+from engine.synth.contents import llama3_factors, longrope_factors, metadata, tensor_table
 from engine.synth.file_types import FILE_TYPES, file_type_types
-from engine.synth.shapes import (
-    SHAPES,
-    Shape,
-    llama3_factors,
-    longrope_factors,
-    metadata,
-    tensor_table,
-)
+from engine.synth.shapes import SHAPES, Shape
 from spec.errors import CarveError
 from spec.quant_types import (
     BY_NAME,

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.gguf.reader import TensorInfo
+from engine.synth.contents import metadata, tensor_table
 from engine.synth.gen import tensor_types
-from engine.synth.shapes import Shape, metadata, tensor_table
+from engine.synth.shapes import Shape
 from spec.errors import CarveError
 from spec.quant_types import tensor_nbytes
 

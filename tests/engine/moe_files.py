@@ -44,7 +44,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from engine.gguf.writer import ARR, BOOL, F32, I32, STR, U32, GGUFSink, MetaItem
-from engine.synth.shapes import CHATML, llama3_factors, vocab
+from engine.synth.contents import CHATML, llama3_factors, vocab
 
 N_VOCAB = 512  # the synthetic byte-level vocabulary needs ~300 tokens
 COMMON = dict(vocab_size=N_VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -211,7 +211,7 @@ def _gguf_tensors(arch: str, m: torch.nn.Module, layout: str = "mla") -> dict[st
     ffn_norm = ("ffn_norm" if arch in ("qwen3moe", "minimax-m2", "dots1", "ernie4_5-moe",
                                        *LLAMA_ARCHS)
                 else "post_attention_norm")
-    if arch == "llama3":  # the converter's factors (engine.synth.shapes.llama3_factors)
+    if arch == "llama3":  # the converter's factors (engine.synth.contents.llama3_factors)
         r = LLAMA3_ROPE
         out["rope_freqs.weight"] = np.asarray(llama3_factors(
             cfg.head_dim, r["rope_theta"], r["factor"], r["low_freq_factor"],

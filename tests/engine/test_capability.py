@@ -19,9 +19,10 @@ from engine.planning.carve import model_index
 from engine.planning.defaults import default_plan
 from engine.planning.price import price
 from engine.planning.rules import Verdict
+from engine.synth.contents import metadata, tensor_table
 from engine.synth.gen import tensor_types
 from engine.synth.header import HeaderModel
-from engine.synth.shapes import SHAPES, metadata, tensor_table
+from engine.synth.shapes import SHAPES
 from spec import quant_types as qt
 from spec.errors import CarveError
 from spec.runners import ARCHS, TORCH, TRITON

@@ -23,8 +23,8 @@ from engine.hardware.devices import DeviceSpec
 from engine.planning.plan import Plan
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
+from engine.synth.contents import llama3_factors
 from engine.synth.gen import write_model
-from engine.synth.shapes import llama3_factors
 from spec.errors import CarveError
 
 GIB = 1 << 30

@@ -16,9 +16,9 @@ from app.__main__ import main as carve_main
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import GGUFModel
 from engine.gguf.writer import tensor_bytes
+from engine.synth.contents import tensor_table
 from engine.synth.file_types import FILE_TYPES
 from engine.synth.gen import SHAPES, Shape, main, tensor_types, write_model
-from engine.synth.shapes import tensor_table
 from spec.errors import CarveError
 from spec.quant_types import QUANT, type_name
 

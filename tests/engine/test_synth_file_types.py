@@ -11,9 +11,9 @@ from gguf.quants import dequantize
 
 from engine.gguf.reader import GGUFModel
 from engine.gguf.writer import tensor_bytes
+from engine.synth.contents import tensor_table
 from engine.synth.file_types import FILE_TYPES
 from engine.synth.gen import SHAPES, tensor_types
-from engine.synth.shapes import tensor_table
 from spec import quant_types as qt
 from spec.errors import CarveError
 
