@@ -84,6 +84,14 @@ def assert_agree(got: list[torch.Tensor], ref: list[torch.Tensor], what: str,
     assert [t.argmax(-1).tolist() for t in got] == [t.argmax(-1).tolist() for t in ref]
 
 
+def held_bytes_match(h) -> None:
+    """Every expert a layer's cache says it holds is, byte for byte, in its slot."""
+    for e, slot in h.cache.held.items():
+        for m, view, per in zip(h.mats, h.cache.views, h.cache.slices, strict=True):
+            got = view.reshape(-1)[slot * per:(slot + 1) * per].cpu()
+            assert torch.equal(got, m.raw[e * per:(e + 1) * per].cpu()), (e, slot)
+
+
 def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> None:
     """qwen3moe, both MoE layers' experts on the host, run on the GPU, with 3 expert-cache
     slots: layer 0's 2 of them hold a decode step's 2 experts (copied in on a miss, the least
@@ -115,6 +123,8 @@ def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> No
         hosts = [la.ffn.host for la in st.layers]
         assert [h.cache.n for h in hosts] == [2, 1]
         moved = hosts[1].moved
+        c0 = hosts[0].cache
+        counted, seeded = c0.hits + c0.misses, [h.cache.seeded for h in hosts]
         got = run(g, prompt, steps)
         assert_agree(got, ref, "host experts on the GPU vs VRAM")
         # layer 1: the ids down (2 per row), then prefill its expert tensors whole, each decode
@@ -123,8 +133,15 @@ def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> No
                     if t.layer == 1 and t.name.endswith("_exps.weight"))
         assert hosts[1].moved - moved == 12 * 2 * 4 + whole + 2 * (2 * 4 + 2 * whole // 4)
         assert hosts[1].cache.hits == hosts[1].cache.misses == 0
-        c0 = hosts[0].cache  # the two decode steps place 2 experts each
-        assert c0.misses >= 2 and c0.hits + c0.misses >= 2 * 2 and len(c0.held) <= 2
+        # the two decode steps place 2 experts each in layer 0's slots
+        assert c0.hits + c0.misses - counted == 2 * 2 and len(c0.held) == 2
+        # the prefill seeded each layer's slots from the staging span on the device (nothing
+        # of it crossed PCIe: the bytes moved above are exact), at most all of them
+        for h, before in zip(hosts, seeded, strict=True):
+            per = sum(m.raw.numel() // m.n_expert for m in h.mats)
+            assert (h.cache.seeded - before) % per == 0
+            assert h.cache.seeded - before <= h.cache.n * per
+            held_bytes_match(h)
         # a reply logs what it moved per token and the cache's hit rate
         with caplog.at_level("INFO", logger="carve.engine"):
             g.generate(ids(3), SamplingParams(temperature=0.0, max_tokens=2), set(),
@@ -134,6 +151,71 @@ def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> No
         # the GPU computed every host expert: no CPU time
         assert line[0].endswith("%, 0.00 ms of CPU compute per token")
         assert all(h.cpu_s == 0 for h in hosts)
+    finally:
+        g.close()
+
+
+def test_seeding_the_cache_holds_the_experts_chosen_last_and_copies_only_what_it_lacks():
+    """`SlotCache.seed` after a chunk ran on the staging span: the n experts the rows chose
+    last (a row's later choices after its earlier ones) end up held, most recent last, each
+    slot holding its expert's bytes of every matrix; an expert already held is not copied
+    again, and the one evicted for a newcomer is never one of those wanted."""
+    from types import SimpleNamespace
+
+    from engine.planning.arena import align_up
+    from engine.runtime.gpu.host import SlotCache
+
+    n_expert, rows, row_bytes = 6, 2, 8
+    mats = [SimpleNamespace(raw=torch.arange(n_expert * rows * row_bytes, dtype=torch.uint8)
+                            .add(50 * j), n_expert=n_expert, rows=rows) for j in range(2)]
+    staged = [m.raw.view(n_expert * rows, row_bytes).clone() for m in mats]
+    per = rows * row_bytes
+    cache = SlotCache(torch.zeros(2 * align_up(3 * per), dtype=torch.uint8), 3, mats)
+    assert cache.place([0, 5]) == {0: 0, 5: 1} and cache.copied == 2 * 2 * per
+    # rows' choices: 1 2 | 3 1 | 4 5: the last three distinct, oldest first, are 1, 4, 5
+    cache.seed(staged, [[1, 2], [3, 1], [4, 5]])
+    assert list(cache.held) == [1, 4, 5]
+    assert cache.held[5] == 1  # held already: kept in its slot, not copied
+    assert cache.seeded == 2 * 2 * per  # 1 and 4, both matrices
+    assert cache.copied == 2 * 2 * per  # nothing more from host memory
+    assert cache.hits == 0 and cache.misses == 2  # seeding is no placement
+    held_bytes_match(SimpleNamespace(cache=cache, mats=mats))
+    # then a decode row's placement finds them
+    assert cache.place([4, 5]) == {4: cache.held[4], 5: 1} and cache.hits == 2
+
+
+def test_a_prompt_leaves_the_expert_cache_holding_what_its_last_rows_chose(files) -> None:
+    """qwen3moe, both layers' experts on the host with expert-cache slots: a prefill chunk too
+    wide for the slots runs from the staging span (the layer copied in whole), and leaves
+    the layer's slots holding the experts its last rows chose, copied from the span on the
+    device; nothing more crosses PCIe than the layer itself, and the decode steps after it
+    give the logits and ids of every expert in VRAM."""
+    path = files["qwen3moe"]
+    prompt, steps = ids(12, 5), ids(2, 6)
+    ref = all_in_vram(path, prompt, steps)
+    g = GpuSession.load(plan(path, resident=(0,), expert_slots=(4,)), devices=[DEV],
+                        remember=False)
+    try:
+        hosts = [la.ffn.host for la in g.pipe.stages[0].layers]
+        for h in hosts:  # empty slots, as after a load that placed nothing
+            h.cache.held.clear()
+            h.cache.free = list(range(h.cache.n - 1, -1, -1))
+            h.cache.seeded = 0
+        moved = [h.moved for h in hosts]
+        first = g.logits(prompt).clone()
+        for h, before in zip(hosts, moved, strict=True):
+            per = sum(m.raw.numel() // m.n_expert for m in h.mats)
+            # 12 rows of 2 ids down, then the layer whole; the seeding on the device
+            assert h.moved - before == 12 * 2 * 4 + per * h.cache.mats[0].n_expert
+            assert len(h.cache.held) == h.cache.n == 2
+            assert h.cache.seeded == 2 * per
+            held_bytes_match(h)
+        g.kv.n_past = len(prompt)
+        got = [first]
+        for tok in steps:
+            got.append(g.forward([tok], g.kv.n_past, "last")[-1:].clone())
+            g.kv.n_past += 1
+        assert_agree(got, ref, "decode after a seeded cache vs VRAM")
     finally:
         g.close()
 

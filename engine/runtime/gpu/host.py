@@ -12,7 +12,9 @@ hold every expert the rows chose, the missing ones are copied from host memory i
 kernels on the slots. Else, where the plan runs host experts on the GPU (the span
 `expert_stream`, room for one layer's expert tensors, `Stream`), decode copies the chosen
 experts into it at their own places and prefill the whole layer (gpt-oss's expert biases
-beside them), and the kernels run there. Otherwise (the plan's host_compute "cpu", and decode
+beside them), and the kernels run there; a chunk that ran there leaves the layer's slots
+holding what its last rows chose, copied from the span on the device (`SlotCache.seed`: the
+prompt's routing prefetches for the reply). Otherwise (the plan's host_compute "cpu", and decode
 rows under "both") the normed rows and weights go down to pinned buffers too, the CPU engine's
 `ops.experts` runs the routed experts on them from the CPU's own layouts
 (engine/runtime/models/cpu_experts.py; the file's blocks, dequantized per routed expert into a
@@ -189,6 +191,7 @@ class SlotCache:
         self.held: OrderedDict[int, int] = OrderedDict()  # expert -> slot, oldest use first
         self.free = list(range(n - 1, -1, -1))
         self.hits = self.misses = self.copied = 0
+        self.seeded = 0  # bytes copied in on the device from the staging span (`seed`)
 
     def place(self, experts: list[int]) -> dict[int, int] | None:
         """Slots for ``experts`` (distinct), copying in the ones not held; None when the share
@@ -211,6 +214,35 @@ class SlotCache:
             self.held[e] = slot
             self.misses += 1
         return {e: self.held[e] for e in experts}
+
+    def seed(self, staged: list[torch.Tensor], rows: list[list[int]]) -> None:
+        """After a chunk's rows ran on the staging span, which then holds every expert of the
+        layer (``staged``: its views, per matrix [n_expert * rows, bytes per row]): hold the
+        ``n`` experts the rows chose last (a row's later choices after its earlier ones, the
+        last row's last), as least-recently-used placement would after the rows one by one.
+        The ones not held yet are copied from the span on the device: nothing crosses PCIe,
+        and the first decode tokens of a reply find the experts its prompt ended on."""
+        recent: OrderedDict[int, None] = OrderedDict()
+        for row in rows:
+            for e in row:
+                recent.pop(e, None)
+                recent[e] = None
+        want = list(recent)[-self.n:]
+        for e in want:  # the held ones to keep are newer than every other held one
+            if e in self.held:
+                self.held.move_to_end(e)
+        for e in want:
+            if e in self.held:
+                continue
+            # the oldest held is not wanted: |wanted not held| <= free + |held not wanted|
+            slot = self.free.pop() if self.free else self.held.popitem(last=False)[1]
+            for src, view, per in zip(staged, self.views, self.slices, strict=True):
+                view.view(-1)[slot * per:(slot + 1) * per].copy_(
+                    src.view(-1)[e * per:(e + 1) * per], non_blocking=True)
+                self.seeded += per
+            self.held[e] = slot
+        for e in want:
+            self.held.move_to_end(e)
 
 
 class Stream:
@@ -401,6 +433,10 @@ class HostExperts:
             chosen = None if n > STREAM_ROWS else sorted(set(hids.reshape(-1).tolist()))
             self.moved += self.stream.fill(chosen)
             gpu(self.stream.views, self.stream.n, ids, self.stream.biases)
+            if chosen is None and self.cache is not None:
+                # the router's choices for the prompt's last rows: the cache's slots hold them
+                # for the reply's first tokens (copied from the span just filled)
+                self.cache.seed(self.stream.views, hids.tolist())
             return
         if not on_cpu:  # the expert cache could not hold them
             hx.copy_(x, non_blocking=True)
