@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 REPLAYS = 8
+STRETCH = 16  # launches of the timeline printed one by one
 
 
 def trace_step(pipe: Any, position: int = 64) -> list[dict]:
@@ -89,3 +90,19 @@ def print_trace(stages: list[dict]) -> None:
                   f"{k['exposed_us']:13.1f} {k['exposed_per_call_us']:6.2f} {k['gap_us']:6.2f} "
                   f"{k['span_us']:6.2f} {k['wait_us']:6.2f} {k['compute_us']:7.2f} "
                   f"{k['end_us']:6.2f}")
+        stretch = middle(s["timeline"])
+        if stretch:
+            t0 = stretch[0][3]
+            print(f"   trace {len(stretch)} launches from the middle of the step (us from the "
+                  "first's start): kernel, programs, SMs, first start, last start, last end")
+            for name, progs, sms, first, last, done, *_ in stretch:
+                print(f"   trace   {name:<17} {progs:5d} {sms:4d} {first - t0:8.2f} "
+                      f"{last - t0:8.2f} {done - t0:8.2f}")
+
+
+def middle(timeline: list[list], n: int = STRETCH) -> list[list]:
+    """``n`` stamped launches from the middle of a step's timeline (about a layer's worth):
+    where the launches overlap or wait on each other, launch by launch."""
+    done = [la for la in timeline if la[1] > 0]
+    mid = max(0, len(done) // 2 - n // 2)
+    return done[mid:mid + n]

@@ -144,3 +144,25 @@ def test_the_stamps_compile_into_the_kernels_for_sm90_and_out_of_them_when_off()
         assert got[f"{name} False"] == [0, 0, 0], name
         # the timer and the cycles read at each of the four stamps, the SM once
         assert got[f"{name} True"] == [4, 4, 1], name
+
+
+def test_the_bench_prints_the_table_and_a_stretch_from_the_middle_of_the_step(capsys):
+    tl = [[f"k{i}", 4, 2, float(i), i + 0.2, i + 1.5, 0.1, 0.5, 0.2] for i in range(40)]
+    tl[20][1] = -1  # a launch that did not stamp: not in the stretch
+    assert [r[0] for r in step_trace.middle(tl, 4)] == ["k17", "k18", "k19", "k21"]
+    kernels = [{"name": "expert_glu_q8", "calls": 48, "programs": 192, "sms": 132,
+                "exposed_us": 480.0, "exposed_per_call_us": 10.0, "gap_us": -1.5,
+                "span_us": 11.0, "start_spread_us": 2.0, "wait_us": 1.0, "compute_us": 6.0,
+                "end_us": 0.5}]
+    step_trace.print_trace([
+        {"stage": "cuda:0", "step_us": 2370.0, "launches": 40, "traced_span_us": 2300.0,
+         "unstamped": ["k20"], "kernels": kernels, "timeline": tl},
+        {"stage": "cuda:1", "skipped": "its host layers' experts run between graphs"}])
+    out = capsys.readouterr().out.splitlines()
+    assert "2370.0 us a step by replay" in out[0] and "every program: k20" in out[0]
+    assert out[2].split() == ["trace", "expert_glu_q8", "48", "192", "132", "480.0", "10.00",
+                              "-1.50", "11.00", "1.00", "6.00", "0.50"]
+    assert "16 launches from the middle" in out[3]
+    assert out[4].split()[1:] == ["k11", "4", "2", "0.00", "0.20", "1.50"]
+    assert out[-1] == ("   trace cuda:1: not traced (its host layers' experts run between "
+                       "graphs)")
