@@ -31,7 +31,7 @@ import sys
 from collections import Counter
 
 from carve_kernels import quant_matmul as qm
-from carve_kernels.gemv_q8 import lut_words
+from carve_kernels.gemv_q8_blocks import lut_words
 from carve_kernels.quant_blocks import plan
 from spec import quant_types as qt
 

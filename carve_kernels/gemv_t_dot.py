@@ -213,7 +213,7 @@ def _dp4a(a, b, c, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
 def _funnel(lo, hi, s, ASM: tl.constexpr):
     # the 32 bits at bit s (0..32) of the 64-bit word hi:lo: bytes of an unaligned word from the
     # two aligned words around it (ASM: one funnel shift; s = 32 gives hi). Used by the
-    # MXFP4 (carve_kernels/gemv_q8.py) and Q8_0 (carve_kernels/gemv_dot.py) bodies
+    # MXFP4 (carve_kernels/gemv_q8_blocks.py) and Q8_0 (carve_kernels/gemv_dot.py) bodies
     if ASM:
         return tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r",
                                          [lo, hi, s], dtype=tl.int32, is_pure=True, pack=1)

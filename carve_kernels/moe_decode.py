@@ -12,7 +12,8 @@ import triton.language as tl
 
 from carve_kernels import pdl, q8x, trace
 from carve_kernels.gemv_dot import row_dot
-from carve_kernels.gemv_q8 import Q8_BLOCK, Q8_TYPES, lut_words, q4k_q8_rows_dot, q8_rows_dot
+from carve_kernels.gemv_q8 import Q8_BLOCK, Q8_TYPES, q4k_q8_rows_dot, q8_rows_dot
+from carve_kernels.gemv_q8_blocks import lut_words
 from carve_kernels.moe import _ACTS, _act, _act_ref, _expert_ref, combine, expert_rows
 from carve_kernels.quant_matmul import _launch_args, gemv_config, row_cols
 from spec import quant_types as qt

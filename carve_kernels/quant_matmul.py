@@ -16,7 +16,7 @@ import triton.language as tl
 from carve_kernels import dequant as _dq
 from carve_kernels import pdl, q8x, trace
 from carve_kernels.gemv_dot import row_dot
-from carve_kernels.gemv_q8 import (
+from carve_kernels.gemv_q8_blocks import (
     iq4nl_q8_rows_dot,
     lut_words,
     q40_q8_rows_dot,
@@ -86,14 +86,14 @@ ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_
                             qt.IQ1_M, qt.IQ4_XS, qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1})
 # the byte alignment of the weight's start that a row body's word loads assume (the others: 1)
 ROW_BODY_ALIGN = {qt.Q8_0: 4, qt.Q5_0: 4, qt.Q4_0: 4, qt.Q4_1: 4, qt.Q5_1: 4, qt.IQ4_NL: 4}
-# row bodies on decode's int8 copy of x alone (carve_kernels/gemv_q8.py, the expert GEMVs'
+# row bodies on decode's int8 copy of x alone (carve_kernels/gemv_q8_blocks.py, the expert GEMVs'
 # bodies): other x (more than one row, or a matrix the copy does not reach) takes the generic
 # walk at its own tile; GEMV_CONFIG_BODY is the body's tile. Q5_0 (a thread per 22-byte
 # block), for the small models whose rows are not whole 256-value blocks (Qwen2-0.5B's q, k,
 # gate and up): H200, 2026-12-04, 7B ffn_up + ffn_down 41.0 us (54 % of the floor) at (4, 32,
 # 4) against 106.9 on the generic walk (58.0 at (8, 32, 4)); Qwen2-0.5B tg128 1,343.9 against
 # 1,234.6 t/s at (8, 32, 4), the same greedy ids
-# Q4_0, Q4_1 and Q5_1 (carve_kernels/gemv_q8.py: a thread per block as Q5_0's; Q4_1's and
+# Q4_0, Q4_1 and Q5_1 (carve_kernels/gemv_q8_blocks.py: a thread per block as Q5_0's; Q4_1's and
 # Q5_1's min term by a dp4a of x's words with ones) at Q5_0's tile: 7B ffn_up + ffn_down 35.8
 # / 34.5 / 41.8 us (50 / 58 / 58 % of the floor; the best of device_check's six tiles) against
 # 70.4 / 63.3 / 116.6 on the generic walk; Qwen2-7B all Q4_0 tg128 342.4 against 265.7 t/s,
@@ -132,7 +132,7 @@ def _dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE: tl.constexpr,
          ASM: tl.constexpr, LUT0: tl.constexpr = 0, LUT1: tl.constexpr = 0,
          LUT2: tl.constexpr = 0, LUT3: tl.constexpr = 0):
     # row_dot, and the bodies that read decode's int8 x alone (INT8_BODY_TYPES); LUT0..LUT3:
-    # IQ4_NL's table (gemv_q8.lut_words)
+    # IQ4_NL's table (gemv_q8_blocks.lut_words)
     if SPECIAL and Q8X and TYPE == 6:  # Q5_0: a thread per 22-byte block
         y = q50_q8_rows_dot(w_ptr, wh_ptr, xrow, xd_ptr, rows_c, K // BS, row_bytes, BLOCK_R,
                             BLOCK_B, ASM)
@@ -184,14 +184,16 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, N, 
 
 @triton.jit
 def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr,
-                     N, K, row_bytes, stride_xm, stride_ym, TYPE: tl.constexpr,
+                     N, K, row_bytes, stride_xm, stride_ym, trace_ptr, TYPE: tl.constexpr,
                      BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr, L: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr,
                      SPECIAL: tl.constexpr, MAGIC: tl.constexpr, GELU: tl.constexpr,
                      Q8X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                     LUT0: tl.constexpr = 0, LUT1: tl.constexpr = 0, LUT2: tl.constexpr = 0,
-                     LUT3: tl.constexpr = 0):
+                     TRACE: tl.constexpr = False, LUT0: tl.constexpr = 0,
+                     LUT1: tl.constexpr = 0, LUT2: tl.constexpr = 0, LUT3: tl.constexpr = 0):
+    trace.stamp(trace_ptr, 0, TRACE)
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     # gate and up rows of the same outputs in one program: x is read once for both, and the
     # GLU needs no launch and no [T, 2F] buffer of its own
     pid = tl.program_id(0)
@@ -205,8 +207,10 @@ def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, xq_ptr
     u = _dot(u_ptr, uh_ptr, ui_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
              BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, Q8X, ASM, LUT0, LUT1, LUT2,
              LUT3)
+    trace.stamp(trace_ptr, 2, TRACE)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows,
              glu_act(g, u, GELU).to(y_ptr.dtype.element_ty), mask=rows < N)
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 @triton.jit
@@ -227,7 +231,7 @@ def _seg(pid, P0, w_ptr, wh_ptr, wi_ptr, b_ptr, xrow, xq_ptr, xd_ptr, yrow, N, K
 
 @triton.jit
 def _gemv3_kernel(w1, w1h, w1i, b1, N1, rb1, w2, w2h, w2i, b2, N2, rb2, w3, w3h, w3i, b3, N3, rb3,
-                  x_ptr, xq_ptr, xd_ptr, y_ptr, P1, P2, K, stride_xm, stride_ym,
+                  x_ptr, xq_ptr, xd_ptr, y_ptr, P1, P2, K, stride_xm, stride_ym, trace_ptr,
                   T1: tl.constexpr, BS1: tl.constexpr, TS1: tl.constexpr, NP1: tl.constexpr,
                   L1: tl.constexpr, R1: tl.constexpr, B1: tl.constexpr, LS1: tl.constexpr,
                   SP1: tl.constexpr, MG1: tl.constexpr, Q8X1: tl.constexpr,
@@ -237,8 +241,11 @@ def _gemv3_kernel(w1, w1h, w1i, b1, N1, rb1, w2, w2h, w2i, b2, N2, rb2, w3, w3h,
                   T3: tl.constexpr, BS3: tl.constexpr, TS3: tl.constexpr, NP3: tl.constexpr,
                   L3: tl.constexpr, R3: tl.constexpr, B3: tl.constexpr, LS3: tl.constexpr,
                   SP3: tl.constexpr, MG3: tl.constexpr, Q8X3: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                  TRACE: tl.constexpr):
+    trace.stamp(trace_ptr, 0, TRACE)
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     # q, k and v of one layer (each with its own type and tile) in one launch: the outputs sit
     # side by side in y's row; programs [0, P1) do the first matrix, [P1, P2) the second
     pid = tl.program_id(0)
@@ -254,6 +261,8 @@ def _gemv3_kernel(w1, w1h, w1i, b1, N1, rb1, w2, w2h, w2i, b2, N2, rb2, w3, w3h,
     else:
         _seg(pid, P2, w3, w3h, w3i, b3, xrow, xq_ptr, xd_ptr, yrow + N1 + N2, N3, K, rb3, T3,
              BS3, TS3, NP3, L3, R3, B3, LS3, SP3, MG3, HAS_BIAS, Q8X3, ASM)
+    trace.stamp(trace_ptr, 2, TRACE)  # (the segment's stores are in it)
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 @triton.jit
@@ -424,8 +433,9 @@ def gemv_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, x: torch.Tens
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
     _gemv_glu_kernel[grid](*gp, *up_ptrs, x2, q, d, y, n, k, gate.shape[1], x2.stride(0),
-                           y.stride(0), GELU=act == "gelu", Q8X=use, ASM=gate.is_cuda, **meta,
-                           **_opts(warps, stages), **pdl.opts(y, use_pdl))
+                           y.stride(0), **trace.args("gemv_glu", grid, y), GELU=act == "gelu",
+                           Q8X=use, ASM=gate.is_cuda, **meta, **_opts(warps, stages),
+                           **pdl.opts(y, use_pdl))
     return y.view(*x.shape[:-1], n) if out is None else out
 
 
@@ -467,7 +477,7 @@ def gemv3(mats: list[tuple[torch.Tensor, int]], x: torch.Tensor, out: torch.Tens
         progs.append(progs[-1] + triton.cdiv(w.shape[0], meta["BLOCK_R"]))
     grid = (progs[3], m)
     _gemv3_kernel[grid](*args, x2, q, d, y, progs[1], progs[2], k, x2.stride(0), y.stride(0),
-                        HAS_BIAS=biases is not None, ASM=mats[0][0].is_cuda, **consts,
+                        **trace.args("gemv3", grid, y), HAS_BIAS=biases is not None, ASM=mats[0][0].is_cuda, **consts,
                         num_warps=warps, **pdl.opts(y, use_pdl))
     return out
 

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from carve_kernels import trace
 from spec.launch import (
     SAMPLE_KEYS,
     SAMPLE_LAST_N,
@@ -197,19 +198,26 @@ def _rank(x, src_ptr, stride, n, N: tl.constexpr, CH: tl.constexpr):
 
 
 @triton.jit
-def _topk_part_kernel(logits_ptr, keys_ptr, state_ptr, V, P, BS: tl.constexpr, G: tl.constexpr,
-                      K: tl.constexpr, FIRST: tl.constexpr):
+def _topk_part_kernel(logits_ptr, keys_ptr, state_ptr, V, P, trace_ptr, BS: tl.constexpr,
+                      G: tl.constexpr, K: tl.constexpr, FIRST: tl.constexpr,
+                      TRACE: tl.constexpr):
     # this part's best min(rounds, FIRST) keys, best first
+    trace.stamp(trace_ptr, 0, TRACE)
+    trace.stamp(trace_ptr, 1, TRACE)  # no wait: launched without PDL
     pid = tl.program_id(0)
     key = _slice_keys(logits_ptr, pid, P, V, BS, G)
+    trace.stamp(trace_ptr, 2, TRACE)
     _best(key, tl.minimum(_rounds(state_ptr, K), FIRST), keys_ptr + pid * K, FIRST)
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 @triton.jit
-def _pick_kernel(logits_ptr, keys_ptr, state_ptr, out_ptr, V, P, BS: tl.constexpr,
+def _pick_kernel(logits_ptr, keys_ptr, state_ptr, out_ptr, V, P, trace_ptr, BS: tl.constexpr,
                  G: tl.constexpr, PB: tl.constexpr, K: tl.constexpr, FIRST: tl.constexpr,
                  MERGE: tl.constexpr, MERGE_AT: tl.constexpr, HIST_N: tl.constexpr,
-                 RING_N: tl.constexpr):
+                 RING_N: tl.constexpr, TRACE: tl.constexpr):
+    trace.stamp(trace_ptr, 0, TRACE)
+    trace.stamp(trace_ptr, 1, TRACE)  # no wait: launched without PDL
     rounds = _rounds(state_ptr, K)
     first = tl.minimum(rounds, FIRST)
     pp = tl.arange(0, PB)
@@ -287,6 +295,7 @@ def _pick_kernel(logits_ptr, keys_ptr, state_ptr, out_ptr, V, P, BS: tl.constexp
     tok = tl.sum(tl.where(r == pick, ids, 0), axis=0)
 
     # logits that are not finite: -1 in the ring for the host to see, a valid id as the input
+    trace.stamp(trace_ptr, 2, TRACE)
     bad = (v0 != v0) | (v0 == float("inf")) | (v0 == float("-inf"))
     tl.store(out_ptr, tl.where(bad, 0, tok).to(out_ptr.dtype.element_ty))
     tok = tl.where(bad, -1, tok)
@@ -297,6 +306,7 @@ def _pick_kernel(logits_ptr, keys_ptr, state_ptr, out_ptr, V, P, BS: tl.constexp
     if last_n > 0:
         tl.store(state_ptr + 16 + pushed % last_n, tok)
         tl.store(state_ptr + 9, pushed + 1)
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 def sample(logits: torch.Tensor, state: torch.Tensor, keys: torch.Tensor,
@@ -312,9 +322,11 @@ def sample(logits: torch.Tensor, state: torch.Tensor, keys: torch.Tensor,
     parts, sl = partition(v, parts)
     bs = triton.next_power_of_2(sl)
     _penalize_kernel[(1,)](logits, state, v, HIST_N=SAMPLE_LAST_N)
-    _topk_part_kernel[(parts,)](logits, keys, state, v, parts, BS=bs, G=GROUP, K=SAMPLE_TOP_K,
-                                FIRST=first, num_warps=4)
-    _pick_kernel[(1,)](logits, keys, state, out, v, parts, BS=bs, G=GROUP,
+    _topk_part_kernel[(parts,)](logits, keys, state, v, parts,
+                                **trace.args("sample_topk", (parts,), keys), BS=bs, G=GROUP,
+                                K=SAMPLE_TOP_K, FIRST=first, num_warps=4)
+    _pick_kernel[(1,)](logits, keys, state, out, v, parts, **trace.args("sample_pick", (1,), out),
+                       BS=bs, G=GROUP,
                        PB=triton.next_power_of_2(parts), K=SAMPLE_TOP_K, FIRST=first,
                        MERGE=SAMPLE_MERGE, MERGE_AT=SAMPLE_PARTS * SAMPLE_TOP_K,
                        HIST_N=SAMPLE_LAST_N, RING_N=SAMPLE_RING, num_warps=8)

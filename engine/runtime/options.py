@@ -19,10 +19,10 @@ TRIALS = {
     "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x "
                  "(carve_kernels/gemv_dot.py)",
     "iq4nl_rows": "IQ4_NL's row body for decode GEMVs in GGUF order, on int8 x "
-                  "(carve_kernels/gemv_q8.py iq4nl_q8_rows_dot)",
+                  "(carve_kernels/gemv_q8_blocks.py iq4nl_q8_rows_dot)",
     "legacy_experts": "decode's Q4_0, Q4_1 and Q5_1 experts on int8 x (the dense GEMVs' bodies, "
-                      "carve_kernels/gemv_q8.py)",
-    "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8.py "
+                      "carve_kernels/gemv_q8_blocks.py)",
+    "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
 }
