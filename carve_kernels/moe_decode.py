@@ -177,8 +177,23 @@ def _expert_glu_q8_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, 
     trace.stamp(trace_ptr, 0, TRACE)
     pdl.start(PDL)
     trace.stamp(trace_ptr, 1, TRACE)
-    pid = tl.program_id(0)
-    slot = tl.program_id(1)  # one row of x: slot j is its j-th expert
+    # one row of x: slot j (program axis 1) is its j-th expert
+    _glu_q8_tile(tl.program_id(0), tl.program_id(1), g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr,
+                 ui_ptr, gb_ptr, ub_ptr, xq_ptr, xd_ptr, xs_ptr, ids_ptr, h_ptr, oq_ptr, od_ptr,
+                 os_ptr, N, NB, g_rb, u_rb, limit, trace_ptr, TG, TU, HAS_BIAS, ACT, QOUT,
+                 BLOCK_R, BLOCK_B, ASM, TRACE, L0, L1, L2, L3)
+    trace.stamp(trace_ptr, 3, TRACE)
+
+
+@triton.jit
+def _glu_q8_tile(pid, slot, g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, ub_ptr, xq_ptr,
+                 xd_ptr, xs_ptr, ids_ptr, h_ptr, oq_ptr, od_ptr, os_ptr, N, NB, g_rb, u_rb, limit,
+                 trace_ptr, TG: tl.constexpr, TU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ACT: tl.constexpr, QOUT: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_B: tl.constexpr, ASM: tl.constexpr, TRACE: tl.constexpr,
+                 L0: tl.constexpr, L1: tl.constexpr, L2: tl.constexpr, L3: tl.constexpr):
+    # row tile ``pid`` of the ``slot``-th chosen expert's gate and up, the activation, and its
+    # int8 copy (QOUT); the main loop's end stamped (carve_kernels/trace.py)
     eid = tl.load(ids_ptr + slot)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
@@ -200,7 +215,6 @@ def _expert_glu_q8_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, 
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=rmask)
     if QOUT:  # the int8 copy of h, the down GEMV's input
         q8x.store_q8(h, offs, rmask, oq_ptr, od_ptr, os_ptr, BLOCK_R)
-    trace.stamp(trace_ptr, 3, TRACE)
 
 
 def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: int,
@@ -342,8 +356,23 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
     trace.stamp(trace_ptr, 0, TRACE)
     pdl.start(PDL)
     trace.stamp(trace_ptr, 1, TRACE)
-    pid = tl.program_id(0)
-    slot = tl.program_id(1)
+    _down_q8_tile(tl.program_id(0), tl.program_id(1), w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr,
+                  hd_ptr, hs_ptr, ids_ptr, y_ptr, rw_ptr, out_ptr, cnt_ptr, N, K, row_bytes,
+                  stride_ym, trace_ptr, KU, HAS_BIAS, COMBINE, ACCUM, TYPE, QK, BLOCK_R, BLOCK_B,
+                  ASM, TRACE, L0, L1, L2, L3)
+    trace.stamp(trace_ptr, 3, TRACE)
+
+
+@triton.jit
+def _down_q8_tile(pid, slot, w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr, ids_ptr, y_ptr,
+                  rw_ptr, out_ptr, cnt_ptr, N, K, row_bytes, stride_ym, trace_ptr,
+                  KU: tl.constexpr, HAS_BIAS: tl.constexpr, COMBINE: tl.constexpr,
+                  ACCUM: tl.constexpr, TYPE: tl.constexpr, QK: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr,
+                  TRACE: tl.constexpr, L0: tl.constexpr, L1: tl.constexpr, L2: tl.constexpr,
+                  L3: tl.constexpr):
+    # row tile ``pid`` of the ``slot``-th chosen expert's down rows, and (COMBINE) the tile's
+    # sum over the k experts by the last of its programs; the main loop's end stamped
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     rows_c = tl.load(ids_ptr + slot) * N + tl.minimum(rows, N - 1)
@@ -365,7 +394,6 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
                 acc += tl.load(out_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
             tl.atomic_xchg(cnt_ptr + pid, 0)  # zero again for the next call
-    trace.stamp(trace_ptr, 3, TRACE)
 
 
 def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: torch.Tensor,
@@ -396,7 +424,8 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
         *_q8_views(down, ggml_type, "down"), bias if bias is not None else rows_out, *hq, ids,
         rows_out, weights, out, counter if fused else ids, n, k, down.shape[1],
         rows_out.stride(0), **trace.args("expert_down_q8", (tiles, ku), rows_out), KU=ku,
-        HAS_BIAS=bias is not None, COMBINE=fused, ACCUM=accumulate, TYPE=ggml_type, QK=Q8_BLOCK[ggml_type], BLOCK_R=br,
+        HAS_BIAS=bias is not None, COMBINE=fused, ACCUM=accumulate, TYPE=ggml_type,
+        QK=Q8_BLOCK[ggml_type], BLOCK_R=br,
         BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[ggml_type])), ASM=down.is_cuda,
         num_warps=warps, **_lut(ggml_type), **pdl.opts(rows_out, use_pdl))
     if not fused:

@@ -70,16 +70,24 @@ def recording(device: torch.device, programs: int = 1 << 20) -> Iterator[Recorde
         _ACTIVE.remove(rec)
 
 
-def args(name: str, grid: tuple[int, ...], like: torch.Tensor) -> dict:
+def args(name: str, grid: tuple[int, ...], like: torch.Tensor,
+         parts: tuple[tuple[str, int], ...] = ()) -> dict:
     """The ``trace_ptr`` and ``TRACE`` arguments of a launch of kernel ``name`` over ``grid``
     that writes ``like``: rows of the recording's buffer inside `recording` (on that device),
-    else TRACE off (``like`` stands in for the pointer, never read)."""
+    else TRACE off (``like`` stands in for the pointer, never read). ``parts``: a kernel whose
+    programs do different work in runs of program ids, each run recorded as a launch of its
+    own name (the runs' programs in order, adding up to the grid's)."""
     for rec in _ACTIVE:
         if like.is_cuda and rec.buf.device == like.device:
             programs = 1
             for g in grid:
                 programs *= int(g)
-            return {"trace_ptr": rec.take(name, programs), "TRACE": True}
+            if not parts:
+                return {"trace_ptr": rec.take(name, programs), "TRACE": True}
+            if sum(n for _, n in parts) != programs:
+                raise ValueError(f"{name}: the parts' programs do not add up to {programs}")
+            views = [rec.take(part, n) for part, n in parts]
+            return {"trace_ptr": views[0], "TRACE": True}
     return {"trace_ptr": like, "TRACE": False}
 
 
