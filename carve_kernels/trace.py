@@ -16,6 +16,10 @@ at the rate the whole recording's programs ran (timer over cycles, start to end)
 A kernel takes ``trace_ptr`` and the constexpr ``TRACE`` (`args`) and calls
 ``stamp(trace_ptr, AT, TRACE)`` at AT = START, WAITED, COMPUTED, DONE; with TRACE off (every
 launch outside a recording, and always under the interpreter) the stamps compile to nothing.
+The timer reads are not pure, so the compiler keeps each one and their order, but it may move
+other instructions across them (a main loop's last sums past COMPUTED, say): the boundaries
+between a program's phases are approximate to the width of what moved, its first and last
+stamps (START, DONE) much less so.
 """
 
 from __future__ import annotations
