@@ -18,7 +18,7 @@ else
 fi
 export PYTHONUNBUFFERED=1
 python3 -c 'import gguf' 2>/dev/null || {
-    echo "h200.sh: no gguf module here: put its wheel in .whl/ and carry .whl with the call" \
+    echo "h200.sh: no gguf module here: fill .whl/ (bash benchmarks/make_whl.sh) and carry .whl" \
         "(benchmarks/README.md)"
     exit 2
 }
