@@ -15,7 +15,9 @@ at the rate the whole recording's programs ran (timer over cycles, start to end)
 
 A kernel takes ``trace_ptr`` and the constexpr ``TRACE`` (`args`) and calls
 ``stamp(trace_ptr, AT, TRACE)`` at AT = START, WAITED, COMPUTED, DONE; with TRACE off (every
-launch outside a recording, and always under the interpreter) the stamps compile to nothing.
+launch outside a recording) the stamps compile to nothing. A recording on the CPU (the
+interpreter, which has no timers) stamps each point's number instead (TRACE 2): no times, but
+which launches, how many programs, and that every program reached every stamp.
 The timer reads are not pure, so the compiler keeps each one and their order, but it may move
 other instructions across them (a main loop's last sums past COMPUTED, say): the boundaries
 between a program's phases are approximate to the width of what moved, its first and last
@@ -82,16 +84,17 @@ def args(name: str, grid: tuple[int, ...], like: torch.Tensor,
     programs do different work in runs of program ids, each run recorded as a launch of its
     own name (the runs' programs in order, adding up to the grid's)."""
     for rec in _ACTIVE:
-        if like.is_cuda and rec.buf.device == like.device:
+        if rec.buf.device == like.device:
             programs = 1
             for g in grid:
                 programs *= int(g)
+            mode = 1 if like.is_cuda else 2  # the GPU's timers, or the interpreter's order
             if not parts:
-                return {"trace_ptr": rec.take(name, programs), "TRACE": True}
+                return {"trace_ptr": rec.take(name, programs), "TRACE": mode}
             if sum(n for _, n in parts) != programs:
                 raise ValueError(f"{name}: the parts' programs do not add up to {programs}")
             views = [rec.take(part, n) for part, n in parts]
-            return {"trace_ptr": views[0], "TRACE": True}
+            return {"trace_ptr": views[0], "TRACE": mode}
     return {"trace_ptr": like, "TRACE": False}
 
 
@@ -101,16 +104,20 @@ def stamp(trace_ptr, AT: tl.constexpr, TRACE: tl.constexpr):
         pid = ((tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0)
                + tl.program_id(0))
         row = trace_ptr + pid.to(tl.int64) * _ROW
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                        is_pure=False, pack=1)
-        clk = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64,
-                                        is_pure=False, pack=1)
-        tl.store(row + AT, now)
-        tl.store(row + _CLOCK + AT, clk)
-        if AT == 0:
-            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
-                                           is_pure=True, pack=1)
-            tl.store(row + _SM, sm.to(tl.int64))
+        if TRACE == 2:  # the interpreter: the point's number, as time and cycles (SM 0)
+            tl.store(row + AT, tl.full([], AT + 1, tl.int64))
+            tl.store(row + _CLOCK + AT, tl.full([], AT + 1, tl.int64))
+        else:
+            now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [],
+                                            dtype=tl.int64, is_pure=False, pack=1)
+            clk = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64,
+                                            is_pure=False, pack=1)
+            tl.store(row + AT, now)
+            tl.store(row + _CLOCK + AT, clk)
+            if AT == 0:
+                sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                               is_pure=True, pack=1)
+                tl.store(row + _SM, sm.to(tl.int64))
 
 
 @dataclass

@@ -17,14 +17,16 @@ from carve_kernels import trace
 from engine.runtime import step_trace
 
 
-def test_launches_outside_a_recording_or_off_the_gpu_are_not_traced():
+def test_launches_outside_a_recording_are_not_traced_and_the_interpreter_stamps_order():
     y = torch.zeros(4)
     off = trace.args("gemv", (3, 2), y)
     assert off == {"trace_ptr": y, "TRACE": False}
     with trace.recording(torch.device("cpu"), 16) as rec:
-        # the interpreter's tensors: no stamps (TRACE needs the GPU's timer)
-        assert trace.args("gemv", (3, 2), y)["TRACE"] is False
-        assert rec.used == 0 and rec.launches == []
+        # the interpreter's tensors: the points' numbers, not times (TRACE 2)
+        got = trace.args("gemv", (3, 2), y)
+        assert got["TRACE"] == 2 and got["trace_ptr"].data_ptr() == rec.buf.data_ptr()
+        assert rec.used == 6 and rec.launches == [("gemv", 0, 6)]
+    assert trace.args("gemv", (3, 2), y)["TRACE"] is False  # the recording is over
 
 
 def test_a_recording_hands_each_launch_its_own_rows_and_refuses_past_its_buffer():
