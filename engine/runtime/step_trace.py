@@ -26,35 +26,38 @@ STRETCH = 16  # launches of the timeline printed one by one
 def trace_step(pipe: Any, position: int = 64) -> list[dict]:
     """Per stage of ``pipe`` (a GpuPipeline, after the bench): its traced decode step, as a
     dict of the step's time by replay, the traced span, the per-kernel summary and the
-    timeline of launches; or why the stage was not traced."""
+    timeline of launches; or why the stage was not traced. A CPU stage (the interpreter) is
+    recorded eagerly: its launches and programs, no times."""
     from carve_kernels import trace
 
     out = []
     for st in pipe.stages:
-        if not st.on_cuda:
-            out.append({"stage": str(st.device), "skipped": "not a CUDA stage"})
-            continue
         if st.eager_hosts():
             out.append({"stage": str(st.device), "skipped": "its host layers' experts run "
                         "between graphs (decode in pieces)"})
             continue
         dev = st.device
         pipe.set_position(position, 1)
-        # an eager step first: the traced variants compile outside the capture
-        with trace.recording(dev):
+        # an eager step first: on a GPU the traced variants compile outside the capture; under
+        # the interpreter (no graphs, no timers) it is the recording read below
+        with trace.recording(dev) as rec:
+            t0 = time.perf_counter()
             st.decode_step()
-        torch.cuda.synchronize(dev)
-        g = torch.cuda.CUDAGraph()
-        with trace.recording(dev) as rec, torch.cuda.graph(g, stream=torch.cuda.Stream(dev)):
-            st.decode_step()
-        pipe.set_position(position, 1)
-        g.replay()
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        for _ in range(REPLAYS):
+            _sync(dev)
+            step_us = (time.perf_counter() - t0) * 1e6
+        if st.on_cuda:
+            g = torch.cuda.CUDAGraph()
+            with trace.recording(dev) as rec, torch.cuda.graph(g, stream=torch.cuda.Stream(dev)):
+                st.decode_step()
+            pipe.set_position(position, 1)
             g.replay()
-        torch.cuda.synchronize(dev)
-        step_us = (time.perf_counter() - t0) / REPLAYS * 1e6
+            _sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(REPLAYS):
+                g.replay()
+            _sync(dev)
+            step_us = (time.perf_counter() - t0) / REPLAYS * 1e6
+            del g
         timeline = trace.launches(rec)
         done = [la for la in timeline if la.programs > 0]
         out.append({
@@ -68,9 +71,13 @@ def trace_step(pipe: Any, position: int = 64) -> list[dict]:
                           *(round(la.phases.get(p, 0.0), 3) for p in trace.PHASES)]
                          for la in timeline],
         })
-        del g
         pipe.set_position(position, 1)
     return out
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def print_trace(stages: list[dict]) -> None:

@@ -13,6 +13,7 @@ from test_gpu_moe import SHAPES
 from test_gpu_moe import plan as moe_plan
 
 from carve_kernels import moe_fused, trace
+from engine.runtime import step_trace
 from engine.runtime.gpu.session import GpuSession
 from engine.runtime.options import RunnerOptions
 from engine.synth.gen import write_model
@@ -70,3 +71,24 @@ def test_a_moe_decode_step_stamps_every_program_of_every_launch(tmp_path, monkey
     experts = ({"expert_ffn_glu", "expert_ffn_down"} if fused
                else {"expert_glu_q8", "expert_down_q8"})
     assert {"norm_router", "route", *experts} <= names
+
+
+def test_the_bench_trace_of_a_cpu_stage_reads_its_launches(tmp_path, capsys) -> None:
+    """`step_trace.trace_step`, as `carve bench --trace` runs it after the bench, on a stage
+    under the interpreter: its eager step recorded (no graph, no times), every launch stamped,
+    the per-kernel table and the timeline printed."""
+    (path,) = write_model(tmp_path / "moe.gguf", SHAPES["qwen3moe"], "q4_k_m")
+    g = GpuSession.load(moe_plan(str(path), prefill_chunk=8, logits_rows=1), devices=[CPU],
+                        remember=False)
+    try:
+        g.forward([5, 9, 11, 3], 0, "last")
+        (s,) = step_trace.trace_step(g.pipe, position=4)
+    finally:
+        g.close()
+    assert s["stage"] == "cpu" and s["unstamped"] == [] and s["launches"] == len(s["timeline"])
+    kernels = {k["name"]: k for k in s["kernels"]}
+    assert kernels["expert_glu_q8"]["calls"] == 2  # both layers route
+    assert kernels["rmsnorm"]["calls"] >= 2
+    step_trace.print_trace([s])
+    out = capsys.readouterr().out
+    assert "trace cpu: a decode step of" in out and "expert_down_q8" in out

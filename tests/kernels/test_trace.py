@@ -114,10 +114,11 @@ def test_the_step_trace_says_why_a_stage_is_not_traced():
             return self._pieces
 
     class Pipe:
-        stages = [Stage(False, False)]
+        stages = [Stage(True, True)]
 
     out = step_trace.trace_step(Pipe())
-    assert out == [{"stage": "cpu", "skipped": "not a CUDA stage"}]
+    assert out == [{"stage": "cpu", "skipped": "its host layers' experts run between graphs "
+                    "(decode in pieces)"}]
 
 
 _COMPILE = """
