@@ -25,16 +25,18 @@ import torch
 import triton
 import triton.language as tl
 
-from carve_kernels import attention, pdl, q8x
+from carve_kernels import attention, pdl, q8x, trace
 from carve_kernels.attention import _NEG  # the running maxima's finite start
 from carve_kernels.kv_cache import kv_load_ref
 
 
 @triton.jit(do_not_specialize=["T", "H", "J", "K"])
 def _head_matmul_kernel(a_ptr, w_ptr, o_ptr, T, H, J, K, sat, sah, swh, swj, swk, sot, soh,
-                        BT: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr,
-                        IEEE: tl.constexpr, PDL: tl.constexpr):
+                        trace_ptr, BT: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr,
+                        IEEE: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+    trace.stamp(trace_ptr, 0, TRACE)
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     tb = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     jb = tl.program_id(2)
@@ -53,8 +55,10 @@ def _head_matmul_kernel(a_ptr, w_ptr, o_ptr, T, H, J, K, sat, sah, swh, swj, swk
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:  # f16 products (bf16 inputs too: the attention kernels' choice)
             acc += tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)))
+    trace.stamp(trace_ptr, 2, TRACE)
     tl.store(o_ptr + t.to(tl.int64)[:, None] * sot + h * soh + j[None, :],
              acc.to(o_ptr.dtype.element_ty), mask=tm[:, None] & jm[None, :])
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
@@ -71,7 +75,8 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     bj = 64
     grid = (triton.cdiv(t, bt), h, triton.cdiv(j, bj))
     _head_matmul_kernel[grid](a, w, out, t, h, j, k, a.stride(0), a.stride(1), w.stride(0),
-                              w.stride(1), w.stride(2), out.stride(0), out.stride(1), BT=bt,
+                              w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+                              **trace.args("head_matmul", grid, out), BT=bt,
                               BJ=bj, BK=64, IEEE=a.dtype == torch.float32, num_warps=4,
                               **pdl.opts(out, use_pdl))
     return out
@@ -151,12 +156,14 @@ def _rows(c_ptr, c8_ptr, ch_ptr, cell, cols, mask, W, Q8: tl.constexpr):
 @triton.jit(do_not_specialize=["cells", "NS"])
 def _latent_attn_kernel(ql_ptr, qp_ptr, c_ptr, c8_ptr, ch_ptr, pos_ptr, o_ptr, po_ptr, pml_ptr,
                         H, cells, NS,
-                        scale, temp_scale, temp_len, sqt, sqh, spt, sph, sot, soh,
+                        scale, temp_scale, temp_len, sqt, sqh, spt, sph, sot, soh, trace_ptr,
                         C: tl.constexpr, CP: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
                         SPLIT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                         PARTIAL: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr,
-                        Q8: tl.constexpr, PDL: tl.constexpr):
+                        Q8: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+    trace.stamp(trace_ptr, 0, TRACE)
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     s = tl.program_id(2)
@@ -211,6 +218,7 @@ def _latent_attn_kernel(ql_ptr, qp_ptr, c_ptr, c8_ptr, ch_ptr, pos_ptr, o_ptr, p
             acc = acc * alpha[:, None] + tl.dot(pr.to(tl.float16), kl)
         m_i = m_new
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    trace.stamp(trace_ptr, 2, TRACE)
     if PARTIAL:  # a split past the current length: o = 0 and lse = -1e30 (weight 0 in the merge)
         out = heads.to(tl.int64) * NS + s
         lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), _NEG)
@@ -219,12 +227,16 @@ def _latent_attn_kernel(ql_ptr, qp_ptr, c_ptr, c8_ptr, ch_ptr, pos_ptr, o_ptr, p
     else:
         tl.store(o_ptr + t * sot + heads[:, None] * soh + cc[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=hm[:, None] & cm[None, :])
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 @triton.jit
-def _latent_merge_kernel(po_ptr, pml_ptr, o_ptr, NS, soh, C: tl.constexpr, CP: tl.constexpr,
-                         NSP: tl.constexpr, PDL: tl.constexpr):
+def _latent_merge_kernel(po_ptr, pml_ptr, o_ptr, NS, soh, trace_ptr, C: tl.constexpr,
+                         CP: tl.constexpr, NSP: tl.constexpr, PDL: tl.constexpr,
+                         TRACE: tl.constexpr):
+    trace.stamp(trace_ptr, 0, TRACE)
     pdl.start(PDL)
+    trace.stamp(trace_ptr, 1, TRACE)
     h = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, NSP)
     sm = s < NS
@@ -233,7 +245,9 @@ def _latent_merge_kernel(po_ptr, pml_ptr, o_ptr, NS, soh, C: tl.constexpr, CP: t
     cc = tl.arange(0, CP)
     o = tl.load(po_ptr + (h * NS + s)[:, None] * CP + cc[None, :], mask=sm[:, None], other=0.0)
     out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    trace.stamp(trace_ptr, 2, TRACE)
     tl.store(o_ptr + h * soh + cc, out.to(o_ptr.dtype.element_ty), mask=cc < C)
+    trace.stamp(trace_ptr, 3, TRACE)
 
 
 def workspace_width(kv_lora: int) -> int:
@@ -273,14 +287,17 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     else:
         split, ns, po, pml = triton.cdiv(max(cells, 1), 64) * 64, 1, out, out
     ts, tl_ = temperature if temperature is not None else (0.0, 1)
-    _latent_attn_kernel[(t, triton.cdiv(h, bh), ns)](
+    grid = (t, triton.cdiv(h, bh), ns)
+    _latent_attn_kernel[grid](
         q_lat, q_pe, cf, c8, ch, positions, out, po, pml, h, cells, ns, float(scale), float(ts),
         int(tl_), q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
-        out.stride(0), out.stride(1), C=c, CP=cp, R=r, RP=rp, SPLIT=split, BH=bh, BN=32,
+        out.stride(0), out.stride(1), **trace.args("latent_attention", grid, out), C=c, CP=cp,
+        R=r, RP=rp, SPLIT=split, BH=bh, BN=32,
         PARTIAL=split_k, TEMP=temperature is not None, IEEE=q_lat.dtype == torch.float32,
         Q8=q8, num_warps=4, **pdl.opts(out, use_pdl))
     if split_k:
-        _latent_merge_kernel[(h,)](po, pml, out, ns, out.stride(1), C=c, CP=cp,
+        _latent_merge_kernel[(h,)](po, pml, out, ns, out.stride(1),
+                                   **trace.args("latent_merge", (h,), out), C=c, CP=cp,
                                    NSP=triton.next_power_of_2(ns), num_warps=4,
                                    **pdl.opts(out, use_pdl))
     return out

@@ -92,3 +92,11 @@ def test_the_bench_trace_of_a_cpu_stage_reads_its_launches(tmp_path, capsys) -> 
     step_trace.print_trace([s])
     out = capsys.readouterr().out
     assert "trace cpu: a decode step of" in out and "expert_down_q8" in out
+
+
+def test_a_latent_attention_decode_step_stamps_every_program_of_every_launch(tmp_path) -> None:
+    """deepseek2: the latent path's per-head matrices and attention (its split-K decode and
+    merge) stamp too."""
+    (path,) = write_model(tmp_path / "ds.gguf", SHAPES["deepseek2"], "q4_k_m")
+    names = assert_every_program_stamped(recorded_step(str(path)))
+    assert {"head_matmul", "latent_attention", "norm_router", "route"} <= names
