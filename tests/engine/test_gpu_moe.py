@@ -221,12 +221,18 @@ def test_bf16_two_stages_give_the_decode_logits_of_one_to_the_bit(model,
     assert norm_router_calls  # decode's rows went through the fused launch
 
 
-def test_routed_experts_in_one_launch_give_the_decode_logits_of_two(model, monkeypatch) -> None:
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "glm4moe", "deepseek2"])
+def test_routed_experts_in_one_launch_give_the_decode_logits_of_two(arch, tmp_path,
+                                                                      monkeypatch) -> None:
     """On trial (CARVE_TRIAL=expert_ffn_fused): decode's routed experts on the int8 copies in
     one launch (carve_kernels/moe_fused.py: each down tile waits for its expert's gate/up tiles
-    in the same grid) give the prefill and decode logits of the two launches to the bit, a
-    shared expert's sum included (glm4moe, dots1: the routed rows added onto it)."""
+    in the same grid) give the prefill and decode logits of the two launches to the bit:
+    Q4_K/Q6_K experts, gpt-oss's MXFP4 ones with their biases, and a shared expert's sum
+    (glm4moe, deepseek2: the routed rows added onto it)."""
     from carve_kernels import moe_fused
+
+    (model,) = write_model(tmp_path / f"{arch}.gguf", SHAPES[arch],
+                           None if arch == "gpt-oss" else "q4_k_m")
 
     calls: list[int] = []
     one = moe_fused.expert_ffn_q8
@@ -237,7 +243,7 @@ def test_routed_experts_in_one_launch_give_the_decode_logits_of_two(model, monke
     for on in (False, True):
         monkeypatch.setattr(moe_fused, "ON", on)
         got.append(chunk_and_decode_rows(GpuSession.load(
-            plan(model, prefill_chunk=8, logits_rows=1), devices=[DEV], remember=False,
+            plan(str(model), prefill_chunk=8, logits_rows=1), devices=[DEV], remember=False,
             options=options), ids(12, 3)))
     assert calls  # decode's rows took the one launch
     assert torch.isfinite(got[0]).all() and torch.equal(got[0], got[1])

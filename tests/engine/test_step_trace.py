@@ -73,10 +73,12 @@ def test_a_moe_decode_step_stamps_every_program_of_every_launch(tmp_path, monkey
     assert {"norm_router", "route", *experts} <= names
 
 
-def test_the_bench_trace_of_a_cpu_stage_reads_its_launches(tmp_path, capsys) -> None:
+def test_the_bench_trace_of_a_cpu_stage_reads_its_launches(tmp_path, capsys,
+                                                           monkeypatch) -> None:
     """`step_trace.trace_step`, as `carve bench --trace` runs it after the bench, on a stage
     under the interpreter: its eager step recorded (no graph, no times), every launch stamped,
     the per-kernel table and the timeline printed."""
+    monkeypatch.setattr(moe_fused, "ON", False)  # the two expert launches
     (path,) = write_model(tmp_path / "moe.gguf", SHAPES["qwen3moe"], "q4_k_m")
     g = GpuSession.load(moe_plan(str(path), prefill_chunk=8, logits_rows=1), devices=[CPU],
                         remember=False)
