@@ -11,9 +11,10 @@ experts' gate/up programs still run, and no launch boundary lies between the two
 Each down program counts itself in after its tile; the last of a slot sets the counter back
 to zero for the next call.
 
-Why this cannot deadlock: every program a down program waits for has a lower program id, and
-the GPU starts a grid's programs in id order, so the gate/up programs are resident (and need
-nothing) before any down program waits; the interpreter runs programs one by one in id
+Why this does not deadlock: every program a down program waits for has a lower program id,
+and NVIDIA GPUs start a grid's programs in id order (what the single-pass scans' look-back
+relies on too, though CUDA does not promise it), so the gate/up programs are resident (and
+need nothing) before any down program waits; the interpreter runs programs one by one in id
 order, so its down programs find their counters full. The bits are those of the two launches:
 the same tiles, and the same in-order sum of the k rows by each row tile's last program.
 
