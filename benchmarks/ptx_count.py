@@ -103,15 +103,11 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
     gpt-oss's clamped SwiGLU with biases for MXFP4, writing the int8 copy of its outputs) or
     "down" (the in-kernel sum of the k rows), tile ``config`` (rows, blocks, warps);
     ``traced``: with the stamps of carve_kernels/trace.py compiled in."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from carve_kernels import moe_decode as md
 
     rows, blocks, warps = config
-    wi = "*i32" if ggml_type == qt.Q4_K else "*u8"
-    wh = "*u8" if ggml_type == qt.MXFP4 else "*fp16"
+    _, wh, wi = _expert_views(ggml_type)
     if part == "glu":
         fn = md._expert_glu_q8_kernel
         sig = {"g_ptr": "*u8", "gh_ptr": wh, "gi_ptr": wi, "u_ptr": "*u8", "uh_ptr": wh,
@@ -132,7 +128,23 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
                  "TYPE": ggml_type, "QK": md.Q8_BLOCK[ggml_type]}
     const.update({"BLOCK_R": rows, "BLOCK_B": blocks, "ASM": True, "PDL": True,
                   "TRACE": traced, **(md._lut(ggml_type) or dict.fromkeys(("L0", "L1", "L2", "L3"), 0))})
-    sig.update({k: "constexpr" for k in const})
+    return _compile_sm90(fn, sig, const, warps)
+
+
+def _expert_views(t: int) -> tuple[str, str, str]:
+    """The pointer types of an expert tensor's three views (moe_decode._q8_views): its bytes,
+    16-bit words (MXFP4: bytes) and int32 words (Q4_K's; bytes for the rest)."""
+    return "*u8", "*u8" if t == qt.MXFP4 else "*fp16", "*i32" if t == qt.Q4_K else "*u8"
+
+
+def _compile_sm90(fn, sig: dict, const: dict, warps: int):
+    """``fn`` compiled for sm_90 with these argument types and constexprs, every pointer
+    16-byte aligned (as the engine's tensors are)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**sig, **{k: "constexpr" for k in const}}
     n_ptr = sum(v.startswith("*") for v in sig.values())
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(n_ptr)}  # the pointers
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=aligned)
@@ -143,23 +155,16 @@ def compile_expert_ffn(gate_type: int, down_type: int, traced: bool = False):
     """The compiled one-launch routed experts of decode (carve_kernels/moe_fused.py, on trial):
     gate/up of ``gate_type`` and down of ``down_type`` at their EXPERT_Q8_CONFIG tiles, 8
     experts a row (gpt-oss's 4, its biases and clamped SwiGLU for MXFP4)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from carve_kernels import moe_decode as md
     from carve_kernels import moe_fused
 
-    def views(t: int) -> tuple[str, str, str]:
-        return ("*u8", "*u8" if t == qt.MXFP4 else "*fp16", "*i32" if t == qt.Q4_K else "*u8")
-
     oai = gate_type == qt.MXFP4
-    sig = dict(zip(("g_ptr", "gh_ptr", "gi_ptr"), views(gate_type), strict=True))
-    sig.update(zip(("u_ptr", "uh_ptr", "ui_ptr"), views(gate_type), strict=True))
+    sig = dict(zip(("g_ptr", "gh_ptr", "gi_ptr"), _expert_views(gate_type), strict=True))
+    sig.update(zip(("u_ptr", "uh_ptr", "ui_ptr"), _expert_views(gate_type), strict=True))
     sig.update({"gb_ptr": "*fp32", "ub_ptr": "*fp32", "xq_ptr": "*i32", "xd_ptr": "*fp32",
                 "xs_ptr": "*fp32", "ids_ptr": "*i32", "h_ptr": "*bf16", "oq_ptr": "*i32",
                 "od_ptr": "*fp32", "os_ptr": "*fp32"})
-    sig.update(zip(("w_ptr", "wh_ptr", "wi_ptr"), views(down_type), strict=True))
+    sig.update(zip(("w_ptr", "wh_ptr", "wi_ptr"), _expert_views(down_type), strict=True))
     sig.update({"db_ptr": "*fp32", "y_ptr": "*fp32", "rw_ptr": "*fp32", "out_ptr": "*bf16",
                 "cnt_ptr": "*i32", "ready_ptr": "*i32", "F": "i32", "NB": "i32", "g_rb": "i32",
                 "u_rb": "i32", "E": "i32", "d_rb": "i32", "stride_ym": "i32", "limit": "fp32",
@@ -171,12 +176,7 @@ def compile_expert_ffn(gate_type: int, down_type: int, traced: bool = False):
              "ACCUM": False, "BLOCK_R": br, "BLOCK_B": bb, "DOWN_R": dr, "DOWN_B": db,
              "ASM": True, "PDL": True, "TRACE": traced,
              **(md._lut(gate_type, down_type) or dict.fromkeys(("L0", "L1", "L2", "L3"), 0))}
-    sig.update({k: "constexpr" for k in const})
-    n_ptr = sum(v.startswith("*") for v in sig.values())
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(n_ptr)}  # the pointers
-    src = ASTSource(fn=moe_fused._expert_ffn_q8_kernel, signature=sig, constexprs=const,
-                    attrs=aligned)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return _compile_sm90(moe_fused._expert_ffn_q8_kernel, sig, const, warps)
 
 
 def compile_rope_store(qk_norm: bool, q8_cache: bool = False):

@@ -49,9 +49,7 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
                            SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr,
                            FUSED: tl.constexpr, NSP: tl.constexpr, MERGE: tl.constexpr,
                            SINK: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
-    trace.stamp(trace_ptr, 0, TRACE)
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     kvh = tl.program_id(0)
     s = tl.program_id(1)
     pos = tl.load(pos_ptr).to(tl.int32)

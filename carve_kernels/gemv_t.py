@@ -201,10 +201,8 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, XV: tl.constexpr,
                    HAS_BIAS: tl.constexpr, TYPE: tl.constexpr, Q8X: tl.constexpr,
                    ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
-    trace.stamp(trace_ptr, 0, TRACE)
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     acc = t_body(wt_ptr, wh_ptr, tab_ptr, x_ptr + m * stride_xm, xq_ptr, xd_ptr, xs_ptr, rows,
                  rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
     trace.stamp(trace_ptr, 2, TRACE)
@@ -230,10 +228,8 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
     # gate and up rows of the same outputs in one program (x read once for both); with a
     # split, part holds [M, 2, SPLIT, N] and the last program of a row tile applies the GLU.
     # QOUT: the last program also writes the int8 copy of its y (carve_kernels/q8x.py, M = 1)
-    trace.stamp(trace_ptr, 0, TRACE)
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     xrow = x_ptr + m * stride_xm
     if PAIR:  # Q4_K, Q5_K: gate and up words in one step, each x value converted once
         g, u = q4k_t_dot_half(g_ptr, u_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
@@ -276,7 +272,6 @@ def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_pt
     # ROPE (decode): the program that writes a tile's rows then rotates its heads (whole heads:
     # BLOCK_N a multiple of D) and stores its k and v heads into the cache, as
     # carve_kernels/rope.py rope_store does (pos_ptr .. eps: its arguments); no launch of its own
-    trace.stamp(trace_ptr, 0, TRACE)
     pid = tl.program_id(0)
     p1 = tl.cdiv(N1, BLOCK_N)
     p2 = p1 + tl.cdiv(N2, BLOCK_N)
@@ -288,8 +283,7 @@ def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_pt
     r0 = (pid - tl.where(pid < p1, 0, tl.where(pid < p2, p1, p2))) * BLOCK_N  # in its matrix
     rows = r0 + tl.arange(0, BLOCK_N)
     rmask = rows < n
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     xrow = x_ptr + m * stride_xm
     if pid >= p2:
         acc = t_body(w3, h3, g3, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N3, NB, b_lo, b_hi,

@@ -34,9 +34,7 @@ from carve_kernels.kv_cache import kv_load_ref
 def _head_matmul_kernel(a_ptr, w_ptr, o_ptr, T, H, J, K, sat, sah, swh, swj, swk, sot, soh,
                         trace_ptr, BT: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr,
                         IEEE: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
-    trace.stamp(trace_ptr, 0, TRACE)
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     tb = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     jb = tl.program_id(2)
@@ -161,9 +159,7 @@ def _latent_attn_kernel(ql_ptr, qp_ptr, c_ptr, c8_ptr, ch_ptr, pos_ptr, o_ptr, p
                         SPLIT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
                         PARTIAL: tl.constexpr, TEMP: tl.constexpr, IEEE: tl.constexpr,
                         Q8: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
-    trace.stamp(trace_ptr, 0, TRACE)
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     s = tl.program_id(2)
@@ -234,9 +230,7 @@ def _latent_attn_kernel(ql_ptr, qp_ptr, c_ptr, c8_ptr, ch_ptr, pos_ptr, o_ptr, p
 def _latent_merge_kernel(po_ptr, pml_ptr, o_ptr, NS, soh, trace_ptr, C: tl.constexpr,
                          CP: tl.constexpr, NSP: tl.constexpr, PDL: tl.constexpr,
                          TRACE: tl.constexpr):
-    trace.stamp(trace_ptr, 0, TRACE)
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     h = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, NSP)
     sm = s < NS

@@ -149,15 +149,13 @@ def _norm_router_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, q_ptr, d_pt
     # router's GEMV reads it). Program 0 writes the normed row and its int8 copy; the residual
     # stream is written back by the last program to finish (a counter, left zero), after
     # every program has read it
-    trace.stamp(trace_ptr, 0, TRACE)
     e = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     mask = c < H
     # the norm's and the router's weights are no kernel's output: read them before the wait
     nw = tl.load(nw_ptr + c, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + e.to(tl.int64) * H + c, mask=mask, other=0.0).to(tl.float32)
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     h = tl.load(x_ptr + c, mask=mask, other=0.0).to(tl.float32)
     h += tl.load(res_ptr + c, mask=mask, other=0.0).to(tl.float32)
     hs = h.to(res_ptr.dtype.element_ty)  # the stream as stored
@@ -228,9 +226,7 @@ def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, trace_ptr, GATING: tl
                   KU: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HAS_SB: tl.constexpr,
                   BLOCK_E: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
                   NGU: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
-    trace.stamp(trace_ptr, 0, TRACE)
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     m = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     emask = e < E

@@ -174,9 +174,7 @@ def _expert_glu_q8_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, 
                           ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
                           L0: tl.constexpr = 0, L1: tl.constexpr = 0, L2: tl.constexpr = 0,
                           L3: tl.constexpr = 0):
-    trace.stamp(trace_ptr, 0, TRACE)
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     # one row of x: slot j (program axis 1) is its j-th expert
     _glu_q8_tile(tl.program_id(0), tl.program_id(1), g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr,
                  ui_ptr, gb_ptr, ub_ptr, xq_ptr, xd_ptr, xs_ptr, ids_ptr, h_ptr, oq_ptr, od_ptr,
@@ -353,9 +351,7 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
     # one expert per program: its rows (+ bias), unweighted, into y's routed row; COMBINE: the
     # row tile's last expert program to finish adds the k rows in order with their weights
     # onto out (the same sum as ``combine``, whatever order the programs ran in)
-    trace.stamp(trace_ptr, 0, TRACE)
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     _down_q8_tile(tl.program_id(0), tl.program_id(1), w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr,
                   hd_ptr, hs_ptr, ids_ptr, y_ptr, rw_ptr, out_ptr, cnt_ptr, N, K, row_bytes,
                   stride_ym, trace_ptr, KU, HAS_BIAS, COMBINE, ACCUM, TYPE, QK, BLOCK_R, BLOCK_B,

@@ -21,14 +21,12 @@ def row_warps(block: int) -> int:
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, stride_x,
                     stride_r, stride_y, trace_ptr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
                     Q8: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
-    trace.stamp(trace_ptr, 0, TRACE)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < H
     # the norm's weights are no kernel's output: read them while the one before finishes
     w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     h = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         h += tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)

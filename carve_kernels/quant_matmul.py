@@ -160,9 +160,7 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, N, 
                  ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr = False,
                  LUT0: tl.constexpr = 0, LUT1: tl.constexpr = 0, LUT2: tl.constexpr = 0,
                  LUT3: tl.constexpr = 0):
-    trace.stamp(trace_ptr, 0, TRACE)
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     # rows on axis 0: a 152064-row output matrix in 2-row programs passes the 65535 limit of
     # grid axes 1 and 2
     pid = tl.program_id(0)
@@ -191,9 +189,7 @@ def _gemv_glu_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, x_ptr, xq_ptr
                      Q8X: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
                      TRACE: tl.constexpr = False, LUT0: tl.constexpr = 0,
                      LUT1: tl.constexpr = 0, LUT2: tl.constexpr = 0, LUT3: tl.constexpr = 0):
-    trace.stamp(trace_ptr, 0, TRACE)
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     # gate and up rows of the same outputs in one program: x is read once for both, and the
     # GLU needs no launch and no [T, 2F] buffer of its own
     pid = tl.program_id(0)
@@ -243,9 +239,7 @@ def _gemv3_kernel(w1, w1h, w1i, b1, N1, rb1, w2, w2h, w2i, b2, N2, rb2, w3, w3h,
                   SP3: tl.constexpr, MG3: tl.constexpr, Q8X3: tl.constexpr,
                   HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
                   TRACE: tl.constexpr):
-    trace.stamp(trace_ptr, 0, TRACE)
-    pdl.start(PDL)
-    trace.stamp(trace_ptr, 1, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE)
     # q, k and v of one layer (each with its own type and tile) in one launch: the outputs sit
     # side by side in y's row; programs [0, P1) do the first matrix, [P1, P2) the second
     pid = tl.program_id(0)

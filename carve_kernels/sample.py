@@ -202,8 +202,7 @@ def _topk_part_kernel(logits_ptr, keys_ptr, state_ptr, V, P, trace_ptr, BS: tl.c
                       G: tl.constexpr, K: tl.constexpr, FIRST: tl.constexpr,
                       TRACE: tl.constexpr):
     # this part's best min(rounds, FIRST) keys, best first
-    trace.stamp(trace_ptr, 0, TRACE)
-    trace.stamp(trace_ptr, 1, TRACE)  # no wait: launched without PDL
+    trace.wait(trace_ptr, False, TRACE)  # launched without PDL: no wait
     pid = tl.program_id(0)
     key = _slice_keys(logits_ptr, pid, P, V, BS, G)
     trace.stamp(trace_ptr, 2, TRACE)
@@ -216,8 +215,7 @@ def _pick_kernel(logits_ptr, keys_ptr, state_ptr, out_ptr, V, P, trace_ptr, BS: 
                  G: tl.constexpr, PB: tl.constexpr, K: tl.constexpr, FIRST: tl.constexpr,
                  MERGE: tl.constexpr, MERGE_AT: tl.constexpr, HIST_N: tl.constexpr,
                  RING_N: tl.constexpr, TRACE: tl.constexpr):
-    trace.stamp(trace_ptr, 0, TRACE)
-    trace.stamp(trace_ptr, 1, TRACE)  # no wait: launched without PDL
+    trace.wait(trace_ptr, False, TRACE)  # launched without PDL: no wait
     rounds = _rounds(state_ptr, K)
     first = tl.minimum(rounds, FIRST)
     pp = tl.arange(0, PB)

@@ -14,7 +14,8 @@ than a nanosecond), the SM, and the SM's cycle counter at the same four points. 
 at the rate the whole recording's programs ran (timer over cycles, start to end).
 
 A kernel takes ``trace_ptr`` and the constexpr ``TRACE`` (`args`) and calls
-``stamp(trace_ptr, AT, TRACE)`` at AT = START, WAITED, COMPUTED, DONE; with TRACE off (every
+``stamp(trace_ptr, AT, TRACE)`` at AT = START, WAITED, COMPUTED, DONE (``wait`` stamps the
+first two around the kernel's PDL wait); with TRACE off (every
 launch outside a recording) the stamps compile to nothing. A recording on the CPU (the
 interpreter, which has no timers) stamps each point's number instead (TRACE 2): no times, but
 which launches, how many programs, and that every program reached every stamp.
@@ -33,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+
+from carve_kernels import pdl
 
 ROW = 16  # int64 a program (9 used)
 _ROW = tl.constexpr(ROW)
@@ -120,6 +123,15 @@ def stamp(trace_ptr, AT: tl.constexpr, TRACE: tl.constexpr):
                 tl.store(row + _SM, sm.to(tl.int64))
 
 
+@triton.jit
+def wait(trace_ptr, PDL: tl.constexpr, TRACE: tl.constexpr):
+    # a kernel's start: stamp START, wait for the kernel before (carve_kernels/pdl.py), stamp
+    # WAITED (where PDL is off, the two stamps are one moment)
+    stamp(trace_ptr, 0, TRACE)
+    pdl.start(PDL)
+    stamp(trace_ptr, 1, TRACE)
+
+
 @dataclass
 class Launch:
     """One traced launch's programs, times in microseconds from the traced run's first stamp."""
@@ -140,8 +152,10 @@ def launches(rec: Recorder) -> list[Launch]:
     whose programs did not all stamp (a kernel that returned early, or never ran) has
     programs -1 and no place in the timeline."""
     rows = rec.buf[:rec.used].cpu()
-    stamped = [(name, rows[row:row + n]) for name, row, n in rec.launches]
-    whole = [r for _, r in stamped if not bool((r[:, :4] == 0).any())]
+    # each launch's rows, None where a program missed a stamp
+    stamped = [(name, None if bool((r[:, :4] == 0).any()) else r)
+               for name, r in ((name, rows[row:row + n]) for name, row, n in rec.launches)]
+    whole = [r for _, r in stamped if r is not None]
     if not whole:
         return [Launch(name, -1, 0, 0.0, 0.0, 0.0, {}) for name, _ in stamped]
     t0 = min(int(r[:, START].min()) for r in whole)
@@ -152,7 +166,7 @@ def launches(rec: Recorder) -> list[Launch]:
     out: list[Launch] = []
     prev: Launch | None = None
     for name, r in stamped:
-        if bool((r[:, :4] == 0).any()):
+        if r is None:
             out.append(Launch(name, -1, 0, 0.0, 0.0, 0.0, {}))
             continue
         us = (r[:, :4] - t0).double() / 1e3

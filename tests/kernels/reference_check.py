@@ -32,6 +32,13 @@ def poison(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
 
 
+def q8_bufs(k: int):
+    """Poisoned (q words, d, s) for the int8 copy (carve_kernels/q8x.py) of a row of k values."""
+    q = torch.full((k // 4,), -1, dtype=torch.int32, device=DEVICE)
+    ds = torch.full((2, k // 32), float("nan"), device=DEVICE)
+    return q, ds[0], ds[1]
+
+
 def nerr(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> float:
     """||y - ref|| over ||scale|| (default ||ref||), in float64. A scale under 1e-20 counts as
     1e-20: an output that underflows in float64 (gelu of a gate near -10 is exactly 0 there,

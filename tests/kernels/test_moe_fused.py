@@ -13,18 +13,11 @@ import sys
 
 import pytest
 import torch
-from reference_check import DEVICE, generator
+from reference_check import DEVICE, generator, q8_bufs
 
 from carve_kernels import moe_decode, moe_fused, q8x
 from carve_kernels.random_blocks import random_weight
 from spec import quant_types as qt
-
-
-def _bufs(k: int):
-    """Poisoned (q words, d, s) for a row of k values."""
-    q = torch.full((k // 4,), -1, dtype=torch.int32, device=DEVICE)
-    ds = torch.full((2, k // 32), float("nan"), device=DEVICE)
-    return q, ds[0], ds[1]
 
 
 @pytest.mark.parametrize("gate_type, down_type, accumulate", [
@@ -53,7 +46,7 @@ def test_one_launch_gives_the_bits_of_the_two(gate_type, down_type, accumulate):
 
     def run(fused: bool):
         h = torch.full((k, f), float("nan"), device=DEVICE)
-        hq = _bufs(k * f)
+        hq = q8_bufs(k * f)
         rows = torch.full((k, e), float("nan"), device=DEVICE)
         out = base.clone()
         counter = torch.zeros(e // 16 + 1, dtype=torch.int32, device=DEVICE)
@@ -85,7 +78,7 @@ def test_the_one_launch_refuses_buffers_that_cannot_hold_it():
     down = random_weight(qt.Q6_K, 4 * 256, 256, DEVICE, g)
     xq, _ = q8x.copy_ref(torch.randn(256, generator=g, device=DEVICE))
     ids = torch.tensor([[0, 2]], dtype=torch.int32, device=DEVICE)
-    h, hq = torch.empty(2, 256, device=DEVICE), _bufs(2 * 256)
+    h, hq = torch.empty(2, 256, device=DEVICE), q8_bufs(2 * 256)
     w, out = torch.rand(1, 2, device=DEVICE), torch.zeros(1, 256, device=DEVICE)
     rows = torch.empty(2, 256, device=DEVICE)
     counter = torch.zeros(16, dtype=torch.int32, device=DEVICE)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr
+from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr, q8_bufs
 
 from carve_kernels import gemv_q8, gemv_t, glu, moe_decode, norm, q8x, quant_matmul
 from carve_kernels.random_blocks import random_weight
@@ -18,13 +18,6 @@ from spec import quant_types as qt
 
 def _rand(g, lo, hi):
     return int(torch.randint(lo, hi, (1,), generator=g, device=DEVICE))
-
-
-def _bufs(k: int):
-    """Poisoned (q words, d, s) for a row of k values."""
-    q = torch.full((k // 4,), -1, dtype=torch.int32, device=DEVICE)
-    ds = torch.full((2, k // 32), float("nan"), device=DEVICE)
-    return q, ds[0], ds[1]
 
 
 def _same_q8(got, x: torch.Tensor) -> None:
@@ -46,7 +39,7 @@ def test_rmsnorm_writes_the_int8_copy(residual, seed):
     w = torch.randn(h, generator=g, device=DEVICE)
     want = norm.rmsnorm_ref(x, w, 1e-6, residual=None if r is None else r.clone())
     out = torch.full_like(x, float("nan"))
-    bufs = _bufs(h)
+    bufs = q8_bufs(h)
     norm.rmsnorm(x, w, 1e-6, residual=r, out=out, q8=bufs)
     assert nerr(out, want) < 1e-6
     _same_q8(bufs, out[0])
@@ -90,7 +83,7 @@ def test_glu_on_int8_x_writes_the_int8_copy_of_its_output(ggml_type, paired, spl
     part = torch.full((2 * nb * rows,), float("nan"), device=DEVICE)
     counter = torch.zeros(tiles, dtype=torch.int32, device=DEVICE)
     out = torch.full((1, rows), float("nan"), device=DEVICE)
-    oq = _bufs(rows)
+    oq = q8_bufs(rows)
     gemv_t.gemv_t_glu(gemv_t.repack(gate, ggml_type), gemv_t.repack(up, ggml_type), ggml_type,
                       rows, x, out, part, counter, "silu",
                       config=(32, 1, tiles * (nb if split else 1)), paired=paired, xq=xq,
@@ -129,7 +122,7 @@ def test_an_int8_copy_too_small_for_the_row_is_refused_before_any_launch():
 def test_int8_x_is_refused_where_it_cannot_go():
     x = torch.randn(2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="int8 copy"):
-        norm.rmsnorm(x, torch.ones(64, device=DEVICE), 1e-6, q8=_bufs(64))  # two rows
+        norm.rmsnorm(x, torch.ones(64, device=DEVICE), 1e-6, q8=q8_bufs(64))  # two rows
     with pytest.raises(ValueError, match="whole groups"):
         q8x.buffers(torch.zeros(8, dtype=torch.int32), torch.zeros(2, 4), 40)
     # MXFP4's body reads the aligned words around its 17-byte blocks: a tensor starting off a
@@ -180,7 +173,7 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed, monk
     xq, xd = q8x.copy_ref(x[0])
     ids = torch.randperm(n_expert, generator=g, device=DEVICE)[:k].view(1, k).to(torch.int32)
     h = torch.full((k, n_ff), float("nan"), device=DEVICE)
-    hq = _bufs(k * n_ff)
+    hq = q8_bufs(k * n_ff)
     # 32 rows a program over 1..2 tiles per expert (the last one partly past the rows)
     moe_decode.expert_glu_q8(gate, gate_type, up, gate_type, n_expert, xq, ids, h, act, gb, ub,
                              limit, out_q=hq, config=(32, 2, 1))
@@ -191,7 +184,7 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed, monk
         grp = slice(j * n_ff // 32, (j + 1) * n_ff // 32)
         _same_q8((hq[0][j * n_ff // 4:(j + 1) * n_ff // 4], hq[1][grp], hq[2][grp]), h[j])
     hx = torch.randn(k, k2, generator=g, device=DEVICE)
-    hq2, hd = _bufs(k * k2), []
+    hq2, hd = q8_bufs(k * k2), []
     for j in range(k):
         (q, d, s), f = q8x.copy_ref(hx[j])
         hq2[0][j * k2 // 4:(j + 1) * k2 // 4] = q
