@@ -97,12 +97,13 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bo
 
 
 def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
-                   traced: bool = False):
+                   traced: bool = False, late: bool = False):
     """The compiled decode expert GEMV on int8 x (carve_kernels/moe_decode.py,
     carve_kernels/gemv_q8.py) of ``ggml_type``: ``part`` "glu" (gate and up of that type,
     gpt-oss's clamped SwiGLU with biases for MXFP4, writing the int8 copy of its outputs) or
     "down" (the in-kernel sum of the k rows), tile ``config`` (rows, blocks, warps);
-    ``traced``: with the stamps of carve_kernels/trace.py compiled in."""
+    ``traced``: with the stamps of carve_kernels/trace.py compiled in; ``late``: the gate/up
+    releasing the next kernel after its tiles (moe_decode.DOWN_PDL)."""
 
     from carve_kernels import moe_decode as md
 
@@ -117,7 +118,7 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
                "g_rb": "i32", "u_rb": "i32", "limit": "fp32", "trace_ptr": "*i64"}
         oai = ggml_type == qt.MXFP4
         const = {"KU": 4 if oai else 8, "TG": ggml_type, "TU": ggml_type, "HAS_BIAS": oai,
-                 "ACT": 2 if oai else 0, "QOUT": True}
+                 "ACT": 2 if oai else 0, "QOUT": True, "LATE": late}
     else:
         fn = md._expert_down_q8_kernel
         sig = {"w_ptr": "*u8", "wh_ptr": wh, "wi_ptr": wi, "b_ptr": "*fp32", "hq_ptr": "*i8",

@@ -252,7 +252,7 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
         y = glu_act(g, u, GELU)
         tl.store(y_ptr + m * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
         if QOUT:
-            q8x.store_q8(y, rows, rmask, oq_ptr, od_ptr, os_ptr, BLOCK_N)
+            q8x.store_q8(y, pid * BLOCK_N, N - pid * BLOCK_N, oq_ptr, od_ptr, os_ptr, BLOCK_N)
     trace.stamp(trace_ptr, 3, TRACE)
 
 

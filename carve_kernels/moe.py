@@ -171,7 +171,7 @@ def _norm_router_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, q_ptr, d_pt
     if e == 0:
         tl.store(y_ptr + c, ys, mask=mask)
         if Q8:
-            q8x.store_q8(y, c, mask, q_ptr, d_ptr, s_ptr, BLOCK)
+            q8x.store_q8(y, 0, H, q_ptr, d_ptr, s_ptr, BLOCK)
     tl.debug_barrier()  # every thread's reads of the stream done before the counter
     if tl.atomic_add(cnt_ptr, 1) == E - 1:
         tl.store(res_ptr + c, hs, mask=mask)

@@ -128,6 +128,11 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
        for part, cfg in BLOCK_TILES.items()},
 }
 
+# on trial (``CARVE_TRIAL=down_pdl``): the int8-x down GEMV launched with PDL, the gate/up before
+# it letting it become resident only after its own tiles (with PDL from their start, the step
+# lost 13 %: stage_moe.py)
+DOWN_PDL = False
+
 # the int8-x bodies on trial that decode's experts take (gemv_q8.Q8_TRIAL_TYPES; set by
 # RunnerOptions.apply for the trials CARVE_TRIAL names)
 Q8_ON_TRIAL: frozenset[int] = frozenset()
@@ -172,14 +177,16 @@ def _expert_glu_q8_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, 
                           TU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                           QOUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
                           ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
-                          L0: tl.constexpr = 0, L1: tl.constexpr = 0, L2: tl.constexpr = 0,
-                          L3: tl.constexpr = 0):
-    trace.wait(trace_ptr, PDL, TRACE)
+                          LATE: tl.constexpr = False, L0: tl.constexpr = 0,
+                          L1: tl.constexpr = 0, L2: tl.constexpr = 0, L3: tl.constexpr = 0):
+    trace.wait(trace_ptr, PDL, TRACE, LATE)
     # one row of x: slot j (program axis 1) is its j-th expert
     _glu_q8_tile(tl.program_id(0), tl.program_id(1), g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr,
                  ui_ptr, gb_ptr, ub_ptr, xq_ptr, xd_ptr, xs_ptr, ids_ptr, h_ptr, oq_ptr, od_ptr,
                  os_ptr, N, NB, g_rb, u_rb, limit, trace_ptr, TG, TU, HAS_BIAS, ACT, QOUT,
                  BLOCK_R, BLOCK_B, ASM, TRACE, L0, L1, L2, L3)
+    if LATE:
+        pdl.release(PDL)
     trace.stamp(trace_ptr, 3, TRACE)
 
 
@@ -212,19 +219,21 @@ def _glu_q8_tile(pid, slot, g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr
     offs = slot * N + rows
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=rmask)
     if QOUT:  # the int8 copy of h, the down GEMV's input
-        q8x.store_q8(h, offs, rmask, oq_ptr, od_ptr, os_ptr, BLOCK_R)
+        q8x.store_q8(h, slot * N + pid * BLOCK_R, N - pid * BLOCK_R, oq_ptr, od_ptr, os_ptr,
+                     BLOCK_R)
 
 
 def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: int,
                   n_expert: int, xq, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
                   gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
                   limit: float = 0.0, out_q=None, config: tuple[int, int, int] | None = None,
-                  use_pdl: bool = True) -> torch.Tensor:
+                  use_pdl: bool = True, late: bool = False) -> torch.Tensor:
     """``expert_glu`` for one row of x given as its int8 copy ``xq`` (q words, d, s of
     carve_kernels/q8x.py), gate and up Q4_K, Q6_K or MXFP4:
     ``out[j] = act(x @ gate_e^T) * (x @ up_e^T)``, e = ids[0, j]. ``out_q``: (q, d, s)
     buffers for the int8 copy of ``out`` ([k * rows] values), the input of
-    ``expert_down_q8``."""
+    ``expert_down_q8``. ``late``: the next kernel becomes resident after the tiles' writes, not
+    at their start (carve_kernels/pdl.py ``release``)."""
     n, k = expert_rows(gate, n_expert), row_cols(gate, gate_type)
     if up.shape[0] != gate.shape[0] or row_cols(up, up_type) != k:
         raise ValueError("gate and up experts differ in shape")
@@ -247,7 +256,8 @@ def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type:
         **trace.args("expert_glu_q8", grid, out), KU=ku,
         TG=gate_type, TU=up_type, HAS_BIAS=bias, ACT=_ACTS[act], QOUT=out_q is not None,
         BLOCK_R=br, BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[gate_type])),
-        ASM=gate.is_cuda, num_warps=warps, **_lut(gate_type, up_type), **pdl.opts(out, use_pdl))
+        ASM=gate.is_cuda, num_warps=warps, LATE=late and pdl.enabled(out, use_pdl),
+        **_lut(gate_type, up_type), **pdl.opts(out, use_pdl))
     return out
 
 

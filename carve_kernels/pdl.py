@@ -46,3 +46,18 @@ def start(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    # ``start``'s wait alone: the kernel lets the next one become resident later (``release``)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def release(PDL: tl.constexpr):
+    # let the next kernel become resident (after ``wait``: a kernel whose programs should not
+    # share their SMs with the next one's waiting programs while they work)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()

@@ -30,16 +30,17 @@ def quant32(x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def store_q8(v, offs, mask, q_ptr, d_ptr, s_ptr, NV: tl.constexpr):
-    # v [NV] float32 values at row offsets offs (NV and offs[0] multiples of 32, every group
-    # of 32 wholly in or out of mask) -> their int8 values, scales and sums
+def store_q8(v, start, valid, q_ptr, d_ptr, s_ptr, NV: tl.constexpr):
+    # v [NV] float32 values at row offsets start .. start + NV - 1 (NV and start multiples of
+    # 32), of which the first ``valid`` are stored (a multiple of 32, or all) -> their int8
+    # values, scales and sums. The groups' offsets are arithmetic: no reduction finds them
     d, q = quant32(tl.reshape(v, [NV // 32, 32]), 1)
     s = tl.sum(q, axis=1) * d
-    o = tl.reshape(offs, [NV // 32, 32])
-    m = tl.reshape(mask, [NV // 32, 32])
-    tl.store(q_ptr.to(tl.pointer_type(tl.int8)) + o, q.to(tl.int8), mask=m)
-    grp = tl.min(o, axis=1) // 32
-    gm = tl.max(m.to(tl.int32), axis=1) > 0
+    gi = tl.arange(0, NV // 32)
+    i = gi[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.store(q_ptr.to(tl.pointer_type(tl.int8)) + start + i, q.to(tl.int8), mask=i < valid)
+    grp = start // 32 + gi
+    gm = gi * 32 < valid
     tl.store(d_ptr + grp, d, mask=gm)
     tl.store(s_ptr + grp, s, mask=gm)
 

@@ -124,11 +124,15 @@ def stamp(trace_ptr, AT: tl.constexpr, TRACE: tl.constexpr):
 
 
 @triton.jit
-def wait(trace_ptr, PDL: tl.constexpr, TRACE: tl.constexpr):
+def wait(trace_ptr, PDL: tl.constexpr, TRACE: tl.constexpr, LATE: tl.constexpr = False):
     # a kernel's start: stamp START, wait for the kernel before (carve_kernels/pdl.py), stamp
-    # WAITED (where PDL is off, the two stamps are one moment)
+    # WAITED (where PDL is off, the two stamps are one moment). LATE: the kernel releases the
+    # next one itself later (pdl.release), not here
     stamp(trace_ptr, 0, TRACE)
-    pdl.start(PDL)
+    if LATE:
+        pdl.wait(PDL)
+    else:
+        pdl.start(PDL)
     stamp(trace_ptr, 1, TRACE)
 
 
