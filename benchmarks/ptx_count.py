@@ -103,7 +103,7 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
     gpt-oss's clamped SwiGLU with biases for MXFP4, writing the int8 copy of its outputs) or
     "down" (the in-kernel sum of the k rows), tile ``config`` (rows, blocks, warps);
     ``traced``: with the stamps of carve_kernels/trace.py compiled in; ``late``: the gate/up
-    releasing the next kernel after its tiles (moe_decode.DOWN_PDL)."""
+    releasing the next kernel after its tiles (as decode's does before the down)."""
 
     from carve_kernels import moe_decode as md
 

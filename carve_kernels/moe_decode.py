@@ -128,11 +128,6 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
        for part, cfg in BLOCK_TILES.items()},
 }
 
-# on trial (``CARVE_TRIAL=down_pdl``): the int8-x down GEMV launched with PDL, the gate/up before
-# it letting it become resident only after its own tiles (with PDL from their start, the step
-# lost 13 %: stage_moe.py)
-DOWN_PDL = False
-
 # the int8-x bodies on trial that decode's experts take (gemv_q8.Q8_TRIAL_TYPES; set by
 # RunnerOptions.apply for the trials CARVE_TRIAL names)
 Q8_ON_TRIAL: frozenset[int] = frozenset()

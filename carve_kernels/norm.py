@@ -17,75 +17,42 @@ def row_warps(block: int) -> int:
     return 16 if block >= 4096 else 8 if block >= 2048 else 4
 
 
-# decode's one-row norm in parts (on trial: ``CARVE_TRIAL=norm_parts``): 0 (off) or the values a
-# program writes. Each program reads the whole row for the sum of squares and writes its part of
-# the output and its int8 copy; the last one to finish writes the residual stream back (a counter,
-# left zero). One program does all of a 3584-wide row's writing otherwise: 3.3 of its 4.2 us in
-# the 7B step after the sum (H100, `carve bench --trace`, 2026-12-05)
-PART = 0
-# on trial (``CARVE_TRIAL=norm_late``): the norm lets the next kernel become resident only after
-# its writes, not at its start
-LATE = False
-
-
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, cnt_ptr, H, eps,
-                    stride_x, stride_r, stride_y, trace_ptr, HAS_RES: tl.constexpr,
-                    BLOCK: tl.constexpr, PART_V: tl.constexpr, Q8: tl.constexpr,
-                    PDL: tl.constexpr, LATE: tl.constexpr, TRACE: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, stride_x,
+                    stride_r, stride_y, trace_ptr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                    Q8: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < H
-    # part j of the row (PART_V values; the whole row where one program writes it all)
-    cp = tl.program_id(1) * PART_V + tl.arange(0, PART_V)
-    pm = cp < H
     # the norm's weights are no kernel's output: read them while the one before finishes
-    w = tl.load(w_ptr + cp, mask=pm, other=0.0).to(tl.float32)
-    trace.wait(trace_ptr, PDL, TRACE, LATE)
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    trace.wait(trace_ptr, PDL, TRACE)
     h = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         h += tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
         # the norm reads the stream as stored (bf16 rounds here): a stage boundary, where the
         # next stage's first norm reads the stored stream, then changes no bit
-        hs = h.to(res_ptr.dtype.element_ty)
-        h = hs.to(tl.float32)
+        h = h.to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * stride_r + c, h, mask=mask)
+        h = h.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
-    if PART_V == BLOCK:
-        hp = h
-    else:  # this program's part again (an L1 hit), the same sums
-        hp = tl.load(x_ptr + row * stride_x + cp, mask=pm, other=0.0).to(tl.float32)
-        if HAS_RES:
-            hp += tl.load(res_ptr + row * stride_r + cp, mask=pm, other=0.0).to(tl.float32)
-            hp = hp.to(res_ptr.dtype.element_ty).to(tl.float32)
-    y = hp * inv * w
+    y = h * inv * w
     trace.stamp(trace_ptr, 2, TRACE)
-    tl.store(y_ptr + row * stride_y + cp, y.to(y_ptr.dtype.element_ty), mask=pm)
+    tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=mask)
     if Q8:  # one row: its int8 copy for the dp4a GEMVs (carve_kernels/q8x.py)
-        q8x.store_q8(y, tl.program_id(1) * PART_V, H - tl.program_id(1) * PART_V, q_ptr, d_ptr,
-                     s_ptr, PART_V)
-    if HAS_RES:
-        if PART_V == BLOCK:
-            tl.store(res_ptr + row * stride_r + c, hs, mask=mask)
-        else:  # the stream back once every part has read it (as moe._norm_router_kernel)
-            tl.debug_barrier()
-            if tl.atomic_add(cnt_ptr, 1) == tl.num_programs(1) - 1:
-                tl.store(res_ptr + row * stride_r + c, hs, mask=mask)
-                tl.atomic_xchg(cnt_ptr, 0)  # zero again for the next call
-    if LATE:
-        pdl.release(PDL)
+        q8x.store_q8(y, 0, H, q_ptr, d_ptr, s_ptr, BLOCK)
     trace.stamp(trace_ptr, 3, TRACE)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-            q8=None, use_pdl: bool = True, counter: torch.Tensor | None = None) -> torch.Tensor:
+            q8=None, use_pdl: bool = True) -> torch.Tensor:
     """y = rmsnorm(x + residual) * weight over the last dim. With ``residual`` [T, H] the sum
     x + residual is also written back into ``residual`` (the residual stream moves on), and y
     is the norm of the sum as written there (rounded to residual's dtype), so that a norm
     reading a stored stream (a stage's first) gives the bits a fused one does.
     ``q8``: (q, d, s) buffers (carve_kernels/q8x.py) that also get y's int8 copy (one row, H a
-    multiple of 32). ``use_pdl``: launch with PDL where the GPU has it (carve_kernels/pdl.py).
-    ``counter``: one int32 zero (left zero) with which one row is written in parts (``PART``)."""
+    multiple of 32). ``use_pdl``: launch with PDL where the GPU has it (carve_kernels/pdl.py)."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
     y = torch.empty_like(x2) if out is None else out.view(-1, h)
@@ -93,17 +60,14 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block = triton.next_power_of_2(h)
     if q8 is not None and (x2.shape[0] != 1 or h % 32 or not q8x.fits(q8, h)):
         raise ValueError(f"no int8 copy of {x2.shape[0]} rows of {h} in these buffers")
-    part = block
-    if PART and x2.shape[0] == 1 and block > PART and (counter is not None or residual is None):
-        part = PART
     q, d, s = q8 if q8 is not None else (y, y, y)
-    grid = (x2.shape[0], block // part)
-    _rmsnorm_kernel[grid](x2, r, weight, y, q, d, s, counter if counter is not None else q, h,
-                          eps, x2.stride(0), r.stride(0), y.stride(0),
-                          **trace.args("rmsnorm", grid, y), HAS_RES=residual is not None,
-                          BLOCK=block, PART_V=part, Q8=q8 is not None,
-                          num_warps=row_warps(block) if part == block else 4,
-                          LATE=LATE and pdl.enabled(y, use_pdl), **pdl.opts(y, use_pdl))
+    _rmsnorm_kernel[(x2.shape[0],)](x2, r, weight, y, q, d, s, h, eps, x2.stride(0),
+                                   r.stride(0), y.stride(0),
+                                   **trace.args("rmsnorm", (x2.shape[0],), y),
+                                   HAS_RES=residual is not None,
+                                   BLOCK=block, Q8=q8 is not None,
+                                   num_warps=row_warps(block),
+                                   **pdl.opts(y, use_pdl))
     return y.view(x.shape) if out is None else out
 
 

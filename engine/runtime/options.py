@@ -28,12 +28,8 @@ TRIALS = {
     "expert_ffn_fused": "decode's routed experts on int8 x in one launch: gate/up and down, "
                         "each down tile waiting only for its own expert's gate/up tiles "
                         "(carve_kernels/moe_fused.py)",
-    "norm_parts": "decode's one-row RMSNorm in programs of 512 values, each writing its part of "
-                  "the output and its int8 copy (carve_kernels/norm.py PART)",
-    "norm_late": "decode's RMSNorm lets the next kernel become resident after its writes, not "
-                 "at its start (carve_kernels/norm.py LATE)",
-    "down_pdl": "decode's int8-x expert down GEMV launched with PDL, the gate/up before it "
-                "releasing it after its tiles (carve_kernels/moe_decode.py DOWN_PDL)",
+    "route_rank": "decode's top-k experts by each one's place among all, one reduction "
+                  "(carve_kernels/moe.py ROUTE_RANK)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -126,15 +122,10 @@ class RunnerOptions:
             from carve_kernels import moe_fused
 
             moe_fused.ON = True
-        if {"norm_parts", "norm_late"} & self.trials:
-            from carve_kernels import norm
+        if "route_rank" in self.trials:
+            from carve_kernels import moe
 
-            norm.PART = 512 if "norm_parts" in self.trials else 0
-            norm.LATE = "norm_late" in self.trials
-        if "down_pdl" in self.trials:
-            from carve_kernels import moe_decode
-
-            moe_decode.DOWN_PDL = True
+            moe.ROUTE_RANK = True
         if self.expert_tiles:
             from carve_kernels import moe_decode
 

@@ -93,7 +93,9 @@ def test_norm_router_is_the_norm_then_the_router(dtype, seed):
 
 @pytest.mark.parametrize("gating", ["softmax", "softmax_topk", "sigmoid"])
 @pytest.mark.parametrize("e,k", [(12, 3), (72, 8)])
-def test_route_matches_reference(gating, e, k, seed):
+@pytest.mark.parametrize("rank", [False, True], ids=["rounds", "rank"])
+def test_route_matches_reference(gating, e, k, seed, rank, monkeypatch):
+    monkeypatch.setattr(moe, "ROUTE_RANK", rank)
     g = generator(seed)
     m = 5
     logits = torch.randn(m, e, generator=g, device=DEVICE) * 3
@@ -111,7 +113,9 @@ def test_route_matches_reference(gating, e, k, seed):
         assert nerr(wts, plain) < 1e-6
 
 
-def test_softmax_route_selects_by_its_bias(seed):
+@pytest.mark.parametrize("rank", [False, True], ids=["rounds", "rank"])
+def test_softmax_route_selects_by_its_bias(seed, rank, monkeypatch):
+    monkeypatch.setattr(moe, "ROUTE_RANK", rank)
     # ERNIE-4.5: the top k of softmax + selection bias, weighed by the plain softmax values
     # (normalised); the bias moves the choice on some rows and never a weight's value
     g = generator(seed)
@@ -132,7 +136,9 @@ def test_softmax_route_selects_by_its_bias(seed):
     assert not torch.equal(plain, ids)
 
 
-def test_route_ties_pick_the_lower_id():
+@pytest.mark.parametrize("rank", [False, True], ids=["rounds", "rank"])
+def test_route_ties_pick_the_lower_id(rank, monkeypatch):
+    monkeypatch.setattr(moe, "ROUTE_RANK", rank)
     logits = torch.zeros(1, 8, device=DEVICE)
     logits[0, [2, 5, 6]] = 1.0
     ids, w = moe.route(logits, 2, "softmax", norm=True)
@@ -313,10 +319,13 @@ def test_prefill_grouped_path_runs_experts_of_several_tiles(seed):
 
 @pytest.mark.parametrize("gating,e,ng,ngu,k", [("sigmoid", 64, 8, 3, 6), ("softmax", 48, 6, 2, 4),
                                                ("sigmoid", 32, 4, 1, 8)])
-def test_route_limited_to_groups_matches_reference(gating, e, ng, ngu, k, seed):
+@pytest.mark.parametrize("rank", [False, True], ids=["rounds", "rank"])
+def test_route_limited_to_groups_matches_reference(gating, e, ng, ngu, k, seed, rank,
+                                                    monkeypatch):
     """DeepSeek-V3's group-limited routing: each row chooses only among the experts of its ngu
     groups whose two best selection scores (after the bias) sum highest; the torch engine's
     rule (engine/runtime/models/ops.py) gives the same ids."""
+    monkeypatch.setattr(moe, "ROUTE_RANK", rank)
     from engine.runtime.models import ops
 
     g = generator(seed)

@@ -45,30 +45,6 @@ def test_rmsnorm_writes_the_int8_copy(residual, seed):
     _same_q8(bufs, out[0])
 
 
-@pytest.mark.parametrize("residual", [True, False])
-def test_rmsnorm_in_parts_writes_the_bits_of_one_program(residual, seed, monkeypatch):
-    # decode's one-row norm in programs of PART values (CARVE_TRIAL=norm_parts): the same
-    # output, int8 copy and residual stream as one program, the counter left zero
-    g = generator(seed)
-    h = 32 * _rand(g, 5, 40)
-    x = torch.randn(1, h, generator=g, device=DEVICE).to(torch.bfloat16)
-    r = torch.randn(1, h, generator=g, device=DEVICE).to(torch.bfloat16) if residual else None
-    w = torch.randn(h, generator=g, device=DEVICE)
-    runs = []
-    for part in (0, 64):
-        monkeypatch.setattr(norm, "PART", part)
-        rr = None if r is None else r.clone()
-        out = torch.full_like(x, float("nan"))
-        bufs = q8_bufs(h)
-        counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-        norm.rmsnorm(x, w, 1e-6, residual=rr, out=out, q8=bufs, counter=counter)
-        assert not counter.any()
-        runs.append((out, rr, *bufs))
-    for one, parts in zip(*runs, strict=True):
-        if one is not None:
-            assert torch.equal(one, parts)
-
-
 TYPES = [qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q2_K, qt.Q3_K, qt.IQ4_XS, qt.IQ2_XXS, qt.IQ3_S, qt.Q8_0]
 
 

@@ -150,9 +150,6 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         self.attn_count = self.buf.get("attn_count")
         if self.attn_count is not None:
             self.attn_count.zero_()  # the decode kernel leaves it at zero after each use
-        # decode's norm in parts (carve_kernels/norm.py PART) counts on the padding of the first
-        # kv head's line: attention's counters are column 0 of their lines
-        self.norm_count = self.attn_count[0, 32:33] if self.attn_count is not None else None
         # the sampled id lives in the last slot of buf.tokens: nothing outside the Layout
         self.next_id = self.buf["tokens"][-1:] if self.last else None
         self.samp_state, self.samp_keys = self.buf.get("samp_state"), self.buf.get("samp_keys")
@@ -359,7 +356,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         w (and its int8 copy into ``q8``; never with post: the stage keeps it off for gemma3)."""
         if post is None:
             norm.rmsnorm(a.proj, w, self.hp.rms_eps, residual=a.hidden, out=a.normed, q8=q8,
-                         use_pdl=self.pdl, counter=self.norm_count)
+                         use_pdl=self.pdl)
         else:
             norm.rmsnorm_post(a.proj, post, w, self.hp.rms_eps, residual=a.hidden, out=a.normed,
                               use_pdl=self.pdl)
@@ -375,7 +372,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
                               residual=a.hidden, out=a.normed, use_pdl=self.pdl)
         else:
             norm.rmsnorm(a.proj, last.norm, self.hp.rms_eps, residual=a.hidden, out=a.normed,
-                         use_pdl=self.pdl, counter=self.norm_count)
+                         use_pdl=self.pdl)
 
     # --- FFN -----------------------------------------------------------------------------
     def _glu(self, f: Ffn, a: Rows, xq):
@@ -459,8 +456,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         self.spans = {}
         self.buf = {}
         self.attn_ws = ()
-        self.attn_count = self.norm_count = self.next_id = self.samp_state = None
-        self.samp_keys = None
+        self.attn_count = self.next_id = self.samp_state = self.samp_keys = None
         self.t_part = self.t_count = None
         self.tmats = set()
         self.xq = None

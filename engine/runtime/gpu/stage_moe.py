@@ -94,16 +94,16 @@ class MoeLayers:
                                         b["moe_count"], ready, act, gb, ub, db, hp.swiglu_limit,
                                         accumulate=f.shared is not None, use_pdl=pdl)
                 return
-            down_pdl = moe_decode.DOWN_PDL and f.xq_h is not None
+            # the down launched with PDL, resident only once the gate/up's tiles are written
+            # (``late``): made resident at the gate/up's start instead, the step lost 13 %
+            # (carve_kernels/NOTES.md)
             moe_decode.expert_glu_q8(gp, g.ggml_type, up, u.ggml_type, ne, f.xq, ids, h, act, gb,
-                                     ub, hp.swiglu_limit, f.xq_h, use_pdl=pdl, late=down_pdl)
+                                     ub, hp.swiglu_limit, f.xq_h, use_pdl=pdl,
+                                     late=f.xq_h is not None)
             if f.xq_h is not None:
-                # launched without PDL: with it the step ran 337.6 against 390.9 t/s (H200,
-                # Qwen3-30B-A3B Q4_K_M, same run; the GLU's PDL makes no difference), and again
-                # 360.6 against 410.3 on 2026-12-04
                 moe_decode.expert_down_q8(dp, d.ggml_type, ne, f.xq_h, ids, w, a.proj, rows_out,
-                                          db, accumulate=f.shared is not None,
-                                          use_pdl=pdl and down_pdl, counter=b["moe_count"])
+                                          db, accumulate=f.shared is not None, use_pdl=pdl,
+                                          counter=b["moe_count"])
             else:
                 moe_decode.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, db,
                                        accumulate=f.shared is not None, config=f.down_config,
