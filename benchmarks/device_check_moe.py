@@ -330,8 +330,6 @@ def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, 
     y.fill_(float("nan"))
     moe_decode.expert_down_q8(down, dt, ne, hq, sets[0], wts, y, yr, counter=cnt)
     row(f"moe expert down int8 x fused sum {tag} T=1", t, floor_down, nerr(y, ref), f"cfg={cd}")
-    _one_launch(moe_decode, gate, up, down, gt, dt, ne, k, (q, d, s), sets, wts, h, hq, y, yr,
-                floor_glu + floor_down, tag, row)
     small = moe_decode.Q8_BLOCK[gt] == 32  # MXFP4's blocks: more of them a step
     sweeps = [("down int8 x", lambda c, i: moe_decode.expert_down_q8(
         down, dt, ne, hq, sets[i], wts, y, yr, config=c, counter=cnt), floor_down,
@@ -342,43 +340,6 @@ def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, 
             Q8_TILES_32 if small else Q8_TILES))
     for name, fn, floor, tiles in sweeps:
         _expert_sweep(f"{name} {tag}", fn, floor, row, tiles)
-
-
-def _one_launch(moe_decode, gate, up, down, gt, dt, ne, k, xq, sets, wts, h, hq, y, yr, floor,
-                tag, row):
-    """Gate/up then down as the step launches them (two kernels, the down's in-kernel sum)
-    against the one launch on trial (carve_kernels/moe_fused.py, CARVE_TRIAL=
-    expert_ffn_fused) at the same tiles, each in a graph of 8 calls; the one launch's output
-    checked against the two's (the same bits expected: err 0)."""
-    from carve_kernels import moe_fused
-
-    e, f = y.shape[1], h.shape[1]
-    if f % 32 or not all(moe_decode.q8_able(t, c) for t, c in ((gt, e), (dt, f))):
-        return
-    _, _, warps = moe_decode.EXPERT_Q8_CONFIG[(gt, "glu")]
-    dr, db, _ = moe_decode.EXPERT_Q8_CONFIG[(dt, "down")]
-    cnt = torch.zeros(e // 16 + 1, dtype=torch.int32, device="cuda")
-    ready = torch.zeros(k, dtype=torch.int32, device="cuda")
-
-    def two(i=0):
-        moe_decode.expert_glu_q8(gate, gt, up, gt, ne, xq, sets[i], h, out_q=hq)
-        moe_decode.expert_down_q8(down, dt, ne, hq, sets[i], wts, y, yr, counter=cnt,
-                                  config=(dr, db, warps), use_pdl=False)
-
-    def one(i=0):
-        moe_fused.expert_ffn_q8(gate, gt, up, gt, down, dt, ne, xq, sets[i], wts, h, hq, y, yr,
-                                cnt, ready)
-
-    t2 = graph_time(two)
-    y.fill_(float("nan"))
-    two(0)
-    ref = y.clone()
-    t1 = graph_time(one)
-    y.fill_(float("nan"))
-    one(0)
-    note = f"glu cfg={moe_decode.EXPERT_Q8_CONFIG[(gt, 'glu')]}, down rows/blocks ({dr}, {db})"
-    row(f"moe expert gate/up+down two launches {tag} T=1", t2, floor, 0.0, note)
-    row(f"moe expert gate/up+down one launch {tag} T=1", t1, floor, nerr(y, ref), note)
 
 
 # the sweeps' candidates, few enough that --moe stays within a few minutes of compiles

@@ -152,34 +152,6 @@ def _compile_sm90(fn, sig: dict, const: dict, warps: int):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_expert_ffn(gate_type: int, down_type: int, traced: bool = False):
-    """The compiled one-launch routed experts of decode (carve_kernels/moe_fused.py, on trial):
-    gate/up of ``gate_type`` and down of ``down_type`` at their EXPERT_Q8_CONFIG tiles, 8
-    experts a row (gpt-oss's 4, its biases and clamped SwiGLU for MXFP4)."""
-    from carve_kernels import moe_decode as md
-    from carve_kernels import moe_fused
-
-    oai = gate_type == qt.MXFP4
-    sig = dict(zip(("g_ptr", "gh_ptr", "gi_ptr"), _expert_views(gate_type), strict=True))
-    sig.update(zip(("u_ptr", "uh_ptr", "ui_ptr"), _expert_views(gate_type), strict=True))
-    sig.update({"gb_ptr": "*fp32", "ub_ptr": "*fp32", "xq_ptr": "*i32", "xd_ptr": "*fp32",
-                "xs_ptr": "*fp32", "ids_ptr": "*i32", "h_ptr": "*bf16", "oq_ptr": "*i32",
-                "od_ptr": "*fp32", "os_ptr": "*fp32"})
-    sig.update(zip(("w_ptr", "wh_ptr", "wi_ptr"), _expert_views(down_type), strict=True))
-    sig.update({"db_ptr": "*fp32", "y_ptr": "*fp32", "rw_ptr": "*fp32", "out_ptr": "*bf16",
-                "cnt_ptr": "*i32", "ready_ptr": "*i32", "F": "i32", "NB": "i32", "g_rb": "i32",
-                "u_rb": "i32", "E": "i32", "d_rb": "i32", "stride_ym": "i32", "limit": "fp32",
-                "NT_G": "i32", "NT_D": "i32", "trace_ptr": "*i64"})
-    br, bb, warps = md.EXPERT_Q8_CONFIG[(gate_type, "glu")]
-    dr, db, _ = md.EXPERT_Q8_CONFIG[(down_type, "down")]
-    const = {"KU": 4 if oai else 8, "TG": gate_type, "TU": gate_type, "TD": down_type,
-             "QKD": md.Q8_BLOCK[down_type], "HAS_BIAS": oai, "ACT": 2 if oai else 0,
-             "ACCUM": False, "BLOCK_R": br, "BLOCK_B": bb, "DOWN_R": dr, "DOWN_B": db,
-             "ASM": True, "PDL": True, "TRACE": traced,
-             **(md._lut(gate_type, down_type) or dict.fromkeys(("L0", "L1", "L2", "L3"), 0))}
-    return _compile_sm90(moe_fused._expert_ffn_q8_kernel, sig, const, warps)
-
-
 def compile_rope_store(qk_norm: bool, q8_cache: bool = False):
     """The compiled decode RoPE + cache store (carve_kernels/rope.py) for 128-dim neox heads, with
     qwen3's per-head q/k norms in it (``qk_norm``) or not, into an f16 or q8_0 cache."""

@@ -25,9 +25,6 @@ TRIALS = {
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
-    "expert_ffn_fused": "decode's routed experts on int8 x in one launch: gate/up and down, "
-                        "each down tile waiting only for its own expert's gate/up tiles "
-                        "(carve_kernels/moe_fused.py)",
     "route_rank": "decode's top-k experts by each one's place among all, one reduction "
                   "(carve_kernels/moe.py ROUTE_RANK)",
 }
@@ -118,10 +115,6 @@ class RunnerOptions:
                        if name in self.trials for t in types}
             if experts:
                 moe_decode.Q8_ON_TRIAL = frozenset(experts)
-        if "expert_ffn_fused" in self.trials:
-            from carve_kernels import moe_fused
-
-            moe_fused.ON = True
         if "route_rank" in self.trials:
             from carve_kernels import moe
 

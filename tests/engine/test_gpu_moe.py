@@ -221,35 +221,6 @@ def test_bf16_two_stages_give_the_decode_logits_of_one_to_the_bit(model,
     assert norm_router_calls  # decode's rows went through the fused launch
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "glm4moe"])
-def test_routed_experts_in_one_launch_give_the_decode_logits_of_two(arch, tmp_path,
-                                                                      monkeypatch) -> None:
-    """On trial (CARVE_TRIAL=expert_ffn_fused): decode's routed experts on the int8 copies in
-    one launch (carve_kernels/moe_fused.py: each down tile waits for its expert's gate/up tiles
-    in the same grid) give the prefill and decode logits of the two launches to the bit, with
-    and without a shared expert's sum (glm4moe: the routed rows added onto it). The kernel
-    test (tests/kernels/test_moe_fused.py) covers the other types, MXFP4's biases included."""
-    from carve_kernels import moe_fused
-
-    (model,) = write_model(tmp_path / f"{arch}.gguf", SHAPES[arch],
-                           None if arch == "gpt-oss" else "q4_k_m")
-
-    calls: list[int] = []
-    one = moe_fused.expert_ffn_q8
-    monkeypatch.setattr(moe_fused, "expert_ffn_q8",
-                        lambda *a, **k: calls.append(1) or one(*a, **k))
-    options = RunnerOptions()  # the int8 copies, which the one launch multiplies
-    got = []
-    for on in (False, True):
-        monkeypatch.setattr(moe_fused, "ON", on)
-        got.append(chunk_and_decode_rows(GpuSession.load(
-            plan(str(model), prefill_chunk=8, logits_rows=1), devices=[DEV], remember=False,
-            options=options), ids(12, 3)))
-    assert calls  # decode's rows took the one launch
-    assert torch.isfinite(got[0]).all() and torch.equal(got[0], got[1])
-    assert RunnerOptions(trials=frozenset({"expert_ffn_fused"})).trials  # a known trial name
-
-
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "minimax-m2", "dots1"])
 def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, tmp_path) -> None:
     """Experts of a type with an int8-x body (Q4_K gate/up and Q6_K or Q4_K down; gpt-oss's

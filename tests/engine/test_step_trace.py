@@ -12,7 +12,7 @@ import torch
 from test_gpu_moe import SHAPES
 from test_gpu_moe import plan as moe_plan
 
-from carve_kernels import moe_fused, trace
+from carve_kernels import trace
 from engine.runtime import step_trace
 from engine.runtime.gpu.session import GpuSession
 from engine.runtime.options import RunnerOptions
@@ -62,23 +62,16 @@ def test_a_dense_decode_step_stamps_every_program_of_every_launch(tmp_path) -> N
             "sample_pick"} <= names
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["two launches", "one launch"])
-def test_a_moe_decode_step_stamps_every_program_of_every_launch(tmp_path, monkeypatch,
-                                                                 fused) -> None:
+def test_a_moe_decode_step_stamps_every_program_of_every_launch(tmp_path) -> None:
     (path,) = write_model(tmp_path / "moe.gguf", SHAPES["qwen3moe"], "q4_k_m")
-    monkeypatch.setattr(moe_fused, "ON", fused)
     names = assert_every_program_stamped(recorded_step(str(path)))
-    experts = ({"expert_ffn_glu", "expert_ffn_down"} if fused
-               else {"expert_glu_q8", "expert_down_q8"})
-    assert {"norm_router", "route", *experts} <= names
+    assert {"norm_router", "route", "expert_glu_q8", "expert_down_q8"} <= names
 
 
-def test_the_bench_trace_of_a_cpu_stage_reads_its_launches(tmp_path, capsys,
-                                                           monkeypatch) -> None:
+def test_the_bench_trace_of_a_cpu_stage_reads_its_launches(tmp_path, capsys) -> None:
     """`step_trace.trace_step`, as `carve bench --trace` runs it after the bench, on a stage
     under the interpreter: its eager step recorded (no graph, no times), every launch stamped,
     the per-kernel table and the timeline printed."""
-    monkeypatch.setattr(moe_fused, "ON", False)  # the two expert launches
     (path,) = write_model(tmp_path / "moe.gguf", SHAPES["qwen3moe"], "q4_k_m")
     g = GpuSession.load(moe_plan(str(path), prefill_chunk=8, logits_rows=1), devices=[CPU],
                         remember=False)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from carve_kernels import glu, moe, moe_decode, moe_fused, moe_prefill, quant_matmul
+from carve_kernels import glu, moe, moe_decode, moe_prefill, quant_matmul
 from engine.runtime.gpu.matrices import GEMV_ROWS, Experts, Ffn, gemv_rows
 from engine.runtime.gpu.rows import Rows
 
@@ -86,14 +86,6 @@ class MoeLayers:
         h = b["moe_h"][:n * k]
         if n == 1 and f.xq is not None:  # decode on the int8 copies (carve_kernels/gemv_q8.py)
             rows_out = b["moe_out"][:k]
-            if moe_fused.ON and f.xq_h is not None:  # on trial: gate/up and down in one launch
-                # (its k counters after the down tiles' ones, one per 16 rows at most)
-                ready = b["moe_count"][hp.n_embd // 16:hp.n_embd // 16 + k]
-                moe_fused.expert_ffn_q8(gp, g.ggml_type, up, u.ggml_type, dp, d.ggml_type, ne,
-                                        f.xq, ids, w, h, f.xq_h, a.proj, rows_out,
-                                        b["moe_count"], ready, act, gb, ub, db, hp.swiglu_limit,
-                                        accumulate=f.shared is not None, use_pdl=pdl)
-                return
             # the down launched with PDL, resident only once the gate/up's tiles are written
             # (``late``): made resident at the gate/up's start instead, the step lost 13 %
             # (carve_kernels/NOTES.md)
