@@ -27,6 +27,8 @@ TRIALS = {
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
     "route_rank": "decode's top-k experts by each one's place among all, one reduction "
                   "(carve_kernels/moe.py ROUTE_RANK)",
+    "route_keys": "decode's top-k experts in rounds of one int64 max of (score, id) keys "
+                  "(carve_kernels/moe.py ROUTE_KEYS)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -119,6 +121,10 @@ class RunnerOptions:
             from carve_kernels import moe
 
             moe.ROUTE_RANK = True
+        if "route_keys" in self.trials:
+            from carve_kernels import moe
+
+            moe.ROUTE_KEYS = True
         if self.expert_tiles:
             from carve_kernels import moe_decode
 
