@@ -225,8 +225,8 @@ def router_ref(w, x, bias=None, out=None, use_pdl=True):
 def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, trace_ptr, GATING: tl.constexpr,
                   KU: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HAS_SB: tl.constexpr,
                   BLOCK_E: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
-                  NGU: tl.constexpr, RANK: tl.constexpr, KEYS: tl.constexpr,
-                  PDL: tl.constexpr, TRACE: tl.constexpr):
+                  NGU: tl.constexpr, KEYS: tl.constexpr, PDL: tl.constexpr,
+                  TRACE: tl.constexpr):
     trace.wait(trace_ptr, PDL, TRACE)
     m = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
@@ -266,10 +266,6 @@ def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, trace_ptr, GATING: tl
             keep = tl.where(grp == pick, 1, keep)
             gscore = tl.where(gi == pick, -float("inf"), gscore)
         sel = tl.where(keep != 0, sel, -float("inf"))
-    if RANK:
-        _route_by_rank(sel, val, e, emask, ids_ptr + m * KU, w_ptr + m * KU, scale, GATING, KU,
-                       NORM, trace_ptr, TRACE)
-        return
     j = tl.arange(0, KP)
     ids = tl.zeros([KP], dtype=tl.int32)
     wts = tl.zeros([KP], dtype=tl.float32)
@@ -305,38 +301,8 @@ def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, trace_ptr, GATING: tl
     trace.stamp(trace_ptr, 3, TRACE)
 
 
-@triton.jit
-def _route_by_rank(sel, val, e, emask, ids_ptr, w_ptr, scale, GATING: tl.constexpr,
-                   KU: tl.constexpr, NORM: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
-    # the top KU at once: each expert's place is the number of experts ahead of it (a higher
-    # score, or the same score and a lower id: the loop's order), counted in one reduction of
-    # the [E, E] comparisons instead of KU rounds of three dependent ones. NaN scores count as
-    # -inf (every place still gets a valid expert)
-    sel = tl.where(sel == sel, sel, -float("inf"))
-    mine = sel[:, None]
-    other = sel[None, :]
-    ahead = (other > mine) | ((other == mine) & (e[None, :] < e[:, None]))
-    place = tl.sum(ahead.to(tl.int32), axis=1)
-    chosen = (place < KU) & emask
-    wts = val
-    if GATING == 1:  # softmax over the chosen k
-        z = tl.where(chosen, tl.exp(val - tl.max(tl.where(chosen, val, -float("inf")), axis=0)),
-                     0.0)
-        wts = z / tl.sum(z, axis=0)
-    if NORM:
-        wts = wts / tl.maximum(tl.sum(tl.where(chosen, wts, 0.0), axis=0), 6.103515625e-5)
-    wts = wts * scale
-    trace.stamp(trace_ptr, 2, TRACE)
-    tl.store(ids_ptr + place, e, mask=chosen)
-    tl.store(w_ptr + place, wts, mask=chosen)
-    trace.stamp(trace_ptr, 3, TRACE)
-
-
-# on trial (``CARVE_TRIAL=route_rank``): decode's top-k by each expert's place among all (one
-# reduction, 4 or 8 warps) rather than k rounds of max / argmax / gather (one warp); up to 256
-# experts
-ROUTE_RANK = False
-# on trial (``CARVE_TRIAL=route_keys``): the rounds' max and argmax as one int64 reduction
+# on trial (``CARVE_TRIAL=route_keys``): each round's max and argmax as one int64 reduction
+# (the top-k by rank lost: carve_kernels/NOTES.md)
 ROUTE_KEYS = False
 
 
@@ -361,15 +327,13 @@ def route(logits: torch.Tensor, k: int, gating: str, norm: bool = False, scale: 
     weights = (torch.empty(m, k, dtype=torch.float32, device=logits.device)
                if weights is None else weights)
     be = triton.next_power_of_2(e)
-    rank = ROUTE_RANK and be <= 256
     _route_kernel[(m,)](logits, sel_bias if sel_bias is not None else logits, ids, weights, e,
                         float(scale), **trace.args("route", (m,), weights),
                         GATING=GATINGS[gating], KU=k,
                         KP=triton.next_power_of_2(k), NORM=norm, HAS_SB=sel_bias is not None,
                         BLOCK_E=be, NG=ng if ng > 1 else 1,
                         NGP=triton.next_power_of_2(max(ng, 1)), NGU=ngu if ng > 1 else 1,
-                        RANK=rank, KEYS=ROUTE_KEYS and not rank,
-                        num_warps=(4 if be <= 128 else 8) if rank else 1,
+                        KEYS=ROUTE_KEYS, num_warps=1,
                         **pdl.opts(weights, use_pdl))
     return ids, weights
 

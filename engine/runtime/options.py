@@ -25,8 +25,6 @@ TRIALS = {
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
-    "route_rank": "decode's top-k experts by each one's place among all, one reduction "
-                  "(carve_kernels/moe.py ROUTE_RANK)",
     "route_keys": "decode's top-k experts in rounds of one int64 max of (score, id) keys "
                   "(carve_kernels/moe.py ROUTE_KEYS)",
 }
@@ -117,10 +115,6 @@ class RunnerOptions:
                        if name in self.trials for t in types}
             if experts:
                 moe_decode.Q8_ON_TRIAL = frozenset(experts)
-        if "route_rank" in self.trials:
-            from carve_kernels import moe
-
-            moe.ROUTE_RANK = True
         if "route_keys" in self.trials:
             from carve_kernels import moe
 
