@@ -97,13 +97,14 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bo
 
 
 def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
-                   traced: bool = False, late: bool = False):
+                   traced: bool = False, late: bool = False, tiles: bool = False):
     """The compiled decode expert GEMV on int8 x (carve_kernels/moe_decode.py,
     carve_kernels/gemv_q8.py) of ``ggml_type``: ``part`` "glu" (gate and up of that type,
     gpt-oss's clamped SwiGLU with biases for MXFP4, writing the int8 copy of its outputs) or
     "down" (the in-kernel sum of the k rows), tile ``config`` (rows, blocks, warps);
     ``traced``: with the stamps of carve_kernels/trace.py compiled in; ``late``: the gate/up
-    releasing the next kernel after its tiles (as decode's does before the down)."""
+    releasing the next kernel after its tiles (as decode's does before the down); ``tiles``:
+    Q4_K's block headers in the layout of x's scales (moe_decode.LAYOUT_TILES, on trial)."""
 
     from carve_kernels import moe_decode as md
 
@@ -127,7 +128,7 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
                "K": "i32", "row_bytes": "i32", "stride_ym": "i32", "trace_ptr": "*i64"}
         const = {"KU": 8, "HAS_BIAS": ggml_type == qt.MXFP4, "COMBINE": True, "ACCUM": False,
                  "TYPE": ggml_type, "QK": md.Q8_BLOCK[ggml_type]}
-    const.update({"BLOCK_R": rows, "BLOCK_B": blocks, "ASM": True, "PDL": True,
+    const.update({"BLOCK_R": rows, "BLOCK_B": blocks, "ASM": True, "PDL": True, "TILES": tiles,
                   "TRACE": traced, **(md._lut(ggml_type) or dict.fromkeys(("L0", "L1", "L2", "L3"), 0))})
     return _compile_sm90(fn, sig, const, warps)
 
@@ -173,6 +174,13 @@ def compile_rope_store(qk_norm: bool, q8_cache: bool = False):
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(fn=rope._rope_store_kernel, signature=sig, constexprs=const)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def loop_conversions(ttgir: str) -> int:
+    """Layout conversions in the first loop of a kernel's TTGIR (``.asm["ttgir"]``): on sm_90
+    most go through shared memory with barriers, each step of the loop."""
+    body = ttgir[ttgir.index("scf.for"):]
+    return body[:body.index("scf.yield")].count("ttg.convert_layout")
 
 
 def sass_counts(cubin: bytes, whole: bool = False) -> Counter:

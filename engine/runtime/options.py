@@ -27,6 +27,8 @@ TRIALS = {
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
     "route_keys": "decode's top-k experts in rounds of one int64 max of (score, id) keys "
                   "(carve_kernels/moe.py ROUTE_KEYS)",
+    "layout_tiles": "decode's int8-x Q4_K experts loading their block headers in the layout "
+                    "of x's scales (carve_kernels/moe_decode.py LAYOUT_TILES)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -119,6 +121,10 @@ class RunnerOptions:
             from carve_kernels import moe
 
             moe.ROUTE_KEYS = True
+        if "layout_tiles" in self.trials:
+            from carve_kernels import moe_decode
+
+            moe_decode.LAYOUT_TILES = True
         if self.expert_tiles:
             from carve_kernels import moe_decode
 
