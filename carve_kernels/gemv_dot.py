@@ -53,9 +53,13 @@ def _k4_scale(w0, w1, w2, j):
 
 @triton.jit
 def _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes,
-             BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+             BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, XT: tl.constexpr = False):
     # block: d, dmin (f16), scales[12], qs[128]; qs[32c + l] holds element 64c + l in its low
-    # nibble (sub-block 2c) and element 64c + 32 + l in its high nibble (sub-block 2c + 1)
+    # nibble (sub-block 2c) and element 64c + 32 + l in its high nibble (sub-block 2c + 1).
+    # XT (on trial: quant_matmul.X_TILES): x loaded as [R, B, 4, 32] tiles in the weights'
+    # layout (each address in every row's threads: an L1 broadcast) rather than [B, 4, 32]
+    # broadcast to the rows, which sm_90 code converts between layouts through shared memory
+    # each step (4 conversions, 12 barriers in the kernel against 3)
     tb = tl.arange(0, BLOCK_B)
     c = tl.arange(0, 4)
     lane = tl.arange(0, 32)
@@ -69,17 +73,28 @@ def _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes,
         base = row_base[:, None] + tl.minimum(blk, nblk - 1)[None, :] * 144  # [R, B]
         base = tl.multiple_of(base, [16, 16])
         qs = tl.load(w_ptr + base[:, :, None, None] + q_off[None, None, :, :]).to(tl.int32)
-        xp = xrow + (blk * 256)[:, None, None] + x_off[None, :, :]
-        xl = tl.load(xp, mask=bmask[:, None, None], other=0.0).to(tl.float32)
-        xh = tl.load(xp + 32, mask=bmask[:, None, None], other=0.0).to(tl.float32)
         # nibbles into the mantissa of 2^23 (the high one in place, as 16q): integer ops and
         # an add at full rate instead of the low-rate I2F convert
         ql = ((qs & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         qh = ((qs & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        sl = tl.sum(ql * xl[None, :, :, :], axis=3)  # [R, B, 4]
-        sh = tl.sum(qh * xh[None, :, :, :], axis=3) * 0.0625
-        xsl = tl.sum(xl, axis=2)[None, :, :]  # [1, B, 4]
-        xsh = tl.sum(xh, axis=2)[None, :, :]
+        if XT:
+            xp = tl.broadcast_to(xrow + (blk * 256)[None, :, None, None]
+                                 + x_off[None, None, :, :], qs.shape)
+            xm = tl.broadcast_to(bmask[None, :, None, None], qs.shape)
+            xl = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
+            xh = tl.load(xp + 32, mask=xm, other=0.0).to(tl.float32)
+            sl = tl.sum(ql * xl, axis=3)  # [R, B, 4]
+            sh = tl.sum(qh * xh, axis=3) * 0.0625
+            xsl = tl.sum(xl, axis=3)  # [R, B, 4]
+            xsh = tl.sum(xh, axis=3)
+        else:
+            xp = xrow + (blk * 256)[:, None, None] + x_off[None, :, :]
+            xl3 = tl.load(xp, mask=bmask[:, None, None], other=0.0).to(tl.float32)
+            xh3 = tl.load(xp + 32, mask=bmask[:, None, None], other=0.0).to(tl.float32)
+            sl = tl.sum(ql * xl3[None, :, :, :], axis=3)  # [R, B, 4]
+            sh = tl.sum(qh * xh3[None, :, :, :], axis=3) * 0.0625
+            xsl = tl.sum(xl3, axis=2)[None, :, :]  # [1, B, 4]
+            xsh = tl.sum(xh3, axis=2)[None, :, :]
         wq = base // 4
         dd = tl.load(wi_ptr + wq)  # d and dmin, two f16 in one word
         d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
@@ -192,7 +207,7 @@ def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
             TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
             L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
             LANE_SUM: tl.constexpr, SPECIAL: tl.constexpr, MAGIC: tl.constexpr,
-            xd_ptr=None, ASM: tl.constexpr = False):
+            xd_ptr=None, ASM: tl.constexpr = False, XT: tl.constexpr = False):
     """[BLOCK_R] float32 dot products of weight rows ``rows_c`` (clamped in range) with the
     activation row at ``xrow``. ``w_ptr``/``wh_ptr``/``wi_ptr``: the weight's bytes as uint8,
     16-bit floats and int32 (for the types that read a value table, the IQ family, ``wi_ptr``
@@ -202,10 +217,11 @@ def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
     which reads ``w_ptr`` as int32 words: its start 4-byte aligned), MAGIC the 2^23
     integer-to-float of the generic walk. An int8 ``xrow`` is decode's int8 copy of x, its scales
     at ``xd_ptr`` (the row bodies only); ASM: dp4a and funnel shifts as the GPU's
-    instructions."""
+    instructions. XT: Q4_K's storage-order body with x as full tiles (``_q4k_dot``)."""
     nblk = K // BS
     if SPECIAL and TYPE == 12:
-        y = _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B)
+        y = _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B,
+                     XT)
     elif SPECIAL and (TYPE == 18 or TYPE == 21):  # IQ3_XXS / IQ3_S: 4-value grid rows
         y = iq_rows_dot(w_ptr, wh_ptr, wi_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, TYPE,
                         TS, 4, BLOCK_R, BLOCK_B, ASM)

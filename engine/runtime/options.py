@@ -28,7 +28,8 @@ TRIALS = {
     "route_keys": "decode's top-k experts in rounds of one int64 max of (score, id) keys "
                   "(carve_kernels/moe.py ROUTE_KEYS)",
     "layout_tiles": "decode's int8-x Q4_K experts loading their block headers in the layout "
-                    "of x's scales (carve_kernels/moe_decode.py LAYOUT_TILES)",
+                    "of x's scales, and the Q4_K GEMV in GGUF order loading x as full tiles "
+                    "(carve_kernels/moe_decode.py LAYOUT_TILES, quant_matmul.py X_TILES)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -122,9 +123,9 @@ class RunnerOptions:
 
             moe.ROUTE_KEYS = True
         if "layout_tiles" in self.trials:
-            from carve_kernels import moe_decode
+            from carve_kernels import moe_decode, quant_matmul
 
-            moe_decode.LAYOUT_TILES = True
+            moe_decode.LAYOUT_TILES = quant_matmul.X_TILES = True
         if self.expert_tiles:
             from carve_kernels import moe_decode
 

@@ -81,6 +81,7 @@ def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> No
     monkeypatch.setattr(moe_decode, "Q8_ON_TRIAL", frozenset())
     monkeypatch.setattr(moe, "ROUTE_KEYS", False)
     monkeypatch.setattr(moe_decode, "LAYOUT_TILES", False)
+    monkeypatch.setattr(quant_matmul, "X_TILES", False)
     RunnerOptions().apply()
     assert quant_matmul.ROW_BODY_TYPES == base and moe_decode.EXPERT_Q8_CONFIG == tiles
     RunnerOptions(trials=frozenset({"q2k_rows"})).apply()
@@ -92,7 +93,7 @@ def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> No
     assert quant_matmul.ROW_BODY_TYPES == base | quant_matmul.ROW_BODY_TRIAL > base
     assert moe_decode.EXPERT_Q8_CONFIG == tiles
     assert all(moe_decode.q8_able(t, 256) for t in (qt.Q3_K, qt.IQ4_NL, qt.Q8_0, qt.Q4_0))
-    assert moe.ROUTE_KEYS and moe_decode.LAYOUT_TILES
+    assert moe.ROUTE_KEYS and moe_decode.LAYOUT_TILES and quant_matmul.X_TILES
 
 
 @pytest.mark.parametrize("entry", ["Q5_1/glu=32,4,4", "Q4_K/gate=32,4,4", "Q4_K/glu=32,3,4",

@@ -74,6 +74,23 @@ def test_gemv_storage_order_bodies(ggml_type, xdtype, seed):
     assert nerr(out, ref, gemv_scale(w, ggml_type, x)) < 1e-5
 
 
+@pytest.mark.parametrize("tiles", [False, True], ids=["x broadcast", "x tiles"])
+def test_q4k_storage_order_body_with_x_as_full_tiles(tiles, seed, monkeypatch):
+    # on trial (layout_tiles, quant_matmul.X_TILES): the Q4_K storage-order body loading x as
+    # [R, B, 4, 32] tiles in the weights' layout gives the reference's products, with several
+    # row tiles, partial steps and two rows of x
+    monkeypatch.setattr(quant_matmul, "X_TILES", tiles)
+    g = generator(seed)
+    rows = int(torch.randint(5, 13, (1,), generator=g, device=DEVICE))
+    cols = 256 * int(torch.randint(3, 7, (1,), generator=g, device=DEVICE))
+    w = random_weight(qt.Q4_K, rows, cols, DEVICE, g)
+    x = torch.randn(2, cols, generator=g, device=DEVICE).to(torch.bfloat16)
+    out = poison((2, rows))
+    quant_matmul.gemv(w, qt.Q4_K, x, out=out, config=(4, 2, 4))
+    ref = quant_matmul.gemv_ref(w, qt.Q4_K, x.float())
+    assert nerr(out, ref, gemv_scale(w, qt.Q4_K, x)) < 1e-5
+
+
 @pytest.mark.parametrize("table", ["wide", "long"])
 def test_gemv_shape_tiles_match_reference(table, seed):
     # the tiles picked for many-row and long-row matrices, run at small shapes

@@ -75,20 +75,23 @@ def test_expert_int8_bodies_assemble_to_dp4a_machine_code(ggml_type, part, ops):
     assert got["per_value"] < 6, got
 
 
-def test_q4k_header_tiles_convert_less_in_the_expert_loops():
+def test_layout_tiles_convert_less_in_the_q4k_loops():
     # on trial (layout_tiles): Q4_K's block headers loaded in the layout of x's scales leave
-    # the gate/up and down loops fewer layout conversions (sm_90 codegen, not a timing)
+    # the experts' gate/up and down loops fewer layout conversions, and x as full tiles the
+    # GGUF-order GEMV's (sm_90 codegen, not a timing)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json\nfrom benchmarks import ptx_count as p\nfrom spec import quant_types as qt\n"
             "from carve_kernels import moe_decode as md\n"
             "print(json.dumps({f'{part} {t}': p.loop_conversions(p.compile_expert(qt.Q4_K, part, "
             "md.EXPERT_Q8_CONFIG[(qt.Q4_K, part)], tiles=t).asm['ttgir']) "
-            "for part in ('glu', 'down') for t in (False, True)}))")
+            "for part in ('glu', 'down') for t in (False, True)}\n"
+            "| {f'gemv {t}': p.loop_conversions(p.compile_gemv(qt.Q4_K, (4, 16, 4), tiles=t)"
+            ".asm['ttgir']) for t in (False, True)}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    for part in ("glu", "down"):
+    for part in ("glu", "down", "gemv"):
         assert got[f"{part} True"] < got[f"{part} False"], got
 
 
