@@ -41,10 +41,16 @@ from carve_kernels.quant_blocks import dequant_part
 def _k4_scale(w0, w1, w2, j):
     """get_scale_min_k4 of ggml-quants.c for sub-blocks ``j`` ([J] int32, 0..7) of blocks whose
     12 scale bytes are the int32 words w0, w1, w2 ([R, B]): (scale, min) as [R, B, J] float32."""
+    return k4_scale_tiles(w0[:, :, None], w1[:, :, None], w2[:, :, None], j)
+
+
+@triton.jit
+def k4_scale_tiles(w0, w1, w2, j):
+    # ``_k4_scale`` for scale words already [R, B, 1] or [R, B, J]
     sh = ((j % 4) * 8)[None, None, :]
-    b0 = (w0[:, :, None] >> sh) & 255  # s[j % 4]
-    b1 = (w1[:, :, None] >> sh) & 255  # s[j % 4 + 4]
-    b2 = (w2[:, :, None] >> sh) & 255  # s[j % 4 + 8]
+    b0 = (w0 >> sh) & 255  # s[j % 4]
+    b1 = (w1 >> sh) & 255  # s[j % 4 + 4]
+    b2 = (w2 >> sh) & 255  # s[j % 4 + 8]
     low = (j < 4)[None, None, :]
     sc = tl.where(low, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4))
     mn = tl.where(low, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from carve_kernels.gemv_dot import _k4_scale, q80_rows_dot
+from carve_kernels.gemv_dot import _k4_scale, k4_scale_tiles, q80_rows_dot
 from carve_kernels.gemv_q8_blocks import (
     iq4nl_q8_rows_dot,
     mxfp4_q8_rows_dot,
@@ -67,26 +67,13 @@ def _q4k_block(wi_ptr, bw, xw, xl, xh, il0, ASM: tl.constexpr, TILES: tl.constex
 
 
 @triton.jit
-def _k4_scale3(w0, w1, w2, j):
-    # gemv_dot._k4_scale for scale words already [R, B, J]
-    sh = ((j % 4) * 8)[None, None, :]
-    b0 = (w0 >> sh) & 255
-    b1 = (w1 >> sh) & 255
-    b2 = (w2 >> sh) & 255
-    low = (j < 4)[None, None, :]
-    sc = tl.where(low, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4))
-    mn = tl.where(low, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
-
-
-@triton.jit
 def _q4k_mix(il, ih, dd, w0, w1, w2, c, dl, dh, sl, sh, TILES: tl.constexpr):
     # [R, B, 4] float32 sums of a block's chunks from the integer dots, the block's scales and
     # x's scales (dl, dh) and sums (sl, sh) of the chunks' low and high sub-blocks; the header
     # words [R, B] ([R, B, 4] with TILES)
     if TILES:
-        scl, mnl = _k4_scale3(w0, w1, w2, 2 * c)
-        sch, mnh = _k4_scale3(w0, w1, w2, 2 * c + 1)
+        scl, mnl = k4_scale_tiles(w0, w1, w2, 2 * c)
+        sch, mnh = k4_scale_tiles(w0, w1, w2, 2 * c + 1)
         d = _f16(dd)
         dmin = _f16(dd >> 16)
     else:
