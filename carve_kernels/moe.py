@@ -326,12 +326,11 @@ def route(logits: torch.Tensor, k: int, gating: str, norm: bool = False, scale: 
     ids = torch.empty(m, k, dtype=torch.int32, device=logits.device) if ids is None else ids
     weights = (torch.empty(m, k, dtype=torch.float32, device=logits.device)
                if weights is None else weights)
-    be = triton.next_power_of_2(e)
     _route_kernel[(m,)](logits, sel_bias if sel_bias is not None else logits, ids, weights, e,
                         float(scale), **trace.args("route", (m,), weights),
                         GATING=GATINGS[gating], KU=k,
                         KP=triton.next_power_of_2(k), NORM=norm, HAS_SB=sel_bias is not None,
-                        BLOCK_E=be, NG=ng if ng > 1 else 1,
+                        BLOCK_E=triton.next_power_of_2(e), NG=ng if ng > 1 else 1,
                         NGP=triton.next_power_of_2(max(ng, 1)), NGU=ngu if ng > 1 else 1,
                         KEYS=ROUTE_KEYS, num_warps=1,
                         **pdl.opts(weights, use_pdl))
