@@ -374,12 +374,27 @@ def _t_grid(rows: list[int], nb: int, x: torch.Tensor, config: tuple[int, int, i
     return (tiles, split, mm), x2, bps, meta, warps
 
 
+# decode's launches by part (qkv, one, glu): (warps, programs) in place of their config's, set
+# from CARVE_T_TILES (engine/runtime/options.py) to measure a config in the step; programs at
+# most the config's, so the splits' scratch (spec/launch.py ``scratch``) still holds
+T_TUNE: dict[str, tuple[int, int]] = {}
+
+
+def _tuned(config: tuple[int, int, int] | None, default: tuple[int, int, int],
+           part: str) -> tuple[int, int, int]:
+    # a caller's own config, else the part's tuning of the default, else the default
+    if config is not None:
+        return config
+    warps, target = T_TUNE.get(part, default[1:])
+    return default[0], warps, min(target, default[2])
+
+
 def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
               config: tuple[int, int, int] | None, parts: int, part: torch.Tensor,
               counter: torch.Tensor, use_pdl: bool):
     """(grid, word view, 16-bit view, x rows, common args, constexprs, warps) of a T GEMV."""
     nb, ptrs = _t_words(wt, ggml_type, rows)
-    config = config or launch.t_config(ggml_type)
+    config = _tuned(config, launch.t_config(ggml_type), "one")
     grid, x2, bps, meta, warps = _t_grid([rows], nb, x, config, parts, part, counter, use_pdl,
                                          BLOCK_VALUES.get(ggml_type, 256))
     return grid, ptrs, x2, (nb, bps), {**meta, "TYPE": ggml_type}, warps
@@ -424,7 +439,7 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
     of 32), the input of the next GEMV. ``use_pdl`` as in ``gemv_t``."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-    config = config or launch.t_config(ggml_type, glu=True)
+    config = _tuned(config, launch.t_config(ggml_type, glu=True), "glu")
     grid, gp, x2, (nb, bps), meta, warps = _t_launch(gate, ggml_type, rows, x, config, 2, part,
                                                      counter, use_pdl)
     _, up_p, _, _, _, _ = _t_launch(up, ggml_type, rows, x, config, 2, part, counter, use_pdl)
@@ -471,6 +486,7 @@ def gemv_t3(mats: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, out: tor
         raise ValueError("gemv_t3's matrices must have the same number of columns, in blocks "
                          "of one size")
     rows = [r for _, _, r in mats]
+    config = _tuned(config, T_CONFIG, "qkv")
     grid, x2, bps, meta, warps = _t_grid(rows, nb, x, config, 1, part, counter, use_pdl, values)
     y = out if out.dim() == 2 else out.view(x2.shape[0], -1)
     if y.shape != (x2.shape[0], sum(rows)) or y.stride(1) != 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from spec import launch
 from spec import quant_types as qt
 from spec.errors import CarveError
 
@@ -72,6 +73,12 @@ class RunnerOptions:
         MXFP4, Q5_0; Q3_K, IQ4_NL, Q8_0 with their trials) and part (glu: gate/up, down), so
         that a tile a kernel sweep found (``benchmarks.device_check --moe``) is measured in
         the step before it is adopted.
+    ``CARVE_T_TILES``: empty (default) or ``PART=WARPS,PROGRAMS`` entries separated by ``;``
+        (``qkv=4,1056;one=8,2112``): decode's T-layout GEMV launches (carve_kernels/gemv_t.py
+        ``T_TUNE``) for a part (qkv: the q/k/v launch, one: a single matrix such as ffn_down,
+        glu: the gate/up pair) with that many warps a program and about that many programs
+        (each row tile's blocks split fewer ways), at most the 2112 the scratch is priced for,
+        so that a config is measured in the step before it is adopted.
     """
 
     runner: str = "auto"  # CARVE_RUNNER
@@ -82,6 +89,7 @@ class RunnerOptions:
     prefill_graph: bool = True  # CARVE_PREFILL_GRAPH
     trials: frozenset[str] = frozenset()  # CARVE_TRIAL
     expert_tiles: tuple[tuple[int, str, tuple[int, int, int]], ...] = ()  # CARVE_EXPERT_TILES
+    t_tiles: tuple[tuple[str, tuple[int, int]], ...] = ()  # CARVE_T_TILES
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -101,7 +109,8 @@ class RunnerOptions:
                    expert_q8=_switch(environ, "CARVE_EXPERT_Q8"),
                    t_layout=_switch(environ, "CARVE_T_LAYOUT"), pdl=_switch(environ, "CARVE_PDL"),
                    prefill_graph=_switch(environ, "CARVE_PREFILL_GRAPH"),
-                   trials=_trials(environ), expert_tiles=_expert_tiles(environ))
+                   trials=_trials(environ), expert_tiles=_expert_tiles(environ),
+                   t_tiles=_t_tiles(environ))
 
     def apply(self) -> None:
         """Set what these options switch for the whole process (the entry points call it once,
@@ -132,6 +141,10 @@ class RunnerOptions:
             moe_decode.EXPERT_Q8_CONFIG = {**moe_decode.EXPERT_Q8_CONFIG,
                                            **{(t, part): cfg
                                               for t, part, cfg in self.expert_tiles}}
+        if self.t_tiles:
+            from carve_kernels import gemv_t
+
+            gemv_t.T_TUNE = {**gemv_t.T_TUNE, **dict(self.t_tiles)}
 
 
 def _trials(environ: Mapping[str, str]) -> frozenset[str]:
@@ -173,6 +186,30 @@ def _expert_tiles(environ: Mapping[str, str]) -> tuple:
                 f"one of {', '.join(TILE_TYPES)}, PART glu or down, powers of two (warps at "
                 "most 16, rows at least 32 for glu and 16 for down)")
         out.append((TILE_TYPES[name.strip()], part.strip(), (r, b, w)))
+    return tuple(out)
+
+
+T_PARTS = ("qkv", "one", "glu")
+
+
+def _t_tiles(environ: Mapping[str, str]) -> tuple:
+    value = environ.get("CARVE_T_TILES", "").strip()
+    out = []
+    for entry in (e.strip() for e in value.split(";")):
+        if not entry:
+            continue
+        part, _, cfg = (v.strip() for v in entry.partition("="))
+        try:
+            w, n = (int(v) for v in cfg.split(","))
+        except ValueError:
+            w = n = 0
+        if (part not in T_PARTS or not 0 < w <= 16 or w & (w - 1)
+                or not 0 < n <= launch.T_CONFIG[2]):
+            raise CarveError(
+                f"CARVE_T_TILES entry {entry!r}: use PART=WARPS,PROGRAMS with PART one of "
+                f"{', '.join(T_PARTS)}, WARPS a power of two up to 16 and PROGRAMS from 1 to "
+                f"{launch.T_CONFIG[2]} (the split the scratch is priced for)")
+        out.append((part, (w, n)))
     return tuple(out)
 
 

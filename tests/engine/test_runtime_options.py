@@ -43,6 +43,9 @@ def test_defaults_when_nothing_is_set() -> None:
     ({"CARVE_EXPERT_TILES": "Q4_K/glu=32,4,8; Q6_K/down=16,1,2;"},
      RunnerOptions(expert_tiles=((qt.Q4_K, "glu", (32, 4, 8)), (qt.Q6_K, "down", (16, 1, 2))))),
     ({"CARVE_EXPERT_TILES": " "}, RunnerOptions()),
+    ({"CARVE_T_TILES": "qkv=4,1056; glu=8,2112;"},
+     RunnerOptions(t_tiles=(("qkv", (4, 1056)), ("glu", (8, 2112))))),
+    ({"CARVE_T_TILES": ""}, RunnerOptions()),
 ])
 def test_each_variable_sets_its_option(env, want) -> None:
     assert RunnerOptions.from_env(env) == want
@@ -102,6 +105,28 @@ def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> No
 def test_a_bad_expert_tile_is_refused(entry) -> None:
     with pytest.raises(CarveError, match="CARVE_EXPERT_TILES entry"):
         RunnerOptions.from_env({"CARVE_EXPERT_TILES": f"Q4_K/glu=32,4,4;{entry}"})
+
+
+@pytest.mark.parametrize("entry", ["down=4,1056", "qkv=3,1056", "qkv=32,1056", "one=4,4224",
+                                   "one=4,0", "glu=4", "glu", "qkv=a,b"])
+def test_a_bad_t_tile_is_refused(entry) -> None:
+    with pytest.raises(CarveError) as e:
+        RunnerOptions.from_env({"CARVE_T_TILES": f"qkv=4,1056;{entry}"})
+    assert str(e.value).startswith(f"CARVE_T_TILES entry {entry!r}: use PART=WARPS,PROGRAMS "
+                                   "with PART one of qkv, one, glu")
+    assert "2112" in str(e.value)
+
+
+def test_t_tiles_set_the_t_launches_table_for_the_process(monkeypatch) -> None:
+    from carve_kernels import gemv_t
+
+    monkeypatch.setattr(gemv_t, "T_TUNE", {})
+    RunnerOptions.from_env({"CARVE_T_TILES": "one=8,1056"}).apply()
+    assert gemv_t.T_TUNE == {"one": (8, 1056)}
+    # the default config keeps its rows a program; a caller's own config is left as it is
+    assert gemv_t._tuned(None, (128, 4, 2112), "one") == (128, 8, 1056)
+    assert gemv_t._tuned(None, (256, 4, 2112), "qkv") == (256, 4, 2112)
+    assert gemv_t._tuned((64, 1, 1), (128, 4, 2112), "one") == (64, 1, 1)
 
 
 def test_expert_tiles_set_the_expert_gemvs_table_for_the_process(monkeypatch) -> None:

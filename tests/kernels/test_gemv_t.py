@@ -110,6 +110,31 @@ def test_q8_0_in_t_layout_at_any_block_count(split, xkind, seed):
     assert not counter.any()
 
 
+def test_t_tune_splits_fewer_ways_in_the_priced_scratch(monkeypatch, seed):
+    # CARVE_T_TILES (engine/runtime/options.py) sets gemv_t.T_TUNE: the default config's rows
+    # a program, fewer programs, so each row tile's blocks split fewer ways in the scratch the
+    # default's split is priced for; the sums the same
+    g = generator(seed)
+    rows, nb = _rand(g, 1, 100), _rand(g, 2, 5)
+    w = random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g)
+    wt = gemv_t.repack(w, qt.Q4_K)
+    x = torch.randn(1, 256 * nb, generator=g, device=DEVICE)
+    most, _ = launch.split(1, nb, launch.T_CONFIG[2])
+    assert most == nb  # the default splits every block of this one row tile
+    outs = []
+    for tune in ({}, {"one": (1, 1)}):
+        monkeypatch.setattr(gemv_t, "T_TUNE", tune)
+        part = torch.full((most * rows,), float("nan"), device=DEVICE)
+        counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        out = torch.full((1, rows), float("nan"), device=DEVICE)
+        gemv_t.gemv_t(wt, qt.Q4_K, rows, x, out, part, counter)
+        assert part.isnan().all() == bool(tune)  # unsplit: the scratch is not written
+        outs.append(out)
+    ref = quant_matmul.gemv_ref(w, qt.Q4_K, x)
+    for out in outs:
+        assert nerr(out, ref, gemv_scale(w, qt.Q4_K, x)) < 1e-5
+
+
 def test_split_count_covers_the_blocks():
     for rows, nb, block_n, target in ((18944, 14, 256, 1056), (3584, 74, 256, 1056),
                                       (7, 3, 32, 1), (100, 1, 32, 1000)):
