@@ -74,10 +74,12 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bool = False):
+def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bool = False,
+              prefetch: bool = False):
     """The compiled T-layout GEMV of ``ggml_type`` (carve_kernels/gemv_t.py), ``rows`` rows a
     program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy); ``traced``:
-    with the stamps of carve_kernels/trace.py compiled in."""
+    with the stamps of carve_kernels/trace.py compiled in; ``prefetch``: launched with PDL,
+    its weights pulled into L2 before the wait (gemv_t.PREFETCH, on trial)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -90,7 +92,9 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bo
            "cnt_ptr": "*i32", "N": "i32", "NB": "i32", "BPS": "i32", "stride_xm": "i32",
            "stride_ym": "i32", "trace_ptr": "*i64"}
     const = {"BLOCK_N": rows, "SPLIT": 4, "XV": x == "bf16", "HAS_BIAS": False,
-             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": True, "PDL": False, "TRACE": traced}
+             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": True, "PDL": prefetch,
+             "TRACE": traced,
+             "WD": gemv_t.WORDS[ggml_type], "PREFETCH": prefetch}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(11)}  # the pointers
     src = ASTSource(fn=gemv_t._gemv_t_kernel, signature=sig, constexprs=const, attrs=aligned)
@@ -184,9 +188,8 @@ def loop_conversions(ttgir: str) -> int:
     return body[:body.index("scf.yield")].count("ttg.convert_layout")
 
 
-def sass_counts(cubin: bytes, whole: bool = False) -> Counter:
-    """Opcodes of the largest basic block of the machine code (nvdisasm of the Triton wheel);
-    ``whole``: of every block."""
+def sass(cubin: bytes) -> str:
+    """The machine code as text (nvdisasm of the Triton wheel)."""
     import tempfile
 
     import triton
@@ -196,8 +199,13 @@ def sass_counts(cubin: bytes, whole: bool = False) -> Counter:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
                               check=True).stdout
+
+
+def sass_counts(cubin: bytes, whole: bool = False) -> Counter:
+    """Opcodes of the largest basic block of the machine code; ``whole``: of every block."""
+    text = sass(cubin)
     blocks: dict[str, Counter] = {}
     cur = blocks.setdefault("entry", Counter())
     for line in text.splitlines():

@@ -31,6 +31,9 @@ TRIALS = {
     "layout_tiles": "decode's int8-x Q4_K experts loading their block headers in the layout "
                     "of x's scales, and the Q4_K GEMV in GGUF order loading x as full tiles "
                     "(carve_kernels/moe_decode.py LAYOUT_TILES, quant_matmul.py X_TILES)",
+    "early_weights": "decode's one-row norm letting the next kernel become resident before its "
+                     "wait, and the T GEMVs pulling their weights into L2 before theirs "
+                     "(carve_kernels/norm.py EARLY_RELEASE, gemv_t.py PREFETCH)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -135,6 +138,10 @@ class RunnerOptions:
             from carve_kernels import moe_decode, quant_matmul
 
             moe_decode.LAYOUT_TILES = quant_matmul.X_TILES = True
+        if "early_weights" in self.trials:
+            from carve_kernels import gemv_t, norm
+
+            gemv_t.PREFETCH = norm.EARLY_RELEASE = True
         if self.expert_tiles:
             from carve_kernels import moe_decode
 

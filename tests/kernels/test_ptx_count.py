@@ -95,6 +95,30 @@ def test_layout_tiles_convert_less_in_the_q4k_loops():
         assert got[f"{part} True"] < got[f"{part} False"], got
 
 
+def test_early_weights_prefetch_before_the_pdl_wait():
+    # on trial (early_weights): a T GEMV's L2 prefetches of its weights are issued before its
+    # PDL wait (ACQBULK), where the kernel before may still run; without the trial there are
+    # none (sm_90 codegen: the compiler must not sink them past the wait)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json\nfrom benchmarks import ptx_count as p\n"
+            "from spec import quant_types as qt\n"
+            "ops = {}\n"
+            "for t in ('Q4_K', 'Q6_K'):\n"
+            "    for on in (False, True):\n"
+            "        text = p.sass(p.compile_t(getattr(qt, t), 128, 4, 'int8', prefetch=on)"
+            ".asm['cubin'])\n"
+            "        ops[f'{t} {on}'] = [w for w in text.split() if w in ('ACQBULK', 'CCTL.E.PF2')]\n"
+            "print(json.dumps(ops))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for t in ("Q4_K", "Q6_K"):
+        assert got[f"{t} False"] == [], got  # no PDL, no prefetch
+        on = got[f"{t} True"]
+        assert on.count("ACQBULK") == 1 and on[-1] == "ACQBULK" and len(on) > 1, on
+
+
 def test_rope_store_with_the_q_k_norms_compiles():
     # the norms inside decode's RoPE + cache-store launch (qwen3's q/k norms): a square root
     # and the head sums' shuffles that the plain launch does not have
