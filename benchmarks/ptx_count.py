@@ -39,12 +39,11 @@ _SKIP = ("//", ".", "{", "}", "$", ")", "ret")
 
 
 def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
-                 body: str | None = None, tiles: bool = False):
+                 body: str | None = None):
     """The compiled decode GEMV (``.asm["ptx"]``, ``.asm["cubin"]``) of ``ggml_type`` at tile
     ``config`` on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy) with the row body
     (``body="row"``), the generic walk (``"generic"``) or whatever the type runs today
-    (None); ``tiles``: Q4_K's storage-order body with x as full tiles (quant_matmul.X_TILES,
-    on trial)."""
+    (None)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -66,7 +65,7 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
     const = {"TYPE": ggml_type, "BS": p.block, "TS": p.nbytes, "NPART": p.parts, "L": p.lanes,
              "BLOCK_R": rows, "BLOCK_B": blocks, "LANE_SUM": ggml_type in qm.LANE_SUM_TYPES,
              "SPECIAL": special, "MAGIC": ggml_type in qm.MAGIC_TYPES, "HAS_BIAS": False,
-             "Q8X": x == "int8", "ASM": True, "PDL": False, "TRACE": False, "XT": tiles,
+             "Q8X": x == "int8", "ASM": True, "PDL": False, "TRACE": False,
              **dict(zip(("LUT0", "LUT1", "LUT2", "LUT3"), lut_words(ggml_type), strict=True))}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(7)}  # the pointers
@@ -74,12 +73,10 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bool = False,
-              prefetch: bool = False):
+def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bool = False):
     """The compiled T-layout GEMV of ``ggml_type`` (carve_kernels/gemv_t.py), ``rows`` rows a
     program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy); ``traced``:
-    with the stamps of carve_kernels/trace.py compiled in; ``prefetch``: launched with PDL,
-    its weights pulled into L2 before the wait (gemv_t.PREFETCH, on trial)."""
+    with the stamps of carve_kernels/trace.py compiled in."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -92,9 +89,7 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bo
            "cnt_ptr": "*i32", "N": "i32", "NB": "i32", "BPS": "i32", "stride_xm": "i32",
            "stride_ym": "i32", "trace_ptr": "*i64"}
     const = {"BLOCK_N": rows, "SPLIT": 4, "XV": x == "bf16", "HAS_BIAS": False,
-             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": True, "PDL": prefetch,
-             "TRACE": traced,
-             "WD": gemv_t.WORDS[ggml_type], "PREFETCH": prefetch}
+             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": True, "PDL": False, "TRACE": traced}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(11)}  # the pointers
     src = ASTSource(fn=gemv_t._gemv_t_kernel, signature=sig, constexprs=const, attrs=aligned)
@@ -102,14 +97,13 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bo
 
 
 def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
-                   traced: bool = False, late: bool = False, tiles: bool = False):
+                   traced: bool = False, late: bool = False):
     """The compiled decode expert GEMV on int8 x (carve_kernels/moe_decode.py,
     carve_kernels/gemv_q8.py) of ``ggml_type``: ``part`` "glu" (gate and up of that type,
     gpt-oss's clamped SwiGLU with biases for MXFP4, writing the int8 copy of its outputs) or
     "down" (the in-kernel sum of the k rows), tile ``config`` (rows, blocks, warps);
     ``traced``: with the stamps of carve_kernels/trace.py compiled in; ``late``: the gate/up
-    releasing the next kernel after its tiles (as decode's does before the down); ``tiles``:
-    Q4_K's block headers in the layout of x's scales (moe_decode.LAYOUT_TILES, on trial)."""
+    releasing the next kernel after its tiles (as decode's does before the down)."""
 
     from carve_kernels import moe_decode as md
 
@@ -133,7 +127,7 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
                "K": "i32", "row_bytes": "i32", "stride_ym": "i32", "trace_ptr": "*i64"}
         const = {"KU": 8, "HAS_BIAS": ggml_type == qt.MXFP4, "COMBINE": True, "ACCUM": False,
                  "TYPE": ggml_type, "QK": md.Q8_BLOCK[ggml_type]}
-    const.update({"BLOCK_R": rows, "BLOCK_B": blocks, "ASM": True, "PDL": True, "TILES": tiles,
+    const.update({"BLOCK_R": rows, "BLOCK_B": blocks, "ASM": True, "PDL": True,
                   "TRACE": traced, **(md._lut(ggml_type) or dict.fromkeys(("L0", "L1", "L2", "L3"), 0))})
     return _compile_sm90(fn, sig, const, warps)
 

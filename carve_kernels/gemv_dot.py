@@ -41,16 +41,10 @@ from carve_kernels.quant_blocks import dequant_part
 def _k4_scale(w0, w1, w2, j):
     """get_scale_min_k4 of ggml-quants.c for sub-blocks ``j`` ([J] int32, 0..7) of blocks whose
     12 scale bytes are the int32 words w0, w1, w2 ([R, B]): (scale, min) as [R, B, J] float32."""
-    return k4_scale_tiles(w0[:, :, None], w1[:, :, None], w2[:, :, None], j)
-
-
-@triton.jit
-def k4_scale_tiles(w0, w1, w2, j):
-    # ``_k4_scale`` for scale words already [R, B, 1] or [R, B, J]
     sh = ((j % 4) * 8)[None, None, :]
-    b0 = (w0 >> sh) & 255  # s[j % 4]
-    b1 = (w1 >> sh) & 255  # s[j % 4 + 4]
-    b2 = (w2 >> sh) & 255  # s[j % 4 + 8]
+    b0 = (w0[:, :, None] >> sh) & 255  # s[j % 4]
+    b1 = (w1[:, :, None] >> sh) & 255  # s[j % 4 + 4]
+    b2 = (w2[:, :, None] >> sh) & 255  # s[j % 4 + 8]
     low = (j < 4)[None, None, :]
     sc = tl.where(low, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4))
     mn = tl.where(low, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
@@ -59,13 +53,9 @@ def k4_scale_tiles(w0, w1, w2, j):
 
 @triton.jit
 def _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes,
-             BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, XT: tl.constexpr = False):
+             BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
     # block: d, dmin (f16), scales[12], qs[128]; qs[32c + l] holds element 64c + l in its low
-    # nibble (sub-block 2c) and element 64c + 32 + l in its high nibble (sub-block 2c + 1).
-    # XT (on trial: quant_matmul.X_TILES): x loaded as [R, B, 4, 32] tiles in the weights'
-    # layout (each address in every row's threads: an L1 broadcast) rather than [B, 4, 32]
-    # broadcast to the rows, which sm_90 code converts between layouts through shared memory
-    # each step (4 conversions, 12 barriers in the kernel against 3)
+    # nibble (sub-block 2c) and element 64c + 32 + l in its high nibble (sub-block 2c + 1)
     tb = tl.arange(0, BLOCK_B)
     c = tl.arange(0, 4)
     lane = tl.arange(0, 32)
@@ -83,24 +73,13 @@ def _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes,
         # an add at full rate instead of the low-rate I2F convert
         ql = ((qs & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         qh = ((qs & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        if XT:
-            xp = tl.broadcast_to(xrow + (blk * 256)[None, :, None, None]
-                                 + x_off[None, None, :, :], qs.shape)
-            xm = tl.broadcast_to(bmask[None, :, None, None], qs.shape)
-            xl = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
-            xh = tl.load(xp + 32, mask=xm, other=0.0).to(tl.float32)
-            sl = tl.sum(ql * xl, axis=3)  # [R, B, 4]
-            sh = tl.sum(qh * xh, axis=3) * 0.0625
-            xsl = tl.sum(xl, axis=3)  # [R, B, 4]
-            xsh = tl.sum(xh, axis=3)
-        else:
-            xp = xrow + (blk * 256)[:, None, None] + x_off[None, :, :]
-            xl3 = tl.load(xp, mask=bmask[:, None, None], other=0.0).to(tl.float32)
-            xh3 = tl.load(xp + 32, mask=bmask[:, None, None], other=0.0).to(tl.float32)
-            sl = tl.sum(ql * xl3[None, :, :, :], axis=3)  # [R, B, 4]
-            sh = tl.sum(qh * xh3[None, :, :, :], axis=3) * 0.0625
-            xsl = tl.sum(xl3, axis=2)[None, :, :]  # [1, B, 4]
-            xsh = tl.sum(xh3, axis=2)[None, :, :]
+        xp = xrow + (blk * 256)[:, None, None] + x_off[None, :, :]
+        xl = tl.load(xp, mask=bmask[:, None, None], other=0.0).to(tl.float32)
+        xh = tl.load(xp + 32, mask=bmask[:, None, None], other=0.0).to(tl.float32)
+        sl = tl.sum(ql * xl[None, :, :, :], axis=3)  # [R, B, 4]
+        sh = tl.sum(qh * xh[None, :, :, :], axis=3) * 0.0625
+        xsl = tl.sum(xl, axis=2)[None, :, :]  # [1, B, 4]
+        xsh = tl.sum(xh, axis=2)[None, :, :]
         wq = base // 4
         dd = tl.load(wi_ptr + wq)  # d and dmin, two f16 in one word
         d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)[:, :, None]
@@ -213,7 +192,7 @@ def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
             TYPE: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, NPART: tl.constexpr,
             L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
             LANE_SUM: tl.constexpr, SPECIAL: tl.constexpr, MAGIC: tl.constexpr,
-            xd_ptr=None, ASM: tl.constexpr = False, XT: tl.constexpr = False):
+            xd_ptr=None, ASM: tl.constexpr = False):
     """[BLOCK_R] float32 dot products of weight rows ``rows_c`` (clamped in range) with the
     activation row at ``xrow``. ``w_ptr``/``wh_ptr``/``wi_ptr``: the weight's bytes as uint8,
     16-bit floats and int32 (for the types that read a value table, the IQ family, ``wi_ptr``
@@ -223,11 +202,10 @@ def row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes,
     which reads ``w_ptr`` as int32 words: its start 4-byte aligned), MAGIC the 2^23
     integer-to-float of the generic walk. An int8 ``xrow`` is decode's int8 copy of x, its scales
     at ``xd_ptr`` (the row bodies only); ASM: dp4a and funnel shifts as the GPU's
-    instructions. XT: Q4_K's storage-order body with x as full tiles (``_q4k_dot``)."""
+    instructions."""
     nblk = K // BS
     if SPECIAL and TYPE == 12:
-        y = _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B,
-                     XT)
+        y = _q4k_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, nblk, row_bytes, BLOCK_R, BLOCK_B)
     elif SPECIAL and (TYPE == 18 or TYPE == 21):  # IQ3_XXS / IQ3_S: 4-value grid rows
         y = iq_rows_dot(w_ptr, wh_ptr, wi_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes, TYPE,
                         TS, 4, BLOCK_R, BLOCK_B, ASM)

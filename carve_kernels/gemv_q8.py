@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from carve_kernels.gemv_dot import _k4_scale, k4_scale_tiles, q80_rows_dot
+from carve_kernels.gemv_dot import _k4_scale, q80_rows_dot
 from carve_kernels.gemv_q8_blocks import (
     iq4nl_q8_rows_dot,
     mxfp4_q8_rows_dot,
@@ -47,40 +47,27 @@ def _f16(v):
 
 
 @triton.jit
-def _q4k_block(wi_ptr, bw, xw, xl, xh, il0, ASM: tl.constexpr, TILES: tl.constexpr):
+def _q4k_block(wi_ptr, bw, xw, xl, xh, il0, ASM: tl.constexpr):
     # one Q4_K block per (row, block) of bw ([R, B] word offsets of the blocks): the integer dots
     # of its 4 chunks' two sub-blocks with x's int8 words xl / xh ([R, B, 4, 8]), and the header
     qw = tl.load(wi_ptr + bw[:, :, None, None] + 4 + xw)  # qs: words 4..35 of the block
     il = tl.sum(_dp4a(qw & 0x0F0F0F0F, xl, il0, ASM), axis=3)
     ih = tl.sum(_dp4a((qw >> 4) & 0x0F0F0F0F, xh, il0, ASM), axis=3)
-    # TILES (on trial: moe_decode.LAYOUT_TILES): the header's words as [R, B, 4] tiles (the
-    # same word for each chunk), in the layout of x's scales, so that the scale arithmetic
-    # converts only the chunks' two sums between layouts. As [R, B] tiles it converts eight
-    # tensors a block (sm_90: 16 layout conversions a step in the gate/up GEMV's loop, each
-    # through shared memory with barriers; 4 this way, 40 barriers in all against 16)
-    hw = tl.broadcast_to(bw[:, :, None], il.shape) if TILES else bw
-    dd = tl.load(wi_ptr + hw)  # d and dmin, two f16 in one word
-    w0 = tl.load(wi_ptr + hw + 1)
-    w1 = tl.load(wi_ptr + hw + 2)
-    w2 = tl.load(wi_ptr + hw + 3)
+    dd = tl.load(wi_ptr + bw)  # d and dmin, two f16 in one word
+    w0 = tl.load(wi_ptr + bw + 1)
+    w1 = tl.load(wi_ptr + bw + 2)
+    w2 = tl.load(wi_ptr + bw + 3)
     return il, ih, dd, w0, w1, w2
 
 
 @triton.jit
-def _q4k_mix(il, ih, dd, w0, w1, w2, c, dl, dh, sl, sh, TILES: tl.constexpr):
+def _q4k_mix(il, ih, dd, w0, w1, w2, c, dl, dh, sl, sh):
     # [R, B, 4] float32 sums of a block's chunks from the integer dots, the block's scales and
-    # x's scales (dl, dh) and sums (sl, sh) of the chunks' low and high sub-blocks; the header
-    # words [R, B] ([R, B, 4] with TILES)
-    if TILES:
-        scl, mnl = k4_scale_tiles(w0, w1, w2, 2 * c)
-        sch, mnh = k4_scale_tiles(w0, w1, w2, 2 * c + 1)
-        d = _f16(dd)
-        dmin = _f16(dd >> 16)
-    else:
-        scl, mnl = _k4_scale(w0, w1, w2, 2 * c)
-        sch, mnh = _k4_scale(w0, w1, w2, 2 * c + 1)
-        d = _f16(dd)[:, :, None]
-        dmin = _f16(dd >> 16)[:, :, None]
+    # x's scales (dl, dh) and sums (sl, sh) of the chunks' low and high sub-blocks
+    scl, mnl = _k4_scale(w0, w1, w2, 2 * c)
+    sch, mnh = _k4_scale(w0, w1, w2, 2 * c + 1)
+    d = _f16(dd)[:, :, None]
+    dmin = _f16(dd >> 16)[:, :, None]
     return d * (scl * dl * il.to(tl.float32) + sch * dh * ih.to(tl.float32)) \
         - dmin * (mnl * sl + mnh * sh)
 
@@ -88,13 +75,12 @@ def _q4k_mix(il, ih, dd, w0, w1, w2, c, dl, dh, sl, sh, TILES: tl.constexpr):
 @triton.jit
 def q4k_q8_rows_dot(wi_ptr, ui_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
                     BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, PAIR: tl.constexpr,
-                    ASM: tl.constexpr, TILES: tl.constexpr = False):
+                    ASM: tl.constexpr):
     """([BLOCK_R], [BLOCK_R]) float32 dot products of Q4_K rows ``rows_c`` (clamped in range)
     of the weight at ``wi_ptr`` (and, PAIR, of a second one of the same shape at ``ui_ptr``;
     else the second is zeros) with x's int8 copy: ``xq_ptr`` its int8 values (4-byte aligned),
     ``xd_ptr`` / ``xs_ptr`` its scales and sums per 32 values. Both weights' rows are 4-byte
-    aligned words (int32 pointers). TILES: the blocks' headers loaded as [R, B, 4] tiles
-    (``_q4k_block``)."""
+    aligned words (int32 pointers)."""
     tb = tl.arange(0, BLOCK_B)
     c = tl.arange(0, 4)
     j = tl.arange(0, 8)
@@ -120,11 +106,11 @@ def q4k_q8_rows_dot(wi_ptr, ui_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_by
         dh = tl.load(xd_ptr + g + 1, mask=gm, other=0.0)
         sl = tl.load(xs_ptr + g, mask=gm, other=0.0)
         sh = tl.load(xs_ptr + g + 1, mask=gm, other=0.0)
-        il, ih, dd, w0, w1, w2 = _q4k_block(wi_ptr, bw, xw, xl, xh, z, ASM, TILES)
-        acc += _q4k_mix(il, ih, dd, w0, w1, w2, c, dl, dh, sl, sh, TILES)
+        il, ih, dd, w0, w1, w2 = _q4k_block(wi_ptr, bw, xw, xl, xh, z, ASM)
+        acc += _q4k_mix(il, ih, dd, w0, w1, w2, c, dl, dh, sl, sh)
         if PAIR:
-            il, ih, dd, w0, w1, w2 = _q4k_block(ui_ptr, bw, xw, xl, xh, z, ASM, TILES)
-            acc2 += _q4k_mix(il, ih, dd, w0, w1, w2, c, dl, dh, sl, sh, TILES)
+            il, ih, dd, w0, w1, w2 = _q4k_block(ui_ptr, bw, xw, xl, xh, z, ASM)
+            acc2 += _q4k_mix(il, ih, dd, w0, w1, w2, c, dl, dh, sl, sh)
     return tl.sum(tl.sum(acc, axis=2), axis=1), tl.sum(tl.sum(acc2, axis=2), axis=1)
 
 
@@ -274,14 +260,14 @@ Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256, 6: 32, 20: 32, 8: 32, 2: 32, 3: 3
 def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
                 TYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
                 ASM: tl.constexpr, L0: tl.constexpr = 0, L1: tl.constexpr = 0,
-                L2: tl.constexpr = 0, L3: tl.constexpr = 0, TILES: tl.constexpr = False):
+                L2: tl.constexpr = 0, L3: tl.constexpr = 0):
     """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K, Q6_K, MXFP4, Q3_K, Q5_0,
     Q4_0, Q4_1, Q5_1, IQ4_NL or Q8_0 (carve_kernels/gemv_dot.py ``q80_rows_dot``) weight (its
     bytes, 16-bit words and int32 words; ``nblk`` blocks of ``Q8_BLOCK[TYPE]`` values a row) with x's int8
     copy (values, scales, sums); L0..L3: IQ4_NL's table (``lut_words``)."""
     if TYPE == 12:
         y, _ = q4k_q8_rows_dot(wi_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row_bytes,
-                               BLOCK_R, BLOCK_B, False, ASM, TILES)
+                               BLOCK_R, BLOCK_B, False, ASM)
     elif TYPE == 11:
         y = quarter_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, 11, 55,
                                 BLOCK_R, BLOCK_B, ASM)

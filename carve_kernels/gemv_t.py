@@ -196,33 +196,12 @@ def _t_split_done(prow, acc, rows, rmask, N, cnt, SPLIT: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
-def _prefetch(w_ptr, r0, N, b_lo, b_hi, WD: tl.constexpr, BLOCK_N: tl.constexpr,
-              ON: tl.constexpr):
-    # on trial (CARVE_TRIAL=early_weights): the program's words of blocks [b_lo, b_hi) (word u
-    # of block b of row n at [b, u, n]) pulled into L2 a 128-byte line at a time, before the
-    # PDL wait: no kernel writes weights, and a program made resident while the kernel before
-    # runs has its slice in L2 when its x arrives. The tails (Q6_K's d) are left to the body
-    if ON:
-        # one line an element of a 1-D range (a 2-D one replicates its elements over threads)
-        LINES: tl.constexpr = BLOCK_N // 32
-        i = tl.arange(0, triton.next_power_of_2(WD) * LINES)
-        u = tl.minimum(i // LINES, WD - 1)
-        col = tl.minimum(r0 + (i % LINES) * 32, N - 1)
-        for b in range(b_lo, b_hi):
-            p = w_ptr + ((b * WD + u).to(tl.int64) * N + col)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [p], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, b_ptr,
                    part_ptr, cnt_ptr, N, NB, BPS, stride_xm, stride_ym, trace_ptr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, XV: tl.constexpr,
                    HAS_BIAS: tl.constexpr, TYPE: tl.constexpr, Q8X: tl.constexpr,
-                   ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
-                   WD: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+                   ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
-    _prefetch(wt_ptr, pid * BLOCK_N, N, b_lo, b_hi, WD, BLOCK_N, PREFETCH)
     trace.wait(trace_ptr, PDL, TRACE)
     acc = t_body(wt_ptr, wh_ptr, tab_ptr, x_ptr + m * stride_xm, xq_ptr, xd_ptr, xs_ptr, rows,
                  rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
@@ -245,14 +224,11 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
                        SPLIT: tl.constexpr, XV: tl.constexpr, TYPE: tl.constexpr,
                        GELU: tl.constexpr, PAIR: tl.constexpr, Q8X: tl.constexpr,
                        QOUT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                       TRACE: tl.constexpr, WD: tl.constexpr = 1,
-                       PREFETCH: tl.constexpr = False):
+                       TRACE: tl.constexpr):
     # gate and up rows of the same outputs in one program (x read once for both); with a
     # split, part holds [M, 2, SPLIT, N] and the last program of a row tile applies the GLU.
     # QOUT: the last program also writes the int8 copy of its y (carve_kernels/q8x.py, M = 1)
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
-    _prefetch(g_ptr, pid * BLOCK_N, N, b_lo, b_hi, WD, BLOCK_N, PREFETCH)
-    _prefetch(u_ptr, pid * BLOCK_N, N, b_lo, b_hi, WD, BLOCK_N, PREFETCH)
     trace.wait(trace_ptr, PDL, TRACE)
     xrow = x_ptr + m * stride_xm
     if PAIR:  # Q4_K, Q5_K: gate and up words in one step, each x value converted once
@@ -290,8 +266,7 @@ def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_pt
                     T3: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr, ROPE: tl.constexpr,
                     D: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr, Q8: tl.constexpr,
                     FREQS: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
-                    TRACE: tl.constexpr, W1: tl.constexpr = 1, W2: tl.constexpr = 1,
-                    W3: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+                    TRACE: tl.constexpr):
     # three matrices of the same x (q, k, v) as one grid: row tiles [0, P1) are the first's,
     # [P1, P2) the second's, the rest the third's; each keeps its own type, outputs side by side.
     # ROPE (decode): the program that writes a tile's rows then rotates its heads (whole heads:
@@ -308,13 +283,6 @@ def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_pt
     r0 = (pid - tl.where(pid < p1, 0, tl.where(pid < p2, p1, p2))) * BLOCK_N  # in its matrix
     rows = r0 + tl.arange(0, BLOCK_N)
     rmask = rows < n
-    if PREFETCH:
-        if pid >= p2:
-            _prefetch(w3, r0, N3, b_lo, b_hi, W3, BLOCK_N, PREFETCH)
-        elif pid < p1:
-            _prefetch(w1, r0, N1, b_lo, b_hi, W1, BLOCK_N, PREFETCH)
-        else:
-            _prefetch(w2, r0, N2, b_lo, b_hi, W2, BLOCK_N, PREFETCH)
     trace.wait(trace_ptr, PDL, TRACE)
     xrow = x_ptr + m * stride_xm
     if pid >= p2:
@@ -421,21 +389,6 @@ def _tuned(config: tuple[int, int, int] | None, default: tuple[int, int, int],
     return default[0], warps, min(target, default[2])
 
 
-# on trial (CARVE_TRIAL=early_weights, with carve_kernels/norm.py EARLY_RELEASE): decode's T
-# launches pull their programs' weight words into L2 before their PDL wait
-PREFETCH = False
-
-
-def _prefetching(meta: dict, *types: int) -> dict:
-    # the prefetch's constexprs (word counts: WD for one type, W1..W3 for q/k/v) where it is on
-    # (a PDL launch: a program can start before its x is written); none where it is off
-    if not (PREFETCH and meta["PDL"]):
-        return {}
-    words = {"WD": WORDS[types[0]]} if len(types) == 1 else {
-        f"W{i + 1}": WORDS[t] for i, t in enumerate(types)}
-    return {**words, "PREFETCH": True}
-
-
 def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
               config: tuple[int, int, int] | None, parts: int, part: torch.Tensor,
               counter: torch.Tensor, use_pdl: bool):
@@ -471,8 +424,7 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
     _gemv_t_kernel[grid](*ptrs, x2, q, d, s, y, bias if bias is not None else y, part, counter,
                          rows, nb, bps, x2.stride(0), y.stride(0),
                          **trace.args("gemv_t", grid, y), HAS_BIAS=bias is not None,
-                         Q8X=use, ASM=wt.is_cuda, **meta, num_warps=warps,
-                         **_prefetching(meta, ggml_type))
+                         Q8X=use, ASM=wt.is_cuda, **meta, num_warps=warps)
     return out
 
 
@@ -501,8 +453,7 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
                              bps, x2.stride(0), y.stride(0), **trace.args("gemv_t_glu", grid, y),
                              GELU=act == "gelu",
                              PAIR=paired and ggml_type in PAIRED, Q8X=use,
-                             QOUT=out_q is not None, ASM=gate.is_cuda, **meta, num_warps=warps,
-                             **_prefetching(meta, ggml_type))
+                             QOUT=out_q is not None, ASM=gate.is_cuda, **meta, num_warps=warps)
     return out
 
 
@@ -554,8 +505,7 @@ def gemv_t3(mats: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, out: tor
                           counter, *rows, nb, bps, x2.stride(0), y.stride(0), *r_args,
                           **trace.args("gemv_t3", grid, y), HAS_BIAS=biases is not None, T1=mats[0][1], T2=mats[1][1],
                           T3=mats[2][1], Q8X=use, ASM=x2.is_cuda, ROPE=rope is not None,
-                          **r_meta, **meta, num_warps=warps,
-                          **_prefetching(meta, *(t for _, t, _ in mats)))
+                          **r_meta, **meta, num_warps=warps)
     return out
 
 

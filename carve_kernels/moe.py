@@ -225,8 +225,7 @@ def router_ref(w, x, bias=None, out=None, use_pdl=True):
 def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, trace_ptr, GATING: tl.constexpr,
                   KU: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HAS_SB: tl.constexpr,
                   BLOCK_E: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
-                  NGU: tl.constexpr, KEYS: tl.constexpr, PDL: tl.constexpr,
-                  TRACE: tl.constexpr):
+                  NGU: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
     trace.wait(trace_ptr, PDL, TRACE)
     m = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
@@ -269,21 +268,10 @@ def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, trace_ptr, GATING: tl
     j = tl.arange(0, KP)
     ids = tl.zeros([KP], dtype=tl.int32)
     wts = tl.zeros([KP], dtype=tl.float32)
-    if KEYS:  # a round's max and argmax in one reduction: each score's order-preserving bits
-        # (NaN as -inf, -0 as +0) above its id's complement, so that ties go to the lower id
-        sel = tl.where(sel == sel, tl.where(sel == 0.0, 0.0, sel), -float("inf"))
-        b = sel.to(tl.int32, bitcast=True)
-        b = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
-        key = (b.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
-        gone = tl.full([BLOCK_E], -2147483647 - 1, tl.int32).to(tl.int64) << 32  # below -inf's
     for i in tl.static_range(KU):
-        if KEYS:
-            pick = BLOCK_E - 1 - (tl.max(key, axis=0) & 0xFFFFFFFF).to(tl.int32)
-            key = tl.where(e == pick, gone, key)
-        else:
-            best = tl.max(sel, axis=0)
-            pick = tl.min(tl.where(sel == best, e, BLOCK_E), axis=0)
-            sel = tl.where(e == pick, -float("inf"), sel)
+        best = tl.max(sel, axis=0)
+        pick = tl.min(tl.where(sel == best, e, BLOCK_E), axis=0)
+        sel = tl.where(e == pick, -float("inf"), sel)
         pick = tl.minimum(pick, E - 1)  # NaN logits: some valid id all the same
         ids = tl.where(j == i, pick, ids)
         wts = tl.where(j == i, tl.sum(tl.where(e == pick, val, 0.0), axis=0), wts)
@@ -299,11 +287,6 @@ def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, trace_ptr, GATING: tl
     tl.store(ids_ptr + m * KU + j, ids, mask=kmask)
     tl.store(w_ptr + m * KU + j, wts, mask=kmask)
     trace.stamp(trace_ptr, 3, TRACE)
-
-
-# on trial (``CARVE_TRIAL=route_keys``): each round's max and argmax as one int64 reduction
-# (the top-k by rank lost: carve_kernels/NOTES.md)
-ROUTE_KEYS = False
 
 
 def route(logits: torch.Tensor, k: int, gating: str, norm: bool = False, scale: float = 1.0,
@@ -332,8 +315,7 @@ def route(logits: torch.Tensor, k: int, gating: str, norm: bool = False, scale: 
                         KP=triton.next_power_of_2(k), NORM=norm, HAS_SB=sel_bias is not None,
                         BLOCK_E=triton.next_power_of_2(e), NG=ng if ng > 1 else 1,
                         NGP=triton.next_power_of_2(max(ng, 1)), NGU=ngu if ng > 1 else 1,
-                        KEYS=ROUTE_KEYS, num_warps=1,
-                        **pdl.opts(weights, use_pdl))
+                        num_warps=1, **pdl.opts(weights, use_pdl))
     return ids, weights
 
 

@@ -128,13 +128,6 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
        for part, cfg in BLOCK_TILES.items()},
 }
 
-# on trial (``CARVE_TRIAL=layout_tiles``): the int8-x Q4_K expert GEMVs load their blocks'
-# headers as [R, B, 4] tiles, in the layout of x's scales (gemv_q8._q4k_block TILES), so that
-# their loops convert less between layouts. sm_90 code, a step of the loop: gate/up 4 layout
-# conversions against 16 (40 barriers in the kernel against 16, 56 shared-memory loads against
-# 8), down 2 against 8 (31 barriers against 11)
-LAYOUT_TILES = False
-
 # the int8-x bodies on trial that decode's experts take (gemv_q8.Q8_TRIAL_TYPES; set by
 # RunnerOptions.apply for the trials CARVE_TRIAL names)
 Q8_ON_TRIAL: frozenset[int] = frozenset()
@@ -180,14 +173,13 @@ def _expert_glu_q8_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, 
                           QOUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
                           ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
                           LATE: tl.constexpr = False, L0: tl.constexpr = 0,
-                          L1: tl.constexpr = 0, L2: tl.constexpr = 0, L3: tl.constexpr = 0,
-                          TILES: tl.constexpr = False):
+                          L1: tl.constexpr = 0, L2: tl.constexpr = 0, L3: tl.constexpr = 0):
     trace.wait(trace_ptr, PDL, TRACE, LATE)
     # one row of x: slot j (program axis 1) is its j-th expert
     _glu_q8_tile(tl.program_id(0), tl.program_id(1), g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr,
                  ui_ptr, gb_ptr, ub_ptr, xq_ptr, xd_ptr, xs_ptr, ids_ptr, h_ptr, oq_ptr, od_ptr,
                  os_ptr, N, NB, g_rb, u_rb, limit, trace_ptr, TG, TU, HAS_BIAS, ACT, QOUT,
-                 BLOCK_R, BLOCK_B, ASM, TRACE, L0, L1, L2, L3, TILES)
+                 BLOCK_R, BLOCK_B, ASM, TRACE, L0, L1, L2, L3)
     if LATE:
         pdl.release(PDL)
     trace.stamp(trace_ptr, 3, TRACE)
@@ -199,8 +191,7 @@ def _glu_q8_tile(pid, slot, g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr
                  trace_ptr, TG: tl.constexpr, TU: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ACT: tl.constexpr, QOUT: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_B: tl.constexpr, ASM: tl.constexpr, TRACE: tl.constexpr,
-                 L0: tl.constexpr, L1: tl.constexpr, L2: tl.constexpr, L3: tl.constexpr,
-                 TILES: tl.constexpr):
+                 L0: tl.constexpr, L1: tl.constexpr, L2: tl.constexpr, L3: tl.constexpr):
     # row tile ``pid`` of the ``slot``-th chosen expert's gate and up, the activation, and its
     # int8 copy (QOUT); the main loop's end stamped (carve_kernels/trace.py)
     eid = tl.load(ids_ptr + slot)
@@ -209,12 +200,12 @@ def _glu_q8_tile(pid, slot, g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr
     rows_c = eid * N + tl.minimum(rows, N - 1)
     if TG == 12 and TU == 12:  # gate and up words in one step, x's words loaded once
         g, u = q4k_q8_rows_dot(gi_ptr, ui_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, NB, g_rb,
-                               BLOCK_R, BLOCK_B, True, ASM, TILES)
+                               BLOCK_R, BLOCK_B, True, ASM)
     else:
         g = q8_rows_dot(g_ptr, gh_ptr, gi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, NB, g_rb, TG,
-                        BLOCK_R, BLOCK_B, ASM, L0, L1, L2, L3, TILES)
+                        BLOCK_R, BLOCK_B, ASM, L0, L1, L2, L3)
         u = q8_rows_dot(u_ptr, uh_ptr, ui_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, NB, u_rb, TU,
-                        BLOCK_R, BLOCK_B, ASM, L0, L1, L2, L3, TILES)
+                        BLOCK_R, BLOCK_B, ASM, L0, L1, L2, L3)
     if HAS_BIAS:
         g += tl.load(gb_ptr + rows_c).to(tl.float32)
         u += tl.load(ub_ptr + rows_c).to(tl.float32)
@@ -261,7 +252,6 @@ def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type:
         TG=gate_type, TU=up_type, HAS_BIAS=bias, ACT=_ACTS[act], QOUT=out_q is not None,
         BLOCK_R=br, BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[gate_type])),
         ASM=gate.is_cuda, num_warps=warps, LATE=late and pdl.enabled(out, use_pdl),
-        TILES=LAYOUT_TILES and qt.Q4_K in (gate_type, up_type),
         **_lut(gate_type, up_type), **pdl.opts(out, use_pdl))
     return out
 
@@ -362,8 +352,7 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
                            ACCUM: tl.constexpr, TYPE: tl.constexpr, QK: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr,
                            PDL: tl.constexpr, TRACE: tl.constexpr, L0: tl.constexpr = 0,
-                           L1: tl.constexpr = 0, L2: tl.constexpr = 0, L3: tl.constexpr = 0,
-                           TILES: tl.constexpr = False):
+                           L1: tl.constexpr = 0, L2: tl.constexpr = 0, L3: tl.constexpr = 0):
     # one expert per program: its rows (+ bias), unweighted, into y's routed row; COMBINE: the
     # row tile's last expert program to finish adds the k rows in order with their weights
     # onto out (the same sum as ``combine``, whatever order the programs ran in)
@@ -371,7 +360,7 @@ def _expert_down_q8_kernel(w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_ptr,
     _down_q8_tile(tl.program_id(0), tl.program_id(1), w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr,
                   hd_ptr, hs_ptr, ids_ptr, y_ptr, rw_ptr, out_ptr, cnt_ptr, N, K, row_bytes,
                   stride_ym, trace_ptr, KU, HAS_BIAS, COMBINE, ACCUM, TYPE, QK, BLOCK_R, BLOCK_B,
-                  ASM, TRACE, L0, L1, L2, L3, TILES)
+                  ASM, TRACE, L0, L1, L2, L3)
     trace.stamp(trace_ptr, 3, TRACE)
 
 
@@ -382,7 +371,7 @@ def _down_q8_tile(pid, slot, w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_pt
                   ACCUM: tl.constexpr, TYPE: tl.constexpr, QK: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, ASM: tl.constexpr,
                   TRACE: tl.constexpr, L0: tl.constexpr, L1: tl.constexpr, L2: tl.constexpr,
-                  L3: tl.constexpr, TILES: tl.constexpr):
+                  L3: tl.constexpr):
     # row tile ``pid`` of the ``slot``-th chosen expert's down rows, and (COMBINE) the tile's
     # sum over the k experts by the last of its programs; the main loop's end stamped
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -390,7 +379,7 @@ def _down_q8_tile(pid, slot, w_ptr, wh_ptr, wi_ptr, b_ptr, hq_ptr, hd_ptr, hs_pt
     rows_c = tl.load(ids_ptr + slot) * N + tl.minimum(rows, N - 1)
     g = slot * (K // 32)
     y = q8_rows_dot(w_ptr, wh_ptr, wi_ptr, hq_ptr + slot * (K // 4), hd_ptr + g, hs_ptr + g,
-                    rows_c, K // QK, row_bytes, TYPE, BLOCK_R, BLOCK_B, ASM, L0, L1, L2, L3, TILES)
+                    rows_c, K // QK, row_bytes, TYPE, BLOCK_R, BLOCK_B, ASM, L0, L1, L2, L3)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows_c).to(tl.float32)
     trace.stamp(trace_ptr, 2, TRACE)
@@ -439,8 +428,7 @@ def expert_down_q8(down: torch.Tensor, ggml_type: int, n_expert: int, hq, ids: t
         HAS_BIAS=bias is not None, COMBINE=fused, ACCUM=accumulate, TYPE=ggml_type,
         QK=Q8_BLOCK[ggml_type], BLOCK_R=br,
         BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[ggml_type])), ASM=down.is_cuda,
-        num_warps=warps, TILES=LAYOUT_TILES and ggml_type == qt.Q4_K, **_lut(ggml_type),
-        **pdl.opts(rows_out, use_pdl))
+        num_warps=warps, **_lut(ggml_type), **pdl.opts(rows_out, use_pdl))
     if not fused:
         combine(rows_out, None, weights, out, accumulate)
     return out

@@ -17,23 +17,16 @@ def row_warps(block: int) -> int:
     return 16 if block >= 4096 else 8 if block >= 2048 else 4
 
 
-# on trial (CARVE_TRIAL=early_weights): the norm lets the next kernel become resident before
-# its own wait, so that a T GEMV after it (carve_kernels/gemv_t.py PREFETCH) pulls its weights
-# into L2 while the kernel before the norm finishes
-EARLY_RELEASE = False
-
-
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, H, eps, stride_x,
                     stride_r, stride_y, trace_ptr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                    Q8: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
-                    EARLY: tl.constexpr = False):
+                    Q8: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < H
     # the norm's weights are no kernel's output: read them while the one before finishes
     w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
-    trace.wait(trace_ptr, PDL, TRACE, EARLY=EARLY)
+    trace.wait(trace_ptr, PDL, TRACE)
     h = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         h += tl.load(res_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
@@ -74,8 +67,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                    HAS_RES=residual is not None,
                                    BLOCK=block, Q8=q8 is not None,
                                    num_warps=row_warps(block),
-                                   **pdl.opts(y, use_pdl),
-                                   **({"EARLY": True} if EARLY_RELEASE else {}))
+                                   **pdl.opts(y, use_pdl))
     return y.view(x.shape) if out is None else out
 
 

@@ -75,9 +75,6 @@ MAGIC_TYPES = frozenset({qt.Q6_K})
 # types with a storage-order body in carve_kernels/gemv_dot.py, and the byte alignment of the
 # weight's start (and of its rows) that the body's 16-byte loads assume
 SPECIAL_ALIGN = {qt.Q4_K: 16}
-# on trial (``CARVE_TRIAL=layout_tiles``): the single GEMV's Q4_K storage-order body loads x as
-# full tiles in the weights' layout (gemv_dot._q4k_dot XT)
-X_TILES = False
 # types with a row body of their own (row_dot with SPECIAL, on float32, 16-bit or decode's
 # int8 x): the grid IQ types (carve_kernels/gemv_iq.py, a group of 32 values per lane, reading their
 # table, 8-byte aligned, a row per word), IQ4_XS (carve_kernels/gemv_lowbit.py; on an H200 1.9x the
@@ -133,7 +130,7 @@ def _dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE: tl.constexpr,
          BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, LANE_SUM: tl.constexpr,
          SPECIAL: tl.constexpr, MAGIC: tl.constexpr, xd_ptr, Q8X: tl.constexpr,
          ASM: tl.constexpr, LUT0: tl.constexpr = 0, LUT1: tl.constexpr = 0,
-         LUT2: tl.constexpr = 0, LUT3: tl.constexpr = 0, XT: tl.constexpr = False):
+         LUT2: tl.constexpr = 0, LUT3: tl.constexpr = 0):
     # row_dot, and the bodies that read decode's int8 x alone (INT8_BODY_TYPES); LUT0..LUT3:
     # IQ4_NL's table (gemv_q8_blocks.lut_words)
     if SPECIAL and Q8X and TYPE == 6:  # Q5_0: a thread per 22-byte block
@@ -150,7 +147,7 @@ def _dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE: tl.constexpr,
                             BLOCK_R, BLOCK_B, ASM)
     else:
         y = row_dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
-                    BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, ASM, XT)
+                    BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, ASM)
     return y
 
 
@@ -162,7 +159,7 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, N, 
                  MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr, Q8X: tl.constexpr,
                  ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr = False,
                  LUT0: tl.constexpr = 0, LUT1: tl.constexpr = 0, LUT2: tl.constexpr = 0,
-                 LUT3: tl.constexpr = 0, XT: tl.constexpr = False):
+                 LUT3: tl.constexpr = 0):
     trace.wait(trace_ptr, PDL, TRACE)
     # rows on axis 0: a 152064-row output matrix in 2-row programs passes the 65535 limit of
     # grid axes 1 and 2
@@ -174,7 +171,7 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, N, 
     xrow = xq_ptr if Q8X else x_ptr + m.to(tl.int64) * stride_xm
     y = _dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE, BS, TS, NPART, L,
              BLOCK_R, BLOCK_B, LANE_SUM, SPECIAL, MAGIC, xd_ptr, Q8X, ASM, LUT0, LUT1, LUT2,
-             LUT3, XT)
+             LUT3)
     trace.stamp(trace_ptr, 2, TRACE)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
@@ -398,9 +395,8 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     grid = (triton.cdiv(n, meta["BLOCK_R"]), m)
     _gemv_kernel[grid](*ptrs, x2, q, d, y, bias if bias is not None else y, n, k, w.shape[1],
                        x2.stride(0), y.stride(0), **trace.args("gemv", grid, y),
-                       HAS_BIAS=bias is not None, Q8X=use, ASM=w.is_cuda,
-                       XT=X_TILES and meta["SPECIAL"] and ggml_type == qt.Q4_K, **meta,
-                       **_opts(warps, stages), **pdl.opts(y, use_pdl))
+                       HAS_BIAS=bias is not None, Q8X=use,
+                       ASM=w.is_cuda, **meta, **_opts(warps, stages), **pdl.opts(y, use_pdl))
     return y.view(*x.shape[:-1], n) if out is None else out
 
 

@@ -124,16 +124,12 @@ def stamp(trace_ptr, AT: tl.constexpr, TRACE: tl.constexpr):
 
 
 @triton.jit
-def wait(trace_ptr, PDL: tl.constexpr, TRACE: tl.constexpr, LATE: tl.constexpr = False,
-         EARLY: tl.constexpr = False):
+def wait(trace_ptr, PDL: tl.constexpr, TRACE: tl.constexpr, LATE: tl.constexpr = False):
     # a kernel's start: stamp START, wait for the kernel before (carve_kernels/pdl.py), stamp
     # WAITED (where PDL is off, the two stamps are one moment). LATE: the kernel releases the
-    # next one itself later (pdl.release), not here; EARLY: it releases it before the wait
+    # next one itself later (pdl.release), not here
     stamp(trace_ptr, 0, TRACE)
     if LATE:
-        pdl.wait(PDL)
-    elif EARLY:
-        pdl.release(PDL)
         pdl.wait(PDL)
     else:
         pdl.start(PDL)

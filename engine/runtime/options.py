@@ -26,14 +26,9 @@ TRIALS = {
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
-    "route_keys": "decode's top-k experts in rounds of one int64 max of (score, id) keys "
-                  "(carve_kernels/moe.py ROUTE_KEYS)",
-    "layout_tiles": "decode's int8-x Q4_K experts loading their block headers in the layout "
-                    "of x's scales, and the Q4_K GEMV in GGUF order loading x as full tiles "
-                    "(carve_kernels/moe_decode.py LAYOUT_TILES, quant_matmul.py X_TILES)",
-    "early_weights": "decode's one-row norm letting the next kernel become resident before its "
-                     "wait, and the T GEMVs pulling their weights into L2 before theirs "
-                     "(carve_kernels/norm.py EARLY_RELEASE, gemv_t.py PREFETCH)",
+    "early_kv": "decode attention's split programs reading their first block of cached keys "
+                "and values before the PDL wait, the newest cell after it "
+                "(carve_kernels/attention.py EARLY_KV)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -130,18 +125,10 @@ class RunnerOptions:
                        if name in self.trials for t in types}
             if experts:
                 moe_decode.Q8_ON_TRIAL = frozenset(experts)
-        if "route_keys" in self.trials:
-            from carve_kernels import moe
+        if "early_kv" in self.trials:
+            from carve_kernels import attention
 
-            moe.ROUTE_KEYS = True
-        if "layout_tiles" in self.trials:
-            from carve_kernels import moe_decode, quant_matmul
-
-            moe_decode.LAYOUT_TILES = quant_matmul.X_TILES = True
-        if "early_weights" in self.trials:
-            from carve_kernels import gemv_t, norm
-
-            gemv_t.PREFETCH = norm.EARLY_RELEASE = True
+            attention.EARLY_KV = True
         if self.expert_tiles:
             from carve_kernels import moe_decode
 

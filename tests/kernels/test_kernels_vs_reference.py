@@ -74,23 +74,6 @@ def test_gemv_storage_order_bodies(ggml_type, xdtype, seed):
     assert nerr(out, ref, gemv_scale(w, ggml_type, x)) < 1e-5
 
 
-@pytest.mark.parametrize("tiles", [False, True], ids=["x broadcast", "x tiles"])
-def test_q4k_storage_order_body_with_x_as_full_tiles(tiles, seed, monkeypatch):
-    # on trial (layout_tiles, quant_matmul.X_TILES): the Q4_K storage-order body loading x as
-    # [R, B, 4, 32] tiles in the weights' layout gives the reference's products, with several
-    # row tiles, partial steps and two rows of x
-    monkeypatch.setattr(quant_matmul, "X_TILES", tiles)
-    g = generator(seed)
-    rows = int(torch.randint(5, 13, (1,), generator=g, device=DEVICE))
-    cols = 256 * int(torch.randint(3, 7, (1,), generator=g, device=DEVICE))
-    w = random_weight(qt.Q4_K, rows, cols, DEVICE, g)
-    x = torch.randn(2, cols, generator=g, device=DEVICE).to(torch.bfloat16)
-    out = poison((2, rows))
-    quant_matmul.gemv(w, qt.Q4_K, x, out=out, config=(4, 2, 4))
-    ref = quant_matmul.gemv_ref(w, qt.Q4_K, x.float())
-    assert nerr(out, ref, gemv_scale(w, qt.Q4_K, x)) < 1e-5
-
-
 @pytest.mark.parametrize("table", ["wide", "long"])
 def test_gemv_shape_tiles_match_reference(table, seed):
     # the tiles picked for many-row and long-row matrices, run at small shapes
@@ -458,6 +441,38 @@ def test_attn_decode_matches_reference(kv_type, pos, cells, window, fused, seed)
     assert nerr(out, ref) < 5e-3  # f16 operands of the two products
     if fused:  # left at zero for the next layer
         assert not counter.any()
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("pos,cells,window", [(37, 64, 0), (100, 64, 0), (90, 24, 24),
+                                              (700, 256, 100), (63, 64, 0), (64, 64, 0)])
+@pytest.mark.parametrize("splits", [None, 2], ids=["splits-of-a-block", "splits-of-blocks"])
+def test_attn_decode_early_kv_gives_the_same_bits(kv_type, pos, cells, window, splits, seed,
+                                                  monkeypatch):
+    # on trial (early_kv): each split's first block of cached keys and values read before the
+    # PDL wait but the newest cell (ring wraps and windows included): the same outputs, bit
+    # for bit, as the block read after it
+    g = generator(seed)
+    nh, kvh, d = 8, 2, 32
+    k = _filled_cache(kv_type, cells, kvh, d, g)
+    v = _filled_cache(kv_type, cells, kvh, d, g)
+    q = torch.randn(nh, d, generator=g, device=DEVICE)
+    positions = torch.tensor([pos], dtype=torch.int32, device=DEVICE)
+    outs = []
+    for early in (False, True):
+        monkeypatch.setattr(attention, "EARLY_KV", early)
+        out = poison((nh, d))
+        counter = torch.zeros(kvh, 64, dtype=torch.int32, device=DEVICE)
+        # two splits a head: each split several blocks long past 128 cells
+        ws = None if splits is None else (torch.empty(nh, splits, d, device=DEVICE),
+                                           torch.empty(nh, splits, device=DEVICE))
+        attention.attn_decode(q, k, v, positions, kvh, cells, window, d**-0.5, out=out,
+                              counter=counter, workspace=ws)
+        assert not counter.any()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = attention.attn_decode_ref(q, k, v, positions, kvh, cells, window, d**-0.5)
+    assert nerr(outs[1], ref) < 5e-3
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])

@@ -93,9 +93,7 @@ def test_norm_router_is_the_norm_then_the_router(dtype, seed):
 
 @pytest.mark.parametrize("gating", ["softmax", "softmax_topk", "sigmoid"])
 @pytest.mark.parametrize("e,k", [(12, 3), (72, 8)])
-@pytest.mark.parametrize("keys", [False, True], ids=["rounds", "keys"])
-def test_route_matches_reference(gating, e, k, seed, keys, monkeypatch):
-    monkeypatch.setattr(moe, "ROUTE_KEYS", keys)
+def test_route_matches_reference(gating, e, k, seed):
     g = generator(seed)
     m = 5
     logits = torch.randn(m, e, generator=g, device=DEVICE) * 3
@@ -113,9 +111,7 @@ def test_route_matches_reference(gating, e, k, seed, keys, monkeypatch):
         assert nerr(wts, plain) < 1e-6
 
 
-@pytest.mark.parametrize("keys", [False, True], ids=["rounds", "keys"])
-def test_softmax_route_selects_by_its_bias(seed, keys, monkeypatch):
-    monkeypatch.setattr(moe, "ROUTE_KEYS", keys)
+def test_softmax_route_selects_by_its_bias(seed):
     # ERNIE-4.5: the top k of softmax + selection bias, weighed by the plain softmax values
     # (normalised); the bias moves the choice on some rows and never a weight's value
     g = generator(seed)
@@ -136,9 +132,7 @@ def test_softmax_route_selects_by_its_bias(seed, keys, monkeypatch):
     assert not torch.equal(plain, ids)
 
 
-@pytest.mark.parametrize("keys", [False, True], ids=["rounds", "keys"])
-def test_route_ties_pick_the_lower_id(keys, monkeypatch):
-    monkeypatch.setattr(moe, "ROUTE_KEYS", keys)
+def test_route_ties_pick_the_lower_id():
     logits = torch.zeros(1, 8, device=DEVICE)
     logits[0, [2, 5, 6]] = 1.0
     ids, w = moe.route(logits, 2, "softmax", norm=True)
@@ -319,13 +313,10 @@ def test_prefill_grouped_path_runs_experts_of_several_tiles(seed):
 
 @pytest.mark.parametrize("gating,e,ng,ngu,k", [("sigmoid", 64, 8, 3, 6), ("softmax", 48, 6, 2, 4),
                                                ("sigmoid", 32, 4, 1, 8)])
-@pytest.mark.parametrize("keys", [False, True], ids=["rounds", "keys"])
-def test_route_limited_to_groups_matches_reference(gating, e, ng, ngu, k, seed, keys,
-                                                    monkeypatch):
+def test_route_limited_to_groups_matches_reference(gating, e, ng, ngu, k, seed):
     """DeepSeek-V3's group-limited routing: each row chooses only among the experts of its ngu
     groups whose two best selection scores (after the bias) sum highest; the torch engine's
     rule (engine/runtime/models/ops.py) gives the same ids."""
-    monkeypatch.setattr(moe, "ROUTE_KEYS", keys)
     from engine.runtime.models import ops
 
     g = generator(seed)

@@ -75,50 +75,6 @@ def test_expert_int8_bodies_assemble_to_dp4a_machine_code(ggml_type, part, ops):
     assert got["per_value"] < 6, got
 
 
-def test_layout_tiles_convert_less_in_the_q4k_loops():
-    # on trial (layout_tiles): Q4_K's block headers loaded in the layout of x's scales leave
-    # the experts' gate/up and down loops fewer layout conversions, and x as full tiles the
-    # GGUF-order GEMV's (sm_90 codegen, not a timing)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json\nfrom benchmarks import ptx_count as p\nfrom spec import quant_types as qt\n"
-            "from carve_kernels import moe_decode as md\n"
-            "print(json.dumps({f'{part} {t}': p.loop_conversions(p.compile_expert(qt.Q4_K, part, "
-            "md.EXPERT_Q8_CONFIG[(qt.Q4_K, part)], tiles=t).asm['ttgir']) "
-            "for part in ('glu', 'down') for t in (False, True)}\n"
-            "| {f'gemv {t}': p.loop_conversions(p.compile_gemv(qt.Q4_K, (4, 16, 4), tiles=t)"
-            ".asm['ttgir']) for t in (False, True)}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    for part in ("glu", "down", "gemv"):
-        assert got[f"{part} True"] < got[f"{part} False"], got
-
-
-def test_early_weights_prefetch_before_the_pdl_wait():
-    # on trial (early_weights): a T GEMV's L2 prefetches of its weights are issued before its
-    # PDL wait (ACQBULK), where the kernel before may still run; without the trial there are
-    # none (sm_90 codegen: the compiler must not sink them past the wait)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json\nfrom benchmarks import ptx_count as p\n"
-            "from spec import quant_types as qt\n"
-            "ops = {}\n"
-            "for t in ('Q4_K', 'Q6_K'):\n"
-            "    for on in (False, True):\n"
-            "        text = p.sass(p.compile_t(getattr(qt, t), 128, 4, 'int8', prefetch=on)"
-            ".asm['cubin'])\n"
-            "        ops[f'{t} {on}'] = [w for w in text.split() if w in ('ACQBULK', 'CCTL.E.PF2')]\n"
-            "print(json.dumps(ops))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    for t in ("Q4_K", "Q6_K"):
-        assert got[f"{t} False"] == [], got  # no PDL, no prefetch
-        on = got[f"{t} True"]
-        assert on.count("ACQBULK") == 1 and on[-1] == "ACQBULK" and len(on) > 1, on
-
-
 def test_rope_store_with_the_q_k_norms_compiles():
     # the norms inside decode's RoPE + cache-store launch (qwen3's q/k norms): a square root
     # and the head sums' shuffles that the plain launch does not have
