@@ -138,6 +138,30 @@ def _expert_views(t: int) -> tuple[str, str, str]:
     return "*u8", "*u8" if t == qt.MXFP4 else "*fp16", "*i32" if t == qt.Q4_K else "*u8"
 
 
+def compile_attention(q8: bool = False, pdl: bool = True):
+    """The compiled decode attention (carve_kernels/attention.py ``_decode_partial_kernel``),
+    head_dim 128 in GQA groups of 4, the last split merging, launched with PDL (``pdl``) on an
+    f16 or q8_0 (``q8``) cache."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from carve_kernels import attention
+
+    fn = attention._decode_partial_kernel
+    types = {"q_ptr": "*bf16", "c_k": "*fp16", "c8_k": "*i8", "ch_k": "*fp16", "c_v": "*fp16",
+             "c8_v": "*i8", "ch_v": "*fp16", "pos_ptr": "*i32", "po_ptr": "*fp32",
+             "pml_ptr": "*fp32", "cnt_ptr": "*i32", "o_ptr": "*bf16", "sink_ptr": "*fp32",
+             "trace_ptr": "*i64", "scale": "fp32"}
+    const = {"G": 4, "GP": 16, "D": 128, "SPLIT": 64, "BLOCK_N": 64, "Q8": q8, "FUSED": True,
+             "NSP": 64, "MERGE": 4, "SINK": False, "PDL": pdl, "TRACE": False}
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+               if types.get(n, "").startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=aligned)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
 def _compile_sm90(fn, sig: dict, const: dict, warps: int):
     """``fn`` compiled for sm_90 with these argument types and constexprs, every pointer
     16-byte aligned (as the engine's tensors are)."""

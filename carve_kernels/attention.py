@@ -48,58 +48,50 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr,
                            FUSED: tl.constexpr, NSP: tl.constexpr, MERGE: tl.constexpr,
-                           SINK: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
-                           EARLY_KV: tl.constexpr = False):
-    if EARLY_KV:
-        # on trial (CARVE_TRIAL=early_kv): the split's first block of cached keys and values
-        # read before the PDL wait. The position was advanced by the step before (its kernel
-        # long finished) and no cell but the newest one is written this step (by the q/k/v
-        # launch before this one), so only the newest cell is read after the wait
-        pos0 = tl.load(pos_ptr).to(tl.int32)
-        s0 = tl.program_id(1)
-        c0 = s0 * SPLIT + tl.arange(0, BLOCK_N)
-        cm0 = c0 < tl.minimum(s0 * SPLIT + SPLIT, tl.minimum(pos0 + 1, cells))
-        newest = c0 == pos0 % cells
-        k0 = _load_kv(c_k, c8_k, ch_k, c0, tl.program_id(0), KVH, tl.arange(0, D),
-                      cm0 & ~newest, D, Q8)
-        v0 = _load_kv(c_v, c8_v, ch_v, c0, tl.program_id(0), KVH, tl.arange(0, D),
-                      cm0 & ~newest, D, Q8)
-    trace.wait(trace_ptr, PDL, TRACE)
+                           SINK: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+    # the split's first block of cached keys and values is read before the PDL wait: the
+    # position was advanced by the step before (its kernel long finished) and no cell but the
+    # newest one is written this step (by the q/k/v launch before this one), so only the
+    # newest cell is read after the wait (H100, tg128, 2026-12-05: Qwen2-7B 413.3 / 413.0
+    # against 411.2 / 411.0 t/s, Qwen3-30B-A3B 424.3 / 424.4 against 420.3 / 420.8)
     kvh = tl.program_id(0)
     s = tl.program_id(1)
+    dd = tl.arange(0, D)
     pos = tl.load(pos_ptr).to(tl.int32)
     n_pos = pos + 1
     n_valid = tl.minimum(n_pos, cells)
     start = s * SPLIT
     end = tl.minimum(start + SPLIT, n_valid)
+    c0 = start + tl.arange(0, BLOCK_N)
+    cm0 = c0 < end
+    newest = c0 == pos % cells
+    k0 = _load_kv(c_k, c8_k, ch_k, c0, kvh, KVH, dd, cm0 & ~newest, D, Q8)
+    v0 = _load_kv(c_v, c8_v, ch_v, c0, kvh, KVH, dd, cm0 & ~newest, D, Q8)
+    trace.wait(trace_ptr, PDL, TRACE)
     gi = tl.arange(0, GP)
     gmask = gi < G
-    dd = tl.arange(0, D)
     heads = kvh * G + gi
     q = tl.load(q_ptr + heads[:, None] * stride_qh + dd[None, :], mask=gmask[:, None], other=0.0)
     q = (q.to(tl.float32) * scale).to(tl.float16)
     m_i = tl.full([GP], _NEG, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    lo = start
-    if EARLY_KV:
-        # the first block from what was read before the wait, its newest cell read now (an
-        # inactive split's block is all masked: it leaves m, l and acc as they are)
-        new = cm0 & newest
-        k0 = tl.where(new[:, None], _load_kv(c_k, c8_k, ch_k, c0, kvh, KVH, dd, new, D, Q8), k0)
-        v0 = tl.where(new[:, None], _load_kv(c_v, c8_v, ch_v, c0, kvh, KVH, dd, new, D, Q8), v0)
-        sc0 = tl.dot(q, tl.trans(k0))
-        p0 = tl.where(n_pos <= cells, c0, pos - ((pos - c0) % cells))
-        ok0 = cm0 & ((window <= 0) | (pos - p0 < window))
-        sc0 = tl.where(ok0[None, :], sc0, float("-inf"))
-        m0 = tl.maximum(m_i, tl.max(sc0, axis=1))
-        alpha0 = tl.exp(m_i - m0)
-        pr0 = tl.exp(sc0 - m0[:, None])
-        l_i = l_i * alpha0 + tl.sum(pr0, axis=1)
-        acc = acc * alpha0[:, None] + tl.dot(pr0.to(tl.float16), v0)
-        m_i = m0
-        lo = start + BLOCK_N
-    for n0 in range(lo, end, BLOCK_N):
+    # the first block from what was read before the wait, its newest cell read now (an
+    # inactive split's block is all masked: it leaves m, l and acc as they are)
+    new = cm0 & newest
+    k0 = tl.where(new[:, None], _load_kv(c_k, c8_k, ch_k, c0, kvh, KVH, dd, new, D, Q8), k0)
+    v0 = tl.where(new[:, None], _load_kv(c_v, c8_v, ch_v, c0, kvh, KVH, dd, new, D, Q8), v0)
+    sc0 = tl.dot(q, tl.trans(k0))
+    p0 = tl.where(n_pos <= cells, c0, pos - ((pos - c0) % cells))
+    ok0 = cm0 & ((window <= 0) | (pos - p0 < window))
+    sc0 = tl.where(ok0[None, :], sc0, float("-inf"))
+    m0 = tl.maximum(m_i, tl.max(sc0, axis=1))
+    alpha0 = tl.exp(m_i - m0)
+    pr0 = tl.exp(sc0 - m0[:, None])
+    l_i = l_i * alpha0 + tl.sum(pr0, axis=1)
+    acc = acc * alpha0[:, None] + tl.dot(pr0.to(tl.float16), v0)
+    m_i = m0
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
         c = n0 + tl.arange(0, BLOCK_N)
         cm = c < end
         k = _load_kv(c_k, c8_k, ch_k, c, kvh, KVH, dd, cm, D, Q8)
@@ -179,11 +171,6 @@ def _decode_reduce_kernel(po_ptr, pml_ptr, o_ptr, sink_ptr, NS, stride_oh, D: tl
     tl.store(o_ptr + h * stride_oh + dd, out.to(o_ptr.dtype.element_ty))
 
 
-# on trial (CARVE_TRIAL=early_kv): decode's split programs read their first block of cached
-# keys and values before the PDL wait, the newest cell after it
-EARLY_KV = False
-
-
 def _views(cache: torch.Tensor):
     if cache.dtype == torch.uint8:
         return cache, cache.view(torch.int8), cache.view(torch.float16), True
@@ -238,7 +225,7 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         **trace.args("attention_decode", (n_kv_heads, ns), out), G=g, GP=gp, D=d,
         SPLIT=split, BLOCK_N=64, Q8=q8, FUSED=fused, NSP=triton.next_power_of_2(ns),
         MERGE=max(1, 8192 // (gp * d)), SINK=sinks is not None, num_warps=4,
-        **pdl.opts(out, use_pdl), **({"EARLY_KV": True} if EARLY_KV else {}))
+        **pdl.opts(out, use_pdl))
     if not fused:
         _decode_reduce_kernel[(nh,)](po, pml, out, sinks if sinks is not None else pml, ns,
                                      out.stride(0), D=d, NSP=triton.next_power_of_2(ns),

@@ -26,9 +26,6 @@ TRIALS = {
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
-    "early_kv": "decode attention's split programs reading their first block of cached keys "
-                "and values before the PDL wait, the newest cell after it "
-                "(carve_kernels/attention.py EARLY_KV)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -125,10 +122,6 @@ class RunnerOptions:
                        if name in self.trials for t in types}
             if experts:
                 moe_decode.Q8_ON_TRIAL = frozenset(experts)
-        if "early_kv" in self.trials:
-            from carve_kernels import attention
-
-            attention.EARLY_KV = True
         if self.expert_tiles:
             from carve_kernels import moe_decode
 

@@ -75,6 +75,27 @@ def test_expert_int8_bodies_assemble_to_dp4a_machine_code(ggml_type, part, ops):
     assert got["per_value"] < 6, got
 
 
+def test_decode_attention_reads_its_cached_block_before_the_pdl_wait():
+    # each split's first block of cached keys and values (all but the newest cell, which the
+    # q/k/v launch before writes) is loaded before the PDL wait (ACQBULK), on f16 and q8_0
+    # caches (sm_90 codegen: the compiler must not sink the loads past the wait)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json\nfrom benchmarks import ptx_count as p\n"
+            "ops = {}\n"
+            "for q8 in (False, True):\n"
+            "    text = p.sass(p.compile_attention(q8).asm['cubin'])\n"
+            "    ops[str(q8)] = [w.split('.')[0] for w in text.split()\n"
+            "                    if w == 'ACQBULK' or w.startswith('LDG')]\n"
+            "print(json.dumps(ops))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for q8, ops in json.loads(out.stdout.strip().splitlines()[-1]).items():
+        assert ops.count("ACQBULK") == 1, (q8, ops)
+        # the position, then the two [64, 128] tiles' loads (16-byte vectors on f16)
+        assert ops.index("ACQBULK") >= 9, (q8, ops)
+
+
 def test_rope_store_with_the_q_k_norms_compiles():
     # the norms inside decode's RoPE + cache-store launch (qwen3's q/k norms): a square root
     # and the head sums' shuffles that the plain launch does not have
