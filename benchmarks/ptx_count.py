@@ -39,12 +39,11 @@ _SKIP = ("//", ".", "{", "}", "$", ")", "ret")
 
 
 def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
-                 body: str | None = None, l2_rows: bool = False):
+                 body: str | None = None):
     """The compiled decode GEMV (``.asm["ptx"]``, ``.asm["cubin"]``) of ``ggml_type`` at tile
     ``config`` on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy) with the row body
     (``body="row"``), the generic walk (``"generic"``) or whatever the type runs today
-    (None); ``l2_rows``: launched with PDL, its rows pulled into L2 before the wait
-    (quant_matmul.L2_ROWS, on trial)."""
+    (None)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -66,9 +65,8 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
     const = {"TYPE": ggml_type, "BS": p.block, "TS": p.nbytes, "NPART": p.parts, "L": p.lanes,
              "BLOCK_R": rows, "BLOCK_B": blocks, "LANE_SUM": ggml_type in qm.LANE_SUM_TYPES,
              "SPECIAL": special, "MAGIC": ggml_type in qm.MAGIC_TYPES, "HAS_BIAS": False,
-             "Q8X": x == "int8", "ASM": True, "PDL": l2_rows, "TRACE": False,
-             **dict(zip(("LUT0", "LUT1", "LUT2", "LUT3"), lut_words(ggml_type), strict=True)),
-             "L2_ROWS": l2_rows}
+             "Q8X": x == "int8", "ASM": True, "PDL": False, "TRACE": False,
+             **dict(zip(("LUT0", "LUT1", "LUT2", "LUT3"), lut_words(ggml_type), strict=True))}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(7)}  # the pointers
     src = ASTSource(fn=qm._gemv_kernel, signature=sig, constexprs=const, attrs=aligned)

@@ -151,27 +151,6 @@ def _dot(w_ptr, wh_ptr, wi_ptr, xrow, rows_c, K, row_bytes, TYPE: tl.constexpr,
     return y
 
 
-# on trial (CARVE_TRIAL=gemv_l2): decode's GGUF-order GEMV (attn_output at Qwen2-7B and
-# Qwen3-30B-A3B: its programs are resident while attention runs, then wait 3-5 us) pulls its
-# rows into L2 before its PDL wait, so that its loop reads them from L2
-L2_ROWS = False
-
-
-@triton.jit
-def _l2_rows(w_ptr, pid, N, row_bytes, BLOCK_R: tl.constexpr, ON: tl.constexpr):
-    # the program's rows (contiguous in GGUF order) into L2, a 128-byte line an element; no
-    # kernel writes weights, so this may run before the PDL wait
-    if ON:
-        r0 = pid * BLOCK_R
-        n = (tl.minimum(r0 + BLOCK_R, N) - r0).to(tl.int64) * row_bytes
-        base = w_ptr + r0.to(tl.int64) * row_bytes
-        i = tl.arange(0, 128).to(tl.int64) * 128
-        for off in range(0, n, 128 * 128):
-            p = base + tl.minimum(off + i, n - 1)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [p], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, N, K, row_bytes,
                  stride_xm, stride_ym, trace_ptr, TYPE: tl.constexpr, BS: tl.constexpr,
@@ -180,8 +159,7 @@ def _gemv_kernel(w_ptr, wh_ptr, wi_ptr, x_ptr, xq_ptr, xd_ptr, y_ptr, b_ptr, N, 
                  MAGIC: tl.constexpr, HAS_BIAS: tl.constexpr, Q8X: tl.constexpr,
                  ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr = False,
                  LUT0: tl.constexpr = 0, LUT1: tl.constexpr = 0, LUT2: tl.constexpr = 0,
-                 LUT3: tl.constexpr = 0, L2_ROWS: tl.constexpr = False):
-    _l2_rows(w_ptr, tl.program_id(0), N, row_bytes, BLOCK_R, L2_ROWS)
+                 LUT3: tl.constexpr = 0):
     trace.wait(trace_ptr, PDL, TRACE)
     # rows on axis 0: a 152064-row output matrix in 2-row programs passes the 65535 limit of
     # grid axes 1 and 2
@@ -418,8 +396,7 @@ def gemv(w: torch.Tensor, ggml_type: int, x: torch.Tensor, out: torch.Tensor | N
     _gemv_kernel[grid](*ptrs, x2, q, d, y, bias if bias is not None else y, n, k, w.shape[1],
                        x2.stride(0), y.stride(0), **trace.args("gemv", grid, y),
                        HAS_BIAS=bias is not None, Q8X=use,
-                       ASM=w.is_cuda, **meta, **_opts(warps, stages), **pdl.opts(y, use_pdl),
-                       **({"L2_ROWS": True} if L2_ROWS and pdl.enabled(y, use_pdl) else {}))
+                       ASM=w.is_cuda, **meta, **_opts(warps, stages), **pdl.opts(y, use_pdl))
     return y.view(*x.shape[:-1], n) if out is None else out
 
 

@@ -26,8 +26,6 @@ TRIALS = {
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
-    "gemv_l2": "decode's GGUF-order GEMV (attn_output) pulling its rows into L2 before its PDL "
-               "wait (carve_kernels/quant_matmul.py L2_ROWS)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -124,10 +122,6 @@ class RunnerOptions:
                        if name in self.trials for t in types}
             if experts:
                 moe_decode.Q8_ON_TRIAL = frozenset(experts)
-        if "gemv_l2" in self.trials:
-            from carve_kernels import quant_matmul
-
-            quant_matmul.L2_ROWS = True
         if self.expert_tiles:
             from carve_kernels import moe_decode
 
