@@ -41,6 +41,22 @@ def _load_kv(c_ptr, c8_ptr, ch_ptr, cell, kvh, KVH, dd, cmask, D: tl.constexpr, 
         return tl.load(c_ptr + row * D + dd[None, :], mask=m, other=0.0).to(tl.float16)
 
 
+@triton.jit
+def _attend(q, k, v, c, cm, pos, n_pos, cells, window, m_i, l_i, acc):
+    # one block of cells c (cm: in the split) into the running max m_i, sum l_i and acc
+    sc = tl.dot(q, tl.trans(k))  # [GP, BLOCK_N]
+    # position held by cell c: c itself until the ring wraps, else the newest p = c mod cells
+    p = tl.where(n_pos <= cells, c, pos - ((pos - c) % cells))
+    ok = cm & ((window <= 0) | (pos - p < window))
+    sc = tl.where(ok[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    pr = tl.exp(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(pr.to(tl.float16), v)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["cells", "window"])
 def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_ptr, pml_ptr,
                            cnt_ptr, o_ptr, sink_ptr, cells, window, scale, KVH, NS, stride_qh,
@@ -81,32 +97,13 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
     new = cm0 & newest
     k0 = tl.where(new[:, None], _load_kv(c_k, c8_k, ch_k, c0, kvh, KVH, dd, new, D, Q8), k0)
     v0 = tl.where(new[:, None], _load_kv(c_v, c8_v, ch_v, c0, kvh, KVH, dd, new, D, Q8), v0)
-    sc0 = tl.dot(q, tl.trans(k0))
-    p0 = tl.where(n_pos <= cells, c0, pos - ((pos - c0) % cells))
-    ok0 = cm0 & ((window <= 0) | (pos - p0 < window))
-    sc0 = tl.where(ok0[None, :], sc0, float("-inf"))
-    m0 = tl.maximum(m_i, tl.max(sc0, axis=1))
-    alpha0 = tl.exp(m_i - m0)
-    pr0 = tl.exp(sc0 - m0[:, None])
-    l_i = l_i * alpha0 + tl.sum(pr0, axis=1)
-    acc = acc * alpha0[:, None] + tl.dot(pr0.to(tl.float16), v0)
-    m_i = m0
+    m_i, l_i, acc = _attend(q, k0, v0, c0, cm0, pos, n_pos, cells, window, m_i, l_i, acc)
     for n0 in range(start + BLOCK_N, end, BLOCK_N):
         c = n0 + tl.arange(0, BLOCK_N)
         cm = c < end
         k = _load_kv(c_k, c8_k, ch_k, c, kvh, KVH, dd, cm, D, Q8)
-        sc = tl.dot(q, tl.trans(k))  # [GP, BLOCK_N]
-        # position held by cell c: c itself until the ring wraps, else the newest p = c mod cells
-        p = tl.where(n_pos <= cells, c, pos - ((pos - c) % cells))
-        ok = cm & ((window <= 0) | (pos - p < window))
-        sc = tl.where(ok[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        pr = tl.exp(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, axis=1)
         v = _load_kv(c_v, c8_v, ch_v, c, kvh, KVH, dd, cm, D, Q8)
-        acc = acc * alpha[:, None] + tl.dot(pr.to(tl.float16), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend(q, k, v, c, cm, pos, n_pos, cells, window, m_i, l_i, acc)
     # a split past the current length stores o = 0 and lse = -1e30 (weight 0 in the reduce)
     out = (heads.to(tl.int64) * NS + s)
     lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), _NEG)
