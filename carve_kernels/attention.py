@@ -44,17 +44,11 @@ def _load_kv(c_ptr, c8_ptr, ch_ptr, cell, kvh, KVH, dd, cmask, D: tl.constexpr, 
 @triton.jit
 def _attend(q, k, v, c, cm, pos, n_pos, cells, window, m_i, l_i, acc):
     # one block of cells c (cm: in the split) into the running max m_i, sum l_i and acc
-    sc = tl.dot(q, tl.trans(k))  # [GP, BLOCK_N]
+    # (prefill's online-softmax step, ``_online``, on the cells this query sees):
     # position held by cell c: c itself until the ring wraps, else the newest p = c mod cells
     p = tl.where(n_pos <= cells, c, pos - ((pos - c) % cells))
     ok = cm & ((window <= 0) | (pos - p < window))
-    sc = tl.where(ok[None, :], sc, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    pr = tl.exp(sc - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(pr, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(pr.to(tl.float16), v)
-    return m_new, l_i, acc
+    return _online(q, k, v, ok[None, :], m_i, l_i, acc)
 
 
 @triton.jit(do_not_specialize=["cells", "window"])
