@@ -152,27 +152,33 @@ TILE_TYPES = {"Q4_K": qt.Q4_K, "Q6_K": qt.Q6_K, "MXFP4": qt.MXFP4, "Q3_K": qt.Q3
 TILE_PARTS = ("glu", "down")
 
 
-def _expert_tiles(environ: Mapping[str, str]) -> tuple:
-    value = environ.get("CARVE_EXPERT_TILES", "").strip()
-    out = []
-    for entry in (e.strip() for e in value.split(";")):
+def _entries(environ: Mapping[str, str], name: str, count: int):
+    # the ``KEY=N,N,...`` entries of variable ``name`` separated by ``;``: (entry, KEY, its
+    # ``count`` integers, all 0 where they are not that many integers)
+    for entry in (e.strip() for e in environ.get(name, "").split(";")):
         if not entry:
             continue
-        what, _, cfg = entry.partition("=")
-        name, _, part = what.strip().partition("/")
+        key, _, cfg = (v.strip() for v in entry.partition("="))
         try:
-            r, b, w = (int(v) for v in cfg.split(","))
+            nums = tuple(int(v) for v in cfg.split(","))
         except ValueError:
-            r = b = w = 0
-        ok = (name.strip() in TILE_TYPES and part.strip() in TILE_PARTS
+            nums = ()
+        yield entry, key, nums if len(nums) == count else (0,) * count
+
+
+def _expert_tiles(environ: Mapping[str, str]) -> tuple:
+    out = []
+    for entry, what, (r, b, w) in _entries(environ, "CARVE_EXPERT_TILES", 3):
+        name, _, part = (v.strip() for v in what.partition("/"))
+        ok = (name in TILE_TYPES and part in TILE_PARTS
               and all(v > 0 and v & (v - 1) == 0 for v in (r, b, w)) and w <= 16
-              and r >= (32 if part.strip() == "glu" else 16))
+              and r >= (32 if part == "glu" else 16))
         if not ok:
             raise CarveError(
                 f"CARVE_EXPERT_TILES entry {entry!r}: use TYPE/PART=ROWS,BLOCKS,WARPS with TYPE "
                 f"one of {', '.join(TILE_TYPES)}, PART glu or down, powers of two (warps at "
                 "most 16, rows at least 32 for glu and 16 for down)")
-        out.append((TILE_TYPES[name.strip()], part.strip(), (r, b, w)))
+        out.append((TILE_TYPES[name], part, (r, b, w)))
     return tuple(out)
 
 
@@ -180,16 +186,8 @@ T_PARTS = ("qkv", "one", "glu")
 
 
 def _t_tiles(environ: Mapping[str, str]) -> tuple:
-    value = environ.get("CARVE_T_TILES", "").strip()
     out = []
-    for entry in (e.strip() for e in value.split(";")):
-        if not entry:
-            continue
-        part, _, cfg = (v.strip() for v in entry.partition("="))
-        try:
-            w, n = (int(v) for v in cfg.split(","))
-        except ValueError:
-            w = n = 0
+    for entry, part, (w, n) in _entries(environ, "CARVE_T_TILES", 2):
         if (part not in T_PARTS or not 0 < w <= 16 or w & (w - 1)
                 or not 0 < n <= launch.T_CONFIG[2]):
             raise CarveError(
