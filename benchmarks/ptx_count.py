@@ -142,10 +142,6 @@ def compile_attention(q8: bool = False, pdl: bool = True):
     """The compiled decode attention (carve_kernels/attention.py ``_decode_partial_kernel``),
     head_dim 128 in GQA groups of 4, the last split merging, launched with PDL (``pdl``) on an
     f16 or q8_0 (``q8``) cache."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from carve_kernels import attention
 
     fn = attention._decode_partial_kernel
@@ -155,11 +151,8 @@ def compile_attention(q8: bool = False, pdl: bool = True):
              "trace_ptr": "*i64", "scale": "fp32"}
     const = {"G": 4, "GP": 16, "D": 128, "SPLIT": 64, "BLOCK_N": 64, "Q8": q8, "FUSED": True,
              "NSP": 64, "MERGE": 4, "SINK": False, "PDL": pdl, "TRACE": False}
-    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-               if types.get(n, "").startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=aligned)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    sig = {n: types.get(n, "i32") for n in fn.arg_names if n not in const}
+    return _compile_sm90(fn, sig, const, 4)
 
 
 def _compile_sm90(fn, sig: dict, const: dict, warps: int):
@@ -170,8 +163,8 @@ def _compile_sm90(fn, sig: dict, const: dict, warps: int):
     from triton.compiler import ASTSource
 
     sig = {**sig, **{k: "constexpr" for k in const}}
-    n_ptr = sum(v.startswith("*") for v in sig.values())
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(n_ptr)}  # the pointers
+    aligned = {(i,): [["tt.divisibility", 16]]  # the pointers, wherever they stand
+               for i, v in enumerate(sig.values()) if v.startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
