@@ -110,8 +110,9 @@ def add_expert_args(p: argparse.ArgumentParser) -> None:
         choices=HOST_COMPUTE,
         help="where experts in host memory run: gpu (decode gathers the routed ones over "
         "PCIe, prefill copies a layer's whole, into a staging span), cpu (computed in host "
-        "memory, from the CPU's own layouts) or both (the CPU decodes, prefill copies them "
-        "to the GPU; host memory holds both forms)",
+        "memory, from the CPU's own layouts) or both (decode splits each token's experts "
+        "between the CPU and the GPU, the share timed at load; prefill copies them to the "
+        "GPU; host memory holds both forms)",
     )
 
 
@@ -299,18 +300,21 @@ def runner_line(plan: Any, model: Any) -> str:
 # how a placement line says where host experts run (Plan.host_compute)
 HOST_RUN = {"gpu": "read by the GPU over PCIe when routed",
             "cpu": "computed by the CPU, in its own layouts",
-            "both": "computed by the CPU for decode (in its own layouts, beside the file's "
-                    "bytes), copied to the GPU for prefill"}
+            "both": "split for decode between the CPU (in its own layouts, beside the file's "
+                    "bytes) and the GPU (over PCIe), the share timed at load; copied to the GPU "
+                    "for prefill"}
 
 
-def pcie_line(device: Any, nbytes: int) -> str:
-    """What a decode token reads over ``device``'s PCIe link (host experts the GPU computes),
-    and the most tokens/s that allows at the share of the link the gather reaches: with
-    experts in host memory, PCIe is what bounds decode."""
+def pcie_line(device: Any, nbytes: int, split: bool = False) -> str:
+    """What a decode token reads over ``device``'s PCIe link (host experts the GPU computes;
+    ``split``: at most, host_compute "both", less the CPU's share timed at load), and the
+    most tokens/s that allows at the share of the link the gather reaches: with experts in
+    host memory, PCIe is what bounds decode."""
     if not nbytes:
         return ""
-    line = (f"{device.label}: decode reads {human(nbytes)} of experts per token from host "
-            "memory over PCIe")
+    line = (f"{device.label}: decode reads {'up to ' if split else ''}{human(nbytes)} of "
+            "experts per token from host memory over PCIe"
+            + (" (less the experts the CPU takes, timed at load)" if split else ""))
     if not device.pcie_gbps:
         return line + " (the link's rate is not known here)"
     rate = device.pcie_gbps * PCIE_SHARE
@@ -344,7 +348,7 @@ def host_lines(layout: Layout, model: Any) -> list[str]:
             + HOST_RUN[plan.host_compute]
         )
         k = stage_key(plan, i)
-        line = pcie_line(d.device, decode_pcie_bytes(idx, k))
+        line = pcie_line(d.device, decode_pcie_bytes(idx, k), plan.host_compute == "both")
         if line:
             out.append(line)
         more = resident_without_reserve(model, plan, i)

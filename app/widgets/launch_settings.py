@@ -28,7 +28,7 @@ from spec.errors import CarveError
 
 # the host-compute choices: (shown, Plan.host_compute)
 HOST_CHOICES = (("GPU (read over PCIe when routed)", "gpu"), ("CPU (where they lie)", "cpu"),
-                ("Both (CPU decodes, GPU prefills)", "both"))
+                ("Both (decode split CPU + GPU)", "both"))
 
 
 class LaunchSettings(QWidget):
@@ -95,8 +95,9 @@ class LaunchSettings(QWidget):
             "gathers only the chosen experts, prefill moves whole layers; usually the fastest), "
             "computed by this machine's CPU where they lie (decode "
             "moves no experts over PCIe; they are held in the CPU's own layouts, which can take "
-            "more host RAM than the file), or both: the CPU decodes and prefill copies them to "
-            "the GPU (host memory holds both forms)")
+            "more host RAM than the file), or both: decode splits each token's experts between "
+            "the CPU and the GPU (the share timed at load), prefill copies them to the GPU "
+            "(host memory holds both forms)")
         self.slots_spin = QSpinBox()
         self.slots_spin.setRange(0, 1 << 16)
         self.slots_spin.setToolTip("VRAM expert-cache slots per GPU, one expert each, filled "

@@ -70,8 +70,9 @@ def cpu_bytes(name: str, ggml_type: int, shape: tuple[int, ...], nbytes: int) ->
 def host_moe_buffers(hp: Any, chunk: int, act_dtype: str) -> list[BufferSpec]:
     """The pinned host buffers of a stage whose last MoE layers keep their experts in host
     memory and run them on the CPU (spans "hbuf.<name>"): the normed rows, expert ids and
-    weights the GPU routed, copied down; the experts' weighted sum, copied back up; and a
-    float32 scratch for one expert matrix, which the CPU dequantizes per routed expert."""
+    weights the GPU routed, copied down; the experts' weighted sum, copied back up; a
+    float32 scratch for one expert matrix, which the CPU dequantizes per routed expert; and
+    the words through which a decode step split between CPU and GPU meets."""
     e, k = hp.n_embd, hp.n_expert_used
     return [
         BufferSpec("x", (chunk, e), act_dtype),  # [chunk, n_embd] the normed rows
@@ -79,6 +80,9 @@ def host_moe_buffers(hp: Any, chunk: int, act_dtype: str) -> list[BufferSpec]:
         BufferSpec("w", (chunk, k), "f32"),  # [chunk, k] their weights
         BufferSpec("y", (chunk, e), "f32"),  # [chunk, n_embd] the routed experts' sum
         BufferSpec("dequant", (hp.n_ff_exp * e,), "f32"),  # one expert matrix, dequantized
+        # decode's split between CPU and GPU: the GPU's ticket, the host's answer, a timeout
+        # mark (carve_kernels/host_split.py)
+        BufferSpec("flags", (4,), "i32"),
     ]
 
 

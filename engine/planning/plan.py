@@ -77,8 +77,9 @@ class Plan:
     host: DeviceSpec | None = None
     # where a host layer's experts run: "gpu" (copied over PCIe into VRAM: the chosen experts
     # in decode, the whole layer in prefill, through a priced staging span), "cpu" (the CPU
-    # computes them in place, from its own layouts; nothing more in VRAM) or "both" (the CPU
-    # decodes from its layouts, prefill copies the file's bytes in: host memory holds both)
+    # computes them in place, from its own layouts; nothing more in VRAM) or "both" (decode
+    # splits each token's experts between the CPU, from its layouts, and the GPU, over PCIe;
+    # prefill copies the file's bytes in: host memory holds both)
     host_compute: str = "gpu"
     # the model's files as they were when the plan was made (engine.gguf.reader.FileStamp, one
     # per shard): the engine refuses a plan whose file changed since (`check_identity`); ()

@@ -214,9 +214,9 @@ def host_cut(idx: ModelIndex, k: StageKey) -> int:
 def decode_pcie_bytes(idx: ModelIndex, k: StageKey) -> int:
     """Bytes of experts one decode token reads over PCIe on this stage: the n_expert_used
     routed experts of each host layer, weights and biases (host_compute "gpu"; an upper bound
-    with cache slots, whose hits read nothing); 0 where the CPU computes them (only the rows
-    cross then)."""
-    if k.host_compute != "gpu" or k.device.is_cpu:
+    with cache slots, whose hits read nothing, and with "both", whose CPU share, timed at load,
+    reads none); 0 where the CPU computes them all (only the rows cross then)."""
+    if k.host_compute == "cpu" or k.device.is_cpu:
         return 0
     hp = idx.hp
     raw = idx.expert_raw_prefix

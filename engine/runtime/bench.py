@@ -131,7 +131,16 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
         plan = layout.plan
         rep["experts"] = {"resident": list(plan.experts_resident), "on": plan.host_compute,
                           "host_layers": [len(st.host_layers) for st in pipe.stages],
-                          "pinned": layout.host.pinned, "slots": list(plan.expert_slots)}
+                          "pinned": layout.host.pinned, "slots": list(plan.expert_slots),
+                          # host_compute "both": per host layer, the experts of a decode row
+                          # the CPU computes (the rest cross PCIe to the GPU meanwhile)
+                          "cpu_shares": [st.cpu_shares for st in pipe.stages],
+                          # the load's timing behind them (the first split layer's): ms for
+                          # the CPU's 1..k experts, the PCIe's for the GPU's k..0
+                          "split_model_ms": [[[round(t * 1e3, 3) for t in part]
+                                              for part in h.split_model]
+                                             for st in pipe.stages for h in st._hosts()
+                                             if h.split_model is not None][:1]}
     nbytes = sum(r["load_bytes"] for r in pipe.report)
     rep["load_gbps"] = nbytes / sum(r["load_s"] for r in pipe.report) / 1e9
     pipe.capture()
@@ -159,10 +168,12 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
     pipe.set_position(0, 1)
     moved0 = sum(st.host_moved() for st in pipe.stages)
     cpu0 = sum(st.host_cpu_s() for st in pipe.stages)
+    wait0 = sum(h.wait_s for st in pipe.stages for h in st._hosts())
     hm0 = [sum(x) for x in zip(*(st.cache_hits() for st in pipe.stages))]
     t = _timed(pipe.step, tokens)
     moved = sum(st.host_moved() for st in pipe.stages) - moved0
     cpu_s = sum(st.host_cpu_s() for st in pipe.stages) - cpu0
+    wait_s = sum(h.wait_s for st in pipe.stages for h in st._hosts()) - wait0
     hits, misses = (a - b for a, b in zip(
         [sum(x) for x in zip(*(st.cache_hits() for st in pipe.stages))], hm0))
     weight_bytes = step_weight_bytes(model, hp, sum(r["load_bytes"] for r in pipe.report))
@@ -173,6 +184,8 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
                  "host_bytes_per_token": moved / tokens, "host_gbps": moved / t / 1e9,
                  # and the share of a step the CPU spent computing host experts
                  "host_cpu_ms_per_token": cpu_s / tokens * 1e3,
+                 # a split decode's host waiting for the GPU's rows (the CPU idle)
+                 "host_wait_ms_per_token": wait_s / tokens * 1e3,
                  "cache_hit_rate": hits / (hits + misses) if hits + misses else None}
     rep["depth"] = []
     for d in depths:
@@ -235,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-slots", default="", help="VRAM expert-cache slots per GPU")
     ap.add_argument("--host-compute", default="gpu", choices=("gpu", "cpu", "both"),
                     help="where experts in host memory run: read by the GPU over PCIe, on the "
-                         "CPU, or both (the CPU decodes, the GPU prefills)")
+                         "CPU, or both (decode split between CPU and GPU, the GPU prefills)")
     ap.add_argument("--cache-reserve", type=float, default=1024, metavar="MiB",
                     help="VRAM each plan keeps free (the window's cache reserve; Auto's "
                          "placement of experts leaves it free)")
@@ -367,14 +380,21 @@ def _print(out: dict) -> None:
             e, tg = r["experts"], r["tg"]
             rate = tg["cache_hit_rate"]
             hit = "n/a (no slots, or none used)" if rate is None else f"{rate:.1%}"
+            on = {"both": "CPU and GPU"}.get(e["on"], e["on"].upper())
             print(f"   experts: resident {e['resident'] or 'all'} (host ones run on the "
-                  f"{e['on'].upper()}), host layers per stage "
+                  f"{on}), host layers per stage "
                   f"{e['host_layers']}, pinned {e['pinned'] / 2**30:.2f} GiB, slots "
                   f"{e['slots'] or 0}; decode moves {tg['host_bytes_per_token'] / 1e3:.1f} kB "
                   f"per token between GPU and host ({tg['host_gbps']:.2f} GB/s); expert-cache "
                   f"hit rate in decode: {hit}; the CPU computed host experts "
                   f"{tg['host_cpu_ms_per_token']:.2f} ms of each "
                   f"{1e3 / tg['tps']:.2f} ms step; prefill moved {r['pp']['host_gbps']:.2f} GB/s")
+            shares = [c for st in e.get("cpu_shares", []) for c in st.values()]
+            if shares:
+                print(f"   decode rows split: the CPU computes {shares} of each host layer's "
+                      f"routed experts, the GPU the rest; the host waited for the GPU "
+                      f"{tg['host_wait_ms_per_token']:.2f} ms a token; timed at load (ms, "
+                      f"CPU 1..k experts; PCIe k..0): {e.get('split_model_ms')}")
         for d in r["devices"]:
             print(f"   cuda:{d['index']} layers {d['layers']}: priced {d['priced']:,} B, "
                   f"reserved {d['reserved']:,} B (diff {d['reserved'] - d['priced']:+,}), "

@@ -151,7 +151,9 @@ def test_host_experts_computed_by_the_cpu_from_the_window(qtbot, plan) -> None:
     lay = plan.layout
     assert lay.plan.host_compute == "both" and not settings.slots_spin.isEnabled()
     assert lay.devices[0].terms["expert_cache"] > 0 and lay.plan.expert_slots == ()
-    assert "computed by the CPU for decode" in fit.advice.text()
+    assert "split for decode between the CPU" in fit.advice.text()
+    # decode's PCIe bytes: at most what "gpu" reads (the CPU's share, timed at load, reads none)
+    assert "GPU 0: decode reads " in fit.advice.text()
 
 
 def test_the_split_strip_drags_where_a_gpus_experts_go_to_host_memory(qtbot, plan) -> None:

@@ -319,12 +319,14 @@ def test_a_shared_expert_layer_computed_by_the_cpu_gives_the_logits_of_all_in_vr
     assert_agree(out[1], out[0], "glm4moe host vs VRAM experts", max(BOUND, 1e-2))
 
 
-def test_both_decodes_on_the_cpu_and_prefills_on_the_gpu(files) -> None:
-    """qwen3moe, host_compute "both": host memory holds each host expert tensor's file bytes
-    and, beside it, its CPU layout (cpu.<name>); a prefill of 12 rows copies the layer's file
-    bytes whole into the staging span, each decode step runs its experts on the CPU from the
-    layouts (its rows down, the sum up). Against every expert in VRAM: the same logits and
-    greedy ids."""
+def test_both_decodes_on_the_cpu_and_prefills_on_the_gpu(files, monkeypatch) -> None:
+    """qwen3moe, host_compute "both" with the CPU's share every routed expert
+    (CARVE_CPU_EXPERTS=2, the interpreter's default): host memory holds each host expert
+    tensor's file bytes and, beside it, its CPU layout (cpu.<name>); a prefill of 12 rows
+    copies the layer's file bytes whole into the staging span, each decode step runs its
+    experts on the CPU from the layouts (its row down, the sum up, inside the step). Against
+    every expert in VRAM: the same logits and greedy ids."""
+    monkeypatch.setenv("CARVE_CPU_EXPERTS", "2")
     path = files["qwen3moe"]
     prompt, steps = ids(12), ids(2, 1)
     ref = all_in_vram(path, prompt, steps)
@@ -360,6 +362,56 @@ def test_both_decodes_on_the_cpu_and_prefills_on_the_gpu(files) -> None:
         assert st.host_cpu_s() == sum(h.cpu_s for h in hosts)
     finally:
         g.close()
+
+
+@pytest.mark.parametrize("share", [1, 0])
+def test_both_splits_each_decode_row_between_the_cpu_and_the_gpu(files, monkeypatch,
+                                                                   share) -> None:
+    """qwen3moe, host_compute "both", CARVE_CPU_EXPERTS=1: a decode row's first routed
+    expert runs on the CPU from its layout while the GPU reads the other in place (one
+    graph on a GPU, the host answering each step's ticket as it runs); prefill still copies
+    the layer whole. Against every expert in VRAM: the same logits and greedy ids; each
+    step moves one expert's bytes over PCIe and the row and sum across, and every ticket is
+    answered. With a share of 0 (what auto picks where the CPU is too slow to help) the GPU
+    reads both experts in place and the CPU computes none."""
+    monkeypatch.setenv("CARVE_CPU_EXPERTS", str(share))
+    path = files["qwen3moe"]
+    prompt, steps = ids(12), ids(3, 1)
+    ref = all_in_vram(path, prompt, steps)
+    model_file = GGUFModel.open(path)
+    g = GpuSession.load(plan(path, resident=(0,), host_compute="both"), devices=[DEV],
+                        remember=False, model=model_file)
+    try:
+        st = g.pipe.stages[0]
+        hosts = [la.ffn.host for la in st.layers]
+        assert st.cpu_shares == {0: share, 1: share}
+        assert all(h.split == bool(share) and h.in_place is not None for h in hosts)
+        assert st.eager_hosts() == set() and not st.pieces
+        assert (st.graph is not None) == ON_GPU
+        moved, cpu_s = [h.moved for h in hosts], [h.cpu_s for h in hosts]
+        got = run(g, prompt, steps)
+        assert_agree(got, ref, "both, split 1 CPU + 1 GPU vs VRAM", max(BOUND, 1e-2))
+        k, ne = g.hp.n_expert_used, g.hp.n_expert
+        for layer, h in enumerate(hosts):
+            whole = sum(t.nbytes for t in model_file.tensors
+                        if t.layer == layer and t.name.endswith("_exps.weight"))
+            row = (k - share) * whole // ne + (
+                h.x[0].nbytes + h.y[0].nbytes + 8 * share if share else 0)
+            assert h.row_bytes == row
+            assert h.moved - moved[layer] == 12 * k * 4 + whole + len(steps) * row
+            assert (h.cpu_s > cpu_s[layer]) == bool(share)
+            f = h.flags.tolist()
+            assert f[0] == f[1] and f[2] == 0  # every ticket answered, none timed out
+    finally:
+        g.close()
+
+
+def test_a_cpu_share_out_of_range_is_one_sentence(files, monkeypatch) -> None:
+    monkeypatch.setenv("CARVE_CPU_EXPERTS", "9")
+    with pytest.raises(CarveError, match=r"^CARVE_CPU_EXPERTS='9': expected auto or a count "
+                       r"from 0 to 2 \(the experts a token routes to\)$"):
+        GpuSession.load(plan(files["qwen3moe"], resident=(0,), host_compute="both"),
+                        devices=[DEV], remember=False)
 
 
 def test_a_host_that_shrank_since_the_plan_is_refused_before_allocating(files, monkeypatch):

@@ -288,6 +288,11 @@ def test_decode_reads_its_routed_host_experts_over_pcie_and_the_plan_says_so(syn
                ) // hp.n_expert * hp.n_expert_used
     assert want > 0 and decode_pcie_bytes(idx, stage_key(pl, 0)) == want
     assert decode_pcie_bytes(idx, stage_key(replace(pl, host_compute="cpu"), 0)) == 0
+    # "both": at most what "gpu" reads (the CPU's share of each row, timed at load, reads none)
+    both = stage_key(replace(pl, host_compute="both", expert_slots=()), 0)
+    assert decode_pcie_bytes(idx, both) == want
+    assert f"decode reads up to {human(want)} of experts per token from host memory over PCIe " \
+           "(less the experts the CPU takes, timed at load)" in pcie_line(gpu(0, 4096), want, True)
     assert decode_pcie_bytes(idx, stage_key(replace(pl, experts_resident=(len(moe),)), 0)) == 0
     card = gpu(0, 4096)
     assert pcie_line(card, 0) == ""

@@ -307,10 +307,108 @@ def host_experts(hp: Any, model: Any, spans: dict[str, torch.Tensor],
     cache = spans.get("expert_cache")
     if cache is not None and layers:
         _share_slots(hp, out, layers, cache)
-    if mapped and host_compute == "gpu":
+    if mapped and host_compute in ("gpu", "both"):
+        # ("both": decode's rows read in place too, split with the CPU where it has layouts:
+        # `HostExperts.set_cpu_share`, chosen at load by `split_shares`)
         for h in out.values():
             if h.cache is None:
                 h.read_in_place()
+    return out
+
+
+# the time a split decode step's hand-over adds to the CPU's side (the ticket's fence and
+# PCIe write, the host's polling, its answer crossing back): a few round trips over PCIe
+SPLIT_OVERHEAD_S = 40e-6
+# and to the GPU's, per split layer: measured on an H100 host (16 Xeon cores, Qwen3-30B-A3B
+# at 11 GiB, 2026-12-05, `carve bench --trace`) the publish took ~56 us more than the gather
+# it shortened saved, and the kernel after the wait waited ~90 us for the host's answer, whose
+# CPU time (~0.3 ms for one expert) was shorter than the GPU's share: the ticket reached the
+# host late
+SPLIT_GPU_S = 150e-6
+# the gather's rate against a plain host-to-device copy's (DESIGN.md: 90.5 % measured)
+GATHER_RATE = 0.9
+
+
+def split_shares(hp: Any, hosts: list[HostExperts], device: torch.device) -> dict[int, int]:
+    """host_compute "both": how many of a decode row's k routed experts the CPU computes on
+    each host layer read in place (`HostExperts.set_cpu_share`), the rest crossing PCIe to
+    the GPU at the same time. ``CARVE_CPU_EXPERTS``: that many on every layer; else (auto) on
+    a GPU the share that finishes soonest, max(CPU time of c experts + the hand-over, PCIe
+    time of the other k - c) + the GPU's side of the hand-over (none for c = 0), from the
+    CPU's time on the layer's own layouts (timed here on random experts, per set of types)
+    and a copy's rate from the layer's pinned bytes to the GPU (timed here too); under the
+    interpreter all k (no PCIe to split with). Returns the shares by layer."""
+    split = [h for h in hosts if h.in_place is not None and h.cpu_mats is not None]
+    k = hp.n_expert_used
+    text = os.environ.get("CARVE_CPU_EXPERTS", "auto").strip().lower() or "auto"
+    if text != "auto":
+        try:
+            c = int(text)
+        except ValueError:
+            c = -1
+        if not 0 <= c <= k:
+            raise CarveError(f"CARVE_CPU_EXPERTS={text!r}: expected auto or a count from 0 to "
+                             f"{k} (the experts a token routes to)")
+        shares = dict.fromkeys(split, c)
+    elif device.type != "cuda":
+        shares = dict.fromkeys(split, k)
+    else:
+        shares = {}
+        rate = _copy_rate(split[0], device) if split else 0.0
+        cpu: dict[tuple, list[float]] = {}
+        for h in split:
+            key = tuple((m.layout, m.rows, m.cols) for m in h.cpu_mats)
+            if key not in cpu:
+                cpu[key] = _cpu_times(hp, h)
+            per = sum(m.raw.numel() // m.n_expert for m in h.mats)
+            gpu = [(k - c) * per / (GATHER_RATE * rate) for c in range(k + 1)]
+            cost = [gpu[0]] + [max(cpu[key][c - 1] + SPLIT_OVERHEAD_S, gpu[c]) + SPLIT_GPU_S
+                               for c in range(1, k + 1)]
+            shares[h] = min(range(k + 1), key=cost.__getitem__)
+            h.split_model = (cpu[key], gpu)
+        if split:
+            log.info("host experts: a copy to the GPU at %.1f GB/s; the CPU's share of each "
+                     "decode row's %d experts: %s", rate / 1e9, k,
+                     ", ".join(f"{c}" for c in shares.values()))
+    for h, c in shares.items():
+        h.set_cpu_share(c)
+    return {h.layer: c for h, c in shares.items()}
+
+
+def _copy_rate(h: HostExperts, device: torch.device) -> float:
+    """Bytes a second a copy of k experts of ``h``'s gate tensor reaches from its pinned
+    host span to the GPU (into the staging span, free while the load runs; the best of 3)."""
+    m, dst = h.mats[0], h.stream.views[0].view(-1)
+    n = min(m.raw.numel(), h.hp.n_expert_used * (m.raw.numel() // m.n_expert))
+    src = m.raw.view(-1)[:n]
+    best = float("inf")
+    for _ in range(4):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst[:n].copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3)
+    return n / best
+
+
+def _cpu_times(hp: Any, h: HostExperts) -> list[float]:
+    """Seconds the CPU takes for 1..k of ``h``'s experts on one row (median of 3, random
+    distinct experts each time, after one untimed)."""
+    g, u, d = h.cpu_mats
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, hp.n_embd, generator=gen)
+    out = []
+    for c in range(1, hp.n_expert_used + 1):
+        times = []
+        for rep in range(4):
+            ids = torch.randperm(hp.n_expert, generator=gen)[:c].view(1, c)
+            w = torch.full((1, c), 1.0 / c)
+            t0 = time.perf_counter()
+            ops.experts(x, ids, w, g, u, d, hp.act, hp.swiglu_limit, h.biases)
+            if rep:
+                times.append(time.perf_counter() - t0)
+        out.append(sorted(times)[1])
     return out
 
 
@@ -335,7 +433,7 @@ class HostExperts:
     def __init__(self, hp: Any, model: Any, spans: dict[str, torch.Tensor], layer: int,
                  host_compute: str = "gpu") -> None:
         p = f"blk.{layer}."
-        self.hp, self.cuda = hp, False
+        self.hp, self.cuda, self.layer = hp, False, layer
         scratch = spans["hbuf.dequant"]
         # host_compute (Plan.host_compute): "gpu" copies the file's bytes into the staging
         # span (or slots) for every row; "cpu" multiplies them on the CPU, from its own layouts
@@ -367,6 +465,12 @@ class HostExperts:
                 for n in ("gate", "up", "down"))
         self.x, self.ids = spans["hbuf.x"], spans["hbuf.ids"]
         self.w, self.y = spans["hbuf.w"], spans["hbuf.y"]
+        self.flags = spans["hbuf.flags"]  # the split's ticket and answer (carve_kernels/host_split.py)
+        self.flags.zero_()  # (every host layer's view of the stage's one buffer)
+        # decode's split (host_compute "both", experts read in place): the CPU computes the
+        # first ``cpu_share`` of a row's routed experts from its layouts while the GPU gathers
+        # and computes the rest, in the step's graph; the host answers each step (`serve`)
+        self.cpu_share = 0
         self.cache: SlotCache | None = None
         self.stream: Stream | None = None
         # decode's kernels read the routed experts in pinned host memory over PCIe, inside the
@@ -380,6 +484,70 @@ class HostExperts:
         self.gather = False
         self.moved = 0  # bytes copied between the GPU and host memory
         self.cpu_s = 0.0  # seconds the CPU spent computing this layer's experts
+        self.wait_s = 0.0  # seconds the host waited for the GPU's row (a split layer's)
+        # the load's timing behind the split: seconds for the CPU's 1..k experts, the PCIe's
+        # for the GPU's k..0 (`split_shares`)
+        self.split_model: tuple[list[float], list[float]] | None = None
+
+    @property
+    def split(self) -> bool:
+        """Whether decode's row is split between the CPU and the GPU (`serve` answers it)."""
+        return self.in_place is not None and self.cpu_share > 0
+
+    def set_cpu_share(self, c: int) -> None:
+        """The CPU computes the first ``c`` of each decode row's routed experts (0: the GPU
+        reads them all over PCIe); the bytes a replay moves follow."""
+        k = self.hp.n_expert_used
+        if self.in_place is None or self.cpu_mats is None or not 0 <= c <= k:
+            raise ValueError(f"layer's CPU share {c} of {k} experts: the CPU has no layouts "
+                             "for it or it is out of range")
+        self.cpu_share = c
+        self.row_bytes = self.row_moved(c)
+
+    def row_moved(self, c: int) -> int:
+        """Bytes one decode row read in place moves between GPU and host with ``c`` of its
+        experts on the CPU: the GPU's k - c experts over PCIe, and for a split row the normed
+        row down, its ids and weights down and the f32 sum up."""
+        k = self.hp.n_expert_used
+        per = sum(m.raw.numel() // m.n_expert for m in self.mats) + sum(
+            b.numel() // self.hp.n_expert for b in self.bias_bytes or [])
+        return (k - c) * per + (self.x[:1].nbytes + self.y[:1].nbytes + 8 * c if c else 0)
+
+    def serve(self, timeout_s: float = 60.0) -> None:
+        """Answer the GPU's next ticket for this layer (`carve_kernels.host_split`): wait
+        until it has published its row, compute the CPU's share of the routed experts into
+        the pinned sum, then answer. Where the CPU fails, the answer still goes (the sum
+        NaN), so the GPU never waits for it, and the error is raised."""
+        flags = self.flags.numpy()
+        if flags[2]:  # a wait that gave up (the step's result is lost): say so
+            flags[2] = 0
+            raise CarveError(f"host experts of layer {self.layer}: the GPU stopped waiting for "
+                             "the CPU's share of a decode step; the host was too slow or busy")
+        deadline = None
+        spins = 0
+        start = time.perf_counter()
+        while flags[0] == flags[1]:
+            spins += 1
+            if spins % 4096 == 0:
+                now = time.perf_counter()
+                deadline = deadline or now + timeout_s
+                if now > deadline:
+                    raise CarveError(f"host experts: the GPU did not publish its row within "
+                                     f"{timeout_s:.0f} s (the decode step stopped)")
+        t0 = time.perf_counter()
+        self.wait_s += t0 - start
+        c, hp = self.cpu_share, self.hp
+        g, u, d = self.cpu_mats
+        try:
+            y = ops.experts(self.x[:1].float(), self.ids[:1, :c].long(), self.w[:1, :c], g, u,
+                            d, hp.act, hp.swiglu_limit, self.biases)
+            self.y[:1].copy_(y)
+        except BaseException:
+            self.y[:1].fill_(float("nan"))
+            flags[1] = flags[0]
+            raise
+        flags[1] = flags[0]
+        self.cpu_s += time.perf_counter() - t0
 
     def read_in_place(self) -> None:
         """Have decode's kernels read this layer's experts where they lie: host memory the
@@ -393,9 +561,7 @@ class HostExperts:
         # CARVE_HOST_READ=direct: the expert kernels read host memory themselves
         self.gather = (self.stream is not None
                        and os.environ.get("CARVE_HOST_READ", "gather") != "direct")
-        k = self.hp.n_expert_used
-        self.row_bytes = k * sum(m.raw.numel() // m.n_expert for m in self.mats) + k * sum(
-            b.numel() // self.hp.n_expert for b in self.bias_bytes or [])
+        self.row_bytes = self.row_moved(0)
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
             staging: torch.Tensor, accumulate: bool,

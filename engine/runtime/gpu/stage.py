@@ -34,7 +34,7 @@ from carve_kernels.dequant import dequantize
 from engine.gguf.hparams import rope_per_pair
 from engine.planning.carve import is_expert
 from engine.planning.host import CPU_PREFIX
-from engine.runtime.gpu.host import host_experts, host_layers
+from engine.runtime.gpu.host import host_experts, host_layers, split_shares
 from engine.runtime.gpu.matrices import (
     GEMV_ROWS,
     Experts,
@@ -113,6 +113,8 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         self.pieces: list[Callable[[], None]] = []
         self._graphs: list[torch.cuda.CUDAGraph] = []
         self.in_place_hosts: list = []  # host layers decode reads in place (set by capture)
+        # per graph (or piece) the split host layers it holds, in order: replay answers them
+        self.split_hosts: list[list] = []
         # prefill chunks through a CUDA graph of each padded length, the head outside them
         # (CARVE_PREFILL_GRAPH; stage_graph.py forward_chunk)
         self.prefill_graph = options.prefill_graph
@@ -137,6 +139,8 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         for layer in self.layers:
             if layer.index in hosts:
                 layer.ffn.host = hosts[layer.index]
+        # host_compute "both": decode's rows split between the CPU and the GPU
+        self.cpu_shares = split_shares(hp, list(hosts.values()), self.device)
         # the embedding (first stage); the output norm, projection and its int8 x (last stage)
         self.token_embd = packed_matrix(model, spans, "token_embd.weight") if self.first else None
         self.output_norm, self.output, self.xq_out = build.head() if self.last else (None,) * 3
@@ -449,6 +453,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         the arenas frees the memory."""
         self.graph = None
         self.pieces, self._graphs, self.in_place_hosts = [], [], []
+        self.split_hosts = []
         self._prefill_graphs, self._prefill_stream = {}, None
         if self.buf.get("lookup") is not None:
             lowbit_blocks.uninstall_tables(self.buf["lookup"])

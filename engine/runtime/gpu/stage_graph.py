@@ -71,8 +71,9 @@ class DecodeGraph:
         pieces = self._decode_pieces() if self.eager_hosts() else []
         # the host layers whose experts a replay reads in place (it counts their bytes)
         self.in_place_hosts = [h for h in self._hosts() if h.in_place is not None]
-        if not self.on_cuda:
+        if not self.on_cuda:  # eager: a split layer is answered as it runs
             self.pieces = [run for _, run in pieces]
+            self.split_hosts = [[] for _ in pieces]
             return
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
@@ -85,9 +86,10 @@ class DecodeGraph:
             # that captures; a second GPU's stage needs a stream of its own device
             with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(self.device)):
                 self.decode_step()
+            self.split_hosts = [[h for h in self._hosts() if h.split]]
             return
-        self.pieces = []
-        for graphable, run in pieces:
+        self.pieces, self.split_hosts = [], []
+        for (graphable, run), layers in zip(pieces, self._piece_layers(), strict=True):
             if graphable:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, stream=torch.cuda.Stream(self.device)):
@@ -95,6 +97,10 @@ class DecodeGraph:
                 self._graphs.append(g)
                 run = g.replay
             self.pieces.append(run)
+            # a split layer in a graph waits on the host: answered once the piece is launched
+            self.split_hosts.append([self.layers[p].ffn.host for p in layers
+                                     if getattr(self.layers[p].ffn, "host", None) is not None
+                                     and self.layers[p].ffn.host.split] if graphable else [])
 
     def graphs_chunks(self) -> bool:
         """Whether this stage runs prefill chunks through CUDA graphs (``RunnerOptions.
@@ -156,6 +162,15 @@ class DecodeGraph:
         out.append((True, lambda s=start: self._decode_span(s, len(self.layers), False)))
         return out
 
+    def _piece_layers(self) -> list[range]:
+        """The stage's layer places whose experts run in each of `_decode_pieces`' pieces."""
+        eager = self.eager_hosts()
+        out, start = [], 0
+        for p in [p for p, la in enumerate(self.layers) if la.index in eager]:
+            out += [range(start, p), range(0)]
+            start = p + 1
+        return out + [range(start, len(self.layers))]
+
     def _decode_span(self, s: int, e: int, route: bool) -> None:
         """Decode's layers [s, e) of this stage (as `forward(1, None)` runs them); ``route``:
         then layer e up to its routing; else the stage's end, the head, the sampler and the
@@ -182,13 +197,19 @@ class DecodeGraph:
         self.buf["positions"][:1] += 1
 
     def replay(self) -> None:
+        """One decode step: the captured graph (or its pieces) launched, and the host's
+        answers to its split layers (their CPU share of the experts, while the GPU runs)."""
         if self.pieces:
-            for run in self.pieces:
+            for run, split in zip(self.pieces, self.split_hosts, strict=True):
                 run()
+                for h in split:
+                    h.serve()
         elif self.graph is None:
             self.decode_step()
             return
         else:
             self.graph.replay()
+            for h in self.split_hosts[0]:
+                h.serve()
         for h in self.in_place_hosts:  # what the graph's in-place reads of host experts moved
             h.moved += h.row_bytes

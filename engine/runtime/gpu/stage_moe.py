@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from carve_kernels import glu, moe, moe_decode, moe_prefill, quant_matmul
+from carve_kernels import glu, host_split, moe, moe_decode, moe_prefill, quant_matmul
 from engine.runtime.gpu.matrices import GEMV_ROWS, Experts, Ffn, gemv_rows
 from engine.runtime.gpu.rows import Rows
 
@@ -50,17 +50,31 @@ class MoeLayers:
         h = f.host
         if h is not None and h.in_place is not None and n <= GEMV_ROWS:
             # decode's rows: the routed experts read in pinned host memory, gathered into the
-            # staging span first (the kernels then run there) or by the kernels themselves
-            if h.gather:
+            # staging span first (the kernels then run there) or by the kernels themselves;
+            # a split layer's row hands the CPU its first experts (it computes them while the
+            # GPU runs the rest) and adds the CPU's sum after the GPU's own
+            # (a precompile's dry pass launches only what is compiled: no handing over there)
+            c = h.cpu_share if n == 1 and self.dry_runs is None else 0
+            if c:
+                host_split.publish(a.normed[0], ids[0, :c], w[0, :c], h.x, h.ids, h.w, h.flags,
+                                   use_pdl=self.pdl)
+                if not self.capturing():  # eager (warm-up, interpreter): answered right here
+                    h.serve()
+                ids, w = ids[:, c:], w[:, c:]
+            if ids.shape[1] and h.gather:
                 st = h.stream
                 moe_decode.gather_experts(h.in_place + (h.bias_bytes or []),
                                           st.views + [v for _, v in st.bias_pairs],
                                           self.hp.n_expert, ids, use_pdl=self.pdl)
                 self._routed(f, st.views, self.hp.n_expert, ids, w, a, st.biases)
-            else:
+            elif ids.shape[1]:
                 self._routed(f, h.in_place, self.hp.n_expert, ids, w, a, h.in_place_biases)
+            if c:  # the CPU's sum, once the host has answered
+                host_split.await_sum(h.flags, h.y[0], a.proj[0],
+                                     accumulate=ids.shape[1] > 0 or f.shared is not None,
+                                     use_pdl=self.pdl)
             if not self.capturing():  # a graph's replays count theirs (`replay`)
-                h.moved += n * h.row_bytes
+                h.moved += h.row_bytes if c else n * h.row_moved(0)
             return
         if f.host is not None:  # experts in host memory: routed here, run from the expert
             # cache's slots, the staging span or by the CPU (engine/runtime/gpu/host.py)
@@ -78,7 +92,7 @@ class MoeLayers:
         ``biases``: their biases where they are not the layer's own (a host layer's, copied
         into the staging span)."""
         hp, b, n, x, pdl = self.hp, self.buf, a.n, a.normed, self.pdl
-        k = hp.n_expert_used
+        k = ids.shape[1]  # n_expert_used, or the GPU's share of a split row
         act = "swiglu_oai" if hp.swiglu_limit else hp.act
         g, u, d = f.gate, f.up, f.down
         gb, ub, db = biases or (g.bias, u.bias, d.bias)
