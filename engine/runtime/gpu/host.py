@@ -339,6 +339,8 @@ def split_shares(hp: Any, hosts: list[HostExperts], device: torch.device) -> dic
     and a copy's rate from the layer's pinned bytes to the GPU (timed here too); under the
     interpreter all k (no PCIe to split with). Returns the shares by layer."""
     split = [h for h in hosts if h.in_place is not None and h.cpu_mats is not None]
+    if not split:  # (no "both" layer read in place: nothing to split, the variable unread)
+        return {}
     k = hp.n_expert_used
     text = os.environ.get("CARVE_CPU_EXPERTS", "auto").strip().lower() or "auto"
     if text != "auto":
@@ -354,7 +356,7 @@ def split_shares(hp: Any, hosts: list[HostExperts], device: torch.device) -> dic
         shares = dict.fromkeys(split, k)
     else:
         shares = {}
-        rate = _copy_rate(split[0], device) if split else 0.0
+        rate = _copy_rate(split[0], device)
         cpu: dict[tuple, list[float]] = {}
         for h in split:
             key = tuple((m.layout, m.rows, m.cols) for m in h.cpu_mats)
@@ -366,10 +368,9 @@ def split_shares(hp: Any, hosts: list[HostExperts], device: torch.device) -> dic
                                for c in range(1, k + 1)]
             shares[h] = min(range(k + 1), key=cost.__getitem__)
             h.split_model = (cpu[key], gpu)
-        if split:
-            log.info("host experts: a copy to the GPU at %.1f GB/s; the CPU's share of each "
-                     "decode row's %d experts: %s", rate / 1e9, k,
-                     ", ".join(f"{c}" for c in shares.values()))
+        log.info("host experts: a copy to the GPU at %.1f GB/s; the CPU's share of each "
+                 "decode row's %d experts: %s", rate / 1e9, k,
+                 ", ".join(f"{c}" for c in shares.values()))
     for h, c in shares.items():
         h.set_cpu_share(c)
     return {h.layer: c for h, c in shares.items()}
