@@ -402,6 +402,15 @@ def test_both_splits_each_decode_row_between_the_cpu_and_the_gpu(files, monkeypa
             assert (h.cpu_s > cpu_s[layer]) == bool(share)
             f = h.flags.tolist()
             assert f[0] == f[1] and f[2] == 0  # every ticket answered, none timed out
+        if share:
+            # a wait that gave up marks flags[2]: the next answer still goes, then one sentence
+            hosts[0].flags[2] = 1
+            with pytest.raises(CarveError, match=r"^host experts of layer 0: the GPU stopped "
+                               r"waiting for the CPU's share of a decode step; the host was "
+                               r"too slow or busy$"):
+                g.forward([steps[0]], g.kv.n_past, "last")
+            f = hosts[0].flags.tolist()
+            assert f[0] == f[1] and f[2] == 0
     finally:
         g.close()
 

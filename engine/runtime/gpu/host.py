@@ -378,7 +378,8 @@ def split_shares(hp: Any, hosts: list[HostExperts], device: torch.device) -> dic
 
 def _copy_rate(h: HostExperts, device: torch.device) -> float:
     """Bytes a second a copy of k experts of ``h``'s gate tensor reaches from its pinned
-    host span to the GPU (into the staging span, free while the load runs; the best of 3)."""
+    host span to the GPU (into the staging span, which "both" prices and nothing uses while
+    the load runs; the best of 4)."""
     m, dst = h.mats[0], h.stream.views[0].view(-1)
     n = min(m.raw.numel(), h.hp.n_expert_used * (m.raw.numel() // m.n_expert))
     src = m.raw.view(-1)[:n]
@@ -520,10 +521,6 @@ class HostExperts:
         the pinned sum, then answer. Where the CPU fails, the answer still goes (the sum
         NaN), so the GPU never waits for it, and the error is raised."""
         flags = self.flags.numpy()
-        if flags[2]:  # a wait that gave up (the step's result is lost): say so
-            flags[2] = 0
-            raise CarveError(f"host experts of layer {self.layer}: the GPU stopped waiting for "
-                             "the CPU's share of a decode step; the host was too slow or busy")
         deadline = None
         spins = 0
         start = time.perf_counter()
@@ -549,6 +546,10 @@ class HostExperts:
             raise
         flags[1] = flags[0]
         self.cpu_s += time.perf_counter() - t0
+        if flags[2]:  # an earlier wait gave up (that step's sum was lost): say so, answered
+            flags[2] = 0
+            raise CarveError(f"host experts of layer {self.layer}: the GPU stopped waiting for "
+                             "the CPU's share of a decode step; the host was too slow or busy")
 
     def read_in_place(self) -> None:
         """Have decode's kernels read this layer's experts where they lie: host memory the

@@ -162,6 +162,21 @@ class DecodeGraph:
         out.append((True, lambda s=start: self._decode_span(s, len(self.layers), False)))
         return out
 
+    def _drain_split(self) -> None:
+        """After a replay that failed on the host: answer every ticket its split layers still
+        raise (their sums NaN) until the stream is done, so the GPU neither waits out its spin
+        budget nor falls out of step with the host, then clear the words."""
+        hosts = [h for split in self.split_hosts for h in split]
+        if not hosts:
+            return
+        flags, y = hosts[0].flags.numpy(), hosts[0].y  # (one buffer a stage)
+        stream = torch.cuda.current_stream(self.device) if self.on_cuda else None
+        while stream is not None and not stream.query():
+            if flags[0] != flags[1]:
+                y.fill_(float("nan"))
+                flags[1] = flags[0]
+        flags[:] = 0
+
     def _piece_layers(self) -> list[range]:
         """The stage's layer places whose experts run in each of `_decode_pieces`' pieces."""
         eager = self.eager_hosts()
@@ -199,17 +214,21 @@ class DecodeGraph:
     def replay(self) -> None:
         """One decode step: the captured graph (or its pieces) launched, and the host's
         answers to its split layers (their CPU share of the experts, while the GPU runs)."""
-        if self.pieces:
-            for run, split in zip(self.pieces, self.split_hosts, strict=True):
-                run()
-                for h in split:
+        try:
+            if self.pieces:
+                for run, split in zip(self.pieces, self.split_hosts, strict=True):
+                    run()
+                    for h in split:
+                        h.serve()
+            elif self.graph is None:
+                self.decode_step()
+                return
+            else:
+                self.graph.replay()
+                for h in self.split_hosts[0]:
                     h.serve()
-        elif self.graph is None:
-            self.decode_step()
-            return
-        else:
-            self.graph.replay()
-            for h in self.split_hosts[0]:
-                h.serve()
+        except BaseException:
+            self._drain_split()
+            raise
         for h in self.in_place_hosts:  # what the graph's in-place reads of host experts moved
             h.moved += h.row_bytes
