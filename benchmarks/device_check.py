@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.device
     ap.add_argument("--moe-host", action="store_true",
                     help="decode's expert kernels reading experts in pinned host memory in "
                          "place, against the host-to-GPU copy rate (30B-A3B shape)")
+    ap.add_argument("--host-split", action="store_true",
+                    help="the hand-over of a decode row split between the GPU and the CPU "
+                         "(host_compute both): its round trip alone and beside a PCIe copy")
     ap.add_argument("--sample", action="store_true",
                     help="the GPU sampler only: greedy and default sampling at real vocabulary "
                          "sizes, each first-pass variant against the host chain")
@@ -151,6 +154,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.device
 
     g = torch.Generator(device="cuda")
     g.manual_seed(int(time.time()))
+    if args.host_split:
+        from benchmarks.device_check_moe import split_section
+
+        split_section(row)
+        _table(rows, best_cfg, args, copy_bw, mm_rate)
+        return 0
     if args.moe or args.moe_host:
         # they import this module's helpers
         from benchmarks.device_check_moe import host_section, moe_section

@@ -15,7 +15,9 @@ ceilings, table and JSON it shares). Needs a CUDA GPU."""
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 
 import torch
 
@@ -295,6 +297,76 @@ def host_section(g, copy_bw, mm_rate, row):
     host = staged = dev = None
     for buf in arenas:
         unpin(buf)
+
+
+def split_section(row, n: int = 32) -> None:
+    """The hand-over of a decode row split between the GPU and the CPU (carve_kernels/
+    host_split.py), alone: ``n`` publish + await pairs in one CUDA graph, the host answering
+    each ticket at once as the engine does (the main thread, after the replay), so each
+    pair's time is the round trip a split layer adds beyond the CPU's own work: the ticket
+    reaching the host, the answer reaching the GPU, the row down and the sum up. Then the
+    same while a 1 GiB host-to-GPU copy streams on another stream (a host layer's gather is
+    crossing PCIe while the host computes). In a real step the GPU's experts run between the
+    two; here nothing does, so a slow ticket shows as it is."""
+    from carve_kernels import host_split
+    from engine.runtime.gpu.host import new_host_arena, unpin
+
+    e, c = 2048, 2
+    buf, pinned = new_host_arena(64 << 10, True)
+    if not pinned:
+        print("pinning refused: no hand-over to time", flush=True)
+        return
+    hx = buf[:2 * e].view(torch.bfloat16)
+    hids = buf[16384:16384 + 64].view(torch.int32)
+    hw = buf[16640:16640 + 64].view(torch.float32)
+    flags = buf[16896:16896 + 16].view(torch.int32)
+    hy = buf[32768:32768 + 4 * e].view(torch.float32)
+    flags.zero_()
+    hy.zero_()
+    x = torch.randn(e, device="cuda").to(torch.bfloat16)
+    ids = torch.arange(c, dtype=torch.int32, device="cuda")
+    w = torch.ones(c, device="cuda")
+    out = torch.zeros(e, device="cuda")
+    f = flags.numpy()
+
+    def launch():
+        for _ in range(n):
+            host_split.publish(x, ids, w, hx, hids, hw, flags)
+            host_split.await_sum(flags, hy, out, accumulate=True)
+
+    def answer():
+        for _ in range(n):
+            while f[0] == f[1]:
+                pass
+            f[1] = f[0]
+
+    launch()  # compiles; the launches are asynchronous, so the answers come after them
+    answer()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    big, _ = new_host_arena(1 << 30, True)
+    to = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    for label, busy in (("alone", False), ("beside a 1 GiB host-to-GPU copy", True)):
+        times = []
+        for _ in range(15):
+            if busy:
+                with torch.cuda.stream(side):
+                    to.copy_(big, non_blocking=True)
+            t0 = time.perf_counter()
+            graph.replay()
+            answer()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) / n)
+        sec = statistics.median(times)
+        ok = f[2] == 0 and f[0] == f[1]
+        row(f"host split hand-over {label}", sec, 0.0, note=f"{n} in a graph, in step={ok}")
+    torch.cuda.synchronize()  # the last copy done before its source is unpinned
+    graph = to = None
+    unpin(big)
+    unpin(buf)
 
 
 def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, floor_glu,

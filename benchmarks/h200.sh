@@ -41,6 +41,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #                                serve through HTTP; needs starlette, uvicorn, httpx wheels)
 #   KERNELS="lowbit"             benchmarks.device_check --types (each type's GEMV against
 #                                its byte floor at 7B sizes), run before the benches
+#   HOST_SPLIT=1                 benchmarks.device_check --host-split (the round trip of a
+#                                decode row split between GPU and CPU), before the benches
 #   MOE=1                        benchmarks.device_check --moe (the mixture-of-experts
 #                                kernels against their byte floors), run before the benches;
 #                                MOE=MXFP4: only the shapes of those gate/up types;
@@ -106,6 +108,10 @@ fi
 if [ "${MOE_HOST:-0}" = 1 ]; then
     timeout "$step" python3 -m benchmarks.device_check --moe-host \
         --json "$out/device-check-moe-host.json" 2>&1 | tee "$out/device-check-moe-host.log"
+fi
+if [ "${HOST_SPLIT:-0}" = 1 ]; then
+    timeout "$step" python3 -m benchmarks.device_check --host-split \
+        --json "$out/device-check-host-split.json" 2>&1 | tee "$out/device-check-host-split.log"
 fi
 if [ "${MOE:-0}" != 0 ]; then
     moe_types=()
