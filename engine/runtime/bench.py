@@ -168,12 +168,12 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
     pipe.set_position(0, 1)
     moved0 = sum(st.host_moved() for st in pipe.stages)
     cpu0 = sum(st.host_cpu_s() for st in pipe.stages)
-    wait0 = sum(h.wait_s for st in pipe.stages for h in st._hosts())
+    wait0 = sum(st.host_wait_s() for st in pipe.stages)
     hm0 = [sum(x) for x in zip(*(st.cache_hits() for st in pipe.stages))]
     t = _timed(pipe.step, tokens)
     moved = sum(st.host_moved() for st in pipe.stages) - moved0
     cpu_s = sum(st.host_cpu_s() for st in pipe.stages) - cpu0
-    wait_s = sum(h.wait_s for st in pipe.stages for h in st._hosts()) - wait0
+    wait_s = sum(st.host_wait_s() for st in pipe.stages) - wait0
     hits, misses = (a - b for a, b in zip(
         [sum(x) for x in zip(*(st.cache_hits() for st in pipe.stages))], hm0))
     weight_bytes = step_weight_bytes(model, hp, sum(r["load_bytes"] for r in pipe.report))

@@ -50,17 +50,14 @@ def trace_step(pipe: Any, position: int = 64) -> list[dict]:
             with trace.recording(dev) as rec, torch.cuda.graph(g, stream=torch.cuda.Stream(dev)):
                 st.decode_step()
             # host layers split between CPU and GPU wait for the host's answers each replay
-            split = [h for h in st._hosts() if h.split]
             pipe.set_position(position, 1)
             g.replay()
-            for h in split:
-                h.serve()
+            st.answer_split()
             _sync(dev)
             t0 = time.perf_counter()
             for _ in range(REPLAYS):
                 g.replay()
-                for h in split:
-                    h.serve()
+                st.answer_split()
             _sync(dev)
             step_us = (time.perf_counter() - t0) / REPLAYS * 1e6
             del g

@@ -15,10 +15,13 @@ experts into it at their own places and prefill the whole layer (gpt-oss's exper
 beside them), and the kernels run there; a chunk that ran there leaves the layer's slots
 holding what its last rows chose, copied from the span on the device (`SlotCache.seed`: the
 prompt's routing prefetches for the reply). Otherwise (the plan's host_compute "cpu", and decode
-rows under "both") the normed rows and weights go down to pinned buffers too, the CPU engine's
-`ops.experts` runs the routed experts on them from the CPU's own layouts
-(engine/runtime/models/cpu_experts.py; the file's blocks, dequantized per routed expert into a
-priced scratch, for types without one), and the weighted sum goes back up and onto proj.
+rows under "both" where the arenas could not be pinned) the normed rows and weights go down to
+pinned buffers too, the CPU engine's `ops.experts` runs the routed experts on them from the
+CPU's own layouts (engine/runtime/models/cpu_experts.py; the file's blocks, dequantized per
+routed expert into a priced scratch, for types without one), and the weighted sum goes back up
+and onto proj. Under "both" on pinned arenas a decode row is read in place and split: the CPU
+computes its share of the routed experts (`HostExperts.serve`, the share from
+gpu/host_share.py) while the GPU gathers the rest, inside the step's graph.
 """
 
 from __future__ import annotations
@@ -300,6 +303,8 @@ def host_experts(hp: Any, model: Any, spans: dict[str, torch.Tensor],
     host_compute "gpu", a layer without slots has decode's kernels read its routed experts in
     host memory where they lie (`HostExperts.in_place`)."""
     out = {i: HostExperts(hp, model, spans, i, host_compute) for i in layers}
+    if layers:
+        spans["hbuf.flags"].zero_()  # no ticket raised, none answered
     stream = spans.get("expert_stream")
     if stream is not None:
         for h in out.values():
@@ -309,108 +314,10 @@ def host_experts(hp: Any, model: Any, spans: dict[str, torch.Tensor],
         _share_slots(hp, out, layers, cache)
     if mapped and host_compute in ("gpu", "both"):
         # ("both": decode's rows read in place too, split with the CPU where it has layouts:
-        # `HostExperts.set_cpu_share`, chosen at load by `split_shares`)
+        # `HostExperts.set_cpu_share`, chosen at load by gpu/host_share.py)
         for h in out.values():
             if h.cache is None:
                 h.read_in_place()
-    return out
-
-
-# the time a split decode step's hand-over adds to the CPU's side (the ticket's fence and
-# PCIe write, the host's polling, its answer crossing back): a few round trips over PCIe
-SPLIT_OVERHEAD_S = 40e-6
-# and to the GPU's, per split layer: measured on an H100 host (16 Xeon cores, Qwen3-30B-A3B
-# at 11 GiB, 2026-12-05, `carve bench --trace`) the publish took ~56 us more than the gather
-# it shortened saved, and the kernel after the wait waited ~90 us for the host's answer, whose
-# CPU time (~0.3 ms for one expert) was shorter than the GPU's share: the ticket reached the
-# host late
-SPLIT_GPU_S = 150e-6
-# the gather's rate against a plain host-to-device copy's (DESIGN.md: 90.5 % measured)
-GATHER_RATE = 0.9
-
-
-def split_shares(hp: Any, hosts: list[HostExperts], device: torch.device) -> dict[int, int]:
-    """host_compute "both": how many of a decode row's k routed experts the CPU computes on
-    each host layer read in place (`HostExperts.set_cpu_share`), the rest crossing PCIe to
-    the GPU at the same time. ``CARVE_CPU_EXPERTS``: that many on every layer; else (auto) on
-    a GPU the share that finishes soonest, max(CPU time of c experts + the hand-over, PCIe
-    time of the other k - c) + the GPU's side of the hand-over (none for c = 0), from the
-    CPU's time on the layer's own layouts (timed here on random experts, per set of types)
-    and a copy's rate from the layer's pinned bytes to the GPU (timed here too); under the
-    interpreter all k (no PCIe to split with). Returns the shares by layer."""
-    split = [h for h in hosts if h.in_place is not None and h.cpu_mats is not None]
-    if not split:  # (no "both" layer read in place: nothing to split, the variable unread)
-        return {}
-    k = hp.n_expert_used
-    text = os.environ.get("CARVE_CPU_EXPERTS", "auto").strip().lower() or "auto"
-    if text != "auto":
-        try:
-            c = int(text)
-        except ValueError:
-            c = -1
-        if not 0 <= c <= k:
-            raise CarveError(f"CARVE_CPU_EXPERTS={text!r}: expected auto or a count from 0 to "
-                             f"{k} (the experts a token routes to)")
-        shares = dict.fromkeys(split, c)
-    elif device.type != "cuda":
-        shares = dict.fromkeys(split, k)
-    else:
-        shares = {}
-        rate = _copy_rate(split[0], device)
-        cpu: dict[tuple, list[float]] = {}
-        for h in split:
-            key = tuple((m.layout, m.rows, m.cols) for m in h.cpu_mats)
-            if key not in cpu:
-                cpu[key] = _cpu_times(hp, h)
-            per = sum(m.raw.numel() // m.n_expert for m in h.mats)
-            gpu = [(k - c) * per / (GATHER_RATE * rate) for c in range(k + 1)]
-            cost = [gpu[0]] + [max(cpu[key][c - 1] + SPLIT_OVERHEAD_S, gpu[c]) + SPLIT_GPU_S
-                               for c in range(1, k + 1)]
-            shares[h] = min(range(k + 1), key=cost.__getitem__)
-            h.split_model = (cpu[key], gpu)
-        log.info("host experts: a copy to the GPU at %.1f GB/s; the CPU's share of each "
-                 "decode row's %d experts: %s", rate / 1e9, k,
-                 ", ".join(f"{c}" for c in shares.values()))
-    for h, c in shares.items():
-        h.set_cpu_share(c)
-    return {h.layer: c for h, c in shares.items()}
-
-
-def _copy_rate(h: HostExperts, device: torch.device) -> float:
-    """Bytes a second a copy of k experts of ``h``'s gate tensor reaches from its pinned
-    host span to the GPU (into the staging span, which "both" prices and nothing uses while
-    the load runs; the best of 4)."""
-    m, dst = h.mats[0], h.stream.views[0].view(-1)
-    n = min(m.raw.numel(), h.hp.n_expert_used * (m.raw.numel() // m.n_expert))
-    src = m.raw.view(-1)[:n]
-    best = float("inf")
-    for _ in range(4):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst[:n].copy_(src, non_blocking=True)
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / 1e3)
-    return n / best
-
-
-def _cpu_times(hp: Any, h: HostExperts) -> list[float]:
-    """Seconds the CPU takes for 1..k of ``h``'s experts on one row (median of 3, random
-    distinct experts each time, after one untimed)."""
-    g, u, d = h.cpu_mats
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, hp.n_embd, generator=gen)
-    out = []
-    for c in range(1, hp.n_expert_used + 1):
-        times = []
-        for rep in range(4):
-            ids = torch.randperm(hp.n_expert, generator=gen)[:c].view(1, c)
-            w = torch.full((1, c), 1.0 / c)
-            t0 = time.perf_counter()
-            ops.experts(x, ids, w, g, u, d, hp.act, hp.swiglu_limit, h.biases)
-            if rep:
-                times.append(time.perf_counter() - t0)
-        out.append(sorted(times)[1])
     return out
 
 
@@ -467,8 +374,9 @@ class HostExperts:
                 for n in ("gate", "up", "down"))
         self.x, self.ids = spans["hbuf.x"], spans["hbuf.ids"]
         self.w, self.y = spans["hbuf.w"], spans["hbuf.y"]
-        self.flags = spans["hbuf.flags"]  # the split's ticket and answer (carve_kernels/host_split.py)
-        self.flags.zero_()  # (every host layer's view of the stage's one buffer)
+        # the split's ticket and answer (carve_kernels/host_split.py; the stage's one buffer,
+        # zeroed by `host_experts`)
+        self.flags = spans["hbuf.flags"]
         # decode's split (host_compute "both", experts read in place): the CPU computes the
         # first ``cpu_share`` of a row's routed experts from its layouts while the GPU gathers
         # and computes the rest, in the step's graph; the host answers each step (`serve`)
@@ -488,7 +396,7 @@ class HostExperts:
         self.cpu_s = 0.0  # seconds the CPU spent computing this layer's experts
         self.wait_s = 0.0  # seconds the host waited for the GPU's row (a split layer's)
         # the load's timing behind the split: seconds for the CPU's 1..k experts, the PCIe's
-        # for the GPU's k..0 (`split_shares`)
+        # for the GPU's k..0 (`host_share.split_shares`)
         self.split_model: tuple[list[float], list[float]] | None = None
 
     @property

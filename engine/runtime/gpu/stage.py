@@ -34,7 +34,8 @@ from carve_kernels.dequant import dequantize
 from engine.gguf.hparams import rope_per_pair
 from engine.planning.carve import is_expert
 from engine.planning.host import CPU_PREFIX
-from engine.runtime.gpu.host import host_experts, host_layers, split_shares
+from engine.runtime.gpu.host import host_experts, host_layers
+from engine.runtime.gpu.host_share import split_shares
 from engine.runtime.gpu.matrices import (
     GEMV_ROWS,
     Experts,
@@ -113,8 +114,8 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         self.pieces: list[Callable[[], None]] = []
         self._graphs: list[torch.cuda.CUDAGraph] = []
         self.in_place_hosts: list = []  # host layers decode reads in place (set by capture)
-        # per graph (or piece) the split host layers it holds, in order: replay answers them
-        self.split_hosts: list[list] = []
+        # the host layers split between CPU and GPU, in order: replay answers them (capture)
+        self.split_hosts: list = []
         # prefill chunks through a CUDA graph of each padded length, the head outside them
         # (CARVE_PREFILL_GRAPH; stage_graph.py forward_chunk)
         self.prefill_graph = options.prefill_graph

@@ -71,9 +71,14 @@ class DecodeGraph:
         pieces = self._decode_pieces() if self.eager_hosts() else []
         # the host layers whose experts a replay reads in place (it counts their bytes)
         self.in_place_hosts = [h for h in self._hosts() if h.in_place is not None]
-        if not self.on_cuda:  # eager: a split layer is answered as it runs
+        # the host layers split between CPU and GPU, which replay answers after the graph's
+        # launch (on the CPU, eager, each is answered as it runs). They read in place, so a
+        # stage with one has no host layer waiting between graphs: "both" takes no cache
+        # slots, and its arenas are either pinned (every host layer in place) or not (none)
+        self.split_hosts = [h for h in self._hosts() if h.split]
+        assert not (pieces and self.split_hosts), "split host layers in a stage of pieces"
+        if not self.on_cuda:
             self.pieces = [run for _, run in pieces]
-            self.split_hosts = [[] for _ in pieces]
             return
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
@@ -86,10 +91,9 @@ class DecodeGraph:
             # that captures; a second GPU's stage needs a stream of its own device
             with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(self.device)):
                 self.decode_step()
-            self.split_hosts = [[h for h in self._hosts() if h.split]]
             return
-        self.pieces, self.split_hosts = [], []
-        for (graphable, run), layers in zip(pieces, self._piece_layers(), strict=True):
+        self.pieces = []
+        for graphable, run in pieces:
             if graphable:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, stream=torch.cuda.Stream(self.device)):
@@ -97,10 +101,6 @@ class DecodeGraph:
                 self._graphs.append(g)
                 run = g.replay
             self.pieces.append(run)
-            # a split layer in a graph waits on the host: answered once the piece is launched
-            self.split_hosts.append([self.layers[p].ffn.host for p in layers
-                                     if getattr(self.layers[p].ffn, "host", None) is not None
-                                     and self.layers[p].ffn.host.split] if graphable else [])
 
     def graphs_chunks(self) -> bool:
         """Whether this stage runs prefill chunks through CUDA graphs (``RunnerOptions.
@@ -162,29 +162,31 @@ class DecodeGraph:
         out.append((True, lambda s=start: self._decode_span(s, len(self.layers), False)))
         return out
 
+    def answer_split(self) -> None:
+        """The host's answers to a launched decode graph's split layers, in order (their CPU
+        share of the experts, while the GPU runs the rest); where one fails, the tickets
+        still outstanding are answered first (`_drain_split`)."""
+        try:
+            for h in self.split_hosts:
+                h.serve()
+        except BaseException:
+            self._drain_split()
+            raise
+
     def _drain_split(self) -> None:
         """After a replay that failed on the host: answer every ticket its split layers still
         raise (their sums NaN) until the stream is done, so the GPU neither waits out its spin
         budget nor falls out of step with the host, then clear the words."""
-        hosts = [h for split in self.split_hosts for h in split]
-        if not hosts:
+        if not self.split_hosts:
             return
-        flags, y = hosts[0].flags.numpy(), hosts[0].y  # (one buffer a stage)
+        h = self.split_hosts[0]
+        flags, y = h.flags.numpy(), h.y  # (one buffer a stage)
         stream = torch.cuda.current_stream(self.device) if self.on_cuda else None
         while stream is not None and not stream.query():
             if flags[0] != flags[1]:
                 y.fill_(float("nan"))
                 flags[1] = flags[0]
         flags[:] = 0
-
-    def _piece_layers(self) -> list[range]:
-        """The stage's layer places whose experts run in each of `_decode_pieces`' pieces."""
-        eager = self.eager_hosts()
-        out, start = [], 0
-        for p in [p for p, la in enumerate(self.layers) if la.index in eager]:
-            out += [range(start, p), range(0)]
-            start = p + 1
-        return out + [range(start, len(self.layers))]
 
     def _decode_span(self, s: int, e: int, route: bool) -> None:
         """Decode's layers [s, e) of this stage (as `forward(1, None)` runs them); ``route``:
@@ -212,23 +214,16 @@ class DecodeGraph:
         self.buf["positions"][:1] += 1
 
     def replay(self) -> None:
-        """One decode step: the captured graph (or its pieces) launched, and the host's
-        answers to its split layers (their CPU share of the experts, while the GPU runs)."""
-        try:
-            if self.pieces:
-                for run, split in zip(self.pieces, self.split_hosts, strict=True):
-                    run()
-                    for h in split:
-                        h.serve()
-            elif self.graph is None:
-                self.decode_step()
-                return
-            else:
-                self.graph.replay()
-                for h in self.split_hosts[0]:
-                    h.serve()
-        except BaseException:
-            self._drain_split()
-            raise
+        """One decode step: the captured graph (or its pieces) launched, then the host's
+        answers to its split layers (`answer_split`)."""
+        if self.pieces:
+            for run in self.pieces:
+                run()
+        elif self.graph is None:
+            self.decode_step()
+            return
+        else:
+            self.graph.replay()
+            self.answer_split()
         for h in self.in_place_hosts:  # what the graph's in-place reads of host experts moved
             h.moved += h.row_bytes

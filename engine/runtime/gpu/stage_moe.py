@@ -155,6 +155,10 @@ class MoeLayers:
         """Seconds the CPU has spent computing the stage's host layers' experts."""
         return sum(h.cpu_s for h in self._hosts())
 
+    def host_wait_s(self) -> float:
+        """Seconds the host has waited for the GPU's rows of the stage's split layers."""
+        return sum(h.wait_s for h in self._hosts())
+
     def cache_hits(self) -> tuple[int, int]:
         """(hits, misses) of the stage's expert cache so far."""
         caches = [h.cache for h in self._hosts() if h.cache is not None]
