@@ -20,6 +20,8 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 from benchmarks.device_check import graph_time, nerr
 from carve_kernels import quant_matmul
@@ -299,6 +301,22 @@ def host_section(g, copy_bw, mm_rate, row):
         unpin(buf)
 
 
+@triton.jit
+def _ping_kernel(flags_ptr, y_ptr, out_ptr, E, READ: tl.constexpr, BLOCK: tl.constexpr):
+    # the hand-over's bare round trip: raise the ticket, spin for the answer (then read the
+    # host's sum, READ)
+    ticket = tl.load(flags_ptr + 1, volatile=True) + 1
+    tl.store(flags_ptr, ticket, cache_modifier=".wt")
+    answer = tl.load(flags_ptr + 1, volatile=True)
+    spins = 0
+    while (answer != ticket) & (spins < 1 << 18):
+        answer = tl.load(flags_ptr + 1, volatile=True)
+        spins += 1
+    if READ:
+        o = tl.arange(0, BLOCK)
+        tl.store(out_ptr + o, tl.load(y_ptr + o, mask=o < E, volatile=True), mask=o < E)
+
+
 def split_section(row, n: int = 32) -> None:
     """The hand-over of a decode row split between the GPU and the CPU (carve_kernels/
     host_split.py), alone: ``n`` publish + await pairs in one CUDA graph, the host answering
@@ -329,40 +347,65 @@ def split_section(row, n: int = 32) -> None:
     out = torch.zeros(e, device="cuda")
     f = flags.numpy()
 
-    def launch():
-        for _ in range(n):
-            host_split.publish(x, ids, w, hx, hids, hw, flags)
-            host_split.await_sum(flags, hy, out, accumulate=True)
+    def full(use_pdl=True, asm=True):
+        def launch():
+            for _ in range(n):
+                if asm:
+                    host_split.publish(x, ids, w, hx, hids, hw, flags, use_pdl=use_pdl)
+                    host_split.await_sum(flags, hy, out, accumulate=True, use_pdl=use_pdl)
+                else:  # the same kernels without their system-scope fences
+                    host_split._publish_kernel[(1,)](
+                        x, ids, w, hx, hids, hw, flags, e, c, BLOCK=host_split.PUBLISH_BLOCK,
+                        KB=2, ASM=False, PDL=True, launch_pdl=True)
+                    host_split._await_kernel[(e // host_split.AWAIT_BLOCK,)](
+                        flags, hy, out, e, 1 << 18, ACC=True,
+                        BLOCK=host_split.AWAIT_BLOCK, ASM=False, PDL=True, launch_pdl=True)
+        return launch
+
+    def ping(read_y):
+        def launch():
+            for _ in range(n):
+                _ping_kernel[(1,)](flags, hy, out, e, READ=read_y, BLOCK=2048)
+        return launch
 
     def answer():
+        # (a ticket that never comes, a variant without fences: given up after 2 s)
+        deadline = time.perf_counter() + 2.0
         for _ in range(n):
             while f[0] == f[1]:
-                pass
+                if time.perf_counter() > deadline:
+                    return
             f[1] = f[0]
 
-    launch()  # compiles; the launches are asynchronous, so the answers come after them
-    answer()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
     big, _ = new_host_arena(1 << 30, True)
     to = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     side = torch.cuda.Stream()
-    for label, busy in (("alone", False), ("beside a 1 GiB host-to-GPU copy", True)):
-        times = []
-        for _ in range(15):
-            if busy:
-                with torch.cuda.stream(side):
-                    to.copy_(big, non_blocking=True)
-            t0 = time.perf_counter()
-            graph.replay()
-            answer()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) / n)
-        sec = statistics.median(times)
-        ok = f[2] == 0 and f[0] == f[1]
-        row(f"host split hand-over {label}", sec, 0.0, note=f"{n} in a graph, in step={ok}")
+    variants = (("", full()), (" no PDL", full(use_pdl=False)), (" no fences", full(asm=False)),
+                (" ping only (ticket, spin)", ping(False)),
+                (" ping + read the sum", ping(True)))
+    for name, launch in variants:
+        flags.zero_()
+        launch()  # compiles; the launches are asynchronous, so the answers come after them
+        answer()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launch()
+        for label, busy in (("alone", False), ("beside a 1 GiB host-to-GPU copy", True)):
+            times = []
+            for _ in range(15):
+                if busy:
+                    with torch.cuda.stream(side):
+                        to.copy_(big, non_blocking=True)
+                t0 = time.perf_counter()
+                graph.replay()
+                answer()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) / n)
+            sec = statistics.median(times)
+            ok = f[2] == 0 and f[0] == f[1]
+            row(f"host split hand-over{name} {label}", sec, 0.0,
+                note=f"{n} in a graph, in step={ok}")
     torch.cuda.synchronize()  # the last copy done before its source is unpinned
     graph = to = None
     unpin(big)

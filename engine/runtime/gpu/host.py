@@ -37,7 +37,7 @@ import torch
 
 from engine.planning.arena import align_up
 from engine.planning.host import CPU_PREFIX, HOST_PURPOSES, tensor_cpu_layout
-from engine.runtime.models import cpu_experts, ops
+from engine.runtime.models import cpu_experts, cpu_native, ops
 from spec.errors import CarveError
 
 log = logging.getLogger("carve.engine")
@@ -365,6 +365,18 @@ class HostExperts:
             # copying the chosen experts in, so the GPU takes that layer's decode rows too)
             self.cpu_mats = [cpu_experts.host_matrix(model, n, spans[CPU_PREFIX + n], scratch)
                              for n in names]
+        # decode's split: the CPU's share multiplied from the file's bytes by the native
+        # library (cpu_native) where it has every type, else by torch on the CPU layouts
+        self.native: cpu_native.NativeExperts | None = None
+        if self.cpu_mats is not None and self.mats and not hp.swiglu_limit and \
+                p + "ffn_gate_exps.bias" not in spans:
+            types = tuple(m.ggml_type for m in self.mats)
+            lib = cpu_native.library() if cpu_native.supported(
+                types, hp.act, hp.n_embd, self.mats[0].rows) else None
+            if lib is not None:
+                self.native = cpu_native.NativeExperts(
+                    lib, [m.raw.view(-1) for m in self.mats], types, hp.n_embd,
+                    self.mats[0].rows, hp.n_expert, hp.n_expert_used, hp.act)
         self.biases = None
         self.bias_bytes: list[torch.Tensor] | None = None  # the raw host bytes (the Stream's)
         if p + "ffn_gate_exps.bias" in spans:
@@ -442,12 +454,9 @@ class HostExperts:
                                      f"{timeout_s:.0f} s (the decode step stopped)")
         t0 = time.perf_counter()
         self.wait_s += t0 - start
-        c, hp = self.cpu_share, self.hp
-        g, u, d = self.cpu_mats
         try:
-            y = ops.experts(self.x[:1].float(), self.ids[:1, :c].long(), self.w[:1, :c], g, u,
-                            d, hp.act, hp.swiglu_limit, self.biases)
-            self.y[:1].copy_(y)
+            self.cpu_row(self.x[0], self.ids[0, :self.cpu_share], self.w[0, :self.cpu_share],
+                         self.y[0])
         except BaseException:
             self.y[:1].fill_(float("nan"))
             flags[1] = flags[0]
@@ -458,6 +467,19 @@ class HostExperts:
             flags[2] = 0
             raise CarveError(f"host experts of layer {self.layer}: the GPU stopped waiting for "
                              "the CPU's share of a decode step; the host was too slow or busy")
+
+    def cpu_row(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                y: torch.Tensor) -> None:
+        """y [n_embd] float32 = one row's experts ``ids`` (int32 [c]) weighted by ``w``
+        (float32 [c]) of x [n_embd], on the CPU: the native library on the file's bytes, else
+        torch on the CPU layouts."""
+        if self.native is not None:
+            self.native.run(x.float(), ids, w, y)
+            return
+        g, u, d = self.cpu_mats
+        hp = self.hp
+        y.copy_(ops.experts(x.float().view(1, -1), ids.long().view(1, -1), w.view(1, -1), g, u,
+                            d, hp.act, hp.swiglu_limit, self.biases)[0])
 
     def read_in_place(self) -> None:
         """Have decode's kernels read this layer's experts where they lie: host memory the

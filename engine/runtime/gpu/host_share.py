@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from engine.runtime.gpu.host import HostExperts
-from engine.runtime.models import ops
 from spec.errors import CarveError
 
 log = logging.getLogger("carve.engine")
@@ -62,7 +61,8 @@ def split_shares(hp: Any, hosts: list[HostExperts], device: torch.device) -> dic
         rate = _copy_rate(split[0], device)
         cpu: dict[tuple, list[float]] = {}
         for h in split:
-            key = tuple((m.layout, m.rows, m.cols) for m in h.cpu_mats)
+            key = (h.native is not None, *((m.layout, m.rows, m.cols) for m in h.cpu_mats),
+                   *(m.ggml_type for m in h.mats))
             if key not in cpu:
                 cpu[key] = _cpu_times(hp, h)
             per = sum(m.raw.numel() // m.n_expert for m in h.mats)
@@ -99,18 +99,18 @@ def _copy_rate(h: HostExperts, device: torch.device) -> float:
 
 def _cpu_times(hp: Any, h: HostExperts) -> list[float]:
     """Seconds the CPU takes for 1..k of ``h``'s experts on one row (median of 3, random
-    distinct experts each time, after one untimed)."""
-    g, u, d = h.cpu_mats
+    distinct experts each time, after one untimed), as `HostExperts.serve` computes them."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, hp.n_embd, generator=gen)
+    x = torch.randn(hp.n_embd, generator=gen)
+    y = torch.empty(hp.n_embd)
     out = []
     for c in range(1, hp.n_expert_used + 1):
         times = []
         for rep in range(4):
-            ids = torch.randperm(hp.n_expert, generator=gen)[:c].view(1, c)
-            w = torch.full((1, c), 1.0 / c)
+            ids = torch.randperm(hp.n_expert, generator=gen)[:c].to(torch.int32)
+            w = torch.full((c,), 1.0 / c)
             t0 = time.perf_counter()
-            ops.experts(x, ids, w, g, u, d, hp.act, hp.swiglu_limit, h.biases)
+            h.cpu_row(x, ids, w, y)
             if rep:
                 times.append(time.perf_counter() - t0)
         out.append(sorted(times)[1])

@@ -1,0 +1,350 @@
+/* One decode row's routed experts on the CPU, read from the file's own blocks where they lie
+ * (engine/runtime/models/cpu_native.py builds this file with the machine's C compiler and
+ * loads it; DESIGN.md "Experts in host memory").
+ *
+ *   carve_experts(...): y = sum_j w[j] * down_e(act(gate_e x) * up_e x), e = ids[j]
+ *
+ * Every expert matrix is GGUF's [n_expert][rows][cols] of blocks (Q4_K, Q5_K, Q6_K, Q8_0).
+ * x and the GLU's output h are quantized to int8 per run of 32 (as llama.cpp's CPU does and
+ * as the GPU's decode kernels do), each block's products summed in integers, the rest in
+ * float32. One OpenMP region per call: the gate/up
+ * rows of all chosen experts shared among the threads, a barrier, then the down rows. */
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+/* ggml's type numbers */
+enum { T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+
+static float f16(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 113;
+            while (!(man & 1024)) {
+                man <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((man & 1023) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* x quantized as llama.cpp's q8_K copies are: per run of 256 values an int8 vector and one
+ * scale (max |x| / 127), and the integer sums of each 16 of them (the K-quants' min terms and
+ * Q6_K's offset), so that a block's products are summed in integers */
+typedef struct {
+    const int8_t *q;     /* n values */
+    const float *d;      /* n / 256 scales */
+    const int32_t *s16;  /* n / 16 sums of q */
+} qx_t;
+
+static void quantize(const float *x, int n, int8_t *q, float *d, int32_t *s16) {
+    for (int g = 0; g < n / 256; g++) {
+        const float *v = x + 256 * g;
+        float amax = 0.0f;
+        for (int l = 0; l < 256; l++) {
+            float a = fabsf(v[l]);
+            amax = a > amax ? a : amax;
+        }
+        float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
+        for (int l = 0; l < 256; l++)
+            q[256 * g + l] = (int8_t)lrintf(v[l] * id);
+        d[g] = dd;
+    }
+    for (int g = 0; g < n / 16; g++) {
+        int32_t t = 0;
+        for (int l = 0; l < 16; l++)
+            t += q[16 * g + l];
+        s16[g] = t;
+    }
+}
+
+/* Q4_K / Q5_K: the 6-bit scales and mins of a block's 8 sub-blocks */
+static void scales_mins(const uint8_t *s, int32_t *sc, int32_t *m) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        m[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+        m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+#ifdef __AVX2__
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 32 unsigned bytes (< 64) times 32 int8, each pair's sum times its 16-bit scale (sc: 16
+ * int16, one per pair) -> 8 int32 */
+static inline __m256i udot_scaled(__m256i u, const int8_t *q, __m256i sc) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)q)),
+                             sc);
+}
+#endif
+
+/* the dot product of one row of n values with x (quantized) */
+static float dot_q4_k(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+#ifdef __AVX2__
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 vacc = _mm256_setzero_ps();
+#endif
+    for (int i = 0; i < n / 256; i++, b += 144) {
+        const uint8_t *q = b + 16;
+        const int8_t *xq = x.q + 256 * i;
+        const int32_t *s16 = x.s16 + 16 * i;
+        int32_t sc[8], m[8], mins = 0;
+        scales_mins(b + 4, sc, m);
+        for (int j = 0; j < 8; j++)
+            mins += m[j] * (s16[2 * j] + s16[2 * j + 1]);
+        float d = f16(b) * x.d[i];
+        acc -= f16(b + 2) * x.d[i] * (float)mins;
+#ifdef __AVX2__
+        __m256i iacc = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i qv = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+            __m256i lo = _mm256_and_si256(qv, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);
+            iacc = _mm256_add_epi32(iacc, udot_scaled(lo, xq + 64 * c,
+                                                      _mm256_set1_epi16((short)sc[2 * c])));
+            iacc = _mm256_add_epi32(iacc, udot_scaled(hi, xq + 64 * c + 32,
+                                                      _mm256_set1_epi16((short)sc[2 * c + 1])));
+        }
+        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(d), vacc);
+#else
+        int32_t isum = 0;
+        for (int c = 0; c < 4; c++) {
+            int32_t lo = 0, hi = 0;
+            for (int l = 0; l < 32; l++) {
+                lo += (int32_t)(q[32 * c + l] & 15) * (int32_t)xq[64 * c + l];
+                hi += (int32_t)(q[32 * c + l] >> 4) * (int32_t)xq[64 * c + 32 + l];
+            }
+            isum += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+        }
+        acc += d * (float)isum;
+#endif
+    }
+#ifdef __AVX2__
+    acc += hsum8(vacc);
+#endif
+    return acc;
+}
+
+static float dot_q5_k(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n / 256; i++, b += 176) {
+        const uint8_t *qh = b + 16, *q = b + 48;
+        const int8_t *xq = x.q + 256 * i;
+        const int32_t *s16 = x.s16 + 16 * i;
+        int32_t sc[8], m[8], mins = 0, isum = 0;
+        scales_mins(b + 4, sc, m);
+        for (int c = 0; c < 4; c++) {
+            int32_t lo = 0, hi = 0;
+            for (int l = 0; l < 32; l++) {
+                lo += (int32_t)((q[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4))
+                      * (int32_t)xq[64 * c + l];
+                hi += (int32_t)((q[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4))
+                      * (int32_t)xq[64 * c + 32 + l];
+            }
+            isum += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+        }
+        for (int j = 0; j < 8; j++)
+            mins += m[j] * (s16[2 * j] + s16[2 * j + 1]);
+        acc += x.d[i] * (f16(b) * (float)isum - f16(b + 2) * (float)mins);
+    }
+    return acc;
+}
+
+static float dot_q6_k(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+#ifdef __AVX2__
+    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    __m256 vacc = _mm256_setzero_ps();
+#endif
+    for (int i = 0; i < n / 256; i++, b += 210) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192), *xq = x.q + 256 * i;
+        const int32_t *s16 = x.s16 + 16 * i;
+        float d = f16(b + 208) * x.d[i];
+        int32_t off = 0;  /* the values' offset of -32: 32 * sum of scale * q over each 16 */
+        for (int g = 0; g < 16; g++)
+            off += sc[g] * s16[g];
+        acc -= 32.0f * d * (float)off;
+#ifdef __AVX2__
+        __m256i iacc = _mm256_setzero_si256();
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *l0 = ql + 64 * half, *h0 = qh + 32 * half;
+            const int8_t *s = sc + 8 * half, *xh = xq + 128 * half;
+            __m256i a = _mm256_loadu_si256((const __m256i *)l0);
+            __m256i c = _mm256_loadu_si256((const __m256i *)(l0 + 32));
+            __m256i h = _mm256_loadu_si256((const __m256i *)h0);
+            __m256i v[4];
+            v[0] = _mm256_or_si256(_mm256_and_si256(a, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
+            v[1] = _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_slli_epi16(
+                _mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4));
+            v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
+                                   _mm256_slli_epi16(
+                                       _mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4));
+            v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
+                                   _mm256_slli_epi16(
+                                       _mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4));
+            for (int r = 0; r < 4; r++) {
+                __m256i scv = _mm256_set_m128i(_mm_set1_epi16(s[2 * r + 1]),
+                                               _mm_set1_epi16(s[2 * r]));
+                iacc = _mm256_add_epi32(iacc, udot_scaled(v[r], xh + 32 * r, scv));
+            }
+        }
+        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(d), vacc);
+#else
+        int32_t isum = 0;
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *l0 = ql + 64 * half, *h0 = qh + 32 * half;
+            const int8_t *s = sc + 8 * half, *xh = xq + 128 * half;
+            for (int l = 0; l < 32; l++) {
+                int g = l / 16;
+                isum += s[g] * (int32_t)((l0[l] & 15) | (((h0[l] >> 0) & 3) << 4)) * xh[l];
+                isum += s[g + 2] * (int32_t)((l0[l + 32] & 15) | (((h0[l] >> 2) & 3) << 4))
+                        * xh[l + 32];
+                isum += s[g + 4] * (int32_t)((l0[l] >> 4) | (((h0[l] >> 4) & 3) << 4))
+                        * xh[l + 64];
+                isum += s[g + 6] * (int32_t)((l0[l + 32] >> 4) | (((h0[l] >> 6) & 3) << 4))
+                        * xh[l + 96];
+            }
+        }
+        acc += d * (float)isum;
+#endif
+    }
+#ifdef __AVX2__
+    acc += hsum8(vacc);
+#endif
+    return acc;
+}
+
+static float dot_q8_0(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n / 32; i++, b += 34) {
+        const int8_t *q = (const int8_t *)(b + 2), *xq = x.q + 32 * i;
+        int32_t s = 0;
+        for (int l = 0; l < 32; l++)
+            s += (int32_t)q[l] * (int32_t)xq[l];
+        acc += f16(b) * x.d[i / 8] * (float)s;
+    }
+    return acc;
+}
+
+static size_t row_bytes(int type, int n) {
+    switch (type) {
+    case T_Q4_K: return (size_t)n / 256 * 144;
+    case T_Q5_K: return (size_t)n / 256 * 176;
+    case T_Q6_K: return (size_t)n / 256 * 210;
+    case T_Q8_0: return (size_t)n / 32 * 34;
+    default: return 0;
+    }
+}
+
+static float dot(int type, const uint8_t *b, qx_t x, int n) {
+    switch (type) {
+    case T_Q4_K: return dot_q4_k(b, x, n);
+    case T_Q5_K: return dot_q5_k(b, x, n);
+    case T_Q6_K: return dot_q6_k(b, x, n);
+    default: return dot_q8_0(b, x, n);
+    }
+}
+
+static int block_ok(int type, int n) {
+    return row_bytes(type, n) != 0 && n % 256 == 0;  /* (x quantized per 256) */
+}
+
+/* a vector of n values quantized, in scratch: its int8 values, its per-256 scales, then its
+ * per-16 integer sums */
+static size_t qx_bytes(int n) {
+    return (size_t)n + (size_t)n / 256 * 4 + (size_t)n / 16 * 4;
+}
+
+static qx_t qx_at(uint8_t *p, int n) {
+    qx_t x = {(const int8_t *)p, (const float *)(p + n), (const int32_t *)(p + n + n / 64)};
+    return x;
+}
+
+static void qx_fill(uint8_t *p, const float *v, int n) {
+    quantize(v, n, (int8_t *)p, (float *)(p + n), (int32_t *)(p + n + n / 64));
+}
+
+/* The scratch bytes carve_experts needs for k experts (aligned to 64 per part). */
+size_t carve_scratch_bytes(int n_embd, int n_ff, int k) {
+    size_t a = (qx_bytes(n_embd) + 63) / 64 * 64, h = ((size_t)k * n_ff * 4 + 63) / 64 * 64;
+    size_t hq = ((qx_bytes(n_ff) + 63) / 64 * 64) * (size_t)k;
+    return a + h + hq;
+}
+
+/* Returns 0; -1 where a type or size is not one this file multiplies, -2 where an id is not
+ * below n_expert (nothing written either way). act: 0 SiLU, 1 tanh GELU. scratch: at least
+ * carve_scratch_bytes(n_embd, n_ff, c), 64-byte aligned. threads: the OpenMP threads. */
+int carve_experts(int n_embd, int n_ff, int n_expert, int c, const float *x,
+                  const int32_t *ids, const float *w, const uint8_t *gate, int gate_type,
+                  const uint8_t *up, int up_type, const uint8_t *down, int down_type, int act,
+                  uint8_t *scratch, float *y, int threads) {
+    if (!block_ok(gate_type, n_embd) || !block_ok(up_type, n_embd) ||
+        !block_ok(down_type, n_ff) || act < 0 || act > 1 || c < 0)
+        return -1;
+    for (int j = 0; j < c; j++)
+        if (ids[j] < 0 || ids[j] >= n_expert)
+            return -2;
+    size_t gr = row_bytes(gate_type, n_embd), ur = row_bytes(up_type, n_embd);
+    size_t dr = row_bytes(down_type, n_ff);
+    size_t xb = (qx_bytes(n_embd) + 63) / 64 * 64, hqb = (qx_bytes(n_ff) + 63) / 64 * 64;
+    uint8_t *xp = scratch, *hqp = scratch + xb + ((size_t)c * n_ff * 4 + 63) / 64 * 64;
+    float *h = (float *)(scratch + xb);
+    qx_fill(xp, x, n_embd);
+    qx_t xq = qx_at(xp, n_embd);
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+#pragma omp for schedule(static)
+        for (long i = 0; i < (long)c * n_ff; i++) {
+            long j = i / n_ff, r = i % n_ff, e = ids[j];
+            const uint8_t *gb = gate + ((size_t)e * n_ff + r) * gr;
+            const uint8_t *ub = up + ((size_t)e * n_ff + r) * ur;
+            float g = dot(gate_type, gb, xq, n_embd), u = dot(up_type, ub, xq, n_embd);
+            float a;
+            if (act == 0) {
+                a = g / (1.0f + expf(-g));
+            } else {
+                a = 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+            }
+            h[i] = a * u;
+        }
+#pragma omp for schedule(static)
+        for (long j = 0; j < c; j++)
+            qx_fill(hqp + j * hqb, h + j * n_ff, n_ff);
+#pragma omp for schedule(static)
+        for (long r = 0; r < n_embd; r++) {
+            float s = 0.0f;
+            for (long j = 0; j < c; j++) {
+                const uint8_t *db = down + ((size_t)ids[j] * n_embd + r) * dr;
+                s += w[j] * dot(down_type, db, qx_at(hqp + j * hqb, n_ff), n_ff);
+            }
+            y[r] = s;
+        }
+    }
+    return 0;
+}
