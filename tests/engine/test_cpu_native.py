@@ -75,6 +75,8 @@ def test_refuses_bad_input():
         cpu_native.NativeExperts(LIB, mats, (qt.Q4_0,) * 3, N_EMBD, N_FF, N_EXPERT, 2, "silu")
     assert not cpu_native.supported((qt.Q4_K,) * 3, "silu", N_EMBD, N_FF, clamped=True)
     assert not cpu_native.supported((qt.Q4_K,) * 3, "silu", 2880, N_FF)  # not whole 256s
+    # (Q8_0 too: x is quantized per 256, whatever the block)
+    assert not cpu_native.supported((qt.Q8_0,) * 3, "silu", 288, N_FF)
 
 
 def test_build_failure_is_reported(tmp_path, monkeypatch):

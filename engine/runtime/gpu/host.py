@@ -368,11 +368,11 @@ class HostExperts:
         # decode's split: the CPU's share multiplied from the file's bytes by the native
         # library (cpu_native) where it has every type, else by torch on the CPU layouts
         self.native: cpu_native.NativeExperts | None = None
-        if self.cpu_mats is not None and self.mats and not hp.swiglu_limit and \
-                p + "ffn_gate_exps.bias" not in spans:
+        if self.cpu_mats is not None and self.mats:
             types = tuple(m.ggml_type for m in self.mats)
             lib = cpu_native.library() if cpu_native.supported(
-                types, hp.act, hp.n_embd, self.mats[0].rows) else None
+                types, hp.act, hp.n_embd, self.mats[0].rows, clamped=bool(hp.swiglu_limit),
+                biases=p + "ffn_gate_exps.bias" in spans) else None
             if lib is not None:
                 self.native = cpu_native.NativeExperts(
                     lib, [m.raw.view(-1) for m in self.mats], types, hp.n_embd,

@@ -5,10 +5,10 @@
  *   carve_experts(...): y = sum_j w[j] * down_e(act(gate_e x) * up_e x), e = ids[j]
  *
  * Every expert matrix is GGUF's [n_expert][rows][cols] of blocks (Q4_K, Q5_K, Q6_K, Q8_0).
- * x and the GLU's output h are quantized to int8 per run of 32 (as llama.cpp's CPU does and
- * as the GPU's decode kernels do), each block's products summed in integers, the rest in
- * float32. One OpenMP region per call: the gate/up
- * rows of all chosen experts shared among the threads, a barrier, then the down rows. */
+ * x and the GLU's output h are quantized to int8 per run of 256 (as llama.cpp's CPU does),
+ * each block's products summed in integers, the rest in float32. One OpenMP region per call:
+ * the gate/up rows of all chosen experts shared among the threads, a barrier, then the down
+ * rows. */
 
 #include <math.h>
 #include <stddef.h>
@@ -75,14 +75,19 @@ static void quantize(const float *x, int n, int8_t *q, float *d, int32_t *s16) {
     }
 }
 
-/* Q4_K / Q5_K: the 6-bit scales and mins of a block's 8 sub-blocks */
-static void scales_mins(const uint8_t *s, int32_t *sc, int32_t *m) {
+/* Q4_K / Q5_K: a block's 8 six-bit sub-block scales into sc; returns the sum of its 6-bit
+ * mins times x's sums over each sub-block (s16: x's 16 sums of 16 for the block) */
+static int32_t scales_mins(const uint8_t *s, const int32_t *s16, int32_t *sc) {
+    int32_t m[8], mins = 0;
     for (int j = 0; j < 4; j++) {
         sc[j] = s[j] & 63;
         m[j] = s[j + 4] & 63;
         sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
         m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
     }
+    for (int j = 0; j < 8; j++)
+        mins += m[j] * (s16[2 * j] + s16[2 * j + 1]);
+    return mins;
 }
 
 #ifdef __AVX2__
@@ -111,11 +116,7 @@ static float dot_q4_k(const uint8_t *b, qx_t x, int n) {
     for (int i = 0; i < n / 256; i++, b += 144) {
         const uint8_t *q = b + 16;
         const int8_t *xq = x.q + 256 * i;
-        const int32_t *s16 = x.s16 + 16 * i;
-        int32_t sc[8], m[8], mins = 0;
-        scales_mins(b + 4, sc, m);
-        for (int j = 0; j < 8; j++)
-            mins += m[j] * (s16[2 * j] + s16[2 * j + 1]);
+        int32_t sc[8], mins = scales_mins(b + 4, x.s16 + 16 * i, sc);
         float d = f16(b) * x.d[i];
         acc -= f16(b + 2) * x.d[i] * (float)mins;
 #ifdef __AVX2__
@@ -154,9 +155,7 @@ static float dot_q5_k(const uint8_t *b, qx_t x, int n) {
     for (int i = 0; i < n / 256; i++, b += 176) {
         const uint8_t *qh = b + 16, *q = b + 48;
         const int8_t *xq = x.q + 256 * i;
-        const int32_t *s16 = x.s16 + 16 * i;
-        int32_t sc[8], m[8], mins = 0, isum = 0;
-        scales_mins(b + 4, sc, m);
+        int32_t sc[8], mins = scales_mins(b + 4, x.s16 + 16 * i, sc), isum = 0;
         for (int c = 0; c < 4; c++) {
             int32_t lo = 0, hi = 0;
             for (int l = 0; l < 32; l++) {
@@ -167,8 +166,6 @@ static float dot_q5_k(const uint8_t *b, qx_t x, int n) {
             }
             isum += sc[2 * c] * lo + sc[2 * c + 1] * hi;
         }
-        for (int j = 0; j < 8; j++)
-            mins += m[j] * (s16[2 * j] + s16[2 * j + 1]);
         acc += x.d[i] * (f16(b) * (float)isum - f16(b + 2) * (float)mins);
     }
     return acc;

@@ -6,8 +6,9 @@ torch has no CPU product over GGUF's blocks, so `cpu_experts` repacks the expert
 it has (int4, or 16-bit floats for Q6_K: 2.4x the file's bytes) and runs one torch call per
 product: three a routed expert, each waking the thread pool. This library takes a layer's
 whole share of a row in one call (gate/up of every chosen expert shared among the threads,
-then the down rows, float32 throughout), reading Q4_K, Q5_K, Q6_K and Q8_0 blocks where they
-lie (the host span the GPU reads in place).
+then the down rows; x and the GLU's output quantized to int8 per 256 values as llama.cpp's CPU
+does, each block summed in integers), reading Q4_K, Q5_K, Q6_K and Q8_0 blocks where they lie
+(the host span the GPU reads in place), on rows and columns of whole 256s.
 
 The library is built into ``$XDG_CACHE_HOME/carve/native/`` under a name from the source's
 and the compiler command's hash (``-O3 -march=native -fopenmp``), so a changed source or a
@@ -19,6 +20,7 @@ torch's path (`ops.experts` on the CPU layouts).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -41,7 +43,6 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 TYPES = frozenset({qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q8_0})
 ACTS = {"silu": 0, "gelu": 1}
 
-_LIB: list[Any] = []  # [library or None], decided once per process
 
 
 def _compiler() -> str | None:
@@ -81,37 +82,34 @@ def build(out_dir: Path | None = None) -> Path:
     return path
 
 
+@functools.cache
 def library() -> Any | None:
     """The loaded library, or None where ``CARVE_NATIVE=0``, no compiler is found or the
     build fails (said once in the log). Built and loaded once per process."""
-    if not _LIB:
-        lib = None
-        if os.environ.get("CARVE_NATIVE", "1").strip() != "0":
-            try:
-                lib = ctypes.CDLL(str(build()))
-                lib.carve_experts.restype = ctypes.c_int
-                lib.carve_experts.argtypes = (
-                    [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3
-                    + [ctypes.c_void_p, ctypes.c_int] * 3 + [ctypes.c_int]
-                    + [ctypes.c_void_p] * 2 + [ctypes.c_int])
-                lib.carve_scratch_bytes.restype = ctypes.c_size_t
-                lib.carve_scratch_bytes.argtypes = [ctypes.c_int] * 3
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                log.warning("host experts: the CPU's native expert kernel is not available "
-                            "(%s); torch's path is used instead", e)
-                lib = None
-        _LIB.append(lib)
-    return _LIB[0]
+    if os.environ.get("CARVE_NATIVE", "1").strip() == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("host experts: the CPU's native expert kernel is not available (%s); "
+                    "torch's path is used instead", e)
+        return None
+    lib.carve_experts.restype = ctypes.c_int
+    lib.carve_experts.argtypes = (
+        [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_void_p, ctypes.c_int] * 3
+        + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+    lib.carve_scratch_bytes.restype = ctypes.c_size_t
+    lib.carve_scratch_bytes.argtypes = [ctypes.c_int] * 3
+    return lib
 
 
 def supported(types: tuple[int, int, int], act: str, n_embd: int, n_ff: int,
               clamped: bool = False, biases: bool = False) -> bool:
     """Whether the library multiplies experts of these (gate, up, down) types and sizes with
-    this activation (gpt-oss's clamped SwiGLU and expert biases: not)."""
-    block = {qt.Q8_0: 32}
+    this activation: its types, widths of whole 256s (x is quantized per 256, as cpu_native.c's
+    ``block_ok`` checks); gpt-oss's clamped SwiGLU and expert biases not."""
     return (all(t in TYPES for t in types) and act in ACTS and not clamped and not biases
-            and n_embd % block.get(types[0], 256) == 0 and n_embd % block.get(types[1], 256) == 0
-            and n_ff % block.get(types[2], 256) == 0)
+            and n_embd % 256 == 0 and n_ff % 256 == 0)
 
 
 class NativeExperts:
@@ -123,14 +121,14 @@ class NativeExperts:
                  n_embd: int, n_ff: int, n_expert: int, k: int, act: str) -> None:
         if not supported(types, act, n_embd, n_ff):
             raise ValueError(f"native experts: types {types} / {act} not multiplied")
-        self.lib, self.mats, self.types = lib, [m.contiguous() for m in mats], types
+        if not all(m.is_contiguous() for m in mats):
+            raise ValueError("native experts: the expert bytes must be contiguous")
+        self.lib, self.mats, self.types = lib, mats, types
         self.n_embd, self.n_ff, self.n_expert, self.act = n_embd, n_ff, n_expert, ACTS[act]
         self.k = k
         # (64-byte aligned: torch's CPU allocations are)
         self.scratch = torch.empty(int(lib.carve_scratch_bytes(n_embd, n_ff, k)),
                                    dtype=torch.uint8)
-        if any(m.data_ptr() != t.data_ptr() for m, t in zip(self.mats, mats, strict=True)):
-            raise ValueError("native experts: the expert bytes must be contiguous")
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
             threads: int | None = None) -> None:
