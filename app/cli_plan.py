@@ -300,9 +300,10 @@ def runner_line(plan: Any, model: Any) -> str:
 # how a placement line says where host experts run (Plan.host_compute)
 HOST_RUN = {"gpu": "read by the GPU over PCIe when routed",
             "cpu": "computed by the CPU, in its own layouts",
-            "both": "split for decode between the CPU (in its own layouts, beside the file's "
-                    "bytes) and the GPU (over PCIe), the share timed at load; copied to the GPU "
-                    "for prefill"}
+            "both": "split for decode between the CPU (from the file's bytes where its native "
+                    "kernel reads their types, else from layouts of its own beside them) and "
+                    "the GPU (over PCIe), the share timed at load; copied to the GPU for "
+                    "prefill"}
 
 
 def pcie_line(device: Any, nbytes: int, split: bool = False) -> str:

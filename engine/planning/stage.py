@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from engine.hardware import native
 from engine.hardware.calibration import overhead_for
 from engine.hardware.devices import DeviceSpec
 from engine.planning.arena import (
@@ -78,6 +79,9 @@ class StageKey:
     resident: int = ALL_RESIDENT  # MoE layers whose experts stay in VRAM (the stage's first)
     slots: int = 0  # VRAM expert-cache slots
     host_compute: str = "gpu"  # where host layers' experts run (Plan.host_compute)
+    # host_compute "both": this machine runs the CPU's native expert kernel
+    # (engine.hardware.native), so a host layer it covers keeps no CPU layout
+    native: bool = False
 
 
 def stage_key(plan: Plan, i: int, **over: Any) -> StageKey:
@@ -97,6 +101,7 @@ def stage_key(plan: Plan, i: int, **over: Any) -> StageKey:
         "resident": plan.resident(i),
         "slots": plan.slots(i),
         "host_compute": plan.host_compute,
+        "native": plan.host_compute == "both" and native.available(),
     }
     kw.update(over)
     return StageKey(**kw)
@@ -259,11 +264,28 @@ def _host_buffer_specs(idx: ModelIndex, k: StageKey) -> list[Any]:
     )
 
 
+def native_covers(idx: ModelIndex, reqs: list[Request]) -> bool:
+    """Whether the CPU's native kernel (engine.hardware.native) multiplies the layer whose
+    expert tensors are ``reqs`` straight from the file's bytes: gate, up and down of its
+    types and sizes, the model's activation, no clamp, no biases."""
+    weights = {name.split(".")[-2]: (type_id(dt), shape) for name, _, dt, shape in reqs
+               if name.endswith(".weight")}
+    parts = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    if sorted(weights) != sorted(parts):
+        return False
+    hp = idx.hp
+    return native.supported(
+        tuple(weights[n][0] for n in parts), hp.act, hp.n_embd, weights[parts[0]][1][1],
+        clamped=bool(hp.swiglu_limit), biases=any(not r[0].endswith(".weight") for r in reqs))
+
+
 def host_expert_requests(idx: ModelIndex, k: StageKey) -> list[Request]:
     """The host layers' expert spans of a stage, in file order: where the GPU computes them
     (host_compute "gpu"), the file's bytes (what the GPU's kernels read); where the CPU does
     ("cpu"), each in its CPU layout (`host.cpu_bytes`; the file's bytes where there is none);
-    "both": the file's bytes, and beside each that has a CPU layout a span "cpu.<name>"."""
+    "both": the file's bytes, and beside each that has a CPU layout a span "cpu.<name>",
+    unless the CPU's native kernel reads the layer's file bytes itself (k.native,
+    `native_covers`)."""
     cut = host_cut(idx, k)
 
     def build() -> list[Request]:
@@ -272,10 +294,11 @@ def host_expert_requests(idx: ModelIndex, k: StageKey) -> list[Request]:
             reqs = [r for r in idx.layer_requests[i] if is_expert(r[0])]
             layouts = [tensor_cpu_layout(name, type_id(dt), shape) for name, _, dt, shape in reqs]
             # "both" keeps CPU copies of a layer only when every expert matrix has a layout
-            # (the runner sends a layer with any other to the GPU for decode too)
+            # (the runner sends a layer with any other to the GPU for decode too) and the
+            # native kernel does not cover it
             both = k.host_compute == "both" and all(
                 lay != "file" for (name, *_), lay in zip(reqs, layouts, strict=True)
-                if name.endswith(".weight"))
+                if name.endswith(".weight")) and not (k.native and native_covers(idx, reqs))
             for (name, nb, dt, shape), lay in zip(reqs, layouts, strict=True):
                 cpu = cpu_bytes(name, type_id(dt), shape, nb)
                 out.append((name, cpu if k.host_compute == "cpu" else nb, dt, shape))
@@ -283,7 +306,7 @@ def host_expert_requests(idx: ModelIndex, k: StageKey) -> list[Request]:
                     out.append((CPU_PREFIX + name, cpu, dt, shape))
         return out
 
-    return _memo((idx.token, "hostreq", cut, k.hi, k.host_compute), build)
+    return _memo((idx.token, "hostreq", cut, k.hi, k.host_compute, k.native), build)
 
 
 def host_terms(idx: ModelIndex, k: StageKey) -> dict[str, int]:

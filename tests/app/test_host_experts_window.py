@@ -146,7 +146,8 @@ def test_host_experts_computed_by_the_cpu_from_the_window(qtbot, plan) -> None:
     assert plan.layout.plan.expert_slots == (8,)
     plan.apply_settings(saved)
     assert plan.host_compute == "cpu" and settings.host_combo.currentData() == "cpu"
-    # both: the staging span again (prefill), the CPU's layouts beside the file's bytes
+    # both: the staging span again (prefill), the file's bytes (and where this machine has no
+    # native kernel, the CPU's layouts beside them)
     settings.host_combo.setCurrentIndex(settings.host_combo.findData("both"))
     lay = plan.layout
     assert lay.plan.host_compute == "both" and not settings.slots_spin.isEnabled()

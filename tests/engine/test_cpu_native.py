@@ -1,4 +1,4 @@
-"""The CPU's native expert kernel (engine/runtime/models/cpu_native.c): a row's routed experts
+"""The CPU's native expert kernel (engine/hardware/native_experts.c): a row's routed experts
 from the file's blocks, against gguf's own dequantizer in float64."""
 
 import numpy as np

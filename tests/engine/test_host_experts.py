@@ -6,12 +6,15 @@ anything is allocated. Without a GPU the runner runs under TRITON_INTERPRET=1.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from gpu_compare import rel
 from test_gpu_moe import SHAPES
 
 from engine.gguf.reader import GGUFModel
+from engine.hardware import native
 from engine.hardware.devices import DeviceSpec
 from engine.planning.host import cpu_layout
 from engine.planning.plan import Plan
@@ -411,6 +414,83 @@ def test_both_splits_each_decode_row_between_the_cpu_and_the_gpu(files, monkeypa
                 g.forward([steps[0]], g.kv.n_past, "last")
             f = hosts[0].flags.tolist()
             assert f[0] == f[1] and f[2] == 0
+    finally:
+        g.close()
+
+
+# qwen3moe at the native kernel's widths (whole 256s): its Q4_K / Q6_K experts need no CPU layout
+WIDE = replace(SHAPES["qwen3moe"], n_embd=256)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> str:
+    return str(write_model(tmp_path_factory.mktemp("wide") / "qwen3moe.gguf", WIDE,
+                           "q4_k_m")[0])
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler to build the native kernel")
+@pytest.mark.parametrize("share", [1, 2])
+def test_both_runs_the_cpu_share_natively_from_the_file_bytes(wide, monkeypatch,
+                                                              share) -> None:
+    """qwen3moe at widths of 256, host_compute "both" where the CPU's native kernel is built:
+    the plan pins the host layers' file bytes alone (no cpu.<name> span), and each decode
+    row's first ``share`` routed experts are multiplied by the kernel from those bytes (the
+    span the GPU reads in place) while the GPU reads the rest; prefill copies the layer whole.
+    Against every expert in VRAM: the same greedy ids, the logits within the kernel's int8
+    activations' rounding."""
+    monkeypatch.setenv("CARVE_CPU_EXPERTS", str(share))
+    prompt, steps = ids(12), ids(3, 1)
+    ref = all_in_vram(wide, prompt, steps)
+    model_file = GGUFModel.open(wide)
+    pl = plan(wide, resident=(0,), host_compute="both")
+    layout = price(pl, model_file)
+    d = layout.devices[0]
+    held = {s.name for a in d.host_arenas for s in a.spans}
+    assert not any(n.startswith("cpu.") for n in held)
+    assert d.terms["host_experts"] == sum(t.nbytes for t in model_file.tensors
+                                          if "_exps." in t.name)
+    g = GpuSession.load(pl, devices=[DEV], remember=False, model=model_file)
+    try:
+        (rep,) = g.pipe.report
+        assert rep["host_priced"] == rep["host_allocated"] == d.host
+        st = g.pipe.stages[0]
+        hosts = [la.ffn.host for la in st.layers]
+        assert st.cpu_shares == {0: share, 1: share}
+        for h in hosts:
+            assert h.native is not None and h.cpu_mats is None and h.split
+            assert h.native.mats[0].data_ptr() == h.mats[0].raw.data_ptr()
+        cpu_s = [h.cpu_s for h in hosts]
+        got = run(g, prompt, steps)
+        assert_agree(got, ref, f"both, {share} of 2 natively on the CPU vs VRAM",
+                     max(BOUND, 1e-2))
+        assert all(h.cpu_s > c for h, c in zip(hosts, cpu_s, strict=True))
+        assert all(h.flags[0] == h.flags[1] for h in hosts)  # every ticket answered
+    finally:
+        g.close()
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler to build the native kernel")
+def test_both_without_the_kernel_at_load_leaves_decode_to_the_gpu(wide, monkeypatch,
+                                                                  caplog) -> None:
+    """A plan priced where the native kernel is built, loaded where it cannot run (here: the
+    runner's copy refused): no layer is split, one log line says why, and the GPU reads
+    every routed expert in place: the same greedy ids as all in VRAM."""
+    from engine.runtime.models import cpu_native
+
+    monkeypatch.setenv("CARVE_CPU_EXPERTS", "2")
+    prompt, steps = ids(12), ids(2, 1)
+    ref = all_in_vram(wide, prompt, steps)
+    monkeypatch.setattr(cpu_native, "library", lambda: None)
+    g = GpuSession.load(plan(wide, resident=(0,), host_compute="both"), devices=[DEV],
+                        remember=False)
+    try:
+        st = g.pipe.stages[0]
+        hosts = [la.ffn.host for la in st.layers]
+        assert st.cpu_shares == {}
+        assert all(not h.cpu_ready and not h.split and h.in_place is not None for h in hosts)
+        assert "the CPU cannot compute layer(s) 0,1" in caplog.text
+        assert_agree(run(g, prompt, steps), ref, "both without the kernel vs VRAM")
+        assert all(h.cpu_s == 0 for h in hosts)
     finally:
         g.close()
 

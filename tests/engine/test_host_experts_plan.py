@@ -12,6 +12,7 @@ import pytest
 from app.cli_plan import main as plan_main
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import GGUFModel
+from engine.hardware import native
 from engine.hardware.devices import DeviceSpec
 from engine.planning.arena import align_up
 from engine.planning.carve import is_expert, model_index
@@ -21,7 +22,7 @@ from engine.planning.layout import PURPOSES, TERMS, Layout, human
 from engine.planning.plan import Plan
 from engine.planning.price import price
 from engine.planning.rules import Verdict
-from engine.planning.stage import stage_key, stage_need
+from engine.planning.stage import native_covers, stage_key, stage_need
 from engine.synth.header import HeaderModel
 from engine.synth.shapes import SHAPES
 from spec.errors import CarveError
@@ -62,9 +63,12 @@ def test_plan_placement_validates_and_round_trips() -> None:
 
 
 @pytest.mark.parametrize("arena", ["packed", "per-tensor"])
-def test_host_layers_leave_vram_and_are_billed_on_the_host(synth_model, arena) -> None:
+def test_host_layers_leave_vram_and_are_billed_on_the_host(synth_model, arena,
+                                                           monkeypatch) -> None:
     """qwen3moe-tiny (4 MoE layers) on two GPUs: GPU 0 keeps 1 of its 2 MoE layers' experts in
-    VRAM, GPU 1 none; every term exact against the tensor table."""
+    VRAM, GPU 1 none; every term exact against the tensor table. "both" without the CPU's
+    native kernel (CARVE_NATIVE=0) keeps the CPU's layouts beside the file's bytes."""
+    monkeypatch.setenv("CARVE_NATIVE", "0")
     model = GGUFModel.open(synth_model("qwen3moe-tiny"))
     hp_e = HParams.from_model(model).n_expert
     devs = (gpu(0, 4000), gpu(1, 4000))
@@ -143,6 +147,41 @@ def test_host_layers_leave_vram_and_are_billed_on_the_host(synth_model, arena) -
         replace(plan, host_compute="tpu")
     again = Layout.from_json(json.loads(json.dumps(layout.to_json())))
     assert again.host == layout.host and again.devices[1].host == layout.devices[1].host
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler to build the native kernel")
+def test_both_keeps_no_cpu_layout_where_the_native_kernel_reads_the_file(synth_model,
+                                                                         monkeypatch) -> None:
+    """qwen3moe-tiny's Q4_K / Q6_K experts (widths of whole 256s): where this machine runs the
+    CPU's native kernel, "both" pins the host layers' file bytes alone, as "gpu" does, plus
+    the CPU's transfer buffers; with CARVE_NATIVE=0 the CPU's layouts beside them. The same
+    model's plan with the kernel covering no layer (a clamped SwiGLU) keeps them too."""
+    model = GGUFModel.open(synth_model("qwen3moe-tiny"))
+    plan = Plan("m", (gpu(0, 4000),), (0, 4), ctx=256, act_dtype="bf16", host=HOST,
+                experts_resident=(1,))
+    away = {t.name for t in model.tensors if is_expert(t.name) and t.layer >= 1}
+    types = {type_name(model.tensor(n).ggml_type) for n in away}
+    assert types <= {"Q4_K", "Q6_K"} and "Q4_K" in types
+
+    def pinned(where: str) -> tuple[set[str], int, int]:
+        d = price(replace(plan, host_compute=where), model).devices[0]
+        held = {s.name for a in d.host_arenas for s in a.spans if not s.name.startswith("hbuf.")}
+        return held, d.terms["host_experts"], d.host
+
+    gpu_held, gpu_experts, gpu_host = pinned("gpu")
+    held, experts, host = pinned("both")
+    assert held == gpu_held == away and experts == gpu_experts
+    assert host == gpu_host  # ("gpu" prices the CPU's buffers too: its fallback runs there)
+    monkeypatch.setenv("CARVE_NATIVE", "0")
+    held, experts, _ = pinned("both")
+    assert held == away | {"cpu." + n for n in away} and experts > 2 * gpu_experts
+    monkeypatch.delenv("CARVE_NATIVE")
+    idx = model_index(model)
+    reqs = [r for r in idx.layer_requests[1] if is_expert(r[0])]
+    assert native_covers(idx, reqs)
+    clamped = replace(idx, hp=replace(idx.hp, swiglu_limit=7.0))
+    assert not native_covers(clamped, reqs)
+    assert not native_covers(idx, [r for r in reqs if "down" not in r[0]])
 
 
 def test_both_copies_only_layers_whose_every_matrix_has_a_cpu_layout(synth_model) -> None:

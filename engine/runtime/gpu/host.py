@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from engine.hardware import native
 from engine.planning.arena import align_up
 from engine.planning.host import CPU_PREFIX, HOST_PURPOSES, tensor_cpu_layout
 from engine.runtime.models import cpu_experts, cpu_native, ops
@@ -312,6 +313,13 @@ def host_experts(hp: Any, model: Any, spans: dict[str, torch.Tensor],
     cache = spans.get("expert_cache")
     if cache is not None and layers:
         _share_slots(hp, out, layers, cache)
+    lost = [i for i, h in out.items() if host_compute == "both" and not h.cpu_ready]
+    if lost:
+        log.warning("host experts: the CPU cannot compute layer(s) %s (their types have no CPU "
+                    "layout here and the native kernel %s): the GPU reads their routed experts "
+                    "over PCIe", ",".join(map(str, lost)),
+                    f"is not available ({native.why_not()})" if native.why_not()
+                    else "does not multiply them")
     if mapped and host_compute in ("gpu", "both"):
         # ("both": decode's rows read in place too, split with the CPU where it has layouts:
         # `HostExperts.set_cpu_share`, chosen at load by gpu/host_share.py)
@@ -346,8 +354,9 @@ class HostExperts:
         scratch = spans["hbuf.dequant"]
         # host_compute (Plan.host_compute): "gpu" copies the file's bytes into the staging
         # span (or slots) for every row; "cpu" multiplies them on the CPU, from its own layouts
-        # (the file's bytes where a type has none); "both": the CPU's layouts for decode rows
-        # (spans cpu.<name> beside the file's bytes), the staging span for prefill chunks
+        # (the file's bytes where a type has none); "both": decode rows on the CPU from the
+        # file's bytes (the native kernel) or from its layouts (spans cpu.<name> beside them,
+        # where the plan priced them), the staging span for prefill chunks
         names = [p + f"ffn_{n}_exps.weight" for n in ("gate", "up", "down")]
         self.mats: list[Any] = []  # as the GPU's kernels read them (the file's bytes)
         self.cpu_mats: list[Any] | None = None  # as the CPU multiplies them
@@ -360,15 +369,16 @@ class HostExperts:
         if host_compute == "cpu":
             self.cpu_mats = [cpu_experts.host_matrix(model, n, spans[n], scratch) for n in names]
         elif host_compute == "both" and all(CPU_PREFIX + n in spans for n in names):
-            # (the plan makes CPU copies of a layer only when every matrix has a layout: a
-            # type without one, dequantized per routed expert, would be far slower than
-            # copying the chosen experts in, so the GPU takes that layer's decode rows too)
+            # (the plan makes CPU copies of a layer only when every matrix has a layout and
+            # the native kernel does not read the file's bytes itself: a type without one,
+            # dequantized per routed expert, would be far slower than copying the chosen
+            # experts in, so the GPU takes that layer's decode rows too)
             self.cpu_mats = [cpu_experts.host_matrix(model, n, spans[CPU_PREFIX + n], scratch)
                              for n in names]
-        # decode's split: the CPU's share multiplied from the file's bytes by the native
-        # library (cpu_native) where it has every type, else by torch on the CPU layouts
+        # decode's split ("both"): the CPU's share multiplied from the file's bytes by the
+        # native kernel (cpu_native) where it has every type, else by torch on the CPU layouts
         self.native: cpu_native.NativeExperts | None = None
-        if self.cpu_mats is not None and self.mats:
+        if host_compute == "both":
             types = tuple(m.ggml_type for m in self.mats)
             lib = cpu_native.library() if cpu_native.supported(
                 types, hp.act, hp.n_embd, self.mats[0].rows, clamped=bool(hp.swiglu_limit),
@@ -412,6 +422,12 @@ class HostExperts:
         self.split_model: tuple[list[float], list[float]] | None = None
 
     @property
+    def cpu_ready(self) -> bool:
+        """Whether the CPU can compute this layer's routed experts: the native kernel reads
+        the file's bytes, or the CPU has layouts of its own."""
+        return self.native is not None or self.cpu_mats is not None
+
+    @property
     def split(self) -> bool:
         """Whether decode's row is split between the CPU and the GPU (`serve` answers it)."""
         return self.in_place is not None and self.cpu_share > 0
@@ -420,9 +436,9 @@ class HostExperts:
         """The CPU computes the first ``c`` of each decode row's routed experts (0: the GPU
         reads them all over PCIe); the bytes a replay moves follow."""
         k = self.hp.n_expert_used
-        if self.in_place is None or self.cpu_mats is None or not 0 <= c <= k:
-            raise ValueError(f"layer's CPU share {c} of {k} experts: the CPU has no layouts "
-                             "for it or it is out of range")
+        if self.in_place is None or not self.cpu_ready or not 0 <= c <= k:
+            raise ValueError(f"layer's CPU share {c} of {k} experts: the CPU cannot compute "
+                             "this layer's experts or it is out of range")
         self.cpu_share = c
         self.row_bytes = self.row_moved(c)
 
@@ -508,7 +524,7 @@ class HostExperts:
         n = x.shape[0]
         hx, hids, hw, hy = self.x[:n], self.ids[:n], self.w[:n], self.y[:n]
         streamed = self.stream is not None and gpu is not None and (
-            self.cpu_mats is None or n > STREAM_ROWS)  # "both": the CPU takes decode rows
+            not self.cpu_ready or n > STREAM_ROWS)  # "both": the CPU takes decode rows
         on_cpu = not streamed and (self.cache is None or gpu is None)
         hids.copy_(ids, non_blocking=True)
         if on_cpu:  # the rows come down with the ids: one wait
@@ -541,11 +557,14 @@ class HostExperts:
             hw.copy_(w, non_blocking=True)
             self._wait(x)  # the rows are down
         t0 = time.perf_counter()
-        g, u, d = self.cpu_mats or self.mats
-        hp = self.hp
-        y = ops.experts(hx.float(), hids.long(), hw, g, u, d, hp.act, hp.swiglu_limit,
-                        self.biases)
-        hy.copy_(y)
+        if self.native is not None and n <= STREAM_ROWS:  # decode's rows, one call each
+            for r in range(n):
+                self.native.run(hx[r].float(), hids[r], hw[r], hy[r])
+        else:
+            g, u, d = self.cpu_mats or self.mats
+            hp = self.hp
+            hy.copy_(ops.experts(hx.float(), hids.long(), hw, g, u, d, hp.act, hp.swiglu_limit,
+                                 self.biases))
         self.cpu_s += time.perf_counter() - t0
         staging.copy_(hy, non_blocking=True)
         if accumulate:

@@ -40,7 +40,7 @@ def split_shares(hp: Any, hosts: list[HostExperts], device: torch.device) -> dic
     CPU's time on the layer's own layouts (timed here on random experts, per set of types)
     and a copy's rate from the layer's pinned bytes to the GPU (timed here too); under the
     interpreter all k (no PCIe to split with). Returns the shares by layer."""
-    split = [h for h in hosts if h.in_place is not None and h.cpu_mats is not None]
+    split = [h for h in hosts if h.in_place is not None and h.cpu_ready]
     if not split:  # (no "both" layer read in place: nothing to split, the variable unread)
         return {}
     k = hp.n_expert_used
@@ -61,7 +61,7 @@ def split_shares(hp: Any, hosts: list[HostExperts], device: torch.device) -> dic
         rate = _copy_rate(split[0], device)
         cpu: dict[tuple, list[float]] = {}
         for h in split:
-            key = (h.native is not None, *((m.layout, m.rows, m.cols) for m in h.cpu_mats),
+            key = (h.native is not None, *((m.layout, m.rows, m.cols) for m in h.cpu_mats or []),
                    *(m.ggml_type for m in h.mats))
             if key not in cpu:
                 cpu[key] = _cpu_times(hp, h)

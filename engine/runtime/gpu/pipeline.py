@@ -135,6 +135,7 @@ class GpuPipeline:
             if dev.type == "cuda":  # the stage's scan on the device reads only its own memory
                 gpu_host.check_scales(self.model, plain, spans)
             # host_compute "both": the CPU's layouts beside the file's bytes, made from them
+            # (none where the plan counted on the CPU's native kernel reading the file's bytes)
             gpu_host.fill_cpu_copies(self.model, on_host, spans, cancelled)
         timeline.mark(f"{dev}: weights")
         for name, t in spans.items():

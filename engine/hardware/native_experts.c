@@ -1,6 +1,6 @@
 /* One decode row's routed experts on the CPU, read from the file's own blocks where they lie
- * (engine/runtime/models/cpu_native.py builds this file with the machine's C compiler and
- * loads it; DESIGN.md "Experts in host memory").
+ * (engine/hardware/native.py builds this file with the machine's C compiler and loads it;
+ * engine/runtime/models/cpu_native.py runs it; DESIGN.md "Experts in host memory").
  *
  *   carve_experts(...): y = sum_j w[j] * down_e(act(gate_e x) * up_e x), e = ids[j]
  *
