@@ -3,7 +3,7 @@
     carve plan MODEL.gguf --gpus auto|RIG --ctx N --split 0,14,29,38,48|auto --prefer auto|spread|fewest
                --kv f16|q8_0 --cache-reserve MiB --arena packed|per-tensor|chunked:N
                --prefill-chunk N [--reserve MiB] [--json]
-               --experts-resident auto|N,N --expert-slots N[,N] --host-compute gpu|cpu
+               --experts-resident auto|N,N --expert-slots N[,N] --host-compute auto|gpu|cpu|both
                --host-ram SIZE
 
 With --gpus auto and no NVIDIA GPU, it plans for this machine's CPU (system RAM), which is
@@ -106,13 +106,14 @@ def add_expert_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--host-compute",
-        default="gpu",
-        choices=HOST_COMPUTE,
+        default="auto",
+        choices=(*HOST_COMPUTE, "auto"),
         help="where experts in host memory run: gpu (decode gathers the routed ones over "
         "PCIe, prefill copies a layer's whole, into a staging span), cpu (computed in host "
         "memory, from the CPU's own layouts) or both (decode splits each token's experts "
         "between the CPU and the GPU, the share timed at load; prefill copies them to the "
-        "GPU; host memory holds both forms)",
+        "GPU); auto: both where this machine's native CPU kernel reads every host layer's "
+        "experts from the file's bytes (no more host RAM than gpu), else gpu",
     )
 
 

@@ -91,8 +91,8 @@ class ExpertPlacement:
             self._settings_changed()
 
     def set_host_compute(self, where: str) -> None:
-        if where not in HOST_COMPUTE:
-            raise CarveError(f"host compute: unknown {where!r}; use gpu or cpu")
+        if where not in (*HOST_COMPUTE, "auto"):
+            raise CarveError(f"host compute: unknown {where!r}; use auto, gpu, cpu or both")
         if where != self.host_compute:
             self.host_compute = where
             self._settings_changed()

@@ -66,8 +66,9 @@ class PlanModel(ExpertPlacement):
         self.experts_resident: tuple[int, ...] | None = None
         self.expert_slots = 0
         # where host-memory experts run (Plan.host_compute): "gpu" reads the routed ones over
-        # PCIe, "cpu" computes them where they lie (no expert-cache slots then)
-        self.host_compute = "gpu"
+        # PCIe, "cpu" computes them where they lie (no expert-cache slots then), "both" splits
+        # decode's between them; "auto": default_plan's choice (`auto_host_compute`)
+        self.host_compute = "auto"
         # which devices a new model or rig runs on (engine.planning.split's `prefer`): "auto"
         # keeps a model that fits on one GPU on one; "spread" (one click away) uses them all
         self.prefer = "auto"
@@ -285,7 +286,7 @@ class PlanModel(ExpertPlacement):
             "arena": self.arena,
             # the slots feed the GPU's kernels: a plan whose CPU computes host experts has none
             "expert_slots": (self.expert_slots,) if self.expert_slots
-            and self.host_compute == "gpu" else (),
+            and self.host_compute in ("gpu", "auto") else (),
             "host_compute": self.host_compute,
         }
         resident = self.experts_resident
@@ -409,7 +410,7 @@ class PlanModel(ExpertPlacement):
             resident = data.get("experts_resident")
             self.set_experts_resident(None if resident is None else tuple(resident))
             self.set_expert_slots(int(data.get("expert_slots", 0)))
-            if data.get("host_compute") in HOST_COMPUTE:
+            if data.get("host_compute") in (*HOST_COMPUTE, "auto"):
                 self.set_host_compute(data["host_compute"])
             excluded = frozenset(int(i) for i in data.get("excluded", ()))
             in_range = all(0 <= i < len(self.devices) for i in excluded)

@@ -27,8 +27,8 @@ from engine.planning.rules import MIB, MIN_CTX, ArenaKind, ArenaMode, KvType, pa
 from spec.errors import CarveError
 
 # the host-compute choices: (shown, Plan.host_compute)
-HOST_CHOICES = (("GPU (read over PCIe when routed)", "gpu"), ("CPU (where they lie)", "cpu"),
-                ("Both (decode split CPU + GPU)", "both"))
+HOST_CHOICES = (("Auto", "auto"), ("GPU (read over PCIe when routed)", "gpu"),
+                ("CPU (where they lie)", "cpu"), ("Both (decode split CPU + GPU)", "both"))
 
 
 class LaunchSettings(QWidget):
@@ -92,12 +92,13 @@ class LaunchSettings(QWidget):
             self.host_combo.addItem(text, where)
         self.host_combo.setToolTip(
             "Experts kept in host memory: read by the GPU over PCIe when routed (decode "
-            "gathers only the chosen experts, prefill moves whole layers; usually the fastest), "
+            "gathers only the chosen experts, prefill moves whole layers), "
             "computed by this machine's CPU where they lie (decode "
             "moves no experts over PCIe; they are held in the CPU's own layouts, which can take "
             "more host RAM than the file), or both: decode splits each token's experts between "
-            "the CPU and the GPU (the share timed at load), prefill copies them to the GPU "
-            "(host memory holds both forms)")
+            "the CPU and the GPU (the share timed at load), prefill copies them to the GPU. "
+            "Auto: both where this machine's native CPU kernel reads the experts' types from "
+            "the file's bytes (no more host RAM than GPU), else GPU; expert slots mean GPU")
         self.slots_spin = QSpinBox()
         self.slots_spin.setRange(0, 1 << 16)
         self.slots_spin.setToolTip("VRAM expert-cache slots per GPU, one expert each, filled "
@@ -184,7 +185,7 @@ class LaunchSettings(QWidget):
             self.slots_spin.setValue(m.expert_slots)
             self.host_combo.setCurrentIndex(self.host_combo.findData(m.host_compute))
             # the slots feed the GPU's kernels: none when the CPU computes host experts
-            self.slots_spin.setEnabled(m.host_compute == "gpu")
+            self.slots_spin.setEnabled(m.host_compute in ("gpu", "auto"))
             moe = bool(getattr(m.hparams, "n_expert", 0))
             for _, w in self._moe_rows:  # mixture-of-experts models only
                 self._form.setRowVisible(w, moe)

@@ -54,15 +54,19 @@ def _plan(path: str, n_gpus: int, n_layer: int, ctx: int, kv_type: str, arena: s
     from dataclasses import replace
 
     from engine.gguf.reader import GGUFModel
-    from engine.planning.defaults import place_experts
+    from engine.planning.defaults import auto_host_compute, place_experts
 
     slots = tuple(placement.get("expert_slots") or ())
     if len(slots) == 1:
         slots *= n_gpus
-    plan = replace(plan, expert_slots=slots, host_compute=placement.get("host_compute", "gpu"))
+    where = placement.get("host_compute", "gpu")
+    plan = replace(plan, expert_slots=slots, host_compute="gpu" if where == "auto" else where)
+    model = GGUFModel.open(path)
     if placement.get("experts_resident") is None:
-        return place_experts(plan, GGUFModel.open(path))
-    return replace(plan, experts_resident=tuple(placement["experts_resident"]))
+        plan = place_experts(plan, model)
+    else:
+        plan = replace(plan, experts_resident=tuple(placement["experts_resident"]))
+    return auto_host_compute(plan, model) if where == "auto" else plan
 
 
 PP_RUNS = 5  # timed prefill passes, the median reported
@@ -246,9 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto, or per GPU the MoE layers whose experts stay in VRAM (the rest "
                          "in pinned host memory); default: all in VRAM")
     ap.add_argument("--expert-slots", default="", help="VRAM expert-cache slots per GPU")
-    ap.add_argument("--host-compute", default="gpu", choices=("gpu", "cpu", "both"),
+    ap.add_argument("--host-compute", default="auto", choices=("auto", "gpu", "cpu", "both"),
                     help="where experts in host memory run: read by the GPU over PCIe, on the "
-                         "CPU, or both (decode split between CPU and GPU, the GPU prefills)")
+                         "CPU, or both (decode split between CPU and GPU, the GPU prefills); "
+                         "auto: as the window and carve chat choose (both where the CPU's "
+                         "native kernel reads every host layer, else gpu)")
     ap.add_argument("--cache-reserve", type=float, default=1024, metavar="MiB",
                     help="VRAM each plan keeps free (the window's cache reserve; Auto's "
                          "placement of experts leaves it free)")
@@ -286,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         n_gpus = len(parse_rig(args.gpus)) if args.gpus else 1
         placement = None
         if (args.vram or args.experts_resident or args.expert_slots
-                or args.host_compute != "gpu" or args.cache_reserve != 1024):
+                or args.host_compute not in ("gpu", "auto") or args.cache_reserve != 1024):
             from engine.planning.plan import parse_counts
 
             text = args.experts_resident.strip().lower()

@@ -11,7 +11,7 @@ from app.theme import LIGHT
 from app.widgets.fit_check import COLUMNS, FitCheck
 from app.widgets.launch_settings import LaunchSettings
 from engine.gguf.hparams import HParams
-from engine.hardware import devices
+from engine.hardware import devices, native
 from engine.hardware.devices import DeviceSpec
 from engine.planning.carve import is_expert
 from engine.planning.host import cpu_bytes
@@ -121,8 +121,9 @@ def test_host_experts_computed_by_the_cpu_from_the_window(qtbot, plan) -> None:
     qtbot.addWidget(fit)
     settings.show()
     settings.slots_spin.setValue(8)
-    on_gpu = plan.layout
-    assert settings.host_combo.isVisible() and settings.host_combo.currentData() == "gpu"
+    on_gpu = plan.layout  # Auto with expert slots: the GPU's kernels read them
+    assert settings.host_combo.isVisible() and settings.host_combo.currentData() == "auto"
+    assert on_gpu.plan.host_compute == "gpu" and on_gpu.plan.expert_slots == (8,)
     assert on_gpu.devices[0].terms["expert_cache"] > 0 and on_gpu.plan.expert_slots == (8,)
     settings.host_combo.setCurrentIndex(settings.host_combo.findData("cpu"))
     assert plan.host_compute == "cpu" and not settings.slots_spin.isEnabled()
@@ -157,6 +158,30 @@ def test_host_experts_computed_by_the_cpu_from_the_window(qtbot, plan) -> None:
     assert "GPU 0: decode reads " in fit.advice.text()
 
 
+@pytest.mark.skipif(not native.available(), reason="no C compiler to build the native kernel")
+def test_auto_splits_decode_where_the_native_kernel_reads_the_experts(qtbot, plan,
+                                                                       monkeypatch) -> None:
+    """Auto (the default) on Qwen3-30B-A3B's Q4_K / Q6_K experts, where this machine builds
+    the CPU's native kernel: "both", pinning exactly what "gpu" pins (the file's bytes and the
+    CPU's buffers), the fit check saying so; with the kernel off (CARVE_NATIVE=0), "gpu"."""
+    settings, fit = LaunchSettings(plan), FitCheck(plan, LIGHT)
+    qtbot.addWidget(settings)
+    qtbot.addWidget(fit)
+    auto = plan.layout
+    assert plan.host_compute == "auto" and settings.slots_spin.isEnabled()
+    assert auto.plan.host_compute == "both" and auto.plan.expert_slots == ()
+    assert "split for decode between the CPU" in fit.advice.text()
+    settings.host_combo.setCurrentIndex(settings.host_combo.findData("gpu"))
+    gpu = plan.layout
+    assert gpu.plan.host_compute == "gpu"
+    assert gpu.plan.experts_resident == auto.plan.experts_resident
+    assert gpu.host.pinned == auto.host.pinned
+    assert [d.allocated for d in gpu.devices] == [d.allocated for d in auto.devices]
+    monkeypatch.setenv("CARVE_NATIVE", "0")
+    settings.host_combo.setCurrentIndex(settings.host_combo.findData("auto"))
+    assert plan.layout.plan.host_compute == "gpu"
+
+
 def test_the_split_strip_drags_where_a_gpus_experts_go_to_host_memory(qtbot, plan) -> None:
     """The split editor shows Auto's placement: a dashed line at the first layer whose
     experts live in host memory, a strip from there to the stage's end; dragging the line
@@ -174,7 +199,7 @@ def test_the_split_strip_drags_where_a_gpus_experts_go_to_host_memory(qtbot, pla
     assert list(opts["x0"]) == [23] and list(opts["width"]) == [25]
     assert list(opts["height"]) == [HOST_STRIP]
     assert "GPU 0: decode reads " in fit.advice.text()
-    assert "over PCIe (the link's rate is not known here)" in fit.advice.text()  # a stated card
+    assert "(the link's rate is not known here)" in fit.advice.text()  # a stated card
     line.setValue(30.4)  # as a drag does: the cut snaps to layer 30
     assert plan.experts_resident == (30,) and line.value() == 30
     assert plan.layout.plan.experts_resident == (30,) and list(ed.hosts.opts["x0"]) == [30]

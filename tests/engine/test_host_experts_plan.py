@@ -344,6 +344,12 @@ def test_decode_reads_its_routed_host_experts_over_pcie_and_the_plan_says_so(syn
                       "--host-ram", "2GiB"]) == 0
     out = capsys.readouterr().out
     assert "GPU 0: decode reads " in out and "of experts per token from host memory" in out
+    # --host-compute auto (the default): both where the CPU's native kernel reads the experts
+    assert ("split for decode between the CPU" if native.available()
+            else "read by the GPU over PCIe when routed") in out
+    assert plan_main(["plan", path, "--gpus", "4GiB", "--experts-resident", "1",
+                      "--host-ram", "2GiB", "--host-compute", "gpu"]) == 0
+    assert "read by the GPU over PCIe when routed" in capsys.readouterr().out
     assert plan_main(["plan", path, "--gpus", "4GiB", "--experts-resident", "1",
                       "--host-ram", "2GiB", "--host-compute", "cpu"]) == 0
     assert "decode reads" not in capsys.readouterr().out
