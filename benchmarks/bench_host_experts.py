@@ -1,13 +1,17 @@
-"""The CPU's share of a decode step whose experts live in host memory (host_compute "cpu"):
-one token's routed experts of a MoE layer, computed on this machine's cores from the file's
-blocks (dequantized per routed expert, the CPU engine's way) and from the CPU layouts
-(engine/runtime/models/cpu_experts.py), beside a plain read of the same bytes.
+"""The CPU's share of a decode step whose experts live in host memory (host_compute "cpu" and
+"both"): one token's routed experts of a MoE layer, computed on this machine's cores from the
+file's blocks (dequantized per routed expert, the CPU engine's way), from the CPU layouts
+(engine/runtime/models/cpu_experts.py) and by the native kernel on the file's blocks
+(engine/runtime/models/cpu_native.py, where it reads the types), beside a plain read of the
+same bytes.
 
     python -m benchmarks.bench_host_experts [--shape qwen3moe-30b-a3b] [--layers 4]
-        [--tokens 64] [--down q4_k,q6_k] [--threads N]
+        [--tokens 64] [--gate q4_k] [--down q4_k,q6_k] [--threads N]
+    python -m benchmarks.bench_host_experts --shape gpt-oss-20b --gate mxfp4 --down mxfp4
 
 Each layer is built from random well-formed blocks at the shape's expert sizes (gate and up
-Q4_K, down each type of ``--down``, as llama.cpp's Q4_K_M rule gives half the layers each);
+``--gate``, down each type of ``--down``, as llama.cpp's Q4_K_M rule gives half the layers
+each; gpt-oss's experts are MXFP4, with the shape's biases and clamped SwiGLU);
 every token routes to ``n_expert_used`` random experts of the next layer in turn, so the
 bytes come from memory, not cache. Prints, per layout: milliseconds per layer and token, the
 bytes a token's experts occupy in that layout, their rate in GB/s and that rate over the
@@ -27,7 +31,7 @@ import torch
 
 from carve_kernels.random_blocks import random_weight
 from engine.planning.host import cpu_bytes, cpu_layout
-from engine.runtime.models import cpu_experts, ops
+from engine.runtime.models import cpu_experts, cpu_native, ops
 from engine.runtime.models.cpu_experts import PackedExperts, half_dtype
 from engine.synth.shapes import SHAPES
 from spec import quant_types as qt
@@ -35,11 +39,11 @@ from spec import quant_types as qt
 ROUNDS = 5  # interleaved rounds of the one-tensor timings (this machine's noise is large)
 
 
-def _layer(shape, down_type: int, gen: torch.Generator) -> dict[str, list]:
+def _layer(shape, gate_type: int, down_type: int, gen: torch.Generator) -> dict[str, list]:
     """One layer's gate, up and down expert tensors: file bytes and CPU layouts."""
     e, d, f = shape.n_expert, shape.n_embd, shape.n_ff_exp
     out: dict[str, list] = {"file": [], "cpu": []}
-    for name, t, rows, cols in (("gate", qt.Q4_K, f, d), ("up", qt.Q4_K, f, d),
+    for name, t, rows, cols in (("gate", gate_type, f, d), ("up", gate_type, f, d),
                                 ("down", down_type, d, f)):
         raw = torch.cat([random_weight(t, rows, cols, generator=gen).reshape(-1)
                          for _ in range(e)])
@@ -81,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="layers to rotate through per down "
                     "type (their experts must not fit in the caches)")
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens timed per layout")
+    ap.add_argument("--gate", default="q4_k", help="the gate and up projections' type")
     ap.add_argument("--down", default="q4_k,q6_k", help="down-projection types, comma-separated")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
@@ -90,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    k, d = shape.n_expert_used, shape.n_embd
+    k, d, f = shape.n_expert_used, shape.n_embd, shape.n_ff_exp
+    gate = qt.type_id(args.gate.strip().upper())
+    oss = shape.arch == "gpt-oss"  # its experts' biases and clamped SwiGLU
+    limit = 7.0 if oss else 0.0
+    lib = cpu_native.library()
     rate = read_rate()
     print(f"{args.shape}: {shape.n_expert} experts of {shape.n_ff_exp} x {d}, {k} per token; "
           f"{torch.get_num_threads()} threads; memory read {rate:.1f} GB/s")
@@ -98,16 +107,34 @@ def main(argv: list[str] | None = None) -> int:
           f"{'of read':>8} {'rel err':>8}")
     for name in args.down.split(","):
         down = qt.type_id(name.strip().upper())
-        layers = [_layer(shape, down, gen) for _ in range(args.layers)]
+        layers = [_layer(shape, gate, down, gen) for _ in range(args.layers)]
+        biases = [[torch.randn(shape.n_expert, n, generator=gen) * 0.1 for n in (f, f, d)]
+                  if oss else None for _ in layers]
+        types = (gate, gate, down)
+        hows = ["file", "cpu"]
+        if lib is not None and cpu_native.supported(types, "silu", d, f):
+            for lay, b in zip(layers, biases, strict=True):
+                lay["native"] = [cpu_native.NativeExperts(
+                    lib, [m.raw for m in lay["file"]], types, d, f, shape.n_expert, k, "silu",
+                    limit, b)]
+            hows.append("native")
         xs = torch.randn(args.tokens, 1, d, generator=gen)
         ids = [torch.randperm(shape.n_expert, generator=gen)[:k].view(1, k)
                for _ in range(args.tokens)]
         w = torch.softmax(torch.randn(args.tokens, 1, k, generator=gen), -1)
         ref = []
-        for how in ("file", "cpu"):
+        for how in hows:
             def step(i: int, how: str = how) -> torch.Tensor:
-                g, u, dn = layers[i % len(layers)][how]
-                return ops.experts(xs[i], ids[i], w[i], g, u, dn, "silu")
+                lay = layers[i % len(layers)]
+                if how == "native":
+                    y = torch.empty(1, d)
+                    lay["native"][0].run(xs[i].view(-1), ids[i].view(-1).to(torch.int32),
+                                         w[i].view(-1), y.view(-1))
+                    return y
+                g, u, dn = lay[how]
+                b = biases[i % len(layers)]
+                return ops.experts(xs[i], ids[i], w[i], g, u, dn, "silu", limit,
+                                   None if b is None else tuple(b))
 
             step(0)
             outs = []
@@ -115,22 +142,22 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.tokens):
                 outs.append(step(i))
             ms = (time.perf_counter() - t) / args.tokens * 1e3
-            nb = sum(_bytes(m, k) for m in layers[0][how])
+            nb = sum(_bytes(m, k) for m in layers[0]["file" if how == "native" else how])
             if how == "file":
                 ref = outs
                 err = 0.0
             else:
                 err = max(((a - b).norm() / b.norm()).item()
                           for a, b in zip(outs, ref, strict=True))
-            label = "file blocks" if how == "file" else "CPU layouts (" + "/".join(
-                getattr(m, "layout", "file") for m in layers[0][how]) + ")"
+            label = {"file": "file blocks", "native": "native (file blocks)"}.get(
+                how, "CPU layouts (" + "/".join(getattr(m, "layout", "file")
+                                               for m in layers[0][how]) + ")")
             gbs = nb / ms / 1e6
             print(f"{name:<6} {label:<22} {ms:9.3f} {nb / 1e6:9.2f} {gbs:7.1f} "
                   f"{gbs / rate:8.2f} {err:8.1e}")
     # one expert product of k experts at the gate's shape, the unit llama.cpp's
     # `test-backend-ops perf -o MUL_MAT_ID` times for this model (128 experts, 8 used); the
     # "half" layout in both 16-bit types; variants timed in turns, medians of the rounds
-    f = shape.n_ff_exp
     print(f"one tensor, {k} experts x [{f}, {d}], one row (MUL_MAT_ID), median of "
           f"{ROUNDS} interleaved rounds; this machine's half type: "
           f"{str(half_dtype()).removeprefix('torch.')}:")
@@ -140,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.down.split(","):
         t = qt.type_id(name.strip().upper())
         layout = cpu_layout(t, f, d)
+        if layout == "file":  # (no CPU layout: the file's blocks above are all there is)
+            continue
         raws = [torch.cat([random_weight(t, f, d, generator=gen).reshape(-1)
                            for _ in range(shape.n_expert)]) for _ in range(args.layers)]
         for dt in ((torch.bfloat16, torch.float16) if layout == "half" else (None,)):

@@ -32,7 +32,11 @@ log = logging.getLogger("carve.engine")
 SOURCE = Path(__file__).with_name("native_experts.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # the types the library multiplies (ggml's numbers, as native_experts.c's enum)
-TYPES = frozenset({qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q8_0})
+TYPES = frozenset({qt.Q2_K, qt.Q3_K, qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q8_0, qt.IQ4_XS, qt.IQ4_NL,
+                   qt.MXFP4})
+# the types of 32-value blocks: where every matrix has one, x is quantized per 32, else per 256
+SMALL_BLOCKS = frozenset({qt.Q8_0, qt.IQ4_NL, qt.MXFP4})
+# the activations (native_experts.c's act; 2: gpt-oss's clamped SwiGLU, given a limit)
 ACTS = {"silu": 0, "gelu": 1}
 
 
@@ -89,7 +93,16 @@ def _load() -> tuple[Any | None, str]:
     lib.carve_experts.restype = ctypes.c_int
     lib.carve_experts.argtypes = (
         [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_void_p, ctypes.c_int] * 3
-        + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+        + [ctypes.c_int, ctypes.c_float] + [ctypes.c_void_p] * 5 + [ctypes.c_int])
+    # the 4-bit types' values (MXFP4's e2m1, doubled; IQ4_NL's and IQ4_XS's non-linear
+    # ones), from the gguf package's own tables
+    from gguf.quants import IQ4_NL, MXFP4
+
+    lib.carve_set_values.restype = ctypes.c_int
+    lib.carve_set_values.argtypes = [ctypes.c_int, ctypes.c_char_p]
+    for t, values in ((qt.MXFP4, MXFP4.kvalues), (qt.IQ4_NL, IQ4_NL.kvalues)):
+        if lib.carve_set_values(int(t), bytes(v & 0xFF for v in values)) != 0:
+            return None, f"the native kernel took no table for {qt.type_name(t)}"
     lib.carve_scratch_bytes.restype = ctypes.c_size_t
     lib.carve_scratch_bytes.argtypes = [ctypes.c_int] * 3
     return lib, ""
@@ -112,10 +125,17 @@ def why_not() -> str:
     return "CARVE_NATIVE=0" if disabled() else _load()[1]
 
 
-def supported(types: tuple[int, ...], act: str, n_embd: int, n_ff: int,
-              clamped: bool = False, biases: bool = False) -> bool:
+def group(types: tuple[int, ...]) -> int:
+    """The values per scale x is quantized in for these (gate, up, down) types: 32 where every
+    one has blocks of 32 (Q8_0, IQ4_NL, MXFP4), else 256 (a super-block of the others)."""
+    return 32 if all(t in SMALL_BLOCKS for t in types) else 256
+
+
+def supported(types: tuple[int, ...], act: str, n_embd: int, n_ff: int) -> bool:
     """Whether the library multiplies experts of these (gate, up, down) types and sizes with
-    this activation: its types, widths of whole 256s (x is quantized per 256, as
-    native_experts.c's ``block_ok`` checks); gpt-oss's clamped SwiGLU and expert biases not."""
-    return (len(types) == 3 and all(t in TYPES for t in types) and act in ACTS and not clamped
-            and not biases and n_embd % 256 == 0 and n_ff % 256 == 0)
+    this activation (SiLU or GELU; gpt-oss's clamped SwiGLU and its expert biases too): its
+    types, widths of whole quantization groups of x (`group`, as native_experts.c's
+    ``block_ok`` checks)."""
+    g = group(types)
+    return (len(types) == 3 and all(t in TYPES for t in types) and act in ACTS
+            and n_embd % g == 0 and n_ff % g == 0)

@@ -4,11 +4,12 @@
  *
  *   carve_experts(...): y = sum_j w[j] * down_e(act(gate_e x) * up_e x), e = ids[j]
  *
- * Every expert matrix is GGUF's [n_expert][rows][cols] of blocks (Q4_K, Q5_K, Q6_K, Q8_0).
- * x and the GLU's output h are quantized to int8 per run of 256 (as llama.cpp's CPU does),
- * each block's products summed in integers, the rest in float32. One OpenMP region per call:
- * the gate/up rows of all chosen experts shared among the threads, a barrier, then the down
- * rows. */
+ * Every expert matrix is GGUF's [n_expert][rows][cols] of blocks (Q2_K, Q3_K, Q4_K, Q5_K,
+ * Q6_K, Q8_0, IQ4_XS, IQ4_NL, MXFP4). x and the GLU's output h are quantized to int8 per run of 256 where a K-quant is
+ * among the types, else per 32 (as llama.cpp's CPU does: its q8_K and q8_0), each block's
+ * products summed in integers, the rest in float32. gpt-oss's experts add a bias to every
+ * product and clamp their SwiGLU. One OpenMP region per call: the gate/up rows of all chosen
+ * experts shared among the threads, a barrier, then the down rows. */
 
 #include <math.h>
 #include <stddef.h>
@@ -19,7 +20,29 @@
 #endif
 
 /* ggml's type numbers */
-enum { T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum {
+    T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
+    T_IQ4_NL = 20, T_IQ4_XS = 23, T_MXFP4 = 39
+};
+
+/* the 16 values a 4-bit index stands for: MXFP4's e2m1 values (doubled) and the IQ4 types'
+ * non-linear ones, set once by the loader from the gguf package's tables
+ * (carve_set_values); a type is refused until its table is set */
+static int8_t mxfp4_values[16], iq4nl_values[16];
+static int mxfp4_set = 0, iq4nl_set = 0;
+
+int carve_set_values(int type, const int8_t *values) {
+    if (type == T_MXFP4) {
+        memcpy(mxfp4_values, values, 16);
+        mxfp4_set = 1;
+    } else if (type == T_IQ4_NL) {
+        memcpy(iq4nl_values, values, 16);
+        iq4nl_set = 1;
+    } else {
+        return -1;
+    }
+    return 0;
+}
 
 static float f16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -45,26 +68,27 @@ static float f16(const uint8_t *p) {
     return f;
 }
 
-/* x quantized as llama.cpp's q8_K copies are: per run of 256 values an int8 vector and one
- * scale (max |x| / 127), and the integer sums of each 16 of them (the K-quants' min terms and
- * Q6_K's offset), so that a block's products are summed in integers */
+/* x quantized as llama.cpp's q8_K (g = 256) or q8_0 (g = 32) copies are: per run of g values
+ * an int8 vector and one scale (max |x| / 127), and the integer sums of each 16 of them (the
+ * K-quants' min terms and Q6_K's offset), so that a block's products are summed in integers */
 typedef struct {
     const int8_t *q;     /* n values */
-    const float *d;      /* n / 256 scales */
+    const float *d;      /* n / g scales */
     const int32_t *s16;  /* n / 16 sums of q */
+    int g;               /* values per scale: 256 or 32 */
 } qx_t;
 
-static void quantize(const float *x, int n, int8_t *q, float *d, int32_t *s16) {
-    for (int g = 0; g < n / 256; g++) {
-        const float *v = x + 256 * g;
+static void quantize(const float *x, int n, int gs, int8_t *q, float *d, int32_t *s16) {
+    for (int g = 0; g < n / gs; g++) {
+        const float *v = x + gs * g;
         float amax = 0.0f;
-        for (int l = 0; l < 256; l++) {
+        for (int l = 0; l < gs; l++) {
             float a = fabsf(v[l]);
             amax = a > amax ? a : amax;
         }
         float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
-        for (int l = 0; l < 256; l++)
-            q[256 * g + l] = (int8_t)lrintf(v[l] * id);
+        for (int l = 0; l < gs; l++)
+            q[gs * g + l] = (int8_t)lrintf(v[l] * id);
         d[g] = dd;
     }
     for (int g = 0; g < n / 16; g++) {
@@ -244,7 +268,196 @@ static float dot_q8_0(const uint8_t *b, qx_t x, int n) {
         int32_t s = 0;
         for (int l = 0; l < 32; l++)
             s += (int32_t)q[l] * (int32_t)xq[l];
-        acc += f16(b) * x.d[i / 8] * (float)s;
+        acc += f16(b) * x.d[i * 32 / x.g] * (float)s;
+    }
+    return acc;
+}
+
+/* MXFP4: per 32 values a power-of-two scale (e8m0, halved as the values are doubled) and 16
+ * bytes of 4-bit indices into the e2m1 values, the first 16 values in the low nibbles */
+static float dot_mxfp4(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+#ifdef __AVX2__
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m128i t = _mm_loadu_si128((const __m128i *)mxfp4_values);
+    const __m256i table = _mm256_set_m128i(t, t);
+    __m256 vacc = _mm256_setzero_ps();
+#endif
+    for (int i = 0; i < n / 32; i++, b += 17) {
+        const uint8_t *q = b + 1;
+        const int8_t *xq = x.q + 32 * i;
+        float d = ldexpf(1.0f, (int)b[0] - 128) * x.d[i * 32 / x.g];
+#ifdef __AVX2__
+        __m128i raw = _mm_loadu_si128((const __m128i *)q);
+        __m256i idx = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
+        __m256i v = _mm256_shuffle_epi8(table, idx);
+        __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+        /* |v| times x with v's sign: maddubs takes unsigned times signed */
+        __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xv, v));
+        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
+                               _mm256_set1_ps(d), vacc);
+#else
+        int32_t s = 0;
+        for (int l = 0; l < 16; l++)
+            s += (int32_t)mxfp4_values[q[l] & 15] * xq[l]
+                 + (int32_t)mxfp4_values[q[l] >> 4] * xq[l + 16];
+        acc += d * (float)s;
+#endif
+    }
+#ifdef __AVX2__
+    acc += hsum8(vacc);
+#endif
+    return acc;
+}
+
+/* Q2_K (84 bytes per 256): 16 sub-block scales and mins of 4 bits, 2-bit values (the 32
+ * bytes of each half hold its 4 runs of 32 in bit pairs), d and dmin */
+static float dot_q2_k(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n / 256; i++, b += 84) {
+        const uint8_t *sc = b, *q = b + 16;
+        const int8_t *xq = x.q + 256 * i;
+        const int32_t *s16 = x.s16 + 16 * i;
+        int32_t isum = 0, mins = 0;
+        for (int sb = 0; sb < 16; sb++)
+            mins += (sc[sb] >> 4) * s16[sb];
+#ifdef __AVX2__
+        const __m256i m3 = _mm256_set1_epi8(3);
+        __m256i iacc = _mm256_setzero_si256();
+        for (int half = 0; half < 2; half++) {
+            __m256i qv = _mm256_loadu_si256((const __m256i *)(q + 32 * half));
+            for (int j = 0; j < 4; j++) {  /* sub-blocks 8 half + 2 j and the next */
+                int sb = 8 * half + 2 * j;
+                __m256i v = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), m3);
+                __m256i scv = _mm256_set_m128i(_mm_set1_epi16((short)(sc[sb + 1] & 15)),
+                                               _mm_set1_epi16((short)(sc[sb] & 15)));
+                iacc = _mm256_add_epi32(iacc, udot_scaled(v, xq + 16 * sb, scv));
+            }
+        }
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(iacc), _mm256_extracti128_si256(iacc, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        isum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+#else
+        for (int sb = 0; sb < 16; sb++) {
+            int half = sb / 8, shift = 2 * ((sb % 8) / 2), l0 = 16 * (sb % 2);
+            int32_t s = 0;
+            for (int l = 0; l < 16; l++)
+                s += (int32_t)((q[32 * half + l0 + l] >> shift) & 3) * xq[16 * sb + l];
+            isum += (sc[sb] & 15) * s;
+        }
+#endif
+        acc += x.d[i] * (f16(b + 80) * (float)isum - f16(b + 82) * (float)mins);
+    }
+    return acc;
+}
+
+/* Q3_K (110 bytes per 256): a high-bit mask, 2-bit low values (as Q2_K's), 16 six-bit signed
+ * scales (offset 32) packed in 12 bytes, d; a value is low - 4 where its mask bit is clear */
+static float dot_q3_k(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n / 256; i++, b += 110) {
+        const uint8_t *hm = b, *q = b + 32, *sc = b + 96;
+        const int8_t *xq = x.q + 256 * i;
+        const int32_t *s16 = x.s16 + 16 * i;
+        int32_t isum = 0, scale[16];
+        for (int sb = 0; sb < 16; sb++) {
+            int lo = sb < 8 ? sc[sb] & 15 : sc[sb - 8] >> 4;
+            int hi = (sc[8 + sb % 4] >> (2 * (sb / 4))) & 3;
+            scale[sb] = (lo | (hi << 4)) - 32;
+            /* a value is u - 4 with u = low bits + 4 * mask bit (0..7): the -4 by x's sums */
+            isum -= 4 * scale[sb] * s16[sb];
+        }
+#ifdef __AVX2__
+        const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+        const __m256i hv = _mm256_loadu_si256((const __m256i *)hm);
+        __m256i iacc = _mm256_setzero_si256();
+        for (int half = 0; half < 2; half++) {
+            __m256i qv = _mm256_loadu_si256((const __m256i *)(q + 32 * half));
+            for (int j = 0; j < 4; j++) {
+                int sb = 8 * half + 2 * j;
+                __m256i h = _mm256_and_si256(_mm256_srli_epi16(hv, 4 * half + j), one);
+                __m256i v = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), m3),
+                                            _mm256_slli_epi16(h, 2));
+                __m256i scv = _mm256_set_m128i(_mm_set1_epi16((short)scale[sb + 1]),
+                                               _mm_set1_epi16((short)scale[sb]));
+                iacc = _mm256_add_epi32(iacc, udot_scaled(v, xq + 16 * sb, scv));
+            }
+        }
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(iacc), _mm256_extracti128_si256(iacc, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        isum += _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+#else
+        for (int sb = 0; sb < 16; sb++) {
+            int half = sb / 8, shift = 2 * ((sb % 8) / 2), l0 = 16 * (sb % 2), bit = sb / 2;
+            int32_t s = 0;
+            for (int l = 0; l < 16; l++) {
+                int u = ((q[32 * half + l0 + l] >> shift) & 3) | (((hm[l0 + l] >> bit) & 1) << 2);
+                s += u * xq[16 * sb + l];
+            }
+            isum += scale[sb] * s;
+        }
+#endif
+        acc += x.d[i] * f16(b + 108) * (float)isum;
+    }
+    return acc;
+}
+
+/* IQ4_XS (136 bytes per 256): d, 8 six-bit signed scales (offset 32: low nibbles in 4 bytes,
+ * high bit pairs in a 16-bit word), 4-bit indices into the non-linear values (per 32: the
+ * first 16 in the low nibbles) */
+static float dot_iq4_xs(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n / 256; i++, b += 136) {
+        const uint8_t *sl = b + 4, *q = b + 8;
+        const int8_t *xq = x.q + 256 * i;
+        int sh = b[2] | (b[3] << 8);
+        int32_t isum = 0;
+#ifdef __AVX2__
+        const __m256i m4 = _mm256_set1_epi8(15);
+        const __m128i t = _mm_loadu_si128((const __m128i *)iq4nl_values);
+        const __m256i table = _mm256_set_m128i(t, t);
+        __m256i iacc = _mm256_setzero_si256();
+#endif
+        for (int ib = 0; ib < 8; ib++) {
+            int scale = (((sl[ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4)) - 32;
+#ifdef __AVX2__
+            __m128i raw = _mm_loadu_si128((const __m128i *)(q + 16 * ib));
+            __m256i v = _mm256_shuffle_epi8(
+                table, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4));
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * ib));
+            /* |v| (<= 127) times x with v's sign, pairs summed: within int16 */
+            __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xv, v));
+            iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(p, _mm256_set1_epi16((short)scale)));
+#else
+            int32_t s = 0;
+            for (int l = 0; l < 16; l++)
+                s += (int32_t)iq4nl_values[q[16 * ib + l] & 15] * xq[32 * ib + l]
+                     + (int32_t)iq4nl_values[q[16 * ib + l] >> 4] * xq[32 * ib + 16 + l];
+            isum += scale * s;
+#endif
+        }
+#ifdef __AVX2__
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(iacc), _mm256_extracti128_si256(iacc, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        isum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+#endif
+        acc += x.d[i] * f16(b) * (float)isum;
+    }
+    return acc;
+}
+
+/* IQ4_NL (18 bytes per 32): d and 16 bytes of 4-bit indices into the non-linear values */
+static float dot_iq4_nl(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n / 32; i++, b += 18) {
+        const uint8_t *q = b + 2;
+        const int8_t *xq = x.q + 32 * i;
+        int32_t s = 0;
+        for (int l = 0; l < 16; l++)
+            s += (int32_t)iq4nl_values[q[l] & 15] * xq[l]
+                 + (int32_t)iq4nl_values[q[l] >> 4] * xq[l + 16];
+        acc += f16(b) * x.d[i * 32 / x.g] * (float)s;
     }
     return acc;
 }
@@ -255,6 +468,11 @@ static size_t row_bytes(int type, int n) {
     case T_Q5_K: return (size_t)n / 256 * 176;
     case T_Q6_K: return (size_t)n / 256 * 210;
     case T_Q8_0: return (size_t)n / 32 * 34;
+    case T_Q2_K: return (size_t)n / 256 * 84;
+    case T_Q3_K: return (size_t)n / 256 * 110;
+    case T_IQ4_XS: return iq4nl_set ? (size_t)n / 256 * 136 : 0;
+    case T_IQ4_NL: return iq4nl_set ? (size_t)n / 32 * 18 : 0;
+    case T_MXFP4: return mxfp4_set ? (size_t)n / 32 * 17 : 0;
     default: return 0;
     }
 }
@@ -264,27 +482,41 @@ static float dot(int type, const uint8_t *b, qx_t x, int n) {
     case T_Q4_K: return dot_q4_k(b, x, n);
     case T_Q5_K: return dot_q5_k(b, x, n);
     case T_Q6_K: return dot_q6_k(b, x, n);
+    case T_MXFP4: return dot_mxfp4(b, x, n);
+    case T_Q2_K: return dot_q2_k(b, x, n);
+    case T_Q3_K: return dot_q3_k(b, x, n);
+    case T_IQ4_XS: return dot_iq4_xs(b, x, n);
+    case T_IQ4_NL: return dot_iq4_nl(b, x, n);
     default: return dot_q8_0(b, x, n);
     }
 }
 
-static int block_ok(int type, int n) {
-    return row_bytes(type, n) != 0 && n % 256 == 0;  /* (x quantized per 256) */
+/* the values per scale of x: 32 where every type has blocks of 32, else 256 (the K-quants'
+ * super-blocks) */
+static int group(int gate_type, int up_type, int down_type) {
+    int small = 1, t[3] = {gate_type, up_type, down_type};
+    for (int i = 0; i < 3; i++)
+        small &= t[i] == T_Q8_0 || t[i] == T_MXFP4 || t[i] == T_IQ4_NL;
+    return small ? 32 : 256;
 }
 
-/* a vector of n values quantized, in scratch: its int8 values, its per-256 scales, then its
- * per-16 integer sums */
+static int block_ok(int type, int n, int g) {
+    return row_bytes(type, n) != 0 && n % g == 0;
+}
+
+/* a vector of n values quantized, in scratch: its int8 values, its per-32 or per-256 scales
+ * (room for per-32), then its per-16 integer sums */
 static size_t qx_bytes(int n) {
-    return (size_t)n + (size_t)n / 256 * 4 + (size_t)n / 16 * 4;
+    return (size_t)n + (size_t)n / 32 * 4 + (size_t)n / 16 * 4;
 }
 
-static qx_t qx_at(uint8_t *p, int n) {
-    qx_t x = {(const int8_t *)p, (const float *)(p + n), (const int32_t *)(p + n + n / 64)};
+static qx_t qx_at(uint8_t *p, int n, int g) {
+    qx_t x = {(const int8_t *)p, (const float *)(p + n), (const int32_t *)(p + n + n / 8), g};
     return x;
 }
 
-static void qx_fill(uint8_t *p, const float *v, int n) {
-    quantize(v, n, (int8_t *)p, (float *)(p + n), (int32_t *)(p + n + n / 64));
+static void qx_fill(uint8_t *p, const float *v, int n, int g) {
+    quantize(v, n, g, (int8_t *)p, (float *)(p + n), (int32_t *)(p + n + n / 8));
 }
 
 /* The scratch bytes carve_experts needs for k experts (aligned to 64 per part). */
@@ -295,14 +527,19 @@ size_t carve_scratch_bytes(int n_embd, int n_ff, int k) {
 }
 
 /* Returns 0; -1 where a type or size is not one this file multiplies, -2 where an id is not
- * below n_expert (nothing written either way). act: 0 SiLU, 1 tanh GELU. scratch: at least
- * carve_scratch_bytes(n_embd, n_ff, c), 64-byte aligned. threads: the OpenMP threads. */
+ * below n_expert (nothing written either way). act: 0 SiLU, 1 tanh GELU, 2 gpt-oss's SwiGLU
+ * (gate clamped to <= limit, up to [-limit, limit], gate * sigmoid(1.702 gate) * (up + 1)).
+ * gate_b, up_b [n_expert][n_ff] and down_b [n_expert][n_embd]: biases added to each expert's
+ * products, or NULL. scratch: at least carve_scratch_bytes(n_embd, n_ff, c), 64-byte
+ * aligned. threads: the OpenMP threads. */
 int carve_experts(int n_embd, int n_ff, int n_expert, int c, const float *x,
                   const int32_t *ids, const float *w, const uint8_t *gate, int gate_type,
                   const uint8_t *up, int up_type, const uint8_t *down, int down_type, int act,
+                  float limit, const float *gate_b, const float *up_b, const float *down_b,
                   uint8_t *scratch, float *y, int threads) {
-    if (!block_ok(gate_type, n_embd) || !block_ok(up_type, n_embd) ||
-        !block_ok(down_type, n_ff) || act < 0 || act > 1 || c < 0)
+    int g = group(gate_type, up_type, down_type);
+    if (!block_ok(gate_type, n_embd, g) || !block_ok(up_type, n_embd, g) ||
+        !block_ok(down_type, n_ff, g) || act < 0 || act > 2 || c < 0)
         return -1;
     for (int j = 0; j < c; j++)
         if (ids[j] < 0 || ids[j] >= n_expert)
@@ -312,8 +549,8 @@ int carve_experts(int n_embd, int n_ff, int n_expert, int c, const float *x,
     size_t xb = (qx_bytes(n_embd) + 63) / 64 * 64, hqb = (qx_bytes(n_ff) + 63) / 64 * 64;
     uint8_t *xp = scratch, *hqp = scratch + xb + ((size_t)c * n_ff * 4 + 63) / 64 * 64;
     float *h = (float *)(scratch + xb);
-    qx_fill(xp, x, n_embd);
-    qx_t xq = qx_at(xp, n_embd);
+    qx_fill(xp, x, n_embd, g);
+    qx_t xq = qx_at(xp, n_embd, g);
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
 #pragma omp for schedule(static)
@@ -321,24 +558,32 @@ int carve_experts(int n_embd, int n_ff, int n_expert, int c, const float *x,
             long j = i / n_ff, r = i % n_ff, e = ids[j];
             const uint8_t *gb = gate + ((size_t)e * n_ff + r) * gr;
             const uint8_t *ub = up + ((size_t)e * n_ff + r) * ur;
-            float g = dot(gate_type, gb, xq, n_embd), u = dot(up_type, ub, xq, n_embd);
-            float a;
+            float a = dot(gate_type, gb, xq, n_embd), u = dot(up_type, ub, xq, n_embd);
+            if (gate_b) {
+                a += gate_b[(size_t)e * n_ff + r];
+                u += up_b[(size_t)e * n_ff + r];
+            }
             if (act == 0) {
-                a = g / (1.0f + expf(-g));
+                a = a / (1.0f + expf(-a));
+            } else if (act == 1) {
+                a = 0.5f * a * (1.0f + tanhf(0.7978845608f * (a + 0.044715f * a * a * a)));
             } else {
-                a = 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+                a = fminf(a, limit);
+                u = fminf(fmaxf(u, -limit), limit) + 1.0f;
+                a = a / (1.0f + expf(-1.702f * a));
             }
             h[i] = a * u;
         }
 #pragma omp for schedule(static)
         for (long j = 0; j < c; j++)
-            qx_fill(hqp + j * hqb, h + j * n_ff, n_ff);
+            qx_fill(hqp + j * hqb, h + j * n_ff, n_ff, g);
 #pragma omp for schedule(static)
         for (long r = 0; r < n_embd; r++) {
             float s = 0.0f;
             for (long j = 0; j < c; j++) {
                 const uint8_t *db = down + ((size_t)ids[j] * n_embd + r) * dr;
-                s += w[j] * dot(down_type, db, qx_at(hqp + j * hqb, n_ff), n_ff);
+                float v = dot(down_type, db, qx_at(hqp + j * hqb, n_ff, g), n_ff);
+                s += w[j] * (down_b ? v + down_b[(size_t)ids[j] * n_embd + r] : v);
             }
             y[r] = s;
         }

@@ -267,16 +267,15 @@ def _host_buffer_specs(idx: ModelIndex, k: StageKey) -> list[Any]:
 def native_covers(idx: ModelIndex, reqs: list[Request]) -> bool:
     """Whether the CPU's native kernel (engine.hardware.native) multiplies the layer whose
     expert tensors are ``reqs`` straight from the file's bytes: gate, up and down of its
-    types and sizes, the model's activation, no clamp, no biases."""
+    types and sizes, the model's activation (gpt-oss's clamp and biases too)."""
     weights = {name.split(".")[-2]: (type_id(dt), shape) for name, _, dt, shape in reqs
                if name.endswith(".weight")}
     parts = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
     if sorted(weights) != sorted(parts):
         return False
     hp = idx.hp
-    return native.supported(
-        tuple(weights[n][0] for n in parts), hp.act, hp.n_embd, weights[parts[0]][1][1],
-        clamped=bool(hp.swiglu_limit), biases=any(not r[0].endswith(".weight") for r in reqs))
+    return native.supported(tuple(weights[n][0] for n in parts), hp.act, hp.n_embd,
+                            weights[parts[0]][1][1])
 
 
 def host_expert_requests(idx: ModelIndex, k: StageKey) -> list[Request]:

@@ -17,25 +17,37 @@ pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler to build the 
 N_EXPERT, N_EMBD, N_FF = 6, 512, 256
 
 
-def _experts(t: int, rows: int, cols: int, g: torch.Generator):
-    w = random_weight(t, N_EXPERT * rows, cols, generator=g)
+def _experts(t: int, rows: int, cols: int, g: torch.Generator, scale: float = 0.02):
+    w = random_weight(t, N_EXPERT * rows, cols, generator=g, scale=scale)
     ref = dequantize(w.numpy(), GGMLQuantizationType(t)).reshape(N_EXPERT, rows, cols)
     return w, torch.from_numpy(np.ascontiguousarray(ref)).double()
 
 
-def _reference(mats, x, ids, w, act):
+def _reference(mats, x, ids, w, act, limit=0.0, biases=None):
+    """In float64 from gguf's dequantized values: SiLU / GELU GLUs, or gpt-oss's (the gate
+    clamped above, up both ways, gate * sigmoid(1.702 gate) * (up + 1)) with its biases."""
     gr, ur, dr = mats
-    y = torch.zeros(N_EMBD, dtype=torch.float64)
+    y = torch.zeros(dr.shape[1], dtype=torch.float64)
     for j, e in enumerate(ids.tolist()):
         a, u = gr[e] @ x.double(), ur[e] @ x.double()
-        g = torch.nn.functional.silu(a) if act == "silu" else torch.nn.functional.gelu(
-            a, approximate="tanh")
-        y += float(w[j]) * (dr[e] @ (g * u))
+        if biases is not None:
+            a, u = a + biases[0][e].double(), u + biases[1][e].double()
+        if limit:
+            a, u = a.clamp(max=limit), u.clamp(-limit, limit) + 1
+            h = a * torch.sigmoid(1.702 * a) * u
+        elif act == "silu":
+            h = torch.nn.functional.silu(a) * u
+        else:
+            h = torch.nn.functional.gelu(a, approximate="tanh") * u
+        out = dr[e] @ h
+        y += float(w[j]) * (out if biases is None else out + biases[2][e].double())
     return y
 
 
 @pytest.mark.parametrize("types", [(qt.Q4_K, qt.Q4_K, qt.Q6_K), (qt.Q4_K, qt.Q4_K, qt.Q4_K),
-                                   (qt.Q5_K, qt.Q8_0, qt.Q5_K), (qt.Q6_K, qt.Q6_K, qt.Q8_0)])
+                                   (qt.Q5_K, qt.Q8_0, qt.Q5_K), (qt.Q6_K, qt.Q6_K, qt.Q8_0),
+                                   (qt.Q2_K, qt.Q2_K, qt.Q3_K), (qt.Q3_K, qt.Q3_K, qt.Q4_K),
+                                   (qt.IQ4_XS, qt.IQ4_XS, qt.Q6_K), (qt.IQ4_NL, qt.Q4_K, qt.IQ4_XS)])
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 def test_matches_gguf_dequantize(types, act):
     g = torch.Generator().manual_seed(sum(types) + len(act))
@@ -73,10 +85,47 @@ def test_refuses_bad_input():
         ne.run(x, torch.tensor([0, 1, 2], dtype=torch.int32), torch.ones(3), y)
     with pytest.raises(ValueError, match="not multiplied"):
         cpu_native.NativeExperts(LIB, mats, (qt.Q4_0,) * 3, N_EMBD, N_FF, N_EXPERT, 2, "silu")
-    assert not cpu_native.supported((qt.Q4_K,) * 3, "silu", N_EMBD, N_FF, clamped=True)
     assert not cpu_native.supported((qt.Q4_K,) * 3, "silu", 2880, N_FF)  # not whole 256s
-    # (Q8_0 too: x is quantized per 256, whatever the block)
-    assert not cpu_native.supported((qt.Q8_0,) * 3, "silu", 288, N_FF)
+    # Q8_0 and MXFP4 alone: x per 32; beside a K-quant per 256, whatever the block
+    assert cpu_native.supported((qt.Q8_0,) * 3, "silu", 288, 2880)
+    assert cpu_native.supported((qt.MXFP4,) * 3, "silu", 2880, 2880)
+    assert not cpu_native.supported((qt.Q8_0, qt.Q8_0, qt.Q4_K), "silu", 288, N_FF)
+    assert not cpu_native.supported((qt.MXFP4,) * 3, "silu", 2880, 2900)
+    assert not cpu_native.supported((qt.MXFP4,) * 3, "relu", 2880, 2880)
+    with pytest.raises(ValueError, match="biases are float32"):
+        cpu_native.NativeExperts(LIB, mats, (qt.Q4_K,) * 3, N_EMBD, N_FF, N_EXPERT, 2, "silu",
+                                 7.0, [torch.zeros(N_EXPERT, N_FF)] * 3)
+
+
+@pytest.mark.parametrize("types", [(qt.MXFP4,) * 3, (qt.Q8_0,) * 3, (qt.Q8_0, qt.MXFP4, qt.Q8_0),
+                                   (qt.IQ4_NL, qt.IQ4_NL, qt.Q8_0)])
+@pytest.mark.parametrize("gpt_oss", [True, False])
+def test_blocks_of_32_at_widths_of_32(types, gpt_oss):
+    """gpt-oss's shape of experts (widths of 32s, not 256s: 2880 in the released models):
+    MXFP4 / Q8_0 with x quantized per 32, gpt-oss's biases and clamped SwiGLU (a limit the
+    products cross both ways), against gguf's dequantizer."""
+    n_embd, n_ff = 320, 224
+    g = torch.Generator().manual_seed(len(types) + gpt_oss)
+    made = [_experts(types[0], n_ff, n_embd, g, 0.3), _experts(types[1], n_ff, n_embd, g, 0.3),
+            _experts(types[2], n_embd, n_ff, g, 0.3)]
+    limit = 1.5 if gpt_oss else 0.0
+    biases = ([torch.randn(N_EXPERT, n, generator=g) * 0.5 for n in (n_ff, n_ff, n_embd)]
+              if gpt_oss else None)
+    ne = cpu_native.NativeExperts(LIB, [m[0] for m in made], types, n_embd, n_ff, N_EXPERT, 4,
+                                  "silu", limit, biases)
+    clamped = 0
+    for ids in ([2], [5, 0, 3, 1]):
+        x = torch.randn(n_embd, generator=g)
+        idt = torch.tensor(ids, dtype=torch.int32)
+        w = torch.rand(len(ids), generator=g)
+        y = torch.full((n_embd,), float("nan"))
+        ne.run(x, idt, w, y, threads=2)
+        ref = _reference([m[1] for m in made], x, idt, w, "silu", limit, biases)
+        err = float((y.double() - ref).norm() / ref.norm())
+        assert err < 5e-2, (types, gpt_oss, ids, err)
+        gate = made[0][1][ids[0]] @ x.double()
+        clamped += int((gate.abs() > limit).sum())
+    assert clamped > 0 or not gpt_oss  # the clamp took part
 
 
 def test_build_failure_is_reported(tmp_path, monkeypatch):

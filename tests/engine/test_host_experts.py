@@ -428,17 +428,27 @@ def wide(tmp_path_factory) -> str:
                            "q4_k_m")[0])
 
 
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory) -> str:
+    """gpt-oss as released: MXFP4 experts (widths of 32s) with biases, the rest Q8_0."""
+    return str(write_model(tmp_path_factory.mktemp("oss") / "gpt-oss.gguf", SHAPES["gpt-oss"],
+                           "mxfp4_moe")[0])
+
+
 @pytest.mark.skipif(not native.available(), reason="no C compiler to build the native kernel")
-@pytest.mark.parametrize("share", [1, 2])
-def test_both_runs_the_cpu_share_natively_from_the_file_bytes(wide, monkeypatch,
+@pytest.mark.parametrize(("arch", "share"), [("qwen3moe", 1), ("qwen3moe", 2), ("gpt-oss", 1),
+                                           ("gpt-oss", 2)])
+def test_both_runs_the_cpu_share_natively_from_the_file_bytes(wide, oss, monkeypatch, arch,
                                                               share) -> None:
-    """qwen3moe at widths of 256, host_compute "both" where the CPU's native kernel is built:
+    """host_compute "both" where the CPU's native kernel is built, on qwen3moe at widths of
+    256 (Q4_K / Q6_K) and gpt-oss (MXFP4 at widths of 32, expert biases, clamped SwiGLU):
     the plan pins the host layers' file bytes alone (no cpu.<name> span), and each decode
     row's first ``share`` routed experts are multiplied by the kernel from those bytes (the
     span the GPU reads in place) while the GPU reads the rest; prefill copies the layer whole.
     Against every expert in VRAM: the same greedy ids, the logits within the kernel's int8
     activations' rounding."""
     monkeypatch.setenv("CARVE_CPU_EXPERTS", str(share))
+    wide = wide if arch == "qwen3moe" else oss
     prompt, steps = ids(12), ids(3, 1)
     ref = all_in_vram(wide, prompt, steps)
     model_file = GGUFModel.open(wide)
@@ -461,7 +471,7 @@ def test_both_runs_the_cpu_share_natively_from_the_file_bytes(wide, monkeypatch,
             assert h.native.mats[0].data_ptr() == h.mats[0].raw.data_ptr()
         cpu_s = [h.cpu_s for h in hosts]
         got = run(g, prompt, steps)
-        assert_agree(got, ref, f"both, {share} of 2 natively on the CPU vs VRAM",
+        assert_agree(got, ref, f"{arch} both, {share} of 2 natively on the CPU vs VRAM",
                      max(BOUND, 1e-2))
         assert all(h.cpu_s > c for h, c in zip(hosts, cpu_s, strict=True))
         assert all(h.flags[0] == h.flags[1] for h in hosts)  # every ticket answered

@@ -154,8 +154,8 @@ def test_both_keeps_no_cpu_layout_where_the_native_kernel_reads_the_file(synth_m
                                                                          monkeypatch) -> None:
     """qwen3moe-tiny's Q4_K / Q6_K experts (widths of whole 256s): where this machine runs the
     CPU's native kernel, "both" pins the host layers' file bytes alone, as "gpu" does, plus
-    the CPU's transfer buffers; with CARVE_NATIVE=0 the CPU's layouts beside them. The same
-    model's plan with the kernel covering no layer (a clamped SwiGLU) keeps them too."""
+    the CPU's transfer buffers; with CARVE_NATIVE=0 the CPU's layouts beside them. A layer
+    of a type the kernel does not read is not covered."""
     model = GGUFModel.open(synth_model("qwen3moe-tiny"))
     plan = Plan("m", (gpu(0, 4000),), (0, 4), ctx=256, act_dtype="bf16", host=HOST,
                 experts_resident=(1,))
@@ -179,14 +179,19 @@ def test_both_keeps_no_cpu_layout_where_the_native_kernel_reads_the_file(synth_m
     idx = model_index(model)
     reqs = [r for r in idx.layer_requests[1] if is_expert(r[0])]
     assert native_covers(idx, reqs)
-    clamped = replace(idx, hp=replace(idx.hp, swiglu_limit=7.0))
-    assert not native_covers(clamped, reqs)
+    assert native_covers(replace(idx, hp=replace(idx.hp, swiglu_limit=7.0)), reqs)  # gpt-oss's
+    assert native_covers(idx, [(n, b, "IQ4_XS" if "gate" in n else dt, shape)
+                               for n, b, dt, shape in reqs])  # IQ4_XS and Q4_K: per 256
+    assert not native_covers(idx, [(n, b, "IQ2_XXS" if "gate" in n else dt, shape)
+                                   for n, b, dt, shape in reqs])  # a type it does not read
     assert not native_covers(idx, [r for r in reqs if "down" not in r[0]])
 
 
-def test_both_copies_only_layers_whose_every_matrix_has_a_cpu_layout(synth_model) -> None:
+def test_both_copies_only_layers_whose_every_matrix_has_a_cpu_layout(synth_model,
+                                                                    monkeypatch) -> None:
     """gpt-oss's MXFP4 experts (and their biases) have no CPU layout: "both" keeps the file's
-    bytes alone (the GPU takes those layers' decode rows), "cpu" the file's bytes too."""
+    bytes alone (the CPU's native kernel reads them there, or the GPU takes those layers'
+    decode rows), "cpu" the file's bytes too."""
     model = GGUFModel.open(synth_model("gpt-oss-tiny", "mxfp4_moe"))
     base = Plan("m", (gpu(0, 4000),), (0, 4), ctx=256, act_dtype="bf16", host=HOST,
                 experts_resident=(2,))
@@ -197,6 +202,18 @@ def test_both_copies_only_layers_whose_every_matrix_has_a_cpu_layout(synth_model
         held = {s.name for a in d.host_arenas for s in a.spans if not s.name.startswith("hbuf.")}
         assert held == {t.name for t in away}
         assert d.terms["host_experts"] == sum(t.nbytes for t in away)
+    # the CPU's native kernel reads MXFP4 (and the biases, the clamp): Auto splits gpt-oss's
+    # decode too where it is built, on the same bytes
+    auto = default_plan(model, [gpu(0, 4000)], ctx=256, host=HOST, experts_resident=(2,))
+    assert auto.host_compute == ("both" if native.available() else "gpu")
+    monkeypatch.setenv("CARVE_NATIVE", "0")
+    assert default_plan(model, [gpu(0, 4000)], ctx=256, host=HOST,
+                        experts_resident=(2,)).host_compute == "gpu"
+    # every expert in VRAM: nothing in host memory to run, "gpu"
+    monkeypatch.delenv("CARVE_NATIVE")
+    assert default_plan(model, [gpu(0, 4000)], ctx=256, host=HOST).host_compute == "gpu"
+    assert default_plan(model, [gpu(0, 4000)], ctx=256, host=HOST, experts_resident=(2,),
+                        expert_slots=(4,)).host_compute == "gpu"  # slots feed the GPU
 
 
 def test_host_ram_shortfall_is_one_sentence_and_the_bottleneck(synth_model, capsys) -> None:

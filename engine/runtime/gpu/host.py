@@ -375,18 +375,6 @@ class HostExperts:
             # experts in, so the GPU takes that layer's decode rows too)
             self.cpu_mats = [cpu_experts.host_matrix(model, n, spans[CPU_PREFIX + n], scratch)
                              for n in names]
-        # decode's split ("both"): the CPU's share multiplied from the file's bytes by the
-        # native kernel (cpu_native) where it has every type, else by torch on the CPU layouts
-        self.native: cpu_native.NativeExperts | None = None
-        if host_compute == "both":
-            types = tuple(m.ggml_type for m in self.mats)
-            lib = cpu_native.library() if cpu_native.supported(
-                types, hp.act, hp.n_embd, self.mats[0].rows, clamped=bool(hp.swiglu_limit),
-                biases=p + "ffn_gate_exps.bias" in spans) else None
-            if lib is not None:
-                self.native = cpu_native.NativeExperts(
-                    lib, [m.raw.view(-1) for m in self.mats], types, hp.n_embd,
-                    self.mats[0].rows, hp.n_expert, hp.n_expert_used, hp.act)
         self.biases = None
         self.bias_bytes: list[torch.Tensor] | None = None  # the raw host bytes (the Stream's)
         if p + "ffn_gate_exps.bias" in spans:
@@ -394,6 +382,18 @@ class HostExperts:
             self.biases = tuple(
                 spans[p + f"ffn_{n}_exps.bias"].view(torch.float32).view(hp.n_expert, -1)
                 for n in ("gate", "up", "down"))
+        # decode's split ("both"): the CPU's share multiplied from the file's bytes by the
+        # native kernel (cpu_native) where it has every type, else by torch on the CPU layouts
+        self.native: cpu_native.NativeExperts | None = None
+        if host_compute == "both":
+            types = tuple(m.ggml_type for m in self.mats)
+            lib = cpu_native.library() if cpu_native.supported(
+                types, hp.act, hp.n_embd, self.mats[0].rows) else None
+            if lib is not None:
+                self.native = cpu_native.NativeExperts(
+                    lib, [m.raw.view(-1) for m in self.mats], types, hp.n_embd,
+                    self.mats[0].rows, hp.n_expert, hp.n_expert_used, hp.act,
+                    hp.swiglu_limit, list(self.biases) if self.biases else None)
         self.x, self.ids = spans["hbuf.x"], spans["hbuf.ids"]
         self.w, self.y = spans["hbuf.w"], spans["hbuf.y"]
         # the split's ticket and answer (carve_kernels/host_split.py; the stage's one buffer,

@@ -6,10 +6,11 @@ torch has no CPU product over GGUF's blocks, so `cpu_experts` repacks the expert
 it has (int4, or 16-bit floats for Q6_K: 2.4x the file's bytes) and runs one torch call per
 product: three a routed expert, each waking the thread pool. The kernel takes a layer's whole
 share of a row in one call (gate/up of every chosen expert shared among the threads, then the
-down rows; x and the GLU's output quantized to int8 per 256 values as llama.cpp's CPU does,
-each block summed in integers), reading Q4_K, Q5_K, Q6_K and Q8_0 blocks where they lie (the
-host span the GPU reads in place), on rows and columns of whole 256s. A plan priced where it
-is available keeps no CPU layout for a layer it covers.
+down rows; x and the GLU's output quantized to int8 per 256 values, or per 32 where every
+matrix has blocks of 32, as llama.cpp's CPU does; each block summed in integers), reading
+Q2_K to Q6_K, Q8_0, IQ4_XS, IQ4_NL and MXFP4 blocks where they lie (the host span the GPU reads in place;
+gpt-oss's biases and clamped SwiGLU too). A plan priced where it is available keeps no CPU
+layout for a layer it covers.
 """
 
 from __future__ import annotations
@@ -25,17 +26,25 @@ __all__ = ["ACTS", "NativeExperts", "build", "library", "supported"]
 
 class NativeExperts:
     """One layer's routed experts as the library reads them: the file's bytes of gate, up and
-    down ([n_expert * rows, row bytes] uint8 host tensors) and their types; ``run`` computes
-    a row's share into y. Holds its scratch, so a layer's calls allocate nothing."""
+    down ([n_expert * rows, row bytes] uint8 host tensors) and their types, and (gpt-oss)
+    their biases (float32 [n_expert, rows] each) and SwiGLU clamp; ``run`` computes a row's
+    share into y. Holds its scratch, so a layer's calls allocate nothing."""
 
     def __init__(self, lib: Any, mats: list[torch.Tensor], types: tuple[int, int, int],
-                 n_embd: int, n_ff: int, n_expert: int, k: int, act: str) -> None:
+                 n_embd: int, n_ff: int, n_expert: int, k: int, act: str,
+                 limit: float = 0.0, biases: list[torch.Tensor] | None = None) -> None:
         if not supported(types, act, n_embd, n_ff):
             raise ValueError(f"native experts: types {types} / {act} not multiplied")
-        if not all(m.is_contiguous() for m in mats):
+        if not all(m.is_contiguous() for m in [*mats, *(biases or [])]):
             raise ValueError("native experts: the expert bytes must be contiguous")
+        if biases is not None and (
+                [tuple(b.shape) for b in biases] != [(n_expert, n_ff)] * 2 + [(n_expert, n_embd)]
+                or any(b.dtype != torch.float32 for b in biases)):
+            raise ValueError("native experts: biases are float32 [n_expert, rows] per matrix")
         self.lib, self.mats, self.types = lib, mats, types
-        self.n_embd, self.n_ff, self.n_expert, self.act = n_embd, n_ff, n_expert, ACTS[act]
+        self.n_embd, self.n_ff, self.n_expert = n_embd, n_ff, n_expert
+        self.act, self.limit = (2 if limit else ACTS[act]), float(limit)
+        self.biases = biases
         self.k = k
         # (64-byte aligned: torch's CPU allocations are)
         self.scratch = torch.empty(int(lib.carve_scratch_bytes(n_embd, n_ff, k)),
@@ -52,11 +61,12 @@ class NativeExperts:
             raise ValueError("native experts: x, w, y float32, ids int32, contiguous, "
                              "at most k of them")
         g, u, d = self.mats
+        gb, ub, db = (b.data_ptr() for b in self.biases) if self.biases else (None,) * 3
         rc = self.lib.carve_experts(
             self.n_embd, self.n_ff, self.n_expert, c, x.data_ptr(), ids.data_ptr(), w.data_ptr(),
             g.data_ptr(), self.types[0], u.data_ptr(), self.types[1], d.data_ptr(),
-            self.types[2], self.act, self.scratch.data_ptr(), y.data_ptr(),
-            threads or torch.get_num_threads())
+            self.types[2], self.act, self.limit, gb, ub, db, self.scratch.data_ptr(),
+            y.data_ptr(), threads or torch.get_num_threads())
         if rc != 0:
             raise ValueError("native experts: " + ("an expert id beyond the layer's "
                              f"{self.n_expert}" if rc == -2 else "types or sizes refused"))
