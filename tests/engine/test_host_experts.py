@@ -20,6 +20,7 @@ from engine.planning.host import cpu_layout
 from engine.planning.plan import Plan
 from engine.planning.price import price
 from engine.runtime.gpu.session import GpuSession
+from engine.runtime.models import cpu_native
 from engine.runtime.options import RunnerOptions
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.session import Session
@@ -480,13 +481,35 @@ def test_both_runs_the_cpu_share_natively_from_the_file_bytes(wide, oss, monkeyp
 
 
 @pytest.mark.skipif(not native.available(), reason="no C compiler to build the native kernel")
+def test_cpu_decodes_natively_a_type_without_a_cpu_layout(oss, monkeypatch) -> None:
+    """host_compute "cpu" on gpt-oss's MXFP4 experts, which have no CPU layout (held as the
+    file has them): decode's rows run through the native kernel instead of dequantizing each
+    routed expert; prefill's chunk still takes torch's product. Against every expert in
+    VRAM: the same greedy ids."""
+    prompt, steps = ids(12), ids(2, 1)
+    ref = all_in_vram(oss, prompt, steps)
+    g = GpuSession.load(plan(oss, resident=(0,), host_compute="cpu"), devices=[DEV],
+                        remember=False)
+    try:
+        hosts = [la.ffn.host for la in g.pipe.stages[0].layers]
+        assert all(h.native is not None and h.cpu_mats is not None for h in hosts)
+        calls = []
+        run_native = cpu_native.NativeExperts.run
+        monkeypatch.setattr(cpu_native.NativeExperts, "run",
+                            lambda self, *a, **k: calls.append(1) or run_native(self, *a, **k))
+        assert_agree(run(g, prompt, steps), ref, "gpt-oss host experts (cpu, native decode)",
+                     max(BOUND, 1e-2))
+        assert len(calls) == len(steps) * len(hosts)  # one a decode row and layer, no more
+    finally:
+        g.close()
+
+
+@pytest.mark.skipif(not native.available(), reason="no C compiler to build the native kernel")
 def test_both_without_the_kernel_at_load_leaves_decode_to_the_gpu(wide, monkeypatch,
                                                                   caplog) -> None:
     """A plan priced where the native kernel is built, loaded where it cannot run (here: the
     runner's copy refused): no layer is split, one log line says why, and the GPU reads
     every routed expert in place: the same greedy ids as all in VRAM."""
-    from engine.runtime.models import cpu_native
-
     monkeypatch.setenv("CARVE_CPU_EXPERTS", "2")
     prompt, steps = ids(12), ids(2, 1)
     ref = all_in_vram(wide, prompt, steps)

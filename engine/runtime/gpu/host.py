@@ -385,15 +385,19 @@ class HostExperts:
         # decode's split ("both"): the CPU's share multiplied from the file's bytes by the
         # native kernel (cpu_native) where it has every type, else by torch on the CPU layouts
         self.native: cpu_native.NativeExperts | None = None
-        if host_compute == "both":
-            types = tuple(m.ggml_type for m in self.mats)
+        # (under "cpu" too where every matrix is held as the file has it, a type without a CPU
+        # layout: decode's rows then skip the dequantizing product, tens of times slower)
+        raw = self.mats if host_compute == "both" else [
+            m for m in self.cpu_mats or [] if isinstance(m, ops.QExperts)]
+        if len(raw) == 3 and host_compute in ("both", "cpu"):
+            types = tuple(m.ggml_type for m in raw)
             lib = cpu_native.library() if cpu_native.supported(
-                types, hp.act, hp.n_embd, self.mats[0].rows) else None
+                types, hp.act, hp.n_embd, raw[0].rows) else None
             if lib is not None:
                 self.native = cpu_native.NativeExperts(
-                    lib, [m.raw.view(-1) for m in self.mats], types, hp.n_embd,
-                    self.mats[0].rows, hp.n_expert, hp.n_expert_used, hp.act,
-                    hp.swiglu_limit, list(self.biases) if self.biases else None)
+                    lib, [m.raw.view(-1) for m in raw], types, hp.n_embd, raw[0].rows,
+                    hp.n_expert, hp.n_expert_used, hp.act, hp.swiglu_limit,
+                    list(self.biases) if self.biases else None)
         self.x, self.ids = spans["hbuf.x"], spans["hbuf.ids"]
         self.w, self.y = spans["hbuf.w"], spans["hbuf.y"]
         # the split's ticket and answer (carve_kernels/host_split.py; the stage's one buffer,
