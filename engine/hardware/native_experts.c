@@ -176,10 +176,32 @@ static float dot_q4_k(const uint8_t *b, qx_t x, int n) {
 
 static float dot_q5_k(const uint8_t *b, qx_t x, int n) {
     float acc = 0.0f;
+#ifdef __AVX2__
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+#endif
     for (int i = 0; i < n / 256; i++, b += 176) {
         const uint8_t *qh = b + 16, *q = b + 48;
         const int8_t *xq = x.q + 256 * i;
         int32_t sc[8], mins = scales_mins(b + 4, x.s16 + 16 * i, sc), isum = 0;
+#ifdef __AVX2__
+        const __m256i hv = _mm256_loadu_si256((const __m256i *)qh);
+        __m256i iacc = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i qv = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+            __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * c), one);
+            __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hv, 2 * c + 1), one);
+            __m256i lo = _mm256_or_si256(_mm256_and_si256(qv, m4), _mm256_slli_epi16(h0, 4));
+            __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qv, 4), m4),
+                                         _mm256_slli_epi16(h1, 4));
+            iacc = _mm256_add_epi32(iacc, udot_scaled(lo, xq + 64 * c,
+                                                      _mm256_set1_epi16((short)sc[2 * c])));
+            iacc = _mm256_add_epi32(iacc, udot_scaled(hi, xq + 64 * c + 32,
+                                                      _mm256_set1_epi16((short)sc[2 * c + 1])));
+        }
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(iacc), _mm256_extracti128_si256(iacc, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        isum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+#else
         for (int c = 0; c < 4; c++) {
             int32_t lo = 0, hi = 0;
             for (int l = 0; l < 32; l++) {
@@ -190,6 +212,7 @@ static float dot_q5_k(const uint8_t *b, qx_t x, int n) {
             }
             isum += sc[2 * c] * lo + sc[2 * c + 1] * hi;
         }
+#endif
         acc += x.d[i] * (f16(b) * (float)isum - f16(b + 2) * (float)mins);
     }
     return acc;
@@ -263,13 +286,30 @@ static float dot_q6_k(const uint8_t *b, qx_t x, int n) {
 
 static float dot_q8_0(const uint8_t *b, qx_t x, int n) {
     float acc = 0.0f;
+#ifdef __AVX2__
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 vacc = _mm256_setzero_ps();
+#endif
     for (int i = 0; i < n / 32; i++, b += 34) {
         const int8_t *q = (const int8_t *)(b + 2), *xq = x.q + 32 * i;
+        float d = f16(b) * x.d[i * 32 / x.g];
+#ifdef __AVX2__
+        __m256i v = _mm256_loadu_si256((const __m256i *)q);
+        __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+        /* |q| times x with q's sign (q = -128 would wrap: |q| read as unsigned 128 is right) */
+        __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xv, v));
+        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
+                               _mm256_set1_ps(d), vacc);
+#else
         int32_t s = 0;
         for (int l = 0; l < 32; l++)
             s += (int32_t)q[l] * (int32_t)xq[l];
-        acc += f16(b) * x.d[i * 32 / x.g] * (float)s;
+        acc += d * (float)s;
+#endif
     }
+#ifdef __AVX2__
+    acc += hsum8(vacc);
+#endif
     return acc;
 }
 
