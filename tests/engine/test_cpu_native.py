@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from carve_kernels.random_blocks import random_weight
+from engine.hardware import native
 from engine.runtime.models import cpu_native
 from spec import quant_types as qt
 
@@ -23,11 +24,21 @@ def _experts(t: int, rows: int, cols: int, g: torch.Generator, scale: float = 0.
     return w, torch.from_numpy(np.ascontiguousarray(ref)).double()
 
 
-def _reference(mats, x, ids, w, act, limit=0.0, biases=None):
+def _q8(v: torch.Tensor, group: int) -> torch.Tensor:
+    """v rounded as the kernel quantizes it: int8 per ``group`` values, scale max |v| / 127."""
+    g = v.view(-1, group)
+    d = g.abs().amax(1, keepdim=True) / 127
+    return (torch.round(g / d) * d).view(-1)
+
+
+def _reference(mats, x, ids, w, act, limit=0.0, biases=None, group=0):
     """In float64 from gguf's dequantized values: SiLU / GELU GLUs, or gpt-oss's (the gate
-    clamped above, up both ways, gate * sigmoid(1.702 gate) * (up + 1)) with its biases."""
+    clamped above, up both ways, gate * sigmoid(1.702 gate) * (up + 1)) with its biases.
+    ``group``: x and the GLU's output rounded to int8 per that many values first, the
+    kernel's scheme (llama.cpp's q8_K / q8_0), so that only the sums' order differs."""
     gr, ur, dr = mats
     y = torch.zeros(dr.shape[1], dtype=torch.float64)
+    x = _q8(x.double(), group) if group else x
     for j, e in enumerate(ids.tolist()):
         a, u = gr[e] @ x.double(), ur[e] @ x.double()
         if biases is not None:
@@ -39,7 +50,7 @@ def _reference(mats, x, ids, w, act, limit=0.0, biases=None):
             h = torch.nn.functional.silu(a) * u
         else:
             h = torch.nn.functional.gelu(a, approximate="tanh") * u
-        out = dr[e] @ h
+        out = dr[e] @ (_q8(h, group) if group else h)
         y += float(w[j]) * (out if biases is None else out + biases[2][e].double())
     return y
 
@@ -66,6 +77,9 @@ def test_matches_gguf_dequantize(types, act):
         # x and the GLU's output are quantized to int8 per 256 values, as llama.cpp's CPU does
         err = float((y.double() - ref).norm() / ref.norm())
         assert err < 5e-2, (types, act, ids, err)
+        # and against that scheme in float64: every block's bits read right
+        scheme = _reference(refs, x, idt, w, act, group=native.group(types))
+        assert float((y.double() - scheme).norm() / scheme.norm()) < 1e-5, (types, act, ids)
     # no experts: a zero sum
     y = torch.full((N_EMBD,), float("nan"))
     ne.run(x, torch.empty(0, dtype=torch.int32), torch.empty(0), y)
@@ -123,6 +137,8 @@ def test_blocks_of_32_at_widths_of_32(types, gpt_oss):
         ref = _reference([m[1] for m in made], x, idt, w, "silu", limit, biases)
         err = float((y.double() - ref).norm() / ref.norm())
         assert err < 5e-2, (types, gpt_oss, ids, err)
+        scheme = _reference([m[1] for m in made], x, idt, w, "silu", limit, biases, group=32)
+        assert float((y.double() - scheme).norm() / scheme.norm()) < 1e-5, (types, ids)
         gate = made[0][1][ids[0]] @ x.double()
         clamped += int((gate.abs() > limit).sum())
     assert clamped > 0 or not gpt_oss  # the clamp took part
