@@ -141,7 +141,16 @@ class LaunchSettings(QWidget):
         model.events.settings.connect(self._on_settings)
         model.events.model.connect(lambda *_: self._on_settings())
         model.events.layout.connect(lambda *_: self._waste_timer.start())
+        model.events.layout.connect(lambda *_: self._show_auto())
         self._on_settings()
+        self._show_auto()
+
+    def _show_auto(self) -> None:
+        """The Auto item says what Auto chose for the plan priced now ("Auto: both")."""
+        lay = self.model.layout
+        where = "" if lay is None or lay.host is None else lay.plan.host_compute
+        label = dict((v, t.split(" (")[0]) for t, v in HOST_CHOICES).get(where)
+        self.host_combo.setItemText(0, f"Auto: {label}" if label else "Auto")
 
     def _write(self, setter, value) -> None:
         if not self._syncing:

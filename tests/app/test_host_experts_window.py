@@ -171,6 +171,7 @@ def test_auto_splits_decode_where_the_native_kernel_reads_the_experts(qtbot, pla
     assert plan.host_compute == "auto" and settings.slots_spin.isEnabled()
     assert auto.plan.host_compute == "both" and auto.plan.expert_slots == ()
     assert "split for decode between the CPU" in fit.advice.text()
+    assert settings.host_combo.itemText(0) == "Auto: Both"  # what Auto chose, shown
     settings.host_combo.setCurrentIndex(settings.host_combo.findData("gpu"))
     gpu = plan.layout
     assert gpu.plan.host_compute == "gpu"
@@ -180,6 +181,7 @@ def test_auto_splits_decode_where_the_native_kernel_reads_the_experts(qtbot, pla
     monkeypatch.setenv("CARVE_NATIVE", "0")
     settings.host_combo.setCurrentIndex(settings.host_combo.findData("auto"))
     assert plan.layout.plan.host_compute == "gpu"
+    assert settings.host_combo.itemText(0) == "Auto: GPU"
 
 
 def test_the_split_strip_drags_where_a_gpus_experts_go_to_host_memory(qtbot, plan) -> None:
