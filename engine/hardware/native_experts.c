@@ -128,6 +128,21 @@ static inline __m256i udot_scaled(__m256i u, const int8_t *q, __m256i sc) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i *)q)),
                              sc);
 }
+
+/* 32 signed bytes v times 32 int8 x, each pair's sum times its 16-bit scale -> 8 int32:
+ * maddubs takes unsigned times signed, so |v| times x with v's sign (v = -128 reads as the
+ * unsigned 128 it stands for) */
+static inline __m256i sdot_scaled(__m256i v, __m256i x, __m256i sc) {
+    return _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v)), sc);
+}
+
+/* the sum of 8 int32 lanes */
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_hadd_epi32(s, s);
+    return _mm_cvtsi128_si32(_mm_hadd_epi32(s, s));
+}
 #endif
 
 /* the dot product of one row of n values with x (quantized) */
@@ -198,9 +213,7 @@ static float dot_q5_k(const uint8_t *b, qx_t x, int n) {
             iacc = _mm256_add_epi32(iacc, udot_scaled(hi, xq + 64 * c + 32,
                                                       _mm256_set1_epi16((short)sc[2 * c + 1])));
         }
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(iacc), _mm256_extracti128_si256(iacc, 1));
-        s4 = _mm_hadd_epi32(s4, s4);
-        isum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+        isum = hsum_i32(iacc);
 #else
         for (int c = 0; c < 4; c++) {
             int32_t lo = 0, hi = 0;
@@ -296,10 +309,8 @@ static float dot_q8_0(const uint8_t *b, qx_t x, int n) {
 #ifdef __AVX2__
         __m256i v = _mm256_loadu_si256((const __m256i *)q);
         __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
-        /* |q| times x with q's sign (q = -128 would wrap: |q| read as unsigned 128 is right) */
-        __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xv, v));
-        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
-                               _mm256_set1_ps(d), vacc);
+        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sdot_scaled(v, xv, ones)), _mm256_set1_ps(d),
+                               vacc);
 #else
         int32_t s = 0;
         for (int l = 0; l < 32; l++)
@@ -333,10 +344,8 @@ static float dot_mxfp4(const uint8_t *b, qx_t x, int n) {
             _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
         __m256i v = _mm256_shuffle_epi8(table, idx);
         __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
-        /* |v| times x with v's sign: maddubs takes unsigned times signed */
-        __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xv, v));
-        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
-                               _mm256_set1_ps(d), vacc);
+        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sdot_scaled(v, xv, ones)), _mm256_set1_ps(d),
+                               vacc);
 #else
         int32_t s = 0;
         for (int l = 0; l < 16; l++)
@@ -375,9 +384,7 @@ static float dot_q2_k(const uint8_t *b, qx_t x, int n) {
                 iacc = _mm256_add_epi32(iacc, udot_scaled(v, xq + 16 * sb, scv));
             }
         }
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(iacc), _mm256_extracti128_si256(iacc, 1));
-        s4 = _mm_hadd_epi32(s4, s4);
-        isum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+        isum = hsum_i32(iacc);
 #else
         for (int sb = 0; sb < 16; sb++) {
             int half = sb / 8, shift = 2 * ((sb % 8) / 2), l0 = 16 * (sb % 2);
@@ -424,9 +431,7 @@ static float dot_q3_k(const uint8_t *b, qx_t x, int n) {
                 iacc = _mm256_add_epi32(iacc, udot_scaled(v, xq + 16 * sb, scv));
             }
         }
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(iacc), _mm256_extracti128_si256(iacc, 1));
-        s4 = _mm_hadd_epi32(s4, s4);
-        isum += _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+        isum += hsum_i32(iacc);
 #else
         for (int sb = 0; sb < 16; sb++) {
             int half = sb / 8, shift = 2 * ((sb % 8) / 2), l0 = 16 * (sb % 2), bit = sb / 2;
@@ -466,9 +471,8 @@ static float dot_iq4_xs(const uint8_t *b, qx_t x, int n) {
             __m256i v = _mm256_shuffle_epi8(
                 table, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4));
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * ib));
-            /* |v| (<= 127) times x with v's sign, pairs summed: within int16 */
-            __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xv, v));
-            iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(p, _mm256_set1_epi16((short)scale)));
+            /* (|v| <= 127: a pair's sum stays within int16) */
+            iacc = _mm256_add_epi32(iacc, sdot_scaled(v, xv, _mm256_set1_epi16((short)scale)));
 #else
             int32_t s = 0;
             for (int l = 0; l < 16; l++)
@@ -478,9 +482,7 @@ static float dot_iq4_xs(const uint8_t *b, qx_t x, int n) {
 #endif
         }
 #ifdef __AVX2__
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(iacc), _mm256_extracti128_si256(iacc, 1));
-        s4 = _mm_hadd_epi32(s4, s4);
-        isum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+        isum = hsum_i32(iacc);
 #endif
         acc += x.d[i] * f16(b) * (float)isum;
     }
