@@ -32,8 +32,8 @@ log = logging.getLogger("carve.engine")
 SOURCE = Path(__file__).with_name("native_experts.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # the types the library multiplies (ggml's numbers, as native_experts.c's enum)
-TYPES = frozenset({qt.Q2_K, qt.Q3_K, qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q8_0, qt.IQ4_XS, qt.IQ4_NL,
-                   qt.MXFP4})
+TYPES = frozenset({qt.Q2_K, qt.Q3_K, qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q8_0, qt.IQ2_XXS,
+                   qt.IQ3_XXS, qt.IQ4_XS, qt.IQ4_NL, qt.MXFP4})
 # the types of 32-value blocks: where every matrix has one, x is quantized per 32, else per 256
 SMALL_BLOCKS = frozenset({qt.Q8_0, qt.IQ4_NL, qt.MXFP4})
 # the activations (native_experts.c's act; 2: gpt-oss's clamped SwiGLU, given a limit)
@@ -95,14 +95,22 @@ def _load() -> tuple[Any | None, str]:
         [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_void_p, ctypes.c_int] * 3
         + [ctypes.c_int, ctypes.c_float] + [ctypes.c_void_p] * 5 + [ctypes.c_int])
     # the 4-bit types' values (MXFP4's e2m1, doubled; IQ4_NL's and IQ4_XS's non-linear
-    # ones), from the gguf package's own tables
-    from gguf.quants import IQ4_NL, MXFP4
+    # ones) and the IQ2_XXS / IQ3_XXS grids and sign bytes, from the gguf package's tables
+    import numpy as np
+    from gguf.quants import IQ2_XXS, IQ3_XXS, IQ4_NL, MXFP4
 
     lib.carve_set_values.restype = ctypes.c_int
     lib.carve_set_values.argtypes = [ctypes.c_int, ctypes.c_char_p]
     for t, values in ((qt.MXFP4, MXFP4.kvalues), (qt.IQ4_NL, IQ4_NL.kvalues)):
         if lib.carve_set_values(int(t), bytes(v & 0xFF for v in values)) != 0:
             return None, f"the native kernel took no table for {qt.type_name(t)}"
+    lib.carve_set_grid.restype = ctypes.c_int
+    lib.carve_set_grid.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p]
+    for t, cls in ((qt.IQ2_XXS, IQ2_XXS), (qt.IQ3_XXS, IQ3_XXS)):
+        cls.init_grid()
+        grid = np.ascontiguousarray(cls.grid, dtype=np.float32).astype(np.uint8).tobytes()
+        if lib.carve_set_grid(int(t), grid, bytes(IQ2_XXS.ksigns)) != 0:
+            return None, f"the native kernel took no grid for {qt.type_name(t)}"
     lib.carve_scratch_bytes.restype = ctypes.c_size_t
     lib.carve_scratch_bytes.argtypes = [ctypes.c_int] * 3
     return lib, ""

@@ -5,7 +5,7 @@
  *   carve_experts(...): y = sum_j w[j] * down_e(act(gate_e x) * up_e x), e = ids[j]
  *
  * Every expert matrix is GGUF's [n_expert][rows][cols] of blocks (Q2_K, Q3_K, Q4_K, Q5_K,
- * Q6_K, Q8_0, IQ4_XS, IQ4_NL, MXFP4). x and the GLU's output h are quantized to int8 per run of 256 where a K-quant is
+ * Q6_K, Q8_0, IQ2_XXS, IQ3_XXS, IQ4_XS, IQ4_NL, MXFP4). x and the GLU's output h are quantized to int8 per run of 256 where a K-quant is
  * among the types, else per 32 (as llama.cpp's CPU does: its q8_K and q8_0), each block's
  * products summed in integers, the rest in float32. gpt-oss's experts add a bias to every
  * product and clamp their SwiGLU. One OpenMP region per call: the gate/up rows of all chosen
@@ -22,7 +22,7 @@
 /* ggml's type numbers */
 enum {
     T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
-    T_IQ4_NL = 20, T_IQ4_XS = 23, T_MXFP4 = 39
+    T_IQ2_XXS = 16, T_IQ3_XXS = 18, T_IQ4_NL = 20, T_IQ4_XS = 23, T_MXFP4 = 39
 };
 
 /* the 16 values a 4-bit index stands for: MXFP4's e2m1 values (doubled) and the IQ4 types'
@@ -30,6 +30,30 @@ enum {
  * (carve_set_values); a type is refused until its table is set */
 static int8_t mxfp4_values[16], iq4nl_values[16];
 static int mxfp4_set = 0, iq4nl_set = 0;
+
+/* the IQ2_XXS (256 x 8) and IQ3_XXS (256 x 4) grids of magnitudes and the 128 sign bytes
+ * (8 sign bits from a 7-bit index, the eighth making the count of minus signs even), set once
+ * by the loader from the gguf package's tables (carve_set_grid) */
+static uint8_t iq2xxs_grid[256][8], iq3xxs_grid[256][4], ksigns[128];
+static int iq2xxs_set = 0, iq3xxs_set = 0;
+
+int carve_set_grid(int type, const uint8_t *grid, const uint8_t *signs) {
+    if (type == T_IQ2_XXS) {
+        memcpy(iq2xxs_grid, grid, sizeof iq2xxs_grid);
+        iq2xxs_set = 1;
+    } else if (type == T_IQ3_XXS) {
+        memcpy(iq3xxs_grid, grid, sizeof iq3xxs_grid);
+        iq3xxs_set = 1;
+    } else {
+        return -1;
+    }
+    memcpy(ksigns, signs, sizeof ksigns);
+    return 0;
+}
+
+static uint32_t le32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
 
 int carve_set_values(int type, const int8_t *values) {
     if (type == T_MXFP4) {
@@ -504,6 +528,126 @@ static float dot_iq4_nl(const uint8_t *b, qx_t x, int n) {
     return acc;
 }
 
+#ifdef __AVX2__
+/* +1 or -1 for 32 values from 4 sign bytes (byte l's bits for values 8 l .. 8 l + 7) */
+static inline __m256i signs32(uint32_t four) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)four), spread);
+    __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit);
+    return _mm256_or_si256(neg, _mm256_set1_epi8(1));
+}
+
+static inline uint64_t ld64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static inline uint32_t ld32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+#endif
+
+/* IQ2_XXS (66 bytes per 256): d, then per 32 values two words: 4 grid indices (8 magnitudes
+ * each) and 4 seven-bit sign indices with a 4-bit scale s on top (the run's scale d (2s+1)/8) */
+static float dot_iq2_xxs(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n / 256; i++, b += 66) {
+        const int8_t *xq = x.q + 256 * i;
+        int32_t isum = 0;
+#ifdef __AVX2__
+        __m256i iacc = _mm256_setzero_si256();
+#endif
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *w = b + 2 + 8 * ib;
+            uint32_t aux = le32(w + 4);
+            int32_t scale = 2 * (int32_t)(aux >> 28) + 1;
+#ifdef __AVX2__
+            uint32_t four = (uint32_t)ksigns[aux & 127] | ((uint32_t)ksigns[(aux >> 7) & 127] << 8)
+                            | ((uint32_t)ksigns[(aux >> 14) & 127] << 16)
+                            | ((uint32_t)ksigns[(aux >> 21) & 127] << 24);
+            __m256i mag = _mm256_set_epi64x((long long)ld64(iq2xxs_grid[w[3]]),
+                                            (long long)ld64(iq2xxs_grid[w[2]]),
+                                            (long long)ld64(iq2xxs_grid[w[1]]),
+                                            (long long)ld64(iq2xxs_grid[w[0]]));
+            __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + 32 * ib)),
+                                          signs32(four));
+            iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xv),
+                                                            _mm256_set1_epi16((short)scale)));
+#else
+            int32_t s = 0;
+            for (int l = 0; l < 4; l++) {
+                const uint8_t *g = iq2xxs_grid[w[l]];
+                int sg = ksigns[(aux >> (7 * l)) & 127];
+                const int8_t *xl = xq + 32 * ib + 8 * l;
+                for (int j = 0; j < 8; j++)
+                    s += ((sg >> j) & 1 ? -(int32_t)g[j] : (int32_t)g[j]) * xl[j];
+            }
+            isum += scale * s;
+#endif
+        }
+#ifdef __AVX2__
+        isum = hsum_i32(iacc);
+#endif
+        acc += x.d[i] * f16(b) * 0.125f * (float)isum;
+    }
+    return acc;
+}
+
+/* IQ3_XXS (98 bytes per 256): d, 64 grid indices (4 magnitudes each), then per 32 values a
+ * word of 4 seven-bit sign indices (one per 8 values) with a 4-bit scale s on top (the run's
+ * scale d (2s+1)/4) */
+static float dot_iq3_xxs(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n / 256; i++, b += 98) {
+        const uint8_t *q = b + 2;
+        const int8_t *xq = x.q + 256 * i;
+        int32_t isum = 0;
+#ifdef __AVX2__
+        __m256i iacc = _mm256_setzero_si256();
+#endif
+        for (int ib = 0; ib < 8; ib++) {
+            uint32_t aux = le32(b + 66 + 4 * ib);
+            int32_t scale = 2 * (int32_t)(aux >> 28) + 1;
+#ifdef __AVX2__
+            const uint8_t *g = q + 8 * ib;
+            uint32_t four = (uint32_t)ksigns[aux & 127] | ((uint32_t)ksigns[(aux >> 7) & 127] << 8)
+                            | ((uint32_t)ksigns[(aux >> 14) & 127] << 16)
+                            | ((uint32_t)ksigns[(aux >> 21) & 127] << 24);
+            __m256i mag = _mm256_setr_epi32(
+                (int)ld32(iq3xxs_grid[g[0]]), (int)ld32(iq3xxs_grid[g[1]]),
+                (int)ld32(iq3xxs_grid[g[2]]), (int)ld32(iq3xxs_grid[g[3]]),
+                (int)ld32(iq3xxs_grid[g[4]]), (int)ld32(iq3xxs_grid[g[5]]),
+                (int)ld32(iq3xxs_grid[g[6]]), (int)ld32(iq3xxs_grid[g[7]]));
+            __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + 32 * ib)),
+                                          signs32(four));
+            iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xv),
+                                                            _mm256_set1_epi16((short)scale)));
+#else
+            int32_t s = 0;
+            for (int l = 0; l < 4; l++) {
+                int sg = ksigns[(aux >> (7 * l)) & 127];
+                const int8_t *xl = xq + 32 * ib + 8 * l;
+                for (int j = 0; j < 8; j++) {
+                    int32_t v = iq3xxs_grid[q[8 * ib + 2 * l + j / 4]][j % 4];
+                    s += ((sg >> j) & 1 ? -v : v) * xl[j];
+                }
+            }
+            isum += scale * s;
+#endif
+        }
+#ifdef __AVX2__
+        isum = hsum_i32(iacc);
+#endif
+        acc += x.d[i] * f16(b) * 0.25f * (float)isum;
+    }
+    return acc;
+}
+
 static size_t row_bytes(int type, int n) {
     switch (type) {
     case T_Q4_K: return (size_t)n / 256 * 144;
@@ -513,6 +657,8 @@ static size_t row_bytes(int type, int n) {
     case T_Q2_K: return (size_t)n / 256 * 84;
     case T_Q3_K: return (size_t)n / 256 * 110;
     case T_IQ4_XS: return iq4nl_set ? (size_t)n / 256 * 136 : 0;
+    case T_IQ2_XXS: return iq2xxs_set ? (size_t)n / 256 * 66 : 0;
+    case T_IQ3_XXS: return iq3xxs_set ? (size_t)n / 256 * 98 : 0;
     case T_IQ4_NL: return iq4nl_set ? (size_t)n / 32 * 18 : 0;
     case T_MXFP4: return mxfp4_set ? (size_t)n / 32 * 17 : 0;
     default: return 0;
@@ -529,6 +675,8 @@ static float dot(int type, const uint8_t *b, qx_t x, int n) {
     case T_Q3_K: return dot_q3_k(b, x, n);
     case T_IQ4_XS: return dot_iq4_xs(b, x, n);
     case T_IQ4_NL: return dot_iq4_nl(b, x, n);
+    case T_IQ2_XXS: return dot_iq2_xxs(b, x, n);
+    case T_IQ3_XXS: return dot_iq3_xxs(b, x, n);
     default: return dot_q8_0(b, x, n);
     }
 }

@@ -58,7 +58,9 @@ def _reference(mats, x, ids, w, act, limit=0.0, biases=None, group=0):
 @pytest.mark.parametrize("types", [(qt.Q4_K, qt.Q4_K, qt.Q6_K), (qt.Q4_K, qt.Q4_K, qt.Q4_K),
                                    (qt.Q5_K, qt.Q8_0, qt.Q5_K), (qt.Q6_K, qt.Q6_K, qt.Q8_0),
                                    (qt.Q2_K, qt.Q2_K, qt.Q3_K), (qt.Q3_K, qt.Q3_K, qt.Q4_K),
-                                   (qt.IQ4_XS, qt.IQ4_XS, qt.Q6_K), (qt.IQ4_NL, qt.Q4_K, qt.IQ4_XS)])
+                                   (qt.IQ4_XS, qt.IQ4_XS, qt.Q6_K), (qt.IQ4_NL, qt.Q4_K, qt.IQ4_XS),
+                                   (qt.IQ2_XXS, qt.IQ2_XXS, qt.IQ3_XXS),
+                                   (qt.IQ3_XXS, qt.IQ3_XXS, qt.Q4_K)])
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 def test_matches_gguf_dequantize(types, act):
     g = torch.Generator().manual_seed(sum(types) + len(act))
