@@ -348,6 +348,15 @@ static float dot_q8_0(const uint8_t *b, qx_t x, int n) {
     return acc;
 }
 
+/* 32 values from 16 bytes of 4-bit indices into ``values`` (the first 16 in the low nibbles)
+ * times 32 int8 x */
+static int32_t nibble_dot(const int8_t *values, const uint8_t *q, const int8_t *xq) {
+    int32_t s = 0;
+    for (int l = 0; l < 16; l++)
+        s += (int32_t)values[q[l] & 15] * xq[l] + (int32_t)values[q[l] >> 4] * xq[l + 16];
+    return s;
+}
+
 /* MXFP4: per 32 values a power-of-two scale (e8m0, halved as the values are doubled) and 16
  * bytes of 4-bit indices into the e2m1 values, the first 16 values in the low nibbles */
 static float dot_mxfp4(const uint8_t *b, qx_t x, int n) {
@@ -371,11 +380,7 @@ static float dot_mxfp4(const uint8_t *b, qx_t x, int n) {
         vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sdot_scaled(v, xv, ones)), _mm256_set1_ps(d),
                                vacc);
 #else
-        int32_t s = 0;
-        for (int l = 0; l < 16; l++)
-            s += (int32_t)mxfp4_values[q[l] & 15] * xq[l]
-                 + (int32_t)mxfp4_values[q[l] >> 4] * xq[l + 16];
-        acc += d * (float)s;
+        acc += d * (float)nibble_dot(mxfp4_values, q, xq);
 #endif
     }
 #ifdef __AVX2__
@@ -498,11 +503,7 @@ static float dot_iq4_xs(const uint8_t *b, qx_t x, int n) {
             /* (|v| <= 127: a pair's sum stays within int16) */
             iacc = _mm256_add_epi32(iacc, sdot_scaled(v, xv, _mm256_set1_epi16((short)scale)));
 #else
-            int32_t s = 0;
-            for (int l = 0; l < 16; l++)
-                s += (int32_t)iq4nl_values[q[16 * ib + l] & 15] * xq[32 * ib + l]
-                     + (int32_t)iq4nl_values[q[16 * ib + l] >> 4] * xq[32 * ib + 16 + l];
-            isum += scale * s;
+            isum += scale * nibble_dot(iq4nl_values, q + 16 * ib, xq + 32 * ib);
 #endif
         }
 #ifdef __AVX2__
@@ -519,11 +520,7 @@ static float dot_iq4_nl(const uint8_t *b, qx_t x, int n) {
     for (int i = 0; i < n / 32; i++, b += 18) {
         const uint8_t *q = b + 2;
         const int8_t *xq = x.q + 32 * i;
-        int32_t s = 0;
-        for (int l = 0; l < 16; l++)
-            s += (int32_t)iq4nl_values[q[l] & 15] * xq[l]
-                 + (int32_t)iq4nl_values[q[l] >> 4] * xq[l + 16];
-        acc += f16(b) * x.d[i * 32 / x.g] * (float)s;
+        acc += f16(b) * x.d[i * 32 / x.g] * (float)nibble_dot(iq4nl_values, q, xq);
     }
     return acc;
 }
@@ -537,6 +534,15 @@ static inline __m256i signs32(uint32_t four) {
     __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)four), spread);
     __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit);
     return _mm256_or_si256(neg, _mm256_set1_epi8(1));
+}
+
+/* the sign bytes of a run's four 7-bit sign indices (IQ2_XXS, IQ3_XXS), byte l for the
+ * values 8 l .. 8 l + 7 */
+static inline uint32_t sign_bytes(uint32_t aux) {
+    uint32_t four = 0;
+    for (int l = 0; l < 4; l++)
+        four |= (uint32_t)ksigns[(aux >> (7 * l)) & 127] << (8 * l);
+    return four;
 }
 
 static inline uint64_t ld64(const uint8_t *p) {
@@ -567,9 +573,7 @@ static float dot_iq2_xxs(const uint8_t *b, qx_t x, int n) {
             uint32_t aux = le32(w + 4);
             int32_t scale = 2 * (int32_t)(aux >> 28) + 1;
 #ifdef __AVX2__
-            uint32_t four = (uint32_t)ksigns[aux & 127] | ((uint32_t)ksigns[(aux >> 7) & 127] << 8)
-                            | ((uint32_t)ksigns[(aux >> 14) & 127] << 16)
-                            | ((uint32_t)ksigns[(aux >> 21) & 127] << 24);
+            uint32_t four = sign_bytes(aux);
             __m256i mag = _mm256_set_epi64x((long long)ld64(iq2xxs_grid[w[3]]),
                                             (long long)ld64(iq2xxs_grid[w[2]]),
                                             (long long)ld64(iq2xxs_grid[w[1]]),
@@ -615,9 +619,7 @@ static float dot_iq3_xxs(const uint8_t *b, qx_t x, int n) {
             int32_t scale = 2 * (int32_t)(aux >> 28) + 1;
 #ifdef __AVX2__
             const uint8_t *g = q + 8 * ib;
-            uint32_t four = (uint32_t)ksigns[aux & 127] | ((uint32_t)ksigns[(aux >> 7) & 127] << 8)
-                            | ((uint32_t)ksigns[(aux >> 14) & 127] << 16)
-                            | ((uint32_t)ksigns[(aux >> 21) & 127] << 24);
+            uint32_t four = sign_bytes(aux);
             __m256i mag = _mm256_setr_epi32(
                 (int)ld32(iq3xxs_grid[g[0]]), (int)ld32(iq3xxs_grid[g[1]]),
                 (int)ld32(iq3xxs_grid[g[2]]), (int)ld32(iq3xxs_grid[g[3]]),
