@@ -63,7 +63,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #   LLAMA="qwen3moe-30b-a3b"     llama-bench built from .whl/llama.cpp.tar.gz (CUDA, sm_90) on
 #                                these shapes' files: pp512 and tg128, flash attention on, once
 #                                per NCMOE value (--n-cpu-moe), each with its peak VRAM
-#   NCMOE="0"                    comma-separated --n-cpu-moe values for LLAMA
+#   NCMOE="0"                    comma-separated --n-cpu-moe values for LLAMA; a shape's own
+#                                as SHAPE:VALUES (LLAMA="qwen3moe-30b-a3b:0,20 gpt-oss-20b:0,11")
 #   LAUNCH="qwen2-7b"            benchmarks.bench_launch --runs 0 (cold launches, then a
 #                                pre-started one) with the load's compile workers (the variants
 #                                they compiled: $OUT/variants-SHAPE.jsonl, for
@@ -96,6 +97,7 @@ if [ -n "${LLAMA:-}" ]; then  # built in the background while the GPU benches ru
       && cmake --build build --target llama-bench -j "$(nproc)" >/dev/null ) \
         >"$out/llama-build.log" 2>&1 &
     llama_build=$!
+    for spec in $LLAMA; do synth "${spec%%:*}" >/dev/null; done  # written while it builds
 fi
 if [ -n "${KERNELS:-}" ]; then
     timeout "$step" python3 -m benchmarks.device_check --types "$KERNELS" \
@@ -166,9 +168,12 @@ fi
 if [ -n "${LLAMA:-}" ]; then
     wait "$llama_build" || { tail -20 "$out/llama-build.log"; echo "llama-bench build failed"; }
     lb=/tmp/llama/llama.cpp/build/bin/llama-bench
-    for s in $LLAMA; do
+    for spec in $LLAMA; do
+        s=${spec%%:*}
         f=$(synth "$s")
-        IFS=',' read -ra ns <<<"${NCMOE:-0}"
+        values=${NCMOE:-0}
+        [[ "$spec" == *:* ]] && values=${spec#*:}
+        IFS=',' read -ra ns <<<"$values"
         for n in "${ns[@]}"; do
             nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 \
                 >"$out/llama-vram-${s//@/-}-$n.txt" &

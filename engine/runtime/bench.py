@@ -327,7 +327,16 @@ def main(argv: list[str] | None = None) -> int:
             out["runs"] = out["runs"][-1:]
             _print(out)
         if args.engine:
-            out["engine"] = _engine(path, ctx, args.kv, out["runs"][0]["tg"]["tps"])
+            placed = None
+            if placement:  # the engine process runs the plan just measured, budget and all
+                from engine.gguf.hparams import HParams
+                from engine.gguf.reader import GGUFModel
+
+                hp = HParams.from_model(GGUFModel.open(path))
+                placed = _plan(path, n_gpus, hp.n_layer_run,
+                               min(ctx, hp.n_ctx_train) if hp.n_ctx_train else ctx, args.kv,
+                               args.arena, placement)
+            out["engine"] = _engine(path, ctx, args.kv, out["runs"][0]["tg"]["tps"], placed)
     except CarveError as e:
         print(f"carve: {e}", file=sys.stderr)
         return 2
@@ -348,13 +357,20 @@ def _torch_runner(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str,
     return gpu_why_not(_plan(path, n_gpus, hp.n_layer_run, ctx, kv_type, arena, placement), hp)
 
 
-def _engine(path: str, ctx: int, kv_type: str, pipeline_tps: float | None) -> dict:
-    """The same file through `carve-engine` on the GPUs here, with the window's default plan."""
+def _engine(path: str, ctx: int, kv_type: str, pipeline_tps: float | None,
+            placed=None) -> dict:
+    """The same file through `carve-engine` on the GPUs here, with the window's default plan;
+    ``placed``: the plan of a placement (--vram, --experts-resident, ...) instead, launched
+    once (its speed, not the launch times)."""
     from engine.gguf.reader import GGUFModel
     from engine.hardware.rigs import parse_rig
     from engine.planning.defaults import default_plan
     from engine.runtime import bench_engine
 
+    if placed is not None:
+        res = bench_engine.run(placed, replies=5, sampled=2)
+        bench_engine.print_report(res, pipeline_tps)
+        return dict(res, summary=bench_engine.summary(res))
     model = GGUFModel.open(path)
     plan = default_plan(model, parse_rig("auto"), ctx=ctx, kv_type=kv_type, model_path=path)
     res = bench_engine.run(plan)
