@@ -5,7 +5,7 @@
  *   carve_experts(...): y = sum_j w[j] * down_e(act(gate_e x) * up_e x), e = ids[j]
  *
  * Every expert matrix is GGUF's [n_expert][rows][cols] of blocks (Q2_K, Q3_K, Q4_K, Q5_K,
- * Q6_K, Q8_0, IQ2_XXS, IQ3_XXS, IQ4_XS, IQ4_NL, MXFP4). x and the GLU's output h are quantized to int8 per run of 256 where a K-quant is
+ * Q6_K, Q8_0, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_XS, IQ4_NL, MXFP4). x and the GLU's output h are quantized to int8 per run of 256 where a K-quant is
  * among the types, else per 32 (as llama.cpp's CPU does: its q8_K and q8_0), each block's
  * products summed in integers, the rest in float32. gpt-oss's experts add a bias to every
  * product and clamp their SwiGLU. One OpenMP region per call: the gate/up rows of all chosen
@@ -22,7 +22,8 @@
 /* ggml's type numbers */
 enum {
     T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
-    T_IQ2_XXS = 16, T_IQ3_XXS = 18, T_IQ4_NL = 20, T_IQ4_XS = 23, T_MXFP4 = 39
+    T_IQ2_XXS = 16, T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ2_S = 22,
+    T_IQ4_XS = 23, T_MXFP4 = 39
 };
 
 /* the 16 values a 4-bit index stands for: MXFP4's e2m1 values (doubled) and the IQ4 types'
@@ -31,23 +32,29 @@ enum {
 static int8_t mxfp4_values[16], iq4nl_values[16];
 static int mxfp4_set = 0, iq4nl_set = 0;
 
-/* the IQ2_XXS (256 x 8) and IQ3_XXS (256 x 4) grids of magnitudes and the 128 sign bytes
- * (8 sign bits from a 7-bit index, the eighth making the count of minus signs even), set once
- * by the loader from the gguf package's tables (carve_set_grid) */
-static uint8_t iq2xxs_grid[256][8], iq3xxs_grid[256][4], ksigns[128];
-static int iq2xxs_set = 0, iq3xxs_set = 0;
+/* the grids of magnitudes of the IQ2 / IQ3 types (IQ2_XXS 256 x 8, IQ2_XS 512 x 8, IQ2_S
+ * 1024 x 8, IQ3_XXS 256 x 4, IQ3_S 512 x 4) and the 128 sign bytes of IQ2_XXS / IQ2_XS /
+ * IQ3_XXS (8 sign bits from a 7-bit index, the eighth making the count of minus signs even),
+ * set once by the loader from the gguf package's tables (carve_set_grid) */
+static uint8_t iq2xxs_grid[256][8], iq2xs_grid[512][8], iq2s_grid[1024][8];
+static uint8_t iq3xxs_grid[256][4], iq3s_grid[512][4], ksigns[128];
+static int iq2xxs_set = 0, iq2xs_set = 0, iq2s_set = 0, iq3xxs_set = 0, iq3s_set = 0;
 
 int carve_set_grid(int type, const uint8_t *grid, const uint8_t *signs) {
-    if (type == T_IQ2_XXS) {
-        memcpy(iq2xxs_grid, grid, sizeof iq2xxs_grid);
-        iq2xxs_set = 1;
-    } else if (type == T_IQ3_XXS) {
-        memcpy(iq3xxs_grid, grid, sizeof iq3xxs_grid);
-        iq3xxs_set = 1;
-    } else {
-        return -1;
+    void *to;
+    size_t n;
+    int *set;
+    switch (type) {
+    case T_IQ2_XXS: to = iq2xxs_grid, n = sizeof iq2xxs_grid, set = &iq2xxs_set; break;
+    case T_IQ2_XS: to = iq2xs_grid, n = sizeof iq2xs_grid, set = &iq2xs_set; break;
+    case T_IQ2_S: to = iq2s_grid, n = sizeof iq2s_grid, set = &iq2s_set; break;
+    case T_IQ3_XXS: to = iq3xxs_grid, n = sizeof iq3xxs_grid, set = &iq3xxs_set; break;
+    case T_IQ3_S: to = iq3s_grid, n = sizeof iq3s_grid, set = &iq3s_set; break;
+    default: return -1;
     }
+    memcpy(to, grid, n);
     memcpy(ksigns, signs, sizeof ksigns);
+    *set = 1;
     return 0;
 }
 
@@ -558,6 +565,38 @@ static inline uint32_t ld32(const uint8_t *p) {
 }
 #endif
 
+#ifdef __AVX2__
+/* int16 scales: a for the first 16 values of a run of 32, b for the last 16 */
+static inline __m256i halves16(int a, int b) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)a)),
+                                   _mm_set1_epi16((short)b), 1);
+}
+
+/* 32 magnitudes (four rows of 8 of a grid) times x's 32 int8 values signed by 32 sign bits,
+ * each half of 16 scaled by its int16 scale, as 8 int32 sums */
+static inline __m256i grid_dot(__m256i mag, uint32_t four, const int8_t *xq, __m256i sc) {
+    __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xq), signs32(four));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xv), sc);
+}
+#endif
+
+/* two rows of 4 of a grid as one of 8 */
+typedef struct { uint8_t v[8]; } eight_t;
+static inline eight_t grid8(const uint8_t *a, const uint8_t *b) {
+    eight_t e;
+    memcpy(e.v, a, 4);
+    memcpy(e.v + 4, b, 4);
+    return e;
+}
+
+/* the scalar product of 8 grid magnitudes with 8 values of x, each sign bit j negating one */
+static inline int32_t signed8(const uint8_t *g, int sg, const int8_t *xl) {
+    int32_t s = 0;
+    for (int j = 0; j < 8; j++)
+        s += ((sg >> j) & 1 ? -(int32_t)g[j] : (int32_t)g[j]) * xl[j];
+    return s;
+}
+
 /* IQ2_XXS (66 bytes per 256): d, then per 32 values two words: 4 grid indices (8 magnitudes
  * each) and 4 seven-bit sign indices with a 4-bit scale s on top (the run's scale d (2s+1)/8) */
 static float dot_iq2_xxs(const uint8_t *b, qx_t x, int n) {
@@ -578,19 +617,13 @@ static float dot_iq2_xxs(const uint8_t *b, qx_t x, int n) {
                                             (long long)ld64(iq2xxs_grid[w[2]]),
                                             (long long)ld64(iq2xxs_grid[w[1]]),
                                             (long long)ld64(iq2xxs_grid[w[0]]));
-            __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + 32 * ib)),
-                                          signs32(four));
-            iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xv),
-                                                            _mm256_set1_epi16((short)scale)));
+            iacc = _mm256_add_epi32(iacc, grid_dot(mag, four, xq + 32 * ib,
+                                                   _mm256_set1_epi16((short)scale)));
 #else
             int32_t s = 0;
-            for (int l = 0; l < 4; l++) {
-                const uint8_t *g = iq2xxs_grid[w[l]];
-                int sg = ksigns[(aux >> (7 * l)) & 127];
-                const int8_t *xl = xq + 32 * ib + 8 * l;
-                for (int j = 0; j < 8; j++)
-                    s += ((sg >> j) & 1 ? -(int32_t)g[j] : (int32_t)g[j]) * xl[j];
-            }
+            for (int l = 0; l < 4; l++)
+                s += signed8(iq2xxs_grid[w[l]], ksigns[(aux >> (7 * l)) & 127],
+                             xq + 32 * ib + 8 * l);
             isum += scale * s;
 #endif
         }
@@ -625,20 +658,14 @@ static float dot_iq3_xxs(const uint8_t *b, qx_t x, int n) {
                 (int)ld32(iq3xxs_grid[g[2]]), (int)ld32(iq3xxs_grid[g[3]]),
                 (int)ld32(iq3xxs_grid[g[4]]), (int)ld32(iq3xxs_grid[g[5]]),
                 (int)ld32(iq3xxs_grid[g[6]]), (int)ld32(iq3xxs_grid[g[7]]));
-            __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + 32 * ib)),
-                                          signs32(four));
-            iacc = _mm256_add_epi32(iacc, _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xv),
-                                                            _mm256_set1_epi16((short)scale)));
+            iacc = _mm256_add_epi32(iacc, grid_dot(mag, four, xq + 32 * ib,
+                                                   _mm256_set1_epi16((short)scale)));
 #else
             int32_t s = 0;
-            for (int l = 0; l < 4; l++) {
-                int sg = ksigns[(aux >> (7 * l)) & 127];
-                const int8_t *xl = xq + 32 * ib + 8 * l;
-                for (int j = 0; j < 8; j++) {
-                    int32_t v = iq3xxs_grid[q[8 * ib + 2 * l + j / 4]][j % 4];
-                    s += ((sg >> j) & 1 ? -v : v) * xl[j];
-                }
-            }
+            for (int l = 0; l < 4; l++)
+                s += signed8(grid8(iq3xxs_grid[q[8 * ib + 2 * l]],
+                                   iq3xxs_grid[q[8 * ib + 2 * l + 1]]).v,
+                             ksigns[(aux >> (7 * l)) & 127], xq + 32 * ib + 8 * l);
             isum += scale * s;
 #endif
         }
@@ -646,6 +673,119 @@ static float dot_iq3_xxs(const uint8_t *b, qx_t x, int n) {
         isum = hsum_i32(iacc);
 #endif
         acc += x.d[i] * f16(b) * 0.25f * (float)isum;
+    }
+    return acc;
+}
+
+/* IQ2_XS (74 bytes per 256): d, 32 16-bit words (a 9-bit index into a 512 x 8 grid, a 7-bit
+ * sign index), then 8 bytes of two 4-bit scales s, one per 16 values (scale d (2s+1)/8) */
+static float dot_iq2_xs(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n / 256; i++, b += 74) {
+        const int8_t *xq = x.q + 256 * i;
+        const uint8_t *sc = b + 66;
+        int32_t isum = 0;
+#ifdef __AVX2__
+        __m256i iacc = _mm256_setzero_si256();
+#endif
+        for (int ib = 0; ib < 8; ib++) {
+            uint16_t q[4];
+            memcpy(q, b + 2 + 8 * ib, 8);  /* little-endian words, as x86 reads them */
+            int32_t s0 = 2 * (sc[ib] & 15) + 1, s1 = 2 * (sc[ib] >> 4) + 1;
+#ifdef __AVX2__
+            uint32_t four = 0;
+            for (int l = 0; l < 4; l++)
+                four |= (uint32_t)ksigns[q[l] >> 9] << (8 * l);
+            __m256i mag = _mm256_set_epi64x(
+                (long long)ld64(iq2xs_grid[q[3] & 511]), (long long)ld64(iq2xs_grid[q[2] & 511]),
+                (long long)ld64(iq2xs_grid[q[1] & 511]), (long long)ld64(iq2xs_grid[q[0] & 511]));
+            iacc = _mm256_add_epi32(iacc, grid_dot(mag, four, xq + 32 * ib, halves16(s0, s1)));
+#else
+            for (int l = 0; l < 4; l++)
+                isum += (l < 2 ? s0 : s1) *
+                        signed8(iq2xs_grid[q[l] & 511], ksigns[q[l] >> 9], xq + 32 * ib + 8 * l);
+#endif
+        }
+#ifdef __AVX2__
+        isum = hsum_i32(iacc);
+#endif
+        acc += x.d[i] * f16(b) * 0.125f * (float)isum;
+    }
+    return acc;
+}
+
+/* IQ2_S (82 bytes per 256): d, 32 low bytes of 10-bit indices into a 1024 x 8 grid, 32 sign
+ * bytes (one per 8 values), 8 bytes of the indices' high 2 bits (four per byte), then 8
+ * bytes of two 4-bit scales s, one per 16 values (scale d (2s+1)/8) */
+static float dot_iq2_s(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n / 256; i++, b += 82) {
+        const int8_t *xq = x.q + 256 * i;
+        const uint8_t *qs = b + 2, *sg = b + 34, *qh = b + 66, *sc = b + 74;
+        int32_t isum = 0;
+#ifdef __AVX2__
+        __m256i iacc = _mm256_setzero_si256();
+#endif
+        for (int ib = 0; ib < 8; ib++) {
+            int idx[4];
+            for (int l = 0; l < 4; l++)
+                idx[l] = qs[4 * ib + l] | (((qh[ib] >> (2 * l)) & 3) << 8);
+            int32_t s0 = 2 * (sc[ib] & 15) + 1, s1 = 2 * (sc[ib] >> 4) + 1;
+#ifdef __AVX2__
+            __m256i mag = _mm256_set_epi64x(
+                (long long)ld64(iq2s_grid[idx[3]]), (long long)ld64(iq2s_grid[idx[2]]),
+                (long long)ld64(iq2s_grid[idx[1]]), (long long)ld64(iq2s_grid[idx[0]]));
+            iacc = _mm256_add_epi32(iacc, grid_dot(mag, ld32(sg + 4 * ib), xq + 32 * ib,
+                                                   halves16(s0, s1)));
+#else
+            for (int l = 0; l < 4; l++)
+                isum += (l < 2 ? s0 : s1) *
+                        signed8(iq2s_grid[idx[l]], sg[4 * ib + l], xq + 32 * ib + 8 * l);
+#endif
+        }
+#ifdef __AVX2__
+        isum = hsum_i32(iacc);
+#endif
+        acc += x.d[i] * f16(b) * 0.125f * (float)isum;
+    }
+    return acc;
+}
+
+/* IQ3_S (110 bytes per 256): d, 64 low bytes of 9-bit indices into a 512 x 4 grid, 8 bytes of
+ * the indices' high bits (eight per byte), 32 sign bytes (one per 8 values), then 4 bytes of
+ * two 4-bit scales s, one per 32 values (scale d (2s+1)) */
+static float dot_iq3_s(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n / 256; i++, b += 110) {
+        const int8_t *xq = x.q + 256 * i;
+        const uint8_t *qs = b + 2, *qh = b + 66, *sg = b + 74, *sc = b + 106;
+        int32_t isum = 0;
+#ifdef __AVX2__
+        __m256i iacc = _mm256_setzero_si256();
+#endif
+        for (int ib = 0; ib < 8; ib++) {
+            int32_t scale = 2 * ((sc[ib / 2] >> (4 * (ib & 1))) & 15) + 1;
+            const uint8_t *g[8];
+            for (int k = 0; k < 8; k++)
+                g[k] = iq3s_grid[qs[8 * ib + k] | (((qh[ib] >> k) & 1) << 8)];
+#ifdef __AVX2__
+            __m256i mag = _mm256_setr_epi32(
+                (int)ld32(g[0]), (int)ld32(g[1]), (int)ld32(g[2]), (int)ld32(g[3]),
+                (int)ld32(g[4]), (int)ld32(g[5]), (int)ld32(g[6]), (int)ld32(g[7]));
+            iacc = _mm256_add_epi32(iacc, grid_dot(mag, ld32(sg + 4 * ib), xq + 32 * ib,
+                                                   _mm256_set1_epi16((short)scale)));
+#else
+            int32_t s = 0;
+            for (int l = 0; l < 4; l++)
+                s += signed8(grid8(g[2 * l], g[2 * l + 1]).v, sg[4 * ib + l],
+                             xq + 32 * ib + 8 * l);
+            isum += scale * s;
+#endif
+        }
+#ifdef __AVX2__
+        isum = hsum_i32(iacc);
+#endif
+        acc += x.d[i] * f16(b) * (float)isum;
     }
     return acc;
 }
@@ -661,6 +801,9 @@ static size_t row_bytes(int type, int n) {
     case T_IQ4_XS: return iq4nl_set ? (size_t)n / 256 * 136 : 0;
     case T_IQ2_XXS: return iq2xxs_set ? (size_t)n / 256 * 66 : 0;
     case T_IQ3_XXS: return iq3xxs_set ? (size_t)n / 256 * 98 : 0;
+    case T_IQ2_XS: return iq2xs_set ? (size_t)n / 256 * 74 : 0;
+    case T_IQ2_S: return iq2s_set ? (size_t)n / 256 * 82 : 0;
+    case T_IQ3_S: return iq3s_set ? (size_t)n / 256 * 110 : 0;
     case T_IQ4_NL: return iq4nl_set ? (size_t)n / 32 * 18 : 0;
     case T_MXFP4: return mxfp4_set ? (size_t)n / 32 * 17 : 0;
     default: return 0;
@@ -679,6 +822,9 @@ static float dot(int type, const uint8_t *b, qx_t x, int n) {
     case T_IQ4_NL: return dot_iq4_nl(b, x, n);
     case T_IQ2_XXS: return dot_iq2_xxs(b, x, n);
     case T_IQ3_XXS: return dot_iq3_xxs(b, x, n);
+    case T_IQ2_XS: return dot_iq2_xs(b, x, n);
+    case T_IQ2_S: return dot_iq2_s(b, x, n);
+    case T_IQ3_S: return dot_iq3_s(b, x, n);
     default: return dot_q8_0(b, x, n);
     }
 }
