@@ -32,8 +32,9 @@ log = logging.getLogger("carve.engine")
 SOURCE = Path(__file__).with_name("native_experts.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # the types the library multiplies (ggml's numbers, as native_experts.c's enum)
-TYPES = frozenset({qt.Q2_K, qt.Q3_K, qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q8_0, qt.IQ2_XXS,
-                   qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ4_XS, qt.IQ4_NL, qt.MXFP4})
+TYPES = frozenset({qt.Q2_K, qt.Q3_K, qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q8_0, qt.IQ1_S, qt.IQ1_M,
+                   qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ4_XS, qt.IQ4_NL,
+                   qt.MXFP4})
 # the types of 32-value blocks: where every matrix has one, x is quantized per 32, else per 256
 SMALL_BLOCKS = frozenset({qt.Q8_0, qt.IQ4_NL, qt.MXFP4})
 # the activations (native_experts.c's act; 2: gpt-oss's clamped SwiGLU, given a limit)
@@ -97,7 +98,7 @@ def _load() -> tuple[Any | None, str]:
     # the 4-bit types' values (MXFP4's e2m1, doubled; IQ4_NL's and IQ4_XS's non-linear
     # ones) and the IQ2 / IQ3 grids and sign bytes, from the gguf package's tables
     import numpy as np
-    from gguf.quants import IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, MXFP4
+    from gguf.quants import IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, MXFP4
 
     lib.carve_set_values.restype = ctypes.c_int
     lib.carve_set_values.argtypes = [ctypes.c_int, ctypes.c_char_p]
@@ -112,6 +113,10 @@ def _load() -> tuple[Any | None, str]:
         grid = np.ascontiguousarray(cls.grid, dtype=np.float32).astype(np.uint8).tobytes()
         if lib.carve_set_grid(int(t), grid, bytes(IQ2_XXS.ksigns)) != 0:
             return None, f"the native kernel took no grid for {qt.type_name(t)}"
+    IQ1_S.init_grid()  # -1, 0, 1, held plus one (IQ1_M's grid is the same)
+    grid = (np.ascontiguousarray(IQ1_S.grid, dtype=np.float32) + 1).astype(np.uint8).tobytes()
+    if lib.carve_set_grid(int(qt.IQ1_S), grid, bytes(IQ2_XXS.ksigns)) != 0:
+        return None, "the native kernel took no grid for IQ1_S"
     lib.carve_scratch_bytes.restype = ctypes.c_size_t
     lib.carve_scratch_bytes.argtypes = [ctypes.c_int] * 3
     return lib, ""

@@ -5,7 +5,8 @@
  *   carve_experts(...): y = sum_j w[j] * down_e(act(gate_e x) * up_e x), e = ids[j]
  *
  * Every expert matrix is GGUF's [n_expert][rows][cols] of blocks (Q2_K, Q3_K, Q4_K, Q5_K,
- * Q6_K, Q8_0, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_XS, IQ4_NL, MXFP4). x and the GLU's output h are quantized to int8 per run of 256 where a K-quant is
+ * Q6_K, Q8_0, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_XS, IQ4_NL,
+ * MXFP4). x and the GLU's output h are quantized to int8 per run of 256 where a K-quant is
  * among the types, else per 32 (as llama.cpp's CPU does: its q8_K and q8_0), each block's
  * products summed in integers, the rest in float32. gpt-oss's experts add a bias to every
  * product and clamp their SwiGLU. One OpenMP region per call: the gate/up rows of all chosen
@@ -22,8 +23,8 @@
 /* ggml's type numbers */
 enum {
     T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
-    T_IQ2_XXS = 16, T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ2_S = 22,
-    T_IQ4_XS = 23, T_MXFP4 = 39
+    T_IQ2_XXS = 16, T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ1_S = 19, T_IQ4_NL = 20, T_IQ3_S = 21,
+    T_IQ2_S = 22, T_IQ4_XS = 23, T_IQ1_M = 29, T_MXFP4 = 39
 };
 
 /* the 16 values a 4-bit index stands for: MXFP4's e2m1 values (doubled) and the IQ4 types'
@@ -33,12 +34,14 @@ static int8_t mxfp4_values[16], iq4nl_values[16];
 static int mxfp4_set = 0, iq4nl_set = 0;
 
 /* the grids of magnitudes of the IQ2 / IQ3 types (IQ2_XXS 256 x 8, IQ2_XS 512 x 8, IQ2_S
- * 1024 x 8, IQ3_XXS 256 x 4, IQ3_S 512 x 4) and the 128 sign bytes of IQ2_XXS / IQ2_XS /
- * IQ3_XXS (8 sign bits from a 7-bit index, the eighth making the count of minus signs even),
- * set once by the loader from the gguf package's tables (carve_set_grid) */
+ * 1024 x 8, IQ3_XXS 256 x 4, IQ3_S 512 x 4; IQ1_S / IQ1_M's 2048 x 8 of -1, 0, 1, held plus
+ * one) and the 128 sign bytes of IQ2_XXS / IQ2_XS / IQ3_XXS (8 sign bits from a 7-bit index,
+ * the eighth making the count of minus signs even), set once by the loader from the gguf
+ * package's tables (carve_set_grid) */
 static uint8_t iq2xxs_grid[256][8], iq2xs_grid[512][8], iq2s_grid[1024][8];
-static uint8_t iq3xxs_grid[256][4], iq3s_grid[512][4], ksigns[128];
+static uint8_t iq3xxs_grid[256][4], iq3s_grid[512][4], iq1_grid[2048][8], ksigns[128];
 static int iq2xxs_set = 0, iq2xs_set = 0, iq2s_set = 0, iq3xxs_set = 0, iq3s_set = 0;
+static int iq1_set = 0;
 
 int carve_set_grid(int type, const uint8_t *grid, const uint8_t *signs) {
     void *to;
@@ -50,6 +53,7 @@ int carve_set_grid(int type, const uint8_t *grid, const uint8_t *signs) {
     case T_IQ2_S: to = iq2s_grid, n = sizeof iq2s_grid, set = &iq2s_set; break;
     case T_IQ3_XXS: to = iq3xxs_grid, n = sizeof iq3xxs_grid, set = &iq3xxs_set; break;
     case T_IQ3_S: to = iq3s_grid, n = sizeof iq3s_grid, set = &iq3s_set; break;
+    case T_IQ1_S: case T_IQ1_M: to = iq1_grid, n = sizeof iq1_grid, set = &iq1_set; break;
     default: return -1;
     }
     memcpy(to, grid, n);
@@ -790,6 +794,113 @@ static float dot_iq3_s(const uint8_t *b, qx_t x, int n) {
     return acc;
 }
 
+/* IQ1_S and IQ1_M: per 8 values a grid row g of -1, 0, 1 (held as g + 1) and a shift of
+ * +-1/8, w = d (2s+1) (g +- 1/8). In integers, 8 w / (d (2s+1)) = 8 (g + 1) - 8 +- 1, so a run
+ * of 8 contributes (2s+1) (8 P + (+-1 - 8) S), P its sum of (g + 1) x and S its sum of x. */
+#ifdef __AVX2__
+/* 32 values: cp the int16 8 (2s+1) and cs the int16 (2s+1) (+-1 - 8) of each pair of values */
+static inline __m256i iq1_dot(__m256i mag, const int8_t *xq, __m256i cp, __m256i cs) {
+    __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(mag, xv), cp),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), xv), cs));
+}
+
+static inline __m256i iq1_rows(const int idx[4]) {
+    return _mm256_set_epi64x((long long)ld64(iq1_grid[idx[3]]), (long long)ld64(iq1_grid[idx[2]]),
+                             (long long)ld64(iq1_grid[idx[1]]), (long long)ld64(iq1_grid[idx[0]]));
+}
+#endif
+
+/* one run of 8, scalar: sum of (8 (g + 1) - 8 + shift) x */
+static inline int32_t iq1_run(int idx, int shift, const int8_t *xl) {
+    int32_t s = 0;
+    for (int j = 0; j < 8; j++)
+        s += (8 * (int32_t)iq1_grid[idx][j] - 8 + shift) * xl[j];
+    return s;
+}
+
+/* IQ1_S (50 bytes per 256): d, 32 low bytes of 11-bit grid indices, then per 32 values a
+ * 16-bit word: the indices' high 3 bits (x4), a 3-bit scale s and the shift's sign on top */
+static float dot_iq1_s(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n / 256; i++, b += 50) {
+        const int8_t *xq = x.q + 256 * i;
+        int32_t isum = 0;
+#ifdef __AVX2__
+        __m256i iacc = _mm256_setzero_si256();
+#endif
+        for (int ib = 0; ib < 8; ib++) {
+            uint32_t qh = (uint32_t)b[34 + 2 * ib] | ((uint32_t)b[35 + 2 * ib] << 8);
+            int32_t scale = 2 * ((qh >> 12) & 7) + 1, shift = qh & 0x8000 ? -1 : 1;
+            int idx[4];
+            for (int l = 0; l < 4; l++)
+                idx[l] = b[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7) << 8);
+#ifdef __AVX2__
+            iacc = _mm256_add_epi32(iacc, iq1_dot(iq1_rows(idx), xq + 32 * ib,
+                                                  _mm256_set1_epi16((short)(8 * scale)),
+                                                  _mm256_set1_epi16((short)(scale * (shift - 8)))));
+#else
+            for (int l = 0; l < 4; l++)
+                isum += scale * iq1_run(idx[l], shift, xq + 32 * ib + 8 * l);
+#endif
+        }
+#ifdef __AVX2__
+        isum = hsum_i32(iacc);
+#endif
+        acc += x.d[i] * f16(b) * 0.125f * (float)isum;
+    }
+    return acc;
+}
+
+/* IQ1_M (56 bytes per 256): 32 low bytes of 11-bit grid indices, 16 bytes of two nibbles (an
+ * index's high 3 bits and its run's shift sign), then four 16-bit words of four 3-bit scales
+ * s (one per 16 values) whose top nibbles make the block's f16 d */
+static float dot_iq1_m(const uint8_t *b, qx_t x, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n / 256; i++, b += 56) {
+        const int8_t *xq = x.q + 256 * i;
+        const uint8_t *qh = b + 32;
+        uint16_t sc[4];
+        memcpy(sc, b + 48, 8);  /* little-endian words, as x86 reads them */
+        uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) |
+                                    ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000));
+        uint8_t d16[2] = {(uint8_t)(dbits & 0xFF), (uint8_t)(dbits >> 8)};
+        int32_t isum = 0;
+#ifdef __AVX2__
+        __m256i iacc = _mm256_setzero_si256();
+#endif
+        for (int ib = 0; ib < 8; ib++) {
+            int idx[4], shift[4], scale[2];
+            for (int h = 0; h < 2; h++) {
+                int k = 2 * ib + h;
+                scale[h] = 2 * ((sc[k / 4] >> (3 * (k % 4))) & 7) + 1;
+            }
+            for (int l = 0; l < 4; l++) {
+                int hi = qh[2 * ib + l / 2] >> (4 * (l & 1));
+                idx[l] = b[4 * ib + l] | ((hi & 7) << 8);
+                shift[l] = hi & 8 ? -1 : 1;
+            }
+#ifdef __AVX2__
+            long long cs[4];  /* a run of 8 is 4 int16 pairs: its coefficient 4 times */
+            for (int l = 0; l < 4; l++)
+                cs[l] = (long long)((uint64_t)(uint16_t)(scale[l / 2] * (shift[l] - 8)) *
+                                    0x0001000100010001ULL);
+            iacc = _mm256_add_epi32(iacc, iq1_dot(iq1_rows(idx), xq + 32 * ib,
+                                                  halves16(8 * scale[0], 8 * scale[1]),
+                                                  _mm256_setr_epi64x(cs[0], cs[1], cs[2], cs[3])));
+#else
+            for (int l = 0; l < 4; l++)
+                isum += scale[l / 2] * iq1_run(idx[l], shift[l], xq + 32 * ib + 8 * l);
+#endif
+        }
+#ifdef __AVX2__
+        isum = hsum_i32(iacc);
+#endif
+        acc += x.d[i] * f16(d16) * 0.125f * (float)isum;
+    }
+    return acc;
+}
+
 static size_t row_bytes(int type, int n) {
     switch (type) {
     case T_Q4_K: return (size_t)n / 256 * 144;
@@ -804,6 +915,8 @@ static size_t row_bytes(int type, int n) {
     case T_IQ2_XS: return iq2xs_set ? (size_t)n / 256 * 74 : 0;
     case T_IQ2_S: return iq2s_set ? (size_t)n / 256 * 82 : 0;
     case T_IQ3_S: return iq3s_set ? (size_t)n / 256 * 110 : 0;
+    case T_IQ1_S: return iq1_set ? (size_t)n / 256 * 50 : 0;
+    case T_IQ1_M: return iq1_set ? (size_t)n / 256 * 56 : 0;
     case T_IQ4_NL: return iq4nl_set ? (size_t)n / 32 * 18 : 0;
     case T_MXFP4: return mxfp4_set ? (size_t)n / 32 * 17 : 0;
     default: return 0;
@@ -825,6 +938,8 @@ static float dot(int type, const uint8_t *b, qx_t x, int n) {
     case T_IQ2_XS: return dot_iq2_xs(b, x, n);
     case T_IQ2_S: return dot_iq2_s(b, x, n);
     case T_IQ3_S: return dot_iq3_s(b, x, n);
+    case T_IQ1_S: return dot_iq1_s(b, x, n);
+    case T_IQ1_M: return dot_iq1_m(b, x, n);
     default: return dot_q8_0(b, x, n);
     }
 }

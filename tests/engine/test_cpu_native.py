@@ -62,7 +62,8 @@ def _reference(mats, x, ids, w, act, limit=0.0, biases=None, group=0):
                                    (qt.IQ2_XXS, qt.IQ2_XXS, qt.IQ3_XXS),
                                    (qt.IQ3_XXS, qt.IQ3_XXS, qt.Q4_K),
                                    (qt.IQ2_XS, qt.IQ2_XS, qt.IQ3_S), (qt.IQ2_S, qt.IQ2_S, qt.Q3_K),
-                                   (qt.IQ3_S, qt.IQ3_S, qt.IQ4_XS)])
+                                   (qt.IQ3_S, qt.IQ3_S, qt.IQ4_XS),
+                                   (qt.IQ1_S, qt.IQ1_S, qt.IQ1_M), (qt.IQ1_M, qt.IQ1_M, qt.IQ2_XXS)])
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 def test_matches_gguf_dequantize(types, act):
     g = torch.Generator().manual_seed(sum(types) + len(act))
