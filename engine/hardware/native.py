@@ -32,11 +32,11 @@ log = logging.getLogger("carve.engine")
 SOURCE = Path(__file__).with_name("native_experts.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # the types the library multiplies (ggml's numbers, as native_experts.c's enum)
-TYPES = frozenset({qt.Q2_K, qt.Q3_K, qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q8_0, qt.IQ1_S, qt.IQ1_M,
-                   qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ4_XS, qt.IQ4_NL,
-                   qt.MXFP4})
+TYPES = frozenset({qt.Q4_0, qt.Q4_1, qt.Q5_0, qt.Q5_1, qt.Q8_0, qt.Q2_K, qt.Q3_K, qt.Q4_K,
+                   qt.Q5_K, qt.Q6_K, qt.IQ1_S, qt.IQ1_M, qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S,
+                   qt.IQ3_XXS, qt.IQ3_S, qt.IQ4_XS, qt.IQ4_NL, qt.MXFP4})
 # the types of 32-value blocks: where every matrix has one, x is quantized per 32, else per 256
-SMALL_BLOCKS = frozenset({qt.Q8_0, qt.IQ4_NL, qt.MXFP4})
+SMALL_BLOCKS = frozenset({qt.Q4_0, qt.Q4_1, qt.Q5_0, qt.Q5_1, qt.Q8_0, qt.IQ4_NL, qt.MXFP4})
 # the activations (native_experts.c's act; 2: gpt-oss's clamped SwiGLU, given a limit)
 ACTS = {"silu": 0, "gelu": 1}
 
@@ -141,7 +141,7 @@ def why_not() -> str:
 
 def group(types: tuple[int, ...]) -> int:
     """The values per scale x is quantized in for these (gate, up, down) types: 32 where every
-    one has blocks of 32 (Q8_0, IQ4_NL, MXFP4), else 256 (a super-block of the others)."""
+    one has blocks of 32 (Q4_0 .. Q5_1, Q8_0, IQ4_NL, MXFP4), else 256 (a super-block of the others)."""
     return 32 if all(t in SMALL_BLOCKS for t in types) else 256
 
 

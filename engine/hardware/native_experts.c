@@ -4,7 +4,8 @@
  *
  *   carve_experts(...): y = sum_j w[j] * down_e(act(gate_e x) * up_e x), e = ids[j]
  *
- * Every expert matrix is GGUF's [n_expert][rows][cols] of blocks (Q2_K, Q3_K, Q4_K, Q5_K,
+ * Every expert matrix is GGUF's [n_expert][rows][cols] of blocks (Q4_0, Q4_1, Q5_0, Q5_1,
+ * Q2_K, Q3_K, Q4_K, Q5_K,
  * Q6_K, Q8_0, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_XS, IQ4_NL,
  * MXFP4). x and the GLU's output h are quantized to int8 per run of 256 where a K-quant is
  * among the types, else per 32 (as llama.cpp's CPU does: its q8_K and q8_0), each block's
@@ -22,7 +23,7 @@
 
 /* ggml's type numbers */
 enum {
-    T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
+    T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
     T_IQ2_XXS = 16, T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ1_S = 19, T_IQ4_NL = 20, T_IQ3_S = 21,
     T_IQ2_S = 22, T_IQ4_XS = 23, T_IQ1_M = 29, T_MXFP4 = 39
 };
@@ -352,6 +353,60 @@ static float dot_q8_0(const uint8_t *b, qx_t x, int n) {
             s += (int32_t)q[l] * (int32_t)xq[l];
         acc += d * (float)s;
 #endif
+    }
+#ifdef __AVX2__
+    acc += hsum8(vacc);
+#endif
+    return acc;
+}
+
+/* Q4_0, Q4_1, Q5_0, Q5_1: per 32 values d (and Q4_1 / Q5_1's float offset m), 16 bytes of
+ * low nibbles (the first 16 values in the low halves), Q5's 32 fifth bits in a word before
+ * them; w = d (q - 8) / d (q - 16) for Q4_0 / Q5_0, d q + m for Q4_1 / Q5_1. The integer sum
+ * of q x, then the offset times x's sum (s16) in float. ``bits``: 4 or 5; ``m``: whether the
+ * block carries m. */
+static float dot_q4_q5(const uint8_t *b, qx_t x, int n, int bits, int m) {
+    const int size = 18 + 2 * m + 4 * (bits == 5), q0 = 2 + 2 * m + 4 * (bits == 5);
+    const int32_t off = m ? 0 : (bits == 5 ? 16 : 8);
+    float acc = 0.0f;
+#ifdef __AVX2__
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    /* byte j of the 32 gets bit j of the fifth bits' word */
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256 vacc = _mm256_setzero_ps();
+#endif
+    for (int i = 0; i < n / 32; i++, b += size) {
+        const uint8_t *q = b + q0;
+        const int8_t *xq = x.q + 32 * i;
+        int32_t sx = x.s16[2 * i] + x.s16[2 * i + 1];
+        uint32_t qh = bits == 5 ? le32(b + 2 + 2 * m) : 0;
+#ifdef __AVX2__
+        __m128i raw = _mm_loadu_si128((const __m128i *)q);
+        __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
+        if (bits == 5) {
+            __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), pick);
+            h = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
+            v = _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(16)));
+        }
+        float dd = f16(b) * x.d[i * 32 / x.g];
+        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot_scaled(v, xq, ones)), _mm256_set1_ps(dd),
+                               vacc);
+        int32_t s = 0;  /* in vacc */
+#else
+        int32_t s = 0;
+        for (int l = 0; l < 16; l++) {
+            int32_t lo = q[l] & 15, hi = q[l] >> 4;
+            if (bits == 5) {
+                lo |= (int32_t)((qh >> l) & 1) << 4;
+                hi |= (int32_t)((qh >> (l + 16)) & 1) << 4;
+            }
+            s += lo * xq[l] + hi * xq[l + 16];
+        }
+#endif
+        float dx = x.d[i * 32 / x.g];
+        acc += dx * (f16(b) * (float)(s - off * sx) + (m ? f16(b + 2) * (float)sx : 0.0f));
     }
 #ifdef __AVX2__
     acc += hsum8(vacc);
@@ -907,6 +962,10 @@ static size_t row_bytes(int type, int n) {
     case T_Q5_K: return (size_t)n / 256 * 176;
     case T_Q6_K: return (size_t)n / 256 * 210;
     case T_Q8_0: return (size_t)n / 32 * 34;
+    case T_Q4_0: return (size_t)n / 32 * 18;
+    case T_Q4_1: return (size_t)n / 32 * 20;
+    case T_Q5_0: return (size_t)n / 32 * 22;
+    case T_Q5_1: return (size_t)n / 32 * 24;
     case T_Q2_K: return (size_t)n / 256 * 84;
     case T_Q3_K: return (size_t)n / 256 * 110;
     case T_IQ4_XS: return iq4nl_set ? (size_t)n / 256 * 136 : 0;
@@ -928,6 +987,10 @@ static float dot(int type, const uint8_t *b, qx_t x, int n) {
     case T_Q4_K: return dot_q4_k(b, x, n);
     case T_Q5_K: return dot_q5_k(b, x, n);
     case T_Q6_K: return dot_q6_k(b, x, n);
+    case T_Q4_0: return dot_q4_q5(b, x, n, 4, 0);
+    case T_Q4_1: return dot_q4_q5(b, x, n, 4, 1);
+    case T_Q5_0: return dot_q4_q5(b, x, n, 5, 0);
+    case T_Q5_1: return dot_q4_q5(b, x, n, 5, 1);
     case T_MXFP4: return dot_mxfp4(b, x, n);
     case T_Q2_K: return dot_q2_k(b, x, n);
     case T_Q3_K: return dot_q3_k(b, x, n);
@@ -949,7 +1012,8 @@ static float dot(int type, const uint8_t *b, qx_t x, int n) {
 static int group(int gate_type, int up_type, int down_type) {
     int small = 1, t[3] = {gate_type, up_type, down_type};
     for (int i = 0; i < 3; i++)
-        small &= t[i] == T_Q8_0 || t[i] == T_MXFP4 || t[i] == T_IQ4_NL;
+        small &= t[i] == T_Q8_0 || t[i] == T_MXFP4 || t[i] == T_IQ4_NL || t[i] == T_Q4_0 ||
+                 t[i] == T_Q4_1 || t[i] == T_Q5_0 || t[i] == T_Q5_1;
     return small ? 32 : 256;
 }
 

@@ -63,7 +63,8 @@ def _reference(mats, x, ids, w, act, limit=0.0, biases=None, group=0):
                                    (qt.IQ3_XXS, qt.IQ3_XXS, qt.Q4_K),
                                    (qt.IQ2_XS, qt.IQ2_XS, qt.IQ3_S), (qt.IQ2_S, qt.IQ2_S, qt.Q3_K),
                                    (qt.IQ3_S, qt.IQ3_S, qt.IQ4_XS),
-                                   (qt.IQ1_S, qt.IQ1_S, qt.IQ1_M), (qt.IQ1_M, qt.IQ1_M, qt.IQ2_XXS)])
+                                   (qt.IQ1_S, qt.IQ1_S, qt.IQ1_M), (qt.IQ1_M, qt.IQ1_M, qt.IQ2_XXS),
+                                   (qt.Q4_0, qt.Q5_1, qt.Q6_K)])
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 def test_matches_gguf_dequantize(types, act):
     g = torch.Generator().manual_seed(sum(types) + len(act))
@@ -103,7 +104,7 @@ def test_refuses_bad_input():
     with pytest.raises(ValueError, match="at most k"):
         ne.run(x, torch.tensor([0, 1, 2], dtype=torch.int32), torch.ones(3), y)
     with pytest.raises(ValueError, match="not multiplied"):
-        cpu_native.NativeExperts(LIB, mats, (qt.Q4_0,) * 3, N_EMBD, N_FF, N_EXPERT, 2, "silu")
+        cpu_native.NativeExperts(LIB, mats, (34,) * 3, N_EMBD, N_FF, N_EXPERT, 2, "silu")
     assert not cpu_native.supported((qt.Q4_K,) * 3, "silu", 2880, N_FF)  # not whole 256s
     # Q8_0 and MXFP4 alone: x per 32; beside a K-quant per 256, whatever the block
     assert cpu_native.supported((qt.Q8_0,) * 3, "silu", 288, 2880)
@@ -117,7 +118,8 @@ def test_refuses_bad_input():
 
 
 @pytest.mark.parametrize("types", [(qt.MXFP4,) * 3, (qt.Q8_0,) * 3, (qt.Q8_0, qt.MXFP4, qt.Q8_0),
-                                   (qt.IQ4_NL, qt.IQ4_NL, qt.Q8_0)])
+                                   (qt.IQ4_NL, qt.IQ4_NL, qt.Q8_0), (qt.Q4_0, qt.Q4_1, qt.Q5_0),
+                                   (qt.Q5_1, qt.Q5_0, qt.Q4_0)])
 @pytest.mark.parametrize("gpt_oss", [True, False])
 def test_blocks_of_32_at_widths_of_32(types, gpt_oss):
     """gpt-oss's shape of experts (widths of 32s, not 256s: 2880 in the released models):

@@ -182,7 +182,7 @@ def test_both_keeps_no_cpu_layout_where_the_native_kernel_reads_the_file(synth_m
     assert native_covers(replace(idx, hp=replace(idx.hp, swiglu_limit=7.0)), reqs)  # gpt-oss's
     assert native_covers(idx, [(n, b, "IQ4_XS" if "gate" in n else dt, shape)
                                for n, b, dt, shape in reqs])  # IQ4_XS and Q4_K: per 256
-    assert not native_covers(idx, [(n, b, "Q4_0" if "gate" in n else dt, shape)
+    assert not native_covers(idx, [(n, b, "TQ1_0" if "gate" in n else dt, shape)
                                    for n, b, dt, shape in reqs])  # a type it does not read
     assert not native_covers(idx, [r for r in reqs if "down" not in r[0]])
 
