@@ -63,6 +63,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #   LLAMA="qwen3moe-30b-a3b"     llama-bench built from .whl/llama.cpp.tar.gz (CUDA, sm_90) on
 #                                these shapes' files: pp512 and tg128, flash attention on, once
 #                                per NCMOE value (--n-cpu-moe), each with its peak VRAM
+#   LLAMA_FIRST=1                its benches (and build) before Carve's, so that no build
+#                                shares the CPU with Carve's host experts
 #   NCMOE="0"                    comma-separated --n-cpu-moe values for LLAMA; a shape's own
 #                                as SHAPE:VALUES (LLAMA="qwen3moe-30b-a3b:0,20 gpt-oss-20b:0,11")
 #   LAUNCH="qwen2-7b"            benchmarks.bench_launch --runs 0 (cold launches, then a
@@ -90,7 +92,8 @@ if [ "${HOST_EXPERTS:-0}" = 1 ]; then
         | tee "$out/host-experts.log"
 fi
 if [ -n "${LLAMA:-}" ]; then  # built in the background while the GPU benches run
-    ( mkdir -p /tmp/llama && tar xzf .whl/llama.cpp.tar.gz -C /tmp/llama \
+    ( [ -x /tmp/llama/llama.cpp/build/bin/llama-bench ] && exit 0  # built on this machine
+      mkdir -p /tmp/llama && tar xzf .whl/llama.cpp.tar.gz -C /tmp/llama \
       && cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
          -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
          -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null \
@@ -99,6 +102,30 @@ if [ -n "${LLAMA:-}" ]; then  # built in the background while the GPU benches ru
     llama_build=$!
     for spec in $LLAMA; do synth "${spec%%:*}" >/dev/null; done  # written while it builds
 fi
+llama_benches() {  # llama-bench on the LLAMA shapes, once its build is done
+    if [ -n "${LLAMA:-}" ]; then
+        wait "$llama_build" || { tail -20 "$out/llama-build.log"; echo "llama-bench build failed"; }
+        lb=/tmp/llama/llama.cpp/build/bin/llama-bench
+        for spec in $LLAMA; do
+            s=${spec%%:*}
+            f=$(synth "$s")
+            values=${NCMOE:-0}
+            [[ "$spec" == *:* ]] && values=${spec#*:}
+            IFS=',' read -ra ns <<<"$values"
+            for n in "${ns[@]}"; do
+                nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 \
+                    >"$out/llama-vram-${s//@/-}-$n.txt" &
+                smi=$!
+                timeout "$step" "$lb" -m "$f" -ngl 99 -fa 1 -p 512 -n 128 -r 2 -ncmoe "$n" -o md \
+                    2>&1 | grep -E '^\|' | tee "$out/llama-${s//@/-}-$n.md"
+                kill "$smi" 2>/dev/null
+                echo "llama.cpp $s --n-cpu-moe $n: peak VRAM $(sort -n "$out/llama-vram-${s//@/-}-$n.txt" \
+                    | tail -1) MiB (whole GPU, nvidia-smi)"
+            done
+        done
+    fi
+}
+[ "${LLAMA_FIRST:-0}" = 1 ] && llama_benches  # before the GPU benches, the build done
 if [ -n "${KERNELS:-}" ]; then
     timeout "$step" python3 -m benchmarks.device_check --types "$KERNELS" \
         --json "$out/device-check.json" 2>&1 | tee "$out/device-check.log"
@@ -165,27 +192,7 @@ if [ -n "${PLACE:-}" ]; then
         done
     done
 fi
-if [ -n "${LLAMA:-}" ]; then
-    wait "$llama_build" || { tail -20 "$out/llama-build.log"; echo "llama-bench build failed"; }
-    lb=/tmp/llama/llama.cpp/build/bin/llama-bench
-    for spec in $LLAMA; do
-        s=${spec%%:*}
-        f=$(synth "$s")
-        values=${NCMOE:-0}
-        [[ "$spec" == *:* ]] && values=${spec#*:}
-        IFS=',' read -ra ns <<<"$values"
-        for n in "${ns[@]}"; do
-            nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 \
-                >"$out/llama-vram-${s//@/-}-$n.txt" &
-            smi=$!
-            timeout "$step" "$lb" -m "$f" -ngl 99 -fa 1 -p 512 -n 128 -r 2 -ncmoe "$n" -o md \
-                2>&1 | grep -E '^\|' | tee "$out/llama-${s//@/-}-$n.md"
-            kill "$smi" 2>/dev/null
-            echo "llama.cpp $s --n-cpu-moe $n: peak VRAM $(sort -n "$out/llama-vram-${s//@/-}-$n.txt" \
-                | tail -1) MiB (whole GPU, nvidia-smi)"
-        done
-    done
-fi
+[ "${LLAMA_FIRST:-0}" = 1 ] || llama_benches
 for s in ${SERVE:-}; do
     timeout "$step" python3 -m benchmarks.bench_serve --synth "$s" 2>&1 | tee "$out/serve-$s.log"
 done
