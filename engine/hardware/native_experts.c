@@ -925,28 +925,29 @@ static float dot_iq1_m(const uint8_t *b, qx_t x, int n) {
         __m256i iacc = _mm256_setzero_si256();
 #endif
         for (int ib = 0; ib < 8; ib++) {
-            int idx[4], shift[4], scale[2];
-            for (int h = 0; h < 2; h++) {
-                int k = 2 * ib + h;
-                scale[h] = 2 * ((sc[k / 4] >> (3 * (k % 4))) & 7) + 1;
-            }
-            for (int l = 0; l < 4; l++) {
-                int hi = qh[2 * ib + l / 2] >> (4 * (l & 1));
-                idx[l] = b[4 * ib + l] | ((hi & 7) << 8);
-                shift[l] = hi & 8 ? -1 : 1;
-            }
-#ifdef __AVX2__
-            long long cs[4];  /* a run of 8 is 4 int16 pairs: its coefficient 4 times */
+            /* four nibbles (an index's high 3 bits, its shift's sign) and two scales */
+            uint32_t h = (uint32_t)qh[2 * ib] | ((uint32_t)qh[2 * ib + 1] << 8);
+            uint32_t sw = (uint32_t)sc[ib >> 1] >> (6 * (ib & 1));
+            int32_t s0 = 2 * (int32_t)(sw & 7) + 1, s1 = 2 * (int32_t)((sw >> 3) & 7) + 1;
+            int idx[4];
             for (int l = 0; l < 4; l++)
-                cs[l] = (long long)((uint64_t)(uint16_t)(scale[l / 2] * (shift[l] - 8)) *
-                                    0x0001000100010001ULL);
+                idx[l] = b[4 * ib + l] | (((h >> (4 * l)) & 7) << 8);
+#define IQ1M_SHIFT(l) ((h >> (4 * (l) + 3)) & 1 ? -1 : 1)
+#ifdef __AVX2__
+            /* a run of 8 is 4 int16 pairs: its coefficient 4 times */
+            const uint64_t rep = 0x0001000100010001ULL;
+            __m256i cs = _mm256_setr_epi64x(
+                (long long)((uint64_t)(uint16_t)(s0 * (IQ1M_SHIFT(0) - 8)) * rep),
+                (long long)((uint64_t)(uint16_t)(s0 * (IQ1M_SHIFT(1) - 8)) * rep),
+                (long long)((uint64_t)(uint16_t)(s1 * (IQ1M_SHIFT(2) - 8)) * rep),
+                (long long)((uint64_t)(uint16_t)(s1 * (IQ1M_SHIFT(3) - 8)) * rep));
             iacc = _mm256_add_epi32(iacc, iq1_dot(iq1_rows(idx), xq + 32 * ib,
-                                                  halves16(8 * scale[0], 8 * scale[1]),
-                                                  _mm256_setr_epi64x(cs[0], cs[1], cs[2], cs[3])));
+                                                  halves16(8 * s0, 8 * s1), cs));
 #else
             for (int l = 0; l < 4; l++)
-                isum += scale[l / 2] * iq1_run(idx[l], shift[l], xq + 32 * ib + 8 * l);
+                isum += (l < 2 ? s0 : s1) * iq1_run(idx[l], IQ1M_SHIFT(l), xq + 32 * ib + 8 * l);
 #endif
+#undef IQ1M_SHIFT
         }
 #ifdef __AVX2__
         isum = hsum_i32(iacc);
