@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         from app.snapshot import render
 
         return render(window, app, args)
+    from engine.hardware import native
+
+    native.prebuild()  # the host-experts kernel, compiled while the window opens
     window.show()
     close_on_signals(window)
     spawned = os.environ.get("CARVE_STARTUP_TIMING")  # set by `python -m benchmarks.bench_gui`

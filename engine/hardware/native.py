@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +84,16 @@ def disabled() -> bool:
     return os.environ.get("CARVE_NATIVE", "1").strip() == "0"
 
 
-@functools.cache
+_LOCK = threading.Lock()  # one build and load per process, whichever thread asks first
+
+
 def _load() -> tuple[Any | None, str]:
+    with _LOCK:
+        return _load_once()
+
+
+@functools.cache
+def _load_once() -> tuple[Any | None, str]:
     try:
         lib = ctypes.CDLL(str(build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -126,6 +135,14 @@ def library() -> Any | None:
     """The loaded library, or None where ``CARVE_NATIVE=0``, no compiler is found or the
     build fails (said once in the log). Built and loaded once per process."""
     return None if disabled() else _load()[0]
+
+
+def prebuild() -> threading.Thread:
+    """Build and load the library in a background thread (the window does at start), so that
+    the first plan that asks `available` does not wait for the compiler (~1 s)."""
+    t = threading.Thread(target=library, name="carve-native-build", daemon=True)
+    t.start()
+    return t
 
 
 def available() -> bool:

@@ -156,3 +156,14 @@ def test_build_failure_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(RuntimeError, match="no C compiler"):
         cpu_native.build(tmp_path)
+
+
+def test_prebuild_loads_the_library_once_in_the_background():
+    """The window builds the kernel while it opens: afterwards `available` answers from the
+    loaded library without building again, and the thread's library is the one it returns."""
+    t = native.prebuild()
+    t.join(timeout=120)
+    assert not t.is_alive()
+    hits = native._load_once.cache_info().hits
+    assert native.available() and native.library() is LIB
+    assert native._load_once.cache_info().hits > hits and native._load_once.cache_info().misses == 1
