@@ -65,6 +65,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #                                per NCMOE value (--n-cpu-moe), each with its peak VRAM
 #   LLAMA_FIRST=1                its benches (and build) before Carve's, so that no build
 #                                shares the CPU with Carve's host experts
+#   LLAMA_LATE=1                 or its build after Carve's benches (Carve's figures first,
+#                                should the call run out of time)
 #   NCMOE="0"                    comma-separated --n-cpu-moe values for LLAMA; a shape's own
 #                                as SHAPE:VALUES (LLAMA="qwen3moe-30b-a3b:0,20 gpt-oss-20b:0,11")
 #   LAUNCH="qwen2-7b"            benchmarks.bench_launch --runs 0 (cold launches, then a
@@ -91,7 +93,8 @@ if [ "${HOST_EXPERTS:-0}" = 1 ]; then
     timeout "$step" python3 -m benchmarks.bench_host_experts --layers 6 --tokens 32 2>&1 \
         | tee "$out/host-experts.log"
 fi
-if [ -n "${LLAMA:-}" ]; then  # built in the background while the GPU benches run
+llama_build_start() {  # llama-bench built in the background (while the GPU benches run,
+                       # unless LLAMA_LATE=1: after them, sharing the CPU with no one)
     ( [ -x /tmp/llama/llama.cpp/build/bin/llama-bench ] && exit 0  # built on this machine
       mkdir -p /tmp/llama && tar xzf .whl/llama.cpp.tar.gz -C /tmp/llama \
       && cd /tmp/llama/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
@@ -101,6 +104,9 @@ if [ -n "${LLAMA:-}" ]; then  # built in the background while the GPU benches ru
         >"$out/llama-build.log" 2>&1 &
     llama_build=$!
     for spec in $LLAMA; do synth "${spec%%:*}" >/dev/null; done  # written while it builds
+}
+if [ -n "${LLAMA:-}" ] && [ "${LLAMA_LATE:-0}" != 1 ]; then
+    llama_build_start
 fi
 llama_benches() {  # llama-bench on the LLAMA shapes, once its build is done
     if [ -n "${LLAMA:-}" ]; then
@@ -192,7 +198,10 @@ if [ -n "${PLACE:-}" ]; then
         done
     done
 fi
-[ "${LLAMA_FIRST:-0}" = 1 ] || llama_benches
+if [ "${LLAMA_FIRST:-0}" != 1 ]; then
+    [ -n "${LLAMA:-}" ] && [ "${LLAMA_LATE:-0}" = 1 ] && llama_build_start
+    llama_benches
+fi
 for s in ${SERVE:-}; do
     timeout "$step" python3 -m benchmarks.bench_serve --synth "$s" 2>&1 | tee "$out/serve-$s.log"
 done
