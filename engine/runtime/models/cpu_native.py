@@ -8,8 +8,8 @@ product: three a routed expert, each waking the thread pool. The kernel takes a 
 share of a row in one call (gate/up of every chosen expert shared among the threads, then the
 down rows; x and the GLU's output quantized to int8 per 256 values, or per 32 where every
 matrix has blocks of 32, as llama.cpp's CPU does; each block summed in integers), reading
-Q2_K to Q6_K, Q8_0, IQ2_XXS, IQ3_XXS, IQ4_XS, IQ4_NL and MXFP4 blocks where they lie (the
-host span the GPU reads in place; gpt-oss's biases and clamped SwiGLU too). A plan priced
+Q4_0 to Q8_0, Q2_K to Q6_K, the IQ1 / IQ2 / IQ3 / IQ4 types and MXFP4 blocks where they lie
+(the host span the GPU reads in place; gpt-oss's biases and clamped SwiGLU too). A plan priced
 where it is available keeps no CPU layout for a layer it covers.
 """
 
