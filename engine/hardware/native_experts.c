@@ -602,15 +602,6 @@ static inline __m256i signs32(uint32_t four) {
     return _mm256_or_si256(neg, _mm256_set1_epi8(1));
 }
 
-/* the sign bytes of a run's four 7-bit sign indices (IQ2_XXS, IQ3_XXS), byte l for the
- * values 8 l .. 8 l + 7 */
-static inline uint32_t sign_bytes(uint32_t aux) {
-    uint32_t four = 0;
-    for (int l = 0; l < 4; l++)
-        four |= (uint32_t)ksigns[(aux >> (7 * l)) & 127] << (8 * l);
-    return four;
-}
-
 static inline uint64_t ld64(const uint8_t *p) {
     uint64_t v;
     memcpy(&v, p, 8);
@@ -656,40 +647,74 @@ static inline int32_t signed8(const uint8_t *g, int sg, const int8_t *xl) {
     return s;
 }
 
+/* the sign bytes of a run's four 7-bit sign indices (IQ2_XXS, IQ3_XXS; IQ2_XS's
+ * from its words' top 7 bits), byte l for the
+ * values 8 l .. 8 l + 7 */
+static inline uint32_t sign_bytes(uint32_t aux) {
+    uint32_t four = 0;
+    for (int l = 0; l < 4; l++)
+        four |= (uint32_t)ksigns[(aux >> (7 * l)) & 127] << (8 * l);
+    return four;
+}
+
+/* a grid type's integer sums over a block: a vector of 8 under AVX2, else one int */
+#ifdef __AVX2__
+typedef __m256i isum_t;
+#define ISUM_ZERO _mm256_setzero_si256()
+#define ISUM_TOTAL(a) hsum_i32(a)
+#else
+typedef int32_t isum_t;
+#define ISUM_ZERO 0
+#define ISUM_TOTAL(a) (a)
+#endif
+
+/* a run of 32 values of x against four grid rows of 8 magnitudes (r), signed by the bits of
+ * ``four`` (row l's in byte l), rows 0-1 scaled by s0 and rows 2-3 by s1: IQ2_XXS / IQ2_XS /
+ * IQ2_S */
+static inline isum_t rows8_dot(isum_t acc, const uint8_t *const r[4], uint32_t four, int s0,
+                               int s1, const int8_t *xq) {
+#ifdef __AVX2__
+    __m256i mag = _mm256_set_epi64x((long long)ld64(r[3]), (long long)ld64(r[2]),
+                                    (long long)ld64(r[1]), (long long)ld64(r[0]));
+    return _mm256_add_epi32(acc, grid_dot(mag, four, xq, halves16(s0, s1)));
+#else
+    for (int l = 0; l < 4; l++)
+        acc += (l < 2 ? s0 : s1) * signed8(r[l], (four >> (8 * l)) & 255, xq + 8 * l);
+    return acc;
+#endif
+}
+
+/* the same against eight grid rows of 4 magnitudes, one scale: IQ3_XXS / IQ3_S */
+static inline isum_t rows4_dot(isum_t acc, const uint8_t *const r[8], uint32_t four, int scale,
+                               const int8_t *xq) {
+#ifdef __AVX2__
+    __m256i mag = _mm256_setr_epi32(
+        (int)ld32(r[0]), (int)ld32(r[1]), (int)ld32(r[2]), (int)ld32(r[3]),
+        (int)ld32(r[4]), (int)ld32(r[5]), (int)ld32(r[6]), (int)ld32(r[7]));
+    return _mm256_add_epi32(acc, grid_dot(mag, four, xq, _mm256_set1_epi16((short)scale)));
+#else
+    for (int l = 0; l < 4; l++)
+        acc += scale * signed8(grid8(r[2 * l], r[2 * l + 1]).v, (four >> (8 * l)) & 255,
+                               xq + 8 * l);
+    return acc;
+#endif
+}
+
 /* IQ2_XXS (66 bytes per 256): d, then per 32 values two words: 4 grid indices (8 magnitudes
  * each) and 4 seven-bit sign indices with a 4-bit scale s on top (the run's scale d (2s+1)/8) */
 static float dot_iq2_xxs(const uint8_t *b, qx_t x, int n) {
     float acc = 0.0f;
     for (int i = 0; i < n / 256; i++, b += 66) {
-        const int8_t *xq = x.q + 256 * i;
-        int32_t isum = 0;
-#ifdef __AVX2__
-        __m256i iacc = _mm256_setzero_si256();
-#endif
+        isum_t isum = ISUM_ZERO;
         for (int ib = 0; ib < 8; ib++) {
             const uint8_t *w = b + 2 + 8 * ib;
             uint32_t aux = le32(w + 4);
-            int32_t scale = 2 * (int32_t)(aux >> 28) + 1;
-#ifdef __AVX2__
-            uint32_t four = sign_bytes(aux);
-            __m256i mag = _mm256_set_epi64x((long long)ld64(iq2xxs_grid[w[3]]),
-                                            (long long)ld64(iq2xxs_grid[w[2]]),
-                                            (long long)ld64(iq2xxs_grid[w[1]]),
-                                            (long long)ld64(iq2xxs_grid[w[0]]));
-            iacc = _mm256_add_epi32(iacc, grid_dot(mag, four, xq + 32 * ib,
-                                                   _mm256_set1_epi16((short)scale)));
-#else
-            int32_t s = 0;
-            for (int l = 0; l < 4; l++)
-                s += signed8(iq2xxs_grid[w[l]], ksigns[(aux >> (7 * l)) & 127],
-                             xq + 32 * ib + 8 * l);
-            isum += scale * s;
-#endif
+            int scale = 2 * (int)(aux >> 28) + 1;
+            const uint8_t *r[4] = {iq2xxs_grid[w[0]], iq2xxs_grid[w[1]], iq2xxs_grid[w[2]],
+                                   iq2xxs_grid[w[3]]};
+            isum = rows8_dot(isum, r, sign_bytes(aux), scale, scale, x.q + 256 * i + 32 * ib);
         }
-#ifdef __AVX2__
-        isum = hsum_i32(iacc);
-#endif
-        acc += x.d[i] * f16(b) * 0.125f * (float)isum;
+        acc += x.d[i] * f16(b) * 0.125f * (float)ISUM_TOTAL(isum);
     }
     return acc;
 }
@@ -701,37 +726,16 @@ static float dot_iq3_xxs(const uint8_t *b, qx_t x, int n) {
     float acc = 0.0f;
     for (int i = 0; i < n / 256; i++, b += 98) {
         const uint8_t *q = b + 2;
-        const int8_t *xq = x.q + 256 * i;
-        int32_t isum = 0;
-#ifdef __AVX2__
-        __m256i iacc = _mm256_setzero_si256();
-#endif
+        isum_t isum = ISUM_ZERO;
         for (int ib = 0; ib < 8; ib++) {
             uint32_t aux = le32(b + 66 + 4 * ib);
-            int32_t scale = 2 * (int32_t)(aux >> 28) + 1;
-#ifdef __AVX2__
-            const uint8_t *g = q + 8 * ib;
-            uint32_t four = sign_bytes(aux);
-            __m256i mag = _mm256_setr_epi32(
-                (int)ld32(iq3xxs_grid[g[0]]), (int)ld32(iq3xxs_grid[g[1]]),
-                (int)ld32(iq3xxs_grid[g[2]]), (int)ld32(iq3xxs_grid[g[3]]),
-                (int)ld32(iq3xxs_grid[g[4]]), (int)ld32(iq3xxs_grid[g[5]]),
-                (int)ld32(iq3xxs_grid[g[6]]), (int)ld32(iq3xxs_grid[g[7]]));
-            iacc = _mm256_add_epi32(iacc, grid_dot(mag, four, xq + 32 * ib,
-                                                   _mm256_set1_epi16((short)scale)));
-#else
-            int32_t s = 0;
-            for (int l = 0; l < 4; l++)
-                s += signed8(grid8(iq3xxs_grid[q[8 * ib + 2 * l]],
-                                   iq3xxs_grid[q[8 * ib + 2 * l + 1]]).v,
-                             ksigns[(aux >> (7 * l)) & 127], xq + 32 * ib + 8 * l);
-            isum += scale * s;
-#endif
+            const uint8_t *r[8];
+            for (int k = 0; k < 8; k++)
+                r[k] = iq3xxs_grid[q[8 * ib + k]];
+            isum = rows4_dot(isum, r, sign_bytes(aux), 2 * (int)(aux >> 28) + 1,
+                             x.q + 256 * i + 32 * ib);
         }
-#ifdef __AVX2__
-        isum = hsum_i32(iacc);
-#endif
-        acc += x.d[i] * f16(b) * 0.25f * (float)isum;
+        acc += x.d[i] * f16(b) * 0.25f * (float)ISUM_TOTAL(isum);
     }
     return acc;
 }
@@ -741,34 +745,21 @@ static float dot_iq3_xxs(const uint8_t *b, qx_t x, int n) {
 static float dot_iq2_xs(const uint8_t *b, qx_t x, int n) {
     float acc = 0.0f;
     for (int i = 0; i < n / 256; i++, b += 74) {
-        const int8_t *xq = x.q + 256 * i;
         const uint8_t *sc = b + 66;
-        int32_t isum = 0;
-#ifdef __AVX2__
-        __m256i iacc = _mm256_setzero_si256();
-#endif
+        isum_t isum = ISUM_ZERO;
         for (int ib = 0; ib < 8; ib++) {
-            uint16_t q[4];
-            memcpy(q, b + 2 + 8 * ib, 8);  /* little-endian words, as x86 reads them */
-            int32_t s0 = 2 * (sc[ib] & 15) + 1, s1 = 2 * (sc[ib] >> 4) + 1;
-#ifdef __AVX2__
+            const uint8_t *r[4];
             uint32_t four = 0;
-            for (int l = 0; l < 4; l++)
-                four |= (uint32_t)ksigns[q[l] >> 9] << (8 * l);
-            __m256i mag = _mm256_set_epi64x(
-                (long long)ld64(iq2xs_grid[q[3] & 511]), (long long)ld64(iq2xs_grid[q[2] & 511]),
-                (long long)ld64(iq2xs_grid[q[1] & 511]), (long long)ld64(iq2xs_grid[q[0] & 511]));
-            iacc = _mm256_add_epi32(iacc, grid_dot(mag, four, xq + 32 * ib, halves16(s0, s1)));
-#else
-            for (int l = 0; l < 4; l++)
-                isum += (l < 2 ? s0 : s1) *
-                        signed8(iq2xs_grid[q[l] & 511], ksigns[q[l] >> 9], xq + 32 * ib + 8 * l);
-#endif
+            for (int l = 0; l < 4; l++) {
+                const uint8_t *w = b + 2 + 8 * ib + 2 * l;
+                uint32_t q = (uint32_t)w[0] | ((uint32_t)w[1] << 8);
+                r[l] = iq2xs_grid[q & 511];
+                four |= (uint32_t)ksigns[q >> 9] << (8 * l);
+            }
+            isum = rows8_dot(isum, r, four, 2 * (sc[ib] & 15) + 1, 2 * (sc[ib] >> 4) + 1,
+                             x.q + 256 * i + 32 * ib);
         }
-#ifdef __AVX2__
-        isum = hsum_i32(iacc);
-#endif
-        acc += x.d[i] * f16(b) * 0.125f * (float)isum;
+        acc += x.d[i] * f16(b) * 0.125f * (float)ISUM_TOTAL(isum);
     }
     return acc;
 }
@@ -779,33 +770,16 @@ static float dot_iq2_xs(const uint8_t *b, qx_t x, int n) {
 static float dot_iq2_s(const uint8_t *b, qx_t x, int n) {
     float acc = 0.0f;
     for (int i = 0; i < n / 256; i++, b += 82) {
-        const int8_t *xq = x.q + 256 * i;
         const uint8_t *qs = b + 2, *sg = b + 34, *qh = b + 66, *sc = b + 74;
-        int32_t isum = 0;
-#ifdef __AVX2__
-        __m256i iacc = _mm256_setzero_si256();
-#endif
+        isum_t isum = ISUM_ZERO;
         for (int ib = 0; ib < 8; ib++) {
-            int idx[4];
+            const uint8_t *r[4];
             for (int l = 0; l < 4; l++)
-                idx[l] = qs[4 * ib + l] | (((qh[ib] >> (2 * l)) & 3) << 8);
-            int32_t s0 = 2 * (sc[ib] & 15) + 1, s1 = 2 * (sc[ib] >> 4) + 1;
-#ifdef __AVX2__
-            __m256i mag = _mm256_set_epi64x(
-                (long long)ld64(iq2s_grid[idx[3]]), (long long)ld64(iq2s_grid[idx[2]]),
-                (long long)ld64(iq2s_grid[idx[1]]), (long long)ld64(iq2s_grid[idx[0]]));
-            iacc = _mm256_add_epi32(iacc, grid_dot(mag, ld32(sg + 4 * ib), xq + 32 * ib,
-                                                   halves16(s0, s1)));
-#else
-            for (int l = 0; l < 4; l++)
-                isum += (l < 2 ? s0 : s1) *
-                        signed8(iq2s_grid[idx[l]], sg[4 * ib + l], xq + 32 * ib + 8 * l);
-#endif
+                r[l] = iq2s_grid[qs[4 * ib + l] | (((qh[ib] >> (2 * l)) & 3) << 8)];
+            isum = rows8_dot(isum, r, le32(sg + 4 * ib), 2 * (sc[ib] & 15) + 1,
+                             2 * (sc[ib] >> 4) + 1, x.q + 256 * i + 32 * ib);
         }
-#ifdef __AVX2__
-        isum = hsum_i32(iacc);
-#endif
-        acc += x.d[i] * f16(b) * 0.125f * (float)isum;
+        acc += x.d[i] * f16(b) * 0.125f * (float)ISUM_TOTAL(isum);
     }
     return acc;
 }
@@ -816,35 +790,16 @@ static float dot_iq2_s(const uint8_t *b, qx_t x, int n) {
 static float dot_iq3_s(const uint8_t *b, qx_t x, int n) {
     float acc = 0.0f;
     for (int i = 0; i < n / 256; i++, b += 110) {
-        const int8_t *xq = x.q + 256 * i;
         const uint8_t *qs = b + 2, *qh = b + 66, *sg = b + 74, *sc = b + 106;
-        int32_t isum = 0;
-#ifdef __AVX2__
-        __m256i iacc = _mm256_setzero_si256();
-#endif
+        isum_t isum = ISUM_ZERO;
         for (int ib = 0; ib < 8; ib++) {
-            int32_t scale = 2 * ((sc[ib / 2] >> (4 * (ib & 1))) & 15) + 1;
-            const uint8_t *g[8];
+            const uint8_t *r[8];
             for (int k = 0; k < 8; k++)
-                g[k] = iq3s_grid[qs[8 * ib + k] | (((qh[ib] >> k) & 1) << 8)];
-#ifdef __AVX2__
-            __m256i mag = _mm256_setr_epi32(
-                (int)ld32(g[0]), (int)ld32(g[1]), (int)ld32(g[2]), (int)ld32(g[3]),
-                (int)ld32(g[4]), (int)ld32(g[5]), (int)ld32(g[6]), (int)ld32(g[7]));
-            iacc = _mm256_add_epi32(iacc, grid_dot(mag, ld32(sg + 4 * ib), xq + 32 * ib,
-                                                   _mm256_set1_epi16((short)scale)));
-#else
-            int32_t s = 0;
-            for (int l = 0; l < 4; l++)
-                s += signed8(grid8(g[2 * l], g[2 * l + 1]).v, sg[4 * ib + l],
-                             xq + 32 * ib + 8 * l);
-            isum += scale * s;
-#endif
+                r[k] = iq3s_grid[qs[8 * ib + k] | (((qh[ib] >> k) & 1) << 8)];
+            int scale = 2 * ((sc[ib / 2] >> (4 * (ib & 1))) & 15) + 1;
+            isum = rows4_dot(isum, r, le32(sg + 4 * ib), scale, x.q + 256 * i + 32 * ib);
         }
-#ifdef __AVX2__
-        isum = hsum_i32(iacc);
-#endif
-        acc += x.d[i] * f16(b) * (float)isum;
+        acc += x.d[i] * f16(b) * (float)ISUM_TOTAL(isum);
     }
     return acc;
 }
