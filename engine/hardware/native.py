@@ -105,7 +105,7 @@ def _load_once() -> tuple[Any | None, str]:
         [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_void_p, ctypes.c_int] * 3
         + [ctypes.c_int, ctypes.c_float] + [ctypes.c_void_p] * 5 + [ctypes.c_int])
     # the 4-bit types' values (MXFP4's e2m1, doubled; IQ4_NL's and IQ4_XS's non-linear
-    # ones) and the IQ2 / IQ3 grids and sign bytes, from the gguf package's tables
+    # ones) and the IQ1 / IQ2 / IQ3 grids and sign bytes, from the gguf package's tables
     import numpy as np
     from gguf.quants import IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL, MXFP4
 
@@ -158,7 +158,8 @@ def why_not() -> str:
 
 def group(types: tuple[int, ...]) -> int:
     """The values per scale x is quantized in for these (gate, up, down) types: 32 where every
-    one has blocks of 32 (Q4_0 .. Q5_1, Q8_0, IQ4_NL, MXFP4), else 256 (a super-block of the others)."""
+    one has blocks of 32 (Q4_0 to Q5_1, Q8_0, IQ4_NL, MXFP4), else 256 (a super-block of the
+    others)."""
     return 32 if all(t in SMALL_BLOCKS for t in types) else 256
 
 

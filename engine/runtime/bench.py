@@ -16,11 +16,15 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
+
+if TYPE_CHECKING:
+    from engine.planning.plan import Plan
 
 
 def _plan(path: str, n_gpus: int, n_layer: int, ctx: int, kv_type: str, arena: str,
@@ -358,7 +362,7 @@ def _torch_runner(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str,
 
 
 def _engine(path: str, ctx: int, kv_type: str, pipeline_tps: float | None,
-            placed=None) -> dict:
+            placed: Plan | None = None) -> dict:
     """The same file through `carve-engine` on the GPUs here, with the window's default plan;
     ``placed``: the plan of a placement (--vram, --experts-resident, ...) instead, launched
     once (its speed, not the launch times)."""
