@@ -216,9 +216,18 @@ python3 - "$out" <<'PY'
 import glob, json, sys
 print(f"{'model':28s} {'stages':>6s} {'tg t/s':>8s} {'pp t/s':>9s} {'load GB/s':>9s} "
       f"{'priced==reserved':>16s}  greedy ids")
+first = {}  # a model's first run: the ids the later runs' are held against
 for f in sorted(glob.glob(sys.argv[1] + "/bench-*.json")):
     o = json.load(open(f))
     for r in o.get("runs", []):
+        ref = first.setdefault(o["model"], r)
+        if r is not ref and r.get("greedy64") and ref.get("greedy64") != r["greedy64"]:
+            # where the ids part and by how much each run's winner led there: a lead of a
+            # few hundredths of a logit is a near tie that rounding decides
+            p = next(i for i, (a, b) in enumerate(zip(ref["greedy64"], r["greedy64"])) if a != b)
+            print(f"{'':28s} ids part from the first run's at token {p}: lead there "
+                  f"{r['greedy64_margins'][p]} (first run {ref['greedy64_margins'][p]}); "
+                  f"smallest lead before it {min(ref['greedy64_margins'][:p + 1])}")
         same = all(d["priced"] == d["reserved"] for d in r["devices"])
         trials = ",".join(o.get("trials", []))
         print(f"{o['model'].rsplit('/', 1)[-1]:28s} {r['gpus']:6d} {r['tg']['tps']:8.1f} "

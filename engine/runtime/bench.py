@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -74,6 +74,23 @@ def _plan(path: str, n_gpus: int, n_layer: int, ctx: int, kv_type: str, arena: s
 
 
 PP_RUNS = 5  # timed prefill passes, the median reported
+
+
+def _greedy_margins(pipe: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """``n`` greedy ids after ``prompt`` and, for each, its logit minus the runner-up's."""
+    rows = pipe.stages[-1].buf["logits"]
+
+    def lead(row: torch.Tensor) -> float:
+        top = row.float().topk(2).values
+        return float(top[0] - top[1])
+
+    ids = [pipe.prefill(prompt)]
+    margins = [lead(rows[pipe.head_row])]
+    for _ in range(n - 1):
+        pipe.step()
+        ids.append(int(pipe.stages[-1].next_id))
+        margins.append(lead(rows[0]))
+    return ids, margins
 
 
 def _timed(fn, n: int) -> float:
@@ -164,10 +181,13 @@ def run(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str, tokens: int,
     moved = (sum(st.host_moved() for st in pipe.stages) - moved0) / PP_RUNS
     rep["pp"] = {"tokens": pp, "s": t, "tps": pp / t, "host_gbps": moved / t / 1e9,
                  "runs_tps": [pp / r for r in runs]}
-    nxt = pipe.prefill(prompt[:32])
-    ids = [nxt, *pipe.greedy(63)]
+    ids, margins = _greedy_margins(pipe, prompt[:32], 64)
     rep["greedy64_sha256"] = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
     rep["greedy64_head"] = ids[:8]
+    # every id and its logit's lead over the runner-up: where two placements' ids part, the
+    # lead there says whether a rounding's difference (a near tie) or a fault parted them
+    rep["greedy64"] = ids
+    rep["greedy64_margins"] = [round(m, 4) for m in margins]
     finite = all(bool(torch.isfinite(st.buf["logits"]).all()) for st in pipe.stages if st.last)
     rep["logits_finite"] = finite
     # tg: `tokens` graph replays from position 0, no host sync in between

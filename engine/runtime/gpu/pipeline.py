@@ -62,6 +62,7 @@ class GpuPipeline:
         the caller calls `fill` instead, after its own precompile round; it then owns
         ``compiler`` and closes it)."""
         self.model, self.hp, self.layout, self.options = model, hp, layout, options
+        self.head_row = 0  # the logits row of the last prefill's head (prefill)
         self.devices = devices or [torch_device(dl.device) for dl in layout.devices]
         self.stages: list[GpuStage] = []
         self.arenas: list[list[torch.Tensor]] = []
@@ -269,7 +270,7 @@ class GpuPipeline:
             self.run_chunk(ids[c0:c0 + chunk], pos0 + c0)
         last = self.stages[-1]
         n_last = len(ids) - (len(ids) - 1) // chunk * chunk
-        row = min(n_last, last.buf["logits"].shape[0]) - 1
+        row = self.head_row = min(n_last, last.buf["logits"].shape[0]) - 1
         nxt = int(torch.argmax(last.buf["logits"][row]))
         self.set_position(pos0 + len(ids), nxt)
         return nxt
