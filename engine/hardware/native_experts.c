@@ -382,6 +382,7 @@ static float dot_q4_q5(const uint8_t *b, qx_t x, int n, int bits, int m) {
         const int8_t *xq = x.q + 32 * i;
         int32_t sx = x.s16[2 * i] + x.s16[2 * i + 1];
         uint32_t qh = bits == 5 ? le32(b + 2 + 2 * m) : 0;
+        const float dx = x.d[i * 32 / x.g], db = f16(b);
 #ifdef __AVX2__
         __m128i raw = _mm_loadu_si128((const __m128i *)q);
         __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
@@ -390,9 +391,8 @@ static float dot_q4_q5(const uint8_t *b, qx_t x, int n, int bits, int m) {
             h = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
             v = _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(16)));
         }
-        float dd = f16(b) * x.d[i * 32 / x.g];
-        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot_scaled(v, xq, ones)), _mm256_set1_ps(dd),
-                               vacc);
+        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot_scaled(v, xq, ones)),
+                               _mm256_set1_ps(db * dx), vacc);
         int32_t s = 0;  /* in vacc */
 #else
         int32_t s = 0;
@@ -405,8 +405,7 @@ static float dot_q4_q5(const uint8_t *b, qx_t x, int n, int bits, int m) {
             s += lo * xq[l] + hi * xq[l + 16];
         }
 #endif
-        float dx = x.d[i * 32 / x.g];
-        acc += dx * (f16(b) * (float)(s - off * sx) + (m ? f16(b + 2) * (float)sx : 0.0f));
+        acc += dx * (db * (float)(s - off * sx) + (m ? f16(b + 2) * (float)sx : 0.0f));
     }
 #ifdef __AVX2__
     acc += hsum8(vacc);
@@ -668,15 +667,21 @@ typedef int32_t isum_t;
 #define ISUM_TOTAL(a) (a)
 #endif
 
+#ifdef __AVX2__
+/* four rows of 8 bytes, row l in the vector's 64-bit lane l */
+static inline __m256i gather8(const uint8_t *const r[4]) {
+    return _mm256_set_epi64x((long long)ld64(r[3]), (long long)ld64(r[2]),
+                             (long long)ld64(r[1]), (long long)ld64(r[0]));
+}
+#endif
+
 /* a run of 32 values of x against four grid rows of 8 magnitudes (r), signed by the bits of
  * ``four`` (row l's in byte l), rows 0-1 scaled by s0 and rows 2-3 by s1: IQ2_XXS / IQ2_XS /
  * IQ2_S */
 static inline isum_t rows8_dot(isum_t acc, const uint8_t *const r[4], uint32_t four, int s0,
                                int s1, const int8_t *xq) {
 #ifdef __AVX2__
-    __m256i mag = _mm256_set_epi64x((long long)ld64(r[3]), (long long)ld64(r[2]),
-                                    (long long)ld64(r[1]), (long long)ld64(r[0]));
-    return _mm256_add_epi32(acc, grid_dot(mag, four, xq, halves16(s0, s1)));
+    return _mm256_add_epi32(acc, grid_dot(gather8(r), four, xq, halves16(s0, s1)));
 #else
     for (int l = 0; l < 4; l++)
         acc += (l < 2 ? s0 : s1) * signed8(r[l], (four >> (8 * l)) & 255, xq + 8 * l);
@@ -816,8 +821,9 @@ static inline __m256i iq1_dot(__m256i mag, const int8_t *xq, __m256i cp, __m256i
 }
 
 static inline __m256i iq1_rows(const int idx[4]) {
-    return _mm256_set_epi64x((long long)ld64(iq1_grid[idx[3]]), (long long)ld64(iq1_grid[idx[2]]),
-                             (long long)ld64(iq1_grid[idx[1]]), (long long)ld64(iq1_grid[idx[0]]));
+    const uint8_t *const r[4] = {iq1_grid[idx[0]], iq1_grid[idx[1]], iq1_grid[idx[2]],
+                                 iq1_grid[idx[3]]};
+    return gather8(r);
 }
 #endif
 
