@@ -128,7 +128,29 @@ def _load_once() -> tuple[Any | None, str]:
         return None, "the native kernel took no grid for IQ1_S"
     lib.carve_scratch_bytes.restype = ctypes.c_size_t
     lib.carve_scratch_bytes.argtypes = [ctypes.c_int] * 3
+    lib.carve_serve.restype = ctypes.c_int
+    lib.carve_serve.argtypes = [ctypes.POINTER(ServeLayer), ctypes.c_int, ctypes.c_int,
+                                ctypes.c_double, ctypes.POINTER(ctypes.c_double),
+                                ctypes.POINTER(ctypes.c_int)]
     return lib, ""
+
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class ServeLayer(ctypes.Structure):
+    """native_experts.c's carve_serve_layer: one split layer a decode step answers (the
+    stage's ticket words and transfer buffers, its CPU share, its experts and scratch)."""
+
+    _fields_ = [("flags", _P), ("x", _P), ("x_type", _I), ("ids", _P), ("w", _P), ("y", _P),
+                ("xf", _P), ("c", _I), ("n_embd", _I), ("n_ff", _I), ("n_expert", _I),
+                ("act", _I), ("limit", _F), ("gate", _P), ("up", _P), ("down", _P),
+                ("gate_type", _I), ("up_type", _I), ("down_type", _I), ("gate_b", _P),
+                ("up_b", _P), ("down_b", _P), ("scratch", _P)]
+
+
+# carve_serve's x_type by the published row's dtype name
+ROW_TYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 def library() -> Any | None:

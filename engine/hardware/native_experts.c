@@ -13,10 +13,17 @@
  * product and clamp their SwiGLU. One OpenMP region per call: the gate/up rows of all chosen
  * experts shared among the threads, a barrier, then the down rows. */
 
+#define _POSIX_C_SOURCE 200809L /* clock_gettime under -std=c11 */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_thread_num(void) { return 0; }
+#endif
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -1005,6 +1012,83 @@ size_t carve_scratch_bytes(int n_embd, int n_ff, int k) {
     return a + h + hq;
 }
 
+/* One layer's experts as the kernel reads them (gate, up, down: [n_expert][rows] rows of
+ * blocks of their types; biases or NULL), with its scratch. */
+typedef struct {
+    int n_embd, n_ff, n_expert, act;
+    float limit;
+    const uint8_t *gate, *up, *down;
+    int gate_type, up_type, down_type;
+    const float *gate_b, *up_b, *down_b;
+    uint8_t *scratch;
+} layer_t;
+
+static int layer_ok(const layer_t *L) {
+    int g = group(L->gate_type, L->up_type, L->down_type);
+    return block_ok(L->gate_type, L->n_embd, g) && block_ok(L->up_type, L->n_embd, g) &&
+           block_ok(L->down_type, L->n_ff, g) && L->act >= 0 && L->act <= 2;
+}
+
+static int ids_ok(const layer_t *L, int c, const int32_t *ids) {
+    for (int j = 0; j < c; j++)
+        if (ids[j] < 0 || ids[j] >= L->n_expert)
+            return 0;
+    return 1;
+}
+
+/* x quantized into the scratch's head, where `experts_in_region` reads it */
+static void layer_take_x(const layer_t *L, const float *x) {
+    qx_fill(L->scratch, x, L->n_embd, group(L->gate_type, L->up_type, L->down_type));
+}
+
+/* y = the c experts' weighted sum of the x `layer_take_x` quantized, called by every thread
+ * of an OpenMP region (its loops shared among them, each ending in a barrier) */
+static void experts_in_region(const layer_t *L, int c, const int32_t *ids, const float *w,
+                              float *y) {
+    const int n_embd = L->n_embd, n_ff = L->n_ff, act = L->act;
+    const int g = group(L->gate_type, L->up_type, L->down_type);
+    const size_t gr = row_bytes(L->gate_type, n_embd), ur = row_bytes(L->up_type, n_embd);
+    const size_t dr = row_bytes(L->down_type, n_ff);
+    const size_t xb = (qx_bytes(n_embd) + 63) / 64 * 64, hqb = (qx_bytes(n_ff) + 63) / 64 * 64;
+    uint8_t *hqp = L->scratch + xb + ((size_t)c * n_ff * 4 + 63) / 64 * 64;
+    float *h = (float *)(L->scratch + xb);
+    const qx_t xq = qx_at(L->scratch, n_embd, g);
+#pragma omp for schedule(static)
+    for (long i = 0; i < (long)c * n_ff; i++) {
+        long j = i / n_ff, r = i % n_ff, e = ids[j];
+        const uint8_t *gb = L->gate + ((size_t)e * n_ff + r) * gr;
+        const uint8_t *ub = L->up + ((size_t)e * n_ff + r) * ur;
+        float a = dot(L->gate_type, gb, xq, n_embd), u = dot(L->up_type, ub, xq, n_embd);
+        if (L->gate_b) {
+            a += L->gate_b[(size_t)e * n_ff + r];
+            u += L->up_b[(size_t)e * n_ff + r];
+        }
+        if (act == 0) {
+            a = a / (1.0f + expf(-a));
+        } else if (act == 1) {
+            a = 0.5f * a * (1.0f + tanhf(0.7978845608f * (a + 0.044715f * a * a * a)));
+        } else {
+            a = fminf(a, L->limit);
+            u = fminf(fmaxf(u, -L->limit), L->limit) + 1.0f;
+            a = a / (1.0f + expf(-1.702f * a));
+        }
+        h[i] = a * u;
+    }
+#pragma omp for schedule(static)
+    for (long j = 0; j < c; j++)
+        qx_fill(hqp + j * hqb, h + j * n_ff, n_ff, g);
+#pragma omp for schedule(static)
+    for (long r = 0; r < n_embd; r++) {
+        float s = 0.0f;
+        for (long j = 0; j < c; j++) {
+            const uint8_t *db = L->down + ((size_t)ids[j] * n_embd + r) * dr;
+            float v = dot(L->down_type, db, qx_at(hqp + j * hqb, n_ff, g), n_ff);
+            s += w[j] * (L->down_b ? v + L->down_b[(size_t)ids[j] * n_embd + r] : v);
+        }
+        y[r] = s;
+    }
+}
+
 /* Returns 0; -1 where a type or size is not one this file multiplies, -2 where an id is not
  * below n_expert (nothing written either way). act: 0 SiLU, 1 tanh GELU, 2 gpt-oss's SwiGLU
  * (gate clamped to <= limit, up to [-limit, limit], gate * sigmoid(1.702 gate) * (up + 1)).
@@ -1016,56 +1100,149 @@ int carve_experts(int n_embd, int n_ff, int n_expert, int c, const float *x,
                   const uint8_t *up, int up_type, const uint8_t *down, int down_type, int act,
                   float limit, const float *gate_b, const float *up_b, const float *down_b,
                   uint8_t *scratch, float *y, int threads) {
-    int g = group(gate_type, up_type, down_type);
-    if (!block_ok(gate_type, n_embd, g) || !block_ok(up_type, n_embd, g) ||
-        !block_ok(down_type, n_ff, g) || act < 0 || act > 2 || c < 0)
+    const layer_t L = {n_embd, n_ff, n_expert, act, limit, gate, up, down, gate_type, up_type,
+                       down_type, gate_b, up_b, down_b, scratch};
+    if (!layer_ok(&L) || c < 0)
         return -1;
-    for (int j = 0; j < c; j++)
-        if (ids[j] < 0 || ids[j] >= n_expert)
-            return -2;
-    size_t gr = row_bytes(gate_type, n_embd), ur = row_bytes(up_type, n_embd);
-    size_t dr = row_bytes(down_type, n_ff);
-    size_t xb = (qx_bytes(n_embd) + 63) / 64 * 64, hqb = (qx_bytes(n_ff) + 63) / 64 * 64;
-    uint8_t *xp = scratch, *hqp = scratch + xb + ((size_t)c * n_ff * 4 + 63) / 64 * 64;
-    float *h = (float *)(scratch + xb);
-    qx_fill(xp, x, n_embd, g);
-    qx_t xq = qx_at(xp, n_embd, g);
+    if (!ids_ok(&L, c, ids))
+        return -2;
+    layer_take_x(&L, x);
 #pragma omp parallel num_threads(threads > 0 ? threads : 1)
-    {
-#pragma omp for schedule(static)
-        for (long i = 0; i < (long)c * n_ff; i++) {
-            long j = i / n_ff, r = i % n_ff, e = ids[j];
-            const uint8_t *gb = gate + ((size_t)e * n_ff + r) * gr;
-            const uint8_t *ub = up + ((size_t)e * n_ff + r) * ur;
-            float a = dot(gate_type, gb, xq, n_embd), u = dot(up_type, ub, xq, n_embd);
-            if (gate_b) {
-                a += gate_b[(size_t)e * n_ff + r];
-                u += up_b[(size_t)e * n_ff + r];
-            }
-            if (act == 0) {
-                a = a / (1.0f + expf(-a));
-            } else if (act == 1) {
-                a = 0.5f * a * (1.0f + tanhf(0.7978845608f * (a + 0.044715f * a * a * a)));
-            } else {
-                a = fminf(a, limit);
-                u = fminf(fmaxf(u, -limit), limit) + 1.0f;
-                a = a / (1.0f + expf(-1.702f * a));
-            }
-            h[i] = a * u;
-        }
-#pragma omp for schedule(static)
-        for (long j = 0; j < c; j++)
-            qx_fill(hqp + j * hqb, h + j * n_ff, n_ff, g);
-#pragma omp for schedule(static)
-        for (long r = 0; r < n_embd; r++) {
-            float s = 0.0f;
-            for (long j = 0; j < c; j++) {
-                const uint8_t *db = down + ((size_t)ids[j] * n_embd + r) * dr;
-                float v = dot(down_type, db, qx_at(hqp + j * hqb, n_ff, g), n_ff);
-                s += w[j] * (down_b ? v + down_b[(size_t)ids[j] * n_embd + r] : v);
-            }
-            y[r] = s;
+    experts_in_region(&L, c, ids, w, y);
+    return 0;
+}
+
+/* ---- a decode step's split layers answered in turn (carve_kernels/host_split.py) ----
+ *
+ * For each layer the GPU publishes, in pinned host memory, the normed row x, the CPU's c
+ * ids and weights, then a ticket (flags[0] = flags[1] + 1); the host computes those experts'
+ * weighted sum into y and answers (flags[1] = flags[0]); the GPU spins on the answer, then
+ * adds y. carve_serve answers a step's layers in order inside one OpenMP region, every
+ * thread spinning on the ticket itself between layers: no thread sleeps in a barrier or
+ * wakes from one while the GPU runs the layers between, and no interpreter runs between a
+ * ticket and its answer. */
+typedef struct {
+    int32_t *flags;     /* [0] the GPU's ticket, [1] the host's answer (the stage's words) */
+    const void *x;      /* the published row: n_embd values of x_type */
+    int x_type;         /* 0 float32, 1 float16, 2 bfloat16 */
+    const int32_t *ids; /* the CPU's share of the routing: c ids and their weights */
+    const float *w;
+    float *y;           /* n_embd float32: the answer's sum */
+    float *xf;          /* n_embd float32 of room: x as float */
+    int c;
+    int n_embd, n_ff, n_expert, act;
+    float limit;
+    const uint8_t *gate, *up, *down;
+    int gate_type, up_type, down_type;
+    const float *gate_b, *up_b, *down_b;
+    uint8_t *scratch;
+} carve_serve_layer;
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static void row_to_float(const carve_serve_layer *S) {
+    const uint8_t *b = (const uint8_t *)S->x;
+    for (int i = 0; i < S->n_embd; i++) {
+        if (S->x_type == 0) {
+            memcpy(S->xf + i, b + 4 * i, 4);
+        } else if (S->x_type == 1) {
+            S->xf[i] = f16(b + 2 * i);
+        } else {
+            uint32_t u = (uint32_t)(b[2 * i] | (b[2 * i + 1] << 8)) << 16;
+            memcpy(S->xf + i, &u, 4);
         }
     }
-    return 0;
+}
+
+static layer_t layer_of(const carve_serve_layer *S) {
+    const layer_t L = {S->n_embd, S->n_ff, S->n_expert, S->act, S->limit, S->gate, S->up,
+                       S->down, S->gate_type, S->up_type, S->down_type, S->gate_b, S->up_b,
+                       S->down_b, S->scratch};
+    return L;
+}
+
+/* Answer n layers' tickets in order. times: n pairs (seconds waited for the ticket, seconds
+ * computing), added to. Returns 0; -1 where a layer's types or sizes are refused (before any
+ * answer); -2 where a layer's ids are out of range (that ticket answered, its sum NaN); -3
+ * where no ticket came within timeout_s. *failed: the layer that stopped it. Tickets after it
+ * are left to the caller (engine/runtime/gpu/stage_graph.py drains them). */
+int carve_serve(const carve_serve_layer *layers, int n, int threads, double timeout_s,
+                double *times, int *failed) {
+    for (int i = 0; i < n; i++) {
+        layer_t L = layer_of(layers + i);
+        if (!layer_ok(&L) || layers[i].c < 1 || layers[i].x_type < 0 || layers[i].x_type > 2) {
+            *failed = i;
+            return -1;
+        }
+    }
+    if (n < 1)
+        return 0;
+    int stop = 0, rc = 0;
+    double mark = now_s();
+    const int32_t start = __atomic_load_n(&layers[0].flags[1], __ATOMIC_ACQUIRE);
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        int32_t seen = start;
+        for (int i = 0; i < n; i++) {
+            const carve_serve_layer *S = layers + i;
+            const layer_t L = layer_of(S);
+            const int lead = omp_get_thread_num() == 0;
+            const double since = lead ? now_s() : 0.0;
+            long spins = 0;
+            while (__atomic_load_n(&S->flags[0], __ATOMIC_ACQUIRE) == seen &&
+                   !__atomic_load_n(&stop, __ATOMIC_RELAXED)) {
+                cpu_relax();
+                if (lead && (++spins & 1023) == 0 && now_s() - since > timeout_s) {
+                    rc = -3, *failed = i;
+                    __atomic_store_n(&stop, 1, __ATOMIC_RELAXED);
+                }
+            }
+#pragma omp barrier
+            if (__atomic_load_n(&stop, __ATOMIC_RELAXED))
+                break;
+            seen = __atomic_load_n(&S->flags[0], __ATOMIC_ACQUIRE);
+            int ok;
+#pragma omp single copyprivate(ok)
+            {
+                double t = now_s();
+                times[2 * i] += t - mark;
+                mark = t;
+                ok = ids_ok(&L, S->c, S->ids);
+                if (ok) {
+                    row_to_float(S);
+                    layer_take_x(&L, S->xf);
+                }
+            }
+            if (ok)
+                experts_in_region(&L, S->c, S->ids, S->w, S->y);
+#pragma omp single
+            {
+                if (!ok) {
+                    for (int r = 0; r < S->n_embd; r++)
+                        S->y[r] = NAN;
+                    rc = -2, *failed = i;
+                    __atomic_store_n(&stop, 1, __ATOMIC_RELAXED);
+                }
+                __atomic_store_n(&S->flags[1], seen, __ATOMIC_RELEASE);
+                double t = now_s();
+                times[2 * i + 1] += t - mark;
+                mark = t;
+            }
+            if (__atomic_load_n(&stop, __ATOMIC_RELAXED))
+                break;
+        }
+    }
+    return rc;
 }

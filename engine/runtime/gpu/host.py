@@ -483,10 +483,27 @@ class HostExperts:
             raise
         flags[1] = flags[0]
         self.cpu_s += time.perf_counter() - t0
-        if flags[2]:  # an earlier wait gave up (that step's sum was lost): say so, answered
+        self.check_answered()
+
+    def check_answered(self) -> None:
+        """Raise CarveError where the GPU gave up waiting for an answer (that step's sum was
+        lost), the mark cleared."""
+        flags = self.flags.numpy()
+        if flags[2]:
             flags[2] = 0
             raise CarveError(f"host experts of layer {self.layer}: the GPU stopped waiting for "
                              "the CPU's share of a decode step; the host was too slow or busy")
+
+    def serve_layer(self, xf: torch.Tensor) -> Any:
+        """This split layer as the native kernel's `StepServer` answers it (xf: float32
+        [n_embd] of room, shared by a stage's layers)."""
+        return self.native.serve_layer(self.flags, self.x[0], self.ids[0], self.w[0], self.y[0],
+                                       xf, self.cpu_share)
+
+    def add_times(self, wait_s: float, cpu_s: float) -> None:
+        """A `StepServer` call's seconds for this layer: waiting for its row, computing."""
+        self.wait_s += wait_s
+        self.cpu_s += cpu_s
 
     def cpu_row(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                 y: torch.Tensor) -> None:

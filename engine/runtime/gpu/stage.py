@@ -116,6 +116,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         self.in_place_hosts: list = []  # host layers decode reads in place (set by capture)
         # the host layers split between CPU and GPU, in order: replay answers them (capture)
         self.split_hosts: list = []
+        self.split_server = None  # their answers in one native call (stage_graph.py)
         # prefill chunks through a CUDA graph of each padded length, the head outside them
         # (CARVE_PREFILL_GRAPH; stage_graph.py forward_chunk)
         self.prefill_graph = options.prefill_graph
@@ -454,7 +455,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         the arenas frees the memory."""
         self.graph = None
         self.pieces, self._graphs, self.in_place_hosts = [], [], []
-        self.split_hosts = []
+        self.split_hosts, self.split_server = [], None
         self._prefill_graphs, self._prefill_stream = {}, None
         if self.buf.get("lookup") is not None:
             lowbit_blocks.uninstall_tables(self.buf["lookup"])

@@ -6,12 +6,14 @@ memory captures the stretches between those layers and runs their experts eagerl
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 
 from carve_kernels import sample
 from engine.runtime.gpu.matrices import GEMV_ROWS, Experts, Ffn
+from engine.runtime.models import cpu_native
 
 
 def graph_rows(n: int, full: int) -> int:
@@ -77,6 +79,7 @@ class DecodeGraph:
         # slots, and its arenas are either pinned (every host layer in place) or not (none)
         self.split_hosts = [h for h in self._hosts() if h.split]
         assert not (pieces and self.split_hosts), "split host layers in a stage of pieces"
+        self.split_server = self._split_server()
         if not self.on_cuda:
             self.pieces = [run for _, run in pieces]
             return
@@ -162,13 +165,30 @@ class DecodeGraph:
         out.append((True, lambda s=start: self._decode_span(s, len(self.layers), False)))
         return out
 
+    def _split_server(self) -> cpu_native.StepServer | None:
+        """The split layers' answers in one call of the native kernel (`answer_split`), where
+        it computes every one of them and the GPU's graph raises their tickets, unless
+        ``CARVE_SPLIT_SERVE=python`` asks for the per-layer path (`HostExperts.serve`)."""
+        hosts = self.split_hosts
+        if (not hosts or not self.on_cuda or any(h.native is None for h in hosts)
+                or os.environ.get("CARVE_SPLIT_SERVE", "native").strip().lower() == "python"):
+            return None
+        xf = torch.empty(self.hp.n_embd, dtype=torch.float32)
+        return cpu_native.StepServer(hosts[0].native.lib, [h.serve_layer(xf) for h in hosts],
+                                     [xf], lambda i, w, c: hosts[i].add_times(w, c))
+
     def answer_split(self) -> None:
         """The host's answers to a launched decode graph's split layers, in order (their CPU
-        share of the experts, while the GPU runs the rest); where one fails, the tickets
-        still outstanding are answered first (`_drain_split`)."""
+        share of the experts, while the GPU runs the rest): the native kernel's `StepServer`
+        where there is one, else layer by layer; where one fails, the tickets still
+        outstanding are answered first (`_drain_split`)."""
         try:
-            for h in self.split_hosts:
-                h.serve()
+            if self.split_server is not None:
+                self.split_server.serve()
+                self.split_hosts[0].check_answered()
+            else:
+                for h in self.split_hosts:
+                    h.serve()
         except BaseException:
             self._drain_split()
             raise

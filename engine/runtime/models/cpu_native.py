@@ -15,13 +15,15 @@ where it is available keeps no CPU layout for a layer it covers.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
 
-from engine.hardware.native import ACTS, build, library, supported
+from engine.hardware.native import ACTS, ROW_TYPES, ServeLayer, build, library, supported
+from spec.errors import CarveError
 
-__all__ = ["ACTS", "NativeExperts", "build", "library", "supported"]
+__all__ = ["ACTS", "NativeExperts", "StepServer", "build", "library", "supported"]
 
 
 class NativeExperts:
@@ -70,3 +72,57 @@ class NativeExperts:
         if rc != 0:
             raise ValueError("native experts: " + ("an expert id beyond the layer's "
                              f"{self.n_expert}" if rc == -2 else "types or sizes refused"))
+
+    def serve_layer(self, flags: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
+                    w: torch.Tensor, y: torch.Tensor, xf: torch.Tensor, c: int) -> ServeLayer:
+        """This layer as `StepServer` answers it: the ticket words ``flags`` (int32), the
+        published row ``x`` [n_embd] (float32, float16 or bfloat16), the first ``c`` of
+        ``ids`` / ``w``, the sum into ``y`` [n_embd] float32, x as float in ``xf``."""
+        row = str(x.dtype).removeprefix("torch.")
+        if (c < 1 or c > self.k or y.dtype != torch.float32 or xf.dtype != torch.float32
+                or row not in ROW_TYPES
+                or min(x.numel(), y.numel(), xf.numel()) < self.n_embd):
+            raise ValueError("native experts: a split layer's buffers or share do not fit")
+        g, u, d = self.mats
+        gb, ub, db = (b.data_ptr() for b in self.biases) if self.biases else (None,) * 3
+        return ServeLayer(flags.data_ptr(), x.data_ptr(), ROW_TYPES[row],
+                          ids.data_ptr(), w.data_ptr(), y.data_ptr(), xf.data_ptr(), c,
+                          self.n_embd, self.n_ff, self.n_expert, self.act, self.limit,
+                          g.data_ptr(), u.data_ptr(), d.data_ptr(), *self.types, gb, ub, db,
+                          self.scratch.data_ptr())
+
+
+class StepServer:
+    """A decode step's split layers (host_compute "both") answered in one call of the
+    library's ``carve_serve``: every thread spins on the next layer's ticket itself, so no
+    thread sleeps or wakes between layers and no Python runs between a ticket and its answer
+    (`HostExperts.serve` is the same answer one layer at a time, in Python). ``layers``: the
+    `NativeExperts.serve_layer` of each, in the order the graph raises their tickets;
+    ``report(i, wait_s, cpu_s)`` takes each layer's seconds after a call."""
+
+    def __init__(self, lib: Any, layers: list[ServeLayer], keep: list[torch.Tensor],
+                 report: Any) -> None:
+        self.lib, self.n = lib, len(layers)
+        self.layers = (ServeLayer * self.n)(*layers)
+        self.keep = keep  # the tensors the structures point into
+        self.times = (ctypes.c_double * (2 * self.n))()
+        self.failed = ctypes.c_int(-1)
+        self.report = report
+
+    def serve(self, timeout_s: float = 60.0, threads: int | None = None) -> None:
+        """Answer one replay's tickets, layer by layer; raises CarveError where a ticket did
+        not come within ``timeout_s`` or a layer's ids were out of range (that one answered,
+        its sum NaN; the rest are the caller's to drain)."""
+        ctypes.memset(self.times, 0, ctypes.sizeof(self.times))
+        rc = self.lib.carve_serve(self.layers, self.n, threads or torch.get_num_threads(),
+                                  timeout_s, self.times, ctypes.byref(self.failed))
+        for i in range(self.n):
+            self.report(i, self.times[2 * i], self.times[2 * i + 1])
+        if rc == -3:
+            raise CarveError(f"host experts: the GPU did not publish its row within "
+                             f"{timeout_s:.0f} s (the decode step stopped)")
+        if rc:
+            raise CarveError(f"host experts: the CPU's kernel refused split layer "
+                             f"{self.failed.value} of the step (" + (
+                                 "an expert id beyond the layer's" if rc == -2
+                                 else "types or sizes") + ")")
