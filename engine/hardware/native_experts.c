@@ -89,6 +89,9 @@ int carve_set_values(int type, const int8_t *values) {
 
 static float f16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__) && defined(__AVX2__)
+    return _cvtsh_ss(h); /* one instruction where the CPU converts half floats */
+#else
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
     if (exp == 0) {
         if (man == 0) {
@@ -109,6 +112,7 @@ static float f16(const uint8_t *p) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+#endif
 }
 
 /* x quantized as llama.cpp's q8_K (g = 256) or q8_0 (g = 32) copies are: per run of g values
@@ -118,10 +122,12 @@ typedef struct {
     const int8_t *q;     /* n values */
     const float *d;      /* n / g scales */
     const int32_t *s16;  /* n / 16 sums of q */
+    const int16_t *s32;  /* n / 32 sums of q (each within +-32 * 127) */
     int g;               /* values per scale: 256 or 32 */
 } qx_t;
 
-static void quantize(const float *x, int n, int gs, int8_t *q, float *d, int32_t *s16) {
+static void quantize(const float *x, int n, int gs, int8_t *q, float *d, int32_t *s16,
+                     int16_t *s32) {
     for (int g = 0; g < n / gs; g++) {
         const float *v = x + gs * g;
         float amax = 0.0f;
@@ -140,21 +146,39 @@ static void quantize(const float *x, int n, int gs, int8_t *q, float *d, int32_t
             t += q[16 * g + l];
         s16[g] = t;
     }
+    for (int g = 0; g < n / 32; g++)
+        s32[g] = (int16_t)(s16[2 * g] + s16[2 * g + 1]);
 }
 
-/* Q4_K / Q5_K: a block's 8 six-bit sub-block scales into sc; returns the sum of its 6-bit
- * mins times x's sums over each sub-block (s16: x's 16 sums of 16 for the block) */
-static int32_t scales_mins(const uint8_t *s, const int32_t *s16, int32_t *sc) {
-    int32_t m[8], mins = 0;
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        m[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
-        m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-    }
+/* Q4_K / Q5_K: a block's 12 bytes of six-bit sub-block scales and mins unpacked, 8 scale
+ * bytes into sc and 8 min bytes into m (four of each whole in the first 8 bytes' low 6 bits,
+ * the other four split between the last 4 bytes' nibbles and the first 8 bytes' top 2 bits):
+ * as 32-bit words, a few masks and shifts */
+static inline void k_scales(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t a[3], w[4];
+    memcpy(a, s, 12);
+    w[0] = a[0] & 0x3f3f3f3fu;
+    w[1] = (a[2] & 0x0f0f0f0fu) | (((a[0] >> 6) & 0x03030303u) << 4);
+    w[2] = a[1] & 0x3f3f3f3fu;
+    w[3] = ((a[2] >> 4) & 0x0f0f0f0fu) | (((a[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, w, 8);
+    memcpy(m, w + 2, 8);
+}
+
+/* the sum of a block's 8 mins times x's sums over its sub-blocks of 32 (s32) */
+static inline int32_t k_mins(const uint8_t m[8], const int16_t *s32) {
+#ifdef __AVX2__
+    __m128i p = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m)),
+                               _mm_loadu_si128((const __m128i *)s32));
+    p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4e));
+    p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0xb1));
+    return _mm_cvtsi128_si32(p);
+#else
+    int32_t t = 0;
     for (int j = 0; j < 8; j++)
-        mins += m[j] * (s16[2 * j] + s16[2 * j + 1]);
-    return mins;
+        t += m[j] * s32[j];
+    return t;
+#endif
 }
 
 #ifdef __AVX2__
@@ -198,7 +222,9 @@ static float dot_q4_k(const uint8_t *b, qx_t x, int n) {
     for (int i = 0; i < n / 256; i++, b += 144) {
         const uint8_t *q = b + 16;
         const int8_t *xq = x.q + 256 * i;
-        int32_t sc[8], mins = scales_mins(b + 4, x.s16 + 16 * i, sc);
+        uint8_t sc[8], m[8];
+        k_scales(b + 4, sc, m);
+        const int32_t mins = k_mins(m, x.s32 + 8 * i);
         float d = f16(b) * x.d[i];
         acc -= f16(b + 2) * x.d[i] * (float)mins;
 #ifdef __AVX2__
@@ -240,7 +266,9 @@ static float dot_q5_k(const uint8_t *b, qx_t x, int n) {
     for (int i = 0; i < n / 256; i++, b += 176) {
         const uint8_t *qh = b + 16, *q = b + 48;
         const int8_t *xq = x.q + 256 * i;
-        int32_t sc[8], mins = scales_mins(b + 4, x.s16 + 16 * i, sc), isum = 0;
+        uint8_t sc[8], m[8];
+        k_scales(b + 4, sc, m);
+        int32_t mins = k_mins(m, x.s32 + 8 * i), isum = 0;
 #ifdef __AVX2__
         const __m256i hv = _mm256_loadu_si256((const __m256i *)qh);
         __m256i iacc = _mm256_setzero_si256();
@@ -991,18 +1019,20 @@ static int block_ok(int type, int n, int g) {
 }
 
 /* a vector of n values quantized, in scratch: its int8 values, its per-32 or per-256 scales
- * (room for per-32), then its per-16 integer sums */
+ * (room for per-32), its per-16 integer sums (int32), then its per-32 ones (int16) */
 static size_t qx_bytes(int n) {
-    return (size_t)n + (size_t)n / 32 * 4 + (size_t)n / 16 * 4;
+    return (size_t)n + (size_t)n / 32 * 4 + (size_t)n / 16 * 4 + (size_t)n / 32 * 2;
 }
 
 static qx_t qx_at(uint8_t *p, int n, int g) {
-    qx_t x = {(const int8_t *)p, (const float *)(p + n), (const int32_t *)(p + n + n / 8), g};
+    qx_t x = {(const int8_t *)p, (const float *)(p + n), (const int32_t *)(p + n + n / 8),
+              (const int16_t *)(p + n + n / 8 + n / 4), g};
     return x;
 }
 
 static void qx_fill(uint8_t *p, const float *v, int n, int g) {
-    quantize(v, n, g, (int8_t *)p, (float *)(p + n), (int32_t *)(p + n + n / 8));
+    quantize(v, n, g, (int8_t *)p, (float *)(p + n), (int32_t *)(p + n + n / 8),
+             (int16_t *)(p + n + n / 8 + n / 4));
 }
 
 /* The scratch bytes carve_experts needs for k experts (aligned to 64 per part). */
