@@ -121,12 +121,12 @@ static float f16(const uint8_t *p) {
 typedef struct {
     const int8_t *q;     /* n values */
     const float *d;      /* n / g scales */
-    const int32_t *s16;  /* n / 16 sums of q */
-    const int16_t *s32;  /* n / 32 sums of q (each within +-32 * 127) */
+    const int16_t *s16;  /* n / 16 sums of q (each within +-16 * 127) */
+    const int16_t *s32;  /* n / 32 sums of q (within +-32 * 127) */
     int g;               /* values per scale: 256 or 32 */
 } qx_t;
 
-static void quantize(const float *x, int n, int gs, int8_t *q, float *d, int32_t *s16,
+static void quantize(const float *x, int n, int gs, int8_t *q, float *d, int16_t *s16,
                      int16_t *s32) {
     for (int g = 0; g < n / gs; g++) {
         const float *v = x + gs * g;
@@ -144,7 +144,7 @@ static void quantize(const float *x, int n, int gs, int8_t *q, float *d, int32_t
         int32_t t = 0;
         for (int l = 0; l < 16; l++)
             t += q[16 * g + l];
-        s16[g] = t;
+        s16[g] = (int16_t)t;
     }
     for (int g = 0; g < n / 32; g++)
         s32[g] = (int16_t)(s16[2 * g] + s16[2 * g + 1]);
@@ -311,11 +311,17 @@ static float dot_q6_k(const uint8_t *b, qx_t x, int n) {
     for (int i = 0; i < n / 256; i++, b += 210) {
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192), *xq = x.q + 256 * i;
-        const int32_t *s16 = x.s16 + 16 * i;
         float d = f16(b + 208) * x.d[i];
-        int32_t off = 0;  /* the values' offset of -32: 32 * sum of scale * q over each 16 */
+        /* the values' offset of -32: 32 * sum of scale * q over each 16 */
+#ifdef __AVX2__
+        int32_t off = hsum_i32(_mm256_madd_epi16(
+            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)),
+            _mm256_loadu_si256((const __m256i *)(x.s16 + 16 * i))));
+#else
+        int32_t off = 0;
         for (int g = 0; g < 16; g++)
-            off += sc[g] * s16[g];
+            off += sc[g] * x.s16[16 * i + g];
+#endif
         acc -= 32.0f * d * (float)off;
 #ifdef __AVX2__
         __m256i iacc = _mm256_setzero_si256();
@@ -415,7 +421,7 @@ static float dot_q4_q5(const uint8_t *b, qx_t x, int n, int bits, int m) {
     for (int i = 0; i < n / 32; i++, b += size) {
         const uint8_t *q = b + q0;
         const int8_t *xq = x.q + 32 * i;
-        int32_t sx = x.s16[2 * i] + x.s16[2 * i + 1];
+        int32_t sx = x.s32[i];
         uint32_t qh = bits == 5 ? le32(b + 2 + 2 * m) : 0;
         const float dx = x.d[i * 32 / x.g], db = f16(b);
 #ifdef __AVX2__
@@ -496,11 +502,12 @@ static float dot_q2_k(const uint8_t *b, qx_t x, int n) {
     for (int i = 0; i < n / 256; i++, b += 84) {
         const uint8_t *sc = b, *q = b + 16;
         const int8_t *xq = x.q + 256 * i;
-        const int32_t *s16 = x.s16 + 16 * i;
-        int32_t isum = 0, mins = 0;
-        for (int sb = 0; sb < 16; sb++)
-            mins += (sc[sb] >> 4) * s16[sb];
+        int32_t isum = 0;
 #ifdef __AVX2__
+        const __m128i sv = _mm_loadu_si128((const __m128i *)sc);
+        const int32_t mins = hsum_i32(_mm256_madd_epi16(
+            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sv, 4), _mm_set1_epi8(15))),
+            _mm256_loadu_si256((const __m256i *)(x.s16 + 16 * i))));
         const __m256i m3 = _mm256_set1_epi8(3);
         __m256i iacc = _mm256_setzero_si256();
         for (int half = 0; half < 2; half++) {
@@ -515,6 +522,9 @@ static float dot_q2_k(const uint8_t *b, qx_t x, int n) {
         }
         isum = hsum_i32(iacc);
 #else
+        int32_t mins = 0;
+        for (int sb = 0; sb < 16; sb++)
+            mins += (sc[sb] >> 4) * x.s16[16 * i + sb];
         for (int sb = 0; sb < 16; sb++) {
             int half = sb / 8, shift = 2 * ((sb % 8) / 2), l0 = 16 * (sb % 2);
             int32_t s = 0;
@@ -535,7 +545,7 @@ static float dot_q3_k(const uint8_t *b, qx_t x, int n) {
     for (int i = 0; i < n / 256; i++, b += 110) {
         const uint8_t *hm = b, *q = b + 32, *sc = b + 96;
         const int8_t *xq = x.q + 256 * i;
-        const int32_t *s16 = x.s16 + 16 * i;
+        const int16_t *s16 = x.s16 + 16 * i;
         int32_t isum = 0, scale[16];
         for (int sb = 0; sb < 16; sb++) {
             int lo = sb < 8 ? sc[sb] & 15 : sc[sb - 8] >> 4;
@@ -1019,20 +1029,20 @@ static int block_ok(int type, int n, int g) {
 }
 
 /* a vector of n values quantized, in scratch: its int8 values, its per-32 or per-256 scales
- * (room for per-32), its per-16 integer sums (int32), then its per-32 ones (int16) */
+ * (room for per-32), then its per-16 and per-32 integer sums (int16) */
 static size_t qx_bytes(int n) {
-    return (size_t)n + (size_t)n / 32 * 4 + (size_t)n / 16 * 4 + (size_t)n / 32 * 2;
+    return (size_t)n + (size_t)n / 32 * 4 + (size_t)n / 16 * 2 + (size_t)n / 32 * 2;
 }
 
 static qx_t qx_at(uint8_t *p, int n, int g) {
-    qx_t x = {(const int8_t *)p, (const float *)(p + n), (const int32_t *)(p + n + n / 8),
-              (const int16_t *)(p + n + n / 8 + n / 4), g};
+    qx_t x = {(const int8_t *)p, (const float *)(p + n), (const int16_t *)(p + n + n / 8),
+              (const int16_t *)(p + n + n / 4), g};
     return x;
 }
 
 static void qx_fill(uint8_t *p, const float *v, int n, int g) {
-    quantize(v, n, g, (int8_t *)p, (float *)(p + n), (int32_t *)(p + n + n / 8),
-             (int16_t *)(p + n + n / 8 + n / 4));
+    quantize(v, n, g, (int8_t *)p, (float *)(p + n), (int16_t *)(p + n + n / 8),
+             (int16_t *)(p + n + n / 4));
 }
 
 /* The scratch bytes carve_experts needs for k experts (aligned to 64 per part). */
