@@ -545,15 +545,28 @@ static float dot_q3_k(const uint8_t *b, qx_t x, int n) {
     for (int i = 0; i < n / 256; i++, b += 110) {
         const uint8_t *hm = b, *q = b + 32, *sc = b + 96;
         const int8_t *xq = x.q + 256 * i;
-        const int16_t *s16 = x.s16 + 16 * i;
-        int32_t isum = 0, scale[16];
-        for (int sb = 0; sb < 16; sb++) {
-            int lo = sb < 8 ? sc[sb] & 15 : sc[sb - 8] >> 4;
-            int hi = (sc[8 + sb % 4] >> (2 * (sb / 4))) & 3;
-            scale[sb] = (lo | (hi << 4)) - 32;
-            /* a value is u - 4 with u = low bits + 4 * mask bit (0..7): the -4 by x's sums */
-            isum -= 4 * scale[sb] * s16[sb];
-        }
+        /* the 16 scales as words: low nibbles from the first 8 bytes (the low halves for
+         * sub-blocks 0-7, the high for 8-15), the top bit pairs from the last 4 */
+        uint32_t a[3], w[4];
+        memcpy(a, sc, 12);
+        for (int k = 0; k < 4; k++)
+            w[k] = ((k < 2 ? a[k] : a[k - 2] >> 4) & 0x0f0f0f0fu)
+                   | (((a[2] >> (2 * k)) & 0x03030303u) << 4);
+        uint8_t u6[16];
+        int8_t scale[16];  /* 6-bit, less 32 */
+        memcpy(u6, w, 16);
+        for (int j = 0; j < 16; j++)
+            scale[j] = (int8_t)(u6[j] - 32);
+        /* a value is u - 4 with u = low bits + 4 * mask bit (0..7): the -4 by x's sums */
+#ifdef __AVX2__
+        int32_t isum = -4 * hsum_i32(_mm256_madd_epi16(
+            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scale)),
+            _mm256_loadu_si256((const __m256i *)(x.s16 + 16 * i))));
+#else
+        int32_t isum = 0;
+        for (int sb = 0; sb < 16; sb++)
+            isum -= 4 * scale[sb] * x.s16[16 * i + sb];
+#endif
 #ifdef __AVX2__
         const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
         const __m256i hv = _mm256_loadu_si256((const __m256i *)hm);
