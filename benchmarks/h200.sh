@@ -63,6 +63,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #   LLAMA="qwen3moe-30b-a3b"     llama-bench built from .whl/llama.cpp.tar.gz (CUDA, sm_90) on
 #                                these shapes' files: pp512 and tg128, flash attention on, once
 #                                per NCMOE value (--n-cpu-moe), each with its peak VRAM
+#   LLAMA_ARGS="-t 8,16"         more llama-bench arguments (its thread counts, say)
 #   LLAMA_FIRST=1                its benches (and build) before Carve's, so that no build
 #                                shares the CPU with Carve's host experts
 #   LLAMA_LATE=1                 or its build after Carve's benches (Carve's figures first,
@@ -122,7 +123,7 @@ llama_benches() {  # llama-bench on the LLAMA shapes, once its build is done
                 nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 \
                     >"$out/llama-vram-${s//@/-}-$n.txt" &
                 smi=$!
-                timeout "$step" "$lb" -m "$f" -ngl 99 -fa 1 -p 512 -n 128 -r 2 -ncmoe "$n" -o md \
+                timeout "$step" "$lb" -m "$f" -ngl 99 -fa 1 -p 512 -n 128 -r 2 -ncmoe "$n" ${LLAMA_ARGS:-} -o md \
                     2>&1 | grep -E '^\|' | tee "$out/llama-${s//@/-}-$n.md"
                 kill "$smi" 2>/dev/null
                 echo "llama.cpp $s --n-cpu-moe $n: peak VRAM $(sort -n "$out/llama-vram-${s//@/-}-$n.txt" \

@@ -40,6 +40,9 @@ enum {
  * (carve_set_values); a type is refused until its table is set */
 static int8_t mxfp4_values[16], iq4nl_values[16];
 static int mxfp4_set = 0, iq4nl_set = 0;
+/* MXFP4's e8m0 scale byte e as the float 2^(e - 128) (halved as its values are doubled), filled
+ * with them: a lookup where ldexpf per block of 32 cost more than the block's products */
+static float e8m0_half[256];
 
 /* the grids of magnitudes of the IQ2 / IQ3 types (IQ2_XXS 256 x 8, IQ2_XS 512 x 8, IQ2_S
  * 1024 x 8, IQ3_XXS 256 x 4, IQ3_S 512 x 4; IQ1_S / IQ1_M's 2048 x 8 of -1, 0, 1, held plus
@@ -77,6 +80,8 @@ static uint32_t le32(const uint8_t *p) {
 int carve_set_values(int type, const int8_t *values) {
     if (type == T_MXFP4) {
         memcpy(mxfp4_values, values, 16);
+        for (int e = 0; e < 256; e++)
+            e8m0_half[e] = ldexpf(1.0f, e - 128);
         mxfp4_set = 1;
     } else if (type == T_IQ4_NL) {
         memcpy(iq4nl_values, values, 16);
@@ -124,6 +129,7 @@ typedef struct {
     const int16_t *s16;  /* n / 16 sums of q (each within +-16 * 127) */
     const int16_t *s32;  /* n / 32 sums of q (within +-32 * 127) */
     int g;               /* values per scale: 256 or 32 */
+    int sh;              /* log2(g / 32): block i of 32 takes scale d[i >> sh] */
 } qx_t;
 
 static void quantize(const float *x, int n, int gs, int8_t *q, float *d, int16_t *s16,
@@ -382,7 +388,7 @@ static float dot_q8_0(const uint8_t *b, qx_t x, int n) {
 #endif
     for (int i = 0; i < n / 32; i++, b += 34) {
         const int8_t *q = (const int8_t *)(b + 2), *xq = x.q + 32 * i;
-        float d = f16(b) * x.d[i * 32 / x.g];
+        float d = f16(b) * x.d[i >> x.sh];
 #ifdef __AVX2__
         __m256i v = _mm256_loadu_si256((const __m256i *)q);
         __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
@@ -423,7 +429,7 @@ static float dot_q4_q5(const uint8_t *b, qx_t x, int n, int bits, int m) {
         const int8_t *xq = x.q + 32 * i;
         int32_t sx = x.s32[i];
         uint32_t qh = bits == 5 ? le32(b + 2 + 2 * m) : 0;
-        const float dx = x.d[i * 32 / x.g], db = f16(b);
+        const float dx = x.d[i >> x.sh], db = f16(b);
 #ifdef __AVX2__
         __m128i raw = _mm_loadu_si128((const __m128i *)q);
         __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
@@ -456,37 +462,42 @@ static float dot_q4_q5(const uint8_t *b, qx_t x, int n, int bits, int m) {
 
 /* 32 values from 16 bytes of 4-bit indices into ``values`` (the first 16 in the low nibbles)
  * times 32 int8 x */
+#ifndef __AVX2__
 static int32_t nibble_dot(const int8_t *values, const uint8_t *q, const int8_t *xq) {
     int32_t s = 0;
     for (int l = 0; l < 16; l++)
         s += (int32_t)values[q[l] & 15] * xq[l] + (int32_t)values[q[l] >> 4] * xq[l + 16];
     return s;
 }
+#endif
+
+#ifdef __AVX2__
+/* the same with the 16 values in both halves of ``table``: 8 int32 lanes whose sum it is */
+static inline __m256i nibble_dot8(__m256i table, const uint8_t *q, const int8_t *xq) {
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m128i raw = _mm_loadu_si128((const __m128i *)q);
+    __m256i v = _mm256_shuffle_epi8(
+        table, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4));
+    return sdot_scaled(v, _mm256_loadu_si256((const __m256i *)xq), ones);
+}
+#endif
 
 /* MXFP4: per 32 values a power-of-two scale (e8m0, halved as the values are doubled) and 16
  * bytes of 4-bit indices into the e2m1 values, the first 16 values in the low nibbles */
 static float dot_mxfp4(const uint8_t *b, qx_t x, int n) {
     float acc = 0.0f;
 #ifdef __AVX2__
-    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const __m128i t = _mm_loadu_si128((const __m128i *)mxfp4_values);
     const __m256i table = _mm256_set_m128i(t, t);
     __m256 vacc = _mm256_setzero_ps();
 #endif
     for (int i = 0; i < n / 32; i++, b += 17) {
-        const uint8_t *q = b + 1;
-        const int8_t *xq = x.q + 32 * i;
-        float d = ldexpf(1.0f, (int)b[0] - 128) * x.d[i * 32 / x.g];
+        const float d = e8m0_half[b[0]] * x.d[i >> x.sh];
 #ifdef __AVX2__
-        __m128i raw = _mm_loadu_si128((const __m128i *)q);
-        __m256i idx = _mm256_and_si256(
-            _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
-        __m256i v = _mm256_shuffle_epi8(table, idx);
-        __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
-        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sdot_scaled(v, xv, ones)), _mm256_set1_ps(d),
-                               vacc);
+        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(nibble_dot8(table, b + 1, x.q + 32 * i)),
+                               _mm256_set1_ps(d), vacc);
 #else
-        acc += d * (float)nibble_dot(mxfp4_values, q, xq);
+        acc += d * (float)nibble_dot(mxfp4_values, b + 1, x.q + 32 * i);
 #endif
     }
 #ifdef __AVX2__
@@ -640,11 +651,24 @@ static float dot_iq4_xs(const uint8_t *b, qx_t x, int n) {
 /* IQ4_NL (18 bytes per 32): d and 16 bytes of 4-bit indices into the non-linear values */
 static float dot_iq4_nl(const uint8_t *b, qx_t x, int n) {
     float acc = 0.0f;
+#ifdef __AVX2__
+    const __m128i t = _mm_loadu_si128((const __m128i *)iq4nl_values);
+    const __m256i table = _mm256_set_m128i(t, t);
+    __m256 vacc = _mm256_setzero_ps();
+#endif
     for (int i = 0; i < n / 32; i++, b += 18) {
         const uint8_t *q = b + 2;
         const int8_t *xq = x.q + 32 * i;
-        acc += f16(b) * x.d[i * 32 / x.g] * (float)nibble_dot(iq4nl_values, q, xq);
+#ifdef __AVX2__
+        vacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(nibble_dot8(table, q, xq)),
+                               _mm256_set1_ps(f16(b) * x.d[i >> x.sh]), vacc);
+#else
+        acc += f16(b) * x.d[i >> x.sh] * (float)nibble_dot(iq4nl_values, q, xq);
+#endif
     }
+#ifdef __AVX2__
+    acc += hsum8(vacc);
+#endif
     return acc;
 }
 
@@ -1049,7 +1073,7 @@ static size_t qx_bytes(int n) {
 
 static qx_t qx_at(uint8_t *p, int n, int g) {
     qx_t x = {(const int8_t *)p, (const float *)(p + n), (const int16_t *)(p + n + n / 8),
-              (const int16_t *)(p + n + n / 4), g};
+              (const int16_t *)(p + n + n / 4), g, g == 256 ? 3 : 0};
     return x;
 }
 
