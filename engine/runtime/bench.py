@@ -392,12 +392,12 @@ def _engine(path: str, ctx: int, kv_type: str, pipeline_tps: float | None,
     from engine.runtime import bench_engine
 
     if placed is not None:
-        res = bench_engine.run(placed, replies=5, sampled=2)
+        res = bench_engine.run(placed, replies=5, sampled=2, followups=3)
         bench_engine.print_report(res, pipeline_tps)
         return dict(res, summary=bench_engine.summary(res))
     model = GGUFModel.open(path)
     plan = default_plan(model, parse_rig("auto"), ctx=ctx, kv_type=kv_type, model_path=path)
-    res = bench_engine.run(plan)
+    res = bench_engine.run(plan, followups=3)
     bench_engine.print_report(res, pipeline_tps)
     again = bench_engine.run(plan, replies=1, sampled=0)  # a second launch: kernel cache warm
     print(f"engine process, second launch: launch -> loaded {again['launch_to_loaded_s']:.2f} s "

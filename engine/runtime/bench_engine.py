@@ -28,6 +28,13 @@ def _messages(i: int) -> list[dict]:
             {"role": "user", "content": USER}]
 
 
+def _followup(i: int) -> list[dict]:
+    """Reply i's conversation one short turn on: what the engine has cached of it up to the
+    assistant's answer is reused, so about 20 tokens are new (a chat's usual next turn)."""
+    return _messages(i) + [{"role": "assistant", "content": "Done."},
+                           {"role": "user", "content": "Now in one line, please."}]
+
+
 def _load(engine: EngineProcess, plan: Any, timeout: float) -> dict:
     """Send the plan; seconds per load stage (first to last progress event) and in all."""
     t0 = time.perf_counter()
@@ -47,9 +54,9 @@ def _load(engine: EngineProcess, plan: Any, timeout: float) -> dict:
 
 
 def _reply(engine: EngineProcess, i: int, sampling: dict, max_tokens: int,
-           timeout: float) -> dict:
+           timeout: float, messages: list[dict] | None = None) -> dict:
     t0 = time.perf_counter()
-    engine.send(p.Generate(_messages(i), id=f"bench{i}", sampling=sampling,
+    engine.send(p.Generate(messages or _messages(i), id=f"bench{i}", sampling=sampling,
                            max_tokens=max_tokens))
     arrivals: list[float] = []
     while True:
@@ -65,9 +72,11 @@ def _reply(engine: EngineProcess, i: int, sampling: dict, max_tokens: int,
 
 
 def run(plan: Any, replies: int = 10, sampled: int = 3, max_tokens: int = 128,
-        timeout: float = 600.0, prestarted: bool = False) -> dict:
+        timeout: float = 600.0, prestarted: bool = False, followups: int = 0) -> dict:
     """Launch the engine, load ``plan``, then ``replies`` greedy replies and ``sampled`` with
-    the default sampling settings; the engine process is ended whatever happens.
+    the default sampling settings, then ``followups`` short next turns, each after a fresh
+    conversation's first reply (`_followup`: their time to first token is what a chat's
+    next turn waits); the engine process is ended whatever happens.
     ``prestarted``: as the window does, start the engine first and let it import its modules
     (answered by an Unload, which waits for them), then time Launch from the Load request."""
     t0 = time.perf_counter()
@@ -85,6 +94,10 @@ def run(plan: Any, replies: int = 10, sampled: int = 3, max_tokens: int = 128,
         out["greedy"] = [_reply(engine, i, greedy, max_tokens, timeout) for i in range(replies)]
         out["sampled"] = [_reply(engine, replies + i, {"seed": 7 + i}, max_tokens, timeout)
                           for i in range(sampled)]
+        out["followup"] = []
+        for i in range(replies + sampled, replies + sampled + followups):
+            _reply(engine, i, greedy, 16, timeout)
+            out["followup"].append(_reply(engine, i, greedy, 16, timeout, _followup(i)))
     return out
 
 
@@ -101,6 +114,8 @@ def summary(out: dict) -> dict:
         "greedy_client_tps": statistics.median(r["client_decode_tps"] for r in later),
         "sampled_decode_tps": statistics.median(r["decode_tps"] for r in s) if s else 0.0,
         "sampled_client_tps": statistics.median(r["client_decode_tps"] for r in s) if s else 0.0,
+        "followup_ttft_s": statistics.median(r["ttft_s"] for r in out["followup"])
+        if out.get("followup") else None,
     }
 
 
@@ -134,8 +149,8 @@ def print_report(out: dict, pipeline_tps: float | None) -> None:
                   f"{d['overhead_measured']} B (measured - priced "
                   f"{(d['overhead_measured'] - d.get('overhead_priced', 0)) / 2**20:+.1f} MiB); "
                   f"NVML {d.get('nvml_before')} -> {d.get('nvml_used')} B", flush=True)
-    for kind in ("greedy", "sampled"):
-        for i, r in enumerate(out[kind]):
+    for kind in ("greedy", "sampled", "followup"):
+        for i, r in enumerate(out.get(kind, [])):
             ttft = f"{r['ttft_s'] * 1e3:7.1f} ms" if r["ttft_s"] is not None else "     -"
             print(f"   {kind:7s} reply {i + 1:2d}: ttft {ttft}, prompt {r['prompt_tokens']} "
                   f"tokens {r['prefill_tps']:9.0f} t/s, {r['tokens']:3d} tokens ({r['reason']}) "
@@ -151,3 +166,7 @@ def print_report(out: dict, pipeline_tps: float | None) -> None:
     first, last = sm["first_prompt_tps"], sm["tenth_prompt_tps"]
     print(f"prompt t/s: first reply {first:.0f}, last reply {last:.0f} "
           f"(first / last {first / max(last, 1e-9):.2f})", flush=True)
+    if sm["followup_ttft_s"] is not None:
+        print(f"a chat's next short turn (the conversation before it cached): time to first "
+              f"token {sm['followup_ttft_s'] * 1e3:.1f} ms (median of {len(out['followup'])})",
+              flush=True)

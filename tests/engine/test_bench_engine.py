@@ -16,13 +16,18 @@ def test_engine_bench_reports_load_stages_replies_and_ratios(tmp_path, capsys) -
     path = str(write_model(tmp_path / "tiny.gguf", TINY, "q4_k_m")[0])
     plan = Plan(model=path, devices=(cpu_spec(),), split=(0, 2), ctx=256, prefill_chunk=64,
                 cache_reserve=0, act_dtype="f32")
-    out = bench_engine.run(plan, replies=2, sampled=1, max_tokens=5, timeout=120)
+    out = bench_engine.run(plan, replies=2, sampled=1, max_tokens=5, timeout=120, followups=1)
     assert out["launch_to_loaded_s"] >= out["loaded_s"] > 0
     assert out["stages"] and all(v >= 0 for v in out["stages"].values())
     assert len(out["greedy"]) == 2 and len(out["sampled"]) == 1
     for r in out["greedy"] + out["sampled"]:
         assert r["prompt_tokens"] > 30 and 1 <= r["tokens"] <= 5
         assert r["ttft_s"] > 0 and r["prefill_tps"] > 0
+    # the next turn: its conversation's first reply, an answer and a new user line after it
+    (f,) = out["followup"]
+    assert f["prompt_tokens"] > out["greedy"][0]["prompt_tokens"] and f["ttft_s"] > 0
+    assert bench_engine.summary(out)["followup_ttft_s"] == f["ttft_s"]
     bench_engine.print_report(out, pipeline_tps=100.0)
     text = capsys.readouterr().out
     assert "launch -> loaded" in text and "engine / pipeline" in text and "first / last" in text
+    assert "next short turn" in text

@@ -96,13 +96,37 @@ def held_bytes_match(h) -> None:
             assert torch.equal(got, m.raw[e * per:(e + 1) * per].cpu()), (e, slot)
 
 
+def record_fills(stream, poison: bool = False) -> list[list[int] | None]:
+    """The experts each `Stream.fill` of ``stream`` is asked for from now on (None: all);
+    ``poison``: the span set to all-ones bytes (NaN scales wherever read) before each."""
+    fills: list[list[int] | None] = []
+    fill = stream.fill
+
+    def recorded(experts: list[int] | None) -> int:
+        fills.append(experts)
+        if poison:
+            for view in stream.views:
+                view.fill_(255)
+        return fill(experts)
+
+    stream.fill = recorded
+    return fills
+
+
+def prefill_bytes(fills: list[list[int] | None], whole: int, ne: int) -> int:
+    """What the one fill in ``fills`` (a prefill's) moved of a layer's ``whole`` expert bytes:
+    its chosen experts' share of ``ne``."""
+    (chosen,) = fills
+    return whole if chosen is None else len(chosen) * whole // ne
+
+
 def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> None:
     """qwen3moe, both MoE layers' experts on the host, run on the GPU, with 3 expert-cache
     slots: layer 0's 2 of them hold a decode step's 2 experts (copied in on a miss, the least
     recently used out); layer 1's 1 cannot, so its chosen experts are copied into the staging
-    span; a prefill of 12 rows copies each layer's experts in whole. Against the same file with
-    every expert in VRAM, over the prefill and two decode steps: the same logits and greedy id
-    at every position."""
+    span; a prefill of 12 rows copies the experts its rows chose (the span's others poisoned
+    first: no kernel reads them). Against the same file with every expert in VRAM, over the
+    prefill and two decode steps: the same logits and greedy id at every position."""
     path = files["qwen3moe"]
     prompt, steps = ids(12), ids(2, 1)
     everything = GpuSession.load(plan(path), devices=[DEV], remember=False)
@@ -129,13 +153,16 @@ def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> No
         moved = hosts[1].moved
         c0 = hosts[0].cache
         counted, seeded = c0.hits + c0.misses, [h.cache.seeded for h in hosts]
+        fills = record_fills(hosts[1].stream, poison=True)
         got = run(g, prompt, steps)
         assert_agree(got, ref, "host experts on the GPU vs VRAM")
-        # layer 1: the ids down (2 per row), then prefill its expert tensors whole, each decode
-        # step its 2 chosen experts' slices (a quarter of the tensors each: 4 experts)
+        # layer 1: the ids down (2 per row), then the prefill's chosen experts' slices, each
+        # decode step its 2 chosen experts' (a quarter of the tensors each: 4 experts)
         whole = sum(t.nbytes for t in model_file.tensors
                     if t.layer == 1 and t.name.endswith("_exps.weight"))
-        assert hosts[1].moved - moved == 12 * 2 * 4 + whole + 2 * (2 * 4 + 2 * whole // 4)
+        chose = 4 if fills[0] is None else len(fills[0])
+        assert len(fills) == 3 and all(len(e) == 2 for e in fills[1:])
+        assert hosts[1].moved - moved == 12 * 2 * 4 + chose * whole // 4 + 2 * (2 * 4 + 2 * whole // 4)
         assert hosts[1].cache.hits == hosts[1].cache.misses == 0
         # the two decode steps place 2 experts each in layer 0's slots
         assert c0.hits + c0.misses - counted == 2 * 2 and len(c0.held) == 2
@@ -157,6 +184,48 @@ def test_host_layers_give_the_logits_and_ids_of_all_in_vram(files, caplog) -> No
         assert all(h.cpu_s == 0 for h in hosts)
     finally:
         g.close()
+
+
+def test_the_staging_span_takes_only_the_chosen_experts_a_run_of_neighbours_at_once():
+    """`Stream.fill`: the chosen experts of every matrix (and their bias rows) land at their
+    own places, neighbours in one copy per tensor; the span's other experts keep their bytes;
+    None copies every expert."""
+    from types import SimpleNamespace
+
+    from engine.runtime.gpu.host import Stream, expert_runs
+
+    assert expert_runs([0, 1, 2, 5, 7, 8]) == [(0, 3), (5, 6), (7, 9)]
+    assert expert_runs([]) == [] and expert_runs([3]) == [(3, 4)]
+    n_expert, rows, row_bytes = 6, 2, 8
+    mats = [SimpleNamespace(raw=torch.arange(n_expert * rows * row_bytes, dtype=torch.uint8)
+                            .add(50 * j), n_expert=n_expert, rows=rows) for j in range(2)]
+    bias = torch.arange(n_expert * 4, dtype=torch.float32).view(torch.uint8)
+    span = torch.full((4096,), 7, dtype=torch.uint8)
+    st = Stream(span, mats, [bias])
+    copies = []
+    real = torch.Tensor.copy_
+
+    def counted(dst, src, non_blocking=False):
+        copies.append(src.numel())
+        return real(dst, src, non_blocking=non_blocking)
+
+    per = rows * row_bytes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "copy_", counted)
+        assert st.fill([1, 2, 4]) == 3 * (2 * per + 16)
+    assert copies == [2 * per, per] * 2 + [2 * 16, 16]  # two runs a tensor
+    for m, view in zip(mats, st.views, strict=True):
+        got, want = view.reshape(-1), m.raw
+        for e in range(n_expert):
+            part = slice(e * per, (e + 1) * per)
+            if e in (1, 2, 4):
+                assert torch.equal(got[part], want[part]), e
+            else:
+                assert bool((got[part] == 7).all()), e
+    b = st.biases[0].view(n_expert, 4)
+    assert b[1].tolist() == [4, 5, 6, 7] and b[4].tolist() == [16, 17, 18, 19]
+    assert st.fill(None) == 2 * n_expert * per + bias.numel()
+    assert all(torch.equal(v.reshape(-1), m.raw) for m, v in zip(mats, st.views, strict=True))
 
 
 def test_seeding_the_cache_holds_the_experts_chosen_last_and_copies_only_what_it_lacks():
@@ -190,9 +259,9 @@ def test_seeding_the_cache_holds_the_experts_chosen_last_and_copies_only_what_it
 
 def test_a_prompt_leaves_the_expert_cache_holding_what_its_last_rows_chose(files) -> None:
     """qwen3moe, both layers' experts on the host with expert-cache slots: a prefill chunk too
-    wide for the slots runs from the staging span (the layer copied in whole), and leaves
+    wide for the slots runs from the staging span (the experts its rows chose copied in), and leaves
     the layer's slots holding the experts its last rows chose, copied from the span on the
-    device; nothing more crosses PCIe than the layer itself, and the decode steps after it
+    device; nothing more crosses PCIe than those experts, and the decode steps after it
     give the logits and ids of every expert in VRAM."""
     path = files["qwen3moe"]
     prompt, steps = ids(12, 5), ids(2, 6)
@@ -206,11 +275,14 @@ def test_a_prompt_leaves_the_expert_cache_holding_what_its_last_rows_chose(files
             h.cache.free = list(range(h.cache.n - 1, -1, -1))
             h.cache.seeded = 0
         moved = [h.moved for h in hosts]
+        fills = [record_fills(h.stream) for h in hosts]
         first = g.logits(prompt).clone()
-        for h, before in zip(hosts, moved, strict=True):
+        for h, before, filled in zip(hosts, moved, fills, strict=True):
             per = sum(m.raw.numel() // m.n_expert for m in h.mats)
-            # 12 rows of 2 ids down, then the layer whole; the seeding on the device
-            assert h.moved - before == 12 * 2 * 4 + per * h.cache.mats[0].n_expert
+            # 12 rows of 2 ids down, then the experts they chose; the seeding on the device
+            (chosen,) = filled
+            n = h.cache.mats[0].n_expert if chosen is None else len(chosen)
+            assert h.moved - before == 12 * 2 * 4 + per * n
             assert len(h.cache.held) == h.cache.n == 2
             assert h.cache.seeded == 2 * per
             held_bytes_match(h)
@@ -227,7 +299,7 @@ def test_a_prompt_leaves_the_expert_cache_holding_what_its_last_rows_chose(files
 def test_gpt_oss_host_layers_run_from_the_staging_span_with_their_biases(files) -> None:
     """gpt-oss (biases on every expert matrix, the clamped SwiGLU): every MoE layer's experts
     on the host, run on the GPU (biased experts take no cache slots): a prefill of 12 rows
-    copies each layer's tensors and biases whole into the staging span, a decode step's
+    copies each layer's chosen experts and their biases into the staging span, a decode step's
     kernels read its chosen experts' slices and bias rows where they lie (in place, inside
     the step's graph). Against every expert in VRAM: the same logits and greedy ids."""
     path = files["gpt-oss"]
@@ -245,6 +317,7 @@ def test_gpt_oss_host_layers_run_from_the_staging_span_with_their_biases(files) 
                    and h.in_place is not None and h.in_place_biases for h in hosts.values())
         assert not st.pieces  # decode is one step again: no layer waits on the host
         moved = {i: h.moved for i, h in hosts.items()}
+        fills = {i: record_fills(h.stream, poison=True) for i, h in hosts.items()}
         got = run(g, prompt, steps)
         assert_agree(got, ref, "gpt-oss host experts in place vs VRAM")
         hp = g.hp
@@ -254,9 +327,10 @@ def test_gpt_oss_host_layers_run_from_the_staging_span_with_their_biases(files) 
                         if t.layer == layer and "_exps." in t.name)
             assert any(t.layer == layer and t.name.endswith("_exps.bias")
                        for t in model_file.tensors)
-            # the ids down (4 bytes each), then the layer whole; each decode step reads its k
-            # experts' slices and bias rows
-            assert h.moved - moved[layer] == 12 * k * 4 + whole + 2 * (k * whole // ne)
+            # the ids down (4 bytes each), then the experts the prompt chose; each decode step
+            # reads its k experts' slices and bias rows
+            assert h.moved - moved[layer] == (12 * k * 4 + prefill_bytes(fills[layer], whole, ne)
+                                              + 2 * (k * whole // ne))
     finally:
         g.close()
 
@@ -267,7 +341,7 @@ def test_decode_reads_host_experts_in_place_inside_one_graph(files, read, monkey
     experts in host memory where they lie (pinned, mapped into the GPU's address space; host
     memory itself under the interpreter), gathered into the staging span by a kernel or read
     by the expert kernels themselves, so the step is one graph on a GPU and no piece waits on
-    the host; a prefill of 12 rows still copies the layer whole. The same logits and greedy
+    the host; a prefill of 12 rows still copies its chosen experts into the staging span. The same logits and greedy
     ids as every expert in VRAM, and each decode step counts k experts' bytes read."""
     monkeypatch.setenv("CARVE_HOST_READ", read)
     path = files["qwen3moe"]
@@ -287,10 +361,11 @@ def test_decode_reads_host_experts_in_place_inside_one_graph(files, read, monkey
                     if t.layer == 1 and t.name.endswith("_exps.weight"))
         k, ne = g.hp.n_expert_used, g.hp.n_expert
         assert h.row_bytes == k * whole // ne
-        moved = h.moved
+        moved, fills = h.moved, record_fills(h.stream, poison=True)
         got = run(g, prompt, steps)
         assert_agree(got, ref, f"host experts read in place ({read}) vs VRAM")
-        assert h.moved - moved == 12 * k * 4 + whole + len(steps) * k * whole // ne
+        assert h.moved - moved == (12 * k * 4 + prefill_bytes(fills, whole, ne)
+                                   + len(steps) * k * whole // ne)
     finally:
         g.close()
 
@@ -327,7 +402,7 @@ def test_both_decodes_on_the_cpu_and_prefills_on_the_gpu(files, monkeypatch) -> 
     """qwen3moe, host_compute "both" with the CPU's share every routed expert
     (CARVE_CPU_EXPERTS=2, the interpreter's default): host memory holds each host expert
     tensor's file bytes and, beside it, its CPU layout (cpu.<name>); a prefill of 12 rows
-    copies the layer's file bytes whole into the staging span, each decode step runs its
+    copies the layer's chosen experts' file bytes into the staging span, each decode step runs its
     experts on the CPU from the layouts (its row down, the sum up, inside the step). Against
     every expert in VRAM: the same logits and greedy ids."""
     monkeypatch.setenv("CARVE_CPU_EXPERTS", "2")
@@ -353,6 +428,7 @@ def test_both_decodes_on_the_cpu_and_prefills_on_the_gpu(files, monkeypatch) -> 
             span = st.spans["cpu." + h.mats[0].name]
             assert h.cpu_mats[0].span.data_ptr() == span.data_ptr()
         moved = [h.moved for h in hosts]
+        fills = [record_fills(h.stream, poison=True) for h in hosts]
         got = run(g, prompt, steps)
         # decode's CPU layouts round to bf16
         assert_agree(got, ref, "both (CPU decode, GPU prefill) vs VRAM", max(BOUND, 1e-2))
@@ -360,8 +436,10 @@ def test_both_decodes_on_the_cpu_and_prefills_on_the_gpu(files, monkeypatch) -> 
             whole = sum(t.nbytes for t in model_file.tensors
                         if t.layer == layer and t.name.endswith("_exps.weight"))
             row = sum(t[0].nbytes for t in (h.ids, h.x, h.w, h.y))
-            # prefill: its ids down, the layer whole; each decode step: its row's traffic
-            assert h.moved - moved[layer] == 12 * 2 * 4 + whole + 2 * row
+            # prefill: its ids down, its chosen experts; each decode step: its row's traffic
+            ne = h.mats[0].n_expert
+            assert h.moved - moved[layer] == (12 * 2 * 4 + prefill_bytes(fills[layer], whole, ne)
+                                              + 2 * row)
             assert h.cpu_s > 0  # the decode steps' experts, on the CPU
         assert st.host_cpu_s() == sum(h.cpu_s for h in hosts)
     finally:
@@ -374,7 +452,7 @@ def test_both_splits_each_decode_row_between_the_cpu_and_the_gpu(files, monkeypa
     """qwen3moe, host_compute "both", CARVE_CPU_EXPERTS=1: a decode row's first routed
     expert runs on the CPU from its layout while the GPU reads the other in place (one
     graph on a GPU, the host answering each step's ticket as it runs); prefill still copies
-    the layer whole. Against every expert in VRAM: the same logits and greedy ids; each
+    its chosen experts. Against every expert in VRAM: the same logits and greedy ids; each
     step moves one expert's bytes over PCIe and the row and sum across, and every ticket is
     answered. With a share of 0 (what auto picks where the CPU is too slow to help) the GPU
     reads both experts in place and the CPU computes none."""
@@ -393,6 +471,7 @@ def test_both_splits_each_decode_row_between_the_cpu_and_the_gpu(files, monkeypa
         assert st.eager_hosts() == set() and not st.pieces
         assert (st.graph is not None) == ON_GPU
         moved, cpu_s = [h.moved for h in hosts], [h.cpu_s for h in hosts]
+        fills = [record_fills(h.stream, poison=True) for h in hosts]
         got = run(g, prompt, steps)
         assert_agree(got, ref, "both, split 1 CPU + 1 GPU vs VRAM", max(BOUND, 1e-2))
         k, ne = g.hp.n_expert_used, g.hp.n_expert
@@ -402,7 +481,8 @@ def test_both_splits_each_decode_row_between_the_cpu_and_the_gpu(files, monkeypa
             row = (k - share) * whole // ne + (
                 h.x[0].nbytes + h.y[0].nbytes + 8 * share if share else 0)
             assert h.row_bytes == row
-            assert h.moved - moved[layer] == 12 * k * 4 + whole + len(steps) * row
+            assert h.moved - moved[layer] == (12 * k * 4 + prefill_bytes(fills[layer], whole, ne)
+                                              + len(steps) * row)
             assert (h.cpu_s > cpu_s[layer]) == bool(share)
             f = h.flags.tolist()
             assert f[0] == f[1] and f[2] == 0  # every ticket answered, none timed out
@@ -445,7 +525,7 @@ def test_both_runs_the_cpu_share_natively_from_the_file_bytes(wide, oss, monkeyp
     256 (Q4_K / Q6_K) and gpt-oss (MXFP4 at widths of 32, expert biases, clamped SwiGLU):
     the plan pins the host layers' file bytes alone (no cpu.<name> span), and each decode
     row's first ``share`` routed experts are multiplied by the kernel from those bytes (the
-    span the GPU reads in place) while the GPU reads the rest; prefill copies the layer whole.
+    span the GPU reads in place) while the GPU reads the rest; prefill copies its chosen experts.
     Against every expert in VRAM: the same greedy ids, the logits within the kernel's int8
     activations' rounding."""
     monkeypatch.setenv("CARVE_CPU_EXPERTS", str(share))

@@ -10,9 +10,10 @@ The expert ids come down first. Where the stage has expert-cache slots (the Layo
 hold every expert the rows chose, the missing ones are copied from host memory into slots
 (least recently used out), the ids are rewritten as slots, and the GPU runs its usual expert
 kernels on the slots. Else, where the plan runs host experts on the GPU (the span
-`expert_stream`, room for one layer's expert tensors, `Stream`), decode copies the chosen
-experts into it at their own places and prefill the whole layer (gpt-oss's expert biases
-beside them), and the kernels run there; a chunk that ran there leaves the layer's slots
+`expert_stream`, room for one layer's expert tensors, `Stream`), the experts the rows chose
+are copied into it at their own places, neighbours in one copy (a long prompt's chunk, which
+chooses them all, the whole layer in one copy per tensor; gpt-oss's expert biases beside
+them), and the kernels run there; a chunk that ran there leaves the layer's slots
 holding what its last rows chose, copied from the span on the device (`SlotCache.seed`: the
 prompt's routing prefetches for the reply). Otherwise (the plan's host_compute "cpu", and decode
 rows under "both" where the arenas could not be pinned) the normed rows and weights go down to
@@ -276,22 +277,33 @@ class Stream:
         return [v for _, v in self.bias_pairs] or None
 
     def fill(self, experts: list[int] | None) -> int:
-        """Copy ``experts`` (None: all of them) in at their own places, their bias rows too;
-        returns bytes copied."""
+        """Copy ``experts`` (sorted, distinct; None: all of them) in at their own places, their
+        bias rows too, a run of neighbouring experts in one copy per tensor; returns bytes
+        copied. The span's other experts keep whatever they held: the kernels read only the
+        experts the rows chose."""
+        runs = [(0, self.n)] if experts is None else expert_runs(experts)
         done = 0
         parts = [(m.raw, view.view(-1), per)
                  for m, view, per in zip(self.mats, self.views, self.slices, strict=True)]
         parts += [(raw, dst.view(torch.uint8), raw.numel() // self.n)
                   for raw, dst in self.bias_pairs]
         for src, dst, per in parts:
-            if experts is None:
-                dst.copy_(src, non_blocking=True)
-                done += src.numel()
-                continue
-            for e in experts:
-                dst[e * per:(e + 1) * per].copy_(src[e * per:(e + 1) * per], non_blocking=True)
-                done += per
+            for lo, hi in runs:
+                dst[lo * per:hi * per].copy_(src[lo * per:hi * per], non_blocking=True)
+                done += (hi - lo) * per
         return done
+
+
+def expert_runs(experts: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct expert ids as half-open runs of neighbours: [0, 1, 2, 5] -> [(0, 3),
+    (5, 6)]."""
+    runs: list[tuple[int, int]] = []
+    for e in experts:
+        if runs and runs[-1][1] == e:
+            runs[-1] = (runs[-1][0], e + 1)
+        else:
+            runs.append((e, e + 1))
+    return runs
 
 
 def host_experts(hp: Any, model: Any, spans: dict[str, torch.Tensor],
@@ -522,8 +534,8 @@ class HostExperts:
         """Have decode's kernels read this layer's experts where they lie: host memory the
         driver has pinned is mapped into the GPU's address space, so a kernel reads only the
         routed experts' bytes over PCIe, with no copy, no wait on the host and no break in
-        the step's graph (prefill chunks still copy the layer whole: they read most
-        experts)."""
+        the step's graph (prefill chunks still copy their chosen experts into the staging
+        span: they read most experts)."""
         self.in_place = [m.raw.view(m.n_expert * m.rows, -1) for m in self.mats]
         if self.bias_bytes is not None:
             self.in_place_biases = [b.view(torch.float32) for b in self.bias_bytes]
@@ -564,11 +576,12 @@ class HostExperts:
                 gpu(self.cache.views, self.cache.n, ids, None)
                 return
         if streamed:
-            # prefill reads most experts: the whole layer in one copy per tensor
-            chosen = None if n > STREAM_ROWS else sorted(set(hids.reshape(-1).tolist()))
-            self.moved += self.stream.fill(chosen)
+            # only the experts the rows chose cross PCIe (a short prompt's few, a long one's
+            # every expert in one copy per tensor)
+            chosen = sorted(set(hids.reshape(-1).tolist()))
+            self.moved += self.stream.fill(None if len(chosen) == self.stream.n else chosen)
             gpu(self.stream.views, self.stream.n, ids, self.stream.biases)
-            if chosen is None and self.cache is not None:
+            if n > STREAM_ROWS and self.cache is not None:
                 # the router's choices for the prompt's last rows: the cache's slots hold them
                 # for the reply's first tokens (copied from the span just filled)
                 self.cache.seed(self.stream.views, hids.tolist())
