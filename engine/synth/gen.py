@@ -171,6 +171,44 @@ def _d_factor(ggml_type: int, blocks: np.ndarray) -> float:
     return _TARGET_RMS / rms if rms > 0 else 1.0
 
 
+# Random bytes give the types with a min or offset (Q4_K, Q5_K, Q2_K, Q4_1, Q5_1) a mean about
+# as large as their spread, the mins unrelated to the scales. Trained weights quantize to rows of
+# mean near zero; a mean that large makes every matrix add the same offset to its outputs, until
+# every token's hidden state points one way and a router sends every token to the same experts
+# (measured: a synthetic Qwen3-30B-A3B routed 512 random tokens to the same 8 of 128). So each
+# min is tied to its scale: dmin m = c d sc for the K-quants (c the middle of q's range), and
+# Q4_1 / Q5_1's m = -c d.
+_K_CENTER = {12: 7.5, 13: 15.5, 10: 1.5}  # Q4_K, Q5_K, Q2_K
+_MIN_OFFSET = {3: -7.5, 7: -15.5}  # Q4_1, Q5_1
+
+
+def _center(ggml_type: int, blocks: np.ndarray) -> None:
+    """Make ``blocks`` (uint8 [n, type_size], d and dmin / m already set) zero-mean as
+    described above; other types are left as they are."""
+    def half(off: int) -> np.ndarray:
+        return blocks[:, off:off + 2].copy().view(np.float16).astype(np.float32)
+
+    def put(off: int, v: np.ndarray) -> None:
+        blocks[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+    if ggml_type in (12, 13):  # scales[12] at 4: sc0-3 | m0-3 | sc4-7 low nibbles, m4-7 high
+        sc = blocks[:, 4:16]
+        sc[:, 4:8] = sc[:, 0:4]
+        lo = sc[:, 8:12] & 0x0F
+        sc[:, 8:12] = lo | (lo << 4)
+        put(2, _K_CENTER[ggml_type] * half(0))
+    elif ggml_type == 10:  # scales[16] at 0: sc low nibble, m high
+        lo = blocks[:, 0:16] & 0x0F
+        blocks[:, 0:16] = lo | (lo << 4)
+        put(82, _K_CENTER[10] * half(80))
+    elif ggml_type in _MIN_OFFSET:
+        put(2, _MIN_OFFSET[ggml_type] * half(0))
+    elif ggml_type == 35:  # TQ2_0: qs[64] of 2-bit codes q - 1; 3 is no ternary value: 3 -> 1
+        qs = blocks[:, 0:64]
+        three = (qs >> 1) & qs & 0x55
+        qs &= ~(three << 1) & 0xFF
+
+
 def _block_pool(ggml_type: int, kind: str, rng: np.random.Generator,
                 max_bytes: int = _POOL_BYTES) -> np.ndarray:
     """uint8 array of whole blocks (or elements) to cycle through for one tensor class."""
@@ -197,6 +235,7 @@ def _block_pool(ggml_type: int, kind: str, rng: np.random.Generator,
         width = 2 if how == "f16" else 4
         u = rng.uniform(0.5, 1.5, n_blocks).astype(np.float16 if width == 2 else np.float32)
         blocks[:, off : off + width] = u.view(np.uint8).reshape(-1, width)
+    _center(ggml_type, blocks)
     if linear:
         factor = _d_factor(ggml_type, blocks)
         for off, how in linear:

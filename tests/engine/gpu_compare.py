@@ -28,6 +28,68 @@ def decode_errors(g, c, toks: list[int]) -> tuple[list[float], torch.Tensor]:
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0, max_tokens=4)
 
 
+def tie_free(plan, n_prompt: int, n_steps: int, n_greedy: int, tau: float = 0.03,
+             logit_tau: float = 0.05, tries: int = 64) -> tuple[list[int], list[int], list[int]]:
+    """Token ids (prompt, steps, greedy_prompt) for `against_cpu_engine` away from ties, for a
+    runner whose decode rounds on purpose (int8 activations). A synthetic model's router sends
+    rows to random experts, so at a few rows in a hundred its k-th and (k+1)-th choices nearly
+    tie, and any rounding flips one: another expert, logits 10 % apart, yet no kernel is wrong;
+    the same holds for greedy ids whose top two logits nearly tie. Tries seeds until, run
+    through the CPU engine on ``plan``, the routing of every MoE layer at every decode row (the
+    steps after the prompt, and the 3 steps that generate 4 greedy ids after greedy_prompt)
+    holds when each router logit moves by ``tau`` times its row's spread (std), and each greedy
+    id's logit leads the next by ``logit_tau`` times its row's spread."""
+    from types import SimpleNamespace
+
+    from engine.runtime.models.ops import TORCH_OPS
+    from engine.runtime.session import Session
+
+    held: list[bool] = []
+
+    def route(logits, k, gating, norm, scale, bias=None, groups=(0, 0)):
+        ids, w = TORCH_OPS.route(logits, k, gating, norm, scale, bias, groups)
+        if logits.shape[0] != 1:  # a prefill chunk (a prompt here is longer than a row)
+            return ids, w
+        lg = logits.float()
+        d = tau * lg.std(-1, keepdim=True)
+        b = 0.0 if bias is None or gating == "softmax_topk" else bias.float()
+        if gating == "softmax":  # moving every logit by d moves a probability by e^(+-2d)
+            p = torch.softmax(lg, -1)
+            lo, hi = p * torch.exp(-2 * d) + b, p * torch.exp(2 * d) + b
+        else:
+            f = torch.sigmoid if gating == "sigmoid" else (lambda z: z)
+            lo, hi = f(lg - d) + b, f(lg + d) + b
+        chosen = torch.zeros_like(lg, dtype=torch.bool).scatter_(-1, ids, True)
+        worst_in = lo.masked_fill(~chosen, float("inf")).amin(-1)
+        best_out = hi.masked_fill(chosen, float("-inf")).amax(-1)
+        held.append(bool((worst_in > best_out).all()))
+        return ids, w
+
+    ops = SimpleNamespace(**{**vars(TORCH_OPS), "route": route})
+    c = Session.load(plan, ops=ops)
+    try:
+        for seed in range(0, 4 * tries, 4):
+            gen = torch.Generator().manual_seed(seed)
+            prompt, steps, greedy_prompt = (
+                torch.randint(3, 300, (n,), generator=gen).tolist()
+                for n in (n_prompt, n_steps, n_greedy))
+            c.logits(prompt)
+            held.clear()
+            for tok in steps:  # decoded as against_cpu_engine decodes them
+                c.forward([tok], c.kv.n_past, "last")
+                c.kv.n_past += 1
+            out: list[int] = []
+            c.generate(greedy_prompt, GREEDY, set(), out.append)
+            rows = c.logits(greedy_prompt + out[:3])[n_greedy - 1:]
+            top2 = rows.topk(2, -1).values
+            lead = bool(((top2[:, 0] - top2[:, 1]) > logit_tau * rows.std(-1)).all())
+            if held and all(held) and lead and len(out) == 4:
+                return prompt, steps, greedy_prompt
+    finally:
+        c.close()
+    raise AssertionError(f"no ids clear of ties in {tries} tries (tau {tau})")
+
+
 def chunk_and_decode_rows(g, prompt: list[int]) -> torch.Tensor:
     """The last logits row of a session after the second of two prefill chunks of ``prompt``
     (8 rows, then the rest) and after each of two decode steps, stacked, then ``g`` closed:

@@ -12,7 +12,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gpu_compare import GREEDY, against_cpu_engine, chunk_and_decode_rows, decode_errors, rel
+from gpu_compare import (
+    GREEDY,
+    against_cpu_engine,
+    chunk_and_decode_rows,
+    decode_errors,
+    rel,
+    tie_free,
+)
 
 from engine.gguf.hparams import HParams
 from engine.gguf.reader import GGUFModel
@@ -247,8 +254,10 @@ def test_decode_on_the_int8_copies_matches_the_cpu_engine(arch, tmp_path) -> Non
     # is ~1 % of a GEMV's output for Q4_K and MXFP4 alike, and gpt-oss's synthetic file passes
     # more of it on to the logits (9.6e-3 measured, 1.3e-4 on bf16 x) than qwen3moe's (4.9e-4)
     bound = 2e-2 if arch in ("gpt-oss", "minimax-m2", "dots1") else 5e-3
-    against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), bound, str(out),
-                       on_int8)
+    # ids away from the router's and the logits' near-ties, which any rounding may flip
+    # (tie_free; with minimax-m2's file and ids(2, 1) one decode row took another expert)
+    against_cpu_engine(plan(str(out)), DEV, *tie_free(plan(str(out)), 20, 2, 6), bound,
+                       str(out), on_int8)
     if arch == "gpt-oss":  # CARVE_EXPERT_Q8=0: the experts read bf16 x
         g = GpuSession.load(plan(str(out)), devices=[DEV], remember=False,
                             options=RunnerOptions(expert_q8=False))

@@ -552,8 +552,11 @@ def test_both_runs_the_cpu_share_natively_from_the_file_bytes(wide, oss, monkeyp
             assert h.native.mats[0].data_ptr() == h.mats[0].raw.data_ptr()
         cpu_s = [h.cpu_s for h in hosts]
         got = run(g, prompt, steps)
+        # the CPU kernel's int8 rows against the GPU's int8 copies, each rounding on its own:
+        # 1.2e-2 measured on qwen3moe's zero-mean file (the int8 decode's bound of
+        # tests/engine/test_gpu_moe.py)
         assert_agree(got, ref, f"{arch} both, {share} of 2 natively on the CPU vs VRAM",
-                     max(BOUND, 1e-2))
+                     max(BOUND, 2e-2))
         assert all(h.cpu_s > c for h, c in zip(hosts, cpu_s, strict=True))
         assert all(h.flags[0] == h.flags[1] for h in hosts)  # every ticket answered
     finally:

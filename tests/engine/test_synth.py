@@ -130,6 +130,7 @@ def test_every_type_writes_well_formed_blocks(synth_model, mix):
         raw = model.tensor_data(t)
         try:
             w = dequantize(raw, GGMLQuantizationType(t.ggml_type))
+            mean = float(np.mean(w, dtype=np.float64))
         except NotImplementedError:  # Q8_1, Q8_K, Q1_0, F64: check the scale fields instead
             q = QUANT[t.ggml_type]
             blocks = raw.reshape(-1, q.type_size)
@@ -140,9 +141,62 @@ def test_every_type_writes_well_formed_blocks(synth_model, mix):
             else:  # Q8_1: f16 d times int8 quants; Q1_0: f16 d times +-1
                 w = blocks[:, :2].copy().view(np.float16).astype(np.float32)
                 w = w * (74 if mix == "q8_1" else 1)
+            mean = 0.0  # (scales alone: no values to average)
         assert np.isfinite(w).all(), t.name
         rms = float(np.sqrt(np.mean(np.square(w, dtype=np.float64))))
         assert 0.002 < rms < 0.2, (t.name, rms)
+        # near zero-mean, as trained weights quantize (Q4_0 / Q5_0's q - 8 / q - 16 on
+        # uniform q leave half a step: -0.1 of the spread); a mean as large as the spread made
+        # every token's hidden state alike (test_a_synthetic_router_spreads_its_tokens)
+        assert abs(mean) < 0.12 * rms, (t.name, mix, mean / rms)
+
+
+def test_a_synthetic_router_spreads_its_tokens(tmp_path):
+    """The router of a synthetic Qwen3-30B-A3B layer (its widths, 128 experts, 8 used; one
+    layer) sends 64 random tokens to many experts through the CPU engine, not all to the same
+    8 (as every file did while Q4_K blocks had a mean as large as their spread)."""
+    import dataclasses
+
+    import torch
+
+    from engine.hardware.devices import cpu_spec
+    from engine.planning.plan import Plan
+    from engine.runtime.models import moe
+    from engine.runtime.session import Session
+
+    shape = dataclasses.replace(SHAPES["qwen3moe-30b-a3b"], n_layer=1, n_vocab=1024)
+    path = write_model(tmp_path / "m.gguf", shape)[0]
+    chosen: list[torch.Tensor] = []
+    real = moe.MoEStage.moe
+
+    def spy(self, i, x):
+        route = self.ops.route
+
+        def seen(*a, **kw):
+            ids, w = route(*a, **kw)
+            chosen.append(ids)
+            return ids, w
+
+        self.ops.route = seen
+        try:
+            return real(self, i, x)
+        finally:
+            self.ops.route = route
+
+    plan = Plan(model=str(path), devices=(cpu_spec(),), split=(0, 1), ctx=256,
+                prefill_chunk=64, cache_reserve=0, act_dtype="f32")
+    sess = Session.load(plan)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(moe.MoEStage, "moe", spy)
+            g = torch.Generator().manual_seed(0)
+            sess.logits(torch.randint(3, 1000, (64,), generator=g).tolist())
+    finally:
+        sess.close()
+    (ids,) = chosen
+    assert ids.shape == (64, 8)
+    distinct = len(set(ids.reshape(-1).tolist()))
+    assert distinct >= 64, distinct  # 512 choices: ~126 at uniform routing; 8 when degenerate
 
 
 def test_norms_near_one_and_vocabulary(synth_model):
