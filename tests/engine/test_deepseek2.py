@@ -281,10 +281,13 @@ def test_latent_attention_in_blocks_is_the_plain_softmax(monkeypatch) -> None:
 
 def test_a_q8_0_latent_cache_reads_back_close_to_the_f16_one(synth_model) -> None:
     # deepseek2-tiny's latent rows (256 + 32 values) are whole q8_0 blocks: the cache holds
-    # 34 bytes per 32 values of each row, and the logits stay near the f16 cache's
+    # 34 bytes per 32 values of each row, its first layer's rows read back (gguf's dequantize)
+    # as the f16 cache's to q8_0's rounding, and the logits stay near the f16 cache's
+    from gguf import GGMLQuantizationType, dequantize
+
     path = synth_model("deepseek2-tiny")
     hp = HParams.from_model(GGUFModel.open(path))
-    got = {}
+    got, rows = {}, {}
     for kv in ("f16", "q8_0"):
         plan = Plan(model=str(path), devices=(CPU,), split=(0, hp.n_layer_run), ctx=64,
                     prefill_chunk=16, kv_type=kv, logits_rows=16)
@@ -294,9 +297,17 @@ def test_a_q8_0_latent_cache_reads_back_close_to_the_f16_one(synth_model) -> Non
         assert k0.numel() * k0.element_size() == 64 * (hp.kv_lora_rank + hp.rope_dim) * (
             34 / 32 if kv == "q8_0" else 2)
         got[kv] = s.logits(list(range(5, 45)))
+        k0 = k0.reshape(64, -1)[:40].cpu()
+        rows[kv] = (torch.from_numpy(dequantize(k0.numpy(), GGMLQuantizationType.Q8_0))
+                    if kv == "q8_0" else k0.float())
         s.close()
-    assert _rel(got["q8_0"], got["f16"]) < 5e-2
-    assert (got["q8_0"].argmax(-1) == got["f16"].argmax(-1)).float().mean() > 0.9
+    assert _rel(rows["q8_0"], rows["f16"]) < 1e-2
+    # a row whose router sat near a tie takes another expert over the cache's rounding: with
+    # 16 experts (2 used) in 3 sigmoid-routed layers, 7 of these 40 rows did (0.12-0.37 off,
+    # the rest 0.7-1.6e-2); a misread cache moves every row
+    errs = torch.tensor([_rel(got["q8_0"][i], got["f16"][i]) for i in range(40)])
+    assert errs.median() < 2e-2 and (errs < 5e-2).sum() >= 30, errs
+    assert (got["q8_0"].argmax(-1) == got["f16"].argmax(-1)).float().mean() >= 0.75
 
 
 def test_mistral_large_attention_temperature(tmp_path) -> None:

@@ -99,12 +99,16 @@ def test_cancel_stops_within_one_token_and_the_cache_stays_true(session) -> None
     first, stats = _reply(session, prompt, greedy, until=3)
     assert len(first) == 3 and stats.reason == "cancelled"
     assert session.tokens == prompt + first and session.kv.n_past == len(session.tokens)
-    # the next turn reuses that cache: it must continue exactly as a fresh cache would
-    turn = prompt + first + _prompt(5, 4)
-    reused, _ = _reply(session, turn, greedy)
+    # the next turn reuses that cache: its logits as a fresh cache's, to the rounding by which
+    # decode's three rows of keys and values differ from one prefill chunk's (a greedy reply
+    # from each parted at a near-tie of the synthetic file's logits: no id check)
+    rest = _prompt(5, 4)
+    held = session.forward(rest, session.kv.n_past, "last")[-1].float().clone()
     session.reset()
-    fresh, _ = _reply(session, turn, greedy)
-    assert reused == fresh
+    fresh = session.logits(prompt + first + rest)[-1].float()
+    err = float((held - fresh).abs().max() / fresh.abs().max())
+    print(f"reused cache against a fresh one: {err:.2e}")
+    assert err < 2e-2
 
 
 def test_a_stop_token_ends_the_reply_without_being_passed_on(session) -> None:
