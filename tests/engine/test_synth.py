@@ -156,41 +156,30 @@ def test_a_synthetic_router_spreads_its_tokens(tmp_path):
     layer) sends 64 random tokens to many experts through the CPU engine, not all to the same
     8 (as every file did while Q4_K blocks had a mean as large as their spread)."""
     import dataclasses
+    from types import SimpleNamespace
 
     import torch
 
     from engine.hardware.devices import cpu_spec
     from engine.planning.plan import Plan
-    from engine.runtime.models import moe
+    from engine.runtime.models.ops import TORCH_OPS
     from engine.runtime.session import Session
 
     shape = dataclasses.replace(SHAPES["qwen3moe-30b-a3b"], n_layer=1, n_vocab=1024)
     path = write_model(tmp_path / "m.gguf", shape)[0]
     chosen: list[torch.Tensor] = []
-    real = moe.MoEStage.moe
 
-    def spy(self, i, x):
-        route = self.ops.route
-
-        def seen(*a, **kw):
-            ids, w = route(*a, **kw)
-            chosen.append(ids)
-            return ids, w
-
-        self.ops.route = seen
-        try:
-            return real(self, i, x)
-        finally:
-            self.ops.route = route
+    def route(*a, **kw):
+        ids, w = TORCH_OPS.route(*a, **kw)
+        chosen.append(ids)
+        return ids, w
 
     plan = Plan(model=str(path), devices=(cpu_spec(),), split=(0, 1), ctx=256,
                 prefill_chunk=64, cache_reserve=0, act_dtype="f32")
-    sess = Session.load(plan)
+    sess = Session.load(plan, ops=SimpleNamespace(**{**vars(TORCH_OPS), "route": route}))
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(moe.MoEStage, "moe", spy)
-            g = torch.Generator().manual_seed(0)
-            sess.logits(torch.randint(3, 1000, (64,), generator=g).tolist())
+        g = torch.Generator().manual_seed(0)
+        sess.logits(torch.randint(3, 1000, (64,), generator=g).tolist())
     finally:
         sess.close()
     (ids,) = chosen
