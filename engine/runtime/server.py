@@ -54,6 +54,18 @@ PARENT_POLL = 0.5  # seconds
 EXIT_GRACE = 10.0  # seconds a shutdown may wait for a request that does not notice cancellation
 
 
+def _profiled(path: str, fn: Any, *args: Any) -> None:
+    """``fn(*args)`` under cProfile, the profile written to ``path`` however it ends
+    (CARVE_PROFILE_LOAD: the load; CARVE_PROFILE_REPLY: the first reply)."""
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(fn, *args)
+    finally:
+        prof.dump_stats(path)
+
+
 class Engine:
     def __init__(self, out: IO[bytes], options: RunnerOptions = RunnerOptions()) -> None:
         self._out = out
@@ -70,6 +82,7 @@ class Engine:
         self._preloaded.set()
         self._busy = False  # a request is being handled (the heartbeat speaks only then)
         self._last_emit = time.monotonic()
+        self._reply_profiled = False  # CARVE_PROFILE_REPLY's one profile was taken
 
     def start_preload(self) -> None:
         self._preloaded.clear()
@@ -205,7 +218,13 @@ class Engine:
             self.release()
             self.emit(p.Unloaded())
         elif isinstance(req, p.Generate):
-            self.generate(req, cancelled)
+            path = os.environ.get("CARVE_PROFILE_REPLY")
+            if path and not self._reply_profiled:
+                # the first reply after the process started: what it pays that later ones do not
+                self._reply_profiled = True
+                _profiled(path, self.generate, req, cancelled)
+            else:
+                self.generate(req, cancelled)
         elif isinstance(req, p.Tokenize):
             self.tokenize(req)
         elif isinstance(req, p.Perplexity):
@@ -226,16 +245,10 @@ class Engine:
 
     def load(self, req: p.Load, cancelled: Any) -> None:
         path = os.environ.get("CARVE_PROFILE_LOAD")
-        if not path:
+        if path:
+            _profiled(path, self._load, req, cancelled)
+        else:
             self._load(req, cancelled)
-            return
-        import cProfile
-
-        prof = cProfile.Profile()
-        try:
-            prof.runcall(self._load, req, cancelled)
-        finally:
-            prof.dump_stats(path)
 
     def _load(self, req: p.Load, cancelled: Any) -> None:
         timeline.reset()

@@ -325,6 +325,35 @@ def test_generate_streams_valid_text_then_done(harness):
     assert harness.engine.session.prompts[0][:2] == [1, ord("h")]  # the doubled BOS is dropped
 
 
+def test_profile_hooks_write_the_load_and_only_the_first_reply(harness, monkeypatch, tmp_path):
+    # CARVE_PROFILE_LOAD / CARVE_PROFILE_REPLY: a cProfile of the load and of the first reply
+    # (what it pays that later replies do not), each written where the variable points
+    import pstats
+
+    load_prof, reply_prof = tmp_path / "load.prof", tmp_path / "reply.prof"
+    monkeypatch.setenv("CARVE_PROFILE_LOAD", str(load_prof))
+    monkeypatch.setenv("CARVE_PROFILE_REPLY", str(reply_prof))
+
+    def settled() -> None:  # requests run in order: a later one's answer means it is written
+        harness.send(p.Tokenize("x"))
+        harness.until(p.Tokens)
+
+    harness.send(p.Load(_plan_json()))
+    harness.until(p.Loaded)
+    settled()
+    assert load_prof.exists() and not reply_prof.exists()
+    msgs = [{"role": "user", "content": "hi"}]
+    for i in range(2):
+        harness.send(p.Generate(msgs, f"g{i}", {"temperature": 0.0}, 4))
+        harness.until(p.Done)
+        settled()
+        if i == 0:
+            funcs = {f[2] for f in pstats.Stats(str(reply_prof)).stats}
+            assert "generate" in funcs  # the reply itself was profiled
+            reply_prof.unlink()
+    assert not reply_prof.exists()  # the second reply is not
+
+
 def test_stop_ends_generation_within_one_token(harness):
     harness.engine.session = FakeSession()
     harness.send(p.Generate([{"role": "user", "content": "hi"}], "long", {}, 100_000))
