@@ -1,5 +1,5 @@
 """T-layout step bodies (carve_kernels/gemv_t.py) of the low-bit K and IQ types: Q2_K, Q3_K, IQ4_XS,
-IQ2_XXS and IQ3_S; and of Q8_0.
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S; and of Q8_0.
 
 As for Q4_K and Q6_K (carve_kernels/gemv_t_dot.py) each thread owns whole rows, reads the same word
 of neighbouring rows beside its neighbours (one 128-byte line a warp a word), issues a step's
@@ -10,7 +10,7 @@ worked out once per thread, whatever its number of rows.
 On decode's int8 copy of x (carve_kernels/q8x.py) the values multiply by ``dp4a``: Q2_K's 2-bit
 values as bytes ``(w >> 2j) & 0x03030303`` (Q3_K's with their hmask bit at bit 2, less 4 times
 the sum of x per 16), IQ4_XS's nibbles turned into their table values
-by byte permutes (``_iq4_values``), IQ2_XXS's and IQ3_S's grid rows gathered from the table
+by byte permutes (``_iq4_values``), the grid types' rows gathered from the table
 (one 8- or 4-byte word a row) with their signs put into the bytes as integers
 (carve_kernels/gemv_iq.py ``_signed``). On float x (bf16 as 64-bit words of four, or float32 or f16
 one value a load) Q2_K's values become floats through the mantissa of 1.0 (1 + q/4, the 1
@@ -22,9 +22,16 @@ values 128n + 32j + l are bits 2j of byte 32n + l), d and dmin (word 20). IQ4_XS
 34 words: d and scales_h (word 0), scales_l (word 1), qs[128] (words 2-33; sub-block i: bytes
 16i..16i+15, value l in the low nibble of byte l, 16 + l in the high one). IQ2_XXS, 66 bytes:
 d (to the tail plane), then 16 words, two a group of 32 values (4 index bytes; 4 x 7 sign bits
-and a 4-bit scale). IQ3_S, 110 bytes: d (to the tail plane), then 27 words: qs (2 a group, an
-index byte a row of 4), qh (a byte a group, the indices' 9th bits), signs (a word a group, 4
-bits a row), scales (a nibble a group).
+and a 4-bit scale). IQ2_XS, 74 bytes: d (to the tail plane), then 18 words: qs (words 0-15, a
+16-bit word a grid row of 8: 9-bit index, 7 sign bits), scales (words 16-17, a byte a group: a
+nibble for its rows 0-1, one for rows 2-3). IQ2_S, 82 bytes: d (to the tail plane), then 20
+words: the index bytes (words 0-7, a word a group), signs (words 8-15, a byte a row), qh (words
+16-17, a byte a group: the indices' 2 high bits), scales (words 18-19, as IQ2_XS's). IQ3_XXS,
+98 bytes: d (to the tail plane), then 24 words: qs (words 0-15, 2 a group, an index byte a grid
+row of 4), then a word a group (4 x 7 sign bits, each for a pair of rows, and a 4-bit scale).
+IQ3_S, 110 bytes: d (to the tail plane), then 27 words: qs (2 a group, an index byte a row of
+4), qh (a byte a group, the indices' 9th bits), signs (a word a group, 4 bits a row), scales (a
+nibble a group).
 """
 
 from __future__ import annotations
@@ -428,7 +435,7 @@ def iq4xs_t_dot(wt_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_
     return acc
 
 
-# --- the grid types: IQ2_XXS and IQ3_S --------------------------------------------------------
+# --- the grid types: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S----------------------------------------------------
 @triton.jit
 def _grid_dot(w0, w1, xp, xq_ptr, xi, isum, s, W: tl.constexpr, XV: tl.constexpr,
               Q8X: tl.constexpr, ASM: tl.constexpr):
@@ -553,4 +560,177 @@ def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
             acc += _iq3s_group(u, v, (qh >> (8 * j)) & 255, sg, (sc >> (4 * g)) & 15, tab, d,
                                xq_ptr, xd_ptr + b * 8 + g, b * 64 + 8 * g,
                                x_ptr + b * 256 + 32 * g, BLOCK_N, XV, Q8X, ASM)
+    return acc
+
+
+@triton.jit
+def _iq3xxs_group(q0, q1, aux, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
+                  XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
+    # a group of 32 values: 4 pairs of grid rows of 4 (index bytes 2l and 2l + 1 of q0, q1;
+    # the pair's 7 sign bits, as IQ2_XXS's for a row of 8, in aux), the scale aux's top nibble
+    isum = q0 * 0
+    s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r in tl.static_range(4):
+        if r < 2:
+            q = q0
+        else:
+            q = q1
+        sg = _ksigns((aux >> (7 * r)) & 127, ASM)
+        w0 = _signed(tl.load(tab + ((q >> (16 * (r % 2))) & 255)), sg & 15)
+        w1 = _signed(tl.load(tab + ((q >> (16 * (r % 2) + 8)) & 255)), (sg >> 4) & 15)
+        isum, s = _grid_dot(w0, w1, xp + 8 * r, xq_ptr, xi + 2 * r, isum, s, 8, XV, Q8X, ASM)
+    db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
+    if Q8X:
+        return db * tl.load(xd_ptr) * isum.to(tl.float32)
+    return db * s
+
+
+@triton.jit
+def iq3xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo,
+                 b_hi, BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr,
+                 ASM: tl.constexpr):
+    # IQ3_XXS: words 0-15 qs (2 a group), 16-23 a group's signs and scale; its f16 d in the
+    # tail plane. Half a block (4 groups: 8 qs words and 4 sign words) per step
+    tab = tab_ptr.to(tl.pointer_type(tl.int32))
+    dp = wh_ptr + NB * 48 * N + rows
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for hb in range(2 * b_lo, 2 * b_hi):
+        b = hb // 2
+        n = hb % 2
+        base = wt_ptr + b * 24 * N + rows
+        a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(base + 8 * n * N, N, rmask)
+        s0 = tl.load(base + (16 + 4 * n) * N, mask=rmask, other=0)
+        s1 = tl.load(base + (17 + 4 * n) * N, mask=rmask, other=0)
+        s2 = tl.load(base + (18 + 4 * n) * N, mask=rmask, other=0)
+        s3 = tl.load(base + (19 + 4 * n) * N, mask=rmask, other=0)
+        d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
+        t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ s0 ^ s1 ^ s2 ^ s3
+        a0 = a0 + (t & (N >> 31))  # the step's loads issued together
+        for j in tl.static_range(4):  # group 4 n + j
+            u = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, 2 * j)
+            v = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, 2 * j + 1)
+            g = 4 * n + j
+            acc += _iq3xxs_group(u, v, _pick4(s0, s1, s2, s3, j), tab, d, xq_ptr,
+                                 xd_ptr + b * 8 + g, b * 64 + 8 * g, x_ptr + b * 256 + 32 * g,
+                                 BLOCK_N, XV, Q8X, ASM)
+    return acc
+
+
+@triton.jit
+def _iq2_pair(w, sg, tab, acc, db, xq_ptr, xi, xp, R: tl.constexpr, BLOCK_N: tl.constexpr,
+              XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
+    # two grid rows of 8 (R, R + 1 of the group) that share a scale db: w[k] their grid
+    # indices, sg[k] their 8 sign bits; added to acc (Q8X: the integer sum times db, x's scale
+    # left to the caller)
+    isum = w[0] * 0
+    s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(2):
+        gr = tl.load(tab + w[k])
+        isum, s = _grid_dot(_signed(gr.to(tl.int32), sg[k] & 15),
+                            _signed((gr >> 32).to(tl.int32), (sg[k] >> 4) & 15),
+                            xp + 8 * (R + k), xq_ptr, xi + 2 * (R + k), isum, s, 8, XV, Q8X,
+                            ASM)
+    if Q8X:
+        return acc + db * isum.to(tl.float32)
+    return acc + db * s
+
+
+@triton.jit
+def _iq2xs_group(q0, q1, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
+                 XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
+    # a group of 32 values: 4 rows of 8, row r the 16-bit half r % 2 of q0 (rows 0-1) or q1
+    # (9-bit index, 7 sign bits); the scale nibbles of sc, low for rows 0-1, high for 2-3
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for h in tl.static_range(2):
+        if h == 0:
+            q = q0
+        else:
+            q = q1
+        u0 = q & 0xFFFF
+        u1 = (q >> 16) & 0xFFFF
+        db = d * (0.5 + ((sc >> (4 * h)) & 15).to(tl.float32)) * 0.25
+        acc = _iq2_pair((u0 & 511, u1 & 511), (_ksigns(u0 >> 9, ASM), _ksigns(u1 >> 9, ASM)),
+                        tab, acc, db, xq_ptr, xi, xp, 2 * h, BLOCK_N, XV, Q8X, ASM)
+    if Q8X:
+        return tl.load(xd_ptr) * acc
+    return acc
+
+
+@triton.jit
+def iq2xs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
+                BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr,
+                ASM: tl.constexpr):
+    # IQ2_XS: words 0-15 qs (2 a group), 16-17 the scales (a byte a group); its f16 d in the
+    # tail plane. Half a block (4 groups: 8 qs words and a scales word) per step
+    tab = tab_ptr.to(tl.pointer_type(tl.int64))
+    dp = wh_ptr + NB * 36 * N + rows
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for hb in range(2 * b_lo, 2 * b_hi):
+        b = hb // 2
+        n = hb % 2
+        base = wt_ptr + b * 18 * N + rows
+        a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(base + 8 * n * N, N, rmask)
+        sc = tl.load(base + (16 + n) * N, mask=rmask, other=0)
+        d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
+        t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ sc
+        a0 = a0 + (t & (N >> 31))  # the step's loads issued together
+        for j in tl.static_range(4):  # group 4 n + j
+            u = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, 2 * j)
+            v = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, 2 * j + 1)
+            g = 4 * n + j
+            acc += _iq2xs_group(u, v, (sc >> (8 * j)) & 255, tab, d, xq_ptr,
+                                xd_ptr + b * 8 + g, b * 64 + 8 * g, x_ptr + b * 256 + 32 * g,
+                                BLOCK_N, XV, Q8X, ASM)
+    return acc
+
+
+@triton.jit
+def _iq2s_group(qi, sw, qh, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
+                XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
+    # a group of 32 values: 4 rows of 8, row r's index byte r of qi with bits 2r, 2r + 1 of
+    # qh above it, its signs byte r of sw; the scale nibbles of sc as IQ2_XS's
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for h in tl.static_range(2):
+        r = 2 * h
+        db = d * (0.5 + ((sc >> (4 * h)) & 15).to(tl.float32)) * 0.25
+        acc = _iq2_pair((((qi >> (8 * r)) & 255) | (((qh >> (2 * r)) & 3) << 8),
+                         ((qi >> (8 * r + 8)) & 255) | (((qh >> (2 * r + 2)) & 3) << 8)),
+                        ((sw >> (8 * r)) & 255, (sw >> (8 * r + 8)) & 255),
+                        tab, acc, db, xq_ptr, xi, xp, r, BLOCK_N, XV, Q8X, ASM)
+    if Q8X:
+        return tl.load(xd_ptr) * acc
+    return acc
+
+
+@triton.jit
+def iq2s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, NB, b_lo, b_hi,
+               BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
+    # IQ2_S: words 0-7 the index bytes (a word a group), 8-15 the signs, 16-17 qh, 18-19 the
+    # scales (a byte a group each); its f16 d in the tail plane. Half a block (4 groups) per step
+    tab = tab_ptr.to(tl.pointer_type(tl.int64))
+    dp = wh_ptr + NB * 40 * N + rows
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for hb in range(2 * b_lo, 2 * b_hi):
+        b = hb // 2
+        n = hb % 2
+        base = wt_ptr + b * 20 * N + rows
+        i0 = tl.load(base + (4 * n) * N, mask=rmask, other=0)
+        i1 = tl.load(base + (4 * n + 1) * N, mask=rmask, other=0)
+        i2 = tl.load(base + (4 * n + 2) * N, mask=rmask, other=0)
+        i3 = tl.load(base + (4 * n + 3) * N, mask=rmask, other=0)
+        s0 = tl.load(base + (8 + 4 * n) * N, mask=rmask, other=0)
+        s1 = tl.load(base + (9 + 4 * n) * N, mask=rmask, other=0)
+        s2 = tl.load(base + (10 + 4 * n) * N, mask=rmask, other=0)
+        s3 = tl.load(base + (11 + 4 * n) * N, mask=rmask, other=0)
+        qh = tl.load(base + (16 + n) * N, mask=rmask, other=0)
+        sc = tl.load(base + (18 + n) * N, mask=rmask, other=0)
+        d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
+        t = i1 ^ i2 ^ i3 ^ s0 ^ s1 ^ s2 ^ s3 ^ qh ^ sc
+        i0 = i0 + (t & (N >> 31))  # the step's loads issued together
+        for j in tl.static_range(4):  # group 4 n + j
+            g = 4 * n + j
+            acc += _iq2s_group(_pick4(i0, i1, i2, i3, j), _pick4(s0, s1, s2, s3, j),
+                               (qh >> (8 * j)) & 255, (sc >> (8 * j)) & 255, tab, d, xq_ptr,
+                               xd_ptr + b * 8 + g, b * 64 + 8 * g, x_ptr + b * 256 + 32 * g,
+                               BLOCK_N, XV, Q8X, ASM)
     return acc

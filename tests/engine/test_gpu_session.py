@@ -236,12 +236,14 @@ def test_int8_x_decode_matches_the_cpu_engine(wide, wide_q4k, all_t, monkeypatch
 
 
 @pytest.mark.parametrize(("mix", "t_type"), [("q2_k", qt.Q2_K), ("iq2_xxs", qt.IQ2_XXS),
-                                             ("q5_k_m", qt.Q5_K), ("q8_0", qt.Q8_0)])
+                                             ("iq3_xxs", qt.IQ3_XXS), ("q5_k_m", qt.Q5_K),
+                                             ("q8_0", qt.Q8_0)])
 def test_low_bit_t_matrices_decode_as_the_cpu_engine(tmp_path, all_t, mix, t_type) -> None:
     # the T bodies of gemv_t_low.py (and Q5_K's) through the runner on decode's int8 copies:
     # the Q2_K mix's gate/up in one T launch beside its Q3_K ffn_down and attn_v; the
     # IQ2_XXS mix's gate/up, down (the GLU's int8 copy) and q/k/v (IQ2_XXS q and k beside a
-    # Q2_K v); the Q5_K_M mix's Q5_K gate/up read in the same steps; Q8_0 everywhere, its
+    # Q2_K v); the IQ3_XXS mix's gate/up and down beside its IQ3_S attn_v; the Q5_K_M mix's
+    # Q5_K gate/up read in the same steps; Q8_0 everywhere, its
     # blocks of 32 split as 256-value blocks would. (IQ4_XS's T body is
     # slow under the interpreter: tests/kernels/test_gemv_t.py and test_q8x.py check it.)
     path = str(write_model(tmp_path / f"{mix}.gguf", WIDE, mix)[0])
