@@ -7,8 +7,8 @@ GGUF stores a matrix row by row, block by block. The T layout keeps every byte a
 reorders them: W words of each block go to word planes, the rest of the block (the tail) to a
 plane after them (Q4_K: 144 bytes = 36 words, no tail; Q5_K 176 bytes = 44 words; Q3_K 110
 bytes = 27 words and its 2-byte d; Q6_K: 210 bytes = 52 words and its
-2-byte d; Q2_K 21 words, IQ4_XS 34, no tail; IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S and Q8_0:
-the 2-byte d at the block's start, then 16 / 18 / 20 / 24 / 27 / 8 words):
+2-byte d; Q2_K 21 words, IQ4_XS 34, IQ1_M 14, no tail; IQ1_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+IQ3_S and Q8_0: the 2-byte d at the block's start, then 12 / 16 / 18 / 20 / 24 / 27 / 8 words):
 
     T[b, u, n] = word u of block b of row n      (word planes [blocks per row, W, rows])
     D[b, n]    = tail of block b of row n        (then the tail plane [blocks per row, rows])
@@ -43,6 +43,8 @@ from carve_kernels import pdl, q8x, trace
 from carve_kernels import rope as rope_mod
 from carve_kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
 from carve_kernels.gemv_t_low import (
+    iq1m_t_dot,
+    iq1s_t_dot,
     iq2s_t_dot,
     iq2xs_t_dot,
     iq2xxs_t_dot,
@@ -64,17 +66,20 @@ from spec.launch import T_CONFIG
 # plane of their own after them (Q6_K's f16 d: its 210-byte block is 52 words and 2 bytes; the
 # grid IQ types' f16 d, at the start of their blocks: HEAD)
 WORDS = {qt.Q4_K: 36, qt.Q5_K: 44, qt.Q6_K: 52, qt.Q2_K: 21, qt.Q3_K: 27, qt.Q8_0: 8,
-         qt.IQ4_XS: 34, qt.IQ2_XXS: 16, qt.IQ2_XS: 18, qt.IQ2_S: 20, qt.IQ3_XXS: 24, qt.IQ3_S: 27}
+         qt.IQ4_XS: 34, qt.IQ2_XXS: 16, qt.IQ2_XS: 18, qt.IQ2_S: 20, qt.IQ3_XXS: 24, qt.IQ3_S: 27,
+         qt.IQ1_S: 12, qt.IQ1_M: 14}
 TAIL = {qt.Q4_K: 0, qt.Q5_K: 0, qt.Q6_K: 2, qt.Q2_K: 0, qt.Q3_K: 2, qt.Q8_0: 2, qt.IQ4_XS: 0,
-        qt.IQ2_XXS: 2, qt.IQ2_XS: 2, qt.IQ2_S: 2, qt.IQ3_XXS: 2, qt.IQ3_S: 2}
+        qt.IQ2_XXS: 2, qt.IQ2_XS: 2, qt.IQ2_S: 2, qt.IQ3_XXS: 2, qt.IQ3_S: 2, qt.IQ1_S: 2,
+        qt.IQ1_M: 0}
 BLOCK_BYTES = {qt.Q4_K: 144, qt.Q5_K: 176, qt.Q6_K: 210, qt.Q2_K: 84, qt.Q3_K: 110, qt.Q8_0: 34,
                qt.IQ4_XS: 136, qt.IQ2_XXS: 66, qt.IQ2_XS: 74, qt.IQ2_S: 82, qt.IQ3_XXS: 98,
-               qt.IQ3_S: 110}
+               qt.IQ3_S: 110, qt.IQ1_S: 50, qt.IQ1_M: 56}
 # types whose gate/up launch reads both matrices' words in the same step
 PAIRED = frozenset({qt.Q4_K, qt.Q5_K})
 # types whose tail is at the start of the block (the grid IQ types' f16 d): the words are the
 # bytes after it
-HEAD = {qt.IQ2_XXS: 2, qt.IQ2_XS: 2, qt.IQ2_S: 2, qt.IQ3_XXS: 2, qt.IQ3_S: 2, qt.Q8_0: 2}
+HEAD = {qt.IQ2_XXS: 2, qt.IQ2_XS: 2, qt.IQ2_S: 2, qt.IQ3_XXS: 2, qt.IQ3_S: 2, qt.IQ1_S: 2,
+        qt.Q8_0: 2}
 # values per block where not 256
 BLOCK_VALUES = {qt.Q8_0: 32}
 
@@ -152,6 +157,12 @@ def t_body(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N
     elif TYPE == 16:
         acc = iq2xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, NB,
                            b_lo, b_hi, BLOCK_N, XV, Q8X, ASM)
+    elif TYPE == 19:
+        acc = iq1s_t_dot(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, NB,
+                         b_lo, b_hi, BLOCK_N, XV, Q8X, ASM)
+    elif TYPE == 29:
+        acc = iq1m_t_dot(wt_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi,
+                         BLOCK_N, XV, Q8X, ASM)
     elif TYPE == 17:
         acc = iq2xs_t_dot(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, NB,
                           b_lo, b_hi, BLOCK_N, XV, Q8X, ASM)

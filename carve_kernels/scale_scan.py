@@ -42,7 +42,8 @@ def _bad(hb):
 
 @triton.jit
 def _scan_kernel(w_ptr, nblk, flag_ptr, tag, TS: tl.constexpr, O0: tl.constexpr,
-                 O1: tl.constexpr, IQ1M: tl.constexpr, BLOCK: tl.constexpr):
+                 O1: tl.constexpr, IQ1M: tl.constexpr, SC: tl.constexpr, BLOCK: tl.constexpr):
+    # SC: IQ1_M's scales offset (a kernel reads no plain global of its module)
     b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = b < nblk
     base = w_ptr + b * TS
@@ -52,8 +53,8 @@ def _scan_kernel(w_ptr, nblk, flag_ptr, tag, TS: tl.constexpr, O0: tl.constexpr,
     if O1 >= 0:
         bad = bad | _bad(tl.load(base + O1, mask=m, other=0).to(tl.int32))
     if IQ1M:
-        hi = (tl.load(base + _IQ1M_SCALES + 7, mask=m, other=0).to(tl.int32) & 0xF0) | (
-            tl.load(base + _IQ1M_SCALES + 5, mask=m, other=0).to(tl.int32) >> 4)
+        hi = (tl.load(base + SC + 7, mask=m, other=0).to(tl.int32) & 0xF0) | (
+            tl.load(base + SC + 5, mask=m, other=0).to(tl.int32) >> 4)
         bad = bad | _bad(hi)
     if tl.sum((bad & m).to(tl.int32), axis=0) > 0:
         tl.atomic_max(flag_ptr, tag)
@@ -70,7 +71,8 @@ def scan(w: torch.Tensor, ggml_type: int, flags: torch.Tensor, tag: int) -> None
     o0, o1, iq1m = _fields(ggml_type)
     block = 1024
     _scan_kernel[(triton.cdiv(nblk, block),)](flat, nblk, flags, tag, TS=q.type_size, O0=o0,
-                                               O1=o1, IQ1M=iq1m, BLOCK=block, num_warps=4)
+                                               O1=o1, IQ1M=iq1m, SC=_IQ1M_SCALES, BLOCK=block,
+                                               num_warps=4)
 
 
 def first_bad_block(raw: torch.Tensor, ggml_type: int) -> int | None:

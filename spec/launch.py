@@ -31,8 +31,8 @@ T_GLU_CONFIG = (128, 4, 2112)
 # a thread share each x value's loads and x-only work (H200, 7B ffn_up + ffn_down, 2026-12-02:
 # 256 rows won the sweep of five configs for Q2_K and IQ4_XS, on bf16 and int8 x; IQ2_XXS's
 # configs were within 5 % of each other)
-T_LOWBIT_TYPES = frozenset({qt.Q2_K, qt.Q3_K, qt.IQ4_XS, qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S,
-                            qt.IQ3_XXS, qt.IQ3_S})
+T_LOWBIT_TYPES = frozenset({qt.Q2_K, qt.Q3_K, qt.IQ4_XS, qt.IQ1_S, qt.IQ1_M, qt.IQ2_XXS,
+                            qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S})
 T_CONFIG_LOWBIT = (256, 4, 2112)
 
 

@@ -20,8 +20,8 @@ def _rand(g, lo, hi):
     return int(torch.randint(lo, hi, (1,), generator=g, device=DEVICE))
 
 
-TYPES = [qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q2_K, qt.Q3_K, qt.IQ4_XS, qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S,
-         qt.IQ3_XXS, qt.IQ3_S]
+TYPES = [qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q2_K, qt.Q3_K, qt.IQ4_XS, qt.IQ1_S, qt.IQ1_M,
+         qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S]
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)

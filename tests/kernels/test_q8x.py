@@ -45,8 +45,8 @@ def test_rmsnorm_writes_the_int8_copy(residual, seed):
     _same_q8(bufs, out[0])
 
 
-TYPES = [qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q2_K, qt.Q3_K, qt.IQ4_XS, qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S,
-         qt.IQ3_XXS, qt.IQ3_S, qt.Q8_0]
+TYPES = [qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q2_K, qt.Q3_K, qt.IQ4_XS, qt.IQ1_S, qt.IQ1_M,
+         qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.Q8_0]
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=qt.type_name)

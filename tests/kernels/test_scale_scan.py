@@ -4,6 +4,10 @@ finite ones, however large; the lookup buffer holds every IQ table the kernels r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from reference_check import DEVICE, generator
@@ -72,3 +76,30 @@ def test_the_lookup_buffer_holds_every_table():
     for t in lowbit_blocks.TABLE_TYPES:
         view = lowbit_blocks.lookup_table(t, DEVICE)
         assert view.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+
+
+_COMPILE_SCANS = """
+from benchmarks.ptx_count import _compile_sm90
+from carve_kernels import scale_scan
+from spec import quant_types as qt
+for t in sorted(qt.QUANT):
+    if scale_scan.scanned(t):
+        o0, o1, iq1m = scale_scan._fields(t)
+        _compile_sm90(scale_scan._scan_kernel,
+                      {"w_ptr": "*u8", "nblk": "i64", "flag_ptr": "*i32", "tag": "i32"},
+                      dict(TS=qt.QUANT[t].type_size, O0=o0, O1=o1, IQ1M=iq1m,
+                           SC=scale_scan._IQ1M_SCALES, BLOCK=1024), 4)
+        print(qt.type_name(t))
+"""
+
+
+def test_the_scan_compiles_for_the_gpu_for_every_scanned_type():
+    # the interpreter runs what a GPU compile refuses (a kernel reading a plain global of its
+    # module failed every IQ1_M load on the GPU): every type's scan compiled for sm_90 here
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE_SCANS], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = out.stdout.split()
+    assert "IQ1_M" in names and "Q4_K" in names and len(names) == sum(
+        scale_scan.scanned(t) for t in qt.QUANT)
