@@ -267,10 +267,11 @@ def test_a_worker_process_compiles_a_variant_into_the_cache_folder(tmp_path, mon
     target = ("cuda", 90, 32)
     options = make_backend(GPUTarget(*target)).parse_options({"num_warps": 4}).__dict__
     sig = {"w_ptr": "*u8", "nblk": "i32", "flag_ptr": "*i32", "tag": "i32",
-           **{k: "constexpr" for k in ("TS", "O0", "O1", "IQ1M", "BLOCK")}}
+           **{k: "constexpr" for k in ("TS", "O0", "O1", "IQ1M", "SC", "BLOCK")}}
     data = json.dumps({
         "name": "_scan_kernel", "signature": sig,
-        "constant_keys": [[4], [5], [6], [7], [8]], "constant_vals": [144, 0, 2, False, 256],
+        "constant_keys": [[4], [5], [6], [7], [8], [9]],
+        "constant_vals": [144, 0, 2, False, 48, 256],
         "attrs_keys": [[0], [2]],
         "attrs_vals": [[["tt.divisibility", 16]], [["tt.divisibility", 16]]],
         "options": options, "key": "test"}, default=list)
