@@ -105,12 +105,13 @@ def chunk_and_decode_rows(g, prompt: list[int]) -> torch.Tensor:
 
 def against_cpu_engine(plan, device: torch.device, prompt: list[int], steps: list[int],
                        greedy_prompt: list[int] | None, bound: float, label: str,
-                       check=None, options=None) -> None:
+                       check=None, options=None, after=None) -> None:
     """Load ``plan`` on the Triton runner (its stages on ``device``) and on the CPU engine:
     the prefill logits of every row of ``prompt``, then decode ``steps``, within ``bound``
     relative error; with ``greedy_prompt``, the same 4 greedy ids from a fresh cache (prefill,
     then decode steps as generate runs them). ``check``: called with the loaded GpuSession
-    first (that the stages took the path under test); ``options``: the Triton runner's
+    first (that the stages took the path under test); ``after``: called with both sessions
+    after the decode steps (before the greedy ids); ``options``: the Triton runner's
     RunnerOptions."""
     from engine.runtime.gpu.session import GpuSession
     from engine.runtime.options import RunnerOptions
@@ -127,6 +128,8 @@ def against_cpu_engine(plan, device: torch.device, prompt: list[int], steps: lis
         errs = [rel(lg, lc), *decode_errors(g, c, steps)[0]]
         print(f"{label}: rel errors prefill {errs[0]:.2e}, decode {max(errs[1:]):.2e}")
         assert max(errs) < bound
+        if after is not None:
+            after(g, c)
         if greedy_prompt is None:
             return
         one: list[int] = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gpu_compare import against_cpu_engine, decode_errors, rel
+from gpu_compare import against_cpu_engine, rel
 from hf_compare import f32_kv
 from moe_files import LLAMA3_ROPE as ROPE
 from moe_files import hf_model, write_pair
@@ -92,25 +92,18 @@ def _ids(n: int, seed: int = 0) -> list[int]:
 def test_the_triton_runner_rotates_as_the_cpu_engine(tiny) -> None:
     """The keys each engine rotated into its cache, prefill (40 positions in chunks of 8) and
     then decode: the synthetic model's attention is too flat for a wrong rotation to show much
-    in its logits (measured 1.4e-3 with the factors left out), its keys are not (1.1)."""
-    from engine.runtime.gpu.session import GpuSession
-    from engine.runtime.options import RunnerOptions
+    in its logits (measured 1.4e-3 with the factors left out), its keys are not (1.1). Then,
+    as everywhere, the logits and the greedy ids as the CPU engine's; one load of each."""
 
-    g = GpuSession.load(_plan(tiny), devices=[DEV], remember=False, options=RunnerOptions())
-    c = Session.load(_plan(tiny))
-    try:
+    def keys_rotated_alike(g, c) -> None:  # after the prefill of 40 and 3 decode steps
         assert g.pipe.stages[0].buf["rope_freqs"].shape == (32,)
-        g.logits(_ids(40))
-        c.logits(_ids(40))
-        decode_errors(g, c, _ids(3, 1))  # the decode step's fused rotation and store
         for i in range(4):
             k = g.pipe.stages[0].layers[i].attn.k_cache[:43]
             err = rel(k, c.kv.layers[i].k[:43])
             assert err < 5e-3, f"layer {i}: rotated keys differ by {err:.2e}"  # measured 2.5e-4
-    finally:
-        g.close()
-        c.close()
-    against_cpu_engine(_plan(tiny), DEV, _ids(12), _ids(3, 1), _ids(6, 3), 5e-3, tiny)
+
+    against_cpu_engine(_plan(tiny), DEV, _ids(40), _ids(3, 1), _ids(6, 3), 5e-3, tiny,
+                       after=keys_rotated_alike)
 
 
 def _with_factors(tmp_path, values: np.ndarray) -> str:
