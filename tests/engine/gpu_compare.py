@@ -12,6 +12,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
+def keys_alike(g, c, cells: int, bound: float) -> None:
+    """Each layer's first ``cells`` cached keys on the Triton runner ``g`` (its first stage)
+    within ``bound`` of the CPU engine's (``c``): what each rotated into its cache."""
+    for i, layer in enumerate(g.pipe.stages[0].layers):
+        err = rel(layer.attn.k_cache[:cells], c.kv.layers[i].k[:cells])
+        assert err < bound, f"layer {i}: rotated keys differ by {err:.2e}"
+
+
 def decode_errors(g, c, toks: list[int]) -> tuple[list[float], torch.Tensor]:
     """Decode ``toks`` after what both sessions hold: the relative error of each step, and the
     runner's last logits row."""
