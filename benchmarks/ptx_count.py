@@ -73,10 +73,12 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bool = False):
+def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bool = False,
+              smem: bool = False):
     """The compiled T-layout GEMV of ``ggml_type`` (carve_kernels/gemv_t.py), ``rows`` rows a
     program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy); ``traced``:
-    with the stamps of carve_kernels/trace.py compiled in."""
+    with the stamps of carve_kernels/trace.py compiled in; ``smem``: a grid type's grid read
+    from shared memory (the bodies' ASM = 2)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -89,7 +91,8 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bo
            "cnt_ptr": "*i32", "N": "i32", "NB": "i32", "BPS": "i32", "stride_xm": "i32",
            "stride_ym": "i32", "trace_ptr": "*i64"}
     const = {"BLOCK_N": rows, "SPLIT": 4, "XV": x == "bf16", "HAS_BIAS": False,
-             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": True, "PDL": False, "TRACE": traced}
+             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": 2 if smem else True, "PDL": False,
+             "TRACE": traced}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(11)}  # the pointers
     src = ASTSource(fn=gemv_t._gemv_t_kernel, signature=sig, constexprs=const, attrs=aligned)
@@ -280,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--body", choices=("row", "generic"), default=None)
     ap.add_argument("--t", action="store_true", help="the T-layout GEMV (carve_kernels/gemv_t.py)")
     ap.add_argument("--sass", action="store_true", help="count the machine code, not the PTX")
+    ap.add_argument("--smem", action="store_true", help="--t: the grid from shared memory")
     ap.add_argument("--json", action="store_true", help="one JSON line instead")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -316,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         rows, warps = (tuple(int(v) for v in args.config.split(",")) if args.config
                        else launch.t_config(t)[:2])
         cfg = (rows, warps)
-        kernel = compile_t(t, rows, warps, args.x)
+        kernel = compile_t(t, rows, warps, args.x, smem=args.smem)
         per = rows // (32 * warps) * 128  # half a block of each of its rows a step
     else:
         cfg = (tuple(int(v) for v in args.config.split(",")) if args.config

@@ -317,3 +317,74 @@ def iq_rows_dot(w_ptr, wh_ptr, g_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes,
             gsum = gsum * tl.load(xd_ptr + xg, mask=xm, other=0.0)
         acc += gsum
     return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+# A T body's grid in shared memory (ASM == 2, gemv_t.SMEM_TYPES): its rows read by `ld.shared`
+# in the loop instead of gathered from L1. Triton gives a kernel no shared array of its own to
+# index, so the array is a static `.shared` variable declared by the inline asm that returns
+# its address (not pure: a rematerialized copy would declare a second, empty array), filled
+# once a program from the table in global memory, then a barrier.
+@triton.jit
+def _smem_base(BYTES: tl.constexpr):
+    if BYTES <= 1024:
+        a = tl.inline_asm_elementwise(
+            "{ .shared .align 16 .b8 carve_grid[1024]; mov.u32 $0, carve_grid; }", "=r", [],
+            dtype=tl.int32, is_pure=False, pack=1)
+    elif BYTES <= 2048:
+        a = tl.inline_asm_elementwise(
+            "{ .shared .align 16 .b8 carve_grid[2048]; mov.u32 $0, carve_grid; }", "=r", [],
+            dtype=tl.int32, is_pure=False, pack=1)
+    elif BYTES <= 4096:
+        a = tl.inline_asm_elementwise(
+            "{ .shared .align 16 .b8 carve_grid[4096]; mov.u32 $0, carve_grid; }", "=r", [],
+            dtype=tl.int32, is_pure=False, pack=1)
+    elif BYTES <= 8192:
+        a = tl.inline_asm_elementwise(
+            "{ .shared .align 16 .b8 carve_grid[8192]; mov.u32 $0, carve_grid; }", "=r", [],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.static_assert(BYTES <= 16384, "a grid of at most 16 KiB")
+        a = tl.inline_asm_elementwise(
+            "{ .shared .align 16 .b8 carve_grid[16384]; mov.u32 $0, carve_grid; }", "=r", [],
+            dtype=tl.int32, is_pure=False, pack=1)
+    return a
+
+
+@triton.jit
+def grid_tab(tab_ptr, BYTES: tl.constexpr, W64: tl.constexpr, BLOCK_N: tl.constexpr,
+             ASM: tl.constexpr):
+    """What a T body's `grid_row` reads: the grid of BYTES bytes at tab_ptr (8-byte aligned)
+    as int64 (W64) or int32 rows; with ASM == 2 a shared copy of it (its address)."""
+    if ASM == 2:
+        base = _smem_base(BYTES)
+        src = tab_ptr.to(tl.pointer_type(tl.int64))
+        W: tl.constexpr = BYTES // 8
+        offs = tl.arange(0, BLOCK_N)
+        for i in tl.static_range((W + BLOCK_N - 1) // BLOCK_N):
+            k = tl.minimum(i * BLOCK_N + offs, W - 1)  # lanes past the end write the last again
+            tl.inline_asm_elementwise("st.shared.b64 [$1], $2; mov.u32 $0, 0;", "=r,r,l",
+                                      [base + 8 * k, tl.load(src + k)], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+        tab = base
+    elif W64:
+        tab = tab_ptr.to(tl.pointer_type(tl.int64))
+    else:
+        tab = tab_ptr.to(tl.pointer_type(tl.int32))
+    return tab
+
+
+@triton.jit
+def grid_row(tab, i, W64: tl.constexpr, ASM: tl.constexpr):
+    """Grid row i (int64 rows if W64, else int32) of what `grid_tab` gave."""
+    if ASM == 2:
+        if W64:
+            r = tl.inline_asm_elementwise("ld.shared.b64 $0, [$1];", "=l,r", [tab + 8 * i],
+                                          dtype=tl.int64, is_pure=False, pack=1)
+        else:
+            r = tl.inline_asm_elementwise("ld.shared.b32 $0, [$1];", "=r,r", [tab + 4 * i],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        r = tl.load(tab + i)
+    return r

@@ -398,6 +398,21 @@ def _t_grid(rows: list[int], nb: int, x: torch.Tensor, config: tuple[int, int, i
     return (tiles, split, mm), x2, bps, meta, warps
 
 
+# the grid IQ types whose T bodies can read their grid from a shared copy (gemv_iq.grid_tab), and
+# those that do: on trial (CARVE_TRIAL=grid_smem, engine/runtime/options.py) until a GPU times it
+GRID_SMEM = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
+                       qt.IQ1_M})
+SMEM_TYPES: frozenset[int] = frozenset()
+
+
+def _asm(cuda: bool, *types: int) -> bool | int:
+    # the bodies' ASM: False under the interpreter, True on a GPU, 2 (inline asm and the grid
+    # in shared memory) where a launch runs a type of SMEM_TYPES
+    if not cuda:
+        return False
+    return 2 if any(t in SMEM_TYPES for t in types) else True
+
+
 # decode's launches by part (qkv, one, glu): (warps, programs) in place of their config's, set
 # from CARVE_T_TILES (engine/runtime/options.py) to measure a config in the step; programs at
 # most the config's, so the splits' scratch (spec/launch.py ``scratch``) still holds
@@ -448,7 +463,8 @@ def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: to
     _gemv_t_kernel[grid](*ptrs, x2, q, d, s, y, bias if bias is not None else y, part, counter,
                          rows, nb, bps, x2.stride(0), y.stride(0),
                          **trace.args("gemv_t", grid, y), HAS_BIAS=bias is not None,
-                         Q8X=use, ASM=wt.is_cuda, **meta, num_warps=warps)
+                         Q8X=use, ASM=_asm(wt.is_cuda, ggml_type), **meta,
+                         num_warps=warps)
     return out
 
 
@@ -477,7 +493,8 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
                              bps, x2.stride(0), y.stride(0), **trace.args("gemv_t_glu", grid, y),
                              GELU=act == "gelu",
                              PAIR=paired and ggml_type in PAIRED, Q8X=use,
-                             QOUT=out_q is not None, ASM=gate.is_cuda, **meta, num_warps=warps)
+                             QOUT=out_q is not None, ASM=_asm(gate.is_cuda, ggml_type),
+                             **meta, num_warps=warps)
     return out
 
 
@@ -528,7 +545,8 @@ def gemv_t3(mats: list[tuple[torch.Tensor, int, int]], x: torch.Tensor, out: tor
     _gemv_t3_kernel[grid](*words[0][1], *words[1][1], *words[2][1], *b, x2, q, d, s, y, part,
                           counter, *rows, nb, bps, x2.stride(0), y.stride(0), *r_args,
                           **trace.args("gemv_t3", grid, y), HAS_BIAS=biases is not None, T1=mats[0][1], T2=mats[1][1],
-                          T3=mats[2][1], Q8X=use, ASM=x2.is_cuda, ROPE=rope is not None,
+                          T3=mats[2][1], Q8X=use,
+                          ASM=_asm(x2.is_cuda, *(t for _, t, _ in mats)), ROPE=rope is not None,
                           **r_meta, **meta, num_warps=warps)
     return out
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from carve_kernels.gemv_iq import _add_bytes, _ksigns, _signed
+from carve_kernels.gemv_iq import _add_bytes, _ksigns, _signed, grid_row, grid_tab
 from carve_kernels.gemv_t_dot import _bits, _dp4a, _ld8, _pick4, _pick8, _sc8, _x4
 
 
@@ -476,7 +476,7 @@ def _iq2xxs_group(aux0, aux1, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.conste
     isum = aux0 * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     for r in tl.static_range(4):
-        gr = tl.load(tab + ((aux0 >> (8 * r)) & 255))  # the row's 8 grid bytes, 1..127
+        gr = grid_row(tab, (aux0 >> (8 * r)) & 255, True, ASM)  # the row's 8 grid bytes, 1..127
         sg = _ksigns((aux1 >> (7 * r)) & 127, ASM)
         isum, s = _grid_dot(_signed(gr.to(tl.int32), sg & 15),
                             _signed((gr >> 32).to(tl.int32), (sg >> 4) & 15), xp + 8 * r,
@@ -493,7 +493,7 @@ def iq2xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
                  ASM: tl.constexpr):
     # IQ2_XXS: words 0-15 the qs of groups 0-7 (2 a group: 4 index bytes, then the signs and
     # scale), its f16 d in the tail plane. Half a block (4 groups, 8 words) per step
-    tab = tab_ptr.to(tl.pointer_type(tl.int64))
+    tab = grid_tab(tab_ptr, 2048, True, BLOCK_N, ASM)
     dp = wh_ptr + NB * 32 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -525,7 +525,7 @@ def _iq3s_group(q0, q1, qh, sg, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.
         else:
             q = q1
         gi = ((q >> (8 * (r % 4))) & 255) | (((qh >> r) & 1) << 8)
-        w = _signed(tl.load(tab + gi), (sg >> (4 * r)) & 15)  # the row's 4 grid bytes
+        w = _signed(grid_row(tab, gi, False, ASM), (sg >> (4 * r)) & 15)  # the row's 4 grid bytes
         isum, s = _grid_dot(w, w, xp + 4 * r, xq_ptr, xi + r, isum, s, 4, XV, Q8X, ASM)
     db = d * (1 + 2 * sc).to(tl.float32)
     if Q8X:
@@ -539,7 +539,7 @@ def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
     # IQ3_S: words 0-15 qs (2 a group), 16-17 qh (a byte a group), 18-25 signs (a word a
     # group), 26 the scales (a nibble a group); its f16 d in the tail plane. Half a block (4
     # groups) per step
-    tab = tab_ptr.to(tl.pointer_type(tl.int32))
+    tab = grid_tab(tab_ptr, 2048, False, BLOCK_N, ASM)
     dp = wh_ptr + NB * 54 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -580,8 +580,9 @@ def _iq3xxs_group(q0, q1, aux, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.const
         else:
             q = q1
         sg = _ksigns((aux >> (7 * r)) & 127, ASM)
-        w0 = _signed(tl.load(tab + ((q >> (16 * (r % 2))) & 255)), sg & 15)
-        w1 = _signed(tl.load(tab + ((q >> (16 * (r % 2) + 8)) & 255)), (sg >> 4) & 15)
+        w0 = _signed(grid_row(tab, (q >> (16 * (r % 2))) & 255, False, ASM), sg & 15)
+        w1 = _signed(grid_row(tab, (q >> (16 * (r % 2) + 8)) & 255, False, ASM),
+                     (sg >> 4) & 15)
         isum, s = _grid_dot(w0, w1, xp + 8 * r, xq_ptr, xi + 2 * r, isum, s, 8, XV, Q8X, ASM)
     db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
     if Q8X:
@@ -595,7 +596,7 @@ def iq3xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
                  ASM: tl.constexpr):
     # IQ3_XXS: words 0-15 qs (2 a group), 16-23 a group's signs and scale; its f16 d in the
     # tail plane. Half a block (4 groups: 8 qs words and 4 sign words) per step
-    tab = tab_ptr.to(tl.pointer_type(tl.int32))
+    tab = grid_tab(tab_ptr, 1024, False, BLOCK_N, ASM)
     dp = wh_ptr + NB * 48 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -629,7 +630,7 @@ def _iq2_pair(w, sg, tab, acc, db, xq_ptr, xi, xp, R: tl.constexpr, BLOCK_N: tl.
     isum = w[0] * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k in tl.static_range(2):
-        gr = tl.load(tab + w[k])
+        gr = grid_row(tab, w[k], True, ASM)
         isum, s = _grid_dot(_signed(gr.to(tl.int32), sg[k] & 15),
                             _signed((gr >> 32).to(tl.int32), (sg[k] >> 4) & 15),
                             xp + 8 * (R + k), xq_ptr, xi + 2 * (R + k), isum, s, 8, XV, Q8X,
@@ -666,7 +667,7 @@ def iq2xs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, 
                 ASM: tl.constexpr):
     # IQ2_XS: words 0-15 qs (2 a group), 16-17 the scales (a byte a group); its f16 d in the
     # tail plane. Half a block (4 groups: 8 qs words and a scales word) per step
-    tab = tab_ptr.to(tl.pointer_type(tl.int64))
+    tab = grid_tab(tab_ptr, 4096, True, BLOCK_N, ASM)
     dp = wh_ptr + NB * 36 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -711,7 +712,7 @@ def iq2s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
                BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # IQ2_S: words 0-7 the index bytes (a word a group), 8-15 the signs, 16-17 qh, 18-19 the
     # scales (a byte a group each); its f16 d in the tail plane. Half a block (4 groups) per step
-    tab = tab_ptr.to(tl.pointer_type(tl.int64))
+    tab = grid_tab(tab_ptr, 8192, True, BLOCK_N, ASM)
     dp = wh_ptr + NB * 40 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -748,7 +749,7 @@ def _iq1_pair(w, dl, tab, acc, db, xq_ptr, xi, xp, R: tl.constexpr, BLOCK_N: tl.
     isum = w[0] * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k in tl.static_range(2):
-        gr = tl.load(tab + w[k])
+        gr = grid_row(tab, w[k], True, ASM)
         dw = (dl[k] & 255) * 0x01010101
         isum, s = _grid_dot(_add_bytes(gr.to(tl.int32), dw),
                             _add_bytes((gr >> 32).to(tl.int32), dw), xp + 8 * (R + k), xq_ptr,
@@ -781,7 +782,7 @@ def iq1s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
                BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # IQ1_S: words 0-7 the index bytes (a word a group), 8-11 qh (16 bits a group); its f16 d
     # in the tail plane. Half a block (4 groups: 4 index words, 2 qh words) per step
-    tab = tab_ptr.to(tl.pointer_type(tl.int64))
+    tab = grid_tab(tab_ptr, 16384, True, BLOCK_N, ASM)
     dp = wh_ptr + NB * 24 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -835,7 +836,7 @@ def iq1m_t_dot(wt_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_h
                BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # IQ1_M: words 0-7 the index bytes, 8-11 qh (16 bits a group), 12-13 the scales (16 bits
     # per two groups, d's nibbles at their tops). Half a block (4 groups) per step
-    tab = tab_ptr.to(tl.pointer_type(tl.int64))
+    tab = grid_tab(tab_ptr, 16384, True, BLOCK_N, ASM)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2

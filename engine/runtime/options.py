@@ -23,6 +23,8 @@ TRIALS = {
                   "(carve_kernels/gemv_q8_blocks.py iq4nl_q8_rows_dot)",
     "legacy_experts": "decode's Q4_0, Q4_1 and Q5_1 experts on int8 x (the dense GEMVs' bodies, "
                       "carve_kernels/gemv_q8_blocks.py)",
+    "grid_smem": "the grid IQ types' T-layout decode GEMVs reading their grid from a copy in "
+                 "shared memory (carve_kernels/gemv_iq.py grid_tab)",
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
@@ -122,6 +124,10 @@ class RunnerOptions:
                        if name in self.trials for t in types}
             if experts:
                 moe_decode.Q8_ON_TRIAL = frozenset(experts)
+        if "grid_smem" in self.trials:
+            from carve_kernels import gemv_t
+
+            gemv_t.SMEM_TYPES = gemv_t.GRID_SMEM
         if self.expert_tiles:
             from carve_kernels import moe_decode
 
