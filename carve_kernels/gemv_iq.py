@@ -351,23 +351,30 @@ def _smem_base(BYTES: tl.constexpr):
 
 
 @triton.jit
-def grid_tab(tab_ptr, BYTES: tl.constexpr, W64: tl.constexpr, BLOCK_N: tl.constexpr,
-             ASM: tl.constexpr):
-    """What a T body's `grid_row` reads: the grid of BYTES bytes at tab_ptr (8-byte aligned)
-    as int64 (W64) or int32 rows; with ASM == 2 a shared copy of it (its address)."""
-    if ASM == 2:
-        base = _smem_base(BYTES)
-        src = tab_ptr.to(tl.pointer_type(tl.int64))
-        W: tl.constexpr = BYTES // 8
-        offs = tl.arange(0, BLOCK_N)
-        for i in tl.static_range((W + BLOCK_N - 1) // BLOCK_N):
-            k = tl.minimum(i * BLOCK_N + offs, W - 1)  # lanes past the end write the last again
-            tl.inline_asm_elementwise("st.shared.b64 [$1], $2; mov.u32 $0, 0;", "=r,r,l",
-                                      [base + 8 * k, tl.load(src + k)], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+def grid_fill(tab_ptr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A shared copy of the grid of BYTES bytes at tab_ptr (8-byte aligned), made by the
+    program's BLOCK_N lanes, then a barrier: its shared address, for `grid_tab`. Called once
+    a program, where every thread of it passes."""
+    base = _smem_base(BYTES)
+    src = tab_ptr.to(tl.pointer_type(tl.int64))
+    W: tl.constexpr = BYTES // 8
+    offs = tl.arange(0, BLOCK_N)
+    for i in tl.static_range((W + BLOCK_N - 1) // BLOCK_N):
+        k = tl.minimum(i * BLOCK_N + offs, W - 1)  # lanes past the end write the last again
+        tl.inline_asm_elementwise("st.shared.b64 [$1], $2; mov.u32 $0, 0;", "=r,r,l",
+                                  [base + 8 * k, tl.load(src + k)], dtype=tl.int32,
                                   is_pure=False, pack=1)
-        tab = base
+    tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+    return base
+
+
+@triton.jit
+def grid_tab(tab_ptr, W64: tl.constexpr, ASM: tl.constexpr):
+    """What a T body's `grid_row` reads: with ASM == 2 tab_ptr is already the shared copy
+    (`grid_fill`'s address), else the grid in global memory as int64 (W64) or int32 rows."""
+    if ASM == 2:
+        tab = tab_ptr
     elif W64:
         tab = tab_ptr.to(tl.pointer_type(tl.int64))
     else:

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from carve_kernels import pdl, q8x, trace
 from carve_kernels import rope as rope_mod
+from carve_kernels.gemv_iq import grid_fill
 from carve_kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
 from carve_kernels.gemv_t_low import (
     iq1m_t_dot,
@@ -136,12 +137,32 @@ def unpack(t: torch.Tensor, ggml_type: int, rows: int) -> torch.Tensor:
 
 
 @triton.jit
+def t_tab(tab_ptr, TYPE: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+    # the table t_body reads: with ASM == 2 a grid type's grid copied to shared memory
+    # (gemv_iq.grid_fill: once a program, a barrier), else tab_ptr itself
+    if ASM == 2 and (TYPE == 16 or TYPE == 21):  # IQ2_XXS, IQ3_S
+        tab = grid_fill(tab_ptr, 2048, BLOCK_N)
+    elif ASM == 2 and TYPE == 18:  # IQ3_XXS
+        tab = grid_fill(tab_ptr, 1024, BLOCK_N)
+    elif ASM == 2 and TYPE == 17:  # IQ2_XS
+        tab = grid_fill(tab_ptr, 4096, BLOCK_N)
+    elif ASM == 2 and TYPE == 22:  # IQ2_S
+        tab = grid_fill(tab_ptr, 8192, BLOCK_N)
+    elif ASM == 2 and (TYPE == 19 or TYPE == 29):  # IQ1_S, IQ1_M
+        tab = grid_fill(tab_ptr, 16384, BLOCK_N)
+    else:
+        tab = tab_ptr
+    return tab
+
+
+@triton.jit
 def t_body(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB, b_lo,
            b_hi, BLOCK_N: tl.constexpr, XV: tl.constexpr, TYPE: tl.constexpr,
            Q8X: tl.constexpr, ASM: tl.constexpr):
     # a program's sums over blocks [b_lo, b_hi) of its rows, by type (carve_kernels/gemv_t_dot.py,
     # carve_kernels/gemv_t_low.py); rows masked, not clamped: a clamp hides their contiguity and the
-    # loads go 4 bytes wide. tab_ptr: the type's value table (lowbit_blocks.lookup_table)
+    # loads go 4 bytes wide. tab_ptr: the type's value table (lowbit_blocks.lookup_table), or
+    # with ASM == 2 what t_tab made of it
     if TYPE == 10:
         acc = q2k_t_dot(wt_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV,
                         Q8X, ASM)
@@ -226,8 +247,9 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr
                    HAS_BIAS: tl.constexpr, TYPE: tl.constexpr, Q8X: tl.constexpr,
                    ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
+    tab = t_tab(tab_ptr, TYPE, BLOCK_N, ASM)  # before the wait: no kernel writes the table
     trace.wait(trace_ptr, PDL, TRACE)
-    acc = t_body(wt_ptr, wh_ptr, tab_ptr, x_ptr + m * stride_xm, xq_ptr, xd_ptr, xs_ptr, rows,
+    acc = t_body(wt_ptr, wh_ptr, tab, x_ptr + m * stride_xm, xq_ptr, xd_ptr, xs_ptr, rows,
                  rmask, N, NB, b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
     trace.stamp(trace_ptr, 2, TRACE)
     last = True
@@ -253,15 +275,16 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
     # split, part holds [M, 2, SPLIT, N] and the last program of a row tile applies the GLU.
     # QOUT: the last program also writes the int8 copy of its y (carve_kernels/q8x.py, M = 1)
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
+    tab = t_tab(tab_ptr, TYPE, BLOCK_N, ASM)  # one copy for gate and up, before the wait
     trace.wait(trace_ptr, PDL, TRACE)
     xrow = x_ptr + m * stride_xm
     if PAIR:  # Q4_K, Q5_K: gate and up words in one step, each x value converted once
         g, u = q4k_t_dot_half(g_ptr, u_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
                               b_lo, b_hi, BLOCK_N, XV, True, Q8X, ASM, TYPE == 13)
     else:
-        g = t_body(g_ptr, gh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB,
+        g = t_body(g_ptr, gh_ptr, tab, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB,
                    b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
-        u = t_body(u_ptr, uh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB,
+        u = t_body(u_ptr, uh_ptr, tab, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB,
                    b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
     trace.stamp(trace_ptr, 2, TRACE)
     last = True
@@ -310,21 +333,25 @@ def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_pt
     trace.wait(trace_ptr, PDL, TRACE)
     xrow = x_ptr + m * stride_xm
     if pid >= p2:
-        acc = t_body(w3, h3, g3, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N3, NB, b_lo, b_hi,
+        acc = t_body(w3, h3, t_tab(g3, T3, BLOCK_N, ASM), xrow, xq_ptr, xd_ptr, xs_ptr, rows,
+                     rmask, N3, NB, b_lo, b_hi,
                      BLOCK_N, XV, T3, Q8X, ASM)
     elif T1 == T2:
         # q and k of one type (the usual case): one body for both, its matrix chosen per
         # program. The same code, but a third less of it to compile: Triton's coalescing
         # pass grows with (loads x operations), most of a cold compile of three bodies
         first = pid < p1
-        acc = t_body(tl.where(first, w1, w2), tl.where(first, h1, h2), tl.where(first, g1, g2),
-                     xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, tl.where(first, N1, N2), NB,
+        acc = t_body(tl.where(first, w1, w2), tl.where(first, h1, h2),
+                     t_tab(tl.where(first, g1, g2), T1, BLOCK_N, ASM), xrow, xq_ptr, xd_ptr,
+                     xs_ptr, rows, rmask, tl.where(first, N1, N2), NB,
                      b_lo, b_hi, BLOCK_N, XV, T1, Q8X, ASM)
     elif pid < p1:
-        acc = t_body(w1, h1, g1, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N1, NB, b_lo, b_hi,
+        acc = t_body(w1, h1, t_tab(g1, T1, BLOCK_N, ASM), xrow, xq_ptr, xd_ptr, xs_ptr, rows,
+                     rmask, N1, NB, b_lo, b_hi,
                      BLOCK_N, XV, T1, Q8X, ASM)
     else:
-        acc = t_body(w2, h2, g2, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N2, NB, b_lo, b_hi,
+        acc = t_body(w2, h2, t_tab(g2, T2, BLOCK_N, ASM), xrow, xq_ptr, xd_ptr, xs_ptr, rows,
+                     rmask, N2, NB, b_lo, b_hi,
                      BLOCK_N, XV, T2, Q8X, ASM)
     trace.stamp(trace_ptr, 2, TRACE)
     last = True
@@ -398,7 +425,7 @@ def _t_grid(rows: list[int], nb: int, x: torch.Tensor, config: tuple[int, int, i
     return (tiles, split, mm), x2, bps, meta, warps
 
 
-# the grid IQ types whose T bodies can read their grid from a shared copy (gemv_iq.grid_tab), and
+# the grid IQ types whose T bodies can read their grid from a shared copy (gemv_iq.grid_fill), and
 # those that do: on trial (CARVE_TRIAL=grid_smem, engine/runtime/options.py) until a GPU times it
 GRID_SMEM = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
                        qt.IQ1_M})

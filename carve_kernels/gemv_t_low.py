@@ -493,7 +493,7 @@ def iq2xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
                  ASM: tl.constexpr):
     # IQ2_XXS: words 0-15 the qs of groups 0-7 (2 a group: 4 index bytes, then the signs and
     # scale), its f16 d in the tail plane. Half a block (4 groups, 8 words) per step
-    tab = grid_tab(tab_ptr, 2048, True, BLOCK_N, ASM)
+    tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 32 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -539,7 +539,7 @@ def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
     # IQ3_S: words 0-15 qs (2 a group), 16-17 qh (a byte a group), 18-25 signs (a word a
     # group), 26 the scales (a nibble a group); its f16 d in the tail plane. Half a block (4
     # groups) per step
-    tab = grid_tab(tab_ptr, 2048, False, BLOCK_N, ASM)
+    tab = grid_tab(tab_ptr, False, ASM)
     dp = wh_ptr + NB * 54 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -596,7 +596,7 @@ def iq3xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
                  ASM: tl.constexpr):
     # IQ3_XXS: words 0-15 qs (2 a group), 16-23 a group's signs and scale; its f16 d in the
     # tail plane. Half a block (4 groups: 8 qs words and 4 sign words) per step
-    tab = grid_tab(tab_ptr, 1024, False, BLOCK_N, ASM)
+    tab = grid_tab(tab_ptr, False, ASM)
     dp = wh_ptr + NB * 48 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -667,7 +667,7 @@ def iq2xs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, 
                 ASM: tl.constexpr):
     # IQ2_XS: words 0-15 qs (2 a group), 16-17 the scales (a byte a group); its f16 d in the
     # tail plane. Half a block (4 groups: 8 qs words and a scales word) per step
-    tab = grid_tab(tab_ptr, 4096, True, BLOCK_N, ASM)
+    tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 36 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -712,7 +712,7 @@ def iq2s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
                BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # IQ2_S: words 0-7 the index bytes (a word a group), 8-15 the signs, 16-17 qh, 18-19 the
     # scales (a byte a group each); its f16 d in the tail plane. Half a block (4 groups) per step
-    tab = grid_tab(tab_ptr, 8192, True, BLOCK_N, ASM)
+    tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 40 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -782,7 +782,7 @@ def iq1s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
                BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # IQ1_S: words 0-7 the index bytes (a word a group), 8-11 qh (16 bits a group); its f16 d
     # in the tail plane. Half a block (4 groups: 4 index words, 2 qh words) per step
-    tab = grid_tab(tab_ptr, 16384, True, BLOCK_N, ASM)
+    tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 24 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -836,7 +836,7 @@ def iq1m_t_dot(wt_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_h
                BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # IQ1_M: words 0-7 the index bytes, 8-11 qh (16 bits a group), 12-13 the scales (16 bits
     # per two groups, d's nibbles at their tops). Half a block (4 groups) per step
-    tab = grid_tab(tab_ptr, 16384, True, BLOCK_N, ASM)
+    tab = grid_tab(tab_ptr, True, ASM)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
