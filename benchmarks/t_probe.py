@@ -4,6 +4,7 @@ program for a hardware profiler to read (the GPU machine's ``ncu``), where
 ``benchmarks.device_check --types`` times the same kernels among many others.
 
     python -m benchmarks.t_probe IQ2_XXS,Q2_K [--rows 18944 --cols 3584] [--bf16] [--smem]
+        [--programs N]
 
 ``--smem``: the grid types read their grid from a copy in shared memory (the ``grid_smem`` trial).
 
@@ -28,14 +29,18 @@ from spec import quant_types as qt
 from spec.errors import CarveError
 
 
-def probe(t: int, rows: int, cols: int, int8: bool, copies: int = 4) -> tuple[float, float]:
+def probe(t: int, rows: int, cols: int, int8: bool, copies: int = 4,
+          programs: int = 0) -> tuple[float, float]:
     """(us a call, relative error) of one T GEMV of type ``t``: the first call compiles, the
     second is the one a profiler skipping one launch reads, then a CUDA graph of calls over
-    ``copies`` copies of the matrix (more bytes than L2 holds) is timed."""
+    ``copies`` copies of the matrix (more bytes than L2 holds) is timed. ``programs``: about
+    that many programs (each row tile's blocks split fewer ways) instead of the config's."""
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = [random_weight(t, rows, cols, "cuda", g) for _ in range(copies)]
     wts = [gemv_t.repack(w, t) for w in ws]
     cfg = launch.t_config(t)
+    if programs:
+        cfg = (cfg[0], cfg[1], programs)
     floats, tiles = launch.scratch([rows], cols, cfg)
     part = torch.empty(max(floats, 1), device="cuda")
     counter = torch.zeros(max(tiles, 1), dtype=torch.int32, device="cuda")
@@ -62,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16", action="store_true", help="bf16 x instead of the int8 copy")
     ap.add_argument("--smem", action="store_true",
                     help="the grid types' grid from a copy in shared memory (trial grid_smem)")
+    ap.add_argument("--programs", type=int, default=0,
+                    help="about this many programs instead of the config's (fewer splits)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("t_probe: no CUDA device here", file=sys.stderr)
@@ -77,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         if t not in gemv_t.WORDS:
             print(f"t_probe: {qt.type_name(t)} has no T layout (gemv_t.WORDS)", file=sys.stderr)
             return 2
-        us, err = probe(t, args.rows, args.cols, not args.bf16)
+        us, err = probe(t, args.rows, args.cols, not args.bf16, programs=args.programs)
         x = ("bf16" if args.bf16 else "int8") + (" smem" if args.smem else "")
+        x += f" ~{args.programs} programs" if args.programs else ""
         print(f"{qt.type_name(t)} T {x} x {args.rows}x{args.cols}: {us:.1f} us a call, error"
               f" {err:.2e}", flush=True)
     return 0
