@@ -363,3 +363,35 @@ def test_bad_buffers_and_types_are_refused(seed):
     with pytest.raises(ValueError, match="same number of columns"):
         gemv_t.gemv_t3([(t, qt.Q4_K, 64), (t2, qt.Q4_K, 64), (t, qt.Q4_K, 64)], x,
                        torch.empty(1, 192, device=DEVICE), small, cnt)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU: the shared grid is inline PTX")
+@pytest.mark.parametrize("ggml_type", sorted(gemv_t.GRID_SMEM), ids=qt.type_name)
+@pytest.mark.parametrize("int8_x", [True, False])
+def test_the_grid_from_shared_memory_gives_the_same_sums(ggml_type, int8_x, monkeypatch, seed):
+    # gemv_t.SMEM_TYPES (trial grid_smem): the same grid rows read by ld.shared from the copy
+    # each program makes, so the same sums to the bit, in all three T launches (gate and up
+    # read one copy; q/k/v's bodies each their own)
+    g = generator(seed)
+    rows, nb = 256 + _rand(g, 1, 300), _rand(g, 1, 5)
+    ws = [random_weight(ggml_type, rows, 256 * nb, DEVICE, g) for _ in range(3)]
+    wts = [gemv_t.repack(w, ggml_type) for w in ws]
+    x = torch.randn(1, 256 * nb, generator=g, device=DEVICE).to(torch.bfloat16)
+    xq = q8x.copy_ref(x[0])[0] if int8_x else None
+    part = torch.full((2 * nb * 3 * rows,), float("nan"), device=DEVICE)
+    counter = torch.zeros(3 * rows, dtype=torch.int32, device=DEVICE)
+
+    def run() -> list[torch.Tensor]:
+        one, glu_out = (torch.full((1, rows), float("nan"), device=DEVICE) for _ in range(2))
+        three = torch.full((1, 3 * rows), float("nan"), device=DEVICE)
+        gemv_t.gemv_t(wts[0], ggml_type, rows, x, one, part, counter, xq=xq)
+        gemv_t.gemv_t_glu(wts[0], wts[1], ggml_type, rows, x, glu_out, part, counter, xq=xq)
+        gemv_t.gemv_t3([(w, ggml_type, rows) for w in wts], x, three, part, counter, xq=xq)
+        return [one, glu_out, three]
+
+    plain = run()
+    monkeypatch.setattr(gemv_t, "SMEM_TYPES", gemv_t.GRID_SMEM)
+    shared = run()
+    for a, b in zip(plain, shared):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    assert not counter.any()

@@ -117,3 +117,15 @@ def test_the_tool_refuses_what_it_cannot_count(capsys, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert ptx_count.main(["IQ2_XXS"]) == 2
     assert "TRITON_INTERPRET" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ggml_type", [qt.IQ2_XXS, qt.IQ3_S, qt.IQ1_M], ids=qt.type_name)
+def test_grid_bodies_read_a_shared_grid_with_ld_shared(ggml_type):
+    # the grid_smem trial (gemv_iq.grid_fill / grid_row: a static .shared array declared by
+    # inline PTX) assembles for sm_90, int64 rows (IQ2_XXS), int32 rows (IQ3_S) and the 16 KiB
+    # grid (IQ1_M): the loop reads every grid row by LDS, two rows a thread, its 8 grid rows
+    # a group (IQ3_S's 8 of 4 values) each
+    per_step = {qt.IQ2_XXS: 2 * 16, qt.IQ3_S: 2 * 32, qt.IQ1_M: 2 * 16}[ggml_type]
+    got = _count(qt.type_name(ggml_type), "--t", "--x", "int8", "--sass", "--config", "256,4",
+                 "--smem")
+    assert got["counts"].get("LDS", 0) == per_step, got["counts"]
