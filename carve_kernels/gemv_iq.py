@@ -152,6 +152,43 @@ def _grid_row(i0, i1, i2, i3, a, b, d, g, RI: tl.constexpr, TYPE: tl.constexpr,
 
 
 @triton.jit
+def _sign_masks(s7, ASM: tl.constexpr):
+    # the ksigns pattern of a 7-bit sign index s7 (its parity the 8th sign) as the masks of
+    # _byte_masks
+    if ASM:
+        p = tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [s7], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    else:  # only bit 0 of p counts: the parity
+        p = s7 ^ (s7 >> 4)
+        p = p ^ (p >> 2)
+        p = p ^ (p >> 1)
+    return _byte_masks(s7, s7 + (p << 7), ASM)
+
+
+@triton.jit
+def _byte_masks(lo, s8, ASM: tl.constexpr):
+    # 8 sign bits as two words of 0x00 / 0xFF bytes, for values 0-3 and 4-7: signs 0-3 the
+    # low 4 bits of lo (lo < 128), signs 4-7 bits 4-7 of s8. lo * 0x10204080 puts bit k at
+    # bit 8k + 7 (the shifted copies of a 7-bit number do not overlap, so nothing carries),
+    # s8's high nibble goes there by 0x01020408 the same way, and a byte permute repeats each
+    # byte's top bit through it
+    m0 = _prmt_sign(lo * 0x10204080, ASM)
+    m1 = _prmt_sign((s8 & 0xF0) * 0x01020408, ASM)
+    return m0, m1
+
+
+@triton.jit
+def _prmt_sign(a, ASM: tl.constexpr):
+    # 0xFF in each byte of a whose top bit is set, else 0x00 (prmt's sign-repeating selectors)
+    if ASM:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0xBA98;", "=r,r", [a],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        m = (a >> 7) & 0x01010101
+        return m * 255
+
+
+@triton.jit
 def _signed(w, s4):
     # the 4 grid bytes of word w (each 1..127), byte k negated where bit k of s4 is set:
     # s4 * 0x00204081 puts bit k at bit 8k, (v ^ 0xFF) + 1 = -v in a byte, with no carry out

@@ -11,10 +11,13 @@ On decode's int8 copy of x (carve_kernels/q8x.py) the values multiply by ``dp4a`
 values as bytes ``(w >> 2j) & 0x03030303`` (Q3_K's with their hmask bit at bit 2, less 4 times
 the sum of x per 16), IQ4_XS's nibbles turned into their table values
 by byte permutes (``_iq4_values``), the grid types' rows gathered from the table
-(one 8- or 4-byte word a row) with their signs put into the bytes as integers
-(carve_kernels/gemv_iq.py ``_signed``). On float x (bf16 as 64-bit words of four, or float32 or f16
-one value a load) Q2_K's values become floats through the mantissa of 1.0 (1 + q/4, the 1
-taken back out with the sum of x) and the others' signed bytes by a convert.
+(one 8- or 4-byte word a row), each word xor'ed with its sign mask (0xFF bytes where a value is
+negative: carve_kernels/gemv_iq.py ``_byte_masks``, one multiply and one byte permute a word),
+which makes a negative value -g - 1, so the dp4a of the masks themselves is taken back out
+(IQ3_S's 9-bit indices made by a byte permute too). On float x (bf16 as 64-bit words of four,
+or float32 or f16 one value a load) Q2_K's values become floats through the mantissa of 1.0
+(1 + q/4, the 1 taken back out with the sum of x) and the others' signed bytes (``_signed``)
+by a convert.
 
 Blocks (GGUF order; the T layout keeps the words of a block): Q2_K, 84 bytes = 21 words:
 scales[16] (words 0-3; low nibble a scale, high a min, per 16 values), qs[64] (words 4-19;
@@ -43,7 +46,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from carve_kernels.gemv_iq import _add_bytes, _ksigns, _signed, grid_row, grid_tab
+from carve_kernels.gemv_iq import (
+    _add_bytes,
+    _byte_masks,
+    _ksigns,
+    _sign_masks,
+    _signed,
+    grid_row,
+    grid_tab,
+)
 from carve_kernels.gemv_t_dot import _bits, _dp4a, _ld8, _pick4, _pick8, _sc8, _x4
 
 
@@ -475,15 +486,26 @@ def _iq2xxs_group(aux0, aux1, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.conste
     # group's 4-bit scale in aux1)
     isum = aux0 * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if Q8X:
+        # the sign masks m: (g ^ m) is -g - 1 where m is 0xFF, so the group's sum is
+        # dp4a(g ^ m, x) less dp4a(m, x) (m's bytes -1 or 0)
+        neg = aux0 * 0
+        for r in tl.static_range(4):
+            gr = grid_row(tab, ((aux0 >> (8 * r)) & 255), True, ASM)  # the row's 8 grid bytes, 1..127
+            m0, m1 = _sign_masks((aux1 >> (7 * r)) & 127, ASM)
+            xa, xb = _x64(xq_ptr, xi + 2 * r)
+            isum = _dp4a(gr.to(tl.int32) ^ m0, xa, isum, ASM, True)
+            isum = _dp4a((gr >> 32).to(tl.int32) ^ m1, xb, isum, ASM, True)
+            neg = _dp4a(m1, xb, _dp4a(m0, xa, neg, ASM, True), ASM, True)
+        db = d * (0.5 + ((aux1 >> 28) & 15).to(tl.float32)) * 0.25
+        return db * tl.load(xd_ptr) * (isum - neg).to(tl.float32)
     for r in tl.static_range(4):
-        gr = grid_row(tab, (aux0 >> (8 * r)) & 255, True, ASM)  # the row's 8 grid bytes, 1..127
+        gr = grid_row(tab, ((aux0 >> (8 * r)) & 255), True, ASM)  # the row's 8 grid bytes, 1..127
         sg = _ksigns((aux1 >> (7 * r)) & 127, ASM)
         isum, s = _grid_dot(_signed(gr.to(tl.int32), sg & 15),
                             _signed((gr >> 32).to(tl.int32), (sg >> 4) & 15), xp + 8 * r,
                             xq_ptr, xi + 2 * r, isum, s, 8, XV, Q8X, ASM)
     db = d * (0.5 + ((aux1 >> 28) & 15).to(tl.float32)) * 0.25
-    if Q8X:
-        return db * tl.load(xd_ptr) * isum.to(tl.float32)
     return db * s
 
 
@@ -519,18 +541,44 @@ def _iq3s_group(q0, q1, qh, sg, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.
     # byte qh, 4 sign bits each in sg), the group's scale nibble sc
     isum = q0 * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r in tl.static_range(8):
-        if r < 4:
-            q = q0
-        else:
-            q = q1
-        gi = ((q >> (8 * (r % 4))) & 255) | (((qh >> r) & 1) << 8)
-        w = _signed(grid_row(tab, gi, False, ASM), (sg >> (4 * r)) & 15)  # the row's 4 grid bytes
-        isum, s = _grid_dot(w, w, xp + 4 * r, xq_ptr, xi + r, isum, s, 4, XV, Q8X, ASM)
     db = d * (1 + 2 * sc).to(tl.float32)
-    if Q8X:
-        return db * tl.load(xd_ptr) * isum.to(tl.float32)
-    return db * s
+    if Q8X:  # two rows' sign masks from a byte of sg, as IQ2_XXS's: dp4a(g ^ m) less dp4a(m)
+        # the rows' 9th index bits as bytes 0 / 1 (rows 0-3, 4-7), so that a byte permute
+        # makes each row's index: its byte of q, its byte of these, then two zero bytes (the
+        # sign of a 0 / 1 byte repeated)
+        e0 = ((qh & 15) * 0x00204081) & 0x01010101
+        e1 = (((qh >> 4) & 15) * 0x00204081) & 0x01010101
+        neg = q0 * 0
+        for h in tl.static_range(4):
+            if h < 2:
+                q = q0
+                e = e0
+            else:
+                q = q1
+                e = e1
+            s8 = sg >> (8 * h)
+            m0, m1 = _byte_masks(s8 & 127, s8, ASM)
+            r = 2 * h
+            k = r % 4
+            g0 = grid_row(tab, _prmt(q, e, k | ((4 + k) << 4) | ((12 + k) << 8) | ((12 + k) << 12),
+                                     ASM), False, ASM)
+            g1 = grid_row(tab, _prmt(q, e, (k + 1) | ((5 + k) << 4) | ((13 + k) << 8)
+                                     | ((13 + k) << 12), ASM), False, ASM)
+            xa, xb = _x64(xq_ptr, xi + r)
+            isum = _dp4a(g1 ^ m1, xb, _dp4a(g0 ^ m0, xa, isum, ASM, True), ASM, True)
+            neg = _dp4a(m1, xb, _dp4a(m0, xa, neg, ASM, True), ASM, True)
+        out = db * tl.load(xd_ptr) * (isum - neg).to(tl.float32)
+    else:
+        for r in tl.static_range(8):
+            if r < 4:
+                q = q0
+            else:
+                q = q1
+            gi = ((q >> (8 * (r % 4))) & 255) | (((qh >> r) & 1) << 8)
+            w = _signed(grid_row(tab, gi, False, ASM), (sg >> (4 * r)) & 15)  # the row's 4 grid bytes
+            isum, s = _grid_dot(w, w, xp + 4 * r, xq_ptr, xi + r, isum, s, 4, XV, Q8X, ASM)
+        out = db * s
+    return out
 
 
 @triton.jit
@@ -574,19 +622,31 @@ def _iq3xxs_group(q0, q1, aux, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.const
     # the pair's 7 sign bits, as IQ2_XXS's for a row of 8, in aux), the scale aux's top nibble
     isum = q0 * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if Q8X:  # the sign masks as IQ2_XXS's
+        neg = q0 * 0
+        for r in tl.static_range(4):
+            if r < 2:
+                q = q0
+            else:
+                q = q1
+            m0, m1 = _sign_masks((aux >> (7 * r)) & 127, ASM)
+            g0 = grid_row(tab, ((q >> (16 * (r % 2))) & 255), False, ASM)
+            g1 = grid_row(tab, ((q >> (16 * (r % 2) + 8)) & 255), False, ASM)
+            xa, xb = _x64(xq_ptr, xi + 2 * r)
+            isum = _dp4a(g1 ^ m1, xb, _dp4a(g0 ^ m0, xa, isum, ASM, True), ASM, True)
+            neg = _dp4a(m1, xb, _dp4a(m0, xa, neg, ASM, True), ASM, True)
+        db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
+        return db * tl.load(xd_ptr) * (isum - neg).to(tl.float32)
     for r in tl.static_range(4):
         if r < 2:
             q = q0
         else:
             q = q1
         sg = _ksigns((aux >> (7 * r)) & 127, ASM)
-        w0 = _signed(grid_row(tab, (q >> (16 * (r % 2))) & 255, False, ASM), sg & 15)
-        w1 = _signed(grid_row(tab, (q >> (16 * (r % 2) + 8)) & 255, False, ASM),
-                     (sg >> 4) & 15)
+        w0 = _signed(grid_row(tab, ((q >> (16 * (r % 2))) & 255), False, ASM), sg & 15)
+        w1 = _signed(grid_row(tab, ((q >> (16 * (r % 2) + 8)) & 255), False, ASM), (sg >> 4) & 15)
         isum, s = _grid_dot(w0, w1, xp + 8 * r, xq_ptr, xi + 2 * r, isum, s, 8, XV, Q8X, ASM)
     db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
-    if Q8X:
-        return db * tl.load(xd_ptr) * isum.to(tl.float32)
     return db * s
 
 
@@ -625,19 +685,29 @@ def iq3xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
 def _iq2_pair(w, sg, tab, acc, db, xq_ptr, xi, xp, R: tl.constexpr, BLOCK_N: tl.constexpr,
               XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # two grid rows of 8 (R, R + 1 of the group) that share a scale db: w[k] their grid
-    # indices, sg[k] their 8 sign bits; added to acc (Q8X: the integer sum times db, x's scale
-    # left to the caller)
+    # indices, sg[k] their 8 sign bits (Q8X: their sign masks, _byte_masks); added to acc
+    # (Q8X: the integer sum times db, x's scale left to the caller)
     isum = w[0] * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k in tl.static_range(2):
-        gr = grid_row(tab, w[k], True, ASM)
-        isum, s = _grid_dot(_signed(gr.to(tl.int32), sg[k] & 15),
-                            _signed((gr >> 32).to(tl.int32), (sg[k] >> 4) & 15),
-                            xp + 8 * (R + k), xq_ptr, xi + 2 * (R + k), isum, s, 8, XV, Q8X,
-                            ASM)
-    if Q8X:
-        return acc + db * isum.to(tl.float32)
-    return acc + db * s
+    if Q8X:  # as IQ2_XXS's: dp4a(g ^ m, x) less dp4a(m, x)
+        neg = w[0] * 0
+        for k in tl.static_range(2):
+            gr = grid_row(tab, w[k], True, ASM)
+            m = sg[k]
+            xa, xb = _x64(xq_ptr, xi + 2 * (R + k))
+            isum = _dp4a(gr.to(tl.int32) ^ m[0], xa, isum, ASM, True)
+            isum = _dp4a((gr >> 32).to(tl.int32) ^ m[1], xb, isum, ASM, True)
+            neg = _dp4a(m[1], xb, _dp4a(m[0], xa, neg, ASM, True), ASM, True)
+        acc += db * (isum - neg).to(tl.float32)
+    else:
+        for k in tl.static_range(2):
+            gr = grid_row(tab, w[k], True, ASM)
+            isum, s = _grid_dot(_signed(gr.to(tl.int32), sg[k] & 15),
+                                _signed((gr >> 32).to(tl.int32), (sg[k] >> 4) & 15),
+                                xp + 8 * (R + k), xq_ptr, xi + 2 * (R + k), isum, s, 8, XV, Q8X,
+                                ASM)
+        acc += db * s
+    return acc
 
 
 @triton.jit
@@ -654,8 +724,12 @@ def _iq2xs_group(q0, q1, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constex
         u0 = q & 0xFFFF
         u1 = (q >> 16) & 0xFFFF
         db = d * (0.5 + ((sc >> (4 * h)) & 15).to(tl.float32)) * 0.25
-        acc = _iq2_pair((u0 & 511, u1 & 511), (_ksigns(u0 >> 9, ASM), _ksigns(u1 >> 9, ASM)),
-                        tab, acc, db, xq_ptr, xi, xp, 2 * h, BLOCK_N, XV, Q8X, ASM)
+        if Q8X:
+            sg = (_sign_masks(u0 >> 9, ASM), _sign_masks(u1 >> 9, ASM))
+        else:
+            sg = (_ksigns(u0 >> 9, ASM), _ksigns(u1 >> 9, ASM))
+        acc = _iq2_pair((u0 & 511, u1 & 511), sg, tab, acc, db, xq_ptr, xi, xp, 2 * h, BLOCK_N,
+                        XV, Q8X, ASM)
     if Q8X:
         return tl.load(xd_ptr) * acc
     return acc
@@ -698,10 +772,15 @@ def _iq2s_group(qi, sw, qh, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.cons
     for h in tl.static_range(2):
         r = 2 * h
         db = d * (0.5 + ((sc >> (4 * h)) & 15).to(tl.float32)) * 0.25
+        s0 = sw >> (8 * r)
+        s1 = sw >> (8 * r + 8)
+        if Q8X:
+            sg = (_byte_masks(s0 & 127, s0, ASM), _byte_masks(s1 & 127, s1, ASM))
+        else:
+            sg = (s0 & 255, s1 & 255)
         acc = _iq2_pair((((qi >> (8 * r)) & 255) | (((qh >> (2 * r)) & 3) << 8),
                          ((qi >> (8 * r + 8)) & 255) | (((qh >> (2 * r + 2)) & 3) << 8)),
-                        ((sw >> (8 * r)) & 255, (sw >> (8 * r + 8)) & 255),
-                        tab, acc, db, xq_ptr, xi, xp, r, BLOCK_N, XV, Q8X, ASM)
+                        sg, tab, acc, db, xq_ptr, xi, xp, r, BLOCK_N, XV, Q8X, ASM)
     if Q8X:
         return tl.load(xd_ptr) * acc
     return acc
