@@ -74,17 +74,20 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
 
 
 def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bool = False,
-              smem: bool = False):
+              smem: bool | None = None):
     """The compiled T-layout GEMV of ``ggml_type`` (carve_kernels/gemv_t.py), ``rows`` rows a
     program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy); ``traced``:
     with the stamps of carve_kernels/trace.py compiled in; ``smem``: a grid type's grid read
-    from shared memory (the bodies' ASM = 2)."""
+    from shared memory (the bodies' ASM = 2), or from L1 (False); None: as the type runs
+    (``gemv_t.SMEM_TYPES``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from carve_kernels import gemv_t
 
+    if smem is None:
+        smem = ggml_type in gemv_t.SMEM_TYPES
     sig = {"wt_ptr": "*i32", "wh_ptr": "*fp16", "tab_ptr": "*i8",
            "x_ptr": "*fp32" if x == "f32" else "*bf16", "xq_ptr": "*i32", "xd_ptr": "*fp32",
            "xs_ptr": "*fp32", "y_ptr": "*fp32", "b_ptr": "*fp32", "part_ptr": "*fp32",
@@ -283,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--body", choices=("row", "generic"), default=None)
     ap.add_argument("--t", action="store_true", help="the T-layout GEMV (carve_kernels/gemv_t.py)")
     ap.add_argument("--sass", action="store_true", help="count the machine code, not the PTX")
-    ap.add_argument("--smem", action="store_true", help="--t: the grid from shared memory")
+    ap.add_argument("--smem", action=argparse.BooleanOptionalAction, default=None,
+                    help="--t: a grid type's grid from shared memory (--no-smem: from L1); "
+                         "default: as the type runs")
     ap.add_argument("--json", action="store_true", help="one JSON line instead")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":

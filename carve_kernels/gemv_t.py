@@ -426,10 +426,13 @@ def _t_grid(rows: list[int], nb: int, x: torch.Tensor, config: tuple[int, int, i
 
 
 # the grid IQ types whose T bodies can read their grid from a shared copy (gemv_iq.grid_fill), and
-# those that do: on trial (CARVE_TRIAL=grid_smem, engine/runtime/options.py) until a GPU times it
+# those that do: IQ2_XXS and IQ3_S, measured (H100, 2026-12-07, benchmarks.t_probe at 7B ffn_up on
+# int8 x: 18.1 -> 15.7 and 22.4 -> 17.8 us; the IQ2_XXS mix tg128 428.0 -> 492.1 t/s with the sign
+# masks); the others on trial (CARVE_TRIAL=grid_smem, engine/runtime/options.py): not yet timed
 GRID_SMEM = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
                        qt.IQ1_M})
-SMEM_TYPES: frozenset[int] = frozenset()
+SMEM_DEFAULT = frozenset({qt.IQ2_XXS, qt.IQ3_S})
+SMEM_TYPES: frozenset[int] = SMEM_DEFAULT
 
 
 def _asm(cuda: bool, *types: int) -> bool | int:

@@ -79,12 +79,12 @@ def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> No
 
     base, tiles = quant_matmul.ROW_BODY_TYPES, moe_decode.EXPERT_Q8_CONFIG
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", base)
-    monkeypatch.setattr(gemv_t, "SMEM_TYPES", frozenset())
+    monkeypatch.setattr(gemv_t, "SMEM_TYPES", gemv_t.SMEM_DEFAULT)
     monkeypatch.setattr(moe_decode, "EXPERT_Q8_CONFIG", tiles)
     monkeypatch.setattr(moe_decode, "Q8_ON_TRIAL", frozenset())
     RunnerOptions().apply()
     assert quant_matmul.ROW_BODY_TYPES == base and moe_decode.EXPERT_Q8_CONFIG == tiles
-    assert not gemv_t.SMEM_TYPES
+    assert gemv_t.SMEM_TYPES == {qt.IQ2_XXS, qt.IQ3_S}
     RunnerOptions(trials=frozenset({"q2k_rows"})).apply()
     assert quant_matmul.ROW_BODY_TYPES == base | {qt.Q2_K} > base
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", base)
@@ -96,6 +96,7 @@ def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> No
     assert all(moe_decode.q8_able(t, 256) for t in (qt.Q3_K, qt.IQ4_NL, qt.Q8_0, qt.Q4_0))
     assert gemv_t.SMEM_TYPES == gemv_t.GRID_SMEM and gemv_t._asm(True, qt.IQ2_XXS) == 2
     assert gemv_t._asm(True, qt.Q4_K) is True and gemv_t._asm(False, qt.IQ2_XXS) is False
+    assert gemv_t.SMEM_DEFAULT < gemv_t.GRID_SMEM
 
 
 @pytest.mark.parametrize("entry", ["Q5_1/glu=32,4,4", "Q4_K/gate=32,4,4", "Q4_K/glu=32,3,4",

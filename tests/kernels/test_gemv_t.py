@@ -369,9 +369,10 @@ def test_bad_buffers_and_types_are_refused(seed):
 @pytest.mark.parametrize("ggml_type", sorted(gemv_t.GRID_SMEM), ids=qt.type_name)
 @pytest.mark.parametrize("int8_x", [True, False])
 def test_the_grid_from_shared_memory_gives_the_same_sums(ggml_type, int8_x, monkeypatch, seed):
-    # gemv_t.SMEM_TYPES (trial grid_smem): the same grid rows read by ld.shared from the copy
-    # each program makes, so the same sums to the bit, in all three T launches (gate and up
-    # read one copy; q/k/v's bodies each their own)
+    # gemv_t.SMEM_TYPES (IQ2_XXS and IQ3_S; the others on trial grid_smem): the same grid rows
+    # read by ld.shared from the copy each program makes, so the same sums to the bit as
+    # gathered from L1, in all three T launches (gate and up read one copy; q/k/v's bodies
+    # each their own)
     g = generator(seed)
     rows, nb = 256 + _rand(g, 1, 300), _rand(g, 1, 5)
     ws = [random_weight(ggml_type, rows, 256 * nb, DEVICE, g) for _ in range(3)]
@@ -389,6 +390,7 @@ def test_the_grid_from_shared_memory_gives_the_same_sums(ggml_type, int8_x, monk
         gemv_t.gemv_t3([(w, ggml_type, rows) for w in wts], x, three, part, counter, xq=xq)
         return [one, glu_out, three]
 
+    monkeypatch.setattr(gemv_t, "SMEM_TYPES", frozenset())
     plain = run()
     monkeypatch.setattr(gemv_t, "SMEM_TYPES", gemv_t.GRID_SMEM)
     shared = run()
