@@ -437,7 +437,9 @@ SMEM_TYPES: frozenset[int] = SMEM_DEFAULT
 
 def _asm(cuda: bool, *types: int) -> bool | int:
     # the bodies' ASM: False under the interpreter, True on a GPU, 2 (inline asm and the grid
-    # in shared memory) where a launch runs a type of SMEM_TYPES
+    # in shared memory) where a launch runs a type of SMEM_TYPES. One constexpr a launch: a
+    # q/k/v launch with one such type gives any other grid type in it the shared grid too
+    # (the same sums either way)
     if not cuda:
         return False
     return 2 if any(t in SMEM_TYPES for t in types) else True
