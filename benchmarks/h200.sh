@@ -40,7 +40,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #   SERVE="qwen2-7b"             benchmarks.bench_serve on these synthetic shapes (carve
 #                                serve through HTTP; needs starlette, uvicorn, httpx wheels)
 #   PROBE="IQ2_XXS,IQ3_S"        benchmarks.t_probe on these types, with and without the shared
-#                                grid (--smem), before the benches
+#                                grid (--no-smem), before the benches
 #   KERNELS="lowbit"             benchmarks.device_check --types (each type's GEMV against
 #                                its byte floor at 7B sizes), run before the benches
 #   HOST_SPLIT=1                 benchmarks.device_check --host-split (the round trip of a
@@ -136,7 +136,7 @@ llama_benches() {  # llama-bench on the LLAMA shapes, once its build is done
 }
 [ "${LLAMA_FIRST:-0}" = 1 ] && llama_benches  # before the GPU benches, the build done
 if [ -n "${PROBE:-}" ]; then
-    for smem in "" --smem; do
+    for smem in "" --no-smem; do
         timeout "$step" python3 -m benchmarks.t_probe "$PROBE" $smem 2>&1 \
             | tee "$out/probe${smem}.log"
     done

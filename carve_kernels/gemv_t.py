@@ -425,14 +425,15 @@ def _t_grid(rows: list[int], nb: int, x: torch.Tensor, config: tuple[int, int, i
     return (tiles, split, mm), x2, bps, meta, warps
 
 
-# the grid IQ types whose T bodies can read their grid from a shared copy (gemv_iq.grid_fill), and
-# those that do: IQ2_XXS and IQ3_S, measured (H100, 2026-12-07, benchmarks.t_probe at 7B ffn_up on
-# int8 x: 18.1 -> 15.7 and 22.4 -> 17.8 us; the IQ2_XXS mix tg128 428.0 -> 492.1 t/s with the sign
-# masks); the others on trial (CARVE_TRIAL=grid_smem, engine/runtime/options.py): not yet timed
+# the grid IQ types, whose T bodies read their grid from a shared copy (gemv_iq.grid_fill) where
+# SMEM_TYPES holds them: all seven, measured (H100, benchmarks.t_probe at 7B ffn_up on int8 x, us
+# without -> with: IQ2_XXS 18.1 -> 15.7 and IQ3_S 22.4 -> 17.8 on 2026-12-07 (the IQ2_XXS mix
+# tg128 428.0 -> 492.1 t/s with the sign masks); IQ3_XXS 20.1 -> 18.6, IQ2_XS 19.6 -> 16.7, IQ2_S
+# 25.4 -> 18.2, IQ1_S 24.9 -> 16.3, IQ1_M 26.4 -> 19.4 in session 44, one lease). t_probe
+# --no-smem and ptx_count --no-smem empty SMEM_TYPES to compare
 GRID_SMEM = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
                        qt.IQ1_M})
-SMEM_DEFAULT = frozenset({qt.IQ2_XXS, qt.IQ3_S})
-SMEM_TYPES: frozenset[int] = SMEM_DEFAULT
+SMEM_TYPES: frozenset[int] = GRID_SMEM
 
 
 def _asm(cuda: bool, *types: int) -> bool | int:

@@ -26,9 +26,6 @@ TRIALS = {
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
-    "grid_smem": "IQ2_XS's, IQ2_S's, IQ3_XXS's, IQ1_S's and IQ1_M's T-layout decode GEMVs "
-                 "reading their grid from a copy in shared memory, as IQ2_XXS's and IQ3_S's do "
-                 "(carve_kernels/gemv_iq.py grid_fill)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -125,10 +122,6 @@ class RunnerOptions:
                        if name in self.trials for t in types}
             if experts:
                 moe_decode.Q8_ON_TRIAL = frozenset(experts)
-        if "grid_smem" in self.trials:
-            from carve_kernels import gemv_t
-
-            gemv_t.SMEM_TYPES = gemv_t.GRID_SMEM
         if self.expert_tiles:
             from carve_kernels import moe_decode
 

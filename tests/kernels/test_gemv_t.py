@@ -365,14 +365,22 @@ def test_bad_buffers_and_types_are_refused(seed):
                        torch.empty(1, 192, device=DEVICE), small, cnt)
 
 
+def test_every_grid_type_reads_a_shared_grid_on_a_gpu():
+    # the bodies' ASM a launch compiles with: 2 (inline asm, the grid in shared memory) for
+    # the seven grid types on a GPU, True for the others, False under the interpreter
+    assert gemv_t.SMEM_TYPES == gemv_t.GRID_SMEM and len(gemv_t.GRID_SMEM) == 7
+    assert all(gemv_t._asm(True, t) == 2 for t in gemv_t.GRID_SMEM)
+    assert gemv_t._asm(True, qt.Q4_K) is True and gemv_t._asm(False, qt.IQ2_XXS) is False
+    assert gemv_t._asm(True, qt.Q4_K, qt.IQ3_S) == 2  # one constexpr a q/k/v launch
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU: the shared grid is inline PTX")
 @pytest.mark.parametrize("ggml_type", sorted(gemv_t.GRID_SMEM), ids=qt.type_name)
 @pytest.mark.parametrize("int8_x", [True, False])
 def test_the_grid_from_shared_memory_gives_the_same_sums(ggml_type, int8_x, monkeypatch, seed):
-    # gemv_t.SMEM_TYPES (IQ2_XXS and IQ3_S; the others on trial grid_smem): the same grid rows
-    # read by ld.shared from the copy each program makes, so the same sums to the bit as
-    # gathered from L1, in all three T launches (gate and up read one copy; q/k/v's bodies
-    # each their own)
+    # gemv_t.SMEM_TYPES (all seven grid types): the same grid rows read by ld.shared from the
+    # copy each program makes, so the same sums to the bit as gathered from L1, in all three T
+    # launches (gate and up read one copy; q/k/v's bodies each their own)
     g = generator(seed)
     rows, nb = 256 + _rand(g, 1, 300), _rand(g, 1, 5)
     ws = [random_weight(ggml_type, rows, 256 * nb, DEVICE, g) for _ in range(3)]

@@ -121,7 +121,7 @@ def test_the_tool_refuses_what_it_cannot_count(capsys, monkeypatch):
 
 @pytest.mark.parametrize("ggml_type", [qt.IQ2_XXS, qt.IQ3_S, qt.IQ1_M], ids=qt.type_name)
 def test_grid_bodies_read_a_shared_grid_with_ld_shared(ggml_type):
-    # the grid_smem trial (gemv_iq.grid_fill / grid_row: a static .shared array declared by
+    # the shared grid (gemv_iq.grid_fill / grid_row: a static .shared array declared by
     # inline PTX) assembles for sm_90, int64 rows (IQ2_XXS), int32 rows (IQ3_S) and the 16 KiB
     # grid (IQ1_M): the loop reads every grid row by LDS, two rows a thread, its 8 grid rows
     # a group (IQ3_S's 8 of 4 values) each
