@@ -89,8 +89,39 @@ def _launches_patch_the_language_once() -> None:
     interp.InterpretedFunction.__call__ = call
 
 
+def _np_dtypes_looked_up_once() -> None:
+    """The interpreter asks which numpy dtype holds a Triton type on every cast, constant and
+    load, and builds a 19-entry dict of hashed Triton types each time to answer (~8 % of an
+    interpreted MoE decode test). Here each scalar type's answer is looked up once by its name
+    and remembered; pointers (and blocks of them) stay uint64, blocks answer for their element
+    type, as the original does."""
+    from triton.runtime import interpreter as interp
+
+    original = getattr(interp, "_get_np_dtype", None)
+    tl = getattr(interp, "tl", None)
+    if original is None or tl is None or not hasattr(tl, "block_type"):
+        return
+    import numpy as np
+
+    pointer, block, u64 = tl.pointer_type, tl.block_type, np.dtype(np.uint64)
+    known: dict[str, object] = {}
+
+    def np_dtype(tt):
+        if isinstance(tt, block):
+            tt = tt.element_ty
+        if isinstance(tt, pointer):
+            return u64
+        got = known.get(tt.name)
+        if got is None:
+            got = known[tt.name] = original(tt)
+        return got
+
+    interp._get_np_dtype = np_dtype
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _launches_patch_the_language_once()
+    _np_dtypes_looked_up_once()
 
 TINY = {"llama": "llama-tiny", "qwen2": "qwen2-tiny", "qwen3": "qwen3-tiny",
         "gemma3": "gemma3-tiny"}

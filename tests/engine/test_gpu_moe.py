@@ -157,9 +157,22 @@ def _options(model: str) -> RunnerOptions | None:
     return None
 
 
-def test_logits_and_decode_match_the_cpu_engine(model) -> None:
+@pytest.fixture
+def norm_router_calls(monkeypatch) -> list[int]:
+    """moe.norm_router's launches (one entry each) while the test runs."""
+    from carve_kernels import moe
+
+    calls: list[int] = []
+    fused = moe.norm_router
+    monkeypatch.setattr(moe, "norm_router", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    return calls
+
+
+def test_logits_and_decode_match_the_cpu_engine(model, norm_router_calls) -> None:
     """f32 activations: prefill of 20 rows over two chunks (16 rows through the grouped GEMMs,
-    4 through the expert GEMVs), decode steps, then (qwen3moe) greedy ids from a fresh cache."""
+    4 through the expert GEMVs), decode steps, then (qwen3moe) greedy ids from a fresh cache.
+    Decode's FFN norm and router run in one launch (moe.norm_router) and give what the CPU
+    engine gives, the residual stream included (the next layers read it)."""
     # as the dense families: f32 activations, prefill attention rounds q, k, v to f16; the
     # greedy loop is the same code for every family: qwen3moe's is enough here. gpt-oss's
     # decode experts on x itself (RunnerOptions.expert_q8 off): the int8 copies' rounding
@@ -168,6 +181,7 @@ def test_logits_and_decode_match_the_cpu_engine(model) -> None:
     against_cpu_engine(plan(model), DEV, ids(20), ids(2, 1),
                        ids(6, 3) if "qwen3moe" in model else None, 5e-3, model,
                        options=options)
+    assert norm_router_calls  # decode's rows went through the fused launch
 
 
 def test_chunks_padded_to_a_graphs_length_match_the_cpu_engine(model, monkeypatch) -> None:
@@ -192,25 +206,6 @@ def test_chunks_padded_to_a_graphs_length_match_the_cpu_engine(model, monkeypatc
     against_cpu_engine(plan(model), DEV, ids(21), ids(2, 1), ids(6, 3), 1e-2, model,
                        options=options)
     assert 3 in pads and 2 in pads
-
-
-@pytest.fixture
-def norm_router_calls(monkeypatch) -> list[int]:
-    """moe.norm_router's launches (one entry each) while the test runs."""
-    from carve_kernels import moe
-
-    calls: list[int] = []
-    fused = moe.norm_router
-    monkeypatch.setattr(moe, "norm_router", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    return calls
-
-
-def test_the_fused_ffn_norm_and_router_run_in_decode(model, norm_router_calls) -> None:
-    """Decode's FFN norm and router run in one launch (moe.norm_router) and give what the CPU
-    engine gives, the residual stream included (the next layers read it)."""
-    options = _options(model) or RunnerOptions()
-    against_cpu_engine(plan(model), DEV, ids(20), ids(2, 1), None, 5e-3, model, options=options)
-    assert norm_router_calls
 
 
 def test_bf16_two_stages_give_the_decode_logits_of_one_to_the_bit(model,
