@@ -144,19 +144,21 @@ def _expert_views(t: int) -> tuple[str, str, str]:
     return "*u8", "*u8" if t == qt.MXFP4 else "*fp16", "*i32" if t == qt.Q4_K else "*u8"
 
 
-def compile_attention(q8: bool = False, pdl: bool = True):
+def compile_attention(q8: bool = False, pdl: bool = True, out_q8: bool = False):
     """The compiled decode attention (carve_kernels/attention.py ``_decode_partial_kernel``),
     head_dim 128 in GQA groups of 4, the last split merging, launched with PDL (``pdl``) on an
-    f16 or q8_0 (``q8``) cache."""
+    f16 or q8_0 (``q8``) cache; ``out_q8``: writing the int8 copy of its output (attn_q8)."""
     from carve_kernels import attention
 
     fn = attention._decode_partial_kernel
     types = {"q_ptr": "*bf16", "c_k": "*fp16", "c8_k": "*i8", "ch_k": "*fp16", "c_v": "*fp16",
              "c8_v": "*i8", "ch_v": "*fp16", "pos_ptr": "*i32", "po_ptr": "*fp32",
              "pml_ptr": "*fp32", "cnt_ptr": "*i32", "o_ptr": "*bf16", "sink_ptr": "*fp32",
-             "trace_ptr": "*i64", "scale": "fp32"}
+             "trace_ptr": "*i64", "scale": "fp32", "oq_ptr": "*i32", "od_ptr": "*fp32",
+             "os_ptr": "*fp32"}
     const = {"G": 4, "GP": 16, "D": 128, "SPLIT": 64, "BLOCK_N": 64, "Q8": q8, "FUSED": True,
-             "NSP": 64, "MERGE": 4, "SINK": False, "PDL": pdl, "TRACE": False}
+             "NSP": 64, "MERGE": 4, "SINK": False, "OUT_Q8": out_q8, "PDL": pdl,
+             "TRACE": False}
     sig = {n: types.get(n, "i32") for n in fn.arg_names if n not in const}
     return _compile_sm90(fn, sig, const, 4)
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from carve_kernels import pdl, trace
+from carve_kernels import pdl, q8x, trace
 from carve_kernels.kv_cache import kv_load_ref
 from spec.launch import ATTN_SPLITS
 
@@ -53,12 +53,13 @@ def _attend(q, k, v, c, cm, pos, n_pos, cells, window, m_i, l_i, acc):
 
 @triton.jit(do_not_specialize=["cells", "window"])
 def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_ptr, pml_ptr,
-                           cnt_ptr, o_ptr, sink_ptr, cells, window, scale, KVH, NS, stride_qh,
-                           stride_oh, CNT_STRIDE, trace_ptr,
+                           cnt_ptr, o_ptr, sink_ptr, oq_ptr, od_ptr, os_ptr, cells, window, scale,
+                           KVH, NS, stride_qh, stride_oh, CNT_STRIDE, trace_ptr,
                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr,
                            FUSED: tl.constexpr, NSP: tl.constexpr, MERGE: tl.constexpr,
-                           SINK: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
+                           SINK: tl.constexpr, OUT_Q8: tl.constexpr, PDL: tl.constexpr,
+                           TRACE: tl.constexpr):
     # the split's first block of cached keys and values is read before the PDL wait: the
     # position was advanced by the step before (its kernel long finished) and no cell but the
     # newest one is written this step (by the q/k/v launch before this one), so only the
@@ -136,8 +137,13 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
                     den += w
             if SINK:  # gpt-oss: one more logit per head, in the denominator only
                 den += tl.exp(tl.load(sink_ptr + heads, mask=gmask, other=_NEG) - mx)
+            o = num / den[:, None]
             tl.store(o_ptr + heads[:, None] * stride_oh + dd[None, :],
-                     (num / den[:, None]).to(o_ptr.dtype.element_ty), mask=gmask[:, None])
+                     o.to(o_ptr.dtype.element_ty), mask=gmask[:, None])
+            if OUT_Q8:  # the output row's int8 copy (attn_output's x): its G heads are
+                # G * D consecutive values from head kvh * G, whole groups of 32
+                q8x.store_q8(tl.reshape(o.to(o_ptr.dtype.element_ty).to(tl.float32), [GP * D]),
+                             kvh * G * D, G * D, oq_ptr, od_ptr, os_ptr, GP * D)
             tl.atomic_xchg(cnt_ptr + kvh * CNT_STRIDE, 0)
     trace.stamp(trace_ptr, 3, TRACE)
 
@@ -187,14 +193,17 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 out: torch.Tensor | None = None,
                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
                 counter: torch.Tensor | None = None, use_pdl: bool = True,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, out_q=None) -> torch.Tensor:
     """One query token q [n_head, head_dim] at position positions[0] (the key/value of that
     position already stored) -> [n_head, head_dim]. No allocation given out and workspace.
     ``sinks``: float32 [n_head] (gpt-oss), one more logit per head that takes its share of
     each softmax and adds no value.
     ``counter``: int32 zeros [n_kv_heads] or [n_kv_heads, k] (left zero); with it the splits
     are merged by the last program of each kv head instead of a second launch. ``use_pdl``:
-    launch with PDL where the GPU has it (carve_kernels/pdl.py)."""
+    launch with PDL where the GPU has it (carve_kernels/pdl.py). ``out_q``: (q words, d, s)
+    buffers (carve_kernels/q8x.py) that the merging programs fill with the int8 copy of the
+    output row as stored (the next GEMV's int8 x); needs ``counter`` and head_dim a multiple
+    of 32."""
     nh, d = q.shape
     g = nh // n_kv_heads
     if workspace is None:
@@ -209,14 +218,20 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cv, cv8, cvh, _ = _views(v_cache)
     gp = max(16, triton.next_power_of_2(g))
     fused = counter is not None
+    if out_q is not None and (not fused or d % 32 or out.stride(0) != d
+                              or not q8x.fits(out_q, nh * d)):
+        raise ValueError("an int8 copy of the attention output needs the merging programs "
+                         "(counter), whole groups of 32 a head, contiguous heads and buffers "
+                         f"for {nh * d} values")
+    oq, od, os_ = out_q if out_q is not None else (pml, pml, pml)
     _decode_partial_kernel[(n_kv_heads, ns)](
         q, ck, ck8, ckh, cv, cv8, cvh, positions, po, pml, counter if fused else pml, out,
-        sinks if sinks is not None else pml, cells, window, scale, n_kv_heads, ns, q.stride(0),
-        out.stride(0), counter.stride(0) if fused else 0,
+        sinks if sinks is not None else pml, oq, od, os_, cells, window, scale, n_kv_heads, ns,
+        q.stride(0), out.stride(0), counter.stride(0) if fused else 0,
         **trace.args("attention_decode", (n_kv_heads, ns), out), G=g, GP=gp, D=d,
         SPLIT=split, BLOCK_N=64, Q8=q8, FUSED=fused, NSP=triton.next_power_of_2(ns),
-        MERGE=max(1, 8192 // (gp * d)), SINK=sinks is not None, num_warps=4,
-        **pdl.opts(out, use_pdl))
+        MERGE=max(1, 8192 // (gp * d)), SINK=sinks is not None, OUT_Q8=out_q is not None,
+        num_warps=4, **pdl.opts(out, use_pdl))
     if not fused:
         _decode_reduce_kernel[(nh,)](po, pml, out, sinks if sinks is not None else pml, ns,
                                      out.stride(0), D=d, NSP=triton.next_power_of_2(ns),

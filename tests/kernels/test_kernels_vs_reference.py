@@ -443,6 +443,32 @@ def test_attn_decode_matches_reference(kv_type, pos, cells, window, fused, seed)
         assert not counter.any()
 
 
+@pytest.mark.parametrize(("nh", "kvh", "dtype"), [(6, 2, torch.float32), (8, 1, torch.bfloat16)])
+def test_attn_decode_writes_the_int8_copy_of_its_output(nh, kvh, dtype, seed):
+    # the merging program of each kv head quantizes its heads' output rows as stored (the
+    # attn_output GEMV's int8 x, trial attn_q8): the copy q8x.copy_ref makes of the row, to
+    # the bit, and nothing past the row's groups
+    g = generator(seed)
+    d, cells = 64, 64
+    k = _filled_cache("f16", cells, kvh, d, g)
+    v = _filled_cache("f16", cells, kvh, d, g)
+    q = torch.randn(nh, d, generator=g, device=DEVICE)
+    positions = torch.tensor([41], dtype=torch.int32, device=DEVICE)
+    out = poison((nh, d)).to(dtype)
+    counter = torch.zeros(kvh, 64, dtype=torch.int32, device=DEVICE)
+    words = torch.full((nh * d // 4 + 8,), 0x7F7F7F7F, dtype=torch.int32, device=DEVICE)
+    ds = torch.full((2, nh * d // 32 + 2), float("nan"), device=DEVICE)
+    out_q = q8x.buffers(words, ds, nh * d)
+    attention.attn_decode(q, k, v, positions, kvh, cells, 0, d**-0.5, out=out, counter=counter,
+                          out_q=out_q)
+    (rq, rd, rs), _ = q8x.copy_ref(out.flatten().float())
+    assert torch.equal(out_q[0], rq) and torch.equal(out_q[1], rd)
+    assert torch.allclose(out_q[2], rs, rtol=1e-6, atol=1e-6)
+    assert (words[nh * d // 4:] == 0x7F7F7F7F).all() and ds[:, nh * d // 32:].isnan().all()
+    with pytest.raises(ValueError, match="merging programs"):
+        attention.attn_decode(q, k, v, positions, kvh, cells, 0, d**-0.5, out=out, out_q=out_q)
+
+
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("pos,cells,window", [(37, 64, 0), (100, 64, 0), (90, 24, 24),
                                               (700, 256, 100), (63, 64, 0), (64, 64, 0),

@@ -78,14 +78,15 @@ def test_expert_int8_bodies_assemble_to_dp4a_machine_code(ggml_type, part, ops):
 def test_decode_attention_reads_its_cached_block_before_the_pdl_wait():
     # each split's first block of cached keys and values (all but the newest cell, which the
     # q/k/v launch before writes) is loaded before the PDL wait (ACQBULK), on f16 and q8_0
-    # caches (sm_90 codegen: the compiler must not sink the loads past the wait)
+    # caches (sm_90 codegen: the compiler must not sink the loads past the wait), and so with
+    # the int8 copy of the output written by the merging programs (trial attn_q8)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json\nfrom benchmarks import ptx_count as p\n"
             "ops = {}\n"
-            "for q8 in (False, True):\n"
-            "    text = p.sass(p.compile_attention(q8).asm['cubin'])\n"
-            "    ops[str(q8)] = [w.split('.')[0] for w in text.split()\n"
-            "                    if w == 'ACQBULK' or w.startswith('LDG')]\n"
+            "for q8, oq in ((False, False), (True, False), (False, True)):\n"
+            "    text = p.sass(p.compile_attention(q8, out_q8=oq).asm['cubin'])\n"
+            "    ops[f'{q8}-{oq}'] = [w.split('.')[0] for w in text.split()\n"
+            "                         if w == 'ACQBULK' or w.startswith('LDG')]\n"
             "print(json.dumps(ops))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=300)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import triton
 
-from carve_kernels import gemv_t, moe_decode, quant_matmul, rope
+from carve_kernels import gemv_t, moe_decode, q8x, quant_matmul, rope
 from engine.runtime.options import RunnerOptions
 from spec import quant_types as qt
 from spec.errors import CarveError
@@ -97,6 +97,9 @@ class Attention:
     sinks: torch.Tensor | None  # gpt-oss: attn_sinks [n_head], one more logit per head
     output: Matrix  # attn_output
     post_norm: torch.Tensor | None  # gemma3's sandwich norm of the output, before its add
+    # decode's int8 copy of the attention output, written by the attention kernel's merging
+    # programs, for attn_output's dp4a body (trial attn_q8), else None (bf16 x)
+    xq_o: tuple | None = None
 
 
 @dataclass(slots=True)
@@ -270,7 +273,20 @@ class LayerBuilder:
             return False  # gate|up in one tensor: GGUF order, cut into two row ranges
         info = self.model.tensor(name)
         return (self._t_able(name) and (name == "output.weight" or name.endswith(T_MATRICES))
-                and (info.nbytes >= T_MIN_BYTES or not self.on_cuda))
+                and (info.nbytes >= T_MIN_BYTES or not self.on_cuda
+                     or (name.endswith("attn_output.weight") and self._attn_q8())))
+
+    def _attn_q8(self) -> bool:
+        # trial attn_q8: decode's attention writes an int8 copy of its output (into the GLU
+        # output's int8 slot, free until the GLU) for attn_output, which then takes the T
+        # layout whatever its size: heads of whole 32-value groups, the merging programs
+        # (buf.attn_count), and a slot wide enough
+        hp = self.hp
+        return ("attn_q8" in self.options.trials and self.xq is not None
+                and "buf.attn_count" in self.spans and hp.head_dim_v % 32 == 0
+                and hp.head_dim_v == hp.head_dim
+                and q8x.fits(self.xq[1], hp.n_head * hp.head_dim_v)
+                and not getattr(hp, "kv_lora_rank", 0))
 
     def _t_able(self, name: str) -> bool:
         # a T type with a dequant-cache copy (the part of the rule that is not size or role)
@@ -408,7 +424,8 @@ class LayerBuilder:
             rope_mscale=self.yarn[1] if hp.rope_scaling == "yarn" or not swa else 1.0,
             sinks=self.vec(p + "attn_sinks.weight") if getattr(hp, "attn_sinks", False) else None,
             output=self.matrix(p + "attn_output.weight", p + "attn_output.bias"),
-            post_norm=self.vec(p + "post_attention_norm.weight") if hp.sandwich_norm else None)
+            post_norm=self.vec(p + "post_attention_norm.weight") if hp.sandwich_norm else None,
+            xq_o=self._int8_x(p + "attn_output.weight", 1) if self._attn_q8() else None)
 
     def _qkv_int8_x(self, p: str) -> tuple | None:
         # the normed row's int8 copy when any of q, k, v (or phi3's attn_qkv) multiplies it

@@ -48,7 +48,8 @@ class AttentionLayers:
             self._attend_decode(att, a)
         else:
             self._attend_prefill(att, a)
-        self._linear(att.output, a.attn, a.proj)
+        # decode's attention wrote the int8 copy of its output where the load decided so
+        self._linear(att.output, a.attn, a.proj, xq=att.xq_o if pos0 is None else None)
 
     def _qkv(self, att: Attention, x: torch.Tensor, out: torch.Tensor, xq,
              rotate: Rows | None = None) -> None:
@@ -92,7 +93,8 @@ class AttentionLayers:
                               use_pdl=self.pdl)
         attention.attn_decode(a.q3[0], att.k_cache, att.v_cache, a.pos, hp.n_head_kv, att.cells,
                               att.window, hp.attn_scale, out=a.o3[0], workspace=self.attn_ws,
-                              counter=self.attn_count, use_pdl=self.pdl, sinks=att.sinks)
+                              counter=self.attn_count, use_pdl=self.pdl, sinks=att.sinks,
+                              out_q=att.xq_o)
 
     def _rotated(self, att: Attention, a: Rows) -> torch.Tensor:
         # the q and k dims RoPE rotates: whole heads, or (partial RoPE) each head's first
