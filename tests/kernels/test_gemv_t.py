@@ -374,6 +374,26 @@ def test_every_grid_type_reads_a_shared_grid_on_a_gpu():
     assert gemv_t._asm(True, qt.Q4_K, qt.IQ3_S) == 2  # one constexpr a q/k/v launch
 
 
+def test_the_shared_copy_holds_each_grid_type_s_whole_table():
+    # t_tab copies BYTES bytes of a type's table into shared memory (the size is a literal
+    # there: an inline-asm declaration cannot take it from a constexpr); each must be the
+    # whole table lowbit_blocks serves, or the grid rows past the copy would read nothing
+    import inspect
+    import re
+
+    from carve_kernels.lowbit_blocks import lookup_table
+
+    src = inspect.getsource(gemv_t.t_tab.fn)
+    sizes = {}
+    for types, size in re.findall(r"ASM == 2 and \(?([^:]*?)\)?:.*?\n\s*tab = grid_fill\("
+                                  r"tab_ptr, (\d+)", src):
+        for t in re.findall(r"TYPE == (\d+)", types):
+            sizes[int(t)] = int(size)
+    assert set(sizes) == set(gemv_t.GRID_SMEM)
+    for t, size in sizes.items():
+        assert lookup_table(t, "cpu").numel() == size, qt.type_name(t)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU: the shared grid is inline PTX")
 @pytest.mark.parametrize("ggml_type", sorted(gemv_t.GRID_SMEM), ids=qt.type_name)
 @pytest.mark.parametrize("int8_x", [True, False])
