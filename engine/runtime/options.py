@@ -27,7 +27,8 @@ TRIALS = {
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
     "attn_q8": "decode's attention writes an int8 copy of its output (carve_kernels/"
-               "attention.py out_q) and attn_output multiplies it, in the T layout at any size",
+               "attention.py out_q) and an attn_output of a grid IQ type or IQ4_XS multiplies "
+               "it, in the T layout at any size",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}

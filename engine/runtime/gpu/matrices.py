@@ -32,6 +32,11 @@ T_MIN_BYTES = 12 << 20
 # three can, whatever their size (on int8 x the one launch beats GGUF order's gemv3 even at 7B's 9.7
 # MB: 9.1 against ~11.6 us on an H200)
 QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
+# attn_output types that trial attn_q8 puts in the T layout on the attention's int8 copy: those
+# whose GGUF-order GEMV on bf16 x is slow (an IQ3_S attn_output: ~10 us a layer for 5.5 MB on an
+# H100, 11 % of the IQ3_S mix's step). On Q4_K_M files the same change lost on 2026-12-04
+# (carve_kernels/NOTES.md, "Tried and rejected": attn_out_q8)
+ATTN_Q8_TYPES = gemv_t.GRID_SMEM | {qt.IQ4_XS}
 
 
 @dataclass(slots=True)
@@ -274,15 +279,16 @@ class LayerBuilder:
         info = self.model.tensor(name)
         return (self._t_able(name) and (name == "output.weight" or name.endswith(T_MATRICES))
                 and (info.nbytes >= T_MIN_BYTES or not self.on_cuda
-                     or (name.endswith("attn_output.weight") and self._attn_q8())))
+                     or (name.endswith("attn_output.weight") and self._attn_q8(name))))
 
-    def _attn_q8(self) -> bool:
+    def _attn_q8(self, name: str) -> bool:
         # trial attn_q8: decode's attention writes an int8 copy of its output (into the GLU
-        # output's int8 slot, free until the GLU) for attn_output, which then takes the T
-        # layout whatever its size: heads of whole 32-value groups, the merging programs
-        # (buf.attn_count), and a slot wide enough
+        # output's int8 slot, free until the GLU) for attn_output ``name`` of a type of
+        # ATTN_Q8_TYPES, which then takes the T layout whatever its size: heads of whole
+        # 32-value groups, the merging programs (buf.attn_count), and a slot wide enough
         hp = self.hp
         return ("attn_q8" in self.options.trials and self.xq is not None
+                and name in self.spans and self.model.tensor(name).ggml_type in ATTN_Q8_TYPES
                 and "buf.attn_count" in self.spans and hp.head_dim_v % 32 == 0
                 and hp.head_dim_v == hp.head_dim
                 and q8x.fits(self.xq[1], hp.n_head * hp.head_dim_v)
@@ -425,7 +431,8 @@ class LayerBuilder:
             sinks=self.vec(p + "attn_sinks.weight") if getattr(hp, "attn_sinks", False) else None,
             output=self.matrix(p + "attn_output.weight", p + "attn_output.bias"),
             post_norm=self.vec(p + "post_attention_norm.weight") if hp.sandwich_norm else None,
-            xq_o=self._int8_x(p + "attn_output.weight", 1) if self._attn_q8() else None)
+            xq_o=(self._int8_x(p + "attn_output.weight", 1)
+                  if self._attn_q8(p + "attn_output.weight") else None))
 
     def _qkv_int8_x(self, p: str) -> tuple | None:
         # the normed row's int8 copy when any of q, k, v (or phi3's attn_qkv) multiplies it
