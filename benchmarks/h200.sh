@@ -41,6 +41,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #                                serve through HTTP; needs starlette, uvicorn, httpx wheels)
 #   PROBE="IQ2_XXS,IQ3_S"        benchmarks.t_probe on these types, with and without the shared
 #                                grid (--no-smem), before the benches
+#   PROBE_VARIANTS=";--signs"    or with these ';'-separated t_probe argument sets instead
 #   KERNELS="lowbit"             benchmarks.device_check --types (each type's GEMV against
 #                                its byte floor at 7B sizes), run before the benches
 #   HOST_SPLIT=1                 benchmarks.device_check --host-split (the round trip of a
@@ -136,9 +137,12 @@ llama_benches() {  # llama-bench on the LLAMA shapes, once its build is done
 }
 [ "${LLAMA_FIRST:-0}" = 1 ] && llama_benches  # before the GPU benches, the build done
 if [ -n "${PROBE:-}" ]; then
-    for smem in "" --no-smem; do
-        timeout "$step" python3 -m benchmarks.t_probe "$PROBE" $smem 2>&1 \
-            | tee "$out/probe${smem}.log"
+    IFS=';' read -ra probes <<<"${PROBE_VARIANTS:-;--no-smem}"
+    i=0
+    for v in "${probes[@]}"; do
+        i=$((i + 1))
+        # shellcheck disable=SC2086
+        timeout "$step" python3 -m benchmarks.t_probe "$PROBE" $v 2>&1 | tee "$out/probe$i.log"
     done
 fi
 if [ -n "${KERNELS:-}" ]; then
