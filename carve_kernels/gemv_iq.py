@@ -356,7 +356,7 @@ def iq_rows_dot(w_ptr, wh_ptr, g_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes,
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
-# A T body's grid in shared memory (ASM >= 2, gemv_t.SMEM_TYPES): its rows read by `ld.shared`
+# A T body's grid in shared memory (ASM == 2, gemv_t.SMEM_TYPES): its rows read by `ld.shared`
 # in the loop instead of gathered from L1. Triton gives a kernel no shared array of its own to
 # index, so the array is a static `.shared` variable declared by the inline asm that returns
 # its address (not pure: a rematerialized copy would declare a second, empty array), filled
@@ -388,21 +388,11 @@ def _smem_base(BYTES: tl.constexpr):
 
 
 @triton.jit
-def grid_fill(tab_ptr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr, TYPE: tl.constexpr,
-              ASM: tl.constexpr):
+def grid_fill(tab_ptr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
     """A shared copy of the grid of BYTES bytes at tab_ptr (8-byte aligned), made by the
     program's BLOCK_N lanes, then a barrier: its shared address, for `grid_tab`. Called once
-    a program, where every thread of it passes. With ASM == 3 a type whose signs come as
-    7-bit ksigns indices (KS_TYPES) or as sign bytes (BYTE_SIGN_TYPES) also gets the table of
-    its sign masks at byte BYTES of the copy (`sign_masks`)."""
-    KS: tl.constexpr = ASM == 3 and (TYPE == 16 or TYPE == 17 or TYPE == 18)
-    BS: tl.constexpr = ASM == 3 and (TYPE == 21 or TYPE == 22)
-    if KS:
-        base = _smem_base(BYTES + 1024)
-    elif BS:
-        base = _smem_base(BYTES + 2048)
-    else:
-        base = _smem_base(BYTES)
+    a program, where every thread of it passes."""
+    base = _smem_base(BYTES)
     src = tab_ptr.to(tl.pointer_type(tl.int64))
     W: tl.constexpr = BYTES // 8
     offs = tl.arange(0, BLOCK_N)
@@ -411,47 +401,16 @@ def grid_fill(tab_ptr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr, TYPE: tl.cons
         tl.inline_asm_elementwise("st.shared.b64 [$1], $2; mov.u32 $0, 0;", "=r,r,l",
                                   [base + 8 * k, tl.load(src + k)], dtype=tl.int32,
                                   is_pure=False, pack=1)
-    if KS or BS:
-        NS: tl.constexpr = 128 if KS else 256
-        for i in tl.static_range((NS + BLOCK_N - 1) // BLOCK_N):
-            k = tl.minimum(i * BLOCK_N + offs, NS - 1)
-            if KS:
-                m0, m1 = _sign_masks(k, True)
-            else:
-                m0, m1 = _byte_masks(k & 127, k, True)
-            tl.inline_asm_elementwise("st.shared.v2.b32 [$1], {$2, $3}; mov.u32 $0, 0;",
-                                      "=r,r,r,r", [base + BYTES + 8 * k, m0, m1],
-                                      dtype=tl.int32, is_pure=False, pack=1)
     tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                               is_pure=False, pack=1)
     return base
 
 
 @triton.jit
-def sign_masks(tab, s, OFF: tl.constexpr, KS: tl.constexpr, ASM: tl.constexpr):
-    """The two sign-mask words (`_byte_masks`) of a grid row's signs s: a 7-bit ksigns index
-    (KS: its parity the 8th sign, `_sign_masks`) or 8 sign bits (bits 0-7 of s). With
-    ASM == 3 read from the table `grid_fill` put OFF bytes into the shared copy ``tab``."""
-    if ASM == 3:
-        if KS:
-            i = s
-        else:
-            i = s & 255
-        m0, m1 = tl.inline_asm_elementwise("ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r",
-                                           [tab + OFF + 8 * i], dtype=(tl.int32, tl.int32),
-                                           is_pure=False, pack=1)
-    elif KS:
-        m0, m1 = _sign_masks(s, ASM)
-    else:
-        m0, m1 = _byte_masks(s & 127, s, ASM)
-    return m0, m1
-
-
-@triton.jit
 def grid_tab(tab_ptr, W64: tl.constexpr, ASM: tl.constexpr):
-    """What a T body's `grid_row` reads: with ASM >= 2 tab_ptr is already the shared copy
+    """What a T body's `grid_row` reads: with ASM == 2 tab_ptr is already the shared copy
     (`grid_fill`'s address), else the grid in global memory as int64 (W64) or int32 rows."""
-    if ASM >= 2:
+    if ASM == 2:
         tab = tab_ptr
     elif W64:
         tab = tab_ptr.to(tl.pointer_type(tl.int64))
@@ -463,7 +422,7 @@ def grid_tab(tab_ptr, W64: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def grid_row(tab, i, W64: tl.constexpr, ASM: tl.constexpr):
     """Grid row i (int64 rows if W64, else int32) of what `grid_tab` gave."""
-    if ASM >= 2:
+    if ASM == 2:
         if W64:
             r = tl.inline_asm_elementwise("ld.shared.b64 $0, [$1];", "=l,r", [tab + 8 * i],
                                           dtype=tl.int64, is_pure=False, pack=1)

@@ -48,11 +48,12 @@ import triton.language as tl
 
 from carve_kernels.gemv_iq import (
     _add_bytes,
+    _byte_masks,
     _ksigns,
+    _sign_masks,
     _signed,
     grid_row,
     grid_tab,
-    sign_masks,
 )
 from carve_kernels.gemv_t_dot import _bits, _dp4a, _ld8, _pick4, _pick8, _sc8, _x4
 
@@ -491,7 +492,7 @@ def _iq2xxs_group(aux0, aux1, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.conste
         neg = aux0 * 0
         for r in tl.static_range(4):
             gr = grid_row(tab, ((aux0 >> (8 * r)) & 255), True, ASM)  # the row's 8 grid bytes, 1..127
-            m0, m1 = sign_masks(tab, (aux1 >> (7 * r)) & 127, 2048, True, ASM)
+            m0, m1 = _sign_masks((aux1 >> (7 * r)) & 127, ASM)
             xa, xb = _x64(xq_ptr, xi + 2 * r)
             isum = _dp4a(gr.to(tl.int32) ^ m0, xa, isum, ASM, True)
             isum = _dp4a((gr >> 32).to(tl.int32) ^ m1, xb, isum, ASM, True)
@@ -556,7 +557,7 @@ def _iq3s_group(q0, q1, qh, sg, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.
                 q = q1
                 e = e1
             s8 = sg >> (8 * h)
-            m0, m1 = sign_masks(tab, s8, 2048, False, ASM)
+            m0, m1 = _byte_masks(s8 & 127, s8, ASM)
             r = 2 * h
             k = r % 4
             g0 = grid_row(tab, _prmt(q, e, k | ((4 + k) << 4) | ((12 + k) << 8) | ((12 + k) << 12),
@@ -628,7 +629,7 @@ def _iq3xxs_group(q0, q1, aux, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.const
                 q = q0
             else:
                 q = q1
-            m0, m1 = sign_masks(tab, (aux >> (7 * r)) & 127, 1024, True, ASM)
+            m0, m1 = _sign_masks((aux >> (7 * r)) & 127, ASM)
             g0 = grid_row(tab, ((q >> (16 * (r % 2))) & 255), False, ASM)
             g1 = grid_row(tab, ((q >> (16 * (r % 2) + 8)) & 255), False, ASM)
             xa, xb = _x64(xq_ptr, xi + 2 * r)
@@ -724,8 +725,7 @@ def _iq2xs_group(q0, q1, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constex
         u1 = (q >> 16) & 0xFFFF
         db = d * (0.5 + ((sc >> (4 * h)) & 15).to(tl.float32)) * 0.25
         if Q8X:
-            sg = (sign_masks(tab, u0 >> 9, 4096, True, ASM),
-                  sign_masks(tab, u1 >> 9, 4096, True, ASM))
+            sg = (_sign_masks(u0 >> 9, ASM), _sign_masks(u1 >> 9, ASM))
         else:
             sg = (_ksigns(u0 >> 9, ASM), _ksigns(u1 >> 9, ASM))
         acc = _iq2_pair((u0 & 511, u1 & 511), sg, tab, acc, db, xq_ptr, xi, xp, 2 * h, BLOCK_N,
@@ -775,7 +775,7 @@ def _iq2s_group(qi, sw, qh, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.cons
         s0 = sw >> (8 * r)
         s1 = sw >> (8 * r + 8)
         if Q8X:
-            sg = (sign_masks(tab, s0, 8192, False, ASM), sign_masks(tab, s1, 8192, False, ASM))
+            sg = (_byte_masks(s0 & 127, s0, ASM), _byte_masks(s1 & 127, s1, ASM))
         else:
             sg = (s0 & 255, s1 & 255)
         acc = _iq2_pair((((qi >> (8 * r)) & 255) | (((qh >> (2 * r)) & 3) << 8),

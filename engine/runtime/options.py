@@ -29,9 +29,6 @@ TRIALS = {
     "attn_q8": "decode's attention writes an int8 copy of its output (carve_kernels/"
                "attention.py out_q) and an attn_output of a grid IQ type or IQ4_XS multiplies "
                "it, in the T layout at any size",
-    "smem_signs": "the grid IQ types with sign bits read each grid row's sign masks on int8 x "
-                  "from a table in shared memory beside the grid (carve_kernels/gemv_t.py "
-                  "SIGN_TYPES)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -121,10 +118,6 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
-        if "smem_signs" in self.trials:
-            from carve_kernels import gemv_t
-
-            gemv_t.SIGN_TYPES = gemv_t.SIGN_SMEM
         if self.trials:
             from carve_kernels import gemv_q8, moe_decode
 

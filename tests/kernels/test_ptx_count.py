@@ -130,16 +130,3 @@ def test_grid_bodies_read_a_shared_grid_with_ld_shared(ggml_type):
     got = _count(qt.type_name(ggml_type), "--t", "--x", "int8", "--sass", "--config", "256,4",
                  "--smem")
     assert got["counts"].get("LDS", 0) == per_step, got["counts"]
-
-
-@pytest.mark.parametrize("ggml_type", [qt.IQ2_XXS, qt.IQ3_S], ids=qt.type_name)
-def test_sign_masks_from_the_shared_table_replace_their_arithmetic(ggml_type):
-    # trial smem_signs (gemv_t.SIGN_TYPES, ASM == 3): each grid row of 8 values (IQ3_S: each
-    # pair of rows of 4) reads its two sign-mask words with one more LDS, and the popc, the
-    # multiplies and byte permutes that made them leave the loop
-    args = (qt.type_name(ggml_type), "--t", "--x", "int8", "--sass", "--config", "256,4")
-    plain, signs = _count(*args), _count(*args, "--signs")
-    assert signs["counts"].get("LDS", 0) == plain["counts"].get("LDS", 0) + 32
-    assert signs["counts"].get("POPC", 0) == 0
-    assert signs["counts"].get("PRMT", 0) < plain["counts"].get("PRMT", 0)
-    assert sum(signs["counts"].values()) < 0.9 * sum(plain["counts"].values())
