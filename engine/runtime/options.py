@@ -29,6 +29,8 @@ TRIALS = {
     "attn_q8": "decode's attention writes an int8 copy of its output (carve_kernels/"
                "attention.py out_q) and an attn_output of a grid IQ type or IQ4_XS multiplies "
                "it, in the T layout at any size",
+    "grid_copies": "IQ2_XXS, IQ3_S and IQ3_XXS decode GEMVs read their grid rows from a lane's "
+                   "own copy of 16 or 32 in shared memory (carve_kernels/gemv_t.py COPY_TYPES)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -118,6 +120,10 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
+        if "grid_copies" in self.trials:
+            from carve_kernels import gemv_t
+
+            gemv_t.COPY_TYPES = gemv_t.GRID_COPIES
         if self.trials:
             from carve_kernels import gemv_q8, moe_decode
 
