@@ -277,13 +277,14 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
                        SPLIT: tl.constexpr, XV: tl.constexpr, TYPE: tl.constexpr,
                        GELU: tl.constexpr, PAIR: tl.constexpr, Q8X: tl.constexpr,
                        QOUT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                       TRACE: tl.constexpr):
+                       TRACE: tl.constexpr, LATE: tl.constexpr = False):
     # gate and up rows of the same outputs in one program (x read once for both); with a
     # split, part holds [M, 2, SPLIT, N] and the last program of a row tile applies the GLU.
-    # QOUT: the last program also writes the int8 copy of its y (carve_kernels/q8x.py, M = 1)
+    # QOUT: the last program also writes the int8 copy of its y (carve_kernels/q8x.py, M = 1).
+    # LATE: the next kernel becomes resident only after this program's main loop (GLU_LATE)
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
     tab = t_tab(tab_ptr, TYPE, BLOCK_N, ASM)  # one copy for gate and up, before the wait
-    trace.wait(trace_ptr, PDL, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE, LATE)
     xrow = x_ptr + m * stride_xm
     if PAIR:  # Q4_K, Q5_K: gate and up words in one step, each x value converted once
         g, u = q4k_t_dot_half(g_ptr, u_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
@@ -293,6 +294,8 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
                    b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
         u = t_body(u_ptr, uh_ptr, tab, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB,
                    b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
+    if LATE:
+        pdl.release(PDL)
     trace.stamp(trace_ptr, 2, TRACE)
     last = True
     if SPLIT > 1:
@@ -447,6 +450,10 @@ SMEM_TYPES: frozenset[int] = GRID_SMEM
 # these bodies: NOTES, smem_signs). Where COPY_TYPES holds them (ASM == 3); on trial
 # (CARVE_TRIAL=grid_copies, t_probe --copies)
 GRID_COPIES = frozenset({qt.IQ2_XXS, qt.IQ3_S, qt.IQ3_XXS})
+# the gate/up launch lets the next (ffn_down) become resident only after its main loop, so
+# that the down's waiting programs take no SM slots from the gate/up's later waves (on trial:
+# CARVE_TRIAL=glu_late; the expert gate/up does the same, NOTES "PDL")
+GLU_LATE = False
 COPY_TYPES: frozenset[int] = frozenset()
 
 
@@ -543,7 +550,7 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
                              GELU=act == "gelu",
                              PAIR=paired and ggml_type in PAIRED, Q8X=use,
                              QOUT=out_q is not None, ASM=_asm(gate.is_cuda, ggml_type),
-                             **meta, num_warps=warps)
+                             LATE=GLU_LATE and meta["PDL"], **meta, num_warps=warps)
     return out
 
 

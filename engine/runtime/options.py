@@ -31,6 +31,8 @@ TRIALS = {
                "it, in the T layout at any size",
     "grid_copies": "IQ2_XXS, IQ3_S and IQ3_XXS decode GEMVs read their grid rows from a lane's "
                    "own copy of 16 or 32 in shared memory (carve_kernels/gemv_t.py COPY_TYPES)",
+    "glu_late": "the T gate/up launch lets ffn_down become resident only after its main loop "
+                "(carve_kernels/gemv_t.py GLU_LATE)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -124,6 +126,10 @@ class RunnerOptions:
             from carve_kernels import gemv_t
 
             gemv_t.COPY_TYPES = gemv_t.GRID_COPIES
+        if "glu_late" in self.trials:
+            from carve_kernels import gemv_t
+
+            gemv_t.GLU_LATE = True
         if self.trials:
             from carve_kernels import gemv_q8, moe_decode
 
