@@ -237,11 +237,11 @@ def test_int8_x_decode_matches_the_cpu_engine(wide, wide_q4k, all_t, monkeypatch
 
 def test_attention_output_on_its_int8_copy_decodes_as_the_cpu_engine(tmp_path, wide_q4k,
                                                                       monkeypatch) -> None:
-    # trial attn_q8: decode's attention kernel writes the int8 copy of its output (the GLU
-    # output's slot, free until the GLU), and an IQ2_XXS attn_output, in the T layout whatever
-    # its size, multiplies that copy; prefill's rows read x as before. A Q4_K attn_output
-    # (matrices.ATTN_Q8_TYPES) keeps reading x
-    iq = str(write_model(tmp_path / "iq2_xxs.gguf", WIDE, "iq2_xxs")[0])
+    # decode's attention kernel writes the int8 copy of its output (the GLU output's slot,
+    # free until the GLU), and an IQ3_S attn_output (matrices.ATTN_Q8_TYPES), in the T layout
+    # whatever its size, multiplies that copy; prefill's rows read x as before. An IQ2_XXS or
+    # a Q4_K attn_output keeps reading x
+    iq = str(write_model(tmp_path / "iq3_s.gguf", WIDE, "iq3_s")[0])
     seen: list[tuple[str, int]] = []
     decode, one = attention.attn_decode, gemv_t.gemv_t
 
@@ -255,24 +255,22 @@ def test_attention_output_on_its_int8_copy_decodes_as_the_cpu_engine(tmp_path, w
 
     monkeypatch.setattr(attention, "attn_decode", attn_spy)
     monkeypatch.setattr(gemv_t, "gemv_t", one_spy)
-    options = RunnerOptions(trials=frozenset({"attn_q8"}))
     with beside_cpu(plan(iq, act_dtype="bf16", logits_rows=12),
-                    plan(iq, logits_rows=12), options=options) as (g, c):
+                    plan(iq, logits_rows=12)) as (g, c):
         (st,) = g.pipe.stages
-        assert {ly.attn.output.ggml_type for ly in st.layers} == {qt.IQ2_XXS}
+        assert {ly.attn.output.ggml_type for ly in st.layers} == {qt.IQ3_S}
         copies = {id(ly.attn.xq_o) for ly in st.layers}
         assert None not in {ly.attn.xq_o for ly in st.layers} and len(copies) == 1
         assert all(ly.attn.output.t_bytes is not None for ly in st.layers)
         errs, _ = decode_errors(g, c, ids(3, 1))
         assert max(errs) < 3e-2
     assert ("attention", *copies) in seen and ("one", *copies) in seen
-    with beside_cpu(plan(iq, act_dtype="bf16"), plan(iq)) as (g, c):
-        assert all(ly.attn.xq_o is None for ly in g.pipe.stages[0].layers)  # off by default
-    g = load(plan(wide_q4k, act_dtype="bf16"), options=options)
-    try:
-        assert all(ly.attn.xq_o is None for ly in g.pipe.stages[0].layers)  # Q4_K: x
-    finally:
-        g.close()
+    for path in (str(write_model(tmp_path / "iq2_xxs.gguf", WIDE, "iq2_xxs")[0]), wide_q4k):
+        g = load(plan(path, act_dtype="bf16"))
+        try:
+            assert all(ly.attn.xq_o is None for ly in g.pipe.stages[0].layers)  # x
+        finally:
+            g.close()
 
 
 @pytest.mark.parametrize(("mix", "t_type"), [("q2_k", qt.Q2_K), ("iq2_xxs", qt.IQ2_XXS),

@@ -32,11 +32,11 @@ T_MIN_BYTES = 12 << 20
 # three can, whatever their size (on int8 x the one launch beats GGUF order's gemv3 even at 7B's 9.7
 # MB: 9.1 against ~11.6 us on an H200)
 QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
-# attn_output types that trial attn_q8 puts in the T layout on the attention's int8 copy: those
-# whose GGUF-order GEMV on bf16 x is slow (an IQ3_S attn_output: ~10 us a layer for 5.5 MB on an
-# H100, 11 % of the IQ3_S mix's step). On Q4_K_M files the same change lost on 2026-12-04
-# (carve_kernels/NOTES.md, "Tried and rejected": attn_out_q8)
-ATTN_Q8_TYPES = gemv_t.GRID_SMEM | {qt.IQ4_XS}
+# attn_output types put in the T layout on the attention's int8 copy: those whose GGUF-order
+# GEMV on bf16 x is slow and which won in the step (the IQ3_S mix's IQ3_S and IQ4_XS attn_output:
+# tg128 +2.4-2.6 % in three H100 leases, 2026-12-07). An IQ2_XXS attn_output lost (-5 %), and
+# Q4_K_M files lost on 2026-12-04 (carve_kernels/NOTES.md, "Tried and rejected": attn_out_q8)
+ATTN_Q8_TYPES = frozenset({qt.IQ3_S, qt.IQ4_XS})
 
 
 @dataclass(slots=True)
@@ -282,12 +282,12 @@ class LayerBuilder:
                      or (name.endswith("attn_output.weight") and self._attn_q8(name))))
 
     def _attn_q8(self, name: str) -> bool:
-        # trial attn_q8: decode's attention writes an int8 copy of its output (into the GLU
-        # output's int8 slot, free until the GLU) for attn_output ``name`` of a type of
+        # decode's attention writes an int8 copy of its output (into the GLU output's int8
+        # slot, free until the GLU) for attn_output ``name`` of a type of
         # ATTN_Q8_TYPES, which then takes the T layout whatever its size: heads of whole
         # 32-value groups, the merging programs (buf.attn_count), and a slot wide enough
         hp = self.hp
-        return ("attn_q8" in self.options.trials and self.xq is not None
+        return (self.xq is not None
                 and name in self.spans and self.model.tensor(name).ggml_type in ATTN_Q8_TYPES
                 and "buf.attn_count" in self.spans and hp.head_dim_v % 32 == 0
                 and hp.head_dim_v == hp.head_dim
