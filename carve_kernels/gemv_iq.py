@@ -356,7 +356,7 @@ def iq_rows_dot(w_ptr, wh_ptr, g_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes,
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
-# A T body's grid in shared memory (ASM >= 2, gemv_t.SMEM_TYPES): its rows read by `ld.shared`
+# A T body's grid in shared memory (ASM == 2, gemv_t.SMEM_TYPES): its rows read by `ld.shared`
 # in the loop instead of gathered from L1. Triton gives a kernel no shared array of its own to
 # index, so the array is a static `.shared` variable declared by the inline asm that returns
 # its address (not pure: a rematerialized copy would declare a second, empty array), filled
@@ -379,70 +379,38 @@ def _smem_base(BYTES: tl.constexpr):
         a = tl.inline_asm_elementwise(
             "{ .shared .align 16 .b8 carve_grid[8192]; mov.u32 $0, carve_grid; }", "=r", [],
             dtype=tl.int32, is_pure=False, pack=1)
-    elif BYTES <= 16384:
+    else:
+        tl.static_assert(BYTES <= 16384, "a grid of at most 16 KiB")
         a = tl.inline_asm_elementwise(
             "{ .shared .align 16 .b8 carve_grid[16384]; mov.u32 $0, carve_grid; }", "=r", [],
-            dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.static_assert(BYTES <= 32768, "a shared grid of at most 32 KiB")
-        a = tl.inline_asm_elementwise(
-            "{ .shared .align 16 .b8 carve_grid[32768]; mov.u32 $0, carve_grid; }", "=r", [],
             dtype=tl.int32, is_pure=False, pack=1)
     return a
 
 
 @triton.jit
-def grid_fill(tab_ptr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr, E: tl.constexpr,
-              C: tl.constexpr):
-    """A shared copy of the grid of BYTES bytes at tab_ptr (8-byte aligned; rows of E bytes),
-    made by the program's BLOCK_N lanes, then a barrier: its shared address, for `grid_tab`.
-    Called once a program, where every thread of it passes. C > 1: C copies interleaved row
-    by row (row i of copy c at E * (C * i + c)), so that lanes reading their own copy
-    (`grid_tab`) read different banks whatever rows they read."""
-    base = _smem_base(BYTES * C)
+def grid_fill(tab_ptr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A shared copy of the grid of BYTES bytes at tab_ptr (8-byte aligned), made by the
+    program's BLOCK_N lanes, then a barrier: its shared address, for `grid_tab`. Called once
+    a program, where every thread of it passes."""
+    base = _smem_base(BYTES)
+    src = tab_ptr.to(tl.pointer_type(tl.int64))
+    W: tl.constexpr = BYTES // 8
     offs = tl.arange(0, BLOCK_N)
-    if C == 1:
-        src = tab_ptr.to(tl.pointer_type(tl.int64))
-        W: tl.constexpr = BYTES // 8
-        for i in tl.static_range((W + BLOCK_N - 1) // BLOCK_N):
-            k = tl.minimum(i * BLOCK_N + offs, W - 1)  # lanes past the end write the last again
-            tl.inline_asm_elementwise("st.shared.b64 [$1], $2; mov.u32 $0, 0;", "=r,r,l",
-                                      [base + 8 * k, tl.load(src + k)], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-    else:  # 16-byte chunks, each C * E / 16 of them the copies of one row
-        tl.static_assert(E * C >= 16, "whole 16-byte chunks of one grid row's copies")
-        CH: tl.constexpr = E * C // 16
-        NC: tl.constexpr = BYTES * C // 16
-        for i in tl.static_range((NC + BLOCK_N - 1) // BLOCK_N):
-            k = tl.minimum(i * BLOCK_N + offs, NC - 1)
-            if E == 8:
-                v = tl.load(tab_ptr.to(tl.pointer_type(tl.int64)) + k // CH)
-                tl.inline_asm_elementwise("st.shared.v2.b64 [$1], {$2, $2}; mov.u32 $0, 0;",
-                                          "=r,r,l", [base + 16 * k, v], dtype=tl.int32,
-                                          is_pure=False, pack=1)
-            else:
-                v = tl.load(tab_ptr.to(tl.pointer_type(tl.int32)) + k // CH)
-                tl.inline_asm_elementwise(
-                    "st.shared.v4.b32 [$1], {$2, $2, $2, $2}; mov.u32 $0, 0;", "=r,r,r",
-                    [base + 16 * k, v], dtype=tl.int32, is_pure=False, pack=1)
+    for i in tl.static_range((W + BLOCK_N - 1) // BLOCK_N):
+        k = tl.minimum(i * BLOCK_N + offs, W - 1)  # lanes past the end write the last again
+        tl.inline_asm_elementwise("st.shared.b64 [$1], $2; mov.u32 $0, 0;", "=r,r,l",
+                                  [base + 8 * k, tl.load(src + k)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
     tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                               is_pure=False, pack=1)
     return base
 
 
 @triton.jit
-def grid_tab(tab_ptr, W64: tl.constexpr, ASM: tl.constexpr, C: tl.constexpr):
-    """What a T body's `grid_row` reads: with ASM >= 2 tab_ptr is already the shared copy
-    (`grid_fill`'s address; with ASM == 3 and C > 1 this lane's copy of C), else the grid in
-    global memory as int64 (W64) or int32 rows."""
-    if ASM == 3 and C > 1:
-        lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=tl.int32,
-                                         is_pure=True, pack=1)
-        if W64:
-            tab = tab_ptr + 8 * (lane % C)
-        else:
-            tab = tab_ptr + 4 * (lane % C)
-    elif ASM >= 2:
+def grid_tab(tab_ptr, W64: tl.constexpr, ASM: tl.constexpr):
+    """What a T body's `grid_row` reads: with ASM == 2 tab_ptr is already the shared copy
+    (`grid_fill`'s address), else the grid in global memory as int64 (W64) or int32 rows."""
+    if ASM == 2:
         tab = tab_ptr
     elif W64:
         tab = tab_ptr.to(tl.pointer_type(tl.int64))
@@ -452,18 +420,14 @@ def grid_tab(tab_ptr, W64: tl.constexpr, ASM: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def grid_row(tab, i, W64: tl.constexpr, ASM: tl.constexpr, C: tl.constexpr):
+def grid_row(tab, i, W64: tl.constexpr, ASM: tl.constexpr):
     """Grid row i (int64 rows if W64, else int32) of what `grid_tab` gave."""
-    if ASM >= 2:
-        if ASM == 3 and C > 1:
-            k = C * i
-        else:
-            k = i
+    if ASM == 2:
         if W64:
-            r = tl.inline_asm_elementwise("ld.shared.b64 $0, [$1];", "=l,r", [tab + 8 * k],
+            r = tl.inline_asm_elementwise("ld.shared.b64 $0, [$1];", "=l,r", [tab + 8 * i],
                                           dtype=tl.int64, is_pure=False, pack=1)
         else:
-            r = tl.inline_asm_elementwise("ld.shared.b32 $0, [$1];", "=r,r", [tab + 4 * k],
+            r = tl.inline_asm_elementwise("ld.shared.b32 $0, [$1];", "=r,r", [tab + 4 * i],
                                           dtype=tl.int32, is_pure=False, pack=1)
     else:
         r = tl.load(tab + i)

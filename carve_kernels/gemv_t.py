@@ -138,25 +138,18 @@ def unpack(t: torch.Tensor, ggml_type: int, rows: int) -> torch.Tensor:
 
 @triton.jit
 def t_tab(tab_ptr, TYPE: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
-    # the table t_body reads: with ASM >= 2 a grid type's grid copied to shared memory
-    # (gemv_iq.grid_fill: once a program, a barrier; with ASM == 3 as many interleaved copies
-    # as fit 32 KiB for the small grids of COPY_TYPES, one a lane), else tab_ptr itself
-    if ASM == 3 and TYPE == 16:  # IQ2_XXS: 16 copies of its rows of 8 bytes
-        tab = grid_fill(tab_ptr, 2048, BLOCK_N, 8, 16)
-    elif ASM == 3 and TYPE == 21:  # IQ3_S: 16 copies of its rows of 4 bytes
-        tab = grid_fill(tab_ptr, 2048, BLOCK_N, 4, 16)
-    elif ASM == 3 and TYPE == 18:  # IQ3_XXS: 32 copies
-        tab = grid_fill(tab_ptr, 1024, BLOCK_N, 4, 32)
-    elif ASM >= 2 and (TYPE == 16 or TYPE == 21):  # IQ2_XXS, IQ3_S
-        tab = grid_fill(tab_ptr, 2048, BLOCK_N, 8, 1)
-    elif ASM >= 2 and TYPE == 18:  # IQ3_XXS
-        tab = grid_fill(tab_ptr, 1024, BLOCK_N, 8, 1)
-    elif ASM >= 2 and TYPE == 17:  # IQ2_XS
-        tab = grid_fill(tab_ptr, 4096, BLOCK_N, 8, 1)
-    elif ASM >= 2 and TYPE == 22:  # IQ2_S
-        tab = grid_fill(tab_ptr, 8192, BLOCK_N, 8, 1)
-    elif ASM >= 2 and (TYPE == 19 or TYPE == 29):  # IQ1_S, IQ1_M
-        tab = grid_fill(tab_ptr, 16384, BLOCK_N, 8, 1)
+    # the table t_body reads: with ASM == 2 a grid type's grid copied to shared memory
+    # (gemv_iq.grid_fill: once a program, a barrier), else tab_ptr itself
+    if ASM == 2 and (TYPE == 16 or TYPE == 21):  # IQ2_XXS, IQ3_S
+        tab = grid_fill(tab_ptr, 2048, BLOCK_N)
+    elif ASM == 2 and TYPE == 18:  # IQ3_XXS
+        tab = grid_fill(tab_ptr, 1024, BLOCK_N)
+    elif ASM == 2 and TYPE == 17:  # IQ2_XS
+        tab = grid_fill(tab_ptr, 4096, BLOCK_N)
+    elif ASM == 2 and TYPE == 22:  # IQ2_S
+        tab = grid_fill(tab_ptr, 8192, BLOCK_N)
+    elif ASM == 2 and (TYPE == 19 or TYPE == 29):  # IQ1_S, IQ1_M
+        tab = grid_fill(tab_ptr, 16384, BLOCK_N)
     else:
         tab = tab_ptr
     return tab
@@ -169,7 +162,7 @@ def t_body(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N
     # a program's sums over blocks [b_lo, b_hi) of its rows, by type (carve_kernels/gemv_t_dot.py,
     # carve_kernels/gemv_t_low.py); rows masked, not clamped: a clamp hides their contiguity and the
     # loads go 4 bytes wide. tab_ptr: the type's value table (lowbit_blocks.lookup_table), or
-    # with ASM >= 2 what t_tab made of it
+    # with ASM == 2 what t_tab made of it
     if TYPE == 10:
         acc = q2k_t_dot(wt_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV,
                         Q8X, ASM)
@@ -277,14 +270,13 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
                        SPLIT: tl.constexpr, XV: tl.constexpr, TYPE: tl.constexpr,
                        GELU: tl.constexpr, PAIR: tl.constexpr, Q8X: tl.constexpr,
                        QOUT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                       TRACE: tl.constexpr, LATE: tl.constexpr = False):
+                       TRACE: tl.constexpr):
     # gate and up rows of the same outputs in one program (x read once for both); with a
     # split, part holds [M, 2, SPLIT, N] and the last program of a row tile applies the GLU.
-    # QOUT: the last program also writes the int8 copy of its y (carve_kernels/q8x.py, M = 1).
-    # LATE: the next kernel becomes resident only after this program's main loop (GLU_LATE)
+    # QOUT: the last program also writes the int8 copy of its y (carve_kernels/q8x.py, M = 1)
     pid, m, rows, rmask, b_lo, b_hi = _t_tile(N, NB, BPS, BLOCK_N)
     tab = t_tab(tab_ptr, TYPE, BLOCK_N, ASM)  # one copy for gate and up, before the wait
-    trace.wait(trace_ptr, PDL, TRACE, LATE)
+    trace.wait(trace_ptr, PDL, TRACE)
     xrow = x_ptr + m * stride_xm
     if PAIR:  # Q4_K, Q5_K: gate and up words in one step, each x value converted once
         g, u = q4k_t_dot_half(g_ptr, u_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N,
@@ -294,8 +286,6 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
                    b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
         u = t_body(u_ptr, uh_ptr, tab, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N, NB,
                    b_lo, b_hi, BLOCK_N, XV, TYPE, Q8X, ASM)
-    if LATE:
-        pdl.release(PDL)
     trace.stamp(trace_ptr, 2, TRACE)
     last = True
     if SPLIT > 1:
@@ -444,28 +434,15 @@ def _t_grid(rows: list[int], nb: int, x: torch.Tensor, config: tuple[int, int, i
 GRID_SMEM = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
                        qt.IQ1_M})
 SMEM_TYPES: frozenset[int] = GRID_SMEM
-# the grid types with small grids whose shared copy can be replicated: 16 (IQ2_XXS, IQ3_S) or
-# 32 (IQ3_XXS) copies in 32 KiB, interleaved row by row, each lane reading its own, so that
-# the random rows a warp gathers fall in different banks (the gathers' bank conflicts bound
-# these bodies: NOTES, smem_signs). Where COPY_TYPES holds them (ASM == 3); on trial
-# (CARVE_TRIAL=grid_copies, t_probe --copies)
-GRID_COPIES = frozenset({qt.IQ2_XXS, qt.IQ3_S, qt.IQ3_XXS})
-# the gate/up launch lets the next (ffn_down) become resident only after its main loop, so
-# that the down's waiting programs take no SM slots from the gate/up's later waves (on trial:
-# CARVE_TRIAL=glu_late; the expert gate/up does the same, NOTES "PDL")
-GLU_LATE = False
-COPY_TYPES: frozenset[int] = frozenset()
 
 
 def _asm(cuda: bool, *types: int) -> bool | int:
     # the bodies' ASM: False under the interpreter, True on a GPU, 2 (inline asm and the grid
-    # in shared memory) where a launch runs a type of SMEM_TYPES, 3 (its copies) where one of
-    # COPY_TYPES. One constexpr a launch: a q/k/v launch with one such type gives any other
-    # grid type in it the same (the same sums either way)
+    # in shared memory) where a launch runs a type of SMEM_TYPES. One constexpr a launch: a
+    # q/k/v launch with one such type gives any other grid type in it the shared grid too
+    # (the same sums either way)
     if not cuda:
         return False
-    if any(t in SMEM_TYPES and t in COPY_TYPES for t in types):
-        return 3
     return 2 if any(t in SMEM_TYPES for t in types) else True
 
 
@@ -550,7 +527,7 @@ def gemv_t_glu(gate: torch.Tensor, up: torch.Tensor, ggml_type: int, rows: int,
                              GELU=act == "gelu",
                              PAIR=paired and ggml_type in PAIRED, Q8X=use,
                              QOUT=out_q is not None, ASM=_asm(gate.is_cuda, ggml_type),
-                             LATE=GLU_LATE and meta["PDL"], **meta, num_warps=warps)
+                             **meta, num_warps=warps)
     return out
 
 

@@ -491,7 +491,7 @@ def _iq2xxs_group(aux0, aux1, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.conste
         # dp4a(g ^ m, x) less dp4a(m, x) (m's bytes -1 or 0)
         neg = aux0 * 0
         for r in tl.static_range(4):
-            gr = grid_row(tab, ((aux0 >> (8 * r)) & 255), True, ASM, 16)  # the row's 8 grid bytes, 1..127
+            gr = grid_row(tab, ((aux0 >> (8 * r)) & 255), True, ASM)  # the row's 8 grid bytes, 1..127
             m0, m1 = _sign_masks((aux1 >> (7 * r)) & 127, ASM)
             xa, xb = _x64(xq_ptr, xi + 2 * r)
             isum = _dp4a(gr.to(tl.int32) ^ m0, xa, isum, ASM, True)
@@ -500,7 +500,7 @@ def _iq2xxs_group(aux0, aux1, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.conste
         db = d * (0.5 + ((aux1 >> 28) & 15).to(tl.float32)) * 0.25
         return db * tl.load(xd_ptr) * (isum - neg).to(tl.float32)
     for r in tl.static_range(4):
-        gr = grid_row(tab, ((aux0 >> (8 * r)) & 255), True, ASM, 16)  # the row's 8 grid bytes, 1..127
+        gr = grid_row(tab, ((aux0 >> (8 * r)) & 255), True, ASM)  # the row's 8 grid bytes, 1..127
         sg = _ksigns((aux1 >> (7 * r)) & 127, ASM)
         isum, s = _grid_dot(_signed(gr.to(tl.int32), sg & 15),
                             _signed((gr >> 32).to(tl.int32), (sg >> 4) & 15), xp + 8 * r,
@@ -515,7 +515,7 @@ def iq2xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
                  ASM: tl.constexpr):
     # IQ2_XXS: words 0-15 the qs of groups 0-7 (2 a group: 4 index bytes, then the signs and
     # scale), its f16 d in the tail plane. Half a block (4 groups, 8 words) per step
-    tab = grid_tab(tab_ptr, True, ASM, 16)
+    tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 32 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -561,9 +561,9 @@ def _iq3s_group(q0, q1, qh, sg, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.
             r = 2 * h
             k = r % 4
             g0 = grid_row(tab, _prmt(q, e, k | ((4 + k) << 4) | ((12 + k) << 8) | ((12 + k) << 12),
-                                     ASM), False, ASM, 16)
+                                     ASM), False, ASM)
             g1 = grid_row(tab, _prmt(q, e, (k + 1) | ((5 + k) << 4) | ((13 + k) << 8)
-                                     | ((13 + k) << 12), ASM), False, ASM, 16)
+                                     | ((13 + k) << 12), ASM), False, ASM)
             xa, xb = _x64(xq_ptr, xi + r)
             isum = _dp4a(g1 ^ m1, xb, _dp4a(g0 ^ m0, xa, isum, ASM, True), ASM, True)
             neg = _dp4a(m1, xb, _dp4a(m0, xa, neg, ASM, True), ASM, True)
@@ -575,7 +575,7 @@ def _iq3s_group(q0, q1, qh, sg, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.
             else:
                 q = q1
             gi = ((q >> (8 * (r % 4))) & 255) | (((qh >> r) & 1) << 8)
-            w = _signed(grid_row(tab, gi, False, ASM, 16), (sg >> (4 * r)) & 15)  # the row's 4 grid bytes
+            w = _signed(grid_row(tab, gi, False, ASM), (sg >> (4 * r)) & 15)  # the row's 4 grid bytes
             isum, s = _grid_dot(w, w, xp + 4 * r, xq_ptr, xi + r, isum, s, 4, XV, Q8X, ASM)
         out = db * s
     return out
@@ -587,7 +587,7 @@ def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
     # IQ3_S: words 0-15 qs (2 a group), 16-17 qh (a byte a group), 18-25 signs (a word a
     # group), 26 the scales (a nibble a group); its f16 d in the tail plane. Half a block (4
     # groups) per step
-    tab = grid_tab(tab_ptr, False, ASM, 16)
+    tab = grid_tab(tab_ptr, False, ASM)
     dp = wh_ptr + NB * 54 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -630,8 +630,8 @@ def _iq3xxs_group(q0, q1, aux, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.const
             else:
                 q = q1
             m0, m1 = _sign_masks((aux >> (7 * r)) & 127, ASM)
-            g0 = grid_row(tab, ((q >> (16 * (r % 2))) & 255), False, ASM, 32)
-            g1 = grid_row(tab, ((q >> (16 * (r % 2) + 8)) & 255), False, ASM, 32)
+            g0 = grid_row(tab, ((q >> (16 * (r % 2))) & 255), False, ASM)
+            g1 = grid_row(tab, ((q >> (16 * (r % 2) + 8)) & 255), False, ASM)
             xa, xb = _x64(xq_ptr, xi + 2 * r)
             isum = _dp4a(g1 ^ m1, xb, _dp4a(g0 ^ m0, xa, isum, ASM, True), ASM, True)
             neg = _dp4a(m1, xb, _dp4a(m0, xa, neg, ASM, True), ASM, True)
@@ -643,8 +643,8 @@ def _iq3xxs_group(q0, q1, aux, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.const
         else:
             q = q1
         sg = _ksigns((aux >> (7 * r)) & 127, ASM)
-        w0 = _signed(grid_row(tab, ((q >> (16 * (r % 2))) & 255), False, ASM, 32), sg & 15)
-        w1 = _signed(grid_row(tab, ((q >> (16 * (r % 2) + 8)) & 255), False, ASM, 32), (sg >> 4) & 15)
+        w0 = _signed(grid_row(tab, ((q >> (16 * (r % 2))) & 255), False, ASM), sg & 15)
+        w1 = _signed(grid_row(tab, ((q >> (16 * (r % 2) + 8)) & 255), False, ASM), (sg >> 4) & 15)
         isum, s = _grid_dot(w0, w1, xp + 8 * r, xq_ptr, xi + 2 * r, isum, s, 8, XV, Q8X, ASM)
     db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
     return db * s
@@ -656,7 +656,7 @@ def iq3xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
                  ASM: tl.constexpr):
     # IQ3_XXS: words 0-15 qs (2 a group), 16-23 a group's signs and scale; its f16 d in the
     # tail plane. Half a block (4 groups: 8 qs words and 4 sign words) per step
-    tab = grid_tab(tab_ptr, False, ASM, 32)
+    tab = grid_tab(tab_ptr, False, ASM)
     dp = wh_ptr + NB * 48 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -692,7 +692,7 @@ def _iq2_pair(w, sg, tab, acc, db, xq_ptr, xi, xp, R: tl.constexpr, BLOCK_N: tl.
     if Q8X:  # as IQ2_XXS's: dp4a(g ^ m, x) less dp4a(m, x)
         neg = w[0] * 0
         for k in tl.static_range(2):
-            gr = grid_row(tab, w[k], True, ASM, 1)
+            gr = grid_row(tab, w[k], True, ASM)
             m = sg[k]
             xa, xb = _x64(xq_ptr, xi + 2 * (R + k))
             isum = _dp4a(gr.to(tl.int32) ^ m[0], xa, isum, ASM, True)
@@ -701,7 +701,7 @@ def _iq2_pair(w, sg, tab, acc, db, xq_ptr, xi, xp, R: tl.constexpr, BLOCK_N: tl.
         acc += db * (isum - neg).to(tl.float32)
     else:
         for k in tl.static_range(2):
-            gr = grid_row(tab, w[k], True, ASM, 1)
+            gr = grid_row(tab, w[k], True, ASM)
             isum, s = _grid_dot(_signed(gr.to(tl.int32), sg[k] & 15),
                                 _signed((gr >> 32).to(tl.int32), (sg[k] >> 4) & 15),
                                 xp + 8 * (R + k), xq_ptr, xi + 2 * (R + k), isum, s, 8, XV, Q8X,
@@ -741,7 +741,7 @@ def iq2xs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, 
                 ASM: tl.constexpr):
     # IQ2_XS: words 0-15 qs (2 a group), 16-17 the scales (a byte a group); its f16 d in the
     # tail plane. Half a block (4 groups: 8 qs words and a scales word) per step
-    tab = grid_tab(tab_ptr, True, ASM, 1)
+    tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 36 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -791,7 +791,7 @@ def iq2s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
                BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # IQ2_S: words 0-7 the index bytes (a word a group), 8-15 the signs, 16-17 qh, 18-19 the
     # scales (a byte a group each); its f16 d in the tail plane. Half a block (4 groups) per step
-    tab = grid_tab(tab_ptr, True, ASM, 1)
+    tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 40 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -828,7 +828,7 @@ def _iq1_pair(w, dl, tab, acc, db, xq_ptr, xi, xp, R: tl.constexpr, BLOCK_N: tl.
     isum = w[0] * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k in tl.static_range(2):
-        gr = grid_row(tab, w[k], True, ASM, 1)
+        gr = grid_row(tab, w[k], True, ASM)
         dw = (dl[k] & 255) * 0x01010101
         isum, s = _grid_dot(_add_bytes(gr.to(tl.int32), dw),
                             _add_bytes((gr >> 32).to(tl.int32), dw), xp + 8 * (R + k), xq_ptr,
@@ -861,7 +861,7 @@ def iq1s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
                BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # IQ1_S: words 0-7 the index bytes (a word a group), 8-11 qh (16 bits a group); its f16 d
     # in the tail plane. Half a block (4 groups: 4 index words, 2 qh words) per step
-    tab = grid_tab(tab_ptr, True, ASM, 1)
+    tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 24 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
@@ -915,7 +915,7 @@ def iq1m_t_dot(wt_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_h
                BLOCK_N: tl.constexpr, XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # IQ1_M: words 0-7 the index bytes, 8-11 qh (16 bits a group), 12-13 the scales (16 bits
     # per two groups, d's nibbles at their tops). Half a block (4 groups) per step
-    tab = grid_tab(tab_ptr, True, ASM, 1)
+    tab = grid_tab(tab_ptr, True, ASM)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2

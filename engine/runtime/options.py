@@ -26,12 +26,6 @@ TRIALS = {
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
-    "grid_copies": "IQ2_XXS, IQ3_S and IQ3_XXS decode GEMVs read their grid rows from a lane's "
-                   "own copy of 16 or 32 in shared memory (carve_kernels/gemv_t.py COPY_TYPES)",
-    "glu_late": "the T gate/up launch lets ffn_down become resident only after its main loop "
-                "(carve_kernels/gemv_t.py GLU_LATE)",
-    "carveout": "every Triton kernel loaded with the same shared-memory carveout preference "
-                "(CARVE_CARVEOUT percent, default 100; engine/runtime/gpu/carveout.py)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -121,20 +115,6 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
-        if "grid_copies" in self.trials:
-            from carve_kernels import gemv_t
-
-            gemv_t.COPY_TYPES = gemv_t.GRID_COPIES
-        if "carveout" in self.trials:
-            import os
-
-            from engine.runtime.gpu import carveout
-
-            carveout.install(int(os.environ.get("CARVE_CARVEOUT", "100")))
-        if "glu_late" in self.trials:
-            from carve_kernels import gemv_t
-
-            gemv_t.GLU_LATE = True
         if self.trials:
             from carve_kernels import gemv_q8, moe_decode
 

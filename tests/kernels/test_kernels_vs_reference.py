@@ -446,8 +446,8 @@ def test_attn_decode_matches_reference(kv_type, pos, cells, window, fused, seed)
 @pytest.mark.parametrize(("nh", "kvh", "dtype"), [(6, 2, torch.float32), (8, 1, torch.bfloat16)])
 def test_attn_decode_writes_the_int8_copy_of_its_output(nh, kvh, dtype, seed):
     # the merging program of each kv head quantizes its heads' output rows as stored (the
-    # attn_output GEMV's int8 x, trial attn_q8): the copy q8x.copy_ref makes of the row, to
-    # the bit, and nothing past the row's groups
+    # attn_output GEMV's int8 x, matrices.ATTN_Q8_TYPES): the copy q8x.copy_ref makes of the
+    # row, to the bit, and nothing past the row's groups
     g = generator(seed)
     d, cells = 64, 64
     k = _filled_cache("f16", cells, kvh, d, g)

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from benchmarks import ptx_count
-from carve_kernels import gemv_t, quant_matmul
+from carve_kernels import quant_matmul
 from spec import quant_types as qt
 
 
@@ -79,7 +79,7 @@ def test_decode_attention_reads_its_cached_block_before_the_pdl_wait():
     # each split's first block of cached keys and values (all but the newest cell, which the
     # q/k/v launch before writes) is loaded before the PDL wait (ACQBULK), on f16 and q8_0
     # caches (sm_90 codegen: the compiler must not sink the loads past the wait), and so with
-    # the int8 copy of the output written by the merging programs (trial attn_q8)
+    # the int8 copy of the output written by the merging programs (matrices.ATTN_Q8_TYPES)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json\nfrom benchmarks import ptx_count as p\n"
             "ops = {}\n"
@@ -130,12 +130,3 @@ def test_grid_bodies_read_a_shared_grid_with_ld_shared(ggml_type):
     got = _count(qt.type_name(ggml_type), "--t", "--x", "int8", "--sass", "--config", "256,4",
                  "--smem")
     assert got["counts"].get("LDS", 0) == per_step, got["counts"]
-
-
-@pytest.mark.parametrize("ggml_type", sorted(gemv_t.GRID_COPIES), ids=qt.type_name)
-def test_a_lane_s_own_grid_copy_costs_no_more_gathers(ggml_type):
-    # trial grid_copies (gemv_t.COPY_TYPES, ASM == 3): the 32 KiB of interleaved copies
-    # assemble for sm_90 and the loop gathers its grid rows with as many LDS as from one copy
-    args = (qt.type_name(ggml_type), "--t", "--x", "int8", "--sass", "--config", "256,4")
-    plain, copies = _count(*args), _count(*args, "--copies")
-    assert copies["counts"].get("LDS", 0) == plain["counts"].get("LDS", 0) > 0

@@ -103,7 +103,7 @@ class Attention:
     output: Matrix  # attn_output
     post_norm: torch.Tensor | None  # gemma3's sandwich norm of the output, before its add
     # decode's int8 copy of the attention output, written by the attention kernel's merging
-    # programs, for attn_output's dp4a body (trial attn_q8), else None (bf16 x)
+    # programs, for attn_output's dp4a body (ATTN_Q8_TYPES), else None (bf16 x)
     xq_o: tuple | None = None
 
 
