@@ -41,7 +41,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #                                serve through HTTP; needs starlette, uvicorn, httpx wheels)
 #   PROBE="IQ2_XXS,IQ3_S"        benchmarks.t_probe on these types, with and without the shared
 #                                grid (--no-smem), before the benches
-#   PROBE_VARIANTS=";--signs"    or with these ';'-separated t_probe argument sets instead
+#   PROBE_VARIANTS=";--bf16"     or with these ';'-separated t_probe argument sets instead
 #   KERNELS="lowbit"             benchmarks.device_check --types (each type's GEMV against
 #                                its byte floor at 7B sizes), run before the benches
 #   HOST_SPLIT=1                 benchmarks.device_check --host-split (the round trip of a
