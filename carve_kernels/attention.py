@@ -21,6 +21,11 @@ from carve_kernels import pdl, q8x, trace
 from carve_kernels.kv_cache import kv_load_ref
 from spec.launch import ATTN_SPLITS
 
+# the decode kernel lets the next one (attn_output) become resident only after its splits'
+# partials are stored, not at its start (on trial: CARVE_TRIAL=attn_late): so that the next
+# launch's programs are placed when the SMs empty, not squeezed beside the attention's
+# (carve_kernels/NOTES.md, "On trial")
+LATE = False
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": masked scores use -inf, running maxima start here
 
 
@@ -59,7 +64,7 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
                            SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr,
                            FUSED: tl.constexpr, NSP: tl.constexpr, MERGE: tl.constexpr,
                            SINK: tl.constexpr, OUT_Q8: tl.constexpr, PDL: tl.constexpr,
-                           TRACE: tl.constexpr):
+                           TRACE: tl.constexpr, LATE: tl.constexpr = False):
     # the split's first block of cached keys and values is read before the PDL wait: the
     # position was advanced by the step before (its kernel long finished) and no cell but the
     # newest one is written this step (by the q/k/v launch before this one), so only the
@@ -78,7 +83,7 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
     newest = c0 == pos % cells
     k0 = _load_kv(c_k, c8_k, ch_k, c0, kvh, KVH, dd, cm0 & ~newest, D, Q8)
     v0 = _load_kv(c_v, c8_v, ch_v, c0, kvh, KVH, dd, cm0 & ~newest, D, Q8)
-    trace.wait(trace_ptr, PDL, TRACE)
+    trace.wait(trace_ptr, PDL, TRACE, LATE)
     gi = tl.arange(0, GP)
     gmask = gi < G
     heads = kvh * G + gi
@@ -105,6 +110,8 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
     tl.store(po_ptr + out[:, None] * D + dd[None, :], acc / tl.maximum(l_i, 1e-30)[:, None],
              mask=gmask[:, None])
     tl.store(pml_ptr + out, lse, mask=gmask)
+    if LATE:  # the next kernel becomes resident once every split has stored its partial
+        pdl.release(PDL)
     trace.stamp(trace_ptr, 2, TRACE)
     if FUSED:
         # the last of this kv head's NS programs to finish merges the active splits (no
@@ -231,7 +238,7 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         **trace.args("attention_decode", (n_kv_heads, ns), out), G=g, GP=gp, D=d,
         SPLIT=split, BLOCK_N=64, Q8=q8, FUSED=fused, NSP=triton.next_power_of_2(ns),
         MERGE=max(1, 8192 // (gp * d)), SINK=sinks is not None, OUT_Q8=out_q is not None,
-        num_warps=4, **pdl.opts(out, use_pdl))
+        LATE=LATE and pdl.enabled(out, use_pdl), num_warps=4, **pdl.opts(out, use_pdl))
     if not fused:
         _decode_reduce_kernel[(nh,)](po, pml, out, sinks if sinks is not None else pml, ns,
                                      out.stride(0), D=d, NSP=triton.next_power_of_2(ns),

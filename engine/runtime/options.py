@@ -26,6 +26,11 @@ TRIALS = {
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
+    "attn_late": "decode's attention lets the next launch (attn_output) become resident only "
+                 "after its splits' partials are stored (carve_kernels/attention.py LATE)",
+    "attn_q8_grid": "every grid IQ type's attn_output (not only IQ3_S and IQ4_XS) multiplies "
+                    "the attention's int8 copy in the T layout (engine/runtime/gpu/matrices.py "
+                    "ATTN_Q8_TYPES)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -115,6 +120,10 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
+        if "attn_late" in self.trials:
+            from carve_kernels import attention
+
+            attention.LATE = True
         if self.trials:
             from carve_kernels import gemv_q8, moe_decode
 

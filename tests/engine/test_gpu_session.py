@@ -265,10 +265,12 @@ def test_attention_output_on_its_int8_copy_decodes_as_the_cpu_engine(tmp_path, w
         errs, _ = decode_errors(g, c, ids(3, 1))
         assert max(errs) < 3e-2
     assert ("attention", *copies) in seen and ("one", *copies) in seen
-    for path in (str(write_model(tmp_path / "iq2_xxs.gguf", WIDE, "iq2_xxs")[0]), wide_q4k):
-        g = load(plan(path, act_dtype="bf16"))
-        try:
-            assert all(ly.attn.xq_o is None for ly in g.pipe.stages[0].layers)  # x
+    iq2 = str(write_model(tmp_path / "iq2_xxs.gguf", WIDE, "iq2_xxs")[0])
+    for path, trials in ((iq2, frozenset()), (wide_q4k, frozenset()),
+                         (iq2, frozenset({"attn_q8_grid"}))):
+        g = load(plan(path, act_dtype="bf16"), options=RunnerOptions(trials=trials))
+        try:  # x, but IQ2_XXS on the copy with the trial attn_q8_grid
+            assert all((ly.attn.xq_o is None) == (not trials) for ly in g.pipe.stages[0].layers)
         finally:
             g.close()
 

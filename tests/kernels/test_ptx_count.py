@@ -130,3 +130,29 @@ def test_grid_bodies_read_a_shared_grid_with_ld_shared(ggml_type):
     got = _count(qt.type_name(ggml_type), "--t", "--x", "int8", "--sass", "--config", "256,4",
                  "--smem")
     assert got["counts"].get("LDS", 0) == per_step, got["counts"]
+
+
+def test_decode_attention_released_late_lets_the_next_launch_in_after_its_partials():
+    # trial attn_late (attention.LATE): the next launch's programs become resident once the
+    # split's partial sums are stored, before the merge's counter; by default right after the
+    # wait
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json\nfrom benchmarks import ptx_count as p\n"
+            "out = {}\n"
+            "for late in (False, True):\n"
+            "    lines = p.compile_attention(late=late).asm['ptx'].splitlines()\n"
+            "    out[str(late)] = [k for l in lines for k in ('griddepcontrol.wait',\n"
+            "                      'griddepcontrol.launch_dependents', 'st.global', 'atom.')\n"
+            "                      if k in l]\n"
+            "print(json.dumps(out))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for late, ops in got.items():
+        assert ops.count("griddepcontrol.wait") == ops.count("griddepcontrol.launch_dependents") == 1
+        at = ops.index("griddepcontrol.launch_dependents")
+        if late == "True":
+            assert "st.global" in ops[:at] and ops.index("atom.") > at, ops
+        else:
+            assert at == ops.index("griddepcontrol.wait") + 1, ops

@@ -287,8 +287,10 @@ class LayerBuilder:
         # ATTN_Q8_TYPES, which then takes the T layout whatever its size: heads of whole
         # 32-value groups, the merging programs (buf.attn_count), and a slot wide enough
         hp = self.hp
+        types = ATTN_Q8_TYPES | (gemv_t.GRID_SMEM if "attn_q8_grid" in self.options.trials
+                                 else frozenset())
         return (self.xq is not None
-                and name in self.spans and self.model.tensor(name).ggml_type in ATTN_Q8_TYPES
+                and name in self.spans and self.model.tensor(name).ggml_type in types
                 and "buf.attn_count" in self.spans and hp.head_dim_v % 32 == 0
                 and hp.head_dim_v == hp.head_dim
                 and q8x.fits(self.xq[1], hp.n_head * hp.head_dim_v)
