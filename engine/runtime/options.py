@@ -31,6 +31,8 @@ TRIALS = {
     "attn_q8_grid": "every grid IQ type's attn_output (not only IQ3_S and IQ4_XS) multiplies "
                     "the attention's int8 copy in the T layout (engine/runtime/gpu/matrices.py "
                     "ATTN_Q8_TYPES)",
+    "x16": "the grid IQ types with sign bits read decode's int8 x 16 bytes a load in their T "
+           "bodies (carve_kernels/gemv_t.py X16_TYPES)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -120,6 +122,10 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
+        if "x16" in self.trials:
+            from carve_kernels import gemv_t
+
+            gemv_t.X16_TYPES = gemv_t.GRID_X16
         if "attn_late" in self.trials:
             from carve_kernels import attention
 

@@ -156,3 +156,14 @@ def test_decode_attention_released_late_lets_the_next_launch_in_after_its_partia
             assert "st.global" in ops[:at] and ops.index("atom.") > at, ops
         else:
             assert at == ops.index("griddepcontrol.wait") + 1, ops
+
+
+@pytest.mark.parametrize("ggml_type", [qt.IQ2_XXS, qt.IQ3_S, qt.IQ2_XS], ids=qt.type_name)
+def test_x_sixteen_bytes_a_load_halves_the_x_loads(ggml_type):
+    # trial x16 (gemv_t.X16_TYPES, ASM == 3): the loop reads decode's int8 x with 8 16-byte
+    # loads a step where it used 16 8-byte ones, and nothing else of its memory traffic moves
+    args = (qt.type_name(ggml_type), "--t", "--x", "int8", "--sass", "--config", "256,4")
+    plain, x16 = _count(*args), _count(*args, "--x16")
+    assert x16["counts"]["LDG"] == plain["counts"]["LDG"] - 8
+    assert x16["counts"]["LDS"] == plain["counts"]["LDS"]
+    assert x16["loop"] < plain["loop"]
