@@ -55,7 +55,9 @@ def _gpu(words: Words, rows, steps: int, got: list, stop: threading.Event) -> No
             words.w[:len(w)] = torch.tensor(w)
             f[0] = f[1] + 1
             while f[1] != f[0]:
-                if stop.is_set():
+                # told to stop: give up only if the answer has not come (it may have come
+                # between the loop's check and this one, as the server raised after answering)
+                if stop.is_set() and f[1] != f[0]:
                     return
             got.append(words.y.clone())
 
