@@ -20,12 +20,18 @@ from carve_kernels import quant_matmul
 from spec import quant_types as qt
 
 
-def _count(*args: str) -> dict:
+def _json_of(*argv: str):
+    # the last line of what python prints with these arguments, as JSON: compiled in a process
+    # of its own, without the interpreter
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.ptx_count", *args, "--json"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _count(*args: str) -> dict:
+    return _json_of("-m", "benchmarks.ptx_count", *args, "--json")
 
 
 @pytest.mark.parametrize("ggml_type, ops, tiles", [
@@ -80,7 +86,6 @@ def test_decode_attention_reads_its_cached_block_before_the_pdl_wait():
     # q/k/v launch before writes) is loaded before the PDL wait (ACQBULK), on f16 and q8_0
     # caches (sm_90 codegen: the compiler must not sink the loads past the wait), and so with
     # the int8 copy of the output written by the merging programs (matrices.ATTN_Q8_TYPES)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json\nfrom benchmarks import ptx_count as p\n"
             "ops = {}\n"
             "for q8, oq in ((False, False), (True, False), (False, True)):\n"
@@ -88,10 +93,7 @@ def test_decode_attention_reads_its_cached_block_before_the_pdl_wait():
             "    ops[f'{q8}-{oq}'] = [w.split('.')[0] for w in text.split()\n"
             "                         if w == 'ACQBULK' or w.startswith('LDG')]\n"
             "print(json.dumps(ops))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    for q8, ops in json.loads(out.stdout.strip().splitlines()[-1]).items():
+    for q8, ops in _json_of("-c", code).items():
         assert ops.count("ACQBULK") == 1, (q8, ops)
         # the position, then the two [64, 128] tiles' loads (16-byte vectors on f16)
         assert ops.index("ACQBULK") >= 9, (q8, ops)
@@ -136,7 +138,6 @@ def test_decode_attention_released_late_lets_the_next_launch_in_after_its_partia
     # trial attn_late (attention.LATE): the next launch's programs become resident once the
     # split's partial sums are stored, before the merge's counter; by default right after the
     # wait
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json\nfrom benchmarks import ptx_count as p\n"
             "out = {}\n"
             "for late in (False, True):\n"
@@ -145,11 +146,7 @@ def test_decode_attention_released_late_lets_the_next_launch_in_after_its_partia
             "                      'griddepcontrol.launch_dependents', 'st.global', 'atom.')\n"
             "                      if k in l]\n"
             "print(json.dumps(out))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    for late, ops in got.items():
+    for late, ops in _json_of("-c", code).items():
         assert ops.count("griddepcontrol.wait") == ops.count("griddepcontrol.launch_dependents") == 1
         at = ops.index("griddepcontrol.launch_dependents")
         if late == "True":
