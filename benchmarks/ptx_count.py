@@ -79,7 +79,7 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bo
     program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy); ``traced``:
     with the stamps of carve_kernels/trace.py compiled in; ``smem``: a grid type's grid read
     from shared memory (the bodies' ASM = 2), or from L1 (False); None: as the type runs
-    (``gemv_t.SMEM_TYPES``; with ``gemv_t.X16_TYPES`` x 16 bytes a load, ASM = 3)."""
+    (``gemv_t.SMEM_TYPES``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -87,16 +87,14 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bo
     from carve_kernels import gemv_t
 
     if smem is None:
-        asm = gemv_t._asm(True, ggml_type)
-    else:
-        asm = (3 if ggml_type in gemv_t.X16_TYPES else 2) if smem else True
+        smem = ggml_type in gemv_t.SMEM_TYPES
     sig = {"wt_ptr": "*i32", "wh_ptr": "*fp16", "tab_ptr": "*i8",
            "x_ptr": "*fp32" if x == "f32" else "*bf16", "xq_ptr": "*i32", "xd_ptr": "*fp32",
            "xs_ptr": "*fp32", "y_ptr": "*fp32", "b_ptr": "*fp32", "part_ptr": "*fp32",
            "cnt_ptr": "*i32", "N": "i32", "NB": "i32", "BPS": "i32", "stride_xm": "i32",
            "stride_ym": "i32", "trace_ptr": "*i64"}
     const = {"BLOCK_N": rows, "SPLIT": 4, "XV": x == "bf16", "HAS_BIAS": False,
-             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": asm, "PDL": False,
+             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": 2 if smem else True, "PDL": False,
              "TRACE": traced}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(11)}  # the pointers
@@ -146,12 +144,11 @@ def _expert_views(t: int) -> tuple[str, str, str]:
     return "*u8", "*u8" if t == qt.MXFP4 else "*fp16", "*i32" if t == qt.Q4_K else "*u8"
 
 
-def compile_attention(q8: bool = False, pdl: bool = True, out_q8: bool = False,
-                      late: bool = False):
+def compile_attention(q8: bool = False, pdl: bool = True, out_q8: bool = False):
     """The compiled decode attention (carve_kernels/attention.py ``_decode_partial_kernel``),
     head_dim 128 in GQA groups of 4, the last split merging, launched with PDL (``pdl``) on an
     f16 or q8_0 (``q8``) cache; ``out_q8``: writing the int8 copy of its output (attn_output's
-    x); ``late``: releasing the next launch after its partials (trial attn_late)."""
+    x), and so releasing the next launch after its partials, as attn_decode launches it."""
     from carve_kernels import attention
 
     fn = attention._decode_partial_kernel
@@ -162,7 +159,7 @@ def compile_attention(q8: bool = False, pdl: bool = True, out_q8: bool = False,
              "os_ptr": "*fp32"}
     const = {"G": 4, "GP": 16, "D": 128, "SPLIT": 64, "BLOCK_N": 64, "Q8": q8, "FUSED": True,
              "NSP": 64, "MERGE": 4, "SINK": False, "OUT_Q8": out_q8, "PDL": pdl,
-             "TRACE": False, "LATE": late}
+             "TRACE": False, "LATE": out_q8}
     sig = {n: types.get(n, "i32") for n in fn.arg_names if n not in const}
     return _compile_sm90(fn, sig, const, 4)
 
@@ -295,8 +292,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smem", action=argparse.BooleanOptionalAction, default=None,
                     help="--t: a grid type's grid from shared memory (--no-smem: from L1); "
                          "default: as the type runs")
-    ap.add_argument("--x16", action="store_true",
-                    help="--t: int8 x 16 bytes a load (gemv_t.X16_TYPES, trial x16)")
     ap.add_argument("--json", action="store_true", help="one JSON line instead")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -333,8 +328,6 @@ def main(argv: list[str] | None = None) -> int:
         rows, warps = (tuple(int(v) for v in args.config.split(",")) if args.config
                        else launch.t_config(t)[:2])
         cfg = (rows, warps)
-        if args.x16:
-            gemv_t.X16_TYPES = gemv_t.GRID_X16
         kernel = compile_t(t, rows, warps, args.x, smem=args.smem)
         per = rows // (32 * warps) * 128  # half a block of each of its rows a step
     else:

@@ -4,11 +4,10 @@ program for a hardware profiler to read (the GPU machine's ``ncu``), where
 ``benchmarks.device_check --types`` times the same kernels among many others.
 
     python -m benchmarks.t_probe IQ2_XXS,Q2_K [--rows 18944 --cols 3584] [--bf16]
-        [--programs N] [--no-smem] [--x16]
+        [--programs N] [--no-smem]
 
 ``--no-smem``: the grid types gather their grid rows from L1 instead of reading the copy each
-program makes in shared memory (``gemv_t.SMEM_TYPES``, the default). ``--x16``: the grid types with
-sign bits read int8 x 16 bytes a load (``gemv_t.X16_TYPES``, on trial).
+program makes in shared memory (``gemv_t.SMEM_TYPES``, the default).
 
 Under ``ncu --kernel-name regex:_gemv_t_kernel --launch-skip 1 --launch-count 1 ...`` the second
 call of the first type is the one profiled (the first compiles). Prints each type's time a call
@@ -69,8 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16", action="store_true", help="bf16 x instead of the int8 copy")
     ap.add_argument("--no-smem", action="store_true",
                     help="the grid types' grid rows gathered from L1, not from a shared copy")
-    ap.add_argument("--x16", action="store_true",
-                    help="int8 x 16 bytes a load (gemv_t.X16_TYPES, on trial)")
     ap.add_argument("--programs", type=int, default=0,
                     help="about this many programs instead of the config's (fewer splits)")
     args = ap.parse_args(argv)
@@ -84,15 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.no_smem:
         gemv_t.SMEM_TYPES = frozenset()
-    if args.x16:
-        gemv_t.X16_TYPES = gemv_t.GRID_X16
     for t in types:
         if t not in gemv_t.WORDS:
             print(f"t_probe: {qt.type_name(t)} has no T layout (gemv_t.WORDS)", file=sys.stderr)
             return 2
         us, err = probe(t, args.rows, args.cols, not args.bf16, programs=args.programs)
         x = ("bf16" if args.bf16 else "int8") + (" no smem" if args.no_smem else "")
-        x += " x16" if args.x16 else ""
         x += f" ~{args.programs} programs" if args.programs else ""
         print(f"{qt.type_name(t)} T {x} x {args.rows}x{args.cols}: {us:.1f} us a call, error"
               f" {err:.2e}", flush=True)

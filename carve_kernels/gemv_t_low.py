@@ -115,25 +115,6 @@ def _x64(xq_ptr, i):
     return v.to(tl.int32), (v >> 32).to(tl.int32)
 
 
-@triton.jit
-def _x4w(xq_ptr, i, ASM: tl.constexpr):
-    # int8 x words i .. i + 3 (16 values, i a multiple of 4: 16-byte aligned) in one 16-byte
-    # load (ASM == 3: gemv_t.X16_TYPES); not pure: nothing may move it above the PDL wait
-    tl.static_assert(ASM == 3, "16-byte x loads are inline PTX")
-    a0, a1, a2, a3 = tl.inline_asm_elementwise(
-        "ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [xq_ptr + i],
-        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
-    return a0, a1, a2, a3
-
-
-@triton.jit
-def _x8w(xq_ptr, i, ASM: tl.constexpr):
-    # int8 x words i .. i + 7 (32 values, i a multiple of 4), as _x4w twice
-    a0, a1, a2, a3 = _x4w(xq_ptr, i, ASM)
-    a4, a5, a6, a7 = _x4w(xq_ptr, i + 4, ASM)
-    return a0, a1, a2, a3, a4, a5, a6, a7
-
-
 # --- Q2_K -------------------------------------------------------------------------------------
 @triton.jit
 def _quarter_sums_q8(a0, a1, a2, a3, a4, a5, a6, a7, h0, h1, h2, h3, h4, h5, h6, h7, hb, xq_ptr,
@@ -509,16 +490,10 @@ def _iq2xxs_group(aux0, aux1, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.conste
         # the sign masks m: (g ^ m) is -g - 1 where m is 0xFF, so the group's sum is
         # dp4a(g ^ m, x) less dp4a(m, x) (m's bytes -1 or 0)
         neg = aux0 * 0
-        if ASM == 3:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x8w(xq_ptr, xi, ASM)
         for r in tl.static_range(4):
             gr = grid_row(tab, ((aux0 >> (8 * r)) & 255), True, ASM)  # the row's 8 grid bytes, 1..127
             m0, m1 = _sign_masks((aux1 >> (7 * r)) & 127, ASM)
-            if ASM == 3:
-                xa = _pick8(x0, x1, x2, x3, x4, x5, x6, x7, 2 * r)
-                xb = _pick8(x0, x1, x2, x3, x4, x5, x6, x7, 2 * r + 1)
-            else:
-                xa, xb = _x64(xq_ptr, xi + 2 * r)
+            xa, xb = _x64(xq_ptr, xi + 2 * r)
             isum = _dp4a(gr.to(tl.int32) ^ m0, xa, isum, ASM, True)
             isum = _dp4a((gr >> 32).to(tl.int32) ^ m1, xb, isum, ASM, True)
             neg = _dp4a(m1, xb, _dp4a(m0, xa, neg, ASM, True), ASM, True)
@@ -574,8 +549,6 @@ def _iq3s_group(q0, q1, qh, sg, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.
         e0 = ((qh & 15) * 0x00204081) & 0x01010101
         e1 = (((qh >> 4) & 15) * 0x00204081) & 0x01010101
         neg = q0 * 0
-        if ASM == 3:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x8w(xq_ptr, xi, ASM)
         for h in tl.static_range(4):
             if h < 2:
                 q = q0
@@ -591,11 +564,7 @@ def _iq3s_group(q0, q1, qh, sg, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.
                                      ASM), False, ASM)
             g1 = grid_row(tab, _prmt(q, e, (k + 1) | ((5 + k) << 4) | ((13 + k) << 8)
                                      | ((13 + k) << 12), ASM), False, ASM)
-            if ASM == 3:
-                xa = _pick8(x0, x1, x2, x3, x4, x5, x6, x7, r)
-                xb = _pick8(x0, x1, x2, x3, x4, x5, x6, x7, r + 1)
-            else:
-                xa, xb = _x64(xq_ptr, xi + r)
+            xa, xb = _x64(xq_ptr, xi + r)
             isum = _dp4a(g1 ^ m1, xb, _dp4a(g0 ^ m0, xa, isum, ASM, True), ASM, True)
             neg = _dp4a(m1, xb, _dp4a(m0, xa, neg, ASM, True), ASM, True)
         out = db * tl.load(xd_ptr) * (isum - neg).to(tl.float32)
@@ -655,8 +624,6 @@ def _iq3xxs_group(q0, q1, aux, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.const
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     if Q8X:  # the sign masks as IQ2_XXS's
         neg = q0 * 0
-        if ASM == 3:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x8w(xq_ptr, xi, ASM)
         for r in tl.static_range(4):
             if r < 2:
                 q = q0
@@ -665,11 +632,7 @@ def _iq3xxs_group(q0, q1, aux, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.const
             m0, m1 = _sign_masks((aux >> (7 * r)) & 127, ASM)
             g0 = grid_row(tab, ((q >> (16 * (r % 2))) & 255), False, ASM)
             g1 = grid_row(tab, ((q >> (16 * (r % 2) + 8)) & 255), False, ASM)
-            if ASM == 3:
-                xa = _pick8(x0, x1, x2, x3, x4, x5, x6, x7, 2 * r)
-                xb = _pick8(x0, x1, x2, x3, x4, x5, x6, x7, 2 * r + 1)
-            else:
-                xa, xb = _x64(xq_ptr, xi + 2 * r)
+            xa, xb = _x64(xq_ptr, xi + 2 * r)
             isum = _dp4a(g1 ^ m1, xb, _dp4a(g0 ^ m0, xa, isum, ASM, True), ASM, True)
             neg = _dp4a(m1, xb, _dp4a(m0, xa, neg, ASM, True), ASM, True)
         db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
@@ -728,16 +691,10 @@ def _iq2_pair(w, sg, tab, acc, db, xq_ptr, xi, xp, R: tl.constexpr, BLOCK_N: tl.
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     if Q8X:  # as IQ2_XXS's: dp4a(g ^ m, x) less dp4a(m, x)
         neg = w[0] * 0
-        if ASM == 3:
-            x0, x1, x2, x3 = _x4w(xq_ptr, xi + 2 * R, ASM)
         for k in tl.static_range(2):
             gr = grid_row(tab, w[k], True, ASM)
             m = sg[k]
-            if ASM == 3:
-                xa = _pick4(x0, x1, x2, x3, 2 * k)
-                xb = _pick4(x0, x1, x2, x3, 2 * k + 1)
-            else:
-                xa, xb = _x64(xq_ptr, xi + 2 * (R + k))
+            xa, xb = _x64(xq_ptr, xi + 2 * (R + k))
             isum = _dp4a(gr.to(tl.int32) ^ m[0], xa, isum, ASM, True)
             isum = _dp4a((gr >> 32).to(tl.int32) ^ m[1], xb, isum, ASM, True)
             neg = _dp4a(m[1], xb, _dp4a(m[0], xa, neg, ASM, True), ASM, True)

@@ -26,13 +26,6 @@ TRIALS = {
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
-    "attn_late": "decode's attention lets the next launch (attn_output) become resident only "
-                 "after its splits' partials are stored (carve_kernels/attention.py LATE)",
-    "attn_q8_grid": "every grid IQ type's attn_output (not only IQ3_S and IQ4_XS) multiplies "
-                    "the attention's int8 copy in the T layout (engine/runtime/gpu/matrices.py "
-                    "ATTN_Q8_TYPES)",
-    "x16": "the grid IQ types with sign bits read decode's int8 x 16 bytes a load in their T "
-           "bodies (carve_kernels/gemv_t.py X16_TYPES)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -57,6 +50,11 @@ class RunnerOptions:
     ``CARVE_T_LAYOUT``: ``1`` (default) or ``0``. On, the load repacks the large quantized
         matrices (carve_kernels/gemv_t.py decides which types) into the T layout that decode's
         GEMVs read fastest; off, every matrix stays in GGUF order (carve_kernels/quant_matmul.py).
+    ``CARVE_ATTN_Q8``: ``1`` (default) or ``0``. On (with ``CARVE_Q8X``), decode's attention
+        writes an int8 copy of its output for an attn_output of the types
+        engine/runtime/gpu/matrices.py ``ATTN_Q8_TYPES`` names (the IQ types), which then
+        multiplies it in the T layout; off, such an attn_output reads the bf16 output (to
+        compare).
     ``CARVE_PDL``: ``1`` (default) or ``0``. On, the kernels launch with programmatic
         dependent launch on GPUs of compute capability 9.0 and later (carve_kernels/pdl.py), so that
         each may start while the one before it finishes; off, each waits for the one before.
@@ -86,6 +84,7 @@ class RunnerOptions:
     runner: str = "auto"  # CARVE_RUNNER
     q8x: bool = True  # CARVE_Q8X
     expert_q8: bool = True  # CARVE_EXPERT_Q8
+    attn_q8: bool = True  # CARVE_ATTN_Q8
     t_layout: bool = True  # CARVE_T_LAYOUT
     pdl: bool = True  # CARVE_PDL
     prefill_graph: bool = True  # CARVE_PREFILL_GRAPH
@@ -109,6 +108,7 @@ class RunnerOptions:
             raise CarveError(f"CARVE_RUNNER={runner}: use {' or '.join(RUNNERS)}")
         return cls(runner=runner, q8x=_switch(environ, "CARVE_Q8X"),
                    expert_q8=_switch(environ, "CARVE_EXPERT_Q8"),
+                   attn_q8=_switch(environ, "CARVE_ATTN_Q8"),
                    t_layout=_switch(environ, "CARVE_T_LAYOUT"), pdl=_switch(environ, "CARVE_PDL"),
                    prefill_graph=_switch(environ, "CARVE_PREFILL_GRAPH"),
                    trials=_trials(environ), expert_tiles=_expert_tiles(environ),
@@ -122,14 +122,6 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
-        if "x16" in self.trials:
-            from carve_kernels import gemv_t
-
-            gemv_t.X16_TYPES = gemv_t.GRID_X16
-        if "attn_late" in self.trials:
-            from carve_kernels import attention
-
-            attention.LATE = True
         if self.trials:
             from carve_kernels import gemv_q8, moe_decode
 

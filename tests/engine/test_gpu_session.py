@@ -239,8 +239,8 @@ def test_attention_output_on_its_int8_copy_decodes_as_the_cpu_engine(tmp_path, w
                                                                       monkeypatch) -> None:
     # decode's attention kernel writes the int8 copy of its output (the GLU output's slot,
     # free until the GLU), and an IQ3_S attn_output (matrices.ATTN_Q8_TYPES), in the T layout
-    # whatever its size, multiplies that copy; prefill's rows read x as before. An IQ2_XXS or
-    # a Q4_K attn_output keeps reading x
+    # whatever its size, multiplies that copy; prefill's rows read x as before. So does an
+    # IQ2_XXS one; a Q4_K attn_output keeps reading x, and CARVE_ATTN_Q8=0 turns the copy off
     iq = str(write_model(tmp_path / "iq3_s.gguf", WIDE, "iq3_s")[0])
     seen: list[tuple[str, int]] = []
     decode, one = attention.attn_decode, gemv_t.gemv_t
@@ -266,11 +266,12 @@ def test_attention_output_on_its_int8_copy_decodes_as_the_cpu_engine(tmp_path, w
         assert max(errs) < 3e-2
     assert ("attention", *copies) in seen and ("one", *copies) in seen
     iq2 = str(write_model(tmp_path / "iq2_xxs.gguf", WIDE, "iq2_xxs")[0])
-    for path, trials in ((iq2, frozenset()), (wide_q4k, frozenset()),
-                         (iq2, frozenset({"attn_q8_grid"}))):
-        g = load(plan(path, act_dtype="bf16"), options=RunnerOptions(trials=trials))
-        try:  # x, but IQ2_XXS on the copy with the trial attn_q8_grid
-            assert all((ly.attn.xq_o is None) == (not trials) for ly in g.pipe.stages[0].layers)
+    for path, options, copy in ((iq2, RunnerOptions(), True),
+                                (iq2, RunnerOptions(attn_q8=False), False),
+                                (wide_q4k, RunnerOptions(), False)):
+        g = load(plan(path, act_dtype="bf16"), options=options)
+        try:
+            assert all((ly.attn.xq_o is not None) == copy for ly in g.pipe.stages[0].layers)
         finally:
             g.close()
 

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_defaults_when_nothing_is_set() -> None:
     assert RunnerOptions.from_env({}) == RunnerOptions() == RunnerOptions(
-        runner="auto", q8x=True, expert_q8=True, t_layout=True, pdl=True, prefill_graph=True,
-        trials=frozenset())
+        runner="auto", q8x=True, expert_q8=True, attn_q8=True, t_layout=True, pdl=True,
+        prefill_graph=True, trials=frozenset())
     empty = {"CARVE_RUNNER": "", "CARVE_Q8X": " ", "CARVE_T_LAYOUT": "", "CARVE_PDL": ""}
     assert RunnerOptions.from_env(empty) == RunnerOptions()
 
@@ -31,6 +31,7 @@ def test_defaults_when_nothing_is_set() -> None:
     ({"CARVE_RUNNER": "auto"}, RunnerOptions()),
     ({"CARVE_Q8X": "0"}, RunnerOptions(q8x=False)),
     ({"CARVE_EXPERT_Q8": "0"}, RunnerOptions(expert_q8=False)),
+    ({"CARVE_ATTN_Q8": "0"}, RunnerOptions(attn_q8=False)),
     ({"CARVE_T_LAYOUT": "0"}, RunnerOptions(t_layout=False)),
     ({"CARVE_PDL": "0"}, RunnerOptions(pdl=False)),
     ({"CARVE_PREFILL_GRAPH": "0"}, RunnerOptions(prefill_graph=False)),
@@ -57,11 +58,12 @@ def test_each_variable_sets_its_option(env, want) -> None:
     ({"CARVE_T_LAYOUT": "false"}, "CARVE_T_LAYOUT=false: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_PDL": "2"}, "CARVE_PDL=2: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_EXPERT_Q8": "no"}, "CARVE_EXPERT_Q8=no: use 1 (on, the default) or 0 (off)"),
+    ({"CARVE_ATTN_Q8": "on"}, "CARVE_ATTN_Q8=on: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_PREFILL_GRAPH": "yes"},
      "CARVE_PREFILL_GRAPH=yes: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_TRIAL": "q2k_rows,down_norm"},
      "CARVE_TRIAL=q2k_rows,down_norm: use all or a comma-separated list of q2k_rows, "
-     "q8_0_rows, iq4nl_rows, legacy_experts, iq4nl_experts, attn_late, attn_q8_grid, x16"),
+     "q8_0_rows, iq4nl_rows, legacy_experts, iq4nl_experts"),
     ({"CARVE_EXPERT_TILES": "Q4_K/glu=16,4,8"},
      "CARVE_EXPERT_TILES entry 'Q4_K/glu=16,4,8': use TYPE/PART=ROWS,BLOCKS,WARPS with TYPE "
      "one of Q4_K, Q6_K, MXFP4, Q3_K, Q5_0, IQ4_NL, Q8_0, PART glu or down, powers of two (warps at most "

@@ -385,7 +385,7 @@ def test_the_shared_copy_holds_each_grid_type_s_whole_table():
 
     src = inspect.getsource(gemv_t.t_tab.fn)
     sizes = {}
-    for types, size in re.findall(r"ASM >= 2 and \(?([^:]*?)\)?:.*?\n\s*tab = grid_fill\("
+    for types, size in re.findall(r"ASM == 2 and \(?([^:]*?)\)?:.*?\n\s*tab = grid_fill\("
                                   r"tab_ptr, (\d+)", src):
         for t in re.findall(r"TYPE == (\d+)", types):
             sizes[int(t)] = int(size)
@@ -422,9 +422,6 @@ def test_the_grid_from_shared_memory_gives_the_same_sums(ggml_type, int8_x, monk
     plain = run()
     monkeypatch.setattr(gemv_t, "SMEM_TYPES", gemv_t.GRID_SMEM)
     shared = run()
-    # and x 16 bytes a load (gemv_t.X16_TYPES, ASM == 3)
-    monkeypatch.setattr(gemv_t, "X16_TYPES", gemv_t.GRID_X16)
-    x16 = run()
-    for a, b, c in zip(plain, shared, x16):
-        assert torch.isfinite(a).all() and torch.equal(a, b) and torch.equal(a, c)
+    for a, b in zip(plain, shared):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
     assert not counter.any()

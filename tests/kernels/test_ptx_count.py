@@ -134,17 +134,17 @@ def test_grid_bodies_read_a_shared_grid_with_ld_shared(ggml_type):
     assert got["counts"].get("LDS", 0) == per_step, got["counts"]
 
 
-def test_decode_attention_released_late_lets_the_next_launch_in_after_its_partials():
-    # trial attn_late (attention.LATE): the next launch's programs become resident once the
-    # split's partial sums are stored, before the merge's counter; by default right after the
-    # wait
+def test_decode_attention_writing_the_int8_copy_lets_the_next_launch_in_after_its_partials():
+    # with the int8 copy of its output (attn_output's x) the next launch's programs become
+    # resident once the split's partial sums are stored, before the merge's counter; without
+    # it right after the wait
     code = ("import json\nfrom benchmarks import ptx_count as p\n"
             "out = {}\n"
-            "for late in (False, True):\n"
-            "    lines = p.compile_attention(late=late).asm['ptx'].splitlines()\n"
-            "    out[str(late)] = [k for l in lines for k in ('griddepcontrol.wait',\n"
-            "                      'griddepcontrol.launch_dependents', 'st.global', 'atom.')\n"
-            "                      if k in l]\n"
+            "for oq in (False, True):\n"
+            "    lines = p.compile_attention(out_q8=oq).asm['ptx'].splitlines()\n"
+            "    out[str(oq)] = [k for l in lines for k in ('griddepcontrol.wait',\n"
+            "                    'griddepcontrol.launch_dependents', 'st.global', 'atom.')\n"
+            "                    if k in l]\n"
             "print(json.dumps(out))")
     for late, ops in _json_of("-c", code).items():
         assert ops.count("griddepcontrol.wait") == ops.count("griddepcontrol.launch_dependents") == 1
@@ -153,14 +153,3 @@ def test_decode_attention_released_late_lets_the_next_launch_in_after_its_partia
             assert "st.global" in ops[:at] and ops.index("atom.") > at, ops
         else:
             assert at == ops.index("griddepcontrol.wait") + 1, ops
-
-
-@pytest.mark.parametrize("ggml_type", [qt.IQ2_XXS, qt.IQ3_S, qt.IQ2_XS], ids=qt.type_name)
-def test_x_sixteen_bytes_a_load_halves_the_x_loads(ggml_type):
-    # trial x16 (gemv_t.X16_TYPES, ASM == 3): the loop reads decode's int8 x with 8 16-byte
-    # loads a step where it used 16 8-byte ones, and nothing else of its memory traffic moves
-    args = (qt.type_name(ggml_type), "--t", "--x", "int8", "--sass", "--config", "256,4")
-    plain, x16 = _count(*args), _count(*args, "--x16")
-    assert x16["counts"]["LDG"] == plain["counts"]["LDG"] - 8
-    assert x16["counts"]["LDS"] == plain["counts"]["LDS"]
-    assert x16["loop"] < plain["loop"]

@@ -32,11 +32,14 @@ T_MIN_BYTES = 12 << 20
 # three can, whatever their size (on int8 x the one launch beats GGUF order's gemv3 even at 7B's 9.7
 # MB: 9.1 against ~11.6 us on an H200)
 QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
-# attn_output types put in the T layout on the attention's int8 copy: those whose GGUF-order
-# GEMV on bf16 x is slow and which won in the step (the IQ3_S mix's IQ3_S and IQ4_XS attn_output:
-# tg128 +2.4-2.6 % in three H100 leases, 2026-12-07). An IQ2_XXS attn_output lost (-5 %), and
-# Q4_K_M files lost on 2026-12-04 (carve_kernels/NOTES.md, "Tried and rejected": attn_out_q8)
-ATTN_Q8_TYPES = frozenset({qt.IQ3_S, qt.IQ4_XS})
+# attn_output types put in the T layout on the attention's int8 copy (the attention then lets
+# attn_output's programs in only after its partials, carve_kernels/attention.py attn_decode):
+# those whose GGUF-order GEMV on bf16 x is slow, every grid IQ type and IQ4_XS. Measured on an
+# H100 on 2026-12-07, tg128, against CARVE_ATTN_Q8=0 in one lease: the IQ3_XXS mix 468.8
+# against 404.1 t/s, IQ2_M 466.4 against 404.2, IQ2_XS 506.9 against 452.1, all IQ1_S 521.8
+# against 466.7; the IQ2_XXS mix 516.7 and the IQ3_S mix 418.9 against 494.7 and 395.5 before
+# this rule. The K types lost with it (carve_kernels/NOTES.md, "Tried and rejected": attn_q8_k)
+ATTN_Q8_TYPES = gemv_t.GRID_SMEM | {qt.IQ4_XS}
 
 
 @dataclass(slots=True)
@@ -287,10 +290,8 @@ class LayerBuilder:
         # ATTN_Q8_TYPES, which then takes the T layout whatever its size: heads of whole
         # 32-value groups, the merging programs (buf.attn_count), and a slot wide enough
         hp = self.hp
-        types = ATTN_Q8_TYPES | (gemv_t.GRID_SMEM if "attn_q8_grid" in self.options.trials
-                                 else frozenset())
-        return (self.xq is not None
-                and name in self.spans and self.model.tensor(name).ggml_type in types
+        return (self.options.attn_q8 and self.xq is not None
+                and name in self.spans and self.model.tensor(name).ggml_type in ATTN_Q8_TYPES
                 and "buf.attn_count" in self.spans and hp.head_dim_v % 32 == 0
                 and hp.head_dim_v == hp.head_dim
                 and q8x.fits(self.xq[1], hp.n_head * hp.head_dim_v)
