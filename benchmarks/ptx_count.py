@@ -144,11 +144,13 @@ def _expert_views(t: int) -> tuple[str, str, str]:
     return "*u8", "*u8" if t == qt.MXFP4 else "*fp16", "*i32" if t == qt.Q4_K else "*u8"
 
 
-def compile_attention(q8: bool = False, pdl: bool = True, out_q8: bool = False):
+def compile_attention(q8: bool = False, pdl: bool = True, out_q8: bool = False,
+                      at_end: bool = False):
     """The compiled decode attention (carve_kernels/attention.py ``_decode_partial_kernel``),
     head_dim 128 in GQA groups of 4, the last split merging, launched with PDL (``pdl``) on an
     f16 or q8_0 (``q8``) cache; ``out_q8``: writing the int8 copy of its output (attn_output's
-    x), and so releasing the next launch after its partials, as attn_decode launches it."""
+    x), and so releasing the next launch after its partials, as attn_decode launches it (or,
+    ``at_end``, only as its programs exit: trial attn_release_end)."""
     from carve_kernels import attention
 
     fn = attention._decode_partial_kernel
@@ -159,7 +161,7 @@ def compile_attention(q8: bool = False, pdl: bool = True, out_q8: bool = False):
              "os_ptr": "*fp32"}
     const = {"G": 4, "GP": 16, "D": 128, "SPLIT": 64, "BLOCK_N": 64, "Q8": q8, "FUSED": True,
              "NSP": 64, "MERGE": 4, "SINK": False, "OUT_Q8": out_q8, "PDL": pdl,
-             "TRACE": False, "LATE": out_q8}
+             "TRACE": False, "LATE": (1 + at_end) if out_q8 else 0}
     sig = {n: types.get(n, "i32") for n in fn.arg_names if n not in const}
     return _compile_sm90(fn, sig, const, 4)
 

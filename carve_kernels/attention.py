@@ -21,6 +21,11 @@ from carve_kernels import pdl, q8x, trace
 from carve_kernels.kv_cache import kv_load_ref
 from spec.launch import ATTN_SPLITS
 
+# with the int8 copy of its output, the decode kernel lets attn_output's programs in after its
+# partials (LATE 1); on trial (CARVE_TRIAL=attn_release_end), only as its programs exit (LATE
+# 2), so that none of them shares an SM with a waiting attn_output program
+RELEASE_AT_END = False
+
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": masked scores use -inf, running maxima start here
 
 
@@ -59,7 +64,7 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
                            SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr,
                            FUSED: tl.constexpr, NSP: tl.constexpr, MERGE: tl.constexpr,
                            SINK: tl.constexpr, OUT_Q8: tl.constexpr, PDL: tl.constexpr,
-                           TRACE: tl.constexpr, LATE: tl.constexpr = False):
+                           TRACE: tl.constexpr, LATE: tl.constexpr = 0):
     # the split's first block of cached keys and values is read before the PDL wait: the
     # position was advanced by the step before (its kernel long finished) and no cell but the
     # newest one is written this step (by the q/k/v launch before this one), so only the
@@ -105,7 +110,7 @@ def _decode_partial_kernel(q_ptr, c_k, c8_k, ch_k, c_v, c8_v, ch_v, pos_ptr, po_
     tl.store(po_ptr + out[:, None] * D + dd[None, :], acc / tl.maximum(l_i, 1e-30)[:, None],
              mask=gmask[:, None])
     tl.store(pml_ptr + out, lse, mask=gmask)
-    if LATE:  # the next kernel becomes resident once every split has stored its partial
+    if LATE == 1:  # the next kernel becomes resident once every split has stored its partial
         pdl.release(PDL)
     trace.stamp(trace_ptr, 2, TRACE)
     if FUSED:
@@ -236,7 +241,8 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         **trace.args("attention_decode", (n_kv_heads, ns), out), G=g, GP=gp, D=d,
         SPLIT=split, BLOCK_N=64, Q8=q8, FUSED=fused, NSP=triton.next_power_of_2(ns),
         MERGE=max(1, 8192 // (gp * d)), SINK=sinks is not None, OUT_Q8=out_q is not None,
-        LATE=out_q is not None and pdl.enabled(out, use_pdl), num_warps=4,
+        LATE=(1 + RELEASE_AT_END) if out_q is not None and pdl.enabled(out, use_pdl) else 0,
+        num_warps=4,
         **pdl.opts(out, use_pdl))
     if not fused:
         _decode_reduce_kernel[(nh,)](po, pml, out, sinks if sinks is not None else pml, ns,

@@ -446,27 +446,33 @@ def _asm(cuda: bool, *types: int) -> bool | int:
     return 2 if any(t in SMEM_TYPES for t in types) else True
 
 
-# decode's launches by part (qkv, one, glu): (warps, programs) in place of their config's, set
-# from CARVE_T_TILES (engine/runtime/options.py) to measure a config in the step; programs at
-# most the config's, so the splits' scratch (spec/launch.py ``scratch``) still holds
-T_TUNE: dict[str, tuple[int, int]] = {}
+# decode's launches by part (qkv, one, attn: attn_output, else one's; glu): (warps, programs,
+# rows or 0) in place of their config's, set from CARVE_T_TILES (engine/runtime/options.py) to
+# measure a config in the step; programs at most the config's and rows 128 or 256, so the
+# splits' scratch (spec/launch.py ``scratch``, priced at both) still holds
+T_TUNE: dict[str, tuple[int, int, int]] = {}
 
 
 def _tuned(config: tuple[int, int, int] | None, default: tuple[int, int, int],
-           part: str) -> tuple[int, int, int]:
-    # a caller's own config, else the part's tuning of the default, else the default
+           *parts: str) -> tuple[int, int, int]:
+    # a caller's own config, else the first of ``parts``' tuning of the default, else the
+    # default
     if config is not None:
         return config
-    warps, target = T_TUNE.get(part, default[1:])
-    return default[0], warps, min(target, default[2])
+    tune = next((T_TUNE[p] for p in parts if p in T_TUNE), None)
+    if tune is None:
+        return default
+    warps, target, rows = tune
+    return rows or default[0], warps, min(target, default[2])
 
 
 def _t_launch(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor,
               config: tuple[int, int, int] | None, parts: int, part: torch.Tensor,
-              counter: torch.Tensor, use_pdl: bool):
-    """(grid, word view, 16-bit view, x rows, common args, constexprs, warps) of a T GEMV."""
+              counter: torch.Tensor, use_pdl: bool, tune: tuple[str, ...] = ("one",)):
+    """(grid, word view, 16-bit view, x rows, common args, constexprs, warps) of a T GEMV;
+    ``tune``: the T_TUNE parts that may set its config, first found first."""
     nb, ptrs = _t_words(wt, ggml_type, rows)
-    config = _tuned(config, launch.t_config(ggml_type), "one")
+    config = _tuned(config, launch.t_config(ggml_type), *tune)
     grid, x2, bps, meta, warps = _t_grid([rows], nb, x, config, parts, part, counter, use_pdl,
                                          BLOCK_VALUES.get(ggml_type, 256))
     return grid, ptrs, x2, (nb, bps), {**meta, "TYPE": ggml_type}, warps
@@ -483,14 +489,16 @@ def _q8_in(xq, ggml_type: int, x2: torch.Tensor):
 def gemv_t(wt: torch.Tensor, ggml_type: int, rows: int, x: torch.Tensor, out: torch.Tensor,
            part: torch.Tensor, counter: torch.Tensor, bias: torch.Tensor | None = None,
            config: tuple[int, int, int] | None = None, xq=None,
-           use_pdl: bool = True) -> torch.Tensor:
+           use_pdl: bool = True, attn_output: bool = False) -> torch.Tensor:
     """y[M, rows] = x[M, cols] @ W^T (+ bias) for W in the T layout ``wt`` (from ``repack``).
     ``part``: float32 scratch (>= M x splits x rows, spec/launch.py ``scratch``);
     ``counter``: int32 zeros (>= M x row tiles), left zero. No allocation. ``xq``: x's int8
     copy (q, d, s of carve_kernels/q8x.py), which the matrix multiplies by dp4a when M = 1.
-    ``use_pdl``: launch with PDL where the GPU has it (carve_kernels/pdl.py)."""
-    grid, ptrs, x2, (nb, bps), meta, warps = _t_launch(wt, ggml_type, rows, x, config, 1, part,
-                                                       counter, use_pdl)
+    ``use_pdl``: launch with PDL where the GPU has it (carve_kernels/pdl.py).
+    ``attn_output``: the launch is a layer's attn_output (T_TUNE's part attn)."""
+    grid, ptrs, x2, (nb, bps), meta, warps = _t_launch(
+        wt, ggml_type, rows, x, config, 1, part, counter, use_pdl,
+        ("attn", "one") if attn_output else ("one",))
     q, d, s, use = _q8_in(xq, ggml_type, x2)
     y = out.view(x2.shape[0], rows)
     _gemv_t_kernel[grid](*ptrs, x2, q, d, s, y, bias if bias is not None else y, part, counter,

@@ -26,6 +26,9 @@ TRIALS = {
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
+    "attn_release_end": "decode's attention, where it writes the int8 copy of its output, lets "
+                        "attn_output's programs in only as its own exit, not after its partials "
+                        "(carve_kernels/attention.py RELEASE_AT_END)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -73,12 +76,14 @@ class RunnerOptions:
         MXFP4, Q5_0; Q3_K, IQ4_NL, Q8_0 with their trials) and part (glu: gate/up, down), so
         that a tile a kernel sweep found (``benchmarks.device_check --moe``) is measured in
         the step before it is adopted.
-    ``CARVE_T_TILES``: empty (default) or ``PART=WARPS,PROGRAMS`` entries separated by ``;``
-        (``qkv=4,1056;one=8,2112``): decode's T-layout GEMV launches (carve_kernels/gemv_t.py
-        ``T_TUNE``) for a part (qkv: the q/k/v launch, one: a single matrix such as ffn_down,
+    ``CARVE_T_TILES``: empty (default) or ``PART=WARPS,PROGRAMS[,ROWS]`` entries separated by
+        ``;`` (``qkv=4,1056;one=8,2112;attn=2,2112,128``): decode's T-layout GEMV launches
+        (carve_kernels/gemv_t.py ``T_TUNE``) for a part (qkv: the q/k/v launch, one: a single
+        matrix such as ffn_down, attn: the attn_output launch, which otherwise takes one's,
         glu: the gate/up pair) with that many warps a program and about that many programs
         (each row tile's blocks split fewer ways), at most the 2112 the scratch is priced for,
-        so that a config is measured in the step before it is adopted.
+        and rows a program 128 or 256 (the two row tiles the scratch is priced for; default
+        the type's), so that a config is measured in the step before it is adopted.
     """
 
     runner: str = "auto"  # CARVE_RUNNER
@@ -90,7 +95,7 @@ class RunnerOptions:
     prefill_graph: bool = True  # CARVE_PREFILL_GRAPH
     trials: frozenset[str] = frozenset()  # CARVE_TRIAL
     expert_tiles: tuple[tuple[int, str, tuple[int, int, int]], ...] = ()  # CARVE_EXPERT_TILES
-    t_tiles: tuple[tuple[str, tuple[int, int]], ...] = ()  # CARVE_T_TILES
+    t_tiles: tuple[tuple[str, tuple[int, int, int]], ...] = ()  # CARVE_T_TILES
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -122,6 +127,10 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
+        if "attn_release_end" in self.trials:
+            from carve_kernels import attention
+
+            attention.RELEASE_AT_END = True
         if self.trials:
             from carve_kernels import gemv_q8, moe_decode
 
@@ -159,9 +168,9 @@ TILE_TYPES = {"Q4_K": qt.Q4_K, "Q6_K": qt.Q6_K, "MXFP4": qt.MXFP4, "Q3_K": qt.Q3
 TILE_PARTS = ("glu", "down")
 
 
-def _entries(environ: Mapping[str, str], name: str, count: int):
+def _entries(environ: Mapping[str, str], name: str, *counts: int):
     # the ``KEY=N,N,...`` entries of variable ``name`` separated by ``;``: (entry, KEY, its
-    # ``count`` integers, all 0 where they are not that many integers)
+    # integers where they are as many as one of ``counts``, else the first count's zeros)
     for entry in (e.strip() for e in environ.get(name, "").split(";")):
         if not entry:
             continue
@@ -170,7 +179,7 @@ def _entries(environ: Mapping[str, str], name: str, count: int):
             nums = tuple(int(v) for v in cfg.split(","))
         except ValueError:
             nums = ()
-        yield entry, key, nums if len(nums) == count else (0,) * count
+        yield entry, key, nums if len(nums) in counts else (0,) * counts[0]
 
 
 def _expert_tiles(environ: Mapping[str, str]) -> tuple:
@@ -189,19 +198,23 @@ def _expert_tiles(environ: Mapping[str, str]) -> tuple:
     return tuple(out)
 
 
-T_PARTS = ("qkv", "one", "glu")
+T_PARTS = ("qkv", "one", "attn", "glu")
+# the row tiles a T launch may take: those spec/launch.py prices the splits' scratch for
+T_ROWS = (launch.T_CONFIG[0], launch.T_CONFIG_LOWBIT[0])
 
 
 def _t_tiles(environ: Mapping[str, str]) -> tuple:
     out = []
-    for entry, part, (w, n) in _entries(environ, "CARVE_T_TILES", 2):
+    for entry, part, nums in _entries(environ, "CARVE_T_TILES", 2, 3):
+        w, n, r = (*nums, 0)[:3]
         if (part not in T_PARTS or not 0 < w <= 16 or w & (w - 1)
-                or not 0 < n <= launch.T_CONFIG[2]):
+                or not 0 < n <= launch.T_CONFIG[2] or (len(nums) == 3 and r not in T_ROWS)):
             raise CarveError(
-                f"CARVE_T_TILES entry {entry!r}: use PART=WARPS,PROGRAMS with PART one of "
-                f"{', '.join(T_PARTS)}, WARPS a power of two up to 16 and PROGRAMS from 1 to "
-                f"{launch.T_CONFIG[2]} (the split the scratch is priced for)")
-        out.append((part, (w, n)))
+                f"CARVE_T_TILES entry {entry!r}: use PART=WARPS,PROGRAMS[,ROWS] with PART one "
+                f"of {', '.join(T_PARTS)}, WARPS a power of two up to 16, PROGRAMS from 1 to "
+                f"{launch.T_CONFIG[2]} (the split the scratch is priced for) and ROWS "
+                f"{' or '.join(map(str, T_ROWS))}")
+        out.append((part, (w, n, r)))
     return tuple(out)
 
 

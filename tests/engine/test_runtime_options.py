@@ -45,7 +45,9 @@ def test_defaults_when_nothing_is_set() -> None:
      RunnerOptions(expert_tiles=((qt.Q4_K, "glu", (32, 4, 8)), (qt.Q6_K, "down", (16, 1, 2))))),
     ({"CARVE_EXPERT_TILES": " "}, RunnerOptions()),
     ({"CARVE_T_TILES": "qkv=4,1056; glu=8,2112;"},
-     RunnerOptions(t_tiles=(("qkv", (4, 1056)), ("glu", (8, 2112))))),
+     RunnerOptions(t_tiles=(("qkv", (4, 1056, 0)), ("glu", (8, 2112, 0))))),
+    ({"CARVE_T_TILES": "attn=2,2112,128;one=4,1056,256"},
+     RunnerOptions(t_tiles=(("attn", (2, 2112, 128)), ("one", (4, 1056, 256))))),
     ({"CARVE_T_TILES": ""}, RunnerOptions()),
 ])
 def test_each_variable_sets_its_option(env, want) -> None:
@@ -63,7 +65,7 @@ def test_each_variable_sets_its_option(env, want) -> None:
      "CARVE_PREFILL_GRAPH=yes: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_TRIAL": "q2k_rows,down_norm"},
      "CARVE_TRIAL=q2k_rows,down_norm: use all or a comma-separated list of q2k_rows, "
-     "q8_0_rows, iq4nl_rows, legacy_experts, iq4nl_experts"),
+     "q8_0_rows, iq4nl_rows, legacy_experts, iq4nl_experts, attn_release_end"),
     ({"CARVE_EXPERT_TILES": "Q4_K/glu=16,4,8"},
      "CARVE_EXPERT_TILES entry 'Q4_K/glu=16,4,8': use TYPE/PART=ROWS,BLOCKS,WARPS with TYPE "
      "one of Q4_K, Q6_K, MXFP4, Q3_K, Q5_0, IQ4_NL, Q8_0, PART glu or down, powers of two (warps at most "
@@ -105,13 +107,15 @@ def test_a_bad_expert_tile_is_refused(entry) -> None:
 
 
 @pytest.mark.parametrize("entry", ["down=4,1056", "qkv=3,1056", "qkv=32,1056", "one=4,4224",
-                                   "one=4,0", "glu=4", "glu", "qkv=a,b"])
+                                   "one=4,0", "glu=4", "glu", "qkv=a,b", "attn=2,2112,64",
+                                   "attn=2,2112,512", "one=4,1056,128,1"])
 def test_a_bad_t_tile_is_refused(entry) -> None:
     with pytest.raises(CarveError) as e:
         RunnerOptions.from_env({"CARVE_T_TILES": f"qkv=4,1056;{entry}"})
-    assert str(e.value).startswith(f"CARVE_T_TILES entry {entry!r}: use PART=WARPS,PROGRAMS "
-                                   "with PART one of qkv, one, glu")
-    assert "2112" in str(e.value)
+    assert str(e.value).startswith(f"CARVE_T_TILES entry {entry!r}: use "
+                                   "PART=WARPS,PROGRAMS[,ROWS] with PART one of qkv, one, attn, "
+                                   "glu")
+    assert "2112" in str(e.value) and "ROWS 128 or 256" in str(e.value)
 
 
 def test_t_tiles_set_the_t_launches_table_for_the_process(monkeypatch) -> None:
@@ -119,11 +123,16 @@ def test_t_tiles_set_the_t_launches_table_for_the_process(monkeypatch) -> None:
 
     monkeypatch.setattr(gemv_t, "T_TUNE", {})
     RunnerOptions.from_env({"CARVE_T_TILES": "one=8,1056"}).apply()
-    assert gemv_t.T_TUNE == {"one": (8, 1056)}
-    # the default config keeps its rows a program; a caller's own config is left as it is
+    assert gemv_t.T_TUNE == {"one": (8, 1056, 0)}
+    # the default config keeps its rows a program; a caller's own config is left as it is;
+    # attn_output's launch takes one's tuning unless attn has its own
     assert gemv_t._tuned(None, (128, 4, 2112), "one") == (128, 8, 1056)
+    assert gemv_t._tuned(None, (128, 4, 2112), "attn", "one") == (128, 8, 1056)
     assert gemv_t._tuned(None, (256, 4, 2112), "qkv") == (256, 4, 2112)
     assert gemv_t._tuned((64, 1, 1), (128, 4, 2112), "one") == (64, 1, 1)
+    RunnerOptions.from_env({"CARVE_T_TILES": "attn=2,2112,128"}).apply()
+    assert gemv_t._tuned(None, (256, 4, 2112), "attn", "one") == (128, 2, 2112)
+    assert gemv_t._tuned(None, (256, 4, 2112), "one") == (256, 8, 1056)
 
 
 def test_expert_tiles_set_the_expert_gemvs_table_for_the_process(monkeypatch) -> None:

@@ -123,13 +123,18 @@ def test_t_tune_splits_fewer_ways_in_the_priced_scratch(monkeypatch, seed):
     most, _ = launch.split(1, nb, launch.T_CONFIG[2])
     assert most == nb  # the default splits every block of this one row tile
     outs = []
-    for tune in ({}, {"one": (1, 1)}):
+    # (T_TUNE, an attn_output launch, unsplit): the attn part tunes only attn_output's launch
+    for tune, attn, unsplit in (({}, False, False), ({"one": (1, 1, 0)}, False, True),
+                                ({"attn": (1, 1, 0)}, False, False),
+                                ({"attn": (1, 1, 0)}, True, True),
+                                ({"attn": (2, 1, 256)}, True, True)):
         monkeypatch.setattr(gemv_t, "T_TUNE", tune)
         part = torch.full((most * rows,), float("nan"), device=DEVICE)
         counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
         out = torch.full((1, rows), float("nan"), device=DEVICE)
-        gemv_t.gemv_t(wt, qt.Q4_K, rows, x, out, part, counter)
-        assert part.isnan().all() == bool(tune)  # unsplit: the scratch is not written
+        gemv_t.gemv_t(wt, qt.Q4_K, rows, x, out, part, counter, attn_output=attn)
+        assert part.isnan().all() == unsplit  # unsplit: the scratch is not written
+        assert not counter.any()
         outs.append(out)
     ref = quant_matmul.gemv_ref(w, qt.Q4_K, x)
     for out in outs:

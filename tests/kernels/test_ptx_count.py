@@ -137,16 +137,19 @@ def test_grid_bodies_read_a_shared_grid_with_ld_shared(ggml_type):
 def test_decode_attention_writing_the_int8_copy_lets_the_next_launch_in_after_its_partials():
     # with the int8 copy of its output (attn_output's x) the next launch's programs become
     # resident once the split's partial sums are stored, before the merge's counter; without
-    # it right after the wait
+    # it right after the wait; with the trial attn_release_end only as the programs exit (no
+    # explicit release)
     code = ("import json\nfrom benchmarks import ptx_count as p\n"
             "out = {}\n"
-            "for oq in (False, True):\n"
-            "    lines = p.compile_attention(out_q8=oq).asm['ptx'].splitlines()\n"
-            "    out[str(oq)] = [k for l in lines for k in ('griddepcontrol.wait',\n"
-            "                    'griddepcontrol.launch_dependents', 'st.global', 'atom.')\n"
-            "                    if k in l]\n"
+            "for oq, end in ((False, False), (True, False), (True, True)):\n"
+            "    lines = p.compile_attention(out_q8=oq, at_end=end).asm['ptx'].splitlines()\n"
+            "    out['end' if end else str(oq)] = [\n"
+            "        k for l in lines for k in ('griddepcontrol.wait',\n"
+            "        'griddepcontrol.launch_dependents', 'st.global', 'atom.') if k in l]\n"
             "print(json.dumps(out))")
-    for late, ops in _json_of("-c", code).items():
+    got = _json_of("-c", code)
+    assert got.pop("end").count("griddepcontrol.launch_dependents") == 0
+    for late, ops in got.items():
         assert ops.count("griddepcontrol.wait") == ops.count("griddepcontrol.launch_dependents") == 1
         at = ops.index("griddepcontrol.launch_dependents")
         if late == "True":

@@ -405,14 +405,17 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         return None
 
     # --- matrices ------------------------------------------------------------------------
-    def _linear(self, m: Matrix, x: torch.Tensor, out: torch.Tensor, xq=None) -> None:
+    def _linear(self, m: Matrix, x: torch.Tensor, out: torch.Tensor, xq=None,
+                attn_output: bool = False) -> None:
         """out = x @ m^T (+ m's bias, in the same launch): its GEMV where ``gemv_rows`` says
-        (``xq``: x's int8 copy, for a T matrix or a row-body type's), else a GEMM."""
+        (``xq``: x's int8 copy, for a T matrix or a row-body type's), else a GEMM.
+        ``attn_output``: m is a layer's attn_output (its T launch's own tuning)."""
         if not gemv_rows(x.shape[0], (m,), out):
             self._gemm(m, x, out)
         elif m.t_bytes is not None:
             gemv_t.gemv_t(m.t_bytes, m.ggml_type, m.rows, x, out, self.t_part, self.t_count,
-                          bias=m.bias, config=m.config, xq=xq, use_pdl=self.pdl)
+                          bias=m.bias, config=m.config, xq=xq, use_pdl=self.pdl,
+                          attn_output=attn_output)
         else:
             quant_matmul.gemv(m.packed, m.ggml_type, x, out=out, bias=m.bias, config=m.config,
                               use_pdl=self.pdl, xq=xq)

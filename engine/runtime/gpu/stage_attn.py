@@ -49,7 +49,8 @@ class AttentionLayers:
         else:
             self._attend_prefill(att, a)
         # decode's attention wrote the int8 copy of its output where the load decided so
-        self._linear(att.output, a.attn, a.proj, xq=att.xq_o if pos0 is None else None)
+        self._linear(att.output, a.attn, a.proj, xq=att.xq_o if pos0 is None else None,
+                     attn_output=True)
 
     def _qkv(self, att: Attention, x: torch.Tensor, out: torch.Tensor, xq,
              rotate: Rows | None = None) -> None:
@@ -159,7 +160,7 @@ class AttentionLayers:
                                 temperature=att.temperature, use_pdl=pdl)
         out = qkv[:, o_lat:o_lat + h * vd]  # q_lat's place, read by now
         latent.head_matmul(weighted, self._v_b(att), out.unflatten(1, (h, vd)), use_pdl=pdl)
-        self._linear(att.output, out, a.proj)
+        self._linear(att.output, out, a.proj, attn_output=True)
 
     def _k_b(self, att: Latent) -> torch.Tensor:
         """[n_head, kv_lora, nope]: each head's matrix into the latent space."""
