@@ -29,6 +29,9 @@ TRIALS = {
     "attn_release_end": "decode's attention, where it writes the int8 copy of its output, lets "
                         "attn_output's programs in only as its own exit, not after its partials "
                         "(carve_kernels/attention.py RELEASE_AT_END)",
+    "attn_q8_k": "the K types' attn_output (Q2_K to Q6_K) multiplies the attention's int8 copy "
+                 "in the T layout, as the IQ types' does (engine/runtime/gpu/matrices.py "
+                 "ATTN_Q8_TRIAL)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
