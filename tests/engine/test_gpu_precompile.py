@@ -306,7 +306,7 @@ def test_a_dry_pass_runs_each_kind_of_layer_once(tmp_path, monkeypatch) -> None:
     interpreter."""
     from engine.hardware.devices import DeviceSpec
     from engine.planning.plan import Plan
-    from engine.runtime.gpu.matrices import dry_pass_layers
+    from engine.runtime.gpu.layers import dry_pass_layers
     from engine.runtime.gpu.session import GpuSession
 
     path = str(write_model(tmp_path / "g.gguf", "gemma3-tiny")[0])

@@ -44,7 +44,7 @@ from spec.errors import CarveError
 
 log = logging.getLogger("carve.engine")
 # above this many rows a host layer copies all its experts to the GPU (prefill), at most this
-# many only the chosen ones (decode's GEMV path: gpu/matrices.py GEMV_ROWS)
+# many only the chosen ones (decode's GEMV path: gpu/layers.py GEMV_ROWS)
 STREAM_ROWS = 8
 
 

@@ -23,8 +23,8 @@ from engine.runtime import timeline
 from engine.runtime.gpu import host as gpu_host
 from engine.runtime.gpu import memory as gpu_memory
 from engine.runtime.gpu import precompile
+from engine.runtime.gpu.layers import dry_pass_layers
 from engine.runtime.gpu.load import load_tensors
-from engine.runtime.gpu.matrices import dry_pass_layers
 from engine.runtime.gpu.stage import DTYPES, GpuStage, allocate
 from engine.runtime.gpu.stage_graph import graph_rows
 from engine.runtime.options import RunnerOptions
@@ -158,7 +158,7 @@ class GpuPipeline:
     @contextlib.contextmanager
     def dry_pass(self) -> Iterator[None]:
         """A precompile's dry pass: forward runs only the layers whose launches no earlier
-        layer of the stage made (`matrices.dry_pass_layers`); the variants are the same."""
+        layer of the stage made (`layers.dry_pass_layers`); the variants are the same."""
         for st in self.stages:
             st.dry_runs = dry_pass_layers(st.layers)
         try:

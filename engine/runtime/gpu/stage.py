@@ -36,16 +36,16 @@ from engine.planning.carve import is_expert
 from engine.planning.host import CPU_PREFIX
 from engine.runtime.gpu.host import host_experts, host_layers
 from engine.runtime.gpu.host_share import split_shares
-from engine.runtime.gpu.matrices import (
+from engine.runtime.gpu.layers import (
     GEMV_ROWS,
     Experts,
     Ffn,
     Layer,
-    LayerBuilder,
     Matrix,
     gemv_rows,
     launch_signature,
 )
+from engine.runtime.gpu.matrices import LayerBuilder
 from engine.runtime.gpu.matrices import packed as packed_matrix
 from engine.runtime.gpu.rows import Rows
 from engine.runtime.gpu.stage_attn import AttentionLayers

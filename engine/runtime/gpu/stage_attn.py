@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from carve_kernels import attention, gemv_t, kv_cache, latent, norm, quant_matmul, rope
-from engine.runtime.gpu.matrices import Attention, Ffn, Latent, Matrix, gemv_rows
+from engine.runtime.gpu.layers import Attention, Ffn, Latent, Matrix, gemv_rows
 from engine.runtime.gpu.rows import Rows
 from spec import quant_types as qt
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from carve_kernels import sample
-from engine.runtime.gpu.matrices import GEMV_ROWS, Experts, Ffn
+from engine.runtime.gpu.layers import GEMV_ROWS, Experts, Ffn
 from engine.runtime.models import cpu_native
 
 

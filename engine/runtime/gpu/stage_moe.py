@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from carve_kernels import glu, host_split, moe, moe_decode, moe_prefill, quant_matmul
-from engine.runtime.gpu.matrices import GEMV_ROWS, Experts, Ffn, gemv_rows
+from engine.runtime.gpu.layers import GEMV_ROWS, Experts, Ffn, gemv_rows
 from engine.runtime.gpu.rows import Rows
 
 
