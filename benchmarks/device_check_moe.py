@@ -208,7 +208,7 @@ def host_section(g, copy_bw, mm_rate, row):
     beside them the way a host layer ran before: the chosen experts copied into device
     memory, then the kernels there. Every tile of EXPERT_TILES for the host reads."""
     from carve_kernels import moe_decode
-    from engine.runtime.gpu.host import new_host_arena, unpin
+    from engine.runtime.gpu.host_arena import new_host_arena, unpin
 
     label, ne, k, e, f, gt, dt = MOE_SHAPES[0]
     tag = f"{label} {qt.type_name(gt)}/{qt.type_name(dt)}"
@@ -327,7 +327,7 @@ def split_section(row, n: int = 32) -> None:
     crossing PCIe while the host computes). In a real step the GPU's experts run between the
     two; here nothing does, so a slow ticket shows as it is."""
     from carve_kernels import host_split
-    from engine.runtime.gpu.host import new_host_arena, unpin
+    from engine.runtime.gpu.host_arena import new_host_arena, unpin
 
     e, c = 2048, 2
     buf, pinned = new_host_arena(64 << 10, True)

@@ -152,7 +152,7 @@ def test_a_load_fills_the_layout_in_runs_and_checks_each_run() -> None:
 def test_q4_1_is_packed_though_its_layout_is_the_files_size() -> None:
     """Q4_1's file bytes (20 per 32 values) equal its int4 layout's (16 + a 4-byte pair): what
     a span holds follows the plan's host_compute and the type, never the span's size."""
-    from engine.runtime.gpu.host import load_cpu_layouts
+    from engine.runtime.gpu.host_arena import load_cpu_layouts
 
     n, rows, cols, t = 4, 32, 256, qt.Q4_1
     raw = _experts(t, n, rows, cols, seed=3)

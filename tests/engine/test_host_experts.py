@@ -678,19 +678,19 @@ def test_a_damaged_host_expert_is_named(files) -> None:
     import numpy as np
 
     from carve_kernels.scale_scan import _fields
-    from engine.runtime.gpu import host
+    from engine.runtime.gpu import host_arena
     from spec import quant_types as qt
 
     model = GGUFModel.open(files["qwen3moe"])
     name = "blk.1.ffn_down_exps.weight"
     info = model.tensor(name)
     raw = torch.from_numpy(np.array(model.tensor_data(info), dtype=np.uint8).reshape(-1))
-    host.check_scales(model, [name], {name: raw})  # as written: finite
+    host_arena.check_scales(model, [name], {name: raw})  # as written: finite
     size = qt.QUANT[info.ggml_type].type_size
     raw[3 * size + _fields(info.ggml_type)[0]] |= 0x7C  # block 3: its f16 scale's exponent all ones
     with pytest.raises(CarveError, match=rf"qwen3moe.gguf: tensor {name} has a block whose "
                        rf"{qt.type_name(info.ggml_type)} scale is not finite"):
-        host.check_scales(model, [name], {name: raw})
+        host_arena.check_scales(model, [name], {name: raw})
 
 
 @pytest.mark.parametrize("compute", ["gpu", "cpu"])

@@ -20,7 +20,7 @@ import torch
 
 from engine.process.protocol import COMPILE, DEQUANT_CACHE
 from engine.runtime import timeline
-from engine.runtime.gpu import host as gpu_host
+from engine.runtime.gpu import host_arena as gpu_host
 from engine.runtime.gpu import memory as gpu_memory
 from engine.runtime.gpu import precompile
 from engine.runtime.gpu.layers import dry_pass_layers
