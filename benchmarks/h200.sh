@@ -9,6 +9,10 @@
 set -uo pipefail
 out=${OUT:-/tmp/carve-out}
 mkdir -p "$out"
+# the device tool returns at most 8 files of $OUT (in name order): every log and JSON also goes
+# into one archive whose name sorts first, written however the script ends
+pack() { tar czf "$out/all-logs.tar.gz" -C "$out" --exclude all-logs.tar.gz . 2>/dev/null; }
+trap pack EXIT
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
