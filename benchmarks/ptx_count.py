@@ -103,13 +103,14 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bo
 
 
 def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
-                   traced: bool = False, late: bool = False):
+                   traced: bool = False, late: bool = False, split: int = 1):
     """The compiled decode expert GEMV on int8 x (carve_kernels/moe_decode.py,
     carve_kernels/gemv_q8.py) of ``ggml_type``: ``part`` "glu" (gate and up of that type,
     gpt-oss's clamped SwiGLU with biases for MXFP4, writing the int8 copy of its outputs) or
     "down" (the in-kernel sum of the k rows), tile ``config`` (rows, blocks, warps);
     ``traced``: with the stamps of carve_kernels/trace.py compiled in; ``late``: the gate/up
-    releasing the next kernel after its tiles (as decode's does before the down)."""
+    releasing the next kernel after its tiles (as decode's does before the down); ``split``:
+    Q4_K's gate/up along each row's blocks in that many programs (trial glu_split)."""
 
     from carve_kernels import moe_decode as md
 
@@ -121,10 +122,11 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
                "ui_ptr": wi, "gb_ptr": "*fp32", "ub_ptr": "*fp32", "xq_ptr": "*i8",
                "xd_ptr": "*fp32", "xs_ptr": "*fp32", "ids_ptr": "*i32", "h_ptr": "*bf16",
                "oq_ptr": "*i8", "od_ptr": "*fp32", "os_ptr": "*fp32", "N": "i32", "NB": "i32",
-               "g_rb": "i32", "u_rb": "i32", "limit": "fp32", "trace_ptr": "*i64"}
+               "g_rb": "i32", "u_rb": "i32", "limit": "fp32", "trace_ptr": "*i64",
+               "part_ptr": "*fp32", "cnt_ptr": "*i32", "BPS": "i32"}
         oai = ggml_type == qt.MXFP4
         const = {"KU": 4 if oai else 8, "TG": ggml_type, "TU": ggml_type, "HAS_BIAS": oai,
-                 "ACT": 2 if oai else 0, "QOUT": True, "LATE": late}
+                 "ACT": 2 if oai else 0, "QOUT": True, "LATE": late, "SPLIT": split}
     else:
         fn = md._expert_down_q8_kernel
         sig = {"w_ptr": "*u8", "wh_ptr": wh, "wi_ptr": wi, "b_ptr": "*fp32", "hq_ptr": "*i8",
@@ -294,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smem", action=argparse.BooleanOptionalAction, default=None,
                     help="--t: a grid type's grid from shared memory (--no-smem: from L1); "
                          "default: as the type runs")
+    ap.add_argument("--split", type=int, default=1,
+                    help="--expert glu: Q4_K's gate/up along each row's blocks in this many "
+                         "programs (trial glu_split)")
     ap.add_argument("--json", action="store_true", help="one JSON line instead")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -315,8 +320,12 @@ def main(argv: list[str] | None = None) -> int:
         rows, blocks, warps = cfg
         per = rows * blocks * moe_decode.Q8_BLOCK[t] * (2 if args.expert == "glu" else 1) \
             // (32 * warps)
-        return _report(compile_expert(t, args.expert, cfg), args, qt.type_name(t),
-                       {"config": cfg, "part": args.expert}, per)
+        if args.split > 1 and (t != qt.Q4_K or args.expert != "glu"):
+            print("error: --split is Q4_K's --expert glu only", file=sys.stderr)
+            return 2
+        return _report(compile_expert(t, args.expert, cfg, split=args.split), args,
+                       qt.type_name(t), {"config": cfg, "part": args.expert,
+                                         "split": args.split}, per)
     if t is None or t not in qm.GEMV_CONFIG:
         print(f"error: no GPU GEMV for type {args.type!r}", file=sys.stderr)
         return 2

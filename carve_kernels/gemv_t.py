@@ -215,7 +215,7 @@ def _t_tile(N, NB, BPS, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _t_sum(p, rows, rmask, N, SPLIT: tl.constexpr):
+def t_split_sum(p, rows, rmask, N, SPLIT: tl.constexpr):
     # the SPLIT rows of partial sums at p ([SPLIT, N]) added in split order, each thread its
     # own rows, read at L2 (unrolled: the loads go out together)
     tot = tl.load(p + rows, mask=rmask, other=0.0, cache_modifier=".cg")
@@ -225,7 +225,7 @@ def _t_sum(p, rows, rmask, N, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _t_split_done(prow, acc, rows, rmask, N, cnt, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+def t_split_done(prow, acc, rows, rmask, N, cnt, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
     # each split of a row tile stores its sums in its own row of part [SPLIT, N]; the last to
     # arrive gets their sum in split order back (1: the same bits whatever order the programs
     # ran in) and leaves its counter at zero for the next call; the others get 0
@@ -235,7 +235,7 @@ def _t_split_done(prow, acc, rows, rmask, N, cnt, SPLIT: tl.constexpr, BLOCK_N: 
     last = done == SPLIT - 1
     tot = acc
     if last:
-        tot = _t_sum(prow, rows, rmask, N, SPLIT)
+        tot = t_split_sum(prow, rows, rmask, N, SPLIT)
         tl.atomic_xchg(cnt, 0)
     return last, tot
 
@@ -254,7 +254,7 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr
     trace.stamp(trace_ptr, 2, TRACE)
     last = True
     if SPLIT > 1:
-        last, acc = _t_split_done(part_ptr + m * SPLIT * N, acc, rows, rmask, N,
+        last, acc = t_split_done(part_ptr + m * SPLIT * N, acc, rows, rmask, N,
                                   cnt_ptr + m * tl.num_programs(0) + pid, SPLIT, BLOCK_N)
     if last:
         if HAS_BIAS:
@@ -291,10 +291,10 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
     if SPLIT > 1:
         prow = part_ptr + m * 2 * SPLIT * N  # [2, SPLIT, N]: gate's splits, then up's
         tl.store(prow + (SPLIT + tl.program_id(1)) * N + rows, u, mask=rmask)
-        last, g = _t_split_done(prow, g, rows, rmask, N, cnt_ptr + m * tl.num_programs(0) + pid,
+        last, g = t_split_done(prow, g, rows, rmask, N, cnt_ptr + m * tl.num_programs(0) + pid,
                                 SPLIT, BLOCK_N)
         if last:
-            u = _t_sum(prow + SPLIT * N, rows, rmask, N, SPLIT)
+            u = t_split_sum(prow + SPLIT * N, rows, rmask, N, SPLIT)
     if last:
         y = glu_act(g, u, GELU)
         tl.store(y_ptr + m * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
@@ -357,7 +357,7 @@ def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_pt
     last = True
     if SPLIT > 1:
         # each matrix's [SPLIT, n] partial sums after the ones before it
-        last, acc = _t_split_done(part_ptr + (m * (N1 + N2 + N3) + off) * SPLIT, acc, rows,
+        last, acc = t_split_done(part_ptr + (m * (N1 + N2 + N3) + off) * SPLIT, acc, rows,
                                   rmask, n, cnt_ptr + m * tl.num_programs(0) + pid, SPLIT,
                                   BLOCK_N)
     if last:

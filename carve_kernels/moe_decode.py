@@ -14,6 +14,7 @@ from carve_kernels import pdl, q8x, trace
 from carve_kernels.gemv_dot import row_dot
 from carve_kernels.gemv_q8 import Q8_BLOCK, Q8_TYPES, q4k_q8_rows_dot, q8_rows_dot
 from carve_kernels.gemv_q8_blocks import lut_words
+from carve_kernels.gemv_t import t_split_done, t_split_sum
 from carve_kernels.moe import _ACTS, _act, _act_ref, _expert_ref, combine, expert_rows
 from carve_kernels.quant_matmul import _launch_args, gemv_config, row_cols
 from spec import quant_types as qt
@@ -168,18 +169,27 @@ def _q8_views(w: torch.Tensor, ggml_type: int, what: str):
 @triton.jit
 def _expert_glu_q8_kernel(g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr, ub_ptr, xq_ptr,
                           xd_ptr, xs_ptr, ids_ptr, h_ptr, oq_ptr, od_ptr, os_ptr, N, NB, g_rb,
-                          u_rb, limit, trace_ptr, KU: tl.constexpr, TG: tl.constexpr,
-                          TU: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                          QOUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
-                          ASM: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
-                          LATE: tl.constexpr = False, L0: tl.constexpr = 0,
+                          u_rb, limit, trace_ptr, part_ptr, cnt_ptr, BPS, KU: tl.constexpr,
+                          TG: tl.constexpr, TU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          ACT: tl.constexpr, QOUT: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_B: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                          TRACE: tl.constexpr, LATE: tl.constexpr = False,
+                          SPLIT: tl.constexpr = 1, L0: tl.constexpr = 0,
                           L1: tl.constexpr = 0, L2: tl.constexpr = 0, L3: tl.constexpr = 0):
     trace.wait(trace_ptr, PDL, TRACE, LATE)
-    # one row of x: slot j (program axis 1) is its j-th expert
-    _glu_q8_tile(tl.program_id(0), tl.program_id(1), g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr,
-                 ui_ptr, gb_ptr, ub_ptr, xq_ptr, xd_ptr, xs_ptr, ids_ptr, h_ptr, oq_ptr, od_ptr,
-                 os_ptr, N, NB, g_rb, u_rb, limit, trace_ptr, TG, TU, HAS_BIAS, ACT, QOUT,
-                 BLOCK_R, BLOCK_B, ASM, TRACE, L0, L1, L2, L3)
+    if SPLIT == 1:
+        # one row of x: slot j (program axis 1) is its j-th expert
+        _glu_q8_tile(tl.program_id(0), tl.program_id(1), g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr,
+                     ui_ptr, gb_ptr, ub_ptr, xq_ptr, xd_ptr, xs_ptr, ids_ptr, h_ptr, oq_ptr,
+                     od_ptr, os_ptr, N, NB, g_rb, u_rb, limit, trace_ptr, TG, TU, HAS_BIAS,
+                     ACT, QOUT, BLOCK_R, BLOCK_B, ASM, TRACE, L0, L1, L2, L3)
+    else:
+        # Q4_K gate and up, each row's blocks in SPLIT ranges: split (program axis 1) of slot
+        # j (axis 2)
+        _glu_q8_split(tl.program_id(0), tl.program_id(2), gi_ptr, ui_ptr, gb_ptr, ub_ptr,
+                      xq_ptr, xd_ptr, xs_ptr, ids_ptr, h_ptr, oq_ptr, od_ptr, os_ptr, N, NB,
+                      BPS, g_rb, limit, trace_ptr, part_ptr, cnt_ptr, HAS_BIAS, ACT, QOUT,
+                      BLOCK_R, BLOCK_B, SPLIT, ASM, TRACE)
     if LATE:
         pdl.release(PDL)
     trace.stamp(trace_ptr, 3, TRACE)
@@ -218,17 +228,65 @@ def _glu_q8_tile(pid, slot, g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr
                      BLOCK_R)
 
 
+@triton.jit
+def _glu_q8_split(pid, slot, gi_ptr, ui_ptr, gb_ptr, ub_ptr, xq_ptr, xd_ptr, xs_ptr, ids_ptr,
+                  h_ptr, oq_ptr, od_ptr, os_ptr, N, NB, BPS, g_rb, limit, trace_ptr, part_ptr,
+                  cnt_ptr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, QOUT: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT: tl.constexpr,
+                  ASM: tl.constexpr, TRACE: tl.constexpr):
+    # row tile ``pid`` of the ``slot``-th chosen expert's Q4_K gate and up over blocks
+    # [b_lo, b_lo + BPS) of its rows: the body walks them as whole rows of their own, its
+    # weight words, x's words and x's scales advanced to b_lo (the row stride unchanged). The
+    # sums go to part [slot, 2, SPLIT, N]; the tile's last split to finish adds them in split
+    # order (the same bits whatever order the programs ran in) and runs the activation and
+    # the int8 copy, as the unsplit tile does
+    eid = tl.load(ids_ptr + slot)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < N
+    rows_c = eid * N + tl.minimum(rows, N - 1)
+    b_lo = tl.program_id(1) * BPS
+    g, u = q4k_q8_rows_dot(gi_ptr + b_lo * 36, ui_ptr + b_lo * 36, xq_ptr + b_lo * 64,
+                           xd_ptr + b_lo * 8, xs_ptr + b_lo * 8, rows_c,
+                           tl.minimum(BPS, NB - b_lo), g_rb, BLOCK_R, BLOCK_B, True, ASM)
+    trace.stamp(trace_ptr, 2, TRACE)
+    prow = part_ptr + slot * (2 * SPLIT * N)  # [2, SPLIT, N]: gate's splits, then up's
+    tl.store(prow + (SPLIT + tl.program_id(1)) * N + rows, u, mask=rmask)
+    last, g = t_split_done(prow, g, rows, rmask, N, cnt_ptr + slot * tl.num_programs(0) + pid,
+                            SPLIT, BLOCK_R)
+    if last:
+        u = t_split_sum(prow + SPLIT * N, rows, rmask, N, SPLIT)
+        if HAS_BIAS:
+            g += tl.load(gb_ptr + rows_c).to(tl.float32)
+            u += tl.load(ub_ptr + rows_c).to(tl.float32)
+        h = _act(g, u, ACT, limit)
+        tl.store(h_ptr + slot * N + rows, h.to(h_ptr.dtype.element_ty), mask=rmask)
+        if QOUT:
+            q8x.store_q8(h, slot * N + pid * BLOCK_R, N - pid * BLOCK_R, oq_ptr, od_ptr, os_ptr,
+                         BLOCK_R)
+
+
+# decode's Q4_K expert gate/up split along each row's blocks into this many programs (1: not
+# split): more, shorter programs where the k experts' row tiles alone leave SMs short of
+# warps (Qwen3-30B-A3B: 8 x 24 tiles of 32 rows on 132 SMs). On trial (CARVE_TRIAL=glu_split
+# sets 2), in the scratch of the T GEMVs' splits where it holds the partial sums
+GLU_SPLIT = 1
+
+
 def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: int,
                   n_expert: int, xq, ids: torch.Tensor, out: torch.Tensor, act: str = "silu",
                   gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
                   limit: float = 0.0, out_q=None, config: tuple[int, int, int] | None = None,
-                  use_pdl: bool = True, late: bool = False) -> torch.Tensor:
+                  use_pdl: bool = True, late: bool = False, scratch=None,
+                  split: int | None = None) -> torch.Tensor:
     """``expert_glu`` for one row of x given as its int8 copy ``xq`` (q words, d, s of
     carve_kernels/q8x.py), gate and up Q4_K, Q6_K or MXFP4:
     ``out[j] = act(x @ gate_e^T) * (x @ up_e^T)``, e = ids[0, j]. ``out_q``: (q, d, s)
     buffers for the int8 copy of ``out`` ([k * rows] values), the input of
     ``expert_down_q8``. ``late``: the next kernel becomes resident after the tiles' writes, not
-    at their start (carve_kernels/pdl.py ``release``)."""
+    at their start (carve_kernels/pdl.py ``release``). ``scratch``: float32 and int32 zeros
+    (the T GEMVs' ``t_part`` and ``t_count``, left zero) for ``split`` (default GLU_SPLIT)
+    programs along each row's blocks, used for Q4_K gate and up where they hold the split
+    (else not split)."""
     n, k = expert_rows(gate, n_expert), row_cols(gate, gate_type)
     if up.shape[0] != gate.shape[0] or row_cols(up, up_type) != k:
         raise ValueError("gate and up experts differ in shape")
@@ -244,16 +302,34 @@ def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type:
     oq, od, os_ = out_q if out_q is not None else xq
     gp, upp = _q8_views(gate, gate_type, "gate"), _q8_views(up, up_type, "up")
     bias = gate_bias is not None
-    grid = (triton.cdiv(n, br), ku)
+    nb, tiles = k // Q8_BLOCK[gate_type], triton.cdiv(n, br)
+    split = _glu_split(split or GLU_SPLIT, gate_type, up_type, nb, ku, n, tiles, scratch)
+    bps = triton.cdiv(nb, split)
+    part, count = scratch if split > 1 else (out, ids)
+    grid = (tiles, split, ku) if split > 1 else (tiles, ku)
     _expert_glu_q8_kernel[grid](
         *gp, *upp, gate_bias if bias else out, up_bias if bias else out, *xq, ids, out, oq, od,
-        os_, n, k // Q8_BLOCK[gate_type], gate.shape[1], up.shape[1], float(limit),
-        **trace.args("expert_glu_q8", grid, out), KU=ku,
-        TG=gate_type, TU=up_type, HAS_BIAS=bias, ACT=_ACTS[act], QOUT=out_q is not None,
-        BLOCK_R=br, BLOCK_B=min(bb, triton.next_power_of_2(k // Q8_BLOCK[gate_type])),
+        os_, n, nb, gate.shape[1], up.shape[1], float(limit),
+        **trace.args("expert_glu_q8", grid, out), part_ptr=part, cnt_ptr=count, BPS=bps,
+        KU=ku, TG=gate_type, TU=up_type, HAS_BIAS=bias, ACT=_ACTS[act],
+        QOUT=out_q is not None, BLOCK_R=br,
+        BLOCK_B=min(bb, triton.next_power_of_2(bps if split > 1 else nb)),
         ASM=gate.is_cuda, num_warps=warps, LATE=late and pdl.enabled(out, use_pdl),
-        **_lut(gate_type, up_type), **pdl.opts(out, use_pdl))
+        SPLIT=split, **_lut(gate_type, up_type), **pdl.opts(out, use_pdl))
     return out
+
+
+def _glu_split(split: int, gate_type: int, up_type: int, nb: int, ku: int, n: int, tiles: int,
+               scratch) -> int:
+    # the split expert_glu_q8 runs: Q4_K gate and up only, at most one block a split, where
+    # the scratch holds k x 2 x split x n partial sums and k x tiles counters
+    split = min(split, nb)
+    if split <= 1 or scratch is None or not gate_type == up_type == qt.Q4_K:
+        return 1
+    part, count = scratch
+    if part.numel() < ku * 2 * split * n or count.numel() < ku * tiles:
+        return 1
+    return split
 
 
 def expert_glu_ref(gate, gate_type, up, up_type, n_expert, x, ids, out, act="silu",

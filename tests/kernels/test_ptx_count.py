@@ -81,6 +81,24 @@ def test_expert_int8_bodies_assemble_to_dp4a_machine_code(ggml_type, part, ops):
     assert got["per_value"] < 6, got
 
 
+def test_the_split_expert_gate_up_assembles_with_its_counter():
+    # trial glu_split: Q4_K's expert gate/up along each row's blocks in two programs compiles
+    # for sm_90 with the same dp4a loop and one atomic on its tile's counter (the last split
+    # adds the partial sums)
+    code = ("import json\nfrom benchmarks import ptx_count as p\n"
+            "from spec import quant_types as qt\n"
+            "out = {}\n"
+            "for s in (1, 2):\n"
+            "    cubin = p.compile_expert(qt.Q4_K, 'glu', (32, 4, 4), split=s).asm['cubin']\n"
+            "    out[str(s)] = [dict(p.sass_counts(cubin)),\n"
+            "                   dict(p.sass_counts(cubin, whole=True))]\n"
+            "print(json.dumps(out))")
+    got = _json_of("-c", code)
+    (plain_loop, plain), (split_loop, split) = got["1"], got["2"]
+    assert split_loop.get("IDP") == plain_loop.get("IDP") > 0, (split_loop, plain_loop)
+    assert split.get("ATOMG", 0) >= 1 and "ATOMG" not in plain, (split, plain)
+
+
 def test_decode_attention_reads_its_cached_block_before_the_pdl_wait():
     # each split's first block of cached keys and values (all but the newest cell, which the
     # q/k/v launch before writes) is loaded before the PDL wait (ACQBULK), on f16 and q8_0

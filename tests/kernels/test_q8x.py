@@ -211,3 +211,42 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed, monk
         mag = sum(wts[0, j] * gemv_scale(down[int(ids[0, j]) * cols:(int(ids[0, j]) + 1) * cols],
                                          down_type, hd[j:j + 1])[0] for j in range(k))
         assert nerr(out, want, mag + (prior.abs() if accumulate else 0)) < 1e-5
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+def test_expert_gate_up_split_along_the_blocks_matches_reference(bias, seed):
+    # decode's Q4_K expert gate/up with each row's blocks in 2-3 programs (trial glu_split):
+    # the partial sums in the T GEMVs' scratch, added in split order by each tile's last
+    # split, which runs the activation and the int8 copy; every counter left zero. Splits of
+    # uneven length (bps not dividing the blocks) and more splits than blocks (clamped); a
+    # scratch too small for the split runs the tile unsplit (the scratch untouched)
+    g = generator(seed)
+    n_expert, k, n_ff = 5, 3, 32 * _rand(g, 1, 3)
+    nb = _rand(g, 2, 5)
+    cols = 256 * nb
+    gate = random_weight(qt.Q4_K, n_expert * n_ff, cols, DEVICE, g)
+    up = random_weight(qt.Q4_K, n_expert * n_ff, cols, DEVICE, g)
+    gb, ub = (torch.randn(n_expert * n_ff, generator=g, device=DEVICE) * 0.1 if bias else None
+              for _ in range(2))
+    x = torch.randn(1, cols, generator=g, device=DEVICE)
+    xq, xd = q8x.copy_ref(x[0])
+    ids = torch.randperm(n_expert, generator=g, device=DEVICE)[:k].view(1, k).to(torch.int32)
+    ref = moe_decode.expert_glu_ref(gate, qt.Q4_K, up, qt.Q4_K, n_expert, xd, ids,
+                                    torch.empty(k, n_ff, device=DEVICE), "silu", gb, ub)
+    tiles = -(-n_ff // 32)
+    for split, room in ((2, True), (3, True), (nb + 2, True), (2, False)):
+        used = min(split, nb)
+        part = torch.full((k * 2 * used * n_ff - (0 if room else 1),), float("nan"),
+                          device=DEVICE)
+        count = torch.zeros(k * tiles, dtype=torch.int32, device=DEVICE)
+        h = torch.full((k, n_ff), float("nan"), device=DEVICE)
+        hq = q8_bufs(k * n_ff)
+        moe_decode.expert_glu_q8(gate, qt.Q4_K, up, qt.Q4_K, n_expert, xq, ids, h, "silu", gb,
+                                 ub, out_q=hq, config=(32, 1, 1), scratch=(part, count),
+                                 split=split)
+        assert nerr(h, ref) < 1e-5, (split, room)
+        assert part.isnan().all() != room  # split: the partial sums were written
+        assert not count.any()
+        for j in range(k):
+            grp = slice(j * n_ff // 32, (j + 1) * n_ff // 32)
+            _same_q8((hq[0][j * n_ff // 4:(j + 1) * n_ff // 4], hq[1][grp], hq[2][grp]), h[j])

@@ -103,9 +103,11 @@ class MoeLayers:
             # the down launched with PDL, resident only once the gate/up's tiles are written
             # (``late``): made resident at the gate/up's start instead, the step lost 13 %
             # (carve_kernels/NOTES.md)
+            scratch = None if self.t_count is None else (self.t_part.view(-1),
+                                                         self.t_count.view(-1))
             moe_decode.expert_glu_q8(gp, g.ggml_type, up, u.ggml_type, ne, f.xq, ids, h, act, gb,
                                      ub, hp.swiglu_limit, f.xq_h, use_pdl=pdl,
-                                     late=f.xq_h is not None)
+                                     late=f.xq_h is not None, scratch=scratch)
             if f.xq_h is not None:
                 moe_decode.expert_down_q8(dp, d.ggml_type, ne, f.xq_h, ids, w, a.proj, rows_out,
                                           db, accumulate=f.shared is not None, use_pdl=pdl,
