@@ -321,9 +321,10 @@ def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type:
 
 def _glu_split(split: int, gate_type: int, up_type: int, nb: int, ku: int, n: int, tiles: int,
                scratch) -> int:
-    # the split expert_glu_q8 runs: Q4_K gate and up only, at most one block a split, where
-    # the scratch holds k x 2 x split x n partial sums and k x tiles counters
-    split = min(split, nb)
+    # the split expert_glu_q8 runs: Q4_K gate and up only, each split at least one block (as
+    # many splits as whole ranges of ceil(nb / split) blocks), where the scratch holds
+    # k x 2 x split x n partial sums and k x tiles counters
+    split = triton.cdiv(nb, triton.cdiv(nb, max(1, min(split, nb))))
     if split <= 1 or scratch is None or not gate_type == up_type == qt.Q4_K:
         return 1
     part, count = scratch

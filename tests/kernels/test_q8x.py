@@ -235,7 +235,7 @@ def test_expert_gate_up_split_along_the_blocks_matches_reference(bias, seed):
                                     torch.empty(k, n_ff, device=DEVICE), "silu", gb, ub)
     tiles = -(-n_ff // 32)
     for split, room in ((2, True), (3, True), (nb + 2, True), (2, False)):
-        used = min(split, nb)
+        used = -(-nb // -(-nb // min(split, nb)))  # whole ranges of ceil(nb / split) blocks
         part = torch.full((k * 2 * used * n_ff - (0 if room else 1),), float("nan"),
                           device=DEVICE)
         count = torch.zeros(k * tiles, dtype=torch.int32, device=DEVICE)
