@@ -255,7 +255,7 @@ def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr
     last = True
     if SPLIT > 1:
         last, acc = t_split_done(part_ptr + m * SPLIT * N, acc, rows, rmask, N,
-                                  cnt_ptr + m * tl.num_programs(0) + pid, SPLIT, BLOCK_N)
+                                 cnt_ptr + m * tl.num_programs(0) + pid, SPLIT, BLOCK_N)
     if last:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -292,7 +292,7 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
         prow = part_ptr + m * 2 * SPLIT * N  # [2, SPLIT, N]: gate's splits, then up's
         tl.store(prow + (SPLIT + tl.program_id(1)) * N + rows, u, mask=rmask)
         last, g = t_split_done(prow, g, rows, rmask, N, cnt_ptr + m * tl.num_programs(0) + pid,
-                                SPLIT, BLOCK_N)
+                               SPLIT, BLOCK_N)
         if last:
             u = t_split_sum(prow + SPLIT * N, rows, rmask, N, SPLIT)
     if last:
@@ -358,8 +358,8 @@ def _gemv_t3_kernel(w1, h1, g1, w2, h2, g2, w3, h3, g3, b1, b2, b3, x_ptr, xq_pt
     if SPLIT > 1:
         # each matrix's [SPLIT, n] partial sums after the ones before it
         last, acc = t_split_done(part_ptr + (m * (N1 + N2 + N3) + off) * SPLIT, acc, rows,
-                                  rmask, n, cnt_ptr + m * tl.num_programs(0) + pid, SPLIT,
-                                  BLOCK_N)
+                                 rmask, n, cnt_ptr + m * tl.num_programs(0) + pid, SPLIT,
+                                 BLOCK_N)
     if last:
         if HAS_BIAS:
             if pid < p1:

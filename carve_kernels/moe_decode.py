@@ -252,7 +252,7 @@ def _glu_q8_split(pid, slot, gi_ptr, ui_ptr, gb_ptr, ub_ptr, xq_ptr, xd_ptr, xs_
     prow = part_ptr + slot * (2 * SPLIT * N)  # [2, SPLIT, N]: gate's splits, then up's
     tl.store(prow + (SPLIT + tl.program_id(1)) * N + rows, u, mask=rmask)
     last, g = t_split_done(prow, g, rows, rmask, N, cnt_ptr + slot * tl.num_programs(0) + pid,
-                            SPLIT, BLOCK_R)
+                           SPLIT, BLOCK_R)
     if last:
         u = t_split_sum(prow + SPLIT * N, rows, rmask, N, SPLIT)
         if HAS_BIAS:
