@@ -87,8 +87,9 @@ class RunnerOptions:
         matrix such as ffn_down, attn: the attn_output launch, which otherwise takes one's,
         glu: the gate/up pair) with that many warps a program and about that many programs
         (each row tile's blocks split fewer ways), at most the 2112 the scratch is priced for,
-        and rows a program 128 or 256 (the two row tiles the scratch is priced for; default
-        the type's), so that a config is measured in the step before it is adopted.
+        and rows a program 128 or 256 (the row tiles the scratch is priced for; q/k/v's only
+        128; default the type's), so that a config is measured in the step before it is
+        adopted.
     """
 
     runner: str = "auto"  # CARVE_RUNNER
@@ -208,7 +209,8 @@ def _expert_tiles(environ: Mapping[str, str]) -> tuple:
 
 
 T_PARTS = ("qkv", "one", "attn", "glu")
-# the row tiles a T launch may take: those spec/launch.py prices the splits' scratch for
+# the row tiles a T launch may take: those engine/planning/buffers.py prices the splits'
+# scratch for (q/k/v's launch at T_CONFIG only)
 T_ROWS = (launch.T_CONFIG[0], launch.T_CONFIG_LOWBIT[0])
 
 
@@ -216,13 +218,14 @@ def _t_tiles(environ: Mapping[str, str]) -> tuple:
     out = []
     for entry, part, nums in _entries(environ, "CARVE_T_TILES", 2, 3):
         w, n, r = (*nums, 0)[:3]
+        rows_ok = T_ROWS[:1] if part == "qkv" else T_ROWS
         if (part not in T_PARTS or not 0 < w <= 16 or w & (w - 1)
-                or not 0 < n <= launch.T_CONFIG[2] or (len(nums) == 3 and r not in T_ROWS)):
+                or not 0 < n <= launch.T_CONFIG[2] or (len(nums) == 3 and r not in rows_ok)):
             raise CarveError(
                 f"CARVE_T_TILES entry {entry!r}: use PART=WARPS,PROGRAMS[,ROWS] with PART one "
                 f"of {', '.join(T_PARTS)}, WARPS a power of two up to 16, PROGRAMS from 1 to "
-                f"{launch.T_CONFIG[2]} (the split the scratch is priced for) and ROWS "
-                f"{' or '.join(map(str, T_ROWS))}")
+                f"{launch.T_CONFIG[2]} and ROWS {' or '.join(map(str, T_ROWS))} (qkv "
+                f"{T_ROWS[0]}): the splits the scratch is priced for")
         out.append((part, (w, n, r)))
     return tuple(out)
 

@@ -108,14 +108,14 @@ def test_a_bad_expert_tile_is_refused(entry) -> None:
 
 @pytest.mark.parametrize("entry", ["down=4,1056", "qkv=3,1056", "qkv=32,1056", "one=4,4224",
                                    "one=4,0", "glu=4", "glu", "qkv=a,b", "attn=2,2112,64",
-                                   "attn=2,2112,512", "one=4,1056,128,1"])
+                                   "attn=2,2112,512", "one=4,1056,128,1", "qkv=4,1056,256"])
 def test_a_bad_t_tile_is_refused(entry) -> None:
     with pytest.raises(CarveError) as e:
         RunnerOptions.from_env({"CARVE_T_TILES": f"qkv=4,1056;{entry}"})
     assert str(e.value).startswith(f"CARVE_T_TILES entry {entry!r}: use "
                                    "PART=WARPS,PROGRAMS[,ROWS] with PART one of qkv, one, attn, "
                                    "glu")
-    assert "2112" in str(e.value) and "ROWS 128 or 256" in str(e.value)
+    assert "2112" in str(e.value) and "ROWS 128 or 256 (qkv 128)" in str(e.value)
 
 
 def test_t_tiles_set_the_t_launches_table_for_the_process(monkeypatch) -> None:
