@@ -241,6 +241,18 @@ def t_split_done(prow, acc, rows, rmask, N, cnt, SPLIT: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
+def t_pair_split_done(prow, g, u, rows, rmask, N, cnt, SPLIT: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    # t_split_done for a gate/up pair: part [2, SPLIT, N] at prow (gate's splits, then up's);
+    # the last split of the row tile gets both sums in split order back
+    tl.store(prow + (SPLIT + tl.program_id(1)) * N + rows, u, mask=rmask)
+    last, g = t_split_done(prow, g, rows, rmask, N, cnt, SPLIT, BLOCK_N)
+    if last:
+        u = t_split_sum(prow + SPLIT * N, rows, rmask, N, SPLIT)
+    return last, g, u
+
+
+@triton.jit
 def _gemv_t_kernel(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, b_ptr,
                    part_ptr, cnt_ptr, N, NB, BPS, stride_xm, stride_ym, trace_ptr,
                    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, XV: tl.constexpr,
@@ -289,12 +301,8 @@ def _gemv_t_glu_kernel(g_ptr, gh_ptr, tab_ptr, u_ptr, uh_ptr, tab2_ptr, x_ptr, x
     trace.stamp(trace_ptr, 2, TRACE)
     last = True
     if SPLIT > 1:
-        prow = part_ptr + m * 2 * SPLIT * N  # [2, SPLIT, N]: gate's splits, then up's
-        tl.store(prow + (SPLIT + tl.program_id(1)) * N + rows, u, mask=rmask)
-        last, g = t_split_done(prow, g, rows, rmask, N, cnt_ptr + m * tl.num_programs(0) + pid,
-                               SPLIT, BLOCK_N)
-        if last:
-            u = t_split_sum(prow + SPLIT * N, rows, rmask, N, SPLIT)
+        last, g, u = t_pair_split_done(part_ptr + m * 2 * SPLIT * N, g, u, rows, rmask, N,
+                                       cnt_ptr + m * tl.num_programs(0) + pid, SPLIT, BLOCK_N)
     if last:
         y = glu_act(g, u, GELU)
         tl.store(y_ptr + m * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)

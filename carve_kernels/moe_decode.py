@@ -14,7 +14,7 @@ from carve_kernels import pdl, q8x, trace
 from carve_kernels.gemv_dot import row_dot
 from carve_kernels.gemv_q8 import Q8_BLOCK, Q8_TYPES, q4k_q8_rows_dot, q8_rows_dot
 from carve_kernels.gemv_q8_blocks import lut_words
-from carve_kernels.gemv_t import t_split_done, t_split_sum
+from carve_kernels.gemv_t import t_pair_split_done
 from carve_kernels.moe import _ACTS, _act, _act_ref, _expert_ref, combine, expert_rows
 from carve_kernels.quant_matmul import _launch_args, gemv_config, row_cols
 from spec import quant_types as qt
@@ -216,14 +216,23 @@ def _glu_q8_tile(pid, slot, g_ptr, gh_ptr, gi_ptr, u_ptr, uh_ptr, ui_ptr, gb_ptr
                         BLOCK_R, BLOCK_B, ASM, L0, L1, L2, L3)
         u = q8_rows_dot(u_ptr, uh_ptr, ui_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, NB, u_rb, TU,
                         BLOCK_R, BLOCK_B, ASM, L0, L1, L2, L3)
+    trace.stamp(trace_ptr, 2, TRACE)
+    _glu_q8_out(pid, slot, g, u, rows, rmask, rows_c, gb_ptr, ub_ptr, h_ptr, oq_ptr, od_ptr,
+                os_ptr, N, limit, HAS_BIAS, ACT, QOUT, BLOCK_R)
+
+
+@triton.jit
+def _glu_q8_out(pid, slot, g, u, rows, rmask, rows_c, gb_ptr, ub_ptr, h_ptr, oq_ptr, od_ptr,
+                os_ptr, N, limit, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                QOUT: tl.constexpr, BLOCK_R: tl.constexpr):
+    # a gate/up tile's epilogue: the biases, the activation, h stored, and its int8 copy
+    # (QOUT), the down GEMV's input
     if HAS_BIAS:
         g += tl.load(gb_ptr + rows_c).to(tl.float32)
         u += tl.load(ub_ptr + rows_c).to(tl.float32)
-    trace.stamp(trace_ptr, 2, TRACE)
     h = _act(g, u, ACT, limit)
-    offs = slot * N + rows
-    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=rmask)
-    if QOUT:  # the int8 copy of h, the down GEMV's input
+    tl.store(h_ptr + slot * N + rows, h.to(h_ptr.dtype.element_ty), mask=rmask)
+    if QOUT:
         q8x.store_q8(h, slot * N + pid * BLOCK_R, N - pid * BLOCK_R, oq_ptr, od_ptr, os_ptr,
                      BLOCK_R)
 
@@ -249,20 +258,11 @@ def _glu_q8_split(pid, slot, gi_ptr, ui_ptr, gb_ptr, ub_ptr, xq_ptr, xd_ptr, xs_
                            xd_ptr + b_lo * 8, xs_ptr + b_lo * 8, rows_c,
                            tl.minimum(BPS, NB - b_lo), g_rb, BLOCK_R, BLOCK_B, True, ASM)
     trace.stamp(trace_ptr, 2, TRACE)
-    prow = part_ptr + slot * (2 * SPLIT * N)  # [2, SPLIT, N]: gate's splits, then up's
-    tl.store(prow + (SPLIT + tl.program_id(1)) * N + rows, u, mask=rmask)
-    last, g = t_split_done(prow, g, rows, rmask, N, cnt_ptr + slot * tl.num_programs(0) + pid,
-                           SPLIT, BLOCK_R)
+    last, g, u = t_pair_split_done(part_ptr + slot * (2 * SPLIT * N), g, u, rows, rmask, N,
+                                   cnt_ptr + slot * tl.num_programs(0) + pid, SPLIT, BLOCK_R)
     if last:
-        u = t_split_sum(prow + SPLIT * N, rows, rmask, N, SPLIT)
-        if HAS_BIAS:
-            g += tl.load(gb_ptr + rows_c).to(tl.float32)
-            u += tl.load(ub_ptr + rows_c).to(tl.float32)
-        h = _act(g, u, ACT, limit)
-        tl.store(h_ptr + slot * N + rows, h.to(h_ptr.dtype.element_ty), mask=rmask)
-        if QOUT:
-            q8x.store_q8(h, slot * N + pid * BLOCK_R, N - pid * BLOCK_R, oq_ptr, od_ptr, os_ptr,
-                         BLOCK_R)
+        _glu_q8_out(pid, slot, g, u, rows, rmask, rows_c, gb_ptr, ub_ptr, h_ptr, oq_ptr, od_ptr,
+                    os_ptr, N, limit, HAS_BIAS, ACT, QOUT, BLOCK_R)
 
 
 # decode's Q4_K expert gate/up split along each row's blocks into this many programs (1: not
