@@ -20,8 +20,9 @@ layout conversion, no shuffle), and each thread keeps its rows' sums in register
 Programs that split a row's blocks store their sums in their own row of a float32 ``part``
 buffer; the last one of a row tile to finish (an atomic counter, acq_rel) adds those rows in
 split order (deterministic: spec/launch.py) and writes y. The per-step dot products are in
-carve_kernels/gemv_t_dot.py (Q4_K, Q5_K, Q6_K) and carve_kernels/gemv_t_low.py (the low-bit types
-and Q8_0, whose blocks of 32 split a row as 256-value blocks would): x as float,
+carve_kernels/gemv_t_dot.py (Q4_K, Q5_K, Q6_K), carve_kernels/gemv_t_low.py (Q2_K, Q3_K, IQ4_XS
+and Q8_0, whose blocks of 32 split a row as 256-value blocks would), carve_kernels/gemv_t_grid.py
+and carve_kernels/gemv_t_iq1.py (the grid IQ types): x as float,
 or (``xq=``) its int8 copy (carve_kernels/q8x.py) through dp4a; the gate/up launch reads both
 matrices' Q4_K (Q5_K) words in one step.
 
@@ -43,19 +44,15 @@ from carve_kernels import pdl, q8x, trace
 from carve_kernels import rope as rope_mod
 from carve_kernels.gemv_iq import grid_fill
 from carve_kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
-from carve_kernels.gemv_t_low import (
-    iq1m_t_dot,
-    iq1s_t_dot,
+from carve_kernels.gemv_t_grid import (
     iq2s_t_dot,
     iq2xs_t_dot,
     iq2xxs_t_dot,
     iq3s_t_dot,
     iq3xxs_t_dot,
-    iq4xs_t_dot,
-    q2k_t_dot,
-    q3k_t_dot,
-    q80_t_dot,
 )
+from carve_kernels.gemv_t_iq1 import iq1m_t_dot, iq1s_t_dot
+from carve_kernels.gemv_t_low import iq4xs_t_dot, q2k_t_dot, q3k_t_dot, q80_t_dot
 from carve_kernels.glu import glu_act
 from carve_kernels.kv_cache import _kv_store_one
 from carve_kernels.lowbit_blocks import lookup_table
@@ -160,7 +157,7 @@ def t_body(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N
            b_hi, BLOCK_N: tl.constexpr, XV: tl.constexpr, TYPE: tl.constexpr,
            Q8X: tl.constexpr, ASM: tl.constexpr):
     # a program's sums over blocks [b_lo, b_hi) of its rows, by type (carve_kernels/gemv_t_dot.py,
-    # carve_kernels/gemv_t_low.py); rows masked, not clamped: a clamp hides their contiguity and the
+    # gemv_t_low.py, gemv_t_grid.py, gemv_t_iq1.py); rows masked, not clamped: a clamp hides their contiguity and the
     # loads go 4 bytes wide. tab_ptr: the type's value table (lowbit_blocks.lookup_table), or
     # with ASM == 2 what t_tab made of it
     if TYPE == 10:

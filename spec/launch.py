@@ -27,7 +27,8 @@ T_CONFIG = (128, 4, 2112)
 # the gate/up launch: 128 rows per program, each Q4_K step reading both matrices' words (H200:
 # 7B 50.1 -> 47.0 us, 32B 88.6 -> 83.0 us against one matrix after the other at 256 rows)
 T_GLU_CONFIG = (128, 4, 2112)
-# the low-bit types' T bodies (carve_kernels/gemv_t_low.py), alone or as the gate/up pair: two rows
+# the low-bit types' T bodies (carve_kernels/gemv_t_low.py, gemv_t_grid.py, gemv_t_iq1.py),
+# alone or as the gate/up pair: two rows
 # a thread share each x value's loads and x-only work (H200, 7B ffn_up + ffn_down, 2026-12-02:
 # 256 rows won the sweep of five configs for Q2_K and IQ4_XS, on bf16 and int8 x; IQ2_XXS's
 # configs were within 5 % of each other)

@@ -282,7 +282,7 @@ def test_attention_output_on_its_int8_copy_decodes_as_the_cpu_engine(tmp_path, w
                                              ("iq3_xxs", qt.IQ3_XXS), ("q5_k_m", qt.Q5_K),
                                              ("q8_0", qt.Q8_0)])
 def test_low_bit_t_matrices_decode_as_the_cpu_engine(tmp_path, all_t, mix, t_type) -> None:
-    # the T bodies of gemv_t_low.py (and Q5_K's) through the runner on decode's int8 copies:
+    # the T bodies of gemv_t_low.py and gemv_t_grid.py (and Q5_K's) through the runner on decode's int8 copies:
     # the Q2_K mix's gate/up in one T launch beside its Q3_K ffn_down and attn_v; the
     # IQ2_XXS mix's gate/up, down (the GLU's int8 copy) and q/k/v (IQ2_XXS q and k beside a
     # Q2_K v); the IQ3_XXS mix's gate/up and down beside its IQ3_S attn_v; the Q5_K_M mix's

@@ -56,7 +56,8 @@ def test_int8_bodies_assemble_with_their_instructions(ggml_type, ops, tiles):
     (qt.IQ4_XS, {"IDP", "PRMT"}),
 ], ids=lambda v: qt.type_name(v) if isinstance(v, int) else "")
 def test_t_bodies_assemble_to_dp4a_machine_code(ggml_type, ops):
-    # the T-layout bodies (carve_kernels/gemv_t_low.py) on int8 x, in sm_90 machine code (IDP is
+    # the T-layout bodies (carve_kernels/gemv_t_low.py, gemv_t_grid.py, gemv_t_iq1.py) on int8 x,
+    # in sm_90 machine code (IDP is
     # dp4a): fewer instructions per value at two rows a thread than at one (x's loads and
     # x-only work shared)
     two = _count(qt.type_name(ggml_type), "--t", "--x", "int8", "--sass", "--config", "256,4")
