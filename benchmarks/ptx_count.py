@@ -74,12 +74,13 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
 
 
 def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bool = False,
-              smem: bool | None = None):
+              smem: bool | None = None, xsign: bool = False):
     """The compiled T-layout GEMV of ``ggml_type`` (carve_kernels/gemv_t.py), ``rows`` rows a
     program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy); ``traced``:
     with the stamps of carve_kernels/trace.py compiled in; ``smem``: a grid type's grid read
     from shared memory (the bodies' ASM = 2), or from L1 (False); None: as the type runs
-    (``gemv_t.SMEM_TYPES``)."""
+    (``gemv_t.SMEM_TYPES``); ``xsign``: with it, x's signed words from the shared table
+    (ASM = 3, ``gemv_t.XSIGN_TRIAL``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -94,7 +95,7 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bo
            "cnt_ptr": "*i32", "N": "i32", "NB": "i32", "BPS": "i32", "stride_xm": "i32",
            "stride_ym": "i32", "trace_ptr": "*i64"}
     const = {"BLOCK_N": rows, "SPLIT": 4, "XV": x == "bf16", "HAS_BIAS": False,
-             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": 2 if smem else True, "PDL": False,
+             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": (3 if xsign else 2) if smem else True, "PDL": False,
              "TRACE": traced}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(11)}  # the pointers
@@ -296,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smem", action=argparse.BooleanOptionalAction, default=None,
                     help="--t: a grid type's grid from shared memory (--no-smem: from L1); "
                          "default: as the type runs")
+    ap.add_argument("--xsign", action="store_true",
+                    help="--t: x read with the grid rows' signs from a shared table (trial xsign)")
     ap.add_argument("--split", type=int, default=1,
                     help="--expert glu: Q4_K's gate/up along each row's blocks in this many "
                          "programs (trial glu_split)")
@@ -339,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         rows, warps = (tuple(int(v) for v in args.config.split(",")) if args.config
                        else launch.t_config(t)[:2])
         cfg = (rows, warps)
-        kernel = compile_t(t, rows, warps, args.x, smem=args.smem)
+        kernel = compile_t(t, rows, warps, args.x, smem=args.smem, xsign=args.xsign)
         per = rows // (32 * warps) * 128  # half a block of each of its rows a step
     else:
         cfg = (tuple(int(v) for v in args.config.split(",")) if args.config

@@ -34,7 +34,53 @@ from carve_kernels.gemv_t_dot import _dp4a, _ld8, _pick4, _pick8, _sc8, _x4
 from carve_kernels.gemv_t_low import _prmt, _x64
 
 
-# --- the grid types: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S -------------------
+# decode's int8 x with the grid rows' signs on it (ASM == 3, gemv_t.XSIGN_TYPES): instead of a
+# sign mask made for each grid row and xor'ed into it (and the masks' own dp4a taken back out),
+# each x word is stored 16 times in shared memory, word 16 w + s being x word w with byte k
+# negated where bit k of s is set, and a row of 4 values reads the word its 4 sign bits pick:
+# one shared load where the masks cost ~6 instructions. A program fills a block's 64 words
+# (4 KiB) when it starts the block, into the half of an 8 KiB table that the block before did
+# not use, then a barrier: a thread past block b + 1's barrier had every thread finish block b,
+# so the fill of block b + 2 overwrites nothing still read. q8x's bytes are at most 127 in
+# magnitude, so each negates exactly.
+@triton.jit
+def _xs_base():
+    # the 8 KiB shared table's address (not pure: see gemv_iq._smem_base)
+    return tl.inline_asm_elementwise(
+        "{ .shared .align 16 .b8 carve_xs[8192]; mov.u32 $0, carve_xs; }", "=r", [],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _xs_fill(xb, xq_ptr, BLOCK_N: tl.constexpr):
+    # words 16 w + s (w < 64, s < 16) at shared address xb from int8 x words w at xq_ptr, then
+    # a barrier: the block's x with every sign pattern of 4 values (a byte permute between
+    # the word and its negation, selector nibble k = k or 4 + k)
+    offs = tl.arange(0, BLOCK_N)
+    for i in tl.static_range(1024 // BLOCK_N):
+        e = i * BLOCK_N + offs
+        s = e % 16
+        w = tl.load(xq_ptr + e // 16)
+        wn = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, u, h; mov.b32 h, 0x80808080; and.b32 t, $1, 0x7F7F7F7F; "
+            "sub.u32 t, h, t; not.b32 u, $1; and.b32 u, u, h; xor.b32 $0, t, u; }",
+            "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)  # 0 - w bytewise, no borrows
+        sel = 0x3210 | ((s & 1) << 2) | ((s & 2) << 5) | ((s & 4) << 8) | ((s & 8) << 11)
+        tl.inline_asm_elementwise("st.shared.b32 [$1], $2; mov.u32 $0, 0;", "=r,r,r",
+                                  [xb + 4 * e, _prmt(w, wn, sel, True)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _xs_word(xw, r: tl.constexpr, s4):
+    # x word r after xw (a group's first word in the table) with sign pattern s4 applied
+    return tl.inline_asm_elementwise("ld.shared.b32 $0, [$1];", "=r,r", [xw + 64 * r + 4 * s4],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+# --- the grid types: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S (and IQ1_S, IQ1_M: gemv_t_iq1.py) --
 @triton.jit
 def _grid_dot(w0, w1, xp, xq_ptr, xi, isum, s, W: tl.constexpr, XV: tl.constexpr,
               Q8X: tl.constexpr, ASM: tl.constexpr):
@@ -119,14 +165,30 @@ def iq2xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
 
 
 @triton.jit
-def _iq3s_group(q0, q1, qh, sg, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
+def _iq3s_group(q0, q1, qh, sg, sc, tab, d, xq_ptr, xd_ptr, xi, xp, xw, BLOCK_N: tl.constexpr,
                 XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # a group of 32 values: 8 grid rows of 4 (index bytes of q0, q1, their 9th bits in the
-    # byte qh, 4 sign bits each in sg), the group's scale nibble sc
+    # byte qh, 4 sign bits each in sg), the group's scale nibble sc; xw: with ASM == 3 the
+    # group's first word in the signed x table (_xs_fill)
     isum = q0 * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = d * (1 + 2 * sc).to(tl.float32)
-    if Q8X:  # two rows' sign masks from a byte of sg, as IQ2_XXS's: dp4a(g ^ m) less dp4a(m)
+    if Q8X and ASM == 3:  # each row's grid word against x's word with the row's signs
+        e0 = ((qh & 15) * 0x00204081) & 0x01010101
+        e1 = (((qh >> 4) & 15) * 0x00204081) & 0x01010101
+        for r in tl.static_range(8):
+            if r < 4:
+                q = q0
+                e = e0
+            else:
+                q = q1
+                e = e1
+            k = r % 4
+            g = grid_row(tab, _prmt(q, e, k | ((4 + k) << 4) | ((12 + k) << 8) | ((12 + k) << 12),
+                                    ASM), False, ASM)
+            isum = _dp4a(g, _xs_word(xw, r, (sg >> (4 * r)) & 15), isum, ASM, True)
+        out = db * tl.load(xd_ptr) * isum.to(tl.float32)
+    elif Q8X:  # two rows' sign masks from a byte of sg, as IQ2_XXS's: dp4a(g ^ m) less dp4a(m)
         # the rows' 9th index bits as bytes 0 / 1 (rows 0-3, 4-7), so that a byte permute
         # makes each row's index: its byte of q, its byte of these, then two zero bytes (the
         # sign of a 0 / 1 byte repeated)
@@ -174,6 +236,10 @@ def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
     tab = grid_tab(tab_ptr, False, ASM)
     dp = wh_ptr + NB * 54 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if Q8X and ASM == 3:
+        xs = _xs_base()
+    else:
+        xs = 0
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
@@ -186,6 +252,10 @@ def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
         s3 = tl.load(base + (21 + 4 * n) * N, mask=rmask, other=0)
         sc = tl.load(base + 26 * N, mask=rmask, other=0)
         d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
+        xb = xs + 4096 * (b % 2)  # the block's half of the signed x table (ASM == 3)
+        if Q8X and ASM == 3:
+            if n == 0:  # after the step's loads are issued, so that they wait together
+                _xs_fill(xb, xq_ptr + b * 64, BLOCK_N)
         t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ qh ^ s0 ^ s1 ^ s2 ^ s3 ^ sc
         a0 = a0 + (t & (N >> 31))  # the step's loads issued together
         for j in tl.static_range(4):  # group 4 n + j
@@ -195,7 +265,7 @@ def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
             g = 4 * n + j
             acc += _iq3s_group(u, v, (qh >> (8 * j)) & 255, sg, (sc >> (4 * g)) & 15, tab, d,
                                xq_ptr, xd_ptr + b * 8 + g, b * 64 + 8 * g,
-                               x_ptr + b * 256 + 32 * g, BLOCK_N, XV, Q8X, ASM)
+                               x_ptr + b * 256 + 32 * g, xb + 512 * g, BLOCK_N, XV, Q8X, ASM)
     return acc
 
 
