@@ -45,9 +45,9 @@ from carve_kernels.gemv_t_low import _prmt, _x64
 # magnitude, so each negates exactly.
 @triton.jit
 def _xs_base():
-    # the 8 KiB shared table's address (not pure: see gemv_iq._smem_base)
+    # the 8 KiB shared table's address, 64-byte aligned (not pure: see gemv_iq._smem_base)
     return tl.inline_asm_elementwise(
-        "{ .shared .align 16 .b8 carve_xs[8192]; mov.u32 $0, carve_xs; }", "=r", [],
+        "{ .shared .align 64 .b8 carve_xs[8192]; mov.u32 $0, carve_xs; }", "=r", [],
         dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -74,9 +74,15 @@ def _xs_fill(xb, xq_ptr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _xs_word(xw, r: tl.constexpr, s4):
-    # x word r after xw (a group's first word in the table) with sign pattern s4 applied
-    return tl.inline_asm_elementwise("ld.shared.b32 $0, [$1];", "=r,r", [xw + 64 * r + 4 * s4],
+def _xs_word(xw, r: tl.constexpr, sg):
+    # x word r after xw (a group's first word in the table, 64-byte aligned) with the sign
+    # pattern of bits 4r..4r + 3 of sg applied: the pattern times 4 or'ed into the address
+    # (a shift and one 3-input logic op), 64 r folded into the load's offset
+    if r == 0:
+        f = (sg << 2) & 0x3C
+    else:
+        f = (sg >> (4 * r - 2)) & 0x3C
+    return tl.inline_asm_elementwise("ld.shared.b32 $0, [$1];", "=r,r", [(xw | f) + 64 * r],
                                      dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -186,7 +192,7 @@ def _iq3s_group(q0, q1, qh, sg, sc, tab, d, xq_ptr, xd_ptr, xi, xp, xw, BLOCK_N:
             k = r % 4
             g = grid_row(tab, _prmt(q, e, k | ((4 + k) << 4) | ((12 + k) << 8) | ((12 + k) << 12),
                                     ASM), False, ASM)
-            isum = _dp4a(g, _xs_word(xw, r, (sg >> (4 * r)) & 15), isum, ASM, True)
+            isum = _dp4a(g, _xs_word(xw, r, sg), isum, ASM, True)
         out = db * tl.load(xd_ptr) * isum.to(tl.float32)
     elif Q8X:  # two rows' sign masks from a byte of sg, as IQ2_XXS's: dp4a(g ^ m) less dp4a(m)
         # the rows' 9th index bits as bytes 0 / 1 (rows 0-3, 4-7), so that a byte permute
