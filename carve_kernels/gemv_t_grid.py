@@ -74,16 +74,34 @@ def _xs_fill(xb, xq_ptr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _xs_at(xw, w: tl.constexpr, f):
+    # x word w after xw (a group's first word in the table, 64-byte aligned) with the sign
+    # pattern f / 4 applied (f: the pattern times 4, or'ed into the address; 64 w folded into
+    # the load's offset)
+    return tl.inline_asm_elementwise("ld.shared.b32 $0, [$1];", "=r,r", [(xw | f) + 64 * w],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _xs_word(xw, r: tl.constexpr, sg):
-    # x word r after xw (a group's first word in the table, 64-byte aligned) with the sign
-    # pattern of bits 4r..4r + 3 of sg applied: the pattern times 4 or'ed into the address
-    # (a shift and one 3-input logic op), 64 r folded into the load's offset
+    # x word r after xw with the sign pattern of bits 4r..4r + 3 of sg (a shift and one
+    # 3-input logic op)
     if r == 0:
         f = (sg << 2) & 0x3C
     else:
         f = (sg >> (4 * r - 2)) & 0x3C
-    return tl.inline_asm_elementwise("ld.shared.b32 $0, [$1];", "=r,r", [(xw | f) + 64 * r],
-                                     dtype=tl.int32, is_pure=False, pack=1)
+    return _xs_at(xw, r, f)
+
+
+@triton.jit
+def _xs_block(xs, b, n, xq_ptr, BLOCK_N: tl.constexpr, ON: tl.constexpr):
+    # the address of block b's half of the table (ON: the body reads it), filled at the
+    # block's first step (n == 0), after the step's loads are issued so that they wait together
+    xb = xs + 4096 * (b % 2)
+    if ON:
+        if n == 0:
+            _xs_fill(xb, xq_ptr + b * 64, BLOCK_N)
+    return xb
 
 
 # --- the grid types: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S (and IQ1_S, IQ1_M: gemv_t_iq1.py) --
@@ -116,12 +134,22 @@ def _grid_dot(w0, w1, xp, xq_ptr, xi, isum, s, W: tl.constexpr, XV: tl.constexpr
 
 
 @triton.jit
-def _iq2xxs_group(aux0, aux1, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
+def _iq2xxs_group(aux0, aux1, tab, d, xq_ptr, xd_ptr, xi, xp, xw, BLOCK_N: tl.constexpr,
                   XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # a group of 32 values: 4 grid rows of 8 (index bytes of aux0; 7 sign bits each and the
-    # group's 4-bit scale in aux1)
+    # group's 4-bit scale in aux1); xw: with ASM == 3 the group's first word in the signed x
+    # table (_xs_fill)
     isum = aux0 * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if Q8X and ASM == 3:  # x's two words with the row's 8 signs (the 7 and their parity)
+        for r in tl.static_range(4):
+            gr = grid_row(tab, ((aux0 >> (8 * r)) & 255), True, ASM)  # the row's 8 grid bytes
+            s8 = _ksigns((aux1 >> (7 * r)) & 127, ASM)
+            isum = _dp4a(gr.to(tl.int32), _xs_at(xw, 2 * r, (s8 << 2) & 0x3C), isum, ASM, True)
+            isum = _dp4a((gr >> 32).to(tl.int32), _xs_at(xw, 2 * r + 1, (s8 >> 2) & 0x3C), isum,
+                         ASM, True)
+        db = d * (0.5 + ((aux1 >> 28) & 15).to(tl.float32)) * 0.25
+        return db * tl.load(xd_ptr) * isum.to(tl.float32)
     if Q8X:
         # the sign masks m: (g ^ m) is -g - 1 where m is 0xFF, so the group's sum is
         # dp4a(g ^ m, x) less dp4a(m, x) (m's bytes -1 or 0)
@@ -154,11 +182,16 @@ def iq2xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
     tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 32 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if Q8X and ASM == 3:
+        xs = _xs_base()
+    else:
+        xs = 0
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
         a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(wt_ptr + b * 16 * N + 8 * n * N + rows, N, rmask)
         d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
+        xb = _xs_block(xs, b, n, xq_ptr, BLOCK_N, Q8X and ASM == 3)
         t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7
         a0 = a0 + (t & (N >> 31))  # the step's loads issued together
         for j in tl.static_range(4):  # group 4 n + j
@@ -166,7 +199,7 @@ def iq2xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
             v = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, 2 * j + 1)
             g = 4 * n + j
             acc += _iq2xxs_group(u, v, tab, d, xq_ptr, xd_ptr + b * 8 + g, b * 64 + 8 * g,
-                                 x_ptr + b * 256 + 32 * g, BLOCK_N, XV, Q8X, ASM)
+                                 x_ptr + b * 256 + 32 * g, xb + 512 * g, BLOCK_N, XV, Q8X, ASM)
     return acc
 
 
@@ -258,10 +291,7 @@ def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
         s3 = tl.load(base + (21 + 4 * n) * N, mask=rmask, other=0)
         sc = tl.load(base + 26 * N, mask=rmask, other=0)
         d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
-        xb = xs + 4096 * (b % 2)  # the block's half of the signed x table (ASM == 3)
-        if Q8X and ASM == 3:
-            if n == 0:  # after the step's loads are issued, so that they wait together
-                _xs_fill(xb, xq_ptr + b * 64, BLOCK_N)
+        xb = _xs_block(xs, b, n, xq_ptr, BLOCK_N, Q8X and ASM == 3)
         t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ qh ^ s0 ^ s1 ^ s2 ^ s3 ^ sc
         a0 = a0 + (t & (N >> 31))  # the step's loads issued together
         for j in tl.static_range(4):  # group 4 n + j
@@ -276,12 +306,26 @@ def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
 
 
 @triton.jit
-def _iq3xxs_group(q0, q1, aux, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
+def _iq3xxs_group(q0, q1, aux, tab, d, xq_ptr, xd_ptr, xi, xp, xw, BLOCK_N: tl.constexpr,
                   XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # a group of 32 values: 4 pairs of grid rows of 4 (index bytes 2l and 2l + 1 of q0, q1;
-    # the pair's 7 sign bits, as IQ2_XXS's for a row of 8, in aux), the scale aux's top nibble
+    # the pair's 7 sign bits, as IQ2_XXS's for a row of 8, in aux), the scale aux's top nibble;
+    # xw: with ASM == 3 the group's first word in the signed x table (_xs_fill)
     isum = q0 * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if Q8X and ASM == 3:  # x's words with the pair's 8 signs (the 7 and their parity)
+        for r in tl.static_range(4):
+            if r < 2:
+                q = q0
+            else:
+                q = q1
+            s8 = _ksigns((aux >> (7 * r)) & 127, ASM)
+            g0 = grid_row(tab, ((q >> (16 * (r % 2))) & 255), False, ASM)
+            g1 = grid_row(tab, ((q >> (16 * (r % 2) + 8)) & 255), False, ASM)
+            isum = _dp4a(g0, _xs_at(xw, 2 * r, (s8 << 2) & 0x3C), isum, ASM, True)
+            isum = _dp4a(g1, _xs_at(xw, 2 * r + 1, (s8 >> 2) & 0x3C), isum, ASM, True)
+        db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
+        return db * tl.load(xd_ptr) * isum.to(tl.float32)
     if Q8X:  # the sign masks as IQ2_XXS's
         neg = q0 * 0
         for r in tl.static_range(4):
@@ -319,6 +363,10 @@ def iq3xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
     tab = grid_tab(tab_ptr, False, ASM)
     dp = wh_ptr + NB * 48 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if Q8X and ASM == 3:
+        xs = _xs_base()
+    else:
+        xs = 0
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
@@ -329,6 +377,7 @@ def iq3xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
         s2 = tl.load(base + (18 + 4 * n) * N, mask=rmask, other=0)
         s3 = tl.load(base + (19 + 4 * n) * N, mask=rmask, other=0)
         d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
+        xb = _xs_block(xs, b, n, xq_ptr, BLOCK_N, Q8X and ASM == 3)
         t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ s0 ^ s1 ^ s2 ^ s3
         a0 = a0 + (t & (N >> 31))  # the step's loads issued together
         for j in tl.static_range(4):  # group 4 n + j
@@ -337,7 +386,7 @@ def iq3xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
             g = 4 * n + j
             acc += _iq3xxs_group(u, v, _pick4(s0, s1, s2, s3, j), tab, d, xq_ptr,
                                  xd_ptr + b * 8 + g, b * 64 + 8 * g, x_ptr + b * 256 + 32 * g,
-                                 BLOCK_N, XV, Q8X, ASM)
+                                 xb + 512 * g, BLOCK_N, XV, Q8X, ASM)
     return acc
 
 
