@@ -442,7 +442,7 @@ SMEM_TYPES: frozenset[int] = GRID_SMEM
 # the grid types whose int8-x bodies read x with their rows' signs from a shared table
 # (gemv_t_grid._xs_fill) instead of xor'ing sign masks into the grid rows; on trial
 # (CARVE_TRIAL=xsign), t_probe --xsign to compare
-XSIGN_TRIAL = frozenset({qt.IQ2_XXS, qt.IQ3_XXS, qt.IQ3_S})
+XSIGN_TRIAL = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S})
 XSIGN_TYPES: frozenset[int] = frozenset()
 
 

@@ -391,14 +391,23 @@ def iq3xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
 
 
 @triton.jit
-def _iq2_pair(w, sg, tab, acc, db, xq_ptr, xi, xp, R: tl.constexpr, BLOCK_N: tl.constexpr,
+def _iq2_pair(w, sg, tab, acc, db, xq_ptr, xi, xp, xw, R: tl.constexpr, BLOCK_N: tl.constexpr,
               XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # two grid rows of 8 (R, R + 1 of the group) that share a scale db: w[k] their grid
-    # indices, sg[k] their 8 sign bits (Q8X: their sign masks, _byte_masks); added to acc
-    # (Q8X: the integer sum times db, x's scale left to the caller)
+    # indices, sg[k] their 8 sign bits (Q8X: their sign masks, _byte_masks; with ASM == 3
+    # the bits, picking x's signed words from the table at xw); added to acc (Q8X: the
+    # integer sum times db, x's scale left to the caller)
     isum = w[0] * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if Q8X:  # as IQ2_XXS's: dp4a(g ^ m, x) less dp4a(m, x)
+    if Q8X and ASM == 3:
+        for k in tl.static_range(2):
+            gr = grid_row(tab, w[k], True, ASM)
+            isum = _dp4a(gr.to(tl.int32), _xs_at(xw, 2 * (R + k), (sg[k] << 2) & 0x3C), isum,
+                         ASM, True)
+            isum = _dp4a((gr >> 32).to(tl.int32), _xs_at(xw, 2 * (R + k) + 1,
+                                                           (sg[k] >> 2) & 0x3C), isum, ASM, True)
+        acc += db * isum.to(tl.float32)
+    elif Q8X:  # as IQ2_XXS's: dp4a(g ^ m, x) less dp4a(m, x)
         neg = w[0] * 0
         for k in tl.static_range(2):
             gr = grid_row(tab, w[k], True, ASM)
@@ -420,7 +429,7 @@ def _iq2_pair(w, sg, tab, acc, db, xq_ptr, xi, xp, R: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
-def _iq2xs_group(q0, q1, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
+def _iq2xs_group(q0, q1, sc, tab, d, xq_ptr, xd_ptr, xi, xp, xw, BLOCK_N: tl.constexpr,
                  XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # a group of 32 values: 4 rows of 8, row r the 16-bit half r % 2 of q0 (rows 0-1) or q1
     # (9-bit index, 7 sign bits); the scale nibbles of sc, low for rows 0-1, high for 2-3
@@ -433,12 +442,12 @@ def _iq2xs_group(q0, q1, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constex
         u0 = q & 0xFFFF
         u1 = (q >> 16) & 0xFFFF
         db = d * (0.5 + ((sc >> (4 * h)) & 15).to(tl.float32)) * 0.25
-        if Q8X:
+        if Q8X and ASM != 3:
             sg = (_sign_masks(u0 >> 9, ASM), _sign_masks(u1 >> 9, ASM))
         else:
             sg = (_ksigns(u0 >> 9, ASM), _ksigns(u1 >> 9, ASM))
-        acc = _iq2_pair((u0 & 511, u1 & 511), sg, tab, acc, db, xq_ptr, xi, xp, 2 * h, BLOCK_N,
-                        XV, Q8X, ASM)
+        acc = _iq2_pair((u0 & 511, u1 & 511), sg, tab, acc, db, xq_ptr, xi, xp, xw, 2 * h,
+                        BLOCK_N, XV, Q8X, ASM)
     if Q8X:
         return tl.load(xd_ptr) * acc
     return acc
@@ -453,6 +462,10 @@ def iq2xs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, 
     tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 36 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if Q8X and ASM == 3:
+        xs = _xs_base()
+    else:
+        xs = 0
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
@@ -460,6 +473,7 @@ def iq2xs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, 
         a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(base + 8 * n * N, N, rmask)
         sc = tl.load(base + (16 + n) * N, mask=rmask, other=0)
         d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
+        xb = _xs_block(xs, b, n, xq_ptr, BLOCK_N, Q8X and ASM == 3)
         t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ sc
         a0 = a0 + (t & (N >> 31))  # the step's loads issued together
         for j in tl.static_range(4):  # group 4 n + j
@@ -468,12 +482,12 @@ def iq2xs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, 
             g = 4 * n + j
             acc += _iq2xs_group(u, v, (sc >> (8 * j)) & 255, tab, d, xq_ptr,
                                 xd_ptr + b * 8 + g, b * 64 + 8 * g, x_ptr + b * 256 + 32 * g,
-                                BLOCK_N, XV, Q8X, ASM)
+                                xb + 512 * g, BLOCK_N, XV, Q8X, ASM)
     return acc
 
 
 @triton.jit
-def _iq2s_group(qi, sw, qh, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
+def _iq2s_group(qi, sw, qh, sc, tab, d, xq_ptr, xd_ptr, xi, xp, xw, BLOCK_N: tl.constexpr,
                 XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # a group of 32 values: 4 rows of 8, row r's index byte r of qi with bits 2r, 2r + 1 of
     # qh above it, its signs byte r of sw; the scale nibbles of sc as IQ2_XS's
@@ -483,13 +497,13 @@ def _iq2s_group(qi, sw, qh, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.cons
         db = d * (0.5 + ((sc >> (4 * h)) & 15).to(tl.float32)) * 0.25
         s0 = sw >> (8 * r)
         s1 = sw >> (8 * r + 8)
-        if Q8X:
+        if Q8X and ASM != 3:
             sg = (_byte_masks(s0 & 127, s0, ASM), _byte_masks(s1 & 127, s1, ASM))
         else:
             sg = (s0 & 255, s1 & 255)
         acc = _iq2_pair((((qi >> (8 * r)) & 255) | (((qh >> (2 * r)) & 3) << 8),
                          ((qi >> (8 * r + 8)) & 255) | (((qh >> (2 * r + 2)) & 3) << 8)),
-                        sg, tab, acc, db, xq_ptr, xi, xp, r, BLOCK_N, XV, Q8X, ASM)
+                        sg, tab, acc, db, xq_ptr, xi, xp, xw, r, BLOCK_N, XV, Q8X, ASM)
     if Q8X:
         return tl.load(xd_ptr) * acc
     return acc
@@ -503,6 +517,10 @@ def iq2s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
     tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 40 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if Q8X and ASM == 3:
+        xs = _xs_base()
+    else:
+        xs = 0
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
@@ -518,6 +536,7 @@ def iq2s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
         qh = tl.load(base + (16 + n) * N, mask=rmask, other=0)
         sc = tl.load(base + (18 + n) * N, mask=rmask, other=0)
         d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
+        xb = _xs_block(xs, b, n, xq_ptr, BLOCK_N, Q8X and ASM == 3)
         t = i1 ^ i2 ^ i3 ^ s0 ^ s1 ^ s2 ^ s3 ^ qh ^ sc
         i0 = i0 + (t & (N >> 31))  # the step's loads issued together
         for j in tl.static_range(4):  # group 4 n + j
@@ -525,5 +544,5 @@ def iq2s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
             acc += _iq2s_group(_pick4(i0, i1, i2, i3, j), _pick4(s0, s1, s2, s3, j),
                                (qh >> (8 * j)) & 255, (sc >> (8 * j)) & 255, tab, d, xq_ptr,
                                xd_ptr + b * 8 + g, b * 64 + 8 * g, x_ptr + b * 256 + 32 * g,
-                               BLOCK_N, XV, Q8X, ASM)
+                               xb + 512 * g, BLOCK_N, XV, Q8X, ASM)
     return acc
