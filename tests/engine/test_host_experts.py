@@ -192,7 +192,7 @@ def test_the_staging_span_takes_only_the_chosen_experts_a_run_of_neighbours_at_o
     None copies every expert."""
     from types import SimpleNamespace
 
-    from engine.runtime.gpu.host import Stream, expert_runs
+    from engine.runtime.gpu.host_slots import Stream, expert_runs
 
     assert expert_runs([0, 1, 2, 5, 7, 8]) == [(0, 3), (5, 6), (7, 9)]
     assert expert_runs([]) == [] and expert_runs([3]) == [(3, 4)]
@@ -236,7 +236,7 @@ def test_seeding_the_cache_holds_the_experts_chosen_last_and_copies_only_what_it
     from types import SimpleNamespace
 
     from engine.planning.arena import align_up
-    from engine.runtime.gpu.host import SlotCache
+    from engine.runtime.gpu.host_slots import SlotCache
 
     n_expert, rows, row_bytes = 6, 2, 8
     mats = [SimpleNamespace(raw=torch.arange(n_expert * rows * row_bytes, dtype=torch.uint8)
