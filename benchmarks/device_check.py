@@ -35,7 +35,18 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from carve_kernels import attention, gemv_t, glu, kv_cache, latent, norm, q8x, quant_matmul, rope
+from carve_kernels import (
+    attention,
+    gemv_t,
+    glu,
+    kv_cache,
+    latent,
+    norm,
+    q8x,
+    quant_matmul,
+    rope,
+    t_layout,
+)
 from carve_kernels.random_blocks import random_weight
 from spec import launch
 from spec import quant_types as qt
@@ -273,7 +284,7 @@ def _t_rows(t, ws, shapes, g, copy_bw, row, best_cfg) -> None:
     copies each) on bf16 x and on decode's int8 copy of x, at the launch rule's tiles and a few
     others: each x kind's best, with its error against the reference."""
     name = qt.type_name(t)
-    wts = {s: [gemv_t.repack(w, t) for w in ws[s]] for s in shapes}
+    wts = {s: [t_layout.repack(w, t) for w in ws[s]] for s in shapes}
     floats = max(launch.scratch([s[0]], s[1], c)[0] for s in shapes for c in T_CONFIGS)
     part = torch.empty(floats, device="cuda")
     counter = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
@@ -349,7 +360,7 @@ def _gemv_section(t, args, g, copy_bw, row, best_cfg):
         _int8_row(name, t, ws, shapes, cfgs, g, copy_bw, row, best_cfg)
     if t in quant_matmul.ROW_BODY_TRIAL:
         _trial_rows(name, t, ws, shapes, g, copy_bw, row, best_cfg)
-    if t in gemv_t.WORDS:  # the T layout the runner repacks these into
+    if t in t_layout.WORDS:  # the T layout the runner repacks these into
         _t_rows(t, ws, shapes, g, copy_bw, row, best_cfg)
     # M=4 time with the best config
     s = shapes[0]

@@ -169,11 +169,11 @@ T_SHAPES = [(qt.Q4_K, s) for s in (*SHAPES, (27648, 5120), (5120, 27648), (3584,
 
 def _tlayout(g: torch.Generator, quick: bool) -> None:
     """The T-layout GEMV (carve_kernels/gemv_t.py) against the GGUF-layout one, same data."""
-    from carve_kernels import gemv_t
+    from carve_kernels import gemv_t, t_layout
 
     for t, s in T_SHAPES:
         ws = [random_weight(t, s[0], s[1], "cuda", g) for _ in range(ROTATE)]
-        wts = [gemv_t.repack(w, t) for w in ws]
+        wts = [t_layout.repack(w, t) for w in ws]
         x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
         y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)
         part = torch.empty(PART, device="cuda")
@@ -202,10 +202,10 @@ def _tlayout(g: torch.Generator, quick: bool) -> None:
 
 def _tglu(g: torch.Generator) -> None:
     """The T-layout gate/up + GLU launch at 7B and 32B shapes over T_CONFIGS."""
-    from carve_kernels import gemv_t
+    from carve_kernels import gemv_t, t_layout
 
     for t, s in ((qt.Q4_K, (18944, 3584)), (qt.Q4_K, (27648, 5120))):
-        ws = [[gemv_t.repack(random_weight(t, s[0], s[1], "cuda", g), t) for _ in range(2)]
+        ws = [[t_layout.repack(random_weight(t, s[0], s[1], "cuda", g), t) for _ in range(2)]
               for _ in range(ROTATE)]
         x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
         y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)
@@ -225,14 +225,14 @@ def _tglu(g: torch.Generator) -> None:
 
 def _q8x(g: torch.Generator) -> None:
     """The Q4_K T GEMVs on float x against the same on x's int8 copy (dp4a), same weights."""
-    from carve_kernels import gemv_t, q8x
+    from carve_kernels import gemv_t, q8x, t_layout
 
     for s in ((18944, 3584), (3584, 18944), (27648, 5120), (5120, 27648)):
-        ws = [gemv_t.repack(random_weight(qt.Q4_K, s[0], s[1], "cuda", g), qt.Q4_K)
+        ws = [t_layout.repack(random_weight(qt.Q4_K, s[0], s[1], "cuda", g), qt.Q4_K)
               for _ in range(ROTATE)]
         x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
         xq, xr = q8x.copy_ref(x[0])
-        ref = quant_matmul.gemv_ref(gemv_t.unpack(ws[0], qt.Q4_K, s[0]), qt.Q4_K, xr)
+        ref = quant_matmul.gemv_ref(t_layout.unpack(ws[0], qt.Q4_K, s[0]), qt.Q4_K, xr)
         y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)
         part = torch.empty(PART, device="cuda")
         cnt = torch.zeros(4096, device="cuda", dtype=torch.int32)
@@ -262,14 +262,14 @@ def _qkv(g: torch.Generator) -> None:
     """q, k, v in one launch: the GGUF-order gemv3 against gemv_t3 on float x and on x's int8
     copy (Q4_K q and k, v Q4_K or Q6_K as Q4_K_M gives it); then single small matrices,
     GGUF order against T on int8 x (where T_MIN_BYTES sits once x is int8)."""
-    from carve_kernels import gemv_t, q8x
+    from carve_kernels import gemv_t, q8x, t_layout
 
     for label, e, nq, nkv in QKV_SHAPES:
         for tv in (qt.Q4_K, qt.Q6_K):
             types, rows = (qt.Q4_K, qt.Q4_K, tv), (nq, nkv, nkv)
             ws = [[random_weight(t, r, e, "cuda", g) for t, r in zip(types, rows)]
                   for _ in range(ROTATE)]
-            ts = [[(gemv_t.repack(w, t), t, r) for w, t, r in zip(m, types, rows)] for m in ws]
+            ts = [[(t_layout.repack(w, t), t, r) for w, t, r in zip(m, types, rows)] for m in ws]
             nb = sum(w.numel() for w in ws[0])
             x = torch.randn(1, e, device="cuda", generator=g).to(torch.bfloat16)
             xq, xr = q8x.copy_ref(x[0])
@@ -293,7 +293,7 @@ def _qkv(g: torch.Generator) -> None:
     for t, s in ((qt.Q4_K, (3584, 3584)), (qt.Q4_K, (5120, 5120)), (qt.Q4_K, (512, 3584)),
                  (qt.Q6_K, (896, 4864)), (qt.Q4_K, (896, 4864))):
         ws = [random_weight(t, s[0], s[1], "cuda", g) for _ in range(ROTATE)]
-        ts = [gemv_t.repack(w, t) for w in ws]
+        ts = [t_layout.repack(w, t) for w in ws]
         x = torch.randn(1, s[1], device="cuda", generator=g).to(torch.bfloat16)
         xq, _ = q8x.copy_ref(x[0])
         y = torch.empty(1, s[0], device="cuda", dtype=torch.bfloat16)

@@ -333,10 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no GPU GEMV for type {args.type!r}", file=sys.stderr)
         return 2
     if args.t:
-        from carve_kernels import gemv_t
+        from carve_kernels import t_layout
         from spec import launch
 
-        if t not in gemv_t.WORDS:
+        if t not in t_layout.WORDS:
             print(f"error: no T layout for {args.type}", file=sys.stderr)
             return 2
         rows, warps = (tuple(int(v) for v in args.config.split(",")) if args.config

@@ -26,7 +26,7 @@ import sys
 import torch
 
 from benchmarks.device_check import graph_time
-from carve_kernels import gemv_t, q8x, quant_matmul
+from carve_kernels import gemv_t, q8x, quant_matmul, t_layout
 from carve_kernels.random_blocks import random_weight
 from spec import launch
 from spec import quant_types as qt
@@ -41,7 +41,7 @@ def probe(t: int, rows: int, cols: int, int8: bool, copies: int = 4,
     that many programs (each row tile's blocks split fewer ways) instead of the config's."""
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = [random_weight(t, rows, cols, "cuda", g) for _ in range(copies)]
-    wts = [gemv_t.repack(w, t) for w in ws]
+    wts = [t_layout.repack(w, t) for w in ws]
     cfg = launch.t_config(t)
     if programs:
         cfg = (cfg[0], cfg[1], programs)
@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.xsign:
         gemv_t.XSIGN_TYPES = gemv_t.XSIGN_TRIAL
     for t in types:
-        if t not in gemv_t.WORDS:
-            print(f"t_probe: {qt.type_name(t)} has no T layout (gemv_t.WORDS)", file=sys.stderr)
+        if t not in t_layout.WORDS:
+            print(f"t_probe: {qt.type_name(t)} has no T layout (t_layout.WORDS)", file=sys.stderr)
             return 2
         us, err = probe(t, args.rows, args.cols, not args.bf16, programs=args.programs)
         x = ("bf16" if args.bf16 else "int8") + (" no smem" if args.no_smem else "")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr
 
-from carve_kernels import gemv_t, glu, q8x, quant_matmul, rope
+from carve_kernels import gemv_t, glu, q8x, quant_matmul, rope, t_layout
 from carve_kernels.random_blocks import random_weight
 from spec import launch
 from spec import quant_types as qt
@@ -28,25 +28,25 @@ TYPES = [qt.Q4_K, qt.Q5_K, qt.Q6_K, qt.Q2_K, qt.Q3_K, qt.IQ4_XS, qt.IQ1_S, qt.IQ
 def test_repack_is_a_permutation_of_the_bytes(ggml_type, seed):
     g = generator(seed)
     rows, nb = _rand(g, 1, 40), _rand(g, 1, 5)
-    bb, wd = gemv_t.BLOCK_BYTES[ggml_type], gemv_t.WORDS[ggml_type]
+    bb, wd = t_layout.BLOCK_BYTES[ggml_type], t_layout.WORDS[ggml_type]
     w = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
-    t = gemv_t.repack(w, ggml_type)
+    t = t_layout.repack(w, ggml_type)
     assert t.numel() == w.numel()  # same bytes: the price does not change
-    assert torch.equal(gemv_t.unpack(t, ggml_type, rows), w)
+    assert torch.equal(t_layout.unpack(t, ggml_type, rows), w)
     # word u of block b of row n sits at T[b, u, n]; the tail in its own plane after them
     b, n = _rand(g, 0, nb), _rand(g, 0, rows)
     words = t[: nb * wd * rows * 4].view(nb, wd, rows, 4)
     blk = w[n, b * bb:(b + 1) * bb]
-    body, rest = gemv_t._cut(ggml_type)  # the tail at the block's end, or (HEAD) its start
+    body, rest = t_layout._cut(ggml_type)  # the tail at the block's end, or (HEAD) its start
     assert torch.equal(words[b, :, n].reshape(-1), blk[body])
-    if gemv_t.TAIL[ggml_type]:
+    if t_layout.TAIL[ggml_type]:
         tail = t[nb * wd * rows * 4:].view(nb, rows, -1)
         assert torch.equal(tail[b, n], blk[rest])
     # slab by slab, as the loader fills it
     out = torch.zeros_like(t)
     cut = _rand(g, 0, rows + 1)
-    gemv_t.repack(w[:cut], ggml_type, out=out, rows=slice(0, cut))
-    gemv_t.repack(w[cut:], ggml_type, out=out, rows=slice(cut, rows))
+    t_layout.repack(w[:cut], ggml_type, out=out, rows=slice(0, cut))
+    t_layout.repack(w[cut:], ggml_type, out=out, rows=slice(cut, rows))
     assert torch.equal(out, t)
 
 
@@ -60,7 +60,7 @@ def test_gemv_t_matches_reference(ggml_type, split, xdtype, seed):
     rows = _rand(g, 1, 70)
     nb = _rand(g, 1, 4)
     w = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
-    wt = gemv_t.repack(w, ggml_type)
+    wt = t_layout.repack(w, ggml_type)
     x = torch.randn(m, 256 * nb, generator=g, device=DEVICE).to(xdtype)
     bias = torch.randn(rows, generator=g, device=DEVICE) if _rand(g, 0, 2) else None
     block_n = 32
@@ -90,8 +90,8 @@ def test_q8_0_in_t_layout_at_any_block_count(split, xkind, seed):
     rows, nb = _rand(g, 1, 70), 2 * _rand(g, 0, 12) + 1
     cols = 32 * nb
     w = random_weight(qt.Q8_0, rows, cols, DEVICE, g)
-    wt = gemv_t.repack(w, qt.Q8_0)
-    assert torch.equal(gemv_t.unpack(wt, qt.Q8_0, rows), w)
+    wt = t_layout.repack(w, qt.Q8_0)
+    assert torch.equal(t_layout.unpack(wt, qt.Q8_0, rows), w)
     x = torch.randn(1, cols, generator=g, device=DEVICE)
     xq, xref = None, x
     if xkind == "int8":
@@ -118,7 +118,7 @@ def test_t_tune_splits_fewer_ways_in_the_priced_scratch(monkeypatch, seed):
     g = generator(seed)
     rows, nb = _rand(g, 1, 100), _rand(g, 2, 5)
     w = random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g)
-    wt = gemv_t.repack(w, qt.Q4_K)
+    wt = t_layout.repack(w, qt.Q4_K)
     x = torch.randn(1, 256 * nb, generator=g, device=DEVICE)
     most, _ = launch.split(1, nb, launch.T_CONFIG[2])
     assert most == nb  # the default splits every block of this one row tile
@@ -172,7 +172,7 @@ def test_gemv_t_glu_matches_reference(ggml_type, act, split, paired, seed):
     part = torch.full((m * 2 * nb * rows,), float("nan"), device=DEVICE)
     counter = torch.zeros(m, tiles, dtype=torch.int32, device=DEVICE)
     out = torch.full((m, rows), float("nan"), device=DEVICE)
-    gemv_t.gemv_t_glu(gemv_t.repack(gate, ggml_type), gemv_t.repack(up, ggml_type), ggml_type,
+    gemv_t.gemv_t_glu(t_layout.repack(gate, ggml_type), t_layout.repack(up, ggml_type), ggml_type,
                       rows, x, out, part, counter, act,
                       config=(32, 1, tiles * (nb if split else 1)), paired=paired)
     g_ref = quant_matmul.gemv_ref(gate, ggml_type, x.float())
@@ -208,7 +208,7 @@ def test_gemv_t3_matches_three_reference_gemvs(split, int8_x, qk_same, seed):
     part = torch.full((m * nb * sum(rows),), float("nan"), device=DEVICE)
     counter = torch.zeros(m, tiles, dtype=torch.int32, device=DEVICE)
     out = torch.full((m, sum(rows)), float("nan"), device=DEVICE)
-    gemv_t.gemv_t3([(gemv_t.repack(w, t), t, r) for w, t, r in zip(ws, types, rows)], x, out,
+    gemv_t.gemv_t3([(t_layout.repack(w, t), t, r) for w, t, r in zip(ws, types, rows)], x, out,
                    part, counter, biases, config=(32, 1, tiles * (nb if split else 1)), xq=xq)
     bs = biases or [None] * 3
     ref = torch.cat([quant_matmul.gemv_ref(w, t, xr, bias=b) for w, t, b in zip(ws, types, bs)],
@@ -234,7 +234,7 @@ def test_gemv_t3_rotates_and_stores_as_rope_store(kv_type, neox, qk_norm, split,
     nq, kvh, cells, nb = 3, _rand(g, 1, 3), 8, _rand(g, 1, 3)
     m = _rand(g, 1, 3)
     rows = [nq * d, kvh * d, kvh * d]
-    mats = [(gemv_t.repack(random_weight(qt.Q4_K, r, 256 * nb, DEVICE, g), qt.Q4_K), qt.Q4_K, r)
+    mats = [(t_layout.repack(random_weight(qt.Q4_K, r, 256 * nb, DEVICE, g), qt.Q4_K), qt.Q4_K, r)
             for r in rows]
     x = torch.randn(m, 256 * nb, generator=g, device=DEVICE).to(torch.bfloat16)
     biases = [torch.randn(r, generator=g, device=DEVICE) for r in rows]
@@ -287,7 +287,7 @@ def test_split_sums_repeat_bit_for_bit(seed):
     # GPU a shape with many programs in flight; under the interpreter a small one
     g = generator(seed)
     rows, nb = (4096, 14) if DEVICE == "cuda" else (96, 3)
-    w = gemv_t.repack(random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g), qt.Q4_K)
+    w = t_layout.repack(random_weight(qt.Q4_K, rows, 256 * nb, DEVICE, g), qt.Q4_K)
     x = torch.randn(1, 256 * nb, generator=g, device=DEVICE).to(torch.bfloat16)
     config = None if DEVICE == "cuda" else (32, 1, 3 * nb)
     floats, counters = launch.scratch([rows], 256 * nb, config or launch.T_CONFIG)
@@ -300,7 +300,7 @@ def test_split_sums_repeat_bit_for_bit(seed):
         gemv_t.gemv_t(w, qt.Q4_K, rows, x, y, part, counter, config=config)
         outs.append(y)
     assert all(torch.equal(o, outs[0]) for o in outs)
-    gguf_w = gemv_t.unpack(w, qt.Q4_K, rows)
+    gguf_w = t_layout.unpack(w, qt.Q4_K, rows)
     ref = quant_matmul.gemv_ref(gguf_w, qt.Q4_K, x.float())
     assert nerr(outs[0], ref, gemv_scale(gguf_w, qt.Q4_K, x)) < 1e-5
 
@@ -310,11 +310,11 @@ def test_unpack_rows_gives_the_gguf_rows_back(ggml_type, seed):
     g = generator(seed)
     rows, nb = _rand(g, 2, 40), _rand(g, 1, 4)
     w = random_weight(ggml_type, rows, 256 * nb, DEVICE, g)
-    t = gemv_t.repack(w, ggml_type)
+    t = t_layout.repack(w, ggml_type)
     r0 = _rand(g, 0, rows - 1)
     r1 = _rand(g, r0 + 1, rows + 1)
     out = torch.zeros(w.numel() + 7, dtype=torch.uint8, device=DEVICE)
-    assert torch.equal(gemv_t.unpack_rows(t, ggml_type, rows, r0, r1, out), w[r0:r1])
+    assert torch.equal(t_layout.unpack_rows(t, ggml_type, rows, r0, r1, out), w[r0:r1])
 
 
 @pytest.mark.parametrize("shape", ["qwen2-7b", "qwen2-32b", "llama3-8b", "llama-70b",
@@ -353,7 +353,7 @@ def test_priced_split_buffers_hold_every_decode_launch(shape):
 def test_bad_buffers_and_types_are_refused(seed):
     g = generator(seed)
     w = random_weight(qt.Q4_K, 64, 512, DEVICE, g)
-    t = gemv_t.repack(w, qt.Q4_K)
+    t = t_layout.repack(w, qt.Q4_K)
     x = torch.randn(1, 512, device=DEVICE)
     out = torch.empty(1, 64, device=DEVICE)
     small = torch.zeros(3, device=DEVICE)
@@ -364,7 +364,7 @@ def test_bad_buffers_and_types_are_refused(seed):
         gemv_t.gemv_t(t, qt.Q4_0, 64, x, out, small, cnt)
     with pytest.raises(ValueError, match="whole blocks"):
         gemv_t.gemv_t(t[:-4], qt.Q4_K, 64, x, out, small, cnt)
-    t2 = gemv_t.repack(random_weight(qt.Q4_K, 64, 256, DEVICE, g), qt.Q4_K)
+    t2 = t_layout.repack(random_weight(qt.Q4_K, 64, 256, DEVICE, g), qt.Q4_K)
     with pytest.raises(ValueError, match="same number of columns"):
         gemv_t.gemv_t3([(t, qt.Q4_K, 64), (t2, qt.Q4_K, 64), (t, qt.Q4_K, 64)], x,
                        torch.empty(1, 192, device=DEVICE), small, cnt)
@@ -409,7 +409,7 @@ def test_the_grid_from_shared_memory_gives_the_same_sums(ggml_type, int8_x, monk
     g = generator(seed)
     rows, nb = 256 + _rand(g, 1, 300), _rand(g, 1, 5)
     ws = [random_weight(ggml_type, rows, 256 * nb, DEVICE, g) for _ in range(3)]
-    wts = [gemv_t.repack(w, ggml_type) for w in ws]
+    wts = [t_layout.repack(w, ggml_type) for w in ws]
     x = torch.randn(1, 256 * nb, generator=g, device=DEVICE).to(torch.bfloat16)
     xq = q8x.copy_ref(x[0])[0] if int8_x else None
     part = torch.full((2 * nb * 3 * rows,), float("nan"), device=DEVICE)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr, q8_bufs
 
-from carve_kernels import gemv_q8, gemv_t, glu, moe_decode, norm, q8x, quant_matmul
+from carve_kernels import gemv_q8, gemv_t, glu, moe_decode, norm, q8x, quant_matmul, t_layout
 from carve_kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
@@ -61,7 +61,7 @@ def test_gemv_t_on_int8_x_matches_reference(ggml_type, split, seed):
     part = torch.full((nb * rows,), float("nan"), device=DEVICE)
     counter = torch.zeros(tiles, dtype=torch.int32, device=DEVICE)
     out = torch.full((1, rows), float("nan"), device=DEVICE)
-    gemv_t.gemv_t(gemv_t.repack(w, ggml_type), ggml_type, rows, x, out, part, counter,
+    gemv_t.gemv_t(t_layout.repack(w, ggml_type), ggml_type, rows, x, out, part, counter,
                   config=(32, 1, tiles * (nb if split else 1)), xq=xq)
     ref = quant_matmul.gemv_ref(w, ggml_type, xd)
     assert nerr(out, ref, gemv_scale(w, ggml_type, xd)) < 1e-5
@@ -85,7 +85,7 @@ def test_glu_on_int8_x_writes_the_int8_copy_of_its_output(ggml_type, paired, spl
     counter = torch.zeros(tiles, dtype=torch.int32, device=DEVICE)
     out = torch.full((1, rows), float("nan"), device=DEVICE)
     oq = q8_bufs(rows)
-    gemv_t.gemv_t_glu(gemv_t.repack(gate, ggml_type), gemv_t.repack(up, ggml_type), ggml_type,
+    gemv_t.gemv_t_glu(t_layout.repack(gate, ggml_type), t_layout.repack(up, ggml_type), ggml_type,
                       rows, x, out, part, counter, "silu",
                       config=(32, 1, tiles * (nb if split else 1)), paired=paired, xq=xq,
                       out_q=oq)
@@ -115,7 +115,7 @@ def test_an_int8_copy_too_small_for_the_row_is_refused_before_any_launch():
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     out = torch.full((1, 32), float("nan"), device=DEVICE)
     with pytest.raises(ValueError, match="too small"):
-        gemv_t.gemv_t(gemv_t.repack(w, qt.Q2_K), qt.Q2_K, 32, x, out, part, counter,
+        gemv_t.gemv_t(t_layout.repack(w, qt.Q2_K), qt.Q2_K, 32, x, out, part, counter,
                       config=(32, 1, 1), xq=(q[:64], d, s))
     assert torch.isnan(out).all()  # nothing ran
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import triton
 
-from carve_kernels import gemv_t, moe_decode, q8x, quant_matmul, rope
+from carve_kernels import gemv_t, moe_decode, q8x, quant_matmul, rope, t_layout
 from engine.runtime.gpu.layers import Attention, Experts, Ffn, Latent, Layer, Matrix
 from engine.runtime.options import RunnerOptions
 from spec import quant_types as qt
@@ -95,7 +95,7 @@ class LayerBuilder:
             p = name.rsplit("attn_", 1)[0]
             if not all(p + s in self.spans for s in QKV):
                 return False  # deepseek2's attn_q beside its latent matrices: GGUF order
-            sizes = {gemv_t.BLOCK_VALUES.get(self.model.tensor(p + s).ggml_type, 256)
+            sizes = {t_layout.BLOCK_VALUES.get(self.model.tensor(p + s).ggml_type, 256)
                      for s in QKV if p + s in self.spans}
             return all(self._t_able(p + s) for s in QKV) and len(sizes) == 1
         if getattr(self.hp, "fused_gate_up", False) and name.endswith("ffn_up.weight"):
@@ -123,7 +123,7 @@ class LayerBuilder:
     def _t_able(self, name: str) -> bool:
         # a T type with a dequant-cache copy (the part of the rule that is not size or role)
         t = self.model.tensor(name).ggml_type
-        return "dq." + name in self.spans and t in gemv_t.WORDS
+        return "dq." + name in self.spans and t in t_layout.WORDS
 
     def _int8_x(self, name: str, slot: int) -> tuple | None:
         """The int8 copy decode gives matrix ``name`` (slot 0: a normed row, 1: the GLU

@@ -29,6 +29,7 @@ from carve_kernels import (
     q8x,
     quant_matmul,
     scale_scan,
+    t_layout,
 )
 from carve_kernels.dequant import dequantize
 from engine.gguf.hparams import rope_per_pair
@@ -227,7 +228,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
                 if not dry:
                     g = dst.view(torch.uint8).reshape(-1)[: w.numel()].view(w.shape)
                     g.copy_(w)
-                    gemv_t.repack(g, t, out=self.spans[name[3:]])
+                    t_layout.repack(g, t, out=self.spans[name[3:]])
                 self._dequant_t(name[3:], t, rows, dst)
             else:
                 quant_matmul.dequantize(w, t, dst.dtype, out=dst.view(rows, -1), use_pdl=self.pdl)
@@ -270,7 +271,7 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
         out = dst.view(rows, -1)
         for r0 in range(0, rows, slab):
             r1 = min(rows, r0 + slab)
-            g = gemv_t.unpack_rows(wt, t, rows, r0, r1, scratch)
+            g = t_layout.unpack_rows(wt, t, rows, r0, r1, scratch)
             quant_matmul.dequantize(g, t, dst.dtype, out=out[r0:r1], use_pdl=self.pdl)
 
     # --- one pass ------------------------------------------------------------------------
