@@ -52,6 +52,16 @@ def _xs_base():
 
 
 @triton.jit
+def _xs_table(ON: tl.constexpr):
+    # the table's address where the body reads it (ON), else 0 (never read)
+    if ON:
+        xs = _xs_base()
+    else:
+        xs = 0
+    return xs
+
+
+@triton.jit
 def _xs_fill(xb, xq_ptr, BLOCK_N: tl.constexpr):
     # words 16 w + s (w < 64, s < 16) at shared address xb from int8 x words w at xq_ptr, then
     # a barrier: the block's x with every sign pattern of 4 values (a byte permute between
@@ -182,10 +192,7 @@ def iq2xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
     tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 32 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if Q8X and ASM == 3:
-        xs = _xs_base()
-    else:
-        xs = 0
+    xs = _xs_table(Q8X and ASM == 3)
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
@@ -275,10 +282,7 @@ def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
     tab = grid_tab(tab_ptr, False, ASM)
     dp = wh_ptr + NB * 54 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if Q8X and ASM == 3:
-        xs = _xs_base()
-    else:
-        xs = 0
+    xs = _xs_table(Q8X and ASM == 3)
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
@@ -363,10 +367,7 @@ def iq3xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
     tab = grid_tab(tab_ptr, False, ASM)
     dp = wh_ptr + NB * 48 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if Q8X and ASM == 3:
-        xs = _xs_base()
-    else:
-        xs = 0
+    xs = _xs_table(Q8X and ASM == 3)
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
@@ -462,10 +463,7 @@ def iq2xs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, 
     tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 36 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if Q8X and ASM == 3:
-        xs = _xs_base()
-    else:
-        xs = 0
+    xs = _xs_table(Q8X and ASM == 3)
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
@@ -517,10 +515,7 @@ def iq2s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
     tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 40 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if Q8X and ASM == 3:
-        xs = _xs_base()
-    else:
-        xs = 0
+    xs = _xs_table(Q8X and ASM == 3)
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
