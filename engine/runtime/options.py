@@ -34,8 +34,9 @@ TRIALS = {
     "attn_q8_k": "the K types' attn_output (Q2_K to Q6_K) multiplies the attention's int8 copy "
                  "in the T layout, as the IQ types' does (engine/runtime/gpu/matrices.py "
                  "ATTN_Q8_TRIAL)",
-    "xsign": "IQ3_S's T GEMVs on int8 x read x with each grid row's signs from a shared table "
-             "instead of xor'ing sign masks into the rows (carve_kernels/gemv_t.py XSIGN_TRIAL)",
+    "xsign": "the T GEMVs of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S on int8 x read x with "
+             "each grid row's signs from a shared table instead of xor'ing sign masks into the "
+             "rows (carve_kernels/gemv_t.py XSIGN_TRIAL)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
