@@ -111,7 +111,7 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
     "down" (the in-kernel sum of the k rows), tile ``config`` (rows, blocks, warps);
     ``traced``: with the stamps of carve_kernels/trace.py compiled in; ``late``: the gate/up
     releasing the next kernel after its tiles (as decode's does before the down); ``split``:
-    Q4_K's gate/up along each row's blocks in that many programs (trial glu_split)."""
+    Q4_K's gate/up along each row's blocks in that many programs (decode's: GLU_SPLIT)."""
 
     from carve_kernels import moe_decode as md
 
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="--t: x read with the grid rows' signs from a shared table (trial xsign)")
     ap.add_argument("--split", type=int, default=1,
                     help="--expert glu: Q4_K's gate/up along each row's blocks in this many "
-                         "programs (trial glu_split)")
+                         "programs (decode's default: 2)")
     ap.add_argument("--json", action="store_true", help="one JSON line instead")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -267,9 +267,9 @@ def _glu_q8_split(pid, slot, gi_ptr, ui_ptr, gb_ptr, ub_ptr, xq_ptr, xd_ptr, xs_
 
 # decode's Q4_K expert gate/up split along each row's blocks into this many programs (1: not
 # split): more, shorter programs where the k experts' row tiles alone leave SMs short of
-# warps (Qwen3-30B-A3B: 8 x 24 tiles of 32 rows on 132 SMs). On trial (CARVE_TRIAL=glu_split
-# sets 2), in the scratch of the T GEMVs' splits where it holds the partial sums
-GLU_SPLIT = 1
+# warps (Qwen3-30B-A3B: 8 x 24 tiles of 32 rows on 132 SMs; 2: 429.7 against 425.4 t/s on an
+# H100, NOTES.md), in the scratch of the T GEMVs' splits where it holds the partial sums
+GLU_SPLIT = 2
 
 
 def expert_glu_q8(gate: torch.Tensor, gate_type: int, up: torch.Tensor, up_type: int,

@@ -310,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         if options.t_tiles:  # T launches' tuning (CARVE_T_TILES): likewise
             out["t_tiles"] = {part: list(cfg) for part, cfg in options.t_tiles}
             print("# T tiles: " + "; ".join(f"{part} {w} warps, {n} programs"
-                                            for part, (w, n) in options.t_tiles), flush=True)
+                                            + (f", {r} rows" if r else "")
+                                            for part, (w, n, r) in options.t_tiles), flush=True)
         from engine.hardware.rigs import parse_rig
 
         n_gpus = len(parse_rig(args.gpus)) if args.gpus else 1

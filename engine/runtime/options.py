@@ -29,8 +29,6 @@ TRIALS = {
     "attn_release_end": "decode's attention, where it writes the int8 copy of its output, lets "
                         "attn_output's programs in only as its own exit, not after its partials "
                         "(carve_kernels/attention.py RELEASE_AT_END)",
-    "glu_split": "decode's Q4_K expert gate/up split along each row's blocks into two programs "
-                 "(carve_kernels/moe_decode.py GLU_SPLIT), in the T GEMVs' priced scratch",
     "attn_q8_k": "the K types' attn_output (Q2_K to Q6_K) multiplies the attention's int8 copy "
                  "in the T layout, as the IQ types' does (engine/runtime/gpu/matrices.py "
                  "ATTN_Q8_TRIAL)",
@@ -136,10 +134,6 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
-        if "glu_split" in self.trials:
-            from carve_kernels import moe_decode
-
-            moe_decode.GLU_SPLIT = 2
         if "xsign" in self.trials:
             from carve_kernels import gemv_t
 

@@ -308,9 +308,9 @@ def test_glm_shaped_experts_decode_on_int8_x_as_the_cpu_engine(mix, trial, types
 
 
 def test_split_expert_gate_up_decodes_as_the_cpu_engine(tmp_path, monkeypatch) -> None:
-    """Trial glu_split: decode's Q4_K expert gate/up along each row's blocks in two programs,
+    """Decode's Q4_K expert gate/up along each row's blocks in two programs (the default),
     their partial sums in the T GEMVs' priced scratch (this shape's ffn_down split holds
-    them), still matches the CPU engine; every launch split."""
+    them), matches the CPU engine; every launch split."""
     from carve_kernels import moe_decode
 
     shape = Shape("qwen3moe", 2, 512, 8, 2, 1024, 320, head_dim=64, n_ctx=512, n_expert=4,
@@ -324,12 +324,8 @@ def test_split_expert_gate_up_decodes_as_the_cpu_engine(tmp_path, monkeypatch) -
         return splits[-1]
 
     monkeypatch.setattr(moe_decode, "_glu_split", spy)
-    monkeypatch.setattr(moe_decode, "GLU_SPLIT", moe_decode.GLU_SPLIT)  # restored after
-    options = RunnerOptions(trials=frozenset({"glu_split"}))
-    options.apply()
     assert moe_decode.GLU_SPLIT == 2
-    against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), 5e-3, str(out),
-                       options=options)
+    against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), 5e-3, str(out))
     assert splits and set(splits) == {2}
 
 

@@ -65,7 +65,7 @@ def test_each_variable_sets_its_option(env, want) -> None:
      "CARVE_PREFILL_GRAPH=yes: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_TRIAL": "q2k_rows,down_norm"},
      "CARVE_TRIAL=q2k_rows,down_norm: use all or a comma-separated list of q2k_rows, "
-     "q8_0_rows, iq4nl_rows, legacy_experts, iq4nl_experts, attn_release_end, glu_split, "
+     "q8_0_rows, iq4nl_rows, legacy_experts, iq4nl_experts, attn_release_end, "
      "attn_q8_k, xsign"),
     ({"CARVE_EXPERT_TILES": "Q4_K/glu=16,4,8"},
      "CARVE_EXPERT_TILES entry 'Q4_K/glu=16,4,8': use TYPE/PART=ROWS,BLOCKS,WARPS with TYPE "

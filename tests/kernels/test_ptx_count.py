@@ -97,7 +97,7 @@ def test_expert_int8_bodies_assemble_to_dp4a_machine_code(ggml_type, part, ops):
 
 
 def test_the_split_expert_gate_up_assembles_with_its_counter():
-    # trial glu_split: Q4_K's expert gate/up along each row's blocks in two programs compiles
+    # decode's Q4_K expert gate/up along each row's blocks in two programs compiles
     # for sm_90 with the same dp4a loop and one atomic on its tile's counter (the last split
     # adds the partial sums)
     code = ("import json\nfrom benchmarks import ptx_count as p\n"
