@@ -74,13 +74,12 @@ def compile_gemv(ggml_type: int, config: tuple[int, int, int], x: str = "bf16",
 
 
 def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bool = False,
-              smem: bool | None = None, xsign: bool = False):
+              smem: bool | None = None):
     """The compiled T-layout GEMV of ``ggml_type`` (carve_kernels/gemv_t.py), ``rows`` rows a
     program, split, on x of kind ``x`` (bf16, f32, or int8: decode's int8 copy); ``traced``:
     with the stamps of carve_kernels/trace.py compiled in; ``smem``: a grid type's grid read
     from shared memory (the bodies' ASM = 2), or from L1 (False); None: as the type runs
-    (``gemv_t.SMEM_TYPES``); ``xsign``: with it, x's signed words from the shared table
-    (ASM = 3, ``gemv_t.XSIGN_TRIAL``)."""
+    (``gemv_t.SMEM_TYPES``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -95,7 +94,7 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bo
            "cnt_ptr": "*i32", "N": "i32", "NB": "i32", "BPS": "i32", "stride_xm": "i32",
            "stride_ym": "i32", "trace_ptr": "*i64"}
     const = {"BLOCK_N": rows, "SPLIT": 4, "XV": x == "bf16", "HAS_BIAS": False,
-             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": (3 if xsign else 2) if smem else True, "PDL": False,
+             "TYPE": ggml_type, "Q8X": x == "int8", "ASM": 2 if smem else True, "PDL": False,
              "TRACE": traced}
     sig.update({k: "constexpr" for k in const})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(11)}  # the pointers
@@ -147,13 +146,11 @@ def _expert_views(t: int) -> tuple[str, str, str]:
     return "*u8", "*u8" if t == qt.MXFP4 else "*fp16", "*i32" if t == qt.Q4_K else "*u8"
 
 
-def compile_attention(q8: bool = False, pdl: bool = True, out_q8: bool = False,
-                      at_end: bool = False):
+def compile_attention(q8: bool = False, pdl: bool = True, out_q8: bool = False):
     """The compiled decode attention (carve_kernels/attention.py ``_decode_partial_kernel``),
     head_dim 128 in GQA groups of 4, the last split merging, launched with PDL (``pdl``) on an
     f16 or q8_0 (``q8``) cache; ``out_q8``: writing the int8 copy of its output (attn_output's
-    x), and so releasing the next launch after its partials, as attn_decode launches it (or,
-    ``at_end``, only as its programs exit: trial attn_release_end)."""
+    x), and so releasing the next launch after its partials, as attn_decode launches it."""
     from carve_kernels import attention
 
     fn = attention._decode_partial_kernel
@@ -164,7 +161,7 @@ def compile_attention(q8: bool = False, pdl: bool = True, out_q8: bool = False,
              "os_ptr": "*fp32"}
     const = {"G": 4, "GP": 16, "D": 128, "SPLIT": 64, "BLOCK_N": 64, "Q8": q8, "FUSED": True,
              "NSP": 64, "MERGE": 4, "SINK": False, "OUT_Q8": out_q8, "PDL": pdl,
-             "TRACE": False, "LATE": (1 + at_end) if out_q8 else 0}
+             "TRACE": False, "LATE": 1 if out_q8 else 0}
     sig = {n: types.get(n, "i32") for n in fn.arg_names if n not in const}
     return _compile_sm90(fn, sig, const, 4)
 
@@ -297,8 +294,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smem", action=argparse.BooleanOptionalAction, default=None,
                     help="--t: a grid type's grid from shared memory (--no-smem: from L1); "
                          "default: as the type runs")
-    ap.add_argument("--xsign", action="store_true",
-                    help="--t: x read with the grid rows' signs from a shared table (trial xsign)")
     ap.add_argument("--split", type=int, default=1,
                     help="--expert glu: Q4_K's gate/up along each row's blocks in this many "
                          "programs (decode's default: 2)")
@@ -342,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         rows, warps = (tuple(int(v) for v in args.config.split(",")) if args.config
                        else launch.t_config(t)[:2])
         cfg = (rows, warps)
-        kernel = compile_t(t, rows, warps, args.x, smem=args.smem, xsign=args.xsign)
+        kernel = compile_t(t, rows, warps, args.x, smem=args.smem)
         per = rows // (32 * warps) * 128  # half a block of each of its rows a step
     else:
         cfg = (tuple(int(v) for v in args.config.split(",")) if args.config

@@ -4,10 +4,7 @@ program for a hardware profiler to read (the GPU machine's ``ncu``), where
 ``benchmarks.device_check --types`` times the same kernels among many others.
 
     python -m benchmarks.t_probe IQ2_XXS,Q2_K [--rows 18944 --cols 3584] [--bf16]
-        [--programs N] [--no-smem] [--xsign]
-
-``--xsign``: gemv_t.XSIGN_TRIAL's types read x with their grid rows' signs from a shared table
-(gemv_t_grid._xs_fill) instead of xor'ing sign masks into the rows.
+        [--programs N] [--no-smem]
 
 ``--no-smem``: the grid types gather their grid rows from L1 instead of reading the copy each
 program makes in shared memory (``gemv_t.SMEM_TYPES``, the default).
@@ -71,9 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16", action="store_true", help="bf16 x instead of the int8 copy")
     ap.add_argument("--no-smem", action="store_true",
                     help="the grid types' grid rows gathered from L1, not from a shared copy")
-    ap.add_argument("--xsign", action="store_true",
-                    help="the types of gemv_t.XSIGN_TRIAL read x with their signs from a shared "
-                         "table (CARVE_TRIAL=xsign)")
     ap.add_argument("--programs", type=int, default=0,
                     help="about this many programs instead of the config's (fewer splits)")
     args = ap.parse_args(argv)
@@ -87,15 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.no_smem:
         gemv_t.SMEM_TYPES = frozenset()
-    if args.xsign:
-        gemv_t.XSIGN_TYPES = gemv_t.XSIGN_TRIAL
     for t in types:
         if t not in t_layout.WORDS:
             print(f"t_probe: {qt.type_name(t)} has no T layout (t_layout.WORDS)", file=sys.stderr)
             return 2
         us, err = probe(t, args.rows, args.cols, not args.bf16, programs=args.programs)
         x = ("bf16" if args.bf16 else "int8") + (" no smem" if args.no_smem else "")
-        x += " xsign" if args.xsign and t in gemv_t.XSIGN_TYPES else ""
         x += f" ~{args.programs} programs" if args.programs else ""
         print(f"{qt.type_name(t)} T {x} x {args.rows}x{args.cols}: {us:.1f} us a call, error"
               f" {err:.2e}", flush=True)

@@ -21,11 +21,6 @@ from carve_kernels import pdl, q8x, trace
 from carve_kernels.kv_cache import kv_load_ref
 from spec.launch import ATTN_SPLITS
 
-# with the int8 copy of its output, the decode kernel lets attn_output's programs in after its
-# partials (LATE 1); on trial (CARVE_TRIAL=attn_release_end), only as its programs exit (LATE
-# 2), so that none of them shares an SM with a waiting attn_output program
-RELEASE_AT_END = False
-
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": masked scores use -inf, running maxima start here
 
 
@@ -241,7 +236,7 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         **trace.args("attention_decode", (n_kv_heads, ns), out), G=g, GP=gp, D=d,
         SPLIT=split, BLOCK_N=64, Q8=q8, FUSED=fused, NSP=triton.next_power_of_2(ns),
         MERGE=max(1, 8192 // (gp * d)), SINK=sinks is not None, OUT_Q8=out_q is not None,
-        LATE=(1 + RELEASE_AT_END) if out_q is not None and pdl.enabled(out, use_pdl) else 0,
+        LATE=1 if out_q is not None and pdl.enabled(out, use_pdl) else 0,
         num_warps=4,
         **pdl.opts(out, use_pdl))
     if not fused:

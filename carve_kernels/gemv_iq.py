@@ -356,7 +356,7 @@ def iq_rows_dot(w_ptr, wh_ptr, g_ptr, xrow, xd_ptr, rows_c, nblk, row_bytes,
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
-# A T body's grid in shared memory (ASM >= 2, gemv_t.SMEM_TYPES): its rows read by `ld.shared`
+# A T body's grid in shared memory (ASM == 2, gemv_t.SMEM_TYPES): its rows read by `ld.shared`
 # in the loop instead of gathered from L1. Triton gives a kernel no shared array of its own to
 # index, so the array is a static `.shared` variable declared by the inline asm that returns
 # its address (not pure: a rematerialized copy would declare a second, empty array), filled
@@ -408,9 +408,9 @@ def grid_fill(tab_ptr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def grid_tab(tab_ptr, W64: tl.constexpr, ASM: tl.constexpr):
-    """What a T body's `grid_row` reads: with ASM >= 2 tab_ptr is already the shared copy
+    """What a T body's `grid_row` reads: with ASM == 2 tab_ptr is already the shared copy
     (`grid_fill`'s address), else the grid in global memory as int64 (W64) or int32 rows."""
-    if ASM >= 2:
+    if ASM == 2:
         tab = tab_ptr
     elif W64:
         tab = tab_ptr.to(tl.pointer_type(tl.int64))
@@ -422,7 +422,7 @@ def grid_tab(tab_ptr, W64: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def grid_row(tab, i, W64: tl.constexpr, ASM: tl.constexpr):
     """Grid row i (int64 rows if W64, else int32) of what `grid_tab` gave."""
-    if ASM >= 2:
+    if ASM == 2:
         if W64:
             r = tl.inline_asm_elementwise("ld.shared.b64 $0, [$1];", "=l,r", [tab + 8 * i],
                                           dtype=tl.int64, is_pure=False, pack=1)

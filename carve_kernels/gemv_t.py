@@ -64,17 +64,17 @@ from spec.launch import T_CONFIG
 
 @triton.jit
 def t_tab(tab_ptr, TYPE: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
-    # the table t_body reads: with ASM >= 2 a grid type's grid copied to shared memory
+    # the table t_body reads: with ASM == 2 a grid type's grid copied to shared memory
     # (gemv_iq.grid_fill: once a program, a barrier), else tab_ptr itself
-    if ASM >= 2 and (TYPE == 16 or TYPE == 21):  # IQ2_XXS, IQ3_S
+    if ASM == 2 and (TYPE == 16 or TYPE == 21):  # IQ2_XXS, IQ3_S
         tab = grid_fill(tab_ptr, 2048, BLOCK_N)
-    elif ASM >= 2 and TYPE == 18:  # IQ3_XXS
+    elif ASM == 2 and TYPE == 18:  # IQ3_XXS
         tab = grid_fill(tab_ptr, 1024, BLOCK_N)
-    elif ASM >= 2 and TYPE == 17:  # IQ2_XS
+    elif ASM == 2 and TYPE == 17:  # IQ2_XS
         tab = grid_fill(tab_ptr, 4096, BLOCK_N)
-    elif ASM >= 2 and TYPE == 22:  # IQ2_S
+    elif ASM == 2 and TYPE == 22:  # IQ2_S
         tab = grid_fill(tab_ptr, 8192, BLOCK_N)
-    elif ASM >= 2 and (TYPE == 19 or TYPE == 29):  # IQ1_S, IQ1_M
+    elif ASM == 2 and (TYPE == 19 or TYPE == 29):  # IQ1_S, IQ1_M
         tab = grid_fill(tab_ptr, 16384, BLOCK_N)
     else:
         tab = tab_ptr
@@ -88,7 +88,7 @@ def t_body(wt_ptr, wh_ptr, tab_ptr, xrow, xq_ptr, xd_ptr, xs_ptr, rows, rmask, N
     # a program's sums over blocks [b_lo, b_hi) of its rows, by type (carve_kernels/gemv_t_dot.py,
     # gemv_t_low.py, gemv_t_grid.py, gemv_t_iq1.py); rows masked, not clamped: a clamp hides their contiguity and the
     # loads go 4 bytes wide. tab_ptr: the type's value table (lowbit_blocks.lookup_table), or
-    # with ASM >= 2 what t_tab made of it
+    # with ASM == 2 what t_tab made of it
     if TYPE == 10:
         acc = q2k_t_dot(wt_ptr, xrow, xq_ptr, xd_ptr, rows, rmask, N, b_lo, b_hi, BLOCK_N, XV,
                         Q8X, ASM)
@@ -368,24 +368,16 @@ def _t_grid(rows: list[int], nb: int, x: torch.Tensor, config: tuple[int, int, i
 GRID_SMEM = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
                        qt.IQ1_M})
 SMEM_TYPES: frozenset[int] = GRID_SMEM
-# the grid types whose int8-x bodies read x with their rows' signs from a shared table
-# (gemv_t_grid._xs_fill) instead of xor'ing sign masks into the grid rows; on trial
-# (CARVE_TRIAL=xsign), t_probe --xsign to compare
-XSIGN_TRIAL = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S})
-XSIGN_TYPES: frozenset[int] = frozenset()
 
 
 def _asm(cuda: bool, *types: int) -> bool | int:
     # the bodies' ASM: False under the interpreter, True on a GPU, 2 (inline asm and the grid
-    # in shared memory) where a launch runs a type of SMEM_TYPES, 3 (that and the signed x
-    # table) where it runs one of XSIGN_TYPES too. One constexpr a launch: a q/k/v launch with
-    # one such type gives any other grid type in it the shared grid too (the same sums either
-    # way); the table is filled only by the bodies that read it
+    # in shared memory) where a launch runs a type of SMEM_TYPES. One constexpr a launch: a
+    # q/k/v launch with one such type gives any other grid type in it the shared grid too
+    # (the same sums either way)
     if not cuda:
         return False
-    if not any(t in SMEM_TYPES for t in types):
-        return True
-    return 3 if any(t in XSIGN_TYPES for t in types) else 2
+    return 2 if any(t in SMEM_TYPES for t in types) else True
 
 
 # decode's launches by part (qkv, one, attn: attn_output, else one's; glu): (warps, programs,

@@ -34,87 +34,7 @@ from carve_kernels.gemv_t_dot import _dp4a, _ld8, _pick4, _pick8, _sc8, _x4
 from carve_kernels.gemv_t_low import _prmt, _x64
 
 
-# decode's int8 x with the grid rows' signs on it (ASM == 3, gemv_t.XSIGN_TYPES): instead of a
-# sign mask made for each grid row and xor'ed into it (and the masks' own dp4a taken back out),
-# each x word is stored 16 times in shared memory, word 16 w + s being x word w with byte k
-# negated where bit k of s is set, and a row of 4 values reads the word its 4 sign bits pick:
-# one shared load where the masks cost ~6 instructions. A program fills a block's 64 words
-# (4 KiB) when it starts the block, into the half of an 8 KiB table that the block before did
-# not use, then a barrier: a thread past block b + 1's barrier had every thread finish block b,
-# so the fill of block b + 2 overwrites nothing still read. q8x's bytes are at most 127 in
-# magnitude, so each negates exactly.
-@triton.jit
-def _xs_base():
-    # the 8 KiB shared table's address, 64-byte aligned (not pure: see gemv_iq._smem_base)
-    return tl.inline_asm_elementwise(
-        "{ .shared .align 64 .b8 carve_xs[8192]; mov.u32 $0, carve_xs; }", "=r", [],
-        dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _xs_table(ON: tl.constexpr):
-    # the table's address where the body reads it (ON), else 0 (never read)
-    if ON:
-        xs = _xs_base()
-    else:
-        xs = 0
-    return xs
-
-
-@triton.jit
-def _xs_fill(xb, xq_ptr, BLOCK_N: tl.constexpr):
-    # words 16 w + s (w < 64, s < 16) at shared address xb from int8 x words w at xq_ptr, then
-    # a barrier: the block's x with every sign pattern of 4 values (a byte permute between
-    # the word and its negation, selector nibble k = k or 4 + k)
-    offs = tl.arange(0, BLOCK_N)
-    for i in tl.static_range(1024 // BLOCK_N):
-        e = i * BLOCK_N + offs
-        s = e % 16
-        w = tl.load(xq_ptr + e // 16)
-        wn = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, u, h; mov.b32 h, 0x80808080; and.b32 t, $1, 0x7F7F7F7F; "
-            "sub.u32 t, h, t; not.b32 u, $1; and.b32 u, u, h; xor.b32 $0, t, u; }",
-            "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)  # 0 - w bytewise, no borrows
-        sel = 0x3210 | ((s & 1) << 2) | ((s & 2) << 5) | ((s & 4) << 8) | ((s & 8) << 11)
-        tl.inline_asm_elementwise("st.shared.b32 [$1], $2; mov.u32 $0, 0;", "=r,r,r",
-                                  [xb + 4 * e, _prmt(w, wn, sel, True)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _xs_at(xw, w: tl.constexpr, f):
-    # x word w after xw (a group's first word in the table, 64-byte aligned) with the sign
-    # pattern f / 4 applied (f: the pattern times 4, or'ed into the address; 64 w folded into
-    # the load's offset)
-    return tl.inline_asm_elementwise("ld.shared.b32 $0, [$1];", "=r,r", [(xw | f) + 64 * w],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _xs_word(xw, r: tl.constexpr, sg):
-    # x word r after xw with the sign pattern of bits 4r..4r + 3 of sg (a shift and one
-    # 3-input logic op)
-    if r == 0:
-        f = (sg << 2) & 0x3C
-    else:
-        f = (sg >> (4 * r - 2)) & 0x3C
-    return _xs_at(xw, r, f)
-
-
-@triton.jit
-def _xs_block(xs, b, n, xq_ptr, BLOCK_N: tl.constexpr, ON: tl.constexpr):
-    # the address of block b's half of the table (ON: the body reads it), filled at the
-    # block's first step (n == 0), after the step's loads are issued so that they wait together
-    xb = xs + 4096 * (b % 2)
-    if ON:
-        if n == 0:
-            _xs_fill(xb, xq_ptr + b * 64, BLOCK_N)
-    return xb
-
-
-# --- the grid types: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S (and IQ1_S, IQ1_M: gemv_t_iq1.py) --
+# --- the grid types: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S -------------------
 @triton.jit
 def _grid_dot(w0, w1, xp, xq_ptr, xi, isum, s, W: tl.constexpr, XV: tl.constexpr,
               Q8X: tl.constexpr, ASM: tl.constexpr):
@@ -144,22 +64,12 @@ def _grid_dot(w0, w1, xp, xq_ptr, xi, isum, s, W: tl.constexpr, XV: tl.constexpr
 
 
 @triton.jit
-def _iq2xxs_group(aux0, aux1, tab, d, xq_ptr, xd_ptr, xi, xp, xw, BLOCK_N: tl.constexpr,
+def _iq2xxs_group(aux0, aux1, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
                   XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # a group of 32 values: 4 grid rows of 8 (index bytes of aux0; 7 sign bits each and the
-    # group's 4-bit scale in aux1); xw: with ASM == 3 the group's first word in the signed x
-    # table (_xs_fill)
+    # group's 4-bit scale in aux1)
     isum = aux0 * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if Q8X and ASM == 3:  # x's two words with the row's 8 signs (the 7 and their parity)
-        for r in tl.static_range(4):
-            gr = grid_row(tab, ((aux0 >> (8 * r)) & 255), True, ASM)  # the row's 8 grid bytes
-            s8 = _ksigns((aux1 >> (7 * r)) & 127, ASM)
-            isum = _dp4a(gr.to(tl.int32), _xs_at(xw, 2 * r, (s8 << 2) & 0x3C), isum, ASM, True)
-            isum = _dp4a((gr >> 32).to(tl.int32), _xs_at(xw, 2 * r + 1, (s8 >> 2) & 0x3C), isum,
-                         ASM, True)
-        db = d * (0.5 + ((aux1 >> 28) & 15).to(tl.float32)) * 0.25
-        return db * tl.load(xd_ptr) * isum.to(tl.float32)
     if Q8X:
         # the sign masks m: (g ^ m) is -g - 1 where m is 0xFF, so the group's sum is
         # dp4a(g ^ m, x) less dp4a(m, x) (m's bytes -1 or 0)
@@ -192,13 +102,11 @@ def iq2xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
     tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 32 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    xs = _xs_table(Q8X and ASM == 3)
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
         a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(wt_ptr + b * 16 * N + 8 * n * N + rows, N, rmask)
         d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
-        xb = _xs_block(xs, b, n, xq_ptr, BLOCK_N, Q8X and ASM == 3)
         t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7
         a0 = a0 + (t & (N >> 31))  # the step's loads issued together
         for j in tl.static_range(4):  # group 4 n + j
@@ -206,35 +114,19 @@ def iq2xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
             v = _pick8(a0, a1, a2, a3, a4, a5, a6, a7, 2 * j + 1)
             g = 4 * n + j
             acc += _iq2xxs_group(u, v, tab, d, xq_ptr, xd_ptr + b * 8 + g, b * 64 + 8 * g,
-                                 x_ptr + b * 256 + 32 * g, xb + 512 * g, BLOCK_N, XV, Q8X, ASM)
+                                 x_ptr + b * 256 + 32 * g, BLOCK_N, XV, Q8X, ASM)
     return acc
 
 
 @triton.jit
-def _iq3s_group(q0, q1, qh, sg, sc, tab, d, xq_ptr, xd_ptr, xi, xp, xw, BLOCK_N: tl.constexpr,
+def _iq3s_group(q0, q1, qh, sg, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
                 XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # a group of 32 values: 8 grid rows of 4 (index bytes of q0, q1, their 9th bits in the
-    # byte qh, 4 sign bits each in sg), the group's scale nibble sc; xw: with ASM == 3 the
-    # group's first word in the signed x table (_xs_fill)
+    # byte qh, 4 sign bits each in sg), the group's scale nibble sc
     isum = q0 * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = d * (1 + 2 * sc).to(tl.float32)
-    if Q8X and ASM == 3:  # each row's grid word against x's word with the row's signs
-        e0 = ((qh & 15) * 0x00204081) & 0x01010101
-        e1 = (((qh >> 4) & 15) * 0x00204081) & 0x01010101
-        for r in tl.static_range(8):
-            if r < 4:
-                q = q0
-                e = e0
-            else:
-                q = q1
-                e = e1
-            k = r % 4
-            g = grid_row(tab, _prmt(q, e, k | ((4 + k) << 4) | ((12 + k) << 8) | ((12 + k) << 12),
-                                    ASM), False, ASM)
-            isum = _dp4a(g, _xs_word(xw, r, sg), isum, ASM, True)
-        out = db * tl.load(xd_ptr) * isum.to(tl.float32)
-    elif Q8X:  # two rows' sign masks from a byte of sg, as IQ2_XXS's: dp4a(g ^ m) less dp4a(m)
+    if Q8X:  # two rows' sign masks from a byte of sg, as IQ2_XXS's: dp4a(g ^ m) less dp4a(m)
         # the rows' 9th index bits as bytes 0 / 1 (rows 0-3, 4-7), so that a byte permute
         # makes each row's index: its byte of q, its byte of these, then two zero bytes (the
         # sign of a 0 / 1 byte repeated)
@@ -282,7 +174,6 @@ def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
     tab = grid_tab(tab_ptr, False, ASM)
     dp = wh_ptr + NB * 54 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    xs = _xs_table(Q8X and ASM == 3)
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
@@ -295,7 +186,6 @@ def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
         s3 = tl.load(base + (21 + 4 * n) * N, mask=rmask, other=0)
         sc = tl.load(base + 26 * N, mask=rmask, other=0)
         d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
-        xb = _xs_block(xs, b, n, xq_ptr, BLOCK_N, Q8X and ASM == 3)
         t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ qh ^ s0 ^ s1 ^ s2 ^ s3 ^ sc
         a0 = a0 + (t & (N >> 31))  # the step's loads issued together
         for j in tl.static_range(4):  # group 4 n + j
@@ -305,31 +195,17 @@ def iq3s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
             g = 4 * n + j
             acc += _iq3s_group(u, v, (qh >> (8 * j)) & 255, sg, (sc >> (4 * g)) & 15, tab, d,
                                xq_ptr, xd_ptr + b * 8 + g, b * 64 + 8 * g,
-                               x_ptr + b * 256 + 32 * g, xb + 512 * g, BLOCK_N, XV, Q8X, ASM)
+                               x_ptr + b * 256 + 32 * g, BLOCK_N, XV, Q8X, ASM)
     return acc
 
 
 @triton.jit
-def _iq3xxs_group(q0, q1, aux, tab, d, xq_ptr, xd_ptr, xi, xp, xw, BLOCK_N: tl.constexpr,
+def _iq3xxs_group(q0, q1, aux, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
                   XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # a group of 32 values: 4 pairs of grid rows of 4 (index bytes 2l and 2l + 1 of q0, q1;
-    # the pair's 7 sign bits, as IQ2_XXS's for a row of 8, in aux), the scale aux's top nibble;
-    # xw: with ASM == 3 the group's first word in the signed x table (_xs_fill)
+    # the pair's 7 sign bits, as IQ2_XXS's for a row of 8, in aux), the scale aux's top nibble
     isum = q0 * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if Q8X and ASM == 3:  # x's words with the pair's 8 signs (the 7 and their parity)
-        for r in tl.static_range(4):
-            if r < 2:
-                q = q0
-            else:
-                q = q1
-            s8 = _ksigns((aux >> (7 * r)) & 127, ASM)
-            g0 = grid_row(tab, ((q >> (16 * (r % 2))) & 255), False, ASM)
-            g1 = grid_row(tab, ((q >> (16 * (r % 2) + 8)) & 255), False, ASM)
-            isum = _dp4a(g0, _xs_at(xw, 2 * r, (s8 << 2) & 0x3C), isum, ASM, True)
-            isum = _dp4a(g1, _xs_at(xw, 2 * r + 1, (s8 >> 2) & 0x3C), isum, ASM, True)
-        db = d * (0.5 + ((aux >> 28) & 15).to(tl.float32)) * 0.5
-        return db * tl.load(xd_ptr) * isum.to(tl.float32)
     if Q8X:  # the sign masks as IQ2_XXS's
         neg = q0 * 0
         for r in tl.static_range(4):
@@ -367,7 +243,6 @@ def iq3xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
     tab = grid_tab(tab_ptr, False, ASM)
     dp = wh_ptr + NB * 48 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    xs = _xs_table(Q8X and ASM == 3)
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
@@ -378,7 +253,6 @@ def iq3xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
         s2 = tl.load(base + (18 + 4 * n) * N, mask=rmask, other=0)
         s3 = tl.load(base + (19 + 4 * n) * N, mask=rmask, other=0)
         d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
-        xb = _xs_block(xs, b, n, xq_ptr, BLOCK_N, Q8X and ASM == 3)
         t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ s0 ^ s1 ^ s2 ^ s3
         a0 = a0 + (t & (N >> 31))  # the step's loads issued together
         for j in tl.static_range(4):  # group 4 n + j
@@ -387,28 +261,19 @@ def iq3xxs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N,
             g = 4 * n + j
             acc += _iq3xxs_group(u, v, _pick4(s0, s1, s2, s3, j), tab, d, xq_ptr,
                                  xd_ptr + b * 8 + g, b * 64 + 8 * g, x_ptr + b * 256 + 32 * g,
-                                 xb + 512 * g, BLOCK_N, XV, Q8X, ASM)
+                                 BLOCK_N, XV, Q8X, ASM)
     return acc
 
 
 @triton.jit
-def _iq2_pair(w, sg, tab, acc, db, xq_ptr, xi, xp, xw, R: tl.constexpr, BLOCK_N: tl.constexpr,
+def _iq2_pair(w, sg, tab, acc, db, xq_ptr, xi, xp, R: tl.constexpr, BLOCK_N: tl.constexpr,
               XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # two grid rows of 8 (R, R + 1 of the group) that share a scale db: w[k] their grid
-    # indices, sg[k] their 8 sign bits (Q8X: their sign masks, _byte_masks; with ASM == 3
-    # the bits, picking x's signed words from the table at xw); added to acc (Q8X: the
-    # integer sum times db, x's scale left to the caller)
+    # indices, sg[k] their 8 sign bits (Q8X: their sign masks, _byte_masks); added to acc
+    # (Q8X: the integer sum times db, x's scale left to the caller)
     isum = w[0] * 0
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if Q8X and ASM == 3:
-        for k in tl.static_range(2):
-            gr = grid_row(tab, w[k], True, ASM)
-            isum = _dp4a(gr.to(tl.int32), _xs_at(xw, 2 * (R + k), (sg[k] << 2) & 0x3C), isum,
-                         ASM, True)
-            isum = _dp4a((gr >> 32).to(tl.int32), _xs_at(xw, 2 * (R + k) + 1,
-                                                           (sg[k] >> 2) & 0x3C), isum, ASM, True)
-        acc += db * isum.to(tl.float32)
-    elif Q8X:  # as IQ2_XXS's: dp4a(g ^ m, x) less dp4a(m, x)
+    if Q8X:  # as IQ2_XXS's: dp4a(g ^ m, x) less dp4a(m, x)
         neg = w[0] * 0
         for k in tl.static_range(2):
             gr = grid_row(tab, w[k], True, ASM)
@@ -430,7 +295,7 @@ def _iq2_pair(w, sg, tab, acc, db, xq_ptr, xi, xp, xw, R: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _iq2xs_group(q0, q1, sc, tab, d, xq_ptr, xd_ptr, xi, xp, xw, BLOCK_N: tl.constexpr,
+def _iq2xs_group(q0, q1, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
                  XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # a group of 32 values: 4 rows of 8, row r the 16-bit half r % 2 of q0 (rows 0-1) or q1
     # (9-bit index, 7 sign bits); the scale nibbles of sc, low for rows 0-1, high for 2-3
@@ -443,12 +308,12 @@ def _iq2xs_group(q0, q1, sc, tab, d, xq_ptr, xd_ptr, xi, xp, xw, BLOCK_N: tl.con
         u0 = q & 0xFFFF
         u1 = (q >> 16) & 0xFFFF
         db = d * (0.5 + ((sc >> (4 * h)) & 15).to(tl.float32)) * 0.25
-        if Q8X and ASM != 3:
+        if Q8X:
             sg = (_sign_masks(u0 >> 9, ASM), _sign_masks(u1 >> 9, ASM))
         else:
             sg = (_ksigns(u0 >> 9, ASM), _ksigns(u1 >> 9, ASM))
-        acc = _iq2_pair((u0 & 511, u1 & 511), sg, tab, acc, db, xq_ptr, xi, xp, xw, 2 * h,
-                        BLOCK_N, XV, Q8X, ASM)
+        acc = _iq2_pair((u0 & 511, u1 & 511), sg, tab, acc, db, xq_ptr, xi, xp, 2 * h, BLOCK_N,
+                        XV, Q8X, ASM)
     if Q8X:
         return tl.load(xd_ptr) * acc
     return acc
@@ -463,7 +328,6 @@ def iq2xs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, 
     tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 36 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    xs = _xs_table(Q8X and ASM == 3)
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
@@ -471,7 +335,6 @@ def iq2xs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, 
         a0, a1, a2, a3, a4, a5, a6, a7 = _ld8(base + 8 * n * N, N, rmask)
         sc = tl.load(base + (16 + n) * N, mask=rmask, other=0)
         d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
-        xb = _xs_block(xs, b, n, xq_ptr, BLOCK_N, Q8X and ASM == 3)
         t = a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7 ^ sc
         a0 = a0 + (t & (N >> 31))  # the step's loads issued together
         for j in tl.static_range(4):  # group 4 n + j
@@ -480,12 +343,12 @@ def iq2xs_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, 
             g = 4 * n + j
             acc += _iq2xs_group(u, v, (sc >> (8 * j)) & 255, tab, d, xq_ptr,
                                 xd_ptr + b * 8 + g, b * 64 + 8 * g, x_ptr + b * 256 + 32 * g,
-                                xb + 512 * g, BLOCK_N, XV, Q8X, ASM)
+                                BLOCK_N, XV, Q8X, ASM)
     return acc
 
 
 @triton.jit
-def _iq2s_group(qi, sw, qh, sc, tab, d, xq_ptr, xd_ptr, xi, xp, xw, BLOCK_N: tl.constexpr,
+def _iq2s_group(qi, sw, qh, sc, tab, d, xq_ptr, xd_ptr, xi, xp, BLOCK_N: tl.constexpr,
                 XV: tl.constexpr, Q8X: tl.constexpr, ASM: tl.constexpr):
     # a group of 32 values: 4 rows of 8, row r's index byte r of qi with bits 2r, 2r + 1 of
     # qh above it, its signs byte r of sw; the scale nibbles of sc as IQ2_XS's
@@ -495,13 +358,13 @@ def _iq2s_group(qi, sw, qh, sc, tab, d, xq_ptr, xd_ptr, xi, xp, xw, BLOCK_N: tl.
         db = d * (0.5 + ((sc >> (4 * h)) & 15).to(tl.float32)) * 0.25
         s0 = sw >> (8 * r)
         s1 = sw >> (8 * r + 8)
-        if Q8X and ASM != 3:
+        if Q8X:
             sg = (_byte_masks(s0 & 127, s0, ASM), _byte_masks(s1 & 127, s1, ASM))
         else:
             sg = (s0 & 255, s1 & 255)
         acc = _iq2_pair((((qi >> (8 * r)) & 255) | (((qh >> (2 * r)) & 3) << 8),
                          ((qi >> (8 * r + 8)) & 255) | (((qh >> (2 * r + 2)) & 3) << 8)),
-                        sg, tab, acc, db, xq_ptr, xi, xp, xw, r, BLOCK_N, XV, Q8X, ASM)
+                        sg, tab, acc, db, xq_ptr, xi, xp, r, BLOCK_N, XV, Q8X, ASM)
     if Q8X:
         return tl.load(xd_ptr) * acc
     return acc
@@ -515,7 +378,6 @@ def iq2s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
     tab = grid_tab(tab_ptr, True, ASM)
     dp = wh_ptr + NB * 40 * N + rows
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    xs = _xs_table(Q8X and ASM == 3)
     for hb in range(2 * b_lo, 2 * b_hi):
         b = hb // 2
         n = hb % 2
@@ -531,7 +393,6 @@ def iq2s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
         qh = tl.load(base + (16 + n) * N, mask=rmask, other=0)
         sc = tl.load(base + (18 + n) * N, mask=rmask, other=0)
         d = tl.load(dp + b * N, mask=rmask, other=0.0).to(tl.float32)
-        xb = _xs_block(xs, b, n, xq_ptr, BLOCK_N, Q8X and ASM == 3)
         t = i1 ^ i2 ^ i3 ^ s0 ^ s1 ^ s2 ^ s3 ^ qh ^ sc
         i0 = i0 + (t & (N >> 31))  # the step's loads issued together
         for j in tl.static_range(4):  # group 4 n + j
@@ -539,5 +400,5 @@ def iq2s_t_dot(wt_ptr, wh_ptr, tab_ptr, x_ptr, xq_ptr, xd_ptr, rows, rmask, N, N
             acc += _iq2s_group(_pick4(i0, i1, i2, i3, j), _pick4(s0, s1, s2, s3, j),
                                (qh >> (8 * j)) & 255, (sc >> (8 * j)) & 255, tab, d, xq_ptr,
                                xd_ptr + b * 8 + g, b * 64 + 8 * g, x_ptr + b * 256 + 32 * g,
-                               xb + 512 * g, BLOCK_N, XV, Q8X, ASM)
+                               BLOCK_N, XV, Q8X, ASM)
     return acc

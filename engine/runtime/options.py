@@ -26,15 +26,6 @@ TRIALS = {
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
-    "attn_release_end": "decode's attention, where it writes the int8 copy of its output, lets "
-                        "attn_output's programs in only as its own exit, not after its partials "
-                        "(carve_kernels/attention.py RELEASE_AT_END)",
-    "attn_q8_k": "the K types' attn_output (Q2_K to Q6_K) multiplies the attention's int8 copy "
-                 "in the T layout, as the IQ types' does (engine/runtime/gpu/matrices.py "
-                 "ATTN_Q8_TRIAL)",
-    "xsign": "the T GEMVs of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S on int8 x read x with "
-             "each grid row's signs from a shared table instead of xor'ing sign masks into the "
-             "rows (carve_kernels/gemv_t.py XSIGN_TRIAL)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
 ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
@@ -134,14 +125,6 @@ class RunnerOptions:
             from carve_kernels import quant_matmul
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
-        if "xsign" in self.trials:
-            from carve_kernels import gemv_t
-
-            gemv_t.XSIGN_TYPES = gemv_t.XSIGN_TRIAL
-        if "attn_release_end" in self.trials:
-            from carve_kernels import attention
-
-            attention.RELEASE_AT_END = True
         if self.trials:
             from carve_kernels import gemv_q8, moe_decode
 

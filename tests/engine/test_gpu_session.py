@@ -240,7 +240,7 @@ def test_attention_output_on_its_int8_copy_decodes_as_the_cpu_engine(tmp_path, w
     # decode's attention kernel writes the int8 copy of its output (the GLU output's slot,
     # free until the GLU), and an IQ3_S attn_output (matrices.ATTN_Q8_TYPES), in the T layout
     # whatever its size, multiplies that copy; prefill's rows read x as before. So does an
-    # IQ2_XXS one; a Q4_K attn_output keeps reading x unless the trial attn_q8_k is on, and
+    # IQ2_XXS one; a Q4_K attn_output keeps reading x, and
     # CARVE_ATTN_Q8=0 turns the copy off
     iq = str(write_model(tmp_path / "iq3_s.gguf", WIDE, "iq3_s")[0])
     seen: list[tuple[str, int]] = []
@@ -269,8 +269,7 @@ def test_attention_output_on_its_int8_copy_decodes_as_the_cpu_engine(tmp_path, w
     iq2 = str(write_model(tmp_path / "iq2_xxs.gguf", WIDE, "iq2_xxs")[0])
     for path, options, copy in ((iq2, RunnerOptions(), True),
                                 (iq2, RunnerOptions(attn_q8=False), False),
-                                (wide_q4k, RunnerOptions(), False),
-                                (wide_q4k, RunnerOptions(trials=frozenset({"attn_q8_k"})), True)):
+                                (wide_q4k, RunnerOptions(), False)):
         g = load(plan(path, act_dtype="bf16"), options=options)
         try:
             assert all((ly.attn.xq_o is not None) == copy for ly in g.pipe.stages[0].layers)

@@ -65,8 +65,7 @@ def test_each_variable_sets_its_option(env, want) -> None:
      "CARVE_PREFILL_GRAPH=yes: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_TRIAL": "q2k_rows,down_norm"},
      "CARVE_TRIAL=q2k_rows,down_norm: use all or a comma-separated list of q2k_rows, "
-     "q8_0_rows, iq4nl_rows, legacy_experts, iq4nl_experts, attn_release_end, "
-     "attn_q8_k, xsign"),
+     "q8_0_rows, iq4nl_rows, legacy_experts, iq4nl_experts"),
     ({"CARVE_EXPERT_TILES": "Q4_K/glu=16,4,8"},
      "CARVE_EXPERT_TILES entry 'Q4_K/glu=16,4,8': use TYPE/PART=ROWS,BLOCKS,WARPS with TYPE "
      "one of Q4_K, Q6_K, MXFP4, Q3_K, Q5_0, IQ4_NL, Q8_0, PART glu or down, powers of two (warps at most "
@@ -80,10 +79,9 @@ def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) ->
 
 
 def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> None:
-    from carve_kernels import gemv_t, moe_decode, quant_matmul
+    from carve_kernels import moe_decode, quant_matmul
 
     base, tiles = quant_matmul.ROW_BODY_TYPES, moe_decode.EXPERT_Q8_CONFIG
-    monkeypatch.setattr(gemv_t, "XSIGN_TYPES", frozenset())
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", base)
     monkeypatch.setattr(moe_decode, "EXPERT_Q8_CONFIG", tiles)
     monkeypatch.setattr(moe_decode, "Q8_ON_TRIAL", frozenset())
@@ -94,11 +92,8 @@ def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> No
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", base)
     assert all(moe_decode.q8_able(t, 256) for t in (qt.Q3_K, qt.Q8_0))
     assert not any(moe_decode.q8_able(t, 256) for t in (qt.IQ4_NL, qt.Q4_0, qt.Q4_1, qt.Q5_1))
-    assert not gemv_t.XSIGN_TYPES and gemv_t._asm(True, qt.IQ3_S) == 2
     RunnerOptions(trials=frozenset(TRIALS)).apply()
     assert quant_matmul.ROW_BODY_TYPES == base | quant_matmul.ROW_BODY_TRIAL > base
-    assert gemv_t.XSIGN_TYPES == gemv_t.XSIGN_TRIAL and gemv_t._asm(True, qt.IQ3_S) == 3
-    assert gemv_t._asm(True, qt.IQ1_S) == 2 and gemv_t._asm(False, qt.IQ3_S) is False
     assert moe_decode.EXPERT_Q8_CONFIG == tiles
     assert all(moe_decode.q8_able(t, 256) for t in (qt.Q3_K, qt.IQ4_NL, qt.Q8_0, qt.Q4_0))
 

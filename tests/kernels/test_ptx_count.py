@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from benchmarks import ptx_count
-from carve_kernels import gemv_t, quant_matmul
+from carve_kernels import quant_matmul
 from spec import quant_types as qt
 
 
@@ -64,20 +64,6 @@ def test_t_bodies_assemble_to_dp4a_machine_code(ggml_type, ops):
     assert ops <= set(two["counts"]), sorted(two["counts"])
     one = _count(qt.type_name(ggml_type), "--t", "--x", "int8", "--sass", "--config", "128,4")
     assert two["per_value"] < one["per_value"], (two, one)
-
-
-@pytest.mark.parametrize("ggml_type", sorted(gemv_t.XSIGN_TRIAL), ids=qt.type_name)
-def test_x_with_the_rows_signs_assembles_to_fewer_instructions(ggml_type):
-    # trial xsign: the grid rows' signs picked out of the shared signed copies of x instead of
-    # sign masks xor'ed in (and the masks' own dp4a taken back out): half the dp4a, a shared
-    # load more a 4 values, and at least a fifth fewer instructions a loop step in sm_90
-    # machine code
-    name = qt.type_name(ggml_type)
-    masks = _count(name, "--t", "--x", "int8", "--sass")
-    table = _count(name, "--t", "--x", "int8", "--sass", "--xsign")
-    assert table["counts"]["IDP"] * 2 == masks["counts"]["IDP"], (table, masks)
-    assert table["counts"]["LDS"] > masks["counts"]["LDS"], (table, masks)
-    assert table["per_value"] < 0.8 * masks["per_value"], (table, masks)
 
 
 @pytest.mark.parametrize("ggml_type, part, ops", [
@@ -170,18 +156,16 @@ def test_grid_bodies_read_a_shared_grid_with_ld_shared(ggml_type):
 def test_decode_attention_writing_the_int8_copy_lets_the_next_launch_in_after_its_partials():
     # with the int8 copy of its output (attn_output's x) the next launch's programs become
     # resident once the split's partial sums are stored, before the merge's counter; without
-    # it right after the wait; with the trial attn_release_end only as the programs exit (no
-    # explicit release)
+    # it right after the wait
     code = ("import json\nfrom benchmarks import ptx_count as p\n"
             "out = {}\n"
-            "for oq, end in ((False, False), (True, False), (True, True)):\n"
-            "    lines = p.compile_attention(out_q8=oq, at_end=end).asm['ptx'].splitlines()\n"
-            "    out['end' if end else str(oq)] = [\n"
+            "for oq in (False, True):\n"
+            "    lines = p.compile_attention(out_q8=oq).asm['ptx'].splitlines()\n"
+            "    out[str(oq)] = [\n"
             "        k for l in lines for k in ('griddepcontrol.wait',\n"
             "        'griddepcontrol.launch_dependents', 'st.global', 'atom.') if k in l]\n"
             "print(json.dumps(out))")
     got = _json_of("-c", code)
-    assert got.pop("end").count("griddepcontrol.launch_dependents") == 0
     for late, ops in got.items():
         assert ops.count("griddepcontrol.wait") == ops.count("griddepcontrol.launch_dependents") == 1
         at = ops.index("griddepcontrol.launch_dependents")

@@ -215,7 +215,7 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed, monk
 
 @pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
 def test_expert_gate_up_split_along_the_blocks_matches_reference(bias, seed):
-    # decode's Q4_K expert gate/up with each row's blocks in 2-3 programs (trial glu_split):
+    # decode's Q4_K expert gate/up with each row's blocks in 2-3 programs (decode's GLU_SPLIT):
     # the partial sums in the T GEMVs' scratch, added in split order by each tile's last
     # split, which runs the activation and the int8 copy; every counter left zero. Splits of
     # uneven length (bps not dividing the blocks) and more splits than blocks (clamped); a

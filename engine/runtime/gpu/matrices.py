@@ -35,11 +35,9 @@ QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
 # H100 on 2026-12-07, tg128, against CARVE_ATTN_Q8=0 in one lease: the IQ3_XXS mix 468.8
 # against 404.1 t/s, IQ2_M 466.4 against 404.2, IQ2_XS 506.9 against 452.1, all IQ1_S 521.8
 # against 466.7; the IQ2_XXS mix 516.7 and the IQ3_S mix 418.9 against 494.7 and 395.5 before
-# this rule. The K types lost with it (carve_kernels/NOTES.md, "Tried and rejected": attn_q8_k);
-# trial attn_q8_k puts them here again, to measure beside attn_release_end and CARVE_T_TILES's
-# attn part (carve_kernels/NOTES.md, "On trial")
+# this rule. The K types lost with it, twice (carve_kernels/NOTES.md, "Tried and rejected":
+# attn_q8_k)
 ATTN_Q8_TYPES = gemv_t.GRID_SMEM | {qt.IQ4_XS}
-ATTN_Q8_TRIAL = frozenset({qt.Q2_K, qt.Q3_K, qt.Q4_K, qt.Q5_K, qt.Q6_K})
 
 
 def packed(model: Any, spans: dict[str, torch.Tensor], name: str, meta: bool = False
@@ -111,10 +109,8 @@ class LayerBuilder:
         # ATTN_Q8_TYPES, which then takes the T layout whatever its size: heads of whole
         # 32-value groups, the merging programs (buf.attn_count), and a slot wide enough
         hp = self.hp
-        types = ATTN_Q8_TYPES | (ATTN_Q8_TRIAL if "attn_q8_k" in self.options.trials
-                                 else frozenset())
         return (self.options.attn_q8 and self.xq is not None
-                and name in self.spans and self.model.tensor(name).ggml_type in types
+                and name in self.spans and self.model.tensor(name).ggml_type in ATTN_Q8_TYPES
                 and "buf.attn_count" in self.spans and hp.head_dim_v % 32 == 0
                 and hp.head_dim_v == hp.head_dim
                 and q8x.fits(self.xq[1], hp.n_head * hp.head_dim_v)
