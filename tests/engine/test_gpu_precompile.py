@@ -344,3 +344,27 @@ def test_a_dry_pass_runs_each_kind_of_layer_once(tmp_path, monkeypatch) -> None:
         assert st.dry_runs is None  # outside a dry pass every layer runs
     finally:
         sess.close()
+
+
+def test_workers_of_a_main_module_run_by_name_print_no_warning(tmp_path) -> None:
+    # `carve bench` runs `python -m engine.runtime.bench`; the workers' server preloads that
+    # module by name and each worker runs its body again, which runpy would warn about in
+    # every worker (a screenful of RuntimeWarnings before the figures). No CUDA needed
+    pkg = tmp_path / "mainpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "run.py").write_text(
+        "from engine.runtime.gpu import compile_worker as cw\n"
+        "def twice(x):\n"
+        "    return 2 * x\n"
+        "if __name__ == '__main__':\n"
+        "    pool = cw.workers(2)\n"
+        "    print(sorted(pool.map(twice, range(4))))\n"
+        "    pool.shutdown()\n"
+        "    cw.stop_server()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    done = subprocess.run([sys.executable, "-m", "mainpkg.run"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0, 2, 4, 6]"
+    assert "Warning" not in done.stderr, done.stderr

@@ -15,10 +15,18 @@ import multiprocessing
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 log = logging.getLogger("carve.engine")
+
+# each worker runs the main module's body again by name, as multiprocessing does, after the
+# server preloaded it (_preload): runpy then warns, once a worker, that the module was already
+# imported. That is intended here; the server imports this module first, so that its workers
+# inherit this filter
+warnings.filterwarnings("ignore", message=r".* found in sys\.modules after import of package ",
+                        category=RuntimeWarning)
 
 
 def failure(data: str, exc: BaseException) -> str:
@@ -118,7 +126,8 @@ def _preload() -> list[str]:
     kernels this process has imported, and this process's main module by name (each worker
     runs that module's body again, as multiprocessing does; its imports are then done)."""
     main = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
-    return ["torch", "triton", "triton.compiler.compiler", "triton.backends.nvidia.compiler",
+    return [__name__, "torch", "triton", "triton.compiler.compiler",
+            "triton.backends.nvidia.compiler",
             "triton.backends.nvidia.driver",
             *sorted(n for n in list(sys.modules) if n.startswith("carve_kernels.")),
             *([main] if main and not main.endswith("__main__") else [])]
