@@ -51,11 +51,11 @@ def moe_section(g, copy_bw, mm_rate, row, types=None, prefill=True):
     draw different experts (8 id sets), so the 8 calls do not hit L2 for each other.
     ``types``: only the shapes whose gate/up type is one of these; ``prefill`` False: decode's
     kernels only."""
-    from carve_kernels import gemv_q8, moe, moe_decode, moe_prefill
+    from carve_kernels import gemv_q8, moe, moe_decode, moe_decode_q8, moe_prefill
     from spec.launch import moe_tiles
 
     # the int8-x bodies on trial are timed here too (the engine takes them with CARVE_TRIAL)
-    moe_decode.Q8_ON_TRIAL = frozenset(t for ts in gemv_q8.Q8_TRIAL_TYPES.values() for t in ts)
+    moe_decode_q8.Q8_ON_TRIAL = frozenset(t for ts in gemv_q8.Q8_TRIAL_TYPES.values() for t in ts)
 
     swept: set = set()
     for label, ne, k, e, f, gt, dt in MOE_SHAPES + (MOE_SHAPES_BY_TYPE if types else []):
@@ -107,17 +107,17 @@ def moe_section(g, copy_bw, mm_rate, row, types=None, prefill=True):
         row(f"moe expert down split {tag} T=1", t, k * per_d / copy_bw, nerr(y, ref),
             f"cfg={cd} DOWN_SPLIT={moe_decode.DOWN_SPLIT}")
         # the int8-x bodies
-        if moe_decode.q8_able(gt, e) and moe_decode.q8_able(dt, f):
+        if moe_decode_q8.q8_able(gt, e) and moe_decode_q8.q8_able(dt, f):
             _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr,
                      2 * k * per_g / copy_bw, k * per_d / copy_bw, tag, row,
                      (label, gt) not in swept)
             swept.add((label, gt))  # the Q4_K/Q4_K shape repeats the gate/up of Q4_K/Q6_K
         # the tiles moe_decode.EXPERT_CONFIG may take (blocks per step clamp to the row's
         # blocks): for the types decode runs on bf16 x (the int8-x ones: _q8_rows)
-        if not moe_decode.q8_able(gt, e):
+        if not moe_decode_q8.q8_able(gt, e):
             _expert_sweep(f"glu {tag}", lambda c, i: moe_decode.expert_glu(
                 gate, gt, up, gt, ne, x, sets[i], h, config=c), 2 * k * per_g / copy_bw, row)
-        if not moe_decode.q8_able(dt, f):
+        if not moe_decode_q8.q8_able(dt, f):
             _expert_sweep(f"down {tag}", lambda c, i: moe_decode.expert_down(
                 down, dt, ne, h, sets[i], wts, y, config=c), k * per_d / copy_bw, row)
             _expert_sweep(f"down split {tag}", lambda c, i: moe_decode.expert_down(
@@ -418,39 +418,41 @@ def _q8_rows(moe_decode, gate, up, down, gt, dt, ne, k, x, sets, wts, h, y, yr, 
     writing the copy of its outputs, down on that copy (its k rows summed by combine, or by
     each row tile's last program as the stage runs it), each checked against the reference on
     the dequantized int8 input, then their tiles swept (gate/up with ``sweep_glu``)."""
-    from carve_kernels import q8x
+    from carve_kernels import moe_decode_q8, q8x
 
     f, e = h.shape[1], x.shape[1]
     (q, d, s), xd = q8x.copy_ref(x[0].float())
     hq = (torch.empty(k * f // 4, dtype=torch.int32, device="cuda"),
           *torch.empty(2, k * f // 32, device="cuda"))
-    cg, cd = moe_decode.EXPERT_Q8_CONFIG[(gt, "glu")], moe_decode.EXPERT_Q8_CONFIG[(dt, "down")]
-    t = graph_time(lambda i=0: moe_decode.expert_glu_q8(gate, gt, up, gt, ne, (q, d, s), sets[i],
-                                                        h, out_q=hq))
+    cg, cd = (moe_decode_q8.EXPERT_Q8_CONFIG[(gt, "glu")],
+              moe_decode_q8.EXPERT_Q8_CONFIG[(dt, "down")])
+    t = graph_time(lambda i=0: moe_decode_q8.expert_glu_q8(gate, gt, up, gt, ne, (q, d, s),
+                                                           sets[i], h, out_q=hq))
     h.fill_(float("nan"))
-    moe_decode.expert_glu_q8(gate, gt, up, gt, ne, (q, d, s), sets[0], h, out_q=hq)
+    moe_decode_q8.expert_glu_q8(gate, gt, up, gt, ne, (q, d, s), sets[0], h, out_q=hq)
     ref = moe_decode.expert_glu_ref(gate, gt, up, gt, ne, xd, sets[0],
                                     torch.empty(k, f, device="cuda"))
     row(f"moe expert gate/up+glu int8 x {tag} T=1", t, floor_glu, nerr(h, ref), f"cfg={cg}")
-    t = graph_time(lambda i=0: moe_decode.expert_down_q8(down, dt, ne, hq, sets[i], wts, y, yr))
+    t = graph_time(lambda i=0: moe_decode_q8.expert_down_q8(down, dt, ne, hq, sets[i], wts, y,
+                                                            yr))
     y.fill_(float("nan"))
-    moe_decode.expert_down_q8(down, dt, ne, hq, sets[0], wts, y, yr)
+    moe_decode_q8.expert_down_q8(down, dt, ne, hq, sets[0], wts, y, yr)
     hd = q8x.dequantize_ref(hq[0].view(torch.int8), hq[1]).view(k, f)
     ref = moe_decode.expert_down_ref(down, dt, ne, hd, sets[0], wts,
                                      torch.empty(1, e, device="cuda"))
     row(f"moe expert down int8 x {tag} T=1", t, floor_down, nerr(y, ref), f"cfg={cd}")
     cnt = torch.zeros(e // 16, dtype=torch.int32, device="cuda")
-    t = graph_time(lambda i=0: moe_decode.expert_down_q8(down, dt, ne, hq, sets[i], wts, y, yr,
-                                                         counter=cnt))
+    t = graph_time(lambda i=0: moe_decode_q8.expert_down_q8(down, dt, ne, hq, sets[i], wts, y,
+                                                            yr, counter=cnt))
     y.fill_(float("nan"))
-    moe_decode.expert_down_q8(down, dt, ne, hq, sets[0], wts, y, yr, counter=cnt)
+    moe_decode_q8.expert_down_q8(down, dt, ne, hq, sets[0], wts, y, yr, counter=cnt)
     row(f"moe expert down int8 x fused sum {tag} T=1", t, floor_down, nerr(y, ref), f"cfg={cd}")
-    small = moe_decode.Q8_BLOCK[gt] == 32  # MXFP4's blocks: more of them a step
-    sweeps = [("down int8 x", lambda c, i: moe_decode.expert_down_q8(
+    small = moe_decode_q8.Q8_BLOCK[gt] == 32  # MXFP4's blocks: more of them a step
+    sweeps = [("down int8 x", lambda c, i: moe_decode_q8.expert_down_q8(
         down, dt, ne, hq, sets[i], wts, y, yr, config=c, counter=cnt), floor_down,
         Q8_DOWN_TILES_32 if small else Q8_DOWN_TILES)]
     if sweep_glu:
-        sweeps.append(("glu int8 x", lambda c, i: moe_decode.expert_glu_q8(
+        sweeps.append(("glu int8 x", lambda c, i: moe_decode_q8.expert_glu_q8(
             gate, gt, up, gt, ne, (q, d, s), sets[i], h, out_q=hq, config=c), floor_glu,
             Q8_TILES_32 if small else Q8_TILES))
     for name, fn, floor, tiles in sweeps:

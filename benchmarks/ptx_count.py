@@ -104,7 +104,7 @@ def compile_t(ggml_type: int, rows: int, warps: int, x: str = "bf16", traced: bo
 
 def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
                    traced: bool = False, late: bool = False, split: int = 1):
-    """The compiled decode expert GEMV on int8 x (carve_kernels/moe_decode.py,
+    """The compiled decode expert GEMV on int8 x (carve_kernels/moe_decode_q8.py,
     carve_kernels/gemv_q8.py) of ``ggml_type``: ``part`` "glu" (gate and up of that type,
     gpt-oss's clamped SwiGLU with biases for MXFP4, writing the int8 copy of its outputs) or
     "down" (the in-kernel sum of the k rows), tile ``config`` (rows, blocks, warps);
@@ -112,7 +112,7 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
     releasing the next kernel after its tiles (as decode's does before the down); ``split``:
     Q4_K's gate/up along each row's blocks in that many programs (decode's: GLU_SPLIT)."""
 
-    from carve_kernels import moe_decode as md
+    from carve_kernels import moe_decode_q8 as md
 
     rows, blocks, warps = config
     _, wh, wi = _expert_views(ggml_type)
@@ -141,7 +141,7 @@ def compile_expert(ggml_type: int, part: str, config: tuple[int, int, int],
 
 
 def _expert_views(t: int) -> tuple[str, str, str]:
-    """The pointer types of an expert tensor's three views (moe_decode._q8_views): its bytes,
+    """The pointer types of an expert tensor's three views (moe_decode_q8._q8_views): its bytes,
     16-bit words (MXFP4: bytes) and int32 words (Q4_K's; bytes for the rest)."""
     return "*u8", "*u8" if t == qt.MXFP4 else "*fp16", "*i32" if t == qt.Q4_K else "*u8"
 
@@ -308,15 +308,15 @@ def main(argv: list[str] | None = None) -> int:
                        {"qk_norm": args.qk_norm}, whole=True)
     t = qt.BY_NAME.get((args.type or "").lower())
     if args.expert:
-        from carve_kernels import moe_decode
+        from carve_kernels import moe_decode_q8
 
-        if t not in moe_decode.Q8_BLOCK:
+        if t not in moe_decode_q8.Q8_BLOCK:
             print(f"error: no int8-x expert GEMV for type {args.type!r}", file=sys.stderr)
             return 2
         cfg = (tuple(int(v) for v in args.config.split(",")) if args.config
-               else moe_decode.EXPERT_Q8_CONFIG[(t, args.expert)])
+               else moe_decode_q8.EXPERT_Q8_CONFIG[(t, args.expert)])
         rows, blocks, warps = cfg
-        per = rows * blocks * moe_decode.Q8_BLOCK[t] * (2 if args.expert == "glu" else 1) \
+        per = rows * blocks * moe_decode_q8.Q8_BLOCK[t] * (2 if args.expert == "glu" else 1) \
             // (32 * warps)
         if args.split > 1 and (t != qt.Q4_K or args.expert != "glu"):
             print("error: --split is Q4_K's --expert glu only", file=sys.stderr)

@@ -251,7 +251,7 @@ def quarter_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
 # the types with a body here, and the values of a block each
 Q8_TYPES = (12, 14, 39, 6, 11, 8)  # Q4_K, Q6_K, MXFP4, Q5_0, Q3_K, Q8_0
 # bodies written and checked here, not yet measured in a decode step: decode's experts take
-# them only on trial (CARVE_TRIAL names them: moe_decode.Q8_ON_TRIAL), by trial name
+# them only on trial (CARVE_TRIAL names them: moe_decode_q8.Q8_ON_TRIAL), by trial name
 Q8_TRIAL_TYPES = {"iq4nl_experts": (20,), "legacy_experts": (2, 3, 7)}
 Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256, 6: 32, 20: 32, 8: 32, 2: 32, 3: 32, 7: 32}
 

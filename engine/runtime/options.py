@@ -69,7 +69,7 @@ class RunnerOptions:
         and ``carve bench`` before they are.
     ``CARVE_EXPERT_TILES``: empty (default) or ``TYPE/PART=ROWS,BLOCKS,WARPS`` entries
         separated by ``;`` (``Q4_K/glu=32,4,8;Q6_K/down=16,1,2``): decode's int8-x expert
-        GEMV tiles (carve_kernels/moe_decode.py ``EXPERT_Q8_CONFIG``) for a type (Q4_K, Q6_K,
+        GEMV tiles (carve_kernels/moe_decode_q8.py ``EXPERT_Q8_CONFIG``) for a type (Q4_K, Q6_K,
         MXFP4, Q5_0; Q3_K, IQ4_NL, Q8_0 with their trials) and part (glu: gate/up, down), so
         that a tile a kernel sweep found (``benchmarks.device_check --moe``) is measured in
         the step before it is adopted.
@@ -126,18 +126,18 @@ class RunnerOptions:
 
             quant_matmul.ROW_BODY_TYPES = quant_matmul.ROW_BODY_TYPES | bodies
         if self.trials:
-            from carve_kernels import gemv_q8, moe_decode
+            from carve_kernels import gemv_q8, moe_decode_q8
 
             experts = {t for name, types in gemv_q8.Q8_TRIAL_TYPES.items()
                        if name in self.trials for t in types}
             if experts:
-                moe_decode.Q8_ON_TRIAL = frozenset(experts)
+                moe_decode_q8.Q8_ON_TRIAL = frozenset(experts)
         if self.expert_tiles:
-            from carve_kernels import moe_decode
+            from carve_kernels import moe_decode_q8
 
-            moe_decode.EXPERT_Q8_CONFIG = {**moe_decode.EXPERT_Q8_CONFIG,
-                                           **{(t, part): cfg
-                                              for t, part, cfg in self.expert_tiles}}
+            moe_decode_q8.EXPERT_Q8_CONFIG = {**moe_decode_q8.EXPERT_Q8_CONFIG,
+                                              **{(t, part): cfg
+                                                 for t, part, cfg in self.expert_tiles}}
         if self.t_tiles:
             from carve_kernels import gemv_t
 

@@ -275,7 +275,7 @@ def test_glm_shaped_experts_decode_on_int8_x_as_the_cpu_engine(mix, trial, types
     q80_rows_dot for Q8_0; iq4nl_q8_rows_dot on trial) multiply the int8 copies of the normed
     row and of the GLU outputs in every layer and still match the CPU engine; without its
     trial a layer with IQ4_NL experts reads bf16 x for them."""
-    from carve_kernels import gemv_q8, moe_decode
+    from carve_kernels import gemv_q8, moe_decode_q8
 
     shape = Shape("qwen3moe", 2, 256, 4, 2, 256, 320, head_dim=64, n_ctx=512, n_expert=4,
                   n_expert_used=2, n_ff_exp=224)
@@ -288,7 +288,7 @@ def test_glm_shaped_experts_decode_on_int8_x_as_the_cpu_engine(mix, trial, types
         assert all(f.xq is not None and f.xq_h is not None for f in ffns)
 
     options = RunnerOptions(trials=frozenset({trial} if trial else ()))
-    monkeypatch.setattr(moe_decode, "Q8_ON_TRIAL", moe_decode.Q8_ON_TRIAL)  # restored after
+    monkeypatch.setattr(moe_decode_q8, "Q8_ON_TRIAL", moe_decode_q8.Q8_ON_TRIAL)  # restored after
     options.apply()
     against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), 5e-3, str(out),
                        on_int8, options=options)
@@ -311,20 +311,20 @@ def test_split_expert_gate_up_decodes_as_the_cpu_engine(tmp_path, monkeypatch) -
     """Decode's Q4_K expert gate/up along each row's blocks in two programs (the default),
     their partial sums in the T GEMVs' priced scratch (this shape's ffn_down split holds
     them), matches the CPU engine; every launch split."""
-    from carve_kernels import moe_decode
+    from carve_kernels import moe_decode_q8
 
     shape = Shape("qwen3moe", 2, 512, 8, 2, 1024, 320, head_dim=64, n_ctx=512, n_expert=4,
                   n_expert_used=2, n_ff_exp=256)
     (out,) = write_model(tmp_path / "split.gguf", shape, "q4_k_m")
     splits: list[int] = []
-    choose = moe_decode._glu_split
+    choose = moe_decode_q8._glu_split
 
     def spy(*a, **k):
         splits.append(choose(*a, **k))
         return splits[-1]
 
-    monkeypatch.setattr(moe_decode, "_glu_split", spy)
-    assert moe_decode.GLU_SPLIT == 2
+    monkeypatch.setattr(moe_decode_q8, "_glu_split", spy)
+    assert moe_decode_q8.GLU_SPLIT == 2
     against_cpu_engine(plan(str(out)), DEV, ids(20), ids(2, 1), ids(6, 3), 5e-3, str(out))
     assert splits and set(splits) == {2}
 

@@ -79,23 +79,23 @@ def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) ->
 
 
 def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> None:
-    from carve_kernels import moe_decode, quant_matmul
+    from carve_kernels import moe_decode_q8, quant_matmul
 
-    base, tiles = quant_matmul.ROW_BODY_TYPES, moe_decode.EXPERT_Q8_CONFIG
+    base, tiles = quant_matmul.ROW_BODY_TYPES, moe_decode_q8.EXPERT_Q8_CONFIG
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", base)
-    monkeypatch.setattr(moe_decode, "EXPERT_Q8_CONFIG", tiles)
-    monkeypatch.setattr(moe_decode, "Q8_ON_TRIAL", frozenset())
+    monkeypatch.setattr(moe_decode_q8, "EXPERT_Q8_CONFIG", tiles)
+    monkeypatch.setattr(moe_decode_q8, "Q8_ON_TRIAL", frozenset())
     RunnerOptions().apply()
-    assert quant_matmul.ROW_BODY_TYPES == base and moe_decode.EXPERT_Q8_CONFIG == tiles
+    assert quant_matmul.ROW_BODY_TYPES == base and moe_decode_q8.EXPERT_Q8_CONFIG == tiles
     RunnerOptions(trials=frozenset({"q2k_rows"})).apply()
     assert quant_matmul.ROW_BODY_TYPES == base | {qt.Q2_K} > base
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", base)
-    assert all(moe_decode.q8_able(t, 256) for t in (qt.Q3_K, qt.Q8_0))
-    assert not any(moe_decode.q8_able(t, 256) for t in (qt.IQ4_NL, qt.Q4_0, qt.Q4_1, qt.Q5_1))
+    assert all(moe_decode_q8.q8_able(t, 256) for t in (qt.Q3_K, qt.Q8_0))
+    assert not any(moe_decode_q8.q8_able(t, 256) for t in (qt.IQ4_NL, qt.Q4_0, qt.Q4_1, qt.Q5_1))
     RunnerOptions(trials=frozenset(TRIALS)).apply()
     assert quant_matmul.ROW_BODY_TYPES == base | quant_matmul.ROW_BODY_TRIAL > base
-    assert moe_decode.EXPERT_Q8_CONFIG == tiles
-    assert all(moe_decode.q8_able(t, 256) for t in (qt.Q3_K, qt.IQ4_NL, qt.Q8_0, qt.Q4_0))
+    assert moe_decode_q8.EXPERT_Q8_CONFIG == tiles
+    assert all(moe_decode_q8.q8_able(t, 256) for t in (qt.Q3_K, qt.IQ4_NL, qt.Q8_0, qt.Q4_0))
 
 
 @pytest.mark.parametrize("entry", ["Q5_1/glu=32,4,4", "Q4_K/gate=32,4,4", "Q4_K/glu=32,3,4",
@@ -136,12 +136,12 @@ def test_t_tiles_set_the_t_launches_table_for_the_process(monkeypatch) -> None:
 
 
 def test_expert_tiles_set_the_expert_gemvs_table_for_the_process(monkeypatch) -> None:
-    from carve_kernels import moe_decode
+    from carve_kernels import moe_decode_q8
 
-    tiles = dict(moe_decode.EXPERT_Q8_CONFIG)
-    monkeypatch.setattr(moe_decode, "EXPERT_Q8_CONFIG", tiles)
+    tiles = dict(moe_decode_q8.EXPERT_Q8_CONFIG)
+    monkeypatch.setattr(moe_decode_q8, "EXPERT_Q8_CONFIG", tiles)
     RunnerOptions.from_env({"CARVE_EXPERT_TILES": "Q4_K/glu=64,2,8"}).apply()
-    assert moe_decode.EXPERT_Q8_CONFIG == {**tiles, (qt.Q4_K, "glu"): (64, 2, 8)}
+    assert moe_decode_q8.EXPERT_Q8_CONFIG == {**tiles, (qt.Q4_K, "glu"): (64, 2, 8)}
     assert tiles[(qt.Q4_K, "glu")] != (64, 2, 8)  # the module's own table is not changed
 
 

@@ -11,7 +11,17 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr, q8_bufs
 
-from carve_kernels import gemv_q8, gemv_t, glu, moe_decode, norm, q8x, quant_matmul, t_layout
+from carve_kernels import (
+    gemv_q8,
+    gemv_t,
+    glu,
+    moe_decode,
+    moe_decode_q8,
+    norm,
+    q8x,
+    quant_matmul,
+    t_layout,
+)
 from carve_kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
@@ -134,8 +144,8 @@ def test_int8_x_is_refused_where_it_cannot_go():
     xq, _ = q8x.copy_ref(torch.randn(64, device=DEVICE))
     ids = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="4-byte aligned"):
-        moe_decode.expert_glu_q8(gate, qt.MXFP4, gate, qt.MXFP4, 2, xq, ids,
-                                 torch.empty(1, 32, device=DEVICE))
+        moe_decode_q8.expert_glu_q8(gate, qt.MXFP4, gate, qt.MXFP4, 2, xq, ids,
+                                    torch.empty(1, 32, device=DEVICE))
 
 
 @pytest.mark.parametrize("gate_type,down_type", [(qt.Q4_K, qt.Q6_K), (qt.Q4_K, qt.Q4_K),
@@ -153,7 +163,7 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed, monk
     # gpt-oss runs it (biases, the clamped SwiGLU, an odd number of 32-value blocks a row);
     # IQ4_NL's, Q4_0's, Q4_1's and Q5_1's are on trial (CARVE_TRIAL=iq4nl_experts,
     # legacy_experts)
-    monkeypatch.setattr(moe_decode, "Q8_ON_TRIAL",
+    monkeypatch.setattr(moe_decode_q8, "Q8_ON_TRIAL",
                         frozenset(t for ts in gemv_q8.Q8_TRIAL_TYPES.values() for t in ts))
     g = generator(seed)
     n_expert, k, n_ff = 5, 3, 32 * _rand(g, 1, 3)
@@ -176,8 +186,8 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed, monk
     h = torch.full((k, n_ff), float("nan"), device=DEVICE)
     hq = q8_bufs(k * n_ff)
     # 32 rows a program over 1..2 tiles per expert (the last one partly past the rows)
-    moe_decode.expert_glu_q8(gate, gate_type, up, gate_type, n_expert, xq, ids, h, act, gb, ub,
-                             limit, out_q=hq, config=(32, 2, 1))
+    moe_decode_q8.expert_glu_q8(gate, gate_type, up, gate_type, n_expert, xq, ids, h, act, gb,
+                                ub, limit, out_q=hq, config=(32, 2, 1))
     ref = moe_decode.expert_glu_ref(gate, gate_type, up, gate_type, n_expert, xd, ids,
                                     torch.empty(k, n_ff, device=DEVICE), act, gb, ub, limit)
     assert nerr(h, ref) < 1e-5
@@ -201,10 +211,10 @@ def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed, monk
     for accumulate, fused, tile in ((False, False, 32), (True, False, 32), (False, True, 16),
                                     (True, True, 32)):
         out = prior.clone() if accumulate else torch.full((1, cols), float("nan"), device=DEVICE)
-        moe_decode.expert_down_q8(down, down_type, n_expert, hq2, ids, wts, out,
-                                  torch.full((k, cols), float("nan"), device=DEVICE), db,
-                                  accumulate=accumulate, config=(tile, 2, 1),
-                                  counter=counter if fused else None)
+        moe_decode_q8.expert_down_q8(down, down_type, n_expert, hq2, ids, wts, out,
+                                     torch.full((k, cols), float("nan"), device=DEVICE), db,
+                                     accumulate=accumulate, config=(tile, 2, 1),
+                                     counter=counter if fused else None)
         assert not counter.any()
         want = moe_decode.expert_down_ref(down, down_type, n_expert, hd, ids, wts, prior.clone(),
                                           db, accumulate=accumulate)
@@ -241,9 +251,9 @@ def test_expert_gate_up_split_along_the_blocks_matches_reference(bias, seed):
         count = torch.zeros(k * tiles, dtype=torch.int32, device=DEVICE)
         h = torch.full((k, n_ff), float("nan"), device=DEVICE)
         hq = q8_bufs(k * n_ff)
-        moe_decode.expert_glu_q8(gate, qt.Q4_K, up, qt.Q4_K, n_expert, xq, ids, h, "silu", gb,
-                                 ub, out_q=hq, config=(32, 1, 1), scratch=(part, count),
-                                 split=split)
+        moe_decode_q8.expert_glu_q8(gate, qt.Q4_K, up, qt.Q4_K, n_expert, xq, ids, h, "silu",
+                                    gb, ub, out_q=hq, config=(32, 1, 1), scratch=(part, count),
+                                    split=split)
         assert nerr(h, ref) < 1e-5, (split, room)
         assert part.isnan().all() != room  # split: the partial sums were written
         assert not count.any()

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import triton
 
-from carve_kernels import gemv_t, moe_decode, q8x, quant_matmul, rope, t_layout
+from carve_kernels import gemv_t, moe_decode, moe_decode_q8, q8x, quant_matmul, rope, t_layout
 from engine.runtime.gpu.layers import Attention, Experts, Ffn, Latent, Layer, Matrix
 from engine.runtime.options import RunnerOptions
 from spec import quant_types as qt
@@ -324,10 +324,10 @@ class LayerBuilder:
         hp = self.hp
         g, u, d = mats
         if (self.xq is None or not self.options.expert_q8
-                or not all(moe_decode.q8_able(m.ggml_type, hp.n_embd) for m in (g, u))):
+                or not all(moe_decode_q8.q8_able(m.ggml_type, hp.n_embd) for m in (g, u))):
             return {}
         routed = self.xq[2]
-        able = routed is not None and moe_decode.q8_able(d.ggml_type, hp.n_ff_exp)
+        able = routed is not None and moe_decode_q8.q8_able(d.ggml_type, hp.n_ff_exp)
         return {"xq": self.xq[0], "xq_h": routed if able and hp.n_ff_exp % 32 == 0 else None}
 
     def _expert_matrix(self, stem: str, meta: bool = False) -> Matrix:

@@ -1,8 +1,8 @@
 """The mixture-of-experts FFN of a GPU stage's layers (``GpuStage`` mixes it in): router
 logits and top-k routing on the device, glm4moe's shared expert, and the routed experts as
-decode's expert GEMVs (carve_kernels/moe_decode.py) or prefill's sort by expert and grouped GEMMs
-(carve_kernels/moe_prefill.py), run from the layer's own tensors or, for experts in host memory,
-through engine/runtime/gpu/host.py.
+decode's expert GEMVs (carve_kernels/moe_decode.py; on x's int8 copy moe_decode_q8.py) or
+prefill's sort by expert and grouped GEMMs (carve_kernels/moe_prefill.py), run from the layer's
+own tensors or, for experts in host memory, through engine/runtime/gpu/host.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from carve_kernels import glu, host_split, moe, moe_decode, moe_prefill, quant_matmul
+from carve_kernels import glu, host_split, moe, moe_decode, moe_decode_q8, moe_prefill, quant_matmul
 from engine.runtime.gpu.layers import GEMV_ROWS, Experts, Ffn, gemv_rows
 from engine.runtime.gpu.rows import Rows
 
@@ -105,13 +105,13 @@ class MoeLayers:
             # (carve_kernels/NOTES.md)
             scratch = None if self.t_count is None else (self.t_part.view(-1),
                                                          self.t_count.view(-1))
-            moe_decode.expert_glu_q8(gp, g.ggml_type, up, u.ggml_type, ne, f.xq, ids, h, act, gb,
-                                     ub, hp.swiglu_limit, f.xq_h, use_pdl=pdl,
-                                     late=f.xq_h is not None, scratch=scratch)
+            moe_decode_q8.expert_glu_q8(gp, g.ggml_type, up, u.ggml_type, ne, f.xq, ids, h, act,
+                                        gb, ub, hp.swiglu_limit, f.xq_h, use_pdl=pdl,
+                                        late=f.xq_h is not None, scratch=scratch)
             if f.xq_h is not None:
-                moe_decode.expert_down_q8(dp, d.ggml_type, ne, f.xq_h, ids, w, a.proj, rows_out,
-                                          db, accumulate=f.shared is not None, use_pdl=pdl,
-                                          counter=b["moe_count"])
+                moe_decode_q8.expert_down_q8(dp, d.ggml_type, ne, f.xq_h, ids, w, a.proj,
+                                             rows_out, db, accumulate=f.shared is not None,
+                                             use_pdl=pdl, counter=b["moe_count"])
             else:
                 moe_decode.expert_down(dp, d.ggml_type, ne, h, ids, w, a.proj, db,
                                        accumulate=f.shared is not None, config=f.down_config,
