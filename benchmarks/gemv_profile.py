@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.device_check import ROTATE, graph_time, nerr, require_cuda
-from carve_kernels import glu, quant_matmul
+from carve_kernels import gemv_fused, glu, quant_matmul
 from carve_kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
@@ -131,11 +131,11 @@ def _fused(g: torch.Generator) -> None:
         glu.glu(both[:, :f], both[:, f:], "silu", out=act)
 
     sep = graph_time(separate)
-    fused = graph_time(lambda i=0: quant_matmul.gemv_glu(gates[i % ROTATE], ups[i % ROTATE],
-                                                         qt.Q4_K, x, "silu", out=act))
+    fused = graph_time(lambda i=0: gemv_fused.gemv_glu(gates[i % ROTATE], ups[i % ROTATE],
+                                                       qt.Q4_K, x, "silu", out=act))
     separate(0)
     ref = act.float().clone()
-    quant_matmul.gemv_glu(gates[0], ups[0], qt.Q4_K, x, "silu", out=act)
+    gemv_fused.gemv_glu(gates[0], ups[0], qt.Q4_K, x, "silu", out=act)
     print(f"gate/up+GLU Q4_K: separate {sep * 1e6:.1f} us, fused {fused * 1e6:.1f} us "
           f"({2 * gates[0].numel() / fused / 1e9:.0f} GB/s) err {nerr(act.float(), ref):.1e}",
           flush=True)
@@ -151,7 +151,7 @@ def _fused(g: torch.Generator) -> None:
             o += w.shape[0]
 
     sep = graph_time(three)
-    one = graph_time(lambda i=0: quant_matmul.gemv3(mats[i % ROTATE], x, qkv, bias))
+    one = graph_time(lambda i=0: gemv_fused.gemv3(mats[i % ROTATE], x, qkv, bias))
     nb = sum(w.numel() for w, _ in mats[0])
     print(f"q/k/v (Q4_K, Q4_K, Q6_K): separate {sep * 1e6:.1f} us, one launch {one * 1e6:.1f} "
           f"us ({nb / one / 1e9:.0f} GB/s)", flush=True)
@@ -277,7 +277,7 @@ def _qkv(g: torch.Generator) -> None:
             y = torch.empty(1, sum(rows), device="cuda", dtype=torch.bfloat16)
             part = torch.empty(PART, device="cuda")
             cnt = torch.zeros(4096, device="cuda", dtype=torch.int32)
-            base = graph_time(lambda i=0: quant_matmul.gemv3(
+            base = graph_time(lambda i=0: gemv_fused.gemv3(
                 [(w, t) for w, t in zip(ws[i % ROTATE], types)], x, y))
             tag = f"{label} qkv v={qt.type_name(tv)} {nb / 1e6:.1f} MB"
             print(f"{tag}: gemv3 {base * 1e6:.1f} us ({nb / base / 1e9:.0f} GB/s)", flush=True)

@@ -19,7 +19,17 @@ import pytest
 import torch
 from gpu_compare import chunk_and_decode_rows, decode_errors, rel
 
-from carve_kernels import attention, gemv_t, glu, kv_cache, norm, pdl, quant_matmul, rope
+from carve_kernels import (
+    attention,
+    gemv_fused,
+    gemv_t,
+    glu,
+    kv_cache,
+    norm,
+    pdl,
+    quant_matmul,
+    rope,
+)
 from engine.hardware.devices import DeviceSpec
 from engine.planning.plan import Plan
 from engine.process import protocol as p
@@ -330,7 +340,7 @@ def test_perplexity_on_the_runner_matches_the_cpu_engine(cached) -> None:
     assert abs(pg.value / pc.value - 1) < 1e-2
 
 
-KERNEL_MODULES = (attention, gemv_t, glu, kv_cache, norm, quant_matmul, rope)
+KERNEL_MODULES = (attention, gemv_fused, gemv_t, glu, kv_cache, norm, quant_matmul, rope)
 
 
 def kernel_inputs(monkeypatch) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr, poison
 
-from carve_kernels import attention, glu, kv_cache, norm, q8x, quant_matmul, rope
+from carve_kernels import attention, gemv_fused, glu, kv_cache, norm, q8x, quant_matmul, rope
 from carve_kernels.random_blocks import random_weight
 from spec import quant_types as qt
 
@@ -162,13 +162,13 @@ def test_int8_row_bodies_match_reference(t, seed, monkeypatch) -> None:
         assert nerr(out, ref, gemv_scale(w, t, xr)) < 1e-5
     u_ref = quant_matmul.gemv_ref(up, t, xr)
     out = poison((1, rows))
-    quant_matmul.gemv_glu(w, up, t, x, "silu", out=out, xq=xq)
+    gemv_fused.gemv_glu(w, up, t, x, "silu", out=out, xq=xq)
     scale = glu_scale(ref, u_ref, "silu", gemv_scale(w, t, xr),
                       gemv_scale(up, t, xr))
     assert nerr(out, glu.glu_ref(ref.double(), u_ref.double(), "silu"), scale) < 1e-5
     v = random_weight(qt.Q8_0, 3, cols, DEVICE, g)
     out = poison((1, 2 * rows + 3))
-    quant_matmul.gemv3([(w, t), (v, qt.Q8_0), (up, t)], x, out, xq=xq)
+    gemv_fused.gemv3([(w, t), (v, qt.Q8_0), (up, t)], x, out, xq=xq)
     if t == qt.IQ4_NL:  # its body's table constants do not reach gemv3: the walk on x
         ref, u_ref = (quant_matmul.gemv_ref(m, t, x.float()) for m in (w, up))
     want = torch.cat([ref, quant_matmul.gemv_ref(v, qt.Q8_0, x.float()), u_ref], dim=1)
@@ -202,7 +202,7 @@ def test_q8_0_unaligned_weight_takes_the_generic_walk_on_x(seed, q8_0_body):
     ref = quant_matmul.gemv_ref(raw[0], qt.Q8_0, xf)
     assert nerr(out, ref, gemv_scale(raw[0], qt.Q8_0, xf)) < 1e-5
     out = poison((1, rows))
-    quant_matmul.gemv_glu(raw[0], up, qt.Q8_0, x, "silu", out=out, xq=other)
+    gemv_fused.gemv_glu(raw[0], up, qt.Q8_0, x, "silu", out=out, xq=other)
     g_ref = ref
     u_ref = quant_matmul.gemv_ref(raw[1], qt.Q8_0, xf)
     scale = glu_scale(g_ref, u_ref, "silu", gemv_scale(raw[0], qt.Q8_0, xf),
@@ -212,7 +212,7 @@ def test_q8_0_unaligned_weight_takes_the_generic_walk_on_x(seed, q8_0_body):
     xq, xr = q8x.copy_ref(x[0])
     mats = [(raw[1], qt.Q8_0), (w, qt.Q8_0), (up, qt.Q8_0)]
     out = poison((1, 3 * rows))
-    quant_matmul.gemv3(mats, x, out, xq=xq)
+    gemv_fused.gemv3(mats, x, out, xq=xq)
     ref = torch.cat([quant_matmul.gemv_ref(raw[1], qt.Q8_0, xr),
                      quant_matmul.gemv_ref(raw[0], qt.Q8_0, xf),
                      quant_matmul.gemv_ref(raw[1], qt.Q8_0, xf)], dim=1)
@@ -231,7 +231,7 @@ def test_gemv_glu_matches_reference(ggml_type, act, seed):
     up = random_weight(ggml_type, rows, cols, DEVICE, g)
     x = torch.randn(1, cols, generator=g, device=DEVICE).to(torch.bfloat16)
     out = poison((1, rows))
-    quant_matmul.gemv_glu(gate, up, ggml_type, x, act, out=out)
+    gemv_fused.gemv_glu(gate, up, ggml_type, x, act, out=out)
     xf = x.float()
     g_ref = quant_matmul.gemv_ref(gate, ggml_type, xf)
     u_ref = quant_matmul.gemv_ref(up, ggml_type, xf)
@@ -252,7 +252,7 @@ def test_gemv3_matches_three_gemvs(with_bias, seed):
         if with_bias else None
     x = torch.randn(1, cols, generator=g, device=DEVICE)
     out = poison((1, sum(w.shape[0] for w, _ in mats)))
-    quant_matmul.gemv3(mats, x, out, biases)
+    gemv_fused.gemv3(mats, x, out, biases)
     bs = biases or [None] * len(mats)
     ref = torch.cat([quant_matmul.gemv_ref(w, t, x, bias=b) for (w, t), b in zip(mats, bs)], dim=1)
     scale = torch.cat([gemv_scale(w, t, x, b) for (w, t), b in zip(mats, bs)], dim=1)

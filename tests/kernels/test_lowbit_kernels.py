@@ -11,7 +11,7 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr, poison
 
-from carve_kernels import glu, q8x, quant_matmul
+from carve_kernels import gemv_fused, glu, q8x, quant_matmul
 from carve_kernels.lowbit_blocks import LOWBIT_PLANS, TABLE_TYPES, lookup_table
 from carve_kernels.quant_blocks import PLANS
 from carve_kernels.random_blocks import random_weight
@@ -94,7 +94,7 @@ def test_gemv_glu_matches_reference(ggml_type, seed):
     up = random_weight(ggml_type, rows, cols, DEVICE, g)
     x = torch.randn(1, cols, generator=g, device=DEVICE).to(torch.bfloat16)
     out = poison((1, rows))
-    quant_matmul.gemv_glu(gate, up, ggml_type, x, "silu", out=out)
+    gemv_fused.gemv_glu(gate, up, ggml_type, x, "silu", out=out)
     assert _glu_err(out, gate, up, ggml_type, x.float()) < 1e-5
 
 
@@ -106,7 +106,7 @@ def test_gemv3_of_three_table_types(seed):
                            DEVICE, g), t) for t in (qt.IQ2_XXS, qt.IQ4_XS, qt.IQ3_S)]
     x = torch.randn(1, cols, generator=g, device=DEVICE)
     out = poison((1, sum(w.shape[0] for w, _ in mats)))
-    quant_matmul.gemv3(mats, x, out)
+    gemv_fused.gemv3(mats, x, out)
     assert _gemv3_err(out, mats, [x] * 3) < 1e-5
 
 
@@ -173,7 +173,7 @@ def test_row_body_on_int8_x(ggml_type, seed, monkeypatch):
     assert nerr(out, -ref, gemv_scale(w, ggml_type, xr)) < 1e-5
     # gate/up in one launch
     out = poison((1, rows))
-    quant_matmul.gemv_glu(w, up, ggml_type, x, "silu", out=out, xq=xq)
+    gemv_fused.gemv_glu(w, up, ggml_type, x, "silu", out=out, xq=xq)
     assert _glu_err(out, w, up, ggml_type, xr) < 1e-5
 
 
@@ -187,6 +187,6 @@ def test_gemv3_mixes_int8_and_float_x(seed):
     x = torch.randn(1, cols, generator=g, device=DEVICE).to(torch.bfloat16)
     xq, xr = q8x.copy_ref(x[0])
     out = poison((1, sum(w.shape[0] for w, _ in mats)))
-    quant_matmul.gemv3(mats, x, out, xq=xq)
+    gemv_fused.gemv3(mats, x, out, xq=xq)
     xs = [xr if t in quant_matmul.ROW_BODY_TYPES else x.float() for t in types]
     assert _gemv3_err(out, mats, xs) < 1e-5

@@ -12,7 +12,16 @@ from typing import Any
 import torch
 import triton
 
-from carve_kernels import gemv_t, moe_decode, moe_decode_q8, q8x, quant_matmul, rope, t_layout
+from carve_kernels import (
+    gemv_fused,
+    gemv_t,
+    moe_decode,
+    moe_decode_q8,
+    q8x,
+    quant_matmul,
+    rope,
+    t_layout,
+)
 from engine.runtime.gpu.layers import Attention, Experts, Ffn, Latent, Layer, Matrix
 from engine.runtime.options import RunnerOptions
 from spec import quant_types as qt
@@ -289,8 +298,8 @@ class LayerBuilder:
         """Decode's gate, up and GLU in one launch when the pair has one type and shape and
         both or neither are in the T layout."""
         in_t = (gate.t_bytes is not None) + (up.t_bytes is not None)
-        if in_t == 1 or not quant_matmul.can_pair(gate.packed, gate.ggml_type, up.packed,
-                                                  up.ggml_type):
+        if in_t == 1 or not gemv_fused.can_pair(gate.packed, gate.ggml_type, up.packed,
+                                                up.ggml_type):
             return "", None
         if in_t:
             return "t_glu", self._t_config(gate.rows)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from carve_kernels import (
+    gemv_fused,
     gemv_t,
     glu,
     lowbit_blocks,
@@ -395,9 +396,9 @@ class GpuStage(AttentionLayers, MoeLayers, DecodeGraph):
                               config=f.fused_config, xq=xq, out_q=oq, use_pdl=self.pdl)
             return oq
         if gemv and f.fused == "gemv_glu":
-            quant_matmul.gemv_glu(f.gate.packed, f.up.packed, f.gate.ggml_type, x, self.hp.act,
-                                  out=a.ffn_act, config=f.fused_config, use_pdl=self.pdl,
-                                  xq=xq)
+            gemv_fused.gemv_glu(f.gate.packed, f.up.packed, f.gate.ggml_type, x, self.hp.act,
+                                out=a.ffn_act, config=f.fused_config, use_pdl=self.pdl,
+                                xq=xq)
             return None
         nf = self.hp.n_ff
         self._linear(f.gate, x, a.ffn_up[:, :nf], xq=xq)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from carve_kernels import glu, host_split, moe, moe_decode, moe_decode_q8, moe_prefill, quant_matmul
+from carve_kernels import gemv_fused, glu, host_split, moe, moe_decode, moe_decode_q8, moe_prefill
 from engine.runtime.gpu.layers import GEMV_ROWS, Experts, Ffn, gemv_rows
 from engine.runtime.gpu.rows import Rows
 
@@ -140,8 +140,8 @@ class MoeLayers:
         n, nf, x = a.n, f.gate.rows, a.normed
         act = self.buf["ffn_act"].view(-1)[: n * nf].view(n, nf)
         if gemv_rows(n, (f.gate, f.up), act) and f.fused == "gemv_glu":
-            quant_matmul.gemv_glu(f.gate.packed, f.up.packed, f.gate.ggml_type, x, self.hp.act,
-                                  out=act, config=f.fused_config, use_pdl=self.pdl)
+            gemv_fused.gemv_glu(f.gate.packed, f.up.packed, f.gate.ggml_type, x, self.hp.act,
+                                out=act, config=f.fused_config, use_pdl=self.pdl)
         else:
             gu = self.buf["ffn_up"].view(-1)[: 2 * n * nf].view(n, 2 * nf)
             self._linear(f.gate, x, gu[:, :nf])
