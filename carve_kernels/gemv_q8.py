@@ -33,8 +33,6 @@ from carve_kernels.gemv_dot import _k4_scale, q80_rows_dot
 from carve_kernels.gemv_q8_blocks import (
     iq4nl_q8_rows_dot,
     mxfp4_q8_rows_dot,
-    q40_q8_rows_dot,
-    q41_q8_rows_dot,
     q50_q8_rows_dot,
 )
 from carve_kernels.gemv_t_dot import _dp4a, _q6_s8
@@ -252,8 +250,8 @@ def quarter_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes,
 Q8_TYPES = (12, 14, 39, 6, 11, 8)  # Q4_K, Q6_K, MXFP4, Q5_0, Q3_K, Q8_0
 # bodies written and checked here, not yet measured in a decode step: decode's experts take
 # them only on trial (CARVE_TRIAL names them: moe_decode_q8.Q8_ON_TRIAL), by trial name
-Q8_TRIAL_TYPES = {"iq4nl_experts": (20,), "legacy_experts": (2, 3, 7)}
-Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256, 6: 32, 20: 32, 8: 32, 2: 32, 3: 32, 7: 32}
+Q8_TRIAL_TYPES = {"iq4nl_experts": (20,)}
+Q8_BLOCK = {12: 256, 14: 256, 39: 32, 11: 256, 6: 32, 20: 32, 8: 32}
 
 
 @triton.jit
@@ -262,7 +260,7 @@ def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row
                 ASM: tl.constexpr, L0: tl.constexpr = 0, L1: tl.constexpr = 0,
                 L2: tl.constexpr = 0, L3: tl.constexpr = 0):
     """[BLOCK_R] float32 dot products of rows ``rows_c`` of a Q4_K, Q6_K, MXFP4, Q3_K, Q5_0,
-    Q4_0, Q4_1, Q5_1, IQ4_NL or Q8_0 (carve_kernels/gemv_dot.py ``q80_rows_dot``) weight (its
+    IQ4_NL or Q8_0 (carve_kernels/gemv_dot.py ``q80_rows_dot``) weight (its
     bytes, 16-bit words and int32 words; ``nblk`` blocks of ``Q8_BLOCK[TYPE]`` values a row) with x's int8
     copy (values, scales, sums); L0..L3: IQ4_NL's table (``lut_words``)."""
     if TYPE == 12:
@@ -274,12 +272,6 @@ def q8_rows_dot(w_ptr, wh_ptr, wi_ptr, xq_ptr, xd_ptr, xs_ptr, rows_c, nblk, row
     elif TYPE == 6:
         y = q50_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
                             BLOCK_B, ASM)
-    elif TYPE == 2:
-        y = q40_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, BLOCK_R,
-                            BLOCK_B, ASM)
-    elif TYPE == 3 or TYPE == 7:
-        y = q41_q8_rows_dot(w_ptr, wh_ptr, xq_ptr, xd_ptr, rows_c, nblk, row_bytes, TYPE,
-                            BLOCK_R, BLOCK_B, ASM)
     elif TYPE == 8:
         # x's int8 values as bytes (q80_rows_dot tells int8 x from float x by the pointer)
         y = q80_rows_dot(w_ptr, xq_ptr.to(tl.pointer_type(tl.int8)), xd_ptr, rows_c, nblk,

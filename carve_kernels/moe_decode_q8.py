@@ -32,8 +32,9 @@ from spec import quant_types as qt
 # - Q8_0 (gemv_dot's q80_rows_dot): GLM-4.5-Air Q4_K_M (22 of its routed downs Q8_0, Q6_K's
 #   fallback on 1408-value rows) tg64 168.5 against 155.9 t/s on the generic bf16-x walk (H200,
 #   2026-12-04, same greedy ids);
-# - on trial: IQ4_NL (iq4nl_experts) and Q4_0, Q4_1, Q5_1 (legacy_experts: the dense GEMVs'
-#   bodies).
+# - on trial: IQ4_NL (iq4nl_experts). Q4_0, Q4_1 and Q5_1 experts on the dense GEMVs' bodies
+#   at these tiles lost (30B-A3B all Q4_0 tg128 301.6 against 350.7 t/s on bf16 x, H100,
+#   2026-12-07): they read bf16 x.
 BLOCK_TILES = {"glu": (32, 16, 8), "down": (16, 32, 4)}
 EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     (qt.Q4_K, "glu"): (32, 4, 4), (qt.Q6_K, "glu"): (32, 1, 4),
@@ -45,7 +46,7 @@ EXPERT_Q8_CONFIG: dict[tuple[int, str], tuple[int, int, int]] = {
     # (bf16 x, split 40.6; 41.9 at 16x1x2); GLM-4.5-Air Q3_K_M (its gate/up experts Q3_K) tg64
     # 146.5 against 135.9 t/s on bf16 x (H200, 2026-12-04, same greedy ids)
     (qt.Q3_K, "glu"): (32, 8, 8), (qt.Q3_K, "down"): (128, 4, 8),
-    **{(t, part): cfg for t in (qt.MXFP4, qt.Q5_0, qt.Q8_0, qt.IQ4_NL, qt.Q4_0, qt.Q4_1, qt.Q5_1)
+    **{(t, part): cfg for t in (qt.MXFP4, qt.Q5_0, qt.Q8_0, qt.IQ4_NL)
        for part, cfg in BLOCK_TILES.items()},
 }
 
@@ -64,8 +65,8 @@ def _lut(*types: int) -> dict:
 
 def q8_able(ggml_type: int, cols: int) -> bool:
     """Whether decode's expert GEMVs of this type and row length multiply x's int8 copy (the
-    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4, Q5_0, Q3_K, Q8_0; IQ4_NL,
-    Q4_0, Q4_1 and Q5_1 on trial)."""
+    types with a body in carve_kernels/gemv_q8.py: Q4_K, Q6_K, MXFP4, Q5_0, Q3_K, Q8_0; IQ4_NL
+    on trial)."""
     return ((ggml_type in Q8_TYPES or ggml_type in Q8_ON_TRIAL)
             and cols % Q8_BLOCK[ggml_type] == 0)
 
@@ -74,10 +75,9 @@ def _q8_views(w: torch.Tensor, ggml_type: int, what: str):
     if w.dtype != torch.uint8 or w.dim() != 2 or not w.is_contiguous():
         raise ValueError(f"{what} must be contiguous uint8 [rows, row_bytes]")
     # Q4_K reads int32 words (its 144-byte blocks keep rows 4-byte aligned), Q6_K and Q3_K
-    # 16-bit ones, MXFP4, Q5_0, IQ4_NL, Q8_0, Q4_0, Q4_1 and Q5_1 the aligned int32 words
-    # around their 17-, 22-, 18-, 34-, 18-, 20- and 24-byte blocks (the tensor 4-byte aligned;
-    # their d (and m) 16-bit loads)
-    if ggml_type in (qt.MXFP4, qt.Q5_0, qt.IQ4_NL, qt.Q8_0, qt.Q4_0, qt.Q4_1, qt.Q5_1):
+    # 16-bit ones, MXFP4, Q5_0, IQ4_NL and Q8_0 the aligned int32 words around their 17-, 22-,
+    # 18- and 34-byte blocks (the tensor 4-byte aligned; their d 16-bit loads)
+    if ggml_type in (qt.MXFP4, qt.Q5_0, qt.IQ4_NL, qt.Q8_0):
         if w.data_ptr() % 4:
             raise ValueError(f"{what}: {qt.type_name(ggml_type)} experts must start 4-byte "
                              "aligned for the int8-x body")

@@ -83,7 +83,7 @@ SPECIAL_ALIGN = {qt.Q4_K: 16}
 # generic walk; Q5_0's, Q4_0's, Q4_1's and Q5_1's on decode's int8 x alone (INT8_BODY_TYPES),
 # 4-byte aligned too
 ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
-                            qt.IQ1_M, qt.IQ4_XS, qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1})
+                            qt.IQ1_M, qt.IQ4_XS, qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1, qt.IQ4_NL})
 # the byte alignment of the weight's start that a row body's word loads assume (the others: 1)
 ROW_BODY_ALIGN = {qt.Q8_0: 4, qt.Q5_0: 4, qt.Q4_0: 4, qt.Q4_1: 4, qt.Q5_1: 4, qt.IQ4_NL: 4}
 # row bodies on decode's int8 copy of x alone (carve_kernels/gemv_q8_blocks.py, the expert GEMVs'
@@ -98,8 +98,9 @@ ROW_BODY_ALIGN = {qt.Q8_0: 4, qt.Q5_0: 4, qt.Q4_0: 4, qt.Q4_1: 4, qt.Q5_1: 4, qt
 # / 34.5 / 41.8 us (50 / 58 / 58 % of the floor; the best of device_check's six tiles) against
 # 70.4 / 63.3 / 116.6 on the generic walk; Qwen2-7B all Q4_0 tg128 342.4 against 265.7 t/s,
 # all Q4_1 305.6 against 282.7 (int8 x off, same call, same greedy ids; H200, 2026-12-04).
-# IQ4_NL's (its table as the kernels' constants; gemv3 leaves it to the generic walk) is on
-# trial (ROW_BODY_TRIAL)
+# IQ4_NL's (the expert GEMVs' iq4nl_q8_rows_dot, its table as the kernels' constants; gemv3
+# leaves it to the generic walk): Qwen2-7B all IQ4_NL tg128 224.0 against 165.9 t/s, the same
+# greedy ids (H100, 2026-12-07, one lease, as trial iq4nl_rows)
 INT8_BODY_TYPES = frozenset({qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1, qt.IQ4_NL})
 GEMV_CONFIG_BODY: dict[int, tuple[int, ...]] = {t: (4, 32, 4) for t in INT8_BODY_TYPES}
 # bodies of their own not switched on: Q2_K (carve_kernels/gemv_lowbit.py q2k_rows_dot) measured
@@ -108,10 +109,10 @@ GEMV_CONFIG_BODY: dict[int, tuple[int, ...]] = {t: (4, 32, 4) for t in INT8_BODY
 # ROW_BODY_TYPES (the tests; benchmarks/device_check.py --types, which times it beside the
 # generic walk; CARVE_TRIAL=q2k_rows). Q8_0 (carve_kernels/gemv_dot.py q80_rows_dot, a thread per
 # block read as aligned int32 words; decode's int8 copy of x reaches its q/k/v, gate/up and
-# head): written 2026-12-03, not yet timed on a GPU (CARVE_TRIAL=q8_0_rows). IQ4_NL (the expert
-# GEMVs' iq4nl_q8_rows_dot on int8 x; CARVE_TRIAL=iq4nl_rows): written 2026-12-04, checked
-# under the interpreter, not yet timed on a GPU
-ROW_BODY_TRIAL = frozenset({qt.Q2_K, qt.Q8_0, qt.IQ4_NL})
+# head): written 2026-12-03 (CARVE_TRIAL=q8_0_rows); a tie where it was timed (H100,
+# 2026-12-07: the IQ2_XXS mix with Q8_0 attention, 434.8 against 434.9 t/s), where the T
+# layout takes Q8_0's big matrices
+ROW_BODY_TRIAL = frozenset({qt.Q2_K, qt.Q8_0})
 
 
 def gemv_config(ggml_type: int, rows: int, cols: int) -> tuple[int, ...]:

@@ -19,16 +19,12 @@ TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (carve_kernels/gemv_lowbit.py)",
     "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x "
                  "(carve_kernels/gemv_dot.py)",
-    "iq4nl_rows": "IQ4_NL's row body for decode GEMVs in GGUF order, on int8 x "
-                  "(carve_kernels/gemv_q8_blocks.py iq4nl_q8_rows_dot)",
-    "legacy_experts": "decode's Q4_0, Q4_1 and Q5_1 experts on int8 x (the dense GEMVs' bodies, "
-                      "carve_kernels/gemv_q8_blocks.py)",
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
 }
 # the trials that put a type's row body in quant_matmul.ROW_BODY_TYPES
-ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0, "iq4nl_rows": qt.IQ4_NL}
+ROW_TRIALS = {"q2k_rows": qt.Q2_K, "q8_0_rows": qt.Q8_0}
 
 
 @dataclass(frozen=True, slots=True)

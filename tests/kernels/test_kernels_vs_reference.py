@@ -145,8 +145,7 @@ def test_int8_row_bodies_match_reference(t, seed, monkeypatch) -> None:
     # (beside a Q8_0 matrix on the generic walk): 7 blocks a row (Q4_0's and Q5_0's rows of
     # 126 and 154 bytes, 2 mod 4: blocks start at both halves of a word), 9 rows in tiles of 4
     # and steps of 4 blocks (both last ones partial), and the default tile; on bf16 x (no
-    # copy, or more than one row) the generic walk at its own tile. IQ4_NL's is on trial
-    # (CARVE_TRIAL=iq4nl_rows)
+    # copy, or more than one row) the generic walk at its own tile
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", quant_matmul.ROW_BODY_TYPES | {t})
     g = generator(seed)
     rows, cols = 9, 32 * 7

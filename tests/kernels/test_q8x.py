@@ -153,16 +153,14 @@ def test_int8_x_is_refused_where_it_cannot_go():
                                                  (qt.Q3_K, qt.Q3_K), (qt.Q5_0, qt.Q5_0),
                                                  (qt.Q3_K, qt.Q5_0), (qt.IQ4_NL, qt.IQ4_NL),
                                                  (qt.Q3_K, qt.IQ4_NL), (qt.Q8_0, qt.Q8_0),
-                                                 (qt.Q4_K, qt.Q8_0), (qt.Q4_0, qt.Q4_0),
-                                                 (qt.Q4_1, qt.Q5_1), (qt.Q5_1, qt.Q4_1)],
+                                                 (qt.Q4_K, qt.Q8_0)],
                          ids=lambda t: qt.type_name(t))
 def test_expert_gemvs_on_int8_x_match_reference(gate_type, down_type, seed, monkeypatch):
     # decode's routed experts in GGUF order on the int8 copies (carve_kernels/gemv_q8.py): gate/up
     # of the chosen experts on x's copy writing the int8 copy of their GLU outputs, then down
     # on that copy, each against the reference GEMV on the dequantized int8 input; MXFP4 as
     # gpt-oss runs it (biases, the clamped SwiGLU, an odd number of 32-value blocks a row);
-    # IQ4_NL's, Q4_0's, Q4_1's and Q5_1's are on trial (CARVE_TRIAL=iq4nl_experts,
-    # legacy_experts)
+    # IQ4_NL's is on trial (CARVE_TRIAL=iq4nl_experts)
     monkeypatch.setattr(moe_decode_q8, "Q8_ON_TRIAL",
                         frozenset(t for ts in gemv_q8.Q8_TRIAL_TYPES.values() for t in ts))
     g = generator(seed)
