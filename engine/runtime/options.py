@@ -66,7 +66,7 @@ class RunnerOptions:
     ``CARVE_EXPERT_TILES``: empty (default) or ``TYPE/PART=ROWS,BLOCKS,WARPS`` entries
         separated by ``;`` (``Q4_K/glu=32,4,8;Q6_K/down=16,1,2``): decode's int8-x expert
         GEMV tiles (carve_kernels/moe_decode_q8.py ``EXPERT_Q8_CONFIG``) for a type (Q4_K, Q6_K,
-        MXFP4, Q5_0; Q3_K, IQ4_NL, Q8_0 with their trials) and part (glu: gate/up, down), so
+        MXFP4, Q5_0, Q3_K, Q8_0; IQ4_NL with its trial) and part (glu: gate/up, down), so
         that a tile a kernel sweep found (``benchmarks.device_check --moe``) is measured in
         the step before it is adopted.
     ``CARVE_T_TILES``: empty (default) or ``PART=WARPS,PROGRAMS[,ROWS]`` entries separated by
