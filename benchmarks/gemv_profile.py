@@ -262,7 +262,7 @@ def _qkv(g: torch.Generator) -> None:
     """q, k, v in one launch: the GGUF-order gemv3 against gemv_t3 on float x and on x's int8
     copy (Q4_K q and k, v Q4_K or Q6_K as Q4_K_M gives it); then single small matrices,
     GGUF order against T on int8 x (where T_MIN_BYTES sits once x is int8)."""
-    from carve_kernels import gemv_t, q8x, t_layout
+    from carve_kernels import gemv_t, gemv_t3, q8x, t_layout
 
     for label, e, nq, nkv in QKV_SHAPES:
         for tv in (qt.Q4_K, qt.Q6_K):
@@ -283,9 +283,9 @@ def _qkv(g: torch.Generator) -> None:
             print(f"{tag}: gemv3 {base * 1e6:.1f} us ({nb / base / 1e9:.0f} GB/s)", flush=True)
             for cfg in QKV_CONFIGS:
                 for use in (False, True):
-                    gemv_t.gemv_t3(ts[0], x, y, part, cnt, config=cfg, xq=xq if use else None)
+                    gemv_t3.gemv_t3(ts[0], x, y, part, cnt, config=cfg, xq=xq if use else None)
                     err = nerr(y.float(), ref)
-                    sec = graph_time(lambda i=0: gemv_t.gemv_t3(
+                    sec = graph_time(lambda i=0: gemv_t3.gemv_t3(
                         ts[i % ROTATE], x, y, part, cnt, config=cfg, xq=xq if use else None))
                     print(f"  t3 {cfg} {'int8' if use else 'float'}: {sec * 1e6:.1f} us "
                           f"({nb / sec / 1e9:.0f} GB/s, {base / sec:.2f}x) err {err:.1e}",

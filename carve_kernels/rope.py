@@ -88,7 +88,7 @@ def rope_store_heads(x_ptr, pos_ptr, kc, kc8, kch, cells, n_q, KVH, stride_t, st
                      QK_NORM: tl.constexpr):
     # heads [h0, min(h0 + BLOCK_H, h_end)) of token t's q heads then k heads rotated in place,
     # the k heads among them (from n_q on) also stored into the cache; also the epilogue of
-    # q/k/v's T GEMV (carve_kernels/gemv_t.py gemv_t3 with ``rope=``)
+    # q/k/v's T GEMV (carve_kernels/gemv_t3.py gemv_t3 with ``rope=``)
     heads, i1, i2, y1, y2 = _rope_heads(x_ptr, pos_ptr, f_ptr, stride_t, stride_h, h0, h_end,
                                         log2_base, freq_scale, mscale, t, D, HALF, NEOX,
                                         BLOCK_H, FREQS, wq_ptr, wk_ptr, n_q, eps, QK_NORM)
@@ -156,7 +156,7 @@ def store_args(positions: torch.Tensor, base: float, neox: bool, freq_scale: flo
                qk_norm: tuple | None = None) -> tuple[tuple, dict]:
     """(arguments, constexprs) of decode's rotation and cache store (``rope_store_heads`` and
     ``_kv_store_one``): what ``rope_store`` and the q/k/v GEMV that rotates in its epilogue
-    (carve_kernels/gemv_t.py gemv_t3 ``rope=``) pass; arguments from ``pos_ptr`` to ``eps``,
+    (carve_kernels/gemv_t3.py gemv_t3 ``rope=``) pass; arguments from ``pos_ptr`` to ``eps``,
     constexprs D, HALF, NEOX, Q8, FREQS, QK_NORM. Checked as ``rope_store`` documents."""
     d = head_dim
     if not can_fuse_store(neox, k_cache, d) or d & (d - 1):

@@ -23,6 +23,7 @@ from carve_kernels import (
     attention,
     gemv_fused,
     gemv_t,
+    gemv_t3,
     glu,
     kv_cache,
     norm,
@@ -236,7 +237,7 @@ def test_int8_x_decode_matches_the_cpu_engine(wide, wide_q4k, all_t, monkeypatch
 
     monkeypatch.setattr(gemv_t, "gemv_t_glu", spy("glu", gemv_t.gemv_t_glu, "xq", "out_q"))
     monkeypatch.setattr(gemv_t, "gemv_t", spy("one", gemv_t.gemv_t, "xq"))
-    monkeypatch.setattr(gemv_t, "gemv_t3", spy("qkv", gemv_t.gemv_t3, "xq"))
+    monkeypatch.setattr(gemv_t3, "gemv_t3", spy("qkv", gemv_t3.gemv_t3, "xq"))
     with beside_cpu(plan(path, act_dtype="bf16", logits_rows=12),
                     plan(path, logits_rows=12)) as (g, c):
         assert g.pipe.stages[0].xq is not None
@@ -340,7 +341,8 @@ def test_perplexity_on_the_runner_matches_the_cpu_engine(cached) -> None:
     assert abs(pg.value / pc.value - 1) < 1e-2
 
 
-KERNEL_MODULES = (attention, gemv_fused, gemv_t, glu, kv_cache, norm, quant_matmul, rope)
+KERNEL_MODULES = (attention, gemv_fused, gemv_t, gemv_t3, glu, kv_cache, norm, quant_matmul,
+                  rope)
 
 
 def kernel_inputs(monkeypatch) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Decode's RoPE and KV-cache store in the epilogue of the q/k/v T GEMV (carve_kernels/gemv_t.py
+"""Decode's RoPE and KV-cache store in the epilogue of the q/k/v T GEMV (carve_kernels/gemv_t3.py
 gemv_t3 ``rope=``, the default where its row tiles hold whole heads) against separate
 launches, through a whole GPU stage whose every layer takes the path: decode logits (so greedy
 ids) do not change by a bit. The kernel's own test (tests/kernels/test_gemv_t.py) covers rings,
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from carve_kernels import gemv_t
+from carve_kernels import gemv_t3
 from engine.hardware.devices import DeviceSpec
 from engine.planning.plan import KvType, Plan
 from engine.runtime.gpu.session import GpuSession
@@ -62,7 +62,7 @@ def _plan(tmp_path, arch: str, kv: KvType) -> Plan:
 def test_rope_in_the_qkv_launch_changes_no_bit(arch, kv, tmp_path, monkeypatch) -> None:
     plan = _plan(tmp_path, arch, kv)
     a = _decode(plan, True)
-    monkeypatch.setattr(gemv_t, "rope_fits", lambda *args: False)  # separate launches
+    monkeypatch.setattr(gemv_t3, "rope_fits", lambda *args: False)  # separate launches
     b = _decode(plan, False)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not torch.equal(a[0], a[-1])  # the steps saw different tokens

@@ -10,7 +10,7 @@ import pytest
 import torch
 from reference_check import DEVICE, gemv_scale, generator, glu_scale, nerr
 
-from carve_kernels import gemv_t, glu, q8x, quant_matmul, rope, t_layout
+from carve_kernels import gemv_t, gemv_t3, glu, q8x, quant_matmul, rope, t_layout
 from carve_kernels.random_blocks import random_weight
 from spec import launch
 from spec import quant_types as qt
@@ -208,8 +208,8 @@ def test_gemv_t3_matches_three_reference_gemvs(split, int8_x, qk_same, seed):
     part = torch.full((m * nb * sum(rows),), float("nan"), device=DEVICE)
     counter = torch.zeros(m, tiles, dtype=torch.int32, device=DEVICE)
     out = torch.full((m, sum(rows)), float("nan"), device=DEVICE)
-    gemv_t.gemv_t3([(t_layout.repack(w, t), t, r) for w, t, r in zip(ws, types, rows)], x, out,
-                   part, counter, biases, config=(32, 1, tiles * (nb if split else 1)), xq=xq)
+    gemv_t3.gemv_t3([(t_layout.repack(w, t), t, r) for w, t, r in zip(ws, types, rows)], x, out,
+                    part, counter, biases, config=(32, 1, tiles * (nb if split else 1)), xq=xq)
     bs = biases or [None] * 3
     ref = torch.cat([quant_matmul.gemv_ref(w, t, xr, bias=b) for w, t, b in zip(ws, types, bs)],
                     dim=1)
@@ -258,9 +258,9 @@ def test_gemv_t3_rotates_and_stores_as_rope_store(kv_type, neox, qk_norm, split,
         kc, vc = cache(), cache()
         args = dict(positions=pos, base=10000.0, neox=neox, freq_scale=1.0, k_cache=kc,
                     v_cache=vc, cells=cells, qk_norm=(*w_norm, 1e-6) if qk_norm else None)
-        assert gemv_t.rope_fits(rows, d, config)
-        gemv_t.gemv_t3(mats, x, out, part, counter, biases, config=config,
-                       rope={**args, "head_dim": d} if fused else None)
+        assert gemv_t3.rope_fits(rows, d, config)
+        gemv_t3.gemv_t3(mats, x, out, part, counter, biases, config=config,
+                        rope={**args, "head_dim": d} if fused else None)
         if not fused:
             qk = out[:, :rows[0] + rows[1]].view(m, nq + kvh, d)
             rope.rope_store(qk, out[:, rows[0] + rows[1]:].view(m, kvh, d), pos, 10000.0, neox,
@@ -275,10 +275,10 @@ def test_gemv_t3_rotates_and_stores_as_rope_store(kv_type, neox, qk_norm, split,
 
 
 def test_gemv_t3_refuses_heads_across_tiles():
-    assert not gemv_t.rope_fits([96, 32, 32], 64, (32, 1, 1))  # a head over two tiles
-    assert not gemv_t.rope_fits([160, 80, 80], 80, (128, 4, 1))  # head_dim not a power of two
-    assert not gemv_t.rope_fits([128, 64, 32], 32, (64, 1, 1))  # fewer value heads than keys
-    assert gemv_t.rope_fits([3584, 512, 512], 128, None)
+    assert not gemv_t3.rope_fits([96, 32, 32], 64, (32, 1, 1))  # a head over two tiles
+    assert not gemv_t3.rope_fits([160, 80, 80], 80, (128, 4, 1))  # head_dim not a power of two
+    assert not gemv_t3.rope_fits([128, 64, 32], 32, (64, 1, 1))  # fewer value heads than keys
+    assert gemv_t3.rope_fits([3584, 512, 512], 128, None)
 
 
 def test_split_sums_repeat_bit_for_bit(seed):
@@ -366,8 +366,8 @@ def test_bad_buffers_and_types_are_refused(seed):
         gemv_t.gemv_t(t[:-4], qt.Q4_K, 64, x, out, small, cnt)
     t2 = t_layout.repack(random_weight(qt.Q4_K, 64, 256, DEVICE, g), qt.Q4_K)
     with pytest.raises(ValueError, match="same number of columns"):
-        gemv_t.gemv_t3([(t, qt.Q4_K, 64), (t2, qt.Q4_K, 64), (t, qt.Q4_K, 64)], x,
-                       torch.empty(1, 192, device=DEVICE), small, cnt)
+        gemv_t3.gemv_t3([(t, qt.Q4_K, 64), (t2, qt.Q4_K, 64), (t, qt.Q4_K, 64)], x,
+                        torch.empty(1, 192, device=DEVICE), small, cnt)
 
 
 def test_every_grid_type_reads_a_shared_grid_on_a_gpu():
@@ -420,7 +420,7 @@ def test_the_grid_from_shared_memory_gives_the_same_sums(ggml_type, int8_x, monk
         three = torch.full((1, 3 * rows), float("nan"), device=DEVICE)
         gemv_t.gemv_t(wts[0], ggml_type, rows, x, one, part, counter, xq=xq)
         gemv_t.gemv_t_glu(wts[0], wts[1], ggml_type, rows, x, glu_out, part, counter, xq=xq)
-        gemv_t.gemv_t3([(w, ggml_type, rows) for w in wts], x, three, part, counter, xq=xq)
+        gemv_t3.gemv_t3([(w, ggml_type, rows) for w in wts], x, three, part, counter, xq=xq)
         return [one, glu_out, three]
 
     monkeypatch.setattr(gemv_t, "SMEM_TYPES", frozenset())

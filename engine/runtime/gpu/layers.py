@@ -72,7 +72,7 @@ class Attention:
     rope_store: bool  # decode rotates k and stores k and v in one launch
     # ... and norms q and k per head first (qwen3's q/k norms: one launch a layer less)
     qk_norm_in_rope: bool
-    # ... and that launch is the epilogue of decode's q/k/v T GEMV (gemv_t.gemv_t3 ``rope=``)
+    # ... and that launch is the epilogue of decode's q/k/v T GEMV (gemv_t3.gemv_t3 ``rope=``)
     rope_in_qkv: bool
     rope_dim: int  # leading dims of each head RoPE rotates (glm4moe: part of head_dim)
     rope_freqs: torch.Tensor | None  # the frequency per pair (buf.rope_freqs) or None

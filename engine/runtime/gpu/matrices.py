@@ -15,6 +15,7 @@ import triton
 from carve_kernels import (
     gemv_fused,
     gemv_t,
+    gemv_t3,
     moe_decode,
     moe_decode_q8,
     q8x,
@@ -34,7 +35,7 @@ T_MATRICES = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_outpu
 # than the layout saves (H200, bf16 x: Qwen2-7B's 7.2 MB attn_output 8.4 -> 9.8 us in T,
 # 0.5B's 2.4 MB ffn_down 5.8 -> 7.8 us; 32B's 14.7 MB attn_output 18.3 -> 14.3 us)
 T_MIN_BYTES = 12 << 20
-# q, k and v go to the T layout together (one launch, carve_kernels/gemv_t.py gemv_t3) when all
+# q, k and v go to the T layout together (one launch, carve_kernels/gemv_t3.py) when all
 # three can, whatever their size (on int8 x the one launch beats GGUF order's gemv3 even at 7B's 9.7
 # MB: 9.1 against ~11.6 us on an H200)
 QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
@@ -254,7 +255,7 @@ class LayerBuilder:
             # whole-vector q/k norms (minimax-m2) run between q/k/v and the rotation
             qk_norm_in_rope=rope_store and hp.qk_norm and not whole,
             rope_in_qkv=(rope_store and fused == "t3" and not whole
-                         and gemv_t.rope_fits([m.rows for m in qkv], hp.head_dim, config)),
+                         and gemv_t3.rope_fits([m.rows for m in qkv], hp.head_dim, config)),
             # YaRN's frequencies serve every layer (gpt-oss); the file's factors the global ones
             rope_dim=self.rope_dim,
             rope_freqs=self.yarn[0] if hp.rope_scaling == "yarn" or not swa else None,

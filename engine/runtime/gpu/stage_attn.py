@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from carve_kernels import attention, gemv_fused, gemv_t, kv_cache, latent, norm, quant_matmul, rope
+from carve_kernels import attention, gemv_fused, gemv_t3, kv_cache, latent, norm, quant_matmul, rope
 from engine.runtime.gpu.layers import Attention, Ffn, Latent, Matrix, gemv_rows
 from engine.runtime.gpu.rows import Rows
 from spec import quant_types as qt
@@ -61,8 +61,8 @@ class AttentionLayers:
         if gemv and att.fused == "t3":
             r = (None if rotate is None
                  else {**self._rope_args(att, rotate), "head_dim": self.hp.head_dim})
-            gemv_t.gemv_t3(att.fused_mats, x, out, self.t_part, self.t_count, att.fused_biases,
-                           config=att.fused_config, xq=xq, rope=r, use_pdl=self.pdl)
+            gemv_t3.gemv_t3(att.fused_mats, x, out, self.t_part, self.t_count, att.fused_biases,
+                            config=att.fused_config, xq=xq, rope=r, use_pdl=self.pdl)
         elif gemv and att.fused == "gemv3":
             gemv_fused.gemv3(att.fused_mats, x, out, att.fused_biases, att.fused_config,
                              use_pdl=self.pdl, xq=xq)
