@@ -80,8 +80,8 @@ SPECIAL_ALIGN = {qt.Q4_K: 16}
 # table, 8-byte aligned, a row per word), IQ4_XS (carve_kernels/gemv_lowbit.py; on an H200 1.9x the
 # generic walk on int8 x, 1.7x on bf16 x, 2026-12-02), which need no alignment; Q8_0's (on
 # trial, ROW_BODY_TRIAL) only where the weight's start is ROW_BODY_ALIGN-aligned, else the
-# generic walk; Q5_0's, Q4_0's, Q4_1's and Q5_1's on decode's int8 x alone (INT8_BODY_TYPES),
-# 4-byte aligned too
+# generic walk; Q5_0's, Q4_0's, Q4_1's, Q5_1's and IQ4_NL's on decode's int8 x alone
+# (INT8_BODY_TYPES), 4-byte aligned too
 ROW_BODY_TYPES = frozenset({qt.IQ2_XXS, qt.IQ2_XS, qt.IQ2_S, qt.IQ3_XXS, qt.IQ3_S, qt.IQ1_S,
                             qt.IQ1_M, qt.IQ4_XS, qt.Q5_0, qt.Q4_0, qt.Q4_1, qt.Q5_1, qt.IQ4_NL})
 # the byte alignment of the weight's start that a row body's word loads assume (the others: 1)
