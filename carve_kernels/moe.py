@@ -221,17 +221,11 @@ def router_ref(w, x, bias=None, out=None, use_pdl=True):
     return y if out is None else out.copy_(y)
 
 
-# decode's top-k by every expert's place counted at once (trial route_places; set by
-# engine/runtime/options.py RunnerOptions.apply) instead of k rounds of max / argmax
-ROUTE_PLACES = False
-
-
 @triton.jit
 def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, trace_ptr, GATING: tl.constexpr,
                   KU: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, HAS_SB: tl.constexpr,
                   BLOCK_E: tl.constexpr, NG: tl.constexpr, NGP: tl.constexpr,
-                  NGU: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr,
-                  PLACES: tl.constexpr):
+                  NGU: tl.constexpr, PDL: tl.constexpr, TRACE: tl.constexpr):
     trace.wait(trace_ptr, PDL, TRACE)
     m = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
@@ -272,27 +266,15 @@ def _route_kernel(l_ptr, sb_ptr, ids_ptr, w_ptr, E, scale, trace_ptr, GATING: tl
             gscore = tl.where(gi == pick, -float("inf"), gscore)
         sel = tl.where(keep != 0, sel, -float("inf"))
     j = tl.arange(0, KP)
-    if PLACES:
-        # each expert's place in the order (score down, ties to the lower id) counted at once,
-        # not k rounds of dependent max / argmax reductions: the places are distinct, so the
-        # first k fill the k slots exactly once; NaN scores go last, as -inf
-        sel = tl.where(sel == sel, sel, -float("inf"))
-        ahead = (sel[:, None] > sel[None, :]) | ((sel[:, None] == sel[None, :])
-                                                 & (e[:, None] < e[None, :]))
-        place = tl.sum(ahead.to(tl.int32), axis=0)  # [i, j]: expert i is ahead of expert j
-        hit = place[:, None] == j[None, :]  # [BLOCK_E, KP]: slot j holds the expert of place j
-        ids = tl.sum(tl.where(hit, e[:, None], 0), axis=0)
-        wts = tl.sum(tl.where(hit, val[:, None], 0.0), axis=0)
-    else:
-        ids = tl.zeros([KP], dtype=tl.int32)
-        wts = tl.zeros([KP], dtype=tl.float32)
-        for i in tl.static_range(KU):
-            best = tl.max(sel, axis=0)
-            pick = tl.min(tl.where(sel == best, e, BLOCK_E), axis=0)
-            sel = tl.where(e == pick, -float("inf"), sel)
-            pick = tl.minimum(pick, E - 1)  # NaN logits: some valid id all the same
-            ids = tl.where(j == i, pick, ids)
-            wts = tl.where(j == i, tl.sum(tl.where(e == pick, val, 0.0), axis=0), wts)
+    ids = tl.zeros([KP], dtype=tl.int32)
+    wts = tl.zeros([KP], dtype=tl.float32)
+    for i in tl.static_range(KU):
+        best = tl.max(sel, axis=0)
+        pick = tl.min(tl.where(sel == best, e, BLOCK_E), axis=0)
+        sel = tl.where(e == pick, -float("inf"), sel)
+        pick = tl.minimum(pick, E - 1)  # NaN logits: some valid id all the same
+        ids = tl.where(j == i, pick, ids)
+        wts = tl.where(j == i, tl.sum(tl.where(e == pick, val, 0.0), axis=0), wts)
     kmask = j < KU
     if GATING == 1:
         z = tl.where(kmask, tl.exp(wts - tl.max(tl.where(kmask, wts, -float("inf")), axis=0)),
@@ -335,10 +317,7 @@ def route(logits: torch.Tensor, k: int, gating: str, norm: bool = False, scale: 
                         KP=triton.next_power_of_2(k), NORM=norm, HAS_SB=sel_bias is not None,
                         BLOCK_E=triton.next_power_of_2(e), NG=ng if ng > 1 else 1,
                         NGP=triton.next_power_of_2(max(ng, 1)), NGU=ngu if ng > 1 else 1,
-                        PLACES=ROUTE_PLACES,
-                        num_warps=(min(8, max(1, triton.next_power_of_2(e) // 32))
-                                   if ROUTE_PLACES else 1),
-                        **pdl.opts(weights, use_pdl))
+                        num_warps=1, **pdl.opts(weights, use_pdl))
     return ids, weights
 
 

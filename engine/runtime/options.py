@@ -19,8 +19,6 @@ TRIALS = {
     "q2k_rows": "Q2_K's row body for decode GEMVs in GGUF order (carve_kernels/gemv_lowbit.py)",
     "q8_0_rows": "Q8_0's row body for decode GEMVs in GGUF order, on int8 x "
                  "(carve_kernels/gemv_dot.py)",
-    "route_places": "MoE top-k routing by every expert's place counted at once "
-                    "(carve_kernels/moe.py route)",
     "iq4nl_experts": "decode's IQ4_NL experts on int8 x (carve_kernels/gemv_q8_blocks.py "
                      "iq4nl_q8_rows_dot): the fallback of the 2-3 bit types on rows that are no "
                      "whole 256-value blocks (GLM-4.5-Air's 1408-value down experts)",
@@ -130,10 +128,6 @@ class RunnerOptions:
                        if name in self.trials for t in types}
             if experts:
                 moe_decode_q8.Q8_ON_TRIAL = frozenset(experts)
-        if "route_places" in self.trials:
-            from carve_kernels import moe
-
-            moe.ROUTE_PLACES = True
         if self.expert_tiles:
             from carve_kernels import moe_decode_q8
 

@@ -65,7 +65,7 @@ def test_each_variable_sets_its_option(env, want) -> None:
      "CARVE_PREFILL_GRAPH=yes: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_TRIAL": "q2k_rows,down_norm"},
      "CARVE_TRIAL=q2k_rows,down_norm: use all or a comma-separated list of q2k_rows, "
-     "q8_0_rows, route_places, iq4nl_experts"),
+     "q8_0_rows, iq4nl_experts"),
     ({"CARVE_EXPERT_TILES": "Q4_K/glu=16,4,8"},
      "CARVE_EXPERT_TILES entry 'Q4_K/glu=16,4,8': use TYPE/PART=ROWS,BLOCKS,WARPS with TYPE "
      "one of Q4_K, Q6_K, MXFP4, Q3_K, Q5_0, IQ4_NL, Q8_0, PART glu or down, powers of two (warps at most "
@@ -79,13 +79,12 @@ def test_a_bad_value_names_the_variable_and_the_accepted_values(env, message) ->
 
 
 def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> None:
-    from carve_kernels import moe, moe_decode_q8, quant_matmul
+    from carve_kernels import moe_decode_q8, quant_matmul
 
     base, tiles = quant_matmul.ROW_BODY_TYPES, moe_decode_q8.EXPERT_Q8_CONFIG
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", base)
     monkeypatch.setattr(moe_decode_q8, "EXPERT_Q8_CONFIG", tiles)
     monkeypatch.setattr(moe_decode_q8, "Q8_ON_TRIAL", frozenset())
-    monkeypatch.setattr(moe, "ROUTE_PLACES", False)
     RunnerOptions().apply()
     assert quant_matmul.ROW_BODY_TYPES == base and moe_decode_q8.EXPERT_Q8_CONFIG == tiles
     RunnerOptions(trials=frozenset({"q2k_rows"})).apply()
@@ -93,9 +92,7 @@ def test_the_trials_switch_the_kernels_tables_for_the_process(monkeypatch) -> No
     monkeypatch.setattr(quant_matmul, "ROW_BODY_TYPES", base)
     assert all(moe_decode_q8.q8_able(t, 256) for t in (qt.Q3_K, qt.Q8_0))
     assert not any(moe_decode_q8.q8_able(t, 256) for t in (qt.IQ4_NL, qt.Q4_0, qt.Q4_1, qt.Q5_1))
-    assert not moe.ROUTE_PLACES
     RunnerOptions(trials=frozenset(TRIALS)).apply()
-    assert moe.ROUTE_PLACES
     assert quant_matmul.ROW_BODY_TYPES == base | quant_matmul.ROW_BODY_TRIAL > base
     assert moe_decode_q8.EXPERT_Q8_CONFIG == tiles
     assert all(moe_decode_q8.q8_able(t, 256) for t in (qt.Q3_K, qt.IQ4_NL, qt.Q8_0))
