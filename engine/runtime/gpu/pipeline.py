@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,6 +33,9 @@ from spec.errors import CarveError
 
 log = logging.getLogger("carve.engine")
 
+# the pipelines of this process not yet freed: the last one to go also frees cuBLAS's workspaces
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
 
 def torch_device(spec: Any) -> torch.device:
     return torch.device("cpu") if spec.index < 0 else torch.device("cuda", spec.index)
@@ -45,6 +49,17 @@ def on(dev: torch.device) -> contextlib.AbstractContextManager:
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def free_cublas_workspaces() -> None:
+    """Hand back the workspaces cuBLAS keeps per (handle, stream) (32 MiB each on sm_90):
+    each stage's prefill stream makes one, and they outlive the stream's pipeline, so a
+    reload in the same process would hold one more each time. Only with no pipeline left:
+    a captured graph's GEMMs keep their workspace's address. The caller has synchronized the
+    devices it used."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 class _OnDevice:
@@ -71,6 +86,7 @@ class GpuPipeline:
         self.report: list[dict] = []
         self.meter = gpu_memory.Meter([d.index for d in self.devices if d.type == "cuda"])
         cuda = [d.index for d in self.devices if d.type == "cuda"]
+        _LIVE.add(self)
         # a cold kernel cache: the load's kernels compile on every core (gpu/precompile.py),
         # in rounds (the dequant-cache fills, the session's warm-up)
         self.compiler = precompile.Compiler(
@@ -214,10 +230,13 @@ class GpuPipeline:
             arenas.clear()
         self.spans.clear()
         self.arenas.clear()
+        _LIVE.discard(self)
         if torch.cuda.is_initialized():
             try:
                 for d in {d for d in self.devices if d.type == "cuda"}:
                     torch.cuda.synchronize(d)
+                if not _LIVE:
+                    free_cublas_workspaces()
                 torch.cuda.empty_cache()
             except RuntimeError as exc:  # a sticky CUDA fault: the caller's error says more
                 log.error("freeing the arenas: %s", str(exc).splitlines()[0] if str(exc) else exc)
