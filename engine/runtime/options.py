@@ -78,6 +78,10 @@ class RunnerOptions:
         and rows a program 128 or 256 (the row tiles the scratch is priced for; q/k/v's only
         128; default the type's), so that a config is measured in the step before it is
         adopted.
+    ``CARVE_L2_PREFETCH``: empty or 0 (default: off) or MiB a layer: decode pulls that much
+        of each layer's gate and up T matrices into L2 from a stream of its own while the
+        layer's attention half runs (engine/runtime/gpu/stage_dense.py ``_l2_ffn``), so
+        that it is measured in the step before it is adopted.
     """
 
     runner: str = "auto"  # CARVE_RUNNER
@@ -90,6 +94,7 @@ class RunnerOptions:
     trials: frozenset[str] = frozenset()  # CARVE_TRIAL
     expert_tiles: tuple[tuple[int, str, tuple[int, int, int]], ...] = ()  # CARVE_EXPERT_TILES
     t_tiles: tuple[tuple[str, tuple[int, int, int]], ...] = ()  # CARVE_T_TILES
+    l2_prefetch: int = 0  # CARVE_L2_PREFETCH, MiB a layer
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -111,7 +116,7 @@ class RunnerOptions:
                    t_layout=_switch(environ, "CARVE_T_LAYOUT"), pdl=_switch(environ, "CARVE_PDL"),
                    prefill_graph=_switch(environ, "CARVE_PREFILL_GRAPH"),
                    trials=_trials(environ), expert_tiles=_expert_tiles(environ),
-                   t_tiles=_t_tiles(environ))
+                   t_tiles=_t_tiles(environ), l2_prefetch=_l2_prefetch(environ))
 
     def apply(self) -> None:
         """Set what these options switch for the whole process (the entry points call it once,
@@ -208,6 +213,16 @@ def _t_tiles(environ: Mapping[str, str]) -> tuple:
                 f"{T_ROWS[0]}): the splits the scratch is priced for")
         out.append((part, (w, n, r)))
     return tuple(out)
+
+
+def _l2_prefetch(environ: Mapping[str, str]) -> int:
+    value = environ.get("CARVE_L2_PREFETCH", "").strip()
+    if not value:
+        return 0
+    if not value.isdigit() or int(value) > 1024:
+        raise CarveError(f"CARVE_L2_PREFETCH={value}: use a whole number of MiB a layer from 0 "
+                         "(off, the default) to 1024")
+    return int(value)
 
 
 def _switch(environ: Mapping[str, str], name: str) -> bool:

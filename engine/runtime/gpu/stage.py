@@ -106,6 +106,10 @@ class GpuStage(AttentionLayers, DenseLayers, MoeLayers, DecodeGraph):
         self.prefill_graph = options.prefill_graph
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._prefill_stream: torch.cuda.Stream | None = None
+        # decode's L2 prefetch of each layer's gate/up (CARVE_L2_PREFETCH, bytes a layer; 0:
+        # off) from a stream of its own (stage_dense.py _l2_ffn)
+        self.l2_bytes = options.l2_prefetch << 20 if self.on_cuda else 0
+        self._l2_stream: torch.cuda.Stream | None = None
         self._buffers(spans)
         self.xq = self._int8_x(options)
         # the layers whose experts the plan keeps in host memory (engine/runtime/gpu/host.py)
@@ -271,16 +275,22 @@ class GpuStage(AttentionLayers, DenseLayers, MoeLayers, DecodeGraph):
             self._embed(a)
         prev: Ffn | None = None  # the FFN whose output sits in proj, not yet added to hidden
         runs = self.dry_runs
+        l2 = self.l2_bytes if pos0 is None and n == 1 and check is None and runs is None else 0
+        forked = False
         for i, layer in enumerate(self.layers):
             if runs is not None and not runs[i]:  # a dry pass: its variants run elsewhere
                 prev = layer.ffn
                 continue
+            if l2:
+                forked |= self._l2_ffn(layer.ffn, l2)
             self._attention(layer.attn, a, pos0, prev)
             self._ffn(layer, a)
             prev = layer.ffn
             if check is not None:  # the residual stream after the layer (allocates: fine here)
                 check(layer.index, a.hidden + (a.proj if prev.post_norm is None else norm.rmsnorm(
                     a.proj, prev.post_norm, self.hp.rms_eps, use_pdl=self.pdl)))
+        if forked:  # the prefetches' stream joins this one (a graph's capture ends joined)
+            torch.cuda.current_stream(self.device).wait_stream(self._l2_stream)
         if prev is not None:
             self._add_output(a, prev)
         if self.last and head:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from carve_kernels import gemv_fused, gemv_t, glu, moe, norm, quant_matmul
+from carve_kernels import gemv_fused, gemv_t, glu, l2, moe, norm, quant_matmul, t_layout
 from engine.runtime.gpu.layers import Experts, Ffn, Layer, Matrix, gemv_rows
 from engine.runtime.gpu.rows import Rows
 
@@ -37,6 +37,27 @@ class DenseLayers:
             return
         aq = self._glu(f, a, xq)
         self._linear(f.down, a.ffn_act, a.proj, xq=aq)
+
+    def _l2_ffn(self, f: Ffn | Experts, budget: int) -> bool:
+        """Decode: pull the first words of every block of this layer's gate and up T matrices
+        into L2 (the same share of each, up to ``budget`` bytes in all), from the stage's
+        prefetch stream after what this stream has queued so far (the previous layer's FFN):
+        the fetch overlaps the attention half's latency-bound launches, and the gate/up launch
+        then finds that share in L2. Whether it did (a layer with another FFN does not)."""
+        if isinstance(f, Experts) or f.fused != "t_glu":
+            return False
+        mats = (f.gate, f.up)
+        share = min(1.0, budget / sum(m.t_bytes.numel() for m in mats))
+        if self._l2_stream is None:
+            self._l2_stream = torch.cuda.Stream(self.device)
+        side = self._l2_stream
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for m in mats:
+                w, plane = t_layout.WORDS[m.ggml_type], m.rows * 4
+                nb = m.t_bytes.numel() // (m.rows * t_layout.BLOCK_BYTES[m.ggml_type])
+                l2.prefetch(m.t_bytes, nb, w * plane, int(w * share) * plane)
+        return True
 
     def _add_norm(self, a: Rows, post: torch.Tensor | None, w: torch.Tensor, q8) -> None:
         """hidden += proj (gemma3: rmsnorm(proj) * post first), then normed = rmsnorm(hidden) *
