@@ -55,6 +55,8 @@ class DenseLayers:
         with torch.cuda.stream(side):
             for m in mats:
                 w, plane = t_layout.WORDS[m.ggml_type], m.rows * 4
+                if plane % 16 or m.t_bytes.data_ptr() % 16:  # the bulk prefetch's alignment
+                    continue
                 nb = m.t_bytes.numel() // (m.rows * t_layout.BLOCK_BYTES[m.ggml_type])
                 l2.prefetch(m.t_bytes, nb, w * plane, int(w * share) * plane)
         return True
