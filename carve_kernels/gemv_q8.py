@@ -35,7 +35,8 @@ from carve_kernels.gemv_q8_blocks import (
     mxfp4_q8_rows_dot,
     q50_q8_rows_dot,
 )
-from carve_kernels.gemv_t_dot import _dp4a, _q6_s8
+from carve_kernels.gemv_t_dot import _dp4a
+from carve_kernels.gemv_t_q6k import _q6_s8
 
 
 @triton.jit

@@ -20,9 +20,10 @@ layout conversion, no shuffle), and each thread keeps its rows' sums in register
 Programs that split a row's blocks store their sums in their own row of a float32 ``part``
 buffer; the last one of a row tile to finish (an atomic counter, acq_rel) adds those rows in
 split order (deterministic: spec/launch.py) and writes y. The per-step dot products are in
-carve_kernels/gemv_t_dot.py (Q4_K, Q5_K, Q6_K), carve_kernels/gemv_t_low.py (Q2_K, Q3_K, IQ4_XS
-and Q8_0, whose blocks of 32 split a row as 256-value blocks would), carve_kernels/gemv_t_grid.py
-and carve_kernels/gemv_t_iq1.py (the grid IQ types): x as float,
+carve_kernels/gemv_t_dot.py (Q4_K, Q5_K), carve_kernels/gemv_t_q6k.py (Q6_K),
+carve_kernels/gemv_t_low.py (Q2_K, Q3_K, IQ4_XS and Q8_0, whose blocks of 32 split a row as
+256-value blocks would), carve_kernels/gemv_t_grid.py and carve_kernels/gemv_t_iq1.py (the grid
+IQ types): x as float,
 or (``xq=``) its int8 copy (carve_kernels/q8x.py) through dp4a; the gate/up launch reads both
 matrices' Q4_K (Q5_K) words in one step. The q/k/v launch (``gemv_t3``, with decode's RoPE and
 cache store in its epilogue) is carve_kernels/gemv_t3.py's.
@@ -43,7 +44,7 @@ import triton.language as tl
 
 from carve_kernels import pdl, q8x, trace
 from carve_kernels.gemv_iq import grid_fill
-from carve_kernels.gemv_t_dot import _q6k_t_dot, q4k_t_dot_half
+from carve_kernels.gemv_t_dot import q4k_t_dot_half
 from carve_kernels.gemv_t_grid import (
     iq2s_t_dot,
     iq2xs_t_dot,
@@ -53,6 +54,7 @@ from carve_kernels.gemv_t_grid import (
 )
 from carve_kernels.gemv_t_iq1 import iq1m_t_dot, iq1s_t_dot
 from carve_kernels.gemv_t_low import iq4xs_t_dot, q2k_t_dot, q3k_t_dot, q80_t_dot
+from carve_kernels.gemv_t_q6k import _q6k_t_dot
 from carve_kernels.glu import glu_act
 from carve_kernels.lowbit_blocks import lookup_table
 from carve_kernels.t_layout import BLOCK_BYTES, BLOCK_VALUES, PAIRED, WORDS, unpack
