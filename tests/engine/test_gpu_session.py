@@ -730,6 +730,28 @@ def test_cuda_prefill_graphs_give_the_eager_logits_and_ids(tiny, calibration_hom
 
 @pytest.mark.gpu
 @gpu
+def test_cuda_decode_with_the_l2_prefetch_gives_the_same_logits_and_ids(wide, all_t,
+                                                                         calibration_home) -> None:
+    """CARVE_L2_PREFETCH (carve_kernels/l2.py): each decode layer's gate/up T matrices pulled
+    into L2 from the stage's prefetch stream change no logit and no greedy id."""
+    prompt = ids(8, 5)
+    got = []
+    for mib in (0, 1):
+        g = GpuSession.load(cuda_plan(wide, 1), options=RunnerOptions(l2_prefetch=mib))
+        try:
+            st = g.pipe.stages[0]
+            assert (st._l2_stream is not None) == bool(mib)  # the warm-up's step prefetched
+            out: list[int] = []
+            g.generate(prompt, dataclass_replace(GREEDY, max_tokens=12), set(), out.append)
+            got.append((g.logits(prompt).clone(), out))
+        finally:
+            g.close()
+    assert torch.equal(got[0][0], got[1][0]) and got[0][1] == got[1][1]
+    assert len(got[0][1]) == 12
+
+
+@pytest.mark.gpu
+@gpu
 def test_cuda_short_chunks_on_the_cache_copies_match_the_cpu_engine(tiny,
                                                                    calibration_home) -> None:
     """Prefill chunks of 2-8 rows with every matrix in the dequant cache run one GEMM each on
