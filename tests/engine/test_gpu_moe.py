@@ -26,6 +26,7 @@ from engine.gguf.reader import GGUFModel
 from engine.hardware.devices import DeviceSpec
 from engine.planning.buffers import activation_buffers
 from engine.planning.plan import Plan
+from engine.runtime.gpu.layers import Experts
 from engine.runtime.gpu.session import GpuSession
 from engine.runtime.options import RunnerOptions
 from engine.runtime.sampling import SamplingParams
@@ -361,6 +362,35 @@ def test_cuda_two_stages_give_the_greedy_ids_of_one(model, tmp_path, monkeypatch
             g.close()
             torch.cuda.empty_cache()
     assert got[0] == got[1] and len(got[0]) == 24
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_moe_decode_with_the_l2_prefetch_gives_the_same_logits_and_ids(model, tmp_path,
+                                                                           monkeypatch) -> None:
+    """CARVE_L2_PREFETCH under a MoE layer's experts (stage_dense.py ``_l2_attn``: the next
+    layer's attention matrices pulled into L2 from the stage's prefetch stream, inside the
+    captured step) changes no logit and no greedy id."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    prompt = ids(21, 7)
+    got = []
+    for mib in (0, 1):
+        g = GpuSession.load(cuda_plan(model, (0, 2)), options=RunnerOptions(l2_prefetch=mib))
+        try:
+            st = g.pipe.stages[0]
+            if not mib:
+                assert st._l2_stream is None
+            elif isinstance(st.layers[0].ffn, Experts):  # it prefetched layer 1's attention
+                assert st._l2_stream is not None
+            out: list[int] = []
+            g.generate(prompt, SamplingParams(temperature=0.0, repeat_penalty=1.0,
+                                              max_tokens=12), set(), out.append)
+            got.append((g.logits(prompt).clone(), out))
+        finally:
+            g.close()
+            torch.cuda.empty_cache()
+    assert torch.equal(got[0][0], got[1][0]) and got[0][1] == got[1][1]
+    assert len(got[0][1]) == 12
 
 
 @pytest.mark.gpu

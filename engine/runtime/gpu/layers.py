@@ -156,6 +156,14 @@ class Experts:
     host: Any = None
 
 
+def attn_matrices(att: Attention | Latent) -> list[Matrix]:
+    """The matrices an attention half reads, in the order decode reads them."""
+    if isinstance(att, Attention):
+        return [*att.qkv, att.output]
+    return [m for m in (att.q, att.q_a, att.q_b, att.kv_a, att.k_b, att.v_b, att.output)
+            if m is not None]
+
+
 @dataclass(slots=True)
 class Layer:
     index: int

@@ -106,8 +106,9 @@ class GpuStage(AttentionLayers, DenseLayers, MoeLayers, DecodeGraph):
         self.prefill_graph = options.prefill_graph
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._prefill_stream: torch.cuda.Stream | None = None
-        # decode's L2 prefetch of each layer's gate/up (CARVE_L2_PREFETCH, bytes a layer; 0:
-        # off) from a stream of its own (stage_dense.py _l2_ffn)
+        # decode's L2 prefetch (CARVE_L2_PREFETCH, bytes a layer; 0: off) from a stream of
+        # its own: a dense layer's gate/up, and under a MoE layer's experts the next layer's
+        # attention matrices (stage_dense.py _l2_ffn, _l2_attn)
         self.l2_bytes = options.l2_prefetch << 20 if self.on_cuda else 0
         self._l2_stream: torch.cuda.Stream | None = None
         self._buffers(spans)
@@ -284,6 +285,8 @@ class GpuStage(AttentionLayers, DenseLayers, MoeLayers, DecodeGraph):
             if l2:
                 forked |= self._l2_ffn(layer.ffn, l2)
             self._attention(layer.attn, a, pos0, prev)
+            if l2 and i + 1 < len(self.layers):
+                forked |= self._l2_attn(layer.ffn, self.layers[i + 1].attn, l2)
             self._ffn(layer, a)
             prev = layer.ffn
             if check is not None:  # the residual stream after the layer (allocates: fine here)

@@ -10,7 +10,16 @@ from __future__ import annotations
 import torch
 
 from carve_kernels import gemv_fused, gemv_t, glu, l2, moe, norm, quant_matmul, t_layout
-from engine.runtime.gpu.layers import Experts, Ffn, Layer, Matrix, gemv_rows
+from engine.runtime.gpu.layers import (
+    Attention,
+    Experts,
+    Ffn,
+    Latent,
+    Layer,
+    Matrix,
+    attn_matrices,
+    gemv_rows,
+)
 from engine.runtime.gpu.rows import Rows
 
 
@@ -48,10 +57,7 @@ class DenseLayers:
             return False
         mats = (f.gate, f.up)
         share = min(1.0, budget / sum(m.t_bytes.numel() for m in mats))
-        if self._l2_stream is None:
-            self._l2_stream = torch.cuda.Stream(self.device)
-        side = self._l2_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        side = self._l2_fork()
         with torch.cuda.stream(side):
             for m in mats:
                 w, plane = t_layout.WORDS[m.ggml_type], m.rows * 4
@@ -60,6 +66,33 @@ class DenseLayers:
                 nb = m.t_bytes.numel() // (m.rows * t_layout.BLOCK_BYTES[m.ggml_type])
                 l2.prefetch(m.t_bytes, nb, w * plane, int(w * share) * plane)
         return True
+
+    def _l2_attn(self, f: Ffn | Experts, att: Attention | Latent, budget: int) -> bool:
+        """Decode, a MoE layer: pull the next layer's attention matrices (the first
+        ``budget`` bytes of them, the same share of each) into L2 from the prefetch stream
+        after this layer's attention half: the fetch overlaps the routed experts, whose
+        GEMVs leave DRAM part idle (bound by what each program has in flight), and the next
+        layer's q/k/v and attn_output launches then find those bytes in L2. Whether it did
+        (a dense layer does not: its FFN is bound by DRAM itself)."""
+        if not isinstance(f, Experts):
+            return False
+        mats = [m.t_bytes if m.t_bytes is not None else m.packed for m in attn_matrices(att)]
+        share = min(1.0, budget / sum(t.numel() * t.element_size() for t in mats))
+        side = self._l2_fork()
+        with torch.cuda.stream(side):
+            for t in mats:
+                if t.data_ptr() % 16 or not t.is_contiguous():
+                    continue
+                length = int(t.numel() * t.element_size() * share) // 16 * 16
+                l2.prefetch(t, 1, 0, length)
+        return True
+
+    def _l2_fork(self) -> torch.cuda.Stream:
+        # the prefetch stream, after what this stream has queued so far
+        if self._l2_stream is None:
+            self._l2_stream = torch.cuda.Stream(self.device)
+        self._l2_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return self._l2_stream
 
     def _add_norm(self, a: Rows, post: torch.Tensor | None, w: torch.Tensor, q8) -> None:
         """hidden += proj (gemma3: rmsnorm(proj) * post first), then normed = rmsnorm(hidden) *
