@@ -46,10 +46,12 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 #   PROBE="IQ2_XXS,IQ3_S"        benchmarks.t_probe on these types, with and without the shared
 #                                grid (--no-smem), before the benches
 #   PROBE_VARIANTS=";--bf16"     or with these ';'-separated t_probe argument sets instead
-#   NCU="benchmarks.t_probe IQ3_S"  ncu (SpeedOfLight, Occupancy, WarpStateStats,
-#                                SchedulerStats, LaunchStats, InstructionStats) on a module's
-#                                second launch (NCU_ARGS: ncu's launch filter instead of
-#                                "--launch-skip 1 --launch-count 1"), before the benches
+#   NCU="benchmarks.t_probe IQ3_S"  ncu (speed of light, occupancy, warp states, scheduler,
+#                                launch, instruction mix, memory workload) on a module's
+#                                second launch, before the benches; ';'-separated entries,
+#                                each optionally "NCU FLAGS @ MODULE ARGS" (ncu's own launch
+#                                filter, e.g. "--kernel-name regex:glu --launch-skip 2
+#                                --launch-count 1 @ benchmarks.device_check --moe")
 #   KERNELS="lowbit"             benchmarks.device_check --types (each type's GEMV against
 #                                its byte floor at 7B sizes), run before the benches
 #   HOST_SPLIT=1                 benchmarks.device_check --host-split (the round trip of a
@@ -156,15 +158,20 @@ fi
 if [ -n "${NCU:-}" ]; then  # Nsight Compute on one launch of a benchmark module's kernel
     ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu \
         2>/dev/null | head -1)
-    if [ -z "$ncu_bin" ]; then
-        echo "h200.sh: no ncu on this machine"
-    else
+    [ -z "$ncu_bin" ] && echo "h200.sh: no ncu on this machine"
+    IFS=';' read -ra ncus <<<"$NCU"
+    i=0
+    for e in "${ncus[@]}"; do
+        [ -z "$ncu_bin" ] && break
+        i=$((i + 1))
+        flags="--launch-skip 1 --launch-count 1"
+        if [[ "$e" == *@* ]]; then flags=${e%%@*}; e=${e#*@}; fi
         # shellcheck disable=SC2086
-        timeout "$step" "$ncu_bin" ${NCU_ARGS:---launch-skip 1 --launch-count 1} --section \
-            SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
-            --section LaunchStats --section InstructionStats python3 -m $NCU 2>&1 \
-            | tee "$out/ncu.log" | grep -v "^==PROF==" | tail -150
-    fi
+        timeout "$step" "$ncu_bin" $flags --section SpeedOfLight --section Occupancy \
+            --section WarpStateStats --section SchedulerStats --section LaunchStats \
+            --section InstructionStats --section MemoryWorkloadAnalysis python3 -m $e 2>&1 \
+            | tee "$out/ncu$i.log" | grep -v "^==PROF==" | tail -160
+    done
 fi
 if [ -n "${KERNELS:-}" ]; then
     timeout "$step" python3 -m benchmarks.device_check --types "$KERNELS" \
