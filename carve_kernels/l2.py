@@ -19,7 +19,7 @@ CHUNK = 65536  # bytes one prefetch instruction asks for (a multiple of 16)
 
 
 @triton.jit
-def _prefetch_kernel(ptr, stride, length, total, CHUNK: tl.constexpr):
+def _prefetch_kernel(ptr, stride, length, total, CHUNK: tl.constexpr, LAST: tl.constexpr):
     # piece i: bytes [c * CHUNK, min(length, (c + 1) * CHUNK)) of range r (i = r * per + c),
     # a lane each
     per = tl.cdiv(length, CHUNK)
@@ -32,16 +32,25 @@ def _prefetch_kernel(ptr, stride, length, total, CHUNK: tl.constexpr):
         c = i - r * per
         p = ptr + (r.to(tl.int64) * stride + c.to(tl.int64) * CHUNK)
         size = tl.minimum(length - c * CHUNK, CHUNK)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred q; setp.ne.s32 q, $3, 0; "
-            "@q cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r,r", [p, size, go.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        if LAST:  # the lines marked evict-last, kept over the streaming reads around them
+            tl.inline_asm_elementwise(
+                "{ .reg .pred q; .reg .b64 pol; setp.ne.s32 q, $3, 0; "
+                "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+                "@q cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; "
+                "mov.u32 $0, 0; }",
+                "=r,l,r,r", [p, size, go.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred q; setp.ne.s32 q, $3, 0; "
+                "@q cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r,r", [p, size, go.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def prefetch(t: torch.Tensor, ranges: int, stride: int, length: int, programs: int = 16) -> None:
+def prefetch(t: torch.Tensor, ranges: int, stride: int, length: int, programs: int = 16,
+             evict_last: bool = False) -> None:
     """Pull bytes [r * stride, r * stride + length) of ``t``'s storage into L2, for r in
-    range(ranges); every offset and length a multiple of 16 bytes, t 16-byte aligned. Nothing
-    on the CPU."""
+    range(ranges); every offset and length a multiple of 16 bytes, t 16-byte aligned.
+    ``evict_last``: with L2's evict-last cache policy. Nothing on the CPU."""
     if ranges <= 0 or length <= 0:
         return
     if t.data_ptr() % 16 or stride % 16 or length % 16:
@@ -54,4 +63,5 @@ def prefetch(t: torch.Tensor, ranges: int, stride: int, length: int, programs: i
         return
     total = ranges * triton.cdiv(length, CHUNK)
     grid = (max(1, min(programs, triton.cdiv(total, 32))),)
-    _prefetch_kernel[grid](t, stride, length, total, CHUNK=CHUNK, num_warps=1)
+    _prefetch_kernel[grid](t, stride, length, total, CHUNK=CHUNK, LAST=evict_last,
+                           num_warps=1)

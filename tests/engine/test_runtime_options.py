@@ -65,7 +65,7 @@ def test_each_variable_sets_its_option(env, want) -> None:
      "CARVE_PREFILL_GRAPH=yes: use 1 (on, the default) or 0 (off)"),
     ({"CARVE_TRIAL": "q2k_rows,down_norm"},
      "CARVE_TRIAL=q2k_rows,down_norm: use all or a comma-separated list of q2k_rows, "
-     "q8_0_rows, iq4nl_experts"),
+     "q8_0_rows, l2_last, iq4nl_experts"),
     ({"CARVE_EXPERT_TILES": "Q4_K/glu=16,4,8"},
      "CARVE_EXPERT_TILES entry 'Q4_K/glu=16,4,8': use TYPE/PART=ROWS,BLOCKS,WARPS with TYPE "
      "one of Q4_K, Q6_K, MXFP4, Q3_K, Q5_0, IQ4_NL, Q8_0, PART glu or down, powers of two (warps at most "

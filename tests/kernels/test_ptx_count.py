@@ -175,13 +175,16 @@ def test_decode_attention_writing_the_int8_copy_lets_the_next_launch_in_after_it
             assert at == ops.index("griddepcontrol.wait") + 1, ops
 
 
-def test_the_l2_prefetch_assembles_to_bulk_prefetches():
+@pytest.mark.parametrize("last", [False, True])
+def test_the_l2_prefetch_assembles_to_bulk_prefetches(last):
     # carve_kernels/l2.py's inline assembly (never run by the interpreter) becomes sm_90's bulk
-    # L2 prefetch, predicated per piece
+    # L2 prefetch, predicated per piece; evict-last with a cache policy made in the kernel
     code = ("import json\nfrom benchmarks import ptx_count as p\n"
             "from carve_kernels import l2\n"
             "sig = {'ptr': '*u8', 'stride': 'i32', 'length': 'i32', 'total': 'i32'}\n"
-            "k = p._compile_sm90(l2._prefetch_kernel, sig, {'CHUNK': l2.CHUNK}, 1)\n"
-            "print(json.dumps(dict(p.sass_counts(k.asm['cubin'], whole=True))))")
+            f"k = p._compile_sm90(l2._prefetch_kernel, sig, {{'CHUNK': l2.CHUNK, 'LAST': {last}}}, 1)\n"
+            "print(json.dumps({'sass': dict(p.sass_counts(k.asm['cubin'], whole=True)),\n"
+            "                  'policy': 'createpolicy' in k.asm['ptx']}))")
     got = _json_of("-c", code)
-    assert got.get("UBLKPF", 0) >= 1, sorted(got)
+    assert got["sass"].get("UBLKPF", 0) >= 1, sorted(got["sass"])
+    assert got["policy"] == last

@@ -110,6 +110,7 @@ class GpuStage(AttentionLayers, DenseLayers, MoeLayers, DecodeGraph):
         # its own: a dense layer's gate/up, and under a MoE layer's experts the next layer's
         # attention matrices (stage_dense.py _l2_ffn, _l2_attn)
         self.l2_bytes = options.l2_prefetch << 20 if self.on_cuda else 0
+        self.l2_last = "l2_last" in options.trials
         self._l2_stream: torch.cuda.Stream | None = None
         self._buffers(spans)
         self.xq = self._int8_x(options)

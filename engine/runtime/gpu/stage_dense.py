@@ -64,7 +64,8 @@ class DenseLayers:
                 if plane % 16 or m.t_bytes.data_ptr() % 16:  # the bulk prefetch's alignment
                     continue
                 nb = m.t_bytes.numel() // (m.rows * t_layout.BLOCK_BYTES[m.ggml_type])
-                l2.prefetch(m.t_bytes, nb, w * plane, int(w * share) * plane)
+                l2.prefetch(m.t_bytes, nb, w * plane, int(w * share) * plane,
+                            evict_last=self.l2_last)
         return True
 
     def _l2_attn(self, f: Ffn | Experts, att: Attention | Latent, budget: int) -> bool:
@@ -84,7 +85,7 @@ class DenseLayers:
                 if t.data_ptr() % 16 or not t.is_contiguous():
                     continue
                 length = int(t.numel() * t.element_size() * share) // 16 * 16
-                l2.prefetch(t, 1, 0, length)
+                l2.prefetch(t, 1, 0, length, evict_last=self.l2_last)
         return True
 
     def _l2_fork(self) -> torch.cuda.Stream:
