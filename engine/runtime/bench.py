@@ -16,15 +16,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from engine.runtime import bench_engine
 from engine.runtime.options import RunnerOptions
 from spec.errors import CarveError
-
-if TYPE_CHECKING:
-    from engine.planning.plan import Plan
 
 
 def _plan(path: str, n_gpus: int, n_layer: int, ctx: int, kv_type: str, arena: str,
@@ -338,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "it through the engine process")
             print(f"# the torch engine runs this model ({why}): engine process only",
                   flush=True)
-            out["engine"] = _engine(path, ctx, args.kv, None)
+            out["engine"] = bench_engine.measure(path, ctx, args.kv, None)
             if args.json:
                 Path(args.json).write_text(json.dumps(out, indent=1))
             return 0
@@ -361,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                 placed = _plan(path, n_gpus, hp.n_layer_run,
                                min(ctx, hp.n_ctx_train) if hp.n_ctx_train else ctx, args.kv,
                                args.arena, placement)
-            out["engine"] = _engine(path, ctx, args.kv, out["runs"][0]["tg"]["tps"], placed)
+            out["engine"] = bench_engine.measure(path, ctx, args.kv, out["runs"][0]["tg"]["tps"],
+                                                 placed)
     except CarveError as e:
         print(f"carve: {e}", file=sys.stderr)
         return 2
@@ -380,39 +379,6 @@ def _torch_runner(path: str, n_gpus: int, ctx: int, kv_type: str, arena: str,
     hp = HParams.from_model(GGUFModel.open(path))
     ctx = min(ctx, hp.n_ctx_train) if hp.n_ctx_train else ctx
     return gpu_why_not(_plan(path, n_gpus, hp.n_layer_run, ctx, kv_type, arena, placement), hp)
-
-
-def _engine(path: str, ctx: int, kv_type: str, pipeline_tps: float | None,
-            placed: Plan | None = None) -> dict:
-    """The same file through `carve-engine` on the GPUs here, with the window's default plan;
-    ``placed``: the plan of a placement (--vram, --experts-resident, ...) instead, launched
-    once (its speed, not the launch times)."""
-    from engine.gguf.reader import GGUFModel
-    from engine.hardware.rigs import parse_rig
-    from engine.planning.defaults import default_plan
-    from engine.runtime import bench_engine
-
-    if placed is not None:
-        res = bench_engine.run(placed, replies=5, sampled=2, followups=3)
-        bench_engine.print_report(res, pipeline_tps)
-        return dict(res, summary=bench_engine.summary(res))
-    model = GGUFModel.open(path)
-    plan = default_plan(model, parse_rig("auto"), ctx=ctx, kv_type=kv_type, model_path=path)
-    res = bench_engine.run(plan, followups=3)
-    bench_engine.print_report(res, pipeline_tps)
-    again = bench_engine.run(plan, replies=1, sampled=0)  # a second launch: kernel cache warm
-    print(f"engine process, second launch: launch -> loaded {again['launch_to_loaded_s']:.2f} s "
-          f"({', '.join(f'{k} {v:.2f} s' for k, v in again['stages'].items())})", flush=True)
-    bench_engine.print_timeline(again)
-    # the window starts the engine when a model opens: Launch then pays only for the load
-    pre = bench_engine.run(plan, replies=1, sampled=0, prestarted=True)
-    print(f"engine process pre-started (as the window does; modules imported in "
-          f"{pre['preloaded_s']:.2f} s): Launch -> loaded {pre['launch_to_loaded_s']:.2f} s "
-          f"({', '.join(f'{k} {v:.2f} s' for k, v in pre['stages'].items())})", flush=True)
-    bench_engine.print_timeline(pre)
-    summary = dict(bench_engine.summary(res), warm_launch_to_loaded_s=again["launch_to_loaded_s"],
-                   prestarted_launch_to_loaded_s=pre["launch_to_loaded_s"])
-    return dict(res, summary=summary, second_launch=again, prestarted_launch=pre)
 
 
 def _print(out: dict) -> None:

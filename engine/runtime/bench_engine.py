@@ -170,3 +170,35 @@ def print_report(out: dict, pipeline_tps: float | None) -> None:
         print(f"a chat's next short turn (the conversation before it cached): time to first "
               f"token {sm['followup_ttft_s'] * 1e3:.1f} ms (median of {len(out['followup'])})",
               flush=True)
+
+
+def measure(path: str, ctx: int, kv_type: str, pipeline_tps: float | None,
+            placed: Any = None) -> dict:
+    """The same file through `carve-engine` on the GPUs here, with the window's default plan;
+    ``placed``: the plan of a placement (--vram, --experts-resident, ...) instead, launched
+    once (its speed, not the launch times)."""
+    from engine.gguf.reader import GGUFModel
+    from engine.hardware.rigs import parse_rig
+    from engine.planning.defaults import default_plan
+
+    if placed is not None:
+        res = run(placed, replies=5, sampled=2, followups=3)
+        print_report(res, pipeline_tps)
+        return dict(res, summary=summary(res))
+    model = GGUFModel.open(path)
+    plan = default_plan(model, parse_rig("auto"), ctx=ctx, kv_type=kv_type, model_path=path)
+    res = run(plan, followups=3)
+    print_report(res, pipeline_tps)
+    again = run(plan, replies=1, sampled=0)  # a second launch: kernel cache warm
+    print(f"engine process, second launch: launch -> loaded {again['launch_to_loaded_s']:.2f} s "
+          f"({', '.join(f'{k} {v:.2f} s' for k, v in again['stages'].items())})", flush=True)
+    print_timeline(again)
+    # the window starts the engine when a model opens: Launch then pays only for the load
+    pre = run(plan, replies=1, sampled=0, prestarted=True)
+    print(f"engine process pre-started (as the window does; modules imported in "
+          f"{pre['preloaded_s']:.2f} s): Launch -> loaded {pre['launch_to_loaded_s']:.2f} s "
+          f"({', '.join(f'{k} {v:.2f} s' for k, v in pre['stages'].items())})", flush=True)
+    print_timeline(pre)
+    sm = dict(summary(res), warm_launch_to_loaded_s=again["launch_to_loaded_s"],
+              prestarted_launch_to_loaded_s=pre["launch_to_loaded_s"])
+    return dict(res, summary=sm, second_launch=again, prestarted_launch=pre)
