@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from engine.gguf import reader
+from engine.gguf import header
 from engine.gguf.reader import GGUFModel
 from engine.planning.plan import Plan
 from spec.errors import CarveError
@@ -111,8 +111,8 @@ def test_header_cut_short_while_it_is_read_is_an_error(planned, monkeypatch):
     """The header is read in pieces (here 4 KiB) with pread: a file truncated between two
     reads is a short read, one sentence, where a memory map would have died of SIGBUS."""
     path, _ = planned
-    monkeypatch.setattr(reader, "HEADER_READ", 4096)
-    real = reader._Header._pread
+    monkeypatch.setattr(header, "HEADER_READ", 4096)
+    real = header.Header._pread
 
     def pread_then_cut(self, start, n):
         got = real(self, start, n)
@@ -120,7 +120,7 @@ def test_header_cut_short_while_it_is_read_is_an_error(planned, monkeypatch):
             os.truncate(path, 4096 + 100)
         return got
 
-    monkeypatch.setattr(reader._Header, "_pread", pread_then_cut)
+    monkeypatch.setattr(header.Header, "_pread", pread_then_cut)
     with pytest.raises(CarveError, match=r"^.*m\.gguf: the file is now 4196 bytes, shorter than "
                        r"the \d+ it had when opened .*while its header was read"):
         GGUFModel.open(path)
@@ -129,7 +129,7 @@ def test_header_cut_short_while_it_is_read_is_an_error(planned, monkeypatch):
 def test_small_reads_parse_the_same_header(planned, monkeypatch):
     path, _ = planned
     whole = GGUFModel.open(path)
-    monkeypatch.setattr(reader, "HEADER_READ", 64)  # every entry runs past what was read
+    monkeypatch.setattr(header, "HEADER_READ", 64)  # every entry runs past what was read
     pieces = GGUFModel.open(path)
     assert pieces.metadata == whole.metadata and pieces.tensors == whole.tensors
     assert pieces.stamps == whole.stamps
