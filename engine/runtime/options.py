@@ -81,9 +81,9 @@ class RunnerOptions:
         adopted.
     ``CARVE_L2_PREFETCH``: empty or 0 (default: off) or MiB a layer: decode pulls that much
         of each dense layer's gate and up T matrices into L2 from a stream of its own while
-        the layer's attention half runs, and of the next layer's attention matrices while a
-        MoE layer's experts run (engine/runtime/gpu/stage_dense.py ``_l2_ffn``,
-        ``_l2_attn``), so that it is measured in the step before it is adopted.
+        the layer's attention half runs, and of the next layer's attention matrices and
+        router while a MoE layer's experts run (engine/runtime/gpu/stage_dense.py
+        ``_l2_ffn``, ``_l2_next``), so that it is measured in the step before it is adopted.
     """
 
     runner: str = "auto"  # CARVE_RUNNER

@@ -368,7 +368,7 @@ def test_cuda_two_stages_give_the_greedy_ids_of_one(model, tmp_path, monkeypatch
 @gpu
 def test_cuda_moe_decode_with_the_l2_prefetch_gives_the_same_logits_and_ids(model, tmp_path,
                                                                            monkeypatch) -> None:
-    """CARVE_L2_PREFETCH under a MoE layer's experts (stage_dense.py ``_l2_attn``: the next
+    """CARVE_L2_PREFETCH under a MoE layer's experts (stage_dense.py ``_l2_next``: the next
     layer's attention matrices pulled into L2 from the stage's prefetch stream, inside the
     captured step) changes no logit and no greedy id."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))

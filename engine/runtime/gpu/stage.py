@@ -108,7 +108,7 @@ class GpuStage(AttentionLayers, DenseLayers, MoeLayers, DecodeGraph):
         self._prefill_stream: torch.cuda.Stream | None = None
         # decode's L2 prefetch (CARVE_L2_PREFETCH, bytes a layer; 0: off) from a stream of
         # its own: a dense layer's gate/up, and under a MoE layer's experts the next layer's
-        # attention matrices (stage_dense.py _l2_ffn, _l2_attn)
+        # attention matrices (stage_dense.py _l2_ffn, _l2_next)
         self.l2_bytes = options.l2_prefetch << 20 if self.on_cuda else 0
         self.l2_last = "l2_last" in options.trials
         self._l2_stream: torch.cuda.Stream | None = None
@@ -287,7 +287,7 @@ class GpuStage(AttentionLayers, DenseLayers, MoeLayers, DecodeGraph):
                 forked |= self._l2_ffn(layer.ffn, l2)
             self._attention(layer.attn, a, pos0, prev)
             if l2 and i + 1 < len(self.layers):
-                forked |= self._l2_attn(layer.ffn, self.layers[i + 1].attn, l2)
+                forked |= self._l2_next(layer.ffn, self.layers[i + 1], l2)
             self._ffn(layer, a)
             prev = layer.ffn
             if check is not None:  # the residual stream after the layer (allocates: fine here)

@@ -11,10 +11,8 @@ import torch
 
 from carve_kernels import gemv_fused, gemv_t, glu, l2, moe, norm, quant_matmul, t_layout
 from engine.runtime.gpu.layers import (
-    Attention,
     Experts,
     Ffn,
-    Latent,
     Layer,
     Matrix,
     attn_matrices,
@@ -68,16 +66,19 @@ class DenseLayers:
                             evict_last=self.l2_last)
         return True
 
-    def _l2_attn(self, f: Ffn | Experts, att: Attention | Latent, budget: int) -> bool:
-        """Decode, a MoE layer: pull the next layer's attention matrices (the first
-        ``budget`` bytes of them, the same share of each) into L2 from the prefetch stream
-        after this layer's attention half: the fetch overlaps the routed experts, whose
-        GEMVs leave DRAM part idle (bound by what each program has in flight), and the next
-        layer's q/k/v and attn_output launches then find those bytes in L2. Whether it did
-        (a dense layer does not: its FFN is bound by DRAM itself)."""
+    def _l2_next(self, f: Ffn | Experts, nxt: Layer, budget: int) -> bool:
+        """Decode, a MoE layer: pull the next layer's attention matrices, and its router if it
+        has one (the first ``budget`` bytes of them, the same share of each), into L2 from
+        the prefetch stream after this layer's attention half: the fetch overlaps the routed
+        experts, whose GEMVs leave DRAM part idle (bound by what each program has in
+        flight), and the next layer's q/k/v, attn_output and router launches then find those
+        bytes in L2. Whether it did (a dense layer does not: its FFN is bound by DRAM
+        itself)."""
         if not isinstance(f, Experts):
             return False
-        mats = [m.t_bytes if m.t_bytes is not None else m.packed for m in attn_matrices(att)]
+        mats = [m.t_bytes if m.t_bytes is not None else m.packed for m in attn_matrices(nxt.attn)]
+        if isinstance(nxt.ffn, Experts):
+            mats.append(nxt.ffn.router)
         share = min(1.0, budget / sum(t.numel() * t.element_size() for t in mats))
         side = self._l2_fork()
         with torch.cuda.stream(side):
