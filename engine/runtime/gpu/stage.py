@@ -108,7 +108,7 @@ class GpuStage(AttentionLayers, DenseLayers, MoeLayers, DecodeGraph):
         self._prefill_stream: torch.cuda.Stream | None = None
         # decode's L2 prefetch (CARVE_L2_PREFETCH, bytes a layer; 0: off) from a stream of
         # its own: a dense layer's gate/up, and under a MoE layer's experts the next layer's
-        # attention matrices (stage_dense.py _l2_ffn, _l2_next)
+        # attention matrices and router (stage_dense.py _l2_ffn, _l2_next)
         self.l2_bytes = options.l2_prefetch << 20 if self.on_cuda else 0
         self.l2_last = "l2_last" in options.trials
         self._l2_stream: torch.cuda.Stream | None = None
