@@ -160,9 +160,9 @@ if [ -n "${NCU:-}" ]; then  # Nsight Compute on one launch of a benchmark module
         2>/dev/null | head -1)
     [ -z "$ncu_bin" ] && echo "h200.sh: no ncu on this machine"
     IFS=';' read -ra ncus <<<"$NCU"
+    [ -z "$ncu_bin" ] && ncus=()
     i=0
     for e in "${ncus[@]}"; do
-        [ -z "$ncu_bin" ] && break
         i=$((i + 1))
         flags="--launch-skip 1 --launch-count 1"
         if [[ "$e" == *@* ]]; then flags=${e%%@*}; e=${e#*@}; fi

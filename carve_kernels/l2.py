@@ -32,18 +32,15 @@ def _prefetch_kernel(ptr, stride, length, total, CHUNK: tl.constexpr, LAST: tl.c
         c = i - r * per
         p = ptr + (r.to(tl.int64) * stride + c.to(tl.int64) * CHUNK)
         size = tl.minimum(length - c * CHUNK, CHUNK)
-        if LAST:  # the lines marked evict-last, kept over the streaming reads around them
-            tl.inline_asm_elementwise(
-                "{ .reg .pred q; .reg .b64 pol; setp.ne.s32 q, $3, 0; "
-                "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-                "@q cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; "
-                "mov.u32 $0, 0; }",
-                "=r,l,r,r", [p, size, go.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred q; setp.ne.s32 q, $3, 0; "
-                "@q cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r,r", [p, size, go.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        # LAST: the lines marked evict-last, kept over the streaming reads around them
+        tl.inline_asm_elementwise(
+            "{ .reg .pred q; .reg .b64 pol; setp.ne.s32 q, $3, 0; "
+            "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+            "@q cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; "
+            "mov.u32 $0, 0; }" if LAST else
+            "{ .reg .pred q; setp.ne.s32 q, $3, 0; "
+            "@q cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r,r", [p, size, go.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def prefetch(t: torch.Tensor, ranges: int, stride: int, length: int, programs: int = 16,
