@@ -1,7 +1,9 @@
-"""Decode's L2 prefetch of each layer's gate/up (CARVE_L2_PREFETCH, carve_kernels/l2.py): the
-option's values and the prefetch's checks. On a GPU, decode gives the same logits and greedy
-ids with it as without: tests/engine/test_gpu_session.py
-``test_cuda_decode_with_the_l2_prefetch_gives_the_same_logits_and_ids``."""
+"""Decode's L2 prefetch (CARVE_L2_PREFETCH, carve_kernels/l2.py): the option's values and the
+prefetch's checks. On a GPU, decode gives the same logits and greedy ids with it as without:
+tests/engine/test_gpu_session.py ``test_cuda_decode_with_the_l2_prefetch_gives_the_same_logits_
+and_ids`` (a dense layer's gate/up) and tests/engine/test_gpu_moe.py ``test_cuda_moe_decode_with_
+the_l2_prefetch_gives_the_same_logits_and_ids`` (the next layer's attention and router under
+a MoE layer's experts)."""
 
 from __future__ import annotations
 
